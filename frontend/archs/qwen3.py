@@ -1,0 +1,86 @@
+"""qwen3 (llama.cpp `src/models/qwen3.cpp`): llama's block with per-head RMSNorm on q and k
+before NEOX rope, no rope_freqs, dense SwiGLU FFN."""
+
+from __future__ import annotations
+
+import math
+
+from ggufc.ir import ops as O
+from ggufc.ir.builder import GraphBuilder
+from ggufc.ir.graph import Graph, Value
+
+from .. import blocks as B
+from ..hparams import Keys, ModelError, rope_table
+from . import llama
+
+ARCH = "qwen3"
+HParams = llama.HParams
+
+
+def read_hparams(keys: Keys, n_vocab: int) -> HParams:
+    hp = llama.read_hparams(keys, n_vocab)
+    if hp.n_expert:
+        raise ModelError("qwen3 is dense: expert_count must be 0 (use qwen3moe)")
+    return hp
+
+
+def build(w: B.Weights, hp: HParams, n_ctx: int, all_logits: bool) -> Graph:
+    return build_decoder(w, hp, n_ctx, all_logits, ffn=dense_ffn)
+
+
+def build_decoder(w: B.Weights, hp: HParams, n_ctx: int, all_logits: bool, ffn) -> Graph:  # type: ignore[no-untyped-def]
+    b = w.b
+    E = hp.n_embd
+    tokens = b.input("tokens", ("T",), "int32")
+    pos = b.input("pos", (), "int64")
+    embd = w.need("token_embd.weight", (hp.n_vocab, E))
+    table = w.add_derived("rope_table", rope_table(n_ctx, hp.n_rot, hp.rope_base, hp.freq_scale, None))
+    x = b.gather(embd if embd.dtype == "float32" else b.dequantize(embd, "token_embd.w"), tokens, "inp_embd")
+    new_state: dict[str, Value] = {}
+    for il in range(hp.n_layer):
+        with b.layer(il):
+            x = _layer(b, w, hp, il, x, pos, table, n_ctx, new_state, ffn)
+    if not all_logits:
+        x = b.emit("last_token", [x], O.NoAttrs(), "last")
+    x = B.rms_norm(b, x, w.need("output_norm.weight", (E,)), hp.eps, "result_norm")
+    out_w = w.get("output.weight", (hp.n_vocab, E), required=False) or embd
+    logits = B.linear(b, x, out_w, "result_output")
+    w.check_all_used()
+    return b.finish([logits], new_state)
+
+
+def _proj(w: B.Weights, b: GraphBuilder, x: Value, name: str, n_out: int, n_in: int) -> Value:
+    weight = w.need(f"{name}.weight", (n_out, n_in))
+    bias = w.get(f"{name}.bias", (n_out,), required=False)
+    scale = w.get(f"{name}.scale", (1,), required=False)
+    return B.linear(b, x, weight, name.split(".")[-1], bias=bias, scale=scale)
+
+
+def _layer(  # type: ignore[no-untyped-def]
+    b: GraphBuilder, w: B.Weights, hp: HParams, il: int, x: Value, pos: Value, table: Value, n_ctx: int,
+    new_state: dict[str, Value], ffn,
+) -> Value:
+    E, D, H, Hkv = hp.n_embd, hp.head_dim, hp.n_head, hp.n_head_kv
+    p = f"blk.{il}"
+    h = B.rms_norm(b, x, w.need(f"{p}.attn_norm.weight", (E,)), hp.eps, "attn_norm")
+    q = B.heads(b, _proj(w, b, h, f"{p}.attn_q", H * D, E), H, D, "Qcur")
+    k = B.heads(b, _proj(w, b, h, f"{p}.attn_k", Hkv * D, E), Hkv, D, "Kcur")
+    v = B.heads(b, _proj(w, b, h, f"{p}.attn_v", Hkv * D, E), Hkv, D, "Vcur")
+    q = B.rms_norm(b, q, w.need(f"{p}.attn_q_norm.weight", (D,)), hp.eps, "Qcur_normed")
+    k = B.rms_norm(b, k, w.need(f"{p}.attn_k_norm.weight", (D,)), hp.eps, "Kcur_normed")
+    q = B.rope(b, q, pos, table, "neox", hp.n_rot, "Qrope")
+    k = B.rope(b, k, pos, table, "neox", hp.n_rot, "Krope")
+    caches = B.kv_cache(b, il, n_ctx, Hkv, D)
+    a = B.attention(b, q, k, v, pos, caches, 1.0 / math.sqrt(D), new_state, il)
+    o = _proj(w, b, B.flatten_heads(b, a, "attn_flat"), f"{p}.attn_output", E, H * D)
+    x = b.add(x, o, "ffn_inp")
+    h = B.rms_norm(b, x, w.need(f"{p}.ffn_norm.weight", (E,)), hp.eps, "ffn_norm")
+    return b.add(x, ffn(b, w, hp, p, h), "l_out")
+
+
+def dense_ffn(b: GraphBuilder, w: B.Weights, hp: HParams, p: str, h: Value) -> Value:
+    E, F = hp.n_embd, hp.n_ff
+    parts = {"gate": (F, E), "up": (F, E), "down": (E, F)}
+    mats = {k: w.need(f"{p}.ffn_{k}.weight", s) for k, s in parts.items()}
+    scales = {k: w.get(f"{p}.ffn_{k}.scale", (1,), required=False) for k in parts}
+    return B.swiglu_ffn(b, h, mats["gate"], mats["up"], mats["down"], biases={}, scales=scales)

@@ -1,0 +1,187 @@
+"""Shared building blocks the architecture files are made of, spelled in primitive ops.
+
+Blocks emit the unfused form (rms_norm as square/mean/rsqrt/mul, MoE as router matmul, softmax,
+top-k, per-expert matmuls and a weighted sum); the fusion passes recognise these spellings.
+Rope and attention over the KV cache are emitted as fused ops directly: their decompositions
+live with the op records.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ggufc.ir import ops as O
+from ggufc.ir.builder import GraphBuilder
+from ggufc.ir.graph import Shape, Value
+
+from .gguf_file import GGUFModel
+from .hparams import ModelError
+
+SUPPORTED_QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+
+# tensors llama.cpp loads and never reads in the graphs we build
+IGNORED_SUFFIXES = (".input_scale",)
+IGNORED_NAMES = ("cls.output.weight",)
+
+
+@dataclass
+class Weights:
+    """The GGUF tensor directory seen through the architecture's expectations."""
+
+    model: GGUFModel
+    b: GraphBuilder
+    used: set[str] = field(default_factory=set)
+    derived: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def has(self, name: str) -> bool:
+        return name in self.model.tensors
+
+    def get(self, name: str, shape: Shape, *, required: bool = True, f32: bool = False) -> Value | None:
+        """A parameter value for tensor `name`, checked against the numpy-order `shape`."""
+        info = self.model.tensors.get(name)
+        if info is None:
+            if required:
+                raise ModelError(f"missing tensor {name} (expected shape {list(shape)})")
+            return None
+        if tuple(info.shape) != tuple(shape):
+            raise ModelError(f"tensor {name} has shape {list(info.shape)}, expected {list(shape)}")
+        if info.qtype not in SUPPORTED_QTYPES:
+            raise ModelError(f"tensor {name} has type {info.qtype}, which ggufc does not support yet")
+        if f32 and info.qtype != "F32":
+            raise ModelError(f"tensor {name} must be F32, got {info.qtype}")
+        self.used.add(name)
+        return self.b.param(name, tuple(shape), info.qtype)
+
+    def need(self, name: str, shape: Shape) -> Value:
+        v = self.get(name, shape)
+        assert v is not None
+        return v
+
+    def add_derived(self, name: str, array: np.ndarray) -> Value:
+        """A constant computed at compile time (rope tables); stored with the weights."""
+        self.derived[name] = np.ascontiguousarray(array, dtype=np.float32)
+        return self.b.param(name, tuple(array.shape), "F32")
+
+    def check_all_used(self) -> None:
+        extra = [
+            n for n in self.model.tensors
+            if n not in self.used and not n.endswith(IGNORED_SUFFIXES) and n not in IGNORED_NAMES
+        ]
+        if extra:
+            more = f" (+{len(extra) - 3} more)" if len(extra) > 3 else ""
+            raise ModelError(f"unexpected tensors for {self.model.architecture}: {', '.join(extra[:3])}{more}")
+
+
+# ---------------------------------------------------------------------------------------------
+# blocks
+
+
+def rms_norm(b: GraphBuilder, x: Value, w: Value | None, eps: float, name: str) -> Value:
+    sq = b.unary("square", x, f"{name}.sq")
+    ms = b.reduce("mean", sq, f"{name}.ms")
+    r = b.unary("rsqrt", b.scalar("add", ms, eps, f"{name}.ms_eps"), f"{name}.rstd")
+    y = b.mul(x, r, f"{name}.normed" if w is not None else name)
+    return b.mul(y, w, name) if w is not None else y
+
+
+def linear(
+    b: GraphBuilder, x: Value, w: Value, name: str, *, bias: Value | None = None, scale: Value | None = None,
+    bias_before_scale: bool = False,
+) -> Value:
+    """x @ W.T with llama.cpp's optional bias and per-tensor scale, in the call site's order."""
+    y = b.matmul(x, w, name if bias is None and scale is None else f"{name}.mm")
+    steps = [("bias", bias), ("scale", scale)] if bias_before_scale else [("scale", scale), ("bias", bias)]
+    live = [(kind, v) for kind, v in steps if v is not None]
+    for i, (kind, v) in enumerate(live):
+        out = name if i == len(live) - 1 else f"{name}.{kind}"
+        y = b.add(y, v, out) if kind == "bias" else b.mul(y, v, out)
+    return y
+
+
+def silu_mul(b: GraphBuilder, g: Value, u: Value, name: str) -> Value:
+    return b.mul(b.unary("silu", g, f"{name}.silu"), u, name)
+
+
+def softmax(b: GraphBuilder, x: Value, name: str) -> Value:
+    m = b.reduce("max", x, f"{name}.max")
+    e = b.unary("exp", b.binary("sub", x, m, f"{name}.shift"), f"{name}.exp")
+    return b.binary("div", e, b.reduce("sum", e, f"{name}.sum"), name)
+
+
+def rope(b: GraphBuilder, x: Value, pos: Value, table: Value, mode: str, n_rot: int, name: str) -> Value:
+    return b.emit("rope", [x, pos, table], O.Rope(mode, n_rot), name)
+
+
+def kv_cache(b: GraphBuilder, layer: int, n_ctx: int, n_kv_head: int, head_dim: int) -> tuple[Value, Value]:
+    shape = (n_ctx, n_kv_head, head_dim)
+    return b.state(f"cache_k.{layer}", shape), b.state(f"cache_v.{layer}", shape)
+
+
+def attention(
+    b: GraphBuilder, q: Value, k: Value, v: Value, pos: Value, caches: tuple[Value, Value], scale: float,
+    new_state: dict[str, Value], layer: int,
+) -> Value:
+    """Write this call's K/V into the cache, then attend causally over everything cached."""
+    kc = b.emit("cache_write", [caches[0], k, pos], O.NoAttrs(), f"cache_k.{layer}")
+    vc = b.emit("cache_write", [caches[1], v, pos], O.NoAttrs(), f"cache_v.{layer}")
+    new_state[f"cache_k.{layer}"] = kc
+    new_state[f"cache_v.{layer}"] = vc
+    return b.emit("attention", [q, kc, vc, pos], O.Attention(scale), "attn")
+
+
+def swiglu_ffn(
+    b: GraphBuilder, x: Value, gate: Value, up: Value, down: Value, *, biases: dict[str, Value | None],
+    scales: dict[str, Value | None],
+) -> Value:
+    g = linear(b, x, gate, "ffn_gate", bias=biases.get("gate"), scale=scales.get("gate"), bias_before_scale=True)
+    u = linear(b, x, up, "ffn_up", bias=biases.get("up"), scale=scales.get("up"), bias_before_scale=True)
+    h = silu_mul(b, g, u, "ffn_act")
+    return linear(b, h, down, "ffn_down", bias=biases.get("down"), scale=scales.get("down"), bias_before_scale=True)
+
+
+def moe(
+    b: GraphBuilder, x: Value, router: Value, gate_exps: Value | None, up_exps: Value, down_exps: Value,
+    n_used: int, *, scales: dict[str, Value | None], hidden: int,
+) -> Value:
+    """Softmax router, top-k, renormalised weights, selected experts' SwiGLU, weighted sum."""
+    t = x.shape[0]
+    logits = b.matmul(x, router, "ffn_moe_logits")
+    probs = softmax(b, logits, "ffn_moe_probs")
+    w, ids = b.emit_multi("topk", [probs], O.TopK(n_used), ["ffn_moe_topk", "ffn_moe_ids"])
+    denom = b.scalar("max", b.reduce("sum", w, "ffn_moe_wsum"), 6.103515625e-5, "ffn_moe_wsum_clamped")
+    weights = b.binary("div", w, denom, "ffn_moe_weights")
+    x3 = b.reshape(x, (t, 1, x.shape[1]), "ffn_moe_in")
+
+    def experts(inp: Value, wq: Value, kind: str) -> Value:
+        wf = b.dequantize(wq, f"ffn_moe_{kind}.w") if wq.dtype != "float32" else wq
+        y = b.emit("matmul_id", [inp, wf, ids], O.NoAttrs(), f"ffn_moe_{kind}")
+        s = scales.get(kind)
+        if s is not None:
+            per = b.reshape(b.gather(s, ids, f"ffn_moe_{kind}_scale"), (t, n_used, 1), f"ffn_moe_{kind}_scale3")
+            y = b.mul(y, per, f"ffn_moe_{kind}_scaled")
+        return y
+
+    up = experts(x3, up_exps, "up")
+    if gate_exps is not None:
+        act = silu_mul(b, experts(x3, gate_exps, "gate"), up, "ffn_moe_act")
+    else:
+        act = b.unary("silu", up, "ffn_moe_act")
+    down = experts(act, down_exps, "down")
+    w3 = b.reshape(weights, (t, n_used, 1), "ffn_moe_weights3")
+    weighted = b.mul(down, w3, "ffn_moe_weighted")
+    return b.reduce("sum", weighted, "ffn_moe_out", axis=1, keepdims=False)
+
+
+def heads(b: GraphBuilder, x: Value, n_head: int, head_dim: int, name: str) -> Value:
+    return b.reshape(x, (x.shape[0], n_head, head_dim), name)
+
+
+def flatten_heads(b: GraphBuilder, x: Value, name: str) -> Value:
+    return b.reshape(x, (x.shape[0], int(x.shape[1]) * int(x.shape[2])), name)
+
+
+def names(prefix: str, parts: Iterable[str]) -> list[str]:
+    return [f"{prefix}.{p}" for p in parts]

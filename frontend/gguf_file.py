@@ -1,0 +1,94 @@
+"""Open a GGUF file with the `gguf` package (memory-mapped) and expose plain Python values.
+
+Everything downstream sees `GGUFModel`: metadata as Python scalars/lists/strings and tensors as
+raw, memory-mapped byte rows in their GGUF block format. Nothing is dequantised here.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+GGUF_MAGIC = b"GGUF"
+
+
+class GGUFError(ValueError):
+    """A GGUF file that cannot be read: the message names the file and the problem in one line."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    qtype: str  # GGML type name: "F32", "Q4_K", ...
+    shape: tuple[int, ...]  # numpy order (slowest first), i.e. GGUF ne reversed
+    data: np.ndarray  # raw storage: float arrays for F32/F16/BF16(uint16)... or uint8 block rows
+    n_bytes: int
+
+    @property
+    def n_elements(self) -> int:
+        return int(np.prod(self.shape)) if self.shape else 1
+
+
+@dataclass
+class GGUFModel:
+    path: str
+    metadata: dict[str, Any]
+    tensors: dict[str, TensorInfo]
+
+    @property
+    def architecture(self) -> str:
+        return str(self.metadata.get("general.architecture", ""))
+
+    def key(self, name: str, default: Any = None) -> Any:
+        return self.metadata.get(name, default)
+
+
+def _field_value(field: Any) -> Any:
+    value = field.contents()
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace")
+    return value
+
+
+def open_gguf(path: str | os.PathLike[str]) -> GGUFModel:
+    """Read metadata and tensor directory; tensor data stays memory-mapped."""
+    import gguf
+
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise GGUFError(f"{path}: no such file")
+    with open(path, "rb") as fh:
+        magic = fh.read(4)
+    if magic != GGUF_MAGIC:
+        raise GGUFError(f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
+    try:
+        reader = gguf.GGUFReader(path, "r")
+    except Exception as exc:  # the gguf package raises many kinds; report one line
+        raise GGUFError(f"{path}: malformed GGUF ({type(exc).__name__}: {_one_line(exc)})") from None
+    metadata: dict[str, Any] = {}
+    try:
+        for name, field in reader.fields.items():
+            if name.startswith("GGUF."):
+                continue
+            metadata[name] = _field_value(field)
+    except Exception as exc:
+        raise GGUFError(f"{path}: malformed metadata ({_one_line(exc)})") from None
+    tensors: dict[str, TensorInfo] = {}
+    for t in reader.tensors:
+        shape = tuple(int(d) for d in reversed([int(x) for x in t.shape]))
+        tensors[t.name] = TensorInfo(
+            name=t.name,
+            qtype=t.tensor_type.name,
+            shape=shape,
+            data=t.data,
+            n_bytes=int(t.n_bytes),
+        )
+    return GGUFModel(path=path, metadata=metadata, tensors=tensors)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:200] if text else type(exc).__name__

@@ -1,0 +1,98 @@
+"""Typed access to GGUF hyper-parameter keys, with one-line errors naming the key."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+class ModelError(ValueError):
+    """The model file is readable but not a valid model for ggufc (missing key, tensor, ...)."""
+
+
+class Keys:
+    """Reads `{arch}.<name>` keys; scalars are checked for type, arrays may be per layer."""
+
+    def __init__(self, metadata: dict[str, Any], arch: str) -> None:
+        self.metadata = metadata
+        self.arch = arch
+
+    def _full(self, name: str) -> str:
+        return name if name.startswith(("general.", "tokenizer.")) else f"{self.arch}.{name}"
+
+    def has(self, name: str) -> bool:
+        return self._full(name) in self.metadata
+
+    def raw(self, name: str, default: Any = None) -> Any:
+        return self.metadata.get(self._full(name), default)
+
+    def int(self, name: str, default: int | None = None) -> int:
+        v = self.raw(name, default)
+        if v is None:
+            raise ModelError(f"missing required key {self._full(name)}")
+        if isinstance(v, list):
+            if not v or len(set(v)) != 1:
+                raise ModelError(f"key {self._full(name)}: per-layer values are not supported here")
+            v = v[0]
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise ModelError(f"key {self._full(name)} must be an integer, got {type(v).__name__}")
+        return int(v)
+
+    def float(self, name: str, default: float | None = None) -> float:
+        v = self.raw(name, default)
+        if v is None:
+            raise ModelError(f"missing required key {self._full(name)}")
+        if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)):
+            raise ModelError(f"key {self._full(name)} must be a number, got {type(v).__name__}")
+        return float(v)
+
+    def str(self, name: str, default: str | None = None) -> str:
+        v = self.raw(name, default)
+        if v is None:
+            raise ModelError(f"missing required key {self._full(name)}")
+        if not isinstance(v, str):
+            raise ModelError(f"key {self._full(name)} must be a string, got {type(v).__name__}")
+        return v
+
+    def per_layer(self, name: str, n_layer: int, default: int | None = None) -> list[int]:
+        v = self.raw(name, default)
+        if v is None:
+            raise ModelError(f"missing required key {self._full(name)}")
+        if isinstance(v, list):
+            if len(v) != n_layer:
+                raise ModelError(f"key {self._full(name)} has {len(v)} entries, expected {n_layer} (one per layer)")
+            return [int(x) for x in v]
+        return [int(v)] * n_layer
+
+
+def rope_freq_scale(keys: Keys) -> float:
+    """ggml's freq_scale: 1/rope.scaling.factor unless the factor is absent/zero or scaling is none."""
+    if keys.raw("rope.scaling.type", "linear") == "none":
+        return 1.0
+    factor = keys.raw("rope.scaling.factor", None)
+    if factor is None:
+        factor = keys.raw("rope.scale_linear", None)
+    if not factor:
+        return 1.0
+    return 1.0 / float(factor)
+
+
+def rope_table(n_ctx: int, n_rot: int, base: float, freq_scale: float, freq_factors: np.ndarray | None) -> np.ndarray:
+    """cos/sin for every position and rotary pair, computed the float32 way ggml does.
+
+    ggml builds theta by repeated float32 multiplication (theta *= theta_scale per pair), divides
+    by the optional per-pair factor, then applies freq_scale; matching that keeps the goldens tight.
+    """
+    theta_scale = np.float32(np.power(np.float32(base), np.float32(-2.0) / np.float32(n_rot)))
+    theta = np.arange(n_ctx, dtype=np.float32)
+    half = n_rot // 2
+    angles = np.empty((n_ctx, half), dtype=np.float32)
+    for i in range(half):
+        ff = np.float32(freq_factors[i]) if freq_factors is not None else np.float32(1.0)
+        angles[:, i] = np.float32(freq_scale) * (theta / ff)
+        theta = (theta * theta_scale).astype(np.float32)
+    table = np.empty((n_ctx, half, 2), dtype=np.float32)
+    table[..., 0] = np.cos(angles)
+    table[..., 1] = np.sin(angles)
+    return table

@@ -1,0 +1,96 @@
+"""Load a GGUF model: pick its architecture file, read hyper-parameters, build the graphs."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from ggufc.ir.builder import GraphBuilder
+from ggufc.ir.graph import Graph, Param
+
+from .archs import ARCHITECTURES
+from .blocks import Weights
+from .gguf_file import GGUFModel, open_gguf
+from .hparams import Keys, ModelError
+
+DEFAULT_MAX_CTX = 2048
+
+
+@dataclass
+class LoadedModel:
+    gguf: GGUFModel
+    arch: str
+    hparams: Any
+    n_ctx: int
+    graphs: dict[str, Graph]  # "prefill_all" (logits for every token), "prefill" (last token only)
+    derived: dict[str, np.ndarray] = field(default_factory=dict)
+
+    @property
+    def graph(self) -> Graph:
+        return self.graphs["prefill_all"]
+
+    def param_loader(self) -> Callable[[Param], np.ndarray]:
+        return make_param_loader(self.gguf, self.derived)
+
+
+def arch_module(model: GGUFModel) -> ModuleType:
+    arch = model.architecture
+    if not arch:
+        raise ModelError(f"{model.path}: missing key general.architecture")
+    module = ARCHITECTURES.get(arch)
+    if module is None:
+        known = ", ".join(sorted(ARCHITECTURES))
+        raise ModelError(f"unsupported architecture '{arch}' (ggufc supports: {known})")
+    return module
+
+
+def n_vocab_of(model: GGUFModel) -> int:
+    embd = model.tensors.get("token_embd.weight")
+    if embd is None or len(embd.shape) != 2:
+        raise ModelError("missing tensor token_embd.weight (2-D [n_vocab, n_embd])")
+    return int(embd.shape[0])
+
+
+def load_model(path: str | os.PathLike[str], n_ctx: int | None = None) -> LoadedModel:
+    model = open_gguf(path)
+    module = arch_module(model)
+    hp = module.read_hparams(Keys(model.metadata, model.architecture), n_vocab_of(model))
+    ctx = n_ctx or min(hp.n_ctx_train, DEFAULT_MAX_CTX)
+    if ctx <= 0:
+        raise ModelError(f"context length must be positive, got {ctx}")
+    graphs: dict[str, Graph] = {}
+    derived: dict[str, np.ndarray] = {}
+    for name, all_logits in (("prefill_all", True), ("prefill", False)):
+        w = Weights(model, GraphBuilder())
+        graphs[name] = module.build(w, hp, ctx, all_logits)
+        graphs[name].meta.update(arch=model.architecture, n_ctx=ctx, all_logits=all_logits)
+        derived.update(w.derived)
+    return LoadedModel(model, model.architecture, hp, ctx, graphs, derived)
+
+
+def dequantize_tensor(model: GGUFModel, name: str) -> np.ndarray:
+    import gguf
+
+    info = model.tensors[name]
+    if info.qtype == "F32":
+        return np.asarray(info.data, dtype=np.float32).reshape(info.shape)
+    if info.qtype == "F16":
+        return np.asarray(info.data).view(np.float16).astype(np.float32).reshape(info.shape)
+    qt = gguf.GGMLQuantizationType[info.qtype]
+    return np.asarray(gguf.quants.dequantize(np.asarray(info.data), qt), dtype=np.float32).reshape(info.shape)
+
+
+def make_param_loader(model: GGUFModel, derived: dict[str, np.ndarray]) -> Callable[[Param], np.ndarray]:
+    cache: dict[str, np.ndarray] = {}
+
+    def load(p: Param) -> np.ndarray:
+        if p.source not in cache:
+            cache[p.source] = derived[p.source] if p.source in derived else dequantize_tensor(model, p.source)
+        return cache[p.source]
+
+    return load
