@@ -50,7 +50,9 @@ class GraphBuilder:
             self._layer = prev
 
     # -- nodes -------------------------------------------------------------------------------
-    def emit_multi(self, op: str, inputs: Sequence[Value], attrs: Any, names: Sequence[str]) -> tuple[Value, ...]:
+    def emit_multi(
+        self, op: str, inputs: Sequence[Value], attrs: Any, names: Sequence[str]
+    ) -> tuple[Value, ...]:
         opdef = O.OPS[op]
         if not isinstance(attrs, opdef.attrs):
             raise TypeError(f"{op}: attrs must be {opdef.attrs.__name__}, got {type(attrs).__name__}")

@@ -113,7 +113,7 @@ class Graph:
         return out
 
     def replace(self, **changes: Any) -> Graph:
-        fields = dict(
+        fields: dict[str, Any] = dict(
             inputs=self.inputs,
             params=self.params,
             states=self.states,

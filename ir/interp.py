@@ -27,10 +27,11 @@ def _cast(a: np.ndarray, dtype: Any) -> np.ndarray:
 
 def init_state(graph: Graph, n_ctx_env: dict[str, int], dtype: Any = np.float32) -> dict[str, np.ndarray]:
     """Zeroed state arrays for every state slot (their shapes are concrete)."""
-    return {
-        name: np.zeros(eval_shape(s.value.shape, n_ctx_env), dtype=dtype if s.value.dtype == "float32" else s.value.dtype)
-        for name, s in graph.states.items()
-    }
+    out: dict[str, np.ndarray] = {}
+    for name, s in graph.states.items():
+        dt = dtype if s.value.dtype == "float32" else s.value.dtype
+        out[name] = np.zeros(eval_shape(s.value.shape, n_ctx_env), dtype=dt)
+    return out
 
 
 def run_graph(

@@ -175,6 +175,9 @@ BINARY_FNS: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
     "min": np.minimum,
 }
 
+# scalar ops ("x fn c") take the binary functions plus a power by a constant
+SCALAR_FNS: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {**BINARY_FNS, "pow": np.power}
+
 REDUCE_FNS: dict[str, Callable[..., np.ndarray]] = {"sum": np.sum, "mean": np.mean, "max": np.max}
 
 
@@ -286,7 +289,7 @@ def fused_elementwise_ref(inputs: Sequence[np.ndarray], a: FusedElementwise) -> 
 ELEMENTWISE_REFS: dict[str, Callable[[list[np.ndarray], Any], np.ndarray]] = {
     "unary": lambda xs, a: _like(xs[0], UNARY_FNS[a.fn](xs[0])),
     "binary": lambda xs, a: BINARY_FNS[a.fn](xs[0], xs[1]),
-    "scalar": lambda xs, a: _like(xs[0], BINARY_FNS[a.fn](xs[0], xs[0].dtype.type(a.c))),
+    "scalar": lambda xs, a: _like(xs[0], SCALAR_FNS[a.fn](xs[0], xs[0].dtype.type(a.c))),
 }
 
 # ----------------------------------------------------------------------------------------------
@@ -323,7 +326,8 @@ def _binary_shape(ins: Sequence[ShapeDtype], a: Any) -> list[ShapeDtype]:
 def _reduce_shape(ins: Sequence[ShapeDtype], a: Reduce) -> list[ShapeDtype]:
     shape, dt = ins[0]
     ax = _norm_axis(a.axis, len(shape))
-    out = tuple(1 if i == ax else d for i, d in enumerate(shape)) if a.keepdims else shape[:ax] + shape[ax + 1 :]
+    kept = tuple(1 if i == ax else d for i, d in enumerate(shape))
+    out = kept if a.keepdims else shape[:ax] + shape[ax + 1 :]
     return [(out, dt)]
 
 
@@ -341,7 +345,8 @@ def _concat_shape(ins: Sequence[ShapeDtype], a: Concat) -> list[ShapeDtype]:
     shape = list(ins[0][0])
     ax = _norm_axis(a.axis, len(shape))
     dims = [s[ax] for s, _ in ins]
-    shape[ax] = sum(dims) if all(isinstance(d, int) for d in dims) else "+".join(f"({d})" for d in dims)
+    known = [d for d in dims if isinstance(d, int)]
+    shape[ax] = sum(known) if len(known) == len(dims) else "+".join(f"({d})" for d in dims)
     return [(tuple(shape), ins[0][1])]
 
 

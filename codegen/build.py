@@ -1,0 +1,109 @@
+"""From a loaded model to a compiled Relax VM executable plus kernel-layout weights (in memory).
+
+`compile.py` turns this into an on-disk artifact; `verify.py` runs it next to the interpreter.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from ggufc.frontend.load import LoadedModel
+from ggufc.ir.graph import Graph
+
+from . import quant as Q
+from .lower import ModuleBuilder, ParamLayout, plan_params
+from .target import resolve_target
+
+Progress = Callable[[str], None]
+
+DEFAULT_MAX_CHUNK = 512
+
+
+@dataclass
+class Built:
+    executable: Any  # tvm.runtime.Executable
+    layouts: list[ParamLayout]
+    states: list[tuple[str, tuple[int, ...], str]]
+    graphs: dict[str, Graph]
+    kernel_names: list[str]
+    target: tvm.target.Target
+    max_chunk: int
+    pass_stats: dict[str, int] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def optimise(graphs: dict[str, Graph], disabled: frozenset[str]) -> tuple[dict[str, Graph], dict[str, int]]:
+    """Run the pass pipeline on every entry graph; hit counts are those of the all-logits graph."""
+    from ggufc.passes.pipeline import run_pipeline
+
+    out: dict[str, Graph] = {}
+    stats: dict[str, int] = {}
+    for name, g in graphs.items():
+        out[name], s = run_pipeline(g, disabled=disabled)
+        if name == "prefill_all":
+            stats = dict(s)
+    return out, stats
+
+
+def state_plan(graph: Graph) -> list[tuple[str, tuple[int, ...], str]]:
+    return [(name, tuple(int(d) for d in s.value.shape), s.value.dtype) for name, s in graph.states.items()]
+
+
+def build_executable(
+    model: LoadedModel, target: str | dict[str, Any] = "llvm", *, disabled_passes: frozenset[str] = frozenset(),
+    max_chunk: int = DEFAULT_MAX_CHUNK, progress: Progress = lambda s: None, run_passes: bool = True,
+    extra_outputs: bool = False,
+) -> Built:
+    tgt = resolve_target(target)
+    t0 = time.perf_counter()
+    graphs = dict(model.graphs)
+    stats: dict[str, int] = {}
+    if run_passes:
+        progress("optimising graph")
+        graphs, stats = optimise(graphs, disabled_passes)
+    layouts = plan_params(list(graphs.values()))
+    states = state_plan(graphs["prefill_all"])
+    mb = ModuleBuilder(tgt, layouts, states)
+    progress("generating kernels")
+    mb.add_function("prefill_all", graphs["prefill_all"])
+    mb.add_function("prefill", graphs["prefill"])
+    mb.add_function("decode", graphs["prefill"], fixed_tokens=1)
+    mod = mb.module()
+    bounds = {"n": max_chunk, "p": model.n_ctx}
+    for name in ("prefill_all", "prefill", "decode"):
+        gv = mod.get_global_var(name)
+        mod[gv] = mod[gv].with_attr("tir_var_upper_bound", bounds)
+    t1 = time.perf_counter()
+    progress(f"compiling {len(mb.kernel_names)} kernels for {tgt.kind.name}")
+    ex = tvm.compile(mod, target=tgt, relax_pipeline=relax.pipeline.default_build_pipeline())
+    t2 = time.perf_counter()
+    return Built(ex, layouts, states, graphs, mb.kernel_names, tgt, max_chunk, stats,
+                 {"lower_s": t1 - t0, "tvm_compile_s": t2 - t1})
+
+
+def kernel_weights(model: LoadedModel, layouts: list[ParamLayout]) -> dict[str, np.ndarray]:
+    """Every param repacked into its kernel layout, keyed `<tensor>::<field>` (block formats kept)."""
+    out: dict[str, np.ndarray] = {}
+    for lay in layouts:
+        if lay.source in model.derived:
+            arrays = {"w": model.derived[lay.source]}
+        else:
+            info = model.gguf.tensors[lay.source]
+            arrays = Q.repack(lay.qtype, np.asarray(info.data), lay.shape)
+        for fname, shape, dtype in lay.arrays:
+            a = np.ascontiguousarray(arrays[fname])
+            if a.shape != tuple(shape) or str(a.dtype) != dtype:
+                raise ValueError(f"{lay.source}::{fname}: layout {a.shape} {a.dtype}, expected {shape} {dtype}")
+            out[weight_key(lay.source, fname)] = a
+    return out
+
+
+def weight_key(source: str, field_name: str) -> str:
+    return f"{source}::{field_name}"

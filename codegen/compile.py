@@ -1,0 +1,125 @@
+"""`ggufc compile`: GGUF file -> artifact directory (kernels + kernel-layout weights + manifest)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors.numpy import save_file
+
+from ggufc.frontend.load import LoadedModel, load_model
+from ggufc.runtime import artifact as A
+
+from .build import DEFAULT_MAX_CHUNK, Built, Progress, build_executable, kernel_weights, weight_key
+
+
+def compile_model(
+    model_path: str | os.PathLike[str], target: str = "llvm", out_dir: str | os.PathLike[str] = "out", *,
+    n_ctx: int | None = None, disabled_passes: frozenset[str] = frozenset(), max_chunk: int = DEFAULT_MAX_CHUNK,
+    progress: Progress = lambda s: None,
+) -> dict[str, Any]:
+    """Compile and write the artifact atomically; returns the manifest as written."""
+    t0 = time.perf_counter()
+    progress(f"reading {os.fspath(model_path)}")
+    model = load_model(model_path, n_ctx)
+    built = build_executable(model, target, disabled_passes=disabled_passes, max_chunk=max_chunk, progress=progress)
+    staging = A.make_staging_dir(out_dir)
+    try:
+        progress("writing kernels")
+        built.executable.export_library(str(staging / A.KERNELS_NAME))
+        progress("writing weights in kernel layout")
+        weights = kernel_weights(model, built.layouts)
+        save_file(weights, str(staging / A.WEIGHTS_NAME))
+        tokenizer = _write_tokenizer(model, staging)
+        manifest = _manifest(model, built, tokenizer, weights, time.perf_counter() - t0)
+        return A.finalize_artifact(staging, out_dir, manifest)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def _write_tokenizer(model: LoadedModel, staging: Path) -> dict[str, Any]:
+    from ggufc.frontend.tokenizer_build import build_tokenizer
+
+    spec = build_tokenizer(model.gguf.metadata)
+    info: dict[str, Any] = {
+        "file": None,
+        "bos_id": spec.bos_id,
+        "eos_id": spec.eos_id,
+        "eot_ids": list(spec.eot_ids),
+        "add_bos": spec.add_bos,
+        "chat_template": spec.chat_template,
+        "model": spec.model,
+    }
+    if spec.tokenizer_json is not None:
+        (staging / "tokenizer.json").write_text(spec.tokenizer_json, encoding="utf-8")
+        info["file"] = "tokenizer.json"
+    return info
+
+
+def _jsonable(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {k: _jsonable(v) for k, v in dataclasses.asdict(obj).items()}
+    if isinstance(obj, dict):
+        return {k: _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, np.generic):
+        return obj.item()
+    return obj
+
+
+def _manifest(model: LoadedModel, built: Built, tokenizer: dict[str, Any], weights: dict[str, np.ndarray],
+              seconds: float) -> dict[str, Any]:
+    target = dict(built.target.export()) if hasattr(built.target, "export") else {"kind": built.target.kind.name}
+    return {
+        "arch": model.arch,
+        "hparams": _jsonable(model.hparams),
+        "n_ctx": model.n_ctx,
+        "n_vocab": int(model.hparams.n_vocab),
+        "target": _jsonable(_plain_target(target)),
+        "target_key": built.target.kind.name,
+        "functions": {"prefill_all": {"tokens": "T"}, "prefill": {"tokens": "T"}, "decode": {"tokens": 1}},
+        "max_chunk": built.max_chunk,
+        "params": [
+            {
+                "name": lay.source,
+                "qtype": lay.qtype,
+                "arrays": [{"key": weight_key(lay.source, f), "shape": list(s), "dtype": d} for f, s, d in lay.arrays],
+            }
+            for lay in built.layouts
+        ],
+        "states": [{"name": n, "shape": list(s), "dtype": d} for n, s, d in built.states],
+        "tokenizer": tokenizer,
+        "source": {"file": os.path.basename(model.gguf.path), "sha256": file_sha256(model.gguf.path)},
+        "passes": built.pass_stats,
+        "kernels": built.kernel_names,
+        "weight_bytes": int(sum(a.nbytes for a in weights.values())),
+        "gguf_tensor_bytes": int(sum(t.n_bytes for t in model.gguf.tensors.values())),
+        "compile_seconds": round(seconds, 3),
+    }
+
+
+def _plain_target(target: dict[str, Any]) -> dict[str, Any]:
+    """The target as JSON: keep the fields that identify the code (kind, mcpu, mtriple, cores)."""
+    keep = ("kind", "mcpu", "mtriple", "num-cores", "mattr", "arch")
+    return {k: (str(v) if not isinstance(v, (int, float, list)) else v) for k, v in target.items() if k in keep}
+
+
+def file_sha256(path: str | os.PathLike[str], chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def dumps(manifest: dict[str, Any]) -> str:
+    return json.dumps(manifest, indent=2, sort_keys=True)

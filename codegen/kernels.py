@@ -1,0 +1,463 @@
+"""TE definitions of the non-matmul kernels (elementwise, reductions, norms, rope, attention, ...).
+
+Each builder takes concrete or symbolic shapes (symbolic dims are TIR vars made per kernel, so a
+kernel serves every layer and every token count) and returns an unscheduled PrimFunc whose
+arguments are: tensor inputs and scalars in IR order, then outputs (Relax's call_tir convention).
+Quantized matmuls and embeddings live in `quant.py`; schedules in `schedule.py`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import tvm
+from tvm import te, tirx
+from tvm.tirx import Expr as PrimExpr
+
+from ggufc.ir import ops as O
+
+PShape = tuple[PrimExpr, ...]
+
+
+def i64(v: int) -> tirx.IntImm:
+    return tirx.IntImm("int64", int(v))
+
+
+def f32(v: float) -> PrimExpr:
+    return tirx.const(v, "float32")
+
+
+class Symbols:
+    """Fresh TIR vars for the symbolic dims of one kernel ("T", "P")."""
+
+    def __init__(self, fixed: dict[str, int] | None = None) -> None:
+        self.vars: dict[str, Any] = {}
+        self.fixed = fixed or {}
+
+    def var(self, name: str) -> PrimExpr:
+        if name in self.fixed:
+            return i64(self.fixed[name])
+        if name not in self.vars:
+            self.vars[name] = te.var(name.lower(), "int64")
+        return self.vars[name]
+
+    def dim(self, d: int | str) -> PrimExpr:
+        if isinstance(d, int):
+            return i64(d)
+        return _eval_symbolic(d, self)
+
+    def shape(self, shape: Sequence[int | str]) -> PShape:
+        return tuple(self.dim(d) for d in shape)
+
+
+def _eval_symbolic(expr: str, syms: Symbols) -> PrimExpr:
+    # tiny evaluator for "P+T", "T*4", "(P)+(T)": the IR allows only + and * over T, P, ints
+    env = {"T": syms.var("T"), "P": syms.var("P")}
+    return eval(expr, {"__builtins__": {}}, env)  # noqa: S307 - IR dims are checked by ir.graph
+
+
+def func(args: Sequence[Any]) -> tirx.PrimFunc:
+    f = te.create_prim_func(list(args))
+    return f.with_attr("tirx.noalias", True)
+
+
+def _bcast_index(src: PShape, out_idx: Sequence[PrimExpr], out_nd: int) -> list[PrimExpr]:
+    off = out_nd - len(src)
+    return [i64(0) if _is_one(d) else out_idx[off + k] for k, d in enumerate(src)]
+
+
+def _is_one(d: PrimExpr) -> bool:
+    return isinstance(d, tirx.IntImm) and int(d) == 1
+
+
+def _broadcast_shape(shapes: Sequence[PShape]) -> PShape:
+    nd = max(len(s) for s in shapes)
+    out: list[PrimExpr] = []
+    for i in range(nd):
+        dims = [s[i - nd + len(s)] for s in shapes if i - nd + len(s) >= 0]
+        non_one = [d for d in dims if not _is_one(d)]
+        out.append(non_one[0] if non_one else i64(1))
+    return tuple(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# elementwise
+
+
+def _sigmoid(x: PrimExpr) -> PrimExpr:
+    return f32(1.0) / (f32(1.0) + te.exp(-x))
+
+
+UNARY: dict[str, Callable[[PrimExpr], PrimExpr]] = {
+    "silu": lambda x: x * _sigmoid(x),
+    "sigmoid": _sigmoid,
+    "exp": te.exp,
+    "neg": lambda x: -x,
+    "sqrt": te.sqrt,
+    "rsqrt": lambda x: f32(1.0) / te.sqrt(x),
+    "relu": lambda x: te.max(x, f32(0.0)),
+    "softplus": lambda x: tirx.Select(x > f32(20.0), x, te.log(f32(1.0) + te.exp(te.min(x, f32(20.0))))),
+    "square": lambda x: x * x,
+    "tanh": te.tanh,
+    "recip": lambda x: f32(1.0) / x,
+}
+
+BINARY: dict[str, Callable[[PrimExpr, PrimExpr], PrimExpr]] = {
+    "add": lambda a, b: a + b,
+    "sub": lambda a, b: a - b,
+    "mul": lambda a, b: a * b,
+    "div": lambda a, b: a / b,
+    "max": te.max,
+    "min": te.min,
+}
+
+# scalar steps ("x fn c") take the binary functions plus a power by a constant (as ir.ops.SCALAR_FNS)
+SCALAR: dict[str, Callable[[PrimExpr, PrimExpr], PrimExpr]] = {**BINARY, "pow": te.power}
+
+
+def _step(op: str, attrs: Any, args: list[PrimExpr]) -> PrimExpr:
+    if op == "unary":
+        return UNARY[attrs.fn](args[0])
+    if op == "binary":
+        return BINARY[attrs.fn](args[0], args[1])
+    if op == "scalar":
+        return SCALAR[attrs.fn](args[0], f32(attrs.c))
+    raise NotImplementedError(f"elementwise step {op}")
+
+
+def elementwise(in_shapes: Sequence[PShape], program: O.FusedElementwise, dtype: str = "float32") -> tirx.PrimFunc:
+    """One kernel for a chain of elementwise ops with numpy broadcasting."""
+    ins = [te.placeholder(s, dtype, name=f"in{i}") for i, s in enumerate(in_shapes)]
+    out_shape = _broadcast_shape(in_shapes)
+    nd = len(out_shape)
+
+    def body(*idx: PrimExpr) -> PrimExpr:
+        vals = [t(*_bcast_index(s, idx, nd)) for t, s in zip(ins, in_shapes, strict=True)]
+        for op, attrs, operands in program.program:
+            vals.append(_step(op, attrs, [vals[i] for i in operands]))
+        return vals[-1]
+
+    out = te.compute(out_shape, body, name="out")
+    return func([*ins, out])
+
+
+def single_elementwise(op: str, attrs: Any, in_shapes: Sequence[PShape]) -> tirx.PrimFunc:
+    operands = tuple(range(len(in_shapes)))
+    return elementwise(in_shapes, O.FusedElementwise(((op, attrs, operands),), len(in_shapes)))
+
+
+# ---------------------------------------------------------------------------------------------
+# reductions and normalisation
+
+
+def reduce(shape: PShape, attrs: O.Reduce) -> tirx.PrimFunc:
+    x = te.placeholder(shape, "float32", name="x")
+    nd = len(shape)
+    ax = attrs.axis % nd
+    r = te.reduce_axis((i64(0), shape[ax]), name="r")
+
+    def at(idx: Sequence[PrimExpr]) -> PrimExpr:
+        full = list(idx)
+        if attrs.keepdims:
+            full[ax] = r
+        else:
+            full.insert(ax, r)
+        return x(*full)
+
+    out_shape = [d for i, d in enumerate(shape) if i != ax] if not attrs.keepdims else [
+        i64(1) if i == ax else d for i, d in enumerate(shape)
+    ]
+    if attrs.fn == "max":
+        out = te.compute(out_shape, lambda *idx: te.max(at(idx), axis=r), name="out")
+    else:
+        acc = te.compute(out_shape, lambda *idx: te.sum(at(idx), axis=r), name="acc")
+        if attrs.fn == "mean":
+            out = te.compute(out_shape, lambda *idx: acc(*idx) / shape[ax].astype("float32"), name="out")
+        else:
+            out = acc
+    return func([x, out])
+
+
+def rms_norm(shape: PShape, has_weight: bool, eps: float) -> tirx.PrimFunc:
+    x = te.placeholder(shape, "float32", name="x")
+    n = shape[-1]
+    w = te.placeholder((n,), "float32", name="w") if has_weight else None
+    r = te.reduce_axis((i64(0), n), name="r")
+    lead = shape[:-1]
+    ss = te.compute(lead, lambda *i: te.sum(x(*i, r) * x(*i, r), axis=r), name="ss")
+    scale = te.compute(lead, lambda *i: f32(1.0) / te.sqrt(ss(*i) / n.astype("float32") + f32(eps)), name="rstd")
+
+    def body(*idx: PrimExpr) -> PrimExpr:
+        y = x(*idx) * scale(*idx[:-1])
+        return y * w[idx[-1]] if w is not None else y
+
+    out = te.compute(shape, body, name="out")
+    return func([x, w, out] if w is not None else [x, out])
+
+
+def softmax(shape: PShape, axis: int = -1) -> tirx.PrimFunc:
+    x = te.placeholder(shape, "float32", name="x")
+    ax = axis % len(shape)
+    n = shape[ax]
+    lead = tuple(d for i, d in enumerate(shape) if i != ax)
+    r1 = te.reduce_axis((i64(0), n), name="r1")
+    r2 = te.reduce_axis((i64(0), n), name="r2")
+
+    def at(t: te.Tensor, rest: Sequence[PrimExpr], j: PrimExpr) -> PrimExpr:
+        return t(*rest[:ax], j, *rest[ax:])  # `rest` indexes every axis but `ax`
+
+    def drop(idx: Sequence[PrimExpr]) -> list[PrimExpr]:
+        return [*idx[:ax], *idx[ax + 1 :]]
+
+    mx = te.compute(lead, lambda *i: te.max(at(x, i, r1), axis=r1), name="mx")
+    ex = te.compute(shape, lambda *i: te.exp(x(*i) - mx(*drop(i))), name="ex")
+    sm = te.compute(lead, lambda *i: te.sum(at(ex, i, r2), axis=r2), name="sm")
+    out = te.compute(shape, lambda *i: ex(*i) / sm(*drop(i)), name="out")
+    return func([x, out])
+
+
+# ---------------------------------------------------------------------------------------------
+# movement
+
+
+def transpose(shape: PShape, perm: Sequence[int]) -> tirx.PrimFunc:
+    x = te.placeholder(shape, "float32", name="x")
+    out_shape = tuple(shape[p] for p in perm)
+
+    def body(*idx: PrimExpr) -> PrimExpr:
+        src = [i64(0)] * len(shape)
+        for o, p in enumerate(perm):
+            src[p] = idx[o]
+        return x(*src)
+
+    out = te.compute(out_shape, body, name="out")
+    return func([x, out])
+
+
+def slice_(shape: PShape, attrs: O.Slice, dtype: str) -> tirx.PrimFunc:
+    x = te.placeholder(shape, dtype, name="x")
+    ax = attrs.axis % len(shape)
+    out_shape = tuple(i64(attrs.stop - attrs.start) if i == ax else d for i, d in enumerate(shape))
+    out = te.compute(
+        out_shape, lambda *idx: x(*[i + i64(attrs.start) if k == ax else i for k, i in enumerate(idx)]), name="out"
+    )
+    return func([x, out])
+
+
+def concat(shapes: Sequence[PShape], axis: int, dtype: str) -> tirx.PrimFunc:
+    ins = [te.placeholder(s, dtype, name=f"in{i}") for i, s in enumerate(shapes)]
+    ax = axis % len(shapes[0])
+    offsets = [i64(0)]
+    for s in shapes:
+        offsets.append(offsets[-1] + s[ax])
+    out_shape = tuple(offsets[-1] if i == ax else d for i, d in enumerate(shapes[0]))
+
+    def body(*idx: PrimExpr) -> PrimExpr:
+        expr = None
+        for k in reversed(range(len(ins))):
+            src = [i - offsets[k] if d == ax else i for d, i in enumerate(idx)]
+            val = ins[k](*src)
+            expr = val if expr is None else tirx.if_then_else(idx[ax] < offsets[k + 1], val, expr)
+        return expr
+
+    out = te.compute(out_shape, body, name="out")
+    return func([*ins, out])
+
+
+def copy_reshape(in_shape: PShape, out_shape: PShape, dtype: str) -> tirx.PrimFunc:
+    """Row-major reshape as a copy (used where a zero-copy view is not available)."""
+    x = te.placeholder(in_shape, dtype, name="x")
+
+    def body(*idx: PrimExpr) -> PrimExpr:
+        flat = i64(0)
+        for d, i in zip(out_shape, idx, strict=True):
+            flat = flat * d + i
+        src = []
+        for d in reversed(in_shape):
+            src.append(tirx.floormod(flat, d))
+            flat = tirx.floordiv(flat, d)
+        return x(*reversed(src))
+
+    out = te.compute(out_shape, body, name="out")
+    return func([x, out])
+
+
+def gather_f32(table_shape: PShape, ids_shape: PShape, dtype: str = "float32") -> tirx.PrimFunc:
+    table = te.placeholder(table_shape, dtype, name="table")
+    ids = te.placeholder(ids_shape, "int32", name="ids")
+    nid = len(ids_shape)
+    out = te.compute(
+        (*ids_shape, *table_shape[1:]),
+        lambda *idx: table(ids(*idx[:nid]).astype("int64"), *idx[nid:]),
+        name="out",
+    )
+    return func([table, ids, out])
+
+
+def last_token(shape: PShape) -> tirx.PrimFunc:
+    x = te.placeholder(shape, "float32", name="x")
+    out = te.compute((i64(1), *shape[1:]), lambda _t, *rest: x(shape[0] - i64(1), *rest), name="out")
+    return func([x, out])
+
+
+# ---------------------------------------------------------------------------------------------
+# positions, rope, attention
+
+
+def rope(x_shape: PShape, table_shape: PShape, attrs: O.Rope) -> tirx.PrimFunc:
+    """x [T, H, D]; table [n_ctx, n_rot/2, 2] of (cos, sin); scalar pos (start position)."""
+    x = te.placeholder(x_shape, "float32", name="x")
+    table = te.placeholder(table_shape, "float32", name="table")
+    pos = te.var("pos", "int64")
+    half = attrs.n_rot // 2
+    n_rot = i64(attrs.n_rot)
+
+    def body(t: PrimExpr, h: PrimExpr, d: PrimExpr) -> PrimExpr:
+        p = pos + t
+        if attrs.mode == "norm":
+            pair, second = d // i64(2), d % i64(2) == i64(1)
+            a, b = x[t, h, d - d % i64(2)], x[t, h, d - d % i64(2) + i64(1)]
+        else:
+            second = d >= i64(half)
+            pair = tirx.if_then_else(second, d - i64(half), d)
+            a = x[t, h, tirx.if_then_else(second, d - i64(half), d)]
+            b = x[t, h, tirx.if_then_else(second, d, d + i64(half))]
+        c, s = table[p, pair, i64(0)], table[p, pair, i64(1)]
+        rotated = tirx.if_then_else(second, a * s + b * c, a * c - b * s)
+        return tirx.if_then_else(d < n_rot, rotated, x[t, h, d])
+
+    out = te.compute(x_shape, body, name="out")
+    return func_with_scalar([x, pos, table, out])
+
+
+def func_with_scalar(args: Sequence[Any]) -> tirx.PrimFunc:
+    return func(args)
+
+
+def attention(q_shape: PShape, cache_shape: PShape, scale: float) -> tirx.PrimFunc:
+    """Causal attention of this call's queries over cache rows [0, pos+T) with GQA head sharing."""
+    n_tok, n_head, dim = q_shape
+    n_kv = cache_shape[1]
+    group = tirx.floordiv(n_head, n_kv)
+    q = te.placeholder(q_shape, "float32", name="q")
+    kc = te.placeholder(cache_shape, "float32", name="k_cache")
+    vc = te.placeholder(cache_shape, "float32", name="v_cache")
+    pos = te.var("pos", "int64")
+    n_ctx = pos + n_tok
+    rd = te.reduce_axis((i64(0), dim), name="rd")
+    qk = te.compute(
+        (n_head, n_tok, n_ctx), lambda h, t, s: te.sum(q[t, h, rd] * kc[s, h // group, rd], axis=rd), name="qk"
+    )
+    score = te.compute(
+        (n_head, n_tok, n_ctx),
+        lambda h, t, s: tirx.if_then_else(s <= pos + t, qk[h, t, s] * f32(scale), f32(-3.4e38)),
+        name="score",
+    )
+    rs1 = te.reduce_axis((i64(0), n_ctx), name="rs1")
+    mx = te.compute((n_head, n_tok), lambda h, t: te.max(score[h, t, rs1], axis=rs1), name="mx")
+    ex = te.compute(
+        (n_head, n_tok, n_ctx),
+        lambda h, t, s: tirx.if_then_else(s <= pos + t, te.exp(score[h, t, s] - mx[h, t]), f32(0.0)),
+        name="ex",
+    )
+    rs2 = te.reduce_axis((i64(0), n_ctx), name="rs2")
+    sm = te.compute((n_head, n_tok), lambda h, t: te.sum(ex[h, t, rs2], axis=rs2), name="sm")
+    rs3 = te.reduce_axis((i64(0), n_ctx), name="rs3")
+    pv = te.compute(
+        (n_tok, n_head, dim), lambda t, h, d: te.sum(ex[h, t, rs3] * vc[rs3, h // group, d], axis=rs3), name="pv"
+    )
+    out = te.compute((n_tok, n_head, dim), lambda t, h, d: pv[t, h, d] / sm[h, t], name="out")
+    return func([q, kc, vc, pos, out])
+
+
+def topk(shape: PShape, k: int) -> tirx.PrimFunc:
+    """Top-k of each row by k rounds of arg-max over the unchosen entries (k is small: MoE)."""
+    x = te.placeholder(shape, "float32", name="x")
+    lead, n = shape[:-1], shape[-1]
+
+    def pick(prev: list[te.Tensor]) -> te.Tensor:
+        r = te.reduce_axis((i64(0), n), name=f"r{len(prev)}")
+
+        def taken(idx: Sequence[PrimExpr], j: PrimExpr) -> PrimExpr:
+            conds = [p(*idx) == j.astype("int32") for p in prev]
+            return functools.reduce(tirx.Or, conds) if conds else tirx.const(False, "bool")
+
+        argmax = te.comm_reducer(
+            lambda a, b: (tirx.Select(b[1] > a[1], b[0], a[0]), tirx.Select(b[1] > a[1], b[1], a[1])),
+            lambda t0, t1: (tirx.const(-1, t0), tirx.min_value(t1)),
+            name="argmax",
+        )
+        best = te.compute(
+            lead,
+            lambda *i: argmax(
+                (r.var.astype("int32"), tirx.Select(taken(i, r.var), tirx.min_value("float32"), x(*i, r.var))),
+                axis=r,
+            ),
+            name=f"best{len(prev)}",
+        )
+        return best[0]
+
+    chosen: list[te.Tensor] = []
+    for _ in range(k):
+        chosen.append(pick(chosen))
+    ids = te.compute(
+        (*lead, i64(k)),
+        lambda *i: _select_among(chosen, i[:-1], i[-1]),
+        name="ids",
+    )
+    vals = te.compute((*lead, i64(k)), lambda *i: x(*i[:-1], ids(*i).astype("int64")), name="vals")
+    return func([x, vals, ids])
+
+
+def _select_among(chosen: Sequence[te.Tensor], lead: Sequence[PrimExpr], j: PrimExpr) -> PrimExpr:
+    expr = chosen[-1](*lead)
+    for idx in reversed(range(len(chosen) - 1)):
+        expr = tirx.Select(j == i64(idx), chosen[idx](*lead), expr)
+    return expr
+
+
+def moe_normalize(shape: PShape, clamp: float) -> tirx.PrimFunc:
+    w = te.placeholder(shape, "float32", name="w")
+    r = te.reduce_axis((i64(0), shape[-1]), name="r")
+    # TE allows a reduction only at the top of a compute: sum first, clamp in the division
+    s = te.compute(shape[:-1], lambda *i: te.sum(w(*i, r), axis=r), name="s")
+    out = te.compute(shape, lambda *i: w(*i) / te.max(s(*i[:-1]), f32(clamp)), name="out")
+    return func([w, out])
+
+
+def weighted_sum(y_shape: PShape, scale_by: bool) -> tirx.PrimFunc:
+    """y [T, k, N] * w [T, k] summed over k -> [T, N]."""
+    y = te.placeholder(y_shape, "float32", name="y")
+    w = te.placeholder(y_shape[:2], "float32", name="w")
+    r = te.reduce_axis((i64(0), y_shape[1]), name="r")
+    out = te.compute((y_shape[0], y_shape[2]), lambda t, n: te.sum(y[t, r, n] * w[t, r], axis=r), name="out")
+    return func([y, w, out])
+
+
+def cache_write(cache_shape: PShape, x_shape: PShape) -> tirx.PrimFunc:
+    """In place: cache[pos + t] = x[t]. Built with the TIR IR builder since TE cannot write in place."""
+    from tvm.script import ir_builder as IB
+    from tvm.script.ir_builder import tirx as Tb
+
+    with IB.IRBuilder() as ib:
+        with Tb.prim_func():
+            Tb.func_name("cache_write")
+            Tb.func_attr({"tirx.noalias": True})
+            cache = Tb.arg("cache", Tb.buffer(cache_shape, "float32"))
+            x_h = Tb.arg("x", Tb.handle())
+            pos = Tb.arg("pos", tirx.Var("pos", "int64"))
+            n = tirx.Var("n", "int64")
+            x = Tb.match_buffer(x_h, (n, *x_shape[1:]), "float32")
+            with Tb.grid(n, *x_shape[1:]) as idx:
+                t, rest = idx[0], idx[1:]
+                Tb.buffer_store(cache, x[(t, *rest)], [pos + t, *rest])
+    return ib.get()
+
+
+def tvm_dtype(d: str) -> str:
+    return d
+
+
+__all__ = ["tvm"]

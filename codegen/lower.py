@@ -1,0 +1,437 @@
+"""Lower IR graphs to one Relax module: one Relax function per entry point, one call_tir per kernel.
+
+The Relax VM then runs a whole forward step without Python: the host-side sequence of kernel
+calls, buffer planning and in-place state writes are compiled into the executable.
+Every entry point has the signature `(tokens [T] int32, pos Shape([P]), states tuple, params tuple)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import tvm
+from tvm import relax, tirx
+
+from ggufc.ir import ops as O
+from ggufc.ir.graph import Dim, Graph, Node, Param, Value
+
+from . import kernels as K
+from . import quant as Q
+from .schedule import schedule_cpu
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """Where a weight's kernel-layout arrays sit in the flat params tuple."""
+
+    source: str
+    qtype: str
+    shape: tuple[int, ...]
+    arrays: tuple[tuple[str, tuple[int, ...], str], ...]  # (field, shape, dtype)
+    first: int  # index of the first array in the params tuple
+
+
+def plan_params(graphs: Sequence[Graph]) -> list[ParamLayout]:
+    """Every param used by any graph, in a stable order, with its kernel layout."""
+    seen: dict[str, Param] = {}
+    for g in graphs:
+        for src, p in g.params.items():
+            seen.setdefault(src, p)
+    layouts: list[ParamLayout] = []
+    index = 0
+    for src in sorted(seen):
+        p = seen[src]
+        shape = tuple(int(d) for d in p.value.shape)
+        spec = tuple((n, tuple(s), dt) for n, s, dt in Q.layout_spec(p.qtype, shape)) if len(shape) >= 1 else ()
+        layouts.append(ParamLayout(src, p.qtype, shape, spec, index))
+        index += len(spec)
+    return layouts
+
+
+def _tensor_type(shape: Sequence[Any], dtype: str) -> relax.TensorType:
+    return relax.TensorType(list(shape), dtype)
+
+
+class FunctionContext:
+    """State of one Relax function being built: value environment and symbolic dims."""
+
+    def __init__(self, builder: ModuleBuilder, graph: Graph, fixed_tokens: int | None) -> None:
+        self.mb = builder
+        self.bb = builder.bb
+        self.graph = graph
+        self.fixed_tokens = fixed_tokens
+        self.n = tirx.Var("n", "int64") if fixed_tokens is None else None
+        self.p = tirx.Var("p", "int64")
+        self.env: dict[int, Any] = {}
+        self.param_of: dict[int, Param] = graph.param_values()
+        self.param_arrays: dict[str, list[Any]] = {}
+
+    # -- dims -----------------------------------------------------------------------------------
+    def dim(self, d: Dim) -> Any:
+        if isinstance(d, int):
+            return K.i64(d)
+        tok = self.n if self.n is not None else K.i64(self.fixed_tokens or 1)
+        return eval(d, {"__builtins__": {}}, {"T": tok, "P": self.p})  # noqa: S307 - IR dims are checked
+
+    def shape(self, v: Value) -> list[Any]:
+        return [self.dim(d) for d in v.shape]
+
+    def is_one(self, d: Dim) -> bool:
+        return d == 1 or (d == "T" and self.fixed_tokens == 1)
+
+    def kernel_key_dims(self, v: Value) -> tuple[Dim, ...]:
+        """Dims as they parameterise a kernel: T becomes 1 in a decode function."""
+        return tuple(1 if (d == "T" and self.fixed_tokens == 1) else d for d in v.shape)
+
+    def kernel_shape(self, v: Value, syms: K.Symbols) -> K.PShape:
+        return syms.shape(self.kernel_key_dims(v))
+
+    # -- values ---------------------------------------------------------------------------------
+    def is_param(self, v: Value) -> bool:
+        return v.id in self.param_of
+
+    def param(self, v: Value) -> tuple[ParamLayout, list[Any]]:
+        p = self.param_of[v.id]
+        layout = self.mb.layouts[p.source]
+        if p.source not in self.param_arrays:
+            self.param_arrays[p.source] = [
+                self.bb.emit(relax.TupleGetItem(self.params_var, layout.first + i), name_hint=_hint(p.source, f))
+                for i, (f, _, _) in enumerate(layout.arrays)
+            ]
+        return layout, self.param_arrays[p.source]
+
+    def value(self, v: Value) -> Any:
+        if v.id in self.param_of:
+            layout, arrays = self.param(v)
+            if len(arrays) != 1 or layout.qtype != "F32":
+                raise NotImplementedError(f"{v.label}: a {layout.qtype} weight used where f32 is needed")
+            return arrays[0]
+        return self.env[v.id]
+
+    def pos(self) -> Any:
+        return relax.prim_value(self.p)
+
+    # -- calls ----------------------------------------------------------------------------------
+    def call(self, key: tuple[Any, ...], make: Callable[[], tirx.PrimFunc], args: Sequence[Any],
+             outs: Sequence[Value], name: str) -> list[Any]:
+        gv = self.mb.kernel(key, make)
+        types = [_tensor_type(self.shape(o), o.dtype) for o in outs]
+        call = relax.call_tir(gv, list(args), types if len(types) > 1 else types[0])
+        res = self.bb.emit(call, name_hint=name)
+        if len(outs) == 1:
+            return [res]
+        return [self.bb.emit(relax.TupleGetItem(res, i)) for i in range(len(outs))]
+
+    def call_temp(self, key: tuple[Any, ...], make: Callable[[], tirx.PrimFunc], args: Sequence[Any],
+                  shapes: Sequence[tuple[Sequence[Any], str]], name: str) -> list[Any]:
+        """A call whose outputs are intermediates of a composite lowering (no IR value)."""
+        gv = self.mb.kernel(key, make)
+        types = [_tensor_type(s, dt) for s, dt in shapes]
+        res = self.bb.emit(relax.call_tir(gv, list(args), types if len(types) > 1 else types[0]), name_hint=name)
+        if len(shapes) == 1:
+            return [res]
+        return [self.bb.emit(relax.TupleGetItem(res, i)) for i in range(len(shapes))]
+
+
+def _hint(source: str, field: str) -> str:
+    return (source.replace(".", "_") + "_" + field)[:60]
+
+
+class ModuleBuilder:
+    def __init__(self, target: tvm.target.Target, layouts: Sequence[ParamLayout],
+                 states: Sequence[tuple[str, tuple[int, ...], str]]) -> None:
+        self.target = target
+        self.bb = relax.BlockBuilder()
+        self.layouts = {lay.source: lay for lay in layouts}
+        self.flat_params = [a for lay in layouts for a in lay.arrays]
+        self.states = list(states)
+        self.kernels: dict[tuple[Any, ...], Any] = {}
+        self.kernel_names: list[str] = []
+
+    def kernel(self, key: tuple[Any, ...], make: Callable[[], tirx.PrimFunc]) -> Any:
+        if key not in self.kernels:
+            func = schedule_cpu(make()) if self.target.kind.name == "llvm" else make()
+            name = _kernel_name(key, len(self.kernels))
+            self.kernels[key] = self.bb.add_func(func.with_attr("global_symbol", name), name)
+            self.kernel_names.append(name)
+        return self.kernels[key]
+
+    def add_function(self, name: str, graph: Graph, fixed_tokens: int | None = None) -> None:
+        fc = FunctionContext(self, graph, fixed_tokens)
+        tok_dim = fc.n if fc.n is not None else K.i64(fixed_tokens or 1)
+        tokens = relax.Var("tokens", _tensor_type([tok_dim], "int32"))
+        pos = relax.Var("pos", relax.ShapeType([fc.p]))
+        states = relax.Var("states", relax.TupleType([_tensor_type(s, d) for _, s, d in self.states]))
+        params = relax.Var("params", relax.TupleType([_tensor_type(s, d) for _, s, d in self.flat_params]))
+        fc.params_var = params  # type: ignore[attr-defined]
+        state_index = {n: i for i, (n, _, _) in enumerate(self.states)}
+        with self.bb.function(name, [tokens, pos, states, params]):
+            for v in graph.inputs:
+                if v.name == "tokens":
+                    fc.env[v.id] = tokens
+            for sname, st in graph.states.items():
+                fc.env[st.value.id] = self.bb.emit(relax.TupleGetItem(states, state_index[sname]), name_hint=sname)
+            for node in graph.nodes:
+                outs = lower_node(fc, node)
+                for v, e in zip(node.outputs, outs, strict=True):
+                    fc.env[v.id] = e
+            result = [fc.value(o) for o in graph.outputs]
+            self.bb.emit_func_output(result[0] if len(result) == 1 else relax.Tuple(result))
+
+    def module(self) -> tvm.IRModule:
+        return self.bb.get()
+
+
+def _kernel_name(key: tuple[Any, ...], index: int) -> str:
+    return f"k{index:03d}_{key[0]}"
+
+
+# ---------------------------------------------------------------------------------------------
+# the lowering table
+
+
+def _ew(fc: FunctionContext, node: Node, program: O.FusedElementwise, name: str) -> list[Any]:
+    shapes_key = tuple(fc.kernel_key_dims(v) for v in node.inputs)
+    key = ("elementwise", program, shapes_key)
+
+    def make() -> tirx.PrimFunc:
+        syms = K.Symbols()
+        return K.elementwise([fc.kernel_shape(v, syms) for v in node.inputs], program)
+
+    return fc.call(key, make, [fc.value(v) for v in node.inputs], node.outputs, name)
+
+
+def _lower_single_elementwise(fc: FunctionContext, node: Node) -> list[Any]:
+    prog = O.FusedElementwise(((node.op, node.attrs, tuple(range(len(node.inputs)))),), len(node.inputs))
+    return _ew(fc, node, prog, node.outputs[0].name)
+
+
+def _lower_fused_elementwise(fc: FunctionContext, node: Node) -> list[Any]:
+    return _ew(fc, node, node.attrs, node.outputs[0].name)
+
+
+def _lower_swiglu(fc: FunctionContext, node: Node) -> list[Any]:
+    prog = O.FusedElementwise((("unary", O.Unary("silu"), (0,)), ("binary", O.Binary("mul"), (2, 1))), 2)
+    return _ew(fc, node, prog, node.outputs[0].name)
+
+
+def _simple(kind: str, build: Callable[[FunctionContext, Node, K.Symbols], tirx.PrimFunc],
+            extra_key: Callable[[Node], Any] = lambda n: n.attrs, with_pos: bool = False) -> Callable[..., list[Any]]:
+    """Lowering for an op that maps to exactly one kernel taking its tensor inputs (and pos)."""
+
+    def lower(fc: FunctionContext, node: Node) -> list[Any]:
+        tensors = [v for v in node.inputs if v.shape != ()]
+        key = (kind, extra_key(node), tuple(fc.kernel_key_dims(v) for v in tensors))
+        args = [fc.pos() if v.shape == () else fc.value(v) for v in node.inputs]
+        return fc.call(key, lambda: build(fc, node, K.Symbols()), args, node.outputs, node.outputs[0].name)
+
+    return lower
+
+
+def _reshape(fc: FunctionContext, node: Node) -> list[Any]:
+    x = fc.value(node.inputs[0])
+    return [fc.bb.emit(relax.op.reshape(x, fc.shape(node.outputs[0])), name_hint=node.outputs[0].name)]
+
+
+def _cache_write(fc: FunctionContext, node: Node) -> list[Any]:
+    cache, x = node.inputs[0], node.inputs[1]
+    cshape = tuple(int(d) for d in cache.shape)
+    key = ("cache_write", cshape, fc.kernel_key_dims(x))
+    gv = fc.mb.kernel(key, lambda: K.cache_write(K.Symbols().shape(cshape), K.Symbols().shape(x.shape)))
+    call = relax.call_tir_inplace(gv, [fc.value(cache), fc.value(x), fc.pos()], [0],
+                                  _tensor_type(fc.shape(cache), cache.dtype))
+    return [fc.bb.emit(call, name_hint=node.outputs[0].name)]
+
+
+def _weight_args(fc: FunctionContext, w: Value) -> tuple[str, tuple[int, ...], list[Any]]:
+    """(qtype, logical shape, kernel-layout arrays) of a matmul/gather weight operand."""
+    if fc.is_param(w):
+        layout, arrays = fc.param(w)
+        return layout.qtype, layout.shape, arrays
+    return "F32", tuple(int(d) for d in w.shape), [fc.value(w)]
+
+
+def _matmul(fc: FunctionContext, node: Node) -> list[Any]:
+    x, w = node.inputs
+    qtype, (n, k), arrays = _weight_args(fc, w)
+    gemv = fc.is_one(x.shape[0]) and len(x.shape) == 2
+    if len(x.shape) != 2:
+        raise NotImplementedError(f"{node.outputs[0].label}: matmul expects a 2-D activation, got {x.shape}")
+    key = ("matmul", qtype, n, k, gemv)
+    return fc.call(key, lambda: Q.qmatmul(qtype, n, k, gemv=gemv), [fc.value(x), *arrays], node.outputs,
+                   node.outputs[0].name)
+
+
+def _gather(fc: FunctionContext, node: Node) -> list[Any]:
+    table, ids = node.inputs
+    if fc.is_param(table) and len(table.shape) == 2 and len(ids.shape) == 1:
+        qtype, (rows, k), arrays = _weight_args(fc, table)
+        return fc.call(("embed", qtype, rows, k), lambda: Q.qembed(qtype, rows, k), [fc.value(ids), *arrays],
+                       node.outputs, node.outputs[0].name)
+    key = ("gather", fc.kernel_key_dims(table), fc.kernel_key_dims(ids))
+
+    def make() -> tirx.PrimFunc:
+        syms = K.Symbols()
+        return K.gather_f32(fc.kernel_shape(table, syms), fc.kernel_shape(ids, syms))
+
+    return fc.call(key, make, [fc.value(table), fc.value(ids)], node.outputs, node.outputs[0].name)
+
+
+def _dequantize(fc: FunctionContext, node: Node) -> list[Any]:
+    """Standalone dequantisation (only when dequantize-into-matmul is switched off)."""
+    w = node.inputs[0]
+    layout, arrays = fc.param(w)
+    *lead, k = layout.shape
+    rows = int(np.prod(lead))
+    flat = [fc.bb.emit(relax.op.reshape(a, [rows, *s[len(lead):]])) for a, (_, s, _) in zip(arrays, layout.arrays,
+                                                                                         strict=True)]
+    ids = relax.const(np.arange(rows, dtype=np.int32))
+    out = fc.call_temp(("embed", layout.qtype, rows, k), lambda: Q.qembed(layout.qtype, rows, k), [ids, *flat],
+                       [([K.i64(rows), K.i64(k)], "float32")], node.outputs[0].name)[0]
+    return [fc.bb.emit(relax.op.reshape(out, fc.shape(node.outputs[0])))]
+
+
+def _matmul_id(fc: FunctionContext, node: Node) -> list[Any]:
+    x, w, ids = node.inputs
+    qtype, (n_exp, n, k), arrays = _weight_args(fc, w)
+    slots = int(ids.shape[1])
+    per_slot = x.shape[1] != 1
+    key = ("experts", qtype, n_exp, n, k, slots, per_slot)
+    return fc.call(key, lambda: Q.qmatmul_experts(qtype, n_exp, n, k, slots, x_per_slot=per_slot),
+                   [fc.value(x), fc.value(ids), *arrays], node.outputs, node.outputs[0].name)
+
+
+def _topk(fc: FunctionContext, node: Node) -> list[Any]:
+    x = node.inputs[0]
+    key = ("topk", node.attrs.k, fc.kernel_key_dims(x))
+    return fc.call(key, lambda: K.topk(fc.kernel_shape(x, K.Symbols()), node.attrs.k), [fc.value(x)],
+                   node.outputs, node.outputs[0].name)
+
+
+def _route(fc: FunctionContext, logits: Any, logits_dims: tuple[Dim, ...], k: int, normalize: bool,
+           clamp: float, tag: str) -> tuple[Any, Any]:
+    """softmax -> top-k -> renormalise, on a [T, X] logits expression."""
+    syms_shape = [fc.dim(d) for d in logits_dims]
+    probs = fc.call_temp(("softmax", logits_dims), lambda: K.softmax(K.Symbols().shape(logits_dims)), [logits],
+                         [(syms_shape, "float32")], f"{tag}_probs")[0]
+    sel_shape = [syms_shape[0], K.i64(k)]
+    w, ids = fc.call_temp(("topk", k, logits_dims), lambda: K.topk(K.Symbols().shape(logits_dims), k), [probs],
+                          [(sel_shape, "float32"), (sel_shape, "int32")], f"{tag}_topk")
+    if normalize:
+        wdims = (logits_dims[0], k)
+        w = fc.call_temp(("moe_normalize", clamp, wdims), lambda: K.moe_normalize(K.Symbols().shape(wdims), clamp),
+                         [w], [(sel_shape, "float32")], f"{tag}_weights")[0]
+    return w, ids
+
+
+def _moe_route(fc: FunctionContext, node: Node) -> list[Any]:
+    a: O.MoeRoute = node.attrs
+    logits = node.inputs[0]
+    return list(_route(fc, fc.value(logits), fc.kernel_key_dims(logits), a.k, a.normalize, a.norm_clamp,
+                       node.outputs[0].name))
+
+
+def _moe_ffn(fc: FunctionContext, node: Node) -> list[Any]:
+    """Router matmul, softmax/top-k/renormalise, selected experts' SwiGLU, weighted sum."""
+    a: O.MoeFFN = node.attrs
+    x, router, *rest = node.inputs
+    gate = rest.pop(0) if a.has_gate else None
+    up, down, *scale_vals = rest
+    scales = dict(zip(a.expert_scales, scale_vals, strict=True))
+    t_dim = fc.kernel_key_dims(x)[0]
+    t = fc.dim(x.shape[0])
+    e = int(x.shape[1])
+    rq, (n_exp, _), rarr = _weight_args(fc, router)
+    gemv = fc.is_one(x.shape[0])
+    logits = fc.call_temp(("matmul", rq, n_exp, e, gemv), lambda: Q.qmatmul(rq, n_exp, e, gemv=gemv),
+                          [fc.value(x), *rarr], [([t, K.i64(n_exp)], "float32")], "ffn_moe_logits")[0]
+    w, ids = _route(fc, logits, (t_dim, n_exp), a.k, a.normalize, a.norm_clamp, "ffn_moe")
+    x3 = fc.bb.emit(relax.op.reshape(fc.value(x), [t, K.i64(1), K.i64(e)]))
+
+    def experts(inp: Any, wv: Value, per_slot: bool, kind: str) -> Any:
+        qtype, (_, n, k), arrays = _weight_args(fc, wv)
+        key = ("experts", qtype, n_exp, n, k, a.k, per_slot)
+        y = fc.call_temp(key, lambda: Q.qmatmul_experts(qtype, n_exp, n, k, a.k, x_per_slot=per_slot),
+                         [inp, ids, *arrays], [([t, K.i64(a.k), K.i64(n)], "float32")], f"ffn_moe_{kind}")[0]
+        if kind in scales:
+            y = _scale_by_expert(fc, y, scales[kind], ids, (t_dim, a.k, n), kind)
+        return y
+
+    up_y = experts(x3, up, False, "up")
+    hidden = int(up.shape[1])
+    act_dims = (t_dim, a.k, hidden)
+    act_shape = [t, K.i64(a.k), K.i64(hidden)]
+    if gate is not None:
+        g_y = experts(x3, gate, False, "gate")
+        prog = O.FusedElementwise((("unary", O.Unary("silu"), (0,)), ("binary", O.Binary("mul"), (2, 1))), 2)
+        act = fc.call_temp(("elementwise", prog, (act_dims, act_dims)),
+                           lambda: K.elementwise([K.Symbols().shape(act_dims)] * 2, prog), [g_y, up_y],
+                           [(act_shape, "float32")], "ffn_moe_act")[0]
+    else:
+        prog = O.FusedElementwise((("unary", O.Unary("silu"), (0,)),), 1)
+        act = fc.call_temp(("elementwise", prog, (act_dims,)), lambda: K.elementwise([K.Symbols().shape(act_dims)], prog),
+                           [up_y], [(act_shape, "float32")], "ffn_moe_act")[0]
+    down_y = experts(act, down, True, "down")
+    dims = (t_dim, a.k, e)
+    return fc.call(("weighted_sum", dims), lambda: K.weighted_sum(K.Symbols().shape(dims), True), [down_y, w],
+                   node.outputs, node.outputs[0].name)
+
+
+def _scale_by_expert(fc: FunctionContext, y: Any, scale: Value, ids: Any, dims: tuple[Dim, ...], kind: str) -> Any:
+    """y[t, s, :] *= scale[ids[t, s]] (llama.cpp's per-expert `.scale`)."""
+    n_exp = int(scale.shape[0])
+    id_dims = dims[:2]
+    t = fc.dim(dims[0])
+    per = fc.call_temp(("gather", (n_exp,), id_dims),
+                       lambda: K.gather_f32(K.Symbols().shape((n_exp,)), K.Symbols().shape(id_dims)),
+                       [fc.value(scale), ids], [([t, K.i64(dims[1])], "float32")], f"ffn_moe_{kind}_scale")[0]
+    per3 = fc.bb.emit(relax.op.reshape(per, [t, K.i64(dims[1]), K.i64(1)]))
+    in_dims = (dims, (dims[0], dims[1], 1))
+    prog = O.FusedElementwise((("binary", O.Binary("mul"), (0, 1)),), 2)
+    return fc.call_temp(("elementwise", prog, in_dims),
+                        lambda: K.elementwise([K.Symbols().shape(d) for d in in_dims], prog), [y, per3],
+                        [([t, K.i64(dims[1]), K.i64(dims[2])], "float32")], f"ffn_moe_{kind}_scaled")[0]
+
+
+def _first_shape(fc: FunctionContext, node: Node, syms: K.Symbols) -> K.PShape:
+    return fc.kernel_shape(node.inputs[0], syms)
+
+
+LOWERING: dict[str, Callable[[FunctionContext, Node], list[Any]]] = {
+    "unary": _lower_single_elementwise,
+    "binary": _lower_single_elementwise,
+    "scalar": _lower_single_elementwise,
+    "fused_elementwise": _lower_fused_elementwise,
+    "swiglu": _lower_swiglu,
+    "reduce": _simple("reduce", lambda fc, n, s: K.reduce(_first_shape(fc, n, s), n.attrs)),
+    "reshape": _reshape,
+    "transpose": _simple("transpose", lambda fc, n, s: K.transpose(_first_shape(fc, n, s), n.attrs.perm)),
+    "slice": _simple("slice", lambda fc, n, s: K.slice_(_first_shape(fc, n, s), n.attrs, n.inputs[0].dtype)),
+    "concat": _simple("concat", lambda fc, n, s: K.concat([fc.kernel_shape(v, s) for v in n.inputs], n.attrs.axis,
+                                                         n.inputs[0].dtype)),
+    "last_token": _simple("last_token", lambda fc, n, s: K.last_token(_first_shape(fc, n, s))),
+    "dequantize": _dequantize,
+    "gather": _gather,
+    "matmul": _matmul,
+    "matmul_id": _matmul_id,
+    "topk": _topk,
+    "softmax": _simple("softmax", lambda fc, n, s: K.softmax(_first_shape(fc, n, s), n.attrs.axis)),
+    "rms_norm": _simple("rms_norm", lambda fc, n, s: K.rms_norm(_first_shape(fc, n, s), len(n.inputs) > 1,
+                                                                n.attrs.eps)),
+    "rope": _simple("rope", lambda fc, n, s: K.rope(_first_shape(fc, n, s), fc.kernel_shape(n.inputs[2], s), n.attrs)),
+    "attention": _simple("attention", lambda fc, n, s: K.attention(_first_shape(fc, n, s),
+                                                                   fc.kernel_shape(n.inputs[1], s), n.attrs.scale)),
+    "cache_write": _cache_write,
+    "moe_route": _moe_route,
+    "moe_ffn": _moe_ffn,
+}
+
+
+def lower_node(fc: FunctionContext, node: Node) -> list[Any]:
+    lower = LOWERING.get(node.op)
+    if lower is None:
+        raise NotImplementedError(f"no {fc.mb.target.kind.name} lowering for op '{node.op}' ({node.outputs[0].label})")
+    return lower(fc, node)

@@ -1,0 +1,225 @@
+"""Decompositions: every fused op spelled in primitives.
+
+`decompose(graph)` replaces each fused node by its primitives, emitted through a GraphBuilder
+under the node's layer and named after its output (`attn.scores@3`). The fused node's output
+values are kept as the outputs of the last primitives, so users, graph outputs and state_out
+need no rewiring. The decomposed graph run by the interpreter must match the fused one: that is
+how every fused kernel's meaning is pinned to the primitive references.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+
+from . import ops as O
+from .builder import GraphBuilder
+from .graph import Dim, Graph, Node, Value
+from .verify import IRError, fmt_shape, shapes_equal
+
+Decomposition = Callable[[GraphBuilder, Node], list[Value]]
+
+
+def _mul_dim(k: int, d: Dim) -> Dim:
+    """k * d, kept symbolic when d is ("2*T", "2*(P+T)")."""
+    if isinstance(d, int):
+        return k * d
+    if k == 1:
+        return d
+    return f"{k}*{d}" if d.isalnum() else f"{k}*({d})"
+
+
+# ---------------------------------------------------------------------------------------------
+# spelled blocks (the same spellings the frontend emits)
+
+
+def softmax_spelled(b: GraphBuilder, x: Value, axis: int, name: str) -> Value:
+    m = b.reduce("max", x, f"{name}.max", axis=axis)
+    e = b.unary("exp", b.binary("sub", x, m, f"{name}.shift"), f"{name}.exp")
+    return b.binary("div", e, b.reduce("sum", e, f"{name}.sum", axis=axis), name)
+
+
+def rms_norm_spelled(b: GraphBuilder, x: Value, w: Value | None, eps: float, name: str) -> Value:
+    sq = b.unary("square", x, f"{name}.sq")
+    ms = b.reduce("mean", sq, f"{name}.ms")
+    r = b.unary("rsqrt", b.scalar("add", ms, eps, f"{name}.ms_eps"), f"{name}.rstd")
+    y = b.mul(x, r, f"{name}.normed" if w is not None else name)
+    return b.mul(y, w, name) if w is not None else y
+
+
+def route_spelled(b: GraphBuilder, logits: Value, a: O.MoeRoute | O.MoeFFN, name: str) -> tuple[Value, Value]:
+    probs = softmax_spelled(b, logits, -1, f"{name}.probs")
+    w, ids = b.emit_multi("topk", [probs], O.TopK(a.k), [f"{name}.topk", f"{name}.ids"])
+    if not a.normalize:
+        return w, ids
+    denom = b.scalar("max", b.reduce("sum", w, f"{name}.wsum"), a.norm_clamp, f"{name}.wsum_clamped")
+    return b.binary("div", w, denom, f"{name}.weights"), ids
+
+
+# ---------------------------------------------------------------------------------------------
+# one decomposition per fused op
+
+
+def _softmax(b: GraphBuilder, n: Node) -> list[Value]:
+    return [softmax_spelled(b, n.inputs[0], n.attrs.axis, n.outputs[0].name)]
+
+
+def _rms_norm(b: GraphBuilder, n: Node) -> list[Value]:
+    w = n.inputs[1] if len(n.inputs) > 1 else None
+    return [rms_norm_spelled(b, n.inputs[0], w, n.attrs.eps, n.outputs[0].name)]
+
+
+def _swiglu(b: GraphBuilder, n: Node) -> list[Value]:
+    name = n.outputs[0].name
+    return [b.mul(b.unary("silu", n.inputs[0], f"{name}.silu"), n.inputs[1], name)]
+
+
+def _rope(b: GraphBuilder, n: Node) -> list[Value]:
+    """Rotate pairs by the table rows of this call's positions (gathered, not sliced by P)."""
+    x, pos, table = n.inputs
+    a: O.Rope = n.attrs
+    name, (t, h, d) = n.outputs[0].name, x.shape
+    half = a.n_rot // 2
+    rows = b.gather(table, b.emit("positions", [pos], O.Tokens(t), f"{name}.pos"), f"{name}.cs")
+    cos, sin = b.slice(rows, 2, 0, 1, f"{name}.cos"), b.slice(rows, 2, 1, 2, f"{name}.sin")
+    rest = [b.slice(x, 2, a.n_rot, int(d), f"{name}.pass")] if a.n_rot < int(d) else []
+    xr = b.slice(x, 2, 0, a.n_rot, f"{name}.rot") if rest else x
+    if a.mode == "neox":  # halves: (x[:half], x[half:n_rot])
+        c, s = b.reshape(cos, (t, 1, half), f"{name}.c"), b.reshape(sin, (t, 1, half), f"{name}.s")
+        lo, hi = b.slice(xr, 2, 0, half, f"{name}.lo"), b.slice(xr, 2, half, a.n_rot, f"{name}.hi")
+        parts = _rotate(b, lo, hi, c, s, name)
+    else:  # "norm": adjacent pairs, seen as a trailing axis of 2
+        pairs = b.reshape(xr, (t, h, half, 2), f"{name}.pairs")
+        c, s = b.reshape(cos, (t, 1, half, 1), f"{name}.c"), b.reshape(sin, (t, 1, half, 1), f"{name}.s")
+        lo, hi = b.slice(pairs, 3, 0, 1, f"{name}.lo"), b.slice(pairs, 3, 1, 2, f"{name}.hi")
+        rotated = b.emit("concat", _rotate(b, lo, hi, c, s, name), O.Concat(3), f"{name}.rotpairs")
+        parts = [b.reshape(rotated, (t, h, a.n_rot), f"{name}.rotated")]
+    parts += rest
+    if len(parts) == 1:
+        return parts
+    return [b.emit("concat", parts, O.Concat(2), name)]
+
+
+def _rotate(b: GraphBuilder, lo: Value, hi: Value, c: Value, s: Value, name: str) -> list[Value]:
+    new_lo = b.binary("sub", b.mul(lo, c, f"{name}.lo_c"), b.mul(hi, s, f"{name}.hi_s"), f"{name}.new_lo")
+    new_hi = b.add(b.mul(lo, s, f"{name}.lo_s"), b.mul(hi, c, f"{name}.hi_c"), f"{name}.new_hi")
+    return [new_lo, new_hi]
+
+
+def _attention(b: GraphBuilder, n: Node) -> list[Value]:
+    """Causal GQA over the cache: query heads are grouped under their KV head, so one batched
+    matmul per KV head serves its whole group (no repeat of K/V)."""
+    q, kc, vc, pos = n.inputs
+    name, (t, h, d) = n.outputs[0].name, q.shape
+    hkv = int(kc.shape[1])
+    g = int(h) // hkv
+    gt = _mul_dim(g, t)
+    k = b.transpose(b.emit("cache_read", [kc, pos], O.Tokens(t), f"{name}.k"), (1, 0, 2), f"{name}.kt")
+    v = b.transpose(b.emit("cache_read", [vc, pos], O.Tokens(t), f"{name}.v"), (1, 0, 2), f"{name}.vt")
+    qg = b.transpose(b.reshape(q, (t, hkv, g, d), f"{name}.q4"), (1, 2, 0, 3), f"{name}.qg")
+    q3 = b.reshape(qg, (hkv, gt, d), f"{name}.q3")
+    qk = b.emit("bmm_nt", [q3, k], O.NoAttrs(), f"{name}.qk")
+    scores = b.scalar("mul", qk, n.attrs.scale, f"{name}.scaled")
+    s_len = scores.shape[2]
+    mask = b.emit("causal_mask", [pos], O.Tokens(t), f"{name}.mask")
+    masked = b.add(b.reshape(scores, (hkv, g, t, s_len), f"{name}.s4"), mask, f"{name}.masked")
+    probs = softmax_spelled(b, masked, -1, f"{name}.probs")
+    out = b.emit("bmm_nn", [b.reshape(probs, (hkv, gt, s_len), f"{name}.p3"), v], O.NoAttrs(), f"{name}.pv")
+    heads = b.transpose(b.reshape(out, (hkv, g, t, d), f"{name}.o4"), (2, 0, 1, 3), f"{name}.ot")
+    return [b.reshape(heads, (t, h, d), name)]
+
+
+def _moe_route(b: GraphBuilder, n: Node) -> list[Value]:
+    return list(route_spelled(b, n.inputs[0], n.attrs, n.outputs[0].name))
+
+
+def _moe_ffn(b: GraphBuilder, n: Node) -> list[Value]:
+    """The spelling of frontend/blocks.py::moe (inputs: x, router, [gate], up, down, *scales)."""
+    a: O.MoeFFN = n.attrs
+    x, router, *rest = n.inputs
+    gate = rest.pop(0) if a.has_gate else None
+    up, down, *scale_list = rest
+    scales = dict(zip(a.expert_scales, scale_list, strict=True))
+    name, t = n.outputs[0].name, x.shape[0]
+    weights, ids = route_spelled(b, b.matmul(x, router, f"{name}.logits"), a, f"{name}.route")
+    x3 = b.reshape(x, (t, 1, x.shape[1]), f"{name}.in")
+
+    def experts(inp: Value, w: Value, kind: str) -> Value:
+        y = b.emit("matmul_id", [inp, w, ids], O.NoAttrs(), f"{name}.{kind}")
+        if kind in scales:
+            per_expert = b.gather(scales[kind], ids, f"{name}.{kind}_scale")
+            y = b.mul(y, b.reshape(per_expert, (t, a.k, 1), f"{name}.{kind}_scale3"), f"{name}.{kind}_scaled")
+        return y
+
+    u = experts(x3, up, "up")
+    if gate is not None:
+        act = b.mul(b.unary("silu", experts(x3, gate, "gate"), f"{name}.silu"), u, f"{name}.act")
+    else:
+        act = b.unary("silu", u, f"{name}.act")
+    w3 = b.reshape(weights, (t, a.k, 1), f"{name}.weights3")
+    weighted = b.mul(experts(act, down, "down"), w3, f"{name}.weighted")
+    return [b.reduce("sum", weighted, name, axis=1, keepdims=False)]
+
+
+def _fused_elementwise(b: GraphBuilder, n: Node) -> list[Value]:
+    a: O.FusedElementwise = n.attrs
+    name = n.outputs[0].name
+    vals = list(n.inputs)
+    for step, (op, attrs, operands) in enumerate(a.program):
+        vals.append(b.emit(op, [vals[i] for i in operands], attrs, f"{name}.{step}"))
+    return [vals[-1]]
+
+
+DECOMPOSITIONS: dict[str, Decomposition] = {
+    "softmax": _softmax,
+    "rms_norm": _rms_norm,
+    "rope": _rope,
+    "attention": _attention,
+    "swiglu": _swiglu,
+    "moe_route": _moe_route,
+    "moe_ffn": _moe_ffn,
+    "fused_elementwise": _fused_elementwise,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# the pass
+
+
+def decompose_node(node: Node) -> list[Node]:
+    """Primitive nodes computing `node`, whose last definitions are `node`'s own outputs."""
+    b = GraphBuilder()
+    with b.layer(node.outputs[0].layer):
+        results = DECOMPOSITIONS[node.op](b, node)
+    rename: dict[int, Value] = {}
+    for new, old in zip(results, node.outputs, strict=True):
+        if not shapes_equal(new.shape, old.shape) or new.dtype != old.dtype:
+            raise IRError(
+                f"decomposition of {node.op} gives {new.dtype}{fmt_shape(new.shape)} "
+                f"for %{old.label}:{old.dtype}{fmt_shape(old.shape)}"
+            )
+        rename[new.id] = old
+    defined = {v.id for n in b.nodes for v in n.outputs}
+    if not all(v.id in defined for v in results):
+        raise IRError(f"decomposition of {node.op} returns a value it did not compute")
+    return [_renamed(n, rename) for n in b.nodes]
+
+
+def _renamed(node: Node, rename: dict[int, Value]) -> Node:
+    def sub(vs: tuple[Value, ...]) -> tuple[Value, ...]:
+        return tuple(rename.get(v.id, v) for v in vs)
+
+    return Node(node.op, sub(node.inputs), node.attrs, sub(node.outputs))
+
+
+def decompose(graph: Graph, only: Collection[str] | None = None) -> Graph:
+    """Replace fused nodes (all of them, or those whose op is in `only`) by primitives.
+
+    Decompositions may emit fused ops' spellings that contain no fused ops, so one sweep is
+    enough; it is repeated until nothing fused (and selected) is left all the same.
+    """
+    nodes = graph.nodes
+    while True:
+        todo = {id(n) for n in nodes if O.OPS[n.op].fused and (only is None or n.op in only)}
+        if not todo:
+            return graph.replace(nodes=nodes)
+        nodes = [m for n in nodes for m in (decompose_node(n) if id(n) in todo else [n])]

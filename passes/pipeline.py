@@ -1,0 +1,91 @@
+"""The pass pipeline: named pure `Graph -> Graph` passes, run in an explicit order.
+
+Any pass can be switched off by name, and the IR can be dumped between passes. Each pass records
+its hits in the graph's meta; `run_pipeline` returns them per step, e.g.
+`{"fuse_rms_norm": 5, "fuse_swiglu": 2, ...}` (a pass run a second time reports as `dce#2`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Sequence
+from pathlib import Path
+
+from ggufc.ir.graph import Graph
+from ggufc.ir.printer import dump
+from ggufc.ir.verify import verify
+
+from .constant_fold import constant_fold
+from .dce import dce
+from .fold_dequantize import fold_dequantize
+from .fuse_elementwise import fuse_elementwise
+from .fuse_moe import fuse_moe
+from .fusions import fuse_rms_norm, fuse_softmax, fuse_swiglu
+from .stats import hits_of
+
+Pass = Callable[[Graph], Graph]
+
+PASSES: dict[str, Pass] = {
+    "dce": dce,
+    "constant_fold": constant_fold,
+    "fuse_rms_norm": fuse_rms_norm,
+    "fuse_swiglu": fuse_swiglu,
+    "fuse_softmax": fuse_softmax,
+    "fuse_moe": fuse_moe,
+    "fold_dequantize": fold_dequantize,
+    "fuse_elementwise": fuse_elementwise,
+}
+
+DEFAULT_ORDER: tuple[str, ...] = (
+    "dce",
+    "constant_fold",
+    "fuse_rms_norm",
+    "fuse_swiglu",
+    "fuse_softmax",
+    "fuse_moe",
+    "fold_dequantize",
+    "fuse_elementwise",
+    "dce",
+)
+
+
+def _step_labels(order: Sequence[str]) -> list[str]:
+    seen: dict[str, int] = {}
+    labels = []
+    for name in order:
+        seen[name] = seen.get(name, 0) + 1
+        labels.append(name if seen[name] == 1 else f"{name}#{seen[name]}")
+    return labels
+
+
+def run_pipeline(
+    graph: Graph,
+    disabled: Collection[str] = frozenset(),
+    dump_dir: str | Path | None = None,
+    *,
+    order: Sequence[str] = DEFAULT_ORDER,
+    check: bool = False,
+) -> tuple[Graph, dict[str, int]]:
+    """Run the passes of `order` not in `disabled`; returns the graph and hits per step.
+
+    `dump_dir` receives `00-input.txt` and one `NN-<step>.txt` after each pass; `check` runs
+    the verifier after each pass.
+    """
+    unknown = (set(disabled) | set(order)) - set(PASSES)
+    if unknown:
+        raise KeyError(f"unknown pass(es) {sorted(unknown)}; known: {', '.join(PASSES)}")
+    out_dir = Path(dump_dir) if dump_dir is not None else None
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "00-input.txt").write_text(dump(graph))
+    stats: dict[str, int] = {}
+    for step, (name, label) in enumerate(zip(order, _step_labels(order), strict=True), start=1):
+        if name in disabled:
+            continue
+        before = hits_of(graph).get(name, 0)
+        graph = PASSES[name](graph)
+        stats[label] = hits_of(graph).get(name, 0) - before
+        if check:
+            verify(graph)
+        if out_dir is not None:
+            (out_dir / f"{step:02d}-{label.replace('#', '-')}.txt").write_text(dump(graph))
+    return graph, stats

@@ -1,0 +1,307 @@
+"""Per-op case table: every op in OPS has rows (odd sizes; T=1 and T>1) that check its shape rule
+against its reference, and for fused ops that the decomposition matches the fused reference in
+float64 and float32. Adding an op to OPS without rows fails `test_every_op_has_rows`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+from ggufc.ir import ops as O
+from ggufc.ir.builder import GraphBuilder
+from ggufc.ir.decompose import DECOMPOSITIONS, decompose
+from ggufc.ir.graph import Graph, Node, Shape, Value, eval_shape
+from ggufc.ir.interp import run_graph
+from ggufc.ir.printer import dump
+from ggufc.ir.verify import IRError, verify
+
+TOL = {np.float64: dict(rtol=1e-9, atol=1e-12), np.float32: dict(rtol=2e-4, atol=2e-5)}
+
+
+@dataclass(frozen=True)
+class In:
+    """A case input: `kind` says how to fill it (f: normal floats, pos: positive floats, ids:N:
+    ints below N, P: the start position, state: a state slot of random floats)."""
+
+    name: str
+    shape: Shape
+    kind: str = "f"
+    dtype: str = "float32"
+
+
+@dataclass(frozen=True)
+class Case:
+    op: str
+    attrs: Any
+    inputs: tuple[In, ...]
+    t: int
+    p: int = 0
+
+    @property
+    def id(self) -> str:
+        return f"{self.op}-{self.attrs}-T{self.t}-P{self.p}".replace(" ", "")
+
+
+def _both_t(op: str, attrs: Any, inputs: tuple[In, ...], p: int = 0) -> list[Case]:
+    """Rows for decode (T=1) and for an odd prefill (T=5)."""
+    return [Case(op, attrs, inputs, t, p) for t in (1, 5)]
+
+
+X = In("x", ("T", 7))
+POS = In("pos", (), "P", "int64")
+ROPE_TABLE = In("table", (13, 3, 2))
+CACHE = 11  # cache cells: at least P + T for every row
+
+
+def _cases() -> list[Case]:
+    cases: list[Case] = []
+    for fn in O.UNARY_FNS:
+        cases += _both_t("unary", O.Unary(fn), (In("x", ("T", 7), "pos"),))
+    for fn in O.BINARY_FNS:
+        cases += _both_t("binary", O.Binary(fn), (X, In("y", (7,), "pos")))
+    cases += _both_t("binary", O.Binary("mul"), (In("x", ("T", 1)), In("y", (1, 3))))
+    for fn in ("add", "mul", "max", "min", "pow"):
+        cases += _both_t("scalar", O.Scalar(fn, 1.5), (In("x", ("T", 7), "pos"),))
+    for fn in O.REDUCE_FNS:
+        cases += _both_t("reduce", O.Reduce(fn), (X,))
+    cases += _both_t("reduce", O.Reduce("sum", 1, False), (In("x", ("T", 3, 5)),))
+    cases += _both_t("reshape", O.Reshape(("T", 3, 5)), (In("x", ("T", 15)),))
+    cases += _both_t("transpose", O.Transpose((1, 0, 2)), (In("x", ("T", 3, 5)),))
+    cases += _both_t("slice", O.Slice(1, 2, 5), (X,))
+    cases += _both_t("concat", O.Concat(1), (X, In("y", ("T", 3))))
+    cases += _both_t("dequantize", O.NoAttrs(), (In("w", (5, 7)),))
+    cases += _both_t("gather", O.NoAttrs(), (In("table", (9, 7)), In("ids", ("T",), "ids:9", "int32")))
+    cases += _both_t("matmul", O.NoAttrs(), (X, In("w", (5, 7))))
+    cases += _both_t("bmm_nt", O.NoAttrs(), (In("a", (3, "T", 5)), In("b", (3, 7, 5))))
+    cases += _both_t("bmm_nn", O.NoAttrs(), (In("a", (3, "T", 5)), In("b", (3, 5, 7))))
+    ids3 = In("ids", ("T", 2), "ids:3", "int32")
+    cases += _both_t("matmul_id", O.NoAttrs(), (In("x", ("T", 1, 7)), In("w", (3, 5, 7)), ids3))
+    cases += _both_t("matmul_id", O.NoAttrs(), (In("x", ("T", 2, 7)), In("w", (3, 5, 7)), ids3))
+    cases += _both_t("topk", O.TopK(3), (X,))
+    cases += _both_t("positions", O.Tokens(), (POS,), p=4)
+    cases += _both_t("causal_mask", O.Tokens(), (POS,), p=3)
+    cases += _both_t("last_token", O.NoAttrs(), (X,))
+    cache_state = In("cache", (CACHE, 2, 3), "state")
+    cases += _both_t("cache_write", O.NoAttrs(), (cache_state, In("x", ("T", 2, 3)), POS), p=4)
+    cases += _both_t("cache_read", O.Tokens(), (In("cache", (CACHE, 2, 3)), POS), p=4)
+    cases += _fused_cases()
+    return cases
+
+
+def _fused_cases() -> list[Case]:
+    cases: list[Case] = []
+    cases += _both_t("softmax", O.Softmax(), (X,))
+    cases += _both_t("softmax", O.Softmax(1), (In("x", ("T", 5, 3)),))
+    cases += _both_t("rms_norm", O.RMSNorm(1e-5), (X, In("w", (7,))))
+    cases += _both_t("rms_norm", O.RMSNorm(1e-6), (In("x", ("T", 3, 7)),))
+    for mode, d, n_rot in (("norm", 6, 6), ("neox", 6, 6), ("norm", 10, 6), ("neox", 10, 6)):
+        x = In("x", ("T", 3, d))
+        cases += _both_t("rope", O.Rope(mode, n_rot), (x, POS, ROPE_TABLE), p=2)
+    for h, hkv, p in ((4, 2, 0), (3, 3, 5), (6, 2, 4), (3, 1, 0)):
+        q = In("q", ("T", h, 5))
+        kc, vc = In("kc", (CACHE, hkv, 5)), In("vc", (CACHE, hkv, 5))
+        cases += _both_t("attention", O.Attention(0.37), (q, kc, vc, POS), p=p)
+    cases += _both_t("swiglu", O.NoAttrs(), (X, In("u", ("T", 7))))
+    for normalize in (True, False):
+        cases += _both_t("moe_route", O.MoeRoute(3, normalize=normalize), (In("logits", ("T", 5)),))
+    experts = (In("router", (5, 7)), In("gate", (5, 3, 7)), In("up", (5, 3, 7)), In("down", (5, 7, 3)))
+    cases += _both_t("moe_ffn", O.MoeFFN(2), (X, *experts))
+    scales = (In("s_up", (5,)), In("s_down", (5,)))
+    no_gate = (X, experts[0], experts[2], experts[3], *scales)
+    plain = O.MoeFFN(3, normalize=False, has_gate=False, expert_scales=("up", "down"))
+    cases += _both_t("moe_ffn", plain, no_gate)
+    program = (
+        ("binary", O.Binary("mul"), (0, 1)),
+        ("scalar", O.Scalar("add", 0.5), (3,)),
+        ("unary", O.Unary("tanh"), (4,)),
+        ("binary", O.Binary("sub"), (5, 2)),
+    )
+    ew_inputs = (In("a", ("T", 7)), In("b", (7,)), In("c", ("T", 1)))
+    cases += _both_t("fused_elementwise", O.FusedElementwise(program, 3), ew_inputs)
+    return cases
+
+
+CASES = _cases()
+
+
+# ---------------------------------------------------------------------------------------------
+# building and running one case
+
+
+def _case_graph(case: Case) -> Graph:
+    b = GraphBuilder()
+    b.input("tokens", ("T",), "int32")
+    pos = b.input("pos", (), "int64")
+    args, state_out = [], {}
+    for spec in case.inputs:
+        if spec.kind == "P":
+            args.append(pos)
+        elif spec.kind == "state":
+            args.append(b.state(spec.name, spec.shape, spec.dtype))
+        else:
+            args.append(b.input(spec.name, spec.shape, spec.dtype))
+    n_out = len(O.OPS[case.op].infer([(v.shape, v.dtype) for v in args], case.attrs))
+    outs = b.emit_multi(case.op, args, case.attrs, [f"out{i}" for i in range(n_out)])
+    if O.OPS[case.op].effects:
+        state_out = {case.inputs[0].name: outs[0]}
+    return b.finish(list(outs), state_out)
+
+
+def _fill(spec: In, case: Case, rng: np.random.Generator) -> np.ndarray:
+    shape = eval_shape(spec.shape, {"T": case.t, "P": case.p})
+    if spec.kind == "P":
+        return np.int64(case.p)
+    if spec.kind.startswith("ids:"):
+        return rng.integers(0, int(spec.kind[4:]), size=shape).astype(np.int32)
+    a = rng.standard_normal(shape)
+    return np.abs(a) + 0.5 if spec.kind == "pos" else a
+
+
+def _feeds(case: Case, seed: int = 0) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    feeds: dict[str, Any] = {"tokens": np.zeros(case.t, np.int32), "pos": np.int64(case.p)}
+    state: dict[str, np.ndarray] = {}
+    for spec in case.inputs:
+        if spec.kind != "P":
+            (state if spec.kind == "state" else feeds)[spec.name] = _fill(spec, case, rng)
+    return feeds, state
+
+
+def _run(graph: Graph, case: Case, dtype: Any) -> list[np.ndarray]:
+    feeds, state = _feeds(case)
+    feeds = {k: a.astype(dtype) if a.dtype.kind == "f" else a for k, a in feeds.items()}
+    res = run_graph(graph, feeds, lambda p: np.zeros(()), state, dtype=dtype)
+    return [*res.outputs, *(res.state[k] for k in graph.state_out)]
+
+
+# ---------------------------------------------------------------------------------------------
+# tests
+
+
+def test_every_op_has_rows() -> None:
+    """An op added to OPS needs rows here, for a single token and for several."""
+    for name in O.OPS:
+        ts = {c.t for c in CASES if c.op == name}
+        assert 1 in ts and any(t > 1 for t in ts), f"op {name!r} needs case rows with T=1 and T>1"
+
+
+def test_every_fused_op_has_a_decomposition() -> None:
+    fused = {name for name, op in O.OPS.items() if op.fused}
+    assert fused == set(DECOMPOSITIONS)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_shape_rule_matches_reference(case: Case) -> None:
+    graph = _case_graph(case)
+    verify(graph, {"T": case.t, "P": case.p})
+    env = {"T": case.t, "P": case.p}
+    feeds, state = _feeds(case)
+    args = [state[s.name] if s.kind == "state" else feeds[s.name] for s in case.inputs]
+    got = O.OPS[case.op].ref([np.asarray(a, np.float32) if np.asarray(a).dtype.kind == "f" else a
+                              for a in args], case.attrs, env)
+    outs = graph.nodes[-1].outputs
+    assert len(got) == len(outs)
+    for v, a in zip(outs, got, strict=True):
+        a = np.asarray(a)
+        assert a.shape == eval_shape(v.shape, env), f"{v!r}: reference gives {a.shape}"
+        expected_kind = "i" if v.dtype.startswith("int") else "f"
+        assert a.dtype.kind == expected_kind, f"{v!r}: reference gives {a.dtype}"
+
+
+FUSED_CASES = [c for c in CASES if O.OPS[c.op].fused]
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("case", FUSED_CASES, ids=lambda c: c.id)
+def test_decomposition_matches_fused(case: Case, dtype: Any) -> None:
+    graph = _case_graph(case)
+    decomposed = decompose(graph)
+    verify(decomposed, {"T": case.t, "P": case.p})
+    assert not any(O.OPS[n.op].fused for n in decomposed.nodes)
+    for want, got in zip(_run(graph, case, dtype), _run(decomposed, case, dtype), strict=True):
+        assert got.dtype == want.dtype
+        np.testing.assert_allclose(got, want, **TOL[dtype])
+
+
+def test_decomposition_keeps_names_and_layers() -> None:
+    b = GraphBuilder()
+    b.input("tokens", ("T",), "int32")
+    x = b.input("x", ("T", 7), "float32")
+    with b.layer(3):
+        y = b.emit("softmax", [x], O.Softmax(), "probs")
+    graph = decompose(b.finish([y], {}))
+    assert graph.outputs[0] is y
+    assert {n.outputs[0].layer for n in graph.nodes} == {3}
+    assert all(n.outputs[0].name.startswith("probs") for n in graph.nodes)
+
+
+def test_topk_picks_the_largest_set() -> None:
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((5, 9))
+    vals, ids = O.topk_ref(x, 4)
+    for row, chosen, v in zip(x, ids, vals, strict=True):
+        assert set(chosen) == set(np.argsort(-row)[:4])
+        np.testing.assert_array_equal(v, row[chosen])
+
+
+# ---------------------------------------------------------------------------------------------
+# verifier and printer
+
+
+def _small_graph() -> Graph:
+    b = GraphBuilder()
+    b.input("tokens", ("T",), "int32")
+    pos = b.input("pos", (), "int64")
+    x = b.input("x", ("T", 6), "float32")
+    with b.layer(3):
+        w = b.param("blk.3.attn_norm.weight", (6,), "F32")
+        h = b.emit("rms_norm", [x, w], O.RMSNorm(1e-5), "attn_norm")
+        cache = b.state("cache_k.3", (9, 2, 3))
+        new = b.emit("cache_write", [cache, b.reshape(h, ("T", 2, 3), "Kcur"), pos], O.NoAttrs(), "cache_k.3")
+    return b.finish([h], {"cache_k.3": new})
+
+
+def _with_node(graph: Graph, i: int, **fields: Any) -> Graph:
+    n = graph.nodes[i]
+    new = Node(fields.get("op", n.op), fields.get("inputs", n.inputs), fields.get("attrs", n.attrs),
+               fields.get("outputs", n.outputs))
+    return graph.replace(nodes=[new if j == i else m for j, m in enumerate(graph.nodes)])
+
+
+def test_verify_accepts_a_good_graph() -> None:
+    verify(_small_graph(), {"T": 4, "P": 2})
+
+
+def _bad_graphs() -> list[tuple[str, Graph]]:
+    g = _small_graph()
+    norm, reshape, write = g.nodes
+    ghost = Value("ghost", ("T", 6), "float32")
+    stale = Value("attn_norm", ("T", 7), "float32", 3)
+    return [
+        ("used before it is defined", g.replace(nodes=[reshape, norm, write])),
+        ("never defined", _with_node(g, 0, inputs=(ghost, norm.inputs[1]))),
+        ("defined twice", g.replace(nodes=[norm, norm, reshape, write])),
+        ("attrs must be RMSNorm", _with_node(g, 0, attrs=O.Softmax())),
+        ("the shape rule gives", _with_node(g, 0, outputs=(stale,))),
+        ("unknown state", g.replace(state_out={**g.state_out, "cache_q": write.outputs[0]})),
+        ("never reaches state_out", g.replace(state_out={})),
+        ("graph output", g.replace(outputs=[ghost])),
+        ("reshape of 24 elements into 12", _with_node(g, 1, attrs=O.Reshape(("T", 1, 3)),
+                                                      outputs=(Value("Kcur", ("T", 1, 3), "float32", 3),))),
+    ]
+
+
+@pytest.mark.parametrize("expected,graph", _bad_graphs(), ids=lambda x: x if isinstance(x, str) else "")
+def test_verify_rejects(expected: str, graph: Graph) -> None:
+    with pytest.raises(IRError, match=expected) as info:
+        verify(graph, {"T": 4, "P": 2})
+    assert "\n" not in str(info.value)
+
+
+def test_dump_reads_like_the_model() -> None:
+    text = dump(_small_graph())
+    assert "%attn_norm@3:float32[T,6] = rms_norm(%x, %blk.3.attn_norm.weight) eps=1e-05" in text
+    assert "params: 1 (F32 1), 6 elements" in text and "%cache_k.3@3:float32[9,2,3] init=zeros" in text
+    assert text.rstrip().endswith("state cache_k.3 <- %cache_k.3@3")
