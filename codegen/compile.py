@@ -49,15 +49,8 @@ def _write_tokenizer(model: LoadedModel, staging: Path) -> dict[str, Any]:
     from ggufc.frontend.tokenizer_build import build_tokenizer
 
     spec = build_tokenizer(model.gguf.metadata)
-    info: dict[str, Any] = {
-        "file": None,
-        "bos_id": spec.bos_id,
-        "eos_id": spec.eos_id,
-        "eot_ids": list(spec.eot_ids),
-        "add_bos": spec.add_bos,
-        "chat_template": spec.chat_template,
-        "model": spec.model,
-    }
+    info = {k: v for k, v in spec.to_dict().items() if k != "tokenizer_json"}
+    info["file"] = None
     if spec.tokenizer_json is not None:
         (staging / "tokenizer.json").write_text(spec.tokenizer_json, encoding="utf-8")
         info["file"] = "tokenizer.json"

@@ -1,0 +1,598 @@
+"""Compiled-model artifacts: write them atomically, verify them before anything is loaded.
+
+An artifact is a directory (or a `.tar` of one) holding
+
+- `manifest.json`: what was compiled, for which target, the calling convention, the params and
+  states layout, and the sha256 of every other file;
+- `kernels.so`: a TVM Relax VM executable (`export_library`);
+- `weights.safetensors`: the params in the layout the kernels read;
+- optionally `tokenizer.json`.
+
+Nothing here imports the compiler (frontend/passes/codegen): an artifact runs with the runtime
+and TVM's runtime alone. `tvm.target` is only used, when present, to learn which instruction
+set extensions an LLVM CPU name implies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import platform
+import shutil
+import tarfile
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ggufc import __version__ as GGUFC_VERSION
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+KERNELS_NAME = "kernels.so"
+WEIGHTS_NAME = "weights.safetensors"
+ALIGN = 64  # vectorised TVM kernels segfault on buffers that are not 64-byte aligned
+
+# Fields codegen must provide; finalize_artifact and load_manifest both check them.
+REQUIRED_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "arch": str,
+    "hparams": dict,
+    "n_ctx": int,
+    "n_vocab": int,
+    "target": dict,
+    "target_key": str,
+    "functions": dict,
+    "max_chunk": int,
+    "params": list,
+    "states": list,
+}
+FIELDS_ADDED_HERE = ("format_version", "ggufc_version", "files")
+
+
+class ArtifactError(ValueError):
+    """An artifact that cannot be written or used; the message is one line naming the problem."""
+
+
+def one_line(exc: BaseException, limit: int = 200) -> str:
+    """The first line of an exception's message (many libraries raise multi-line ones)."""
+    lines = str(exc).strip().splitlines()
+    return lines[0][:limit] if lines else type(exc).__name__
+
+
+# --------------------------------------------------------------------------- aligned buffers
+
+
+def aligned_empty(shape: tuple[int, ...] | list[int] | int, dtype: npt.DTypeLike) -> np.ndarray:
+    """Uninitialised C-contiguous array whose data pointer is a multiple of 64 bytes."""
+    dims = (int(shape),) if isinstance(shape, int) else tuple(int(s) for s in shape)
+    dt = np.dtype(dtype)
+    nbytes = math.prod(dims) * dt.itemsize
+    raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
+    offset = (-raw.ctypes.data) % ALIGN
+    return raw[offset : offset + nbytes].view(dt).reshape(dims)
+
+
+def aligned_zeros(shape: tuple[int, ...] | list[int] | int, dtype: npt.DTypeLike) -> np.ndarray:
+    out = aligned_empty(shape, dtype)
+    out[...] = 0
+    return out
+
+
+# --------------------------------------------------------------------------- hashing
+
+
+def sha256_file(path: str | os.PathLike[str], chunk_bytes: int = 1 << 20) -> str:
+    """Hex sha256 of a file, read in chunks so large weights never sit in memory twice."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk_bytes):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _artifact_files(root: Path) -> list[str]:
+    """Relative POSIX paths of the regular files under `root`, manifest excluded, sorted."""
+    found = []
+    for path in sorted(root.rglob("*")):
+        rel = path.relative_to(root).as_posix()
+        if path.is_symlink():
+            raise ArtifactError(f"{root}: {rel} is a symbolic link; artifacts hold regular files only")
+        if path.is_file() and rel != MANIFEST_NAME:
+            found.append(rel)
+    return found
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def make_staging_dir(out_dir: str | os.PathLike[str]) -> Path:
+    """A fresh staging directory beside `out_dir`, so the final rename stays on one filesystem."""
+    out = Path(out_dir).absolute()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{out.name}.staging-", dir=out.parent))
+
+
+def finalize_artifact(
+    staging_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], manifest: dict[str, Any]
+) -> dict[str, Any]:
+    """Seal `staging_dir` (kernels, weights, ...) with a manifest and move it to `out_dir`.
+
+    Adds `format_version`, `ggufc_version` and `files` (relpath -> sha256) to a copy of
+    `manifest`, writes manifest.json last, then renames the directory into place. A reader
+    therefore sees either no `out_dir`, the previous one, or the complete new one. On success
+    `staging_dir` no longer exists; on failure it is left for the caller to remove.
+    Returns the manifest as written.
+    """
+    staging = Path(staging_dir)
+    out = Path(out_dir).absolute()
+    if not staging.is_dir():
+        raise ArtifactError(f"{staging}: staging directory does not exist")
+    sealed = _sealed_manifest(staging, manifest)
+    _write_manifest(staging, sealed)
+    _apply_umask(staging)
+    _move_into_place(staging, out)
+    return sealed
+
+
+def _apply_umask(directory: Path) -> None:
+    """mkdtemp makes staging private (0700); the artifact gets ordinary directory permissions."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(directory, 0o777 & ~umask)
+
+
+def _sealed_manifest(staging: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    sealed = {k: v for k, v in manifest.items() if k not in FIELDS_ADDED_HERE}
+    _check_fields(sealed, where=str(staging))
+    files = {rel: sha256_file(staging / rel) for rel in _artifact_files(staging)}
+    for rel in _referenced_files(sealed):
+        if rel not in files:
+            raise ArtifactError(f"{staging}: {rel} is missing from the staging directory")
+    sealed.update(format_version=FORMAT_VERSION, ggufc_version=GGUFC_VERSION, files=files)
+    return sealed
+
+
+def _write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
+    try:
+        text = json.dumps(manifest, indent=2, sort_keys=True, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ArtifactError(f"manifest is not plain JSON data: {one_line(exc)}") from None
+    tmp = directory / (MANIFEST_NAME + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, directory / MANIFEST_NAME)
+
+
+def _move_into_place(staging: Path, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = _same_filesystem_copy(staging, out)
+    if not out.exists():
+        os.rename(staging, out)
+        _fsync_dir(out.parent)
+        return
+    if not out.is_dir():
+        raise ArtifactError(f"{out}: exists and is not a directory; refusing to replace it")
+    # Swap: move the old artifact aside, move the new one in, then delete the old one.
+    # If the second rename fails, the old artifact is put back.
+    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+    os.rmdir(old)
+    os.rename(out, old)
+    try:
+        os.rename(staging, out)
+    except BaseException:
+        os.rename(old, out)
+        raise
+    _fsync_dir(out.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _same_filesystem_copy(staging: Path, out: Path) -> Path:
+    """`staging` itself when it can be renamed to `out`, else a copy beside `out`."""
+    if _same_filesystem(staging, out.parent):
+        return staging
+    beside = make_staging_dir(out)
+    try:
+        shutil.copytree(staging, beside, dirs_exist_ok=True)
+    except BaseException:
+        shutil.rmtree(beside, ignore_errors=True)
+        raise
+    shutil.rmtree(staging, ignore_errors=True)
+    return beside
+
+
+def _same_filesystem(a: Path, b: Path) -> bool:
+    return os.stat(a).st_dev == os.stat(b).st_dev
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):  # not every filesystem lets a directory be fsynced
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+# --------------------------------------------------------------------------- reading
+
+
+@dataclass
+class Artifact:
+    """A verified artifact directory; `close()` removes it when it was extracted from an archive."""
+
+    path: Path
+    manifest: dict[str, Any]
+    _tmp: tempfile.TemporaryDirectory[str] | None = field(default=None, repr=False)
+
+    def file(self, rel: str) -> Path:
+        return self.path / rel
+
+    def close(self) -> None:
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> Artifact:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def is_artifact(path: str | os.PathLike[str]) -> bool:
+    """True for an artifact directory or a `.tar` archive (whether or not it verifies)."""
+    p = Path(path)
+    return (p.is_dir() and (p / MANIFEST_NAME).is_file()) or (p.is_file() and tarfile.is_tarfile(p))
+
+
+def open_artifact(path: str | os.PathLike[str], *, target_key: str | None = None) -> Artifact:
+    """Verify an artifact directory or `.tar` archive and return it; nothing is loaded yet."""
+    p = Path(path)
+    if p.is_dir():
+        return Artifact(p, _verified_manifest(p, target_key))
+    if p.is_file():
+        tmp = tempfile.TemporaryDirectory(prefix="ggufc-artifact-")
+        try:
+            root = _extract_archive(p, Path(tmp.name))
+            return Artifact(root, _verified_manifest(root, target_key), tmp)
+        except BaseException:
+            tmp.cleanup()
+            raise
+    raise ArtifactError(f"{p}: no such artifact (expected a directory or a .tar archive)")
+
+
+def load_manifest(path: str | os.PathLike[str], *, target_key: str | None = None) -> dict[str, Any]:
+    """The manifest of a verified artifact (see `open_artifact` for what is checked)."""
+    with open_artifact(path, target_key=target_key) as artifact:
+        return artifact.manifest
+
+
+def _verified_manifest(root: Path, target_key: str | None) -> dict[str, Any]:
+    """Every check that can refuse an artifact, run before any of its files is loaded."""
+    manifest = _parse_manifest(root)
+    _check_versions(manifest, where=str(root))
+    _check_fields(manifest, where=str(root))
+    _check_target(manifest, target_key, where=str(root))
+    _check_files(root, manifest)
+    return manifest
+
+
+def _parse_manifest(root: Path) -> dict[str, Any]:
+    path = root / MANIFEST_NAME
+    if not path.is_file():
+        raise ArtifactError(f"{root}: not an artifact (no {MANIFEST_NAME})")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ArtifactError(f"{path}: unreadable manifest ({one_line(exc)})") from None
+    if not isinstance(manifest, dict):
+        raise ArtifactError(f"{path}: manifest is not a JSON object")
+    return manifest
+
+
+def _check_versions(manifest: dict[str, Any], where: str) -> None:
+    found = manifest.get("format_version")
+    if found != FORMAT_VERSION:
+        raise ArtifactError(
+            f"{where}: artifact format version {found!r}, this runtime reads version {FORMAT_VERSION}; "
+            "recompile the model"
+        )
+    built_with = str(manifest.get("ggufc_version", ""))
+    if _major_minor(built_with) != _major_minor(GGUFC_VERSION):
+        raise ArtifactError(
+            f"{where}: built by ggufc {built_with or '?'}, incompatible with ggufc {GGUFC_VERSION}; "
+            "recompile the model"
+        )
+
+
+def _major_minor(version: str) -> tuple[str, ...]:
+    return tuple(version.split(".")[:2])
+
+
+def _check_fields(manifest: dict[str, Any], where: str) -> None:
+    for name, kind in REQUIRED_FIELDS.items():
+        value = manifest.get(name)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise ArtifactError(f"{where}: manifest field '{name}' is missing or not a {_kind_name(kind)}")
+    for name in ("n_ctx", "n_vocab", "max_chunk"):
+        if manifest[name] <= 0:
+            raise ArtifactError(f"{where}: manifest field '{name}' must be positive, got {manifest[name]}")
+    if not manifest["functions"]:
+        raise ArtifactError(f"{where}: manifest lists no functions")
+    for param in manifest["params"]:
+        arrays = param.get("arrays") if isinstance(param, dict) else None
+        if not isinstance(arrays, list) or not all(isinstance(a, dict) and "key" in a for a in arrays):
+            raise ArtifactError(f"{where}: manifest param {param!r:.80} has no valid 'arrays' list")
+        for spec in arrays:
+            array_layout(spec)
+    for state in manifest["states"]:
+        if not isinstance(state, dict):
+            raise ArtifactError(f"{where}: manifest state {state!r:.80} is not an object")
+        array_layout(state)
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join(k.__name__ for k in kinds)
+
+
+def _referenced_files(manifest: dict[str, Any]) -> list[str]:
+    """Files the runtime will open: each must be listed, with a matching hash."""
+    refs = [KERNELS_NAME, WEIGHTS_NAME]
+    tok = manifest.get("tokenizer")
+    if isinstance(tok, dict) and tok.get("file"):
+        refs.append(str(tok["file"]))
+    return refs
+
+
+def _check_files(root: Path, manifest: dict[str, Any]) -> None:
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        raise ArtifactError(f"{root}: manifest has no 'files' table")
+    for rel in _referenced_files(manifest):
+        if rel not in files:
+            raise ArtifactError(f"{root}: manifest does not list {rel}")
+    for rel, expected in sorted(files.items()):
+        path = _safe_join(root, rel)
+        if not path.is_file() or path.is_symlink():
+            raise ArtifactError(f"{root}: {rel} is missing")
+        if sha256_file(path) != expected:
+            raise ArtifactError(f"{root}: {rel} does not match its manifest sha256 (modified or truncated)")
+
+
+def _safe_join(root: Path, rel: str) -> Path:
+    parts = Path(rel).parts
+    if not rel or Path(rel).is_absolute() or ".." in parts:
+        raise ArtifactError(f"{root}: manifest lists an unsafe path {rel!r}")
+    return root.joinpath(*parts)
+
+
+# --------------------------------------------------------------------------- targets
+
+
+@dataclass(frozen=True)
+class HostFeatures:
+    machine: str  # normalised architecture: "x86_64", "aarch64", ...
+    flags: frozenset[str] | None  # normalised CPU flags, None when the OS does not tell us
+
+
+# LLVM feature name -> the name Linux /proc/cpuinfo uses, when they differ after normalising.
+_CPUINFO_ALIASES = {
+    "sse3": "pni",
+    "bmi": "bmi1",
+    "pclmul": "pclmulqdq",
+    "sha": "shani",
+    "neon": "asimd",
+    "dotprod": "asimddp",
+    "fullfp16": "asimdhp",
+}
+# Instruction-set extensions whose absence makes generated code crash (SIGILL). Tuning flags
+# that LLVM also reports ("fast-lzcnt", ...) are not checked.
+_CHECKED_FEATURES = {
+    "x86_64": (
+        "sse3 ssse3 sse4.1 sse4.2 avx avx2 fma f16c bmi bmi2 avxvnni avx512f avx512cd avx512bw "
+        "avx512dq avx512vl avx512vnni avx512bf16 avx512fp16 avx512ifma avx512vbmi avx512vbmi2 "
+        "avx512bitalg avx512vpopcntdq amx-tile amx-int8 amx-bf16"
+    ).split(),
+    "aarch64": "neon sve sve2 dotprod i8mm fullfp16 bf16".split(),
+}
+_MACHINE_ALIASES = {"amd64": "x86_64", "x64": "x86_64", "arm64": "aarch64"}
+
+
+def _normalise_flag(name: str) -> str:
+    return name.lower().replace("_", "").replace("-", "").replace(".", "")
+
+
+def _normalise_machine(name: str) -> str:
+    name = name.lower()
+    return _MACHINE_ALIASES.get(name, name)
+
+
+@lru_cache(maxsize=1)
+def host_features() -> HostFeatures:
+    machine = _normalise_machine(platform.machine())
+    try:
+        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return HostFeatures(machine, None)
+    flags: set[str] = set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip().lower() in ("flags", "features"):
+            flags.update(_normalise_flag(f) for f in value.split())
+    return HostFeatures(machine, frozenset(flags) if flags else None)
+
+
+def _check_target(manifest: dict[str, Any], target_key: str | None, where: str) -> None:
+    built_for = manifest["target_key"]
+    if target_key is not None and built_for != target_key:
+        raise ArtifactError(
+            f"{where}: compiled for target '{built_for}', not '{target_key}'; recompile with -t {target_key}"
+        )
+    if built_for == "llvm":
+        _check_llvm_target_runs_here(manifest["target"], where)
+
+
+def _check_llvm_target_runs_here(target: dict[str, Any], where: str) -> None:
+    host = host_features()
+    triple = str(target.get("mtriple", ""))
+    if triple:
+        target_machine = _normalise_machine(triple.split("-", 1)[0])
+        if target_machine != host.machine:
+            raise ArtifactError(f"{where}: compiled for {target_machine}, this machine is {host.machine}")
+    needed = _llvm_target_features(target, host.machine)
+    if needed is None or host.flags is None:
+        return  # cannot tell without LLVM or /proc/cpuinfo; the kernels may still run
+    missing = [f for f in needed if _normalise_flag(_CPUINFO_ALIASES.get(f, f)) not in host.flags]
+    if missing:
+        raise ArtifactError(
+            f"{where}: compiled for CPU '{target.get('mcpu', '?')}', whose {', '.join(missing)} "
+            "this CPU lacks; recompile on this machine"
+        )
+
+
+def _llvm_target_features(target: dict[str, Any], machine: str) -> list[str] | None:
+    """The checked ISA extensions an LLVM target needs, or None when LLVM is unavailable."""
+    checked = _CHECKED_FEATURES.get(machine, [])
+    wanted = {a[1:] for a in _as_list(target.get("mattr")) if a.startswith("+")}
+    mcpu = target.get("mcpu")
+    if mcpu and mcpu != "generic":
+        implied = _llvm_cpu_features(str(mcpu), str(target.get("mtriple", "")))
+        if implied is None:
+            return None
+        wanted |= implied
+    return [f for f in checked if f in wanted]
+
+
+def _as_list(value: Any) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [v for v in value.split(",") if v]
+    return [str(v) for v in value]
+
+
+@lru_cache(maxsize=16)
+def _llvm_cpu_features(mcpu: str, mtriple: str) -> frozenset[str] | None:
+    try:
+        import tvm
+        from tvm.target import codegen
+    except ImportError:
+        return None
+    triple = mtriple or str(codegen.llvm_get_system_triple())
+    if not codegen.llvm_is_valid_cpu(mcpu, triple):
+        raise ArtifactError(f"compiled for CPU '{mcpu}', which LLVM does not know for {triple}")
+    spec: dict[str, Any] = {"kind": "llvm", "mcpu": mcpu}
+    if mtriple:
+        spec["mtriple"] = mtriple
+    return frozenset(str(f) for f in codegen.llvm_get_cpu_features(tvm.target.Target(spec)))
+
+
+# --------------------------------------------------------------------------- archives
+
+
+def _extract_archive(archive: Path, dest: Path) -> Path:
+    """Extract a `.tar` of an artifact into `dest`; return the directory holding manifest.json."""
+    try:
+        with tarfile.open(archive) as tar:
+            members = tar.getmembers()
+            for member in members:
+                _check_member(archive, member)
+            tar.extractall(dest, members=members, filter="data")
+    except (tarfile.TarError, EOFError, OSError) as exc:
+        raise ArtifactError(f"{archive}: unreadable artifact archive ({one_line(exc)})") from None
+    if (dest / MANIFEST_NAME).is_file():
+        return dest
+    candidates = [d for d in dest.iterdir() if (d / MANIFEST_NAME).is_file()]
+    if len(candidates) != 1:
+        raise ArtifactError(f"{archive}: archive holds no artifact (no {MANIFEST_NAME} at its top)")
+    return candidates[0]
+
+
+def _check_member(archive: Path, member: tarfile.TarInfo) -> None:
+    parts = Path(member.name).parts
+    if Path(member.name).is_absolute() or ".." in parts:
+        raise ArtifactError(f"{archive}: archive entry {member.name!r} points outside the artifact")
+    if not (member.isfile() or member.isdir()):
+        raise ArtifactError(f"{archive}: archive entry {member.name!r} is not a regular file")
+
+
+# --------------------------------------------------------------------------- weights
+
+
+def read_weights(path: str | os.PathLike[str], manifest: dict[str, Any]) -> list[np.ndarray]:
+    """The params tuple's arrays, in manifest order, each 64-byte aligned and C-contiguous.
+
+    `path` is the artifact directory (already verified). All arrays share one aligned arena,
+    filled tensor by tensor so peak memory stays near the weights' size.
+    """
+    from safetensors import safe_open
+
+    specs = list(_param_array_specs(manifest))
+    arena = _Arena([array_layout(s) for s in specs])
+    weights = Path(path) / WEIGHTS_NAME
+    try:
+        with safe_open(str(weights), framework="numpy") as store:
+            keys = set(store.keys())
+            for spec in specs:
+                key = str(spec["key"])
+                if key not in keys:
+                    raise ArtifactError(f"{weights}: no array '{key}'")
+                arena.put(key, store.get_tensor(key))
+    except ArtifactError:
+        raise
+    except Exception as exc:  # safetensors raises its own error types; report one line
+        reason = f"{type(exc).__name__}: {one_line(exc)}"
+        raise ArtifactError(f"{weights}: unreadable weights ({reason})") from None
+    return arena.arrays
+
+
+def _param_array_specs(manifest: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    for param in manifest["params"]:
+        yield from param.get("arrays", [])
+
+
+def array_layout(spec: dict[str, Any]) -> tuple[tuple[int, ...], np.dtype[Any]]:
+    """(shape, dtype) of a manifest array or state entry."""
+    try:
+        return tuple(int(d) for d in spec["shape"]), np.dtype(spec["dtype"])
+    except (KeyError, TypeError, ValueError) as exc:
+        reason = one_line(exc)
+        raise ArtifactError(f"manifest array {spec!r:.80} has no valid shape/dtype ({reason})") from None
+
+
+class _Arena:
+    """One 64-byte-aligned allocation carved into aligned arrays of the given shapes."""
+
+    def __init__(self, layout: list[tuple[tuple[int, ...], np.dtype[Any]]]) -> None:
+        offsets, total = [], 0
+        for shape, dtype in layout:
+            offsets.append(total)
+            nbytes = math.prod(shape) * dtype.itemsize
+            total += -(-nbytes // ALIGN) * ALIGN
+        buffer = aligned_empty(max(total, ALIGN), np.uint8)
+        self.arrays = [
+            buffer[off : off + math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
+            for off, (shape, dtype) in zip(offsets, layout, strict=True)
+        ]
+        self._next = 0
+
+    def put(self, key: str, value: np.ndarray) -> None:
+        target = self.arrays[self._next]
+        if value.shape != target.shape or value.dtype != target.dtype:
+            raise ArtifactError(
+                f"weights array '{key}' is {value.dtype}{list(value.shape)}, "
+                f"manifest says {target.dtype}{list(target.shape)}"
+            )
+        target[...] = value
+        self._next += 1

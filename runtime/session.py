@@ -1,0 +1,202 @@
+"""Run a compiled artifact: one Relax VM call per chunk of tokens, states kept between calls.
+
+Calling convention (set by codegen, recorded in the manifest):
+
+    logits = vm[fn](tokens, ShapeTuple([pos]), states, params)
+
+`tokens` is int32 [T], `pos` the number of tokens already in the context, `states` (KV cache,
+recurrent state, ...) and `params` are tuples built once at load; the kernels update `states` in
+place. `prefill_all` returns float32 [T, V]; `prefill` and `decode` (T == 1) return [1, V].
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .artifact import (
+    KERNELS_NAME,
+    Artifact,
+    ArtifactError,
+    aligned_empty,
+    aligned_zeros,
+    array_layout,
+    one_line,
+    open_artifact,
+    read_weights,
+)
+
+# Session device name -> the manifest's target_key the kernels must have been built for.
+DEVICE_TARGET_KEYS = {
+    "cpu": "llvm",
+    "cuda": "cuda",
+    "metal": "metal",
+    "opencl": "opencl",
+    "vulkan": "vulkan",
+    "webgpu": "webgpu",
+}
+
+
+class ContextOverflowError(ValueError):
+    """More tokens than the compiled context holds; nothing was run."""
+
+
+class Session:
+    """A loaded artifact plus its context (the tokens fed so far live in the states)."""
+
+    def __init__(self, artifact: str | os.PathLike[str], *, device: str = "cpu") -> None:
+        target_key = DEVICE_TARGET_KEYS.get(device)
+        if target_key is None:
+            raise ArtifactError(f"unknown device '{device}' (known: {', '.join(DEVICE_TARGET_KEYS)})")
+        # Verification (hashes, versions, target) happens here, before kernels.so is opened.
+        self._artifact: Artifact | None = open_artifact(artifact, target_key=target_key)
+        try:
+            self._load(self._artifact, device)
+        except BaseException:
+            self.close()
+            raise
+
+    def _load(self, artifact: Artifact, device: str) -> None:
+        import tvm
+        import tvm_ffi
+
+        manifest = artifact.manifest
+        self.manifest: dict[str, Any] = manifest
+        self.n_ctx = int(manifest["n_ctx"])
+        self.n_vocab = int(manifest["n_vocab"])
+        self.max_chunk = int(manifest["max_chunk"])
+        self._device = tvm.device(device)
+        self._on_cpu = device == "cpu"
+        self._functions = _vm_functions(artifact, self._device)
+
+        weights = read_weights(artifact.path, manifest)
+        self._state_arrays = [aligned_zeros(*array_layout(s)) for s in manifest["states"]]
+        self._params = tvm_ffi.Array([self._to_device(a) for a in weights])
+        self._state_tensors = [self._to_device(a) for a in self._state_arrays]
+        self._states = tvm_ffi.Array(self._state_tensors)
+        self._token_buffer = aligned_empty(self.max_chunk, np.int32)
+        self._shape_tuple = tvm.runtime.ShapeTuple
+        self._n_past = 0
+
+    def _to_device(self, array: np.ndarray) -> Any:
+        import tvm
+
+        if self._on_cpu:
+            return tvm.runtime.from_dlpack(array)  # zero-copy: the array is 64-byte aligned
+        return tvm.runtime.tensor(array, device=self._device)
+
+    # ----------------------------------------------------------------- context
+
+    @property
+    def n_past(self) -> int:
+        """Tokens already in the context."""
+        return self._n_past
+
+    @property
+    def n_free(self) -> int:
+        return self.n_ctx - self._n_past
+
+    @property
+    def tokenizer_path(self) -> Path | None:
+        tok = self.manifest.get("tokenizer") or {}
+        if not tok.get("file") or self._artifact is None:
+            return None
+        return self._artifact.file(str(tok["file"]))
+
+    def reset(self) -> None:
+        """Empty the context: zero every state (recurrent states start from zero)."""
+        if self._on_cpu:
+            for array in self._state_arrays:
+                array[...] = 0
+        else:
+            for array, tensor in zip(self._state_arrays, self._state_tensors, strict=True):
+                array[...] = 0
+                tensor.copyfrom(array)
+        self._n_past = 0
+
+    # ----------------------------------------------------------------- running
+
+    def forward(self, tokens: np.ndarray | list[int], *, all_logits: bool = False) -> np.ndarray:
+        """Append `tokens` to the context and return float32 logits.
+
+        all_logits=True: [len(tokens), n_vocab], one row per token (teacher forcing).
+        all_logits=False: [n_vocab] for the last token.
+        Long inputs are split into chunks of at most `max_chunk`; the result equals one call.
+        """
+        ids = self._checked_tokens(tokens)
+        if all_logits:
+            rows = [self._call("prefill_all", chunk) for chunk in self._chunks(ids)]
+            return rows[0] if len(rows) == 1 else np.concatenate(rows)
+        chunks = list(self._chunks(ids))
+        for chunk in chunks[:-1]:
+            self._call("prefill", chunk)  # logits of inner chunks are not needed
+        last = chunks[-1]
+        fn = "decode" if len(last) == 1 and "decode" in self._functions else "prefill"
+        return self._call(fn, last)[-1]
+
+    def _checked_tokens(self, tokens: np.ndarray | list[int]) -> np.ndarray:
+        ids = np.asarray(tokens)
+        if ids.ndim != 1 or ids.size == 0:
+            raise ValueError(f"tokens must be a non-empty 1-D sequence, got shape {ids.shape}")
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"tokens must be integers, got {ids.dtype}")
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= self.n_vocab:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"token id {bad} outside the vocabulary [0, {self.n_vocab})")
+        if self._n_past + ids.size > self.n_ctx:
+            raise ContextOverflowError(
+                f"context overflow: {self._n_past} tokens in context + {ids.size} new > n_ctx {self.n_ctx}"
+            )
+        return ids.astype(np.int32, copy=False)
+
+    def _chunks(self, ids: np.ndarray) -> list[np.ndarray]:
+        return [ids[i : i + self.max_chunk] for i in range(0, ids.size, self.max_chunk)]
+
+    def _call(self, fn: str, chunk: np.ndarray) -> np.ndarray:
+        n = chunk.size
+        buffer = self._token_buffer[:n]  # prefix of an aligned buffer: still aligned
+        buffer[...] = chunk
+        out = self._functions[fn](
+            self._to_device(buffer), self._shape_tuple([self._n_past]), self._states, self._params
+        )
+        self._n_past += n
+        logits = np.from_dlpack(out) if self._on_cpu else out.numpy()  # zero-copy on CPU
+        return logits.reshape(-1, self.n_vocab).astype(np.float32, copy=False)
+
+    # ----------------------------------------------------------------- lifetime
+
+    def close(self) -> None:
+        if self._artifact is not None:
+            self._artifact.close()
+            self._artifact = None
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _vm_functions(artifact: Artifact, device: Any) -> dict[str, Any]:
+    """Load kernels.so (already hash-checked) and look each manifest function up once."""
+    import tvm
+
+    names = artifact.manifest["functions"]
+    if "prefill_all" not in names or "prefill" not in names:
+        raise ArtifactError(f"{artifact.path}: manifest must list functions 'prefill_all' and 'prefill'")
+    try:
+        lib = tvm.runtime.load_module(str(artifact.file(KERNELS_NAME)))
+        vm = tvm.runtime.vm.VirtualMachine(lib, device)
+    except Exception as exc:  # TVM reports loader failures with multi-line messages
+        raise ArtifactError(f"{artifact.path}: cannot load {KERNELS_NAME} ({one_line(exc)})") from None
+    functions = {}
+    for name in names:
+        try:
+            functions[name] = vm[name]
+        except Exception:
+            raise ArtifactError(f"{artifact.path}: {KERNELS_NAME} has no function '{name}'") from None
+    return functions
