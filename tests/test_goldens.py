@@ -1,0 +1,63 @@
+"""llama.cpp goldens through the public interface: `ggufc eval` on compiled kernels.
+
+For each fixture written by llama.cpp, the compiled logits for the same 64 tokens are compared
+with llama.cpp's in all three feeding modes: one batch, one token at a time, batches of 7.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ggufc.cli import main
+
+GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
+pytestmark = pytest.mark.skipif(not GOLDEN.is_dir(), reason=f"llama.cpp goldens not found at {GOLDEN}")
+
+F32_FIXTURES = ["llama-dense", "qwen3-dense", "qwen3moe-moe"]
+QUANT_FIXTURES = ["llama-dense-Q4_K_M", "llama-dense-Q8_0", "llama-dense-Q4_0", "llama-dense-Q6_K",
+                  "qwen3moe-moe-Q4_K_M"]
+MODES = {None: "logits_prefill", 1: "logits_decode", 7: "logits_chunk7"}
+
+
+def nmse(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.mean((a - b) ** 2) / np.mean(b**2))
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("ggufc-cache")
+
+
+def _eval(name: str, chunk: int | None, tmp: Path, cache: Path, monkeypatch: pytest.MonkeyPatch) -> np.ndarray:
+    monkeypatch.setenv("GGUFC_CACHE", str(cache))
+    golden = np.load(GOLDEN / "logits" / f"{name}.npz")
+    tokens = tmp / "tokens.npy"
+    out = tmp / "logits.npy"
+    np.save(tokens, golden["tokens"].astype(np.int32))
+    argv = ["eval", str(GOLDEN / "fixtures" / f"{name}.gguf"), "--tokens", str(tokens), "--out", str(out)]
+    if chunk is not None:
+        argv += ["--chunk", str(chunk)]
+    assert main(argv) == 0
+    return np.load(out)
+
+
+@pytest.mark.parametrize("chunk", list(MODES))
+@pytest.mark.parametrize("name", F32_FIXTURES)
+def test_f32_fixture_matches_llama_cpp(name: str, chunk: int | None, tmp_path: Path, cache: Path,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    logits = _eval(name, chunk, tmp_path, cache, monkeypatch)
+    golden = np.load(GOLDEN / "logits" / f"{name}.npz")[MODES[chunk]]
+    assert logits.shape == golden.shape and logits.dtype == np.float32
+    assert nmse(logits, golden) < 1e-6
+
+
+@pytest.mark.parametrize("chunk", list(MODES))
+@pytest.mark.parametrize("name", QUANT_FIXTURES)
+def test_quantized_fixture_matches_llama_cpp(name: str, chunk: int | None, tmp_path: Path, cache: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    logits = _eval(name, chunk, tmp_path, cache, monkeypatch)
+    golden = np.load(GOLDEN / "logits" / f"{name}.npz")[MODES[chunk]]
+    assert nmse(logits, golden) < 5e-3
