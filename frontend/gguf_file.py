@@ -6,10 +6,14 @@ raw, memory-mapped byte rows in their GGUF block format. Nothing is dequantised 
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import gguf
+import gguf.gguf_reader
 import numpy as np
 
 GGUF_MAGIC = b"GGUF"
@@ -55,8 +59,6 @@ def _field_value(field: Any) -> Any:
 
 def open_gguf(path: str | os.PathLike[str]) -> GGUFModel:
     """Read metadata and tensor directory; tensor data stays memory-mapped."""
-    import gguf
-
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise GGUFError(f"{path}: no such file")
@@ -65,7 +67,8 @@ def open_gguf(path: str | os.PathLike[str]) -> GGUFModel:
     if magic != GGUF_MAGIC:
         raise GGUFError(f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
     try:
-        reader = gguf.GGUFReader(path, "r")
+        with _plain_ndarray_memmap():
+            reader = gguf.GGUFReader(path, "r")
     except Exception as exc:  # the gguf package raises many kinds; report one line
         raise GGUFError(f"{path}: malformed GGUF ({type(exc).__name__}: {_one_line(exc)})") from None
     metadata: dict[str, Any] = {}
@@ -87,6 +90,27 @@ def open_gguf(path: str | os.PathLike[str]) -> GGUFModel:
             n_bytes=int(t.n_bytes),
         )
     return GGUFModel(path=path, metadata=metadata, tensors=tensors)
+
+
+@contextlib.contextmanager
+def _plain_ndarray_memmap() -> Iterator[None]:
+    """Let GGUFReader slice a plain ndarray view of its memory map.
+
+    Every slice of an `np.memmap` runs memmap's `__array_finalize__`; the reader makes hundreds
+    of thousands of tiny slices for a 50k-token vocabulary, which costs seconds. A plain ndarray
+    view of the same mapping reads the same bytes, still lazily from the page cache.
+    """
+    module = gguf.gguf_reader.np
+    original = module.memmap
+
+    def plain(*args: Any, **kwargs: Any) -> np.ndarray:
+        return original(*args, **kwargs).view(np.ndarray)
+
+    module.memmap = plain  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        module.memmap = original  # type: ignore[assignment]
 
 
 def _one_line(exc: BaseException) -> str:
