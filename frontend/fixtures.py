@@ -1,0 +1,443 @@
+"""Deterministic tiny GGUF models for every registered architecture, written by the project.
+
+`write_fixture("llama", path, seed=0)` writes a random-weight model that `load_model` accepts:
+every tensor the architecture file reads, with the shapes it checks, and nothing more. Options
+switch on the optional paths (biases, per-tensor `.scale`, `rope_freqs`, untied output, MoE,
+quantized weights, a GPT-2 BPE vocabulary) so tests can exercise each one.
+
+Values: matrices, embeddings and biases are N(0, 0.1) (as llama.cpp's own fixtures); norm gammas
+and `.scale` multipliers are 1 + N(0, 0.1) so activations keep a useful size through the layers;
+`rope_freqs` are llama3-like factors in [1, 4). Each tensor draws from its own generator seeded by
+(seed, crc32(name)), so a tensor's values do not depend on which other tensors an option adds.
+The same arguments always give a byte-identical file.
+
+Adding an architecture is one `ArchRecipe` entry in `RECIPES`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import zlib
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from .blocks import SUPPORTED_QTYPES
+
+# ---------------------------------------------------------------------------------------------
+# sizes
+
+
+@dataclass(frozen=True)
+class FixtureSize:
+    vocab: int = 64
+    n_embd: int = 64
+    n_layer: int = 2
+    n_head: int = 4
+    n_head_kv: int = 2
+    head_dim: int = 16
+    n_ff: int = 96
+    n_expert: int = 4
+    n_expert_used: int = 2
+    n_ctx: int = 64
+
+
+SIZES: dict[str, FixtureSize] = {
+    # every row length a multiple of 32: the 32-element block formats quantize every matrix
+    "tiny": FixtureSize(),
+    # odd dims (3 heads sharing 1 kv head, odd vocab); rows not a multiple of 32 stay F32
+    "odd": FixtureSize(vocab=61, n_embd=48, n_layer=2, n_head=3, n_head_kv=1, head_dim=16, n_ff=80,
+                       n_expert=3, n_expert_used=2, n_ctx=48),
+    # rows a multiple of 256, so the K-quants (Q4_K, Q5_K, Q6_K) apply to every matrix
+    "kquant": FixtureSize(vocab=64, n_embd=256, n_layer=1, n_head=4, n_head_kv=2, head_dim=64, n_ff=256,
+                          n_expert=4, n_expert_used=2, n_ctx=32),
+    # a GPT-2 byte-level vocabulary needs at least 256 byte tokens plus one special token
+    "bpe": FixtureSize(vocab=320),
+}
+
+
+def resolve_size(size: str | FixtureSize) -> FixtureSize:
+    if isinstance(size, FixtureSize):
+        return size
+    try:
+        return SIZES[size]
+    except KeyError:
+        raise ValueError(f"unknown fixture size {size!r} (have {', '.join(SIZES)})") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# architectures
+
+
+@dataclass(frozen=True)
+class ArchRecipe:
+    """Which tensors and keys an architecture file reads beyond the common llama skeleton."""
+
+    moe: str  # "never", "optional" or "always"
+    qk_norm: bool = False  # per-head attn_q_norm / attn_k_norm
+    rope_freqs: bool = False  # optional rope_freqs.weight
+    dense_ffn_bias: bool = False  # ffn_{gate,up,down}.bias on the dense FFN
+    expert_gate_optional: bool = False  # MoE without ffn_gate_exps (silu(up) only)
+    expert_ff_key: bool = False  # writes {arch}.expert_feed_forward_length
+
+
+RECIPES: dict[str, ArchRecipe] = {
+    "llama": ArchRecipe(moe="optional", rope_freqs=True, dense_ffn_bias=True, expert_gate_optional=True),
+    "qwen3": ArchRecipe(moe="never", qk_norm=True),
+    "qwen3moe": ArchRecipe(moe="always", qk_norm=True, expert_ff_key=True),
+}
+
+
+@dataclass(frozen=True)
+class FixtureOptions:
+    biases: bool = False  # q/k/v/o biases (and dense FFN biases where the arch has them)
+    scales: bool = False  # per-tensor `.scale` [1] on projections, per-expert `_exps.scale` [X]
+    rope_freqs: bool = False  # llama's rope_freqs.weight
+    tied_output: bool = False  # no output.weight: logits reuse token_embd
+    moe: bool | None = None  # None: the architecture's default (MoE only where it is required)
+    expert_gate: bool = True  # False: gate-less experts (llama only)
+    rope_scaling: float | None = None  # linear rope.scaling.factor
+    tokenizer: str = "none"  # "none" or "gpt2"
+    chat_template: str | None = None
+    rms_eps: float = 1e-5
+    rope_base: float = 10000.0
+
+
+# ---------------------------------------------------------------------------------------------
+# the tensor plan
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]  # numpy order
+    kind: str  # "matrix" (quantizable), "router", "bias", "norm", "scale", "rope_freqs"
+
+
+def _is_moe(recipe: ArchRecipe, opts: FixtureOptions, arch: str) -> bool:
+    if opts.moe is None:
+        return recipe.moe == "always"
+    if opts.moe and recipe.moe == "never":
+        raise ValueError(f"{arch} has no MoE variant")
+    if not opts.moe and recipe.moe == "always":
+        raise ValueError(f"{arch} is always MoE")
+    return opts.moe
+
+
+def _check_options(arch: str, recipe: ArchRecipe, opts: FixtureOptions, moe: bool) -> None:
+    if opts.rope_freqs and not recipe.rope_freqs:
+        raise ValueError(f"{arch} has no rope_freqs tensor")
+    if not opts.expert_gate and not (moe and recipe.expert_gate_optional):
+        raise ValueError(f"{arch} needs ffn_gate_exps (expert_gate=False is for llama MoE only)")
+    if opts.tokenizer not in ("none", "gpt2"):
+        raise ValueError(f"unknown tokenizer {opts.tokenizer!r} (have 'none', 'gpt2')")
+
+
+def plan_tensors(arch: str, size: FixtureSize, opts: FixtureOptions) -> list[TensorSpec]:
+    """Every tensor of the fixture, in file order."""
+    recipe = _recipe(arch)
+    moe = _is_moe(recipe, opts, arch)
+    _check_options(arch, recipe, opts, moe)
+    s = size
+    specs = [TensorSpec("token_embd.weight", (s.vocab, s.n_embd), "matrix"),
+             TensorSpec("output_norm.weight", (s.n_embd,), "norm")]
+    if not opts.tied_output:
+        specs.append(TensorSpec("output.weight", (s.vocab, s.n_embd), "matrix"))
+    if opts.rope_freqs:
+        specs.append(TensorSpec("rope_freqs.weight", (s.head_dim // 2,), "rope_freqs"))
+    for il in range(s.n_layer):
+        layer = _layer_tensors(recipe, s, opts, moe)
+        specs += [dataclasses.replace(t, name=f"blk.{il}.{t.name}") for t in layer]
+    return specs
+
+
+def _layer_tensors(recipe: ArchRecipe, s: FixtureSize, opts: FixtureOptions, moe: bool
+                   ) -> Iterator[TensorSpec]:
+    E, D, H, Hkv = s.n_embd, s.head_dim, s.n_head, s.n_head_kv
+    yield TensorSpec("attn_norm.weight", (E,), "norm")
+    projections = {"attn_q": (H * D, E), "attn_k": (Hkv * D, E), "attn_v": (Hkv * D, E),
+                   "attn_output": (E, H * D)}
+    for name, shape in projections.items():
+        yield from _linear(name, shape, bias=opts.biases, scale=opts.scales)
+    if recipe.qk_norm:
+        yield TensorSpec("attn_q_norm.weight", (D,), "norm")
+        yield TensorSpec("attn_k_norm.weight", (D,), "norm")
+    yield TensorSpec("ffn_norm.weight", (E,), "norm")
+    yield from (_experts(s, opts) if moe else _dense_ffn(recipe, s, opts))
+
+
+def _linear(name: str, shape: tuple[int, int], *, bias: bool, scale: bool) -> Iterator[TensorSpec]:
+    yield TensorSpec(f"{name}.weight", shape, "matrix")
+    if bias:
+        yield TensorSpec(f"{name}.bias", (shape[0],), "bias")
+    if scale:
+        yield TensorSpec(f"{name}.scale", (1,), "scale")
+
+
+def _dense_ffn(recipe: ArchRecipe, s: FixtureSize, opts: FixtureOptions) -> Iterator[TensorSpec]:
+    E, F = s.n_embd, s.n_ff
+    bias = opts.biases and recipe.dense_ffn_bias
+    for name, shape in (("ffn_gate", (F, E)), ("ffn_up", (F, E)), ("ffn_down", (E, F))):
+        yield from _linear(name, shape, bias=bias, scale=opts.scales)
+
+
+def _experts(s: FixtureSize, opts: FixtureOptions) -> Iterator[TensorSpec]:
+    E, F, X = s.n_embd, s.n_ff, s.n_expert
+    yield TensorSpec("ffn_gate_inp.weight", (X, E), "router")
+    kinds = {"gate": (X, F, E), "up": (X, F, E), "down": (X, E, F)}
+    if not opts.expert_gate:
+        del kinds["gate"]
+    for kind, shape in kinds.items():
+        yield TensorSpec(f"ffn_{kind}_exps.weight", shape, "matrix")
+        if opts.scales:
+            yield TensorSpec(f"ffn_{kind}_exps.scale", (X,), "scale")
+
+
+def full_options(arch: str) -> dict[str, bool]:
+    """write_fixture options that switch on every optional tensor `arch` knows (as llama.cpp's own
+    fixtures have them): biases, `.scale` multipliers, rope_freqs where it exists, untied output."""
+    recipe = _recipe(arch)
+    opts = {"biases": True, "scales": True, "tied_output": False}
+    if recipe.rope_freqs:
+        opts["rope_freqs"] = True
+    return opts
+
+
+def _recipe(arch: str) -> ArchRecipe:
+    try:
+        return RECIPES[arch]
+    except KeyError:
+        raise ValueError(f"no fixture recipe for architecture {arch!r} (have {', '.join(RECIPES)})") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# values and storage
+
+
+def tensor_values(spec: TensorSpec, seed: int) -> np.ndarray:
+    """The float32 values of one tensor (its own generator: independent of the other tensors)."""
+    rng = np.random.default_rng([seed, zlib.crc32(spec.name.encode())])
+    if spec.kind in ("norm", "scale"):
+        return (1.0 + 0.1 * rng.standard_normal(spec.shape)).astype(np.float32)
+    if spec.kind == "rope_freqs":
+        return rng.uniform(1.0, 4.0, spec.shape).astype(np.float32)
+    return (0.1 * rng.standard_normal(spec.shape)).astype(np.float32)
+
+
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # gguf-py cannot quantize these: blocks are synthesised
+
+
+def storage_type(spec: TensorSpec, qtype: str) -> str:
+    """The GGML type a tensor is written in: only matrices whose rows fill whole blocks are quantized
+    (like llama.cpp's quantizer, which falls back for odd rows); norms, biases, scales, the router
+    and rope_freqs stay F32."""
+    if spec.kind != "matrix" or qtype == "F32":
+        return "F32"
+    block, _ = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+    return qtype if spec.shape[-1] % block == 0 else "F32"
+
+
+def encode_tensor(spec: TensorSpec, values: np.ndarray, qtype: str, seed: int) -> np.ndarray:
+    """Storage array for GGUFWriter.add_tensor: f32 values, f16 values or uint8 block rows.
+
+    K-quant blocks are synthesised from (seed, name) and do not encode `values`: read the decoded
+    weights back with gguf.quants.dequantize."""
+    if qtype == "F32":
+        return values
+    if qtype in K_QUANTS:
+        return _random_kquant_blocks(spec, qtype, seed)
+    return gguf.quants.quantize(values, gguf.GGMLQuantizationType[qtype])
+
+
+def _random_kquant_blocks(spec: TensorSpec, qtype: str, seed: int) -> np.ndarray:
+    """Valid K-quant super-blocks: random quants and sub-scales, f16 scales chosen so the decoded
+    values are finite and roughly N(0, 0.1)."""
+    block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+    *lead, k = spec.shape
+    rng = np.random.default_rng([seed, zlib.crc32(spec.name.encode()), 1])
+    blocks = rng.integers(0, 256, (*lead, k // block, type_size), dtype=np.uint8)
+    jitter = rng.uniform(0.75, 1.25, blocks.shape[:-1])
+    if qtype == "Q6_K":  # d * sc(int8) * (q - 32): E|sc*(q-32)| ~ 1370
+        _put_f16(blocks, 208, 7.3e-5 * jitter)
+    else:  # d * sc * q - dmin * m with sc, m in [0, 64), q in [0, 16) (or [0, 32) for Q5_K)
+        q_mean = 15.5 if qtype == "Q5_K" else 7.5
+        d = (4.6e-4 if qtype == "Q4_K" else 2.3e-4) * jitter
+        _put_f16(blocks, 0, d)
+        _put_f16(blocks, 2, q_mean * d)  # dmin: centres the sub-blocks around zero on average
+    return blocks.reshape(*lead, -1)
+
+
+def _put_f16(blocks: np.ndarray, offset: int, values: np.ndarray) -> None:
+    blocks[..., offset : offset + 2] = values.astype(np.float16)[..., None].view(np.uint8)
+
+
+# ---------------------------------------------------------------------------------------------
+# a tiny GPT-2 byte-level BPE vocabulary
+
+BPE_CORPUS = (
+    "The quick brown fox jumps over the lazy dog. Hello world! This is a tiny model written by the "
+    "ggufc test fixtures; it knows only a few merges, but every byte has a token. Numbers 0123456789 "
+    "and tokens: the, then, there, these, those, this, that, other, another, mother, brother."
+)
+EOS_TOKEN = "<|endoftext|>"
+_WORD_RE = re.compile(r" ?[A-Za-z]+| ?[0-9]| ?[^\sA-Za-z0-9]+|\s+")
+TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_UNUSED = 1, 3, 5
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
+
+
+@dataclass(frozen=True)
+class BpeVocab:
+    tokens: list[str]
+    token_types: list[int]
+    merges: list[str]
+    eos_id: int
+
+
+def gpt2_vocab(n_vocab: int) -> BpeVocab:
+    """256 byte tokens, merges learnt greedily from `BPE_CORPUS`, unused fillers, then `<|endoftext|>`."""
+    if n_vocab < 257:
+        raise ValueError(f"a gpt2 vocabulary needs n_vocab >= 257 (256 bytes + eos), got {n_vocab}; "
+                         "use size='bpe' or a FixtureSize with a larger vocab")
+    b2u = bytes_to_unicode()
+    tokens = [b2u[b] for b in range(256)]
+    merges = _learn_merges(b2u, n_vocab - 257)
+    tokens += ["".join(m.split(" ")) for m in merges]
+    n_fill = n_vocab - 1 - len(tokens)
+    tokens += [f"<|unused_{i}|>" for i in range(n_fill)]
+    types = [TOKEN_NORMAL] * (256 + len(merges)) + [TOKEN_UNUSED] * n_fill + [TOKEN_CONTROL]
+    return BpeVocab(tokens + [EOS_TOKEN], types, merges, eos_id=n_vocab - 1)
+
+
+def _learn_merges(b2u: dict[int, str], limit: int) -> list[str]:
+    words = Counter(tuple(b2u[b] for b in w.encode()) for w in _WORD_RE.findall(BPE_CORPUS))
+    known: set[str] = {b2u[b] for b in range(256)}
+    merges: list[str] = []
+    while len(merges) < limit:
+        pairs: Counter[tuple[str, str]] = Counter()
+        for word, count in words.items():
+            for pair in zip(word, word[1:], strict=False):
+                pairs[pair] += count
+        candidates = [(-c, p) for p, c in pairs.items() if "".join(p) not in known]
+        if not candidates:
+            break
+        _, best = min(candidates)  # most frequent; ties broken by the pair's text, for determinism
+        merges.append(f"{best[0]} {best[1]}")
+        known.add("".join(best))
+        words = Counter({_merge_pair(w, best): c for w, c in words.items()})
+    return merges
+
+
+def _merge_pair(word: tuple[str, ...], pair: tuple[str, str]) -> tuple[str, ...]:
+    out: list[str] = []
+    i = 0
+    while i < len(word):
+        if i + 1 < len(word) and (word[i], word[i + 1]) == pair:
+            out.append(word[i] + word[i + 1])
+            i += 2
+        else:
+            out.append(word[i])
+            i += 1
+    return tuple(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# writing
+
+
+def write_fixture(
+    arch: str, path: str | os.PathLike[str], *, seed: int = 0, size: str | FixtureSize = "tiny",
+    qtype: str = "F32", biases: bool = False, scales: bool = False, rope_freqs: bool = False,
+    tied_output: bool = False, moe: bool | None = None, expert_gate: bool = True,
+    rope_scaling: float | None = None, tokenizer: str = "none", chat_template: str | None = None,
+    rms_eps: float = 1e-5, rope_base: float = 10000.0,
+) -> Path:
+    """Write a random-weight `arch` model to `path` and return the path.
+
+    `qtype` is the storage type of the weight matrices (token_embd, output, projections, experts);
+    see `storage_type` for what stays F32. Options that an architecture does not have raise
+    ValueError (e.g. rope_freqs for qwen3, moe=False for qwen3moe).
+    """
+    if qtype not in SUPPORTED_QTYPES:
+        raise ValueError(f"unsupported qtype {qtype!r} (have {', '.join(SUPPORTED_QTYPES)})")
+    fs = resolve_size(size)
+    opts = FixtureOptions(biases=biases, scales=scales, rope_freqs=rope_freqs, tied_output=tied_output,
+                          moe=moe, expert_gate=expert_gate, rope_scaling=rope_scaling, tokenizer=tokenizer,
+                          chat_template=chat_template, rms_eps=rms_eps, rope_base=rope_base)
+    specs = plan_tensors(arch, fs, opts)
+    vocab = gpt2_vocab(fs.vocab) if tokenizer == "gpt2" else None
+    out = Path(path)
+    writer = gguf.GGUFWriter(os.fspath(out), arch)
+    _write_hparams(writer, arch, fs, opts, moe=any(t.name.endswith("_exps.weight") for t in specs))
+    _write_tokenizer(writer, opts, vocab)
+    for spec in specs:
+        _add_tensor(writer, spec, seed, storage_type(spec, qtype))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def _add_tensor(writer: gguf.GGUFWriter, spec: TensorSpec, seed: int, qtype: str) -> None:
+    data = encode_tensor(spec, tensor_values(spec, seed), qtype, seed)
+    raw_dtype = None if qtype == "F32" else gguf.GGMLQuantizationType[qtype]
+    writer.add_tensor(spec.name, data, raw_dtype=raw_dtype)
+
+
+def _write_hparams(w: gguf.GGUFWriter, arch: str, s: FixtureSize, opts: FixtureOptions, *, moe: bool) -> None:
+    w.add_name(f"ggufc-fixture-{arch}")
+    w.add_context_length(s.n_ctx)
+    w.add_embedding_length(s.n_embd)
+    w.add_block_count(s.n_layer)
+    w.add_feed_forward_length(s.n_ff)
+    w.add_head_count(s.n_head)
+    w.add_head_count_kv(s.n_head_kv)
+    w.add_key_length(s.head_dim)
+    w.add_value_length(s.head_dim)
+    w.add_rope_dimension_count(s.head_dim)
+    w.add_layer_norm_rms_eps(opts.rms_eps)
+    w.add_rope_freq_base(opts.rope_base)
+    if opts.rope_scaling is not None:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(opts.rope_scaling)
+    if moe:
+        w.add_expert_count(s.n_expert)
+        w.add_expert_used_count(s.n_expert_used)
+        if RECIPES[arch].expert_ff_key:
+            w.add_expert_feed_forward_length(s.n_ff)
+    w.add_vocab_size(s.vocab)
+
+
+def _write_tokenizer(w: gguf.GGUFWriter, opts: FixtureOptions, vocab: BpeVocab | None) -> None:
+    if vocab is None:
+        w.add_tokenizer_model("none")
+    else:
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("gpt-2")
+        w.add_token_list(vocab.tokens)
+        w.add_token_types(vocab.token_types)
+        w.add_token_merges(vocab.merges)
+        w.add_bos_token_id(vocab.eos_id)
+        w.add_eos_token_id(vocab.eos_id)
+        w.add_add_bos_token(False)
+    if opts.chat_template is not None:
+        w.add_chat_template(opts.chat_template)

@@ -1,0 +1,133 @@
+"""Whole models, compiled: each registered architecture's project-written fixture built into one Relax VM
+executable (no passes) and run as one-shot prefill, chunked prefill and decode, against the interpreter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tvm
+from ggufc.codegen.build import Built, build_executable, kernel_weights, weight_key
+from ggufc.codegen.tvm_util import to_tvm
+from ggufc.frontend.archs import ARCHITECTURES
+from ggufc.frontend.fixtures import RECIPES, full_options, write_fixture
+from ggufc.frontend.load import LoadedModel, load_model
+from ggufc.ir.interp import init_state, run_graph
+
+N_TOKENS = 10
+CHUNK = 3
+QUANT_OF = {"llama": "Q4_0", "qwen3": "Q8_0", "qwen3moe": "Q4_0"}  # one quantized fixture per arch
+
+
+def model_variants() -> list[tuple[str, dict[str, Any], float]]:
+    """(id, write_fixture options, NMSE bound against the interpreter) for every registered arch."""
+    out = []
+    for arch in sorted(ARCHITECTURES):
+        full = {"arch": arch, **full_options(arch)}
+        out.append((f"{arch}-f32-full", full, 1e-6))
+        qtype = QUANT_OF.get(arch, "Q8_0")
+        out.append((f"{arch}-{qtype}", {"arch": arch, "qtype": qtype}, 1e-5))
+        if RECIPES[arch].expert_gate_optional:  # the gate-less MoE path exists only where MoE is optional
+            out.append((f"{arch}-moe-gateless", {**full, "moe": True, "expert_gate": False}, 1e-6))
+    return out
+
+
+VARIANTS = model_variants()
+
+
+def nmse(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.sum((a - b) ** 2) / np.sum(b**2))
+
+
+@dataclass
+class CompiledModel:
+    model: LoadedModel
+    built: Built
+    vm: Any
+    params: list[Any]
+
+    def fresh_states(self) -> list[Any]:
+        return [to_tvm(np.zeros(shape, dtype)) for _, shape, dtype in self.built.states]
+
+    def call(self, fn: str, tokens: np.ndarray, pos: int, states: list[Any]) -> np.ndarray:
+        out = self.vm[fn](to_tvm(tokens.astype(np.int32)), tvm.runtime.ShapeTuple([pos]), states, self.params)
+        return out.numpy()
+
+
+def compile_fixture(tmp_path: Path, opts: dict[str, Any]) -> CompiledModel:
+    opts = dict(opts)
+    model = load_model(write_fixture(opts.pop("arch"), tmp_path / "model.gguf", seed=0, **opts))
+    built = build_executable(model, run_passes=False, max_chunk=16)
+    weights = kernel_weights(model, built.layouts)
+    params = [to_tvm(weights[weight_key(lay.source, f)]) for lay in built.layouts for f, _, _ in lay.arrays]
+    return CompiledModel(model, built, tvm.runtime.vm.VirtualMachine(built.executable, tvm.cpu()), params)
+
+
+def compiled_prefill(cm: CompiledModel, tokens: np.ndarray, chunk: int) -> np.ndarray:
+    states = cm.fresh_states()
+    parts = [cm.call("prefill_all", tokens[i : i + chunk], i, states) for i in range(0, len(tokens), chunk)]
+    return np.concatenate(parts)
+
+
+def compiled_decode(cm: CompiledModel, tokens: np.ndarray) -> np.ndarray:
+    states = cm.fresh_states()
+    return np.concatenate([cm.call("decode", tokens[i : i + 1], i, states) for i in range(len(tokens))])
+
+
+def interpreted(model: LoadedModel, tokens: np.ndarray) -> np.ndarray:
+    """The spec: one-shot all-token logits from the float64 interpreter."""
+    graph = model.graphs["prefill_all"]
+    res = run_graph(
+        graph,
+        {"tokens": tokens, "pos": np.int64(0)},
+        model.param_loader(),
+        init_state(graph, {}, np.float64),
+        dtype=np.float64,
+    )
+    return res.outputs[0]
+
+
+@pytest.fixture(scope="module", params=VARIANTS, ids=[v[0] for v in VARIANTS])
+def variant(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    name, opts, bound = request.param
+    cm = compile_fixture(tmp_path_factory.mktemp(name), opts)
+    tokens = np.random.default_rng(7).integers(0, cm.model.hparams.n_vocab, N_TOKENS).astype(np.int32)
+    return {
+        "cm": cm,
+        "tokens": tokens,
+        "bound": bound,
+        "ref": interpreted(cm.model, tokens),
+        "one_shot": compiled_prefill(cm, tokens, N_TOKENS),
+    }
+
+
+def test_one_shot_prefill_matches_interpreter(variant: dict[str, Any]) -> None:
+    got, ref = variant["one_shot"], variant["ref"]
+    assert got.shape == ref.shape
+    assert nmse(got, ref) <= variant["bound"]
+
+
+def test_chunked_prefill_equals_one_shot(variant: dict[str, Any]) -> None:
+    chunked = compiled_prefill(variant["cm"], variant["tokens"], CHUNK)
+    assert nmse(chunked, variant["one_shot"]) <= 1e-9
+    assert nmse(chunked, variant["ref"]) <= variant["bound"]
+
+
+def test_decode_matches_interpreter(variant: dict[str, Any]) -> None:
+    decoded = compiled_decode(variant["cm"], variant["tokens"])
+    assert nmse(decoded, variant["ref"]) <= variant["bound"]
+    assert nmse(decoded, variant["one_shot"]) <= 1e-9
+
+
+def test_last_token_prefill_after_a_chunk(variant: dict[str, Any]) -> None:
+    """`prefill` (last-token logits) continuing a context that a first chunk filled."""
+    cm, tokens = variant["cm"], variant["tokens"]
+    states = cm.fresh_states()
+    cm.call("prefill_all", tokens[:4], 0, states)
+    last = cm.call("prefill", tokens[4:], 4, states)
+    assert last.shape == (1, cm.model.hparams.n_vocab)
+    assert nmse(last, variant["ref"][-1:]) <= variant["bound"]
