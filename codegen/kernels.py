@@ -324,6 +324,7 @@ def rope(x_shape: PShape, table_shape: PShape, attrs: O.Rope) -> tirx.PrimFunc:
             pair = tirx.if_then_else(second, d - i64(half), d)
             a = x[t, h, tirx.if_then_else(second, d - i64(half), d)]
             b = x[t, h, tirx.if_then_else(second, d, d + i64(half))]
+        pair = tirx.min(pair, i64(half - 1))  # dims past n_rot pass through; keep the table read in bounds
         c, s = table[p, pair, i64(0)], table[p, pair, i64(1)]
         rotated = tirx.if_then_else(second, a * s + b * c, a * c - b * s)
         return tirx.if_then_else(d < n_rot, rotated, x[t, h, d])

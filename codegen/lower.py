@@ -20,7 +20,7 @@ from ggufc.ir.graph import Dim, Graph, Node, Param, Value
 
 from . import kernels as K
 from . import quant as Q
-from .schedule import schedule_cpu
+from .schedule import PRESCHEDULED, schedule_cpu
 
 
 @dataclass(frozen=True)
@@ -153,7 +153,9 @@ class ModuleBuilder:
 
     def kernel(self, key: tuple[Any, ...], make: Callable[[], tirx.PrimFunc]) -> Any:
         if key not in self.kernels:
-            func = schedule_cpu(make()) if self.target.kind.name == "llvm" else make()
+            func = make()
+            if self.target.kind.name == "llvm" and key[0] not in PRESCHEDULED:
+                func = schedule_cpu(func)
             name = _kernel_name(key, len(self.kernels))
             self.kernels[key] = self.bb.add_func(func.with_attr("global_symbol", name), name)
             self.kernel_names.append(name)
