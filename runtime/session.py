@@ -40,6 +40,19 @@ DEVICE_TARGET_KEYS = {
 }
 
 
+def configure_cpu_threads(threads: int | None = None) -> int:
+    """Size TVM's CPU thread pool: by default one thread per CPU this process may run on.
+
+    TVM's own default is half the logical CPUs on x86 (it assumes hyper-threads), which on a
+    2-vCPU machine leaves one core idle.
+    """
+    import tvm
+
+    n = threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    tvm.get_global_func("runtime.config_threadpool")(0, int(n))  # 0: big cores, no pinning change
+    return int(n)
+
+
 class ContextOverflowError(ValueError):
     """More tokens than the compiled context holds; nothing was run."""
 
@@ -47,13 +60,15 @@ class ContextOverflowError(ValueError):
 class Session:
     """A loaded artifact plus its context (the tokens fed so far live in the states)."""
 
-    def __init__(self, artifact: str | os.PathLike[str], *, device: str = "cpu") -> None:
+    def __init__(self, artifact: str | os.PathLike[str], *, device: str = "cpu", threads: int | None = None) -> None:
         target_key = DEVICE_TARGET_KEYS.get(device)
         if target_key is None:
             raise ArtifactError(f"unknown device '{device}' (known: {', '.join(DEVICE_TARGET_KEYS)})")
         # Verification (hashes, versions, target) happens here, before kernels.so is opened.
         self._artifact: Artifact | None = open_artifact(artifact, target_key=target_key)
         try:
+            if device == "cpu":
+                configure_cpu_threads(threads)
             self._load(self._artifact, device)
         except BaseException:
             self.close()
