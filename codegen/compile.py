@@ -95,6 +95,7 @@ def _manifest(model: LoadedModel, built: Built, tokenizer: dict[str, Any], weigh
         "passes": built.pass_stats,
         "kernels": built.kernel_names,
         "weight_bytes": int(sum(a.nbytes for a in weights.values())),
+        "derived_bytes": int(sum(a.nbytes for a in model.derived.values())),
         "gguf_tensor_bytes": int(sum(t.n_bytes for t in model.gguf.tensors.values())),
         "compile_seconds": round(seconds, 3),
     }
