@@ -102,6 +102,8 @@ UNARY: dict[str, Callable[[PrimExpr], PrimExpr]] = {
     "square": lambda x: x * x,
     "tanh": te.tanh,
     "recip": lambda x: f32(1.0) / x,
+    "sign": lambda x: tirx.Select(x > f32(0.0), f32(1.0), tirx.Select(x < f32(0.0), f32(-1.0), f32(0.0))),
+    "abs": te.abs,
 }
 
 BINARY: dict[str, Callable[[PrimExpr, PrimExpr], PrimExpr]] = {
@@ -437,7 +439,7 @@ def weighted_sum(y_shape: PShape, scale_by: bool) -> tirx.PrimFunc:
     return func([y, w, out])
 
 
-def cache_write(cache_shape: PShape, x_shape: PShape) -> tirx.PrimFunc:
+def cache_write(cache_shape: PShape, x_shape: PShape, dtype: str = "float32") -> tirx.PrimFunc:
     """In place: cache[pos + t] = x[t]. Built with the TIR IR builder since TE cannot write in place."""
     from tvm.script import ir_builder as IB
     from tvm.script.ir_builder import tirx as Tb
@@ -446,12 +448,13 @@ def cache_write(cache_shape: PShape, x_shape: PShape) -> tirx.PrimFunc:
         with Tb.prim_func():
             Tb.func_name("cache_write")
             Tb.func_attr({"tirx.noalias": True})
-            cache = Tb.arg("cache", Tb.buffer(cache_shape, "float32"))
+            cache = Tb.arg("cache", Tb.buffer(cache_shape, dtype))
             x_h = Tb.arg("x", Tb.handle())
             pos = Tb.arg("pos", tirx.Var("pos", "int64"))
             n = tirx.Var("n", "int64")
-            x = Tb.match_buffer(x_h, (n, *x_shape[1:]), "float32")
+            x = Tb.match_buffer(x_h, (n, *x_shape[1:]), dtype)
             with Tb.grid(n, *x_shape[1:]) as idx:
+                idx = idx if len(x_shape) > 1 else [idx]  # one extent: grid yields a bare var
                 t, rest = idx[0], idx[1:]
                 Tb.buffer_store(cache, x[(t, *rest)], [pos + t, *rest])
     return ib.get()

@@ -85,12 +85,17 @@ class ArchRecipe:
     dense_ffn_bias: bool = False  # ffn_{gate,up,down}.bias on the dense FFN
     expert_gate_optional: bool = False  # MoE without ffn_gate_exps (silu(up) only)
     expert_ff_key: bool = False  # writes {arch}.expert_feed_forward_length
+    hybrid: bool = False  # gated delta-net + gated attention layers (fixtures_hybrid.py)
+    hyper: bool = False  # qwen4exp: hyper-connections, QSA, PLE; its own tensor plan (fixtures_qwen4exp.py)
 
 
 RECIPES: dict[str, ArchRecipe] = {
     "llama": ArchRecipe(moe="optional", rope_freqs=True, dense_ffn_bias=True, expert_gate_optional=True),
     "qwen3": ArchRecipe(moe="never", qk_norm=True),
     "qwen3moe": ArchRecipe(moe="always", qk_norm=True, expert_ff_key=True),
+    "qwen35": ArchRecipe(moe="never", qk_norm=True, hybrid=True),
+    "qwen3next": ArchRecipe(moe="always", qk_norm=True, expert_ff_key=True, hybrid=True),
+    "qwen4exp": ArchRecipe(moe="always", qk_norm=True, expert_ff_key=True, hyper=True),
 }
 
 
@@ -117,7 +122,8 @@ class FixtureOptions:
 class TensorSpec:
     name: str
     shape: tuple[int, ...]  # numpy order
-    kind: str  # "matrix" (quantizable), "router", "bias", "norm", "scale", "rope_freqs"
+    kind: str  # "matrix" (quantizable), "router", "bias", "norm", "scale", "rope_freqs",
+    #   "conv" (F32 conv kernel), "ssm_a" (negative decay rates)
 
 
 def _is_moe(recipe: ArchRecipe, opts: FixtureOptions, arch: str) -> bool:
@@ -145,6 +151,10 @@ def plan_tensors(arch: str, size: FixtureSize, opts: FixtureOptions) -> list[Ten
     moe = _is_moe(recipe, opts, arch)
     _check_options(arch, recipe, opts, moe)
     s = size
+    if recipe.hyper:
+        from .fixtures_qwen4exp import plan
+
+        return plan(s, opts)
     specs = [TensorSpec("token_embd.weight", (s.vocab, s.n_embd), "matrix"),
              TensorSpec("output_norm.weight", (s.n_embd,), "norm")]
     if not opts.tied_output:
@@ -152,7 +162,12 @@ def plan_tensors(arch: str, size: FixtureSize, opts: FixtureOptions) -> list[Ten
     if opts.rope_freqs:
         specs.append(TensorSpec("rope_freqs.weight", (s.head_dim // 2,), "rope_freqs"))
     for il in range(s.n_layer):
-        layer = _layer_tensors(recipe, s, opts, moe)
+        if recipe.hybrid:
+            from .fixtures_hybrid import hybrid_layer_tensors
+
+            layer = list(hybrid_layer_tensors(arch, il, s, opts, moe))
+        else:
+            layer = list(_layer_tensors(recipe, s, opts, moe))
         specs += [dataclasses.replace(t, name=f"blk.{il}.{t.name}") for t in layer]
     return specs
 
@@ -227,6 +242,8 @@ def tensor_values(spec: TensorSpec, seed: int) -> np.ndarray:
         return (1.0 + 0.1 * rng.standard_normal(spec.shape)).astype(np.float32)
     if spec.kind == "rope_freqs":
         return rng.uniform(1.0, 4.0, spec.shape).astype(np.float32)
+    if spec.kind == "ssm_a":  # stored as -exp(A_log): negative decay rates
+        return (-np.exp(0.3 * rng.standard_normal(spec.shape))).astype(np.float32)
     return (0.1 * rng.standard_normal(spec.shape)).astype(np.float32)
 
 
@@ -413,7 +430,12 @@ def _write_hparams(w: gguf.GGUFWriter, arch: str, s: FixtureSize, opts: FixtureO
     w.add_head_count_kv(s.n_head_kv)
     w.add_key_length(s.head_dim)
     w.add_value_length(s.head_dim)
-    w.add_rope_dimension_count(s.head_dim)
+    if RECIPES[arch].hybrid:
+        from .fixtures_hybrid import rope_dimension_count
+
+        w.add_rope_dimension_count(rope_dimension_count(arch, s))
+    else:
+        w.add_rope_dimension_count(s.head_dim)
     w.add_layer_norm_rms_eps(opts.rms_eps)
     w.add_rope_freq_base(opts.rope_base)
     if opts.rope_scaling is not None:
@@ -424,6 +446,14 @@ def _write_hparams(w: gguf.GGUFWriter, arch: str, s: FixtureSize, opts: FixtureO
         w.add_expert_used_count(s.n_expert_used)
         if RECIPES[arch].expert_ff_key:
             w.add_expert_feed_forward_length(s.n_ff)
+    if RECIPES[arch].hybrid:
+        from .fixtures_hybrid import write_hybrid_hparams
+
+        write_hybrid_hparams(w, arch, s, moe=moe)
+    if RECIPES[arch].hyper:
+        from .fixtures_qwen4exp import write_hparams
+
+        write_hparams(w, s)
     w.add_vocab_size(s.vocab)
 
 

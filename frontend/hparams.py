@@ -78,19 +78,46 @@ def rope_freq_scale(keys: Keys) -> float:
     return 1.0 / float(factor)
 
 
-def rope_table(n_ctx: int, n_rot: int, base: float, freq_scale: float, freq_factors: np.ndarray | None) -> np.ndarray:
+def imrope_components(sections: tuple[int, ...] | list[int], n_rot: int) -> list[str]:
+    """Which position component ("t", "h", "w" or "e") each rotary pair of IMROPE reads
+    (ggml_mrope_cache_init with is_imrope: the first matching rule wins)."""
+    if len(sections) != 4 or sum(sections) <= 0 or not any(s > 0 for s in sections[:3]):
+        raise ModelError(
+            f"rope.dimension_sections must be 4 sizes with a positive t/h/w section, got {list(sections)}"
+        )
+    s0, s1, s2, _ = (int(v) for v in sections)
+    total = sum(int(v) for v in sections)
+    out = []
+    for i in range(n_rot // 2):
+        sector = i % total
+        if sector % 3 == 1 and sector < 3 * s1:
+            out.append("h")
+        elif sector % 3 == 2 and sector < 3 * s2:
+            out.append("w")
+        elif sector % 3 == 0 and sector < 3 * s0:
+            out.append("t")
+        else:
+            out.append("e")
+    return out
+
+
+def rope_table(n_ctx: int, n_rot: int, base: float, freq_scale: float, freq_factors: np.ndarray | None,
+               sections: tuple[int, ...] | list[int] | None = None) -> np.ndarray:
     """cos/sin for every position and rotary pair, computed the float32 way ggml does.
 
     ggml builds theta by repeated float32 multiplication (theta *= theta_scale per pair), divides
     by the optional per-pair factor, then applies freq_scale; matching that keeps the goldens tight.
+    With IMROPE `sections`, row p holds the angles of a text token at (t, h, w, e) = (p, p, p, 0):
+    pairs that read the "e" component get angle 0 (cos 1, sin 0), i.e. are not rotated.
     """
     theta_scale = np.float32(np.power(np.float32(base), np.float32(-2.0) / np.float32(n_rot)))
     theta = np.arange(n_ctx, dtype=np.float32)
     half = n_rot // 2
+    comps = imrope_components(sections, n_rot) if sections is not None else ["t"] * half
     angles = np.empty((n_ctx, half), dtype=np.float32)
     for i in range(half):
         ff = np.float32(freq_factors[i]) if freq_factors is not None else np.float32(1.0)
-        angles[:, i] = np.float32(freq_scale) * (theta / ff)
+        angles[:, i] = np.float32(freq_scale) * (theta / ff) if comps[i] != "e" else np.float32(0.0)
         theta = (theta * theta_scale).astype(np.float32)
     table = np.empty((n_ctx, half, 2), dtype=np.float32)
     table[..., 0] = np.cos(angles)

@@ -83,7 +83,7 @@ def _rope(b: GraphBuilder, n: Node) -> list[Value]:
     cos, sin = b.slice(rows, 2, 0, 1, f"{name}.cos"), b.slice(rows, 2, 1, 2, f"{name}.sin")
     rest = [b.slice(x, 2, a.n_rot, int(d), f"{name}.pass")] if a.n_rot < int(d) else []
     xr = b.slice(x, 2, 0, a.n_rot, f"{name}.rot") if rest else x
-    if a.mode == "neox":  # halves: (x[:half], x[half:n_rot])
+    if a.mode in ("neox", "imrope"):  # halves: (x[:half], x[half:n_rot]); imrope's sections are in the table
         c, s = b.reshape(cos, (t, 1, half), f"{name}.c"), b.reshape(sin, (t, 1, half), f"{name}.s")
         lo, hi = b.slice(xr, 2, 0, half, f"{name}.lo"), b.slice(xr, 2, half, a.n_rot, f"{name}.hi")
         parts = _rotate(b, lo, hi, c, s, name)
@@ -108,7 +108,7 @@ def _rotate(b: GraphBuilder, lo: Value, hi: Value, c: Value, s: Value, name: str
 def _attention(b: GraphBuilder, n: Node) -> list[Value]:
     """Causal GQA over the cache: query heads are grouped under their KV head, so one batched
     matmul per KV head serves its whole group (no repeat of K/V)."""
-    q, kc, vc, pos = n.inputs
+    q, kc, vc, pos, *extra = n.inputs
     name, (t, h, d) = n.outputs[0].name, q.shape
     hkv = int(kc.shape[1])
     g = int(h) // hkv
@@ -121,6 +121,10 @@ def _attention(b: GraphBuilder, n: Node) -> list[Value]:
     scores = b.scalar("mul", qk, n.attrs.scale, f"{name}.scaled")
     s_len = scores.shape[2]
     mask = b.emit("causal_mask", [pos], O.Tokens(t), f"{name}.mask")
+    if n.attrs.mask != "causal":  # the selected cells as an additive mask (the sparse form's meaning)
+        sel = extra[0] if n.attrs.mask == "additive" else b.emit("index_mask", [extra[0], pos], O.NoAttrs(),
+                                                                 f"{name}.sel_mask")
+        mask = b.add(mask, sel, f"{name}.mask_sel")
     masked = b.add(b.reshape(scores, (hkv, g, t, s_len), f"{name}.s4"), mask, f"{name}.masked")
     probs = softmax_spelled(b, masked, -1, f"{name}.probs")
     out = b.emit("bmm_nn", [b.reshape(probs, (hkv, gt, s_len), f"{name}.p3"), v], O.NoAttrs(), f"{name}.pv")
@@ -133,13 +137,19 @@ def _moe_route(b: GraphBuilder, n: Node) -> list[Value]:
 
 
 def _moe_ffn(b: GraphBuilder, n: Node) -> list[Value]:
-    """The spelling of frontend/blocks.py::moe (inputs: x, router, [gate], up, down, *scales)."""
+    """The spelling of frontend/blocks.py::moe (inputs: x, router, [gate], up, down, *scales), a
+    merged gate_up tensor read as two slices, and the sigmoid-gated shared expert added after it
+    (decompose_qwen4exp.shared_expert_spelled; inputs named by ops.moe_inputs)."""
     a: O.MoeFFN = n.attrs
-    x, router, *rest = n.inputs
-    gate = rest.pop(0) if a.has_gate else None
-    up, down, *scale_list = rest
-    scales = dict(zip(a.expert_scales, scale_list, strict=True))
+    named = O.moe_inputs(n.inputs, a)
+    x, router, down, scales = named["x"], named["router"], named["down"], named["scales"]
     name, t = n.outputs[0].name, x.shape[0]
+    if a.merged_gate_up:
+        f = int(named["gate_up"].shape[1]) // 2
+        gate: Value | None = b.slice(named["gate_up"], 1, 0, f, f"{name}.gate_exps")
+        up = b.slice(named["gate_up"], 1, f, 2 * f, f"{name}.up_exps")
+    else:
+        gate, up = named.get("gate"), named["up"]
     weights, ids = route_spelled(b, b.matmul(x, router, f"{name}.logits"), a, f"{name}.route")
     x3 = b.reshape(x, (t, 1, x.shape[1]), f"{name}.in")
 
@@ -157,7 +167,35 @@ def _moe_ffn(b: GraphBuilder, n: Node) -> list[Value]:
         act = b.unary("silu", u, f"{name}.act")
     w3 = b.reshape(weights, (t, a.k, 1), f"{name}.weights3")
     weighted = b.mul(experts(act, down, "down"), w3, f"{name}.weighted")
-    return [b.reduce("sum", weighted, name, axis=1, keepdims=False)]
+    if not a.shared:
+        return [b.reduce("sum", weighted, name, axis=1, keepdims=False)]
+    from .decompose_qwen4exp import shared_expert_spelled
+
+    routed = b.reduce("sum", weighted, f"{name}.routed", axis=1, keepdims=False)
+    return [shared_expert_spelled(b, x, routed, named, name)]
+
+
+def l2_norm_spelled(b: GraphBuilder, x: Value, eps: float, name: str) -> Value:
+    """x * rsqrt(sum(x^2) + eps) over the last axis (frontend/delta_net.py spells it this way)."""
+    ss = b.reduce("sum", b.unary("square", x, f"{name}.sq"), f"{name}.ss")
+    r = b.unary("rsqrt", b.scalar("add", ss, eps, f"{name}.ss_eps"), f"{name}.rnorm")
+    return b.mul(x, r, name)
+
+
+def rms_norm_gated_spelled(
+    b: GraphBuilder, x: Value, w: Value, z: Value, eps: float, act: str, name: str
+) -> Value:
+    normed = rms_norm_spelled(b, x, w, eps, f"{name}.norm")
+    return b.mul(normed, b.unary(act, z, f"{name}.gate"), name)
+
+
+def _l2_norm(b: GraphBuilder, n: Node) -> list[Value]:
+    return [l2_norm_spelled(b, n.inputs[0], n.attrs.eps, n.outputs[0].name)]
+
+
+def _rms_norm_gated(b: GraphBuilder, n: Node) -> list[Value]:
+    x, w, z = n.inputs
+    return [rms_norm_gated_spelled(b, x, w, z, n.attrs.eps, n.attrs.act, n.outputs[0].name)]
 
 
 def _fused_elementwise(b: GraphBuilder, n: Node) -> list[Value]:
@@ -178,6 +216,8 @@ DECOMPOSITIONS: dict[str, Decomposition] = {
     "moe_route": _moe_route,
     "moe_ffn": _moe_ffn,
     "fused_elementwise": _fused_elementwise,
+    "l2_norm": _l2_norm,
+    "rms_norm_gated": _rms_norm_gated,
 }
 
 
@@ -223,3 +263,9 @@ def decompose(graph: Graph, only: Collection[str] | None = None) -> Graph:
         if not todo:
             return graph.replace(nodes=nodes)
         nodes = [m for n in nodes for m in (decompose_node(n) if id(n) in todo else [n])]
+
+
+# the hyper-connection and QSA-indexer ops (qwen4exp), spelled as the frontend blocks spell them
+from .decompose_qwen4exp import QWEN4EXP_DECOMPOSITIONS  # noqa: E402 - they use the helpers above
+
+DECOMPOSITIONS.update(QWEN4EXP_DECOMPOSITIONS)

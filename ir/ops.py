@@ -17,6 +17,15 @@ from typing import Any
 import numpy as np
 
 from .graph import Dim, Shape
+from .qwen4exp_ref import (
+    hc_post_ref,
+    hc_pre_ref,
+    index_mask_ref,
+    indexer_score_ref,
+    indexer_topk_ref,
+    ple_hash_ref,
+)
+from .recurrent_ref import gated_delta_net_ref, l2_norm_ref, rms_norm_gated_ref, ssm_conv_ref
 
 # ----------------------------------------------------------------------------------------------
 # attributes (frozen, typed)
@@ -29,7 +38,7 @@ class NoAttrs:
 
 @dataclass(frozen=True)
 class Unary:
-    fn: str  # silu sigmoid exp neg sqrt rsqrt relu softplus square tanh recip
+    fn: str  # silu sigmoid exp neg sqrt rsqrt relu softplus square tanh recip sign abs
 
 
 @dataclass(frozen=True)
@@ -96,15 +105,25 @@ class RMSNorm:
 
 @dataclass(frozen=True)
 class Rope:
-    """Rotary embedding with a precomputed cos/sin table [n_ctx, n_rot/2, 2] (exact ggml angles)."""
+    """Rotary embedding with a precomputed cos/sin table [n_ctx, n_rot/2, 2] (exact ggml angles).
 
-    mode: str  # "norm" (adjacent pairs) or "neox" (halves)
+    "imrope" (interleaved M-RoPE, ggml_rope_multi) pairs halves as "neox"; its table is built with
+    `sections` (frontend/hparams.py `rope_table`): each pair reads one position component
+    (t, h, w or e), and text tokens sit at (p, p, p, 0), so a pair that falls to "e" is not rotated.
+    """
+
+    mode: str  # "norm" (adjacent pairs), "neox" (halves) or "imrope" (halves, sectioned table)
     n_rot: int
+    sections: tuple[int, ...] = ()  # imrope: the four section sizes (t, h, w, e)
 
 
 @dataclass(frozen=True)
 class Attention:
     scale: float
+    # which cells each query sees beyond causality: "causal" (all earlier cells), "additive"
+    # (a fifth input: a [T, P+T] mask added to the scores) or "indices" (a fifth input: [T, W]
+    # int32 cell ids, -1 for none; the sparse form, which reads only those cells)
+    mask: str = "causal"
 
 
 @dataclass(frozen=True)
@@ -123,6 +142,96 @@ class MoeFFN:
     norm_clamp: float = 6.103515625e-5
     has_gate: bool = True
     expert_scales: tuple[str, ...] = ()  # which of ("gate", "up", "down") carry a per-expert scale
+    merged_gate_up: bool = False  # one [X, 2F, E] experts tensor in place of gate and up: rows [0,F) gate, [F,2F) up
+    shared: bool = False  # + a shared SwiGLU expert scaled by sigmoid(x . gate_inp_shexp) (qwen3next, qwen4exp)
+    shared_scales: tuple[str, ...] = ()  # which of the shared expert's ("gate", "up", "down") carry a [1] scale
+
+
+@dataclass(frozen=True)
+class L2Norm:
+    """x / sqrt(sum(x^2) + eps) over the last axis (the gated delta-net's q/k norm)."""
+
+    eps: float
+
+
+@dataclass(frozen=True)
+class RMSNormGated:
+    """rms_norm(x, eps) * w * act(z): the gated RMSNorm on the delta-net output."""
+
+    eps: float
+    act: str = "silu"  # "silu" (qwen3next, qwen35) or "sigmoid" (qwen4exp)
+
+
+@dataclass(frozen=True)
+class SsmConv:
+    """Causal depthwise conv with its input history as state; outputs (new_state, y)."""
+
+    dilation: int = 1
+
+
+@dataclass(frozen=True)
+class GatedDeltaNet:
+    """The gated delta rule with state [Hv, Dv, Dk]; outputs (new_state, o [T, Hv, Dv])."""
+
+    head_map: str  # which q/k head value head h reads: "tiled" h % Hk or "interleaved" h // (Hv/Hk)
+    scale: float  # output scale, 1/sqrt(Dk)
+
+
+# -- hyper-connections, QSA indexer, PLE hash (qwen4exp; references in qwen4exp_ref.py) ------
+
+
+@dataclass(frozen=True)
+class HcPre:
+    """Hyper-connection pre-mix of the [T, hc, E] streams into a layer input [T, E].
+
+    rule "sigmoid_mean" (qwen4exp): inputs (R, norm [hc,E], down [lr,hc*E], up [hc*E,lr]
+    [, inject [hc,hc*E]]); outputs (mixed [T,E][, post [T,hc] = 2*sigmoid(inject(xf)/hc)]).
+    rule "sinkhorn" (deepseek4's full-rank mix) is the same op with another rule: outputs (mixed,
+    post, comb [T,hc,hc]) for an `hc_post` with comb=True.
+    """
+
+    n_hc: int
+    eps: float
+    rule: str = "sigmoid_mean"
+    post: bool = True  # False: the final collapse (no inject, no post weights)
+
+
+@dataclass(frozen=True)
+class HcPost:
+    """R [T,hc,E] + post [T,hc] * y [T,E] per stream (comb=True: R mixed by a [T,hc,hc] comb first)."""
+
+    comb: bool = False
+
+
+@dataclass(frozen=True)
+class IndexerScore:
+    """QSA block scores: inputs (q [T,Hi,Di] normed+roped, raw key cache [C,Di], k-norm [Di], block
+    rope table [C//r + 1, n_rot/2, 2]) -> [T, C//r + 1] (last column: the spare block)."""
+
+    ratio: int
+    eps: float
+    n_rot: int
+
+
+@dataclass(frozen=True)
+class IndexerTopK:
+    """QSA selection: (block scores [T, NB+1], pos) -> [T, width] selected cell ids (-1: none);
+    width = top_k + ratio - 1 (clamped to the context); the tail is always kept."""
+
+    ratio: int
+    width: int
+
+
+@dataclass(frozen=True)
+class PleHash:
+    """PLE n-gram rows: (token history [C] int32, tokens [T], pos) -> [T, (n-1)*heads] int32."""
+
+    ngram: int
+    heads_per_ngram: int
+    multipliers: tuple[int, ...]
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    eos: int
 
 
 @dataclass(frozen=True)
@@ -164,6 +273,8 @@ UNARY_FNS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "square": np.square,
     "tanh": np.tanh,
     "recip": lambda x: 1.0 / x,
+    "sign": np.sign,  # sign(0) = 0, as ggml_sgn
+    "abs": np.abs,
 }
 
 BINARY_FNS: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
@@ -220,14 +331,20 @@ def causal_mask_ref(t: int, p: int, dtype: Any) -> np.ndarray:
     return np.where(j <= i, 0.0, -np.inf).astype(dtype)
 
 
-def attention_ref(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, pos0: int, scale: float) -> np.ndarray:
-    """q [T,H,D]; caches [C,Hkv,D] already holding this call's keys. Returns [T,H,D]."""
+def attention_ref(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, pos0: int, scale: float,
+                  mask: str = "causal", extra: np.ndarray | None = None) -> np.ndarray:
+    """q [T,H,D]; caches [C,Hkv,D] already holding this call's keys. Returns [T,H,D].
+    `extra`: the additive [T, P+T] mask, or the [T, W] selected cell ids (see `Attention.mask`)."""
     t, h, d = q.shape
     hkv = kc.shape[1]
     s_len = pos0 + t
     k = np.repeat(kc[:s_len], h // hkv, axis=1)
     v = np.repeat(vc[:s_len], h // hkv, axis=1)
     s = np.einsum("thd,shd->hts", q, k) * q.dtype.type(scale) + causal_mask_ref(t, pos0, q.dtype)[None]
+    if mask == "additive":
+        s = s + extra.astype(q.dtype)[None]
+    elif mask == "indices":
+        s = s + index_mask_ref(extra, pos0).astype(q.dtype)[None]
     return np.einsum("hts,shd->thd", softmax_ref(s, -1), v)
 
 
@@ -416,7 +533,102 @@ def _elementwise_shape(ins: Sequence[ShapeDtype], a: FusedElementwise) -> list[S
 
 
 def _moe_ffn_shape(ins: Sequence[ShapeDtype], a: MoeFFN) -> list[ShapeDtype]:
+    n = moe_inputs([s for s, _ in ins], a)
+    if a.merged_gate_up and (not a.has_gate or {"gate", "up"} & set(a.expert_scales)):
+        raise ValueError("moe_ffn: a merged gate_up tensor has a gate and no gate/up scales")
+    if a.merged_gate_up and n["gate_up"][1] != 2 * n["down"][2]:
+        raise ValueError(f"moe_ffn: merged gate_up {n['gate_up']} is not twice the down's hidden {n['down']}")
     return [ins[0]]
+
+
+def _rms_norm_gated_shape(ins: Sequence[ShapeDtype], a: RMSNormGated) -> list[ShapeDtype]:
+    (xs, dt), (ws, _), (zs, _) = ins
+    if tuple(ws) != (xs[-1],) or len(zs) != len(xs) or any(p != q for p, q in zip(xs, zs, strict=True)):
+        raise ValueError(f"rms_norm_gated: x {xs}, weight {ws} and gate {zs} disagree")
+    return [(xs, dt)]
+
+
+def _ssm_conv_shape(ins: Sequence[ShapeDtype], a: SsmConv) -> list[ShapeDtype]:
+    """(state [C, (K-1)*dilation], x [T, C], w [C, K]) -> (new state, y [T, C])."""
+    (ss, sdt), (xs, _), (ws, _) = ins
+    n_ch, k = ws
+    if len(xs) != 2 or xs[1] != n_ch or tuple(ss) != (n_ch, (int(k) - 1) * a.dilation):
+        raise ValueError(f"ssm_conv: state {ss}, x {xs} and kernel {ws} disagree (dilation {a.dilation})")
+    return [(ss, sdt), ((xs[0], n_ch), "float32")]
+
+
+def _gated_delta_net_shape(ins: Sequence[ShapeDtype], a: GatedDeltaNet) -> list[ShapeDtype]:
+    """(state [Hv,Dv,Dk], q [T,Hk,Dk], k [T,Hk,Dk], v [T,Hv,Dv], g [T,Hv], beta [T,Hv]) -> (state, o)."""
+    (ss, sdt), (qs, _), (ks, _), (vs, _), (gs, _), (bs, _) = ins
+    hv, dv, dk = ss
+    t, hk = qs[0], qs[1]
+    ok = (
+        tuple(qs) == (t, hk, dk) and tuple(ks) == tuple(qs) and tuple(vs) == (t, hv, dv)
+        and tuple(gs) == (t, hv) and tuple(bs) == (t, hv) and isinstance(hk, int) and hv % hk == 0
+        and a.head_map in ("tiled", "interleaved")
+    )
+    if not ok:
+        raise ValueError(f"gated_delta_net: state {ss}, q {qs}, k {ks}, v {vs}, g {gs}, beta {bs} disagree")
+    return [(ss, sdt), (vs, "float32")]
+
+
+def _attention_shape(ins: Sequence[ShapeDtype], a: Attention) -> list[ShapeDtype]:
+    n_in = 4 if a.mask == "causal" else 5
+    if len(ins) != n_in or a.mask not in ("causal", "additive", "indices"):
+        raise ValueError(f"attention with mask {a.mask!r} takes {n_in} inputs, got {len(ins)}")
+    if a.mask == "indices" and (ins[4][1] != "int32" or ins[4][0][0] != ins[0][0][0]):
+        raise ValueError(f"attention: selected cells {ins[4]} must be int32 [T, W]")
+    return [ins[0]]
+
+
+def _hc_pre_shape(ins: Sequence[ShapeDtype], a: HcPre) -> list[ShapeDtype]:
+    (rs, dt), (ns, _), (ds, _), (us, _), *rest = ins
+    t, hc, e = rs
+    ok = hc == a.n_hc and tuple(ns) == (hc, e) and ds[1] == hc * e and tuple(us) == (hc * e, ds[0])
+    ok = ok and len(rest) == (1 if a.post else 0) and a.rule == "sigmoid_mean"
+    if ok and a.post:
+        ok = tuple(rest[0][0]) == (hc, hc * e)
+    if not ok:
+        raise ValueError(f"hc_pre {a}: streams {rs}, weights {[s for s, _ in ins[1:]]} disagree")
+    return [((t, e), dt)] + ([((t, hc), dt)] if a.post else [])
+
+
+def _hc_post_shape(ins: Sequence[ShapeDtype], a: HcPost) -> list[ShapeDtype]:
+    (rs, dt), (ys, _), (ps, _), *rest = ins
+    t, hc, e = rs
+    ok = tuple(ys) == (t, e) and tuple(ps) == (t, hc) and len(rest) == int(a.comb)
+    if not ok or (a.comb and tuple(rest[0][0]) != (t, hc, hc)):
+        raise ValueError(f"hc_post: streams {rs}, y {ys}, post {ps} disagree")
+    return [(rs, dt)]
+
+
+def _indexer_score_shape(ins: Sequence[ShapeDtype], a: IndexerScore) -> list[ShapeDtype]:
+    (qs, dt), (cs, _), (ns, _), (tabs, _) = ins
+    n_cells, di = cs
+    nb1 = int(n_cells) // a.ratio + 1
+    if len(qs) != 3 or qs[2] != di or tuple(ns) != (di,) or tuple(tabs) != (nb1, a.n_rot // 2, 2):
+        raise ValueError(f"indexer_score: q {qs}, cache {cs}, norm {ns}, table {tabs} disagree")
+    return [((qs[0], nb1), "float32")]
+
+
+def _indexer_topk_shape(ins: Sequence[ShapeDtype], a: IndexerTopK) -> list[ShapeDtype]:
+    (ss, _), _pos = ins
+    return [((ss[0], a.width), "int32")]
+
+
+def _index_mask_shape(ins: Sequence[ShapeDtype], a: Any) -> list[ShapeDtype]:
+    (ss, dt), _pos = ins
+    if dt != "int32" or len(ss) != 2:
+        raise ValueError(f"index_mask takes [T, W] int32 cell ids, got {dt}{list(ss)}")
+    return [((ss[0], "P+T"), "float32")]
+
+
+def _ple_hash_shape(ins: Sequence[ShapeDtype], a: PleHash) -> list[ShapeDtype]:
+    (hs, hdt), (ts, _), _pos = ins
+    n_heads = (a.ngram - 1) * a.heads_per_ngram
+    if hdt != "int32" or len(hs) != 1 or len(a.offsets) < n_heads or len(a.sizes) < n_heads:
+        raise ValueError(f"ple_hash: history {hdt}{list(hs)} or head tables do not fit {n_heads} heads")
+    return [((ts[0], n_heads), "int32")]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -448,12 +660,43 @@ def _ref_gather(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
     return table[ids.astype(np.int64)]
 
 
+def moe_inputs(ins: Sequence[Any], a: MoeFFN) -> dict[str, Any]:
+    """Name the inputs of a moe_ffn node: x, router, [gate_exps if has_gate], up_exps (or one
+    gate_up_exps if merged_gate_up), down_exps, *per-expert scales named by expert_scales, then if
+    shared: gate_inp_shexp [E], gate_shexp, up_shexp, down_shexp, *[1] scales named by shared_scales."""
+    x, router, *rest = ins
+    out: dict[str, Any] = {"x": x, "router": router}
+    if a.merged_gate_up:
+        out["gate_up"] = rest.pop(0)
+    else:
+        if a.has_gate:
+            out["gate"] = rest.pop(0)
+        out["up"] = rest.pop(0)
+    out["down"] = rest.pop(0)
+    out["scales"] = {k: rest.pop(0) for k in a.expert_scales}
+    if a.shared:
+        for k in ("shexp_gate_inp", "shexp_gate", "shexp_up", "shexp_down"):
+            out[k] = rest.pop(0)
+        out["shexp_scales"] = {k: rest.pop(0) for k in a.shared_scales}
+    if rest:
+        raise ValueError(f"moe_ffn {a}: {len(rest)} unexpected inputs")
+    return out
+
+
 def _ref_moe_ffn(ins: Sequence[np.ndarray], a: MoeFFN) -> np.ndarray:
-    """Inputs: x, router, [gate_exps if has_gate], up_exps, down_exps, *scales named by expert_scales."""
-    x, wr, *rest = ins
-    wg = rest.pop(0) if a.has_gate else None
-    wu, wd, *scale_arrays = rest
-    return moe_ffn_ref(x, wr, wg, wu, wd, dict(zip(a.expert_scales, scale_arrays, strict=True)), a)
+    n = moe_inputs(ins, a)
+    if a.merged_gate_up:
+        f = n["gate_up"].shape[1] // 2
+        n["gate"], n["up"] = n["gate_up"][:, :f], n["gate_up"][:, f:]
+    y = moe_ffn_ref(n["x"], n["router"], n.get("gate"), n["up"], n["down"], n["scales"], a)
+    if not a.shared:
+        return y
+    x, s = n["x"], n["shexp_scales"]
+    g = x @ n["shexp_gate"].T * (s["gate"] if "gate" in s else 1)
+    u = x @ n["shexp_up"].T * (s["up"] if "up" in s else 1)
+    sh = (g * _sigmoid(g) * u) @ n["shexp_down"].T * (s["down"] if "down" in s else 1)
+    gate = _sigmoid(np.sum(x * n["shexp_gate_inp"], axis=-1, keepdims=True))
+    return y + sh * gate
 
 
 @dataclass(frozen=True)
@@ -498,19 +741,42 @@ OPS: dict[str, OpDef] = {
         OpDef("cache_write", NoAttrs, _same, _one(lambda i, a, c: _ref_cache_write(i[0], i[1], i[2])),
               effects=True),
         OpDef("cache_read", Tokens, _cache_read_shape, _one(lambda i, a, c: _ref_cache_read(i[0], i[1], c))),
+        # recurrent state (gated delta-net family): inputs[0] is the state, outputs[0] its new version
+        OpDef("ssm_conv", SsmConv, _ssm_conv_shape,
+              lambda i, a, c: list(ssm_conv_ref(i[0], i[1], i[2], a.dilation)), effects=True),
+        OpDef("gated_delta_net", GatedDeltaNet, _gated_delta_net_shape,
+              lambda i, a, c: list(gated_delta_net_ref(*i, a.head_map, a.scale)), effects=True),
+        # qwen4exp: the hyper-connection mix, the QSA indexer, the PLE n-gram hash
+        OpDef("indexer_topk", IndexerTopK, _indexer_topk_shape,
+              _one(lambda i, a, c: indexer_topk_ref(i[0], int(i[1]), a.ratio, a.width))),
+        OpDef("index_mask", NoAttrs, _index_mask_shape, _one(lambda i, a, c: index_mask_ref(i[0], int(i[1])))),
+        OpDef("ple_hash", PleHash, _ple_hash_shape,
+              _one(lambda i, a, c: ple_hash_ref(i[0], i[1], int(i[2]), a.ngram, a.heads_per_ngram, a.multipliers,
+                                                a.offsets, a.sizes, a.eos))),
+        OpDef("hc_pre", HcPre, _hc_pre_shape, lambda i, a, c: hc_pre_ref(i, a.n_hc, a.eps, a.rule, a.post),
+              fused=True),
+        OpDef("hc_post", HcPost, _hc_post_shape,
+              _one(lambda i, a, c: hc_post_ref(i[0], i[1], i[2], i[3] if a.comb else None)), fused=True),
+        OpDef("indexer_score", IndexerScore, _indexer_score_shape,
+              _one(lambda i, a, c: indexer_score_ref(i[0], i[1], i[2], i[3], a.ratio, a.eps, a.n_rot)), fused=True),
         # fused
         OpDef("softmax", Softmax, _same, _one(lambda i, a, c: softmax_ref(i[0], a.axis)), fused=True),
         # rms_norm: inputs (x,) or (x, weight)
         OpDef("rms_norm", RMSNorm, _same,
               _one(lambda i, a, c: rms_norm_ref(i[0], i[1] if len(i) > 1 else None, a.eps)), fused=True),
         OpDef("rope", Rope, _same, _one(lambda i, a, c: rope_ref(i[0], int(i[1]), i[2], a)), fused=True),
-        OpDef("attention", Attention, _same,
-              _one(lambda i, a, c: attention_ref(i[0], i[1], i[2], int(i[3]), a.scale)), fused=True),
+        OpDef("attention", Attention, _attention_shape,
+              _one(lambda i, a, c: attention_ref(i[0], i[1], i[2], int(i[3]), a.scale, a.mask,
+                                                 i[4] if len(i) > 4 else None)), fused=True),
         OpDef("swiglu", NoAttrs, _same, _one(lambda i, a, c: i[0] * _sigmoid(i[0]) * i[1]), fused=True),
         OpDef("moe_route", MoeRoute, _route_shape, lambda i, a, c: list(moe_route_ref(i[0], a)), fused=True),
         OpDef("moe_ffn", MoeFFN, _moe_ffn_shape, _one(lambda i, a, c: _ref_moe_ffn(i, a)), fused=True),
         OpDef("fused_elementwise", FusedElementwise, _elementwise_shape,
               _one(lambda i, a, c: fused_elementwise_ref(i, a)), fused=True),
+        OpDef("l2_norm", L2Norm, _same, _one(lambda i, a, c: l2_norm_ref(i[0], a.eps)), fused=True),
+        # rms_norm_gated: inputs (x, weight, gate)
+        OpDef("rms_norm_gated", RMSNormGated, _rms_norm_gated_shape,
+              _one(lambda i, a, c: rms_norm_gated_ref(i[0], i[1], i[2], a.eps, a.act)), fused=True),
     ]
 }
 

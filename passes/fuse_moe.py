@@ -11,12 +11,23 @@ on the passes before it. Preconditions checked explicitly: every intermediate is
 inside the MoE (the rewriter's closed-match rule), every expert matmul and scale lookup uses the
 top-k's own ids, the expert input is the router input reshaped to [T,1,E], the weights are
 reshaped to [T,k,1], and the renormalisation is a max-clamp of the row sum by a positive constant.
+
+Two extensions (qwen3next, qwen4exp): gate and up experts that are the two halves of one merged
+[X, 2F, E] tensor (slices of axis 1 used nowhere else, no gate/up scales) become one
+`merged_gate_up` input read in place; and a sigmoid-gated shared expert added to the MoE output,
+
+    out = moe(x) + ((silu(x @ Wg.T [* sg]) * (x @ Wu.T [* su])) @ Wd.T [* sd]) * sigmoid(sum(x * w))
+
+joins the same node (`shared`, with [1] scales named in `shared_scales`); the shared gate vector
+must be f32 [E] and the shared projections read the same x as the router.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from ggufc.ir import ops as O
-from ggufc.ir.graph import Graph
+from ggufc.ir.graph import Graph, Value
 from ggufc.ir.verify import shapes_equal
 
 from .fusions import MUL, silu_mul_pat, softmax_axis, softmax_last_axis_pat
@@ -74,14 +85,72 @@ def _build_moe(m: Match, g: GraphView) -> Rewrite | None:
     normalize = "clamp" in m.nodes
     clamp = m.nodes["clamp"].attrs.c if normalize else O.MoeFFN.norm_clamp
     scaled = tuple(kind for kind in KINDS if f"{kind}_scale" in m.values)
+    merged = _merged_gate_up(m, g, scaled)
     attrs = O.MoeFFN(k=k, normalize=normalize, norm_clamp=clamp, has_gate="gate_exps" in m.values,
-                     expert_scales=scaled)
+                     expert_scales=scaled, merged_gate_up=merged is not None)
     experts = [m.values[f"{kind}_exps"] for kind in KINDS if f"{kind}_exps" in m.values]
+    if merged is not None:
+        experts = [merged, m.values["down_exps"]]
     scales = [m.values[f"{kind}_scale"] for kind in scaled]
     return Rewrite("moe_ffn", (m.values["x"], m.values["router"], *experts, *scales), attrs)
 
 
-MOE_RULES = [Rule("moe_ffn", moe_pat(), _build_moe)]
+def _merged_gate_up(m: Match, g: GraphView, scaled: tuple[str, ...]) -> Value | None:
+    """The [X, 2F, E] tensor whose two halves (slices [0, F) and [F, 2F) of axis 1, used nowhere
+    else) are the gate and up experts; a merged tensor carries no gate/up scales."""
+    if "gate_exps" not in m.values or {"gate", "up"} & set(scaled):
+        return None
+    halves = [g.producer(m.values[f"{kind}_exps"]) for kind in ("gate", "up")]
+    if any(h is None or h.op != "slice" or h.attrs.axis not in (1, -2) for h in halves):
+        return None
+    gate, up = halves
+    assert gate is not None and up is not None
+    src = gate.inputs[0]
+    f = gate.attrs.stop
+    if up.inputs[0] is not src or len(src.shape) != 3 or src.shape[1] != 2 * f:
+        return None
+    if (gate.attrs.start, up.attrs.start, up.attrs.stop) != (0, f, 2 * f):
+        return None
+    if any(g.n_users(h.outputs[0]) != 1 for h in halves):
+        return None
+    return src
+
+
+# -- the shared expert: routed + (swiglu_shexp(x) [scaled]) * sigmoid(sum(x * gate_inp_shexp)) --
+
+
+def _shared_linear(kind: str, inp: Pat) -> Pat:
+    mm = P("matmul", inp, V(f"sh_{kind}"), name=f"sh_{kind}_mm")
+    return any_of(P("binary", mm, V(f"sh_{kind}_scale"), attrs=MUL, commute=True), mm)
+
+
+def shared_moe_pat() -> Pat:
+    shexp = _shared_linear("down", silu_mul_pat(_shared_linear("gate", V("x")), _shared_linear("up", V("x"))))
+    logit = P("reduce", P("binary", V("x"), V("sh_gate_inp"), attrs=MUL, commute=True),
+              where=where_attrs(fn="sum", keepdims=True), name="sh_logit")
+    gated = P("binary", shexp, P("unary", logit, attrs=O.Unary("sigmoid")), attrs=MUL, commute=True)
+    return P("binary", moe_pat(), gated, attrs=O.Binary("add"), commute=True)
+
+
+def _build_shared(m: Match, g: GraphView) -> Rewrite | None:
+    base = _build_moe(m, g)
+    if base is None:
+        return None
+    x, w_gate = m.values["x"], m.values["sh_gate_inp"]
+    e = x.shape[-1]
+    if tuple(w_gate.shape) != (e,) or w_gate.dtype != "float32" or m.nodes["sh_logit"].attrs.axis not in (-1, 1):
+        return None
+    if g.producer(w_gate) is not None and g.producer(w_gate).op == "dequantize":  # type: ignore[union-attr]
+        return None  # the gate kernel reads an f32 vector
+    scaled = tuple(kind for kind in KINDS if f"sh_{kind}_scale" in m.values)
+    if any(tuple(m.values[f"sh_{kind}_scale"].shape) != (1,) for kind in scaled):
+        return None
+    mats = [m.values[f"sh_{kind}"] for kind in KINDS]
+    attrs = dataclasses.replace(base.attrs, shared=True, shared_scales=scaled)
+    return Rewrite("moe_ffn", (*base.inputs, w_gate, *mats, *(m.values[f"sh_{k}_scale"] for k in scaled)), attrs)
+
+
+MOE_RULES = [Rule("moe_ffn_shared", shared_moe_pat(), _build_shared), Rule("moe_ffn", moe_pat(), _build_moe)]
 
 
 def fuse_moe(graph: Graph) -> Graph:

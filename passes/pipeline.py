@@ -18,8 +18,11 @@ from .constant_fold import constant_fold
 from .dce import dce
 from .fold_dequantize import fold_dequantize
 from .fuse_elementwise import fuse_elementwise
+from .fuse_hc import fuse_hc
+from .fuse_indexer import fuse_indexer
 from .fuse_moe import fuse_moe
 from .fusions import fuse_rms_norm, fuse_softmax, fuse_swiglu
+from .fusions_recurrent import fuse_gated_norm, fuse_l2_norm
 from .stats import hits_of
 
 Pass = Callable[[Graph], Graph]
@@ -27,10 +30,14 @@ Pass = Callable[[Graph], Graph]
 PASSES: dict[str, Pass] = {
     "dce": dce,
     "constant_fold": constant_fold,
+    "fuse_hc": fuse_hc,
+    "fuse_indexer": fuse_indexer,
     "fuse_rms_norm": fuse_rms_norm,
     "fuse_swiglu": fuse_swiglu,
     "fuse_softmax": fuse_softmax,
     "fuse_moe": fuse_moe,
+    "fuse_l2_norm": fuse_l2_norm,
+    "fuse_gated_norm": fuse_gated_norm,
     "fold_dequantize": fold_dequantize,
     "fuse_elementwise": fuse_elementwise,
 }
@@ -38,10 +45,14 @@ PASSES: dict[str, Pass] = {
 DEFAULT_ORDER: tuple[str, ...] = (
     "dce",
     "constant_fold",
+    "fuse_hc",
+    "fuse_indexer",
     "fuse_rms_norm",
+    "fuse_gated_norm",
     "fuse_swiglu",
     "fuse_softmax",
     "fuse_moe",
+    "fuse_l2_norm",
     "fold_dequantize",
     "fuse_elementwise",
     "dce",

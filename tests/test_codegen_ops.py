@@ -508,6 +508,135 @@ def quant_cases() -> list[Case]:
     ]
 
 
+def _ssm_conv_case(dilation: int) -> Case:
+    n_ch, k = 13, 4
+
+    def build(cg: CaseGraph) -> Graph:
+        st = cg.state((n_ch, (k - 1) * dilation), "conv")
+        new, y = cg.emit("ssm_conv", [st, cg.rows((n_ch,)), cg.weight((n_ch, k))], O.SsmConv(dilation), 2)
+        return cg.finish([y, new], {st.name: new})
+
+    return Case(f"ssm_conv-dilation{dilation}", "ssm_conv", build, group="recurrent", calls=STATEFUL)
+
+
+def _gated_delta_net_case(head_map: str, hv: int, hk: int, dk: int) -> Case:
+    """Decay logits g <= 0 and write strengths beta in (0, 1), as the gates make them."""
+
+    def build(cg: CaseGraph) -> Graph:
+        st = cg.state((hv, dk, dk), "ssm")
+        q, k = cg.rows((hk, dk)), cg.rows((hk, dk))
+        v, g, beta = cg.rows((hv, dk)), cg.rows((hv,), domain=(-2.0, 0.0)), cg.rows((hv,), domain=(0.0, 1.0))
+        attrs = O.GatedDeltaNet(head_map, dk**-0.5)
+        new, o = cg.emit("gated_delta_net", [st, q, k, v, g, beta], attrs, 2)
+        return cg.finish([o, new], {st.name: new})
+
+    return Case(f"gated_delta_net-{head_map}-{hv}x{hk}-d{dk}", "gated_delta_net", build, group="recurrent",
+                calls=STATEFUL)
+
+
+def recurrent_cases() -> list[Case]:
+    """The gated delta-net family: stateful scans (outputs and new state) and the two norms."""
+    return [
+        _ssm_conv_case(1),
+        _ssm_conv_case(2),
+        _gated_delta_net_case("tiled", 4, 2, 16),
+        _gated_delta_net_case("interleaved", 6, 2, 12),
+        op_case("l2_norm", "l2_norm", O.L2Norm(1e-6), rows(3, 7), group="recurrent", calls=BOTH),
+        *[
+            op_case(f"rms_norm_gated-{act}", "rms_norm_gated", O.RMSNormGated(1e-5, act), rows(3, 8), weight(8),
+                    rows(3, 8), group="recurrent", calls=BOTH)
+            for act in ("silu", "sigmoid")
+        ],
+    ]
+
+
+def _hc_pre_case(post: bool) -> Case:
+    hc, e, rank = 3, 8, 4
+
+    def build(cg: CaseGraph) -> Graph:
+        ins = [cg.rows((hc, e)), cg.weight((hc, e)), cg.weight((rank, hc * e)), cg.weight((hc * e, rank))]
+        ins += [cg.weight((hc, hc * e))] if post else []
+        return cg.finish(cg.emit("hc_pre", ins, O.HcPre(hc, 1e-5, post=post), 2 if post else 1))
+
+    return Case(f"hc_pre-{'post' if post else 'collapse'}", "hc_pre", build, group="qwen4exp", calls=BOTH)
+
+
+def _indexer_score_case(ratio: int, n_rot: int) -> Case:
+    di, nb1 = 8, N_CTX // ratio + 1
+
+    def build(cg: CaseGraph) -> Graph:
+        ins = [cg.rows((2, di)), cg.state((N_CTX, di), "idx"), cg.weight((di,)), cg.weight((nb1, n_rot // 2, 2))]
+        return cg.finish(cg.emit("indexer_score", ins, O.IndexerScore(ratio, 1e-5, n_rot)))
+
+    return Case(f"indexer_score-r{ratio}-rot{n_rot}", "indexer_score", build, group="qwen4exp", calls=STATEFUL)
+
+
+def _selected(cg: CaseGraph, ratio: int, width: int) -> Value:
+    """indexer_topk over random block scores: cells in heap order, -1 where no visible cell."""
+    scores = cg.rows((N_CTX // ratio + 1,))
+    return cg.emit("indexer_topk", [scores, cg.pos], O.IndexerTopK(ratio, width))[0]
+
+
+def _indexer_topk_case(ratio: int, width: int) -> Case:
+    return Case(f"indexer_topk-r{ratio}-w{width}", "indexer_topk",
+                lambda cg: cg.finish([_selected(cg, ratio, width)]), group="qwen4exp", calls=STATEFUL)
+
+
+def _index_mask_case(cg: CaseGraph) -> Graph:
+    return cg.finish([cg.emit("index_mask", [_selected(cg, 3, 5), cg.pos], O.NoAttrs())[0]])
+
+
+def _qsa_attention_case(mask: str) -> Case:
+    def build(cg: CaseGraph) -> Graph:
+        q = cg.rows((4, 8))
+        kc, vc = _cache_write(cg, "k", 2, 8), _cache_write(cg, "v", 2, 8)
+        sel = _selected(cg, 3, 5)
+        extra = sel if mask == "indices" else cg.emit("index_mask", [sel, cg.pos], O.NoAttrs())[0]
+        out = cg.emit("attention", [q, kc, vc, cg.pos, extra], O.Attention(0.35, mask))[0]
+        return cg.finish([out], {f"{cg.name}.k": kc, f"{cg.name}.v": vc})
+
+    return Case(f"attention-qsa-{mask}", "attention", build, group="qwen4exp", calls=STATEFUL)
+
+
+def _ple_hash_case(cg: CaseGraph) -> Graph:
+    name = f"{cg.name}.hist"
+    cg.states[name] = cg.rng.integers(0, VOCAB, N_CTX).astype(np.int32)
+    hist = cg.b.state(name, (N_CTX,), "int32")
+    new = cg.emit("cache_write", [hist, cg.tokens, cg.pos], O.NoAttrs())[0]
+    attrs = O.PleHash(3, 2, (0x9E3779B97F4A7C15, 3, (1 << 40) + 5), (0, 11, 22, 33), (11, 11, 7, 5), eos=2)
+    rows_ = cg.emit("ple_hash", [new, cg.tokens, cg.pos], attrs)[0]
+    return cg.finish([rows_, new], {name: new})
+
+
+def _moe_shared_case(name: str, qtype: str, e: int, f: int, fs: int) -> Case:
+    attrs = O.MoeFFN(k=2, expert_scales=("down",), merged_gate_up=True, shared=True,
+                     shared_scales=("gate", "up", "down"))
+    return op_case(name, "moe_ffn", attrs, rows(e), weight(5, e), weight(5, 2 * f, e, qtype=qtype),
+                   weight(5, e, f, qtype=qtype), weight(5, domain=(0.5, 1.5)), weight(e),
+                   weight(fs, e, qtype=qtype), weight(fs, e, qtype=qtype), weight(e, fs, qtype=qtype),
+                   *[weight(1, domain=(0.5, 1.5)) for _ in range(3)], group="qwen4exp", calls=BOTH)
+
+
+def qwen4exp_cases() -> list[Case]:
+    """Hyper-connection mix and combine, QSA scoring / selection / mask / masked and sparse
+    attention, the PLE hash, and the MoE with merged gate_up experts and a gated shared expert."""
+    return [
+        _hc_pre_case(True),
+        _hc_pre_case(False),
+        op_case("hc_post", "hc_post", O.HcPost(), rows(3, 8), rows(8), rows(3), group="qwen4exp", calls=BOTH),
+        _indexer_score_case(4, 8),
+        _indexer_score_case(3, 6),
+        _indexer_topk_case(3, 5),
+        _indexer_topk_case(4, 20),
+        Case("index_mask", "index_mask", _index_mask_case, group="qwen4exp", calls=STATEFUL),
+        _qsa_attention_case("additive"),
+        _qsa_attention_case("indices"),
+        Case("ple_hash", "ple_hash", _ple_hash_case, group="qwen4exp", calls=STATEFUL),
+        _moe_shared_case("moe_ffn-merged-shared-f32", "F32", 16, 12, 10),
+        _moe_shared_case("moe_ffn-merged-shared-Q8_0", "Q8_0", 32, 32, 32),
+    ]
+
+
 CASES: list[Case] = [
     *elementwise_cases(),
     *reduce_cases(),
@@ -516,6 +645,8 @@ CASES: list[Case] = [
     *position_cases(),
     *moe_cases(),
     *quant_cases(),
+    *recurrent_cases(),
+    *qwen4exp_cases(),
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -637,8 +768,10 @@ def assert_close(got: np.ndarray, want: np.ndarray, what: str, tol: float = F32_
     if want.dtype.kind in "iu":
         np.testing.assert_array_equal(got, want, err_msg=what)
         return
-    assert np.all(np.isfinite(got) == np.isfinite(want)), f"{what}: non-finite values differ"
-    err = float(np.max(np.abs(got - want), initial=0.0))
+    finite = np.isfinite(want)
+    assert np.all(np.isfinite(got) == finite), f"{what}: non-finite values differ"
+    np.testing.assert_array_equal(got[~finite], want[~finite], err_msg=f"{what}: infinities")
+    err = float(np.max(np.abs(got[finite] - want[finite]), initial=0.0))
     scale = float(np.max(np.abs(want), initial=0.0))
     assert err <= tol * max(scale, 1e-30), f"{what}: max abs error {err:.3e} vs max |ref| {scale:.3e}"
 

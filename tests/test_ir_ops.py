@@ -86,7 +86,50 @@ def _cases() -> list[Case]:
     cache_state = In("cache", (CACHE, 2, 3), "state")
     cases += _both_t("cache_write", O.NoAttrs(), (cache_state, In("x", ("T", 2, 3)), POS), p=4)
     cases += _both_t("cache_read", O.Tokens(), (In("cache", (CACHE, 2, 3)), POS), p=4)
+    cases += _recurrent_cases()
     cases += _fused_cases()
+    cases += _qwen4exp_cases()
+    return cases
+
+
+def _qwen4exp_cases() -> list[Case]:
+    """Hyper-connection mix, QSA indexer (scores, top-k with the tail rule, mask, masked and sparse
+    attention) and the PLE n-gram hash."""
+    cases: list[Case] = []
+    streams = In("r", ("T", 3, 5))
+    hc_w = (In("norm", (3, 5)), In("down", (2, 15)), In("up", (15, 2)))
+    cases += _both_t("hc_pre", O.HcPre(3, 1e-5), (streams, *hc_w, In("inject", (3, 15))))
+    cases += _both_t("hc_pre", O.HcPre(3, 1e-6, post=False), (streams, *hc_w))
+    cases += _both_t("hc_post", O.HcPost(), (streams, In("y", ("T", 5)), In("post", ("T", 3), "pos")))
+    for ratio, n_rot in ((4, 4), (3, 6)):
+        cache = In("cache", (12, 6))
+        table = In("table", (12 // ratio + 1, n_rot // 2, 2))
+        cases += _both_t("indexer_score", O.IndexerScore(ratio, 1e-5, n_rot),
+                         (In("q", ("T", 3, 6)), cache, In("norm", (6,)), table))
+    for ratio, width, p in ((3, 5, 4), (2, 3, 6), (4, 20, 2)):
+        cases += _both_t("indexer_topk", O.IndexerTopK(ratio, width), (In("s", ("T", 12 // ratio + 1)), POS), p=p)
+    cases += _both_t("index_mask", O.NoAttrs(), (In("sel", ("T", 4), "ids:5", "int32"), POS), p=4)
+    ple = O.PleHash(3, 2, (1, 3, (1 << 40) + 5), (0, 7, 14, 21), (7, 7, 7, 5), eos=0)
+    hist, toks = In("hist", (CACHE,), "ids:7", "int32"), In("tokens_in", ("T",), "ids:7", "int32")
+    for p in (0, 3):
+        cases += _both_t("ple_hash", ple, (hist, toks, POS), p=p)
+    q, kc, vc = In("q", ("T", 4, 5)), In("kc", (CACHE, 2, 5)), In("vc", (CACHE, 2, 5))
+    cases += _both_t("attention", O.Attention(0.37, "additive"), (q, kc, vc, POS, In("m", ("T", "P+T"))), p=3)
+    cases += _both_t("attention", O.Attention(0.37, "indices"),
+                     (q, kc, vc, POS, In("sel", ("T", 3), "ids:5", "int32")), p=4)
+    return cases
+
+
+def _recurrent_cases() -> list[Case]:
+    """The stateful ops of the gated delta-net family (state first in, new state first out)."""
+    cases: list[Case] = []
+    cases += _both_t("ssm_conv", O.SsmConv(), (In("conv", (7, 3), "state"), X, In("w", (7, 4))))
+    dilated = (In("conv", (5, 4), "state"), In("x", ("T", 5)), In("w", (5, 3)))
+    cases += _both_t("ssm_conv", O.SsmConv(2), dilated)
+    for head_map, hv in (("tiled", 4), ("interleaved", 4), ("tiled", 2)):
+        gdn_in = (In("ssm", (hv, 3, 5), "state"), In("q", ("T", 2, 5)), In("k", ("T", 2, 5)),
+                  In("v", ("T", hv, 3)), In("g", ("T", hv)), In("beta", ("T", hv), "pos"))
+        cases += _both_t("gated_delta_net", O.GatedDeltaNet(head_map, 0.45), gdn_in)
     return cases
 
 
@@ -103,7 +146,12 @@ def _fused_cases() -> list[Case]:
         q = In("q", ("T", h, 5))
         kc, vc = In("kc", (CACHE, hkv, 5)), In("vc", (CACHE, hkv, 5))
         cases += _both_t("attention", O.Attention(0.37), (q, kc, vc, POS), p=p)
+    cases += _both_t("rope", O.Rope("imrope", 6, (1, 1, 0, 1)), (In("x", ("T", 3, 8)), POS, ROPE_TABLE), p=2)
     cases += _both_t("swiglu", O.NoAttrs(), (X, In("u", ("T", 7))))
+    cases += _both_t("l2_norm", O.L2Norm(1e-6), (In("x", ("T", 3, 7)),))
+    for act in ("silu", "sigmoid"):
+        gated_in = (In("x", ("T", 3, 7)), In("w", (7,)), In("z", ("T", 3, 7)))
+        cases += _both_t("rms_norm_gated", O.RMSNormGated(1e-5, act), gated_in)
     for normalize in (True, False):
         cases += _both_t("moe_route", O.MoeRoute(3, normalize=normalize), (In("logits", ("T", 5)),))
     experts = (In("router", (5, 7)), In("gate", (5, 3, 7)), In("up", (5, 3, 7)), In("down", (5, 7, 3)))

@@ -120,7 +120,7 @@ def test_attributes_are_readable(tmp_path: Path) -> None:
     assert expr == b"add(mul($0, $0), 0.5)"
 
 
-@pytest.mark.parametrize("name", ["llama-dense", "qwen3moe-moe-Q4_K_M"])
+@pytest.mark.parametrize("name", ["llama-dense", "qwen3moe-moe-Q4_K_M", "qwen35-dense", "qwen3next-moe"])
 def test_round_trip_fixture_graphs(tmp_path: Path, name: str) -> None:
     path = GOLDEN / "fixtures" / f"{name}.gguf"
     if not path.exists():

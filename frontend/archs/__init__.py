@@ -2,10 +2,13 @@
 
 from types import ModuleType
 
-from . import llama, qwen3, qwen3moe
+from . import llama, qwen3, qwen3moe, qwen3next, qwen4exp, qwen35
 
 ARCHITECTURES: dict[str, ModuleType] = {
     "llama": llama,
     "qwen3": qwen3,
     "qwen3moe": qwen3moe,
+    "qwen3next": qwen3next,
+    "qwen35": qwen35,
+    "qwen4exp": qwen4exp,
 }

@@ -1,0 +1,63 @@
+"""Causal attention over the KV cache, one (token, head) row at a time.
+
+Each row reads only its visible cache rows [0, pos + t]: scores go to a per-row scratch of the
+cache length (a compile-time constant), then one pass takes the softmax and accumulates V. No
+[heads, T, cache] matrix is materialised and masked cells are never touched. Dot products keep
+8 partial sums so they vectorise without reassociating floats behind LLVM's back. Rows are spread
+over the thread pool.
+"""
+
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+LANES = 8
+
+
+def attention_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float) -> tirx.PrimFunc:
+    """(q [T, H, D], k_cache [C, Hkv, D], v_cache [C, Hkv, D], pos, out [T, H, D])."""
+    if dim % LANES:
+        raise ValueError(f"attention: head dim {dim} must be a multiple of {LANES}")
+    H, HKV, D, C = T.int64(n_head), T.int64(n_kv), T.int64(dim), T.int64(n_cells)
+    G, DL, L = T.int64(n_head // n_kv), T.int64(dim // LANES), T.int64(LANES)
+    SCALE = T.float32(scale)
+
+    @T.prim_func(private=True)
+    def attention(q_h: T.handle, k_cache: T.Buffer((C, HKV, D), "float32"),
+                  v_cache: T.Buffer((C, HKV, D), "float32"), pos: T.int64, o_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        n = T.int64()
+        q = T.match_buffer(q_h, (n, H, D), "float32")
+        o = T.match_buffer(o_h, (n, H, D), "float32")
+        for row in T.parallel(n * H):
+            t = row // H
+            h = row % H
+            kv = h // G
+            visible = pos + t + T.int64(1)
+            scores = T.decl_buffer((C,), "float32")
+            acc = T.decl_buffer((D,), "float32")
+            part = T.decl_buffer((L,), "float32")
+            stat = T.decl_buffer((2,), "float32")  # max, sum
+            stat[0] = T.float32(-3.0e38)
+            for s in range(visible):
+                for lane in T.vectorized(L):
+                    part[lane] = T.float32(0)
+                for d0 in range(DL):
+                    for lane in T.vectorized(L):
+                        part[lane] = part[lane] + q[t, h, d0 * L + lane] * k_cache[s, kv, d0 * L + lane]
+                scores[s] = ((part[0] + part[1]) + (part[2] + part[3]) + ((part[4] + part[5]) + (part[6] + part[7]))) * SCALE
+                stat[0] = T.max(stat[0], scores[s])
+            stat[1] = T.float32(0)
+            for s in range(visible):
+                scores[s] = T.exp(scores[s] - stat[0])
+                stat[1] = stat[1] + scores[s]
+            for d in T.vectorized(D):
+                acc[d] = T.float32(0)
+            for s in range(visible):
+                for d in T.vectorized(D):
+                    acc[d] = acc[d] + scores[s] * v_cache[s, kv, d]
+            for d in T.vectorized(D):
+                o[t, h, d] = acc[d] / stat[1]
+
+    return attention

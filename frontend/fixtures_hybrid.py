@@ -1,0 +1,95 @@
+"""The hybrid gated delta-net architectures (qwen35, qwen3next) in the fixture writer: their
+per-layer tensor plan and keys. `fixtures.py` calls these for recipes with `hybrid=True`.
+
+Sizes come from the common `FixtureSize`: delta-net head dim Dk = Dv = head_dim, key heads
+Hk = n_head_kv and value heads Hv = n_head (so tiny fixtures share each q/k head between two value
+heads and exercise the tiled/interleaved head maps), conv kernel 4. Layers alternate linear and
+full attention (`full_attention_interval` 2: layer 0 is linear). qwen35's IMROPE sections
+(2, 1, 1, 2) leave some rotary pairs on the "e" component (not rotated for text); qwen3next
+rotates only half of each head (partial NEOX) and stores its experts' gate and up merged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import gguf
+
+if TYPE_CHECKING:
+    from .fixtures import FixtureOptions, FixtureSize, TensorSpec
+
+CONV_KERNEL = 4
+FULL_ATTENTION_INTERVAL = 2
+IMROPE_SECTIONS = (2, 1, 1, 2)
+
+
+def ssm_sizes(s: FixtureSize) -> dict[str, int]:
+    hk, hv, dk = s.n_head_kv, s.n_head, s.head_dim
+    return {"Hk": hk, "Hv": hv, "Dk": dk, "C": 2 * hk * dk + hv * dk, "VD": hv * dk}
+
+
+def is_linear_layer(il: int) -> bool:
+    return (il + 1) % FULL_ATTENTION_INTERVAL != 0
+
+
+def hybrid_layer_tensors(
+    arch: str, il: int, s: FixtureSize, opts: FixtureOptions, moe: bool
+) -> Iterator[TensorSpec]:
+    from .fixtures import TensorSpec, _linear
+
+    E, D, H, Hkv, F = s.n_embd, s.head_dim, s.n_head, s.n_head_kv, s.n_ff
+    yield TensorSpec("attn_norm.weight", (E,), "norm")
+    yield TensorSpec("post_attention_norm.weight", (E,), "norm")
+    if is_linear_layer(il):
+        z = ssm_sizes(s)
+        yield from _linear("attn_qkv", (z["C"], E), bias=False, scale=opts.scales)
+        yield from _linear("attn_gate", (z["VD"], E), bias=False, scale=opts.scales)
+        if arch == "qwen3next":
+            yield TensorSpec("ssm_ba.weight", (2 * z["Hv"], E), "matrix")
+        else:
+            yield from _linear("ssm_beta", (z["Hv"], E), bias=False, scale=opts.scales)
+            yield from _linear("ssm_alpha", (z["Hv"], E), bias=False, scale=opts.scales)
+        yield TensorSpec("ssm_conv1d.weight", (z["C"], CONV_KERNEL), "conv")
+        yield TensorSpec("ssm_dt.bias", (z["Hv"],), "bias")
+        yield TensorSpec("ssm_a", (z["Hv"],), "ssm_a")
+        yield TensorSpec("ssm_norm.weight", (z["Dk"],), "norm")
+        yield from _linear("ssm_out", (E, z["VD"]), bias=False, scale=opts.scales)
+    else:
+        for name, shape in (("attn_q", (2 * H * D, E)), ("attn_k", (Hkv * D, E)), ("attn_v", (Hkv * D, E))):
+            yield from _linear(name, shape, bias=opts.biases, scale=opts.scales)
+        yield from _linear("attn_output", (E, H * D), bias=False, scale=opts.scales)
+        yield TensorSpec("attn_q_norm.weight", (D,), "norm")
+        yield TensorSpec("attn_k_norm.weight", (D,), "norm")
+    if not moe:
+        for name, shape in (("ffn_gate", (F, E)), ("ffn_up", (F, E)), ("ffn_down", (E, F))):
+            yield from _linear(name, shape, bias=False, scale=opts.scales)
+        return
+    X = s.n_expert
+    yield TensorSpec("ffn_gate_inp.weight", (X, E), "router")
+    yield TensorSpec("ffn_gate_up_exps.weight", (X, 2 * F, E), "matrix")  # merged, as llama.cpp writes it
+    yield TensorSpec("ffn_down_exps.weight", (X, E, F), "matrix")
+    if opts.scales:
+        yield TensorSpec("ffn_down_exps.scale", (X,), "scale")
+    yield TensorSpec("ffn_gate_inp_shexp.weight", (E,), "router")
+    for name, shape in (("ffn_gate_shexp", (F, E)), ("ffn_up_shexp", (F, E)), ("ffn_down_shexp", (E, F))):
+        yield from _linear(name, shape, bias=False, scale=opts.scales)
+
+
+def write_hybrid_hparams(w: gguf.GGUFWriter, arch: str, s: FixtureSize, *, moe: bool) -> None:
+    z = ssm_sizes(s)
+    w.add_ssm_conv_kernel(CONV_KERNEL)
+    w.add_ssm_inner_size(z["VD"])
+    w.add_ssm_state_size(z["Dk"])
+    w.add_ssm_time_step_rank(z["Hv"])
+    w.add_ssm_group_count(z["Hk"])
+    w.add_full_attention_interval(FULL_ATTENTION_INTERVAL)
+    if arch == "qwen35":
+        w.add_rope_dimension_sections(list(IMROPE_SECTIONS))
+    if moe:
+        w.add_expert_shared_feed_forward_length(s.n_ff)
+
+
+def rope_dimension_count(arch: str, s: FixtureSize) -> int:
+    """qwen3next rotates only part of each head (the real model: 64 of 256)."""
+    return s.head_dim // 2 if arch == "qwen3next" else s.head_dim

@@ -1,0 +1,238 @@
+"""numpy references of the hyper-connection, QSA-indexer and PLE ops (llama.cpp `qwen4exp.cpp`,
+`llama-memory-hybrid-idx.cpp::set_input_qsa`, `ggml_dsv4_hc_pre_gated` / `ggml_dsv4_hc_post`,
+the CPU `ggml_top_k`). The op records in `ops.py` call these. Shapes are numpy order, one sequence.
+
+Hyper-connections keep `hc` residual streams R [T, hc, E]:
+
+* `hc_pre` (rule "sigmoid_mean", qwen4exp): per-stream RMSNorm times a [hc, E] gamma, flattened
+  stream-major to xf [T, hc*E]; gate = silu((xf @ down.T) / hc) @ up.T; the layer input is
+  mean_c(xf * sigmoid(gate)) [T, E]; the per-stream post weights are 2*sigmoid((xf @ inject.T) / hc).
+  The final collapse (no inject) has no post weights. deepseek4's Sinkhorn-normalised full-rank
+  mix is rule "sinkhorn" of the same op (outputs mixed, post and a [T, hc, hc] comb matrix).
+* `hc_post`: R + post[:, :, None] * y[:, None, :] (+ comb mixing of R when the rule has one).
+
+QSA (the block indexer of one full-attention layer with compress ratio r):
+
+* `indexer_score`: raw indexer keys in their own cache [C, Di] are mean-pooled per block of r
+  positions (block b = positions [b*r, b*r + r)), RMS-normalised with the k-norm gamma and rotated
+  at the block start by the rows of a block rope table; one spare "dead" block (cell 0's key at
+  position 0, as llama.cpp's unpooled cells) is appended. score[t, b] = sum_h relu(q[t, h] . k_b).
+* `indexer_topk`: per query at position q, cell j gets score[blk(j)] (+1e9 when its block starts
+  at or after the tail start ((q+1)//r)*r, or when the block is incomplete: the tail is always
+  kept), -inf when j > q; the `width` = top_k + r - 1 largest cells are selected exactly as
+  llama.cpp's CPU ggml_top_k does (std::partial_sort, i.e. libstdc++'s heap select, over the cells
+  in position order). Within a block every cell has the same value, so which cells of a partially
+  taken block survive is decided by that heap's tie order; this reference emulates it, so ties
+  resolve the same way here, in the compiled kernel and in llama.cpp. Cell values are formed in
+  float32 (as llama.cpp does) so the +1e9 rounding is the same. Selections are returned as cell
+  indices, -1 where a slot holds no visible cell.
+* `index_mask`: the additive [T, P+T] mask (0 at selected visible cells, -inf elsewhere).
+
+PLE hash (`ple_hash`): the n-gram rows of llama.cpp's host-side `set_input`: for token t at
+position p, the context is [tok, tok(p-1), ..., tok(p-n+1)] where a missing predecessor (p-s < 0)
+or an EOS cuts it and everything older reads as EOS (the token itself is never cut); for each
+n-gram size g in 2..n, mixed = XOR_j (ctx[j] * m[j]) in uint64 wrap-around arithmetic, and head
+h of that size gets row mixed % size[h] + offset[h]. The token history is a state [C] of token ids
+by position, written before the hash reads it, so chunked prefill and decode hash like one shot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+U64 = (1 << 64) - 1
+TAIL_BIAS = np.float32(1e9)  # llama.cpp's per-block bias of the tail (finite, so never a NaN)
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def _silu(x: np.ndarray) -> np.ndarray:
+    return x * _sigmoid(x)
+
+
+def _rms(x: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + x.dtype.type(eps))
+
+
+# ---------------------------------------------------------------------------------------------
+# hyper-connections
+
+
+def hc_pre_ref(ins: Sequence[np.ndarray], n_hc: int, eps: float, rule: str, post: bool) -> list[np.ndarray]:
+    """Inputs (R [T,hc,E], norm [hc,E], down [lr,hc*E], up [hc*E,lr][, inject [hc,hc*E]])."""
+    if rule != "sigmoid_mean":
+        raise NotImplementedError(f"hc_pre rule {rule!r} has no reference yet (known: sigmoid_mean)")
+    r, norm, down, up, *rest = ins
+    t, hc, e = r.shape
+    dt = r.dtype.type
+    xf = (_rms(r, eps) * norm).reshape(t, hc * e)
+    lo = _silu((xf @ down.T) * dt(1.0 / n_hc))
+    gate = lo @ up.T
+    mixed = np.mean((xf * _sigmoid(gate)).reshape(t, hc, e), axis=1)
+    if not post:
+        return [mixed]
+    (inject,) = rest
+    w = dt(2.0) * _sigmoid((xf @ inject.T) * dt(1.0 / n_hc))
+    return [mixed, w]
+
+
+def hc_post_ref(r: np.ndarray, y: np.ndarray, post: np.ndarray, comb: np.ndarray | None = None) -> np.ndarray:
+    """R [T,hc,E], y [T,E], post [T,hc][, comb [T,hc(dst),hc(src)]] -> [T,hc,E]."""
+    mixed = r if comb is None else np.einsum("tds,tse->tde", comb, r)
+    return mixed + post[:, :, None] * y[:, None, :]
+
+
+# ---------------------------------------------------------------------------------------------
+# QSA indexer
+
+
+def pooled_block_keys(cache: np.ndarray, norm: np.ndarray, table: np.ndarray, ratio: int, eps: float,
+                      n_rot: int) -> np.ndarray:
+    """[NB+1, Di]: mean-pooled, normalised, rotated block keys; the last row is the spare block."""
+    n_blocks = cache.shape[0] // ratio
+    pooled = cache[: n_blocks * ratio].reshape(n_blocks, ratio, -1).mean(axis=1)
+    keys = np.concatenate([pooled, cache[:1]], axis=0)
+    keys = _rms(keys, eps) * norm
+    half = n_rot // 2
+    c, s = table[:, :, 0].astype(keys.dtype), table[:, :, 1].astype(keys.dtype)
+    lo, hi = keys[:, :half], keys[:, half:n_rot]
+    out = keys.copy()
+    out[:, :half] = lo * c - hi * s
+    out[:, half:n_rot] = lo * s + hi * c
+    return out
+
+
+def indexer_score_ref(q: np.ndarray, cache: np.ndarray, norm: np.ndarray, table: np.ndarray, ratio: int,
+                      eps: float, n_rot: int) -> np.ndarray:
+    """q [T,Hi,Di] (normalised, rotated), cache [C,Di] raw keys -> scores [T, C//r + 1]."""
+    keys = pooled_block_keys(cache, norm, table, ratio, eps, n_rot)
+    dots = np.einsum("thd,bd->thb", q, keys)
+    return np.sum(np.maximum(dots, 0), axis=1)
+
+
+def cell_values(scores: np.ndarray, p0: int, ratio: int) -> np.ndarray:
+    """[T, P+T] float32 per-cell selection values (block score + tail bias, -inf when not visible)."""
+    t, nb1 = scores.shape
+    n_kv = p0 + t
+    n_full = min(n_kv // ratio, nb1 - 1)
+    s32 = scores.astype(np.float32)
+    out = np.full((t, n_kv), -np.inf, dtype=np.float32)
+    for i in range(t):
+        q = p0 + i
+        tail_start = (q + 1) // ratio * ratio
+        for j in range(q + 1):
+            b = j // ratio
+            if b < n_full:
+                bias = TAIL_BIAS if b * ratio >= tail_start else np.float32(0.0)
+                out[i, j] = s32[i, b] + bias
+            else:
+                out[i, j] = s32[i, nb1 - 1] + TAIL_BIAS
+    return out
+
+
+def _adjust_heap(a: list[int], vals: Sequence[float], hole: int, length: int, value: int) -> None:
+    """libstdc++ std::__adjust_heap (then __push_heap) with comp(x, y) = vals[x] > vals[y]."""
+    top = hole
+    second = hole
+    while second < (length - 1) // 2:
+        second = 2 * (second + 1)
+        if vals[a[second]] > vals[a[second - 1]]:
+            second -= 1
+        a[hole] = a[second]
+        hole = second
+    if (length & 1) == 0 and second == (length - 2) // 2:
+        second = 2 * (second + 1)
+        a[hole] = a[second - 1]
+        hole = second - 1
+    parent = (hole - 1) // 2
+    while hole > top and vals[a[parent]] > vals[value]:
+        a[hole] = a[parent]
+        hole = parent
+        parent = (hole - 1) // 2
+    a[hole] = value
+
+
+def heap_select(vals: Sequence[float], k: int) -> list[int]:
+    """The indices std::partial_sort(idx, idx + k, idx + n, greater-by-vals) leaves in front
+    (libstdc++: make_heap on the first k, then every later index strictly greater than the heap's
+    top replaces it), i.e. llama.cpp's CPU ggml_top_k, ties included."""
+    n = len(vals)
+    k = min(k, n)
+    a = list(range(k))
+    if k >= 2:
+        parent = (k - 2) // 2
+        while True:
+            _adjust_heap(a, vals, parent, k, a[parent])
+            if parent == 0:
+                break
+            parent -= 1
+    if k == 0:
+        return a
+    for i in range(k, n):
+        if vals[i] > vals[a[0]]:
+            _adjust_heap(a, vals, 0, k, i)
+    return a
+
+
+def indexer_topk_ref(scores: np.ndarray, p0: int, ratio: int, width: int) -> np.ndarray:
+    """scores [T, NB+1] -> selected cells [T, width] int32 in heap order; -1 in the slots that hold
+    no visible cell (past the context, or a cell after the query)."""
+    vals = cell_values(scores, p0, ratio)
+    t = scores.shape[0]
+    out = np.full((t, width), -1, dtype=np.int32)
+    for i in range(t):
+        row = [float(v) for v in vals[i]]
+        chosen = heap_select(row, width)
+        out[i, : len(chosen)] = [j if row[j] != -np.inf else -1 for j in chosen]
+    return out
+
+
+def index_mask_ref(sel: np.ndarray, p0: int) -> np.ndarray:
+    """sel [T, W] cell ids -> additive mask [T, P+T] (0 at selected cells j <= P+t)."""
+    t = sel.shape[0]
+    mask = np.full((t, p0 + t), -np.inf, dtype=np.float32)
+    for i in range(t):
+        for j in sel[i]:
+            if 0 <= j <= p0 + i:
+                mask[i, j] = 0.0
+    return mask
+
+
+# ---------------------------------------------------------------------------------------------
+# PLE n-gram hash
+
+
+def ple_contexts(hist: np.ndarray, tokens: np.ndarray, p0: int, ngram: int, eos: int) -> np.ndarray:
+    """[T, n] n-gram contexts (the token, then its predecessors, EOS from the first cut on)."""
+    t = len(tokens)
+    ctx = np.empty((t, ngram), dtype=np.int64)
+    for i in range(t):
+        p = p0 + i
+        ctx[i, 0] = int(tokens[i])
+        cut = False
+        for s in range(1, ngram):
+            tok = -1 if cut or p - s < 0 else int(hist[p - s])
+            cut = cut or tok < 0 or tok == eos
+            ctx[i, s] = eos if cut else tok
+    return ctx
+
+
+def ple_hash_ref(hist: np.ndarray, tokens: np.ndarray, p0: int, ngram: int, heads_per_ngram: int,
+                 multipliers: Sequence[int], offsets: Sequence[int], sizes: Sequence[int], eos: int) -> np.ndarray:
+    """rows [T, (n-1)*heads_per_ngram] int32 into per_layer_token_embd."""
+    ctx = ple_contexts(hist, tokens, p0, ngram, eos)
+    n_heads = (ngram - 1) * heads_per_ngram
+    rows = np.empty((len(tokens), n_heads), dtype=np.int32)
+    for i in range(len(tokens)):
+        for g in range(2, ngram + 1):
+            mixed = 0
+            for j in range(g):
+                mixed ^= (int(ctx[i, j]) * int(multipliers[j])) & U64
+            for k in range(heads_per_ngram):
+                h = (g - 2) * heads_per_ngram + k
+                rows[i, h] = mixed % int(sizes[h]) + int(offsets[h])
+    return rows

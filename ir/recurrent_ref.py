@@ -1,0 +1,144 @@
+"""numpy references of the recurrent (linear-attention) ops: the executable spec of the gated
+delta-net family (llama.cpp `delta-net-base.cpp`, `ggml_ssm_conv`, `ggml_gated_delta_net`).
+
+The op records in `ops.py` call these. Shapes (numpy order, one sequence):
+
+* conv state `[C, (K-1)*dilation]`: the last inputs of the previous call, oldest first;
+* recurrent state `[Hv, Dv, Dk]`: one matrix `M[h]` per value head (llama.cpp's ssm cache);
+* q, k `[T, Hk, Dk]`, v `[T, Hv, Dv]`, per-head decay logits g and write strengths beta `[T, Hv]`.
+
+`gated_delta_net_ref` is the sequential recurrence (llama.cpp's fused CPU op, the default path);
+`gated_delta_net_chunked_ref` is the chunked WY/UT form of the same maths (llama.cpp's non-fused
+path), kept as a second spelling that tests hold equal to the first.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+HEAD_MAPS = ("tiled", "interleaved")
+GATE_ACTS = ("silu", "sigmoid")
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def k_head_index(head_map: str, n_v_heads: int, n_k_heads: int) -> np.ndarray:
+    """For each value head h, the q/k head it reads: tiled `h % Hk` (qwen35, qwen4exp) or
+    interleaved `h // (Hv/Hk)` (qwen3next)."""
+    h = np.arange(n_v_heads)
+    if n_v_heads % n_k_heads:
+        raise ValueError(f"value heads ({n_v_heads}) must be a multiple of key heads ({n_k_heads})")
+    if head_map == "tiled":
+        return h % n_k_heads
+    if head_map == "interleaved":
+        return h // (n_v_heads // n_k_heads)
+    raise ValueError(f"unknown head map {head_map!r} (known: {', '.join(HEAD_MAPS)})")
+
+
+def l2_norm_ref(x: np.ndarray, eps: float) -> np.ndarray:
+    """x / sqrt(sum(x^2) + eps) over the last axis (llama.cpp's GDN l2 norm)."""
+    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + x.dtype.type(eps))
+
+
+def rms_norm_gated_ref(x: np.ndarray, w: np.ndarray, z: np.ndarray, eps: float, act: str) -> np.ndarray:
+    """rms_norm(x) * w * act(z): the gated RMSNorm of the delta-net output (per head, last axis)."""
+    y = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + x.dtype.type(eps)) * w
+    if act == "silu":
+        gate = z * _sigmoid(z)
+    elif act == "sigmoid":
+        gate = _sigmoid(z)
+    else:
+        raise ValueError(f"unknown gate activation {act!r} (known: {', '.join(GATE_ACTS)})")
+    return (y * gate).astype(x.dtype)
+
+
+def ssm_conv_ref(
+    state: np.ndarray, x: np.ndarray, w: np.ndarray, dilation: int = 1
+) -> tuple[np.ndarray, np.ndarray]:
+    """Causal depthwise conv over [history | this call's inputs]; returns (new_state, y).
+
+    y[t, c] = sum_j w[c, j] * xin[c, t + j*dilation] with xin = concat(state, x.T) (no flip),
+    new_state = the last (K-1)*dilation columns of xin.
+    """
+    t = x.shape[0]
+    n_ch, k = w.shape
+    hist = (k - 1) * dilation
+    xin = np.concatenate([state.astype(x.dtype), x.T], axis=1)  # [C, hist + T]
+    y = np.zeros((t, n_ch), dtype=x.dtype)
+    for j in range(k):
+        y += (xin[:, j * dilation : j * dilation + t] * w[:, j : j + 1].astype(x.dtype)).T
+    new_state = xin[:, xin.shape[1] - hist :] if hist else xin[:, :0]
+    return np.ascontiguousarray(new_state), y
+
+
+def gated_delta_net_ref(
+    state: np.ndarray,
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    g: np.ndarray,
+    beta: np.ndarray,
+    head_map: str,
+    scale: float,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The gated delta rule, one token at a time; returns (new_state, o [T, Hv, Dv]).
+
+    M[h] *= exp(g[t, h]);  d = (v[t, h] - M[h] @ k[t, kh]) * beta[t, h]
+    M[h] += outer(d, k[t, kh]);  o[t, h] = (M[h] @ q[t, kh]) * scale
+    """
+    n_tok, n_v, dv = v.shape
+    kmap = k_head_index(head_map, n_v, q.shape[1])
+    m = state.astype(v.dtype).copy()
+    o = np.zeros((n_tok, n_v, dv), dtype=v.dtype)
+    for t in range(n_tok):
+        kt, qt = k[t, kmap], q[t, kmap]  # [Hv, Dk]
+        m *= np.exp(g[t])[:, None, None]
+        d = (v[t] - np.einsum("hij,hj->hi", m, kt)) * beta[t][:, None]
+        m += d[:, :, None] * kt[:, None, :]
+        o[t] = np.einsum("hij,hj->hi", m, qt) * v.dtype.type(scale)
+    return m, o
+
+
+def gated_delta_net_chunked_ref(
+    state: np.ndarray,
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    g: np.ndarray,
+    beta: np.ndarray,
+    head_map: str,
+    scale: float,
+    chunk: int = 64,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The same recurrence in chunks (WY/UT transform), as llama.cpp's non-fused path.
+
+    Per chunk and head, with S = M^T [Dk, Dv], gc = cumsum(g), G[i, j] = exp(gc[i] - gc[j]):
+    A = strict_lower((beta k) k^T * G), Tm = (I + A)^-1, U = Tm (beta v), W = Tm (beta k exp(gc)),
+    Vn = U - W S, o = scale (q exp(gc)) S + scale lower_incl(q k^T * G) Vn,
+    S' = exp(gc[-1]) S + (k exp(gc[-1] - gc))^T Vn.
+    """
+    n_tok, n_v, dv = v.shape
+    kmap = k_head_index(head_map, n_v, q.shape[1])
+    dt = v.dtype
+    s = np.swapaxes(state.astype(dt), 1, 2).copy()  # [Hv, Dk, Dv]
+    o = np.zeros((n_tok, n_v, dv), dtype=dt)
+    for c0 in range(0, n_tok, chunk):
+        c1 = min(c0 + chunk, n_tok)
+        n = c1 - c0
+        lower = np.tril(np.ones((n, n), dtype=bool), -1)
+        for h in range(n_v):
+            qh, kh = q[c0:c1, kmap[h]].astype(dt), k[c0:c1, kmap[h]].astype(dt)
+            vh, gh, bh = v[c0:c1, h], g[c0:c1, h].astype(dt), beta[c0:c1, h].astype(dt)
+            gc = np.cumsum(gh)
+            decay = np.exp(np.where(np.tril(np.ones((n, n), dtype=bool)), gc[:, None] - gc[None, :], -np.inf))
+            a = np.where(lower, (bh[:, None] * kh) @ kh.T * decay, 0.0)
+            tm = np.linalg.inv(np.eye(n, dtype=dt) + a)
+            u = tm @ (bh[:, None] * vh)
+            wm = tm @ (bh[:, None] * kh * np.exp(gc)[:, None])
+            vn = u - wm @ s[h]
+            psi = (qh @ kh.T) * decay
+            o[c0:c1, h] = dt.type(scale) * ((qh * np.exp(gc)[:, None]) @ s[h] + psi @ vn)
+            s[h] = s[h] * np.exp(gc[-1]) + (kh * np.exp(gc[-1] - gc)[:, None]).T @ vn
+    return np.ascontiguousarray(np.swapaxes(s, 1, 2)), o
