@@ -46,7 +46,8 @@ def attention_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float)
                 for d0 in range(DL):
                     for lane in T.vectorized(L):
                         part[lane] = part[lane] + q[t, h, d0 * L + lane] * k_cache[s, kv, d0 * L + lane]
-                scores[s] = ((part[0] + part[1]) + (part[2] + part[3]) + ((part[4] + part[5]) + (part[6] + part[7]))) * SCALE
+                pair_sums = (part[0] + part[1]) + (part[2] + part[3]) + ((part[4] + part[5]) + (part[6] + part[7]))
+                scores[s] = pair_sums * SCALE
                 stat[0] = T.max(stat[0], scores[s])
             stat[1] = T.float32(0)
             for s in range(visible):

@@ -15,6 +15,7 @@ import math
 from collections.abc import Callable
 
 import numpy as np
+
 from ggufc.ir.graph import Graph, Node, Param, Value
 from ggufc.ir.ops import OPS
 

@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 import pytest
+
 from ggufc.runtime.chat import ChatTemplateError, render_chat
 
 USER = [{"role": "user", "content": "What is 2+2?"}]

@@ -20,6 +20,8 @@ import gguf
 import numpy as np
 import pytest
 import tvm
+from tvm import relax
+
 from ggufc.codegen import kernels as K
 from ggufc.codegen import quant as Q
 from ggufc.codegen.build import state_plan
@@ -32,7 +34,6 @@ from ggufc.ir import ops as O
 from ggufc.ir.builder import GraphBuilder
 from ggufc.ir.graph import Graph, Param, Value
 from ggufc.ir.interp import run_graph
-from tvm import relax
 
 VOCAB = 11  # rows of the token-indexed input tables
 N_CTX = 16  # cache rows of the stateful rows

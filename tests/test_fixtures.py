@@ -8,6 +8,7 @@ from typing import Any
 import gguf
 import numpy as np
 import pytest
+
 from ggufc.frontend.archs import ARCHITECTURES
 from ggufc.frontend.fixtures import (
     RECIPES,

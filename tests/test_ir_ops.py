@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 from ggufc.ir import ops as O
 from ggufc.ir.builder import GraphBuilder
 from ggufc.ir.decompose import DECOMPOSITIONS, decompose

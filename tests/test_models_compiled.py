@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 import tvm
+
 from ggufc.codegen.build import Built, build_executable, kernel_weights, weight_key
 from ggufc.codegen.tvm_util import to_tvm
 from ggufc.frontend.archs import ARCHITECTURES

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import onnx
 import pytest
+
 from ggufc.frontend import blocks as B
 from ggufc.ir import ops as O
 from ggufc.ir.builder import GraphBuilder

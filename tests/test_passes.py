@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 from ggufc.frontend import blocks as B
 from ggufc.frontend.load import LoadedModel, load_model
 from ggufc.ir import ops as O

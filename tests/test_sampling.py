@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from ggufc.runtime.sampling import Sampler
 
 LOGITS = np.array([0.1, 2.0, -1.0, 1.5, 3.0, 0.0, 2.9, -5.0], dtype=np.float32)

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from safetensors.numpy import save_file
+
 from ggufc.runtime.artifact import ArtifactError, finalize_artifact, make_staging_dir
 from ggufc.runtime.session import ContextOverflowError, Session
-from safetensors.numpy import save_file
 
 tvm = pytest.importorskip("tvm")
 from tvm import relax, tirx  # noqa: E402

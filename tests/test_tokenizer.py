@@ -21,6 +21,9 @@ from typing import Any
 import gguf
 import numpy as np
 import pytest
+from tokenizers import Regex, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
 from ggufc.frontend.gguf_file import open_gguf
 from ggufc.frontend.tokenizer_build import (
     PRE_TOKENIZER_REGEXES,
@@ -35,8 +38,6 @@ from ggufc.frontend.tokenizer_build import (
 )
 from ggufc.runtime.chat import render_chat
 from ggufc.runtime.tokenizer import TokenizationError, Tokenizer
-from tokenizers import Regex, pre_tokenizers
-from tokenizers import Tokenizer as HFTokenizer
 
 GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
 SMOLLM_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -62,7 +62,7 @@ def read_hparams(keys: Keys, n_vocab: int) -> HParams:
 
 def build(w: B.Weights, hp: HParams, n_ctx: int, all_logits: bool) -> Graph:
     b = w.b
-    E, D, H, Hkv, F = hp.n_embd, hp.head_dim, hp.n_head, hp.n_head_kv, hp.n_ff
+    E = hp.n_embd
     tokens = b.input("tokens", ("T",), "int32")
     pos = b.input("pos", (), "int64")
     embd = w.need("token_embd.weight", (hp.n_vocab, E))
