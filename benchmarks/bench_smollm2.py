@@ -46,7 +46,8 @@ def llama_cpp_figures(model: str, prompt_tokens: int, gen_tokens: int, threads: 
         best_p = min(best_p, time.perf_counter() - t0)
         t1 = time.perf_counter()
         for _ in range(gen_tokens):
-            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            # with logits_all=False `llm.scores` is never filled: read the last row's logits
+            tok = int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))
             llm.eval([tok])
         best_d = min(best_d, time.perf_counter() - t1)
     return {"prefill_tok_s": prompt_tokens / best_p, "decode_tok_s": gen_tokens / best_d}

@@ -18,6 +18,8 @@ from ggufc.frontend.load import LoadedModel
 from ggufc.ir.graph import Graph
 
 from . import quant as Q
+from . import quant_gpu as QG
+from .gpu import DECODE_IO_STATES, decode_io_supported, is_gpu, target_key
 from .lower import ModuleBuilder, ParamLayout, plan_params
 from .target import resolve_target
 
@@ -37,6 +39,7 @@ class Built:
     max_chunk: int
     pass_stats: dict[str, int] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
+    tuning: Any = None  # codegen.tune.TunedKernels that supplied tuned schedules (compile --tuning-db)
 
 
 def optimise(graphs: dict[str, Graph], disabled: frozenset[str]) -> tuple[dict[str, Graph], dict[str, int]]:
@@ -59,7 +62,7 @@ def state_plan(graph: Graph) -> list[tuple[str, tuple[int, ...], str]]:
 def build_executable(
     model: LoadedModel, target: str | dict[str, Any] = "llvm", *, disabled_passes: frozenset[str] = frozenset(),
     max_chunk: int = DEFAULT_MAX_CHUNK, progress: Progress = lambda s: None, run_passes: bool = True,
-    extra_outputs: bool = False,
+    extra_outputs: bool = False, tuning: Any = None,
 ) -> Built:
     tgt = resolve_target(target)
     t0 = time.perf_counter()
@@ -68,9 +71,15 @@ def build_executable(
     if run_passes:
         progress("optimising graph")
         graphs, stats = optimise(graphs, disabled_passes)
-    layouts = plan_params(list(graphs.values()))
+    gpu_target = is_gpu(tgt)
+    layouts = plan_params(list(graphs.values()), QG.layout_spec if gpu_target else Q.layout_spec)
     states = state_plan(graphs["prefill_all"])
+    if tgt.kind.name == "cuda" and decode_io_supported(graphs["prefill"]):  # whole decode in one CUDA graph
+        states = [*states, *DECODE_IO_STATES]
     mb = ModuleBuilder(tgt, layouts, states)
+    if tgt.kind.name == "cuda" and states[-1][0] == DECODE_IO_STATES[-1][0]:
+        mb.decode_inputs = (len(states) - 2, len(states) - 1)
+    mb.tuned = tuning
     progress("generating kernels")
     mb.add_function("prefill_all", graphs["prefill_all"])
     mb.add_function("prefill", graphs["prefill"])
@@ -81,11 +90,20 @@ def build_executable(
         gv = mod.get_global_var(name)
         mod[gv] = mod[gv].with_attr("tir_var_upper_bound", bounds)
     t1 = time.perf_counter()
-    progress(f"compiling {len(mb.kernel_names)} kernels for {tgt.kind.name}")
-    ex = tvm.compile(mod, target=tgt, relax_pipeline=relax.pipeline.default_build_pipeline())
+    progress(f"compiling {len(mb.kernel_names)} kernels for {target_key(tgt)}")
+    if gpu_target:  # cuda: Relax VM + fatbin; vulkan/metal: WGSL/MSL + dispatch plan (build_gpu.py)
+        from .build_gpu import compile_gpu
+
+        ex = compile_gpu(mod, tgt, mb.kernel_names, target, n_params=len(mb.flat_params), n_states=len(states),
+                         max_chunk=max_chunk, n_ctx=model.n_ctx, progress=progress)
+        max_chunk = ex.max_chunk or max_chunk  # vulkan: chunks small enough for every buffer binding
+        if mb.decode_inputs is not None:  # the session writes the token and position there before decode
+            ex.manifest["decode_inputs"] = {"token": mb.decode_inputs[0], "pos": mb.decode_inputs[1]}
+    else:
+        ex = tvm.compile(mod, target=tgt, relax_pipeline=relax.pipeline.default_build_pipeline())
     t2 = time.perf_counter()
     return Built(ex, layouts, states, graphs, mb.kernel_names, tgt, max_chunk, stats,
-                 {"lower_s": t1 - t0, "tvm_compile_s": t2 - t1})
+                 {"lower_s": t1 - t0, "tvm_compile_s": t2 - t1}, tuning)
 
 
 def kernel_weights(model: LoadedModel, layouts: list[ParamLayout]) -> dict[str, np.ndarray]:
@@ -97,6 +115,8 @@ def kernel_weights(model: LoadedModel, layouts: list[ParamLayout]) -> dict[str, 
         else:
             info = model.gguf.tensors[lay.source]
             arrays = Q.repack(lay.qtype, np.asarray(info.data), lay.shape)
+            if QG.is_packed(lay.qtype) and lay.arrays == tuple(QG.layout_spec(lay.qtype, lay.shape)):
+                arrays = QG.pack(lay.qtype, arrays, lay.shape)  # GPU targets: one word array per weight
         for fname, shape, dtype in lay.arrays:
             a = np.ascontiguousarray(arrays[fname])
             if a.shape != tuple(shape) or str(a.dtype) != dtype:

@@ -18,18 +18,30 @@ from ggufc.frontend.load import LoadedModel, load_model
 from ggufc.runtime import artifact as A
 
 from .build import DEFAULT_MAX_CHUNK, Built, Progress, build_executable, kernel_weights, weight_key
+from .gpu import target_key
 
 
 def compile_model(
     model_path: str | os.PathLike[str], target: str = "llvm", out_dir: str | os.PathLike[str] = "out", *,
     n_ctx: int | None = None, disabled_passes: frozenset[str] = frozenset(), max_chunk: int = DEFAULT_MAX_CHUNK,
-    progress: Progress = lambda s: None,
+    progress: Progress = lambda s: None, tuning_db: str | os.PathLike[str] | None = None,
+    tuning_min_speedup: float = 1.0,
 ) -> dict[str, Any]:
-    """Compile and write the artifact atomically; returns the manifest as written."""
+    """Compile and write the artifact atomically; returns the manifest as written.
+
+    `tuning_db`: a `ggufc tune` database whose tuned schedules replace the default ones where they
+    measured at least `tuning_min_speedup` times faster (codegen/tune.py).
+    """
+    from .tune import open_tuning
+
     t0 = time.perf_counter()
+    tuning = open_tuning(tuning_db, target, min_speedup=tuning_min_speedup)
     progress(f"reading {os.fspath(model_path)}")
     model = load_model(model_path, n_ctx)
-    built = build_executable(model, target, disabled_passes=disabled_passes, max_chunk=max_chunk, progress=progress)
+    built = build_executable(model, target, disabled_passes=disabled_passes, max_chunk=max_chunk, progress=progress,
+                             tuning=tuning)
+    if tuning is not None:
+        progress(f"{len(tuning.applied)} kernels use tuned schedules from {tuning_db}")
     staging = A.make_staging_dir(out_dir)
     try:
         progress("writing kernels")
@@ -78,7 +90,7 @@ def _manifest(model: LoadedModel, built: Built, tokenizer: dict[str, Any], weigh
         "n_ctx": model.n_ctx,
         "n_vocab": int(model.hparams.n_vocab),
         "target": _jsonable(_plain_target(target)),
-        "target_key": built.target.kind.name,
+        "target_key": target_key(built.target),
         "functions": {"prefill_all": {"tokens": "T"}, "prefill": {"tokens": "T"}, "decode": {"tokens": 1}},
         "max_chunk": built.max_chunk,
         "params": [
@@ -98,7 +110,17 @@ def _manifest(model: LoadedModel, built: Built, tokenizer: dict[str, Any], weigh
         "derived_bytes": int(sum(a.nbytes for a in model.derived.values())),
         "gguf_tensor_bytes": int(sum(t.n_bytes for t in model.gguf.tensors.values())),
         "compile_seconds": round(seconds, 3),
+        **({"tuning": built.tuning.manifest()} if built.tuning is not None else {}),
+        **gpu_manifest(built),
     }
+
+
+def gpu_manifest(built: Built) -> dict[str, Any]:
+    """GPU targets: the kernel files, how to run them, each kernel's schedule (build_gpu.py)."""
+    exe = built.executable
+    if not hasattr(exe, "kernel_files"):
+        return {}
+    return {"kernel_files": exe.kernel_files, "gpu": exe.manifest}
 
 
 def _plain_target(target: dict[str, Any]) -> dict[str, Any]:

@@ -19,6 +19,8 @@ from ggufc.ir import ops as O
 from ggufc.ir.graph import Dim, Graph, Node, Param, Value
 
 from . import kernels as K
+from . import kernels_attention as KA
+from . import kernels_recurrent as KR
 from . import quant as Q
 from .schedule import PRESCHEDULED, schedule_cpu
 
@@ -34,8 +36,13 @@ class ParamLayout:
     first: int  # index of the first array in the params tuple
 
 
-def plan_params(graphs: Sequence[Graph]) -> list[ParamLayout]:
-    """Every param used by any graph, in a stable order, with its kernel layout."""
+GPU_KINDS = frozenset({"cuda", "webgpu", "metal"})  # TVM target kinds whose kernels come from gpu.py
+POS_TENSOR_KINDS = frozenset({"rope", "attention", "cache_write"})  # kernels taking the position
+
+
+def plan_params(graphs: Sequence[Graph], layout_spec: Callable[..., Any] = Q.layout_spec) -> list[ParamLayout]:
+    """Every param used by any graph, in a stable order, with its kernel layout (GPU targets pass
+    `quant_gpu.layout_spec`)."""
     seen: dict[str, Param] = {}
     for g in graphs:
         for src, p in g.params.items():
@@ -45,7 +52,7 @@ def plan_params(graphs: Sequence[Graph]) -> list[ParamLayout]:
     for src in sorted(seen):
         p = seen[src]
         shape = tuple(int(d) for d in p.value.shape)
-        spec = tuple((n, tuple(s), dt) for n, s, dt in Q.layout_spec(p.qtype, shape)) if len(shape) >= 1 else ()
+        spec = tuple((n, tuple(s), dt) for n, s, dt in layout_spec(p.qtype, shape)) if len(shape) >= 1 else ()
         layouts.append(ParamLayout(src, p.qtype, shape, spec, index))
         index += len(spec)
     return layouts
@@ -111,7 +118,11 @@ class FunctionContext:
             return arrays[0]
         return self.env[v.id]
 
+    pos_tensor: Any = None  # cuda decode: the int32 [1] state holding the position (gpu.py)
+
     def pos(self) -> Any:
+        if self.pos_tensor is not None:  # cuda decode: position in device memory
+            return self.pos_tensor
         return relax.prim_value(self.p)
 
     # -- calls ----------------------------------------------------------------------------------
@@ -151,18 +162,34 @@ class ModuleBuilder:
         self.kernels: dict[tuple[Any, ...], Any] = {}
         self.kernel_names: list[str] = []
 
+    # `ggufc compile --tuning-db`: a codegen.tune.TunedKernels whose lookup() returns a tuned schedule
+    # for a kernel key, or None to keep the default one
+    tuned: Any = None
+
+    # (token state index, pos state index) when a cuda decode reads them from device memory
+    decode_inputs: tuple[int, int] | None = None
+
     def kernel(self, key: tuple[Any, ...], make: Callable[[], tirx.PrimFunc]) -> Any:
+        if self.decode_inputs is not None and key[0] in POS_TENSOR_KINDS and self._in_pos_tensor_function():
+            key = (*key, "pos_tensor")  # the variant reading pos from the state tensor (gpu.py)
         if key not in self.kernels:
-            func = make()
-            if self.target.kind.name == "llvm" and key[0] not in PRESCHEDULED:
-                func = schedule_cpu(func)
             name = _kernel_name(key, len(self.kernels))
+            func = self.tuned.lookup(key, make, name) if self.tuned is not None else None
+            if func is None and self.target.kind.name in GPU_KINDS:
+                from .gpu import gpu_kernel  # GPU targets: GPU kernels/schedules per key (gpu.py)
+
+                func = gpu_kernel(key, make, self.target)
+            if func is None:
+                func = make()
+                if self.target.kind.name == "llvm" and key[0] not in PRESCHEDULED:
+                    func = schedule_cpu(func)
             self.kernels[key] = self.bb.add_func(func.with_attr("global_symbol", name), name)
             self.kernel_names.append(name)
         return self.kernels[key]
 
     def add_function(self, name: str, graph: Graph, fixed_tokens: int | None = None) -> None:
         fc = FunctionContext(self, graph, fixed_tokens)
+        self._building_decode = fixed_tokens == 1 and self.decode_inputs is not None
         tok_dim = fc.n if fc.n is not None else K.i64(fixed_tokens or 1)
         tokens = relax.Var("tokens", _tensor_type([tok_dim], "int32"))
         pos = relax.Var("pos", relax.ShapeType([fc.p]))
@@ -170,10 +197,16 @@ class ModuleBuilder:
         params = relax.Var("params", relax.TupleType([_tensor_type(s, d) for _, s, d in self.flat_params]))
         fc.params_var = params  # type: ignore[attr-defined]
         state_index = {n: i for i, (n, _, _) in enumerate(self.states)}
+        # CUDA graphs (gpu.py): a cuda decode reads its token and position from two int32 [1] states
+        decode_io = self.decode_inputs if fixed_tokens == 1 else None
         with self.bb.function(name, [tokens, pos, states, params]):
+            token_source: Any = tokens
+            if decode_io is not None:
+                token_source = self.bb.emit(relax.TupleGetItem(states, decode_io[0]), name_hint="decode_token")
+                fc.pos_tensor = self.bb.emit(relax.TupleGetItem(states, decode_io[1]), name_hint="decode_pos")
             for v in graph.inputs:
                 if v.name == "tokens":
-                    fc.env[v.id] = tokens
+                    fc.env[v.id] = token_source
             for sname, st in graph.states.items():
                 fc.env[st.value.id] = self.bb.emit(relax.TupleGetItem(states, state_index[sname]), name_hint=sname)
             for node in graph.nodes:
@@ -182,6 +215,9 @@ class ModuleBuilder:
                     fc.env[v.id] = e
             result = [fc.value(o) for o in graph.outputs]
             self.bb.emit_func_output(result[0] if len(result) == 1 else relax.Tuple(result))
+
+    def _in_pos_tensor_function(self) -> bool:
+        return bool(getattr(self, "_building_decode", False))
 
     def module(self) -> tvm.IRModule:
         return self.bb.get()
@@ -241,8 +277,8 @@ def _reshape(fc: FunctionContext, node: Node) -> list[Any]:
 def _cache_write(fc: FunctionContext, node: Node) -> list[Any]:
     cache, x = node.inputs[0], node.inputs[1]
     cshape = tuple(int(d) for d in cache.shape)
-    key = ("cache_write", cshape, fc.kernel_key_dims(x))
-    gv = fc.mb.kernel(key, lambda: K.cache_write(K.Symbols().shape(cshape), K.Symbols().shape(x.shape)))
+    key = ("cache_write", cshape, fc.kernel_key_dims(x), cache.dtype)
+    gv = fc.mb.kernel(key, lambda: K.cache_write(K.Symbols().shape(cshape), K.Symbols().shape(x.shape), cache.dtype))
     call = relax.call_tir_inplace(gv, [fc.value(cache), fc.value(x), fc.pos()], [0],
                                   _tensor_type(fc.shape(cache), cache.dtype))
     return [fc.bb.emit(call, name_hint=node.outputs[0].name)]
@@ -288,8 +324,8 @@ def _dequantize(fc: FunctionContext, node: Node) -> list[Any]:
     layout, arrays = fc.param(w)
     *lead, k = layout.shape
     rows = int(np.prod(lead))
-    flat = [fc.bb.emit(relax.op.reshape(a, [rows, *s[len(lead):]])) for a, (_, s, _) in zip(arrays, layout.arrays,
-                                                                                         strict=True)]
+    flat = [a if len(s) <= len(lead) else fc.bb.emit(relax.op.reshape(a, [rows, *s[len(lead):]]))  # GPU: 1-D words
+            for a, (_, s, _) in zip(arrays, layout.arrays, strict=True)]
     ids = relax.const(np.arange(rows, dtype=np.int32))
     out = fc.call_temp(("embed", layout.qtype, rows, k), lambda: Q.qembed(layout.qtype, rows, k), [ids, *flat],
                        [([K.i64(rows), K.i64(k)], "float32")], node.outputs[0].name)[0]
@@ -339,10 +375,9 @@ def _moe_route(fc: FunctionContext, node: Node) -> list[Any]:
 def _moe_ffn(fc: FunctionContext, node: Node) -> list[Any]:
     """Router matmul, softmax/top-k/renormalise, selected experts' SwiGLU, weighted sum."""
     a: O.MoeFFN = node.attrs
-    x, router, *rest = node.inputs
-    gate = rest.pop(0) if a.has_gate else None
-    up, down, *scale_vals = rest
-    scales = dict(zip(a.expert_scales, scale_vals, strict=True))
+    named = O.moe_inputs(node.inputs, a)  # merged gate_up and the shared expert: lower_qwen4exp.py
+    x, router, down, scales = named["x"], named["router"], named["down"], named["scales"]
+    gate, up = named.get("gate"), named.get("up", named.get("gate_up"))
     t_dim = fc.kernel_key_dims(x)[0]
     t = fc.dim(x.shape[0])
     e = int(x.shape[1])
@@ -362,11 +397,15 @@ def _moe_ffn(fc: FunctionContext, node: Node) -> list[Any]:
             y = _scale_by_expert(fc, y, scales[kind], ids, (t_dim, a.k, n), kind)
         return y
 
-    up_y = experts(x3, up, False, "up")
-    hidden = int(up.shape[1])
+    up_y = experts(x3, up, False, "gate_up" if a.merged_gate_up else "up")
+    hidden = int(up.shape[1]) // (2 if a.merged_gate_up else 1)
     act_dims = (t_dim, a.k, hidden)
     act_shape = [t, K.i64(a.k), K.i64(hidden)]
-    if gate is not None:
+    if a.merged_gate_up:
+        from .lower_qwen4exp import merged_gate_up_act
+
+        act = merged_gate_up_act(fc, up_y, act_dims, act_shape)
+    elif gate is not None:
         g_y = experts(x3, gate, False, "gate")
         prog = O.FusedElementwise((("unary", O.Unary("silu"), (0,)), ("binary", O.Binary("mul"), (2, 1))), 2)
         act = fc.call_temp(("elementwise", prog, (act_dims, act_dims)),
@@ -374,10 +413,17 @@ def _moe_ffn(fc: FunctionContext, node: Node) -> list[Any]:
                            [(act_shape, "float32")], "ffn_moe_act")[0]
     else:
         prog = O.FusedElementwise((("unary", O.Unary("silu"), (0,)),), 1)
-        act = fc.call_temp(("elementwise", prog, (act_dims,)), lambda: K.elementwise([K.Symbols().shape(act_dims)], prog),
+        act = fc.call_temp(("elementwise", prog, (act_dims,)),
+                           lambda: K.elementwise([K.Symbols().shape(act_dims)], prog),
                            [up_y], [(act_shape, "float32")], "ffn_moe_act")[0]
     down_y = experts(act, down, True, "down")
     dims = (t_dim, a.k, e)
+    if a.shared:
+        from .lower_qwen4exp import shared_expert
+
+        routed = fc.call_temp(("weighted_sum", dims), lambda: K.weighted_sum(K.Symbols().shape(dims), True),
+                              [down_y, w], [([t, K.i64(e)], "float32")], "ffn_moe_routed")[0]
+        return shared_expert(fc, node, named, routed)
     return fc.call(("weighted_sum", dims), lambda: K.weighted_sum(K.Symbols().shape(dims), True), [down_y, w],
                    node.outputs, node.outputs[0].name)
 
@@ -398,8 +444,42 @@ def _scale_by_expert(fc: FunctionContext, y: Any, scale: Value, ids: Any, dims: 
                         [([t, K.i64(dims[1]), K.i64(dims[2])], "float32")], f"ffn_moe_{kind}_scaled")[0]
 
 
+def _attention_kernel(fc: FunctionContext, node: Node, syms: K.Symbols) -> tirx.PrimFunc:
+    """The row-streaming kernel where the head dim allows, the TE definition otherwise."""
+    q, cache = node.inputs[0], node.inputs[1]
+    n_head, dim = int(q.shape[1]), int(q.shape[2])
+    n_cells, n_kv = int(cache.shape[0]), int(cache.shape[1])
+    if dim % KA.LANES == 0 and fc.mb.target.kind.name == "llvm":
+        return KA.attention_rows(n_head, n_kv, dim, n_cells, node.attrs.scale)
+    return schedule_cpu(K.attention(_first_shape(fc, node, syms), fc.kernel_shape(cache, syms), node.attrs.scale))
+
+
 def _first_shape(fc: FunctionContext, node: Node, syms: K.Symbols) -> K.PShape:
     return fc.kernel_shape(node.inputs[0], syms)
+
+
+def _state_scan(fc: FunctionContext, node: Node, key: tuple[Any, ...], make: Callable[[], tirx.PrimFunc]) -> list[Any]:
+    """A kernel that updates its state (input 0) in place and makes one fresh output: outputs
+    (new state, y) as the op records them (ssm_conv, gated_delta_net)."""
+    gv = fc.mb.kernel(key, make)
+    types = [_tensor_type(fc.shape(o), o.dtype) for o in node.outputs]
+    call = relax.call_tir_inplace(gv, [fc.value(v) for v in node.inputs], [0, -1], types)
+    res = fc.bb.emit(call, name_hint=node.outputs[1].name)
+    return [fc.bb.emit(relax.TupleGetItem(res, i), name_hint=o.name) for i, o in enumerate(node.outputs)]
+
+
+def _ssm_conv(fc: FunctionContext, node: Node) -> list[Any]:
+    n_ch, k = (int(d) for d in node.inputs[2].shape)
+    a: O.SsmConv = node.attrs
+    return _state_scan(fc, node, ("ssm_conv", n_ch, k, a.dilation), lambda: KR.ssm_conv(n_ch, k, a.dilation))
+
+
+def _gated_delta_net(fc: FunctionContext, node: Node) -> list[Any]:
+    hv, dv, dk = (int(d) for d in node.inputs[0].shape)
+    hk = int(node.inputs[1].shape[1])
+    a: O.GatedDeltaNet = node.attrs
+    return _state_scan(fc, node, ("gated_delta_net", hv, dv, dk, hk, a),
+                       lambda: KR.gated_delta_net(hv, dv, dk, hk, a.head_map, a.scale))
 
 
 LOWERING: dict[str, Callable[[FunctionContext, Node], list[Any]]] = {
@@ -424,11 +504,16 @@ LOWERING: dict[str, Callable[[FunctionContext, Node], list[Any]]] = {
     "rms_norm": _simple("rms_norm", lambda fc, n, s: K.rms_norm(_first_shape(fc, n, s), len(n.inputs) > 1,
                                                                 n.attrs.eps)),
     "rope": _simple("rope", lambda fc, n, s: K.rope(_first_shape(fc, n, s), fc.kernel_shape(n.inputs[2], s), n.attrs)),
-    "attention": _simple("attention", lambda fc, n, s: K.attention(_first_shape(fc, n, s),
-                                                                   fc.kernel_shape(n.inputs[1], s), n.attrs.scale)),
+    "attention": _simple("attention", lambda fc, n, s: _attention_kernel(fc, n, s)),
     "cache_write": _cache_write,
     "moe_route": _moe_route,
     "moe_ffn": _moe_ffn,
+    # gated delta-net family (kernels_recurrent.py)
+    "ssm_conv": _ssm_conv,
+    "gated_delta_net": _gated_delta_net,
+    "l2_norm": _simple("l2_norm", lambda fc, n, s: KR.l2_norm(_first_shape(fc, n, s), n.attrs.eps)),
+    "rms_norm_gated": _simple("rms_norm_gated", lambda fc, n, s: KR.rms_norm_gated(_first_shape(fc, n, s),
+                                                                                   n.attrs.eps, n.attrs.act)),
 }
 
 
@@ -437,3 +522,9 @@ def lower_node(fc: FunctionContext, node: Node) -> list[Any]:
     if lower is None:
         raise NotImplementedError(f"no {fc.mb.target.kind.name} lowering for op '{node.op}' ({node.outputs[0].label})")
     return lower(fc, node)
+
+
+# qwen4exp: hyper-connections, the QSA indexer (masked and sparse attention), the PLE hash
+from .lower_qwen4exp import QWEN4EXP_LOWERING  # noqa: E402 - it extends the table above
+
+LOWERING.update(QWEN4EXP_LOWERING)

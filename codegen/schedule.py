@@ -10,7 +10,7 @@ from __future__ import annotations
 import tvm
 from tvm import tirx
 
-PRESCHEDULED = frozenset({"matmul", "embed", "experts"})
+PRESCHEDULED = frozenset({"matmul", "embed", "experts", "attention"})
 
 
 def schedule_cpu(func: tirx.PrimFunc) -> tirx.PrimFunc:

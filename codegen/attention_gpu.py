@@ -1,0 +1,257 @@
+"""GPU kernels written directly in TIR: causal attention over the KV cache and the cache write.
+
+Attention: one workgroup per (token, head) row and `NT` threads. The query row is scaled into
+shared memory once; then the visible cache rows [0, pos + t] are walked in tiles of `NT`
+positions. In a tile each thread scores one position (a dot product over the head dim), the
+scores go to shared memory, and every thread keeps the running softmax statistics (max and sum,
+redundantly, so no extra reduction pass) and accumulates P.V for its own head-dim columns
+(coalesced reads of V rows). Masked positions are never read. This is the online-softmax
+("flash-decoding") form: no [heads, T, cache] matrix and no scratch of the cache length, so any
+context fits the 16 KiB of workgroup memory WebGPU guarantees. The loop bounds depend only on
+`pos` (a uniform) and the workgroup id, so the barriers sit in uniform control flow as WGSL
+requires.
+
+Cache write: `cache[pos + t, ...] = x[t, ...]` in place (Relax `call_tir_inplace`), one thread
+per element.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+NEG = -3.0e38
+
+
+def attention_threads(dim: int) -> int:
+    p = 32
+    while p < dim and p < 128:
+        p *= 2
+    return p
+
+
+def attention(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float) -> tirx.PrimFunc:
+    """(q [T, H, D], k_cache [C, Hkv, D], v_cache [C, Hkv, D], pos, out [T, H, D]), f32."""
+    nt = attention_threads(dim)
+    dt = -(-dim // nt)
+    H, HKV, D, C = T.int64(n_head), T.int64(n_kv), T.int64(dim), T.int64(n_cells)
+    G, NT, DT = T.int64(n_head // n_kv), T.int64(nt), T.int64(dt)
+    SCALE, NEG_INF = T.float32(scale), T.float32(NEG)
+
+    @T.prim_func(private=True)
+    def attention_gpu(q_h: T.handle, k_cache: T.Buffer((C, HKV, D), "float32"),
+                      v_cache: T.Buffer((C, HKV, D), "float32"), pos: T.int64, o_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        n = T.int64()
+        q = T.match_buffer(q_h, (n, H, D), "float32")
+        o = T.match_buffer(o_h, (n, H, D), "float32")
+        row = T.launch_thread("blockIdx.x", n * H)
+        qs = T.alloc_shared((D,), "float32")
+        ps = T.alloc_shared((NT,), "float32")
+        acc = T.alloc_local((DT,), "float32")
+        stat = T.alloc_local((4,), "float32")  # running max, running sum, tile max, tile sum
+        tx = T.launch_thread("threadIdx.x", NT)
+        t = T.meta_var(row // H)  # meta_var: substituted, not a let (WGSL has no 64-bit lets)
+        h = T.meta_var(row % H)
+        kv = T.meta_var(row % H // G)
+        visible = T.meta_var(pos + row // H + T.int64(1))
+        for d0 in range(DT):
+            if d0 * NT + tx < D:
+                qs[d0 * NT + tx] = q[t, h, d0 * NT + tx] * SCALE
+            acc[d0] = T.float32(0)
+        stat[0] = NEG_INF
+        stat[1] = T.float32(0)
+        T.tvm_storage_sync("shared")
+        for tile in range((visible + NT - T.int64(1)) // NT):
+            stat[2] = T.float32(0)
+            if tile * NT + tx < visible:
+                for d in range(D):
+                    stat[2] = stat[2] + qs[d] * k_cache[tile * NT + tx, kv, d]
+                ps[tx] = stat[2]
+            else:
+                ps[tx] = NEG_INF
+            T.tvm_storage_sync("shared")
+            stat[2] = stat[0]
+            for j in range(NT):
+                stat[2] = T.max(stat[2], ps[j])
+            stat[3] = T.exp(stat[0] - stat[2])  # rescale of what was accumulated so far
+            for d0 in range(DT):
+                acc[d0] = acc[d0] * stat[3]
+            stat[1] = stat[1] * stat[3]
+            stat[0] = stat[2]
+            for j in range(NT):
+                if tile * NT + j < visible:
+                    stat[3] = T.exp(ps[j] - stat[0])
+                    stat[1] = stat[1] + stat[3]
+                    for d0 in range(DT):
+                        if d0 * NT + tx < D:
+                            acc[d0] = acc[d0] + stat[3] * v_cache[tile * NT + j, kv, d0 * NT + tx]
+            T.tvm_storage_sync("shared")
+        for d0 in range(DT):
+            if d0 * NT + tx < D:
+                o[t, h, d0 * NT + tx] = acc[d0] / stat[1]
+
+    return attention_gpu
+
+
+WRITE_THREADS = 256
+
+
+def cache_write(cache_shape: tuple[int, ...], row_shape: tuple[int, ...], dtype: str = "float32") -> tirx.PrimFunc:
+    """(cache [C, ...] in place, x [T, ...], pos): cache[pos + t] = x[t], one thread per element."""
+    per_row = math.prod(row_shape)
+    R = T.int64(per_row)
+    NTH = T.int64(WRITE_THREADS)
+    cshape = tuple(T.int64(d) for d in cache_shape)
+    rshape = tuple(T.int64(d) for d in row_shape)
+    cache_elems = T.int64(math.prod(cache_shape))
+
+    @T.prim_func(private=True)
+    def cache_write_gpu(cache_h: T.handle, x_h: T.handle, pos: T.int64):
+        T.func_attr({"tirx.noalias": True})
+        n = T.int64()
+        cache = T.match_buffer(cache_h, cshape, dtype)
+        x = T.match_buffer(x_h, (n, *rshape), dtype)
+        cache_flat = T.decl_buffer((cache_elems,), dtype, data=cache.data)
+        x_flat = T.decl_buffer((n * R,), dtype, data=x.data)
+        bx = T.launch_thread("blockIdx.x", (n * R + NTH - T.int64(1)) // NTH)
+        tx = T.launch_thread("threadIdx.x", NTH)
+        if bx * NTH + tx < n * R:
+            cache_flat[pos * R + bx * NTH + tx] = x_flat[bx * NTH + tx]
+
+    return cache_write_gpu
+
+
+# ---------------------------------------------------------------------------------------------
+# decode with the position in device memory (CUDA graphs)
+#
+# A captured CUDA graph replays fixed kernel arguments, so a decode step whose kernels take the
+# position as a scalar argument cannot be captured once and replayed for every position. In the
+# cuda decode function the token id and the position live in two one-element int32 state tensors
+# that the session writes before each step; these variants read the position from there.
+
+
+def attention_pos_tensor(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float) -> tirx.PrimFunc:
+    """As `attention`, with `pos` read from an int32 [1] tensor."""
+    nt = attention_threads(dim)
+    dt = -(-dim // nt)
+    H, HKV, D, C = T.int64(n_head), T.int64(n_kv), T.int64(dim), T.int64(n_cells)
+    G, NT, DT = T.int64(n_head // n_kv), T.int64(nt), T.int64(dt)
+    SCALE, NEG_INF = T.float32(scale), T.float32(NEG)
+
+    @T.prim_func(private=True)
+    def attention_gpu_pos(q_h: T.handle, k_cache: T.Buffer((C, HKV, D), "float32"),
+                          v_cache: T.Buffer((C, HKV, D), "float32"), pos_buf: T.Buffer((1,), "int32"), o_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        n = T.int64()
+        q = T.match_buffer(q_h, (n, H, D), "float32")
+        o = T.match_buffer(o_h, (n, H, D), "float32")
+        row = T.launch_thread("blockIdx.x", n * H)
+        qs = T.alloc_shared((D,), "float32")
+        ps = T.alloc_shared((NT,), "float32")
+        acc = T.alloc_local((DT,), "float32")
+        stat = T.alloc_local((4,), "float32")
+        tx = T.launch_thread("threadIdx.x", NT)
+        t = T.meta_var(row // H)
+        h = T.meta_var(row % H)
+        kv = T.meta_var(row % H // G)
+        visible = T.meta_var(T.Cast("int64", pos_buf[0]) + row // H + T.int64(1))
+        for d0 in range(DT):
+            if d0 * NT + tx < D:
+                qs[d0 * NT + tx] = q[t, h, d0 * NT + tx] * SCALE
+            acc[d0] = T.float32(0)
+        stat[0] = NEG_INF
+        stat[1] = T.float32(0)
+        T.tvm_storage_sync("shared")
+        for tile in range((visible + NT - T.int64(1)) // NT):
+            stat[2] = T.float32(0)
+            if tile * NT + tx < visible:
+                for d in range(D):
+                    stat[2] = stat[2] + qs[d] * k_cache[tile * NT + tx, kv, d]
+                ps[tx] = stat[2]
+            else:
+                ps[tx] = NEG_INF
+            T.tvm_storage_sync("shared")
+            stat[2] = stat[0]
+            for j in range(NT):
+                stat[2] = T.max(stat[2], ps[j])
+            stat[3] = T.exp(stat[0] - stat[2])
+            for d0 in range(DT):
+                acc[d0] = acc[d0] * stat[3]
+            stat[1] = stat[1] * stat[3]
+            stat[0] = stat[2]
+            for j in range(NT):
+                if tile * NT + j < visible:
+                    stat[3] = T.exp(ps[j] - stat[0])
+                    stat[1] = stat[1] + stat[3]
+                    for d0 in range(DT):
+                        if d0 * NT + tx < D:
+                            acc[d0] = acc[d0] + stat[3] * v_cache[tile * NT + j, kv, d0 * NT + tx]
+            T.tvm_storage_sync("shared")
+        for d0 in range(DT):
+            if d0 * NT + tx < D:
+                o[t, h, d0 * NT + tx] = acc[d0] / stat[1]
+
+    return attention_gpu_pos
+
+
+def cache_write_pos_tensor(cache_shape: tuple[int, ...], row_shape: tuple[int, ...],
+                           dtype: str = "float32") -> tirx.PrimFunc:
+    """As `cache_write`, with `pos` read from an int32 [1] tensor."""
+    per_row = math.prod(row_shape)
+    R = T.int64(per_row)
+    NTH = T.int64(WRITE_THREADS)
+    cshape = tuple(T.int64(d) for d in cache_shape)
+    rshape = tuple(T.int64(d) for d in row_shape)
+    cache_elems = T.int64(math.prod(cache_shape))
+
+    @T.prim_func(private=True)
+    def cache_write_gpu_pos(cache_h: T.handle, x_h: T.handle, pos_buf: T.Buffer((1,), "int32")):
+        T.func_attr({"tirx.noalias": True})
+        n = T.int64()
+        cache = T.match_buffer(cache_h, cshape, dtype)
+        x = T.match_buffer(x_h, (n, *rshape), dtype)
+        cache_flat = T.decl_buffer((cache_elems,), dtype, data=cache.data)
+        x_flat = T.decl_buffer((n * R,), dtype, data=x.data)
+        bx = T.launch_thread("blockIdx.x", (n * R + NTH - T.int64(1)) // NTH)
+        tx = T.launch_thread("threadIdx.x", NTH)
+        if bx * NTH + tx < n * R:
+            cache_flat[T.Cast("int64", pos_buf[0]) * R + bx * NTH + tx] = x_flat[bx * NTH + tx]
+
+    return cache_write_gpu_pos
+
+
+def rope_pos_tensor(x_shape: tuple[Any, ...], table_shape: tuple[Any, ...], attrs: Any) -> tirx.PrimFunc:
+    """`kernels.rope` (same math, modes norm / neox / imrope) with `pos` read from an int32 [1]
+    tensor: (x [T, H, D], pos [1], table [n_ctx, n_rot/2, 2], out [T, H, D])."""
+    from tvm import te
+
+    i64 = lambda v: tirx.IntImm("int64", int(v))  # noqa: E731
+    if attrs.mode not in ("norm", "neox", "imrope"):
+        raise NotImplementedError(f"rope mode {attrs.mode}")
+    x = te.placeholder(x_shape, "float32", name="x")
+    pos = te.placeholder((i64(1),), "int32", name="pos")
+    table = te.placeholder(table_shape, "float32", name="table")
+    half = attrs.n_rot // 2
+    n_rot = i64(attrs.n_rot)
+
+    def body(t: Any, h: Any, d: Any) -> Any:
+        p = pos[i64(0)].astype("int64") + t
+        if attrs.mode == "norm":
+            pair, second = d // i64(2), d % i64(2) == i64(1)
+            a, b = x[t, h, d - d % i64(2)], x[t, h, d - d % i64(2) + i64(1)]
+        else:
+            second = d >= i64(half)
+            pair = tirx.if_then_else(second, d - i64(half), d)
+            a = x[t, h, tirx.if_then_else(second, d - i64(half), d)]
+            b = x[t, h, tirx.if_then_else(second, d, d + i64(half))]
+        pair = tirx.min(pair, i64(half - 1))
+        c, s = table[p, pair, i64(0)], table[p, pair, i64(1)]
+        rotated = tirx.if_then_else(second, a * s + b * c, a * c - b * s)
+        return tirx.if_then_else(d < n_rot, rotated, x[t, h, d])
+
+    out = te.compute(x_shape, body, name="out")
+    return te.create_prim_func([x, pos, table, out]).with_attr("tirx.noalias", True)

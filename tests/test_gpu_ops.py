@@ -1,0 +1,102 @@
+"""The per-op case table of `test_codegen_ops.py` (every lowered op at odd sizes, decode variants,
+stateful rows), compiled for the vulkan target and run on wgpu against the numpy reference.
+
+Rows compile as one GPU module per group (WGSL + dispatch plan, exactly as `ggufc compile -t
+vulkan` does) and run through the plan runtime. The gated delta-net and qwen4exp groups use
+hand-written CPU kernels that have no GPU version yet: their rows must fail with a clear error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+import test_codegen_ops as C
+from gpu_support import need_vulkan
+
+from ggufc.codegen import quant as Q
+from ggufc.codegen import quant_gpu as QG
+from ggufc.codegen.build import state_plan
+from ggufc.codegen.build_gpu import compile_plan_target, wgsl_bundle
+from ggufc.codegen.gpu import GpuScheduleError, gpu_target
+from ggufc.codegen.lower import ModuleBuilder, plan_params
+from ggufc.runtime.plan_runtime import PlanRunner
+
+GPU_GROUPS_WITHOUT_KERNELS = {"recurrent", "qwen4exp"}
+CASES = [c for c in C.CASES if c.group not in GPU_GROUPS_WITHOUT_KERNELS]
+CPU_ONLY = [c for c in C.CASES if c.group in GPU_GROUPS_WITHOUT_KERNELS]
+
+
+class GpuCompiled:
+    def __init__(self, built: Sequence[C.BuiltCase]) -> None:
+        graphs = [bc.graph for bc in built]
+        layouts = plan_params(graphs, QG.layout_spec)
+        self.states = [s for g in graphs for s in state_plan(g)]
+        tgt = gpu_target("vulkan")
+        mb = ModuleBuilder(tgt, layouts, self.states)
+        functions: list[tuple[str, int | None]] = []
+        for bc in built:
+            mb.add_function(C._fn_name(bc.case, False), bc.graph)
+            functions.append((C._fn_name(bc.case, False), None))
+            if bc.case.decode:
+                mb.add_function(C._fn_name(bc.case, True), bc.graph, fixed_tokens=1)
+                functions.append((C._fn_name(bc.case, True), 1))
+        mod = mb.module()
+        exe = compile_plan_target(mod, tgt, mb.kernel_names, n_params=len(mb.flat_params), n_states=len(self.states),
+                                  max_chunk=C.MAX_TOKENS, n_ctx=C.N_CTX, functions=tuple(functions))
+        data = {src: pd for bc in built for src, pd in bc.data.params.items()}
+        self.weights = [QG.pack(lay.qtype, Q.repack(lay.qtype, data[lay.source].storage, lay.shape), lay.shape)[f]
+                        for lay in layouts for f, _, _ in lay.arrays]
+        self.initial = [np.ascontiguousarray(self_init) for self_init in
+                        ({n: a for bc in built for n, a in bc.data.states.items()}.get(name, np.zeros(shape, dtype))
+                         for name, shape, dtype in self.states)]
+        self.runner = PlanRunner.from_parts(exe.plan, wgsl_bundle(exe.kernels), self.weights,
+                                            [(s, d) for _, s, d in self.states], C.MAX_TOKENS, C.N_CTX, "vulkan")
+
+    def run(self, bc: C.BuiltCase, call: C.Call, tokens: np.ndarray) -> list[np.ndarray]:
+        for buf, init in zip(self.runner.buffers["state"], self.initial, strict=True):
+            self.runner.backend.write(buf, init)  # every call starts from the row's prefilled states
+        return self.runner.call_all(C._fn_name(bc.case, call.decode), tokens, call.p)
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict[str, Any]:
+    need_vulkan()
+    built = {c.name: C.build_case(c, i) for i, c in enumerate(C.CASES)}
+    groups: dict[str, GpuCompiled | Exception] = {}
+    return {"built": built, "groups": groups}
+
+
+def _group(state: dict[str, Any], case: C.Case) -> tuple[C.BuiltCase, GpuCompiled]:
+    built, groups = state["built"], state["groups"]
+    if case.group not in groups:
+        try:
+            groups[case.group] = GpuCompiled([built[c.name] for c in CASES if c.group == case.group])
+        except Exception as exc:  # noqa: BLE001 - reported by each row of the group
+            groups[case.group] = exc
+    got = groups[case.group]
+    if isinstance(got, Exception):  # name the row: compile it alone
+        GpuCompiled([built[case.name]])
+        raise got
+    return built[case.name], got
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_gpu_op_matches_reference(case: C.Case, compiled: dict[str, Any]) -> None:
+    bc, comp = _group(compiled, case)
+    rng = np.random.default_rng(len(case.name))
+    for call in case.calls:
+        tokens = rng.integers(0, C.VOCAB, call.t).astype(np.int32)
+        got, want = comp.run(bc, call, tokens), C.run_reference(bc, call, tokens)
+        C.compare(case, got, want, f"vulkan {case.name} {call}")
+
+
+@pytest.mark.parametrize("case", CPU_ONLY[:3], ids=[c.name for c in CPU_ONLY[:3]])
+def test_cpu_only_kernels_fail_clearly_on_gpu(case: C.Case) -> None:
+    bc = C.build_case(case, 0)
+    layouts = plan_params([bc.graph], QG.layout_spec)
+    mb = ModuleBuilder(gpu_target("vulkan"), layouts, state_plan(bc.graph))
+    with pytest.raises(GpuScheduleError, match="hand-written CPU kernel|no .* schedule"):
+        mb.add_function("f", bc.graph)

@@ -1,0 +1,233 @@
+"""GPU targets checked without a GPU: CUDA to PTX/fatbin, Metal source structure, the plan format.
+
+* cuda: every kernel of the fixtures compiles to PTX with nvcc (each kernel an `.entry`), an
+  artifact built with `--arch sm_80,sm_90` carries a fatbin with SASS for both plus PTX, and the
+  decode step is captured as one CUDA graph (only the logits matmul, whose output is returned,
+  launches outside it);
+* metal: every kernel of the plan exists in `kernels.metal` with the argument contract the
+  Metal dispatcher uses (buffer indices, the POD-argument struct and its C types, threadgroup
+  dimensionality and limits, threadgroup memory);
+* targets, the GPU weight layout and the plan checks (expressions, references) as plain units.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gpu_support import golden_fixture, make_raw, need_nvcc
+
+from ggufc.cli import main
+from ggufc.codegen import quant as Q
+from ggufc.codegen import quant_gpu as QG
+from ggufc.codegen.gpu import parse_archs, split_target
+from ggufc.codegen.target import resolve_target
+from ggufc.runtime.plan_expr import PlanExprError, compile_many
+from ggufc.runtime.plan_runtime import PlanError, prepare_functions
+
+FIXTURES = ["llama-dense", "qwen3-dense", "qwen3moe-moe", "llama-dense-Q4_K_M"]
+
+
+# ---------------------------------------------------------------------------------------------
+# units
+
+
+def test_target_names() -> None:
+    assert resolve_target("vulkan").kind.name == "webgpu"
+    assert resolve_target("metal").kind.name == "metal"
+    t = resolve_target("cuda:sm_86,sm_90")
+    assert t.kind.name == "cuda" and str(t.attrs["arch"]) == "sm_86"
+    assert split_target("cuda:sm_86,sm_90") == ("cuda", ("sm_86", "sm_90"))
+    assert split_target("cuda")[1] == ("sm_80", "sm_90")
+    assert resolve_target("vulkan").attrs["max_shared_memory_per_block"] == 16384
+    for bad in ("sm80", "compute_80", ""):
+        with pytest.raises(ValueError):
+            parse_archs(bad)
+    with pytest.raises(ValueError, match="only cuda"):
+        split_target("vulkan:sm_80")
+
+
+def test_cli_arch_only_for_cuda(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = golden_fixture("llama-dense")
+    assert main(["compile", str(model), "-t", "vulkan", "--arch", "sm_80", "-o", str(tmp_path / "a")]) == 1
+    assert "--arch is for -t cuda" in capsys.readouterr().err
+    assert main(["compile", str(model), "-t", "cuda", "--arch", "sm80", "-o", str(tmp_path / "a")]) == 1
+    assert "not a CUDA architecture" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("qtype", Q.QTYPES)
+def test_gpu_layout_is_the_cpu_bytes_word_packed(qtype: str) -> None:
+    shape = (3, 5, 512 if qtype.endswith("_K") else 96)
+    arrays = Q.repack(qtype, make_raw(qtype, shape), shape)
+    packed = QG.pack(qtype, arrays, shape)["w"]
+    assert [(n, tuple(s), d) for n, s, d in QG.layout_spec(qtype, shape)] == [("w", packed.shape, str(packed.dtype))]
+    if qtype == "F32":
+        np.testing.assert_array_equal(packed, arrays["w"])
+        return
+    lay = QG.packed_layout(qtype, shape)
+    raw = packed.view(np.uint8)
+    for f in lay.fields:  # every field's bytes, row by row, at the recorded offset
+        want = np.ascontiguousarray(arrays[f.name]).reshape(lay.rows, -1).view(np.uint8)
+        got = raw[4 * f.offset : 4 * (f.offset + lay.rows * f.words_per_row)].reshape(lay.rows, -1)
+        np.testing.assert_array_equal(got[:, : want.shape[1]], want)
+        assert got.shape[1] - want.shape[1] < 4  # at most 3 bytes of padding per row
+    assert packed.nbytes <= Q.layout_nbytes(qtype, shape) + 3 * lay.rows * len(lay.fields)
+
+
+def test_plan_expressions_are_whitelisted() -> None:
+    f = compile_many(["((n + 31) // 32)", "min(p + n, 7)", "-n % 5", "max(n, p, 3)"], ["n", "p"])
+    assert f(40, 2) == (2, 7, (-40) % 5, 40)
+    for bad in ("__import__('os')", "n.real", "n ** 2", "1.5", "lambda: 1", "[n]", "q + 1", "n if p else 1",
+                "min(n)", "'x'", "n; p"):
+        with pytest.raises(PlanExprError):
+            compile_many([bad], ["n", "p"])
+
+
+def test_plan_references_are_checked() -> None:
+    step = {"kernel": "k", "entry": "k_kernel", "buffers": [["param", 0]], "scalars": [["n", "int32"]],
+            "grid": ["n", "1", "1"], "block": [64, 1, 1]}
+    out = {"ref": ["slot", 0], "shape": ["n", "4"], "dtype": "float32"}
+    counts = {"param": 1, "state": 0, "slot": 1, "const": 0}
+    good = {"functions": {"f": {"tokens": "n", "steps": [step], "outputs": [out]}}}
+    assert prepare_functions(good, counts)["f"].evaluate(3, 0) == (3, 3, 1, 1)
+    for bad_step in ({**step, "buffers": [["param", 1]]}, {**step, "buffers": [["weights", 0]]},
+                     {**step, "grid": ["n", "1"]}, {**step, "block": [4096, 1, 1]},
+                     {**step, "scalars": [["open('x')", "int32"]]}):
+        with pytest.raises(PlanError):
+            prepare_functions({"functions": {"f": {"steps": [bad_step], "outputs": [out]}}}, counts)
+    with pytest.raises(PlanError):
+        prepare_functions({"functions": {"f": {"steps": [step], "outputs": [{**out, "dtype": "object"}]}}}, counts)
+
+
+def test_metal_argument_struct_layout() -> None:
+    from ggufc.runtime.metal_runtime import pack_args
+
+    blob = pack_args([7, 3, 1.5], ["int32", "int64", "float32"])  # int at 0, long at 8, float at 16
+    assert len(blob) == 24
+    assert struct.unpack_from("<i", blob, 0)[0] == 7 and struct.unpack_from("<q", blob, 8)[0] == 3
+    assert struct.unpack_from("<f", blob, 16)[0] == 1.5
+
+
+# ---------------------------------------------------------------------------------------------
+# cuda
+
+
+def _build(name: str, target: str) -> object:
+    import os
+
+    from ggufc.codegen.build import build_executable
+    from ggufc.frontend.load import load_model
+
+    os.environ["GGUFC_CUDA_BINARY"] = "0"  # the test compiles the source itself
+    try:
+        return build_executable(load_model(golden_fixture(name)), target)
+    finally:
+        del os.environ["GGUFC_CUDA_BINARY"]
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_every_cuda_kernel_compiles_to_ptx(name: str) -> None:
+    need_nvcc()
+    from ggufc.codegen.build_gpu import nvcc_compile
+
+    built = _build(name, "cuda")
+    ptx = nvcc_compile(built.executable.cuda_source, "ptx", ("sm_80",)).decode()
+    entries = set(re.findall(r"\.entry\s+(\w+)\s*\(", ptx))
+    assert ".target sm_80" in ptx
+    missing = [k for k in built.kernel_names if not any(e == f"{k}_kernel" or e.startswith(f"{k}_kernel_")
+                                                         for e in entries)]
+    assert not missing, f"kernels without PTX entry: {missing}"
+    graph = built.executable.manifest["cuda"]["cuda_graph"]["decode"]
+    assert graph["graphs"] == 1 and graph["captured"] > 10 and len(graph["outside"]) == 1, graph
+    schedules = built.executable.manifest["schedules"]
+    assert set(schedules) == set(built.kernel_names)
+    assert all(s.startswith(("dlight.", "ggufc.")) for s in schedules.values()), schedules
+
+
+def _fatbin_entries(data: bytes) -> list[tuple[str, int]]:
+    magic, _, header, size = struct.unpack_from("<IHHQ", data, 0)
+    assert magic == 0xBA55ED50, "not a CUDA fatbin"
+    out, off = [], header
+    while off < header + size:
+        kind, _, entry_header, entry_size = struct.unpack_from("<HHIQ", data, off)
+        arch = struct.unpack_from("<I", data, off + 28)[0]
+        out.append(({1: "ptx", 2: "sass"}.get(kind, str(kind)), arch))
+        off += entry_header + entry_size
+    return out
+
+
+def test_cuda_artifact_holds_kernels_for_each_arch(tmp_path: Path) -> None:
+    need_nvcc()
+    out = tmp_path / "cuda"
+    assert main(["compile", str(golden_fixture("llama-dense")), "-t", "cuda", "--arch", "sm_80,sm_90",
+                 "-o", str(out)]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["target_key"] == "cuda" and manifest["kernel_files"] == ["kernels.so", "kernels.fatbin"]
+    cuda = manifest["gpu"]["cuda"]
+    assert cuda["archs"] == ["sm_80", "sm_90"] and cuda["binary"] == "kernels.fatbin"
+    n_states = len(manifest["states"])
+    assert manifest["gpu"]["decode_inputs"] == {"token": n_states - 2, "pos": n_states - 1}
+    entries = _fatbin_entries((out / "kernels.fatbin").read_bytes())
+    assert ("sass", 80) in entries and ("sass", 90) in entries and ("ptx", 90) in entries, entries
+    assert main(["verify-artifact", str(out), "-t", "cuda"]) == 0
+    assert main(["verify-artifact", str(out), "-t", "vulkan"]) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# metal
+
+_MSL_TYPES = {"float32": "float", "int32": "int", "uint32": "uint", "int64": "long", "float16": "half"}
+
+
+def _msl_kernels(source: str) -> dict[str, str]:
+    out = {}
+    for m in re.finditer(r"kernel void (\w+)\((.*?)\)\s*\{", source, flags=re.S):
+        out[m.group(1)] = m.group(2)
+    return out
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_metal_kernels_match_the_plan(name: str, tmp_path: Path) -> None:
+    out = tmp_path / "metal"
+    assert main(["compile", str(golden_fixture(name)), "-t", "metal", "-o", str(out)]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["target_key"] == "metal" and manifest["gpu"]["runtime"] == "plan"
+    plan = json.loads((out / "plan.json").read_text())
+    source = (out / "kernels.metal").read_text()
+    signatures = _msl_kernels(source)
+    assert source.count("#include <metal_stdlib>") == 1
+    used = set()
+    for fname, fp in plan["functions"].items():
+        for step in fp["steps"]:
+            entry = step["entry"]
+            assert entry in signatures, f"{fname}: no MSL kernel {entry}"
+            used.add(step["kernel"])
+            sig = signatures[entry]
+            kernel = plan["kernels"][step["kernel"]]
+            launch = kernel["launches"][step["launch"]]
+            bufs = re.findall(r"device (\w+)\* (\w+) \[\[ buffer\((\d+)\) \]\]", sig)
+            assert [int(i) for _, _, i in bufs] == list(range(len(step["buffers"]))), entry
+            for (ctype, pname, _), b in zip(bufs, launch["buffers"], strict=True):
+                assert ctype == _MSL_TYPES[kernel["params"][b]["dtype"]], (entry, pname)
+            args = re.search(r"constant (\w+)& arg \[\[ buffer\((\d+)\) \]\]", sig)
+            if step["scalars"]:
+                assert args and int(args.group(2)) == len(step["buffers"]), entry
+                fields = re.search(r"struct " + args.group(1) + r" \{(.*?)\};", source, flags=re.S).group(1)
+                types = [ln.split()[0] for ln in fields.strip().splitlines()]
+                assert types == [_MSL_TYPES[dt] for _, dt in step["scalars"]], entry
+            else:
+                assert args is None, entry
+            dims = sum(1 for b in step["block"] if b > 1)
+            tid = re.search(r"(uint\d?) threadIdx \[\[thread_position_in_threadgroup\]\]", sig)
+            assert tid is not None, entry
+            assert dims <= (int(tid.group(1)[4:] or 1)), (entry, step["block"], tid.group(1))
+            assert np.prod(step["block"]) <= 256
+    assert used == set(manifest["kernels"]), "kernels never dispatched by the plan"
+    for body in re.split(r"kernel void ", source)[1:]:  # threadgroup memory within Metal's 32 KiB
+        shared = sum(int(n) * (2 if t == "half" else 4)
+                     for t, n in re.findall(r"threadgroup (\w+) \w+\[(\d+)\];", body))
+        assert shared <= 32768

