@@ -68,10 +68,12 @@ def build_executable(
     t0 = time.perf_counter()
     graphs = dict(model.graphs)
     stats: dict[str, int] = {}
+    gpu_target = is_gpu(tgt)
     if run_passes:
         progress("optimising graph")
+        if gpu_target:  # 8-bit activation blocks are a CPU kernel strategy (quant_int8.py); GPUs read f32
+            disabled_passes = disabled_passes | {"quantize_activations"}
         graphs, stats = optimise(graphs, disabled_passes)
-    gpu_target = is_gpu(tgt)
     layouts = plan_params(list(graphs.values()), QG.layout_spec if gpu_target else Q.layout_spec)
     states = state_plan(graphs["prefill_all"])
     if tgt.kind.name == "cuda" and decode_io_supported(graphs["prefill"]):  # whole decode in one CUDA graph
@@ -100,10 +102,24 @@ def build_executable(
         if mb.decode_inputs is not None:  # the session writes the token and position there before decode
             ex.manifest["decode_inputs"] = {"token": mb.decode_inputs[0], "pos": mb.decode_inputs[1]}
     else:
-        ex = tvm.compile(mod, target=tgt, relax_pipeline=relax.pipeline.default_build_pipeline())
+        # reshapes inside dataflow blocks become views (RewriteDataflowReshape), not copy kernels
+        mod = relax.transform.ConvertToDataflow()(mod)
+        ex = tvm.compile(mod, target=tgt, relax_pipeline=cpu_build_pipeline())
     t2 = time.perf_counter()
     return Built(ex, layouts, states, graphs, mb.kernel_names, tgt, max_chunk, stats,
                  {"lower_s": t1 - t0, "tvm_compile_s": t2 - t1}, tuning)
+
+
+def cpu_build_pipeline() -> tvm.transform.Pass:
+    """Relax's default build pipeline without KillAfterLastUse: every intermediate lives in
+    statically planned storage, so the ~1300 register kills per decode step free nothing."""
+    t = relax.transform
+    return tvm.transform.Sequential([
+        relax.backend.DispatchSampling(), relax.backend.DispatchSortScan(), t.LegalizeOps(),
+        t.RewriteDataflowReshape(), t.ToNonDataflow(), t.RemovePurityChecking(), t.CallTIRRewrite(),
+        t.StaticPlanBlockMemory(), t.LowerAllocTensor(), t.LowerRuntimeBuiltin(), t.ComputePrimValue(),
+        t.VMShapeLower(), t.AttachGlobalSymbol(),
+    ])
 
 
 def kernel_weights(model: LoadedModel, layouts: list[ParamLayout]) -> dict[str, np.ndarray]:

@@ -22,6 +22,7 @@ from . import kernels as K
 from . import kernels_attention as KA
 from . import kernels_recurrent as KR
 from . import quant as Q
+from . import quant_int8 as Q8
 from .schedule import PRESCHEDULED, schedule_cpu
 
 
@@ -75,6 +76,8 @@ class FunctionContext:
         self.env: dict[int, Any] = {}
         self.param_of: dict[int, Param] = graph.param_values()
         self.param_arrays: dict[str, list[Any]] = {}
+        self.users: dict[int, list[Node]] = graph.users()
+        self.producers: dict[int, Node] = graph.producers()
 
     # -- dims -----------------------------------------------------------------------------------
     def dim(self, d: Dim) -> Any:
@@ -105,10 +108,19 @@ class FunctionContext:
         layout = self.mb.layouts[p.source]
         if p.source not in self.param_arrays:
             self.param_arrays[p.source] = [
-                self.bb.emit(relax.TupleGetItem(self.params_var, layout.first + i), name_hint=_hint(p.source, f))
-                for i, (f, _, _) in enumerate(layout.arrays)
+                self.bb.emit(self._param_item(layout.first + i, shape, dtype), name_hint=_hint(p.source, f))
+                for i, (f, shape, dtype) in enumerate(layout.arrays)
             ]
         return layout, self.param_arrays[p.source]
+
+    def _param_item(self, index: int, shape: Sequence[int], dtype: str) -> Any:
+        if not self.mb.unchecked_params:
+            return relax.TupleGetItem(self.params_var, index)
+        # the params argument is an opaque object: no per-call shape/dtype check of every array
+        # (~750 VM checks per step on SmolLM2); the runtime checks the arrays once, at load
+        return relax.call_pure_packed("vm.builtin.tuple_getitem", self.params_var,
+                                      relax.prim_value(tirx.IntImm("int64", index)),
+                                      ty_args=[_tensor_type(shape, dtype)])
 
     def value(self, v: Value) -> Any:
         if v.id in self.param_of:
@@ -161,6 +173,9 @@ class ModuleBuilder:
         self.states = list(states)
         self.kernels: dict[tuple[Any, ...], Any] = {}
         self.kernel_names: list[str] = []
+        # CPU: the weights tuple is passed as an opaque object (see FunctionContext._param_item);
+        # GPU plans read the typed tuple
+        self.unchecked_params = target.kind.name == "llvm"
 
     # `ggufc compile --tuning-db`: a codegen.tune.TunedKernels whose lookup() returns a tuned schedule
     # for a kernel key, or None to keep the default one
@@ -183,6 +198,8 @@ class ModuleBuilder:
                 func = make()
                 if self.target.kind.name == "llvm" and key[0] not in PRESCHEDULED:
                     func = schedule_cpu(func)
+                if self.target.kind.name == "llvm":
+                    func = _with_root_block(func)
             self.kernels[key] = self.bb.add_func(func.with_attr("global_symbol", name), name)
             self.kernel_names.append(name)
         return self.kernels[key]
@@ -194,7 +211,8 @@ class ModuleBuilder:
         tokens = relax.Var("tokens", _tensor_type([tok_dim], "int32"))
         pos = relax.Var("pos", relax.ShapeType([fc.p]))
         states = relax.Var("states", relax.TupleType([_tensor_type(s, d) for _, s, d in self.states]))
-        params = relax.Var("params", relax.TupleType([_tensor_type(s, d) for _, s, d in self.flat_params]))
+        params = relax.Var("params", relax.ObjectType() if self.unchecked_params else
+                           relax.TupleType([_tensor_type(s, d) for _, s, d in self.flat_params]))
         fc.params_var = params  # type: ignore[attr-defined]
         state_index = {n: i for i, (n, _, _) in enumerate(self.states)}
         # CUDA graphs (gpu.py): a cuda decode reads its token and position from two int32 [1] states
@@ -221,6 +239,15 @@ class ModuleBuilder:
 
     def module(self) -> tvm.IRModule:
         return self.bb.get()
+
+
+def _with_root_block(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """Hand-written kernels (plain loops) under a root block, as TE-made ones are: Relax's dataflow
+    rewrites (reshape detection) analyse every callee and require one."""
+    if isinstance(func.body, tvm.s_tir.SBlockRealize):
+        return func
+    root = tvm.s_tir.SBlock([], [], [], "root", func.body)
+    return func.with_body(tvm.s_tir.SBlockRealize([], True, root))
 
 
 def _kernel_name(key: tuple[Any, ...], index: int) -> str:
@@ -292,12 +319,40 @@ def _weight_args(fc: FunctionContext, w: Value) -> tuple[str, tuple[int, ...], l
     return "F32", tuple(int(d) for d in w.shape), [fc.value(w)]
 
 
+def _int8_gemv(fc: FunctionContext, node: Node) -> bool:
+    """Whether this matmul runs as an 8-bit GEMV: a decode step, its input rounded by quantize_act,
+    a weight type with such a kernel and a target with integer dot products (quant_int8.py)."""
+    if node.op != "matmul" or not fc.is_param(node.inputs[1]):
+        return False
+    x, w = node.inputs
+    src = fc.producers.get(x.id)
+    if src is None or src.op != "quantize_act" or len(x.shape) != 2 or not fc.is_one(x.shape[0]):
+        return False
+    layout = fc.mb.layouts[fc.param_of[w.id].source]
+    n, k = layout.shape
+    return Q8.int8_gemv_supported(layout.qtype, n, k, fc.mb.target)
+
+
+def _quantize_act(fc: FunctionContext, node: Node) -> list[Any]:
+    x = node.inputs[0]
+    users = fc.users.get(node.outputs[0].id, [])
+    if users and all(_int8_gemv(fc, u) for u in users):
+        return [fc.value(x)]  # the 8-bit GEMVs round their input themselves (the op is idempotent)
+    key = ("quantize_act", node.attrs, fc.kernel_key_dims(x))
+    return fc.call(key, lambda: Q8.quantize_act(fc.kernel_shape(x, K.Symbols()), node.attrs.block), [fc.value(x)],
+                   node.outputs, node.outputs[0].name)
+
+
 def _matmul(fc: FunctionContext, node: Node) -> list[Any]:
     x, w = node.inputs
     qtype, (n, k), arrays = _weight_args(fc, w)
     gemv = fc.is_one(x.shape[0]) and len(x.shape) == 2
     if len(x.shape) != 2:
         raise NotImplementedError(f"{node.outputs[0].label}: matmul expects a 2-D activation, got {x.shape}")
+    if _int8_gemv(fc, node):
+        target = fc.mb.target
+        return fc.call(("matmul_int8", qtype, n, k), lambda: Q8.int8_gemv(qtype, n, k, target),
+                       [fc.value(x), *arrays], node.outputs, node.outputs[0].name)
     key = ("matmul", qtype, n, k, gemv)
     return fc.call(key, lambda: Q.qmatmul(qtype, n, k, gemv=gemv), [fc.value(x), *arrays], node.outputs,
                    node.outputs[0].name)
@@ -498,6 +553,7 @@ LOWERING: dict[str, Callable[[FunctionContext, Node], list[Any]]] = {
     "dequantize": _dequantize,
     "gather": _gather,
     "matmul": _matmul,
+    "quantize_act": _quantize_act,
     "matmul_id": _matmul_id,
     "topk": _topk,
     "softmax": _simple("softmax", lambda fc, n, s: K.softmax(_first_shape(fc, n, s), n.attrs.axis)),

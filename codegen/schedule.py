@@ -10,20 +10,36 @@ from __future__ import annotations
 import tvm
 from tvm import tirx
 
-PRESCHEDULED = frozenset({"matmul", "embed", "experts", "attention"})
+PRESCHEDULED = frozenset({"matmul", "matmul_int8", "embed", "experts", "attention"})
+
+
+# A stage with fewer iterations than this (all extents static) runs on the calling thread: waking
+# the pool costs ~1.5 us, more than a decode step's norms, ropes and adds take.
+SERIAL_BELOW = 1 << 15
 
 
 def schedule_cpu(func: tirx.PrimFunc) -> tirx.PrimFunc:
     sch = tvm.s_tir.Schedule(func)
     for block in sch.get_child_blocks(sch.get_sblock("root")) if _has_root(sch) else []:
         loops = sch.get_loops(block)
-        if not loops:
+        if not loops or _static_size(sch, loops) < SERIAL_BELOW:
             continue
         try:
             sch.parallel(loops[0])
         except Exception:  # noqa: BLE001 - a stage that cannot be parallelised (reduction at top) stays serial
             continue
     return sch.mod["main"].with_attr("tirx.noalias", True)
+
+
+def _static_size(sch: tvm.s_tir.Schedule, loops: list[tvm.s_tir.schedule.LoopRV]) -> float:
+    """Iterations of a loop nest, or infinity when an extent is symbolic (prefill's T)."""
+    size = 1.0
+    for loop in loops:
+        extent = sch.get(loop).extent
+        if not isinstance(extent, tirx.IntImm):
+            return float("inf")
+        size *= int(extent)
+    return size
 
 
 def _has_root(sch: tvm.s_tir.Schedule) -> bool:

@@ -215,8 +215,20 @@ def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
 def cached_artifact_dir(model: Path, target: str, n_ctx: int | None) -> Path:
     digest = cached_sha256(model)
     ctx = "default" if n_ctx is None else str(n_ctx)
-    name = f"{model.stem}-{digest[:16]}-{target}-ctx{ctx}-ggufc{__version__}"
+    name = f"{model.stem}-{digest[:16]}-{target}-ctx{ctx}-ggufc{__version__}-{compiler_fingerprint()}"
     return cache_root() / "artifacts" / name
+
+
+def compiler_fingerprint() -> str:
+    """Hash of the compiler's sources: an edited compiler never reuses artifacts of the old one."""
+    h = hashlib.sha256()
+    for part in ("frontend", "ir", "passes", "codegen"):
+        spec = importlib.util.find_spec(f"ggufc.{part}")
+        for folder in sorted(spec.submodule_search_locations or []) if spec else []:
+            for source in sorted(Path(folder).rglob("*.py")):
+                h.update(source.relative_to(folder).as_posix().encode())
+                h.update(source.read_bytes())
+    return h.hexdigest()[:10]
 
 
 def compile_gguf(
@@ -952,6 +964,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # --help, --version, usage errors
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     try:
+        from ggufc.runtime.session import reserve_cpu_threads
+
+        reserve_cpu_threads(getattr(args, "threads", None))
         apply_arch(args)
         return int(args.handler(args))
     except KeyboardInterrupt:

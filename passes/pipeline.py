@@ -23,6 +23,7 @@ from .fuse_indexer import fuse_indexer
 from .fuse_moe import fuse_moe
 from .fusions import fuse_rms_norm, fuse_softmax, fuse_swiglu
 from .fusions_recurrent import fuse_gated_norm, fuse_l2_norm
+from .quantize_acts import quantize_activations
 from .stats import hits_of
 
 Pass = Callable[[Graph], Graph]
@@ -39,6 +40,7 @@ PASSES: dict[str, Pass] = {
     "fuse_l2_norm": fuse_l2_norm,
     "fuse_gated_norm": fuse_gated_norm,
     "fold_dequantize": fold_dequantize,
+    "quantize_activations": quantize_activations,
     "fuse_elementwise": fuse_elementwise,
 }
 
@@ -54,6 +56,7 @@ DEFAULT_ORDER: tuple[str, ...] = (
     "fuse_moe",
     "fuse_l2_norm",
     "fold_dequantize",
+    "quantize_activations",
     "fuse_elementwise",
     "dce",
 )

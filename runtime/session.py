@@ -42,6 +42,20 @@ DEVICE_TARGET_KEYS = {
 }
 
 
+def reserve_cpu_threads(threads: int | None = None) -> int:
+    """Make TVM's pool big enough for `threads` (default: every CPU we may run on); returns the count.
+
+    The pool is created once, when the first parallel kernel runs, with TVM_NUM_THREADS workers
+    (default: half the CPUs); reconfiguring it later can only use fewer. So this must run before
+    any kernel does; an explicit TVM_NUM_THREADS from the user wins.
+    """
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    available = len(allowed) if allowed else os.cpu_count() or 1
+    n = int(threads or available)
+    os.environ.setdefault("TVM_NUM_THREADS", str(max(n, available)))
+    return n
+
+
 def configure_cpu_threads(threads: int | None = None) -> int:
     """Size TVM's CPU thread pool: by default one thread per CPU this process may run on.
 
@@ -51,7 +65,7 @@ def configure_cpu_threads(threads: int | None = None) -> int:
     import tvm
 
     allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-    n = int(threads or (len(allowed) if allowed else os.cpu_count() or 1))
+    n = reserve_cpu_threads(threads)
     tvm.get_global_func("runtime.config_threadpool")(0, n)
     if allowed:  # reconfiguring pins the calling thread; give it back every CPU it had
         os.sched_setaffinity(0, allowed)

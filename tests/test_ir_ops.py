@@ -75,6 +75,7 @@ def _cases() -> list[Case]:
     cases += _both_t("dequantize", O.NoAttrs(), (In("w", (5, 7)),))
     cases += _both_t("gather", O.NoAttrs(), (In("table", (9, 7)), In("ids", ("T",), "ids:9", "int32")))
     cases += _both_t("matmul", O.NoAttrs(), (X, In("w", (5, 7))))
+    cases += _both_t("quantize_act", O.QuantizeAct(32), (In("x", ("T", 64)),))
     cases += _both_t("bmm_nt", O.NoAttrs(), (In("a", (3, "T", 5)), In("b", (3, 7, 5))))
     cases += _both_t("bmm_nn", O.NoAttrs(), (In("a", (3, "T", 5)), In("b", (3, 5, 7))))
     ids3 = In("ids", ("T", 2), "ids:3", "int32")

@@ -36,16 +36,19 @@ ENV = {"T": 5, "P": 3}
 # output norm (+2 per layer for qwen3's q/k norms); one SwiGLU per layer (the MoE's act in
 # qwen3moe); one softmax and one MoE per layer in qwen3moe; fold_dequantize = one per quantized
 # param (16 in these Q4_K_M files), whose dequantize nodes the final dce then removes;
+# quantize_activations = one per distinct input of a matmul with a 32-block weight (the Q5_0/Q8_0
+# ffn_down of llama-dense-Q4_K_M; the MoE experts' inputs are left in f32);
 # fuse_elementwise = the scale/bias chains after projections and the residual adds they reach.
-STEPS = ("fuse_rms_norm", "fuse_swiglu", "fuse_softmax", "fuse_moe", "fold_dequantize", "fuse_elementwise")
+STEPS = ("fuse_rms_norm", "fuse_swiglu", "fuse_softmax", "fuse_moe", "fold_dequantize", "quantize_activations",
+         "fuse_elementwise")
 EXPECTED_HITS: dict[str, dict[str, int]] = {
     name: dict(zip(STEPS, counts, strict=True))
     for name, counts in {
-        "llama-dense": (5, 2, 0, 0, 0, 14),
-        "qwen3-dense": (9, 2, 0, 0, 0, 10),
-        "qwen3moe-moe": (9, 2, 2, 2, 0, 8),
-        "llama-dense-Q4_K_M": (5, 2, 0, 0, 16, 14),
-        "qwen3moe-moe-Q4_K_M": (9, 2, 2, 2, 16, 8),
+        "llama-dense": (5, 2, 0, 0, 0, 0, 14),
+        "qwen3-dense": (9, 2, 0, 0, 0, 0, 10),
+        "qwen3moe-moe": (9, 2, 2, 2, 0, 0, 8),
+        "llama-dense-Q4_K_M": (5, 2, 0, 0, 16, 2, 14),
+        "qwen3moe-moe-Q4_K_M": (9, 2, 2, 2, 16, 0, 8),
     }.items()
 }
 
@@ -285,7 +288,7 @@ def test_fold_dequantize_feeds_quantized_params() -> None:
     y = b.matmul(x, w, "y")
     tokens = b.inputs[0]
     rows = b.gather(b.dequantize(table, "emb.w"), tokens, "rows")
-    graph, stats = run_pipeline(b.finish([y, rows], {}), check=True)
+    graph, stats = run_pipeline(b.finish([y, rows], {}), {"quantize_activations"}, check=True)
     assert stats["fold_dequantize"] == 2 and stats["dce#2"] == 2
     assert {n.op for n in graph.nodes} == {"matmul", "gather"}
     assert graph.nodes[0].inputs[1] is w and graph.nodes[1].inputs[0] is table

@@ -1,11 +1,13 @@
 """SmolLM2-135M-Instruct Q4_1 (a real model) against llama.cpp's outputs on the shared prompts.
 
-ggufc computes quantized matmuls exactly (dequantized weights, f32 activations); llama.cpp's CPU
-kernels quantize activations to 8 bits first (Q8_1/Q8_0 blocks). On this model that difference
-alone moves logits by about 0.12 (centred std) — llama.cpp run on the same weights stored as F32
-agrees with ggufc to 2e-12 NMSE and shows the same top-1 rate against its quantized self. Where
-llama.cpp's own top-2 gap is below TIE_MARGIN the argmax is decided by that noise, so those
-positions count as ties (the golden README asks for a documented tie margin).
+Like llama.cpp, ggufc rounds the inputs of Q4_1/Q8_0 matmuls to 8-bit blocks (the
+quantize_activations pass). That rounding amplifies any float32 difference (summation order,
+llama.cpp's polynomial exp/silu) into whole 8-bit steps, so two faithful implementations part
+by a top-2 gap error of about 0.13 on average and 0.28 at the 90th percentile on this model; in
+the golden file llama.cpp's own one-token decode and its batch evaluation choose different
+tokens at gaps up to 0.26. Where llama.cpp's own top-2 gap is below TIE_MARGIN the argmax is
+decided by that noise, so those positions count as ties (the golden README asks for a
+documented tie margin).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import numpy as np
 import pytest
 
 GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
-TIE_MARGIN = 0.25  # logits; about 2x the centred error between exact and 8-bit-activation arithmetic
+TIE_MARGIN = 0.3  # logits; above llama.cpp's own decode-vs-batch disagreements (0.26) in this file
 
 
 def _model_path() -> Path | None:

@@ -1,0 +1,166 @@
+"""8-bit activation blocks: the reference rounding, the pass that inserts it, the 8-bit GEMV kernels.
+
+The reference is checked against gguf-py's own Q8_0 quantiser (llama.cpp's activation format);
+the kernels against the reference (bit for bit for quantize_act, to float32 rounding for the
+GEMVs, whose integer dot products are exact).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import tvm
+
+from ggufc.codegen import quant as Q
+from ggufc.codegen import quant_int8 as Q8
+from ggufc.codegen.compile import compile_model
+from ggufc.codegen.target import cpu_target
+from ggufc.codegen.tvm_util import aligned_zeros, to_tvm
+from ggufc.frontend.fixtures import write_fixture
+from ggufc.frontend.load import load_model
+from ggufc.ir.act_quant import quantize_act_ref
+from ggufc.ir.builder import GraphBuilder
+from ggufc.ir.interp import init_state, run_graph
+from ggufc.passes.pipeline import run_pipeline
+from ggufc.passes.quantize_acts import quantize_activations
+from ggufc.runtime.session import Session
+
+TARGET = cpu_target()
+HAS_INT8_DOT = Q8.int8_dot_intrinsic(TARGET) is not None
+needs_int8_dot = pytest.mark.skipif(not HAS_INT8_DOT, reason=f"{TARGET.attrs.get('mcpu')} has no VNNI dot product")
+
+
+def _build(func: tvm.tirx.PrimFunc) -> tvm.runtime.Function:
+    return tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=TARGET)["main"]
+
+
+# ---------------------------------------------------------------------------------------------
+# the reference
+
+
+def test_reference_equals_gguf_q8_0_round_trip() -> None:
+    """gguf-py's Q8_0 quantiser is llama.cpp's reference one (ties round away from zero, ours to
+    even as llama.cpp's SIMD paths do: random data has no exact ties)."""
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal((7, 256)) * rng.uniform(1e-3, 1e3, (7, 1))).astype(np.float32)
+    raw = gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q8_0)
+    expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q8_0)
+    np.testing.assert_array_equal(quantize_act_ref(x), expected)
+
+
+def test_reference_is_idempotent_and_keeps_zero_blocks() -> None:
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((3, 96)).astype(np.float32)
+    x[1, 32:64] = 0
+    once = quantize_act_ref(x)
+    np.testing.assert_array_equal(quantize_act_ref(once), once)
+    assert not once[1, 32:64].any()
+    assert quantize_act_ref(x.astype(np.float64)).dtype == np.float64
+    # 8-bit codes: every block holds at most 255 distinct multiples of its scale
+    blocks = once.reshape(-1, 32)
+    blocks = blocks[np.abs(blocks).max(-1) > 0]
+    codes = blocks / np.abs(blocks).max(-1, keepdims=True) * 127
+    np.testing.assert_allclose(codes, np.rint(codes), atol=1e-3)
+
+
+def test_reference_rejects_ragged_rows() -> None:
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_act_ref(np.zeros((2, 40), np.float32))
+
+
+# ---------------------------------------------------------------------------------------------
+# the pass
+
+
+def _graph_with(qtypes: dict[str, str], k: int = 64) -> tuple[GraphBuilder, object]:
+    b = GraphBuilder()
+    b.input("tokens", ("T",), "int32")
+    b.input("pos", (), "int64")
+    x = b.input("x", ("T", k), "float32")
+    outs = [b.matmul(x, b.param(name, (8, k), qtype), f"y_{name}") for name, qtype in qtypes.items()]
+    return b, b.finish(outs, {})
+
+
+def test_pass_rounds_each_input_once_for_32_block_weights_only() -> None:
+    _, graph = _graph_with({"q": "Q4_1", "k": "Q8_0", "v": "Q4_K", "o": "F32"})
+    out, _ = run_pipeline(graph)  # type: ignore[arg-type]
+    rounded = [n for n in out.nodes if n.op == "quantize_act"]
+    assert len(rounded) == 1
+    readers = {n.outputs[0].name for n in out.nodes if n.op == "matmul" and n.inputs[0] is rounded[0].outputs[0]}
+    assert readers == {"y_q", "y_k"}
+    assert quantize_activations(out) is out  # nothing left to do: a second run changes nothing
+
+
+def test_pass_skips_rows_that_are_not_whole_blocks() -> None:
+    _, graph = _graph_with({"q": "Q8_0"}, k=48)
+    out, stats = run_pipeline(graph)  # type: ignore[arg-type]
+    assert stats["quantize_activations"] == 0 and all(n.op != "quantize_act" for n in out.nodes)
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels
+
+
+def test_quantize_act_kernel_is_bit_identical() -> None:
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((5, 160)) * rng.uniform(1e-4, 1e4, (5, 1))).astype(np.float32)
+    x[2, 64:96] = 0
+    kernel = _build(Q8.quantize_act((Q.i64(5), Q.i64(160))))
+    out = aligned_zeros((5, 160), np.float32)
+    kernel(to_tvm(x), to_tvm(out))
+    np.testing.assert_array_equal(out, quantize_act_ref(x))
+
+
+@needs_int8_dot
+@pytest.mark.parametrize("qtype", sorted(Q8.INT8_GEMV_TYPES))
+@pytest.mark.parametrize(("n", "k"), [(4, 64), (12, 192), (40, 576)])
+def test_int8_gemv_matches_the_reference(qtype: str, n: int, k: int) -> None:
+    rng = np.random.default_rng(n * k)
+    w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[qtype])
+    arrays = Q.repack(qtype, raw, (n, k))
+    wdq = Q.dequantize_reference(qtype, arrays, (n, k)).astype(np.float64)
+    kernel = _build(Q8.int8_gemv(qtype, n, k, TARGET))
+    for scale in (1e-3, 1.0, 1e3):
+        x = (rng.standard_normal((1, k)) * scale).astype(np.float32)
+        x[0, :32] = 0  # a block of zeros (scale 0)
+        x[0, 40] = 200 * scale  # an outlier block
+        y = aligned_zeros((1, n), np.float32)
+        kernel(to_tvm(x), *(to_tvm(arrays[f]) for f, _, _ in Q.layout_spec(qtype, (n, k))), to_tvm(y))
+        want = quantize_act_ref(x).astype(np.float64) @ wdq.T
+        err = np.abs(y - want).max() / np.abs(want).max()
+        assert err < 1e-5, f"{qtype} [{n}, {k}] x*{scale}: relative error {err:.2e}"
+
+
+def test_int8_gemv_refuses_shapes_it_does_not_cover() -> None:
+    assert not Q8.int8_gemv_supported("Q4_1", 6, 64, TARGET)  # rows not a multiple of 4
+    assert not Q8.int8_gemv_supported("Q4_0", 8, 96, TARGET)  # odd number of 32-blocks
+    assert not Q8.int8_gemv_supported("Q4_K", 8, 256, TARGET)
+    with pytest.raises(NotImplementedError, match="no 8-bit GEMV"):
+        Q8.int8_gemv("Q5_0", 8, 64, TARGET)
+
+
+@needs_int8_dot
+def test_decode_step_uses_int8_gemvs_and_matches_the_interpreter(tmp_path: Path) -> None:
+    """A Q4_1 model: decode matmuls are 8-bit GEMVs, prefill rounds with the quantize_act kernel;
+    token-by-token decode and one-shot prefill both equal the interpreter's logits."""
+    path = write_fixture("llama", tmp_path / "q41.gguf", seed=4, qtype="Q4_1", size="tiny")
+    manifest = compile_model(path, "llvm", tmp_path / "art")
+    kinds = {name.split("_", 1)[1] for name in manifest["kernels"]}
+    assert {"matmul_int8", "quantize_act"} <= kinds, kinds
+    model = load_model(path)
+    graph, _ = run_pipeline(model.graphs["prefill_all"])
+    tokens = (np.arange(1, 12) * 7 % model.hparams.n_vocab).astype(np.int32)
+    want = run_graph(graph, {"tokens": tokens, "pos": np.int64(0)}, model.param_loader(),
+                     init_state(graph, {})).outputs[0]
+    with Session(tmp_path / "art") as session:
+        prefill = session.forward(tokens, all_logits=True)
+        session.reset()
+        decode = np.stack([session.forward([t]) for t in tokens])
+    scale = np.abs(want).max()
+    for name, got in (("prefill", prefill), ("decode", decode)):
+        err = np.abs(got - want).max() / scale
+        assert err < 1e-4, f"{name}: relative error {err:.2e}"
