@@ -246,6 +246,16 @@ def gpu_kernel(key: tuple[Any, ...], make: Callable[[], tirx.PrimFunc], target: 
         dtype = key[3] if len(key) > 3 else "float32"
         return _mark(AG.cache_write(tuple(int(d) for d in cshape), tuple(int(d) for d in xdims[1:]), dtype),
                      "ggufc.cache_write")
+    if kind == "ssm_conv":  # ("ssm_conv", channels, width, dilation)
+        from . import recurrent_gpu as RG
+
+        return _mark(RG.ssm_conv(int(key[1]), int(key[2]), int(key[3])), "ggufc.scan_per_channel")
+    if kind == "gated_delta_net":  # ("gated_delta_net", hv, dv, dk, hk, attrs)
+        from . import recurrent_gpu as RG
+
+        _, hv, dv, dk, hk, attrs = key
+        return _mark(RG.gated_delta_net(int(hv), int(dv), int(dk), int(hk), attrs.head_map, attrs.scale),
+                     "ggufc.scan_per_row")
     return _schedule(make(), target, key)
 
 

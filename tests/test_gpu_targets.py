@@ -29,7 +29,7 @@ from ggufc.codegen.target import resolve_target
 from ggufc.runtime.plan_expr import PlanExprError, compile_many
 from ggufc.runtime.plan_runtime import PlanError, prepare_functions
 
-FIXTURES = ["llama-dense", "qwen3-dense", "qwen3moe-moe", "llama-dense-Q4_K_M"]
+FIXTURES = ["llama-dense", "qwen3-dense", "qwen3moe-moe", "llama-dense-Q4_K_M", "qwen35-dense", "qwen3next-moe"]
 
 
 # ---------------------------------------------------------------------------------------------

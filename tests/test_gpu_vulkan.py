@@ -154,7 +154,8 @@ def test_rope_position_tensor_matches_scalar_rope(dev: object, target: tvm.targe
 # ---------------------------------------------------------------------------------------------
 # every kernel of whole models, one at a time, against the numpy interpreter
 
-KERNEL_FIXTURES = ["llama-dense", "qwen3-dense", "qwen3moe-moe", "llama-dense-Q4_K_M", "qwen3moe-moe-Q4_K_M"]
+KERNEL_FIXTURES = ["llama-dense", "qwen3-dense", "qwen3moe-moe", "llama-dense-Q4_K_M", "qwen3moe-moe-Q4_K_M",
+                   "qwen35-dense", "qwen3next-moe"]
 
 
 def _check_kernels(model: object, tokens: np.ndarray, tol: float) -> None:
@@ -190,7 +191,7 @@ def test_every_kernel_of_smollm2_matches_reference(dev: object) -> None:
 # whole models through `ggufc eval --target vulkan`
 
 MODES = {None: "logits_prefill", 1: "logits_decode", 7: "logits_chunk7"}
-EVAL_FIXTURES = {"llama-dense": 1e-6, "qwen3moe-moe": 1e-6, "llama-dense-Q4_K_M": 5e-3}
+EVAL_FIXTURES = {"llama-dense": 1e-6, "qwen3moe-moe": 1e-6, "llama-dense-Q4_K_M": 5e-3, "qwen3next-moe": 1e-6}
 
 
 @pytest.fixture(scope="module")
