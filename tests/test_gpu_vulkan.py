@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tvm
-from gpu_support import GOLDEN, golden_fixture, make_raw, need_vulkan, nmse, rel_err, smollm2_path
+from gpu_support import golden_fixture, golden_logits, make_raw, need_vulkan, nmse, rel_err, smollm2_path
 
 from ggufc.codegen import attention_gpu as AG
 from ggufc.codegen import device_info as DI
@@ -173,7 +173,7 @@ def test_every_kernel_of_fixture_matches_reference(name: str, dev: object) -> No
     from ggufc.frontend.load import load_model
 
     model = load_model(golden_fixture(name))
-    tokens = np.load(GOLDEN / "logits" / f"{name}.npz")["tokens"][:5].astype(np.int32)
+    tokens = golden_logits(name)["tokens"][:5].astype(np.int32)
     _check_kernels(model, tokens, 1e-5)
 
 
@@ -223,7 +223,7 @@ def _eval(artifact: Path, target: str, tokens: np.ndarray, chunk: int | None, tm
 @pytest.mark.parametrize("name", list(EVAL_FIXTURES))
 def test_vulkan_eval_matches_llama_cpp(name: str, dev: object, artifacts: dict, tmp_path: Path,
                                        tmp_path_factory: pytest.TempPathFactory) -> None:
-    golden = np.load(GOLDEN / "logits" / f"{name}.npz")
+    golden = golden_logits(name)
     art = _artifact(name, "vulkan", artifacts, tmp_path_factory)
     for chunk, key in MODES.items():
         logits = _eval(art, "vulkan", golden["tokens"].astype(np.int32), chunk, tmp_path)
@@ -234,7 +234,7 @@ def test_vulkan_eval_matches_llama_cpp(name: str, dev: object, artifacts: dict, 
 @pytest.mark.parametrize("name", ["llama-dense", "qwen3moe-moe"])
 def test_vulkan_logits_equal_cpu_logits(name: str, dev: object, artifacts: dict, tmp_path: Path,
                                         tmp_path_factory: pytest.TempPathFactory) -> None:
-    tokens = np.load(GOLDEN / "logits" / f"{name}.npz")["tokens"].astype(np.int32)
+    tokens = golden_logits(name)["tokens"].astype(np.int32)
     cpu = _eval(_artifact(name, "llvm", artifacts, tmp_path_factory), "llvm", tokens, 7, tmp_path)
     gpu = _eval(_artifact(name, "vulkan", artifacts, tmp_path_factory), "vulkan", tokens, 7, tmp_path)
     assert nmse(gpu, cpu) < 1e-6
