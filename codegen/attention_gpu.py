@@ -132,11 +132,13 @@ def sparse_attention(n_head: int, n_kv: int, dim: int, n_cells: int, width: int,
     attend = _online_softmax(n_head, n_kv, dim, scale)
 
     @T.prim_func(private=True)
-    def sparse_attention_gpu(q_h: T.handle, k_cache: T.Buffer((C, HKV, D), "float32"),
-                             v_cache: T.Buffer((C, HKV, D), "float32"), pos: T.int64, sel_h: T.handle,
+    def sparse_attention_gpu(q_h: T.handle, k_h: T.handle,
+                             v_h: T.handle, pos: T.int64, sel_h: T.handle,
                              o_h: T.handle):
         T.func_attr({"tirx.noalias": True})
         n = T.int64()
+        k_cache = T.match_buffer(k_h, (C, HKV, D), "float32")
+        v_cache = T.match_buffer(v_h, (C, HKV, D), "float32")
         q = T.match_buffer(q_h, (n, H, D), "float32")
         sel = T.match_buffer(sel_h, (n, W), "int32")
         o = T.match_buffer(o_h, (n, H, D), "float32")
@@ -152,11 +154,13 @@ def masked_attention(n_head: int, n_kv: int, dim: int, n_cells: int, scale: floa
     attend = _online_softmax(n_head, n_kv, dim, scale)
 
     @T.prim_func(private=True)
-    def masked_attention_gpu(q_h: T.handle, k_cache: T.Buffer((C, HKV, D), "float32"),
-                             v_cache: T.Buffer((C, HKV, D), "float32"), pos: T.int64, mask_h: T.handle,
+    def masked_attention_gpu(q_h: T.handle, k_h: T.handle,
+                             v_h: T.handle, pos: T.int64, mask_h: T.handle,
                              o_h: T.handle):
         T.func_attr({"tirx.noalias": True})
         n = T.int64()
+        k_cache = T.match_buffer(k_h, (C, HKV, D), "float32")
+        v_cache = T.match_buffer(v_h, (C, HKV, D), "float32")
         q = T.match_buffer(q_h, (n, H, D), "float32")
         mask = T.match_buffer(mask_h, (n, pos + n), "float32")
         o = T.match_buffer(o_h, (n, H, D), "float32")
