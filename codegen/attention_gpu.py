@@ -33,21 +33,33 @@ def attention_threads(dim: int) -> int:
     return p
 
 
-def attention(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float) -> tirx.PrimFunc:
-    """(q [T, H, D], k_cache [C, Hkv, D], v_cache [C, Hkv, D], pos, out [T, H, D]), f32."""
+def _online_softmax(n_head: int, n_kv: int, dim: int, scale: float) -> Any:
+    """The attention body shared by every variant: a macro over (q, caches, out, pos, sel, mask).
+    Causal attention walks cells [0, pos + t]; with `sel` ([T, W] cell ids) it walks the selected
+    cells instead; with `mask` ([T, P+T], additive) masked-out cells (<= NEG) are skipped."""
     nt = attention_threads(dim)
-    dt = -(-dim // nt)
-    H, HKV, D, C = T.int64(n_head), T.int64(n_kv), T.int64(dim), T.int64(n_cells)
-    G, NT, DT = T.int64(n_head // n_kv), T.int64(nt), T.int64(dt)
+    H, D, G, NT, DT = T.int64(n_head), T.int64(dim), T.int64(n_head // n_kv), T.int64(nt), T.int64(-(-dim // nt))
     SCALE, NEG_INF = T.float32(scale), T.float32(NEG)
 
-    @T.prim_func(private=True)
-    def attention_gpu(q_h: T.handle, k_cache: T.Buffer((C, HKV, D), "float32"),
-                      v_cache: T.Buffer((C, HKV, D), "float32"), pos: T.int64, o_h: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        n = T.int64()
-        q = T.match_buffer(q_h, (n, H, D), "float32")
-        o = T.match_buffer(o_h, (n, H, D), "float32")
+    def n_slots(sel: Any, pos: Any, t: Any) -> Any:  # uniform per workgroup, so barriers stay legal
+        return pos + t + T.int64(1) if sel is None else sel.shape[1]
+
+    def cell(sel: Any, t: Any, s: Any) -> Any:  # the cache row of slot s (clamped: read only when ok)
+        return s if sel is None else T.Cast("int64", T.max(sel[t, T.min(s, sel.shape[1] - T.int64(1))], 0))
+
+    def ok(sel: Any, mask: Any, pos: Any, t: Any, s: Any) -> Any:
+        if sel is not None:
+            c = T.Cast("int64", sel[t, T.min(s, sel.shape[1] - T.int64(1))])
+            return T.And(s < sel.shape[1], T.And(c >= T.int64(0), c <= pos + t))
+        if mask is not None:
+            return T.And(s < pos + t + T.int64(1), mask[t, T.min(s, pos + t)] > NEG_INF)
+        return s < pos + t + T.int64(1)
+
+    def bias(mask: Any, t: Any, s: Any) -> Any:
+        return T.float32(0) if mask is None else mask[t, s]
+
+    @T.macro
+    def attend(q: Any, k_cache: Any, v_cache: Any, o: Any, n: Any, pos: Any, sel: Any, mask: Any) -> None:
         row = T.launch_thread("blockIdx.x", n * H)
         qs = T.alloc_shared((D,), "float32")
         ps = T.alloc_shared((NT,), "float32")
@@ -57,7 +69,6 @@ def attention(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float) -> t
         t = T.meta_var(row // H)  # meta_var: substituted, not a let (WGSL has no 64-bit lets)
         h = T.meta_var(row % H)
         kv = T.meta_var(row % H // G)
-        visible = T.meta_var(pos + row // H + T.int64(1))
         for d0 in range(DT):
             if d0 * NT + tx < D:
                 qs[d0 * NT + tx] = q[t, h, d0 * NT + tx] * SCALE
@@ -65,12 +76,12 @@ def attention(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float) -> t
         stat[0] = NEG_INF
         stat[1] = T.float32(0)
         T.tvm_storage_sync("shared")
-        for tile in range((visible + NT - T.int64(1)) // NT):
+        for tile in range((n_slots(sel, pos, t) + NT - T.int64(1)) // NT):
             stat[2] = T.float32(0)
-            if tile * NT + tx < visible:
+            if ok(sel, mask, pos, t, tile * NT + tx):
                 for d in range(D):
-                    stat[2] = stat[2] + qs[d] * k_cache[tile * NT + tx, kv, d]
-                ps[tx] = stat[2]
+                    stat[2] = stat[2] + qs[d] * k_cache[cell(sel, t, tile * NT + tx), kv, d]
+                ps[tx] = stat[2] + bias(mask, t, tile * NT + tx)
             else:
                 ps[tx] = NEG_INF
             T.tvm_storage_sync("shared")
@@ -83,18 +94,79 @@ def attention(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float) -> t
             stat[1] = stat[1] * stat[3]
             stat[0] = stat[2]
             for j in range(NT):
-                if tile * NT + j < visible:
+                if ok(sel, mask, pos, t, tile * NT + j):
                     stat[3] = T.exp(ps[j] - stat[0])
                     stat[1] = stat[1] + stat[3]
                     for d0 in range(DT):
                         if d0 * NT + tx < D:
-                            acc[d0] = acc[d0] + stat[3] * v_cache[tile * NT + j, kv, d0 * NT + tx]
+                            acc[d0] = acc[d0] + stat[3] * v_cache[cell(sel, t, tile * NT + j), kv, d0 * NT + tx]
             T.tvm_storage_sync("shared")
         for d0 in range(DT):
             if d0 * NT + tx < D:
                 o[t, h, d0 * NT + tx] = acc[d0] / stat[1]
 
+    return attend
+
+
+def attention(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float) -> tirx.PrimFunc:
+    """(q [T, H, D], k_cache [C, Hkv, D], v_cache [C, Hkv, D], pos, out [T, H, D]), f32."""
+    H, HKV, D, C = T.int64(n_head), T.int64(n_kv), T.int64(dim), T.int64(n_cells)
+    attend = _online_softmax(n_head, n_kv, dim, scale)
+
+    @T.prim_func(private=True)
+    def attention_gpu(q_h: T.handle, k_cache: T.Buffer((C, HKV, D), "float32"),
+                      v_cache: T.Buffer((C, HKV, D), "float32"), pos: T.int64, o_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        n = T.int64()
+        q = T.match_buffer(q_h, (n, H, D), "float32")
+        o = T.match_buffer(o_h, (n, H, D), "float32")
+        attend(q, k_cache, v_cache, o, n, pos, None, None)
+
     return attention_gpu
+
+
+def sparse_attention(n_head: int, n_kv: int, dim: int, n_cells: int, width: int, scale: float) -> tirx.PrimFunc:
+    """(q [T, H, D], k_cache, v_cache [C, Hkv, D], pos, sel [T, W] int32, out [T, H, D]): attention
+    over each query's selected cells (slots of -1 and cells after the query are skipped)."""
+    H, HKV, D, C, W = T.int64(n_head), T.int64(n_kv), T.int64(dim), T.int64(n_cells), T.int64(width)
+    attend = _online_softmax(n_head, n_kv, dim, scale)
+
+    @T.prim_func(private=True)
+    def sparse_attention_gpu(q_h: T.handle, k_h: T.handle,
+                             v_h: T.handle, pos: T.int64, sel_h: T.handle,
+                             o_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        n = T.int64()
+        k_cache = T.match_buffer(k_h, (C, HKV, D), "float32")
+        v_cache = T.match_buffer(v_h, (C, HKV, D), "float32")
+        q = T.match_buffer(q_h, (n, H, D), "float32")
+        sel = T.match_buffer(sel_h, (n, W), "int32")
+        o = T.match_buffer(o_h, (n, H, D), "float32")
+        attend(q, k_cache, v_cache, o, n, pos, sel, None)
+
+    return sparse_attention_gpu
+
+
+def masked_attention(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float) -> tirx.PrimFunc:
+    """(q [T, H, D], k_cache, v_cache [C, Hkv, D], pos, mask [T, P+T], out [T, H, D]): causal
+    attention plus an additive mask (the unfused QSA spelling)."""
+    H, HKV, D, C = T.int64(n_head), T.int64(n_kv), T.int64(dim), T.int64(n_cells)
+    attend = _online_softmax(n_head, n_kv, dim, scale)
+
+    @T.prim_func(private=True)
+    def masked_attention_gpu(q_h: T.handle, k_h: T.handle,
+                             v_h: T.handle, pos: T.int64, mask_h: T.handle,
+                             o_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        n = T.int64()
+        k_cache = T.match_buffer(k_h, (C, HKV, D), "float32")
+        v_cache = T.match_buffer(v_h, (C, HKV, D), "float32")
+        q = T.match_buffer(q_h, (n, H, D), "float32")
+        mask = T.match_buffer(mask_h, (n, pos + n), "float32")
+        o = T.match_buffer(o_h, (n, H, D), "float32")
+        attend(q, k_cache, v_cache, o, n, pos, None, mask)
+
+    return masked_attention_gpu
 
 
 WRITE_THREADS = 256
@@ -136,11 +208,8 @@ def cache_write(cache_shape: tuple[int, ...], row_shape: tuple[int, ...], dtype:
 
 def attention_pos_tensor(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float) -> tirx.PrimFunc:
     """As `attention`, with `pos` read from an int32 [1] tensor."""
-    nt = attention_threads(dim)
-    dt = -(-dim // nt)
     H, HKV, D, C = T.int64(n_head), T.int64(n_kv), T.int64(dim), T.int64(n_cells)
-    G, NT, DT = T.int64(n_head // n_kv), T.int64(nt), T.int64(dt)
-    SCALE, NEG_INF = T.float32(scale), T.float32(NEG)
+    attend = _online_softmax(n_head, n_kv, dim, scale)
 
     @T.prim_func(private=True)
     def attention_gpu_pos(q_h: T.handle, k_cache: T.Buffer((C, HKV, D), "float32"),
@@ -149,51 +218,7 @@ def attention_pos_tensor(n_head: int, n_kv: int, dim: int, n_cells: int, scale: 
         n = T.int64()
         q = T.match_buffer(q_h, (n, H, D), "float32")
         o = T.match_buffer(o_h, (n, H, D), "float32")
-        row = T.launch_thread("blockIdx.x", n * H)
-        qs = T.alloc_shared((D,), "float32")
-        ps = T.alloc_shared((NT,), "float32")
-        acc = T.alloc_local((DT,), "float32")
-        stat = T.alloc_local((4,), "float32")
-        tx = T.launch_thread("threadIdx.x", NT)
-        t = T.meta_var(row // H)
-        h = T.meta_var(row % H)
-        kv = T.meta_var(row % H // G)
-        visible = T.meta_var(T.Cast("int64", pos_buf[0]) + row // H + T.int64(1))
-        for d0 in range(DT):
-            if d0 * NT + tx < D:
-                qs[d0 * NT + tx] = q[t, h, d0 * NT + tx] * SCALE
-            acc[d0] = T.float32(0)
-        stat[0] = NEG_INF
-        stat[1] = T.float32(0)
-        T.tvm_storage_sync("shared")
-        for tile in range((visible + NT - T.int64(1)) // NT):
-            stat[2] = T.float32(0)
-            if tile * NT + tx < visible:
-                for d in range(D):
-                    stat[2] = stat[2] + qs[d] * k_cache[tile * NT + tx, kv, d]
-                ps[tx] = stat[2]
-            else:
-                ps[tx] = NEG_INF
-            T.tvm_storage_sync("shared")
-            stat[2] = stat[0]
-            for j in range(NT):
-                stat[2] = T.max(stat[2], ps[j])
-            stat[3] = T.exp(stat[0] - stat[2])
-            for d0 in range(DT):
-                acc[d0] = acc[d0] * stat[3]
-            stat[1] = stat[1] * stat[3]
-            stat[0] = stat[2]
-            for j in range(NT):
-                if tile * NT + j < visible:
-                    stat[3] = T.exp(ps[j] - stat[0])
-                    stat[1] = stat[1] + stat[3]
-                    for d0 in range(DT):
-                        if d0 * NT + tx < D:
-                            acc[d0] = acc[d0] + stat[3] * v_cache[tile * NT + j, kv, d0 * NT + tx]
-            T.tvm_storage_sync("shared")
-        for d0 in range(DT):
-            if d0 * NT + tx < D:
-                o[t, h, d0 * NT + tx] = acc[d0] / stat[1]
+        attend(q, k_cache, v_cache, o, n, T.Cast("int64", pos_buf[0]), None, None)
 
     return attention_gpu_pos
 

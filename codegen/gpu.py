@@ -246,7 +246,45 @@ def gpu_kernel(key: tuple[Any, ...], make: Callable[[], tirx.PrimFunc], target: 
         dtype = key[3] if len(key) > 3 else "float32"
         return _mark(AG.cache_write(tuple(int(d) for d in cshape), tuple(int(d) for d in xdims[1:]), dtype),
                      "ggufc.cache_write")
+    if kind == "ssm_conv":  # ("ssm_conv", channels, width, dilation)
+        from . import recurrent_gpu as RG
+
+        return _mark(RG.ssm_conv(int(key[1]), int(key[2]), int(key[3])), "ggufc.scan_per_channel")
+    if kind == "gated_delta_net":  # ("gated_delta_net", hv, dv, dk, hk, attrs)
+        from . import recurrent_gpu as RG
+
+        _, hv, dv, dk, hk, attrs = key
+        return _mark(RG.gated_delta_net(int(hv), int(dv), int(dk), int(hk), attrs.head_map, attrs.scale),
+                     "ggufc.scan_per_row")
+    if kind == "sparse_attention":  # ("sparse_attention", attrs, (q, k_cache, v_cache, sel) dims)
+        q_dims, cache_dims, _, sel_dims = key[2]
+        return _mark(AG.sparse_attention(int(q_dims[1]), int(cache_dims[1]), int(q_dims[2]), int(cache_dims[0]),
+                                         int(sel_dims[1]), key[1].scale), "ggufc.attention_online_softmax")
+    if kind == "masked_attention":  # ("masked_attention", attrs, (q, k_cache, v_cache, mask) dims)
+        q_dims, cache_dims = key[2][:2]
+        return _mark(AG.masked_attention(int(q_dims[1]), int(cache_dims[1]), int(q_dims[2]), int(cache_dims[0]),
+                                         key[1].scale), "ggufc.attention_online_softmax")
+    if kind == "index_mask":  # -inf as its bit pattern: WGSL has no infinity literal
+        from . import kernels_qwen4exp as KQ
+
+        neg_inf = tirx.reinterpret("float32", tirx.const(0xFF800000, "uint32"))
+        from .kernels import Symbols
+
+        return _schedule(KQ.index_mask(Symbols().shape(key[1][0]), neg_inf), target, key)
+    if kind in ("ple_hash", "indexer_topk"):
+        return _qwen4exp_kernel(key)
     return _schedule(make(), target, key)
+
+
+def _qwen4exp_kernel(key: tuple[Any, ...]) -> tirx.PrimFunc:
+    from . import qwen4exp_gpu as QX
+
+    if key[0] == "ple_hash":  # ("ple_hash", attrs, cells)
+        a, n_cells = key[1], int(key[2])
+        return _mark(QX.ple_hash(n_cells, a.ngram, a.heads_per_ngram, a.multipliers, a.offsets, a.sizes, a.eos),
+                     "ggufc.hash_per_token")
+    a, nb1, n_cells = key[1], int(key[2]), int(key[3])  # ("indexer_topk", attrs, blocks + 1, cells)
+    return _mark(QX.indexer_topk(nb1, a.ratio, a.width, n_cells), "ggufc.heap_select_per_row")
 
 
 def _pos_tensor_kernel(key: tuple[Any, ...], target: tvm.target.Target) -> tirx.PrimFunc:

@@ -197,8 +197,9 @@ def indexer_topk(nb1: int, ratio: int, width: int, n_cells: int) -> tirx.PrimFun
     return kernel
 
 
-def index_mask(sel_shape: PShape) -> tirx.PrimFunc:
-    """Args (sel [T, W], pos, mask [T, P+T]): 0 at selected cells j <= pos + t, -inf elsewhere."""
+def index_mask(sel_shape: PShape, neg_inf: tirx.PrimExpr | None = None) -> tirx.PrimFunc:
+    """Args (sel [T, W], pos, mask [T, P+T]): 0 at selected cells j <= pos + t, -inf elsewhere.
+    `neg_inf`: how to spell -inf (WGSL has no infinity literal)."""
     n, w = sel_shape
     sel = te.placeholder(sel_shape, "int32", name="sel")
     pos = te.var("pos", "int64")
@@ -206,7 +207,8 @@ def index_mask(sel_shape: PShape) -> tirx.PrimFunc:
     hit = te.compute((n, pos + n), lambda t, j: te.max(tirx.Select(sel[t, rw].astype("int64") == j, f32(1.0),
                                                                      f32(0.0)), axis=rw), name="hit")
     mask = te.compute((n, pos + n), lambda t, j: tirx.Select(tirx.all(hit[t, j] > f32(0.0), j <= pos + t), f32(0.0),
-                                                              f32(-float("inf"))), name="mask")
+                                                              f32(-float("inf")) if neg_inf is None else neg_inf),
+                      name="mask")
     return func([sel, pos, mask])
 
 

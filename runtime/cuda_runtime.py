@@ -25,7 +25,11 @@ def provide_cuda_binary(root: Path, manifest: dict[str, Any]) -> None:
     info = ((manifest.get("gpu") or {}).get("cuda")) or {}
     binary = info.get("binary")
     want = str(info.get("source_sha256", ""))
-    data = (Path(root) / str(binary)).read_bytes() if binary else None
+    if binary is not None:  # a plain name among the artifact's hash-checked files
+        files = manifest.get("files") if isinstance(manifest.get("files"), dict) else {}
+        if not isinstance(binary, str) or "/" in binary or binary.startswith(".") or binary not in files:
+            raise ValueError(f"manifest names CUDA binary {binary!r:.60}, not one of the artifact's checked files")
+    data = (Path(root) / binary).read_bytes() if binary else None
     try:  # TVM's own NVRTC/nvcc callback, for code the artifact has no binary for
         from tvm.support import nvcc as tvm_nvcc
 

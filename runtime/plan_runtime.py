@@ -36,6 +36,10 @@ class PlanError(ValueError):
     """A plan that cannot be run (malformed, or needing more than the device offers)."""
 
 
+class BackendUnavailableError(RuntimeError):
+    """No device for the plan here (wgpu/Vulkan driver or Metal missing); the message says what."""
+
+
 # ---------------------------------------------------------------------------------------------
 # reading and checking a plan
 
@@ -52,6 +56,15 @@ def read_plan(path: Path) -> dict[str, Any]:
         raise PlanError(f"{path}: plan version {plan.get('version') if isinstance(plan, dict) else '?'} "
                         f"(this runtime reads {PLAN_VERSION})")
     return plan
+
+
+def artifact_file(manifest: dict[str, Any], name: Any) -> str:
+    """A file the manifest names for the GPU runtime: a plain name among its hash-checked files."""
+    files = manifest.get("files") if isinstance(manifest.get("files"), dict) else {}
+    if not isinstance(name, str) or not name or "/" in name or "\\" in name or name.startswith(".") \
+            or name not in files:
+        raise PlanError(f"manifest names GPU file {name!r:.60}, which is not one of the artifact's checked files")
+    return name
 
 
 def split_wgsl_bundle(text: str) -> dict[str, str]:
@@ -136,7 +149,9 @@ def prepare_functions(plan: dict[str, Any], counts: dict[str, int]) -> dict[str,
             fixed = fp.get("tokens", "n")
             fixed_tokens = None if fixed == "n" else int(fixed)
             evaluate = compile_many(texts, names)
-        except (KeyError, TypeError, ValueError, PlanExprError) as exc:
+        except KeyError as exc:
+            raise PlanError(f"plan {fname}: missing field {exc}") from None
+        except (TypeError, ValueError, PlanExprError) as exc:
             raise PlanError(f"plan {fname}: {exc}") from None
         if not outputs:
             raise PlanError(f"plan {fname}: no outputs")
@@ -155,11 +170,11 @@ class PlanRunner:
         gpu = manifest.get("gpu") or {}
         if gpu.get("runtime") != "plan":
             raise PlanError(f"{root}: not a plan artifact (runtime {gpu.get('runtime')!r})")
-        plan = read_plan(root / str(gpu.get("plan", "plan.json")))
+        plan = read_plan(root / artifact_file(manifest, gpu.get("plan")))
         if plan.get("target") != manifest.get("target_key"):
             raise PlanError(f"{root}: plan for {plan.get('target')}, manifest says {manifest.get('target_key')}")
         states = [(tuple(int(d) for d in s["shape"]), np.dtype(s["dtype"])) for s in manifest["states"]]
-        kernel_text = (root / str(gpu.get("kernel_source", ""))).read_text(encoding="utf-8")
+        kernel_text = (root / artifact_file(manifest, gpu.get("kernel_source"))).read_text(encoding="utf-8")
         self._setup(plan, kernel_text, weights, states, int(manifest["max_chunk"]), int(manifest["n_ctx"]), device,
                     int(gpu.get("storage_buffers", 8)))
 

@@ -111,7 +111,10 @@ class Session:
         if device == "cuda":  # the artifact's prebuilt fatbin for TVM's CUDA loader (cuda_runtime.py)
             from .cuda_runtime import provide_cuda_binary
 
-            provide_cuda_binary(artifact.path, manifest)
+            try:
+                provide_cuda_binary(artifact.path, manifest)
+            except (ValueError, OSError) as exc:
+                raise ArtifactError(f"{artifact.path}: {one_line(exc)}") from None
         self._functions = _vm_functions(artifact, self._device)
 
         weights = read_weights(artifact.path, manifest)
@@ -125,13 +128,15 @@ class Session:
         self._decode_inputs = _decode_inputs(manifest, len(self._state_tensors), artifact.path)
 
     def _load_plan(self, artifact: Artifact, device: str) -> None:
-        from .plan_runtime import PlanError, PlanRunner
+        from .plan_runtime import BackendUnavailableError, PlanError, PlanRunner
 
         weights = read_weights(artifact.path, self.manifest)
         try:
             self._plan = PlanRunner(artifact.path, self.manifest, weights, device)
         except (PlanError, OSError) as exc:
             raise ArtifactError(f"{artifact.path}: {one_line(exc)}") from None
+        except BackendUnavailableError as exc:
+            raise ArtifactError(f"cannot run a {device} artifact here: {one_line(exc)}") from None
         self._functions = dict.fromkeys(self._plan.functions)
         self._token_buffer = aligned_empty(self.max_chunk, np.int32)
         self._n_past = 0

@@ -28,13 +28,15 @@ from typing import Any
 
 import numpy as np
 
+from .plan_runtime import BackendUnavailableError
+
 UNIFORM_ALIGN = 256  # WebGPU's minUniformBufferOffsetAlignment (the largest allowed value)
 _BINDING = re.compile(r"@group\(0\)\s*@binding\((\d+)\)\s*var<([^>]+)>\s*(\w+)")
 _WORKGROUP = re.compile(r"@workgroup_size\((\d+)\s*,\s*(\d+)\s*,\s*(\d+)\)")
 _PACK_CHECK = re.compile(r">\s*podArgs\.packGridDimX")
 
 
-class WgpuUnavailableError(RuntimeError):
+class WgpuUnavailableError(BackendUnavailableError):
     """No wgpu adapter here (package missing or no Vulkan/Metal/D3D12 driver)."""
 
 

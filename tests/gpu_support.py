@@ -46,6 +46,18 @@ def need_nvcc() -> str:
     return path
 
 
+def golden_file(relative: str) -> Path:
+    """A file of llama.cpp's goldens (../shared/golden); skips the test when it is absent."""
+    path = GOLDEN / relative
+    if not path.exists():
+        pytest.skip(f"llama.cpp golden {path} not found")
+    return path
+
+
+def golden_logits(name: str) -> dict[str, np.ndarray]:
+    return dict(np.load(golden_file(f"logits/{name}.npz")))
+
+
 def golden_fixture(name: str) -> Path:
     path = GOLDEN / "fixtures" / f"{name}.gguf"
     if not path.exists():

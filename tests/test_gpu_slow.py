@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gpu_support import GOLDEN, need_nvcc, need_vulkan, smollm2_path
+from gpu_support import golden_file, need_nvcc, need_vulkan, smollm2_path
 
 pytestmark = [pytest.mark.slow]
 TIE_MARGIN = 0.25  # as tests/test_smollm2.py
@@ -28,8 +28,8 @@ def test_smollm2_on_vulkan_matches_llama_cpp(model: Path, tmp_path: Path) -> Non
     from ggufc.codegen.compile import compile_model
     from ggufc.runtime.session import Session
 
-    golden = dict(np.load(GOLDEN / "smollm2-shared.npz"))
-    prompts = len(json.loads((GOLDEN / "shared_prompts.json").read_text()))
+    golden = dict(np.load(golden_file("smollm2-shared.npz")))
+    prompts = min(3, len(json.loads(golden_file("shared_prompts.json").read_text())))  # lavapipe is slow
     compile_model(model, "vulkan", tmp_path / "art", n_ctx=256)
     agree = total = clear_agree = clear_total = 0
     with Session(tmp_path / "art", device="vulkan") as s:

@@ -29,7 +29,12 @@ from ggufc.codegen.target import resolve_target
 from ggufc.runtime.plan_expr import PlanExprError, compile_many
 from ggufc.runtime.plan_runtime import PlanError, prepare_functions
 
-FIXTURES = ["llama-dense", "qwen3-dense", "qwen3moe-moe", "llama-dense-Q4_K_M"]
+FIXTURES = ["llama-dense", "qwen3-dense", "qwen3moe-moe", "llama-dense-Q4_K_M", "qwen35-dense", "qwen3next-moe",
+            "qwen4exp-moe"]
+# decode steps not captured as one CUDA graph: qwen4exp's PLE hash (and QSA indexer, when sparse) has
+# no variant reading the position from device memory, so it (and the kernels Relax leaves between
+# the resulting graphs) launches one by one; most launches are still captured
+SPLIT_DECODE_GRAPH = {"qwen4exp-moe": {"ple_hash"}}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -142,7 +147,12 @@ def test_every_cuda_kernel_compiles_to_ptx(name: str) -> None:
                                                          for e in entries)]
     assert not missing, f"kernels without PTX entry: {missing}"
     graph = built.executable.manifest["cuda"]["cuda_graph"]["decode"]
-    assert graph["graphs"] == 1 and graph["captured"] > 10 and len(graph["outside"]) == 1, graph
+    if name in SPLIT_DECODE_GRAPH:  # the kernels taking the position as a scalar run between graphs
+        assert graph["captured"] > 10 and graph["graphs"] > 1, graph
+        outside = {k.split("_", 1)[1] for k in graph["outside"]}
+        assert SPLIT_DECODE_GRAPH[name] <= outside and graph["captured"] > len(graph["outside"]), graph
+    else:
+        assert graph["graphs"] == 1 and graph["captured"] > 10 and len(graph["outside"]) == 1, graph
     schedules = built.executable.manifest["schedules"]
     assert set(schedules) == set(built.kernel_names)
     assert all(s.startswith(("dlight.", "ggufc.")) for s in schedules.values()), schedules

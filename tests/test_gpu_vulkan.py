@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tvm
-from gpu_support import GOLDEN, golden_fixture, make_raw, need_vulkan, nmse, rel_err, smollm2_path
+from gpu_support import golden_fixture, golden_logits, make_raw, need_vulkan, nmse, rel_err, smollm2_path
 
 from ggufc.codegen import attention_gpu as AG
 from ggufc.codegen import device_info as DI
@@ -154,7 +154,8 @@ def test_rope_position_tensor_matches_scalar_rope(dev: object, target: tvm.targe
 # ---------------------------------------------------------------------------------------------
 # every kernel of whole models, one at a time, against the numpy interpreter
 
-KERNEL_FIXTURES = ["llama-dense", "qwen3-dense", "qwen3moe-moe", "llama-dense-Q4_K_M", "qwen3moe-moe-Q4_K_M"]
+KERNEL_FIXTURES = ["llama-dense", "qwen3-dense", "qwen3moe-moe", "llama-dense-Q4_K_M", "qwen3moe-moe-Q4_K_M",
+                   "qwen35-dense", "qwen3next-moe"]
 
 
 def _check_kernels(model: object, tokens: np.ndarray, tol: float) -> None:
@@ -172,7 +173,7 @@ def test_every_kernel_of_fixture_matches_reference(name: str, dev: object) -> No
     from ggufc.frontend.load import load_model
 
     model = load_model(golden_fixture(name))
-    tokens = np.load(GOLDEN / "logits" / f"{name}.npz")["tokens"][:5].astype(np.int32)
+    tokens = golden_logits(name)["tokens"][:5].astype(np.int32)
     _check_kernels(model, tokens, 1e-5)
 
 
@@ -190,7 +191,7 @@ def test_every_kernel_of_smollm2_matches_reference(dev: object) -> None:
 # whole models through `ggufc eval --target vulkan`
 
 MODES = {None: "logits_prefill", 1: "logits_decode", 7: "logits_chunk7"}
-EVAL_FIXTURES = {"llama-dense": 1e-6, "qwen3moe-moe": 1e-6, "llama-dense-Q4_K_M": 5e-3}
+EVAL_FIXTURES = {"llama-dense": 1e-6, "qwen3moe-moe": 1e-6, "llama-dense-Q4_K_M": 5e-3, "qwen3next-moe": 1e-6}
 
 
 @pytest.fixture(scope="module")
@@ -222,7 +223,7 @@ def _eval(artifact: Path, target: str, tokens: np.ndarray, chunk: int | None, tm
 @pytest.mark.parametrize("name", list(EVAL_FIXTURES))
 def test_vulkan_eval_matches_llama_cpp(name: str, dev: object, artifacts: dict, tmp_path: Path,
                                        tmp_path_factory: pytest.TempPathFactory) -> None:
-    golden = np.load(GOLDEN / "logits" / f"{name}.npz")
+    golden = golden_logits(name)
     art = _artifact(name, "vulkan", artifacts, tmp_path_factory)
     for chunk, key in MODES.items():
         logits = _eval(art, "vulkan", golden["tokens"].astype(np.int32), chunk, tmp_path)
@@ -233,7 +234,7 @@ def test_vulkan_eval_matches_llama_cpp(name: str, dev: object, artifacts: dict, 
 @pytest.mark.parametrize("name", ["llama-dense", "qwen3moe-moe"])
 def test_vulkan_logits_equal_cpu_logits(name: str, dev: object, artifacts: dict, tmp_path: Path,
                                         tmp_path_factory: pytest.TempPathFactory) -> None:
-    tokens = np.load(GOLDEN / "logits" / f"{name}.npz")["tokens"].astype(np.int32)
+    tokens = golden_logits(name)["tokens"].astype(np.int32)
     cpu = _eval(_artifact(name, "llvm", artifacts, tmp_path_factory), "llvm", tokens, 7, tmp_path)
     gpu = _eval(_artifact(name, "vulkan", artifacts, tmp_path_factory), "vulkan", tokens, 7, tmp_path)
     assert nmse(gpu, cpu) < 1e-6
