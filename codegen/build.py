@@ -55,6 +55,12 @@ def optimise(graphs: dict[str, Graph], disabled: frozenset[str]) -> tuple[dict[s
     return out, stats
 
 
+def passes_off_for(target: tvm.target.Target, disabled: frozenset[str]) -> frozenset[str]:
+    """The passes to skip for `target`: 8-bit activation rounding is a CPU kernel strategy
+    (quant_int8.py); GPU targets keep float32 activations."""
+    return disabled | {"quantize_activations"} if is_gpu(target) else disabled
+
+
 def state_plan(graph: Graph) -> list[tuple[str, tuple[int, ...], str]]:
     return [(name, tuple(int(d) for d in s.value.shape), s.value.dtype) for name, s in graph.states.items()]
 
@@ -71,9 +77,7 @@ def build_executable(
     gpu_target = is_gpu(tgt)
     if run_passes:
         progress("optimising graph")
-        if gpu_target:  # 8-bit activation blocks are a CPU kernel strategy (quant_int8.py); GPUs read f32
-            disabled_passes = disabled_passes | {"quantize_activations"}
-        graphs, stats = optimise(graphs, disabled_passes)
+        graphs, stats = optimise(graphs, passes_off_for(tgt, disabled_passes))
     layouts = plan_params(list(graphs.values()), QG.layout_spec if gpu_target else Q.layout_spec)
     states = state_plan(graphs["prefill_all"])
     if tgt.kind.name == "cuda" and decode_io_supported(graphs["prefill"]):  # whole decode in one CUDA graph

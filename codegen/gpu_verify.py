@@ -28,7 +28,7 @@ from ggufc.ir.graph import Graph
 from ggufc.ir.interp import init_state, run_graph
 
 from . import lower as L
-from .build import kernel_weights, optimise, state_plan, weight_key
+from .build import kernel_weights, optimise, passes_off_for, state_plan, weight_key
 from .device_info import DeviceKernel, compile_kernel
 from .gpu import is_gpu
 from .quant_gpu import layout_spec as gpu_layout_spec
@@ -101,7 +101,7 @@ def check_model_kernels(model: LoadedModel, tokens: np.ndarray, *, target: str =
     tgt = resolve_target(target)
     if not is_gpu(tgt):
         raise ValueError("kernel checks are for GPU targets")
-    graphs, _ = optimise(dict(model.graphs), frozenset())
+    graphs, _ = optimise(dict(model.graphs), passes_off_for(tgt, frozenset()))
     layouts = L.plan_params(list(graphs.values()), gpu_layout_spec)
     states = state_plan(graphs["prefill_all"])
     weights = kernel_weights(model, layouts)

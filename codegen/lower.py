@@ -77,6 +77,8 @@ class FunctionContext:
         self.param_of: dict[int, Param] = graph.param_values()
         self.param_arrays: dict[str, list[Any]] = {}
         self.users: dict[int, list[Node]] = graph.users()
+        self.grouped: dict[int, Any] = {}  # outputs computed early by a grouped kernel
+        self.params_var: Any = None  # the function's weights argument (set by add_function)
         self.producers: dict[int, Node] = graph.producers()
 
     # -- dims -----------------------------------------------------------------------------------
@@ -213,7 +215,7 @@ class ModuleBuilder:
         states = relax.Var("states", relax.TupleType([_tensor_type(s, d) for _, s, d in self.states]))
         params = relax.Var("params", relax.ObjectType() if self.unchecked_params else
                            relax.TupleType([_tensor_type(s, d) for _, s, d in self.flat_params]))
-        fc.params_var = params  # type: ignore[attr-defined]
+        fc.params_var = params
         state_index = {n: i for i, (n, _, _) in enumerate(self.states)}
         # CUDA graphs (gpu.py): a cuda decode reads its token and position from two int32 [1] states
         decode_io = self.decode_inputs if fixed_tokens == 1 else None
@@ -333,8 +335,39 @@ def _int8_gemv(fc: FunctionContext, node: Node) -> bool:
     return Q8.int8_gemv_supported(layout.qtype, n, k, fc.mb.target)
 
 
+def _int8_gemv_group(fc: FunctionContext, node: Node) -> list[Any]:
+    """Matmuls reading the same rounded input with the same weight type and K (a layer's q/k/v, its
+    gate/up) run as one grouped 8-bit GEMV, emitted at the first of them; the others take their
+    results from it."""
+    if node.outputs[0].id in fc.grouped:
+        return [fc.grouped.pop(node.outputs[0].id)]
+    x, w = node.inputs
+    qtype, (_, k), _ = _weight_args(fc, w)
+
+    def joins(u: Node) -> bool:
+        if not _int8_gemv(fc, u):
+            return False
+        u_qtype, (_, u_k), _ = _weight_args(fc, u.inputs[1])
+        return u_qtype == qtype and u_k == k
+
+    members = [u for u in fc.users[x.id] if joins(u)]  # graph order: the order they are lowered in
+    members = members[members.index(node):][: Q8.MAX_GROUP]
+    weights = [_weight_args(fc, m.inputs[1]) for m in members]
+    ns = tuple(shape[0] for _, shape, _ in weights)
+    target = fc.mb.target
+    outs = [o for m in members for o in m.outputs]
+    results = fc.call(("matmul_int8", qtype, ns, k), lambda: Q8.int8_gemv_group(qtype, ns, k, target),
+                      [fc.value(x), *(a for _, _, arrays in weights for a in arrays)], outs, node.outputs[0].name)
+    for m, r in zip(members[1:], results[1:], strict=True):
+        fc.grouped[m.outputs[0].id] = r
+    return results[:1]
+
+
 def _quantize_act(fc: FunctionContext, node: Node) -> list[Any]:
     x = node.inputs[0]
+    if fc.mb.target.kind.name in GPU_KINDS:  # the rounding keeps d in f16, which WGSL/Metal may lack
+        raise NotImplementedError(f"{node.outputs[0].label}: 8-bit activation rounding (quantize_act) is a CPU "
+                                  "kernel; GPU targets compile with float32 activations")
     users = fc.users.get(node.outputs[0].id, [])
     if users and all(_int8_gemv(fc, u) for u in users):
         return [fc.value(x)]  # the 8-bit GEMVs round their input themselves (the op is idempotent)
@@ -350,9 +383,7 @@ def _matmul(fc: FunctionContext, node: Node) -> list[Any]:
     if len(x.shape) != 2:
         raise NotImplementedError(f"{node.outputs[0].label}: matmul expects a 2-D activation, got {x.shape}")
     if _int8_gemv(fc, node):
-        target = fc.mb.target
-        return fc.call(("matmul_int8", qtype, n, k), lambda: Q8.int8_gemv(qtype, n, k, target),
-                       [fc.value(x), *arrays], node.outputs, node.outputs[0].name)
+        return _int8_gemv_group(fc, node)
     key = ("matmul", qtype, n, k, gemv)
     return fc.call(key, lambda: Q.qmatmul(qtype, n, k, gemv=gemv), [fc.value(x), *arrays], node.outputs,
                    node.outputs[0].name)

@@ -129,7 +129,8 @@ def shared_expert(fc: FunctionContext, node: Node, named: dict[str, Any], routed
 
     g, fs = proj(fc.value(x), named["shexp_gate"], "ffn_shexp_gate")
     u, _ = proj(fc.value(x), named["shexp_up"], "ffn_shexp_up")
-    ins, steps = [g, u], []
+    ins = [g, u]
+    steps: list[tuple[str, Any, tuple[int, ...]]] = []
     dims: list[tuple[Any, ...]] = [(t_dim, fs), (t_dim, fs)]
     gate_slot, up_slot = 0, 1
     for kind in ("gate", "up"):

@@ -27,6 +27,7 @@ import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol, TypeAlias
 
 import numpy as np
 import tvm
@@ -35,8 +36,17 @@ from tvm.tirx import Expr as PrimExpr
 
 from .tvm_util import aligned_empty
 
-PlaneIdx = int | PrimExpr
-Access = Callable[..., PrimExpr]  # Access(field_name, *per_row_index) -> buffer element
+PlaneIdx: TypeAlias = int | PrimExpr
+
+
+class Access(Protocol):
+    """One weight row's fields: `w(field_name, *per_row_index)` -> buffer element."""
+
+    def __call__(self, name: str, *idx: PrimExpr) -> PrimExpr: ...
+
+    def has(self, name: str) -> bool: ...
+
+
 LayoutSpec = list[tuple[str, tuple[int, ...], str]]
 
 

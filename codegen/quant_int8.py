@@ -34,6 +34,7 @@ from .quant import i64, layout_spec
 INT8_GEMV_TYPES = frozenset({"Q4_0", "Q4_1", "Q8_0"})
 ROWS = 4  # rows per parallel task: independent accumulator chains, activation loads shared
 LANES = 8  # int32 lanes of a 256-bit vector
+MAX_GROUP = 3  # matrices one grouped GEMV kernel takes
 PREFETCH_GROUPS = 4  # row groups ahead whose weight bytes are prefetched
 
 
@@ -83,16 +84,33 @@ def quantize_act(shape: tuple[tirx.PrimExpr, ...], block: int = ACT_BLOCK) -> ti
 
 def int8_gemv(qtype: str, n: int, k: int, target: tvm.target.Target) -> tirx.PrimFunc:
     """CPU kernel `(x [1, K] f32, *weights in layout_spec order, y [1, N] f32)`, y = quantize_act(x) @ W.T."""
+    return int8_gemv_group(qtype, (n,), k, target)
+
+
+def int8_gemv_group(qtype: str, ns: tuple[int, ...], k: int, target: tvm.target.Target) -> tirx.PrimFunc:
+    """Up to MAX_GROUP GEMVs of one input (a layer's q/k/v, its gate/up) in one kernel: one
+    quantisation of x, one parallel loop over the row groups of every matrix.
+    `(x [1, K], *weights of matrix 1, ..., *weights of matrix G, y_1 [1, N_1], ..., y_G [1, N_G])`."""
     intrin = int8_dot_intrinsic(target)
-    if intrin is None or not int8_gemv_supported(qtype, n, k, target):
-        raise NotImplementedError(f"no 8-bit GEMV for {qtype} [{n}, {k}] on {target}")
-    fields = [name for name, _, _ in layout_spec(qtype, (n, k))]
+    if intrin is None or not 1 <= len(ns) <= MAX_GROUP or not all(int8_gemv_supported(qtype, n, k, target) for n in ns):
+        raise NotImplementedError(f"no 8-bit GEMV for {qtype} {list(ns)} x {k} on {target}")
+    fields = [name for name, _, _ in layout_spec(qtype, (ns[0], k))]
     if qtype == "Q8_0":
-        func = _q8_0_gemv(n, k, intrin)
+        func = _q8_0_gemv(ns, k, intrin)
     else:
-        func = _q4_gemv(n, k, intrin, has_min=qtype == "Q4_1")
-    assert fields == (["d", "m", "qs"] if qtype == "Q4_1" else ["d", "qs"]), fields
+        func = _q4_gemv(ns, k, intrin, has_min=qtype == "Q4_1")
+    unused = {f"{name}{slot}" for slot in range(len(ns) + 1, MAX_GROUP + 1) for name in ("wd", "wm", "wq", "y")}
+    if qtype == "Q4_0":  # no `m` field
+        unused |= {f"wm{slot}" for slot in range(1, MAX_GROUP + 1)}
+    func = _without_params(func, unused)
+    assert len(func.params) == 1 + len(ns) * (len(fields) + 1), (qtype, fields)
     return func.with_attr("tirx.noalias", True)
+
+
+def _slots(ns: tuple[int, ...]) -> tuple[list[int], list[int]]:
+    """Row counts of the three slots (unused ones get a placeholder size) and their row-group counts."""
+    padded = [*ns, *([ROWS] * (MAX_GROUP - len(ns)))]
+    return padded, [n // ROWS for n in padded]
 
 
 def _quantize_prologue(pos: Callable[..., tirx.PrimExpr]) -> Callable[..., None]:
@@ -132,15 +150,61 @@ def _q8_pos(b: tirx.PrimExpr, i: tirx.PrimExpr) -> tirx.PrimExpr:
     return b * 32 + i
 
 
-def _q4_gemv(n: int, k: int, intrin: str, has_min: bool) -> tirx.PrimFunc:
-    n_blocks, n_pairs, rows = k // 32, k // 64, ROWS
+def _q4_gemv(ns: tuple[int, ...], k: int, intrin: str, has_min: bool) -> tirx.PrimFunc:
+    n_blocks, n_pairs, rows, group = k // 32, k // 64, ROWS, len(ns)
+    (n1, n2, n3), (g1, g2, g3) = _slots(ns)
+    total = sum(n // rows for n in ns)
     prologue = _quantize_prologue(_q4_pos)
     offset = 0 if has_min else 8  # Q4_0 codes are nibble - 8
 
+    @T.macro
+    def row_group(wd, wm, wq, y, n, jo, acc, slot, xb, xde, xse, xc):  # type: ignore[no-untyped-def]
+        """Rows [jo * rows, jo * rows + rows) of one matrix; `slot` is the task's accumulator row."""
+        wq_flat = T.decl_buffer((n * n_blocks * 16,), "uint8", data=wq.data)
+        wd_flat = T.decl_buffer((n * n_blocks,), "float16", data=wd.data)
+        for r in T.unroll(rows):
+            acc[slot, r, 0:8] = T.broadcast(T.float32(0), 8)
+        for p in range(n_pairs):
+            ahead = T.meta_var(T.min(jo + PREFETCH_GROUPS, n // rows - 1))
+            _prefetch(wq_flat, ahead * rows * n_blocks * 16 + p * 128)
+            _prefetch(wq_flat, ahead * rows * n_blocks * 16 + p * 128 + 64)
+            _prefetch(wd_flat, ahead * rows * n_blocks + p * 8)
+            if has_min:
+                wm_flat = T.decl_buffer((n * n_blocks,), "float16", data=wm.data)
+                _prefetch(wm_flat, ahead * rows * n_blocks + p * 8)
+            for r in T.unroll(rows):
+                j = T.meta_var(jo * rows + r)
+                word = T.meta_var(T.reinterpret("int32x8", wq.vload([j, p * 2, 0], "uint8x32")))
+                lo = T.meta_var(T.bitwise_and(word, T.broadcast(T.int32(0x0F0F0F0F), 8)))
+                hi = T.meta_var(T.bitwise_and(T.shift_right(word, T.broadcast(T.int32(4), 8)),
+                                              T.broadcast(T.int32(0x0F0F0F0F), 8)))
+                dot = T.meta_var(T.call_llvm_pure_intrin(
+                    "int32x8", intrin,
+                    T.call_llvm_pure_intrin("int32x8", intrin, xc.vload([p * 8], "int32x8"),
+                                            T.reinterpret("int8x32", lo), xb.vload([p * 64], "int8x32")),
+                    T.reinterpret("int8x32", hi), xb.vload([p * 64 + 32], "int8x32")))
+                d2 = T.meta_var(T.Cast("float32x2", wd.vload([j, p * 2], "float16x2")))
+                scale = T.meta_var(T.Shuffle([d2, d2, d2, d2], [0, 2, 4, 6, 1, 3, 5, 7]))
+                term = T.meta_var(T.Cast("float32x8", dot) * (scale * xde.vload([p * 8], "float32x8")))
+                if has_min:
+                    m2 = T.meta_var(T.Cast("float32x2", wm.vload([j, p * 2], "float16x2")))
+                    bias = T.meta_var(T.Shuffle([m2, m2, m2, m2], [0, 2, 4, 6, 1, 3, 5, 7]))
+                    acc[slot, r, 0:8] = (acc.vload([slot, r, 0], "float32x8") + term
+                                         + bias * xse.vload([p * 8], "float32x8"))
+                else:
+                    acc[slot, r, 0:8] = acc.vload([slot, r, 0], "float32x8") + term
+        for r in T.unroll(rows):
+            y[0, jo * rows + r] = _lane_sum(acc, slot, r)
+
     @T.prim_func
-    def q4_gemv(x: T.Buffer((1, k), "float32"), wd: T.Buffer((n, n_blocks), "float16"),
-                wm: T.Buffer((n, n_blocks), "float16"), wq: T.Buffer((n, n_blocks, 16), "uint8"),
-                y: T.Buffer((1, n), "float32")):
+    def q4_gemv(x: T.Buffer((1, k), "float32"),
+                wd1: T.Buffer((n1, n_blocks), "float16"), wm1: T.Buffer((n1, n_blocks), "float16"),
+                wq1: T.Buffer((n1, n_blocks, 16), "uint8"),
+                wd2: T.Buffer((n2, n_blocks), "float16"), wm2: T.Buffer((n2, n_blocks), "float16"),
+                wq2: T.Buffer((n2, n_blocks, 16), "uint8"),
+                wd3: T.Buffer((n3, n_blocks), "float16"), wm3: T.Buffer((n3, n_blocks), "float16"),
+                wq3: T.Buffer((n3, n_blocks, 16), "uint8"),
+                y1: T.Buffer((1, n1), "float32"), y2: T.Buffer((1, n2), "float32"), y3: T.Buffer((1, n3), "float32")):
         xb = T.alloc_buffer((k,), "int8")
         xd = T.alloc_buffer((n_blocks,), "float32")
         xs = T.alloc_buffer((n_blocks,), "int32")
@@ -157,59 +221,55 @@ def _q4_gemv(n: int, k: int, intrin: str, has_min: bool) -> tirx.PrimFunc:
             for c in range(4):
                 xc[p * 8 + lane] = xc[p * 8 + lane] - offset * (
                     T.Cast("int32", xb[p * 64 + lane * 4 + c]) + T.Cast("int32", xb[p * 64 + 32 + lane * 4 + c]))
-        acc = T.alloc_buffer((n // rows, rows, 8), "float32")
-        wq_flat = T.decl_buffer((n * n_blocks * 16,), "uint8", data=wq.data)
-        wd_flat = T.decl_buffer((n * n_blocks,), "float16", data=wd.data)
-        for jo in T.parallel(n // rows):
-            for r in T.unroll(rows):
-                acc[jo, r, 0:8] = T.broadcast(T.float32(0), 8)
-            for p in range(n_pairs):
-                ahead = T.meta_var(T.min(jo + PREFETCH_GROUPS, n // rows - 1))
-                _prefetch(wq_flat, ahead * rows * n_blocks * 16 + p * 128)
-                _prefetch(wq_flat, ahead * rows * n_blocks * 16 + p * 128 + 64)
-                _prefetch(wd_flat, ahead * rows * n_blocks + p * 8)
-                if has_min:
-                    wm_flat = T.decl_buffer((n * n_blocks,), "float16", data=wm.data)
-                    _prefetch(wm_flat, ahead * rows * n_blocks + p * 8)
-                for r in T.unroll(rows):
-                    j = T.meta_var(jo * rows + r)
-                    word = T.meta_var(T.reinterpret("int32x8", wq.vload([j, p * 2, 0], "uint8x32")))
-                    lo = T.meta_var(T.bitwise_and(word, T.broadcast(T.int32(0x0F0F0F0F), 8)))
-                    hi = T.meta_var(T.bitwise_and(T.shift_right(word, T.broadcast(T.int32(4), 8)),
-                                                  T.broadcast(T.int32(0x0F0F0F0F), 8)))
-                    xlo = T.meta_var(xb.vload([p * 64], "int8x32"))
-                    xhi = T.meta_var(xb.vload([p * 64 + 32], "int8x32"))
-                    dot = T.meta_var(T.call_llvm_pure_intrin(
-                        "int32x8", intrin,
-                        T.call_llvm_pure_intrin("int32x8", intrin, xc.vload([p * 8], "int32x8"),
-                                                T.reinterpret("int8x32", lo), xlo),
-                        T.reinterpret("int8x32", hi), xhi))
-                    d2 = T.meta_var(T.Cast("float32x2", wd.vload([j, p * 2], "float16x2")))
-                    scale = T.meta_var(T.Shuffle([d2, d2, d2, d2], [0, 2, 4, 6, 1, 3, 5, 7]))
-                    term = T.meta_var(T.Cast("float32x8", dot) * (scale * xde.vload([p * 8], "float32x8")))
-                    if has_min:
-                        m2 = T.meta_var(T.Cast("float32x2", wm.vload([j, p * 2], "float16x2")))
-                        bias = T.meta_var(T.Shuffle([m2, m2, m2, m2], [0, 2, 4, 6, 1, 3, 5, 7]))
-                        acc[jo, r, 0:8] = (acc.vload([jo, r, 0], "float32x8") + term
-                                           + bias * xse.vload([p * 8], "float32x8"))
-                    else:
-                        acc[jo, r, 0:8] = acc.vload([jo, r, 0], "float32x8") + term
-            for r in T.unroll(rows):
-                y[0, jo * rows + r] = _lane_sum(acc, jo, r)
+        acc = T.alloc_buffer((total, rows, 8), "float32")
+        for jo in T.parallel(total):
+            if jo < g1:
+                row_group(wd1, wm1, wq1, y1, n1, jo, acc, jo, xb, xde, xse, xc)
+            elif group >= 2 and jo < g1 + g2:
+                row_group(wd2, wm2, wq2, y2, n2, jo - g1, acc, jo, xb, xde, xse, xc)
+            elif group >= 3:
+                row_group(wd3, wm3, wq3, y3, n3, jo - g1 - g2, acc, jo, xb, xde, xse, xc)
 
-    if has_min:
-        return q4_gemv
-    # Q4_0 has no `m` field: drop it from the signature
-    return _without_param(q4_gemv, "wm")
+    del g3
+    return q4_gemv
 
 
-def _q8_0_gemv(n: int, k: int, intrin: str) -> tirx.PrimFunc:
-    n_blocks, rows = k // 32, ROWS
+def _q8_0_gemv(ns: tuple[int, ...], k: int, intrin: str) -> tirx.PrimFunc:
+    n_blocks, rows, group = k // 32, ROWS, len(ns)
+    (n1, n2, n3), (g1, g2, g3) = _slots(ns)
+    total = sum(n // rows for n in ns)
     prologue = _quantize_prologue(_q8_pos)
 
+    @T.macro
+    def row_group(wd, wq, y, n, jo, acc, slot, xb, xd, xc):  # type: ignore[no-untyped-def]
+        wq_flat = T.decl_buffer((n * n_blocks * 32,), "int8", data=wq.data)
+        wd_flat = T.decl_buffer((n * n_blocks,), "float16", data=wd.data)
+        for r in T.unroll(rows):
+            acc[slot, r, 0:8] = T.broadcast(T.float32(0), 8)
+        for b in range(n_blocks):
+            ahead = T.meta_var(T.min(jo + PREFETCH_GROUPS, n // rows - 1))
+            _prefetch(wq_flat, ahead * rows * n_blocks * 32 + b * 128)
+            _prefetch(wq_flat, ahead * rows * n_blocks * 32 + b * 128 + 64)
+            _prefetch(wd_flat, ahead * rows * n_blocks + b * 4)
+            for r in T.unroll(rows):
+                j = T.meta_var(jo * rows + r)
+                word = T.meta_var(T.bitwise_xor(T.reinterpret("int32x8", wq.vload([j, b, 0], "int8x32")),
+                                                T.broadcast(T.int32(-2139062144), 8)))  # 0x80808080
+                dot = T.meta_var(T.call_llvm_pure_intrin(
+                    "int32x8", intrin, xc.vload([b * 8], "int32x8"), T.reinterpret("int8x32", word),
+                    xb.vload([b * 32], "int8x32")))
+                scale = T.meta_var(T.Cast("float32", wd[j, b]) * xd[b])
+                acc[slot, r, 0:8] = (acc.vload([slot, r, 0], "float32x8")
+                                     + T.Cast("float32x8", dot) * T.broadcast(scale, 8))
+        for r in T.unroll(rows):
+            y[0, jo * rows + r] = _lane_sum(acc, slot, r)
+
     @T.prim_func
-    def q8_gemv(x: T.Buffer((1, k), "float32"), wd: T.Buffer((n, n_blocks), "float16"),
-                wq: T.Buffer((n, n_blocks, 32), "int8"), y: T.Buffer((1, n), "float32")):
+    def q8_gemv(x: T.Buffer((1, k), "float32"),
+                wd1: T.Buffer((n1, n_blocks), "float16"), wq1: T.Buffer((n1, n_blocks, 32), "int8"),
+                wd2: T.Buffer((n2, n_blocks), "float16"), wq2: T.Buffer((n2, n_blocks, 32), "int8"),
+                wd3: T.Buffer((n3, n_blocks), "float16"), wq3: T.Buffer((n3, n_blocks, 32), "int8"),
+                y1: T.Buffer((1, n1), "float32"), y2: T.Buffer((1, n2), "float32"), y3: T.Buffer((1, n3), "float32")):
         xb = T.alloc_buffer((k,), "int8")
         xd = T.alloc_buffer((n_blocks,), "float32")
         xs = T.alloc_buffer((n_blocks,), "int32")
@@ -219,30 +279,16 @@ def _q8_0_gemv(n: int, k: int, intrin: str) -> tirx.PrimFunc:
             xc[b * 8 + lane] = 0
             for c in range(4):
                 xc[b * 8 + lane] = xc[b * 8 + lane] - 128 * T.Cast("int32", xb[b * 32 + lane * 4 + c])
-        acc = T.alloc_buffer((n // rows, rows, 8), "float32")
-        wq_flat = T.decl_buffer((n * n_blocks * 32,), "int8", data=wq.data)
-        wd_flat = T.decl_buffer((n * n_blocks,), "float16", data=wd.data)
-        for jo in T.parallel(n // rows):
-            for r in T.unroll(rows):
-                acc[jo, r, 0:8] = T.broadcast(T.float32(0), 8)
-            for b in range(n_blocks):
-                ahead = T.meta_var(T.min(jo + PREFETCH_GROUPS, n // rows - 1))
-                _prefetch(wq_flat, ahead * rows * n_blocks * 32 + b * 128)
-                _prefetch(wq_flat, ahead * rows * n_blocks * 32 + b * 128 + 64)
-                _prefetch(wd_flat, ahead * rows * n_blocks + b * 4)
-                for r in T.unroll(rows):
-                    j = T.meta_var(jo * rows + r)
-                    word = T.meta_var(T.bitwise_xor(T.reinterpret("int32x8", wq.vload([j, b, 0], "int8x32")),
-                                                    T.broadcast(T.int32(-2139062144), 8)))  # 0x80808080
-                    dot = T.meta_var(T.call_llvm_pure_intrin(
-                        "int32x8", intrin, xc.vload([b * 8], "int32x8"), T.reinterpret("int8x32", word),
-                        xb.vload([b * 32], "int8x32")))
-                    scale = T.meta_var(T.Cast("float32", wd[j, b]) * xd[b])
-                    acc[jo, r, 0:8] = (acc.vload([jo, r, 0], "float32x8")
-                                       + T.Cast("float32x8", dot) * T.broadcast(scale, 8))
-            for r in T.unroll(rows):
-                y[0, jo * rows + r] = _lane_sum(acc, jo, r)
+        acc = T.alloc_buffer((total, rows, 8), "float32")
+        for jo in T.parallel(total):
+            if jo < g1:
+                row_group(wd1, wq1, y1, n1, jo, acc, jo, xb, xd, xc)
+            elif group >= 2 and jo < g1 + g2:
+                row_group(wd2, wq2, y2, n2, jo - g1, acc, jo, xb, xd, xc)
+            elif group >= 3:
+                row_group(wd3, wq3, y3, n3, jo - g1 - g2, acc, jo, xb, xd, xc)
 
+    del g3
     return q8_gemv
 
 
@@ -253,14 +299,14 @@ def _prefetch(flat: tirx.Buffer, index: tirx.PrimExpr) -> tirx.PrimExpr:
                               T.int32(1))
 
 
-def _lane_sum(acc: tirx.Buffer, jo: tirx.PrimExpr, r: tirx.PrimExpr) -> tirx.PrimExpr:
-    total = acc[jo, r, 0]
+def _lane_sum(acc: tirx.Buffer, slot: tirx.PrimExpr, r: tirx.PrimExpr) -> tirx.PrimExpr:
+    total = acc[slot, r, 0]
     for lane in range(1, LANES):
-        total = total + acc[jo, r, lane]
+        total = total + acc[slot, r, lane]
     return total
 
 
-def _without_param(func: tirx.PrimFunc, name: str) -> tirx.PrimFunc:
-    """`func` minus an unused buffer parameter (shared TVMScript body, different signatures)."""
-    keep = [p for p in func.params if p.name != name]
+def _without_params(func: tirx.PrimFunc, names: set[str]) -> tirx.PrimFunc:
+    """`func` minus unused buffer parameters (one TVMScript body serves several signatures)."""
+    keep = [p for p in func.params if p.name not in names]
     return tirx.PrimFunc(keep, func.body, func.ret_type, func.attrs)

@@ -269,10 +269,10 @@ def extract_workloads(model: Any, target: tvm.target.Target,
     The decode function is lowered exactly as `build_executable` lowers it, so each workload's
     default kernel is the one `ggufc compile` would build.
     """
-    from .build import optimise, state_plan
+    from .build import optimise, passes_off_for, state_plan
     from .lower import ModuleBuilder, plan_params
 
-    graphs, _ = optimise(dict(model.graphs), disabled_passes)
+    graphs, _ = optimise(dict(model.graphs), passes_off_for(target, disabled_passes))
     layouts = plan_params(list(graphs.values()), *_gpu_layout(target))
     calls: dict[tuple[Any, ...], int] = {}
     makers: dict[tuple[Any, ...], Callable[[], tirx.PrimFunc]] = {}

@@ -14,7 +14,7 @@ from ggufc.frontend.load import LoadedModel, load_model
 from ggufc.ir.graph import Graph, Value
 from ggufc.ir.interp import init_state, run_graph
 
-from .build import kernel_weights, optimise, state_plan, weight_key
+from .build import kernel_weights, optimise, passes_off_for, state_plan, weight_key
 from .lower import ModuleBuilder, plan_params
 from .target import resolve_target
 from .tvm_util import to_tvm
@@ -91,7 +91,8 @@ def verify_model(path: str | os.PathLike[str], tokens: np.ndarray | None = None,
     if tokens is None:
         tokens = np.random.default_rng(0).integers(0, model.hparams.n_vocab, size=8).astype(np.int32)
     tokens = np.asarray(tokens, dtype=np.int32)
-    graphs, _ = optimise({"prefill_all": model.graphs["prefill_all"]}, disabled_passes)
+    graphs, _ = optimise({"prefill_all": model.graphs["prefill_all"]},
+                         passes_off_for(resolve_target(target), disabled_passes))
     graph = graphs["prefill_all"]
     probes = _probes(graph)
     probe_graph = graph.replace(outputs=[*graph.outputs, *probes])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 from typing import Any
 
 import numpy as np
@@ -55,7 +56,9 @@ class Keys:
             raise ModelError(f"key {self._full(name)} must be a string, got {type(v).__name__}")
         return v
 
-    def per_layer(self, name: str, n_layer: int, default: int | None = None) -> list[int]:
+    # the `int`/`str` methods above shadow the builtins inside this class body
+    def per_layer(self, name: builtins.str, n_layer: builtins.int,
+                  default: builtins.int | None = None) -> list[builtins.int]:
         v = self.raw(name, default)
         if v is None:
             raise ModelError(f"missing required key {self._full(name)}")

@@ -69,7 +69,8 @@ def _hc_pre(b: GraphBuilder, n: Node) -> list[Value]:
 def _hc_post(b: GraphBuilder, n: Node) -> list[Value]:
     if n.attrs.comb:
         raise NotImplementedError("hc_post with a comb matrix (deepseek4) has no decomposition yet")
-    return [hc_post_spelled(b, *n.inputs[:3], n.outputs[0].name)]
+    streams, y, post = n.inputs[:3]
+    return [hc_post_spelled(b, streams, y, post, n.outputs[0].name)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -115,7 +116,8 @@ def indexer_score_spelled(
 
 def _indexer_score(b: GraphBuilder, n: Node) -> list[Value]:
     a: O.IndexerScore = n.attrs
-    return [indexer_score_spelled(b, *n.inputs, a.ratio, a.eps, a.n_rot, n.outputs[0].name)]
+    q, cache, norm, table = n.inputs
+    return [indexer_score_spelled(b, q, cache, norm, table, a.ratio, a.eps, a.n_rot, n.outputs[0].name)]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -347,10 +347,10 @@ def attention_ref(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, pos0: int, scal
     k = np.repeat(kc[:s_len], h // hkv, axis=1)
     v = np.repeat(vc[:s_len], h // hkv, axis=1)
     s = np.einsum("thd,shd->hts", q, k) * q.dtype.type(scale) + causal_mask_ref(t, pos0, q.dtype)[None]
-    if mask == "additive":
-        s = s + extra.astype(q.dtype)[None]
-    elif mask == "indices":
-        s = s + index_mask_ref(extra, pos0).astype(q.dtype)[None]
+    if mask in ("additive", "indices"):
+        if extra is None:
+            raise ValueError(f"attention mask {mask!r} needs `extra`")
+        s = s + (extra if mask == "additive" else index_mask_ref(extra, pos0)).astype(q.dtype)[None]
     return np.einsum("hts,shd->thd", softmax_ref(s, -1), v)
 
 
@@ -593,10 +593,13 @@ def _hc_pre_shape(ins: Sequence[ShapeDtype], a: HcPre) -> list[ShapeDtype]:
     ok = hc == a.n_hc and tuple(ns) == (hc, e) and ds[1] == hc * e and tuple(us) == (hc * e, ds[0])
     ok = ok and len(rest) == (1 if a.post else 0) and a.rule == "sigmoid_mean"
     if ok and a.post:
-        ok = tuple(rest[0][0]) == (hc, hc * e)
+        ok = tuple(rest[0][0]) == (a.n_hc, a.n_hc * e)  # hc == a.n_hc here
     if not ok:
         raise ValueError(f"hc_pre {a}: streams {rs}, weights {[s for s, _ in ins[1:]]} disagree")
-    return [((t, e), dt)] + ([((t, hc), dt)] if a.post else [])
+    outs: list[ShapeDtype] = [((t, e), dt)]
+    if a.post:
+        outs.append(((t, hc), dt))
+    return outs
 
 
 def _hc_post_shape(ins: Sequence[ShapeDtype], a: HcPost) -> list[ShapeDtype]:
@@ -664,6 +667,11 @@ def _ref_cache_read(cache: np.ndarray, pos: np.ndarray, ctx: dict[str, int]) -> 
 
 def _ref_gather(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
     return table[ids.astype(np.int64)]
+
+
+def _ref_gated_delta_net(ins: Sequence[np.ndarray], a: GatedDeltaNet) -> list[np.ndarray]:
+    state, q, k, v, g, beta = ins
+    return list(gated_delta_net_ref(state, q, k, v, g, beta, a.head_map, a.scale))
 
 
 def moe_inputs(ins: Sequence[Any], a: MoeFFN) -> dict[str, Any]:
@@ -752,7 +760,7 @@ OPS: dict[str, OpDef] = {
         OpDef("ssm_conv", SsmConv, _ssm_conv_shape,
               lambda i, a, c: list(ssm_conv_ref(i[0], i[1], i[2], a.dilation)), effects=True),
         OpDef("gated_delta_net", GatedDeltaNet, _gated_delta_net_shape,
-              lambda i, a, c: list(gated_delta_net_ref(*i, a.head_map, a.scale)), effects=True),
+              lambda i, a, c: _ref_gated_delta_net(i, a), effects=True),
         # qwen4exp: the hyper-connection mix, the QSA indexer, the PLE n-gram hash
         OpDef("indexer_topk", IndexerTopK, _indexer_topk_shape,
               _one(lambda i, a, c: indexer_topk_ref(i[0], int(i[1]), a.ratio, a.width))),

@@ -111,7 +111,7 @@ def _merged_gate_up(m: Match, g: GraphView, scaled: tuple[str, ...]) -> Value | 
         return None
     if (gate.attrs.start, up.attrs.start, up.attrs.stop) != (0, f, 2 * f):
         return None
-    if any(g.n_users(h.outputs[0]) != 1 for h in halves):
+    if any(g.n_users(h.outputs[0]) != 1 for h in (gate, up)):
         return None
     return src
 

@@ -26,7 +26,9 @@ def provide_cuda_binary(root: Path, manifest: dict[str, Any]) -> None:
     binary = info.get("binary")
     want = str(info.get("source_sha256", ""))
     if binary is not None:  # a plain name among the artifact's hash-checked files
-        files = manifest.get("files") if isinstance(manifest.get("files"), dict) else {}
+        files = manifest.get("files")
+        if not isinstance(files, dict):
+            files = {}
         if not isinstance(binary, str) or "/" in binary or binary.startswith(".") or binary not in files:
             raise ValueError(f"manifest names CUDA binary {binary!r:.60}, not one of the artifact's checked files")
     data = (Path(root) / binary).read_bytes() if binary else None

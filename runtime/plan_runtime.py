@@ -60,7 +60,9 @@ def read_plan(path: Path) -> dict[str, Any]:
 
 def artifact_file(manifest: dict[str, Any], name: Any) -> str:
     """A file the manifest names for the GPU runtime: a plain name among its hash-checked files."""
-    files = manifest.get("files") if isinstance(manifest.get("files"), dict) else {}
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        files = {}
     if not isinstance(name, str) or not name or "/" in name or "\\" in name or name.startswith(".") \
             or name not in files:
         raise PlanError(f"manifest names GPU file {name!r:.60}, which is not one of the artifact's checked files")

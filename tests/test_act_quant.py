@@ -164,3 +164,30 @@ def test_decode_step_uses_int8_gemvs_and_matches_the_interpreter(tmp_path: Path)
     for name, got in (("prefill", prefill), ("decode", decode)):
         err = np.abs(got - want).max() / scale
         assert err < 1e-4, f"{name}: relative error {err:.2e}"
+
+
+@needs_int8_dot
+@pytest.mark.parametrize("qtype", sorted(Q8.INT8_GEMV_TYPES))
+def test_grouped_int8_gemv_equals_separate_kernels(qtype: str) -> None:
+    """q/k/v-like groups (1-3 matrices of different heights, one input) give each matrix exactly
+    what its own kernel gives."""
+    rng = np.random.default_rng(7)
+    k, heights = 128, (12, 4, 8)
+    x = (rng.standard_normal((1, k)) * 2).astype(np.float32)
+    mats = []
+    for n in heights:
+        raw = gguf.quants.quantize((rng.standard_normal((n, k)) * 0.05).astype(np.float32),
+                                   gguf.GGMLQuantizationType[qtype])
+        arrays = Q.repack(qtype, raw, (n, k))
+        mats.append([arrays[f] for f, _, _ in Q.layout_spec(qtype, (n, k))])
+    alone = []
+    for n, fields in zip(heights, mats, strict=True):
+        y = aligned_zeros((1, n), np.float32)
+        _build(Q8.int8_gemv(qtype, n, k, TARGET))(to_tvm(x), *map(to_tvm, fields), to_tvm(y))
+        alone.append(y)
+    for size in (2, 3):
+        ys = [aligned_zeros((1, n), np.float32) for n in heights[:size]]
+        kernel = _build(Q8.int8_gemv_group(qtype, heights[:size], k, TARGET))
+        kernel(to_tvm(x), *(to_tvm(a) for fields in mats[:size] for a in fields), *map(to_tvm, ys))
+        for got, want in zip(ys, alone, strict=False):
+            np.testing.assert_array_equal(got, want)

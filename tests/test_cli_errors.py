@@ -400,3 +400,15 @@ def test_model_hash_is_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     model.write_bytes(b"GGUF" + bytes(999) + b"\x01")  # same size, new content and mtime
     os.utime(model, ns=(1, 1))
     assert cli.cached_artifact_dir(model, "llvm", None) != first and len(calls) == 2
+
+
+def test_cache_key_follows_the_compiler_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An edited compiler never reuses an artifact compiled by the old one."""
+    from ggufc import cli
+
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF" + bytes(100))
+    first = cli.cached_artifact_dir(model, "llvm", None)
+    assert first.name.endswith(cli.compiler_fingerprint())
+    monkeypatch.setattr(cli, "compiler_fingerprint", lambda: "0123456789")
+    assert cli.cached_artifact_dir(model, "llvm", None) != first

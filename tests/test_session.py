@@ -7,6 +7,7 @@ depend on earlier chunks only through the state, exactly like a KV cache.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +15,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from ggufc.runtime.artifact import ArtifactError, finalize_artifact, make_staging_dir
-from ggufc.runtime.session import ContextOverflowError, Session
+from ggufc.runtime.session import ContextOverflowError, Session, reserve_cpu_threads
 
 tvm = pytest.importorskip("tvm")
 from tvm import relax, tirx  # noqa: E402
@@ -391,3 +392,15 @@ def test_incremental_decoder_holds_split_characters() -> None:
     pieces = [decoder.feed(i) for i in range(len(data))]
     assert "".join(pieces) + decoder.flush() == "héllo ✓"
     assert all("\ufffd" not in p for p in pieces)
+
+
+def test_thread_pool_is_sized_before_first_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TVM sizes its pool once, from TVM_NUM_THREADS (default: half the CPUs), and can later only
+    use fewer workers; the runtime therefore sets it before any kernel runs, and a user's value wins."""
+    monkeypatch.delenv("TVM_NUM_THREADS", raising=False)
+    cpus = len(os.sched_getaffinity(0))
+    assert reserve_cpu_threads(None) == cpus and os.environ["TVM_NUM_THREADS"] == str(cpus)
+    monkeypatch.delenv("TVM_NUM_THREADS")
+    assert reserve_cpu_threads(cpus + 3) == cpus + 3 and os.environ["TVM_NUM_THREADS"] == str(cpus + 3)
+    monkeypatch.setenv("TVM_NUM_THREADS", "1")
+    assert reserve_cpu_threads(2) == 2 and os.environ["TVM_NUM_THREADS"] == "1"
