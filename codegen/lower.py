@@ -328,7 +328,9 @@ def _int8_gemv(fc: FunctionContext, node: Node) -> bool:
         return False
     x, w = node.inputs
     src = fc.producers.get(x.id)
-    if src is None or src.op != "quantize_act" or len(x.shape) != 2 or not fc.is_one(x.shape[0]):
+    if src is None or src.op != "quantize_act" or src.attrs.scheme != "q8_0":
+        return False
+    if len(x.shape) != 2 or not fc.is_one(x.shape[0]):
         return False
     layout = fc.mb.layouts[fc.param_of[w.id].source]
     n, k = layout.shape
@@ -372,7 +374,7 @@ def _quantize_act(fc: FunctionContext, node: Node) -> list[Any]:
     if users and all(_int8_gemv(fc, u) for u in users):
         return [fc.value(x)]  # the 8-bit GEMVs round their input themselves (the op is idempotent)
     key = ("quantize_act", node.attrs, fc.kernel_key_dims(x))
-    return fc.call(key, lambda: Q8.quantize_act(fc.kernel_shape(x, K.Symbols()), node.attrs.block), [fc.value(x)],
+    return fc.call(key, lambda: Q8.quantize_act(fc.kernel_shape(x, K.Symbols()), node.attrs.scheme), [fc.value(x)],
                    node.outputs, node.outputs[0].name)
 
 

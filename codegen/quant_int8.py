@@ -27,7 +27,7 @@ import tvm
 from tvm import te, tirx
 from tvm.script import tirx as T
 
-from ggufc.ir.act_quant import ACT_BLOCK
+from ggufc.ir.act_quant import ACT_BLOCK, SCHEME_BLOCK
 
 from .quant import i64, layout_spec
 
@@ -60,19 +60,40 @@ def int8_gemv_supported(qtype: str, n: int, k: int, target: tvm.target.Target) -
 # quantize_act as a standalone kernel (prefill, and wherever no 8-bit GEMV applies)
 
 
-def quantize_act(shape: tuple[tirx.PrimExpr, ...], block: int = ACT_BLOCK) -> tirx.PrimFunc:
-    """`(x [..., K] f32, out [..., K] f32)`, out = quantize_act_ref(x): bit-identical to the reference."""
+def quantize_act(shape: tuple[tirx.PrimExpr, ...], scheme: str = "q8_0") -> tirx.PrimFunc:
+    """`(x [..., K] f32, out [..., K] f32)`, out = quantize_act_ref(x, scheme): bit-identical to the reference."""
+    if scheme not in SCHEME_BLOCK:
+        raise ValueError(f"quantize_act: unknown scheme {scheme!r}")
+    block = SCHEME_BLOCK[scheme]
     x = te.placeholder(shape, "float32", name="x")
     lead, k = shape[:-1], shape[-1]
+    blocks = (*lead, k // block)
     r = te.reduce_axis((i64(0), i64(block)), name="r")
-    amax = te.compute((*lead, k // block), lambda *i: te.max(te.abs(x(*i[:-1], i[-1] * block + r)), axis=r),
-                      name="amax")
-    d = te.compute(amax.shape, lambda *i: amax(*i) / tirx.const(127.0, "float32"), name="d")
+    amax = te.compute(blocks, lambda *i: te.max(te.abs(x(*i[:-1], i[-1] * block + r)), axis=r), name="amax")
+    f32 = lambda v: tirx.const(v, "float32")  # noqa: E731
 
-    def body(*idx: tirx.PrimExpr) -> tirx.PrimExpr:
-        blk = (*idx[:-1], idx[-1] // block)
-        inv = tirx.Select(d(*blk) > 0, tirx.const(1.0, "float32") / d(*blk), tirx.const(0.0, "float32"))
-        return tirx.nearbyint(x(*idx) * inv) * d(*blk).astype("float16").astype("float32")
+    def at(blk: tuple[tirx.PrimExpr, ...], j: tirx.PrimExpr) -> tirx.PrimExpr:
+        return x(*blk[:-1], blk[-1] * block + j)
+
+    if scheme == "q8_0":
+        d = te.compute(blocks, lambda *i: amax(*i) / f32(127.0), name="d")
+
+        def body(*idx: tirx.PrimExpr) -> tirx.PrimExpr:
+            blk = (*idx[:-1], idx[-1] // block)
+            inv = tirx.Select(d(*blk) > 0, f32(1.0) / d(*blk), f32(0.0))
+            return tirx.nearbyint(x(*idx) * inv) * d(*blk).astype("float16").astype("float32")
+    else:  # q8_K: the signed value of largest magnitude (the first one) sets the scale
+        r2 = te.reduce_axis((i64(0), i64(block)), name="r2")
+        first = te.compute(blocks, lambda *i: te.min(tirx.Select(te.abs(at(i, r2)) == amax(*i), r2, i64(block)),
+                                                     axis=r2), name="first")
+        iscale = te.compute(blocks, lambda *i: tirx.Select(amax(*i) > 0, f32(-127.0) / at(i, first(*i)), f32(0.0)),
+                            name="iscale")
+
+        def body(*idx: tirx.PrimExpr) -> tirx.PrimExpr:
+            blk = (*idx[:-1], idx[-1] // block)
+            s = iscale(*blk)
+            code = te.min(tirx.nearbyint(s * x(*idx)), f32(127.0))
+            return tirx.Select(s != 0, code * (f32(1.0) / s), f32(0.0))
 
     out = te.compute(shape, body, name="out")
     return te.create_prim_func([x, out])

@@ -62,7 +62,7 @@ class Reduce:
 
 @dataclass(frozen=True)
 class QuantizeAct:
-    block: int = 32  # values per 8-bit block along the last axis
+    scheme: str = "q8_0"  # llama.cpp's activation format: q8_0 (32-value blocks) or q8_K (256)
 
 
 @dataclass(frozen=True)
@@ -742,7 +742,7 @@ OPS: dict[str, OpDef] = {
         OpDef("concat", Concat, _concat_shape, _one(lambda i, a, c: np.concatenate(i, axis=a.axis))),
         OpDef("dequantize", NoAttrs, _dequant_shape, _one(lambda i, a, c: i[0])),
         OpDef("gather", NoAttrs, _gather_shape, _one(lambda i, a, c: _ref_gather(i[0], i[1]))),
-        OpDef("quantize_act", QuantizeAct, _same, _one(lambda i, a, c: quantize_act_ref(i[0], a.block))),
+        OpDef("quantize_act", QuantizeAct, _same, _one(lambda i, a, c: quantize_act_ref(i[0], a.scheme))),
         OpDef("matmul", NoAttrs, _matmul_shape, _one(lambda i, a, c: i[0] @ i[1].T.astype(i[0].dtype))),
         OpDef("bmm_nt", NoAttrs, _bmm_shape, _one(lambda i, a, c: i[0] @ np.swapaxes(i[1], 1, 2))),
         OpDef("bmm_nn", NoAttrs, _bmm_nn_shape, _one(lambda i, a, c: i[0] @ i[1])),

@@ -66,9 +66,39 @@ def test_reference_is_idempotent_and_keeps_zero_blocks() -> None:
     np.testing.assert_allclose(codes, np.rint(codes), atol=1e-3)
 
 
-def test_reference_rejects_ragged_rows() -> None:
+def _q8_k_llama_cpp(block: np.ndarray) -> np.ndarray:
+    """llama.cpp's quantize_row_q8_K_ref for one 256-value block, step by step in float32."""
+    amax, peak = np.float32(0), np.float32(0)
+    for v in block:  # strictly greater: the first value of largest magnitude wins
+        if abs(v) > amax:
+            amax, peak = abs(v), v
+    if amax == 0:
+        return np.zeros_like(block)
+    iscale = np.float32(-127) / peak
+    codes = np.minimum(np.rint(iscale * block), 127)  # nearest_int: round half to even
+    return codes * (np.float32(1) / iscale)
+
+
+def test_q8_k_reference_follows_llama_cpp() -> None:
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((6, 256)) * rng.uniform(1e-3, 1e3, (6, 1))).astype(np.float32)
+    x[1, 10], x[1, 200] = -9.0, 9.0  # a tie in magnitude: the first (negative) one sets the sign
+    x[1] = np.clip(x[1], -9.0, 9.0)
+    x[2] = 0  # an all-zero block
+    x[3, 7] = 50.0  # a positive peak: codes reach -127, and +127 is the clamp
+    want = np.stack([_q8_k_llama_cpp(row) for row in x])
+    np.testing.assert_array_equal(quantize_act_ref(x, "q8_K"), want)
+    # re-rounding keeps every code; the f32 scale 1 / (-127 / (-127 d)) may move by an ulp
+    np.testing.assert_allclose(quantize_act_ref(want, "q8_K"), want, rtol=3e-7, atol=0)
+
+
+def test_reference_rejects_ragged_rows_and_unknown_schemes() -> None:
     with pytest.raises(ValueError, match="multiple of 32"):
         quantize_act_ref(np.zeros((2, 40), np.float32))
+    with pytest.raises(ValueError, match="multiple of 256"):
+        quantize_act_ref(np.zeros((2, 288), np.float32), "q8_K")
+    with pytest.raises(ValueError, match="unknown scheme"):
+        quantize_act_ref(np.zeros((2, 32), np.float32), "q4")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -84,13 +114,14 @@ def _graph_with(qtypes: dict[str, str], k: int = 64) -> tuple[GraphBuilder, obje
     return b, b.finish(outs, {})
 
 
-def test_pass_rounds_each_input_once_for_32_block_weights_only() -> None:
-    _, graph = _graph_with({"q": "Q4_1", "k": "Q8_0", "v": "Q4_K", "o": "F32"})
+def test_pass_rounds_each_input_once_per_scheme() -> None:
+    _, graph = _graph_with({"q": "Q4_1", "k": "Q8_0", "v": "Q4_K", "w": "Q6_K", "o": "F32"}, k=256)
     out, _ = run_pipeline(graph)  # type: ignore[arg-type]
-    rounded = [n for n in out.nodes if n.op == "quantize_act"]
-    assert len(rounded) == 1
-    readers = {n.outputs[0].name for n in out.nodes if n.op == "matmul" and n.inputs[0] is rounded[0].outputs[0]}
-    assert readers == {"y_q", "y_k"}
+    rounded = {n.attrs.scheme: n.outputs[0] for n in out.nodes if n.op == "quantize_act"}
+    assert set(rounded) == {"q8_0", "q8_K"}
+    readers = {s: {n.outputs[0].name for n in out.nodes if n.op == "matmul" and n.inputs[0] is v}
+               for s, v in rounded.items()}
+    assert readers == {"q8_0": {"y_q", "y_k"}, "q8_K": {"y_v", "y_w"}}
     assert quantize_activations(out) is out  # nothing left to do: a second run changes nothing
 
 
@@ -104,14 +135,16 @@ def test_pass_skips_rows_that_are_not_whole_blocks() -> None:
 # kernels
 
 
-def test_quantize_act_kernel_is_bit_identical() -> None:
+@pytest.mark.parametrize(("scheme", "k"), [("q8_0", 160), ("q8_K", 512)])
+def test_quantize_act_kernel_is_bit_identical(scheme: str, k: int) -> None:
     rng = np.random.default_rng(3)
-    x = (rng.standard_normal((5, 160)) * rng.uniform(1e-4, 1e4, (5, 1))).astype(np.float32)
-    x[2, 64:96] = 0
-    kernel = _build(Q8.quantize_act((Q.i64(5), Q.i64(160))))
-    out = aligned_zeros((5, 160), np.float32)
+    x = (rng.standard_normal((5, k)) * rng.uniform(1e-4, 1e4, (5, 1))).astype(np.float32)
+    x[2, :256] = 0
+    x[3, 5], x[3, 9] = -x[3].max() * 2, x[3].max() * 2  # equal magnitudes: the first one wins
+    kernel = _build(Q8.quantize_act((Q.i64(5), Q.i64(k)), scheme))
+    out = aligned_zeros((5, k), np.float32)
     kernel(to_tvm(x), to_tvm(out))
-    np.testing.assert_array_equal(out, quantize_act_ref(x))
+    np.testing.assert_array_equal(out, quantize_act_ref(x, scheme))
 
 
 @needs_int8_dot

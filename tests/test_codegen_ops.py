@@ -31,7 +31,7 @@ from ggufc.codegen.tvm_util import to_tvm
 from ggufc.frontend.fixtures import TensorSpec, encode_tensor
 from ggufc.frontend.hparams import rope_table
 from ggufc.ir import ops as O
-from ggufc.ir.act_quant import ACT_QUANT_TYPES
+from ggufc.ir.act_quant import ACT_QUANT_TYPES, ACT_SCHEME
 from ggufc.ir.builder import GraphBuilder
 from ggufc.ir.graph import Graph, Param, Value
 from ggufc.ir.interp import run_graph
@@ -484,23 +484,26 @@ def _single_row(cg: CaseGraph) -> Value:
     return cg.b.emit("last_token", [cg.rows((64,))], O.NoAttrs(), "last")
 
 
-def _act8_rows(k: int) -> Callable[[CaseGraph], Value]:
-    """Activations rounded to 8-bit blocks, as the quantize_activations pass feeds 32-block weights."""
-    return lambda cg: cg.b.emit("quantize_act", [cg.rows((k,))], O.QuantizeAct(32), "xq")
+def _act8_rows(k: int, scheme: str) -> Callable[[CaseGraph], Value]:
+    """Activations rounded to 8-bit blocks, as the quantize_activations pass feeds quantised weights."""
+    return lambda cg: cg.b.emit("quantize_act", [cg.rows((k,))], O.QuantizeAct(scheme), "xq")
 
 
 def _act8_matmul_case(qtype: str, n: int, k: int, decode: bool) -> Case:
     """On a CPU with integer dot products a decode row runs the 8-bit GEMV (quant_int8.py), which
     rounds the activations itself; prefill runs quantize_act then the float kernel."""
     kind = "gemv" if decode else "prefill"
-    return op_case(f"matmul-{qtype}-act8-{n}x{k}-{kind}", "matmul", O.NoAttrs(), _act8_rows(k),
+    return op_case(f"matmul-{qtype}-act8-{n}x{k}-{kind}", "matmul", O.NoAttrs(), _act8_rows(k, ACT_SCHEME[qtype]),
                    weight(n, k, qtype=qtype), group="act8", calls=DECODE if decode else PREFILL)
 
 
 def act8_cases() -> list[Case]:
-    cases = [op_case("quantize_act", "quantize_act", O.QuantizeAct(32), rows(96), group="act8", calls=BOTH)]
+    cases = [op_case("quantize_act", "quantize_act", O.QuantizeAct("q8_0"), rows(96), group="act8", calls=BOTH),
+             op_case("quantize_act-q8_K", "quantize_act", O.QuantizeAct("q8_K"), rows(512), group="act8",
+                     calls=BOTH)]
     for qtype in sorted(ACT_QUANT_TYPES):
-        for n, k in ((20, 64), (4, 128), (36, 96)):
+        shapes = ((20, 64), (4, 128), (36, 96)) if ACT_SCHEME[qtype] == "q8_0" else ((20, 256), (12, 512))
+        for n, k in shapes:
             cases += [_act8_matmul_case(qtype, n, k, True), _act8_matmul_case(qtype, n, k, False)]
     return cases
 
