@@ -15,9 +15,9 @@ import pytest
 from ggufc.frontend import blocks as B
 from ggufc.frontend.load import LoadedModel, load_model
 from ggufc.ir import ops as O
+from ggufc.ir.act_quant import ACT_QUANT_TYPES
 from ggufc.ir.builder import GraphBuilder
 from ggufc.ir.decompose import decompose
-from ggufc.ir.act_quant import ACT_QUANT_TYPES
 from ggufc.ir.graph import Graph, Node, Value
 from ggufc.ir.interp import init_state, run_graph
 from ggufc.ir.verify import verify
