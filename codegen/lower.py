@@ -474,7 +474,12 @@ def _moe_ffn(fc: FunctionContext, node: Node) -> list[Any]:
     logits = fc.call_temp(("matmul", rq, n_exp, e, gemv), lambda: Q.qmatmul(rq, n_exp, e, gemv=gemv),
                           [fc.value(x), *rarr], [([t, K.i64(n_exp)], "float32")], "ffn_moe_logits")[0]
     w, ids = _route(fc, logits, (t_dim, n_exp), a.k, a.normalize, a.norm_clamp, "ffn_moe")
-    x3 = fc.bb.emit(relax.op.reshape(fc.value(x), [t, K.i64(1), K.i64(e)]))
+    in_scheme, down_scheme = a.act_schemes
+    if (in_scheme or down_scheme) and fc.mb.target.kind.name in GPU_KINDS:
+        raise NotImplementedError(f"{node.outputs[0].label}: 8-bit activation rounding of MoE experts is a CPU "
+                                  "kernel; GPU targets compile with float32 activations")
+    xe = _round_temp(fc, fc.value(x), (t_dim, e), [t, K.i64(e)], in_scheme, "ffn_moe_in_q")
+    x3 = fc.bb.emit(relax.op.reshape(xe, [t, K.i64(1), K.i64(e)]))
 
     def experts(inp: Any, wv: Value, per_slot: bool, kind: str) -> Any:
         qtype, (_, n, k), arrays = _weight_args(fc, wv)
@@ -504,6 +509,7 @@ def _moe_ffn(fc: FunctionContext, node: Node) -> list[Any]:
         act = fc.call_temp(("elementwise", prog, (act_dims,)),
                            lambda: K.elementwise([K.Symbols().shape(act_dims)], prog),
                            [up_y], [(act_shape, "float32")], "ffn_moe_act")[0]
+    act = _round_temp(fc, act, act_dims, act_shape, down_scheme, "ffn_moe_act_q")
     down_y = experts(act, down, True, "down")
     dims = (t_dim, a.k, e)
     if a.shared:
@@ -514,6 +520,14 @@ def _moe_ffn(fc: FunctionContext, node: Node) -> list[Any]:
         return shared_expert(fc, node, named, routed)
     return fc.call(("weighted_sum", dims), lambda: K.weighted_sum(K.Symbols().shape(dims), True), [down_y, w],
                    node.outputs, node.outputs[0].name)
+
+
+def _round_temp(fc: FunctionContext, v: Any, dims: tuple[Any, ...], shape: list[Any], scheme: str, name: str) -> Any:
+    """`v` through the quantize_act kernel of `scheme` (no kernel when the scheme is "")."""
+    if not scheme:
+        return v
+    return fc.call_temp(("quantize_act", O.QuantizeAct(scheme), dims),
+                        lambda: Q8.quantize_act(K.Symbols().shape(dims), scheme), [v], [(shape, "float32")], name)[0]
 
 
 def _scale_by_expert(fc: FunctionContext, y: Any, scale: Value, ids: Any, dims: tuple[Dim, ...], kind: str) -> Any:

@@ -151,7 +151,9 @@ def _moe_ffn(b: GraphBuilder, n: Node) -> list[Value]:
     else:
         gate, up = named.get("gate"), named["up"]
     weights, ids = route_spelled(b, b.matmul(x, router, f"{name}.logits"), a, f"{name}.route")
-    x3 = b.reshape(x, (t, 1, x.shape[1]), f"{name}.in")
+    in_scheme, down_scheme = a.act_schemes
+    xe = b.emit("quantize_act", [x], O.QuantizeAct(in_scheme), f"{name}.in_q") if in_scheme else x
+    x3 = b.reshape(xe, (t, 1, x.shape[1]), f"{name}.in")
 
     def experts(inp: Value, w: Value, kind: str) -> Value:
         y = b.emit("matmul_id", [inp, w, ids], O.NoAttrs(), f"{name}.{kind}")
@@ -166,6 +168,8 @@ def _moe_ffn(b: GraphBuilder, n: Node) -> list[Value]:
     else:
         act = b.unary("silu", u, f"{name}.act")
     w3 = b.reshape(weights, (t, a.k, 1), f"{name}.weights3")
+    if down_scheme:
+        act = b.emit("quantize_act", [act], O.QuantizeAct(down_scheme), f"{name}.act_q")
     weighted = b.mul(experts(act, down, "down"), w3, f"{name}.weighted")
     if not a.shared:
         return [b.reduce("sum", weighted, name, axis=1, keepdims=False)]

@@ -151,6 +151,9 @@ class MoeFFN:
     merged_gate_up: bool = False  # one [X, 2F, E] experts tensor in place of gate and up: rows [0,F) gate, [F,2F) up
     shared: bool = False  # + a shared SwiGLU expert scaled by sigmoid(x . gate_inp_shexp) (qwen3next, qwen4exp)
     shared_scales: tuple[str, ...] = ()  # which of the shared expert's ("gate", "up", "down") carry a [1] scale
+    # llama.cpp's 8-bit rounding (ir/act_quant.py) of the routed experts' inputs: (gate/up, down);
+    # "" keeps float32 (set by the quantize_activations pass)
+    act_schemes: tuple[str, str] = ("", "")
 
 
 @dataclass(frozen=True)
@@ -384,7 +387,8 @@ def moe_ffn_ref(
     scales: dict[str, np.ndarray], a: MoeFFN,
 ) -> np.ndarray:
     w, ids = moe_route_ref(x @ wr.T, a)
-    x3 = x[:, None, :]
+    in_scheme, down_scheme = a.act_schemes
+    x3 = (quantize_act_ref(x, in_scheme) if in_scheme else x)[:, None, :]
     up = matmul_id_ref(x3, wu, ids)
     if "up" in scales:
         up = up * scales["up"][ids][..., None]
@@ -395,7 +399,7 @@ def moe_ffn_ref(
         hdn = g * _sigmoid(g) * up
     else:
         hdn = up * _sigmoid(up)
-    down = matmul_id_ref(hdn, wd, ids)
+    down = matmul_id_ref(quantize_act_ref(hdn, down_scheme) if down_scheme else hdn, wd, ids)
     if "down" in scales:
         down = down * scales["down"][ids][..., None]
     return np.sum(down * w[..., None], axis=1)

@@ -3,27 +3,49 @@
 For quantised weights (the 32-block types and the K-quants) llama.cpp's dot products read the
 activations as 8-bit blocks (q8_0 or q8_K, ir/act_quant.py); making that rounding an op gives the
 compiled model llama.cpp's numerics, and lets codegen use integer dot-product kernels (which
-re-quantise `x` themselves). Matmuls that share an input and a scheme share one `quantize_act`.
+re-quantise `x` themselves). Matmuls that share an input and a scheme share one `quantize_act`;
+a fused MoE records the schemes of its routed experts' inputs (`MoeFFN.act_schemes`).
 Runs after `fold_dequantize`, when a matmul reads its quantised param directly.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from ggufc.ir.act_quant import ACT_SCHEME, SCHEME_BLOCK
 from ggufc.ir.graph import Graph, Node, Value
-from ggufc.ir.ops import QuantizeAct
+from ggufc.ir.ops import MoeFFN, QuantizeAct, moe_inputs
 
 from .stats import with_hits
 
 
 def _scheme(node: Node, params: dict[int, str]) -> str | None:
     """The activation scheme llama.cpp uses for this matmul's weight, or None."""
-    if node.op != "matmul":
+    if node.op not in ("matmul", "matmul_id"):
         return None
-    x, w = node.inputs
+    x, w = node.inputs[:2]
     scheme = ACT_SCHEME.get(params.get(w.id, ""))
     k = x.shape[-1]
     return scheme if scheme and isinstance(k, int) and k % SCHEME_BLOCK[scheme] == 0 else None
+
+
+def _expert_schemes(node: Node, params: dict[int, str]) -> tuple[str, str] | None:
+    """The schemes of a moe_ffn's routed experts (gate/up input, down input), or None."""
+    a: MoeFFN = node.attrs
+    named = moe_inputs(node.inputs, a)
+    ups = [named[k] for k in ("gate", "up", "gate_up") if k in named]
+    in_schemes = {ACT_SCHEME.get(params.get(w.id, "")) for w in ups}
+    down_scheme = ACT_SCHEME.get(params.get(named["down"].id, ""))
+    hidden = int(named["down"].shape[-1])
+    e = node.inputs[0].shape[-1]
+    in_scheme = in_schemes.pop() if len(in_schemes) == 1 else None
+    if in_scheme and not (isinstance(e, int) and e % SCHEME_BLOCK[in_scheme] == 0):
+        in_scheme = None
+    if down_scheme and hidden % SCHEME_BLOCK[down_scheme]:
+        down_scheme = None
+    if not (in_scheme or down_scheme) or a.act_schemes != ("", ""):
+        return None
+    return in_scheme or "", down_scheme or ""
 
 
 def quantize_activations(graph: Graph) -> Graph:
@@ -31,16 +53,22 @@ def quantize_activations(graph: Graph) -> Graph:
     already = {n.outputs[0].id for n in graph.nodes if n.op == "quantize_act"}
     rounded: dict[tuple[int, str], Value] = {}  # (input value id, scheme) -> its quantize_act output
     nodes: list[Node] = []
+    experts = 0
     for node in graph.nodes:
+        if node.op == "moe_ffn" and (schemes := _expert_schemes(node, params)) is not None:
+            nodes.append(Node(node.op, node.inputs, dataclasses.replace(node.attrs, act_schemes=schemes),
+                              node.outputs))
+            experts += 1
+            continue
         scheme = _scheme(node, params)
         if scheme is None or node.inputs[0].id in already:
             nodes.append(node)
             continue
-        x, w = node.inputs
+        x = node.inputs[0]
         if (x.id, scheme) not in rounded:
             xq = Value(f"{x.name}_{scheme}", x.shape, x.dtype, x.layer)
             nodes.append(Node("quantize_act", (x,), QuantizeAct(scheme), (xq,)))
             rounded[x.id, scheme] = xq
-        nodes.append(Node(node.op, (rounded[x.id, scheme], w), node.attrs, node.outputs))
-    hits = len(rounded)
+        nodes.append(Node(node.op, (rounded[x.id, scheme], *node.inputs[1:]), node.attrs, node.outputs))
+    hits = len(rounded) + experts
     return with_hits(graph.replace(nodes=nodes), "quantize_activations", hits) if hits else graph

@@ -387,10 +387,11 @@ class MoeShape:
 
 
 def _moe_ffn_case(
-    name: str, qtype: str, shape: MoeShape, *, gate: bool, scales: tuple[str, ...], normalize: bool
+    name: str, qtype: str, shape: MoeShape, *, gate: bool, scales: tuple[str, ...], normalize: bool,
+    act_schemes: tuple[str, str] = ("", ""),
 ) -> Case:
     s = shape
-    attrs = O.MoeFFN(k=s.k, normalize=normalize, has_gate=gate, expert_scales=scales)
+    attrs = O.MoeFFN(k=s.k, normalize=normalize, has_gate=gate, expert_scales=scales, act_schemes=act_schemes)
     experts = [weight(s.n_exp, s.hidden, s.n_embd, qtype=qtype)] * (2 if gate else 1)  # gate, up
     experts.append(weight(s.n_exp, s.n_embd, s.hidden, qtype=qtype))  # down
     per_expert = [weight(s.n_exp, domain=(0.5, 1.5)) for _ in scales]
@@ -402,7 +403,7 @@ def _moe_ffn_case(
         weight(s.n_exp, s.n_embd),
         *experts,
         *per_expert,
-        group="moe",
+        group="act8" if act_schemes != ("", "") else "moe",
         calls=BOTH,
     )
 
@@ -433,6 +434,10 @@ def moe_cases() -> list[Case]:
         _moe_ffn_case("moe_ffn-f32-nogate-raw", "F32", small, gate=False, scales=("up",), normalize=False),
         _moe_ffn_case("moe_ffn-Q8_0", "Q8_0", MoeShape(64, 32), gate=True, scales=(), normalize=True),
         _moe_ffn_case("moe_ffn-Q4_K", "Q4_K", kquant, gate=True, scales=("down",), normalize=True),
+        _moe_ffn_case("moe_ffn-Q8_0-act8", "Q8_0", MoeShape(64, 32), gate=True, scales=(), normalize=True,
+                      act_schemes=("q8_0", "q8_0")),
+        _moe_ffn_case("moe_ffn-Q4_K-act8", "Q4_K", kquant, gate=False, scales=("up",), normalize=True,
+                      act_schemes=("q8_K", "q8_K")),
         _matmul_id_case("F32", 13, False, "moe"),
         _matmul_id_case("F32", 13, True, "moe"),
     ]

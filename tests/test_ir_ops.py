@@ -163,6 +163,8 @@ def _fused_cases() -> list[Case]:
     no_gate = (X, experts[0], experts[2], experts[3], *scales)
     plain = O.MoeFFN(3, normalize=False, has_gate=False, expert_scales=("up", "down"))
     cases += _both_t("moe_ffn", plain, no_gate)
+    rounded = (In("router", (5, 64)), In("gate", (5, 32, 64)), In("up", (5, 32, 64)), In("down", (5, 64, 32)))
+    cases += _both_t("moe_ffn", O.MoeFFN(2, act_schemes=("q8_0", "q8_0")), (In("x", ("T", 64)), *rounded))
     program = (
         ("binary", O.Binary("mul"), (0, 1)),
         ("scalar", O.Scalar("add", 0.5), (3,)),
