@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
-K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
 # CI sets these so a missing driver or compiler fails the run instead of skipping
 REQUIRE_VULKAN = os.environ.get("GGUFC_REQUIRE_VULKAN") == "1"
 REQUIRE_NVCC = os.environ.get("GGUFC_REQUIRE_NVCC") == "1"
@@ -74,31 +73,6 @@ def smollm2_path() -> Path | None:
         if cand.is_file():
             return cand
     return None
-
-
-def make_raw(qtype: str, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
-    """GGUF storage of random weights (random valid blocks for the K-quants, which gguf-py
-    cannot quantise)."""
-    import gguf
-
-    rng = np.random.default_rng(seed)
-    values = rng.standard_normal(shape).astype(np.float32)
-    qt = gguf.GGMLQuantizationType[qtype]
-    if qtype not in K_QUANTS:
-        return gguf.quants.quantize(values, qt)
-    block, type_size = gguf.GGML_QUANT_SIZES[qt]
-    raw = rng.integers(0, 256, size=(*shape[:-1], shape[-1] // block, type_size), dtype=np.uint8)
-
-    def f16_bytes(lo: float, hi: float) -> np.ndarray:
-        v = rng.uniform(lo, hi, size=raw.shape[:-1]).astype(np.float16)
-        return v.view(np.uint8).reshape(*raw.shape[:-1], 2)
-
-    if qtype == "Q6_K":
-        raw[..., 208:210] = f16_bytes(0.001, 0.01)
-    else:
-        raw[..., 0:2] = f16_bytes(0.001, 0.01)
-        raw[..., 2:4] = f16_bytes(0.0, 0.01)
-    return raw.reshape(*shape[:-1], -1)
 
 
 def nmse(a: np.ndarray, b: np.ndarray) -> float:

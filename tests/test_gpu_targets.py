@@ -19,7 +19,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gpu_support import golden_fixture, make_raw, need_nvcc
+from gpu_support import golden_fixture, need_nvcc
+from random_weights import make_raw
 
 from ggufc.cli import main
 from ggufc.codegen import quant as Q

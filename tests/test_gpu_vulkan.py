@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tvm
-from gpu_support import golden_fixture, golden_logits, make_raw, need_vulkan, nmse, rel_err, smollm2_path
+from gpu_support import golden_fixture, golden_logits, need_vulkan, nmse, rel_err, smollm2_path
+from random_weights import make_raw
 
 from ggufc.codegen import attention_gpu as AG
 from ggufc.codegen import device_info as DI
