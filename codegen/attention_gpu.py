@@ -128,45 +128,38 @@ def attention(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float) -> t
 def sparse_attention(n_head: int, n_kv: int, dim: int, n_cells: int, width: int, scale: float) -> tirx.PrimFunc:
     """(q [T, H, D], k_cache, v_cache [C, Hkv, D], pos, sel [T, W] int32, out [T, H, D]): attention
     over each query's selected cells (slots of -1 and cells after the query are skipped)."""
-    H, HKV, D, C, W = T.int64(n_head), T.int64(n_kv), T.int64(dim), T.int64(n_cells), T.int64(width)
-    attend = _online_softmax(n_head, n_kv, dim, scale)
-
-    @T.prim_func(private=True)
-    def sparse_attention_gpu(q_h: T.handle, k_h: T.handle,
-                             v_h: T.handle, pos: T.int64, sel_h: T.handle,
-                             o_h: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        n = T.int64()
-        k_cache = T.match_buffer(k_h, (C, HKV, D), "float32")
-        v_cache = T.match_buffer(v_h, (C, HKV, D), "float32")
-        q = T.match_buffer(q_h, (n, H, D), "float32")
-        sel = T.match_buffer(sel_h, (n, W), "int32")
-        o = T.match_buffer(o_h, (n, H, D), "float32")
-        attend(q, k_cache, v_cache, o, n, pos, sel, None)
-
-    return sparse_attention_gpu
+    return _attention_with(n_head, n_kv, dim, n_cells, scale, width)
 
 
 def masked_attention(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float) -> tirx.PrimFunc:
     """(q [T, H, D], k_cache, v_cache [C, Hkv, D], pos, mask [T, P+T], out [T, H, D]): causal
     attention plus an additive mask (the unfused QSA spelling)."""
+    return _attention_with(n_head, n_kv, dim, n_cells, scale, None)
+
+
+def _attention_with(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float,
+                    width: int | None) -> tirx.PrimFunc:
+    """Attention with one more operand before the output: selected cells [T, width] int32 when
+    `width` is given, else an additive mask [T, P+T]."""
     H, HKV, D, C = T.int64(n_head), T.int64(n_kv), T.int64(dim), T.int64(n_cells)
+    W = T.int64(width or 0)
+    sparse = width is not None
     attend = _online_softmax(n_head, n_kv, dim, scale)
 
     @T.prim_func(private=True)
-    def masked_attention_gpu(q_h: T.handle, k_h: T.handle,
-                             v_h: T.handle, pos: T.int64, mask_h: T.handle,
-                             o_h: T.handle):
+    def attention_with_gpu(q_h: T.handle, k_h: T.handle,
+                           v_h: T.handle, pos: T.int64, extra_h: T.handle,
+                           o_h: T.handle):
         T.func_attr({"tirx.noalias": True})
         n = T.int64()
         k_cache = T.match_buffer(k_h, (C, HKV, D), "float32")
         v_cache = T.match_buffer(v_h, (C, HKV, D), "float32")
         q = T.match_buffer(q_h, (n, H, D), "float32")
-        mask = T.match_buffer(mask_h, (n, pos + n), "float32")
+        extra = T.match_buffer(extra_h, (n, W if sparse else pos + n), "int32" if sparse else "float32")
         o = T.match_buffer(o_h, (n, H, D), "float32")
-        attend(q, k_cache, v_cache, o, n, pos, None, mask)
+        attend(q, k_cache, v_cache, o, n, pos, extra if sparse else None, None if sparse else extra)
 
-    return masked_attention_gpu
+    return attention_with_gpu
 
 
 WRITE_THREADS = 256
