@@ -16,6 +16,7 @@ import tvm
 from tvm import relax, tirx
 
 from ggufc.ir import ops as O
+from ggufc.ir.act_quant import MIN_TYPES
 from ggufc.ir.graph import Dim, Graph, Node, Param, Value
 
 from . import kernels as K
@@ -326,13 +327,15 @@ def _int8_gemv(fc: FunctionContext, node: Node) -> bool:
     a weight type with such a kernel and a target with integer dot products (quant_int8.py)."""
     if node.op != "matmul" or not fc.is_param(node.inputs[1]):
         return False
-    x, w = node.inputs
+    x, w = node.inputs[:2]
     src = fc.producers.get(x.id)
-    if src is None or src.op != "quantize_act" or src.attrs.scheme != "q8_0":
+    if src is None or src.op != "quantize_act" or src.attrs.scheme not in ("q8_0", "q8_1"):
         return False
     if len(x.shape) != 2 or not fc.is_one(x.shape[0]):
         return False
     layout = fc.mb.layouts[fc.param_of[w.id].source]
+    if (layout.qtype in MIN_TYPES) != (len(node.inputs) == 3):  # the Q4_1 kernel computes q8_1's m term
+        return False
     n, k = layout.shape
     return Q8.int8_gemv_supported(layout.qtype, n, k, fc.mb.target)
 
@@ -343,7 +346,8 @@ def _int8_gemv_group(fc: FunctionContext, node: Node) -> list[Any]:
     results from it."""
     if node.outputs[0].id in fc.grouped:
         return [fc.grouped.pop(node.outputs[0].id)]
-    x, w = node.inputs
+    x, w = node.inputs[:2]
+    raw = fc.producers[x.id].inputs[0]  # the kernels round x themselves (q8_1 sums need it unrounded)
     qtype, (_, k), _ = _weight_args(fc, w)
 
     def joins(u: Node) -> bool:
@@ -359,7 +363,7 @@ def _int8_gemv_group(fc: FunctionContext, node: Node) -> list[Any]:
     target = fc.mb.target
     outs = [o for m in members for o in m.outputs]
     results = fc.call(("matmul_int8", qtype, ns, k), lambda: Q8.int8_gemv_group(qtype, ns, k, target),
-                      [fc.value(x), *(a for _, _, arrays in weights for a in arrays)], outs, node.outputs[0].name)
+                      [fc.value(raw), *(a for _, _, arrays in weights for a in arrays)], outs, node.outputs[0].name)
     for m, r in zip(members[1:], results[1:], strict=True):
         fc.grouped[m.outputs[0].id] = r
     return results[:1]
@@ -371,15 +375,15 @@ def _quantize_act(fc: FunctionContext, node: Node) -> list[Any]:
         raise NotImplementedError(f"{node.outputs[0].label}: 8-bit activation rounding (quantize_act) is a CPU "
                                   "kernel; GPU targets compile with float32 activations")
     users = fc.users.get(node.outputs[0].id, [])
-    if users and all(_int8_gemv(fc, u) for u in users):
-        return [fc.value(x)]  # the 8-bit GEMVs round their input themselves (the op is idempotent)
+    if users and all(_int8_gemv(fc, u) for u in users):  # they round x themselves (and read no sums)
+        return [fc.value(x)] * len(node.outputs)
     key = ("quantize_act", node.attrs, fc.kernel_key_dims(x))
     return fc.call(key, lambda: Q8.quantize_act(fc.kernel_shape(x, K.Symbols()), node.attrs.scheme), [fc.value(x)],
                    node.outputs, node.outputs[0].name)
 
 
 def _matmul(fc: FunctionContext, node: Node) -> list[Any]:
-    x, w = node.inputs
+    x, w = node.inputs[:2]
     qtype, (n, k), arrays = _weight_args(fc, w)
     gemv = fc.is_one(x.shape[0]) and len(x.shape) == 2
     if len(x.shape) != 2:
@@ -387,8 +391,15 @@ def _matmul(fc: FunctionContext, node: Node) -> list[Any]:
     if _int8_gemv(fc, node):
         return _int8_gemv_group(fc, node)
     key = ("matmul", qtype, n, k, gemv)
-    return fc.call(key, lambda: Q.qmatmul(qtype, n, k, gemv=gemv), [fc.value(x), *arrays], node.outputs,
-                   node.outputs[0].name)
+    if len(node.inputs) == 2:
+        return fc.call(key, lambda: Q.qmatmul(qtype, n, k, gemv=gemv), [fc.value(x), *arrays], node.outputs,
+                       node.outputs[0].name)
+    # q8_1 input: the float matmul, then each block's m term moved from sum(x) to the block sum s
+    y = fc.call_temp(key, lambda: Q.qmatmul(qtype, n, k, gemv=gemv), [fc.value(x), *arrays],
+                     [(fc.shape(node.outputs[0]), "float32")], node.outputs[0].name)[0]
+    mins = arrays[[name for name, _, _ in Q.layout_spec(qtype, (n, k))].index("m")]
+    return fc.call(("q8_1_min_fix", n, k), lambda: Q8.q8_1_min_fix(n, k),
+                   [y, fc.value(x), fc.value(node.inputs[2]), mins], node.outputs, node.outputs[0].name)
 
 
 def _gather(fc: FunctionContext, node: Node) -> list[Any]:

@@ -2,14 +2,15 @@
 
 A decode step's matmul with a 32-block weight (Q4_0, Q4_1, Q8_0) reads its input as 8-bit blocks
 (ir/act_quant.py). The GEMV kernels here quantise `x` themselves in a short serial prologue (the
-op is idempotent, so they may be handed `x` or `quantize_act(x)`) and then, per row and pair of
+q8_0 op is idempotent, so they may be handed `x` or `quantize_act(x)`; the q8_1 block sums of
+Q4_1 need the unrounded `x`) and then, per row and pair of
 blocks, multiply the weight bytes with the activation bytes in `vpdpbusd` (u8 x s8 -> i32, four
-products per lane), the arithmetic llama.cpp uses. In exact arithmetic the result equals
-`quantize_act(x) @ dequant(W).T`; only float32 summation order differs.
+products per lane), the arithmetic llama.cpp uses. In exact arithmetic the result equals the
+reference `matmul` of the quantised input; only float32 summation order differs.
 
 Per 32-value block b of a row, with weight codes q, activation codes a and block sum A = sum a:
 
-    Q4_1   d_w d_a (q . a) + m_w (d_a A)          q = nibble (0..15)
+    Q4_1   d_w d_a (q . a) + m_w s                q = nibble (0..15), s = f16(d_a A) (q8_1, d_a in f32)
     Q4_0   d_w d_a (q . a - 8 A)                   q = nibble
     Q8_0   d_w d_a (q' . a - 128 A)                q' = q + 128 (the byte with its sign bit flipped)
 
@@ -61,7 +62,8 @@ def int8_gemv_supported(qtype: str, n: int, k: int, target: tvm.target.Target) -
 
 
 def quantize_act(shape: tuple[tirx.PrimExpr, ...], scheme: str = "q8_0") -> tirx.PrimFunc:
-    """`(x [..., K] f32, out [..., K] f32)`, out = quantize_act_ref(x, scheme): bit-identical to the reference."""
+    """`(x [..., K] f32, out [..., K] f32)`, out = quantize_act_ref(x, scheme): bit-identical to the
+    reference; q8_1 adds the block sums `(..., sums [..., K/32] f32)`."""
     if scheme not in SCHEME_BLOCK:
         raise ValueError(f"quantize_act: unknown scheme {scheme!r}")
     block = SCHEME_BLOCK[scheme]
@@ -75,14 +77,7 @@ def quantize_act(shape: tuple[tirx.PrimExpr, ...], scheme: str = "q8_0") -> tirx
     def at(blk: tuple[tirx.PrimExpr, ...], j: tirx.PrimExpr) -> tirx.PrimExpr:
         return x(*blk[:-1], blk[-1] * block + j)
 
-    if scheme == "q8_0":
-        d = te.compute(blocks, lambda *i: amax(*i) / f32(127.0), name="d")
-
-        def body(*idx: tirx.PrimExpr) -> tirx.PrimExpr:
-            blk = (*idx[:-1], idx[-1] // block)
-            inv = tirx.Select(d(*blk) > 0, f32(1.0) / d(*blk), f32(0.0))
-            return tirx.nearbyint(x(*idx) * inv) * d(*blk).astype("float16").astype("float32")
-    else:  # q8_K: the signed value of largest magnitude (the first one) sets the scale
+    if scheme == "q8_K":  # the signed value of largest magnitude (the first one) sets the scale
         r2 = te.reduce_axis((i64(0), i64(block)), name="r2")
         first = te.compute(blocks, lambda *i: te.min(tirx.Select(te.abs(at(i, r2)) == amax(*i), r2, i64(block)),
                                                      axis=r2), name="first")
@@ -95,8 +90,57 @@ def quantize_act(shape: tuple[tirx.PrimExpr, ...], scheme: str = "q8_0") -> tirx
             code = te.min(tirx.nearbyint(s * x(*idx)), f32(127.0))
             return tirx.Select(s != 0, code * (f32(1.0) / s), f32(0.0))
 
-    out = te.compute(shape, body, name="out")
-    return te.create_prim_func([x, out])
+        return te.create_prim_func([x, te.compute(shape, body, name="out")])
+    inv = te.compute(blocks, lambda *i: tirx.Select(amax(*i) > 0, f32(127.0) / amax(*i), f32(0.0)), name="inv")
+
+    def code(*idx: tirx.PrimExpr) -> tirx.PrimExpr:
+        return tirx.nearbyint(x(*idx) * inv(*idx[:-1], idx[-1] // block))
+
+    def d16(*blk: tirx.PrimExpr) -> tirx.PrimExpr:
+        return (amax(*blk) / f32(127.0)).astype("float16").astype("float32")
+
+    out = te.compute(shape, lambda *idx: code(*idx) * d16(*idx[:-1], idx[-1] // block), name="out")
+    if scheme == "q8_0":
+        return te.create_prim_func([x, out])
+    r3 = te.reduce_axis((i64(0), i64(block)), name="r3")
+    total = te.compute(blocks, lambda *i: te.sum(code(*i[:-1], i[-1] * block + r3), axis=r3), name="total")
+    sums = te.compute(blocks, lambda *i: (total(*i) * (amax(*i) / f32(127.0))).astype("float16").astype("float32"),
+                      name="sums")
+    return te.create_prim_func([x, out, sums])
+
+
+def q8_1_min_fix(n: int, k: int) -> tirx.PrimFunc:
+    """`(y0 [T, N], x [T, K], s [T, K/32], m [N, K/32] f16, y [T, N])`: a float matmul's result with
+    each block's minimum term moved from the block sum of the rounded x to its q8_1 sum s:
+    y = y0 + sum_b m[n, b] * (s[t, b] - sum_{i in b} x[t, i]). One task per token; the inner loop
+    runs along N over the minimums converted once to f32 [K/32, N]."""
+    blocks = k // ACT_BLOCK
+    N, K, B = T.int64(n), T.int64(k), T.int64(blocks)
+
+    @T.prim_func(private=True)
+    def min_fix(y0_h: T.handle, x_h: T.handle, s_h: T.handle, m: T.Buffer((N, B), "float16"), y_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        t_len = T.int64()
+        y0 = T.match_buffer(y0_h, (t_len, N), "float32")
+        x = T.match_buffer(x_h, (t_len, K), "float32")
+        s = T.match_buffer(s_h, (t_len, B), "float32")
+        y = T.match_buffer(y_h, (t_len, N), "float32")
+        mt = T.alloc_buffer((B, N), "float32")
+        for b, j in T.grid(B, N):
+            mt[b, j] = T.Cast("float32", m[j, b])
+        for t in T.parallel(t_len):
+            err = T.alloc_buffer((B,), "float32")
+            for b in range(B):
+                err[b] = s[t, b]
+                for i in range(ACT_BLOCK):
+                    err[b] = err[b] - x[t, b * ACT_BLOCK + i]
+            for j in range(N):
+                y[t, j] = y0[t, j]
+            for b in range(B):
+                for j in range(N):
+                    y[t, j] = y[t, j] + mt[b, j] * err[b]
+
+    return min_fix
 
 
 # ---------------------------------------------------------------------------------------------
@@ -135,11 +179,12 @@ def _slots(ns: tuple[int, ...]) -> tuple[list[int], list[int]]:
 
 
 def _quantize_prologue(pos: Callable[..., tirx.PrimExpr]) -> Callable[..., None]:
-    """Serial prologue: x [1, K] -> codes xb (int8, at pos(b, i)), scales xd [K/32] (f16-rounded) and
-    code sums xs [K/32]; the same float32 steps as quantize_act (so the codes are identical)."""
+    """Serial prologue: x [1, K] -> codes xb (int8, at pos(b, i)), scales xd [K/32] (f16-rounded),
+    code sums xs [K/32] and q8_1 block sums xss [K/32] (f16(d * xs), d in f32); the same float32
+    steps as quantize_act (so the codes are identical)."""
 
     @T.macro
-    def prologue(x, xb, xd, xs, n_blocks):  # type: ignore[no-untyped-def]
+    def prologue(x, xb, xd, xs, xss, n_blocks):  # type: ignore[no-untyped-def]
         part = T.alloc_buffer((8,), "float32")
         for b in range(n_blocks):
             for lane in T.vectorized(8):
@@ -150,7 +195,7 @@ def _quantize_prologue(pos: Callable[..., tirx.PrimExpr]) -> Callable[..., None]
             amax = T.meta_var(T.max(T.max(T.max(part[0], part[1]), T.max(part[2], part[3])),
                                     T.max(T.max(part[4], part[5]), T.max(part[6], part[7]))))
             d = T.meta_var(amax / T.float32(127))
-            inv = T.meta_var(T.if_then_else(d > T.float32(0), T.float32(1) / d, T.float32(0)))
+            inv = T.meta_var(T.if_then_else(amax > T.float32(0), T.float32(127) / amax, T.float32(0)))
             for h in range(2):
                 for i in T.vectorized(16):
                     xb[pos(b, h * 16 + i)] = T.Cast("int8", T.nearbyint(x[0, b * 32 + h * 16 + i] * inv))
@@ -158,6 +203,7 @@ def _quantize_prologue(pos: Callable[..., tirx.PrimExpr]) -> Callable[..., None]
             xs[b] = 0
             for i in range(32):
                 xs[b] = xs[b] + T.Cast("int32", xb[pos(b, i)])
+            xss[b] = T.Cast("float32", T.Cast("float16", d * T.Cast("float32", xs[b])))
 
     return prologue
 
@@ -173,49 +219,64 @@ def _q8_pos(b: tirx.PrimExpr, i: tirx.PrimExpr) -> tirx.PrimExpr:
 
 def _q4_gemv(ns: tuple[int, ...], k: int, intrin: str, has_min: bool) -> tirx.PrimFunc:
     n_blocks, n_pairs, rows, group = k // 32, k // 64, ROWS, len(ns)
+    n_octs = n_blocks // 8  # 8-block runs whose weight scales load as one f16x8 vector
     (n1, n2, n3), (g1, g2, g3) = _slots(ns)
-    total = sum(n // rows for n in ns)
     prologue = _quantize_prologue(_q4_pos)
     offset = 0 if has_min else 8  # Q4_0 codes are nibble - 8
 
     @T.macro
-    def row_group(wd, wm, wq, y, n, jo, acc, slot, xb, xde, xse, xc):  # type: ignore[no-untyped-def]
-        """Rows [jo * rows, jo * rows + rows) of one matrix; `slot` is the task's accumulator row."""
+    def pair_step(wq, acc, j, r, p, scale, xb, xde, xc):  # type: ignore[no-untyped-def]
+        """acc[r] += (q . a per lane) * d_w d_a for pair p of row j (`scale`: d_w per lane)."""
+        word = T.meta_var(T.reinterpret("int32x8", wq.vload([j, p * 2, 0], "uint8x32")))
+        lo = T.meta_var(T.bitwise_and(word, T.broadcast(T.int32(0x0F0F0F0F), 8)))
+        hi = T.meta_var(T.bitwise_and(T.shift_right(word, T.broadcast(T.int32(4), 8)),
+                                      T.broadcast(T.int32(0x0F0F0F0F), 8)))
+        start = T.meta_var(T.broadcast(T.int32(0), 8) if has_min else xc.vload([p * 8], "int32x8"))
+        dot = T.meta_var(T.call_llvm_pure_intrin(
+            "int32x8", intrin,
+            T.call_llvm_pure_intrin("int32x8", intrin, start, T.reinterpret("int8x32", lo),
+                                    xb.vload([p * 64], "int8x32")),
+            T.reinterpret("int8x32", hi), xb.vload([p * 64 + 32], "int8x32")))
+        acc[r, 0:8] = acc.vload([r, 0], "float32x8") + T.Cast("float32x8", dot) * (scale * xde.vload([p * 8],
+                                                                                                        "float32x8"))
+
+    @T.macro
+    def row_group(wd, wm, wq, y, n, jo, xb, xde, xss, xc):  # type: ignore[no-untyped-def]
+        """Rows [jo * rows, jo * rows + rows) of one matrix, accumulated in registers."""
         wq_flat = T.decl_buffer((n * n_blocks * 16,), "uint8", data=wq.data)
         wd_flat = T.decl_buffer((n * n_blocks,), "float16", data=wd.data)
+        acc = T.alloc_buffer((rows, 8), "float32")  # small: a stack array per task
+        d8 = T.alloc_buffer((rows, 8), "float32")  # small: a stack array per task
+        ahead = T.meta_var(T.min(jo + PREFETCH_GROUPS, n // rows - 1))
         for r in T.unroll(rows):
-            acc[slot, r, 0:8] = T.broadcast(T.float32(0), 8)
-        for p in range(n_pairs):
-            ahead = T.meta_var(T.min(jo + PREFETCH_GROUPS, n // rows - 1))
-            _prefetch(wq_flat, ahead * rows * n_blocks * 16 + p * 128)
-            _prefetch(wq_flat, ahead * rows * n_blocks * 16 + p * 128 + 64)
-            _prefetch(wd_flat, ahead * rows * n_blocks + p * 8)
-            if has_min:
-                wm_flat = T.decl_buffer((n * n_blocks,), "float16", data=wm.data)
-                _prefetch(wm_flat, ahead * rows * n_blocks + p * 8)
+            acc[r, 0:8] = T.broadcast(T.float32(0), 8)
+        for o in range(n_octs):
+            for c in T.unroll(4):
+                _prefetch(wq_flat, ahead * rows * n_blocks * 16 + (o * 4 + c) * 128)
+                _prefetch(wq_flat, ahead * rows * n_blocks * 16 + (o * 4 + c) * 128 + 64)
+            _prefetch(wd_flat, ahead * rows * n_blocks + o * 8)
             for r in T.unroll(rows):
-                j = T.meta_var(jo * rows + r)
-                word = T.meta_var(T.reinterpret("int32x8", wq.vload([j, p * 2, 0], "uint8x32")))
-                lo = T.meta_var(T.bitwise_and(word, T.broadcast(T.int32(0x0F0F0F0F), 8)))
-                hi = T.meta_var(T.bitwise_and(T.shift_right(word, T.broadcast(T.int32(4), 8)),
-                                              T.broadcast(T.int32(0x0F0F0F0F), 8)))
-                dot = T.meta_var(T.call_llvm_pure_intrin(
-                    "int32x8", intrin,
-                    T.call_llvm_pure_intrin("int32x8", intrin, xc.vload([p * 8], "int32x8"),
-                                            T.reinterpret("int8x32", lo), xb.vload([p * 64], "int8x32")),
-                    T.reinterpret("int8x32", hi), xb.vload([p * 64 + 32], "int8x32")))
-                d2 = T.meta_var(T.Cast("float32x2", wd.vload([j, p * 2], "float16x2")))
-                scale = T.meta_var(T.Shuffle([d2, d2, d2, d2], [0, 2, 4, 6, 1, 3, 5, 7]))
-                term = T.meta_var(T.Cast("float32x8", dot) * (scale * xde.vload([p * 8], "float32x8")))
-                if has_min:
-                    m2 = T.meta_var(T.Cast("float32x2", wm.vload([j, p * 2], "float16x2")))
-                    bias = T.meta_var(T.Shuffle([m2, m2, m2, m2], [0, 2, 4, 6, 1, 3, 5, 7]))
-                    acc[slot, r, 0:8] = (acc.vload([slot, r, 0], "float32x8") + term
-                                         + bias * xse.vload([p * 8], "float32x8"))
-                else:
-                    acc[slot, r, 0:8] = acc.vload([slot, r, 0], "float32x8") + term
+                d8[r, 0:8] = T.Cast("float32x8", wd.vload([jo * rows + r, o * 8], "float16x8"))
+            for c in T.unroll(4):
+                for r in T.unroll(rows):
+                    scale = T.meta_var(T.call_llvm_pure_intrin(
+                        "float32x8", "llvm.x86.avx2.permps", d8.vload([r, 0], "float32x8"),
+                        T.Ramp(c * 8, 1, 8) // T.broadcast(T.int32(4), 8)))  # lanes 0-3: block 2p, 4-7: 2p + 1
+                    pair_step(wq, acc, jo * rows + r, r, o * 4 + c, scale, xb, xde, xc)
+        for p in range(n_octs * 4, n_pairs):  # the pairs after the last whole 8-block run
+            for r in T.unroll(rows):
+                d2 = T.meta_var(T.Cast("float32x2", wd.vload([jo * rows + r, p * 2], "float16x2")))
+                pair_step(wq, acc, jo * rows + r, r, p, T.Shuffle([d2, d2, d2, d2], [0, 2, 4, 6, 1, 3, 5, 7]),
+                          xb, xde, xc)
+        if has_min:  # + sum_b m_w s_b: one vector product per 8 blocks
+            for r in T.unroll(rows):
+                for o in range(n_octs):
+                    acc[r, 0:8] = acc.vload([r, 0], "float32x8") + T.Cast(
+                        "float32x8", wm.vload([jo * rows + r, o * 8], "float16x8")) * xss.vload([o * 8], "float32x8")
+                for b in range(n_octs * 8, n_blocks):
+                    acc[r, 0] = acc[r, 0] + T.Cast("float32", wm[jo * rows + r, b]) * xss[b]
         for r in T.unroll(rows):
-            y[0, jo * rows + r] = _lane_sum(acc, slot, r)
+            y[0, jo * rows + r] = _lane_sum(acc, r)
 
     @T.prim_func
     def q4_gemv(x: T.Buffer((1, k), "float32"),
@@ -229,61 +290,74 @@ def _q4_gemv(ns: tuple[int, ...], k: int, intrin: str, has_min: bool) -> tirx.Pr
         xb = T.alloc_buffer((k,), "int8")
         xd = T.alloc_buffer((n_blocks,), "float32")
         xs = T.alloc_buffer((n_blocks,), "int32")
-        prologue(x, xb, xd, xs, n_blocks)
-        # per lane (pair p, lane l: block 2p + l // 4): scale d_a, bias term d_a * A / 4 (four lanes
-        # share a block), and the integer start -offset * (sum of the lane's 8 codes)
+        xss = T.alloc_buffer((n_blocks,), "float32")
+        prologue(x, xb, xd, xs, xss, n_blocks)
+        # per lane (pair p, lane l: block 2p + l // 4): scale d_a, and the integer start
+        # -offset * (sum of the lane's 8 codes) (Q4_0; Q4_1 starts from zero and adds m_w s)
         xde = T.alloc_buffer((n_pairs * 8,), "float32")
-        xse = T.alloc_buffer((n_pairs * 8,), "float32")
         xc = T.alloc_buffer((n_pairs * 8,), "int32")
         for p, lane in T.grid(n_pairs, 8):
             xde[p * 8 + lane] = xd[p * 2 + lane // 4]
-            xse[p * 8 + lane] = xd[p * 2 + lane // 4] * T.Cast("float32", xs[p * 2 + lane // 4]) * T.float32(0.25)
             xc[p * 8 + lane] = 0
             for c in range(4):
                 xc[p * 8 + lane] = xc[p * 8 + lane] - offset * (
                     T.Cast("int32", xb[p * 64 + lane * 4 + c]) + T.Cast("int32", xb[p * 64 + 32 + lane * 4 + c]))
-        acc = T.alloc_buffer((total, rows, 8), "float32")
-        for jo in T.parallel(total):
+        for jo in T.parallel(g1 + (g2 if group >= 2 else 0) + (g3 if group >= 3 else 0)):
             if jo < g1:
-                row_group(wd1, wm1, wq1, y1, n1, jo, acc, jo, xb, xde, xse, xc)
+                row_group(wd1, wm1, wq1, y1, n1, jo, xb, xde, xss, xc)
             elif group >= 2 and jo < g1 + g2:
-                row_group(wd2, wm2, wq2, y2, n2, jo - g1, acc, jo, xb, xde, xse, xc)
+                row_group(wd2, wm2, wq2, y2, n2, jo - g1, xb, xde, xss, xc)
             elif group >= 3:
-                row_group(wd3, wm3, wq3, y3, n3, jo - g1 - g2, acc, jo, xb, xde, xse, xc)
+                row_group(wd3, wm3, wq3, y3, n3, jo - g1 - g2, xb, xde, xss, xc)
 
-    del g3
     return q4_gemv
 
 
 def _q8_0_gemv(ns: tuple[int, ...], k: int, intrin: str) -> tirx.PrimFunc:
     n_blocks, rows, group = k // 32, ROWS, len(ns)
+    n_octs = n_blocks // 8  # 8-block runs whose scales d_w d_a form one vector
     (n1, n2, n3), (g1, g2, g3) = _slots(ns)
-    total = sum(n // rows for n in ns)
     prologue = _quantize_prologue(_q8_pos)
 
     @T.macro
-    def row_group(wd, wq, y, n, jo, acc, slot, xb, xd, xc):  # type: ignore[no-untyped-def]
+    def block_step(wq, acc, j, r, b, scale, xb, xc):  # type: ignore[no-untyped-def]
+        """acc[r] += (q' . a per lane - 128 A) * d_w d_a for block b of row j."""
+        word = T.meta_var(T.bitwise_xor(T.reinterpret("int32x8", wq.vload([j, b, 0], "int8x32")),
+                                        T.broadcast(T.int32(-2139062144), 8)))  # 0x80808080
+        dot = T.meta_var(T.call_llvm_pure_intrin(
+            "int32x8", intrin, xc.vload([b * 8], "int32x8"), T.reinterpret("int8x32", word),
+            xb.vload([b * 32], "int8x32")))
+        acc[r, 0:8] = acc.vload([r, 0], "float32x8") + T.Cast("float32x8", dot) * scale
+
+    @T.macro
+    def row_group(wd, wq, y, n, jo, xb, xd, xc):  # type: ignore[no-untyped-def]
         wq_flat = T.decl_buffer((n * n_blocks * 32,), "int8", data=wq.data)
         wd_flat = T.decl_buffer((n * n_blocks,), "float16", data=wd.data)
+        acc = T.alloc_buffer((rows, 8), "float32")  # small: a stack array per task
+        s8 = T.alloc_buffer((rows, 8), "float32")  # small: a stack array per task
+        ahead = T.meta_var(T.min(jo + PREFETCH_GROUPS, n // rows - 1))
         for r in T.unroll(rows):
-            acc[slot, r, 0:8] = T.broadcast(T.float32(0), 8)
-        for b in range(n_blocks):
-            ahead = T.meta_var(T.min(jo + PREFETCH_GROUPS, n // rows - 1))
+            acc[r, 0:8] = T.broadcast(T.float32(0), 8)
+        for o in range(n_octs):
+            _prefetch(wd_flat, ahead * rows * n_blocks + o * 8)
+            for r in T.unroll(rows):
+                s8[r, 0:8] = (T.Cast("float32x8", wd.vload([jo * rows + r, o * 8], "float16x8"))
+                              * xd.vload([o * 8], "float32x8"))
+            for c in T.unroll(8):
+                _prefetch(wq_flat, ahead * rows * n_blocks * 32 + (o * 8 + c) * 128)
+                _prefetch(wq_flat, ahead * rows * n_blocks * 32 + (o * 8 + c) * 128 + 64)
+                for r in T.unroll(rows):
+                    scale = T.meta_var(T.call_llvm_pure_intrin(
+                        "float32x8", "llvm.x86.avx2.permps", s8.vload([r, 0], "float32x8"), T.broadcast(c, 8)))
+                    block_step(wq, acc, jo * rows + r, r, o * 8 + c, scale, xb, xc)
+        for b in range(n_octs * 8, n_blocks):  # the blocks after the last whole 8-block run
             _prefetch(wq_flat, ahead * rows * n_blocks * 32 + b * 128)
             _prefetch(wq_flat, ahead * rows * n_blocks * 32 + b * 128 + 64)
-            _prefetch(wd_flat, ahead * rows * n_blocks + b * 4)
             for r in T.unroll(rows):
-                j = T.meta_var(jo * rows + r)
-                word = T.meta_var(T.bitwise_xor(T.reinterpret("int32x8", wq.vload([j, b, 0], "int8x32")),
-                                                T.broadcast(T.int32(-2139062144), 8)))  # 0x80808080
-                dot = T.meta_var(T.call_llvm_pure_intrin(
-                    "int32x8", intrin, xc.vload([b * 8], "int32x8"), T.reinterpret("int8x32", word),
-                    xb.vload([b * 32], "int8x32")))
-                scale = T.meta_var(T.Cast("float32", wd[j, b]) * xd[b])
-                acc[slot, r, 0:8] = (acc.vload([slot, r, 0], "float32x8")
-                                     + T.Cast("float32x8", dot) * T.broadcast(scale, 8))
+                scale = T.meta_var(T.broadcast(T.Cast("float32", wd[jo * rows + r, b]) * xd[b], 8))
+                block_step(wq, acc, jo * rows + r, r, b, scale, xb, xc)
         for r in T.unroll(rows):
-            y[0, jo * rows + r] = _lane_sum(acc, slot, r)
+            y[0, jo * rows + r] = _lane_sum(acc, r)
 
     @T.prim_func
     def q8_gemv(x: T.Buffer((1, k), "float32"),
@@ -294,22 +368,21 @@ def _q8_0_gemv(ns: tuple[int, ...], k: int, intrin: str) -> tirx.PrimFunc:
         xb = T.alloc_buffer((k,), "int8")
         xd = T.alloc_buffer((n_blocks,), "float32")
         xs = T.alloc_buffer((n_blocks,), "int32")
-        prologue(x, xb, xd, xs, n_blocks)
+        xss = T.alloc_buffer((n_blocks,), "float32")
+        prologue(x, xb, xd, xs, xss, n_blocks)
         xc = T.alloc_buffer((n_blocks * 8,), "int32")  # -128 * (sum of each lane's 4 codes)
         for b, lane in T.grid(n_blocks, 8):
             xc[b * 8 + lane] = 0
             for c in range(4):
                 xc[b * 8 + lane] = xc[b * 8 + lane] - 128 * T.Cast("int32", xb[b * 32 + lane * 4 + c])
-        acc = T.alloc_buffer((total, rows, 8), "float32")
-        for jo in T.parallel(total):
+        for jo in T.parallel(g1 + (g2 if group >= 2 else 0) + (g3 if group >= 3 else 0)):
             if jo < g1:
-                row_group(wd1, wq1, y1, n1, jo, acc, jo, xb, xd, xc)
+                row_group(wd1, wq1, y1, n1, jo, xb, xd, xc)
             elif group >= 2 and jo < g1 + g2:
-                row_group(wd2, wq2, y2, n2, jo - g1, acc, jo, xb, xd, xc)
+                row_group(wd2, wq2, y2, n2, jo - g1, xb, xd, xc)
             elif group >= 3:
-                row_group(wd3, wq3, y3, n3, jo - g1 - g2, acc, jo, xb, xd, xc)
+                row_group(wd3, wq3, y3, n3, jo - g1 - g2, xb, xd, xc)
 
-    del g3
     return q8_gemv
 
 
@@ -320,10 +393,10 @@ def _prefetch(flat: tirx.Buffer, index: tirx.PrimExpr) -> tirx.PrimExpr:
                               T.int32(1))
 
 
-def _lane_sum(acc: tirx.Buffer, slot: tirx.PrimExpr, r: tirx.PrimExpr) -> tirx.PrimExpr:
-    total = acc[slot, r, 0]
+def _lane_sum(acc: tirx.Buffer, r: tirx.PrimExpr) -> tirx.PrimExpr:
+    total = acc[r, 0]
     for lane in range(1, LANES):
-        total = total + acc[slot, r, lane]
+        total = total + acc[r, lane]
     return total
 
 

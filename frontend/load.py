@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 
+from ggufc.ir.act_quant import block_mins
 from ggufc.ir.builder import GraphBuilder
 from ggufc.ir.graph import Graph, Param
 
@@ -34,7 +34,7 @@ class LoadedModel:
     def graph(self) -> Graph:
         return self.graphs["prefill_all"]
 
-    def param_loader(self) -> Callable[[Param], np.ndarray]:
+    def param_loader(self) -> ParamLoader:
         return make_param_loader(self.gguf, self.derived)
 
 
@@ -85,12 +85,26 @@ def dequantize_tensor(model: GGUFModel, name: str) -> np.ndarray:
     return np.asarray(gguf.quants.dequantize(np.asarray(info.data), qt), dtype=np.float32).reshape(info.shape)
 
 
-def make_param_loader(model: GGUFModel, derived: dict[str, np.ndarray]) -> Callable[[Param], np.ndarray]:
-    cache: dict[str, np.ndarray] = {}
+class ParamLoader:
+    """Weights for the reference interpreter: dequantized float arrays, and the block minimums of
+    Q4_1/Q5_1 weights (read by matmuls with q8_1 activations)."""
 
-    def load(p: Param) -> np.ndarray:
-        if p.source not in cache:
-            cache[p.source] = derived[p.source] if p.source in derived else dequantize_tensor(model, p.source)
-        return cache[p.source]
+    def __init__(self, model: GGUFModel, derived: dict[str, np.ndarray]) -> None:
+        self.model, self.derived = model, derived
+        self._cache: dict[str, np.ndarray] = {}
 
-    return load
+    def __call__(self, p: Param) -> np.ndarray:
+        if p.source not in self._cache:
+            derived = self.derived.get(p.source)
+            self._cache[p.source] = derived if derived is not None else dequantize_tensor(self.model, p.source)
+        return self._cache[p.source]
+
+    def block_mins(self, p: Param) -> np.ndarray:
+        info = self.model.tensors.get(p.source)
+        if info is None or p.source in self.derived:
+            raise ModelError(f"{p.source}: block minimums exist only for Q4_1/Q5_1 tensors of the file")
+        return block_mins(info.qtype, np.asarray(info.data), tuple(info.shape))
+
+
+def make_param_loader(model: GGUFModel, derived: dict[str, np.ndarray]) -> ParamLoader:
+    return ParamLoader(model, derived)

@@ -12,6 +12,9 @@ from .graph import Graph, Param, Value, eval_shape
 from .ops import OPS
 
 ParamLoader = Callable[[Param], np.ndarray]  # returns the weight as float (dequantized)
+# block minimums `m` of a Q4_1/Q5_1 weight [..., K/32] (for matmuls reading q8_1 activations);
+# by default the `block_mins` attribute of the ParamLoader (frontend/load.py's loader has one)
+MinsLoader = Callable[[Param], np.ndarray]
 
 
 @dataclass
@@ -42,8 +45,10 @@ def run_graph(
     *,
     dtype: Any = np.float32,
     trace: bool = False,
+    load_block_mins: MinsLoader | None = None,
 ) -> InterpResult:
     """Run one call. `inputs` are keyed by input name (`tokens` [T], `pos` scalar)."""
+    mins_of = _mins_reader(graph, load_block_mins or getattr(load_param, "block_mins", None))
     env: dict[int, np.ndarray] = {}
     for v in graph.inputs:
         env[v.id] = np.asarray(inputs[v.name])
@@ -54,6 +59,7 @@ def run_graph(
         env[s.value.id] = _cast(state[name], dtype)
     for node in graph.nodes:
         args = [env[v.id] for v in node.inputs]
+        args += [mins_of(node.inputs[i]) for i in OPS[node.op].block_mins(len(node.inputs))]
         outs = OPS[node.op].ref(args, node.attrs, ctx)
         for v, a in zip(node.outputs, outs, strict=True):
             a = np.asarray(a)
@@ -65,6 +71,23 @@ def run_graph(
     for name in graph.states:
         new_state.setdefault(name, state[name])
     return InterpResult(outputs, new_state, env if trace else {})
+
+
+def _mins_reader(graph: Graph, load: MinsLoader | None) -> Callable[[Value], np.ndarray]:
+    params = {p.value.id: p for p in graph.params.values()}
+    cache: dict[int, np.ndarray] = {}
+
+    def mins_of(v: Value) -> np.ndarray:
+        p = params.get(v.id)
+        if p is None:
+            raise ValueError(f"{v.name}: block minimums are read from a weight param, not a computed value")
+        if load is None:
+            raise ValueError(f"{p.source}: the graph reads its block minimums; pass load_block_mins to run_graph")
+        if v.id not in cache:
+            cache[v.id] = np.asarray(load(p), dtype=np.float32)
+        return cache[v.id]
+
+    return mins_of
 
 
 def value_index(graph: Graph) -> dict[int, Value]:

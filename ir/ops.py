@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from .act_quant import quantize_act_ref
+from .act_quant import ACT_BLOCK, q8_1_sums_ref, quantize_act_ref
 from .graph import Dim, Shape
 from .qwen4exp_ref import (
     hc_post_ref,
@@ -62,7 +62,8 @@ class Reduce:
 
 @dataclass(frozen=True)
 class QuantizeAct:
-    scheme: str = "q8_0"  # llama.cpp's activation format: q8_0 (32-value blocks) or q8_K (256)
+    # llama.cpp's activation format: q8_0 (32-value blocks), q8_1 (q8_0 + block sums) or q8_K (256)
+    scheme: str = "q8_0"
 
 
 @dataclass(frozen=True)
@@ -481,7 +482,40 @@ def _matmul_shape(ins: Sequence[ShapeDtype], a: Any) -> list[ShapeDtype]:
     (xs, _), (ws, _) = ins[0], ins[1]
     if xs[-1] != ws[-1]:
         raise ValueError(f"matmul: x {xs} and weight {ws} disagree on K")
+    if len(ins) == 3 and ins[2][0] != _block_sums_shape(xs):
+        raise ValueError(f"matmul: block sums {ins[2][0]} do not match x {xs}")
     return [(xs[:-1] + (ws[0],), "float32")]
+
+
+def _block_sums_shape(xs: Shape) -> Shape:
+    k = xs[-1]
+    return (*xs[:-1], k // ACT_BLOCK if isinstance(k, int) else f"({k})/{ACT_BLOCK}")
+
+
+def _quantize_act_shape(ins: Sequence[ShapeDtype], a: QuantizeAct) -> list[ShapeDtype]:
+    return [ins[0], (_block_sums_shape(ins[0][0]), "float32")] if a.scheme == "q8_1" else [ins[0]]
+
+
+def _quantize_act_ref(i: Sequence[np.ndarray], a: QuantizeAct, ctx: Any) -> list[np.ndarray]:
+    out = quantize_act_ref(i[0], a.scheme)
+    return [out, q8_1_sums_ref(i[0]).astype(out.dtype)] if a.scheme == "q8_1" else [out]
+
+
+def matmul_ref(i: Sequence[np.ndarray], a: Any, ctx: Any) -> np.ndarray:
+    """x @ W.T; with q8_1 block sums s (inputs x, W, s, and the interpreter appends W's block
+    minimums m): the m term of each block uses s_b instead of the block sum of x."""
+    x, w = i[0], i[1]
+    y = x @ w.T.astype(x.dtype)
+    if len(i) == 2:
+        return y
+    s, mins = i[2], i[3].astype(x.dtype)
+    block_sums = x.reshape(*x.shape[:-1], -1, ACT_BLOCK).sum(axis=-1)
+    return y + (s - block_sums) @ mins.T
+
+
+def _matmul_mins(n_inputs: int) -> tuple[int, ...]:
+    """matmul(x, W, s) reads the block minimums of W (input 1)."""
+    return (1,) if n_inputs == 3 else ()
 
 
 def _bmm_shape(ins: Sequence[ShapeDtype], a: Any) -> list[ShapeDtype]:
@@ -725,6 +759,9 @@ class OpDef:
     ref: Callable[..., Any]  # (inputs, attrs, ctx) -> list of outputs
     fused: bool = False
     effects: bool = False
+    # input positions (given the input count) whose weight's block minimums the reference reads;
+    # the interpreter appends them to the inputs (ir/interp.py)
+    block_mins: Callable[[int], tuple[int, ...]] = lambda n_inputs: ()
 
 
 def _one(f: Callable[..., np.ndarray]) -> Callable[..., list[np.ndarray]]:
@@ -746,8 +783,8 @@ OPS: dict[str, OpDef] = {
         OpDef("concat", Concat, _concat_shape, _one(lambda i, a, c: np.concatenate(i, axis=a.axis))),
         OpDef("dequantize", NoAttrs, _dequant_shape, _one(lambda i, a, c: i[0])),
         OpDef("gather", NoAttrs, _gather_shape, _one(lambda i, a, c: _ref_gather(i[0], i[1]))),
-        OpDef("quantize_act", QuantizeAct, _same, _one(lambda i, a, c: quantize_act_ref(i[0], a.scheme))),
-        OpDef("matmul", NoAttrs, _matmul_shape, _one(lambda i, a, c: i[0] @ i[1].T.astype(i[0].dtype))),
+        OpDef("quantize_act", QuantizeAct, _quantize_act_shape, _quantize_act_ref),
+        OpDef("matmul", NoAttrs, _matmul_shape, _one(matmul_ref), block_mins=_matmul_mins),
         OpDef("bmm_nt", NoAttrs, _bmm_shape, _one(lambda i, a, c: i[0] @ np.swapaxes(i[1], 1, 2))),
         OpDef("bmm_nn", NoAttrs, _bmm_nn_shape, _one(lambda i, a, c: i[0] @ i[1])),
         OpDef("matmul_id", NoAttrs, _matmul_id_shape, _one(lambda i, a, c: matmul_id_ref(i[0], i[1], i[2]))),

@@ -1,10 +1,12 @@
 """Round matmul inputs to 8-bit blocks where llama.cpp does: `matmul(x, Wq)` -> `matmul(quantize_act(x), Wq)`.
 
 For quantised weights (the 32-block types and the K-quants) llama.cpp's dot products read the
-activations as 8-bit blocks (q8_0 or q8_K, ir/act_quant.py); making that rounding an op gives the
-compiled model llama.cpp's numerics, and lets codegen use integer dot-product kernels (which
-re-quantise `x` themselves). Matmuls that share an input and a scheme share one `quantize_act`;
-a fused MoE records the schemes of its routed experts' inputs (`MoeFFN.act_schemes`).
+activations as 8-bit blocks (q8_0, q8_1 or q8_K, ir/act_quant.py); making that rounding an op gives
+the compiled model llama.cpp's numerics, and lets codegen use integer dot-product kernels (which
+re-quantise `x` themselves). Matmuls that share an input and a scheme share one `quantize_act`.
+Weights with block minimums (Q4_1/Q5_1) read q8_1: `matmul(xq, W, s)` with the block sums `s`.
+A fused MoE records the schemes of its routed experts' inputs (`MoeFFN.act_schemes`; q8_0 for
+Q4_1/Q5_1 experts, whose expert kernels have no block-sum input).
 Runs after `fold_dequantize`, when a matmul reads its quantised param directly.
 """
 
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ggufc.ir.act_quant import ACT_SCHEME, SCHEME_BLOCK
+from ggufc.ir.act_quant import ACT_BLOCK, ACT_SCHEME, MIN_TYPES, SCHEME_BLOCK
 from ggufc.ir.graph import Graph, Node, Value
 from ggufc.ir.ops import MoeFFN, QuantizeAct, moe_inputs
 
@@ -24,7 +26,8 @@ def _scheme(node: Node, params: dict[int, str]) -> str | None:
     if node.op not in ("matmul", "matmul_id"):
         return None
     x, w = node.inputs[:2]
-    scheme = ACT_SCHEME.get(params.get(w.id, ""))
+    qtype = params.get(w.id, "")
+    scheme = "q8_1" if node.op == "matmul" and qtype in MIN_TYPES else ACT_SCHEME.get(qtype)
     k = x.shape[-1]
     return scheme if scheme and isinstance(k, int) and k % SCHEME_BLOCK[scheme] == 0 else None
 
@@ -51,7 +54,7 @@ def _expert_schemes(node: Node, params: dict[int, str]) -> tuple[str, str] | Non
 def quantize_activations(graph: Graph) -> Graph:
     params = {p.value.id: p.qtype for p in graph.params.values()}
     already = {n.outputs[0].id for n in graph.nodes if n.op == "quantize_act"}
-    rounded: dict[tuple[int, str], Value] = {}  # (input value id, scheme) -> its quantize_act output
+    rounded: dict[tuple[int, str], tuple[Value, ...]] = {}  # (input id, scheme) -> quantize_act outputs
     nodes: list[Node] = []
     experts = 0
     for node in graph.nodes:
@@ -66,9 +69,13 @@ def quantize_activations(graph: Graph) -> Graph:
             continue
         x = node.inputs[0]
         if (x.id, scheme) not in rounded:
-            xq = Value(f"{x.name}_{scheme}", x.shape, x.dtype, x.layer)
-            nodes.append(Node("quantize_act", (x,), QuantizeAct(scheme), (xq,)))
-            rounded[x.id, scheme] = xq
-        nodes.append(Node(node.op, (rounded[x.id, scheme], *node.inputs[1:]), node.attrs, node.outputs))
+            outs: tuple[Value, ...] = (Value(f"{x.name}_{scheme}", x.shape, x.dtype, x.layer),)
+            if scheme == "q8_1":
+                sums_shape = (*x.shape[:-1], int(x.shape[-1]) // ACT_BLOCK)
+                outs += (Value(f"{x.name}_{scheme}_sums", sums_shape, "float32", x.layer),)
+            nodes.append(Node("quantize_act", (x,), QuantizeAct(scheme), outs))
+            rounded[x.id, scheme] = outs
+        xq, *sums = rounded[x.id, scheme]
+        nodes.append(Node(node.op, (xq, *node.inputs[1:], *sums), node.attrs, node.outputs))
     hits = len(rounded) + experts
     return with_hits(graph.replace(nodes=nodes), "quantize_activations", hits) if hits else graph

@@ -21,9 +21,10 @@ from ggufc.codegen.target import cpu_target
 from ggufc.codegen.tvm_util import aligned_zeros, to_tvm
 from ggufc.frontend.fixtures import write_fixture
 from ggufc.frontend.load import load_model
-from ggufc.ir.act_quant import quantize_act_ref
+from ggufc.ir.act_quant import MIN_TYPES, block_mins, q8_1_sums_ref, quantize_act_ref
 from ggufc.ir.builder import GraphBuilder
 from ggufc.ir.interp import init_state, run_graph
+from ggufc.ir.ops import matmul_ref
 from ggufc.passes.pipeline import run_pipeline
 from ggufc.passes.quantize_acts import quantize_activations
 from ggufc.runtime.session import Session
@@ -115,13 +116,17 @@ def _graph_with(qtypes: dict[str, str], k: int = 64) -> tuple[GraphBuilder, obje
 
 
 def test_pass_rounds_each_input_once_per_scheme() -> None:
-    _, graph = _graph_with({"q": "Q4_1", "k": "Q8_0", "v": "Q4_K", "w": "Q6_K", "o": "F32"}, k=256)
+    _, graph = _graph_with({"q": "Q4_1", "u": "Q5_1", "k": "Q8_0", "g": "Q4_0", "v": "Q4_K", "w": "Q6_K",
+                            "o": "F32"}, k=256)
     out, _ = run_pipeline(graph)  # type: ignore[arg-type]
-    rounded = {n.attrs.scheme: n.outputs[0] for n in out.nodes if n.op == "quantize_act"}
-    assert set(rounded) == {"q8_0", "q8_K"}
-    readers = {s: {n.outputs[0].name for n in out.nodes if n.op == "matmul" and n.inputs[0] is v}
+    rounded = {n.attrs.scheme: n.outputs for n in out.nodes if n.op == "quantize_act"}
+    assert set(rounded) == {"q8_0", "q8_1", "q8_K"}
+    readers = {s: {n.outputs[0].name for n in out.nodes if n.op == "matmul" and n.inputs[0] is v[0]}
                for s, v in rounded.items()}
-    assert readers == {"q8_0": {"y_q", "y_k"}, "q8_K": {"y_v", "y_w"}}
+    assert readers == {"q8_0": {"y_k", "y_g"}, "q8_1": {"y_q", "y_u"}, "q8_K": {"y_v", "y_w"}}
+    xq, sums = rounded["q8_1"]  # block minimum weights read the q8_1 block sums as a third input
+    assert sums.shape == ("T", 256 // 32)
+    assert all(n.inputs[2] is sums for n in out.nodes if n.op == "matmul" and n.inputs[0] is xq)
     assert quantize_activations(out) is out  # nothing left to do: a second run changes nothing
 
 
@@ -135,7 +140,7 @@ def test_pass_skips_rows_that_are_not_whole_blocks() -> None:
 # kernels
 
 
-@pytest.mark.parametrize(("scheme", "k"), [("q8_0", 160), ("q8_K", 512)])
+@pytest.mark.parametrize(("scheme", "k"), [("q8_0", 160), ("q8_1", 160), ("q8_K", 512)])
 def test_quantize_act_kernel_is_bit_identical(scheme: str, k: int) -> None:
     rng = np.random.default_rng(3)
     x = (rng.standard_normal((5, k)) * rng.uniform(1e-4, 1e4, (5, 1))).astype(np.float32)
@@ -143,8 +148,74 @@ def test_quantize_act_kernel_is_bit_identical(scheme: str, k: int) -> None:
     x[3, 5], x[3, 9] = -x[3].max() * 2, x[3].max() * 2  # equal magnitudes: the first one wins
     kernel = _build(Q8.quantize_act((Q.i64(5), Q.i64(k)), scheme))
     out = aligned_zeros((5, k), np.float32)
-    kernel(to_tvm(x), to_tvm(out))
+    if scheme != "q8_1":
+        kernel(to_tvm(x), to_tvm(out))
+    else:
+        sums = aligned_zeros((5, k // 32), np.float32)
+        kernel(to_tvm(x), to_tvm(out), to_tvm(sums))
+        np.testing.assert_array_equal(sums, q8_1_sums_ref(x))
     np.testing.assert_array_equal(out, quantize_act_ref(x, scheme))
+
+
+def _vec_dot_q8_1(qtype: str, raw: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """llama.cpp's Q4_1/Q5_1 x Q8_1 dot product, block by block from the GGUF bytes (float64 sums):
+    quantize_row_q8_1 (AVX: codes rint(x * 127/amax), d = f16(amax/127), s = f16(d * sum codes)),
+    then sum_b d_w d_x (q_w . q_x) + m_w s."""
+    n, k = raw.shape[0], x.shape[-1]
+    xb = x.astype(np.float32).reshape(-1, 32)
+    amax = np.abs(xb).max(axis=1, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    codes = np.rint(xb * inv)
+    d32 = amax / np.float32(127)
+    d16 = d32.astype(np.float16).astype(np.float64)[:, 0]
+    s16 = (codes.sum(axis=1, keepdims=True) * d32).astype(np.float16).astype(np.float64)[:, 0]
+    fields = Q.repack(qtype, raw, (n, k))
+    wd, wm = fields["d"].astype(np.float64), fields["m"].astype(np.float64)
+    wq = np.rint((Q.dequantize_reference(qtype, fields, (n, k)).astype(np.float64).reshape(n, -1, 32)
+                  - wm[..., None]) / np.where(wd == 0, 1, wd)[..., None])  # the integer codes back
+    dots = np.einsum("nbi,bi->nb", wq, codes.astype(np.float64))
+    return (wd * d16 * dots + wm * s16).sum(axis=1)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q5_1"])
+def test_q8_1_matmul_reference_follows_llama_cpp(qtype: str) -> None:
+    """matmul(quantize_act(x, q8_1), W, s) with W's block minimums equals llama.cpp's block formula."""
+    rng = np.random.default_rng(11)
+    n, k = 6, 128
+    w = (rng.standard_normal((n, k)) * 0.05 + 0.02).astype(np.float32)
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[qtype])
+    x = (rng.standard_normal((1, k)) * 3).astype(np.float32)
+    x[0, :32] = 0
+    wdq = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).astype(np.float64)
+    mins = block_mins(qtype, raw, (n, k)).astype(np.float64)
+    xq = quantize_act_ref(x, "q8_1").astype(np.float64)
+    got = matmul_ref([xq, wdq, q8_1_sums_ref(x).astype(np.float64), mins], None, None)
+    want = _vec_dot_q8_1(qtype, raw, x)
+    np.testing.assert_allclose(got[0], want, rtol=1e-12, atol=1e-12)
+    plain = xq @ wdq.T  # the q8_0 reading of the same input differs by the f16 rounding of s
+    assert np.abs(plain[0] - want).max() > 1e-7
+
+
+@pytest.mark.parametrize(("qtype", "t"), [("Q4_1", 1), ("Q4_1", 5), ("Q5_1", 3)])
+def test_q8_1_float_matmul_matches_the_reference(qtype: str, t: int) -> None:
+    """The float path (prefill, and weights without an 8-bit GEMV): quantize_act q8_1 kernel,
+    qmatmul, then the min-term fix kernel."""
+    rng = np.random.default_rng(t)
+    n, k = 12, 96
+    raw = gguf.quants.quantize((rng.standard_normal((n, k)) * 0.05).astype(np.float32),
+                               gguf.GGMLQuantizationType[qtype])
+    arrays = Q.repack(qtype, raw, (n, k))
+    fields = [arrays[f] for f, _, _ in Q.layout_spec(qtype, (n, k))]
+    x = (rng.standard_normal((t, k)) * 2).astype(np.float32)
+    xq, sums = aligned_zeros((t, k), np.float32), aligned_zeros((t, k // 32), np.float32)
+    _build(Q8.quantize_act((Q.i64(t), Q.i64(k)), "q8_1"))(to_tvm(x), to_tvm(xq), to_tvm(sums))
+    y0, y = aligned_zeros((t, n), np.float32), aligned_zeros((t, n), np.float32)
+    _build(Q.qmatmul(qtype, n, k, gemv=t == 1))(to_tvm(xq), *map(to_tvm, fields), to_tvm(y0))
+    _build(Q8.q8_1_min_fix(n, k))(to_tvm(y0), to_tvm(xq), to_tvm(sums), to_tvm(arrays["m"]),
+                                                     to_tvm(y))
+    want = matmul_ref([xq.astype(np.float64), Q.dequantize_reference(qtype, arrays, (n, k)).astype(np.float64),
+                       sums.astype(np.float64), block_mins(qtype, raw, (n, k)).astype(np.float64)], None, None)
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
 @needs_int8_dot
@@ -157,13 +228,17 @@ def test_int8_gemv_matches_the_reference(qtype: str, n: int, k: int) -> None:
     arrays = Q.repack(qtype, raw, (n, k))
     wdq = Q.dequantize_reference(qtype, arrays, (n, k)).astype(np.float64)
     kernel = _build(Q8.int8_gemv(qtype, n, k, TARGET))
-    for scale in (1e-3, 1.0, 1e3):
+    # q8_1 block sums are f16: at x * 1e3 the outlier block's sum overflows to inf (as in llama.cpp)
+    for scale in (1e-3, 1.0, 1e2 if qtype in MIN_TYPES else 1e3):
         x = (rng.standard_normal((1, k)) * scale).astype(np.float32)
         x[0, :32] = 0  # a block of zeros (scale 0)
         x[0, 40] = 200 * scale  # an outlier block
         y = aligned_zeros((1, n), np.float32)
         kernel(to_tvm(x), *(to_tvm(arrays[f]) for f, _, _ in Q.layout_spec(qtype, (n, k))), to_tvm(y))
         want = quantize_act_ref(x).astype(np.float64) @ wdq.T
+        if qtype in MIN_TYPES:  # q8_1: the m term reads the block sums
+            want = matmul_ref([quantize_act_ref(x).astype(np.float64), wdq, q8_1_sums_ref(x).astype(np.float64),
+                               block_mins(qtype, raw, (n, k)).astype(np.float64)], None, None)
         err = np.abs(y - want).max() / np.abs(want).max()
         assert err < 1e-5, f"{qtype} [{n}, {k}] x*{scale}: relative error {err:.2e}"
 

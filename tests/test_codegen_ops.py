@@ -31,7 +31,7 @@ from ggufc.codegen.tvm_util import to_tvm
 from ggufc.frontend.fixtures import TensorSpec, encode_tensor
 from ggufc.frontend.hparams import rope_table
 from ggufc.ir import ops as O
-from ggufc.ir.act_quant import ACT_QUANT_TYPES, ACT_SCHEME
+from ggufc.ir.act_quant import ACT_QUANT_TYPES, ACT_SCHEME, MIN_TYPES, block_mins
 from ggufc.ir.builder import GraphBuilder
 from ggufc.ir.graph import Graph, Param, Value
 from ggufc.ir.interp import run_graph
@@ -496,14 +496,28 @@ def _act8_rows(k: int, scheme: str) -> Callable[[CaseGraph], Value]:
 
 def _act8_matmul_case(qtype: str, n: int, k: int, decode: bool) -> Case:
     """On a CPU with integer dot products a decode row runs the 8-bit GEMV (quant_int8.py), which
-    rounds the activations itself; prefill runs quantize_act then the float kernel."""
+    rounds the activations itself; prefill runs quantize_act then the float kernel. Weights with
+    block minimums read q8_1 activations: matmul(xq, W, block sums)."""
     kind = "gemv" if decode else "prefill"
-    return op_case(f"matmul-{qtype}-act8-{n}x{k}-{kind}", "matmul", O.NoAttrs(), _act8_rows(k, ACT_SCHEME[qtype]),
-                   weight(n, k, qtype=qtype), group="act8", calls=DECODE if decode else PREFILL)
+    name, calls = f"matmul-{qtype}-act8-{n}x{k}-{kind}", DECODE if decode else PREFILL
+    if qtype not in MIN_TYPES:
+        return op_case(name, "matmul", O.NoAttrs(), _act8_rows(k, ACT_SCHEME[qtype]), weight(n, k, qtype=qtype),
+                       group="act8", calls=calls)
+    rounded: dict[str, Value] = {}
+
+    def q8_1_rows(cg: CaseGraph) -> Value:
+        rounded["x"], rounded["sums"] = cg.b.emit_multi("quantize_act", [cg.rows((k,))], O.QuantizeAct("q8_1"),
+                                                        ["xq", "xsums"])
+        return rounded["x"]
+
+    return op_case(name, "matmul", O.NoAttrs(), q8_1_rows, weight(n, k, qtype=qtype), lambda cg: rounded["sums"],
+                   group="act8", calls=calls)
 
 
 def act8_cases() -> list[Case]:
     cases = [op_case("quantize_act", "quantize_act", O.QuantizeAct("q8_0"), rows(96), group="act8", calls=BOTH),
+             op_case("quantize_act-q8_1", "quantize_act", O.QuantizeAct("q8_1"), rows(96), n_out=2, group="act8",
+                     calls=BOTH),
              op_case("quantize_act-q8_K", "quantize_act", O.QuantizeAct("q8_K"), rows(512), group="act8",
                      calls=BOTH)]
     for qtype in sorted(ACT_QUANT_TYPES):
@@ -790,8 +804,13 @@ def run_reference(bc: BuiltCase, call: Call, tokens: np.ndarray) -> list[np.ndar
     def load(p: Param) -> np.ndarray:
         return bc.data.params[p.source].values
 
+    def mins(p: Param) -> np.ndarray:
+        data = bc.data.params[p.source]
+        return block_mins(data.qtype, data.storage, data.shape)
+
     state = {n: a.copy() for n, a in bc.data.states.items()}
-    res = run_graph(bc.graph, {"tokens": tokens, "pos": np.int64(call.p)}, load, state, dtype=np.float64)
+    res = run_graph(bc.graph, {"tokens": tokens, "pos": np.int64(call.p)}, load, state, dtype=np.float64,
+                    load_block_mins=mins)
     return res.outputs
 
 
