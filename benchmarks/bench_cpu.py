@@ -160,7 +160,7 @@ def output_gemv_bandwidth(artifact: Path, repeats: int = 5) -> dict[str, Any]:
     """The largest quantized matrix-vector kernel of the model (by weight bytes), timed alone."""
     import tvm
 
-    from ggufc.codegen import quant
+    from ggufc.codegen import quant, quant_int8
     from ggufc.codegen.target import cpu_target
     from ggufc.codegen.tvm_util import aligned_zeros, to_tvm
     from ggufc.runtime.artifact import load_manifest, read_weights
@@ -180,8 +180,11 @@ def output_gemv_bandwidth(artifact: Path, repeats: int = 5) -> dict[str, Any]:
     shape = param["arrays"][-1]["shape"]
     fmt = quant.get_format(param["qtype"])
     n, k = int(shape[0]), int(shape[1]) * fmt.block
-    func = quant.qmatmul(param["qtype"], n, k, gemv=True)
-    ex = tvm.compile(func, target=cpu_target())
+    target = cpu_target()
+    int8 = quant_int8.int8_gemv_supported(param["qtype"], n, k, target)  # the kernel decode runs
+    qtype = param["qtype"]
+    func = quant_int8.int8_gemv(qtype, n, k, target) if int8 else quant.qmatmul(qtype, n, k, gemv=True)
+    ex = tvm.compile(func, target=target)
     x = aligned_zeros((1, k), np.float32)
     x[:] = 0.01
     y = aligned_zeros((1, n), np.float32)
@@ -189,7 +192,7 @@ def output_gemv_bandwidth(artifact: Path, repeats: int = 5) -> dict[str, Any]:
     ev = ex.mod.time_evaluator("main", tvm.cpu(), number=1, repeat=repeats, min_repeat_ms=50)
     sec = float(min(ev(*args).results))
     return {"name": param["name"], "qtype": param["qtype"], "n": n, "k": k, "weight_bytes": nbytes,
-            "ms": sec * 1e3, "gb_s": nbytes / sec / 1e9}
+            "kernel": "8-bit" if int8 else "float", "ms": sec * 1e3, "gb_s": nbytes / sec / 1e9}
 
 
 def decode_bytes_per_token(manifest: dict[str, Any], n_past: int) -> int:
@@ -258,7 +261,8 @@ def results_table(r: dict[str, Any]) -> str:
     ]
     k = r.get("largest_gemv")
     if k:
-        lines.append(f"| largest quantized GEMV ({k['name']} {k['qtype']} {k['n']}x{k['k']}, "
+        kernel = f"{k['kernel']} kernel, " if "kernel" in k else ""
+        lines.append(f"| largest quantized GEMV ({k['name']} {k['qtype']} {k['n']}x{k['k']}, {kernel}"
                      f"{k['ms']:.2f} ms) | {k['gb_s']:.1f} | {100 * k['gb_s'] / bw['read_gb_s']:.0f} % |")
     c = r.get("compile_seconds")
     if c:

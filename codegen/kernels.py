@@ -182,14 +182,18 @@ def reduce(shape: PShape, attrs: O.Reduce) -> tirx.PrimFunc:
     return func([x, out])
 
 
-def rms_norm(shape: PShape, has_weight: bool, eps: float) -> tirx.PrimFunc:
+def rms_norm(shape: PShape, has_weight: bool, eps: float, f64_sum: bool = False) -> tirx.PrimFunc:
+    """x * (1 / sqrt(mean(x^2) + eps)) [* w]. f64_sum: the squares summed in float64 and the mean
+    rounded to float32, as llama.cpp's CPU rms_norm does (targets without float64 sum in float32)."""
     x = te.placeholder(shape, "float32", name="x")
     n = shape[-1]
     w = te.placeholder((n,), "float32", name="w") if has_weight else None
     r = te.reduce_axis((i64(0), n), name="r")
     lead = shape[:-1]
-    ss = te.compute(lead, lambda *i: te.sum(x(*i, r) * x(*i, r), axis=r), name="ss")
-    scale = te.compute(lead, lambda *i: f32(1.0) / te.sqrt(ss(*i) / n.astype("float32") + f32(eps)), name="rstd")
+    acc = "float64" if f64_sum else "float32"
+    ss = te.compute(lead, lambda *i: te.sum((x(*i, r) * x(*i, r)).astype(acc), axis=r), name="ss")
+    mean = te.compute(lead, lambda *i: (ss(*i) / n.astype(acc)).astype("float32"), name="mean")
+    scale = te.compute(lead, lambda *i: f32(1.0) / te.sqrt(mean(*i) + f32(eps)), name="rstd")
 
     def body(*idx: PrimExpr) -> PrimExpr:
         y = x(*idx) * scale(*idx[:-1])

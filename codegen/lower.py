@@ -19,6 +19,7 @@ from ggufc.ir import ops as O
 from ggufc.ir.act_quant import MIN_TYPES
 from ggufc.ir.graph import Dim, Graph, Node, Param, Value
 
+from . import cpu_vec as CV
 from . import kernels as K
 from . import kernels_attention as KA
 from . import kernels_recurrent as KR
@@ -282,6 +283,12 @@ def _lower_fused_elementwise(fc: FunctionContext, node: Node) -> list[Any]:
 
 
 def _lower_swiglu(fc: FunctionContext, node: Node) -> list[Any]:
+    g, u = node.inputs
+    k = g.shape[-1]
+    if fc.mb.target.kind.name == "llvm" and len(g.shape) == 2 and g.shape == u.shape and isinstance(k, int) \
+            and k % 8 == 0:  # llama.cpp's vector SiLU (cpu_vec.py)
+        return fc.call(("swiglu", k), lambda: CV.swiglu(k), [fc.value(g), fc.value(u)], node.outputs,
+                       node.outputs[0].name)
     prog = O.FusedElementwise((("unary", O.Unary("silu"), (0,)), ("binary", O.Binary("mul"), (2, 1))), 2)
     return _ew(fc, node, prog, node.outputs[0].name)
 
@@ -340,6 +347,39 @@ def _int8_gemv(fc: FunctionContext, node: Node) -> bool:
     return Q8.int8_gemv_supported(layout.qtype, n, k, fc.mb.target)
 
 
+PROLOGUE_OPS = ("rms_norm", "swiglu")
+
+
+def _in_gemv_prologue(fc: FunctionContext, node: Node) -> bool:
+    """Whether this decode-step rms_norm/swiglu runs inside the prologue of the 8-bit GEMVs reading
+    it: every reader is a quantize_act that feeds only such GEMVs (quant_int8.int8_gemv_group)."""
+    out = node.outputs[0]
+    if node.op not in PROLOGUE_OPS or fc.mb.target.kind.name != "llvm" or len(out.shape) != 2:
+        return False
+    if not fc.is_one(out.shape[0]) or any(o.id == out.id for o in fc.graph.outputs):
+        return False
+    if node.op == "rms_norm" and not (len(node.inputs) == 2 and fc.is_param(node.inputs[1])
+                                      and len(node.inputs[1].shape) == 1):
+        return False
+    readers = fc.users.get(out.id, [])
+    if not readers or any(r.op != "quantize_act" for r in readers):
+        return False
+    return all((gemvs := fc.users.get(r.outputs[0].id, [])) and all(_int8_gemv(fc, g) for g in gemvs)
+               for r in readers)
+
+
+def _gemv_input(fc: FunctionContext, x: Value) -> tuple[tuple[Any, ...], list[Any]]:
+    """(prologue, leading kernel arguments) of a grouped 8-bit GEMV reading quantize_act output x:
+    the unrounded input (q8_1 block sums need it), or the inputs of the rms_norm/swiglu before it."""
+    raw = fc.producers[x.id].inputs[0]
+    src = fc.producers.get(raw.id)
+    if src is None or not _in_gemv_prologue(fc, src):
+        return (), [fc.value(raw)]
+    if src.op == "rms_norm":
+        return ("rms_norm", float(src.attrs.eps)), [fc.value(src.inputs[0]), fc.value(src.inputs[1])]
+    return ("swiglu",), [fc.value(src.inputs[0]), fc.value(src.inputs[1])]
+
+
 def _int8_gemv_group(fc: FunctionContext, node: Node) -> list[Any]:
     """Matmuls reading the same rounded input with the same weight type and K (a layer's q/k/v, its
     gate/up) run as one grouped 8-bit GEMV, emitted at the first of them; the others take their
@@ -347,7 +387,7 @@ def _int8_gemv_group(fc: FunctionContext, node: Node) -> list[Any]:
     if node.outputs[0].id in fc.grouped:
         return [fc.grouped.pop(node.outputs[0].id)]
     x, w = node.inputs[:2]
-    raw = fc.producers[x.id].inputs[0]  # the kernels round x themselves (q8_1 sums need it unrounded)
+    prologue, lead = _gemv_input(fc, x)  # the kernels round x themselves
     qtype, (_, k), _ = _weight_args(fc, w)
 
     def joins(u: Node) -> bool:
@@ -362,8 +402,9 @@ def _int8_gemv_group(fc: FunctionContext, node: Node) -> list[Any]:
     ns = tuple(shape[0] for _, shape, _ in weights)
     target = fc.mb.target
     outs = [o for m in members for o in m.outputs]
-    results = fc.call(("matmul_int8", qtype, ns, k), lambda: Q8.int8_gemv_group(qtype, ns, k, target),
-                      [fc.value(raw), *(a for _, _, arrays in weights for a in arrays)], outs, node.outputs[0].name)
+    results = fc.call(("matmul_int8", qtype, ns, k, prologue),
+                      lambda: Q8.int8_gemv_group(qtype, ns, k, target, prologue),
+                      [*lead, *(a for _, _, arrays in weights for a in arrays)], outs, node.outputs[0].name)
     for m, r in zip(members[1:], results[1:], strict=True):
         fc.grouped[m.outputs[0].id] = r
     return results[:1]
@@ -616,7 +657,7 @@ LOWERING: dict[str, Callable[[FunctionContext, Node], list[Any]]] = {
     "topk": _topk,
     "softmax": _simple("softmax", lambda fc, n, s: K.softmax(_first_shape(fc, n, s), n.attrs.axis)),
     "rms_norm": _simple("rms_norm", lambda fc, n, s: K.rms_norm(_first_shape(fc, n, s), len(n.inputs) > 1,
-                                                                n.attrs.eps)),
+                                                                n.attrs.eps, fc.mb.target.kind.name == "llvm")),
     "rope": _simple("rope", lambda fc, n, s: K.rope(_first_shape(fc, n, s), fc.kernel_shape(n.inputs[2], s), n.attrs)),
     "attention": _simple("attention", lambda fc, n, s: _attention_kernel(fc, n, s)),
     "cache_write": _cache_write,
@@ -632,6 +673,8 @@ LOWERING: dict[str, Callable[[FunctionContext, Node], list[Any]]] = {
 
 
 def lower_node(fc: FunctionContext, node: Node) -> list[Any]:
+    if node.op in PROLOGUE_OPS and _in_gemv_prologue(fc, node):
+        return [fc.value(node.inputs[0])]  # a placeholder nothing reads: the GEMVs compute the value
     lower = LOWERING.get(node.op)
     if lower is None:
         raise NotImplementedError(f"no {fc.mb.target.kind.name} lowering for op '{node.op}' ({node.outputs[0].label})")

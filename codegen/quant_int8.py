@@ -23,6 +23,7 @@ so the prologue writes each pair of activation blocks as [lo b0 | lo b1 | hi b0 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import tvm
 from tvm import te, tirx
@@ -30,6 +31,7 @@ from tvm.script import tirx as T
 
 from ggufc.ir.act_quant import ACT_BLOCK, SCHEME_BLOCK
 
+from .cpu_vec import silu_mul8
 from .quant import i64, layout_spec
 
 INT8_GEMV_TYPES = frozenset({"Q4_0", "Q4_1", "Q8_0"})
@@ -152,24 +154,60 @@ def int8_gemv(qtype: str, n: int, k: int, target: tvm.target.Target) -> tirx.Pri
     return int8_gemv_group(qtype, (n,), k, target)
 
 
-def int8_gemv_group(qtype: str, ns: tuple[int, ...], k: int, target: tvm.target.Target) -> tirx.PrimFunc:
+def int8_gemv_group(qtype: str, ns: tuple[int, ...], k: int, target: tvm.target.Target,
+                    prologue: tuple[Any, ...] = ()) -> tirx.PrimFunc:
     """Up to MAX_GROUP GEMVs of one input (a layer's q/k/v, its gate/up) in one kernel: one
     quantisation of x, one parallel loop over the row groups of every matrix.
-    `(x [1, K], *weights of matrix 1, ..., *weights of matrix G, y_1 [1, N_1], ..., y_G [1, N_G])`."""
+    `(x [1, K], *weights of matrix 1, ..., *weights of matrix G, y_1 [1, N_1], ..., y_G [1, N_G])`.
+
+    `prologue` computes the input from the op before it (a decode step then has no kernel for it):
+    ("rms_norm", eps) takes `(x, w [K], ...)` and normalises x; ("swiglu",) takes `(gate, up [1, K],
+    ...)` and computes silu(gate) * up, with llama.cpp's vector exp (cpu_vec.expf8)."""
     intrin = int8_dot_intrinsic(target)
     if intrin is None or not 1 <= len(ns) <= MAX_GROUP or not all(int8_gemv_supported(qtype, n, k, target) for n in ns):
         raise NotImplementedError(f"no 8-bit GEMV for {qtype} {list(ns)} x {k} on {target}")
+    kind = prologue[0] if prologue else ""
+    if kind not in ("", "rms_norm", "swiglu"):
+        raise ValueError(f"int8 GEMV: unknown prologue {prologue!r}")
+    stage = _input_stage(prologue, k)
     fields = [name for name, _, _ in layout_spec(qtype, (ns[0], k))]
     if qtype == "Q8_0":
-        func = _q8_0_gemv(ns, k, intrin)
+        func = _q8_0_gemv(ns, k, intrin, stage)
     else:
-        func = _q4_gemv(ns, k, intrin, has_min=qtype == "Q4_1")
+        func = _q4_gemv(ns, k, intrin, stage, has_min=qtype == "Q4_1")
     unused = {f"{name}{slot}" for slot in range(len(ns) + 1, MAX_GROUP + 1) for name in ("wd", "wm", "wq", "y")}
     if qtype == "Q4_0":  # no `m` field
         unused |= {f"wm{slot}" for slot in range(1, MAX_GROUP + 1)}
+    unused |= {"xw"} if kind != "rms_norm" else set()
+    unused |= {"xu"} if kind != "swiglu" else set()
     func = _without_params(func, unused)
-    assert len(func.params) == 1 + len(ns) * (len(fields) + 1), (qtype, fields)
+    assert len(func.params) == 1 + (kind != "") + len(ns) * (len(fields) + 1), (qtype, fields)
     return func.with_attr("tirx.noalias", True)
+
+
+def _input_stage(prologue: tuple[Any, ...], k: int) -> Callable[..., None] | None:
+    """The macro computing the GEMV input xin [1, K] from (x, xw, xu), or None (x is the input)."""
+    kind = prologue[0] if prologue else ""
+    if not kind:
+        return None
+    eps = float(prologue[1]) if kind == "rms_norm" else 0.0
+
+    @T.macro
+    def stage(x, xw, xu, xin):  # type: ignore[no-untyped-def]
+        if kind == "rms_norm":  # the rms_norm kernel's steps: squares summed in float64
+            acc = T.alloc_buffer((1,), "float64")
+            rstd = T.alloc_buffer((1,), "float32")
+            acc[0] = T.float64(0)
+            for i in range(k):
+                acc[0] = acc[0] + T.Cast("float64", x[0, i] * x[0, i])
+            rstd[0] = T.float32(1) / T.sqrt(T.Cast("float32", acc[0] / T.float64(k)) + T.float32(eps))
+            for i in range(k):
+                xin[0, i] = x[0, i] * rstd[0] * xw[i]
+        else:  # swiglu, as llama.cpp's ggml_vec_swiglu_f32: gate / (1 + exp(-gate)) * up
+            for c in range(k // 8):
+                xin[0, c * 8:c * 8 + 8] = silu_mul8(x.vload([0, c * 8], "float32x8"), xu.vload([0, c * 8], "float32x8"))
+
+    return stage
 
 
 def _slots(ns: tuple[int, ...]) -> tuple[list[int], list[int]]:
@@ -217,7 +255,8 @@ def _q8_pos(b: tirx.PrimExpr, i: tirx.PrimExpr) -> tirx.PrimExpr:
     return b * 32 + i
 
 
-def _q4_gemv(ns: tuple[int, ...], k: int, intrin: str, has_min: bool) -> tirx.PrimFunc:
+def _q4_gemv(ns: tuple[int, ...], k: int, intrin: str, stage: Callable[..., None] | None,
+             has_min: bool) -> tirx.PrimFunc:
     n_blocks, n_pairs, rows, group = k // 32, k // 64, ROWS, len(ns)
     n_octs = n_blocks // 8  # 8-block runs whose weight scales load as one f16x8 vector
     (n1, n2, n3), (g1, g2, g3) = _slots(ns)
@@ -279,7 +318,7 @@ def _q4_gemv(ns: tuple[int, ...], k: int, intrin: str, has_min: bool) -> tirx.Pr
             y[0, jo * rows + r] = _lane_sum(acc, r)
 
     @T.prim_func
-    def q4_gemv(x: T.Buffer((1, k), "float32"),
+    def q4_gemv(x: T.Buffer((1, k), "float32"), xw: T.Buffer((k,), "float32"), xu: T.Buffer((1, k), "float32"),
                 wd1: T.Buffer((n1, n_blocks), "float16"), wm1: T.Buffer((n1, n_blocks), "float16"),
                 wq1: T.Buffer((n1, n_blocks, 16), "uint8"),
                 wd2: T.Buffer((n2, n_blocks), "float16"), wm2: T.Buffer((n2, n_blocks), "float16"),
@@ -291,7 +330,12 @@ def _q4_gemv(ns: tuple[int, ...], k: int, intrin: str, has_min: bool) -> tirx.Pr
         xd = T.alloc_buffer((n_blocks,), "float32")
         xs = T.alloc_buffer((n_blocks,), "int32")
         xss = T.alloc_buffer((n_blocks,), "float32")
-        prologue(x, xb, xd, xs, xss, n_blocks)
+        if stage is None:
+            prologue(x, xb, xd, xs, xss, n_blocks)
+        else:
+            xin = T.alloc_buffer((1, k), "float32")
+            stage(x, xw, xu, xin)
+            prologue(xin, xb, xd, xs, xss, n_blocks)
         # per lane (pair p, lane l: block 2p + l // 4): scale d_a, and the integer start
         # -offset * (sum of the lane's 8 codes) (Q4_0; Q4_1 starts from zero and adds m_w s)
         xde = T.alloc_buffer((n_pairs * 8,), "float32")
@@ -313,7 +357,7 @@ def _q4_gemv(ns: tuple[int, ...], k: int, intrin: str, has_min: bool) -> tirx.Pr
     return q4_gemv
 
 
-def _q8_0_gemv(ns: tuple[int, ...], k: int, intrin: str) -> tirx.PrimFunc:
+def _q8_0_gemv(ns: tuple[int, ...], k: int, intrin: str, stage: Callable[..., None] | None) -> tirx.PrimFunc:
     n_blocks, rows, group = k // 32, ROWS, len(ns)
     n_octs = n_blocks // 8  # 8-block runs whose scales d_w d_a form one vector
     (n1, n2, n3), (g1, g2, g3) = _slots(ns)
@@ -360,7 +404,7 @@ def _q8_0_gemv(ns: tuple[int, ...], k: int, intrin: str) -> tirx.PrimFunc:
             y[0, jo * rows + r] = _lane_sum(acc, r)
 
     @T.prim_func
-    def q8_gemv(x: T.Buffer((1, k), "float32"),
+    def q8_gemv(x: T.Buffer((1, k), "float32"), xw: T.Buffer((k,), "float32"), xu: T.Buffer((1, k), "float32"),
                 wd1: T.Buffer((n1, n_blocks), "float16"), wq1: T.Buffer((n1, n_blocks, 32), "int8"),
                 wd2: T.Buffer((n2, n_blocks), "float16"), wq2: T.Buffer((n2, n_blocks, 32), "int8"),
                 wd3: T.Buffer((n3, n_blocks), "float16"), wq3: T.Buffer((n3, n_blocks, 32), "int8"),
@@ -369,7 +413,12 @@ def _q8_0_gemv(ns: tuple[int, ...], k: int, intrin: str) -> tirx.PrimFunc:
         xd = T.alloc_buffer((n_blocks,), "float32")
         xs = T.alloc_buffer((n_blocks,), "int32")
         xss = T.alloc_buffer((n_blocks,), "float32")
-        prologue(x, xb, xd, xs, xss, n_blocks)
+        if stage is None:
+            prologue(x, xb, xd, xs, xss, n_blocks)
+        else:
+            xin = T.alloc_buffer((1, k), "float32")
+            stage(x, xw, xu, xin)
+            prologue(xin, xb, xd, xs, xss, n_blocks)
         xc = T.alloc_buffer((n_blocks * 8,), "int32")  # -128 * (sum of each lane's 4 codes)
         for b, lane in T.grid(n_blocks, 8):
             xc[b * 8 + lane] = 0

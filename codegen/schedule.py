@@ -10,7 +10,7 @@ from __future__ import annotations
 import tvm
 from tvm import tirx
 
-PRESCHEDULED = frozenset({"matmul", "matmul_int8", "q8_1_min_fix", "embed", "experts", "attention"})
+PRESCHEDULED = frozenset({"matmul", "matmul_int8", "q8_1_min_fix", "swiglu", "embed", "experts", "attention"})
 
 
 # A stage with fewer iterations than this (all extents static) runs on the calling thread: waking

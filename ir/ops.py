@@ -312,7 +312,10 @@ def softmax_ref(x: np.ndarray, axis: int = -1) -> np.ndarray:
 
 
 def rms_norm_ref(x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:
-    y = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + x.dtype.type(eps))
+    """llama.cpp's steps: squares summed in float64, the mean rounded to x's precision, x times
+    1 / sqrt(mean + eps), then times w."""
+    ss = np.sum((x * x).astype(np.float64), axis=-1, keepdims=True)
+    y = x * (x.dtype.type(1) / np.sqrt((ss / x.shape[-1]).astype(x.dtype) + x.dtype.type(eps)))
     return y if w is None else y * w
 
 
