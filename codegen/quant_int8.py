@@ -216,13 +216,14 @@ def _slots(ns: tuple[int, ...]) -> tuple[list[int], list[int]]:
     return padded, [n // ROWS for n in padded]
 
 
-def _quantize_prologue(pos: Callable[..., tirx.PrimExpr]) -> Callable[..., None]:
-    """Serial prologue: x [1, K] -> codes xb (int8, at pos(b, i)), scales xd [K/32] (f16-rounded),
-    code sums xs [K/32] and q8_1 block sums xss [K/32] (f16(d * xs), d in f32); the same float32
-    steps as quantize_act (so the codes are identical)."""
+def _quantize_prologue(pos: Callable[..., tirx.PrimExpr], stage: Callable[..., None] | None,
+                       k: int) -> Callable[..., None]:
+    """Serial prologue: the input ((x, xw, xu) through `stage`, or x) -> codes xb (int8, at
+    pos(b, i)), scales xd [K/32] (f16-rounded), code sums xs [K/32] and q8_1 block sums xss [K/32]
+    (f16(d * xs), d in f32); the same float32 steps as quantize_act (so the codes are identical)."""
 
     @T.macro
-    def prologue(x, xb, xd, xs, xss, n_blocks):  # type: ignore[no-untyped-def]
+    def quantize(x, xb, xd, xs, xss, n_blocks):  # type: ignore[no-untyped-def]
         part = T.alloc_buffer((8,), "float32")
         for b in range(n_blocks):
             for lane in T.vectorized(8):
@@ -243,6 +244,15 @@ def _quantize_prologue(pos: Callable[..., tirx.PrimExpr]) -> Callable[..., None]
                 xs[b] = xs[b] + T.Cast("int32", xb[pos(b, i)])
             xss[b] = T.Cast("float32", T.Cast("float16", d * T.Cast("float32", xs[b])))
 
+    @T.macro
+    def prologue(x, xw, xu, xb, xd, xs, xss, n_blocks):  # type: ignore[no-untyped-def]
+        if stage is None:
+            quantize(x, xb, xd, xs, xss, n_blocks)
+        else:
+            xin = T.alloc_buffer((1, k), "float32")
+            stage(x, xw, xu, xin)
+            quantize(xin, xb, xd, xs, xss, n_blocks)
+
     return prologue
 
 
@@ -260,7 +270,7 @@ def _q4_gemv(ns: tuple[int, ...], k: int, intrin: str, stage: Callable[..., None
     n_blocks, n_pairs, rows, group = k // 32, k // 64, ROWS, len(ns)
     n_octs = n_blocks // 8  # 8-block runs whose weight scales load as one f16x8 vector
     (n1, n2, n3), (g1, g2, g3) = _slots(ns)
-    prologue = _quantize_prologue(_q4_pos)
+    prologue = _quantize_prologue(_q4_pos, stage, k)
     offset = 0 if has_min else 8  # Q4_0 codes are nibble - 8
 
     @T.macro
@@ -330,12 +340,7 @@ def _q4_gemv(ns: tuple[int, ...], k: int, intrin: str, stage: Callable[..., None
         xd = T.alloc_buffer((n_blocks,), "float32")
         xs = T.alloc_buffer((n_blocks,), "int32")
         xss = T.alloc_buffer((n_blocks,), "float32")
-        if stage is None:
-            prologue(x, xb, xd, xs, xss, n_blocks)
-        else:
-            xin = T.alloc_buffer((1, k), "float32")
-            stage(x, xw, xu, xin)
-            prologue(xin, xb, xd, xs, xss, n_blocks)
+        prologue(x, xw, xu, xb, xd, xs, xss, n_blocks)
         # per lane (pair p, lane l: block 2p + l // 4): scale d_a, and the integer start
         # -offset * (sum of the lane's 8 codes) (Q4_0; Q4_1 starts from zero and adds m_w s)
         xde = T.alloc_buffer((n_pairs * 8,), "float32")
@@ -361,7 +366,7 @@ def _q8_0_gemv(ns: tuple[int, ...], k: int, intrin: str, stage: Callable[..., No
     n_blocks, rows, group = k // 32, ROWS, len(ns)
     n_octs = n_blocks // 8  # 8-block runs whose scales d_w d_a form one vector
     (n1, n2, n3), (g1, g2, g3) = _slots(ns)
-    prologue = _quantize_prologue(_q8_pos)
+    prologue = _quantize_prologue(_q8_pos, stage, k)
 
     @T.macro
     def block_step(wq, acc, j, r, b, scale, xb, xc):  # type: ignore[no-untyped-def]
@@ -413,12 +418,7 @@ def _q8_0_gemv(ns: tuple[int, ...], k: int, intrin: str, stage: Callable[..., No
         xd = T.alloc_buffer((n_blocks,), "float32")
         xs = T.alloc_buffer((n_blocks,), "int32")
         xss = T.alloc_buffer((n_blocks,), "float32")
-        if stage is None:
-            prologue(x, xb, xd, xs, xss, n_blocks)
-        else:
-            xin = T.alloc_buffer((1, k), "float32")
-            stage(x, xw, xu, xin)
-            prologue(xin, xb, xd, xs, xss, n_blocks)
+        prologue(x, xw, xu, xb, xd, xs, xss, n_blocks)
         xc = T.alloc_buffer((n_blocks * 8,), "int32")  # -128 * (sum of each lane's 4 codes)
         for b, lane in T.grid(n_blocks, 8):
             xc[b * 8 + lane] = 0

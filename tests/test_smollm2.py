@@ -1,13 +1,16 @@
 """SmolLM2-135M-Instruct Q4_1 (a real model) against llama.cpp's outputs on the shared prompts.
 
-Like llama.cpp, ggufc rounds the inputs of Q4_1/Q8_0 matmuls to 8-bit blocks (the
-quantize_activations pass). That rounding amplifies any float32 difference (summation order,
-llama.cpp's polynomial exp/silu) into whole 8-bit steps, so two faithful implementations part
-by a top-2 gap error of about 0.13 on average and 0.28 at the 90th percentile on this model; in
-the golden file llama.cpp's own one-token decode and its batch evaluation choose different
-tokens at gaps up to 0.26. Where llama.cpp's own top-2 gap is below TIE_MARGIN the argmax is
-decided by that noise, so those positions count as ties (the golden README asks for a
-documented tie margin).
+The goldens are llama.cpp's batch evaluation with an f32 KV cache (llama-cpp-python 0.3.36
+reproduces them to 0 NMSE with type_k/type_v f32). Like llama.cpp, ggufc rounds matmul inputs to
+8-bit blocks (q8_1 for the Q4_1 weights, q8_0 for the Q8_0 output), and that rounding turns any
+float32 difference into whole 8-bit steps that compound over 30 layers. llama.cpp itself shows
+the size of that noise on this file: evaluated one token at a time (same build, f32 KV) its top-2
+logit gap moves from the batch goldens by 0.09 on average, 0.43 at the 99th percentile and 0.62
+at most (its default f16 KV cache: 0.13 / 0.54 / 0.66); its top-1 agreement with its own goldens
+is then 98.5 % (98.2 %), and its greedy continuation equals its own golden greedy for 16 tokens on
+5 of 8 prompts (4 of 8). ggufc sits in the same band (gap error 0.13 mean, 0.27 at p90). Where
+llama.cpp's own top-2 gap is below TIE_MARGIN the argmax is decided by that noise, so those
+positions count as ties (the golden README asks for a documented tie margin).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import numpy as np
 import pytest
 
 GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
-TIE_MARGIN = 0.3  # logits; above llama.cpp's own decode-vs-batch disagreements (0.26) in this file
+TIE_MARGIN = 0.5  # logits; above the 99th percentile of llama.cpp's own decode-vs-batch gap changes (0.43)
 
 
 def _model_path() -> Path | None:
