@@ -390,14 +390,18 @@ def main() -> None:
     for e in engines:
         e.close()
 
-    bandwidth = stream_bandwidth(args.threads)
     gguf_engine = engines[0]
     from ggufc.runtime.artifact import load_manifest
 
     manifest = load_manifest(gguf_engine.artifact)
     n_past = args.prompt_tokens + args.gen_tokens // 2
     decode_bytes = decode_bytes_per_token(manifest, n_past)
-    largest = output_gemv_bandwidth(gguf_engine.artifact)
+    settle()
+    bandwidth = stream_bandwidth(args.threads)
+    # the same read over an array of the decode step's size: a step re-reads the same bytes every
+    # token, so where the caches can hold them this is the step's own roofline (not DRAM's)
+    bandwidth["same_size_read_gb_s"] = sgemv_read(np.ones(decode_bytes // 4, np.float32))
+    largest = output_gemv_bandwidth(gguf_engine.artifact)  # last: TVM's pool spins for a while after
 
     report: dict[str, Any] = {
         "model": str(model), "model_name": model.name, "machine": machine(), "threads": args.threads,
@@ -410,9 +414,6 @@ def main() -> None:
         "load_avg_1min": [load_before, os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")],
     }
     report["decode_roofline_fraction"] = report["decode_gb_s"] / bandwidth["read_gb_s"]
-    # the same read over an array of the decode step's size: a step re-reads the same bytes every
-    # token, so where the caches can hold them this is the step's own roofline (not DRAM's)
-    bandwidth["same_size_read_gb_s"] = sgemv_read(np.ones(decode_bytes // 4, np.float32))
     report["decode_same_size_fraction"] = report["decode_gb_s"] / bandwidth["same_size_read_gb_s"]
     if "llama.cpp" in results:
         report["ratio"] = {k: results["ggufc"][k] / results["llama.cpp"][k] for k in ("prefill_tok_s", "decode_tok_s")}
