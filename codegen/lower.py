@@ -82,6 +82,7 @@ class FunctionContext:
         self.grouped: dict[int, Any] = {}  # outputs computed early by a grouped kernel
         self.params_var: Any = None  # the function's weights argument (set by add_function)
         self.producers: dict[int, Node] = graph.producers()
+        self.order: dict[int, int] = {id(n): i for i, n in enumerate(graph.nodes)}  # node -> position
 
     # -- dims -----------------------------------------------------------------------------------
     def dim(self, d: Dim) -> Any:
@@ -380,15 +381,11 @@ def _gemv_input(fc: FunctionContext, x: Value) -> tuple[tuple[Any, ...], list[An
     return ("swiglu",), [fc.value(src.inputs[0]), fc.value(src.inputs[1])]
 
 
-def _int8_gemv_group(fc: FunctionContext, node: Node) -> list[Any]:
-    """Matmuls reading the same rounded input with the same weight type and K (a layer's q/k/v, its
-    gate/up) run as one grouped 8-bit GEMV, emitted at the first of them; the others take their
-    results from it."""
-    if node.outputs[0].id in fc.grouped:
-        return [fc.grouped.pop(node.outputs[0].id)]
-    x, w = node.inputs[:2]
-    prologue, lead = _gemv_input(fc, x)  # the kernels round x themselves
-    qtype, (_, k), _ = _weight_args(fc, w)
+def _group_members(fc: FunctionContext, node: Node) -> list[Node]:
+    """The 8-bit GEMVs that run in one kernel with `node` (itself first): readers of the same rounded
+    input with the same weight type and K (a layer's q/k/v, its gate/up), in graph order."""
+    x = node.inputs[0]
+    qtype, (_, k), _ = _weight_args(fc, node.inputs[1])
 
     def joins(u: Node) -> bool:
         if not _int8_gemv(fc, u):
@@ -396,18 +393,63 @@ def _int8_gemv_group(fc: FunctionContext, node: Node) -> list[Any]:
         u_qtype, (_, u_k), _ = _weight_args(fc, u.inputs[1])
         return u_qtype == qtype and u_k == k
 
-    members = [u for u in fc.users[x.id] if joins(u)]  # graph order: the order they are lowered in
-    members = members[members.index(node):][: Q8.MAX_GROUP]
+    members = [u for u in fc.users[x.id] if joins(u)]
+    return members[members.index(node):][: Q8.MAX_GROUP]
+
+
+def _gemv_residual(fc: FunctionContext, node: Node) -> tuple[Node, Value] | None:
+    """(add node, residual) when a lone 8-bit GEMV's output is read only by a residual add of the
+    same shape: the kernel adds the residual itself (the output projection, the FFN down)."""
+    out = node.outputs[0]
+    readers = fc.users.get(out.id, [])
+    if len(readers) != 1 or any(o.id == out.id for o in fc.graph.outputs):
+        return None
+    add = readers[0]
+    if add.op != "binary" or add.attrs.fn != "add" or len(add.inputs) != 2:
+        return None
+    res = add.inputs[1] if add.inputs[0].id == out.id else add.inputs[0]
+    if res.id == out.id or res.shape != out.shape or res.dtype != "float32":
+        return None
+    made = fc.producers.get(res.id)  # the kernel reads it: it must exist before the GEMV runs
+    if made is not None and fc.order[id(made)] > fc.order[id(node)]:
+        return None
+    return (add, res) if _group_members(fc, node) == [node] else None
+
+
+def _int8_gemv_group(fc: FunctionContext, node: Node) -> list[Any]:
+    """A group of 8-bit GEMVs (`_group_members`) runs as one kernel, emitted at the first of them;
+    the others take their results from it."""
+    if node.outputs[0].id in fc.grouped:
+        return [fc.grouped.pop(node.outputs[0].id)]
+    x, w = node.inputs[:2]
+    prologue, lead = _gemv_input(fc, x)  # the kernels round x themselves
+    qtype, (_, k), _ = _weight_args(fc, w)
+    members = _group_members(fc, node)
     weights = [_weight_args(fc, m.inputs[1]) for m in members]
     ns = tuple(shape[0] for _, shape, _ in weights)
+    residual = _gemv_residual(fc, node) if fc.mb.target.kind.name == "llvm" else None
+    tail = [fc.value(residual[1])] if residual else []
     target = fc.mb.target
     outs = [o for m in members for o in m.outputs]
-    results = fc.call(("matmul_int8", qtype, ns, k, prologue),
-                      lambda: Q8.int8_gemv_group(qtype, ns, k, target, prologue),
-                      [*lead, *(a for _, _, arrays in weights for a in arrays)], outs, node.outputs[0].name)
+    results = fc.call(("matmul_int8", qtype, ns, k, prologue, residual is not None),
+                      lambda: Q8.int8_gemv_group(qtype, ns, k, target, prologue, residual is not None),
+                      [*lead, *(a for _, _, arrays in weights for a in arrays), *tail], outs, node.outputs[0].name)
     for m, r in zip(members[1:], results[1:], strict=True):
         fc.grouped[m.outputs[0].id] = r
     return results[:1]
+
+
+def _folded_residual_add(fc: FunctionContext, node: Node) -> bool:
+    """Whether this add was done by the 8-bit GEMV producing one of its inputs."""
+    if node.op != "binary" or node.attrs.fn != "add" or fc.mb.target.kind.name != "llvm":
+        return False
+    for v in node.inputs:
+        src = fc.producers.get(v.id)
+        if src is not None and src.op == "matmul" and _int8_gemv(fc, src):
+            found = _gemv_residual(fc, src)
+            if found is not None and found[0] is node:
+                return True
+    return False
 
 
 def _quantize_act(fc: FunctionContext, node: Node) -> list[Any]:
@@ -675,6 +717,10 @@ LOWERING: dict[str, Callable[[FunctionContext, Node], list[Any]]] = {
 def lower_node(fc: FunctionContext, node: Node) -> list[Any]:
     if node.op in PROLOGUE_OPS and _in_gemv_prologue(fc, node):
         return [fc.value(node.inputs[0])]  # a placeholder nothing reads: the GEMVs compute the value
+    if _folded_residual_add(fc, node):  # the GEMV's output already holds the sum
+        src = next(v for v in node.inputs if (p := fc.producers.get(v.id)) is not None and p.op == "matmul"
+                   and _gemv_residual(fc, p) is not None)
+        return [fc.value(src)]
     lower = LOWERING.get(node.op)
     if lower is None:
         raise NotImplementedError(f"no {fc.mb.target.kind.name} lowering for op '{node.op}' ({node.outputs[0].label})")

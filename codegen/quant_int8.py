@@ -155,33 +155,38 @@ def int8_gemv(qtype: str, n: int, k: int, target: tvm.target.Target) -> tirx.Pri
 
 
 def int8_gemv_group(qtype: str, ns: tuple[int, ...], k: int, target: tvm.target.Target,
-                    prologue: tuple[Any, ...] = ()) -> tirx.PrimFunc:
+                    prologue: tuple[Any, ...] = (), residual: bool = False) -> tirx.PrimFunc:
     """Up to MAX_GROUP GEMVs of one input (a layer's q/k/v, its gate/up) in one kernel: one
     quantisation of x, one parallel loop over the row groups of every matrix.
     `(x [1, K], *weights of matrix 1, ..., *weights of matrix G, y_1 [1, N_1], ..., y_G [1, N_G])`.
 
     `prologue` computes the input from the op before it (a decode step then has no kernel for it):
     ("rms_norm", eps) takes `(x, w [K], ...)` and normalises x; ("swiglu",) takes `(gate, up [1, K],
-    ...)` and computes silu(gate) * up, with llama.cpp's vector exp (cpu_vec.expf8)."""
+    ...)` and computes silu(gate) * up, with llama.cpp's vector exp (cpu_vec.expf8).
+    `residual` (one matrix only) takes `res [1, N]` after the weights: y = res + W x, the same
+    float sum as a separate add."""
     intrin = int8_dot_intrinsic(target)
     if intrin is None or not 1 <= len(ns) <= MAX_GROUP or not all(int8_gemv_supported(qtype, n, k, target) for n in ns):
         raise NotImplementedError(f"no 8-bit GEMV for {qtype} {list(ns)} x {k} on {target}")
     kind = prologue[0] if prologue else ""
     if kind not in ("", "rms_norm", "swiglu"):
         raise ValueError(f"int8 GEMV: unknown prologue {prologue!r}")
+    if residual and len(ns) != 1:
+        raise ValueError("int8 GEMV: a residual add needs a single matrix")
     stage = _input_stage(prologue, k)
     fields = [name for name, _, _ in layout_spec(qtype, (ns[0], k))]
     if qtype == "Q8_0":
-        func = _q8_0_gemv(ns, k, intrin, stage)
+        func = _q8_0_gemv(ns, k, intrin, stage, residual)
     else:
-        func = _q4_gemv(ns, k, intrin, stage, has_min=qtype == "Q4_1")
+        func = _q4_gemv(ns, k, intrin, stage, residual, has_min=qtype == "Q4_1")
     unused = {f"{name}{slot}" for slot in range(len(ns) + 1, MAX_GROUP + 1) for name in ("wd", "wm", "wq", "y")}
     if qtype == "Q4_0":  # no `m` field
         unused |= {f"wm{slot}" for slot in range(1, MAX_GROUP + 1)}
     unused |= {"xw"} if kind != "rms_norm" else set()
     unused |= {"xu"} if kind != "swiglu" else set()
+    unused |= {"res"} if not residual else set()
     func = _without_params(func, unused)
-    assert len(func.params) == 1 + (kind != "") + len(ns) * (len(fields) + 1), (qtype, fields)
+    assert len(func.params) == 1 + (kind != "") + residual + len(ns) * (len(fields) + 1), (qtype, fields)
     return func.with_attr("tirx.noalias", True)
 
 
@@ -265,7 +270,7 @@ def _q8_pos(b: tirx.PrimExpr, i: tirx.PrimExpr) -> tirx.PrimExpr:
     return b * 32 + i
 
 
-def _q4_gemv(ns: tuple[int, ...], k: int, intrin: str, stage: Callable[..., None] | None,
+def _q4_gemv(ns: tuple[int, ...], k: int, intrin: str, stage: Callable[..., None] | None, residual: bool,
              has_min: bool) -> tirx.PrimFunc:
     n_blocks, n_pairs, rows, group = k // 32, k // 64, ROWS, len(ns)
     n_octs = n_blocks // 8  # 8-block runs whose weight scales load as one f16x8 vector
@@ -334,7 +339,7 @@ def _q4_gemv(ns: tuple[int, ...], k: int, intrin: str, stage: Callable[..., None
                 wd2: T.Buffer((n2, n_blocks), "float16"), wm2: T.Buffer((n2, n_blocks), "float16"),
                 wq2: T.Buffer((n2, n_blocks, 16), "uint8"),
                 wd3: T.Buffer((n3, n_blocks), "float16"), wm3: T.Buffer((n3, n_blocks), "float16"),
-                wq3: T.Buffer((n3, n_blocks, 16), "uint8"),
+                wq3: T.Buffer((n3, n_blocks, 16), "uint8"), res: T.Buffer((1, n1), "float32"),
                 y1: T.Buffer((1, n1), "float32"), y2: T.Buffer((1, n2), "float32"), y3: T.Buffer((1, n3), "float32")):
         xb = T.alloc_buffer((k,), "int8")
         xd = T.alloc_buffer((n_blocks,), "float32")
@@ -358,11 +363,15 @@ def _q4_gemv(ns: tuple[int, ...], k: int, intrin: str, stage: Callable[..., None
                 row_group(wd2, wm2, wq2, y2, n2, jo - g1, xb, xde, xss, xc)
             elif group >= 3:
                 row_group(wd3, wm3, wq3, y3, n3, jo - g1 - g2, xb, xde, xss, xc)
+        if residual:
+            for j in range(n1):
+                y1[0, j] = res[0, j] + y1[0, j]
 
     return q4_gemv
 
 
-def _q8_0_gemv(ns: tuple[int, ...], k: int, intrin: str, stage: Callable[..., None] | None) -> tirx.PrimFunc:
+def _q8_0_gemv(ns: tuple[int, ...], k: int, intrin: str, stage: Callable[..., None] | None,
+               residual: bool) -> tirx.PrimFunc:
     n_blocks, rows, group = k // 32, ROWS, len(ns)
     n_octs = n_blocks // 8  # 8-block runs whose scales d_w d_a form one vector
     (n1, n2, n3), (g1, g2, g3) = _slots(ns)
@@ -413,6 +422,7 @@ def _q8_0_gemv(ns: tuple[int, ...], k: int, intrin: str, stage: Callable[..., No
                 wd1: T.Buffer((n1, n_blocks), "float16"), wq1: T.Buffer((n1, n_blocks, 32), "int8"),
                 wd2: T.Buffer((n2, n_blocks), "float16"), wq2: T.Buffer((n2, n_blocks, 32), "int8"),
                 wd3: T.Buffer((n3, n_blocks), "float16"), wq3: T.Buffer((n3, n_blocks, 32), "int8"),
+                res: T.Buffer((1, n1), "float32"),
                 y1: T.Buffer((1, n1), "float32"), y2: T.Buffer((1, n2), "float32"), y3: T.Buffer((1, n3), "float32")):
         xb = T.alloc_buffer((k,), "int8")
         xd = T.alloc_buffer((n_blocks,), "float32")
@@ -431,6 +441,9 @@ def _q8_0_gemv(ns: tuple[int, ...], k: int, intrin: str, stage: Callable[..., No
                 row_group(wd2, wq2, y2, n2, jo - g1, xb, xd, xc)
             elif group >= 3:
                 row_group(wd3, wq3, y3, n3, jo - g1 - g2, xb, xd, xc)
+        if residual:
+            for j in range(n1):
+                y1[0, j] = res[0, j] + y1[0, j]
 
     return q8_gemv
 
