@@ -439,17 +439,17 @@ def _int8_gemv_group(fc: FunctionContext, node: Node) -> list[Any]:
     return results[:1]
 
 
-def _folded_residual_add(fc: FunctionContext, node: Node) -> bool:
-    """Whether this add was done by the 8-bit GEMV producing one of its inputs."""
+def _folded_residual_add(fc: FunctionContext, node: Node) -> Value | None:
+    """The 8-bit GEMV output that already holds this add's sum (the GEMV added the residual), or None."""
     if node.op != "binary" or node.attrs.fn != "add" or fc.mb.target.kind.name != "llvm":
-        return False
+        return None
     for v in node.inputs:
         src = fc.producers.get(v.id)
         if src is not None and src.op == "matmul" and _int8_gemv(fc, src):
             found = _gemv_residual(fc, src)
             if found is not None and found[0] is node:
-                return True
-    return False
+                return v
+    return None
 
 
 def _quantize_act(fc: FunctionContext, node: Node) -> list[Any]:
@@ -717,10 +717,8 @@ LOWERING: dict[str, Callable[[FunctionContext, Node], list[Any]]] = {
 def lower_node(fc: FunctionContext, node: Node) -> list[Any]:
     if node.op in PROLOGUE_OPS and _in_gemv_prologue(fc, node):
         return [fc.value(node.inputs[0])]  # a placeholder nothing reads: the GEMVs compute the value
-    if _folded_residual_add(fc, node):  # the GEMV's output already holds the sum
-        src = next(v for v in node.inputs if (p := fc.producers.get(v.id)) is not None and p.op == "matmul"
-                   and _gemv_residual(fc, p) is not None)
-        return [fc.value(src)]
+    if (summed := _folded_residual_add(fc, node)) is not None:  # the GEMV's output already holds the sum
+        return [fc.value(summed)]
     lower = LOWERING.get(node.op)
     if lower is None:
         raise NotImplementedError(f"no {fc.mb.target.kind.name} lowering for op '{node.op}' ({node.outputs[0].label})")

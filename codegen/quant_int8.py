@@ -276,6 +276,7 @@ def _q4_gemv(ns: tuple[int, ...], k: int, intrin: str, stage: Callable[..., None
     n_octs = n_blocks // 8  # 8-block runs whose weight scales load as one f16x8 vector
     (n1, n2, n3), (g1, g2, g3) = _slots(ns)
     prologue = _quantize_prologue(_q4_pos, stage, k)
+    add_residual = _residual_adder(residual)
     offset = 0 if has_min else 8  # Q4_0 codes are nibble - 8
 
     @T.macro
@@ -352,10 +353,11 @@ def _q4_gemv(ns: tuple[int, ...], k: int, intrin: str, stage: Callable[..., None
         xc = T.alloc_buffer((n_pairs * 8,), "int32")
         for p, lane in T.grid(n_pairs, 8):
             xde[p * 8 + lane] = xd[p * 2 + lane // 4]
-            xc[p * 8 + lane] = 0
-            for c in range(4):
-                xc[p * 8 + lane] = xc[p * 8 + lane] - offset * (
-                    T.Cast("int32", xb[p * 64 + lane * 4 + c]) + T.Cast("int32", xb[p * 64 + 32 + lane * 4 + c]))
+            if not has_min:  # Q4_1's dot products start from zero and never read xc
+                xc[p * 8 + lane] = 0
+                for c in range(4):
+                    xc[p * 8 + lane] = xc[p * 8 + lane] - offset * (
+                        T.Cast("int32", xb[p * 64 + lane * 4 + c]) + T.Cast("int32", xb[p * 64 + 32 + lane * 4 + c]))
         for jo in T.parallel(g1 + (g2 if group >= 2 else 0) + (g3 if group >= 3 else 0)):
             if jo < g1:
                 row_group(wd1, wm1, wq1, y1, n1, jo, xb, xde, xss, xc)
@@ -363,9 +365,7 @@ def _q4_gemv(ns: tuple[int, ...], k: int, intrin: str, stage: Callable[..., None
                 row_group(wd2, wm2, wq2, y2, n2, jo - g1, xb, xde, xss, xc)
             elif group >= 3:
                 row_group(wd3, wm3, wq3, y3, n3, jo - g1 - g2, xb, xde, xss, xc)
-        if residual:
-            for j in range(n1):
-                y1[0, j] = res[0, j] + y1[0, j]
+        add_residual(res, y1, n1)
 
     return q4_gemv
 
@@ -376,6 +376,7 @@ def _q8_0_gemv(ns: tuple[int, ...], k: int, intrin: str, stage: Callable[..., No
     n_octs = n_blocks // 8  # 8-block runs whose scales d_w d_a form one vector
     (n1, n2, n3), (g1, g2, g3) = _slots(ns)
     prologue = _quantize_prologue(_q8_pos, stage, k)
+    add_residual = _residual_adder(residual)
 
     @T.macro
     def block_step(wq, acc, j, r, b, scale, xb, xc):  # type: ignore[no-untyped-def]
@@ -441,11 +442,21 @@ def _q8_0_gemv(ns: tuple[int, ...], k: int, intrin: str, stage: Callable[..., No
                 row_group(wd2, wq2, y2, n2, jo - g1, xb, xd, xc)
             elif group >= 3:
                 row_group(wd3, wq3, y3, n3, jo - g1 - g2, xb, xd, xc)
-        if residual:
-            for j in range(n1):
-                y1[0, j] = res[0, j] + y1[0, j]
+        add_residual(res, y1, n1)
 
     return q8_gemv
+
+
+def _residual_adder(residual: bool) -> Callable[..., None]:
+    """The epilogue y += res (serial: one add per output row, after the parallel loop), or nothing."""
+
+    @T.macro
+    def add_residual(res, y, n):  # type: ignore[no-untyped-def]
+        if residual:
+            for j in range(n):
+                y[0, j] = res[0, j] + y[0, j]
+
+    return add_residual
 
 
 def _prefetch(flat: tirx.Buffer, index: tirx.PrimExpr) -> tirx.PrimExpr:
