@@ -1,7 +1,7 @@
 """CPU vector math as llama.cpp's CPU backend does it, for the kernels that follow its numerics.
 
-`expf8` is llama.cpp's `ggml_v_expf` (the AVX-512 form, which its x86 builds run), used where
-llama.cpp uses it: SiLU in its SwiGLU. `swiglu` is the CPU kernel of the `swiglu` op.
+`expf8` is llama.cpp's `ggml_v_expf` (its AVX2 form), used where llama.cpp uses it: SiLU in its
+SwiGLU and the attention softmax. `swiglu` is the CPU kernel of the `swiglu` op.
 """
 
 from __future__ import annotations
@@ -11,31 +11,43 @@ from tvm.script import tirx as T
 
 
 def expf8(x: tirx.PrimExpr) -> tirx.PrimExpr:
-    """exp of 8 float32 lanes by llama.cpp's `ggml_v_expf` (its AVX-512 form, within 1.5 ulp):
-    n = round(x / ln 2), b = x - n ln 2 in two parts, j = 1 + b + ... (degree 5), exp = j 2^n.
-    Inputs are clamped to +-130 (exp already 0 or inf there); 2^n is applied in two exact steps so
-    that n = 128 and subnormal results scale as `vscalefps` does."""
+    """exp of 8 float32 lanes by llama.cpp's `ggml_v_expf`, its AVX2 + FMA form (the x86 build the
+    goldens come from has no AVX-512): n = round(x / ln 2), b = x - n ln 2 in two parts,
+    j = b + ... (degree 5, no constant term), exp = fma(j, 2^n, 2^n); |n| > 126 scales in two
+    steps (overflow to inf, underflow to 0 as the C code does)."""
 
     def c(v: float) -> tirx.PrimExpr:
         return T.broadcast(T.float32(v), 8)
 
+    def h(v: str) -> tirx.PrimExpr:
+        return c(float.fromhex(v))
+
+    def i(v: int) -> tirx.PrimExpr:
+        return T.broadcast(T.int32(v), 8)
+
     def fma(a: tirx.PrimExpr, b: tirx.PrimExpr, d: tirx.PrimExpr) -> tirx.PrimExpr:
         return T.call_llvm_pure_intrin("float32x8", "llvm.fma.v8f32", a, b, d)
 
-    def pow2(e: tirx.PrimExpr) -> tirx.PrimExpr:  # 2^e for integral e in [-126, 127]
-        return T.reinterpret("float32x8", T.shift_left(T.Cast("int32x8", e) + T.broadcast(T.int32(127), 8),
-                                                       T.broadcast(T.int32(23), 8)))
+    def bits(v: tirx.PrimExpr) -> tirx.PrimExpr:
+        return T.reinterpret("int32x8", v)
 
-    x = T.max(T.min(x, c(130.0)), c(-130.0))
-    shift = c(float.fromhex("0x1.8p23"))
-    n = fma(x, c(float.fromhex("0x1.715476p+0")), shift) - shift
-    b = fma(c(0.0) - n, c(float.fromhex("0x1.7f7d1cp-20")), fma(c(0.0) - n, c(float.fromhex("0x1.62e4p-1")), x))
+    def flt(v: tirx.PrimExpr) -> tirx.PrimExpr:
+        return T.reinterpret("float32x8", v)
+
+    r = h("0x1.8p23")
+    z = fma(x, h("0x1.715476p+0"), r)
+    n = z - r
+    b = fma(c(0.0) - n, h("0x1.7f7d1cp-20"), fma(c(0.0) - n, h("0x1.62e4p-1"), x))
+    e = T.shift_left(bits(z), i(23))
+    k = flt(e + bits(c(1.0)))
     u = b * b
-    j = fma(fma(fma(c(float.fromhex("0x1.0e4020p-7")), b, c(float.fromhex("0x1.573e2ep-5"))), u,
-                fma(c(float.fromhex("0x1.555e66p-3")), b, c(float.fromhex("0x1.fffdb6p-2")))),
-            u, fma(c(float.fromhex("0x1.ffffecp-1")), b, c(1.0)))
-    n1 = T.max(T.min(n, c(127.0)), c(-126.0))
-    return j * pow2(n1) * pow2(n - n1)
+    j = fma(fma(fma(h("0x1.0e4020p-7"), b, h("0x1.573e2ep-5")), u, fma(h("0x1.555e66p-3"), b, h("0x1.fffdb6p-2"))),
+            u, h("0x1.ffffecp-1") * b)
+    g = T.Select(n <= c(0.0), i(-2113929216), i(0))  # 0x82000000
+    s1 = flt(g + i(0x7F000000))
+    s2 = flt(e - g)
+    scaled = fma(s2, j, s2) * s1
+    return T.Select(T.fabs(n) > c(192.0), s1 * s1, T.Select(T.fabs(n) > c(126.0), scaled, fma(k, j, k)))
 
 
 def silu_mul8(g: tirx.PrimExpr, u: tirx.PrimExpr) -> tirx.PrimExpr:

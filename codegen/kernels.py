@@ -312,8 +312,9 @@ def last_token(shape: PShape) -> tirx.PrimFunc:
 # positions, rope, attention
 
 
-def rope(x_shape: PShape, table_shape: PShape, attrs: O.Rope) -> tirx.PrimFunc:
-    """x [T, H, D]; table [n_ctx, n_rot/2, 2] of (cos, sin); scalar pos (start position)."""
+def rope(x_shape: PShape, table_shape: PShape, attrs: O.Rope, llvm_fma: bool = False) -> tirx.PrimFunc:
+    """x [T, H, D]; table [n_ctx, n_rot/2, 2] of (cos, sin); scalar pos (start position).
+    `llvm_fma`: the rotation as ggml's CPU code compiles, fma(a, c, -(b s)) and fma(a, s, b c)."""
     x = te.placeholder(x_shape, "float32", name="x")
     table = te.placeholder(table_shape, "float32", name="table")
     pos = te.var("pos", "int64")
@@ -332,7 +333,11 @@ def rope(x_shape: PShape, table_shape: PShape, attrs: O.Rope) -> tirx.PrimFunc:
             b = x[t, h, tirx.if_then_else(second, d, d + i64(half))]
         pair = tirx.min(pair, i64(half - 1))  # dims past n_rot pass through; keep the table read in bounds
         c, s = table[p, pair, i64(0)], table[p, pair, i64(1)]
-        rotated = tirx.if_then_else(second, a * s + b * c, a * c - b * s)
+        if llvm_fma:
+            fma = lambda u, v, w: tirx.call_llvm_pure_intrin("float32", "llvm.fma.f32", u, v, w)  # noqa: E731
+            rotated = tirx.if_then_else(second, fma(a, s, b * c), fma(a, c, -(b * s)))
+        else:
+            rotated = tirx.if_then_else(second, a * s + b * c, a * c - b * s)
         return tirx.if_then_else(d < n_rot, rotated, x[t, h, d])
 
     out = te.compute(x_shape, body, name="out")

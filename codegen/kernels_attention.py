@@ -1,11 +1,16 @@
-"""Causal attention over the KV cache, one (token, head) row at a time.
+"""Causal attention over the KV cache, one (token, head) row at a time, in llama.cpp's float order.
 
-Each row reads only its visible cache rows [0, pos + t]: scores go to a per-row scratch of the
-cache length (a compile-time constant), then one pass takes the softmax (llama.cpp's: its vector
-exp, sums in float64, probabilities scaled by 1 / sum) and accumulates V. No
-[heads, T, cache] matrix is materialised and masked cells are never touched. Dot products keep
-8 partial sums so they vectorise without reassociating floats behind LLVM's back. Rows are spread
-over the thread pool.
+Each row reads only its visible cache rows [0, pos + t]. The float steps are those of llama.cpp's
+CPU backend (non-flash attention, f32 cache, its x86 AVX2 build):
+- score s = K[s] . q as ggml_vec_dot_f32: 4 x 8 lane accumulators over 32-value steps (fma),
+  folded (0+2) + (1+3), then 4 + 4 and two pairwise adds; then times the scale;
+- softmax as ggml_soft_max_f32: its vector exp on 8 scores at a time, each 8 summed as
+  hsum_float_8 and the sums in float64, probabilities times (float) 1 / sum;
+- out = sum_s p_s V[s] as llama.cpp's KQV matmul, whose order depends on the batch: one token
+  (ggml_vec_dot_f32 over the cache cells: 32 accumulators per value, folded as above) or more
+  (tinyBLAS: 8 accumulators, cell s into s % 8, then hsum_float_8). Cells past the visible ones
+  hold probability 0 there and add nothing, so the sums stop at the last visible cell.
+No [heads, T, cache] matrix is materialised. Rows are spread over the thread pool.
 """
 
 from __future__ import annotations
@@ -15,17 +20,21 @@ from tvm.script import tirx as T
 
 from .cpu_vec import expf8
 
-LANES = 8
+LANES = 8  # float32 lanes of an AVX2 register
+STEP = 32  # values per step of ggml_vec_dot_f32 (4 registers)
 
 
 def attention_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float) -> tirx.PrimFunc:
-    """(q [T, H, D], k_cache [C, Hkv, D], v_cache [C, Hkv, D], pos, out [T, H, D])."""
-    if dim % LANES:
-        raise ValueError(f"attention: head dim {dim} must be a multiple of {LANES}")
+    """(q [T, H, D], k_cache [C, Hkv, D], v_cache [C, Hkv, D], pos, out [T, H, D]); D % 32 == 0."""
+    if dim % STEP:
+        raise ValueError(f"attention: head dim {dim} must be a multiple of {STEP}")
     H, HKV, D, C = T.int64(n_head), T.int64(n_kv), T.int64(dim), T.int64(n_cells)
-    G, DL, L = T.int64(n_head // n_kv), T.int64(dim // LANES), T.int64(LANES)
+    G, L = T.int64(n_head // n_kv), T.int64(LANES)
     SCALE = T.float32(scale)
-    CP = T.int64(-(-n_cells // 16) * 16)  # scores scratch in whole 16-lane chunks
+    CP = T.int64(-(-n_cells // STEP) * STEP)  # scores scratch in whole 32-cell steps
+
+    def fma(a: tirx.PrimExpr, b: tirx.PrimExpr, c: tirx.PrimExpr) -> tirx.PrimExpr:
+        return T.call_llvm_pure_intrin("float32", "llvm.fma.f32", a, b, c)
 
     @T.prim_func(private=True)
     def attention(q_h: T.handle, k_cache: T.Buffer((C, HKV, D), "float32"),
@@ -40,42 +49,60 @@ def attention_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float)
             kv = h // G
             visible = pos + t + T.int64(1)
             scores = T.decl_buffer((CP,), "float32")
-            acc = T.decl_buffer((D,), "float32")
-            part = T.decl_buffer((L,), "float32")
+            part = T.decl_buffer((STEP,), "float32")
+            acc = T.decl_buffer((STEP, D), "float32")  # lane accumulators of the KQV sums
             stat = T.decl_buffer((2,), "float32")  # max, 1 / sum
             total = T.decl_buffer((1,), "float64")
             stat[0] = T.float32(-3.0e38)
             for s in range(visible):
-                for lane in T.vectorized(L):
+                for lane in T.vectorized(STEP):
                     part[lane] = T.float32(0)
-                for d0 in range(DL):
-                    for lane in T.vectorized(L):
-                        part[lane] = part[lane] + q[t, h, d0 * L + lane] * k_cache[s, kv, d0 * L + lane]
-                pair_sums = (part[0] + part[1]) + (part[2] + part[3]) + ((part[4] + part[5]) + (part[6] + part[7]))
-                scores[s] = pair_sums * SCALE
+                for d0 in range(D // STEP):
+                    for lane in T.vectorized(STEP):
+                        part[lane] = fma(k_cache[s, kv, d0 * STEP + lane], q[t, h, d0 * STEP + lane], part[lane])
+                scores[s] = _fold32(part) * SCALE
                 stat[0] = T.max(stat[0], scores[s])
-            # llama.cpp's softmax (ggml_vec_soft_max_f32): its vector exp on 16 scores at a time
-            # (the padding after the last visible cell gives 0), each 16 summed in float32 as
-            # _mm512_reduce_add_ps does and the sums in float64; then the scores times 1 / sum
-            chunks = (visible + T.int64(15)) // T.int64(16)
-            for s in range(visible, chunks * T.int64(16)):
-                scores[s] = T.float32(-3.0e38)
+            chunks = (visible + L - T.int64(1)) // L
+            for s in range(visible, chunks * L):
+                scores[s] = T.float32(-3.0e38)  # exp gives 0
             total[0] = T.float64(0)
             for c in range(chunks):
-                lo = T.meta_var(expf8(scores.vload([c * 16], "float32x8") - T.broadcast(stat[0], 8)))
-                hi = T.meta_var(expf8(scores.vload([c * 16 + 8], "float32x8") - T.broadcast(stat[0], 8)))
-                scores[c * 16:c * 16 + 8] = lo
-                scores[c * 16 + 8:c * 16 + 16] = hi
-                part[0:8] = scores.vload([c * 16], "float32x8") + scores.vload([c * 16 + 8], "float32x8")
-                total[0] = total[0] + T.Cast("float64", ((part[0] + part[4]) + (part[2] + part[6]))
-                                                         + ((part[1] + part[5]) + (part[3] + part[7])))
+                scores[c * 8:c * 8 + 8] = expf8(scores.vload([c * 8], "float32x8") - T.broadcast(stat[0], 8))
+                total[0] = total[0] + T.Cast("float64", _hsum8([scores[c * 8 + i] for i in range(8)]))
             stat[1] = T.Cast("float32", T.float64(1) / total[0])
-            for d in T.vectorized(D):
-                acc[d] = T.float32(0)
             for s in range(visible):
+                scores[s] = scores[s] * stat[1]
+            for a, d in T.grid(STEP, D):
+                acc[a, d] = T.float32(0)
+            if n == T.int64(1):  # ggml_vec_dot_f32 over the cells: cell s into accumulator s % 32
+                for s in range(visible):
+                    for d in T.vectorized(D):
+                        acc[s % STEP, d] = fma(v_cache[s, kv, d], scores[s], acc[s % STEP, d])
                 for d in T.vectorized(D):
-                    acc[d] = acc[d] + scores[s] * stat[1] * v_cache[s, kv, d]
-            for d in T.vectorized(D):
-                o[t, h, d] = acc[d]
+                    o[t, h, d] = _fold32_column(acc, d)
+            else:  # tinyBLAS: cell s into accumulator s % 8, then hsum_float_8
+                for s in range(visible):
+                    for d in T.vectorized(D):
+                        acc[s % L, d] = fma(v_cache[s, kv, d], scores[s], acc[s % L, d])
+                for d in T.vectorized(D):
+                    o[t, h, d] = _hsum8([acc[i, d] for i in range(8)])
 
     return attention
+
+
+def _hsum8(v: list[tirx.PrimExpr]) -> tirx.PrimExpr:
+    """hsum_float_8's order: ((0+4) + (2+6)) + ((1+5) + (3+7))."""
+    return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]))
+
+
+def _fold32(part: tirx.Buffer) -> tirx.PrimExpr:
+    """ggml_vec_dot_f32's reduction of its 4 x 8 accumulators (GGML_F32x8_REDUCE)."""
+    x = [(part[i] + part[16 + i]) + (part[8 + i] + part[24 + i]) for i in range(8)]
+    t0 = [x[i] + x[i + 4] for i in range(4)]
+    return (t0[0] + t0[1]) + (t0[2] + t0[3])
+
+
+def _fold32_column(acc: tirx.Buffer, d: tirx.PrimExpr) -> tirx.PrimExpr:
+    x = [(acc[i, d] + acc[16 + i, d]) + (acc[8 + i, d] + acc[24 + i, d]) for i in range(8)]
+    t0 = [x[i] + x[i + 4] for i in range(4)]
+    return (t0[0] + t0[1]) + (t0[2] + t0[3])

@@ -330,22 +330,27 @@ def _weight_args(fc: FunctionContext, w: Value) -> tuple[str, tuple[int, ...], l
     return "F32", tuple(int(d) for d in w.shape), [fc.value(w)]
 
 
-def _int8_gemv(fc: FunctionContext, node: Node) -> bool:
-    """Whether this matmul runs as an 8-bit GEMV: a decode step, its input rounded by quantize_act,
-    a weight type with such a kernel and a target with integer dot products (quant_int8.py)."""
+def _int8_matmul(fc: FunctionContext, node: Node) -> bool:
+    """Whether this matmul runs on 8-bit integer dot products (quant_int8.py): its input rounded
+    by quantize_act, a weight type with such a kernel and a target with integer dot products."""
     if node.op != "matmul" or not fc.is_param(node.inputs[1]):
         return False
     x, w = node.inputs[:2]
     src = fc.producers.get(x.id)
     if src is None or src.op != "quantize_act" or src.attrs.scheme not in ("q8_0", "q8_1"):
         return False
-    if len(x.shape) != 2 or not fc.is_one(x.shape[0]):
+    if len(x.shape) != 2:
         return False
     layout = fc.mb.layouts[fc.param_of[w.id].source]
     if (layout.qtype in MIN_TYPES) != (len(node.inputs) == 3):  # the Q4_1 kernel computes q8_1's m term
         return False
     n, k = layout.shape
     return Q8.int8_gemv_supported(layout.qtype, n, k, fc.mb.target)
+
+
+def _int8_gemv(fc: FunctionContext, node: Node) -> bool:
+    """An 8-bit matmul of a decode step (one token): a GEMV, grouped and fused (`_int8_gemv_group`)."""
+    return _int8_matmul(fc, node) and fc.is_one(node.inputs[0].shape[0])
 
 
 PROLOGUE_OPS = ("rms_norm", "swiglu")
@@ -458,7 +463,7 @@ def _quantize_act(fc: FunctionContext, node: Node) -> list[Any]:
         raise NotImplementedError(f"{node.outputs[0].label}: 8-bit activation rounding (quantize_act) is a CPU "
                                   "kernel; GPU targets compile with float32 activations")
     users = fc.users.get(node.outputs[0].id, [])
-    if users and all(_int8_gemv(fc, u) for u in users):  # they round x themselves (and read no sums)
+    if users and all(_int8_matmul(fc, u) for u in users):  # they round x themselves (and read no sums)
         return [fc.value(x)] * len(node.outputs)
     key = ("quantize_act", node.attrs, fc.kernel_key_dims(x))
     return fc.call(key, lambda: Q8.quantize_act(fc.kernel_shape(x, K.Symbols()), node.attrs.scheme), [fc.value(x)],
@@ -473,6 +478,10 @@ def _matmul(fc: FunctionContext, node: Node) -> list[Any]:
         raise NotImplementedError(f"{node.outputs[0].label}: matmul expects a 2-D activation, got {x.shape}")
     if _int8_gemv(fc, node):
         return _int8_gemv_group(fc, node)
+    if _int8_matmul(fc, node):  # a prompt: the same arithmetic per token, from the unrounded input
+        raw = fc.producers[x.id].inputs[0]
+        return fc.call(("matmul_int8_gemm", qtype, n, k), lambda: Q8.int8_gemm(qtype, n, k, fc.mb.target),
+                       [fc.value(raw), *arrays], node.outputs, node.outputs[0].name)
     key = ("matmul", qtype, n, k, gemv)
     if len(node.inputs) == 2:
         return fc.call(key, lambda: Q.qmatmul(qtype, n, k, gemv=gemv), [fc.value(x), *arrays], node.outputs,
@@ -645,7 +654,7 @@ def _attention_kernel(fc: FunctionContext, node: Node, syms: K.Symbols) -> tirx.
     q, cache = node.inputs[0], node.inputs[1]
     n_head, dim = int(q.shape[1]), int(q.shape[2])
     n_cells, n_kv = int(cache.shape[0]), int(cache.shape[1])
-    if dim % KA.LANES == 0 and fc.mb.target.kind.name == "llvm":
+    if dim % KA.STEP == 0 and fc.mb.target.kind.name == "llvm":
         return KA.attention_rows(n_head, n_kv, dim, n_cells, node.attrs.scale)
     return schedule_cpu(K.attention(_first_shape(fc, node, syms), fc.kernel_shape(cache, syms), node.attrs.scale))
 
@@ -700,7 +709,8 @@ LOWERING: dict[str, Callable[[FunctionContext, Node], list[Any]]] = {
     "softmax": _simple("softmax", lambda fc, n, s: K.softmax(_first_shape(fc, n, s), n.attrs.axis)),
     "rms_norm": _simple("rms_norm", lambda fc, n, s: K.rms_norm(_first_shape(fc, n, s), len(n.inputs) > 1,
                                                                 n.attrs.eps, fc.mb.target.kind.name == "llvm")),
-    "rope": _simple("rope", lambda fc, n, s: K.rope(_first_shape(fc, n, s), fc.kernel_shape(n.inputs[2], s), n.attrs)),
+    "rope": _simple("rope", lambda fc, n, s: K.rope(_first_shape(fc, n, s), fc.kernel_shape(n.inputs[2], s), n.attrs,
+                                                     llvm_fma=fc.mb.target.kind.name == "llvm")),
     "attention": _simple("attention", lambda fc, n, s: _attention_kernel(fc, n, s)),
     "cache_write": _cache_write,
     "moe_route": _moe_route,

@@ -222,43 +222,44 @@ def _slots(ns: tuple[int, ...]) -> tuple[list[int], list[int]]:
 
 
 def _quantize_prologue(pos: Callable[..., tirx.PrimExpr], stage: Callable[..., None] | None,
-                       k: int) -> Callable[..., None]:
-    """Serial prologue: the input ((x, xw, xu) through `stage`, or x) -> codes xb (int8, at
-    pos(b, i)), scales xd [K/32] (f16-rounded), code sums xs [K/32] and q8_1 block sums xss [K/32]
-    (f16(d * xs), d in f32); the same float32 steps as quantize_act (so the codes are identical)."""
+                       k: int) -> tuple[Callable[..., None], Callable[..., None]]:
+    """(quantize, prologue) macros: token t of the input ((x, xw, xu) through `stage`, or x) ->
+    codes xb[t] (int8, at pos(b, i)), scales xd[t, K/32] (f16-rounded), code sums xs[t, K/32] and
+    q8_1 block sums xss[t, K/32] (f16(d * xs), d in f32); the same float32 steps as quantize_act
+    (so the codes are identical)."""
 
     @T.macro
-    def quantize(x, xb, xd, xs, xss, n_blocks):  # type: ignore[no-untyped-def]
+    def quantize(x, t, xb, xd, xs, xss, n_blocks):  # type: ignore[no-untyped-def]
         part = T.alloc_buffer((8,), "float32")
         for b in range(n_blocks):
             for lane in T.vectorized(8):
                 part[lane] = T.float32(0)
             for c in range(4):
                 for lane in T.vectorized(8):
-                    part[lane] = T.max(part[lane], T.fabs(x[0, b * 32 + c * 8 + lane]))
+                    part[lane] = T.max(part[lane], T.fabs(x[t, b * 32 + c * 8 + lane]))
             amax = T.meta_var(T.max(T.max(T.max(part[0], part[1]), T.max(part[2], part[3])),
                                     T.max(T.max(part[4], part[5]), T.max(part[6], part[7]))))
             d = T.meta_var(amax / T.float32(127))
             inv = T.meta_var(T.if_then_else(amax > T.float32(0), T.float32(127) / amax, T.float32(0)))
             for h in range(2):
                 for i in T.vectorized(16):
-                    xb[pos(b, h * 16 + i)] = T.Cast("int8", T.nearbyint(x[0, b * 32 + h * 16 + i] * inv))
-            xd[b] = T.Cast("float32", T.Cast("float16", d))
-            xs[b] = 0
+                    xb[t, pos(b, h * 16 + i)] = T.Cast("int8", T.nearbyint(x[t, b * 32 + h * 16 + i] * inv))
+            xd[t, b] = T.Cast("float32", T.Cast("float16", d))
+            xs[t, b] = 0
             for i in range(32):
-                xs[b] = xs[b] + T.Cast("int32", xb[pos(b, i)])
-            xss[b] = T.Cast("float32", T.Cast("float16", d * T.Cast("float32", xs[b])))
+                xs[t, b] = xs[t, b] + T.Cast("int32", xb[t, pos(b, i)])
+            xss[t, b] = T.Cast("float32", T.Cast("float16", d * T.Cast("float32", xs[t, b])))
 
     @T.macro
     def prologue(x, xw, xu, xb, xd, xs, xss, n_blocks):  # type: ignore[no-untyped-def]
         if stage is None:
-            quantize(x, xb, xd, xs, xss, n_blocks)
+            quantize(x, 0, xb, xd, xs, xss, n_blocks)
         else:
             xin = T.alloc_buffer((1, k), "float32")
             stage(x, xw, xu, xin)
-            quantize(xin, xb, xd, xs, xss, n_blocks)
+            quantize(xin, 0, xb, xd, xs, xss, n_blocks)
 
-    return prologue
+    return quantize, prologue
 
 
 def _q4_pos(b: tirx.PrimExpr, i: tirx.PrimExpr) -> tirx.PrimExpr:
@@ -270,38 +271,48 @@ def _q8_pos(b: tirx.PrimExpr, i: tirx.PrimExpr) -> tirx.PrimExpr:
     return b * 32 + i
 
 
-def _q4_gemv(ns: tuple[int, ...], k: int, intrin: str, stage: Callable[..., None] | None, residual: bool,
-             has_min: bool) -> tirx.PrimFunc:
-    n_blocks, n_pairs, rows, group = k // 32, k // 64, ROWS, len(ns)
+def _fma8(a: tirx.PrimExpr, b: tirx.PrimExpr, c: tirx.PrimExpr) -> tirx.PrimExpr:
+    return T.call_llvm_pure_intrin("float32x8", "llvm.fma.v8f32", a, b, c)
+
+
+def _lane(v: tirx.PrimExpr, i: tirx.PrimExpr) -> tirx.PrimExpr:
+    """Lane i of a float32x8 vector, broadcast to all 8 lanes."""
+    return T.call_llvm_pure_intrin("float32x8", "llvm.x86.avx2.permps", v, T.broadcast(T.Cast("int32", i), 8))
+
+
+def _q4_steps(intrin: str, has_min: bool, rows: int, n_blocks: int) -> Callable[..., None]:
+    """The row-group macro of the Q4_0/Q4_1 kernels: rows [jo * rows, jo * rows + rows) of one
+    matrix for token t, in llama.cpp's order (ggml_vec_dot_q4_{0,1}_q8_{0,1}, AVX2): per block, an
+    8-lane integer dot (lane j: values 4j..4j+3) converted to float and accumulated as
+    fma(d_w d_a, dot, acc); then the tree sum of the 8 lanes (hsum_float_8), + sum_b m_w s (Q4_1,
+    added block by block)."""
+    n_pairs = n_blocks // 2
     n_octs = n_blocks // 8  # 8-block runs whose weight scales load as one f16x8 vector
-    (n1, n2, n3), (g1, g2, g3) = _slots(ns)
-    prologue = _quantize_prologue(_q4_pos, stage, k)
-    add_residual = _residual_adder(residual)
-    offset = 0 if has_min else 8  # Q4_0 codes are nibble - 8
 
     @T.macro
-    def pair_step(wq, acc, j, r, p, scale, xb, xde, xc):  # type: ignore[no-untyped-def]
-        """acc[r] += (q . a per lane) * d_w d_a for pair p of row j (`scale`: d_w per lane)."""
+    def pair_step(wq, acc, j, r, p, s0, s1, t, xb, xc):  # type: ignore[no-untyped-def]
         word = T.meta_var(T.reinterpret("int32x8", wq.vload([j, p * 2, 0], "uint8x32")))
         lo = T.meta_var(T.bitwise_and(word, T.broadcast(T.int32(0x0F0F0F0F), 8)))
         hi = T.meta_var(T.bitwise_and(T.shift_right(word, T.broadcast(T.int32(4), 8)),
                                       T.broadcast(T.int32(0x0F0F0F0F), 8)))
-        start = T.meta_var(T.broadcast(T.int32(0), 8) if has_min else xc.vload([p * 8], "int32x8"))
-        dot = T.meta_var(T.call_llvm_pure_intrin(
-            "int32x8", intrin,
-            T.call_llvm_pure_intrin("int32x8", intrin, start, T.reinterpret("int8x32", lo),
-                                    xb.vload([p * 64], "int8x32")),
-            T.reinterpret("int8x32", hi), xb.vload([p * 64 + 32], "int8x32")))
-        acc[r, 0:8] = acc.vload([r, 0], "float32x8") + T.Cast("float32x8", dot) * (scale * xde.vload([p * 8],
-                                                                                                        "float32x8"))
+        # lanes 0-3: block 2p, 4-7: block 2p + 1; lo holds values 0-15 of each, hi 16-31
+        dlo = T.meta_var(T.call_llvm_pure_intrin(
+            "int32x8", intrin, T.broadcast(T.int32(0), 8) if has_min else xc.vload([t, p * 16], "int32x8"),
+            T.reinterpret("int8x32", lo), xb.vload([t, p * 64], "int8x32")))
+        dhi = T.meta_var(T.call_llvm_pure_intrin(
+            "int32x8", intrin, T.broadcast(T.int32(0), 8) if has_min else xc.vload([t, p * 16 + 8], "int32x8"),
+            T.reinterpret("int8x32", hi), xb.vload([t, p * 64 + 32], "int8x32")))
+        acc[r, 0:8] = _fma8(s0, T.Cast("float32x8", T.Shuffle([dlo, dhi], [0, 1, 2, 3, 8, 9, 10, 11])),
+                            acc.vload([r, 0], "float32x8"))
+        acc[r, 0:8] = _fma8(s1, T.Cast("float32x8", T.Shuffle([dlo, dhi], [4, 5, 6, 7, 12, 13, 14, 15])),
+                            acc.vload([r, 0], "float32x8"))
 
     @T.macro
-    def row_group(wd, wm, wq, y, n, jo, xb, xde, xss, xc):  # type: ignore[no-untyped-def]
-        """Rows [jo * rows, jo * rows + rows) of one matrix, accumulated in registers."""
+    def row_group(wd, wm, wq, y, n, jo, t, xb, xd, xss, xc):  # type: ignore[no-untyped-def]
         wq_flat = T.decl_buffer((n * n_blocks * 16,), "uint8", data=wq.data)
         wd_flat = T.decl_buffer((n * n_blocks,), "float16", data=wd.data)
         acc = T.alloc_buffer((rows, 8), "float32")  # small: a stack array per task
-        d8 = T.alloc_buffer((rows, 8), "float32")  # small: a stack array per task
+        s8 = T.alloc_buffer((rows, 8), "float32")  # small: a stack array per task
         ahead = T.meta_var(T.min(jo + PREFETCH_GROUPS, n // rows - 1))
         for r in T.unroll(rows):
             acc[r, 0:8] = T.broadcast(T.float32(0), 8)
@@ -310,28 +321,58 @@ def _q4_gemv(ns: tuple[int, ...], k: int, intrin: str, stage: Callable[..., None
                 _prefetch(wq_flat, ahead * rows * n_blocks * 16 + (o * 4 + c) * 128)
                 _prefetch(wq_flat, ahead * rows * n_blocks * 16 + (o * 4 + c) * 128 + 64)
             _prefetch(wd_flat, ahead * rows * n_blocks + o * 8)
-            for r in T.unroll(rows):
-                d8[r, 0:8] = T.Cast("float32x8", wd.vload([jo * rows + r, o * 8], "float16x8"))
+            for r in T.unroll(rows):  # d_w d_a of 8 blocks, each product rounded as llama.cpp's
+                s8[r, 0:8] = (T.Cast("float32x8", wd.vload([jo * rows + r, o * 8], "float16x8"))
+                              * xd.vload([t, o * 8], "float32x8"))
             for c in T.unroll(4):
                 for r in T.unroll(rows):
-                    scale = T.meta_var(T.call_llvm_pure_intrin(
-                        "float32x8", "llvm.x86.avx2.permps", d8.vload([r, 0], "float32x8"),
-                        T.Ramp(c * 8, 1, 8) // T.broadcast(T.int32(4), 8)))  # lanes 0-3: block 2p, 4-7: 2p + 1
-                    pair_step(wq, acc, jo * rows + r, r, o * 4 + c, scale, xb, xde, xc)
+                    pair_step(wq, acc, jo * rows + r, r, o * 4 + c, _lane(s8.vload([r, 0], "float32x8"), c * 2),
+                              _lane(s8.vload([r, 0], "float32x8"), c * 2 + 1), t, xb, xc)
         for p in range(n_octs * 4, n_pairs):  # the pairs after the last whole 8-block run
             for r in T.unroll(rows):
-                d2 = T.meta_var(T.Cast("float32x2", wd.vload([jo * rows + r, p * 2], "float16x2")))
-                pair_step(wq, acc, jo * rows + r, r, p, T.Shuffle([d2, d2, d2, d2], [0, 2, 4, 6, 1, 3, 5, 7]),
-                          xb, xde, xc)
-        if has_min:  # + sum_b m_w s_b: one vector product per 8 blocks
-            for r in T.unroll(rows):
-                for o in range(n_octs):
-                    acc[r, 0:8] = acc.vload([r, 0], "float32x8") + T.Cast(
-                        "float32x8", wm.vload([jo * rows + r, o * 8], "float16x8")) * xss.vload([o * 8], "float32x8")
-                for b in range(n_octs * 8, n_blocks):
-                    acc[r, 0] = acc[r, 0] + T.Cast("float32", wm[jo * rows + r, b]) * xss[b]
+                pair_step(wq, acc, jo * rows + r, r, p,
+                          T.broadcast(T.Cast("float32", wd[jo * rows + r, p * 2]) * xd[t, p * 2], 8),
+                          T.broadcast(T.Cast("float32", wd[jo * rows + r, p * 2 + 1]) * xd[t, p * 2 + 1], 8),
+                          t, xb, xc)
         for r in T.unroll(rows):
-            y[0, jo * rows + r] = _lane_sum(acc, r)
+            y[t, jo * rows + r] = _hsum8(acc, r)
+        if has_min:  # + m_w s, block by block (each product is exact)
+            summ = T.alloc_buffer((rows,), "float32")
+            for r in T.unroll(rows):
+                summ[r] = T.float32(0)
+            for b in range(n_blocks):
+                for r in T.unroll(rows):
+                    summ[r] = summ[r] + T.Cast("float32", wm[jo * rows + r, b]) * xss[t, b]
+            for r in T.unroll(rows):
+                y[t, jo * rows + r] = y[t, jo * rows + r] + summ[r]
+
+    return row_group
+
+
+def _q4_starts(has_min: bool, n_pairs: int) -> Callable[..., None]:
+    """Q4_0's integer starts xc[t, p * 16 + h * 8 + lane]: -8 x (the sum of the 4 activation codes
+    the lane multiplies) for the lo (h = 0) and hi (h = 1) halves of pair p. Q4_1 reads none."""
+
+    @T.macro
+    def starts(xb, xc, t):  # type: ignore[no-untyped-def]
+        if not has_min:
+            for p, h, lane in T.grid(n_pairs, 2, 8):
+                xc[t, p * 16 + h * 8 + lane] = 0
+                for c in range(4):
+                    xc[t, p * 16 + h * 8 + lane] = xc[t, p * 16 + h * 8 + lane] - 8 * T.Cast(
+                        "int32", xb[t, p * 64 + h * 32 + lane * 4 + c])
+
+    return starts
+
+
+def _q4_gemv(ns: tuple[int, ...], k: int, intrin: str, stage: Callable[..., None] | None, residual: bool,
+             has_min: bool) -> tirx.PrimFunc:
+    n_blocks, n_pairs, rows, group = k // 32, k // 64, ROWS, len(ns)
+    (n1, n2, n3), (g1, g2, g3) = _slots(ns)
+    _, prologue = _quantize_prologue(_q4_pos, stage, k)
+    add_residual = _residual_adder(residual)
+    row_group = _q4_steps(intrin, has_min, rows, n_blocks)
+    starts = _q4_starts(has_min, n_pairs)
 
     @T.prim_func
     def q4_gemv(x: T.Buffer((1, k), "float32"), xw: T.Buffer((k,), "float32"), xu: T.Buffer((1, k), "float32"),
@@ -342,54 +383,42 @@ def _q4_gemv(ns: tuple[int, ...], k: int, intrin: str, stage: Callable[..., None
                 wd3: T.Buffer((n3, n_blocks), "float16"), wm3: T.Buffer((n3, n_blocks), "float16"),
                 wq3: T.Buffer((n3, n_blocks, 16), "uint8"), res: T.Buffer((1, n1), "float32"),
                 y1: T.Buffer((1, n1), "float32"), y2: T.Buffer((1, n2), "float32"), y3: T.Buffer((1, n3), "float32")):
-        xb = T.alloc_buffer((k,), "int8")
-        xd = T.alloc_buffer((n_blocks,), "float32")
-        xs = T.alloc_buffer((n_blocks,), "int32")
-        xss = T.alloc_buffer((n_blocks,), "float32")
+        xb = T.alloc_buffer((1, k), "int8")
+        xd = T.alloc_buffer((1, n_blocks), "float32")
+        xs = T.alloc_buffer((1, n_blocks), "int32")
+        xss = T.alloc_buffer((1, n_blocks), "float32")
         prologue(x, xw, xu, xb, xd, xs, xss, n_blocks)
-        # per lane (pair p, lane l: block 2p + l // 4): scale d_a, and the integer start
-        # -offset * (sum of the lane's 8 codes) (Q4_0; Q4_1 starts from zero and adds m_w s)
-        xde = T.alloc_buffer((n_pairs * 8,), "float32")
-        xc = T.alloc_buffer((n_pairs * 8,), "int32")
-        for p, lane in T.grid(n_pairs, 8):
-            xde[p * 8 + lane] = xd[p * 2 + lane // 4]
-            if not has_min:  # Q4_1's dot products start from zero and never read xc
-                xc[p * 8 + lane] = 0
-                for c in range(4):
-                    xc[p * 8 + lane] = xc[p * 8 + lane] - offset * (
-                        T.Cast("int32", xb[p * 64 + lane * 4 + c]) + T.Cast("int32", xb[p * 64 + 32 + lane * 4 + c]))
+        xc = T.alloc_buffer((1, n_pairs * 16), "int32")
+        starts(xb, xc, 0)
         for jo in T.parallel(g1 + (g2 if group >= 2 else 0) + (g3 if group >= 3 else 0)):
             if jo < g1:
-                row_group(wd1, wm1, wq1, y1, n1, jo, xb, xde, xss, xc)
+                row_group(wd1, wm1, wq1, y1, n1, jo, 0, xb, xd, xss, xc)
             elif group >= 2 and jo < g1 + g2:
-                row_group(wd2, wm2, wq2, y2, n2, jo - g1, xb, xde, xss, xc)
+                row_group(wd2, wm2, wq2, y2, n2, jo - g1, 0, xb, xd, xss, xc)
             elif group >= 3:
-                row_group(wd3, wm3, wq3, y3, n3, jo - g1 - g2, xb, xde, xss, xc)
+                row_group(wd3, wm3, wq3, y3, n3, jo - g1 - g2, 0, xb, xd, xss, xc)
         add_residual(res, y1, n1)
 
     return q4_gemv
 
 
-def _q8_0_gemv(ns: tuple[int, ...], k: int, intrin: str, stage: Callable[..., None] | None,
-               residual: bool) -> tirx.PrimFunc:
-    n_blocks, rows, group = k // 32, ROWS, len(ns)
+def _q8_steps(intrin: str, rows: int, n_blocks: int) -> Callable[..., None]:
+    """The row-group macro of the Q8_0 kernels, in llama.cpp's order (ggml_vec_dot_q8_0_q8_0, AVX2,
+    and tinyBLAS's Q8_0 GEMM): per block acc = fma(d_w d_a, 8-lane dot, acc), then hsum_float_8."""
     n_octs = n_blocks // 8  # 8-block runs whose scales d_w d_a form one vector
-    (n1, n2, n3), (g1, g2, g3) = _slots(ns)
-    prologue = _quantize_prologue(_q8_pos, stage, k)
-    add_residual = _residual_adder(residual)
 
     @T.macro
-    def block_step(wq, acc, j, r, b, scale, xb, xc):  # type: ignore[no-untyped-def]
-        """acc[r] += (q' . a per lane - 128 A) * d_w d_a for block b of row j."""
+    def block_step(wq, acc, j, r, b, scale, t, xb, xc):  # type: ignore[no-untyped-def]
+        """acc[r] = fma(d_w d_a, q' . a per lane - 128 A, acc[r]) for block b of row j."""
         word = T.meta_var(T.bitwise_xor(T.reinterpret("int32x8", wq.vload([j, b, 0], "int8x32")),
                                         T.broadcast(T.int32(-2139062144), 8)))  # 0x80808080
         dot = T.meta_var(T.call_llvm_pure_intrin(
-            "int32x8", intrin, xc.vload([b * 8], "int32x8"), T.reinterpret("int8x32", word),
-            xb.vload([b * 32], "int8x32")))
-        acc[r, 0:8] = acc.vload([r, 0], "float32x8") + T.Cast("float32x8", dot) * scale
+            "int32x8", intrin, xc.vload([t, b * 8], "int32x8"), T.reinterpret("int8x32", word),
+            xb.vload([t, b * 32], "int8x32")))
+        acc[r, 0:8] = _fma8(scale, T.Cast("float32x8", dot), acc.vload([r, 0], "float32x8"))
 
     @T.macro
-    def row_group(wd, wq, y, n, jo, xb, xd, xc):  # type: ignore[no-untyped-def]
+    def row_group(wd, wq, y, n, jo, t, xb, xd, xc):  # type: ignore[no-untyped-def]
         wq_flat = T.decl_buffer((n * n_blocks * 32,), "int8", data=wq.data)
         wd_flat = T.decl_buffer((n * n_blocks,), "float16", data=wd.data)
         acc = T.alloc_buffer((rows, 8), "float32")  # small: a stack array per task
@@ -401,22 +430,46 @@ def _q8_0_gemv(ns: tuple[int, ...], k: int, intrin: str, stage: Callable[..., No
             _prefetch(wd_flat, ahead * rows * n_blocks + o * 8)
             for r in T.unroll(rows):
                 s8[r, 0:8] = (T.Cast("float32x8", wd.vload([jo * rows + r, o * 8], "float16x8"))
-                              * xd.vload([o * 8], "float32x8"))
+                              * xd.vload([t, o * 8], "float32x8"))
             for c in T.unroll(8):
                 _prefetch(wq_flat, ahead * rows * n_blocks * 32 + (o * 8 + c) * 128)
                 _prefetch(wq_flat, ahead * rows * n_blocks * 32 + (o * 8 + c) * 128 + 64)
                 for r in T.unroll(rows):
-                    scale = T.meta_var(T.call_llvm_pure_intrin(
-                        "float32x8", "llvm.x86.avx2.permps", s8.vload([r, 0], "float32x8"), T.broadcast(c, 8)))
-                    block_step(wq, acc, jo * rows + r, r, o * 8 + c, scale, xb, xc)
+                    block_step(wq, acc, jo * rows + r, r, o * 8 + c, _lane(s8.vload([r, 0], "float32x8"), c), t,
+                               xb, xc)
         for b in range(n_octs * 8, n_blocks):  # the blocks after the last whole 8-block run
             _prefetch(wq_flat, ahead * rows * n_blocks * 32 + b * 128)
             _prefetch(wq_flat, ahead * rows * n_blocks * 32 + b * 128 + 64)
             for r in T.unroll(rows):
-                scale = T.meta_var(T.broadcast(T.Cast("float32", wd[jo * rows + r, b]) * xd[b], 8))
-                block_step(wq, acc, jo * rows + r, r, b, scale, xb, xc)
+                scale = T.meta_var(T.broadcast(T.Cast("float32", wd[jo * rows + r, b]) * xd[t, b], 8))
+                block_step(wq, acc, jo * rows + r, r, b, scale, t, xb, xc)
         for r in T.unroll(rows):
-            y[0, jo * rows + r] = _lane_sum(acc, r)
+            y[t, jo * rows + r] = _hsum8(acc, r)
+
+    return row_group
+
+
+def _q8_starts(n_blocks: int) -> Callable[..., None]:
+    """Q8_0's integer starts xc[t, b * 8 + lane]: -128 x (the sum of the lane's 4 activation codes)."""
+
+    @T.macro
+    def starts(xb, xc, t):  # type: ignore[no-untyped-def]
+        for b, lane in T.grid(n_blocks, 8):
+            xc[t, b * 8 + lane] = 0
+            for c in range(4):
+                xc[t, b * 8 + lane] = xc[t, b * 8 + lane] - 128 * T.Cast("int32", xb[t, b * 32 + lane * 4 + c])
+
+    return starts
+
+
+def _q8_0_gemv(ns: tuple[int, ...], k: int, intrin: str, stage: Callable[..., None] | None,
+               residual: bool) -> tirx.PrimFunc:
+    n_blocks, rows, group = k // 32, ROWS, len(ns)
+    (n1, n2, n3), (g1, g2, g3) = _slots(ns)
+    _, prologue = _quantize_prologue(_q8_pos, stage, k)
+    add_residual = _residual_adder(residual)
+    row_group = _q8_steps(intrin, rows, n_blocks)
+    starts = _q8_starts(n_blocks)
 
     @T.prim_func
     def q8_gemv(x: T.Buffer((1, k), "float32"), xw: T.Buffer((k,), "float32"), xu: T.Buffer((1, k), "float32"),
@@ -425,26 +478,86 @@ def _q8_0_gemv(ns: tuple[int, ...], k: int, intrin: str, stage: Callable[..., No
                 wd3: T.Buffer((n3, n_blocks), "float16"), wq3: T.Buffer((n3, n_blocks, 32), "int8"),
                 res: T.Buffer((1, n1), "float32"),
                 y1: T.Buffer((1, n1), "float32"), y2: T.Buffer((1, n2), "float32"), y3: T.Buffer((1, n3), "float32")):
-        xb = T.alloc_buffer((k,), "int8")
-        xd = T.alloc_buffer((n_blocks,), "float32")
-        xs = T.alloc_buffer((n_blocks,), "int32")
-        xss = T.alloc_buffer((n_blocks,), "float32")
+        xb = T.alloc_buffer((1, k), "int8")
+        xd = T.alloc_buffer((1, n_blocks), "float32")
+        xs = T.alloc_buffer((1, n_blocks), "int32")
+        xss = T.alloc_buffer((1, n_blocks), "float32")
         prologue(x, xw, xu, xb, xd, xs, xss, n_blocks)
-        xc = T.alloc_buffer((n_blocks * 8,), "int32")  # -128 * (sum of each lane's 4 codes)
-        for b, lane in T.grid(n_blocks, 8):
-            xc[b * 8 + lane] = 0
-            for c in range(4):
-                xc[b * 8 + lane] = xc[b * 8 + lane] - 128 * T.Cast("int32", xb[b * 32 + lane * 4 + c])
+        xc = T.alloc_buffer((1, n_blocks * 8), "int32")
+        starts(xb, xc, 0)
         for jo in T.parallel(g1 + (g2 if group >= 2 else 0) + (g3 if group >= 3 else 0)):
             if jo < g1:
-                row_group(wd1, wq1, y1, n1, jo, xb, xd, xc)
+                row_group(wd1, wq1, y1, n1, jo, 0, xb, xd, xc)
             elif group >= 2 and jo < g1 + g2:
-                row_group(wd2, wq2, y2, n2, jo - g1, xb, xd, xc)
+                row_group(wd2, wq2, y2, n2, jo - g1, 0, xb, xd, xc)
             elif group >= 3:
-                row_group(wd3, wq3, y3, n3, jo - g1 - g2, xb, xd, xc)
+                row_group(wd3, wq3, y3, n3, jo - g1 - g2, 0, xb, xd, xc)
         add_residual(res, y1, n1)
 
     return q8_gemv
+
+
+def int8_gemm(qtype: str, n: int, k: int, target: tvm.target.Target) -> tirx.PrimFunc:
+    """CPU kernel `(x [T, K] f32, *weights in layout_spec order, y [T, N] f32)`: the 8-bit GEMV's
+    arithmetic for every token of a prompt (llama.cpp's batch evaluation runs the same dot products
+    per token for these types). Tokens are quantised in parallel, then each task takes a group of
+    rows (their weight bytes stay in L1) through every token."""
+    intrin = int8_dot_intrinsic(target)
+    if intrin is None or not int8_gemv_supported(qtype, n, k, target):
+        raise NotImplementedError(f"no 8-bit GEMM for {qtype} {n} x {k} on {target}")
+    n_blocks, rows = k // 32, ROWS
+    N, K, B = T.int64(n), T.int64(k), T.int64(n_blocks)
+    if qtype == "Q8_0":
+        quantize, _ = _quantize_prologue(_q8_pos, None, k)
+        q8_rows = _q8_steps(intrin, rows, n_blocks)
+        q8_starts = _q8_starts(n_blocks)
+
+        @T.prim_func(private=True)
+        def q8_gemm(x_h: T.handle, wd: T.Buffer((N, B), "float16"), wq: T.Buffer((N, B, 32), "int8"), y_h: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            t_len = T.int64()
+            x = T.match_buffer(x_h, (t_len, K), "float32")
+            y = T.match_buffer(y_h, (t_len, N), "float32")
+            xb = T.alloc_buffer((t_len, K), "int8")
+            xd = T.alloc_buffer((t_len, B), "float32")
+            xs = T.alloc_buffer((t_len, B), "int32")
+            xss = T.alloc_buffer((t_len, B), "float32")
+            xc = T.alloc_buffer((t_len, B * 8), "int32")
+            for t in T.parallel(t_len):
+                quantize(x, t, xb, xd, xs, xss, n_blocks)
+                q8_starts(xb, xc, t)
+            for jo in T.parallel(n // rows):
+                for t in range(t_len):
+                    q8_rows(wd, wq, y, n, jo, t, xb, xd, xc)
+
+        return q8_gemm
+    has_min = qtype == "Q4_1"
+    quantize, _ = _quantize_prologue(_q4_pos, None, k)
+    q4_rows = _q4_steps(intrin, has_min, rows, n_blocks)
+    q4_starts = _q4_starts(has_min, n_blocks // 2)
+
+    @T.prim_func(private=True)
+    def q4_gemm(x_h: T.handle, wd: T.Buffer((N, B), "float16"), wm: T.Buffer((N, B), "float16"),
+                wq: T.Buffer((N, B, 16), "uint8"), y_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        t_len = T.int64()
+        x = T.match_buffer(x_h, (t_len, K), "float32")
+        y = T.match_buffer(y_h, (t_len, N), "float32")
+        xb = T.alloc_buffer((t_len, K), "int8")
+        xd = T.alloc_buffer((t_len, B), "float32")
+        xs = T.alloc_buffer((t_len, B), "int32")
+        xss = T.alloc_buffer((t_len, B), "float32")
+        xc = T.alloc_buffer((t_len, B * 8), "int32")
+        for t in T.parallel(t_len):
+            quantize(x, t, xb, xd, xs, xss, n_blocks)
+            q4_starts(xb, xc, t)
+        for jo in T.parallel(n // rows):
+            for t in range(t_len):
+                q4_rows(wd, wm, wq, y, n, jo, t, xb, xd, xss, xc)
+
+    if has_min:
+        return q4_gemm
+    return _without_params(q4_gemm, {"wm"})
 
 
 def _residual_adder(residual: bool) -> Callable[..., None]:
@@ -466,11 +579,9 @@ def _prefetch(flat: tirx.Buffer, index: tirx.PrimExpr) -> tirx.PrimExpr:
                               T.int32(1))
 
 
-def _lane_sum(acc: tirx.Buffer, r: tirx.PrimExpr) -> tirx.PrimExpr:
-    total = acc[r, 0]
-    for lane in range(1, LANES):
-        total = total + acc[r, lane]
-    return total
+def _hsum8(acc: tirx.Buffer, r: tirx.PrimExpr) -> tirx.PrimExpr:
+    """The 8 lanes of acc[r] summed as llama.cpp's hsum_float_8: ((0+4) + (2+6)) + ((1+5) + (3+7))."""
+    return ((acc[r, 0] + acc[r, 4]) + (acc[r, 2] + acc[r, 6])) + ((acc[r, 1] + acc[r, 5]) + (acc[r, 3] + acc[r, 7]))
 
 
 def _without_params(func: tirx.PrimFunc, names: set[str]) -> tirx.PrimFunc:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import builtins
+import ctypes
+import ctypes.util
+import functools
 from typing import Any
 
 import numpy as np
@@ -113,7 +116,7 @@ def rope_table(n_ctx: int, n_rot: int, base: float, freq_scale: float, freq_fact
     With IMROPE `sections`, row p holds the angles of a text token at (t, h, w, e) = (p, p, p, 0):
     pairs that read the "e" component get angle 0 (cos 1, sin 0), i.e. are not rotated.
     """
-    theta_scale = np.float32(np.power(np.float32(base), np.float32(-2.0) / np.float32(n_rot)))
+    theta_scale = powf(np.float32(base), np.float32(-2.0) / np.float32(n_rot))
     theta = np.arange(n_ctx, dtype=np.float32)
     half = n_rot // 2
     comps = imrope_components(sections, n_rot) if sections is not None else ["t"] * half
@@ -123,6 +126,42 @@ def rope_table(n_ctx: int, n_rot: int, base: float, freq_scale: float, freq_fact
         angles[:, i] = np.float32(freq_scale) * (theta / ff) if comps[i] != "e" else np.float32(0.0)
         theta = (theta * theta_scale).astype(np.float32)
     table = np.empty((n_ctx, half, 2), dtype=np.float32)
-    table[..., 0] = np.cos(angles)
-    table[..., 1] = np.sin(angles)
+    table[..., 0], table[..., 1] = _cos_sin_f32(angles)
     return table
+
+
+@functools.cache
+def _libm() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("m")
+    try:
+        lib = ctypes.CDLL(name) if name else None
+    except OSError:
+        lib = None
+    if lib is not None:
+        for fn in (lib.cosf, lib.sinf):
+            fn.restype, fn.argtypes = ctypes.c_float, [ctypes.c_float]
+        lib.powf.restype, lib.powf.argtypes = ctypes.c_float, [ctypes.c_float, ctypes.c_float]
+    return lib
+
+
+def powf(x: np.float32, y: np.float32) -> np.float32:
+    """The C library's powf, as ggml calls it (numpy's float32 power differs by an ulp for some
+    rope bases, e.g. 10000^(-1/32)); without a C library, the float64 power rounded."""
+    lib = _libm()
+    if lib is None:
+        return np.float32(np.power(np.float64(x), np.float64(y)))
+    return np.float32(lib.powf(float(x), float(y)))
+
+
+def _cos_sin_f32(angles: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """cosf/sinf of float32 angles from the C library, as ggml calls them (numpy's float32 cos
+    differs from glibc's in ~10% of values, a float64 cos rounded to float32 in ~1%); without a C
+    library, the float64 values rounded."""
+    lib = _libm()
+    if lib is None:
+        wide = angles.astype(np.float64)
+        return np.cos(wide).astype(np.float32), np.sin(wide).astype(np.float32)
+    uniq, inverse = np.unique(angles, return_inverse=True)
+    cos = np.fromiter((lib.cosf(a) for a in uniq.tolist()), dtype=np.float32, count=uniq.size)
+    sin = np.fromiter((lib.sinf(a) for a in uniq.tolist()), dtype=np.float32, count=uniq.size)
+    return cos[inverse].reshape(angles.shape), sin[inverse].reshape(angles.shape)
