@@ -262,12 +262,8 @@ def _quantize_prologue(pos: Callable[..., tirx.PrimExpr], stage: Callable[..., N
     return quantize, prologue
 
 
-def _q4_pos(b: tirx.PrimExpr, i: tirx.PrimExpr) -> tirx.PrimExpr:
-    """Byte of value i of block b in the pair layout [lo b0 | lo b1 | hi b0 | hi b1]."""
-    return b // 2 * 64 + i // 16 * 32 + b % 2 * 16 + i % 16
-
-
 def _q8_pos(b: tirx.PrimExpr, i: tirx.PrimExpr) -> tirx.PrimExpr:
+    """Byte of value i of block b: value order."""
     return b * 32 + i
 
 
@@ -285,27 +281,21 @@ def _q4_steps(intrin: str, has_min: bool, rows: int, n_blocks: int) -> Callable[
     matrix for token t, in llama.cpp's order (ggml_vec_dot_q4_{0,1}_q8_{0,1}, AVX2): per block, an
     8-lane integer dot (lane j: values 4j..4j+3) converted to float and accumulated as
     fma(d_w d_a, dot, acc); then the tree sum of the 8 lanes (hsum_float_8), + sum_b m_w s (Q4_1,
-    added block by block)."""
-    n_pairs = n_blocks // 2
+    added block by block). A block's 16 code bytes load into both halves of a vector; one
+    per-half shift (0 or 4 bits) and a mask give its 32 codes in value order."""
+    assert rows == 4, "the Q4_1 minimum terms of a row group are one float32x4"
     n_octs = n_blocks // 8  # 8-block runs whose weight scales load as one f16x8 vector
+    halves = T.Shuffle([T.broadcast(T.int32(0), 8), T.broadcast(T.int32(4), 8)], [0, 1, 2, 3, 8, 9, 10, 11])
 
     @T.macro
-    def pair_step(wq, acc, j, r, p, s0, s1, t, xb, xc):  # type: ignore[no-untyped-def]
-        word = T.meta_var(T.reinterpret("int32x8", wq.vload([j, p * 2, 0], "uint8x32")))
-        lo = T.meta_var(T.bitwise_and(word, T.broadcast(T.int32(0x0F0F0F0F), 8)))
-        hi = T.meta_var(T.bitwise_and(T.shift_right(word, T.broadcast(T.int32(4), 8)),
-                                      T.broadcast(T.int32(0x0F0F0F0F), 8)))
-        # lanes 0-3: block 2p, 4-7: block 2p + 1; lo holds values 0-15 of each, hi 16-31
-        dlo = T.meta_var(T.call_llvm_pure_intrin(
-            "int32x8", intrin, T.broadcast(T.int32(0), 8) if has_min else xc.vload([t, p * 16], "int32x8"),
-            T.reinterpret("int8x32", lo), xb.vload([t, p * 64], "int8x32")))
-        dhi = T.meta_var(T.call_llvm_pure_intrin(
-            "int32x8", intrin, T.broadcast(T.int32(0), 8) if has_min else xc.vload([t, p * 16 + 8], "int32x8"),
-            T.reinterpret("int8x32", hi), xb.vload([t, p * 64 + 32], "int8x32")))
-        acc[r, 0:8] = _fma8(s0, T.Cast("float32x8", T.Shuffle([dlo, dhi], [0, 1, 2, 3, 8, 9, 10, 11])),
-                            acc.vload([r, 0], "float32x8"))
-        acc[r, 0:8] = _fma8(s1, T.Cast("float32x8", T.Shuffle([dlo, dhi], [4, 5, 6, 7, 12, 13, 14, 15])),
-                            acc.vload([r, 0], "float32x8"))
+    def block_step(wq, acc, j, r, b, scale, t, xb, xc):  # type: ignore[no-untyped-def]
+        both = T.meta_var(T.reinterpret("int32x8", T.Shuffle([wq.vload([j, b, 0], "uint8x16"),
+                                                               wq.vload([j, b, 0], "uint8x16")], [*range(32)])))
+        codes = T.meta_var(T.bitwise_and(T.shift_right(both, halves), T.broadcast(T.int32(0x0F0F0F0F), 8)))
+        dot = T.meta_var(T.call_llvm_pure_intrin(
+            "int32x8", intrin, T.broadcast(T.int32(0), 8) if has_min else xc.vload([t, b * 8], "int32x8"),
+            T.reinterpret("int8x32", codes), xb.vload([t, b * 32], "int8x32")))
+        acc[r, 0:8] = _fma8(scale, T.Cast("float32x8", dot), acc.vload([r, 0], "float32x8"))
 
     @T.macro
     def row_group(wd, wm, wq, y, n, jo, t, xb, xd, xss, xc):  # type: ignore[no-untyped-def]
@@ -313,34 +303,41 @@ def _q4_steps(intrin: str, has_min: bool, rows: int, n_blocks: int) -> Callable[
         wd_flat = T.decl_buffer((n * n_blocks,), "float16", data=wd.data)
         acc = T.alloc_buffer((rows, 8), "float32")  # small: a stack array per task
         s8 = T.alloc_buffer((rows, 8), "float32")  # small: a stack array per task
+        # d_w d_a of every block, each product rounded as llama.cpp's; the loop below broadcasts
+        # them from memory (a load, not a shuffle)
+        scales = T.alloc_buffer((rows, n_blocks), "float32")  # small: a stack array per task
         ahead = T.meta_var(T.min(jo + PREFETCH_GROUPS, n // rows - 1))
         for r in T.unroll(rows):
             acc[r, 0:8] = T.broadcast(T.float32(0), 8)
+            for o in range(n_octs):
+                scales[r, o * 8:o * 8 + 8] = (T.Cast("float32x8", wd.vload([jo * rows + r, o * 8], "float16x8"))
+                                              * xd.vload([t, o * 8], "float32x8"))
+            for b in range(n_octs * 8, n_blocks):
+                scales[r, b] = T.Cast("float32", wd[jo * rows + r, b]) * xd[t, b]
         for o in range(n_octs):
             for c in T.unroll(4):
                 _prefetch(wq_flat, ahead * rows * n_blocks * 16 + (o * 4 + c) * 128)
                 _prefetch(wq_flat, ahead * rows * n_blocks * 16 + (o * 4 + c) * 128 + 64)
             _prefetch(wd_flat, ahead * rows * n_blocks + o * 8)
-            for r in T.unroll(rows):  # d_w d_a of 8 blocks, each product rounded as llama.cpp's
-                s8[r, 0:8] = (T.Cast("float32x8", wd.vload([jo * rows + r, o * 8], "float16x8"))
-                              * xd.vload([t, o * 8], "float32x8"))
-            for c in T.unroll(4):
+            for c in T.unroll(8):
                 for r in T.unroll(rows):
-                    pair_step(wq, acc, jo * rows + r, r, o * 4 + c, _lane(s8.vload([r, 0], "float32x8"), c * 2),
-                              _lane(s8.vload([r, 0], "float32x8"), c * 2 + 1), t, xb, xc)
-        for p in range(n_octs * 4, n_pairs):  # the pairs after the last whole 8-block run
+                    block_step(wq, acc, jo * rows + r, r, o * 8 + c, T.broadcast(scales[r, o * 8 + c], 8), t, xb, xc)
+        for b in range(n_octs * 8, n_blocks):  # the blocks after the last whole 8-block run
             for r in T.unroll(rows):
-                pair_step(wq, acc, jo * rows + r, r, p,
-                          T.broadcast(T.Cast("float32", wd[jo * rows + r, p * 2]) * xd[t, p * 2], 8),
-                          T.broadcast(T.Cast("float32", wd[jo * rows + r, p * 2 + 1]) * xd[t, p * 2 + 1], 8),
-                          t, xb, xc)
+                block_step(wq, acc, jo * rows + r, r, b, T.broadcast(scales[r, b], 8), t, xb, xc)
         for r in T.unroll(rows):
             y[t, jo * rows + r] = _hsum8(acc, r)
-        if has_min:  # + m_w s, block by block (each product is exact)
-            summ = T.alloc_buffer((rows,), "float32")
+        if has_min:  # + m_w s, summed block by block (each product is exact): one lane per row
+            summ = T.alloc_buffer((4,), "float32")  # small: a stack array per task
             for r in T.unroll(rows):
                 summ[r] = T.float32(0)
-            for b in range(n_blocks):
+            for o in range(n_octs):  # the products of 8 blocks per row, transposed, added in block order
+                for r in T.unroll(rows):
+                    s8[r, 0:8] = (T.Cast("float32x8", wm.vload([jo * rows + r, o * 8], "float16x8"))
+                                  * xss.vload([t, o * 8], "float32x8"))
+                summ[0:4] = _sum_in_order(summ.vload([0], "float32x4"),
+                                          _transpose4x8([s8.vload([r, 0], "float32x8") for r in range(4)]))
+            for b in range(n_octs * 8, n_blocks):
                 for r in T.unroll(rows):
                     summ[r] = summ[r] + T.Cast("float32", wm[jo * rows + r, b]) * xss[t, b]
             for r in T.unroll(rows):
@@ -349,30 +346,14 @@ def _q4_steps(intrin: str, has_min: bool, rows: int, n_blocks: int) -> Callable[
     return row_group
 
 
-def _q4_starts(has_min: bool, n_pairs: int) -> Callable[..., None]:
-    """Q4_0's integer starts xc[t, p * 16 + h * 8 + lane]: -8 x (the sum of the 4 activation codes
-    the lane multiplies) for the lo (h = 0) and hi (h = 1) halves of pair p. Q4_1 reads none."""
-
-    @T.macro
-    def starts(xb, xc, t):  # type: ignore[no-untyped-def]
-        if not has_min:
-            for p, h, lane in T.grid(n_pairs, 2, 8):
-                xc[t, p * 16 + h * 8 + lane] = 0
-                for c in range(4):
-                    xc[t, p * 16 + h * 8 + lane] = xc[t, p * 16 + h * 8 + lane] - 8 * T.Cast(
-                        "int32", xb[t, p * 64 + h * 32 + lane * 4 + c])
-
-    return starts
-
-
 def _q4_gemv(ns: tuple[int, ...], k: int, intrin: str, stage: Callable[..., None] | None, residual: bool,
              has_min: bool) -> tirx.PrimFunc:
-    n_blocks, n_pairs, rows, group = k // 32, k // 64, ROWS, len(ns)
+    n_blocks, rows, group = k // 32, ROWS, len(ns)
     (n1, n2, n3), (g1, g2, g3) = _slots(ns)
-    _, prologue = _quantize_prologue(_q4_pos, stage, k)
+    _, prologue = _quantize_prologue(_q8_pos, stage, k)
     add_residual = _residual_adder(residual)
     row_group = _q4_steps(intrin, has_min, rows, n_blocks)
-    starts = _q4_starts(has_min, n_pairs)
+    starts = _starts(n_blocks, 0 if has_min else 8)
 
     @T.prim_func
     def q4_gemv(x: T.Buffer((1, k), "float32"), xw: T.Buffer((k,), "float32"), xu: T.Buffer((1, k), "float32"),
@@ -388,7 +369,7 @@ def _q4_gemv(ns: tuple[int, ...], k: int, intrin: str, stage: Callable[..., None
         xs = T.alloc_buffer((1, n_blocks), "int32")
         xss = T.alloc_buffer((1, n_blocks), "float32")
         prologue(x, xw, xu, xb, xd, xs, xss, n_blocks)
-        xc = T.alloc_buffer((1, n_pairs * 16), "int32")
+        xc = T.alloc_buffer((1, n_blocks * 8), "int32")
         starts(xb, xc, 0)
         for jo in T.parallel(g1 + (g2 if group >= 2 else 0) + (g3 if group >= 3 else 0)):
             if jo < g1:
@@ -449,15 +430,17 @@ def _q8_steps(intrin: str, rows: int, n_blocks: int) -> Callable[..., None]:
     return row_group
 
 
-def _q8_starts(n_blocks: int) -> Callable[..., None]:
-    """Q8_0's integer starts xc[t, b * 8 + lane]: -128 x (the sum of the lane's 4 activation codes)."""
+def _starts(n_blocks: int, offset: int) -> Callable[..., None]:
+    """The integer starts xc[t, b * 8 + lane] = -offset x (the sum of the lane's 4 activation
+    codes): Q8_0's sign-bit flip (128), Q4_0's nibble offset (8); none (offset 0) for Q4_1."""
 
     @T.macro
     def starts(xb, xc, t):  # type: ignore[no-untyped-def]
-        for b, lane in T.grid(n_blocks, 8):
-            xc[t, b * 8 + lane] = 0
-            for c in range(4):
-                xc[t, b * 8 + lane] = xc[t, b * 8 + lane] - 128 * T.Cast("int32", xb[t, b * 32 + lane * 4 + c])
+        if offset > 0:
+            for b, lane in T.grid(n_blocks, 8):
+                xc[t, b * 8 + lane] = 0
+                for c in range(4):
+                    xc[t, b * 8 + lane] = xc[t, b * 8 + lane] - offset * T.Cast("int32", xb[t, b * 32 + lane * 4 + c])
 
     return starts
 
@@ -469,7 +452,7 @@ def _q8_0_gemv(ns: tuple[int, ...], k: int, intrin: str, stage: Callable[..., No
     _, prologue = _quantize_prologue(_q8_pos, stage, k)
     add_residual = _residual_adder(residual)
     row_group = _q8_steps(intrin, rows, n_blocks)
-    starts = _q8_starts(n_blocks)
+    starts = _starts(n_blocks, 128)
 
     @T.prim_func
     def q8_gemv(x: T.Buffer((1, k), "float32"), xw: T.Buffer((k,), "float32"), xu: T.Buffer((1, k), "float32"),
@@ -510,7 +493,7 @@ def int8_gemm(qtype: str, n: int, k: int, target: tvm.target.Target) -> tirx.Pri
     if qtype == "Q8_0":
         quantize, _ = _quantize_prologue(_q8_pos, None, k)
         q8_rows = _q8_steps(intrin, rows, n_blocks)
-        q8_starts = _q8_starts(n_blocks)
+        q8_starts = _starts(n_blocks, 128)
 
         @T.prim_func(private=True)
         def q8_gemm(x_h: T.handle, wd: T.Buffer((N, B), "float16"), wq: T.Buffer((N, B, 32), "int8"), y_h: T.handle):
@@ -532,9 +515,9 @@ def int8_gemm(qtype: str, n: int, k: int, target: tvm.target.Target) -> tirx.Pri
 
         return q8_gemm
     has_min = qtype == "Q4_1"
-    quantize, _ = _quantize_prologue(_q4_pos, None, k)
+    quantize, _ = _quantize_prologue(_q8_pos, None, k)
     q4_rows = _q4_steps(intrin, has_min, rows, n_blocks)
-    q4_starts = _q4_starts(has_min, n_blocks // 2)
+    q4_starts = _starts(n_blocks, 0 if has_min else 8)
 
     @T.prim_func(private=True)
     def q4_gemm(x_h: T.handle, wd: T.Buffer((N, B), "float16"), wm: T.Buffer((N, B), "float16"),
@@ -577,6 +560,24 @@ def _prefetch(flat: tirx.Buffer, index: tirx.PrimExpr) -> tirx.PrimExpr:
     task reads next, so the stream from L3/DRAM overlaps the arithmetic (~1.7x here)."""
     return T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(flat[index]), T.int32(0), T.int32(3),
                               T.int32(1))
+
+
+def _transpose4x8(p: list[tirx.PrimExpr]) -> list[tirx.PrimExpr]:
+    """Four float32x8 rows -> the eight float32x4 columns (unpack and shuffle pairs, then halves)."""
+    lo, hi = [0, 8, 1, 9, 4, 12, 5, 13], [2, 10, 3, 11, 6, 14, 7, 15]
+    a, b = T.Shuffle([p[0], p[1]], lo), T.Shuffle([p[0], p[1]], hi)
+    c, d = T.Shuffle([p[2], p[3]], lo), T.Shuffle([p[2], p[3]], hi)
+    first, second = [0, 1, 8, 9, 4, 5, 12, 13], [2, 3, 10, 11, 6, 7, 14, 15]
+    pairs = [T.Shuffle([a, c], first), T.Shuffle([a, c], second), T.Shuffle([b, d], first), T.Shuffle([b, d], second)]
+    return [T.Shuffle([pairs[i % 4]], [0, 1, 2, 3] if i < 4 else [4, 5, 6, 7]) for i in range(8)]
+
+
+def _sum_in_order(start: tirx.PrimExpr, terms: list[tirx.PrimExpr]) -> tirx.PrimExpr:
+    """((start + terms[0]) + terms[1]) + ...: one rounding per term, in list order."""
+    total = start
+    for term in terms:
+        total = total + term
+    return total
 
 
 def _hsum8(acc: tirx.Buffer, r: tirx.PrimExpr) -> tirx.PrimExpr:
