@@ -1,0 +1,157 @@
+"""A numpy model of llama.cpp's CPU float order (its x86 AVX2 + FMA build, the one the goldens
+come from), operation by operation, to test the CPU kernels bit for bit.
+
+Each function names the ggml routine it follows. The model itself was checked against
+llama.cpp's own intermediate tensors on SmolLM2 (llama-cpp-python 0.3.36, eval callback):
+every matmul, rope, score, softmax and attention output identical.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+F32 = np.float32
+
+
+def fma(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """float32 fused multiply-add, correctly rounded: a*b is exact in float64; where the float64
+    sum lands exactly between two float32 values, its rounding error (TwoSum) picks the side."""
+    a64, b64, c64 = (np.asarray(v, F32).astype(np.float64) for v in (a, b, c))
+    p = a64 * b64
+    with np.errstate(invalid="ignore", over="ignore"):
+        s = p + c64
+        bp = s - c64
+        err = (p - bp) + (c64 - (s - bp))
+        out = s.astype(F32)
+        above = out.astype(np.float64) >= s
+        lo = np.where(above, np.nextafter(out, F32(-np.inf)), out)
+        hi = np.where(above, out, np.nextafter(out, F32(np.inf)))
+        tie = (lo.astype(np.float64) + hi.astype(np.float64)) / 2 == s
+        out = np.where(tie & (err > 0), hi, np.where(tie & (err < 0), lo, out))
+    return np.asarray(out, F32)
+
+
+def hsum_float_8(v: np.ndarray) -> np.ndarray:
+    """hsum_float_8 / tinyBLAS hsum(__m256) over the last axis (8): ((0+4)+(2+6)) + ((1+5)+(3+7))."""
+    r = (v[..., 4:8] + v[..., 0:4]).astype(F32)
+    r2 = (r[..., 0:2] + r[..., 2:4]).astype(F32)
+    return (r2[..., 0] + r2[..., 1]).astype(F32)
+
+
+def quantize_q8(x: np.ndarray, with_sums: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """quantize_row_q8_0 / q8_1 (AVX): codes [.., nb, 32] int32, d (f16 as f32), s = f16(d * sum)."""
+    xb = np.asarray(x, F32).reshape(*np.shape(x)[:-1], -1, 32)
+    amax = np.abs(xb).max(-1)
+    d = (amax / F32(127)).astype(F32)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax != 0, F32(127) / amax, F32(0)).astype(F32)
+    q = np.rint((xb * inv[..., None]).astype(F32)).astype(np.int32)
+    s = (d * q.sum(-1).astype(F32)).astype(F32).astype(np.float16).astype(F32) if with_sums else np.zeros_like(d)
+    return q, d.astype(np.float16).astype(F32), s
+
+
+def weight_blocks(qtype: str, raw: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """GGUF blocks of a Q4_0/Q4_1/Q8_0 [n, k] weight -> (d, m, codes [n, nb, 32] in value order,
+    Q4_0's offset applied)."""
+    size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[qtype]
+    blk = np.asarray(raw).view(np.uint8).reshape(n, k // 32, size)
+    d = blk[..., 0:2].copy().view(np.float16)[..., 0].astype(F32)
+    if qtype == "Q8_0":
+        return d, np.zeros_like(d), blk[..., 2:].copy().view(np.int8).astype(np.int32)
+    qs = blk[..., -16:]
+    codes = np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.int32)
+    if qtype == "Q4_0":
+        return d, np.zeros_like(d), codes - 8
+    return d, blk[..., 2:4].copy().view(np.float16)[..., 0].astype(F32), codes
+
+
+def matmul_q(qtype: str, raw: np.ndarray, n: int, k: int, x: np.ndarray) -> np.ndarray:
+    """x [T, K] @ W.T as ggml_vec_dot_{q4_0,q4_1,q8_0}_q8_{0,1} (and tinyBLAS, same order): per block
+    acc_j = fma(d_w d_a, lane j's integer dot, acc_j), then hsum_float_8 (+ sum_b m_w s_b)."""
+    dw, mw, qw = weight_blocks(qtype, raw, n, k)
+    qa, da, sa = quantize_q8(x, with_sums=qtype == "Q4_1")
+    t, nb = qa.shape[0], k // 32
+    lanes = np.einsum("nbjc,tbjc->tnbj", qw.reshape(n, nb, 8, 4), qa.reshape(t, nb, 8, 4)).astype(F32)
+    acc = np.zeros((t, n, 8), F32)
+    summs = np.zeros((t, n), F32)
+    for b in range(nb):
+        scale = (dw[None, :, b] * da[:, None, b]).astype(F32)
+        acc = fma(np.broadcast_to(scale[..., None], acc.shape), lanes[:, :, b], acc)
+        summs = (summs + (mw[None, :, b] * sa[:, None, b]).astype(F32)).astype(F32)
+    out = hsum_float_8(acc)
+    return (out + summs).astype(F32) if qtype == "Q4_1" else out
+
+
+def expf(x: np.ndarray) -> np.ndarray:
+    """ggml_v_expf, AVX2 + FMA form."""
+    x = np.asarray(x, F32)
+
+    def c(v: str) -> np.ndarray:
+        return np.full_like(x, F32(float.fromhex(v)))
+
+    with np.errstate(over="ignore", invalid="ignore"):
+        r = c("0x1.8p23")
+        z = fma(x, c("0x1.715476p+0"), r)
+        n = (z - r).astype(F32)
+        b = fma(-n, c("0x1.7f7d1cp-20"), fma(-n, c("0x1.62e4p-1"), x))
+        u = (b * b).astype(F32)
+        j = fma(fma(fma(c("0x1.0e4020p-7"), b, c("0x1.573e2ep-5")), u, fma(c("0x1.555e66p-3"), b, c("0x1.fffdb6p-2"))),
+                u, (c("0x1.ffffecp-1") * b).astype(F32))
+        e = z.view(np.int32) << 23
+        k = (e + np.int32(0x3F800000)).view(F32)
+        g = np.where(n <= 0, np.int32(-0x7E000000), np.int32(0))
+        s1 = (g + np.int32(0x7F000000)).view(F32)
+        s2 = (e - g).view(F32)
+        out = np.where(np.abs(n) > 192, (s1 * s1).astype(F32),
+                       np.where(np.abs(n) > 126, (fma(s2, j, s2) * s1).astype(F32), fma(k, j, k)))
+    return np.asarray(out, F32)
+
+
+def vec_dot_f32(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """ggml_vec_dot_f32 (AVX) over the last axis (a multiple of 32, zero-padded by the caller):
+    4 x 8 accumulators per 32 values, (0+2) + (1+3), then 4 + 4 and two pairwise adds."""
+    k = a.shape[-1]
+    s = np.zeros(np.broadcast_shapes(a.shape, b.shape)[:-1] + (4, 8), F32)
+    for i in range(k // 32):
+        s = fma(a[..., i * 32:(i + 1) * 32].reshape(*a.shape[:-1], 4, 8),
+                b[..., i * 32:(i + 1) * 32].reshape(*b.shape[:-1], 4, 8), s)
+    x = ((s[..., 0, :] + s[..., 2, :]).astype(F32) + (s[..., 1, :] + s[..., 3, :]).astype(F32)).astype(F32)
+    t0 = (x[..., 0:4] + x[..., 4:8]).astype(F32)
+    return ((t0[..., 0] + t0[..., 1]).astype(F32) + (t0[..., 2] + t0[..., 3]).astype(F32)).astype(F32)
+
+
+def tinyblas_dot(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """tinyBLAS<8, __m256> over the last axis (a multiple of 8): lane i takes values i mod 8."""
+    k = a.shape[-1]
+    acc = np.zeros(np.broadcast_shapes(a.shape, b.shape)[:-1] + (8,), F32)
+    for i in range(k // 8):
+        acc = fma(a[..., i * 8:(i + 1) * 8], b[..., i * 8:(i + 1) * 8], acc)
+    return hsum_float_8(acc)
+
+
+def soft_max(scores: np.ndarray, visible: np.ndarray) -> np.ndarray:
+    """ggml_compute_forward_soft_max_f32 (AVX2) over the last axis (a multiple of 8) with the cells
+    past `visible` masked: exp in 8-chunks summed by hsum_float_8 into a float64 total."""
+    masked = np.where(np.arange(scores.shape[-1]) < visible[..., None], scores, F32(-np.inf)).astype(F32)
+    e = expf((masked - masked.max(-1, keepdims=True)).astype(F32))
+    total = np.zeros(scores.shape[:-1], np.float64)
+    for i in range(scores.shape[-1] // 8):
+        total = total + hsum_float_8(e[..., i * 8:(i + 1) * 8]).astype(np.float64)
+    return (e * (1.0 / total).astype(F32)[..., None]).astype(F32)
+
+
+def attention(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, pos: int, scale: float) -> np.ndarray:
+    """llama.cpp's non-flash attention over an f32 cache for a ubatch of T tokens at `pos`:
+    KQ by ggml_vec_dot_f32, scaled softmax, KQV by tinyBLAS (T >= 2) or ggml_vec_dot_f32 (T = 1)."""
+    t, h, d = q.shape
+    group = h // kc.shape[1]
+    cells = -(-(pos + t) // 32) * 32  # llama.cpp pads the cache view; padded cells add nothing
+    k = np.zeros((cells, h, d), F32)
+    v = np.zeros((cells, h, d), F32)
+    k[:pos + t] = np.repeat(kc[:pos + t], group, axis=1)
+    v[:pos + t] = np.repeat(vc[:pos + t], group, axis=1)
+    kq = vec_dot_f32(k.transpose(1, 0, 2)[:, None], q.transpose(1, 0, 2)[:, :, None])  # [H, T, cells]
+    p = soft_max((kq * F32(scale)).astype(F32), np.broadcast_to((pos + np.arange(t) + 1)[None, :], (h, t)))
+    vt = v.transpose(1, 2, 0)[:, None]  # [H, 1, D, cells]
+    dot = vec_dot_f32 if t == 1 else tinyblas_dot
+    return dot(vt, p[:, :, None, :]).transpose(1, 0, 2)  # [T, H, D]

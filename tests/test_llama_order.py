@@ -1,0 +1,116 @@
+"""The CPU kernels that follow llama.cpp's float order, bit for bit against a numpy model of it
+(tests/ggml_x86.py: its x86 AVX2 build, the one the goldens come from).
+
+Equal float order is what makes ggufc's CPU logits identical to llama.cpp's on a real model
+(tests/test_smollm2.py): with 8-bit activations, a one-ulp difference anywhere flips a rounding
+later and grows layer by layer.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+
+import ggml_x86 as G
+import gguf
+import numpy as np
+import pytest
+import tvm
+
+from ggufc.codegen import kernels_attention as KA
+from ggufc.codegen import quant as Q
+from ggufc.codegen import quant_int8 as Q8
+from ggufc.codegen.cpu_vec import swiglu
+from ggufc.codegen.target import cpu_target
+from ggufc.codegen.tvm_util import aligned_zeros, to_tvm
+from ggufc.frontend.hparams import rope_table
+
+TARGET = cpu_target()
+needs_int8_dot = pytest.mark.skipif(Q8.int8_dot_intrinsic(TARGET) is None,
+                                    reason=f"{TARGET.attrs.get('mcpu')} has no VNNI dot product")
+
+
+def _build(func: tvm.tirx.PrimFunc) -> tvm.runtime.Function:
+    return tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=TARGET)["main"]
+
+
+def _activations(rng: np.random.Generator, t: int, k: int) -> np.ndarray:
+    x = (rng.standard_normal((t, k)) * rng.uniform(0.01, 10, (t, 1))).astype(np.float32)
+    x[0, :32] = 0  # a block of zeros (scale 0)
+    x[-1, 40 % k] = 90.0  # an outlier block
+    return x
+
+
+@needs_int8_dot
+@pytest.mark.parametrize("qtype", sorted(Q8.INT8_GEMV_TYPES))
+@pytest.mark.parametrize(("n", "k"), [(4, 64), (12, 320), (40, 576)])
+@pytest.mark.parametrize("t", [1, 5])
+def test_int8_matmul_is_llama_cpp_bit_for_bit(qtype: str, n: int, k: int, t: int) -> None:
+    """One token: the decode GEMV; several: the prompt GEMM. Blocks past the last 8-block run
+    (k = 64, 320, 576) take the kernels' tail path."""
+    rng = np.random.default_rng(n * k + t)
+    raw = gguf.quants.quantize((rng.standard_normal((n, k)) * 0.05 + 0.01).astype(np.float32),
+                               gguf.GGMLQuantizationType[qtype])
+    arrays = Q.repack(qtype, raw, (n, k))
+    x = _activations(rng, t, k)
+    y = aligned_zeros((t, n), np.float32)
+    kernel = Q8.int8_gemv(qtype, n, k, TARGET) if t == 1 else Q8.int8_gemm(qtype, n, k, TARGET)
+    _build(kernel)(to_tvm(x), *(to_tvm(arrays[f]) for f, _, _ in Q.layout_spec(qtype, (n, k))), to_tvm(y))
+    np.testing.assert_array_equal(y, G.matmul_q(qtype, raw, n, k, x))
+
+
+@pytest.mark.parametrize(("t", "pos"), [(1, 0), (1, 37), (5, 0), (7, 20)])
+@pytest.mark.parametrize("dim", [32, 64])
+def test_attention_is_llama_cpp_bit_for_bit(t: int, pos: int, dim: int) -> None:
+    """Scores, softmax and the V sums in llama.cpp's orders: a single token sums V as
+    ggml_vec_dot_f32, a batch as tinyBLAS (GQA: 6 query heads on 2 cache heads)."""
+    rng = np.random.default_rng(t * 100 + pos + dim)
+    n_head, n_kv, cells, scale = 6, 2, 64, 1.0 / np.sqrt(dim)
+    q = rng.standard_normal((t, n_head, dim)).astype(np.float32)
+    kc = np.zeros((cells, n_kv, dim), np.float32)
+    vc = np.zeros((cells, n_kv, dim), np.float32)
+    kc[:pos + t] = rng.standard_normal((pos + t, n_kv, dim)) * 2
+    vc[:pos + t] = rng.standard_normal((pos + t, n_kv, dim))
+    out = aligned_zeros((t, n_head, dim), np.float32)
+    _build(KA.attention_rows(n_head, n_kv, dim, cells, float(scale)))(to_tvm(q), to_tvm(kc), to_tvm(vc), pos,
+                                                                       to_tvm(out))
+    np.testing.assert_array_equal(out, G.attention(q, kc, vc, pos, float(np.float32(scale))))
+
+
+def test_swiglu_vector_exp_is_llama_cpp_bit_for_bit() -> None:
+    """silu(g) * u = g / (1 + exp(-g)) * u with ggml_v_expf's AVX2 form, over its whole range
+    (underflow, the two-step scaling past |n| > 126, overflow)."""
+    rng = np.random.default_rng(3)
+    g = np.concatenate([rng.standard_normal(4000) * 4, rng.uniform(-120, 120, 2000),
+                        [0.0, -0.0, 87.5, -87.5, 89.0, -89.0, 95.0, -95.0, 104.0, -104.0, 150.0, -150.0, 1e-30, -1e-30,
+                         3e38, -3e38]]).astype(np.float32)
+    g = np.concatenate([g, np.zeros(-len(g) % 8, np.float32)])[None]
+    u = rng.standard_normal(g.shape).astype(np.float32)
+    y = aligned_zeros(g.shape, np.float32)
+    _build(swiglu(g.shape[1]))(to_tvm(g), to_tvm(u), to_tvm(y))
+    with np.errstate(over="ignore"):
+        want = ((g / (np.float32(1) + G.expf((np.float32(0) - g).astype(np.float32))).astype(np.float32))
+                .astype(np.float32) * u).astype(np.float32)
+    np.testing.assert_array_equal(y, want)
+
+
+def test_rope_table_is_ggml_rope_cache_init() -> None:
+    """The table holds what ggml_rope_cache_init computes at run time: theta_scale by powf, theta
+    multiplied per pair in float32, cos/sin by the C library's cosf/sinf."""
+    name = ctypes.util.find_library("m")
+    if not name:
+        pytest.skip("no C math library to compare with")
+    libm = ctypes.CDLL(name)
+    for fn in (libm.cosf, libm.sinf):
+        fn.restype, fn.argtypes = ctypes.c_float, [ctypes.c_float]
+    libm.powf.restype, libm.powf.argtypes = ctypes.c_float, [ctypes.c_float, ctypes.c_float]
+    n_ctx, n_rot, base = 96, 64, 100000.0  # a base whose powf differs from numpy's float32 power
+    table = rope_table(n_ctx, n_rot, base, 1.0, None)
+    theta_scale = np.float32(libm.powf(base, np.float32(-2.0) / np.float32(n_rot)))
+    assert theta_scale != np.float32(np.power(np.float32(base), np.float32(-2.0) / np.float32(n_rot)))
+    for p in range(n_ctx):
+        theta = np.float32(p)
+        for i in range(n_rot // 2):
+            assert table[p, i, 0] == np.float32(libm.cosf(float(theta))), (p, i)
+            assert table[p, i, 1] == np.float32(libm.sinf(float(theta))), (p, i)
+            theta = np.float32(theta * theta_scale)
