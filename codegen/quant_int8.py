@@ -1,12 +1,13 @@
-"""8-bit activation kernels for the CPU: `quantize_act`, and integer dot-product GEMVs (VNNI).
+"""8-bit activation kernels for the CPU: `quantize_act`, and integer dot-product matmuls (VNNI).
 
-A decode step's matmul with a 32-block weight (Q4_0, Q4_1, Q8_0) reads its input as 8-bit blocks
-(ir/act_quant.py). The GEMV kernels here quantise `x` themselves in a short serial prologue (the
-q8_0 op is idempotent, so they may be handed `x` or `quantize_act(x)`; the q8_1 block sums of
-Q4_1 need the unrounded `x`) and then, per row and pair of
-blocks, multiply the weight bytes with the activation bytes in `vpdpbusd` (u8 x s8 -> i32, four
-products per lane), the arithmetic llama.cpp uses. In exact arithmetic the result equals the
-reference `matmul` of the quantised input; only float32 summation order differs.
+A matmul with a 32-block weight (Q4_0, Q4_1, Q8_0) reads its input as 8-bit blocks
+(ir/act_quant.py). The kernels here quantise `x` themselves (the q8_0 op is idempotent, so they
+may be handed `x` or `quantize_act(x)`; the q8_1 block sums of Q4_1 need the unrounded `x`) and
+multiply weight codes with activation codes in `vpdpbusd` (u8 x s8 -> i32, four products per
+lane), in llama.cpp's float order (ggml_vec_dot_*_q8_* on x86 AVX2, and tinyBLAS for its
+batches): per block, lane j (values 4j..4j+3) converted to float and accumulated as
+acc_j = fma(d_w d_a, dot_j, acc_j); then hsum_float_8 of the 8 lanes, + sum_b m_w s_b for Q4_1.
+The results are bit-identical to llama.cpp's (tests/test_llama_order.py).
 
 Per 32-value block b of a row, with weight codes q, activation codes a and block sum A = sum a:
 
@@ -15,9 +16,10 @@ Per 32-value block b of a row, with weight codes q, activation codes a and block
     Q8_0   d_w d_a (q' . a - 128 A)                q' = q + 128 (the byte with its sign bit flipped)
 
 The "- c A" corrections start the integer accumulator (one lane per four values), so the loop
-body has no extra work. Nibble weights keep GGUF's split layout (byte j holds values j and j+16),
-so the prologue writes each pair of activation blocks as [lo b0 | lo b1 | hi b0 | hi b1]: one
-32-byte load of weight bytes and two masks give the two operands of two `vpdpbusd`.
+body has no extra work. Nibble weights keep GGUF's split layout (byte j holds values j and j+16):
+a block's 16 bytes load into both halves of a vector, shifted by 0 and 4 bits, so its codes come
+out in value order. A decode step runs GEMVs (grouped, with an RMSNorm or SwiGLU prologue and a
+residual epilogue); a prompt runs the same per-token arithmetic as a GEMM (`int8_gemm`).
 """
 
 from __future__ import annotations
