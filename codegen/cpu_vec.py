@@ -46,8 +46,13 @@ def expf8(x: tirx.PrimExpr) -> tirx.PrimExpr:
     g = T.Select(n <= c(0.0), i(-2113929216), i(0))  # 0x82000000
     s1 = flt(g + i(0x7F000000))
     s2 = flt(e - g)
-    scaled = fma(s2, j, s2) * s1
-    return T.Select(T.fabs(n) > c(192.0), s1 * s1, T.Select(T.fabs(n) > c(126.0), scaled, fma(k, j, k)))
+    # lanes outside the special ranges feed their operations harmless values (k, 1): computing the
+    # two-step scaling on every lane would hit subnormal operands, which cost microcode assists
+    wide = T.fabs(n) > c(126.0)
+    huge = T.fabs(n) > c(192.0)
+    base = T.Select(wide, s2, k)
+    sat = T.Select(huge, s1, c(1.0))
+    return T.Select(huge, sat * sat, fma(base, j, base) * T.Select(wide, s1, c(1.0)))
 
 
 def silu_mul8(g: tirx.PrimExpr, u: tirx.PrimExpr) -> tirx.PrimExpr:

@@ -192,29 +192,38 @@ def int8_gemv_group(qtype: str, ns: tuple[int, ...], k: int, target: tvm.target.
     return func.with_attr("tirx.noalias", True)
 
 
-def _input_stage(prologue: tuple[Any, ...], k: int) -> Callable[..., None] | None:
-    """The macro computing the GEMV input xin [1, K] from (x, xw, xu), or None (x is the input)."""
+Stage = tuple[Callable[..., None], Callable[..., None], bool]
+
+
+def _input_stage(prologue: tuple[Any, ...], k: int) -> Stage | None:
+    """(setup, block, heavy): macros computing the GEMV input xin [1, K] from (x, xw, xu) one
+    32-block at a time (setup: what every block needs first), and whether the blocks are worth
+    spreading over the thread pool (SwiGLU's exp); or None (x is the input)."""
     kind = prologue[0] if prologue else ""
     if not kind:
         return None
     eps = float(prologue[1]) if kind == "rms_norm" else 0.0
 
     @T.macro
-    def stage(x, xw, xu, xin):  # type: ignore[no-untyped-def]
+    def setup(x, rstd):  # type: ignore[no-untyped-def]
         if kind == "rms_norm":  # the rms_norm kernel's steps: squares summed in float64
             acc = T.alloc_buffer((1,), "float64")
-            rstd = T.alloc_buffer((1,), "float32")
             acc[0] = T.float64(0)
             for i in range(k):
                 acc[0] = acc[0] + T.Cast("float64", x[0, i] * x[0, i])
             rstd[0] = T.float32(1) / T.sqrt(T.Cast("float32", acc[0] / T.float64(k)) + T.float32(eps))
-            for i in range(k):
-                xin[0, i] = x[0, i] * rstd[0] * xw[i]
-        else:  # swiglu, as llama.cpp's ggml_vec_swiglu_f32: gate / (1 + exp(-gate)) * up
-            for c in range(k // 8):
-                xin[0, c * 8:c * 8 + 8] = silu_mul8(x.vload([0, c * 8], "float32x8"), xu.vload([0, c * 8], "float32x8"))
 
-    return stage
+    @T.macro
+    def block(x, xw, xu, xin, rstd, b):  # type: ignore[no-untyped-def]
+        if kind == "rms_norm":
+            for i in range(32):
+                xin[0, b * 32 + i] = x[0, b * 32 + i] * rstd[0] * xw[b * 32 + i]
+        else:  # swiglu, as llama.cpp's ggml_vec_swiglu_f32: gate / (1 + exp(-gate)) * up
+            for c in range(4):
+                xin[0, b * 32 + c * 8:b * 32 + c * 8 + 8] = silu_mul8(x.vload([0, b * 32 + c * 8], "float32x8"),
+                                                                      xu.vload([0, b * 32 + c * 8], "float32x8"))
+
+    return setup, block, kind == "swiglu"
 
 
 def _slots(ns: tuple[int, ...]) -> tuple[list[int], list[int]]:
@@ -223,43 +232,61 @@ def _slots(ns: tuple[int, ...]) -> tuple[list[int], list[int]]:
     return padded, [n // ROWS for n in padded]
 
 
-def _quantize_prologue(pos: Callable[..., tirx.PrimExpr], stage: Callable[..., None] | None,
+def _quantize_prologue(pos: Callable[..., tirx.PrimExpr], stage: Stage | None,
                        k: int) -> tuple[Callable[..., None], Callable[..., None]]:
     """(quantize, prologue) macros: token t of the input ((x, xw, xu) through `stage`, or x) ->
     codes xb[t] (int8, at pos(b, i)), scales xd[t, K/32] (f16-rounded), code sums xs[t, K/32] and
     q8_1 block sums xss[t, K/32] (f16(d * xs), d in f32); the same float32 steps as quantize_act
-    (so the codes are identical)."""
+    (so the codes are identical). A heavy stage spreads the prologue's blocks over the thread pool
+    (a second parallel launch)."""
+    parallel = stage is not None and stage[2]
+
+    @T.macro
+    def quantize_block(x, t, b, xb, xd, xs, xss):  # type: ignore[no-untyped-def]
+        part = T.alloc_buffer((8,), "float32")
+        for lane in T.vectorized(8):
+            part[lane] = T.float32(0)
+        for c in range(4):
+            for lane in T.vectorized(8):
+                part[lane] = T.max(part[lane], T.fabs(x[t, b * 32 + c * 8 + lane]))
+        amax = T.meta_var(T.max(T.max(T.max(part[0], part[1]), T.max(part[2], part[3])),
+                                T.max(T.max(part[4], part[5]), T.max(part[6], part[7]))))
+        d = T.meta_var(amax / T.float32(127))
+        inv = T.meta_var(T.if_then_else(amax > T.float32(0), T.float32(127) / amax, T.float32(0)))
+        for h in range(2):
+            for i in T.vectorized(16):
+                xb[t, pos(b, h * 16 + i)] = T.Cast("int8", T.nearbyint(x[t, b * 32 + h * 16 + i] * inv))
+        xd[t, b] = T.Cast("float32", T.Cast("float16", d))
+        xs[t, b] = 0
+        for i in range(32):
+            xs[t, b] = xs[t, b] + T.Cast("int32", xb[t, pos(b, i)])
+        xss[t, b] = T.Cast("float32", T.Cast("float16", d * T.Cast("float32", xs[t, b])))
 
     @T.macro
     def quantize(x, t, xb, xd, xs, xss, n_blocks):  # type: ignore[no-untyped-def]
-        part = T.alloc_buffer((8,), "float32")
         for b in range(n_blocks):
-            for lane in T.vectorized(8):
-                part[lane] = T.float32(0)
-            for c in range(4):
-                for lane in T.vectorized(8):
-                    part[lane] = T.max(part[lane], T.fabs(x[t, b * 32 + c * 8 + lane]))
-            amax = T.meta_var(T.max(T.max(T.max(part[0], part[1]), T.max(part[2], part[3])),
-                                    T.max(T.max(part[4], part[5]), T.max(part[6], part[7]))))
-            d = T.meta_var(amax / T.float32(127))
-            inv = T.meta_var(T.if_then_else(amax > T.float32(0), T.float32(127) / amax, T.float32(0)))
-            for h in range(2):
-                for i in T.vectorized(16):
-                    xb[t, pos(b, h * 16 + i)] = T.Cast("int8", T.nearbyint(x[t, b * 32 + h * 16 + i] * inv))
-            xd[t, b] = T.Cast("float32", T.Cast("float16", d))
-            xs[t, b] = 0
-            for i in range(32):
-                xs[t, b] = xs[t, b] + T.Cast("int32", xb[t, pos(b, i)])
-            xss[t, b] = T.Cast("float32", T.Cast("float16", d * T.Cast("float32", xs[t, b])))
+            quantize_block(x, t, b, xb, xd, xs, xss)
+
+    @T.macro
+    def staged_block(x, xw, xu, xin, rstd, b, xb, xd, xs, xss):  # type: ignore[no-untyped-def]
+        if stage is None:
+            quantize_block(x, 0, b, xb, xd, xs, xss)
+        else:
+            stage[1](x, xw, xu, xin, rstd, b)
+            quantize_block(xin, 0, b, xb, xd, xs, xss)
 
     @T.macro
     def prologue(x, xw, xu, xb, xd, xs, xss, n_blocks):  # type: ignore[no-untyped-def]
-        if stage is None:
-            quantize(x, 0, xb, xd, xs, xss, n_blocks)
+        xin = T.alloc_buffer((1, k), "float32")
+        rstd = T.alloc_buffer((1,), "float32")
+        if stage is not None:
+            stage[0](x, rstd)
+        if parallel:
+            for b in T.parallel(n_blocks):
+                staged_block(x, xw, xu, xin, rstd, b, xb, xd, xs, xss)
         else:
-            xin = T.alloc_buffer((1, k), "float32")
-            stage(x, xw, xu, xin)
-            quantize(xin, 0, xb, xd, xs, xss, n_blocks)
+            for b in range(n_blocks):
+                staged_block(x, xw, xu, xin, rstd, b, xb, xd, xs, xss)
 
     return quantize, prologue
 
@@ -348,7 +375,7 @@ def _q4_steps(intrin: str, has_min: bool, rows: int, n_blocks: int) -> Callable[
     return row_group
 
 
-def _q4_gemv(ns: tuple[int, ...], k: int, intrin: str, stage: Callable[..., None] | None, residual: bool,
+def _q4_gemv(ns: tuple[int, ...], k: int, intrin: str, stage: Stage | None, residual: bool,
              has_min: bool) -> tirx.PrimFunc:
     n_blocks, rows, group = k // 32, ROWS, len(ns)
     (n1, n2, n3), (g1, g2, g3) = _slots(ns)
@@ -447,7 +474,7 @@ def _starts(n_blocks: int, offset: int) -> Callable[..., None]:
     return starts
 
 
-def _q8_0_gemv(ns: tuple[int, ...], k: int, intrin: str, stage: Callable[..., None] | None,
+def _q8_0_gemv(ns: tuple[int, ...], k: int, intrin: str, stage: Stage | None,
                residual: bool) -> tirx.PrimFunc:
     n_blocks, rows, group = k // 32, ROWS, len(ns)
     (n1, n2, n3), (g1, g2, g3) = _slots(ns)
