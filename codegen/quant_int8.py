@@ -41,6 +41,7 @@ ROWS = 4  # rows per parallel task: independent accumulator chains, activation l
 LANES = 8  # int32 lanes of a 256-bit vector
 MAX_GROUP = 3  # matrices one grouped GEMV kernel takes
 PREFETCH_GROUPS = 4  # row groups ahead whose weight bytes are prefetched
+GEMM_TOKENS = 4  # tokens a prompt GEMM's row group takes per pass over its weight codes
 
 
 def int8_dot_intrinsic(target: tvm.target.Target) -> str | None:
@@ -305,44 +306,71 @@ def _lane(v: tirx.PrimExpr, i: tirx.PrimExpr) -> tirx.PrimExpr:
     return T.call_llvm_pure_intrin("float32x8", "llvm.x86.avx2.permps", v, T.broadcast(T.Cast("int32", i), 8))
 
 
-def _q4_steps(intrin: str, has_min: bool, rows: int, n_blocks: int) -> Callable[..., None]:
+def _q4_steps(intrin: str, has_min: bool, rows: int, n_blocks: int, tt: int = 1) -> Callable[..., None]:
     """The row-group macro of the Q4_0/Q4_1 kernels: rows [jo * rows, jo * rows + rows) of one
-    matrix for token t, in llama.cpp's order (ggml_vec_dot_q4_{0,1}_q8_{0,1}, AVX2): per block, an
-    8-lane integer dot (lane j: values 4j..4j+3) converted to float and accumulated as
+    matrix for tokens [t, t + tt), in llama.cpp's order (ggml_vec_dot_q4_{0,1}_q8_{0,1}, AVX2): per
+    block, an 8-lane integer dot (lane j: values 4j..4j+3) converted to float and accumulated as
     fma(d_w d_a, dot, acc); then the tree sum of the 8 lanes (hsum_float_8), + sum_b m_w s (Q4_1,
     added block by block). A block's 16 code bytes load into both halves of a vector; one
-    per-half shift (0 or 4 bits) and a mask give its 32 codes in value order."""
+    per-half shift (0 or 4 bits) and a mask give its 32 codes in value order, which serve the
+    tile's tt tokens."""
     assert rows == 4, "the Q4_1 minimum terms of a row group are one float32x4"
     n_octs = n_blocks // 8  # 8-block runs whose weight scales load as one f16x8 vector
     halves = T.Shuffle([T.broadcast(T.int32(0), 8), T.broadcast(T.int32(4), 8)], [0, 1, 2, 3, 8, 9, 10, 11])
 
+    def codes_of(wq: tirx.Buffer, j: tirx.PrimExpr, b: tirx.PrimExpr) -> tirx.PrimExpr:
+        both = T.reinterpret("int32x8", T.Shuffle([wq.vload([j, b, 0], "uint8x16"), wq.vload([j, b, 0], "uint8x16")],
+                                                  [*range(32)]))
+        return T.bitwise_and(T.shift_right(both, halves), T.broadcast(T.int32(0x0F0F0F0F), 8))
+
     @T.macro
-    def block_step(wq, acc, j, r, b, scale, t, xb, xc):  # type: ignore[no-untyped-def]
-        both = T.meta_var(T.reinterpret("int32x8", T.Shuffle([wq.vload([j, b, 0], "uint8x16"),
-                                                               wq.vload([j, b, 0], "uint8x16")], [*range(32)])))
-        codes = T.meta_var(T.bitwise_and(T.shift_right(both, halves), T.broadcast(T.int32(0x0F0F0F0F), 8)))
-        dot = T.meta_var(T.call_llvm_pure_intrin(
-            "int32x8", intrin, T.broadcast(T.int32(0), 8) if has_min else xc.vload([t, b * 8], "int32x8"),
-            T.reinterpret("int8x32", codes), xb.vload([t, b * 32], "int8x32")))
-        acc[r, 0:8] = _fma8(scale, T.Cast("float32x8", dot), acc.vload([r, 0], "float32x8"))
+    def block_step(wq, acc, j, r, b, scales, t, xb, xc):  # type: ignore[no-untyped-def]
+        codes = T.meta_var(codes_of(wq, j, b))
+        for u in T.unroll(tt):
+            dot = T.meta_var(T.call_llvm_pure_intrin(
+                "int32x8", intrin, T.broadcast(T.int32(0), 8) if has_min else xc.vload([t + u, b * 8], "int32x8"),
+                T.reinterpret("int8x32", codes), xb.vload([t + u, b * 32], "int8x32")))
+            acc[r * tt + u, 0:8] = _fma8(T.broadcast(scales[r * tt + u, b], 8), T.Cast("float32x8", dot),
+                                         acc.vload([r * tt + u, 0], "float32x8"))
+
+    @T.macro
+    def min_terms(wm, y, jo, t, xss, s8):  # type: ignore[no-untyped-def]
+        """y[t, rows of the group] += sum_b m_w s_b, block by block (each product is exact), one
+        lane per row."""
+        summ = T.alloc_buffer((4,), "float32")  # small: a stack array per task
+        for r in T.unroll(rows):
+            summ[r] = T.float32(0)
+        for o in range(n_octs):  # the products of 8 blocks per row, transposed, added in block order
+            for r in T.unroll(rows):
+                s8[r, 0:8] = (T.Cast("float32x8", wm.vload([jo * rows + r, o * 8], "float16x8"))
+                              * xss.vload([t, o * 8], "float32x8"))
+            summ[0:4] = _sum_in_order(summ.vload([0], "float32x4"),
+                                      _transpose4x8([s8.vload([r, 0], "float32x8") for r in range(4)]))
+        for b in range(n_octs * 8, n_blocks):
+            for r in T.unroll(rows):
+                summ[r] = summ[r] + T.Cast("float32", wm[jo * rows + r, b]) * xss[t, b]
+        for r in T.unroll(rows):
+            y[t, jo * rows + r] = y[t, jo * rows + r] + summ[r]
 
     @T.macro
     def row_group(wd, wm, wq, y, n, jo, t, xb, xd, xss, xc):  # type: ignore[no-untyped-def]
         wq_flat = T.decl_buffer((n * n_blocks * 16,), "uint8", data=wq.data)
         wd_flat = T.decl_buffer((n * n_blocks,), "float16", data=wd.data)
-        acc = T.alloc_buffer((rows, 8), "float32")  # small: a stack array per task
+        acc = T.alloc_buffer((rows * tt, 8), "float32")  # small: a stack array per task
         s8 = T.alloc_buffer((rows, 8), "float32")  # small: a stack array per task
-        # d_w d_a of every block, each product rounded as llama.cpp's; the loop below broadcasts
-        # them from memory (a load, not a shuffle)
-        scales = T.alloc_buffer((rows, n_blocks), "float32")  # small: a stack array per task
+        # d_w d_a of every block and token, each product rounded as llama.cpp's; the loop below
+        # broadcasts them from memory (a load, not a shuffle)
+        scales = T.alloc_buffer((rows * tt, n_blocks), "float32")  # small: a stack array per task
         ahead = T.meta_var(T.min(jo + PREFETCH_GROUPS, n // rows - 1))
         for r in T.unroll(rows):
-            acc[r, 0:8] = T.broadcast(T.float32(0), 8)
-            for o in range(n_octs):
-                scales[r, o * 8:o * 8 + 8] = (T.Cast("float32x8", wd.vload([jo * rows + r, o * 8], "float16x8"))
-                                              * xd.vload([t, o * 8], "float32x8"))
-            for b in range(n_octs * 8, n_blocks):
-                scales[r, b] = T.Cast("float32", wd[jo * rows + r, b]) * xd[t, b]
+            for u in T.unroll(tt):
+                acc[r * tt + u, 0:8] = T.broadcast(T.float32(0), 8)
+                for o in range(n_octs):
+                    scales[r * tt + u, o * 8:o * 8 + 8] = (
+                        T.Cast("float32x8", wd.vload([jo * rows + r, o * 8], "float16x8"))
+                        * xd.vload([t + u, o * 8], "float32x8"))
+                for b in range(n_octs * 8, n_blocks):
+                    scales[r * tt + u, b] = T.Cast("float32", wd[jo * rows + r, b]) * xd[t + u, b]
         for o in range(n_octs):
             for c in T.unroll(4):
                 _prefetch(wq_flat, ahead * rows * n_blocks * 16 + (o * 4 + c) * 128)
@@ -350,27 +378,16 @@ def _q4_steps(intrin: str, has_min: bool, rows: int, n_blocks: int) -> Callable[
             _prefetch(wd_flat, ahead * rows * n_blocks + o * 8)
             for c in T.unroll(8):
                 for r in T.unroll(rows):
-                    block_step(wq, acc, jo * rows + r, r, o * 8 + c, T.broadcast(scales[r, o * 8 + c], 8), t, xb, xc)
+                    block_step(wq, acc, jo * rows + r, r, o * 8 + c, scales, t, xb, xc)
         for b in range(n_octs * 8, n_blocks):  # the blocks after the last whole 8-block run
             for r in T.unroll(rows):
-                block_step(wq, acc, jo * rows + r, r, b, T.broadcast(scales[r, b], 8), t, xb, xc)
+                block_step(wq, acc, jo * rows + r, r, b, scales, t, xb, xc)
         for r in T.unroll(rows):
-            y[t, jo * rows + r] = _hsum8(acc, r)
-        if has_min:  # + m_w s, summed block by block (each product is exact): one lane per row
-            summ = T.alloc_buffer((4,), "float32")  # small: a stack array per task
-            for r in T.unroll(rows):
-                summ[r] = T.float32(0)
-            for o in range(n_octs):  # the products of 8 blocks per row, transposed, added in block order
-                for r in T.unroll(rows):
-                    s8[r, 0:8] = (T.Cast("float32x8", wm.vload([jo * rows + r, o * 8], "float16x8"))
-                                  * xss.vload([t, o * 8], "float32x8"))
-                summ[0:4] = _sum_in_order(summ.vload([0], "float32x4"),
-                                          _transpose4x8([s8.vload([r, 0], "float32x8") for r in range(4)]))
-            for b in range(n_octs * 8, n_blocks):
-                for r in T.unroll(rows):
-                    summ[r] = summ[r] + T.Cast("float32", wm[jo * rows + r, b]) * xss[t, b]
-            for r in T.unroll(rows):
-                y[t, jo * rows + r] = y[t, jo * rows + r] + summ[r]
+            for u in T.unroll(tt):
+                y[t + u, jo * rows + r] = _hsum8(acc, r * tt + u)
+        if has_min:
+            for u in T.unroll(tt):
+                min_terms(wm, y, jo, t + u, xss, s8)
 
     return row_group
 
@@ -546,6 +563,7 @@ def int8_gemm(qtype: str, n: int, k: int, target: tvm.target.Target) -> tirx.Pri
     has_min = qtype == "Q4_1"
     quantize, _ = _quantize_prologue(_q8_pos, None, k)
     q4_rows = _q4_steps(intrin, has_min, rows, n_blocks)
+    q4_tile = _q4_steps(intrin, has_min, rows, n_blocks, GEMM_TOKENS)
     q4_starts = _starts(n_blocks, 0 if has_min else 8)
 
     @T.prim_func(private=True)
@@ -564,7 +582,9 @@ def int8_gemm(qtype: str, n: int, k: int, target: tvm.target.Target) -> tirx.Pri
             quantize(x, t, xb, xd, xs, xss, n_blocks)
             q4_starts(xb, xc, t)
         for jo in T.parallel(n // rows):
-            for t in range(t_len):
+            for tile in range(t_len // GEMM_TOKENS):
+                q4_tile(wd, wm, wq, y, n, jo, tile * GEMM_TOKENS, xb, xd, xss, xc)
+            for t in range(t_len // GEMM_TOKENS * GEMM_TOKENS, t_len):
                 q4_rows(wd, wm, wq, y, n, jo, t, xb, xd, xss, xc)
 
     if has_min:

@@ -44,7 +44,7 @@ def _activations(rng: np.random.Generator, t: int, k: int) -> np.ndarray:
 @needs_int8_dot
 @pytest.mark.parametrize("qtype", sorted(Q8.INT8_GEMV_TYPES))
 @pytest.mark.parametrize(("n", "k"), [(4, 64), (12, 320), (40, 576)])
-@pytest.mark.parametrize("t", [1, 5])
+@pytest.mark.parametrize("t", [1, 5, 8])
 def test_int8_matmul_is_llama_cpp_bit_for_bit(qtype: str, n: int, k: int, t: int) -> None:
     """One token: the decode GEMV; several: the prompt GEMM. Blocks past the last 8-block run
     (k = 64, 320, 576) take the kernels' tail path."""
