@@ -534,41 +534,18 @@ def int8_gemm(qtype: str, n: int, k: int, target: tvm.target.Target) -> tirx.Pri
     intrin = int8_dot_intrinsic(target)
     if intrin is None or not int8_gemv_supported(qtype, n, k, target):
         raise NotImplementedError(f"no 8-bit GEMM for {qtype} {n} x {k} on {target}")
-    n_blocks, rows = k // 32, ROWS
+    n_blocks, rows, is_q8 = k // 32, ROWS, qtype == "Q8_0"
     N, K, B = T.int64(n), T.int64(k), T.int64(n_blocks)
-    if qtype == "Q8_0":
-        quantize, _ = _quantize_prologue(_q8_pos, None, k)
-        q8_rows = _q8_steps(intrin, rows, n_blocks)
-        q8_starts = _starts(n_blocks, 128)
-
-        @T.prim_func(private=True)
-        def q8_gemm(x_h: T.handle, wd: T.Buffer((N, B), "float16"), wq: T.Buffer((N, B, 32), "int8"), y_h: T.handle):
-            T.func_attr({"tirx.noalias": True})
-            t_len = T.int64()
-            x = T.match_buffer(x_h, (t_len, K), "float32")
-            y = T.match_buffer(y_h, (t_len, N), "float32")
-            xb = T.alloc_buffer((t_len, K), "int8")
-            xd = T.alloc_buffer((t_len, B), "float32")
-            xs = T.alloc_buffer((t_len, B), "int32")
-            xss = T.alloc_buffer((t_len, B), "float32")
-            xc = T.alloc_buffer((t_len, B * 8), "int32")
-            for t in T.parallel(t_len):
-                quantize(x, t, xb, xd, xs, xss, n_blocks)
-                q8_starts(xb, xc, t)
-            for jo in T.parallel(n // rows):
-                for t in range(t_len):
-                    q8_rows(wd, wq, y, n, jo, t, xb, xd, xc)
-
-        return q8_gemm
     has_min = qtype == "Q4_1"
     quantize, _ = _quantize_prologue(_q8_pos, None, k)
+    starts = _starts(n_blocks, 128 if is_q8 else 0 if has_min else 8)
+    q8_rows = _q8_steps(intrin, rows, n_blocks)
     q4_rows = _q4_steps(intrin, has_min, rows, n_blocks)
     q4_tile = _q4_steps(intrin, has_min, rows, n_blocks, GEMM_TOKENS)
-    q4_starts = _starts(n_blocks, 0 if has_min else 8)
 
     @T.prim_func(private=True)
-    def q4_gemm(x_h: T.handle, wd: T.Buffer((N, B), "float16"), wm: T.Buffer((N, B), "float16"),
-                wq: T.Buffer((N, B, 16), "uint8"), y_h: T.handle):
+    def gemm(x_h: T.handle, wd: T.Buffer((N, B), "float16"), wm: T.Buffer((N, B), "float16"),
+             wq4: T.Buffer((N, B, 16), "uint8"), wq8: T.Buffer((N, B, 32), "int8"), y_h: T.handle):
         T.func_attr({"tirx.noalias": True})
         t_len = T.int64()
         x = T.match_buffer(x_h, (t_len, K), "float32")
@@ -580,16 +557,19 @@ def int8_gemm(qtype: str, n: int, k: int, target: tvm.target.Target) -> tirx.Pri
         xc = T.alloc_buffer((t_len, B * 8), "int32")
         for t in T.parallel(t_len):
             quantize(x, t, xb, xd, xs, xss, n_blocks)
-            q4_starts(xb, xc, t)
+            starts(xb, xc, t)
         for jo in T.parallel(n // rows):
-            for tile in range(t_len // GEMM_TOKENS):
-                q4_tile(wd, wm, wq, y, n, jo, tile * GEMM_TOKENS, xb, xd, xss, xc)
-            for t in range(t_len // GEMM_TOKENS * GEMM_TOKENS, t_len):
-                q4_rows(wd, wm, wq, y, n, jo, t, xb, xd, xss, xc)
+            if is_q8:
+                for t in range(t_len):
+                    q8_rows(wd, wq8, y, n, jo, t, xb, xd, xc)
+            else:
+                for tile in range(t_len // GEMM_TOKENS):
+                    q4_tile(wd, wm, wq4, y, n, jo, tile * GEMM_TOKENS, xb, xd, xss, xc)
+                for t in range(t_len // GEMM_TOKENS * GEMM_TOKENS, t_len):
+                    q4_rows(wd, wm, wq4, y, n, jo, t, xb, xd, xss, xc)
 
-    if has_min:
-        return q4_gemm
-    return _without_params(q4_gemm, {"wm"})
+    unused = {"wm", "wq4"} if is_q8 else {"wq8"} if has_min else {"wm", "wq8"}
+    return _without_params(gemm, unused)
 
 
 def _residual_adder(residual: bool) -> Callable[..., None]:
