@@ -60,7 +60,7 @@ def attention_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float)
                 for d0 in range(D // STEP):
                     for lane in T.vectorized(STEP):
                         part[lane] = fma(k_cache[s, kv, d0 * STEP + lane], q[t, h, d0 * STEP + lane], part[lane])
-                scores[s] = _fold32(part) * SCALE
+                scores[s] = _fold32([part[i] for i in range(STEP)]) * SCALE
                 stat[0] = T.max(stat[0], scores[s])
             chunks = (visible + L - T.int64(1)) // L
             for s in range(visible, chunks * L):
@@ -79,7 +79,7 @@ def attention_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float)
                     for d in T.vectorized(D):
                         acc[s % STEP, d] = fma(v_cache[s, kv, d], scores[s], acc[s % STEP, d])
                 for d in T.vectorized(D):
-                    o[t, h, d] = _fold32_column(acc, d)
+                    o[t, h, d] = _fold32([acc[i, d] for i in range(STEP)])
             else:  # tinyBLAS: cell s into accumulator s % 8, then hsum_float_8
                 for s in range(visible):
                     for d in T.vectorized(D):
@@ -95,14 +95,9 @@ def _hsum8(v: list[tirx.PrimExpr]) -> tirx.PrimExpr:
     return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]))
 
 
-def _fold32(part: tirx.Buffer) -> tirx.PrimExpr:
-    """ggml_vec_dot_f32's reduction of its 4 x 8 accumulators (GGML_F32x8_REDUCE)."""
-    x = [(part[i] + part[16 + i]) + (part[8 + i] + part[24 + i]) for i in range(8)]
-    t0 = [x[i] + x[i + 4] for i in range(4)]
-    return (t0[0] + t0[1]) + (t0[2] + t0[3])
-
-
-def _fold32_column(acc: tirx.Buffer, d: tirx.PrimExpr) -> tirx.PrimExpr:
-    x = [(acc[i, d] + acc[16 + i, d]) + (acc[8 + i, d] + acc[24 + i, d]) for i in range(8)]
+def _fold32(v: list[tirx.PrimExpr]) -> tirx.PrimExpr:
+    """ggml_vec_dot_f32's reduction of its 4 x 8 accumulators v[0..31] (GGML_F32x8_REDUCE):
+    (0+2) + (1+3) per lane, then 4 + 4 and two pairwise adds."""
+    x = [(v[i] + v[16 + i]) + (v[8 + i] + v[24 + i]) for i in range(8)]
     t0 = [x[i] + x[i + 4] for i in range(4)]
     return (t0[0] + t0[1]) + (t0[2] + t0[3])

@@ -178,13 +178,10 @@ def int8_gemv_group(qtype: str, ns: tuple[int, ...], k: int, target: tvm.target.
         raise ValueError("int8 GEMV: a residual add needs a single matrix")
     stage = _input_stage(prologue, k)
     fields = [name for name, _, _ in layout_spec(qtype, (ns[0], k))]
-    if qtype == "Q8_0":
-        func = _q8_0_gemv(ns, k, intrin, stage, residual)
-    else:
-        func = _q4_gemv(ns, k, intrin, stage, residual, has_min=qtype == "Q4_1")
-    unused = {f"{name}{slot}" for slot in range(len(ns) + 1, MAX_GROUP + 1) for name in ("wd", "wm", "wq", "y")}
-    if qtype == "Q4_0":  # no `m` field
-        unused |= {f"wm{slot}" for slot in range(1, MAX_GROUP + 1)}
+    func = _gemv(qtype, ns, k, intrin, stage, residual)
+    unused = {f"{name}{slot}" for slot in range(len(ns) + 1, MAX_GROUP + 1) for name in ("wd", "wm", "wq4", "wq8", "y")}
+    absent = {"Q8_0": ("wm", "wq4"), "Q4_0": ("wm", "wq8"), "Q4_1": ("wq8",)}[qtype]  # fields the type lacks
+    unused |= {f"{name}{slot}" for slot in range(1, MAX_GROUP + 1) for name in absent}
     unused |= {"xw"} if kind != "rms_norm" else set()
     unused |= {"xu"} if kind != "swiglu" else set()
     unused |= {"res"} if not residual else set()
@@ -392,43 +389,6 @@ def _q4_steps(intrin: str, has_min: bool, rows: int, n_blocks: int, tt: int = 1)
     return row_group
 
 
-def _q4_gemv(ns: tuple[int, ...], k: int, intrin: str, stage: Stage | None, residual: bool,
-             has_min: bool) -> tirx.PrimFunc:
-    n_blocks, rows, group = k // 32, ROWS, len(ns)
-    (n1, n2, n3), (g1, g2, g3) = _slots(ns)
-    _, prologue = _quantize_prologue(_q8_pos, stage, k)
-    add_residual = _residual_adder(residual)
-    row_group = _q4_steps(intrin, has_min, rows, n_blocks)
-    starts = _starts(n_blocks, 0 if has_min else 8)
-
-    @T.prim_func
-    def q4_gemv(x: T.Buffer((1, k), "float32"), xw: T.Buffer((k,), "float32"), xu: T.Buffer((1, k), "float32"),
-                wd1: T.Buffer((n1, n_blocks), "float16"), wm1: T.Buffer((n1, n_blocks), "float16"),
-                wq1: T.Buffer((n1, n_blocks, 16), "uint8"),
-                wd2: T.Buffer((n2, n_blocks), "float16"), wm2: T.Buffer((n2, n_blocks), "float16"),
-                wq2: T.Buffer((n2, n_blocks, 16), "uint8"),
-                wd3: T.Buffer((n3, n_blocks), "float16"), wm3: T.Buffer((n3, n_blocks), "float16"),
-                wq3: T.Buffer((n3, n_blocks, 16), "uint8"), res: T.Buffer((1, n1), "float32"),
-                y1: T.Buffer((1, n1), "float32"), y2: T.Buffer((1, n2), "float32"), y3: T.Buffer((1, n3), "float32")):
-        xb = T.alloc_buffer((1, k), "int8")
-        xd = T.alloc_buffer((1, n_blocks), "float32")
-        xs = T.alloc_buffer((1, n_blocks), "int32")
-        xss = T.alloc_buffer((1, n_blocks), "float32")
-        prologue(x, xw, xu, xb, xd, xs, xss, n_blocks)
-        xc = T.alloc_buffer((1, n_blocks * 8), "int32")
-        starts(xb, xc, 0)
-        for jo in T.parallel(g1 + (g2 if group >= 2 else 0) + (g3 if group >= 3 else 0)):
-            if jo < g1:
-                row_group(wd1, wm1, wq1, y1, n1, jo, 0, xb, xd, xss, xc)
-            elif group >= 2 and jo < g1 + g2:
-                row_group(wd2, wm2, wq2, y2, n2, jo - g1, 0, xb, xd, xss, xc)
-            elif group >= 3:
-                row_group(wd3, wm3, wq3, y3, n3, jo - g1 - g2, 0, xb, xd, xss, xc)
-        add_residual(res, y1, n1)
-
-    return q4_gemv
-
-
 def _q8_steps(intrin: str, rows: int, n_blocks: int) -> Callable[..., None]:
     """The row-group macro of the Q8_0 kernels, in llama.cpp's order (ggml_vec_dot_q8_0_q8_0, AVX2,
     and tinyBLAS's Q8_0 GEMM): per block acc = fma(d_w d_a, 8-lane dot, acc), then hsum_float_8."""
@@ -491,22 +451,36 @@ def _starts(n_blocks: int, offset: int) -> Callable[..., None]:
     return starts
 
 
-def _q8_0_gemv(ns: tuple[int, ...], k: int, intrin: str, stage: Stage | None,
-               residual: bool) -> tirx.PrimFunc:
-    n_blocks, rows, group = k // 32, ROWS, len(ns)
+def _gemv(qtype: str, ns: tuple[int, ...], k: int, intrin: str, stage: Stage | None,
+          residual: bool) -> tirx.PrimFunc:
+    """The grouped GEMV body for every weight type: per slot the fields of Q4 (`wd`, `wm`, `wq4`)
+    and Q8 (`wd`, `wq8`) weights; int8_gemv_group drops the parameters a type or group leaves unused."""
+    n_blocks, rows, group, is_q8 = k // 32, ROWS, len(ns), qtype == "Q8_0"
+    has_min = qtype == "Q4_1"
     (n1, n2, n3), (g1, g2, g3) = _slots(ns)
     _, prologue = _quantize_prologue(_q8_pos, stage, k)
     add_residual = _residual_adder(residual)
-    row_group = _q8_steps(intrin, rows, n_blocks)
-    starts = _starts(n_blocks, 128)
+    q4_rows = _q4_steps(intrin, has_min, rows, n_blocks)
+    q8_rows = _q8_steps(intrin, rows, n_blocks)
+    starts = _starts(n_blocks, 128 if is_q8 else 0 if has_min else 8)
+
+    @T.macro
+    def row_group(wd, wm, wq4, wq8, y, n, jo, xb, xd, xss, xc):  # type: ignore[no-untyped-def]
+        if is_q8:
+            q8_rows(wd, wq8, y, n, jo, 0, xb, xd, xc)
+        else:
+            q4_rows(wd, wm, wq4, y, n, jo, 0, xb, xd, xss, xc)
 
     @T.prim_func
-    def q8_gemv(x: T.Buffer((1, k), "float32"), xw: T.Buffer((k,), "float32"), xu: T.Buffer((1, k), "float32"),
-                wd1: T.Buffer((n1, n_blocks), "float16"), wq1: T.Buffer((n1, n_blocks, 32), "int8"),
-                wd2: T.Buffer((n2, n_blocks), "float16"), wq2: T.Buffer((n2, n_blocks, 32), "int8"),
-                wd3: T.Buffer((n3, n_blocks), "float16"), wq3: T.Buffer((n3, n_blocks, 32), "int8"),
-                res: T.Buffer((1, n1), "float32"),
-                y1: T.Buffer((1, n1), "float32"), y2: T.Buffer((1, n2), "float32"), y3: T.Buffer((1, n3), "float32")):
+    def gemv(x: T.Buffer((1, k), "float32"), xw: T.Buffer((k,), "float32"), xu: T.Buffer((1, k), "float32"),
+             wd1: T.Buffer((n1, n_blocks), "float16"), wm1: T.Buffer((n1, n_blocks), "float16"),
+             wq41: T.Buffer((n1, n_blocks, 16), "uint8"), wq81: T.Buffer((n1, n_blocks, 32), "int8"),
+             wd2: T.Buffer((n2, n_blocks), "float16"), wm2: T.Buffer((n2, n_blocks), "float16"),
+             wq42: T.Buffer((n2, n_blocks, 16), "uint8"), wq82: T.Buffer((n2, n_blocks, 32), "int8"),
+             wd3: T.Buffer((n3, n_blocks), "float16"), wm3: T.Buffer((n3, n_blocks), "float16"),
+             wq43: T.Buffer((n3, n_blocks, 16), "uint8"), wq83: T.Buffer((n3, n_blocks, 32), "int8"),
+             res: T.Buffer((1, n1), "float32"),
+             y1: T.Buffer((1, n1), "float32"), y2: T.Buffer((1, n2), "float32"), y3: T.Buffer((1, n3), "float32")):
         xb = T.alloc_buffer((1, k), "int8")
         xd = T.alloc_buffer((1, n_blocks), "float32")
         xs = T.alloc_buffer((1, n_blocks), "int32")
@@ -516,14 +490,14 @@ def _q8_0_gemv(ns: tuple[int, ...], k: int, intrin: str, stage: Stage | None,
         starts(xb, xc, 0)
         for jo in T.parallel(g1 + (g2 if group >= 2 else 0) + (g3 if group >= 3 else 0)):
             if jo < g1:
-                row_group(wd1, wq1, y1, n1, jo, 0, xb, xd, xc)
+                row_group(wd1, wm1, wq41, wq81, y1, n1, jo, xb, xd, xss, xc)
             elif group >= 2 and jo < g1 + g2:
-                row_group(wd2, wq2, y2, n2, jo - g1, 0, xb, xd, xc)
+                row_group(wd2, wm2, wq42, wq82, y2, n2, jo - g1, xb, xd, xss, xc)
             elif group >= 3:
-                row_group(wd3, wq3, y3, n3, jo - g1 - g2, 0, xb, xd, xc)
+                row_group(wd3, wm3, wq43, wq83, y3, n3, jo - g1 - g2, xb, xd, xss, xc)
         add_residual(res, y1, n1)
 
-    return q8_gemv
+    return gemv
 
 
 def int8_gemm(qtype: str, n: int, k: int, target: tvm.target.Target) -> tirx.PrimFunc:
