@@ -16,6 +16,7 @@ from tvm import relax
 
 from ggufc.frontend.load import LoadedModel
 from ggufc.ir.graph import Graph
+from ggufc.runtime.artifact import LAYOUT_FUNCTION, layout_contract
 
 from . import quant as Q
 from . import quant_gpu as QG
@@ -95,23 +96,57 @@ def build_executable(
     for name in ("prefill_all", "prefill", "decode"):
         gv = mod.get_global_var(name)
         mod[gv] = mod[gv].with_attr("tir_var_upper_bound", bounds)
+    n_vocab = int(model.hparams.n_vocab)
     t1 = time.perf_counter()
     progress(f"compiling {len(mb.kernel_names)} kernels for {target_key(tgt)}")
     if gpu_target:  # cuda: Relax VM + fatbin; vulkan/metal: WGSL/MSL + dispatch plan (build_gpu.py)
-        from .build_gpu import compile_gpu
+        from .build_gpu import compile_gpu, seal_plan_layout
 
+        if tgt.kind.name == "cuda":
+            mod = with_layout_function(mod, layout_fields(model.n_ctx, n_vocab, max_chunk, layouts, states))
         ex = compile_gpu(mod, tgt, mb.kernel_names, target, n_params=len(mb.flat_params), n_states=len(states),
                          max_chunk=max_chunk, n_ctx=model.n_ctx, progress=progress)
         max_chunk = ex.max_chunk or max_chunk  # vulkan: chunks small enough for every buffer binding
+        if ex.plan is not None:
+            seal_plan_layout(ex, layout_contract(layout_fields(model.n_ctx, n_vocab, max_chunk, layouts, states)))
         if mb.decode_inputs is not None:  # the session writes the token and position there before decode
             ex.manifest["decode_inputs"] = {"token": mb.decode_inputs[0], "pos": mb.decode_inputs[1]}
     else:
+        mod = with_layout_function(mod, layout_fields(model.n_ctx, n_vocab, max_chunk, layouts, states))
         # reshapes inside dataflow blocks become views (RewriteDataflowReshape), not copy kernels
         mod = relax.transform.ConvertToDataflow()(mod)
         ex = tvm.compile(mod, target=tgt, relax_pipeline=cpu_build_pipeline())
     t2 = time.perf_counter()
     return Built(ex, layouts, states, graphs, mb.kernel_names, tgt, max_chunk, stats,
                  {"lower_s": t1 - t0, "tvm_compile_s": t2 - t1}, tuning)
+
+
+def layout_fields(n_ctx: int, n_vocab: int, max_chunk: int, layouts: list[ParamLayout],
+                  states: list[tuple[str, tuple[int, ...], str]]) -> dict[str, Any]:
+    """The manifest fields that size what the kernels touch (see runtime.artifact.layout_contract)."""
+    return {
+        "n_ctx": n_ctx,
+        "n_vocab": n_vocab,
+        "max_chunk": max_chunk,
+        "params": [
+            {
+                "name": lay.source,
+                "qtype": lay.qtype,
+                "arrays": [{"key": weight_key(lay.source, f), "shape": list(s), "dtype": d} for f, s, d in lay.arrays],
+            }
+            for lay in layouts
+        ],
+        "states": [{"name": n, "shape": list(s), "dtype": d} for n, s, d in states],
+    }
+
+
+def with_layout_function(mod: tvm.IRModule, fields: dict[str, Any]) -> tvm.IRModule:
+    """Add `ggufc_layout() -> shape`: the layout contract compiled into the kernels themselves, which the
+    runtime compares with the manifest before running anything."""
+    bb = relax.BlockBuilder(mod)
+    with bb.function(LAYOUT_FUNCTION, []):
+        bb.emit_func_output(relax.ShapeExpr(list(layout_contract(fields))))
+    return bb.get()
 
 
 def cpu_build_pipeline() -> tvm.transform.Pass:

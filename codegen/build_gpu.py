@@ -107,6 +107,13 @@ def metal_library(kernels: dict[str, DI.DeviceKernel]) -> str:
     return "\n".join(out)
 
 
+def seal_plan_layout(exe: GpuExecutable, contract: tuple[int, ...]) -> None:
+    """Record the layout contract in the plan, which the plan runtime checks against the manifest."""
+    assert exe.plan is not None
+    exe.plan["layout"] = list(contract)
+    exe.files[PLAN_NAME] = json.dumps(exe.plan, separators=(",", ":")).encode()
+
+
 def compile_plan_target(mod: tvm.IRModule, target: tvm.target.Target, kernel_names: Sequence[str], *,
                         n_params: int, n_states: int, max_chunk: int, n_ctx: int,
                         progress: Callable[[str], None] = lambda s: None,

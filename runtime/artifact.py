@@ -4,6 +4,7 @@ An artifact is a directory (or a `.tar` of one) holding
 
 - `manifest.json`: what was compiled, for which target, the calling convention, the params and
   states layout, and the sha256 of every other file;
+- `manifest.sha256`: the sha256 of `manifest.json` itself, so no file goes unchecked;
 - `kernels.so`: a TVM Relax VM executable (`export_library`);
 - `weights.safetensors`: the params in the layout the kernels read;
 - optionally `tokenizer.json`.
@@ -35,8 +36,11 @@ import numpy.typing as npt
 
 from ggufc import __version__ as GGUFC_VERSION
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: manifest digest file, layout contract compiled into the kernels
 MANIFEST_NAME = "manifest.json"
+MANIFEST_DIGEST_NAME = "manifest.sha256"
+SEAL_FILES = (MANIFEST_NAME, MANIFEST_DIGEST_NAME)  # the files that seal an artifact, not listed in it
+LAYOUT_FUNCTION = "ggufc_layout"  # a kernels function returning the layout contract it was built for
 KERNELS_NAME = "kernels.so"
 WEIGHTS_NAME = "weights.safetensors"
 ALIGN = 64  # vectorised TVM kernels segfault on buffers that are not 64-byte aligned
@@ -108,7 +112,7 @@ def _artifact_files(root: Path) -> list[str]:
         rel = path.relative_to(root).as_posix()
         if path.is_symlink():
             raise ArtifactError(f"{root}: {rel} is a symbolic link; artifacts hold regular files only")
-        if path.is_file() and rel != MANIFEST_NAME:
+        if path.is_file() and rel not in SEAL_FILES:
             found.append(rel)
     return found
 
@@ -146,10 +150,14 @@ def finalize_artifact(
 
 
 def _apply_umask(directory: Path) -> None:
-    """mkdtemp makes staging private (0700); the artifact gets ordinary directory permissions."""
+    """mkdtemp makes staging private (0700) and some writers make files 0600; the artifact gets
+    the permissions of any file the user creates (directories 0777, files 0666, less the umask)."""
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(directory, 0o777 & ~umask)
+    for path in directory.rglob("*"):
+        if not path.is_symlink():
+            os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
 
 
 def _sealed_manifest(staging: Path, manifest: dict[str, Any]) -> dict[str, Any]:
@@ -164,27 +172,94 @@ def _sealed_manifest(staging: Path, manifest: dict[str, Any]) -> dict[str, Any]:
 
 
 def _write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
+    """manifest.json, then manifest.sha256 holding its digest (the last file an artifact gets)."""
     try:
-        text = json.dumps(manifest, indent=2, sort_keys=True, allow_nan=False)
+        text = json.dumps(manifest, indent=2, sort_keys=True, allow_nan=False) + "\n"
     except (TypeError, ValueError) as exc:
         raise ArtifactError(f"manifest is not plain JSON data: {one_line(exc)}") from None
-    tmp = directory / (MANIFEST_NAME + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text + "\n")
+    data = text.encode("utf-8")
+    _write_synced(directory / MANIFEST_NAME, data)
+    _write_synced(directory / MANIFEST_DIGEST_NAME, f"{hashlib.sha256(data).hexdigest()}  {MANIFEST_NAME}\n".encode())
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
         fh.flush()
         os.fsync(fh.fileno())
-    os.replace(tmp, directory / MANIFEST_NAME)
+    os.replace(tmp, path)
+
+
+def check_output_dir(out_dir: str | os.PathLike[str]) -> None:
+    """Refuse an output that is not ggufc's to replace: only an absent path, an empty directory,
+    or an artifact directory holding nothing but the artifact's own files may become an artifact."""
+    out = Path(out_dir).absolute()
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise ArtifactError(f"{out_dir}: exists and is not a directory; give a new or empty directory")
+    here = Path.cwd().resolve()
+    if out.resolve() in (here, *here.parents):
+        raise ArtifactError(f"{out_dir}: is the current directory or one above it; give a new or empty directory")
+    if not out.exists():
+        _check_parent_usable(out, out_dir)
+        return
+    entries = sorted(p.name for p in out.iterdir())
+    if not entries:
+        return
+    if MANIFEST_NAME not in entries:
+        raise ArtifactError(
+            f"{out_dir}: directory is not empty and not a ggufc artifact (holds {_first(entries)}); "
+            "give a new or empty directory"
+        )
+    foreign = _foreign_files(out)
+    if foreign:
+        raise ArtifactError(
+            f"{out_dir}: holds {foreign[0]!r}, which is not part of the ggufc artifact there; "
+            "refusing to replace it (give a new or empty directory)"
+        )
+
+
+def _check_parent_usable(out: Path, shown: str | os.PathLike[str]) -> None:
+    parent = out.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ArtifactError(f"{shown}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ArtifactError(f"{shown}: cannot write into {parent} (permission denied)")
+
+
+def _first(names: list[str]) -> str:
+    return repr(names[0]) + (f" and {len(names) - 1} more" if len(names) > 1 else "")
+
+
+def _foreign_files(root: Path) -> list[str]:
+    """Entries of an existing artifact directory that its own manifest does not account for."""
+    try:
+        manifest = json.loads((root / MANIFEST_NAME).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return [MANIFEST_NAME]
+    if not isinstance(manifest, dict) or "ggufc_version" not in manifest or not isinstance(manifest.get("files"), dict):
+        return [MANIFEST_NAME]
+    own = set(manifest["files"]) | set(SEAL_FILES)
+    foreign = []
+    for path in sorted(root.rglob("*")):
+        rel = path.relative_to(root).as_posix()
+        if path.is_symlink() or (path.is_file() and rel not in own):
+            foreign.append(rel)
+        elif path.is_dir() and not any(name.startswith(rel + "/") for name in own):
+            foreign.append(rel + "/")
+    return foreign
 
 
 def _move_into_place(staging: Path, out: Path) -> None:
+    check_output_dir(out)  # again at the end: the directory may have changed during the compile
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = _same_filesystem_copy(staging, out)
     if not out.exists():
         os.rename(staging, out)
         _fsync_dir(out.parent)
         return
-    if not out.is_dir():
-        raise ArtifactError(f"{out}: exists and is not a directory; refusing to replace it")
     # Swap: move the old artifact aside, move the new one in, then delete the old one.
     # If the second rename fails, the old artifact is put back.
     old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
@@ -224,6 +299,48 @@ def _fsync_dir(path: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+# --------------------------------------------------------------------------- layout contract
+
+
+def layout_contract(manifest: dict[str, Any]) -> tuple[int, ...]:
+    """Four int64 words of the sha256 of every manifest value that sizes what kernels touch.
+
+    Codegen compiles these words into the kernels (a `ggufc_layout` function, or the dispatch
+    plan); the runtime recomputes them from the manifest before any kernel runs, so a manifest
+    whose context, chunk size, vocabulary, states or weight shapes differ from what the kernels
+    were built for is refused instead of reaching native code.
+    """
+    fields = {
+        "n_ctx": manifest.get("n_ctx"),
+        "n_vocab": manifest.get("n_vocab"),
+        "max_chunk": manifest.get("max_chunk"),
+        "states": [[s.get("shape"), s.get("dtype")] for s in manifest.get("states", []) if isinstance(s, dict)],
+        "params": [
+            [[a.get("shape"), a.get("dtype")] for a in p.get("arrays", []) if isinstance(a, dict)]
+            for p in manifest.get("params", [])
+            if isinstance(p, dict)
+        ],
+    }
+    try:
+        digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).digest()
+    except (TypeError, ValueError) as exc:
+        raise ArtifactError(f"manifest layout is not plain JSON data ({one_line(exc)})") from None
+    return tuple(int.from_bytes(digest[i : i + 8], "little", signed=True) for i in range(0, 32, 8))
+
+
+def check_layout_contract(manifest: dict[str, Any], compiled: Any, where: str | os.PathLike[str]) -> None:
+    """Refuse a manifest that does not describe the layout the kernels were compiled for."""
+    try:
+        words = tuple(int(w) for w in compiled)
+    except (TypeError, ValueError):
+        words = ()
+    if words != layout_contract(manifest):
+        raise ArtifactError(
+            f"{where}: manifest does not match the layout the kernels were compiled for "
+            "(n_ctx, max_chunk, n_vocab, states or weight shapes edited); recompile the model"
+        )
 
 
 # --------------------------------------------------------------------------- reading
@@ -283,11 +400,41 @@ def load_manifest(path: str | os.PathLike[str], *, target_key: str | None = None
 def _verified_manifest(root: Path, target_key: str | None) -> dict[str, Any]:
     """Every check that can refuse an artifact, run before any of its files is loaded."""
     manifest = _parse_manifest(root)
+    _check_manifest_digest(root)
     _check_versions(manifest, where=str(root))
     _check_fields(manifest, where=str(root))
     _check_target(manifest, target_key, where=str(root))
     _check_files(root, manifest)
+    _check_no_unlisted(root, manifest)
     return manifest
+
+
+def _check_manifest_digest(root: Path) -> None:
+    """manifest.json must hash to what manifest.sha256 says (an edited manifest is refused)."""
+    path = root / MANIFEST_DIGEST_NAME
+    if path.is_symlink() or not path.is_file():
+        raise ArtifactError(f"{root}: {MANIFEST_DIGEST_NAME} is missing (not a sealed ggufc artifact)")
+    if path.stat().st_size > 4096:
+        raise ArtifactError(f"{root}: {MANIFEST_DIGEST_NAME} is not a digest file")
+    recorded = path.read_bytes().split(b" ", 1)[0].strip().decode("ascii", "replace")
+    if recorded != sha256_file(root / MANIFEST_NAME):
+        raise ArtifactError(f"{root}: {MANIFEST_NAME} does not match {MANIFEST_DIGEST_NAME} (edited after sealing)")
+
+
+def _unlisted_files(root: Path, manifest: dict[str, Any]) -> list[str]:
+    files = manifest.get("files")
+    listed = (set(files) if isinstance(files, dict) else set()) | set(SEAL_FILES)
+    return [
+        rel
+        for path in sorted(root.rglob("*"))
+        if (rel := path.relative_to(root).as_posix()) not in listed and (path.is_file() or path.is_symlink())
+    ]
+
+
+def _check_no_unlisted(root: Path, manifest: dict[str, Any]) -> None:
+    unlisted = _unlisted_files(root, manifest)
+    if unlisted:
+        raise ArtifactError(f"{root}: {unlisted[0]}: not listed in the manifest (added after sealing?)")
 
 
 def _parse_manifest(root: Path) -> dict[str, Any]:
@@ -466,6 +613,8 @@ def _directory_report(root: Path, target_key: str | None) -> list[Check]:
         return [Check("manifest", False, _without_prefix(exc, root))]
     checks = [Check("manifest", True, f"{MANIFEST_NAME} is a JSON object")]
     where = str(root)
+    checks.append(_check("manifest digest", lambda: _check_manifest_digest(root),
+                         f"{MANIFEST_NAME} matches {MANIFEST_DIGEST_NAME}", where))
     version, built_with = manifest.get("format_version"), manifest.get("ggufc_version")
     checks.append(_check("format version", lambda: _check_format_version(manifest, where),
                          f"{version} (this runtime reads {FORMAT_VERSION})", where))
@@ -475,7 +624,32 @@ def _directory_report(root: Path, target_key: str | None) -> list[Check]:
     checks.append(_check("target", lambda: _check_target(manifest, target_key, where),
                          _target_summary(manifest, target_key), where))
     checks.extend(_file_checks(root, manifest))
+    if all(c.ok for c in checks):  # the kernels are only opened once every file is known good
+        checks.append(_check("layout", lambda: _check_compiled_layout(root, manifest),
+                             "the manifest describes the layout the kernels were compiled for", where))
     return checks
+
+
+def _check_compiled_layout(root: Path, manifest: dict[str, Any]) -> None:
+    """The layout contract of a verified artifact: from plan.json, or from the CPU kernels."""
+    gpu = manifest.get("gpu") if isinstance(manifest.get("gpu"), dict) else {}
+    if gpu.get("runtime") == "plan":
+        plan = json.loads(_safe_join(root, str(gpu.get("plan"))).read_text(encoding="utf-8"))
+        check_layout_contract(manifest, plan.get("layout") if isinstance(plan, dict) else None, root)
+    elif manifest.get("target_key") == "llvm":
+        check_layout_contract(manifest, _cpu_kernels_layout(root), root)
+    else:  # cuda: its kernels load only on the device; the session checks there
+        raise ArtifactError(f"{root}: checked when the {manifest.get('target_key')} session loads it")
+
+
+def _cpu_kernels_layout(root: Path) -> Any:
+    import tvm
+
+    try:
+        vm = tvm.runtime.vm.VirtualMachine(tvm.runtime.load_module(str(root / KERNELS_NAME)), tvm.cpu())
+        return vm[LAYOUT_FUNCTION]()
+    except Exception as exc:  # TVM reports loader failures with multi-line messages
+        raise ArtifactError(f"{root}: {KERNELS_NAME} has no layout function ({one_line(exc)})") from None
 
 
 def _check(name: str, run: Any, ok_detail: str, where: str) -> Check:
@@ -501,11 +675,8 @@ def _file_checks(root: Path, manifest: dict[str, Any]) -> list[Check]:
     except ArtifactError as exc:
         return [Check("files", False, _without_prefix(exc, root))]
     checks = [_file_check(root, rel, expected) for rel, expected in sorted(files.items())]
-    listed = set(files) | {MANIFEST_NAME}
-    for path in sorted(root.rglob("*")):
-        rel = path.relative_to(root).as_posix()
-        if rel not in listed and (path.is_file() or path.is_symlink()):
-            checks.append(Check(rel, False, "not listed in the manifest (added after sealing?)"))
+    for rel in _unlisted_files(root, manifest):
+        checks.append(Check(rel, False, "not listed in the manifest (added after sealing?)"))
     return checks
 
 

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from .artifact import ArtifactError, check_layout_contract, one_line
 from .plan_expr import PlanExprError, compile_many
 
 PLAN_VERSION = 1
@@ -175,6 +176,10 @@ class PlanRunner:
         plan = read_plan(root / artifact_file(manifest, gpu.get("plan")))
         if plan.get("target") != manifest.get("target_key"):
             raise PlanError(f"{root}: plan for {plan.get('target')}, manifest says {manifest.get('target_key')}")
+        try:
+            check_layout_contract(manifest, plan.get("layout") or (), root)
+        except ArtifactError as exc:
+            raise PlanError(one_line(exc)) from None
         states = [(tuple(int(d) for d in s["shape"]), np.dtype(s["dtype"])) for s in manifest["states"]]
         kernel_text = (root / artifact_file(manifest, gpu.get("kernel_source"))).read_text(encoding="utf-8")
         self._setup(plan, kernel_text, weights, states, int(manifest["max_chunk"]), int(manifest["n_ctx"]), device,

@@ -19,11 +19,13 @@ import numpy as np
 
 from .artifact import (
     KERNELS_NAME,
+    LAYOUT_FUNCTION,
     Artifact,
     ArtifactError,
     aligned_empty,
     aligned_zeros,
     array_layout,
+    check_layout_contract,
     one_line,
     open_artifact,
     read_weights,
@@ -266,11 +268,13 @@ def _vm_functions(artifact: Artifact, device: Any) -> dict[str, Any]:
     except Exception as exc:  # TVM reports loader failures with multi-line messages
         raise ArtifactError(f"{artifact.path}: cannot load {KERNELS_NAME} ({one_line(exc)})") from None
     functions = {}
-    for name in names:
+    for name in (*names, LAYOUT_FUNCTION):
         try:
             functions[name] = vm[name]
         except Exception:
             raise ArtifactError(f"{artifact.path}: {KERNELS_NAME} has no function '{name}'") from None
+    # Before any kernel touches a buffer sized from the manifest: the kernels say what they expect.
+    check_layout_contract(artifact.manifest, functions.pop(LAYOUT_FUNCTION)(), artifact.path)
     return functions
 
 

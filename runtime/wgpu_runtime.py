@@ -21,9 +21,13 @@ steps with it.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -63,13 +67,34 @@ def shader_info(source: str) -> ShaderInfo:
                       bool(_PACK_CHECK.search(source)))
 
 
+# Native GPU APIs only: wgpu's OpenGL fallback runs the kernels on drivers that can abort the process
+NATIVE_BACKENDS = ("Vulkan", "Metal", "DX12")
+
+
 def _wgpu() -> Any:
+    _quiet_window_system()
     try:
         import wgpu
+        from wgpu.backends.wgpu_native import extras
     except ImportError as exc:
         raise WgpuUnavailableError(
             f"the vulkan target needs wgpu-py (`pip install wgpu`, or the ggufc[gpu] extra): {exc}") from None
+    with contextlib.suppress(RuntimeError):  # only before the first instance exists; later calls keep it
+        extras.set_instance_extras(backends=NATIVE_BACKENDS)
     return wgpu
+
+
+def _quiet_window_system() -> None:
+    """Vulkan drivers probe the window system through XDG_RUNTIME_DIR and complain on stderr when it
+    is unset, as on servers; compute needs no window, so point it at a private empty directory."""
+    current = os.environ.get("XDG_RUNTIME_DIR")
+    if current and os.path.isdir(current):
+        return
+    private = Path(tempfile.gettempdir()) / f"ggufc-runtime-{os.getuid()}"
+    with contextlib.suppress(OSError):
+        private.mkdir(mode=0o700, exist_ok=True)
+        if private.stat().st_uid == os.getuid() and not private.is_symlink():
+            os.environ["XDG_RUNTIME_DIR"] = str(private)
 
 
 class WgpuDevice:
@@ -81,9 +106,13 @@ class WgpuDevice:
         try:
             adapter = wgpu.gpu.request_adapter_sync(power_preference=power_preference)
         except Exception as exc:  # noqa: BLE001 - wgpu raises its own error types
-            raise WgpuUnavailableError(f"no wgpu adapter (Vulkan/Metal/D3D12 driver): {exc}") from None
+            reason = " ".join(str(exc).split())[:160]
+            raise WgpuUnavailableError(f"no Vulkan/Metal/D3D12 adapter ({reason}); install a Vulkan driver, "
+                                       "e.g. Mesa's lavapipe: apt-get install mesa-vulkan-drivers") from None
         if adapter is None:
-            raise WgpuUnavailableError("no wgpu adapter (install a Vulkan driver, e.g. mesa-vulkan-drivers)")
+            raise WgpuUnavailableError(
+                "no Vulkan/Metal/D3D12 adapter (install a Vulkan driver, e.g. Mesa's lavapipe: "
+                "apt-get install mesa-vulkan-drivers libvulkan1)")
         self.adapter = adapter
         lim = adapter.limits
         if lim["max-storage-buffers-per-shader-stage"] < storage_buffers:

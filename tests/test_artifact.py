@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from artifact_edits import write_manifest
 from safetensors.numpy import save_file
 
 from ggufc import __version__
@@ -80,7 +81,7 @@ def artifact(tmp_path: Path) -> Path:
 def edit_manifest(path: Path, **changes: object) -> None:
     manifest = json.loads((path / "manifest.json").read_text())
     manifest.update(changes)
-    (path / "manifest.json").write_text(json.dumps(manifest))
+    write_manifest(path, json.dumps(manifest))
 
 
 # --------------------------------------------------------------------------- round trip
@@ -143,14 +144,14 @@ def test_missing_file_refused(artifact: Path) -> None:
 def test_unlisted_referenced_file_refused(artifact: Path) -> None:
     manifest = json.loads((artifact / "manifest.json").read_text())
     del manifest["files"]["weights.safetensors"]
-    (artifact / "manifest.json").write_text(json.dumps(manifest))
+    write_manifest(artifact, json.dumps(manifest))
     refused(artifact, "manifest does not list weights.safetensors")
 
 
 def test_unsafe_listed_path_refused(artifact: Path) -> None:
     manifest = json.loads((artifact / "manifest.json").read_text())
     manifest["files"]["../outside"] = "0" * 64
-    (artifact / "manifest.json").write_text(json.dumps(manifest))
+    write_manifest(artifact, json.dumps(manifest))
     refused(artifact, "unsafe path")
 
 
@@ -197,7 +198,7 @@ def test_host_cpu_target_accepted(artifact: Path) -> None:
 
 
 def test_garbled_manifest_refused(artifact: Path) -> None:
-    (artifact / "manifest.json").write_text("{not json")
+    write_manifest(artifact, "{not json")
     refused(artifact, "unreadable manifest")
 
 
@@ -324,7 +325,7 @@ def test_huge_manifest_refused_before_parsing(artifact: Path, monkeypatch: pytes
 
 
 def test_deeply_nested_manifest_refused(artifact: Path) -> None:
-    (artifact / "manifest.json").write_text("[" * 200_000 + "]" * 200_000)
+    write_manifest(artifact, "[" * 200_000 + "]" * 200_000)
     refused(artifact, r"unreadable manifest \(nested too deeply\)")
 
 
@@ -355,7 +356,7 @@ def test_weights_claimed_beyond_the_file_are_not_allocated(tmp_path: Path) -> No
 def test_nul_in_listed_path_refused(artifact: Path) -> None:
     manifest = json.loads((artifact / "manifest.json").read_text())
     manifest["files"]["kernels\u0000.so"] = "0" * 64
-    (artifact / "manifest.json").write_text(json.dumps(manifest))
+    write_manifest(artifact, json.dumps(manifest))
     refused(artifact, "unsafe path")
 
 
@@ -370,6 +371,7 @@ def test_verify_report_of_a_good_artifact(artifact: Path) -> None:
     checks = report(artifact, target_key="llvm")
     assert list(checks) == [
         "manifest",
+        "manifest digest",
         "format version",
         "ggufc version",
         "fields",
@@ -377,9 +379,13 @@ def test_verify_report_of_a_good_artifact(artifact: Path) -> None:
         "kernels.so",
         "tokenizer.json",
         "weights.safetensors",
+        "layout",
     ]
-    assert all(ok for ok, _ in checks.values())
+    assert all(ok for name, (ok, _) in checks.items() if name != "layout")
     assert checks["kernels.so"][1] == "sha256 matches"
+    # the stand-in kernels.so is no library: the layout the kernels were built for cannot be read
+    ok, detail = checks["layout"]
+    assert not ok and detail.startswith(f"{A.KERNELS_NAME} has no layout function (")
 
 
 def test_verify_report_goes_on_after_a_failure(artifact: Path) -> None:
@@ -389,7 +395,7 @@ def test_verify_report_goes_on_after_a_failure(artifact: Path) -> None:
     checks = report(artifact)
     failed = {name for name, (ok, _) in checks.items() if not ok}
     assert failed == {"format version", "kernels.so", "tokenizer.json"}
-    assert checks["format version"][1].startswith("artifact format version 7, this runtime reads version 1")
+    assert checks["format version"][1].startswith(f"artifact format version 7, this runtime reads version {A.FORMAT_VERSION}")
     assert checks["tokenizer.json"] == (False, "is missing")
     assert checks["kernels.so"] == (False, "does not match its manifest sha256 (modified or truncated)")
     assert checks["weights.safetensors"] == (True, "sha256 matches")
@@ -398,7 +404,7 @@ def test_verify_report_goes_on_after_a_failure(artifact: Path) -> None:
 def test_verify_report_flags_unlisted_files_and_unusable_manifests(artifact: Path, tmp_path: Path) -> None:
     (artifact / "extra.bin").write_bytes(b"?")
     assert report(artifact)["extra.bin"] == (False, "not listed in the manifest (added after sealing?)")
-    (artifact / "manifest.json").write_text("[]")
+    write_manifest(artifact, "[]")
     not_an_object = f"{artifact / 'manifest.json'}: manifest is not a JSON object"
     assert report(artifact) == {"manifest": (False, not_an_object)}
     assert report(tmp_path / "nowhere") == {"artifact": (False, "no such directory or .tar archive")}
@@ -409,14 +415,15 @@ def test_verify_report_of_an_archive_extracts_nothing_outside(artifact: Path, tm
     with tarfile.open(archive, "w") as tar:
         tar.add(artifact, arcname=".")
     checks = report(archive)
-    assert checks["archive"] == (True, "safe to extract") and all(ok for ok, _ in checks.values())
+    assert checks["archive"] == (True, "safe to extract")
+    assert all(ok for name, (ok, _) in checks.items() if name != "layout")  # stand-in kernels.so
 
 
 def test_verify_report_keeps_hostile_strings_on_one_line(artifact: Path) -> None:
     edit_manifest(artifact, ggufc_version=f"{__version__}\nall good\x1b[2J")
     manifest = json.loads((artifact / "manifest.json").read_text())
     manifest["files"]["evil\nname"] = "0" * 64
-    (artifact / "manifest.json").write_text(json.dumps(manifest))
+    write_manifest(artifact, json.dumps(manifest))
     checks = A.verify_report(artifact)
     assert all("\n" not in c.name + c.detail and "\x1b" not in c.detail for c in checks)
     assert ("evil\\nname", False, "is missing") in [(c.name, c.ok, c.detail) for c in checks]

@@ -10,12 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gpu_support import GOLDEN
 
 from ggufc.cli import main
 
-FIXTURE = Path(__file__).resolve().parents[2] / "shared" / "golden" / "fixtures" / "llama-dense.gguf"
-if not FIXTURE.is_file():
-    FIXTURE = Path("/work/shared/golden/fixtures/llama-dense.gguf")
+FIXTURE = GOLDEN / "fixtures" / "llama-dense.gguf"  # ../shared beside the checkout
 
 
 @pytest.fixture(autouse=True)
@@ -119,7 +118,7 @@ def test_messages_say_what_is_wrong(tmp_path: Path, capsys: pytest.CaptureFixtur
 @pytest.fixture(scope="module")
 def truncated_copies(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     if not FIXTURE.is_file():
-        pytest.skip("shared golden fixtures not available")
+        pytest.skip(f"llama.cpp golden fixture {FIXTURE} not found (../shared beside the checkout)")
     data = FIXTURE.read_bytes()
     folder = tmp_path_factory.mktemp("truncated")
     copies = []
@@ -246,15 +245,20 @@ def test_eval_tokens_file_problems(
     toy_artifact: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     (tmp_path / "text.npy").write_text("1 2 3")
+    (tmp_path / "t.txt").write_text("1 2 3")
+    (tmp_path / "pickled.npy").write_bytes(b"\x93NUMPY\x01\x00v\x00{'descr': '|O', 'fortran_order': False, 'shape': (3,), }")
     for tokens, message in (
         (tmp_path / "none.npy", "no such file"),
-        (tmp_path / "text.npy", "not a .npy array"),
+        (tmp_path / "text.npy", "not a .npy file (write the token ids with numpy.save"),
+        (tmp_path / "t.txt", "not a .npy file (write the token ids with numpy.save"),
+        (tmp_path / "pickled.npy", "not a .npy array"),
     ):
         code, _, err = run_cli(
             ["eval", toy_artifact, "--tokens", tokens, "--out", tmp_path / "l.npy"], capsys
         )
         assert_clean_failure(code, err)
         assert message in err
+        assert "allow_pickle" not in err  # numpy's hint names an option the user cannot set
 
 
 def test_tampered_artifact_refused(
@@ -375,7 +379,7 @@ def test_tokenize_artifact(toy_artifact_with_tokenizer: Path, capsys: pytest.Cap
 
 def test_inspect_supported_fixture(capsys: pytest.CaptureFixture[str]) -> None:
     if not FIXTURE.is_file():
-        pytest.skip("shared golden fixtures not available")
+        pytest.skip(f"llama.cpp golden fixture {FIXTURE} not found (../shared beside the checkout)")
     import json
 
     code, out, err = run_cli(["inspect", FIXTURE, "--json"], capsys)

@@ -31,6 +31,7 @@ from gguf_corpus import (
     mutate,
     with_kv,
 )
+from gpu_support import GOLDEN as SHARED_GOLDEN
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -39,11 +40,7 @@ from ggufc.frontend.gguf_validate import MAX_ARRAY_ITEMS, validate_gguf, validat
 
 V = gguf.GGUFValueType
 Q = gguf.GGMLQuantizationType
-GOLDEN = Path("/work/shared/golden/fixtures/llama-dense.gguf")
-for parent in Path(__file__).resolve().parents:
-    if (parent / "shared" / "golden" / "fixtures" / "llama-dense.gguf").is_file():
-        GOLDEN = parent / "shared" / "golden" / "fixtures" / "llama-dense.gguf"
-        break
+GOLDEN = SHARED_GOLDEN / "fixtures" / "llama-dense.gguf"  # ../shared beside the checkout
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +86,7 @@ def test_corpus_inputs_are_valid(fixture_image: bytes, synthetic: GGUFImage, scr
 def test_every_shared_golden_fixture_validates() -> None:
     folder = GOLDEN.parent
     if not folder.is_dir():
-        pytest.skip("shared golden fixtures not available")
+        pytest.skip(f"llama.cpp golden fixture {GOLDEN} not found (../shared beside the checkout)")
     for path in sorted(folder.glob("*.gguf")):
         layout = validate_gguf(path)
         assert layout.tensors and layout.version == 3, path
@@ -148,7 +145,7 @@ def test_truncation_messages_name_the_place(fixture_image: bytes) -> None:
 
 def test_sampled_truncations_of_a_golden_fixture() -> None:
     if not GOLDEN.is_file():
-        pytest.skip("shared golden fixtures not available")
+        pytest.skip(f"llama.cpp golden fixture {GOLDEN} not found (../shared beside the checkout)")
     data = GOLDEN.read_bytes()
     end = header_end(data)
     rng = random.Random(1)

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tvm
+from artifact_edits import write_manifest
 from gpu_support import golden_fixture, golden_logits, need_vulkan, nmse, rel_err, smollm2_path
 from random_weights import make_raw
 
@@ -285,6 +286,6 @@ def test_vulkan_artifact_is_verified_before_use(artifacts: dict, tmp_path: Path,
     from ggufc.runtime.artifact import sha256_file
 
     manifest["files"]["plan.json"] = sha256_file(bad / "plan.json")
-    (bad / "manifest.json").write_text(json.dumps(manifest))
+    write_manifest(bad, json.dumps(manifest))
     with pytest.raises(ArtifactError, match=r"plan expression .* only min\(\)/max\(\) calls"):
         Session(bad, device="vulkan")

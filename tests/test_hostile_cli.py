@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from artifact_edits import write_manifest
 from gguf.constants import GGUFValueType as V
 from gguf_corpus import DEFAULT_KVS, TensorSpec, build_gguf, fixture_bytes, with_kv
 
@@ -154,6 +155,12 @@ def toy_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _edit_manifest(root: Path, **changes: object) -> None:
     manifest = json.loads((root / "manifest.json").read_text())
     manifest.update(changes)
+    write_manifest(root, json.dumps(manifest))
+
+
+def _edit_without_reseal(root: Path, **changes: object) -> None:
+    manifest = json.loads((root / "manifest.json").read_text())
+    manifest.update(changes)
     (root / "manifest.json").write_text(json.dumps(manifest))
 
 
@@ -172,7 +179,7 @@ def _other_machine(root: Path) -> None:
 def _unsafe_path(root: Path) -> None:
     manifest = json.loads((root / "manifest.json").read_text())
     manifest["files"]["../../etc/passwd"] = "0" * 64
-    (root / "manifest.json").write_text(json.dumps(manifest))
+    write_manifest(root, json.dumps(manifest))
 
 
 def _symlinked_kernels(root: Path) -> None:
@@ -188,7 +195,11 @@ HOSTILE_ARTIFACTS: dict[str, tuple[Callable[[Path], object], str | tuple[str, ..
         "kernels.so",
     ),
     "missing tokenizer": (lambda root: (root / "tokenizer.json").unlink(), ("tokenizer.json", "is missing")),
-    "format version 2": (lambda root: _edit_manifest(root, format_version=2), "format version 2"),
+    "format version 1": (lambda root: _edit_manifest(root, format_version=1), "format version 1"),
+    "edited manifest": (lambda root: _edit_without_reseal(root, n_ctx=4096), "does not match manifest.sha256"),
+    "context beyond the kernels": (lambda root: _edit_manifest(root, n_ctx=4096), "layout the kernels were compiled"),
+    "chunk beyond the kernels": (lambda root: _edit_manifest(root, max_chunk=4096), "layout the kernels were compiled"),
+    "unlisted file": (lambda root: (root / "extra.bin").write_bytes(b"x"), ("extra.bin", "not listed in the manifest")),
     "ggufc 99.0.0": (lambda root: _edit_manifest(root, ggufc_version="99.0.0"), "built by ggufc 99.0.0"),
     "other machine": (_other_machine, "compiled for aarch64"),
     "garbled manifest": (
@@ -271,6 +282,7 @@ def test_verify_artifact_reports_every_check(toy_artifact: Path, capsys: pytest.
     names = [line.split()[1] for line in lines[1:-1]]
     assert names == [
         "manifest",
+        "manifest",
         "format",
         "ggufc",
         "fields",
@@ -278,9 +290,10 @@ def test_verify_artifact_reports_every_check(toy_artifact: Path, capsys: pytest.
         "kernels.so",
         "tokenizer.json",
         "weights.safetensors",
+        "layout",
     ]
     assert all(line.split()[0] == "ok" for line in lines[1:-1]), out
-    assert lines[-1] == "all 8 checks passed"
+    assert lines[-1] == "all 10 checks passed"
 
 
 def test_verify_artifact_continues_past_failures(
@@ -292,7 +305,7 @@ def test_verify_artifact_continues_past_failures(
     _flip_last_byte(root / "kernels.so")
     (root / "notes.txt").write_text("added later")
     code, out, err = run_cli(["verify-artifact", root], capsys)
-    assert_clean_failure(code, err, "3 of 9 checks failed (ggufc version: built by ggufc 99.1")
+    assert_clean_failure(code, err, "3 of 10 checks failed (ggufc version: built by ggufc 99.1")
     report = {line.split()[1]: line.split()[0] for line in out.splitlines()[1:-1]}
     assert report == {
         "manifest": "ok",
@@ -321,7 +334,7 @@ def test_verify_artifact_archive(
         tar.add(toy_artifact, arcname=".")
     code, out, err = run_cli(["verify-artifact", archive], capsys)
     assert code == 0, err
-    assert out.splitlines()[1].split()[:2] == ["ok", "archive"] and "all 9 checks passed" in out
+    assert out.splitlines()[1].split()[:2] == ["ok", "archive"] and "all 11 checks passed" in out
 
 
 def test_verify_artifact_missing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

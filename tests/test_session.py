@@ -201,16 +201,18 @@ def toy_tokenizer_info() -> tuple[dict, str]:
 
 
 def build_toy_artifact(out_dir: Path, *, with_tokenizer: bool = False) -> Path:
+    from ggufc.codegen.build import with_layout_function
     from ggufc.codegen.target import cpu_target
 
     target = cpu_target()
+    manifest = toy_manifest()
     executable = tvm.compile(
-        toy_module(), target=target, relax_pipeline=relax.pipeline.default_build_pipeline()
+        with_layout_function(toy_module(), manifest), target=target,
+        relax_pipeline=relax.pipeline.default_build_pipeline(),
     )
     staging = make_staging_dir(out_dir)
     executable.export_library(str(staging / "kernels.so"))
     save_file(toy_weights(), str(staging / "weights.safetensors"))
-    manifest = toy_manifest()
     manifest["target"] = {
         k: (v if isinstance(v, int) else str(v))
         for k, v in target.export().items()
