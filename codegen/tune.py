@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import hashlib
+import importlib.util
 import json
 import logging
 import math
@@ -738,6 +739,13 @@ def _pick(candidates: list[tuple[Workload, dict[str, Any], int]], chunk: int) ->
     return max(pool, key=lambda c: (_priority(c[1], c[0].calls, c[2], chunk), c[0].hash))
 
 
+def require_tuning_packages() -> None:
+    """MetaSchedule ships candidates to its worker processes with cloudpickle, which TVM does not
+    declare; say so before a session starts rather than in its first round."""
+    if importlib.util.find_spec("cloudpickle") is None:
+        raise TuneError("tuning needs the cloudpickle package (MetaSchedule's workers): pip install cloudpickle")
+
+
 def tune_model(
     model_path: str | os.PathLike[str], target: str | dict[str, Any] | tvm.target.Target,
     db_dir: str | os.PathLike[str],
@@ -749,6 +757,7 @@ def tune_model(
     from ggufc.frontend.load import load_model
     from ggufc.runtime.session import configure_cpu_threads
 
+    require_tuning_packages()
     options = options or TuneOptions()
     bar = progress or ProgressBar()
     t_start = time.perf_counter()

@@ -632,8 +632,8 @@ def _directory_report(root: Path, target_key: str | None) -> list[Check]:
 
 def _check_compiled_layout(root: Path, manifest: dict[str, Any]) -> None:
     """The layout contract of a verified artifact: from plan.json, or from the CPU kernels."""
-    gpu = manifest.get("gpu") if isinstance(manifest.get("gpu"), dict) else {}
-    if gpu.get("runtime") == "plan":
+    gpu = manifest.get("gpu")
+    if isinstance(gpu, dict) and gpu.get("runtime") == "plan":
         plan = json.loads(_safe_join(root, str(gpu.get("plan"))).read_text(encoding="utf-8"))
         check_layout_contract(manifest, plan.get("layout") if isinstance(plan, dict) else None, root)
     elif manifest.get("target_key") == "llvm":

@@ -395,7 +395,8 @@ def test_verify_report_goes_on_after_a_failure(artifact: Path) -> None:
     checks = report(artifact)
     failed = {name for name, (ok, _) in checks.items() if not ok}
     assert failed == {"format version", "kernels.so", "tokenizer.json"}
-    assert checks["format version"][1].startswith(f"artifact format version 7, this runtime reads version {A.FORMAT_VERSION}")
+    expected = f"artifact format version 7, this runtime reads version {A.FORMAT_VERSION}"
+    assert checks["format version"][1].startswith(expected)
     assert checks["tokenizer.json"] == (False, "is missing")
     assert checks["kernels.so"] == (False, "does not match its manifest sha256 (modified or truncated)")
     assert checks["weights.safetensors"] == (True, "sha256 matches")

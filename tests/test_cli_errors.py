@@ -246,7 +246,8 @@ def test_eval_tokens_file_problems(
 ) -> None:
     (tmp_path / "text.npy").write_text("1 2 3")
     (tmp_path / "t.txt").write_text("1 2 3")
-    (tmp_path / "pickled.npy").write_bytes(b"\x93NUMPY\x01\x00v\x00{'descr': '|O', 'fortran_order': False, 'shape': (3,), }")
+    header = b"{'descr': '|O', 'fortran_order': False, 'shape': (3,), }"
+    (tmp_path / "pickled.npy").write_bytes(b"\x93NUMPY\x01\x00v\x00" + header)
     for tokens, message in (
         (tmp_path / "none.npy", "no such file"),
         (tmp_path / "text.npy", "not a .npy file (write the token ids with numpy.save"),
