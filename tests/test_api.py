@@ -1,0 +1,74 @@
+"""The Python API in the README: compile, load, tokenize, generate, evaluate."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ggufc
+from ggufc.frontend.fixtures import write_fixture
+
+TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}<|assistant|>"
+
+
+@pytest.fixture(scope="module")
+def gguf_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("api")
+    return write_fixture("llama", folder / "tiny.gguf", size="bpe", tokenizer="gpt2", chat_template=TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def artifact(gguf_model: Path) -> Path:
+    return ggufc.compile(gguf_model, gguf_model.parent / "artifact", n_ctx=96)
+
+
+def test_compile_writes_an_artifact(artifact: Path) -> None:
+    assert (artifact / "manifest.json").is_file() and (artifact / "manifest.sha256").is_file()
+
+
+def test_load_tokenize_generate_eval(artifact: Path) -> None:
+    with ggufc.load(artifact) as model:
+        assert (model.arch, model.n_ctx) == ("llama", 96)
+        ids = model.tokenize("hello world")
+        assert ids and all(0 <= t < model.n_vocab for t in ids)
+        assert model.detokenize(ids).endswith("hello world")
+        greedy = model.complete("hello world", max_tokens=8)
+        assert greedy == model.complete(ids, max_tokens=8)  # text and ids prompts agree
+        assert greedy == "".join(model.generate("hello world", max_tokens=8))
+        sampled = [model.complete("hello", max_tokens=8, temperature=0.9, seed=3) for _ in range(2)]
+        assert sampled[0] == sampled[1]  # a seed makes sampling repeatable
+        logits = model.eval(ids)
+        assert logits.shape == (len(ids), model.n_vocab) and logits.dtype == np.float32
+        # the first greedy token is the argmax of the last teacher-forced row
+        first = int(np.argmax(logits[-1]))
+        assert model.detokenize([first]) == greedy[: len(model.detokenize([first]))]
+        np.testing.assert_allclose(model.eval(ids, chunk=1), logits, rtol=0, atol=1e-4)
+
+
+def test_chat_prompt_goes_through_the_template(artifact: Path) -> None:
+    with ggufc.load(artifact) as model:
+        ids = model.tokenize("hi", chat=True)
+        assert model.detokenize(ids).endswith("<|user|>hi<|assistant|>")
+
+
+def test_load_compiles_a_gguf_into_the_cache(gguf_model: Path, tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GGUFC_CACHE", str(tmp_path / "cache"))
+    with ggufc.load(gguf_model, n_ctx=64) as model:
+        assert model.n_ctx == 64
+    assert list((tmp_path / "cache" / "artifacts").iterdir())
+
+
+def test_errors_are_one_line(artifact: Path, tmp_path: Path) -> None:
+    with pytest.raises(ggufc.GgufcError, match="no such file"):
+        ggufc.load(tmp_path / "missing.gguf")
+    with ggufc.load(artifact) as model, pytest.raises(ValueError, match="non-empty 1-D"):
+        model.eval([])
+    not_empty = tmp_path / "out"
+    not_empty.mkdir()
+    (not_empty / "keep.txt").write_text("mine")
+    with pytest.raises(ValueError, match="not empty and not a ggufc artifact"):
+        ggufc.compile(Path(__file__).parent / "goldens" / "llama-dense-Q4_1.gguf", not_empty)
+    assert (not_empty / "keep.txt").read_text() == "mine"
