@@ -16,7 +16,8 @@ from ggufc.ir import ops as O
 from ggufc.ir.builder import GraphBuilder
 from ggufc.ir.graph import Graph
 from ggufc.ir.interp import run_graph
-from ggufc.ir.onnx_export import from_onnx, storage_shape, to_onnx
+from ggufc.ir.onnx_export import storage_shape, to_onnx
+from ggufc.ir.onnx_import import import_onnx
 from ggufc.ir.printer import dump
 from ggufc.ir.verify import verify
 
@@ -82,7 +83,7 @@ def test_round_trip_primitive_graph(tmp_path: Path) -> None:
     model = to_onnx(graph, tmp_path / "g.onnx")
     onnx.checker.check_model(model)
     assert {n.domain for n in model.graph.node} == {""}  # standard ops only
-    back = from_onnx(tmp_path / "g.onnx")
+    back = import_onnx(tmp_path / "g.onnx")
     verify(back, {"T": 4, "P": 0})
     assert dump(back) == dump(graph)
 
@@ -94,7 +95,7 @@ def test_round_trip_fused_and_stateful_graph(tmp_path: Path) -> None:
     onnx.checker.check_model(model)
     custom = {n.op_type for n in model.graph.node if n.domain == "ggufc"}
     assert {"rope", "attention", "cache_write", "fused_elementwise", "matmul", "gather", "reshape"} <= custom
-    back = from_onnx(tmp_path / "f.onnx")
+    back = import_onnx(tmp_path / "f.onnx")
     verify(back, {"T": 3, "P": 2})
     assert dump(back) == dump(graph)
     assert back.nodes[0].attrs == graph.nodes[0].attrs and back.states.keys() == graph.states.keys()
@@ -132,7 +133,7 @@ def test_round_trip_fixture_graphs(tmp_path: Path, name: str) -> None:
     graph = load_model(path).graph
     for g in (graph, run_pipeline(graph)[0]):
         to_onnx(g, tmp_path / "m.onnx")
-        assert dump(from_onnx(tmp_path / "m.onnx")) == dump(g)
+        assert dump(import_onnx(tmp_path / "m.onnx")) == dump(g)
 
 
 def test_onnxruntime_matches_interpreter(tmp_path: Path) -> None:
