@@ -96,9 +96,15 @@ def _readable(attrs: Any) -> dict[str, Any]:
         if isinstance(v, tuple):
             if not v:
                 continue  # ONNX cannot type an empty list
-            v = list(v) if all(isinstance(e, int) for e in v) else [str(e) for e in v]
+            v = list(v) if all(_int64(e) for e in v) else [str(e) for e in v]
+        elif isinstance(v, int) and not _int64(v):
+            v = str(v)  # ONNX ints are int64; 64-bit hash multipliers are not
         out[f.name] = v
     return out
+
+
+def _int64(x: Any) -> bool:
+    return isinstance(x, int) and -(2**63) <= x < 2**63
 
 
 # ---------------------------------------------------------------------------------------------
