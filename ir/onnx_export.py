@@ -44,7 +44,7 @@ DTYPES: dict[str, int] = {
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 UNARY_ONNX = {"sigmoid": "Sigmoid", "exp": "Exp", "neg": "Neg", "sqrt": "Sqrt", "relu": "Relu",
-              "softplus": "Softplus", "tanh": "Tanh", "recip": "Reciprocal"}
+              "softplus": "Softplus", "tanh": "Tanh", "recip": "Reciprocal", "sign": "Sign", "abs": "Abs"}
 BINARY_ONNX = {"add": "Add", "sub": "Sub", "mul": "Mul", "div": "Div", "max": "Max", "min": "Min"}
 SCALAR_ONNX = {**BINARY_ONNX, "pow": "Pow"}
 REDUCE_ONNX = {"sum": "ReduceSum", "mean": "ReduceMean", "max": "ReduceMax"}

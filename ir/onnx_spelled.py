@@ -210,6 +210,127 @@ def _delta_step(scale: float) -> object:
     return helper.make_graph(nodes, "gated_delta_step", ins, outs, inits)
 
 
+def _cells(e: _Exporter, out: str) -> tuple[str, str]:
+    """Cell ids j [P+T] and query positions q [T, 1] (int64), for the masks over the context."""
+    s = e.symbols
+    cells = _range(e, e.const(f"{out}/zero", np.asarray(0, np.int64)), s.scalar("P+T"), f"{out}/cells")
+    rows = _unsqueeze(e, _range(e, s.scalar("P"), s.scalar("P+T"), f"{out}/rows"), [1], f"{out}/rows_col")
+    return cells, rows
+
+
+def _where(e: _Exporter, cond: str, a: str, b: str, base: str) -> str:
+    out = e.fresh(base)
+    e.emit("Where", [cond, a, b], [out])
+    return out
+
+
+def _constants(e: _Exporter, base: str, dtype: type) -> Callable[[str, int], str]:
+    """A maker of named scalar constants of one integer type under `base`."""
+
+    def make(name: str, value: int) -> str:
+        return e.const(f"{base}/{name}", np.asarray(value, dtype))
+
+    return make
+
+
+def _op(e: _Exporter, op: str, ins: list[str], base: str, **attrs: object) -> str:
+    out = e.fresh(base)
+    e.emit(op, ins, [out], **attrs)
+    return out
+
+
+def spell_index_mask(e: _Exporter, node: Node) -> None:
+    """[T, P+T]: 0 at the selected cells j <= P + i, -inf elsewhere (ids of -1 select nothing)."""
+    out = e.name(node.outputs[0])
+    cells, rows = _cells(e, out)
+    sel = _unsqueeze(e, _op(e, "Cast", [e.name(node.inputs[0])], f"{out}/sel64", to=TensorProto.INT64), [2],
+                     f"{out}/sel_col")  # [T, W, 1]
+    hit = _op(e, "Cast", [_op(e, "Equal", [sel, cells], f"{out}/hit")], f"{out}/hit_f", to=TensorProto.FLOAT)
+    chosen = _op(e, "ReduceMax", [hit, e.ints(f"{out}/w_axis", [1])], f"{out}/chosen_f", keepdims=0)
+    chosen = _op(e, "Cast", [chosen], f"{out}/chosen", to=TensorProto.BOOL)
+    keep = _op(e, "And", [chosen, _op(e, "LessOrEqual", [cells, rows], f"{out}/seen")], f"{out}/keep")
+    zero, ninf = (e.const(f"{out}/{k}", np.asarray(v, np.float32)) for k, v in (("zero_f", 0.0), ("ninf", -np.inf)))
+    e.emit("Where", [keep, zero, ninf], [out])
+
+
+def spell_indexer_topk(e: _Exporter, node: Node) -> None:
+    """Per-cell values as `cell_values` (block score, the tail bias, -inf past the query), then the
+    top min(width, P+T) cells, padded with -1 to width. Ties keep the lower cell ids (TopK), where
+    llama.cpp's heap may keep others: exact whenever the budget covers the context."""
+    a: O.IndexerTopK = node.attrs
+    out, r = e.name(node.outputs[0]), a.ratio
+    scores = e.name(node.inputs[0])
+    last = int(node.inputs[0].shape[1]) - 1  # the tail's column
+    s = e.symbols
+    cells, rows = _cells(e, out)
+    i64 = _constants(e, out, np.int64)
+    block = _op(e, "Div", [cells, i64("r", r)], f"{out}/block")  # j // r (j >= 0)
+    n_full = _op(e, "Min", [_op(e, "Div", [s.scalar("P+T"), i64("r2", r)], f"{out}/n_blocks"), i64("last", last)],
+                 f"{out}/n_full")
+    block_score = _op(e, "Gather", [scores, _op(e, "Min", [block, i64("last2", last)], f"{out}/col")],
+                      f"{out}/block_score", axis=1)  # [T, P+T]
+    tail_start = _op(e, "Mul", [_op(e, "Div", [_op(e, "Add", [rows, i64("one", 1)], f"{out}/q1"), i64("r3", r)],
+                                    f"{out}/q1_blocks"), i64("r4", r)], f"{out}/tail_start")  # [T, 1]
+    in_tail = _op(e, "GreaterOrEqual", [_op(e, "Mul", [block, i64("r5", r)], f"{out}/block_start"), tail_start],
+                  f"{out}/in_tail")
+    bias = e.const(f"{out}/tail_bias", np.asarray(1e9, np.float32))
+    zero, ninf = (e.const(f"{out}/{k}", np.asarray(v, np.float32)) for k, v in (("zero_f", 0.0), ("ninf", -np.inf)))
+    full_value = _op(e, "Add", [block_score, _where(e, in_tail, bias, zero, f"{out}/bias")], f"{out}/full_value")
+    tail_col = _op(e, "Slice", [scores, e.ints(f"{out}/t0", [last]), e.ints(f"{out}/t1", [last + 1]),
+                                e.ints(f"{out}/t_axis", [1])], f"{out}/tail_col")
+    tail_value = _op(e, "Add", [tail_col, bias], f"{out}/tail_value")  # [T, 1]
+    value = _where(e, _op(e, "Less", [block, n_full], f"{out}/whole"), full_value, tail_value, f"{out}/value")
+    value = _where(e, _op(e, "LessOrEqual", [cells, rows], f"{out}/seen"), value, ninf, f"{out}/cell_values")
+    k = _op(e, "Min", [e.ints(f"{out}/width", [a.width]), s.tensor("P+T")], f"{out}/k")
+    top_v, top_i = e.fresh(f"{out}/top_values"), e.fresh(f"{out}/top_ids")
+    e.emit("TopK", [value, k], [top_v, top_i], axis=-1, largest=1, sorted=1)
+    none = e.const(f"{out}/none", np.asarray(-1, np.int64))
+    ids = _where(e, _op(e, "Equal", [top_v, ninf], f"{out}/unseen"), none, top_i, f"{out}/ids")
+    pads = _op(e, "Concat", [e.ints(f"{out}/pad0", [0, 0, 0]),
+                             _op(e, "Sub", [e.ints(f"{out}/width2", [a.width]), k], f"{out}/pad")],
+               f"{out}/pads", axis=0)
+    padded = _op(e, "Pad", [ids, pads, none], f"{out}/padded")
+    e.emit("Cast", [padded], [out], to=TensorProto.INT32)
+
+
+def spell_ple_hash(e: _Exporter, node: Node) -> None:
+    """The n-gram contexts from the token history (EOS from the first cut on), then per n-gram the
+    XOR of token * multiplier (uint64, wrapping) and per head `mixed % size + offset`."""
+    a: O.PleHash = node.attrs
+    hist, tokens, _ = (e.name(v) for v in node.inputs)
+    out, s = e.name(node.outputs[0]), e.symbols
+    u64, i64 = _constants(e, out, np.uint64), _constants(e, out, np.int64)
+    positions = _range(e, s.scalar("P"), s.scalar("P+T"), f"{out}/positions")
+    eos = i64("eos", a.eos)
+    context = [_op(e, "Cast", [tokens], f"{out}/ctx0", to=TensorProto.INT64)]
+    cut: str | None = None
+    for back in range(1, a.ngram):
+        at = _op(e, "Sub", [positions, i64(f"back{back}", back)], f"{out}/at{back}")
+        before_start = _op(e, "Less", [at, i64(f"zero{back}", 0)], f"{out}/before{back}")
+        clamped = _op(e, "Max", [at, i64(f"zero_b{back}", 0)], f"{out}/clamped{back}")
+        tok = _op(e, "Cast", [_op(e, "Gather", [hist, clamped], f"{out}/hist{back}", axis=0)], f"{out}/tok{back}",
+                  to=TensorProto.INT64)
+        stop = _op(e, "Or", [before_start, _op(e, "Or", [_op(e, "Less", [tok, i64(f"z{back}", 0)], f"{out}/neg{back}"),
+                                                         _op(e, "Equal", [tok, eos], f"{out}/eos{back}")],
+                                                f"{out}/bad{back}")], f"{out}/stop{back}")
+        cut = stop if cut is None else _op(e, "Or", [cut, stop], f"{out}/cut{back}")
+        context.append(_where(e, cut, eos, tok, f"{out}/ctx{back}"))
+    terms = [_op(e, "Mul", [_op(e, "Cast", [c], f"{out}/ctx{j}_u64", to=TensorProto.UINT64),
+                            u64(f"mult{j}", a.multipliers[j])], f"{out}/term{j}")
+             for j, c in enumerate(context)]
+    heads = []
+    mixed = terms[0]
+    for g in range(2, a.ngram + 1):
+        mixed = _op(e, "BitwiseXor", [mixed, terms[g - 1]], f"{out}/mixed{g}")
+        for kk in range(a.heads_per_ngram):
+            h = (g - 2) * a.heads_per_ngram + kk
+            row = _op(e, "Add", [_op(e, "Mod", [mixed, u64(f"size{h}", a.sizes[h])], f"{out}/mod{h}"),
+                                 u64(f"offset{h}", a.offsets[h])], f"{out}/row{h}")
+            heads.append(_unsqueeze(e, row, [1], f"{out}/row{h}_col"))
+    rows = _op(e, "Concat", heads, f"{out}/rows_u64", axis=1) if len(heads) > 1 else heads[0]
+    e.emit("Cast", [rows], [out], to=TensorProto.INT32)
+
+
 SPELLED: dict[str, Callable[[_Exporter, Node], None]] = {
     "positions": spell_positions,
     "causal_mask": spell_causal_mask,
@@ -218,4 +339,7 @@ SPELLED: dict[str, Callable[[_Exporter, Node], None]] = {
     "matmul_id": spell_matmul_id,
     "ssm_conv": spell_ssm_conv,
     "gated_delta_net": spell_gated_delta_net,
+    "indexer_topk": spell_indexer_topk,
+    "index_mask": spell_index_mask,
+    "ple_hash": spell_ple_hash,
 }
