@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import ast
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from onnx import TensorProto, helper, numpy_helper
+from onnx import GraphProto, NodeProto, TensorProto, helper, numpy_helper
 
 from . import ops as O
 from .graph import Dim, Node
@@ -185,10 +185,10 @@ def spell_gated_delta_net(e: _Exporter, node: Node) -> None:
     e.emit("Scan", [state, qv, kv, v, g, beta], [new_state, out], body=body, num_scan_inputs=5)
 
 
-def _delta_step(scale: float) -> object:
+def _delta_step(scale: float) -> GraphProto:
     """Scan body: (m, q [Hv,Dk], k [Hv,Dk], v [Hv,Dv], g [Hv], beta [Hv]) -> (m', o [Hv,Dv])."""
 
-    def n(op: str, ins: list[str], outs: list[str]) -> object:
+    def n(op: str, ins: list[str], outs: list[str]) -> NodeProto:
         return helper.make_node(op, [f"step.{i}" for i in ins], [f"step.{o}" for o in outs])
 
     consts = {"ax0": [1, 2], "ax1": [1], "ax2": [2]}
@@ -233,7 +233,7 @@ def _constants(e: _Exporter, base: str, dtype: type) -> Callable[[str, int], str
     return make
 
 
-def _op(e: _Exporter, op: str, ins: list[str], base: str, **attrs: object) -> str:
+def _op(e: _Exporter, op: str, ins: list[str], base: str, **attrs: Any) -> str:
     out = e.fresh(base)
     e.emit(op, ins, [out], **attrs)
     return out

@@ -317,9 +317,15 @@ def test_cli_export_onnx_errors_are_one_line(tmp_path: Path, capsys: pytest.Capt
     foreign = tmp_path / "notes.onnx"
     foreign.write_text("keep me")
     (tmp_path / "junk.gguf").write_bytes(b"GGUF" + b"\0" * 7)
+    (tmp_path / "cut.gguf").write_bytes(gguf.read_bytes()[: gguf.stat().st_size // 2])
+    other = write_fixture("llama", tmp_path / "other.gguf")
+    other.write_bytes(other.read_bytes().replace(b"llama", b"nopes"))  # an architecture ggufc does not know
     cases = [
         (["export-onnx", tmp_path / "missing.gguf", "-o", tmp_path / "x.onnx"], "no such file"),
         (["export-onnx", tmp_path / "junk.gguf", "-o", tmp_path / "x.onnx"], "junk.gguf"),
+        (["export-onnx", tmp_path / "cut.gguf", "-o", tmp_path / "x.onnx"], "cut.gguf"),
+        (["export-onnx", other, "-o", tmp_path / "x.onnx"], "nopes"),
+        (["export-onnx", tmp_path, "-o", tmp_path / "x.onnx"], "not a file"),
         (["export-onnx", gguf, "-o", tmp_path], "is a directory"),
         (["export-onnx", gguf, "-o", foreign], "not an ONNX model ggufc wrote"),
         (["export-onnx", gguf, "-o", tmp_path / "no" / "x.onnx"], "no such directory"),
@@ -329,3 +335,31 @@ def test_cli_export_onnx_errors_are_one_line(tmp_path: Path, capsys: pytest.Capt
         code, _, err = run_cli(argv, capsys)
         assert code != 0 and err.startswith("ggufc: error:") and words in err and err.count("\n") == 1, err
     assert foreign.read_text() == "keep me" and not (tmp_path / "x.onnx").exists()
+
+
+def _selection_graph(ratio: int, width: int, n_blocks: int) -> Graph:
+    b = GraphBuilder()
+    b.input("tokens", ("T",), "int32")
+    pos = b.input("pos", (), "int64")
+    scores = b.input("scores", ("T", n_blocks + 1), "float32")
+    sel = b.emit("indexer_topk", [scores, pos], O.IndexerTopK(ratio, width), "sel")
+    return b.finish([b.emit("index_mask", [sel, pos], O.NoAttrs(), "mask")], {})
+
+
+@pytest.mark.parametrize(("ratio", "p0", "t"), [(1, 0, 12), (1, 9, 3), (1, 4, 1), (4, 0, 6), (4, 3, 5)])
+def test_onnxruntime_sparse_selection_without_ties_matches(ratio: int, p0: int, t: int) -> None:
+    """Cells of one block share a value, so ties decide llama.cpp's picks (heap order) where TopK
+    keeps lower ids: with one cell per block (ratio 1) the selection is exact however sparse; with
+    blocks of 4 it is exact while the budget covers the context (P+T <= width)."""
+    width = 6 if ratio == 1 else 11
+    graph = _selection_graph(ratio, width, 16 // ratio)
+    session = ort.InferenceSession(to_onnx(graph, standard=True).SerializeToString(),
+                                   providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(p0 * 31 + t)
+    for _ in range(5):
+        feeds = {"tokens": np.zeros(t, np.int32), "pos": np.array(p0, np.int64),
+                 "scores": rng.standard_normal((t, 16 // ratio + 1)).astype(np.float32)}
+        [want] = run_graph(graph, {**feeds, "pos": np.int64(p0)}, lambda p: None, {}).outputs
+        [got] = session.run(None, feeds)
+        np.testing.assert_array_equal(got, want)
+        assert ratio > 1 or p0 + t <= width or np.any(np.isinf(want[-1]))  # ratio 1 past the budget: sparse
