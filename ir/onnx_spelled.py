@@ -18,6 +18,7 @@ from onnx import GraphProto, NodeProto, TensorProto, helper, numpy_helper
 
 from . import ops as O
 from .graph import Dim, Node
+from .onnx_heap import Body, heap_select
 from .recurrent_ref import k_head_index
 
 if TYPE_CHECKING:
@@ -255,8 +256,8 @@ def spell_index_mask(e: _Exporter, node: Node) -> None:
 
 def spell_indexer_topk(e: _Exporter, node: Node) -> None:
     """Per-cell values as `cell_values` (block score, the tail bias, -inf past the query), then the
-    top min(width, P+T) cells, padded with -1 to width. Ties keep the lower cell ids (TopK), where
-    llama.cpp's heap may keep others: exact whenever the budget covers the context."""
+    min(width, P+T) cells llama.cpp's heap keeps (ties included, in its order), -1 for unseen cells,
+    padded with -1 to width."""
     a: O.IndexerTopK = node.attrs
     out, r = e.name(node.outputs[0]), a.ratio
     scores = e.name(node.inputs[0])
@@ -282,10 +283,14 @@ def spell_indexer_topk(e: _Exporter, node: Node) -> None:
     value = _where(e, _op(e, "Less", [block, n_full], f"{out}/whole"), full_value, tail_value, f"{out}/value")
     value = _where(e, _op(e, "LessOrEqual", [cells, rows], f"{out}/seen"), value, ninf, f"{out}/cell_values")
     k = _op(e, "Min", [e.ints(f"{out}/width", [a.width]), s.tensor("P+T")], f"{out}/k")
-    top_v, top_i = e.fresh(f"{out}/top_values"), e.fresh(f"{out}/top_ids")
-    e.emit("TopK", [value, k], [top_v, top_i], axis=-1, largest=1, sorted=1)
+    heap = Body(f"{out}/heap")
+    k_scalar = heap.op("Squeeze", [k, heap.const([0])])
+    chosen = heap_select(heap, value, s.tensor("T"), k_scalar, s.scalar("P+T"), f"{out}/heap")
+    e.nodes += heap.nodes
+    e.inits += heap.inits
+    top_v = _op(e, "GatherElements", [value, chosen], f"{out}/top_values", axis=1)
     none = e.const(f"{out}/none", np.asarray(-1, np.int64))
-    ids = _where(e, _op(e, "Equal", [top_v, ninf], f"{out}/unseen"), none, top_i, f"{out}/ids")
+    ids = _where(e, _op(e, "Equal", [top_v, ninf], f"{out}/unseen"), none, chosen, f"{out}/ids")
     pads = _op(e, "Concat", [e.ints(f"{out}/pad0", [0, 0, 0]),
                              _op(e, "Sub", [e.ints(f"{out}/width2", [a.width]), k], f"{out}/pad")],
                f"{out}/pads", axis=0)

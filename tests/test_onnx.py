@@ -161,7 +161,9 @@ def test_onnxruntime_matches_interpreter(tmp_path: Path) -> None:
 # every architecture: the project's fixtures with every optional tensor
 
 ARCHS = sorted(ARCHITECTURES)
-CALLS = ((0, 5), (5, 8))  # a prompt, then a continuation at P = 5 (caches and recurrent state carried)
+# a prompt, then a continuation at P = 9 (caches and recurrent state carried); past 11 cells
+# qwen4exp's QSA budget (top_k 8 + ratio 4 - 1) no longer covers the context: sparse selection
+CALLS = ((0, 9), (9, 14))
 ORT_TOLERANCE = 2e-5  # largest |ort - interp| over the largest |interp|, per output and state
 
 
@@ -235,7 +237,7 @@ def test_round_trip_of_every_architecture_runs_equal(
         graph = run_pipeline(graph)[0]
     to_onnx(graph, tmp_path / "m.onnx")
     back = import_onnx(tmp_path / "m.onnx")
-    verify(back, {"T": 3, "P": 5})
+    verify(back, {"T": 5, "P": 9})
     assert dump(back) == dump(graph)
     load, tokens = model.param_loader(), _tokens(model)
     for call_want, call_got in zip(_interpret(graph, load, tokens), _interpret(back, load, tokens), strict=True):
@@ -346,11 +348,10 @@ def _selection_graph(ratio: int, width: int, n_blocks: int) -> Graph:
     return b.finish([b.emit("index_mask", [sel, pos], O.NoAttrs(), "mask")], {})
 
 
-@pytest.mark.parametrize(("ratio", "p0", "t"), [(1, 0, 12), (1, 9, 3), (1, 4, 1), (4, 0, 6), (4, 3, 5)])
-def test_onnxruntime_sparse_selection_without_ties_matches(ratio: int, p0: int, t: int) -> None:
-    """Cells of one block share a value, so ties decide llama.cpp's picks (heap order) where TopK
-    keeps lower ids: with one cell per block (ratio 1) the selection is exact however sparse; with
-    blocks of 4 it is exact while the budget covers the context (P+T <= width)."""
+@pytest.mark.parametrize(("ratio", "p0", "t"), [(1, 0, 12), (1, 9, 3), (4, 0, 14), (4, 9, 5), (4, 13, 1), (4, 3, 5)])
+def test_onnxruntime_sparse_selection_matches_the_heap(ratio: int, p0: int, t: int) -> None:
+    """Cells of one block share a value, so ties decide which cells llama.cpp's heap keeps: the
+    ONNX loops must keep the same ones (and the same -1s), dense or sparse."""
     width = 6 if ratio == 1 else 11
     graph = _selection_graph(ratio, width, 16 // ratio)
     session = ort.InferenceSession(to_onnx(graph, standard=True).SerializeToString(),
@@ -362,4 +363,4 @@ def test_onnxruntime_sparse_selection_without_ties_matches(ratio: int, p0: int, 
         [want] = run_graph(graph, {**feeds, "pos": np.int64(p0)}, lambda p: None, {}).outputs
         [got] = session.run(None, feeds)
         np.testing.assert_array_equal(got, want)
-        assert ratio > 1 or p0 + t <= width or np.any(np.isinf(want[-1]))  # ratio 1 past the budget: sparse
+        assert p0 + t <= width or np.isinf(want[-1]).any()  # the last row sees every cell: past the budget some drop
