@@ -4,7 +4,9 @@ With `to_onnx(..., standard=True)` every node is a standard ONNX op, so onnxrunt
 graph as it is: positions and masks from `Range`, cache reads and writes as `Slice` + `Concat`
 at the dynamic position, MoE expert matmuls as a `Gather` of expert rows under a batched
 `MatMul`, the causal conv as a grouped `Conv`, the gated delta rule as a `Scan` over tokens,
-and symbolic dims (`P+T`, `2*T`) computed from the token count and the start position.
+qwen4exp's PLE n-gram hash in uint64 arithmetic, its QSA cell values, heap selection
+(`onnx_heap`) and index mask, and symbolic dims (`P+T`, `2*T`) computed from the token count
+and the start position.
 """
 
 from __future__ import annotations
