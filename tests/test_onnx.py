@@ -1,11 +1,14 @@
 """ONNX export/import: round trips of hand-made graphs (primitive, fused, stateful, quantized) and
 of every architecture's fixture graph (run by the interpreter, equal bit for bit), onnxruntime
-against the interpreter on every architecture's standard-op export, the one-line errors, and
-`ggufc export-onnx`."""
+against the interpreter on every architecture's standard-op export and against llama.cpp's logits
+on its fixtures, the one-line errors, and `ggufc export-onnx`."""
 
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -364,3 +367,43 @@ def test_onnxruntime_sparse_selection_matches_the_heap(ratio: int, p0: int, t: i
         [got] = session.run(None, feeds)
         np.testing.assert_array_equal(got, want)
         assert p0 + t <= width or np.isinf(want[-1]).any()  # the last row sees every cell: past the budget some drop
+
+
+# ---------------------------------------------------------------------------------------------
+# llama.cpp's own fixtures: onnxruntime on the standard export against llama.cpp's logits
+
+GOLDEN_NAMES = ["llama-dense", "qwen3-dense", "qwen3moe-moe", "qwen35-dense", "qwen3next-moe", "qwen4exp-moe",
+                "qwen4exp-moe-sparse"]
+
+
+def _golden_model(name: str, tmp_path: Path) -> Path:
+    """The fixture file; the sparse qwen4exp variant is the dense one with indexer.top_k = 4."""
+    if not name.endswith("-sparse"):
+        return GOLDEN / "fixtures" / f"{name}.gguf"
+    path = tmp_path / f"{name}.gguf"
+    shutil.copyfile(GOLDEN / "fixtures" / f"{name.removesuffix('-sparse')}.gguf", path)
+    path.chmod(0o644)
+    cmd = [sys.executable, "-m", "gguf.scripts.gguf_set_metadata", str(path), "qwen4exp.attention.indexer.top_k",
+           "4", "--force"]
+    subprocess.run(cmd, check=True, capture_output=True)
+    return path
+
+
+@pytest.mark.parametrize("name", GOLDEN_NAMES)
+def test_onnxruntime_matches_llama_cpp_logits(tmp_path: Path, name: str) -> None:
+    if not (GOLDEN / "logits" / f"{name}.npz").exists():
+        pytest.skip("llama.cpp goldens absent")
+    golden = np.load(GOLDEN / "logits" / f"{name}.npz")
+    model = load_model(_golden_model(name, tmp_path), n_ctx=64)
+    graph, load = model.graphs["prefill_all"], model.param_loader()
+    exported = to_onnx(graph, tmp_path / "std.onnx", standard=True)
+    props = {p.key: json.loads(p.value) for p in exported.metadata_props}
+    feeds = {n: np.asarray(load(graph.params[s["source"]]), np.float32) for n, s in props["ggufc.params"].items()}
+    state = init_state(graph, {})
+    feeds.update({s["input"]: state[key] for key, s in props["ggufc.states"].items()})
+    feeds.update(tokens=golden["tokens"].astype(np.int32), pos=np.array(0, np.int64))
+    session = ort.InferenceSession(str(tmp_path / "std.onnx"), providers=["CPUExecutionProvider"])
+    [logits] = session.run([session.get_outputs()[0].name], feeds)
+    want = golden["logits_prefill"]
+    assert logits.shape == want.shape
+    assert float(np.mean((logits - want) ** 2) / np.mean(want**2)) < 1e-10  # measured 1e-13
