@@ -985,7 +985,66 @@ def build_parser() -> Parser:
     p.add_argument("artifact", metavar="ARTIFACT", help="artifact directory or .tar archive")
     p.add_argument("-t", "--target", default=None, metavar="TARGET", help="also require this target")
     p.set_defaults(handler=cmd_verify_artifact)
+    add_export_onnx_parser(sub)
     return parser
+
+
+# =========================================================================== export-onnx
+
+
+def add_export_onnx_parser(sub: Any) -> None:
+    p = sub.add_parser("export-onnx", help="write a model's graph as an ONNX model (params and states as inputs)")
+    p.add_argument("model", metavar="MODEL.gguf")
+    p.add_argument("-o", "--out", required=True, metavar="MODEL.onnx", help="file to write (atomically)")
+    p.add_argument("--ctx", type=positive_int, default=None, metavar="N", help="cache length of the state inputs")
+    p.add_argument("--fused", action="store_true", help="the graph after the fusion passes (as compile sees it)")
+    p.add_argument("--standard", action="store_true",
+                   help="standard ONNX ops only, weights as float32 inputs: onnxruntime runs it as is")
+    p.set_defaults(handler=cmd_export_onnx)
+
+
+def cmd_export_onnx(args: argparse.Namespace) -> int:
+    path, out = require_gguf(args.model), Path(args.out)
+    if args.fused and args.standard:
+        raise CLIError("--fused and --standard exclude each other (standard ONNX decomposes fused ops)")
+    refuse_foreign_output(out)
+    precheck_gguf(path)
+    from ggufc.frontend.load import load_model
+    from ggufc.ir.onnx_export import to_onnx
+
+    graph = load_model(path, args.ctx).graphs["prefill_all"]
+    if args.fused:
+        from ggufc.passes.pipeline import run_pipeline
+
+        graph = run_pipeline(graph)[0]
+    model = to_onnx(graph, standard=args.standard)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_bytes(model.SerializeToString())
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    kind = "standard ops" if args.standard else "fused" if args.fused else "as traced"
+    print(f"{out}: {graph.meta.get('arch')} graph ({kind}), {len(model.graph.node)} ONNX nodes, "
+          f"{len(graph.params)} params and {len(graph.states)} states as inputs")
+    return 0
+
+
+def refuse_foreign_output(out: Path) -> None:
+    """Overwrite nothing but an ONNX model ggufc wrote; the folder must exist."""
+    if out.is_dir():
+        raise CLIError(f"{out}: is a directory (expected a .onnx file path)")
+    if not out.parent.is_dir():
+        raise CLIError(f"{out.parent}: no such directory")
+    if out.exists():
+        import onnx
+
+        try:
+            producer = onnx.load(os.fspath(out), load_external_data=False).producer_name
+        except Exception:  # noqa: BLE001 - protobuf raises several kinds on foreign bytes
+            producer = None
+        if producer != "ggufc":
+            raise CLIError(f"{out}: exists and is not an ONNX model ggufc wrote; not overwriting it")
 
 
 def _add_target(p: argparse.ArgumentParser) -> None:

@@ -1,0 +1,352 @@
+"""Standard-ONNX spellings of the primitives `to_onnx` otherwise writes as `ggufc` nodes.
+
+With `to_onnx(..., standard=True)` every node is a standard ONNX op, so onnxruntime runs the
+graph as it is: positions and masks from `Range`, cache reads and writes as `Slice` + `Concat`
+at the dynamic position, MoE expert matmuls as a `Gather` of expert rows under a batched
+`MatMul`, the causal conv as a grouped `Conv`, the gated delta rule as a `Scan` over tokens,
+qwen4exp's PLE n-gram hash in uint64 arithmetic, its QSA cell values, heap selection
+(`onnx_heap`) and index mask, and symbolic dims (`P+T`, `2*T`) computed from the token count
+and the start position.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from onnx import GraphProto, NodeProto, TensorProto, helper, numpy_helper
+
+from . import ops as O
+from .graph import Dim, Node
+from .onnx_heap import Body, heap_select
+from .recurrent_ref import k_head_index
+
+if TYPE_CHECKING:
+    from .onnx_export import _Exporter
+
+INT64_MAX = int(np.iinfo(np.int64).max)
+_DIM_OPS = {ast.Add: "Add", ast.Mult: "Mul", ast.Sub: "Sub"}
+
+
+class Symbols:
+    """The int64 [1] tensors T (tokens in this call) and P (start position), made once per graph."""
+
+    def __init__(self, e: _Exporter) -> None:
+        self.e = e
+        self.cache: dict[str, str] = {}
+
+    def tensor(self, d: Dim) -> str:
+        """A [1] int64 tensor holding dimension `d` (an int or an expression over T and P)."""
+        key = str(d)
+        if key not in self.cache:
+            self.cache[key] = self.e.ints(f"dim/{key}", [d]) if isinstance(d, int) else self._expr(key)
+        return self.cache[key]
+
+    def scalar(self, d: Dim) -> str:
+        key = f"scalar:{d}"
+        if key not in self.cache:
+            out = self.e.fresh(f"dim/{d}/scalar")
+            self.e.emit("Squeeze", [self.tensor(d), self.e.ints(f"{out}/axes", [0])], [out])
+            self.cache[key] = out
+        return self.cache[key]
+
+    def _expr(self, text: str) -> str:
+        return self._node(ast.parse(text, mode="eval").body, text)
+
+    def _node(self, n: ast.expr, text: str) -> str:
+        if isinstance(n, ast.Name) and n.id in ("T", "P"):
+            return self._symbol(n.id)
+        if isinstance(n, ast.Constant) and isinstance(n.value, int):
+            return self.tensor(n.value)
+        if isinstance(n, ast.BinOp) and type(n.op) in _DIM_OPS:
+            a, b = self._node(n.left, text), self._node(n.right, text)
+            out = self.e.fresh(f"dim/{ast.unparse(n)}")
+            self.e.emit(_DIM_OPS[type(n.op)], [a, b], [out])
+            return out
+        raise ValueError(f"dimension {text!r}: only + - * over T, P and integers")
+
+    def _symbol(self, name: str) -> str:
+        if name in self.cache:
+            return self.cache[name]
+        source = self.e.input_named("tokens" if name == "T" else "pos")
+        out = self.e.fresh(f"dim/{name}")
+        if name == "T":
+            self.e.emit("Shape", [source], [out])
+        else:
+            self.e.emit("Reshape", [source, self.e.ints(f"{out}/shape", [1])], [out])
+        self.cache[name] = out
+        return out
+
+
+def _unsqueeze(e: _Exporter, x: str, axes: list[int], base: str) -> str:
+    out = e.fresh(base)
+    e.emit("Unsqueeze", [x, e.ints(f"{out}/axes", axes)], [out])
+    return out
+
+
+def _squeeze(e: _Exporter, x: str, axes: list[int], out: str) -> str:
+    e.emit("Squeeze", [x, e.ints(f"{out}/axes", axes)], [out])
+    return out
+
+
+def _range(e: _Exporter, start: str, stop: str, base: str) -> str:
+    out = e.fresh(base)
+    e.emit("Range", [start, stop, e.const(f"{out}/step", np.asarray(1, np.int64))], [out])
+    return out
+
+
+def _slice(e: _Exporter, x: str, start: str, stop: str, axis: int, base: str) -> str:
+    out = e.fresh(base)
+    e.emit("Slice", [x, start, stop, e.ints(f"{out}/axes", [axis])], [out])
+    return out
+
+
+# -- one spelling per op -----------------------------------------------------------------------
+
+
+def spell_positions(e: _Exporter, node: Node) -> None:
+    out = e.name(node.outputs[0])
+    s = e.symbols
+    cells = _range(e, s.scalar("P"), s.scalar("P+T"), f"{out}/int64")
+    e.emit("Cast", [cells], [out], to=TensorProto.INT32)
+
+
+def spell_causal_mask(e: _Exporter, node: Node) -> None:
+    """[T, P+T]: 0 where cell j <= P + i, -inf after."""
+    out = e.name(node.outputs[0])
+    s = e.symbols
+    cells = _range(e, e.const(f"{out}/zero", np.asarray(0, np.int64)), s.scalar("P+T"), f"{out}/cells")
+    rows = _unsqueeze(e, _range(e, s.scalar("P"), s.scalar("P+T"), f"{out}/rows"), [1], f"{out}/rows_col")
+    seen = e.fresh(f"{out}/seen")
+    e.emit("LessOrEqual", [cells, rows], [seen])
+    zero, ninf = (e.const(f"{out}/{k}", np.asarray(v, np.float32)) for k, v in (("zero_f", 0.0), ("ninf", -np.inf)))
+    e.emit("Where", [seen, zero, ninf], [out])
+
+
+def spell_cache_write(e: _Exporter, node: Node) -> None:
+    """cache[:P] ++ x ++ cache[P+T:] (the cache's length is static, so the result keeps it)."""
+    cache, x, _ = (e.name(v) for v in node.inputs)
+    out, s = e.name(node.outputs[0]), e.symbols
+    head = _slice(e, cache, e.ints(f"{out}/zero", [0]), s.tensor("P"), 0, f"{out}/head")
+    tail = _slice(e, cache, s.tensor("P+T"), e.ints(f"{out}/end", [INT64_MAX]), 0, f"{out}/tail")
+    e.emit("Concat", [head, x, tail], [out], axis=0)
+
+
+def spell_cache_read(e: _Exporter, node: Node) -> None:
+    out = e.name(node.outputs[0])
+    e.emit("Slice", [e.name(node.inputs[0]), e.ints(f"{out}/zero", [0]), e.symbols.tensor("P+T"),
+                     e.ints(f"{out}/axes", [0])], [out])
+
+
+def spell_matmul_id(e: _Exporter, node: Node) -> None:
+    """x [T,S,K], w [X,N,K], ids [T,k] -> [T,k,N]: each token's expert rows, one batched MatMul."""
+    x, w, ids = (e.name(v) for v in node.inputs)
+    out = e.name(node.outputs[0])
+    rows = e.fresh(f"{out}/experts")  # [T, k, N, K]
+    e.emit("Gather", [w, ids], [rows], axis=0)
+    prod = e.fresh(f"{out}/col")  # [T, k, N, 1]; S = 1 broadcasts over k
+    e.emit("MatMul", [rows, _unsqueeze(e, x, [-1], f"{out}/x_col")], [prod])
+    _squeeze(e, prod, [-1], out)
+
+
+def spell_ssm_conv(e: _Exporter, node: Node) -> None:
+    """A depthwise Conv (cross-correlation, as ssm_conv_ref) over [history | x^T]; the new
+    history is the last (K-1)*dilation columns."""
+    state, x, w = (e.name(v) for v in node.inputs)
+    new_state, out = (e.name(v) for v in node.outputs)
+    n_ch, width = (int(d) for d in node.inputs[2].shape)
+    dilation = node.attrs.dilation
+    hist = (width - 1) * dilation
+    if hist == 0:
+        raise ValueError(f"ssm_conv {out}: a width-1 conv keeps no history")
+    xt = e.fresh(f"{out}/xT")
+    e.emit("Transpose", [x], [xt], perm=[1, 0])
+    xin = e.fresh(f"{out}/xin")  # [C, hist + T]
+    e.emit("Concat", [state, xt], [xin], axis=1)
+    conv = e.fresh(f"{out}/conv")
+    e.emit("Conv", [_unsqueeze(e, xin, [0], f"{out}/batch"), _unsqueeze(e, w, [1], f"{out}/w")], [conv],
+           group=n_ch, dilations=[dilation], kernel_shape=[width])
+    y = _squeeze(e, conv, [0], e.fresh(f"{out}/ct"))
+    e.emit("Transpose", [y], [out], perm=[1, 0])
+    e.emit("Slice", [xin, e.ints(f"{new_state}/start", [-hist]), e.ints(f"{new_state}/end", [INT64_MAX]),
+                     e.ints(f"{new_state}/axes", [1])], [new_state])
+
+
+def spell_gated_delta_net(e: _Exporter, node: Node) -> None:
+    """A Scan over tokens carrying M [Hv, Dv, Dk]: decay, delta write, read (gated_delta_net_ref)."""
+    state, q, k, v, g, beta = (e.name(i) for i in node.inputs)
+    new_state, out = (e.name(o) for o in node.outputs)
+    a: O.GatedDeltaNet = node.attrs
+    n_v, n_k = int(node.inputs[3].shape[1]), int(node.inputs[1].shape[1])
+    kmap = e.ints(f"{out}/kmap", [int(i) for i in k_head_index(a.head_map, n_v, n_k)])
+    qv, kv = e.fresh(f"{out}/q_heads"), e.fresh(f"{out}/k_heads")
+    e.emit("Gather", [q, kmap], [qv], axis=1)
+    e.emit("Gather", [k, kmap], [kv], axis=1)
+    body = _delta_step(a.scale)
+    e.emit("Scan", [state, qv, kv, v, g, beta], [new_state, out], body=body, num_scan_inputs=5)
+
+
+def _delta_step(scale: float) -> GraphProto:
+    """Scan body: (m, q [Hv,Dk], k [Hv,Dk], v [Hv,Dv], g [Hv], beta [Hv]) -> (m', o [Hv,Dv])."""
+
+    def n(op: str, ins: list[str], outs: list[str]) -> NodeProto:
+        return helper.make_node(op, [f"step.{i}" for i in ins], [f"step.{o}" for o in outs])
+
+    consts = {"ax0": [1, 2], "ax1": [1], "ax2": [2]}
+    inits = [numpy_helper.from_array(np.asarray(v, np.int64), f"step.{k}") for k, v in consts.items()]
+    inits.append(numpy_helper.from_array(np.asarray(scale, np.float32), "step.scale"))
+    nodes = [
+        n("Exp", ["g"], ["eg"]), n("Unsqueeze", ["eg", "ax0"], ["eg3"]), n("Mul", ["m", "eg3"], ["m1"]),
+        n("Unsqueeze", ["k", "ax2"], ["kcol"]), n("MatMul", ["m1", "kcol"], ["mk3"]),
+        n("Squeeze", ["mk3", "ax2"], ["mk"]), n("Sub", ["v", "mk"], ["err"]),
+        n("Unsqueeze", ["beta", "ax1"], ["beta2"]), n("Mul", ["err", "beta2"], ["d"]),
+        n("Unsqueeze", ["d", "ax2"], ["dcol"]), n("Unsqueeze", ["k", "ax1"], ["krow"]),
+        n("Mul", ["dcol", "krow"], ["outer"]), n("Add", ["m1", "outer"], ["m_next"]),
+        n("Unsqueeze", ["q", "ax2"], ["qcol"]), n("MatMul", ["m_next", "qcol"], ["mq3"]),
+        n("Squeeze", ["mq3", "ax2"], ["mq"]), n("Mul", ["mq", "scale"], ["o"]),
+    ]
+    f = TensorProto.FLOAT
+    ins = [helper.make_tensor_value_info(f"step.{x}", f, None) for x in ("m", "q", "k", "v", "g", "beta")]
+    outs = [helper.make_tensor_value_info(f"step.{x}", f, None) for x in ("m_next", "o")]
+    return helper.make_graph(nodes, "gated_delta_step", ins, outs, inits)
+
+
+def _cells(e: _Exporter, out: str) -> tuple[str, str]:
+    """Cell ids j [P+T] and query positions q [T, 1] (int64), for the masks over the context."""
+    s = e.symbols
+    cells = _range(e, e.const(f"{out}/zero", np.asarray(0, np.int64)), s.scalar("P+T"), f"{out}/cells")
+    rows = _unsqueeze(e, _range(e, s.scalar("P"), s.scalar("P+T"), f"{out}/rows"), [1], f"{out}/rows_col")
+    return cells, rows
+
+
+def _where(e: _Exporter, cond: str, a: str, b: str, base: str) -> str:
+    out = e.fresh(base)
+    e.emit("Where", [cond, a, b], [out])
+    return out
+
+
+def _constants(e: _Exporter, base: str, dtype: type) -> Callable[[str, int], str]:
+    """A maker of named scalar constants of one integer type under `base`."""
+
+    def make(name: str, value: int) -> str:
+        return e.const(f"{base}/{name}", np.asarray(value, dtype))
+
+    return make
+
+
+def _op(e: _Exporter, op: str, ins: list[str], base: str, **attrs: Any) -> str:
+    out = e.fresh(base)
+    e.emit(op, ins, [out], **attrs)
+    return out
+
+
+def spell_index_mask(e: _Exporter, node: Node) -> None:
+    """[T, P+T]: 0 at the selected cells j <= P + i, -inf elsewhere (ids of -1 select nothing)."""
+    out = e.name(node.outputs[0])
+    cells, rows = _cells(e, out)
+    sel = _unsqueeze(e, _op(e, "Cast", [e.name(node.inputs[0])], f"{out}/sel64", to=TensorProto.INT64), [2],
+                     f"{out}/sel_col")  # [T, W, 1]
+    hit = _op(e, "Cast", [_op(e, "Equal", [sel, cells], f"{out}/hit")], f"{out}/hit_f", to=TensorProto.FLOAT)
+    chosen = _op(e, "ReduceMax", [hit, e.ints(f"{out}/w_axis", [1])], f"{out}/chosen_f", keepdims=0)
+    chosen = _op(e, "Cast", [chosen], f"{out}/chosen", to=TensorProto.BOOL)
+    keep = _op(e, "And", [chosen, _op(e, "LessOrEqual", [cells, rows], f"{out}/seen")], f"{out}/keep")
+    zero, ninf = (e.const(f"{out}/{k}", np.asarray(v, np.float32)) for k, v in (("zero_f", 0.0), ("ninf", -np.inf)))
+    e.emit("Where", [keep, zero, ninf], [out])
+
+
+def spell_indexer_topk(e: _Exporter, node: Node) -> None:
+    """Per-cell values as `cell_values` (block score, the tail bias, -inf past the query), then the
+    min(width, P+T) cells llama.cpp's heap keeps (ties included, in its order), -1 for unseen cells,
+    padded with -1 to width."""
+    a: O.IndexerTopK = node.attrs
+    out, r = e.name(node.outputs[0]), a.ratio
+    scores = e.name(node.inputs[0])
+    last = int(node.inputs[0].shape[1]) - 1  # the tail's column
+    s = e.symbols
+    cells, rows = _cells(e, out)
+    i64 = _constants(e, out, np.int64)
+    block = _op(e, "Div", [cells, i64("r", r)], f"{out}/block")  # j // r (j >= 0)
+    n_full = _op(e, "Min", [_op(e, "Div", [s.scalar("P+T"), i64("r2", r)], f"{out}/n_blocks"), i64("last", last)],
+                 f"{out}/n_full")
+    block_score = _op(e, "Gather", [scores, _op(e, "Min", [block, i64("last2", last)], f"{out}/col")],
+                      f"{out}/block_score", axis=1)  # [T, P+T]
+    tail_start = _op(e, "Mul", [_op(e, "Div", [_op(e, "Add", [rows, i64("one", 1)], f"{out}/q1"), i64("r3", r)],
+                                    f"{out}/q1_blocks"), i64("r4", r)], f"{out}/tail_start")  # [T, 1]
+    in_tail = _op(e, "GreaterOrEqual", [_op(e, "Mul", [block, i64("r5", r)], f"{out}/block_start"), tail_start],
+                  f"{out}/in_tail")
+    bias = e.const(f"{out}/tail_bias", np.asarray(1e9, np.float32))
+    zero, ninf = (e.const(f"{out}/{k}", np.asarray(v, np.float32)) for k, v in (("zero_f", 0.0), ("ninf", -np.inf)))
+    full_value = _op(e, "Add", [block_score, _where(e, in_tail, bias, zero, f"{out}/bias")], f"{out}/full_value")
+    tail_col = _op(e, "Slice", [scores, e.ints(f"{out}/t0", [last]), e.ints(f"{out}/t1", [last + 1]),
+                                e.ints(f"{out}/t_axis", [1])], f"{out}/tail_col")
+    tail_value = _op(e, "Add", [tail_col, bias], f"{out}/tail_value")  # [T, 1]
+    value = _where(e, _op(e, "Less", [block, n_full], f"{out}/whole"), full_value, tail_value, f"{out}/value")
+    value = _where(e, _op(e, "LessOrEqual", [cells, rows], f"{out}/seen"), value, ninf, f"{out}/cell_values")
+    k = _op(e, "Min", [e.ints(f"{out}/width", [a.width]), s.tensor("P+T")], f"{out}/k")
+    heap = Body(f"{out}/heap")
+    k_scalar = heap.op("Squeeze", [k, heap.const([0])])
+    chosen = heap_select(heap, value, s.tensor("T"), k_scalar, s.scalar("P+T"), f"{out}/heap")
+    e.nodes += heap.nodes
+    e.inits += heap.inits
+    top_v = _op(e, "GatherElements", [value, chosen], f"{out}/top_values", axis=1)
+    none = e.const(f"{out}/none", np.asarray(-1, np.int64))
+    ids = _where(e, _op(e, "Equal", [top_v, ninf], f"{out}/unseen"), none, chosen, f"{out}/ids")
+    pads = _op(e, "Concat", [e.ints(f"{out}/pad0", [0, 0, 0]),
+                             _op(e, "Sub", [e.ints(f"{out}/width2", [a.width]), k], f"{out}/pad")],
+               f"{out}/pads", axis=0)
+    padded = _op(e, "Pad", [ids, pads, none], f"{out}/padded")
+    e.emit("Cast", [padded], [out], to=TensorProto.INT32)
+
+
+def spell_ple_hash(e: _Exporter, node: Node) -> None:
+    """The n-gram contexts from the token history (EOS from the first cut on), then per n-gram the
+    XOR of token * multiplier (uint64, wrapping) and per head `mixed % size + offset`."""
+    a: O.PleHash = node.attrs
+    hist, tokens, _ = (e.name(v) for v in node.inputs)
+    out, s = e.name(node.outputs[0]), e.symbols
+    u64, i64 = _constants(e, out, np.uint64), _constants(e, out, np.int64)
+    positions = _range(e, s.scalar("P"), s.scalar("P+T"), f"{out}/positions")
+    eos = i64("eos", a.eos)
+    context = [_op(e, "Cast", [tokens], f"{out}/ctx0", to=TensorProto.INT64)]
+    cut: str | None = None
+    for back in range(1, a.ngram):
+        at = _op(e, "Sub", [positions, i64(f"back{back}", back)], f"{out}/at{back}")
+        before_start = _op(e, "Less", [at, i64(f"zero{back}", 0)], f"{out}/before{back}")
+        clamped = _op(e, "Max", [at, i64(f"zero_b{back}", 0)], f"{out}/clamped{back}")
+        tok = _op(e, "Cast", [_op(e, "Gather", [hist, clamped], f"{out}/hist{back}", axis=0)], f"{out}/tok{back}",
+                  to=TensorProto.INT64)
+        stop = _op(e, "Or", [before_start, _op(e, "Or", [_op(e, "Less", [tok, i64(f"z{back}", 0)], f"{out}/neg{back}"),
+                                                         _op(e, "Equal", [tok, eos], f"{out}/eos{back}")],
+                                                f"{out}/bad{back}")], f"{out}/stop{back}")
+        cut = stop if cut is None else _op(e, "Or", [cut, stop], f"{out}/cut{back}")
+        context.append(_where(e, cut, eos, tok, f"{out}/ctx{back}"))
+    terms = [_op(e, "Mul", [_op(e, "Cast", [c], f"{out}/ctx{j}_u64", to=TensorProto.UINT64),
+                            u64(f"mult{j}", a.multipliers[j])], f"{out}/term{j}")
+             for j, c in enumerate(context)]
+    heads = []
+    mixed = terms[0]
+    for g in range(2, a.ngram + 1):
+        mixed = _op(e, "BitwiseXor", [mixed, terms[g - 1]], f"{out}/mixed{g}")
+        for kk in range(a.heads_per_ngram):
+            h = (g - 2) * a.heads_per_ngram + kk
+            row = _op(e, "Add", [_op(e, "Mod", [mixed, u64(f"size{h}", a.sizes[h])], f"{out}/mod{h}"),
+                                 u64(f"offset{h}", a.offsets[h])], f"{out}/row{h}")
+            heads.append(_unsqueeze(e, row, [1], f"{out}/row{h}_col"))
+    rows = _op(e, "Concat", heads, f"{out}/rows_u64", axis=1) if len(heads) > 1 else heads[0]
+    e.emit("Cast", [rows], [out], to=TensorProto.INT32)
+
+
+SPELLED: dict[str, Callable[[_Exporter, Node], None]] = {
+    "positions": spell_positions,
+    "causal_mask": spell_causal_mask,
+    "cache_write": spell_cache_write,
+    "cache_read": spell_cache_read,
+    "matmul_id": spell_matmul_id,
+    "ssm_conv": spell_ssm_conv,
+    "gated_delta_net": spell_gated_delta_net,
+    "indexer_topk": spell_indexer_topk,
+    "index_mask": spell_index_mask,
+    "ple_hash": spell_ple_hash,
+}
