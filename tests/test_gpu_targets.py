@@ -171,7 +171,7 @@ def _fatbin_entries(data: bytes) -> list[tuple[str, int]]:
     return out
 
 
-def test_cuda_artifact_holds_kernels_for_each_arch(tmp_path: Path) -> None:
+def test_cuda_artifact_holds_kernels_for_each_arch(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     need_nvcc()
     out = tmp_path / "cuda"
     assert main(["compile", str(golden_fixture("llama-dense")), "-t", "cuda", "--arch", "sm_80,sm_90",
@@ -184,7 +184,11 @@ def test_cuda_artifact_holds_kernels_for_each_arch(tmp_path: Path) -> None:
     assert manifest["gpu"]["decode_inputs"] == {"token": n_states - 2, "pos": n_states - 1}
     entries = _fatbin_entries((out / "kernels.fatbin").read_bytes())
     assert ("sass", 80) in entries and ("sass", 90) in entries and ("ptx", 90) in entries, entries
+    capsys.readouterr()
     assert main(["verify-artifact", str(out), "-t", "cuda"]) == 0
+    # the layout contract is compiled into kernels.so beside the device code: a CUDA runtime reads it
+    report = capsys.readouterr().out
+    assert "later  layout" in report and "1 made when the model loads" in report, report
     assert main(["verify-artifact", str(out), "-t", "vulkan"]) == 1
 
 
