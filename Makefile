@@ -30,7 +30,7 @@ test-slow: setup
 
 lint: setup
 	ruff check .
-	mypy ir passes codegen runtime frontend ggufc
+	mypy -p ggufc  # through the ggufc/<stage> links, so types reach across folders
 
 bench: setup
 	$(PY) benchmarks/bench_smollm2.py

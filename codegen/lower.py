@@ -79,6 +79,7 @@ class FunctionContext:
         self.param_of: dict[int, Param] = graph.param_values()
         self.param_arrays: dict[str, list[Any]] = {}
         self.users: dict[int, list[Node]] = graph.users()
+        self.output_ids: set[int] = {o.id for o in graph.outputs}  # values the function returns
         self.grouped: dict[int, Any] = {}  # outputs computed early by a grouped kernel
         self.params_var: Any = None  # the function's weights argument (set by add_function)
         self.producers: dict[int, Node] = graph.producers()
@@ -463,7 +464,8 @@ def _quantize_act(fc: FunctionContext, node: Node) -> list[Any]:
         raise NotImplementedError(f"{node.outputs[0].label}: 8-bit activation rounding (quantize_act) is a CPU "
                                   "kernel; GPU targets compile with float32 activations")
     users = fc.users.get(node.outputs[0].id, [])
-    if users and all(_int8_matmul(fc, u) for u in users):  # they round x themselves (and read no sums)
+    returned = any(o.id in fc.output_ids for o in node.outputs)  # `ggufc verify` probes every value
+    if users and not returned and all(_int8_matmul(fc, u) for u in users):  # they round x themselves
         return [fc.value(x)] * len(node.outputs)
     key = ("quantize_act", node.attrs, fc.kernel_key_dims(x))
     return fc.call(key, lambda: Q8.quantize_act(fc.kernel_shape(x, K.Symbols()), node.attrs.scheme), [fc.value(x)],
@@ -568,7 +570,7 @@ def _moe_ffn(fc: FunctionContext, node: Node) -> list[Any]:
     a: O.MoeFFN = node.attrs
     named = O.moe_inputs(node.inputs, a)  # merged gate_up and the shared expert: lower_qwen4exp.py
     x, router, down, scales = named["x"], named["router"], named["down"], named["scales"]
-    gate, up = named.get("gate"), named.get("up", named.get("gate_up"))
+    gate, up = named.get("gate"), named["gate_up" if a.merged_gate_up else "up"]
     t_dim = fc.kernel_key_dims(x)[0]
     t = fc.dim(x.shape[0])
     e = int(x.shape[1])
@@ -633,20 +635,22 @@ def _round_temp(fc: FunctionContext, v: Any, dims: tuple[Any, ...], shape: list[
                         lambda: Q8.quantize_act(K.Symbols().shape(dims), scheme), [v], [(shape, "float32")], name)[0]
 
 
-def _scale_by_expert(fc: FunctionContext, y: Any, scale: Value, ids: Any, dims: tuple[Dim, ...], kind: str) -> Any:
-    """y[t, s, :] *= scale[ids[t, s]] (llama.cpp's per-expert `.scale`)."""
+def _scale_by_expert(fc: FunctionContext, y: Any, scale: Value, ids: Any, dims: tuple[Dim, int, int],
+                     kind: str) -> Any:
+    """y[t, s, :] *= scale[ids[t, s]] (llama.cpp's per-expert `.scale`); dims = (tokens, slots, n)."""
     n_exp = int(scale.shape[0])
-    id_dims = dims[:2]
-    t = fc.dim(dims[0])
+    t_dim, slots, n = dims
+    id_dims = (t_dim, slots)
+    t = fc.dim(t_dim)
     per = fc.call_temp(("gather", (n_exp,), id_dims),
                        lambda: K.gather_f32(K.Symbols().shape((n_exp,)), K.Symbols().shape(id_dims)),
-                       [fc.value(scale), ids], [([t, K.i64(dims[1])], "float32")], f"ffn_moe_{kind}_scale")[0]
-    per3 = fc.bb.emit(relax.op.reshape(per, [t, K.i64(dims[1]), K.i64(1)]))
-    in_dims = (dims, (dims[0], dims[1], 1))
+                       [fc.value(scale), ids], [([t, K.i64(slots)], "float32")], f"ffn_moe_{kind}_scale")[0]
+    per3 = fc.bb.emit(relax.op.reshape(per, [t, K.i64(slots), K.i64(1)]))
+    in_dims = (dims, (t_dim, slots, 1))
     prog = O.FusedElementwise((("binary", O.Binary("mul"), (0, 1)),), 2)
     return fc.call_temp(("elementwise", prog, in_dims),
                         lambda: K.elementwise([K.Symbols().shape(d) for d in in_dims], prog), [y, per3],
-                        [([t, K.i64(dims[1]), K.i64(dims[2])], "float32")], f"ffn_moe_{kind}_scaled")[0]
+                        [([t, K.i64(slots), K.i64(n)], "float32")], f"ffn_moe_{kind}_scaled")[0]
 
 
 def _attention_kernel(fc: FunctionContext, node: Node, syms: K.Symbols) -> tirx.PrimFunc:

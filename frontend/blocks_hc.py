@@ -63,9 +63,18 @@ def hc_expand(b: GraphBuilder, x: Value, n_hc: int) -> Value:
 
 
 def hc_pre(b: GraphBuilder, streams: Value, hw: HcWeights, n_hc: int, eps: float, name: str
-           ) -> tuple[Value, Value | None]:
+           ) -> tuple[Value, Value]:
     """The layer input [T, E] mixed from the streams, and the per-stream post weights [T, hc]."""
-    return hc_pre_spelled(b, streams, hw.norm, hw.down, hw.up, hw.inject, n_hc, eps, name)
+    if hw.inject is None:
+        raise ModelError(f"{name}: a block's hyper-connection mix needs its inject weights")
+    mixed, post = hc_pre_spelled(b, streams, hw.norm, hw.down, hw.up, hw.inject, n_hc, eps, name)
+    assert post is not None  # hc_pre_spelled computes post weights whenever inject is given
+    return mixed, post
+
+
+def hc_collapse(b: GraphBuilder, streams: Value, hw: HcWeights, n_hc: int, eps: float, name: str) -> Value:
+    """The final mix of the streams into one [T, E] (no post weights: nothing is written back)."""
+    return hc_pre_spelled(b, streams, hw.norm, hw.down, hw.up, None, n_hc, eps, name)[0]
 
 
 def hc_post(b: GraphBuilder, streams: Value, y: Value, post: Value, name: str) -> Value:

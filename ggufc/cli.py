@@ -252,10 +252,9 @@ def compile_gguf(
     from ggufc.codegen.compile import compile_model
 
     check_pass_names(disabled_passes)
-    tuning = {} if tuning_db is None else {"tuning_db": tuning_db, "tuning_min_speedup": tuning_min_speedup}
     return compile_model(
         model, target=target, out_dir=out_dir, n_ctx=n_ctx, disabled_passes=disabled_passes, progress=progress,
-        **tuning,
+        tuning_db=tuning_db, tuning_min_speedup=tuning_min_speedup,
     )
 
 
@@ -781,7 +780,8 @@ def cmd_verify_artifact(args: argparse.Namespace) -> int:
         summary = f"{len(failed)} of {len(checks)} checks failed"
         raise CLIError(f"{args.artifact}: {summary} ({first.name}: {first.detail})")
     deferred = sum(c.deferred for c in checks)
-    print(f"all {len(checks) - deferred} checks passed" + (f", {deferred} made when the model loads" if deferred else ""))
+    later = f", {deferred} made when the model loads" if deferred else ""
+    print(f"all {len(checks) - deferred} checks passed{later}")
     return 0
 
 

@@ -34,6 +34,12 @@ def eval_shape(shape: Shape, env: dict[str, int]) -> tuple[int, ...]:
     return tuple(eval_dim(d, env) for d in shape)
 
 
+def static_shape(shape: Shape) -> tuple[int, ...] | None:
+    """The shape as integers, or None when a dimension is symbolic."""
+    dims = tuple(d for d in shape if isinstance(d, int))
+    return dims if len(dims) == len(shape) else None
+
+
 _ids = itertools.count()
 
 

@@ -39,7 +39,7 @@ def init_state(graph: Graph, n_ctx_env: dict[str, int], dtype: Any = np.float32)
 
 def run_graph(
     graph: Graph,
-    inputs: dict[str, np.ndarray],
+    inputs: dict[str, np.ndarray | np.integer],
     load_param: ParamLoader,
     state: dict[str, np.ndarray],
     *,

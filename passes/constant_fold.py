@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ggufc.ir.graph import Graph, Node, Param, Value
+from ggufc.ir.graph import Graph, Node, Param, Value, static_shape
 from ggufc.ir.ops import OPS
 
 from .stats import with_hits
@@ -43,9 +43,13 @@ def _foldable(node: Node, known: dict[int, np.ndarray]) -> bool:
         and node.op not in NEVER_FOLD
         and bool(node.inputs)
         and all(v.id in known for v in node.inputs)
-        and all(o.dtype == "float32" and all(isinstance(d, int) for d in o.shape) for o in node.outputs)
-        and all(math.prod(o.shape) <= MAX_FOLD_ELEMENTS for o in node.outputs)  # type: ignore[arg-type]
+        and all(o.dtype == "float32" and _small_static(o) for o in node.outputs)
     )
+
+
+def _small_static(v: Value) -> bool:
+    shape = static_shape(v.shape)
+    return shape is not None and math.prod(shape) <= MAX_FOLD_ELEMENTS
 
 
 def _const_source(v: Value, taken: dict[str, np.ndarray]) -> str:
@@ -70,7 +74,9 @@ def constant_fold(graph: Graph) -> Graph:
         results = OPS[node.op].ref([known[v.id] for v in node.inputs], node.attrs, {})
         for v, a in zip(node.outputs, results, strict=True):
             source = _const_source(v, consts)
-            consts[source] = known[v.id] = np.ascontiguousarray(a, dtype=np.float32).reshape(v.shape)
+            shape = static_shape(v.shape)
+            assert shape is not None  # _foldable takes only static shapes
+            consts[source] = known[v.id] = np.ascontiguousarray(a, dtype=np.float32).reshape(shape)
             params[source] = Param(v, source, "F32")
         folded += 1
     if not folded:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 
 from ggufc.ir import ops as O
-from ggufc.ir.graph import Graph, Node, Value
+from ggufc.ir.graph import Graph, Node, Value, static_shape
 from ggufc.ir.verify import shapes_equal
 
 from .fusions import MUL, normed_pat, silu_pat
@@ -61,9 +61,10 @@ def _eps(m: Match) -> float | None:
 
 def _attrs_of(m: Match, has_post: bool, post_m: Match | None) -> O.HcPre | None:
     r, norm, xf = m.values["r"], m.values["norm"], m.values["xf"]
-    if len(r.shape) != 3 or not isinstance(r.shape[1], int) or not isinstance(r.shape[2], int):
+    streams = static_shape(r.shape[1:])
+    if len(r.shape) != 3 or streams is None:
         return None
-    t, hc, e = r.shape
+    t, (hc, e) = r.shape[0], streams
     if tuple(norm.shape) != (hc, e) or not shapes_equal(xf.shape, (t, hc * e)):
         return None
     if not shapes_equal(m.values["gated3"].shape, (t, hc, e)):
@@ -100,7 +101,7 @@ def _fuse_pre(graph: Graph) -> tuple[Graph, int]:
             if attrs is None:
                 continue
             body = list(m.body) + (list(post_m.body) if has_post and post_m is not None else [])
-            roots = [node] + ([post_root] if has_post else [])
+            roots = [node] + ([post_root] if has_post and post_root is not None else [])
             if any(id(n) in removed for n in body) or not _closed(view, body, roots):
                 continue
             inputs = [m.values["r"], m.values["norm"], m.values["down"], m.values["up"]]

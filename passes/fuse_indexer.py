@@ -22,7 +22,7 @@ Hits: one per rewritten attention plus one per fused scoring.
 from __future__ import annotations
 
 from ggufc.ir import ops as O
-from ggufc.ir.graph import Graph
+from ggufc.ir.graph import Graph, static_shape
 from ggufc.ir.verify import shapes_equal
 
 from .fusions import MUL, normed_pat
@@ -91,11 +91,11 @@ def score_pat() -> Pat:
 
 def _build_score(m: Match, g: GraphView) -> Rewrite | None:
     q, cache, norm, table = m.values["q"], m.values["cache"], m.values["norm"], m.values["table"]
-    if len(q.shape) != 3 or len(cache.shape) != 2 or not all(isinstance(d, int) for d in cache.shape):
+    cache_shape, blocks = static_shape(cache.shape), static_shape(m.values["blocks"].shape)
+    if len(q.shape) != 3 or cache_shape is None or len(cache_shape) != 2:
         return None
-    n_cells, di = cache.shape
-    blocks = m.values["blocks"].shape
-    if len(blocks) != 3 or not all(isinstance(d, int) for d in blocks) or blocks[2] != di:
+    n_cells, di = cache_shape
+    if blocks is None or len(blocks) != 3 or blocks[2] != di:
         return None
     nb, ratio = blocks[0], blocks[1]
     if nb != n_cells // ratio or ("full" in m.nodes and m.nodes["full"].attrs.stop != nb * ratio):

@@ -122,7 +122,7 @@ def build(w: B.Weights, hp: HParams, n_ctx: int, all_logits: bool) -> Graph:
     for il in range(hp.n_layer):
         with b.layer(il):
             p = f"blk.{il}"
-            if hp.ple is not None and il == hp.ple.layer:
+            if hp.ple is not None and ple_emb is not None and il == hp.ple.layer:
                 streams = HC.ple_block(b, w, hp.ple, streams, ple_emb, hc, hp.eps, new_state)
             m, post = HC.hc_pre(b, streams, HC.hc_weights(w, f"{p}.hc_attn", hc, E, hp.hc_rank), hc, hp.eps,
                                 "hc_attn_mix")
@@ -138,7 +138,7 @@ def build(w: B.Weights, hp: HParams, n_ctx: int, all_logits: bool) -> Graph:
     if not all_logits:
         streams = b.emit("last_token", [streams], O.NoAttrs(), "last")
     out_mix = HC.hc_weights(w, "output_hc", hc, E, hp.hc_rank, inject=False)
-    h, _ = HC.hc_pre(b, streams, out_mix, hc, hp.eps, "result_norm")
+    h = HC.hc_collapse(b, streams, out_mix, hc, hp.eps, "result_norm")
     out_w = w.get("output.weight", (hp.n_vocab, E), required=False) or embd
     logits = B.linear(b, h, out_w, "result_output", scale=w.get("output.scale", (1,), required=False))
     w.check_all_used()
