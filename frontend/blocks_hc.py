@@ -1,11 +1,12 @@
-"""Blocks of qwen4exp beyond the delta-net family (docs/arch/qwen-family.md §6): hyper-connections,
-the QSA block indexer, the PLE n-gram hashed per-layer embedding.
+"""Blocks beyond the delta-net family (first used by qwen4exp, docs/arch/qwen-family.md §6):
+hyper-connections, the QSA block indexer, the PLE n-gram hashed per-layer embedding.
 
-All spelled in primitives (the spellings live in `ir/decompose_qwen4exp.py`, shared with the
-decompositions of the fused ops), so `passes/fuse_hc.py` and `passes/fuse_indexer.py` recognise
-them. The stateful pieces are states threaded through `new_state`: the indexer's raw-key cache per
-QSA layer (`cache_idx.<il>`), the PLE token history (`ple_tokens`, one token id per position) and
-the PLE conv history (`ple_conv.<il>`, through the delta-net family's dilated `ssm_conv`).
+All spelled in primitives (the spellings live in `ir/hyper_connections_spelled.py` and
+`ir/sparse_indexers_spelled.py`, shared with the decompositions of the fused ops), so
+`passes/fuse_hc.py` and `passes/fuse_indexer.py` recognise them. The stateful pieces are states
+threaded through `new_state`: the indexer's raw-key cache per QSA layer (`cache_idx.<il>`), the PLE
+token history (`ple_tokens`, one token id per position) and the PLE conv history (`ple_conv.<il>`,
+through the delta-net family's dilated `ssm_conv`).
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from ggufc.ir import ops as O
-from ggufc.ir.builder import GraphBuilder
-from ggufc.ir.decompose_qwen4exp import hc_post_spelled, hc_pre_spelled, indexer_score_spelled, rms_norm_plain
+from ggufc.ir.builder import GraphBuilder, rms_norm_plain
 from ggufc.ir.graph import Value
+from ggufc.ir.hyper_connections_spelled import hc_post_spelled, hc_pre_spelled
+from ggufc.ir.sparse_indexers_spelled import indexer_score_spelled
 
 from . import blocks as B
 from .hparams import ModelError, rope_table

@@ -114,3 +114,11 @@ class GraphBuilder:
 
     def gather(self, table: Value, ids: Value, name: str) -> Value:
         return self.emit("gather", [table, ids], O.NoAttrs(), name)
+
+
+def rms_norm_plain(b: GraphBuilder, x: Value, eps: float, name: str) -> Value:
+    """x * rsqrt(mean(x^2) + eps) over the last axis (decompose.rms_norm_spelled without weight)."""
+    sq = b.unary("square", x, f"{name}.sq")
+    ms = b.reduce("mean", sq, f"{name}.ms")
+    r = b.unary("rsqrt", b.scalar("add", ms, eps, f"{name}.ms_eps"), f"{name}.rstd")
+    return b.mul(x, r, name)

@@ -13,19 +13,12 @@ from collections.abc import Callable, Collection
 
 from . import ops as O
 from .builder import GraphBuilder
-from .graph import Dim, Graph, Node, Value
+from .graph import Graph, Node, Value, mul_dim
+from .hyper_connections_spelled import HC_DECOMPOSITIONS
+from .sparse_indexers_spelled import INDEXER_DECOMPOSITIONS
 from .verify import IRError, fmt_shape, shapes_equal
 
 Decomposition = Callable[[GraphBuilder, Node], list[Value]]
-
-
-def _mul_dim(k: int, d: Dim) -> Dim:
-    """k * d, kept symbolic when d is ("2*T", "2*(P+T)")."""
-    if isinstance(d, int):
-        return k * d
-    if k == 1:
-        return d
-    return f"{k}*{d}" if d.isalnum() else f"{k}*({d})"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -112,7 +105,7 @@ def _attention(b: GraphBuilder, n: Node) -> list[Value]:
     name, (t, h, d) = n.outputs[0].name, q.shape
     hkv = int(kc.shape[1])
     g = int(h) // hkv
-    gt = _mul_dim(g, t)
+    gt = mul_dim(g, t)
     k = b.transpose(b.emit("cache_read", [kc, pos], O.Tokens(t), f"{name}.k"), (1, 0, 2), f"{name}.kt")
     v = b.transpose(b.emit("cache_read", [vc, pos], O.Tokens(t), f"{name}.v"), (1, 0, 2), f"{name}.vt")
     qg = b.transpose(b.reshape(q, (t, hkv, g, d), f"{name}.q4"), (1, 2, 0, 3), f"{name}.qg")
@@ -139,7 +132,7 @@ def _moe_route(b: GraphBuilder, n: Node) -> list[Value]:
 def _moe_ffn(b: GraphBuilder, n: Node) -> list[Value]:
     """The spelling of frontend/blocks.py::moe (inputs: x, router, [gate], up, down, *scales), a
     merged gate_up tensor read as two slices, and the sigmoid-gated shared expert added after it
-    (decompose_qwen4exp.shared_expert_spelled; inputs named by ops.moe_inputs)."""
+    (shared_expert_spelled below; inputs named by ops.moe_inputs)."""
     a: O.MoeFFN = n.attrs
     named = O.moe_inputs(n.inputs, a)
     x, router, down, scales = named["x"], named["router"], named["down"], named["scales"]
@@ -173,8 +166,6 @@ def _moe_ffn(b: GraphBuilder, n: Node) -> list[Value]:
     weighted = b.mul(experts(act, down, "down"), w3, f"{name}.weighted")
     if not a.shared:
         return [b.reduce("sum", weighted, name, axis=1, keepdims=False)]
-    from .decompose_qwen4exp import shared_expert_spelled
-
     routed = b.reduce("sum", weighted, f"{name}.routed", axis=1, keepdims=False)
     return [shared_expert_spelled(b, x, routed, named, name)]
 
@@ -222,6 +213,8 @@ DECOMPOSITIONS: dict[str, Decomposition] = {
     "fused_elementwise": _fused_elementwise,
     "l2_norm": _l2_norm,
     "rms_norm_gated": _rms_norm_gated,
+    **HC_DECOMPOSITIONS,  # spelled as the frontend blocks spell them
+    **INDEXER_DECOMPOSITIONS,
 }
 
 
@@ -269,7 +262,25 @@ def decompose(graph: Graph, only: Collection[str] | None = None) -> Graph:
         nodes = [m for n in nodes for m in (decompose_node(n) if id(n) in todo else [n])]
 
 
-# the hyper-connection and QSA-indexer ops (qwen4exp), spelled as the frontend blocks spell them
-from .decompose_qwen4exp import QWEN4EXP_DECOMPOSITIONS  # noqa: E402 - they use the helpers above
 
-DECOMPOSITIONS.update(QWEN4EXP_DECOMPOSITIONS)
+
+
+def shared_expert_spelled(b: GraphBuilder, x: Value, routed: Value, named: dict, name: str) -> Value:
+    """routed + swiglu_shexp(x) * sigmoid(sum(x * gate_inp_shexp)); each shared projection is
+    (x @ W.T) [* s] as frontend/blocks.py::linear spells it."""
+    scales = named["shexp_scales"]
+
+    def linear(v: Value, w: Value, kind: str) -> Value:
+        y = b.matmul(v, w, f"{name}.shexp_{kind}" if kind not in scales else f"{name}.shexp_{kind}.mm")
+        return b.mul(y, scales[kind], f"{name}.shexp_{kind}") if kind in scales else y
+
+    g = linear(x, named["shexp_gate"], "gate")
+    u = linear(x, named["shexp_up"], "up")
+    act = b.mul(b.unary("silu", g, f"{name}.shexp_silu"), u, f"{name}.shexp_act")
+    shared = linear(act, named["shexp_down"], "down")
+    w_gate = named["shexp_gate_inp"]
+    if w_gate.dtype != "float32":
+        w_gate = b.dequantize(w_gate, f"{name}.shexp_gate_inp.w")
+    logit = b.reduce("sum", b.mul(x, w_gate, f"{name}.shexp_gate_prod"), f"{name}.shexp_gate_logit")
+    gated = b.mul(shared, b.unary("sigmoid", logit, f"{name}.shexp_gate_sig"), f"{name}.shexp_gated")
+    return b.add(routed, gated, name)

@@ -34,6 +34,15 @@ def eval_shape(shape: Shape, env: dict[str, int]) -> tuple[int, ...]:
     return tuple(eval_dim(d, env) for d in shape)
 
 
+def mul_dim(k: int, d: Dim) -> Dim:
+    """k * d, kept symbolic when d is ("2*T", "2*(P+T)")."""
+    if isinstance(d, int):
+        return k * d
+    if k == 1:
+        return d
+    return f"{k}*{d}" if d.isalnum() else f"{k}*({d})"
+
+
 def static_shape(shape: Shape) -> tuple[int, ...] | None:
     """The shape as integers, or None when a dimension is symbolic."""
     dims = tuple(d for d in shape if isinstance(d, int))

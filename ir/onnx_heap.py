@@ -1,4 +1,4 @@
-"""libstdc++'s heap selection (`qwen4exp_ref.heap_select`, llama.cpp's CPU top-k) as ONNX loops.
+"""libstdc++'s heap selection (`sparse_indexers.heap_select`, llama.cpp's CPU top-k) as ONNX loops.
 
 Ties decide which cells QSA keeps, and `TopK` breaks them by index where the heap does not, so
 the selection is spelled as the heap itself, every row of a [T, N] value matrix at once: a `Loop`

@@ -35,6 +35,7 @@ from .onnx_export import (
     OnnxError,
     attrs_from_json,
 )
+from .walk import without_dead_nodes
 
 _LABEL = re.compile(r"^(?P<name>.*?)(@(?P<layer>\d+))?(~\d+)?$")
 
@@ -94,7 +95,7 @@ class _Importer:
         if self.constants:
             meta["constants"] = self.constants
         graph = Graph(self.inputs, self.params, self.states, self.nodes, outputs, state_out, meta)
-        return _prune(graph)
+        return without_dead_nodes(graph)  # e.g. transposes folded into a MatMul
 
     def _leaf(self, vi: onnx.ValueInfoProto, state_inputs: dict[str, str]) -> None:
         if vi.name in self.params_meta:
@@ -313,17 +314,6 @@ READERS: dict[tuple[str, str], Reader] = {
     ("", "Gather"): _read_gather,
     **{(DOMAIN, op): _read_custom for op in O.OPS},
 }
-
-
-def _prune(graph: Graph) -> Graph:
-    """Drop nodes nothing uses (transposes folded into a MatMul, say) and unused constants."""
-    live = {v.id for v in graph.outputs} | {v.id for v in graph.state_out.values()}
-    kept = []
-    for node in reversed(graph.nodes):
-        if any(v.id in live for v in node.outputs):
-            kept.append(node)
-            live.update(v.id for v in node.inputs)
-    return graph.replace(nodes=kept[::-1])
 
 
 def _load(source: str | os.PathLike[str] | bytes | onnx.ModelProto) -> onnx.ModelProto:

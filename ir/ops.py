@@ -18,15 +18,10 @@ import numpy as np
 
 from .act_quant import ACT_BLOCK, q8_1_sums_ref, quantize_act_ref
 from .graph import Dim, Shape
-from .qwen4exp_ref import (
-    hc_post_ref,
-    hc_pre_ref,
-    index_mask_ref,
-    indexer_score_ref,
-    indexer_topk_ref,
-    ple_hash_ref,
-)
+from .hyper_connections import hc_post_ref, hc_pre_ref
+from .ngram_embedding import ple_hash_ref
 from .recurrent_ref import gated_delta_net_ref, l2_norm_ref, rms_norm_gated_ref, ssm_conv_ref
+from .sparse_indexers import index_mask_ref, indexer_score_ref, indexer_topk_ref
 
 # ----------------------------------------------------------------------------------------------
 # attributes (frozen, typed)
@@ -187,7 +182,8 @@ class GatedDeltaNet:
     scale: float  # output scale, 1/sqrt(Dk)
 
 
-# -- hyper-connections, QSA indexer, PLE hash (qwen4exp; references in qwen4exp_ref.py) ------
+# -- hyper-connections, sparse-attention indexers, n-gram embedding hash (references in -------
+# hyper_connections.py, sparse_indexers.py, ngram_embedding.py)
 
 
 @dataclass(frozen=True)

@@ -3,19 +3,15 @@
 from __future__ import annotations
 
 from ggufc.ir.graph import Graph
+from ggufc.ir.walk import escaping_ids, live_nodes
 
 from .stats import with_hits
 
 
 def dce(graph: Graph) -> Graph:
-    live = {v.id for v in graph.outputs} | {v.id for v in graph.state_out.values()}
-    kept = []
-    for node in reversed(graph.nodes):
-        if any(v.id in live for v in node.outputs):
-            kept.append(node)
-            live.update(v.id for v in node.inputs)
-    kept.reverse()
-    params = {k: p for k, p in graph.params.items() if p.value.id in live}
+    kept = live_nodes(graph)
+    read = escaping_ids(graph) | {v.id for n in kept for v in n.inputs}
+    params = {k: p for k, p in graph.params.items() if p.value.id in read}
     meta = dict(graph.meta)
     if "constants" in meta:  # embedded constants follow their params
         sources = {p.source for p in params.values()}

@@ -11,6 +11,7 @@ from __future__ import annotations
 from ggufc.ir.graph import Graph, Node, Value
 from ggufc.ir.ops import ELEMENTWISE_OPS, OPS, FusedElementwise
 from ggufc.ir.verify import shapes_equal
+from ggufc.ir.walk import escaping_ids
 
 from .stats import with_hits
 
@@ -19,7 +20,7 @@ class _Trees:
     def __init__(self, graph: Graph) -> None:
         self.producers = graph.producers()
         users = graph.users()
-        escaping = {v.id for v in graph.outputs} | {v.id for v in graph.state_out.values()}
+        escaping = escaping_ids(graph)
         self.single_use = {vid for vid, us in users.items() if len(us) == 1 and vid not in escaping}
 
     def inner_producer(self, v: Value) -> Node | None:

@@ -1,5 +1,5 @@
 """Hyper-connection fusion: the spelled HC mix and combine of `frontend/blocks_hc.py` (the
-spellings of `ir/decompose_qwen4exp.py`) into `hc_pre` and `hc_post` nodes.
+spellings of `ir/hyper_connections_spelled.py`) into `hc_pre` and `hc_post` nodes.
 
     xf    = reshape(rms(R) * norm, [T, hc*E])                   rms fused or spelled, no weight
     mixed = mean(reshape(xf * sigmoid(silu((xf @ down.T) * c) @ up.T), [T, hc, E]), axis=1)
@@ -22,6 +22,7 @@ import math
 from ggufc.ir import ops as O
 from ggufc.ir.graph import Graph, Node, Value, static_shape
 from ggufc.ir.verify import shapes_equal
+from ggufc.ir.walk import defined_before, inner_values_escape
 
 from .fusions import MUL, normed_pat, silu_pat
 from .matcher import GraphView, Match, P, Pat, Rewrite, Rule, V, any_of, match, rewrite_graph, where_attrs
@@ -102,7 +103,7 @@ def _fuse_pre(graph: Graph) -> tuple[Graph, int]:
                 continue
             body = list(m.body) + (list(post_m.body) if has_post and post_m is not None else [])
             roots = [node] + ([post_root] if has_post and post_root is not None else [])
-            if any(id(n) in removed for n in body) or not _closed(view, body, roots):
+            if any(id(n) in removed for n in body) or inner_values_escape(body, roots, view.users, view.escaping):
                 continue
             inputs = [m.values["r"], m.values["norm"], m.values["down"], m.values["up"]]
             outputs: list[Value] = [node.outputs[0]]
@@ -110,6 +111,8 @@ def _fuse_pre(graph: Graph) -> tuple[Graph, int]:
                 inputs.append(post_m.values["inject"])
                 outputs.append(post_root.outputs[0])
             at = min(index[id(n)] for n in roots)
+            if not defined_before(inputs, at, view.producers, index):
+                continue
             new_at[at] = Node("hc_pre", tuple(inputs), attrs, tuple(outputs))
             removed.update(id(n) for n in body)
             hits += 1
@@ -121,18 +124,6 @@ def _fuse_pre(graph: Graph) -> tuple[Graph, int]:
         if id(n) not in removed:
             nodes.append(n)
     return graph.replace(nodes=nodes), hits
-
-
-def _closed(view: GraphView, body: list[Node], roots: list[Node]) -> bool:
-    inside = {id(n) for n in body}
-    root_ids = {id(n) for n in roots}
-    for n in body:
-        if id(n) in root_ids:
-            continue
-        for v in n.outputs:
-            if v.id in view.escaping or any(id(u) not in inside for u in view.users.get(v.id, ())):
-                return False
-    return True
 
 
 # ---------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from __future__ import annotations
 from ggufc.ir import ops as O
 from ggufc.ir.graph import Graph, static_shape
 from ggufc.ir.verify import shapes_equal
+from ggufc.ir.walk import without_dead_nodes
 
 from .fusions import MUL, normed_pat
 from .matcher import GraphView, Match, P, Pat, Rewrite, Rule, V, any_of, rewrite_graph, where_attrs
@@ -133,14 +134,7 @@ def _prune(graph: Graph) -> Graph:
     """Drop nodes nothing live reads, then write-only caches the rewrites left behind (a cache_write
     of an indexer cache whose result only reaches state_out), then what fed them."""
     while True:
-        live = {v.id for v in graph.outputs} | {v.id for v in graph.state_out.values()}
-        kept = []
-        for node in reversed(graph.nodes):
-            if any(v.id in live for v in node.outputs):
-                kept.append(node)
-                live.update(v.id for v in node.inputs)
-        kept.reverse()
-        graph = graph.replace(nodes=kept)
+        graph = without_dead_nodes(graph)
         users = graph.users()
         dead = [
             name for name, v in graph.state_out.items()

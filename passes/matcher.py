@@ -23,6 +23,7 @@ from typing import Any
 from ggufc.ir.graph import Graph, Node, Value
 from ggufc.ir.ops import OPS
 from ggufc.ir.verify import shapes_equal
+from ggufc.ir.walk import defined_before, escaping_ids, inner_values_escape
 
 from .stats import with_hits
 
@@ -134,7 +135,7 @@ class GraphView:
         self.param_ids = {p.value.id for p in graph.params.values()}
         self.producers: dict[int, Node] = graph.producers()
         self.users: dict[int, list[Node]] = graph.users()
-        self.escaping = {v.id for v in graph.outputs} | {v.id for v in graph.state_out.values()}
+        self.escaping = escaping_ids(graph)
 
     def producer(self, v: Value) -> Node | None:
         return self.producers.get(v.id)
@@ -187,7 +188,7 @@ class _Rewriter(GraphView):
             if not m.body or m.body[0] is not root:
                 continue
             inner = m.body[1:]
-            if rule.closed and not self._is_closed(m.body, inner):
+            if rule.closed and inner_values_escape(m.body, (root,), self.users, self.escaping):
                 continue
             rw = rule.build(m, self)
             if rw is None or not self._fits(rw, root, inner if rule.closed else ()):
@@ -197,21 +198,14 @@ class _Rewriter(GraphView):
             return rw.hits
         return 0
 
-    def _is_closed(self, body: tuple[Node, ...], inner: tuple[Node, ...]) -> bool:
-        inside = {id(n) for n in body}
-        for n in inner:
-            for v in n.outputs:
-                if v.id in self.escaping or any(id(u) not in inside for u in self.users.get(v.id, ())):
-                    return False
-        return True
-
     def _fits(self, rw: Rewrite, root: Node, removed: Sequence[Node]) -> bool:
         """The replacement must compute the root's outputs from values that stay defined."""
         opdef = OPS[rw.op]
         if not isinstance(rw.attrs, opdef.attrs):
             raise TypeError(f"rule built {rw.op} with {type(rw.attrs).__name__} attrs")
         gone = {v.id for n in removed for v in n.outputs}
-        if any(v.id in gone for v in rw.inputs):
+        if any(v.id in gone for v in rw.inputs) or not defined_before(rw.inputs, self.index[id(root)],
+                                                                      self.producers, self.index):
             return False
         try:
             specs = opdef.infer([(v.shape, v.dtype) for v in rw.inputs], rw.attrs)

@@ -19,7 +19,8 @@ from ggufc.codegen.build import kernel_weights, optimise, state_plan
 from ggufc.codegen.build_gpu import compile_plan_target, wgsl_bundle
 from ggufc.codegen.gpu import gpu_target
 from ggufc.codegen.lower import ModuleBuilder, plan_params
-from ggufc.ir import qwen4exp_ref as R
+from ggufc.ir import ngram_embedding as NG
+from ggufc.ir import sparse_indexers as SI
 from ggufc.runtime.plan_runtime import PlanRunner
 from ggufc.runtime.wgpu_runtime import run_kernel
 
@@ -51,7 +52,7 @@ def test_ple_hash_in_32_bit_words_equals_uint64_reference(dev: object) -> None:
         hist[max(pos - 2, 0)] = eos
         got = run_kernel(dev, kernel.to_json(), kernel.entry_sources,
                          [hist, tokens, pos, np.zeros((n, (ngram - 1) * heads), np.int32)])[3]
-        want = R.ple_hash_ref(hist, tokens, pos, ngram, heads, mult, offsets, sizes, eos)
+        want = NG.ple_hash_ref(hist, tokens, pos, ngram, heads, mult, offsets, sizes, eos)
         np.testing.assert_array_equal(got, want, err_msg=f"n={n} pos={pos}")
 
 
@@ -65,7 +66,7 @@ def test_indexer_topk_equals_reference_heap_order(ratio: int, width: int, dev: o
     for n, pos in ((12, 0), (1, 0), (5, 30), (1, 80)):
         scores = rng.integers(0, 4, (n, nb1)).astype(np.float32)  # few distinct values: many ties
         got = run_kernel(dev, kernel.to_json(), kernel.entry_sources, [scores, pos, np.zeros((n, width), np.int32)])[2]
-        np.testing.assert_array_equal(got, R.indexer_topk_ref(scores, pos, ratio, width), err_msg=f"n={n} pos={pos}")
+        np.testing.assert_array_equal(got, SI.indexer_topk_ref(scores, pos, ratio, width), err_msg=f"n={n} pos={pos}")
 
 
 class VulkanModel:

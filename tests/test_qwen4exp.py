@@ -29,8 +29,9 @@ from ggufc.codegen.tvm_util import to_tvm
 from ggufc.frontend.fixtures import write_fixture
 from ggufc.frontend.fixtures_qwen4exp import INDEXER_TOP_K
 from ggufc.frontend.load import LoadedModel, load_model
+from ggufc.ir import ngram_embedding as NG
 from ggufc.ir import ops as O
-from ggufc.ir import qwen4exp_ref as R
+from ggufc.ir import sparse_indexers as SI
 from ggufc.ir.decompose import decompose
 from ggufc.ir.graph import Graph
 from ggufc.ir.interp import init_state, run_graph
@@ -346,7 +347,7 @@ def test_inspect_lists_the_fusions(sparse_path: Path, capsys: pytest.CaptureFixt
 def test_ple_contexts_cut_at_eos_and_missing_predecessors() -> None:
     eos = 0
     tokens = np.array([5, 0, 7, 8, 9], np.int32)
-    ctx = R.ple_contexts(tokens, tokens, 0, 3, eos)
+    ctx = NG.ple_contexts(tokens, tokens, 0, 3, eos)
     # missing predecessors read as EOS; the token itself is never cut (even an EOS); an EOS cuts
     # everything at and before it
     assert ctx.tolist() == [[5, 0, 0], [0, 5, 0], [7, 0, 0], [8, 7, 0], [9, 8, 7]]
@@ -356,7 +357,7 @@ def test_ple_hash_uses_uint64_wraparound() -> None:
     mult = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
     offsets, sizes = (0, 100, 200, 300), (97, 89, 83, 79)
     hist = np.array([11, 22, 33, 44, 55, 66], np.int32)
-    rows = R.ple_hash_ref(hist, hist[3:], 3, 3, 2, mult, offsets, sizes, eos=1)
+    rows = NG.ple_hash_ref(hist, hist[3:], 3, 3, 2, mult, offsets, sizes, eos=1)
     with np.errstate(over="ignore"):
         for i, p in enumerate(range(3, 6)):
             ctx = np.array([hist[p], hist[p - 1], hist[p - 2]], np.uint64)
@@ -373,7 +374,7 @@ def test_heap_select_is_a_top_k_with_llama_cpp_tie_order() -> None:
     the best block, the 1e9 tail and one cell of the runner-up block (cell 10, not its first:
     std::partial_sort over these 14 values, built with g++, keeps exactly this set)."""
     vals = [1.0, 1.0, 1.0, 1.0, 5.0, 5.0, 5.0, 5.0, 2.0, 2.0, 2.0, 2.0, 1e9, 1e9]
-    chosen = R.heap_select(vals, 7)
+    chosen = SI.heap_select(vals, 7)
     kept = [vals[j] for j in chosen]
     assert len(chosen) == 7 and min(kept) >= max(v for j, v in enumerate(vals) if j not in chosen)
     assert sorted(chosen) == [4, 5, 6, 7, 10, 12, 13]

@@ -1,15 +1,5 @@
-"""numpy references of the hyper-connection, QSA-indexer and PLE ops (llama.cpp `qwen4exp.cpp`,
-`llama-memory-hybrid-idx.cpp::set_input_qsa`, `ggml_dsv4_hc_pre_gated` / `ggml_dsv4_hc_post`,
-the CPU `ggml_top_k`). The op records in `ops.py` call these. Shapes are numpy order, one sequence.
-
-Hyper-connections keep `hc` residual streams R [T, hc, E]:
-
-* `hc_pre` (rule "sigmoid_mean", qwen4exp): per-stream RMSNorm times a [hc, E] gamma, flattened
-  stream-major to xf [T, hc*E]; gate = silu((xf @ down.T) / hc) @ up.T; the layer input is
-  mean_c(xf * sigmoid(gate)) [T, E]; the per-stream post weights are 2*sigmoid((xf @ inject.T) / hc).
-  The final collapse (no inject) has no post weights. deepseek4's Sinkhorn-normalised full-rank
-  mix is rule "sinkhorn" of the same op (outputs mixed, post and a [T, hc, hc] comb matrix).
-* `hc_post`: R + post[:, :, None] * y[:, None, :] (+ comb mixing of R when the rule has one).
+"""Sparse-attention indexers: numpy references (llama.cpp `llama-memory-hybrid-idx.cpp::set_input_qsa`,
+the CPU `ggml_top_k`) and the spelling in primitives of `indexer_score`.
 
 QSA (the block indexer of one full-attention layer with compress ratio r):
 
@@ -28,12 +18,7 @@ QSA (the block indexer of one full-attention layer with compress ratio r):
   indices, -1 where a slot holds no visible cell.
 * `index_mask`: the additive [T, P+T] mask (0 at selected visible cells, -inf elsewhere).
 
-PLE hash (`ple_hash`): the n-gram rows of llama.cpp's host-side `set_input`: for token t at
-position p, the context is [tok, tok(p-1), ..., tok(p-n+1)] where a missing predecessor (p-s < 0)
-or an EOS cuts it and everything older reads as EOS (the token itself is never cut); for each
-n-gram size g in 2..n, mixed = XOR_j (ctx[j] * m[j]) in uint64 wrap-around arithmetic, and head
-h of that size gets row mixed % size[h] + offset[h]. The token history is a state [C] of token ids
-by position, written before the hash reads it, so chunked prefill and decode hash like one shot.
+Their spellings in primitives are in `sparse_indexers_spelled.py`.
 """
 
 from __future__ import annotations
@@ -42,52 +27,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-U64 = (1 << 64) - 1
+from .ref_math import rms_plain
+
 TAIL_BIAS = np.float32(1e9)  # llama.cpp's per-block bias of the tail (finite, so never a NaN)
-
-
-def _sigmoid(x: np.ndarray) -> np.ndarray:
-    return 1.0 / (1.0 + np.exp(-x))
-
-
-def _silu(x: np.ndarray) -> np.ndarray:
-    return x * _sigmoid(x)
-
-
-def _rms(x: np.ndarray, eps: float) -> np.ndarray:
-    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + x.dtype.type(eps))
-
-
-# ---------------------------------------------------------------------------------------------
-# hyper-connections
-
-
-def hc_pre_ref(ins: Sequence[np.ndarray], n_hc: int, eps: float, rule: str, post: bool) -> list[np.ndarray]:
-    """Inputs (R [T,hc,E], norm [hc,E], down [lr,hc*E], up [hc*E,lr][, inject [hc,hc*E]])."""
-    if rule != "sigmoid_mean":
-        raise NotImplementedError(f"hc_pre rule {rule!r} has no reference yet (known: sigmoid_mean)")
-    r, norm, down, up, *rest = ins
-    t, hc, e = r.shape
-    dt = r.dtype.type
-    xf = (_rms(r, eps) * norm).reshape(t, hc * e)
-    lo = _silu((xf @ down.T) * dt(1.0 / n_hc))
-    gate = lo @ up.T
-    mixed = np.mean((xf * _sigmoid(gate)).reshape(t, hc, e), axis=1)
-    if not post:
-        return [mixed]
-    (inject,) = rest
-    w = dt(2.0) * _sigmoid((xf @ inject.T) * dt(1.0 / n_hc))
-    return [mixed, w]
-
-
-def hc_post_ref(r: np.ndarray, y: np.ndarray, post: np.ndarray, comb: np.ndarray | None = None) -> np.ndarray:
-    """R [T,hc,E], y [T,E], post [T,hc][, comb [T,hc(dst),hc(src)]] -> [T,hc,E]."""
-    mixed = r if comb is None else np.einsum("tds,tse->tde", comb, r)
-    return mixed + post[:, :, None] * y[:, None, :]
-
-
-# ---------------------------------------------------------------------------------------------
-# QSA indexer
 
 
 def pooled_block_keys(cache: np.ndarray, norm: np.ndarray, table: np.ndarray, ratio: int, eps: float,
@@ -96,7 +38,7 @@ def pooled_block_keys(cache: np.ndarray, norm: np.ndarray, table: np.ndarray, ra
     n_blocks = cache.shape[0] // ratio
     pooled = cache[: n_blocks * ratio].reshape(n_blocks, ratio, -1).mean(axis=1)
     keys = np.concatenate([pooled, cache[:1]], axis=0)
-    keys = _rms(keys, eps) * norm
+    keys = rms_plain(keys, eps) * norm
     half = n_rot // 2
     c, s = table[:, :, 0].astype(keys.dtype), table[:, :, 1].astype(keys.dtype)
     lo, hi = keys[:, :half], keys[:, half:n_rot]
@@ -200,39 +142,3 @@ def index_mask_ref(sel: np.ndarray, p0: int) -> np.ndarray:
             if 0 <= j <= p0 + i:
                 mask[i, j] = 0.0
     return mask
-
-
-# ---------------------------------------------------------------------------------------------
-# PLE n-gram hash
-
-
-def ple_contexts(hist: np.ndarray, tokens: np.ndarray, p0: int, ngram: int, eos: int) -> np.ndarray:
-    """[T, n] n-gram contexts (the token, then its predecessors, EOS from the first cut on)."""
-    t = len(tokens)
-    ctx = np.empty((t, ngram), dtype=np.int64)
-    for i in range(t):
-        p = p0 + i
-        ctx[i, 0] = int(tokens[i])
-        cut = False
-        for s in range(1, ngram):
-            tok = -1 if cut or p - s < 0 else int(hist[p - s])
-            cut = cut or tok < 0 or tok == eos
-            ctx[i, s] = eos if cut else tok
-    return ctx
-
-
-def ple_hash_ref(hist: np.ndarray, tokens: np.ndarray, p0: int, ngram: int, heads_per_ngram: int,
-                 multipliers: Sequence[int], offsets: Sequence[int], sizes: Sequence[int], eos: int) -> np.ndarray:
-    """rows [T, (n-1)*heads_per_ngram] int32 into per_layer_token_embd."""
-    ctx = ple_contexts(hist, tokens, p0, ngram, eos)
-    n_heads = (ngram - 1) * heads_per_ngram
-    rows = np.empty((len(tokens), n_heads), dtype=np.int32)
-    for i in range(len(tokens)):
-        for g in range(2, ngram + 1):
-            mixed = 0
-            for j in range(g):
-                mixed ^= (int(ctx[i, j]) * int(multipliers[j])) & U64
-            for k in range(heads_per_ngram):
-                h = (g - 2) * heads_per_ngram + k
-                rows[i, h] = mixed % int(sizes[h]) + int(offsets[h])
-    return rows

@@ -1,0 +1,61 @@
+"""The hyper-connection ops `hc_pre` and `hc_post` spelled in primitives (references in
+`hyper_connections.py`).
+
+They are both the decompositions of the fused ops and the unfused builders the frontend blocks
+call, so the fusion passes match exactly what a decomposition emits and the decomposed, unfused
+and fused graphs compute the same thing.
+"""
+
+from __future__ import annotations
+
+from . import ops as O
+from .builder import GraphBuilder, rms_norm_plain
+from .graph import Node, Value, mul_dim
+
+
+def hc_pre_spelled(
+    b: GraphBuilder, streams: Value, norm: Value, down: Value, up: Value, inject: Value | None, n_hc: int,
+    eps: float, name: str,
+) -> tuple[Value, Value | None]:
+    """qwen4exp's HC mix (rule "sigmoid_mean"): (layer input [T,E], post weights [T,hc] or None)."""
+    t, hc, e = streams.shape
+    xn = b.mul(rms_norm_plain(b, streams, eps, f"{name}.rms"), norm, f"{name}.normed")
+    xf = b.reshape(xn, (t, mul_dim(int(hc), e)), f"{name}.flat")
+    lo = b.scalar("mul", b.matmul(xf, down, f"{name}.down"), 1.0 / n_hc, f"{name}.down_scaled")
+    gate = b.matmul(b.unary("silu", lo, f"{name}.act"), up, f"{name}.up")
+    gated = b.mul(xf, b.unary("sigmoid", gate, f"{name}.gate"), f"{name}.gated")
+    mixed = b.reduce("mean", b.reshape(gated, (t, hc, e), f"{name}.gated3"), name, axis=1, keepdims=False)
+    if inject is None:
+        return mixed, None
+    inj = b.scalar("mul", b.matmul(xf, inject, f"{name}.inject"), 1.0 / n_hc, f"{name}.inject_scaled")
+    post = b.scalar("mul", b.unary("sigmoid", inj, f"{name}.inject_sig"), 2.0, f"{name}.post")
+    return mixed, post
+
+
+def hc_post_spelled(b: GraphBuilder, streams: Value, y: Value, post: Value, name: str) -> Value:
+    """R + post[:, :, None] * y[:, None, :] (ggml_dsv4_hc_post with comb NULL)."""
+    t, hc, e = streams.shape
+    y3 = b.reshape(y, (t, 1, e), f"{name}.y3")
+    p3 = b.reshape(post, (t, hc, 1), f"{name}.post3")
+    return b.add(streams, b.mul(y3, p3, f"{name}.scattered"), name)
+
+
+def _hc_pre(b: GraphBuilder, n: Node) -> list[Value]:
+    a: O.HcPre = n.attrs
+    r, norm, down, up, *rest = n.inputs
+    mixed, post = hc_pre_spelled(b, r, norm, down, up, rest[0] if a.post else None, a.n_hc, a.eps,
+                                 n.outputs[0].name)
+    return [mixed] if post is None else [mixed, post]
+
+
+def _hc_post(b: GraphBuilder, n: Node) -> list[Value]:
+    if n.attrs.comb:
+        raise NotImplementedError("hc_post with a comb matrix (deepseek4) has no decomposition yet")
+    streams, y, post = n.inputs[:3]
+    return [hc_post_spelled(b, streams, y, post, n.outputs[0].name)]
+
+
+HC_DECOMPOSITIONS = {
+    "hc_pre": _hc_pre,
+    "hc_post": _hc_post,
+}

@@ -1,0 +1,61 @@
+"""The sparse-attention indexer op `indexer_score` spelled in primitives (references in
+`sparse_indexers.py`).
+
+They are both the decompositions of the fused ops and the unfused builders the frontend blocks
+call, so the fusion passes match exactly what a decomposition emits and the decomposed, unfused
+and fused graphs compute the same thing.
+"""
+
+from __future__ import annotations
+
+from . import ops as O
+from .builder import GraphBuilder, rms_norm_plain
+from .graph import Node, Value, mul_dim
+
+
+def block_keys_spelled(
+    b: GraphBuilder, cache: Value, norm: Value, table: Value, ratio: int, eps: float, n_rot: int, name: str
+) -> Value:
+    """[C//r + 1, Di]: each block's mean raw key, RMS-normalised, rotated at its block start (table
+    row b); the last row is the spare block (cell 0's key at position 0)."""
+    n_cells, di = (int(d) for d in cache.shape)
+    nb = n_cells // ratio
+    full = cache if nb * ratio == n_cells else b.slice(cache, 0, 0, nb * ratio, f"{name}.full")
+    pooled = b.reduce("mean", b.reshape(full, (nb, ratio, di), f"{name}.blocks"), f"{name}.pooled", axis=1,
+                      keepdims=False)
+    keys = b.emit("concat", [pooled, b.slice(cache, 0, 0, 1, f"{name}.cell0")], O.Concat(0), f"{name}.keys")
+    normed = b.mul(rms_norm_plain(b, keys, eps, f"{name}.rms"), norm, f"{name}.normed")
+    half = n_rot // 2
+    rows = nb + 1
+    cos = b.reshape(b.slice(table, 2, 0, 1, f"{name}.cos3"), (rows, half), f"{name}.cos")
+    sin = b.reshape(b.slice(table, 2, 1, 2, f"{name}.sin3"), (rows, half), f"{name}.sin")
+    lo = b.slice(normed, 1, 0, half, f"{name}.lo")
+    hi = b.slice(normed, 1, half, n_rot, f"{name}.hi")
+    new_lo = b.binary("sub", b.mul(lo, cos, f"{name}.lo_c"), b.mul(hi, sin, f"{name}.hi_s"), f"{name}.new_lo")
+    new_hi = b.add(b.mul(lo, sin, f"{name}.lo_s"), b.mul(hi, cos, f"{name}.hi_c"), f"{name}.new_hi")
+    parts = [new_lo, new_hi] + ([b.slice(normed, 1, n_rot, di, f"{name}.pass")] if n_rot < di else [])
+    return b.emit("concat", parts, O.Concat(1), f"{name}.roped")
+
+
+def indexer_score_spelled(
+    b: GraphBuilder, q: Value, cache: Value, norm: Value, table: Value, ratio: int, eps: float, n_rot: int,
+    name: str,
+) -> Value:
+    """score[t, b] = sum_h relu(q[t, h] . key_b) over the pooled block keys -> [T, C//r + 1]."""
+    t, n_heads, di = q.shape
+    keys = block_keys_spelled(b, cache, norm, table, ratio, eps, n_rot, f"{name}.k")
+    rows = int(keys.shape[0])
+    q2 = b.reshape(q, (mul_dim(int(n_heads), t), di), f"{name}.q2")
+    dots = b.reshape(b.matmul(q2, keys, f"{name}.dots2"), (t, n_heads, rows), f"{name}.dots")
+    return b.reduce("sum", b.unary("relu", dots, f"{name}.relu"), name, axis=1, keepdims=False)
+
+
+def _indexer_score(b: GraphBuilder, n: Node) -> list[Value]:
+    a: O.IndexerScore = n.attrs
+    q, cache, norm, table = n.inputs
+    return [indexer_score_spelled(b, q, cache, norm, table, a.ratio, a.eps, a.n_rot, n.outputs[0].name)]
+
+
+INDEXER_DECOMPOSITIONS = {
+    "indexer_score": _indexer_score,
+}
