@@ -96,7 +96,7 @@ def main() -> int:
     import tvm
 
     from ggufc.cli import default_model
-    from ggufc.codegen.compile import compile_model
+    from ggufc.driver.compile import compile_model
     from ggufc.runtime import cuda_runtime
     from ggufc.runtime.session import Session
 

@@ -1,28 +1,30 @@
-"""From a loaded model to a compiled Relax VM executable plus kernel-layout weights (in memory).
+"""From optimised IR graphs to a compiled Relax VM executable, and weights in kernel layout.
 
-`compile.py` turns this into an on-disk artifact; `verify.py` runs it next to the interpreter.
+The driver (`driver/stages.py`) loads the model and runs the passes first; `driver/compile.py`
+writes the result as an artifact.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import tvm
 from tvm import relax
 
-from ggufc.frontend.load import LoadedModel
 from ggufc.ir.graph import Graph
 from ggufc.runtime.artifact import LAYOUT_FUNCTION, layout_contract
 
 from . import quant as Q
 from . import quant_gpu as QG
-from .gpu import DECODE_IO_STATES, decode_io_supported, is_gpu, target_key
-from .lower import ModuleBuilder, ParamLayout, plan_params
-from .target import resolve_target
+from .build_gpu import compile_gpu, seal_plan_layout
+from .gpu import DECODE_IO_STATES, decode_io_supported
+from .lower import ModuleBuilder
+from .lower_context import ParamLayout, plan_params
+from .target import is_gpu, resolve_target, target_key
 
 Progress = Callable[[str], None]
 
@@ -43,23 +45,14 @@ class Built:
     tuning: Any = None  # codegen.tune.TunedKernels that supplied tuned schedules (compile --tuning-db)
 
 
-def optimise(graphs: dict[str, Graph], disabled: frozenset[str]) -> tuple[dict[str, Graph], dict[str, int]]:
-    """Run the pass pipeline on every entry graph; hit counts are those of the all-logits graph."""
-    from ggufc.passes.pipeline import run_pipeline
+class WeightSource(Protocol):
+    """Where a model's weights come from: float arrays made while loading (rope tables, ...) by
+    name, and every other tensor as stored in the model file (block bytes for quantized types)."""
 
-    out: dict[str, Graph] = {}
-    stats: dict[str, int] = {}
-    for name, g in graphs.items():
-        out[name], s = run_pipeline(g, disabled=disabled)
-        if name == "prefill_all":
-            stats = dict(s)
-    return out, stats
+    @property
+    def derived(self) -> Mapping[str, np.ndarray]: ...
 
-
-def passes_off_for(target: tvm.target.Target, disabled: frozenset[str]) -> frozenset[str]:
-    """The passes to skip for `target`: 8-bit activation rounding is a CPU kernel strategy
-    (quant_int8.py); GPU targets keep float32 activations."""
-    return disabled | {"quantize_activations"} if is_gpu(target) else disabled
+    def stored_data(self, name: str) -> np.ndarray: ...
 
 
 def state_plan(graph: Graph) -> list[tuple[str, tuple[int, ...], str]]:
@@ -67,18 +60,14 @@ def state_plan(graph: Graph) -> list[tuple[str, tuple[int, ...], str]]:
 
 
 def build_executable(
-    model: LoadedModel, target: str | dict[str, Any] = "llvm", *, disabled_passes: frozenset[str] = frozenset(),
-    max_chunk: int = DEFAULT_MAX_CHUNK, progress: Progress = lambda s: None, run_passes: bool = True,
-    extra_outputs: bool = False, tuning: Any = None,
+    graphs: dict[str, Graph], target: str | dict[str, Any] | tvm.target.Target, *, n_ctx: int, n_vocab: int,
+    max_chunk: int = DEFAULT_MAX_CHUNK, progress: Progress = lambda s: None, tuning: Any = None,
+    pass_stats: dict[str, int] | None = None,
 ) -> Built:
+    """Lower the entry graphs (`prefill_all`, `prefill`; decode is `prefill` at one token) and compile."""
     tgt = resolve_target(target)
     t0 = time.perf_counter()
-    graphs = dict(model.graphs)
-    stats: dict[str, int] = {}
     gpu_target = is_gpu(tgt)
-    if run_passes:
-        progress("optimising graph")
-        graphs, stats = optimise(graphs, passes_off_for(tgt, disabled_passes))
     layouts = plan_params(list(graphs.values()), QG.layout_spec if gpu_target else Q.layout_spec)
     states = state_plan(graphs["prefill_all"])
     if tgt.kind.name == "cuda" and decode_io_supported(graphs["prefill"]):  # whole decode in one CUDA graph
@@ -92,32 +81,29 @@ def build_executable(
     mb.add_function("prefill", graphs["prefill"])
     mb.add_function("decode", graphs["prefill"], fixed_tokens=1)
     mod = mb.module()
-    bounds = {"n": max_chunk, "p": model.n_ctx}
+    bounds = {"n": max_chunk, "p": n_ctx}
     for name in ("prefill_all", "prefill", "decode"):
         gv = mod.get_global_var(name)
         mod[gv] = mod[gv].with_attr("tir_var_upper_bound", bounds)
-    n_vocab = int(model.hparams.n_vocab)
     t1 = time.perf_counter()
     progress(f"compiling {len(mb.kernel_names)} kernels for {target_key(tgt)}")
     if gpu_target:  # cuda: Relax VM + fatbin; vulkan/metal: WGSL/MSL + dispatch plan (build_gpu.py)
-        from .build_gpu import compile_gpu, seal_plan_layout
-
         if tgt.kind.name == "cuda":
-            mod = with_layout_function(mod, layout_fields(model.n_ctx, n_vocab, max_chunk, layouts, states))
+            mod = with_layout_function(mod, layout_fields(n_ctx, n_vocab, max_chunk, layouts, states))
         ex = compile_gpu(mod, tgt, mb.kernel_names, target, n_params=len(mb.flat_params), n_states=len(states),
-                         max_chunk=max_chunk, n_ctx=model.n_ctx, progress=progress)
+                         max_chunk=max_chunk, n_ctx=n_ctx, progress=progress)
         max_chunk = ex.max_chunk or max_chunk  # vulkan: chunks small enough for every buffer binding
         if ex.plan is not None:
-            seal_plan_layout(ex, layout_contract(layout_fields(model.n_ctx, n_vocab, max_chunk, layouts, states)))
+            seal_plan_layout(ex, layout_contract(layout_fields(n_ctx, n_vocab, max_chunk, layouts, states)))
         if mb.decode_inputs is not None:  # the session writes the token and position there before decode
             ex.manifest["decode_inputs"] = {"token": mb.decode_inputs[0], "pos": mb.decode_inputs[1]}
     else:
-        mod = with_layout_function(mod, layout_fields(model.n_ctx, n_vocab, max_chunk, layouts, states))
+        mod = with_layout_function(mod, layout_fields(n_ctx, n_vocab, max_chunk, layouts, states))
         # reshapes inside dataflow blocks become views (RewriteDataflowReshape), not copy kernels
         mod = relax.transform.ConvertToDataflow()(mod)
         ex = tvm.compile(mod, target=tgt, relax_pipeline=cpu_build_pipeline())
     t2 = time.perf_counter()
-    return Built(ex, layouts, states, graphs, mb.kernel_names, tgt, max_chunk, stats,
+    return Built(ex, layouts, states, graphs, mb.kernel_names, tgt, max_chunk, dict(pass_stats or {}),
                  {"lower_s": t1 - t0, "tvm_compile_s": t2 - t1}, tuning)
 
 
@@ -161,15 +147,14 @@ def cpu_build_pipeline() -> tvm.transform.Pass:
     ])
 
 
-def kernel_weights(model: LoadedModel, layouts: list[ParamLayout]) -> dict[str, np.ndarray]:
+def kernel_weights(weights: WeightSource, layouts: list[ParamLayout]) -> dict[str, np.ndarray]:
     """Every param repacked into its kernel layout, keyed `<tensor>::<field>` (block formats kept)."""
     out: dict[str, np.ndarray] = {}
     for lay in layouts:
-        if lay.source in model.derived:
-            arrays = {"w": model.derived[lay.source]}
+        if lay.source in weights.derived:
+            arrays = {"w": weights.derived[lay.source]}
         else:
-            info = model.gguf.tensors[lay.source]
-            arrays = Q.repack(lay.qtype, np.asarray(info.data), lay.shape)
+            arrays = Q.repack(lay.qtype, weights.stored_data(lay.source), lay.shape)
             if QG.is_packed(lay.qtype) and lay.arrays == tuple(QG.layout_spec(lay.qtype, lay.shape)):
                 arrays = QG.pack(lay.qtype, arrays, lay.shape)  # GPU targets: one word array per weight
         for fname, shape, dtype in lay.arrays:

@@ -28,16 +28,18 @@ from typing import Any
 import tvm
 from tvm import relax
 
+from ggufc.runtime.plan_format import WGSL_SEPARATOR
+
 from . import device_info as DI
-from .gpu import schedule_table, target_key
+from .gpu import schedule_table
 from .plan import ENTRY_POINTS, build_plan
+from .target import split_target, target_key
 
 PLAN_NAME = "plan.json"
 WGSL_NAME = "kernels.wgsl"
 METAL_NAME = "kernels.metal"
 CUDA_BINARY_NAME = "kernels.fatbin"
 KERNELS_SO = "kernels.so"
-WGSL_SEPARATOR = "// ggufc-entry: "
 # WebGPU's default maxStorageBufferBindingSize (lavapipe's limit too): no intermediate may exceed it,
 # so a vulkan artifact runs on any conformant device
 BINDING_LIMIT = 128 << 20
@@ -289,7 +291,6 @@ def cuda_binary(source: str, archs: Sequence[str]) -> tuple[bytes | None, str]:
 def compile_gpu(mod: tvm.IRModule, target: tvm.target.Target, kernel_names: Sequence[str], target_text: Any, *,
                 n_params: int, n_states: int, max_chunk: int, n_ctx: int,
                 progress: Callable[[str], None] = lambda s: None) -> GpuExecutable:
-    from .gpu import split_target
 
     key = target_key(target)
     if key == "cuda":

@@ -26,23 +26,20 @@ generic x86-64/aarch64, since it runs on whatever CPU drives the GPU.
 from __future__ import annotations
 
 import contextlib
-import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import tvm
+import tvm_ffi
 from tvm import tirx
 
 from . import attention_gpu as AG
+from . import device_info as DI
+from . import ngram_embedding as NG
 from . import quant_gpu as QG
-
-GPU_TARGETS = ("cuda", "vulkan", "metal")
-TVM_KIND = {"cuda": "cuda", "vulkan": "webgpu", "metal": "metal"}
-TARGET_KEY_OF_KIND = {"cuda": "cuda", "webgpu": "vulkan", "metal": "metal"}
-DEFAULT_CUDA_ARCHS = ("sm_80", "sm_90")
-# WebGPU guarantees 16 KiB of workgroup memory and 256 invocations; ask for no more, so a vulkan
-# artifact runs on any conformant device (TVM's webgpu target assumes 32 KiB).
-WEBGPU_LIMITS = {"max_shared_memory_per_block": 16384, "max_num_threads": 256}
+from . import recurrent_gpu as RG
+from . import sparse_indexers as SI
+from .kernels import Symbols
 
 
 class GpuScheduleError(RuntimeError):
@@ -51,58 +48,6 @@ class GpuScheduleError(RuntimeError):
 
 # ---------------------------------------------------------------------------------------------
 # targets
-
-
-def is_gpu(target: tvm.target.Target) -> bool:
-    return target.kind.name in TARGET_KEY_OF_KIND
-
-
-def target_key(target: tvm.target.Target) -> str:
-    """The artifact's target key: llvm, cuda, vulkan or metal."""
-    return TARGET_KEY_OF_KIND.get(target.kind.name, target.kind.name)
-
-
-def parse_archs(text: str | Sequence[str] | None) -> tuple[str, ...]:
-    """`sm_80,sm_90` (or a list) -> ('sm_80', 'sm_90'); None -> the defaults."""
-    if text is None:
-        return DEFAULT_CUDA_ARCHS
-    items = [a.strip() for a in (text.split(",") if isinstance(text, str) else text) if a.strip()]
-    if not items:
-        raise ValueError("--arch: expected one or more CUDA architectures such as sm_80,sm_90")
-    for a in items:
-        if not re.fullmatch(r"sm_\d{2,3}[a-z]?", a):
-            raise ValueError(f"--arch: {a!r} is not a CUDA architecture (expected e.g. sm_80)")
-    return tuple(dict.fromkeys(items))
-
-
-def split_target(text: Any) -> tuple[str, tuple[str, ...]]:
-    """`cuda:sm_80,sm_90` -> ('cuda', ('sm_80', 'sm_90')); `cuda` -> the default archs; other
-    names come back with no archs. A Target or dict gives its kind (and cuda arch)."""
-    if isinstance(text, tvm.target.Target):
-        name = TARGET_KEY_OF_KIND.get(text.kind.name, text.kind.name)
-        arch = str(text.attrs.get("arch", "")) if name == "cuda" else ""
-        return name, ((arch,) if arch else DEFAULT_CUDA_ARCHS) if name == "cuda" else ()
-    if isinstance(text, dict):
-        return split_target(tvm.target.Target(text))
-    name, _, rest = str(text).partition(":")
-    if name == "cuda":
-        return name, parse_archs(rest or None)
-    if rest:
-        raise ValueError(f"target '{text}': only cuda takes architectures (cuda:sm_80,sm_90)")
-    return name, ()
-
-
-def gpu_target(name: str, archs: Sequence[str] | None = None) -> tvm.target.Target:
-    """TVM target for a ggufc GPU target name (host: generic CPU code, see module doc)."""
-    host = tvm.target.Target({"kind": "llvm"})
-    if name == "cuda":
-        archs = parse_archs(archs)
-        return tvm.target.Target({"kind": "cuda", "arch": archs[0]}, host=host)
-    if name == "vulkan":
-        return tvm.target.Target({"kind": "webgpu", **WEBGPU_LIMITS}, host=host)
-    if name == "metal":
-        return tvm.target.Target({"kind": "metal"}, host=host)
-    raise ValueError(f"unknown GPU target '{name}' (known: {', '.join(GPU_TARGETS)})")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -169,8 +114,6 @@ def _no_simdgroup_matmul(target: tvm.target.Target) -> Iterator[None]:
 def launch_problem(func: tirx.PrimFunc, target: tvm.target.Target) -> str | None:
     """Why a scheduled kernel is not a straight sequence of device launches (None if it is):
     host-side loops around launches, or an unbound statement that would run on the host."""
-    from . import device_info as DI
-
     try:
         host, device = DI.lower(func, target, "check")
         DI.read_launches(next(iter(host.functions.values())), device, "check")
@@ -181,8 +124,6 @@ def launch_problem(func: tirx.PrimFunc, target: tvm.target.Target) -> str | None
 
 def _is_cpu_kernel(func: tirx.PrimFunc) -> bool:
     """A hand-written CPU kernel (parallel or vectorised loops) that dlight cannot schedule."""
-    import tvm_ffi
-
     found = []
 
     def visit_for(node: tirx.For) -> None:
@@ -247,12 +188,8 @@ def gpu_kernel(key: tuple[Any, ...], make: Callable[[], tirx.PrimFunc], target: 
         return _mark(AG.cache_write(tuple(int(d) for d in cshape), tuple(int(d) for d in xdims[1:]), dtype),
                      "ggufc.cache_write")
     if kind == "ssm_conv":  # ("ssm_conv", channels, width, dilation)
-        from . import recurrent_gpu as RG
-
         return _mark(RG.ssm_conv(int(key[1]), int(key[2]), int(key[3])), "ggufc.scan_per_channel")
     if kind == "gated_delta_net":  # ("gated_delta_net", hv, dv, dk, hk, attrs)
-        from . import recurrent_gpu as RG
-
         _, hv, dv, dk, hk, attrs = key
         return _mark(RG.gated_delta_net(int(hv), int(dv), int(dk), int(hk), attrs.head_map, attrs.scale),
                      "ggufc.scan_per_row")
@@ -265,26 +202,16 @@ def gpu_kernel(key: tuple[Any, ...], make: Callable[[], tirx.PrimFunc], target: 
         return _mark(AG.masked_attention(int(q_dims[1]), int(cache_dims[1]), int(q_dims[2]), int(cache_dims[0]),
                                          key[1].scale), "ggufc.attention_online_softmax")
     if kind == "index_mask":  # -inf as its bit pattern: WGSL has no infinity literal
-        from . import kernels_qwen4exp as KQ
-
         neg_inf = tirx.reinterpret("float32", tirx.const(0xFF800000, "uint32"))
-        from .kernels import Symbols
-
-        return _schedule(KQ.index_mask(Symbols().shape(key[1][0]), neg_inf), target, key)
-    if kind in ("ple_hash", "indexer_topk"):
-        return _qwen4exp_kernel(key)
-    return _schedule(make(), target, key)
-
-
-def _qwen4exp_kernel(key: tuple[Any, ...]) -> tirx.PrimFunc:
-    from . import qwen4exp_gpu as QX
-
-    if key[0] == "ple_hash":  # ("ple_hash", attrs, cells)
+        return _schedule(SI.index_mask(Symbols().shape(key[1][0]), neg_inf), target, key)
+    if kind == "ple_hash":  # ("ple_hash", attrs, cells)
         a, n_cells = key[1], int(key[2])
-        return _mark(QX.ple_hash(n_cells, a.ngram, a.heads_per_ngram, a.multipliers, a.offsets, a.sizes, a.eos),
+        return _mark(NG.ple_hash_gpu(n_cells, a.ngram, a.heads_per_ngram, a.multipliers, a.offsets, a.sizes, a.eos),
                      "ggufc.hash_per_token")
-    a, nb1, n_cells = key[1], int(key[2]), int(key[3])  # ("indexer_topk", attrs, blocks + 1, cells)
-    return _mark(QX.indexer_topk(nb1, a.ratio, a.width, n_cells), "ggufc.heap_select_per_row")
+    if kind == "indexer_topk":  # ("indexer_topk", attrs, blocks + 1, cells)
+        a, nb1, n_cells = key[1], int(key[2]), int(key[3])
+        return _mark(SI.indexer_topk_gpu(nb1, a.ratio, a.width, n_cells), "ggufc.heap_select_per_row")
+    return _schedule(make(), target, key)
 
 
 def _pos_tensor_kernel(key: tuple[Any, ...], target: tvm.target.Target) -> tirx.PrimFunc:
@@ -359,4 +286,3 @@ def schedule_table(mod: tvm.IRModule, names: Sequence[str]) -> dict[str, str]:
                     how += f" ({attrs['ggufc.schedule_notes']})"
                 out[name] = how
     return out
-

@@ -86,13 +86,13 @@ def _broadcast_shape(shapes: Sequence[PShape]) -> PShape:
 # elementwise
 
 
-def _sigmoid(x: PrimExpr) -> PrimExpr:
+def sigmoid(x: PrimExpr) -> PrimExpr:
     return f32(1.0) / (f32(1.0) + te.exp(-x))
 
 
 UNARY: dict[str, Callable[[PrimExpr], PrimExpr]] = {
-    "silu": lambda x: x * _sigmoid(x),
-    "sigmoid": _sigmoid,
+    "silu": lambda x: x * sigmoid(x),
+    "sigmoid": sigmoid,
     "exp": te.exp,
     "neg": lambda x: -x,
     "sqrt": te.sqrt,
@@ -474,3 +474,12 @@ def tvm_dtype(d: str) -> str:
 
 
 __all__ = ["tvm"]
+
+
+def with_root_block(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """Hand-written kernels (plain loops) under a root block, as TE-made ones are: Relax's dataflow
+    rewrites (reshape detection) analyse every callee and require one."""
+    if isinstance(func.body, tvm.s_tir.SBlockRealize):
+        return func
+    root = tvm.s_tir.SBlock([], [], [], "root", func.body)
+    return func.with_body(tvm.s_tir.SBlockRealize([], True, root))

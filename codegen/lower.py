@@ -8,7 +8,6 @@ Every entry point has the signature `(tokens [T] int32, pos Shape([P]), states t
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -17,156 +16,28 @@ from tvm import relax, tirx
 
 from ggufc.ir import ops as O
 from ggufc.ir.act_quant import MIN_TYPES
-from ggufc.ir.graph import Dim, Graph, Node, Param, Value
+from ggufc.ir.graph import Dim, Graph, Node, Value
 
 from . import cpu_vec as CV
+from . import hyper_connections as HC
 from . import kernels as K
 from . import kernels_attention as KA
 from . import kernels_recurrent as KR
+from . import moe_routing as MR
+from . import ngram_embedding as NG
 from . import quant as Q
 from . import quant_int8 as Q8
+from . import sparse_indexers as SI
+from .gpu import gpu_kernel
+from .lower_context import (
+    GPU_KINDS,
+    POS_TENSOR_KINDS,
+    FunctionContext,
+    ParamLayout,
+    tensor_type,
+    weight_args,
+)
 from .schedule import PRESCHEDULED, schedule_cpu
-
-
-@dataclass(frozen=True)
-class ParamLayout:
-    """Where a weight's kernel-layout arrays sit in the flat params tuple."""
-
-    source: str
-    qtype: str
-    shape: tuple[int, ...]
-    arrays: tuple[tuple[str, tuple[int, ...], str], ...]  # (field, shape, dtype)
-    first: int  # index of the first array in the params tuple
-
-
-GPU_KINDS = frozenset({"cuda", "webgpu", "metal"})  # TVM target kinds whose kernels come from gpu.py
-POS_TENSOR_KINDS = frozenset({"rope", "attention", "cache_write"})  # kernels taking the position
-
-
-def plan_params(graphs: Sequence[Graph], layout_spec: Callable[..., Any] = Q.layout_spec) -> list[ParamLayout]:
-    """Every param used by any graph, in a stable order, with its kernel layout (GPU targets pass
-    `quant_gpu.layout_spec`)."""
-    seen: dict[str, Param] = {}
-    for g in graphs:
-        for src, p in g.params.items():
-            seen.setdefault(src, p)
-    layouts: list[ParamLayout] = []
-    index = 0
-    for src in sorted(seen):
-        p = seen[src]
-        shape = tuple(int(d) for d in p.value.shape)
-        spec = tuple((n, tuple(s), dt) for n, s, dt in layout_spec(p.qtype, shape)) if len(shape) >= 1 else ()
-        layouts.append(ParamLayout(src, p.qtype, shape, spec, index))
-        index += len(spec)
-    return layouts
-
-
-def _tensor_type(shape: Sequence[Any], dtype: str) -> relax.TensorType:
-    return relax.TensorType(list(shape), dtype)
-
-
-class FunctionContext:
-    """State of one Relax function being built: value environment and symbolic dims."""
-
-    def __init__(self, builder: ModuleBuilder, graph: Graph, fixed_tokens: int | None) -> None:
-        self.mb = builder
-        self.bb = builder.bb
-        self.graph = graph
-        self.fixed_tokens = fixed_tokens
-        self.n = tirx.Var("n", "int64") if fixed_tokens is None else None
-        self.p = tirx.Var("p", "int64")
-        self.env: dict[int, Any] = {}
-        self.param_of: dict[int, Param] = graph.param_values()
-        self.param_arrays: dict[str, list[Any]] = {}
-        self.users: dict[int, list[Node]] = graph.users()
-        self.output_ids: set[int] = {o.id for o in graph.outputs}  # values the function returns
-        self.grouped: dict[int, Any] = {}  # outputs computed early by a grouped kernel
-        self.params_var: Any = None  # the function's weights argument (set by add_function)
-        self.producers: dict[int, Node] = graph.producers()
-        self.order: dict[int, int] = {id(n): i for i, n in enumerate(graph.nodes)}  # node -> position
-
-    # -- dims -----------------------------------------------------------------------------------
-    def dim(self, d: Dim) -> Any:
-        if isinstance(d, int):
-            return K.i64(d)
-        tok = self.n if self.n is not None else K.i64(self.fixed_tokens or 1)
-        return eval(d, {"__builtins__": {}}, {"T": tok, "P": self.p})  # noqa: S307 - IR dims are checked
-
-    def shape(self, v: Value) -> list[Any]:
-        return [self.dim(d) for d in v.shape]
-
-    def is_one(self, d: Dim) -> bool:
-        return d == 1 or (d == "T" and self.fixed_tokens == 1)
-
-    def kernel_key_dims(self, v: Value) -> tuple[Dim, ...]:
-        """Dims as they parameterise a kernel: T becomes 1 in a decode function."""
-        return tuple(1 if (d == "T" and self.fixed_tokens == 1) else d for d in v.shape)
-
-    def kernel_shape(self, v: Value, syms: K.Symbols) -> K.PShape:
-        return syms.shape(self.kernel_key_dims(v))
-
-    # -- values ---------------------------------------------------------------------------------
-    def is_param(self, v: Value) -> bool:
-        return v.id in self.param_of
-
-    def param(self, v: Value) -> tuple[ParamLayout, list[Any]]:
-        p = self.param_of[v.id]
-        layout = self.mb.layouts[p.source]
-        if p.source not in self.param_arrays:
-            self.param_arrays[p.source] = [
-                self.bb.emit(self._param_item(layout.first + i, shape, dtype), name_hint=_hint(p.source, f))
-                for i, (f, shape, dtype) in enumerate(layout.arrays)
-            ]
-        return layout, self.param_arrays[p.source]
-
-    def _param_item(self, index: int, shape: Sequence[int], dtype: str) -> Any:
-        if not self.mb.unchecked_params:
-            return relax.TupleGetItem(self.params_var, index)
-        # the params argument is an opaque object: no per-call shape/dtype check of every array
-        # (~750 VM checks per step on SmolLM2); the runtime checks the arrays once, at load
-        return relax.call_pure_packed("vm.builtin.tuple_getitem", self.params_var,
-                                      relax.prim_value(tirx.IntImm("int64", index)),
-                                      ty_args=[_tensor_type(shape, dtype)])
-
-    def value(self, v: Value) -> Any:
-        if v.id in self.param_of:
-            layout, arrays = self.param(v)
-            if len(arrays) != 1 or layout.qtype != "F32":
-                raise NotImplementedError(f"{v.label}: a {layout.qtype} weight used where f32 is needed")
-            return arrays[0]
-        return self.env[v.id]
-
-    pos_tensor: Any = None  # cuda decode: the int32 [1] state holding the position (gpu.py)
-
-    def pos(self) -> Any:
-        if self.pos_tensor is not None:  # cuda decode: position in device memory
-            return self.pos_tensor
-        return relax.prim_value(self.p)
-
-    # -- calls ----------------------------------------------------------------------------------
-    def call(self, key: tuple[Any, ...], make: Callable[[], tirx.PrimFunc], args: Sequence[Any],
-             outs: Sequence[Value], name: str) -> list[Any]:
-        gv = self.mb.kernel(key, make)
-        types = [_tensor_type(self.shape(o), o.dtype) for o in outs]
-        call = relax.call_tir(gv, list(args), types if len(types) > 1 else types[0])
-        res = self.bb.emit(call, name_hint=name)
-        if len(outs) == 1:
-            return [res]
-        return [self.bb.emit(relax.TupleGetItem(res, i)) for i in range(len(outs))]
-
-    def call_temp(self, key: tuple[Any, ...], make: Callable[[], tirx.PrimFunc], args: Sequence[Any],
-                  shapes: Sequence[tuple[Sequence[Any], str]], name: str) -> list[Any]:
-        """A call whose outputs are intermediates of a composite lowering (no IR value)."""
-        gv = self.mb.kernel(key, make)
-        types = [_tensor_type(s, dt) for s, dt in shapes]
-        res = self.bb.emit(relax.call_tir(gv, list(args), types if len(types) > 1 else types[0]), name_hint=name)
-        if len(shapes) == 1:
-            return [res]
-        return [self.bb.emit(relax.TupleGetItem(res, i)) for i in range(len(shapes))]
-
-
-def _hint(source: str, field: str) -> str:
-    return (source.replace(".", "_") + "_" + field)[:60]
 
 
 class ModuleBuilder:
@@ -197,15 +68,13 @@ class ModuleBuilder:
             name = _kernel_name(key, len(self.kernels))
             func = self.tuned.lookup(key, make, name) if self.tuned is not None else None
             if func is None and self.target.kind.name in GPU_KINDS:
-                from .gpu import gpu_kernel  # GPU targets: GPU kernels/schedules per key (gpu.py)
-
                 func = gpu_kernel(key, make, self.target)
             if func is None:
                 func = make()
                 if self.target.kind.name == "llvm" and key[0] not in PRESCHEDULED:
                     func = schedule_cpu(func)
                 if self.target.kind.name == "llvm":
-                    func = _with_root_block(func)
+                    func = K.with_root_block(func)
             self.kernels[key] = self.bb.add_func(func.with_attr("global_symbol", name), name)
             self.kernel_names.append(name)
         return self.kernels[key]
@@ -214,11 +83,11 @@ class ModuleBuilder:
         fc = FunctionContext(self, graph, fixed_tokens)
         self._building_decode = fixed_tokens == 1 and self.decode_inputs is not None
         tok_dim = fc.n if fc.n is not None else K.i64(fixed_tokens or 1)
-        tokens = relax.Var("tokens", _tensor_type([tok_dim], "int32"))
+        tokens = relax.Var("tokens", tensor_type([tok_dim], "int32"))
         pos = relax.Var("pos", relax.ShapeType([fc.p]))
-        states = relax.Var("states", relax.TupleType([_tensor_type(s, d) for _, s, d in self.states]))
+        states = relax.Var("states", relax.TupleType([tensor_type(s, d) for _, s, d in self.states]))
         params = relax.Var("params", relax.ObjectType() if self.unchecked_params else
-                           relax.TupleType([_tensor_type(s, d) for _, s, d in self.flat_params]))
+                           relax.TupleType([tensor_type(s, d) for _, s, d in self.flat_params]))
         fc.params_var = params
         state_index = {n: i for i, (n, _, _) in enumerate(self.states)}
         # CUDA graphs (gpu.py): a cuda decode reads its token and position from two int32 [1] states
@@ -245,15 +114,6 @@ class ModuleBuilder:
 
     def module(self) -> tvm.IRModule:
         return self.bb.get()
-
-
-def _with_root_block(func: tirx.PrimFunc) -> tirx.PrimFunc:
-    """Hand-written kernels (plain loops) under a root block, as TE-made ones are: Relax's dataflow
-    rewrites (reshape detection) analyse every callee and require one."""
-    if isinstance(func.body, tvm.s_tir.SBlockRealize):
-        return func
-    root = tvm.s_tir.SBlock([], [], [], "root", func.body)
-    return func.with_body(tvm.s_tir.SBlockRealize([], True, root))
 
 
 def _kernel_name(key: tuple[Any, ...], index: int) -> str:
@@ -319,16 +179,8 @@ def _cache_write(fc: FunctionContext, node: Node) -> list[Any]:
     key = ("cache_write", cshape, fc.kernel_key_dims(x), cache.dtype)
     gv = fc.mb.kernel(key, lambda: K.cache_write(K.Symbols().shape(cshape), K.Symbols().shape(x.shape), cache.dtype))
     call = relax.call_tir_inplace(gv, [fc.value(cache), fc.value(x), fc.pos()], [0],
-                                  _tensor_type(fc.shape(cache), cache.dtype))
+                                  tensor_type(fc.shape(cache), cache.dtype))
     return [fc.bb.emit(call, name_hint=node.outputs[0].name)]
-
-
-def _weight_args(fc: FunctionContext, w: Value) -> tuple[str, tuple[int, ...], list[Any]]:
-    """(qtype, logical shape, kernel-layout arrays) of a matmul/gather weight operand."""
-    if fc.is_param(w):
-        layout, arrays = fc.param(w)
-        return layout.qtype, layout.shape, arrays
-    return "F32", tuple(int(d) for d in w.shape), [fc.value(w)]
 
 
 def _int8_matmul(fc: FunctionContext, node: Node) -> bool:
@@ -391,12 +243,12 @@ def _group_members(fc: FunctionContext, node: Node) -> list[Node]:
     """The 8-bit GEMVs that run in one kernel with `node` (itself first): readers of the same rounded
     input with the same weight type and K (a layer's q/k/v, its gate/up), in graph order."""
     x = node.inputs[0]
-    qtype, (_, k), _ = _weight_args(fc, node.inputs[1])
+    qtype, (_, k), _ = weight_args(fc, node.inputs[1])
 
     def joins(u: Node) -> bool:
         if not _int8_gemv(fc, u):
             return False
-        u_qtype, (_, u_k), _ = _weight_args(fc, u.inputs[1])
+        u_qtype, (_, u_k), _ = weight_args(fc, u.inputs[1])
         return u_qtype == qtype and u_k == k
 
     members = [u for u in fc.users[x.id] if joins(u)]
@@ -429,9 +281,9 @@ def _int8_gemv_group(fc: FunctionContext, node: Node) -> list[Any]:
         return [fc.grouped.pop(node.outputs[0].id)]
     x, w = node.inputs[:2]
     prologue, lead = _gemv_input(fc, x)  # the kernels round x themselves
-    qtype, (_, k), _ = _weight_args(fc, w)
+    qtype, (_, k), _ = weight_args(fc, w)
     members = _group_members(fc, node)
-    weights = [_weight_args(fc, m.inputs[1]) for m in members]
+    weights = [weight_args(fc, m.inputs[1]) for m in members]
     ns = tuple(shape[0] for _, shape, _ in weights)
     residual = _gemv_residual(fc, node) if fc.mb.target.kind.name == "llvm" else None
     tail = [fc.value(residual[1])] if residual else []
@@ -474,7 +326,7 @@ def _quantize_act(fc: FunctionContext, node: Node) -> list[Any]:
 
 def _matmul(fc: FunctionContext, node: Node) -> list[Any]:
     x, w = node.inputs[:2]
-    qtype, (n, k), arrays = _weight_args(fc, w)
+    qtype, (n, k), arrays = weight_args(fc, w)
     gemv = fc.is_one(x.shape[0]) and len(x.shape) == 2
     if len(x.shape) != 2:
         raise NotImplementedError(f"{node.outputs[0].label}: matmul expects a 2-D activation, got {x.shape}")
@@ -499,7 +351,7 @@ def _matmul(fc: FunctionContext, node: Node) -> list[Any]:
 def _gather(fc: FunctionContext, node: Node) -> list[Any]:
     table, ids = node.inputs
     if fc.is_param(table) and len(table.shape) == 2 and len(ids.shape) == 1:
-        qtype, (rows, k), arrays = _weight_args(fc, table)
+        qtype, (rows, k), arrays = weight_args(fc, table)
         return fc.call(("embed", qtype, rows, k), lambda: Q.qembed(qtype, rows, k), [fc.value(ids), *arrays],
                        node.outputs, node.outputs[0].name)
     key = ("gather", fc.kernel_key_dims(table), fc.kernel_key_dims(ids))
@@ -527,7 +379,7 @@ def _dequantize(fc: FunctionContext, node: Node) -> list[Any]:
 
 def _matmul_id(fc: FunctionContext, node: Node) -> list[Any]:
     x, w, ids = node.inputs
-    qtype, (n_exp, n, k), arrays = _weight_args(fc, w)
+    qtype, (n_exp, n, k), arrays = weight_args(fc, w)
     slots = int(ids.shape[1])
     per_slot = x.shape[1] != 1
     key = ("experts", qtype, n_exp, n, k, slots, per_slot)
@@ -568,13 +420,13 @@ def _moe_route(fc: FunctionContext, node: Node) -> list[Any]:
 def _moe_ffn(fc: FunctionContext, node: Node) -> list[Any]:
     """Router matmul, softmax/top-k/renormalise, selected experts' SwiGLU, weighted sum."""
     a: O.MoeFFN = node.attrs
-    named = O.moe_inputs(node.inputs, a)  # merged gate_up and the shared expert: lower_qwen4exp.py
+    named = O.moe_inputs(node.inputs, a)  # merged gate_up and the shared expert: moe_routing.py
     x, router, down, scales = named["x"], named["router"], named["down"], named["scales"]
     gate, up = named.get("gate"), named["gate_up" if a.merged_gate_up else "up"]
     t_dim = fc.kernel_key_dims(x)[0]
     t = fc.dim(x.shape[0])
     e = int(x.shape[1])
-    rq, (n_exp, _), rarr = _weight_args(fc, router)
+    rq, (n_exp, _), rarr = weight_args(fc, router)
     gemv = fc.is_one(x.shape[0])
     logits = fc.call_temp(("matmul", rq, n_exp, e, gemv), lambda: Q.qmatmul(rq, n_exp, e, gemv=gemv),
                           [fc.value(x), *rarr], [([t, K.i64(n_exp)], "float32")], "ffn_moe_logits")[0]
@@ -587,7 +439,7 @@ def _moe_ffn(fc: FunctionContext, node: Node) -> list[Any]:
     x3 = fc.bb.emit(relax.op.reshape(xe, [t, K.i64(1), K.i64(e)]))
 
     def experts(inp: Any, wv: Value, per_slot: bool, kind: str) -> Any:
-        qtype, (_, n, k), arrays = _weight_args(fc, wv)
+        qtype, (_, n, k), arrays = weight_args(fc, wv)
         key = ("experts", qtype, n_exp, n, k, a.k, per_slot)
         y = fc.call_temp(key, lambda: Q.qmatmul_experts(qtype, n_exp, n, k, a.k, x_per_slot=per_slot),
                          [inp, ids, *arrays], [([t, K.i64(a.k), K.i64(n)], "float32")], f"ffn_moe_{kind}")[0]
@@ -600,9 +452,7 @@ def _moe_ffn(fc: FunctionContext, node: Node) -> list[Any]:
     act_dims = (t_dim, a.k, hidden)
     act_shape = [t, K.i64(a.k), K.i64(hidden)]
     if a.merged_gate_up:
-        from .lower_qwen4exp import merged_gate_up_act
-
-        act = merged_gate_up_act(fc, up_y, act_dims, act_shape)
+        act = MR.merged_gate_up_act(fc, up_y, act_dims, act_shape)
     elif gate is not None:
         g_y = experts(x3, gate, False, "gate")
         prog = O.FusedElementwise((("unary", O.Unary("silu"), (0,)), ("binary", O.Binary("mul"), (2, 1))), 2)
@@ -618,11 +468,9 @@ def _moe_ffn(fc: FunctionContext, node: Node) -> list[Any]:
     down_y = experts(act, down, True, "down")
     dims = (t_dim, a.k, e)
     if a.shared:
-        from .lower_qwen4exp import shared_expert
-
         routed = fc.call_temp(("weighted_sum", dims), lambda: K.weighted_sum(K.Symbols().shape(dims), True),
                               [down_y, w], [([t, K.i64(e)], "float32")], "ffn_moe_routed")[0]
-        return shared_expert(fc, node, named, routed)
+        return MR.shared_expert(fc, node, named, routed)
     return fc.call(("weighted_sum", dims), lambda: K.weighted_sum(K.Symbols().shape(dims), True), [down_y, w],
                    node.outputs, node.outputs[0].name)
 
@@ -653,6 +501,15 @@ def _scale_by_expert(fc: FunctionContext, y: Any, scale: Value, ids: Any, dims: 
                         [([t, K.i64(slots), K.i64(n)], "float32")], f"ffn_moe_{kind}_scaled")[0]
 
 
+_causal_attention = _simple("attention", lambda fc, n, s: _attention_kernel(fc, n, s))
+
+
+def _attention(fc: FunctionContext, node: Node) -> list[Any]:
+    if node.attrs.mask == "causal":
+        return _causal_attention(fc, node)
+    return SI.lower_selected_attention(fc, node)  # an indexer's selection (sparse or masked)
+
+
 def _attention_kernel(fc: FunctionContext, node: Node, syms: K.Symbols) -> tirx.PrimFunc:
     """The row-streaming kernel where the head dim allows, the TE definition otherwise."""
     q, cache = node.inputs[0], node.inputs[1]
@@ -671,7 +528,7 @@ def _state_scan(fc: FunctionContext, node: Node, key: tuple[Any, ...], make: Cal
     """A kernel that updates its state (input 0) in place and makes one fresh output: outputs
     (new state, y) as the op records them (ssm_conv, gated_delta_net)."""
     gv = fc.mb.kernel(key, make)
-    types = [_tensor_type(fc.shape(o), o.dtype) for o in node.outputs]
+    types = [tensor_type(fc.shape(o), o.dtype) for o in node.outputs]
     call = relax.call_tir_inplace(gv, [fc.value(v) for v in node.inputs], [0, -1], types)
     res = fc.bb.emit(call, name_hint=node.outputs[1].name)
     return [fc.bb.emit(relax.TupleGetItem(res, i), name_hint=o.name) for i, o in enumerate(node.outputs)]
@@ -715,7 +572,7 @@ LOWERING: dict[str, Callable[[FunctionContext, Node], list[Any]]] = {
                                                                 n.attrs.eps, fc.mb.target.kind.name == "llvm")),
     "rope": _simple("rope", lambda fc, n, s: K.rope(_first_shape(fc, n, s), fc.kernel_shape(n.inputs[2], s), n.attrs,
                                                      llvm_fma=fc.mb.target.kind.name == "llvm")),
-    "attention": _simple("attention", lambda fc, n, s: _attention_kernel(fc, n, s)),
+    "attention": _attention,
     "cache_write": _cache_write,
     "moe_route": _moe_route,
     "moe_ffn": _moe_ffn,
@@ -725,6 +582,9 @@ LOWERING: dict[str, Callable[[FunctionContext, Node], list[Any]]] = {
     "l2_norm": _simple("l2_norm", lambda fc, n, s: KR.l2_norm(_first_shape(fc, n, s), n.attrs.eps)),
     "rms_norm_gated": _simple("rms_norm_gated", lambda fc, n, s: KR.rms_norm_gated(_first_shape(fc, n, s),
                                                                                    n.attrs.eps, n.attrs.act)),
+    **HC.HC_LOWERING,
+    **SI.INDEXER_LOWERING,
+    **NG.NGRAM_LOWERING,
 }
 
 
@@ -737,9 +597,3 @@ def lower_node(fc: FunctionContext, node: Node) -> list[Any]:
     if lower is None:
         raise NotImplementedError(f"no {fc.mb.target.kind.name} lowering for op '{node.op}' ({node.outputs[0].label})")
     return lower(fc, node)
-
-
-# qwen4exp: hyper-connections, the QSA indexer (masked and sparse attention), the PLE hash
-from .lower_qwen4exp import QWEN4EXP_LOWERING  # noqa: E402 - it extends the table above
-
-LOWERING.update(QWEN4EXP_LOWERING)

@@ -30,9 +30,11 @@ import numpy as np
 import tvm
 from tvm import relax, tirx
 
+from ggufc.runtime.plan_expr import evaluate
+from ggufc.runtime.plan_format import PLAN_VERSION
+
 from .device_info import DeviceKernel, _Names, expr_str
 
-PLAN_VERSION = 1
 SYMBOLS = ("n", "p")
 
 
@@ -83,7 +85,6 @@ def _subst(text: str, env: dict[str, str]) -> str:
 
 
 def _max_value(text: str, bounds: dict[str, int]) -> int:
-    from ggufc.runtime.plan_expr import evaluate
 
     return max(0, evaluate(text, bounds))
 

@@ -34,6 +34,7 @@ import tvm
 from tvm import te
 from tvm.tirx import Expr as PrimExpr
 
+from .target import cpu_target
 from .tvm_util import aligned_empty
 
 PlaneIdx: TypeAlias = int | PrimExpr
@@ -636,8 +637,6 @@ class CpuTiles:
 
 @functools.cache
 def _host_tiles() -> CpuTiles:
-    from .target import cpu_target
-
     return CpuTiles.for_target(cpu_target())
 
 

@@ -1,12 +1,16 @@
-"""Target descriptions for TVM codegen.
+"""Target descriptions for TVM codegen: this machine's CPU, and the GPU targets by ggufc name.
 
 CPU targets are dicts with an explicit `mcpu`: plain "llvm" and `mcpu=native` silently produce
-SSE2-only code on this TVM build (see shared/docs/tvm-0.27-notes.md).
+SSE2-only code on this TVM build (see shared/docs/tvm-0.27-notes.md). GPU targets carry a generic
+CPU host (their host code is the Relax VM's driver or nothing).
 """
 
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import Sequence
+from typing import Any
 
 import tvm
 
@@ -38,8 +42,75 @@ def resolve_target(target: str | dict | tvm.target.Target) -> tvm.target.Target:
     if target in ("llvm", "cpu"):
         return cpu_target()
     name = str(target).partition(":")[0]
-    if name in ("cuda", "vulkan", "metal"):  # GPU targets (gpu.py); cuda:sm_80,sm_90 picks the archs
-        from .gpu import gpu_target, split_target
-
+    if name in GPU_TARGETS:  # cuda:sm_80,sm_90 picks the archs
         return gpu_target(*split_target(target))
     raise ValueError(f"unknown target '{target}' (supported: llvm, cuda[:sm_XY,...], vulkan, metal)")
+
+
+GPU_TARGETS = ("cuda", "vulkan", "metal")
+
+
+TVM_KIND = {"cuda": "cuda", "vulkan": "webgpu", "metal": "metal"}
+
+
+TARGET_KEY_OF_KIND = {"cuda": "cuda", "webgpu": "vulkan", "metal": "metal"}
+
+
+DEFAULT_CUDA_ARCHS = ("sm_80", "sm_90")
+
+
+# WebGPU guarantees 16 KiB of workgroup memory and 256 invocations; ask for no more, so a vulkan
+# artifact runs on any conformant device (TVM's webgpu target assumes 32 KiB).
+WEBGPU_LIMITS = {"max_shared_memory_per_block": 16384, "max_num_threads": 256}
+
+
+def is_gpu(target: tvm.target.Target) -> bool:
+    return target.kind.name in TARGET_KEY_OF_KIND
+
+
+def target_key(target: tvm.target.Target) -> str:
+    """The artifact's target key: llvm, cuda, vulkan or metal."""
+    return TARGET_KEY_OF_KIND.get(target.kind.name, target.kind.name)
+
+
+def parse_archs(text: str | Sequence[str] | None) -> tuple[str, ...]:
+    """`sm_80,sm_90` (or a list) -> ('sm_80', 'sm_90'); None -> the defaults."""
+    if text is None:
+        return DEFAULT_CUDA_ARCHS
+    items = [a.strip() for a in (text.split(",") if isinstance(text, str) else text) if a.strip()]
+    if not items:
+        raise ValueError("--arch: expected one or more CUDA architectures such as sm_80,sm_90")
+    for a in items:
+        if not re.fullmatch(r"sm_\d{2,3}[a-z]?", a):
+            raise ValueError(f"--arch: {a!r} is not a CUDA architecture (expected e.g. sm_80)")
+    return tuple(dict.fromkeys(items))
+
+
+def split_target(text: Any) -> tuple[str, tuple[str, ...]]:
+    """`cuda:sm_80,sm_90` -> ('cuda', ('sm_80', 'sm_90')); `cuda` -> the default archs; other
+    names come back with no archs. A Target or dict gives its kind (and cuda arch)."""
+    if isinstance(text, tvm.target.Target):
+        name = TARGET_KEY_OF_KIND.get(text.kind.name, text.kind.name)
+        arch = str(text.attrs.get("arch", "")) if name == "cuda" else ""
+        return name, ((arch,) if arch else DEFAULT_CUDA_ARCHS) if name == "cuda" else ()
+    if isinstance(text, dict):
+        return split_target(tvm.target.Target(text))
+    name, _, rest = str(text).partition(":")
+    if name == "cuda":
+        return name, parse_archs(rest or None)
+    if rest:
+        raise ValueError(f"target '{text}': only cuda takes architectures (cuda:sm_80,sm_90)")
+    return name, ()
+
+
+def gpu_target(name: str, archs: Sequence[str] | None = None) -> tvm.target.Target:
+    """TVM target for a ggufc GPU target name (host: generic CPU code, see module doc)."""
+    host = tvm.target.Target({"kind": "llvm"})
+    if name == "cuda":
+        archs = parse_archs(archs)
+        return tvm.target.Target({"kind": "cuda", "arch": archs[0]}, host=host)
+    if name == "vulkan":
+        return tvm.target.Target({"kind": "webgpu", **WEBGPU_LIMITS}, host=host)
+    if name == "metal":
+        return tvm.target.Target({"kind": "metal"}, host=host)
+    raise ValueError(f"unknown GPU target '{name}' (known: {', '.join(GPU_TARGETS)})")

@@ -16,11 +16,7 @@ import gguf
 import gguf.gguf_reader
 import numpy as np
 
-GGUF_MAGIC = b"GGUF"
-
-
-class GGUFError(ValueError):
-    """A GGUF file that cannot be read: the message names the file and the problem in one line."""
+from .gguf_validate import GGUFError, validate_gguf
 
 
 @dataclass(frozen=True)
@@ -63,7 +59,6 @@ def open_gguf(path: str | os.PathLike[str]) -> GGUFModel:
     The file is first checked by `gguf_validate` (bounded, every length against the file size),
     so `gguf.GGUFReader`, which trusts what it reads, only ever sees a well-formed file.
     """
-    from .gguf_validate import validate_gguf  # imports GGUFError from here
 
     path = os.fspath(path)
     if not os.path.isfile(path):

@@ -28,7 +28,13 @@ from typing import NoReturn
 
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
-from .gguf_file import GGUF_MAGIC, GGUFError
+GGUF_MAGIC = b"GGUF"
+
+
+class GGUFError(ValueError):
+    """A GGUF file that cannot be read: the message names the file and the problem in one line."""
+
+
 
 SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32

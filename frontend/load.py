@@ -34,6 +34,10 @@ class LoadedModel:
     def graph(self) -> Graph:
         return self.graphs["prefill_all"]
 
+    def stored_data(self, name: str) -> np.ndarray:
+        """Tensor `name` as stored in the file (block bytes for quantized types)."""
+        return np.asarray(self.gguf.tensors[name].data)
+
     def param_loader(self) -> ParamLoader:
         return make_param_loader(self.gguf, self.derived)
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-__version__ = "0.1.0"
+from .messages import GgufcError
+from .version import __version__
+
 __all__ = ["GgufcError", "Model", "__version__", "compile", "load"]
 
 
@@ -18,8 +20,4 @@ def __getattr__(name: str) -> Any:
         from ggufc import api
 
         return getattr(api, name)
-    if name == "GgufcError":
-        from ggufc.cli import CLIError
-
-        return CLIError
     raise AttributeError(f"module 'ggufc' has no attribute {name!r}")

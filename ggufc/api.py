@@ -24,8 +24,10 @@ from typing import Any
 import numpy as np
 
 from ggufc import cli
+from ggufc.driver import models
+from ggufc.runtime.generate import generate
 from ggufc.runtime.sampling import Sampler
-from ggufc.runtime.session import Session
+from ggufc.runtime.session import Session, reserve_cpu_threads
 
 PathLike = str | os.PathLike[str]
 
@@ -36,10 +38,10 @@ def compile(  # noqa: A001 - `ggufc.compile` is the name a user looks for
 ) -> Path:
     """Compile `model` (.gguf) into the artifact directory `out` (written atomically; `out` must be
     new, empty, or an earlier ggufc artifact). Returns `out`."""
-    path = cli.require_gguf(os.fspath(model))
-    cli.device_for(target)
-    cli.warn_beyond_training(cli.precheck_gguf(path), n_ctx)
-    cli.compile_gguf(path, target, Path(out), n_ctx, frozenset(disabled_passes),
+    path = models.require_gguf(os.fspath(model))
+    models.device_for(target)
+    models.warn_beyond_training(models.precheck_gguf(path), n_ctx)
+    models.compile_gguf(path, target, Path(out), n_ctx, frozenset(disabled_passes),
                      Path(tuning_db) if tuning_db is not None else None)
     return Path(out)
 
@@ -47,14 +49,12 @@ def compile(  # noqa: A001 - `ggufc.compile` is the name a user looks for
 def load(model: PathLike | None = None, *, target: str = "llvm", n_ctx: int | None = None,
          threads: int | None = None) -> Model:
     """A runnable model from an artifact, a `.gguf` (compiled once, cached) or the default model."""
-    source = cli.resolve_model(os.fspath(model) if model is not None else None, target, n_ctx)
+    source = models.resolve_model(os.fspath(model) if model is not None else None, target, n_ctx)
     if threads is not None:
-        from ggufc.runtime.session import reserve_cpu_threads
-
         reserve_cpu_threads(threads)
-    session = cli.existing_session(source)
+    session = models.existing_session(source)
     if session is None:
-        session = cli.compiled_session(source)
+        session = models.compiled_session(source)
     try:
         return Model(session)
     except BaseException:
@@ -107,8 +107,6 @@ class Model:
         Stops at the model's end-of-turn tokens, after `max_tokens`, or when the context is full.
         A fresh context each call unless `keep_context`.
         """
-        from ggufc.runtime.generate import generate
-
         ids = self.tokenize(prompt, chat=chat) if isinstance(prompt, str) else [int(t) for t in prompt]
         sampler = Sampler(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         if not keep_context:

@@ -19,12 +19,14 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
 from . import ops as O
 from .decompose import decompose
 from .graph import Graph, Node, Param, Shape, Value
-from .onnx_spelled import SPELLED, Symbols
+from .onnx_spelled import SPELLED
+from .onnx_writer import OnnxError, OnnxWriter
+from .printer import fmt_program
 
 OPSET = 18  # axes as inputs for every Reduce*; well supported by onnxruntime
 DOMAIN = "ggufc"
@@ -48,10 +50,6 @@ UNARY_ONNX = {"sigmoid": "Sigmoid", "exp": "Exp", "neg": "Neg", "sqrt": "Sqrt", 
 BINARY_ONNX = {"add": "Add", "sub": "Sub", "mul": "Mul", "div": "Div", "max": "Max", "min": "Min"}
 SCALAR_ONNX = {**BINARY_ONNX, "pow": "Pow"}
 REDUCE_ONNX = {"sum": "ReduceSum", "mean": "ReduceMean", "max": "ReduceMax"}
-
-
-class OnnxError(ValueError):
-    pass
 
 
 # ---------------------------------------------------------------------------------------------
@@ -87,8 +85,6 @@ def attrs_from_json(text: str) -> Any:
 def _readable(attrs: Any) -> dict[str, Any]:
     """Attributes a viewer shows: scalars, strings and lists of them; programs as an expression."""
     if isinstance(attrs, O.FusedElementwise):
-        from .printer import fmt_program
-
         return {"expr": fmt_program(attrs), "n_inputs": attrs.n_inputs}
     out: dict[str, Any] = {}
     for f in dataclasses.fields(attrs):
@@ -124,49 +120,13 @@ def _dims(shape: Shape) -> list[int | str]:
     return [d if isinstance(d, int) else str(d) for d in shape]
 
 
-class _Exporter:
+class _Exporter(OnnxWriter):
     def __init__(self, graph: Graph, standard: bool = False) -> None:
-        self.graph = graph
+        super().__init__(graph)
         self.standard = standard
-        self.symbols = Symbols(self)
-        self.names: dict[int, str] = {}
-        self.taken: set[str] = set()
-        self.nodes: list[onnx.NodeProto] = []
-        self.inits: list[onnx.TensorProto] = []
         self.value_info: list[onnx.ValueInfoProto] = []
         # standard ONNX reads every weight as float32 of its logical shape (fed dequantized)
         self.qtype = {p.value.id: "F32" if standard else p.qtype for p in graph.params.values()}
-
-    def name(self, v: Value) -> str:
-        if v.id not in self.names:
-            self.names[v.id] = self.fresh(v.label)
-        return self.names[v.id]
-
-    def fresh(self, base: str) -> str:
-        name, i = base, 1
-        while name in self.taken:
-            i += 1
-            name = f"{base}~{i}"
-        self.taken.add(name)
-        return name
-
-    def const(self, base: str, array: np.ndarray) -> str:
-        name = self.fresh(base)
-        self.inits.append(numpy_helper.from_array(array, name))
-        return name
-
-    def ints(self, base: str, values: list[int]) -> str:
-        return self.const(base, np.asarray(values, dtype=np.int64))
-
-    def emit(self, op_type: str, inputs: list[str], outputs: list[str], domain: str = "",
-             **attrs: Any) -> None:
-        self.nodes.append(helper.make_node(op_type, inputs, outputs, name=outputs[0], domain=domain, **attrs))
-
-    def input_named(self, name: str) -> str:
-        for v in self.graph.inputs:
-            if v.name == name:
-                return self.name(v)
-        raise OnnxError(f"the graph has no input {name!r} to size its dynamic dims from")
 
     def is_quantized(self, v: Value) -> bool:
         return self.qtype.get(v.id, "F32") in QUANT_BLOCKS

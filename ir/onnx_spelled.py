@@ -11,93 +11,42 @@ and the start position.
 
 from __future__ import annotations
 
-import ast
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from onnx import GraphProto, NodeProto, TensorProto, helper, numpy_helper
 
 from . import ops as O
-from .graph import Dim, Node
+from .graph import Node
 from .onnx_heap import Body, heap_select
+from .onnx_writer import OnnxWriter
 from .recurrent_ref import k_head_index
 
-if TYPE_CHECKING:
-    from .onnx_export import _Exporter
-
 INT64_MAX = int(np.iinfo(np.int64).max)
-_DIM_OPS = {ast.Add: "Add", ast.Mult: "Mul", ast.Sub: "Sub"}
 
 
-class Symbols:
-    """The int64 [1] tensors T (tokens in this call) and P (start position), made once per graph."""
-
-    def __init__(self, e: _Exporter) -> None:
-        self.e = e
-        self.cache: dict[str, str] = {}
-
-    def tensor(self, d: Dim) -> str:
-        """A [1] int64 tensor holding dimension `d` (an int or an expression over T and P)."""
-        key = str(d)
-        if key not in self.cache:
-            self.cache[key] = self.e.ints(f"dim/{key}", [d]) if isinstance(d, int) else self._expr(key)
-        return self.cache[key]
-
-    def scalar(self, d: Dim) -> str:
-        key = f"scalar:{d}"
-        if key not in self.cache:
-            out = self.e.fresh(f"dim/{d}/scalar")
-            self.e.emit("Squeeze", [self.tensor(d), self.e.ints(f"{out}/axes", [0])], [out])
-            self.cache[key] = out
-        return self.cache[key]
-
-    def _expr(self, text: str) -> str:
-        return self._node(ast.parse(text, mode="eval").body, text)
-
-    def _node(self, n: ast.expr, text: str) -> str:
-        if isinstance(n, ast.Name) and n.id in ("T", "P"):
-            return self._symbol(n.id)
-        if isinstance(n, ast.Constant) and isinstance(n.value, int):
-            return self.tensor(n.value)
-        if isinstance(n, ast.BinOp) and type(n.op) in _DIM_OPS:
-            a, b = self._node(n.left, text), self._node(n.right, text)
-            out = self.e.fresh(f"dim/{ast.unparse(n)}")
-            self.e.emit(_DIM_OPS[type(n.op)], [a, b], [out])
-            return out
-        raise ValueError(f"dimension {text!r}: only + - * over T, P and integers")
-
-    def _symbol(self, name: str) -> str:
-        if name in self.cache:
-            return self.cache[name]
-        source = self.e.input_named("tokens" if name == "T" else "pos")
-        out = self.e.fresh(f"dim/{name}")
-        if name == "T":
-            self.e.emit("Shape", [source], [out])
-        else:
-            self.e.emit("Reshape", [source, self.e.ints(f"{out}/shape", [1])], [out])
-        self.cache[name] = out
-        return out
 
 
-def _unsqueeze(e: _Exporter, x: str, axes: list[int], base: str) -> str:
+
+def _unsqueeze(e: OnnxWriter, x: str, axes: list[int], base: str) -> str:
     out = e.fresh(base)
     e.emit("Unsqueeze", [x, e.ints(f"{out}/axes", axes)], [out])
     return out
 
 
-def _squeeze(e: _Exporter, x: str, axes: list[int], out: str) -> str:
+def _squeeze(e: OnnxWriter, x: str, axes: list[int], out: str) -> str:
     e.emit("Squeeze", [x, e.ints(f"{out}/axes", axes)], [out])
     return out
 
 
-def _range(e: _Exporter, start: str, stop: str, base: str) -> str:
+def _range(e: OnnxWriter, start: str, stop: str, base: str) -> str:
     out = e.fresh(base)
     e.emit("Range", [start, stop, e.const(f"{out}/step", np.asarray(1, np.int64))], [out])
     return out
 
 
-def _slice(e: _Exporter, x: str, start: str, stop: str, axis: int, base: str) -> str:
+def _slice(e: OnnxWriter, x: str, start: str, stop: str, axis: int, base: str) -> str:
     out = e.fresh(base)
     e.emit("Slice", [x, start, stop, e.ints(f"{out}/axes", [axis])], [out])
     return out
@@ -106,14 +55,14 @@ def _slice(e: _Exporter, x: str, start: str, stop: str, axis: int, base: str) ->
 # -- one spelling per op -----------------------------------------------------------------------
 
 
-def spell_positions(e: _Exporter, node: Node) -> None:
+def spell_positions(e: OnnxWriter, node: Node) -> None:
     out = e.name(node.outputs[0])
     s = e.symbols
     cells = _range(e, s.scalar("P"), s.scalar("P+T"), f"{out}/int64")
     e.emit("Cast", [cells], [out], to=TensorProto.INT32)
 
 
-def spell_causal_mask(e: _Exporter, node: Node) -> None:
+def spell_causal_mask(e: OnnxWriter, node: Node) -> None:
     """[T, P+T]: 0 where cell j <= P + i, -inf after."""
     out = e.name(node.outputs[0])
     s = e.symbols
@@ -125,7 +74,7 @@ def spell_causal_mask(e: _Exporter, node: Node) -> None:
     e.emit("Where", [seen, zero, ninf], [out])
 
 
-def spell_cache_write(e: _Exporter, node: Node) -> None:
+def spell_cache_write(e: OnnxWriter, node: Node) -> None:
     """cache[:P] ++ x ++ cache[P+T:] (the cache's length is static, so the result keeps it)."""
     cache, x, _ = (e.name(v) for v in node.inputs)
     out, s = e.name(node.outputs[0]), e.symbols
@@ -134,13 +83,13 @@ def spell_cache_write(e: _Exporter, node: Node) -> None:
     e.emit("Concat", [head, x, tail], [out], axis=0)
 
 
-def spell_cache_read(e: _Exporter, node: Node) -> None:
+def spell_cache_read(e: OnnxWriter, node: Node) -> None:
     out = e.name(node.outputs[0])
     e.emit("Slice", [e.name(node.inputs[0]), e.ints(f"{out}/zero", [0]), e.symbols.tensor("P+T"),
                      e.ints(f"{out}/axes", [0])], [out])
 
 
-def spell_matmul_id(e: _Exporter, node: Node) -> None:
+def spell_matmul_id(e: OnnxWriter, node: Node) -> None:
     """x [T,S,K], w [X,N,K], ids [T,k] -> [T,k,N]: each token's expert rows, one batched MatMul."""
     x, w, ids = (e.name(v) for v in node.inputs)
     out = e.name(node.outputs[0])
@@ -151,7 +100,7 @@ def spell_matmul_id(e: _Exporter, node: Node) -> None:
     _squeeze(e, prod, [-1], out)
 
 
-def spell_ssm_conv(e: _Exporter, node: Node) -> None:
+def spell_ssm_conv(e: OnnxWriter, node: Node) -> None:
     """A depthwise Conv (cross-correlation, as ssm_conv_ref) over [history | x^T]; the new
     history is the last (K-1)*dilation columns."""
     state, x, w = (e.name(v) for v in node.inputs)
@@ -174,7 +123,7 @@ def spell_ssm_conv(e: _Exporter, node: Node) -> None:
                      e.ints(f"{new_state}/axes", [1])], [new_state])
 
 
-def spell_gated_delta_net(e: _Exporter, node: Node) -> None:
+def spell_gated_delta_net(e: OnnxWriter, node: Node) -> None:
     """A Scan over tokens carrying M [Hv, Dv, Dk]: decay, delta write, read (gated_delta_net_ref)."""
     state, q, k, v, g, beta = (e.name(i) for i in node.inputs)
     new_state, out = (e.name(o) for o in node.outputs)
@@ -213,7 +162,7 @@ def _delta_step(scale: float) -> GraphProto:
     return helper.make_graph(nodes, "gated_delta_step", ins, outs, inits)
 
 
-def _cells(e: _Exporter, out: str) -> tuple[str, str]:
+def _cells(e: OnnxWriter, out: str) -> tuple[str, str]:
     """Cell ids j [P+T] and query positions q [T, 1] (int64), for the masks over the context."""
     s = e.symbols
     cells = _range(e, e.const(f"{out}/zero", np.asarray(0, np.int64)), s.scalar("P+T"), f"{out}/cells")
@@ -221,13 +170,13 @@ def _cells(e: _Exporter, out: str) -> tuple[str, str]:
     return cells, rows
 
 
-def _where(e: _Exporter, cond: str, a: str, b: str, base: str) -> str:
+def _where(e: OnnxWriter, cond: str, a: str, b: str, base: str) -> str:
     out = e.fresh(base)
     e.emit("Where", [cond, a, b], [out])
     return out
 
 
-def _constants(e: _Exporter, base: str, dtype: type) -> Callable[[str, int], str]:
+def _constants(e: OnnxWriter, base: str, dtype: type) -> Callable[[str, int], str]:
     """A maker of named scalar constants of one integer type under `base`."""
 
     def make(name: str, value: int) -> str:
@@ -236,13 +185,13 @@ def _constants(e: _Exporter, base: str, dtype: type) -> Callable[[str, int], str
     return make
 
 
-def _op(e: _Exporter, op: str, ins: list[str], base: str, **attrs: Any) -> str:
+def _op(e: OnnxWriter, op: str, ins: list[str], base: str, **attrs: Any) -> str:
     out = e.fresh(base)
     e.emit(op, ins, [out], **attrs)
     return out
 
 
-def spell_index_mask(e: _Exporter, node: Node) -> None:
+def spell_index_mask(e: OnnxWriter, node: Node) -> None:
     """[T, P+T]: 0 at the selected cells j <= P + i, -inf elsewhere (ids of -1 select nothing)."""
     out = e.name(node.outputs[0])
     cells, rows = _cells(e, out)
@@ -256,7 +205,7 @@ def spell_index_mask(e: _Exporter, node: Node) -> None:
     e.emit("Where", [keep, zero, ninf], [out])
 
 
-def spell_indexer_topk(e: _Exporter, node: Node) -> None:
+def spell_indexer_topk(e: OnnxWriter, node: Node) -> None:
     """Per-cell values as `cell_values` (block score, the tail bias, -inf past the query), then the
     min(width, P+T) cells llama.cpp's heap keeps (ties included, in its order), -1 for unseen cells,
     padded with -1 to width."""
@@ -300,7 +249,7 @@ def spell_indexer_topk(e: _Exporter, node: Node) -> None:
     e.emit("Cast", [padded], [out], to=TensorProto.INT32)
 
 
-def spell_ple_hash(e: _Exporter, node: Node) -> None:
+def spell_ple_hash(e: OnnxWriter, node: Node) -> None:
     """The n-gram contexts from the token history (EOS from the first cut on), then per n-gram the
     XOR of token * multiplier (uint64, wrapping) and per head `mixed % size + offset`."""
     a: O.PleHash = node.attrs
@@ -338,7 +287,7 @@ def spell_ple_hash(e: _Exporter, node: Node) -> None:
     e.emit("Cast", [rows], [out], to=TensorProto.INT32)
 
 
-SPELLED: dict[str, Callable[[_Exporter, Node], None]] = {
+SPELLED: dict[str, Callable[[OnnxWriter, Node], None]] = {
     "positions": spell_positions,
     "causal_mask": spell_causal_mask,
     "cache_write": spell_cache_write,

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from .act_quant import ACT_BLOCK, q8_1_sums_ref, quantize_act_ref
-from .graph import Dim, Shape
+from .graph import Dim, Shape, eval_shape
 from .hyper_connections import hc_post_ref, hc_pre_ref
 from .ngram_embedding import ple_hash_ref
 from .recurrent_ref import gated_delta_net_ref, l2_norm_ref, rms_norm_gated_ref, ssm_conv_ref
@@ -686,8 +686,6 @@ def _ref_reduce(x: np.ndarray, a: Reduce) -> np.ndarray:
 
 
 def _ref_reshape(x: np.ndarray, a: Reshape, ctx: dict[str, int]) -> np.ndarray:
-    from .graph import eval_shape
-
     return x.reshape(eval_shape(a.shape, ctx))
 
 

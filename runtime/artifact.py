@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ggufc import __version__ as GGUFC_VERSION
+from ggufc.version import __version__ as GGUFC_VERSION
 
 FORMAT_VERSION = 2  # 2: manifest digest file, layout contract compiled into the kernels
 MANIFEST_NAME = "manifest.json"

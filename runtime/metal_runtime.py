@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from .plan_runtime import BackendUnavailableError
+from .plan_format import BackendUnavailableError
 
 _C_TYPES = {"int64": ("q", 8), "uint64": ("Q", 8), "int32": ("i", 4), "uint32": ("I", 4), "float32": ("f", 4),
             "int16": ("h", 2), "uint16": ("H", 2), "float16": ("e", 2), "int8": ("b", 1), "uint8": ("B", 1),

@@ -3,7 +3,7 @@
 `NumericsGuard` wraps a Session: every `forward` is checked with one `np.isfinite` over the
 logits it returns (cheap beside the forward pass itself) and the tokens fed since the last
 reset are remembered, so that when a NaN or Inf appears the exact same context can be replayed
-through a probe that names the layer (codegen/numerics.py; the runtime imports nothing from the
+through a probe that names the layer (driver/numerics.py; the runtime imports nothing from the
 compiler). Without the flag nothing wraps the session and nothing is checked.
 """
 

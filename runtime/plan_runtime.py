@@ -25,20 +25,17 @@ from typing import Any
 import numpy as np
 
 from .artifact import ArtifactError, check_layout_contract, one_line
+from .metal_runtime import MetalBackend
 from .plan_expr import PlanExprError, compile_many
+from .plan_format import PLAN_VERSION, WGSL_SEPARATOR
+from .wgpu_runtime import WgpuBackend
 
-PLAN_VERSION = 1
-WGSL_SEPARATOR = "// ggufc-entry: "
 MAX_PLAN_BYTES = 256 << 20
 MAX_SLOT_BYTES = 1 << 40
 
 
 class PlanError(ValueError):
     """A plan that cannot be run (malformed, or needing more than the device offers)."""
-
-
-class BackendUnavailableError(RuntimeError):
-    """No device for the plan here (wgpu/Vulkan driver or Metal missing); the message says what."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -209,12 +206,8 @@ class PlanRunner:
         counts = {"param": len(weights), "state": len(states), "slot": len(slots), "const": len(consts)}
         self.functions = prepare_functions(plan, counts)
         if device == "vulkan":
-            from .wgpu_runtime import WgpuBackend
-
             self.backend: Any = WgpuBackend(split_wgsl_bundle(kernel_text), storage_buffers=storage_buffers)
         elif device == "metal":
-            from .metal_runtime import MetalBackend
-
             self.backend = MetalBackend(kernel_text)
         else:
             raise PlanError(f"no plan backend for device '{device}'")

@@ -30,6 +30,9 @@ from .artifact import (
     open_artifact,
     read_weights,
 )
+from .cuda_runtime import provide_cuda_binary
+from .plan_format import BackendUnavailableError
+from .plan_runtime import PlanError, PlanRunner
 
 PLAN_DEVICES = ("vulkan", "metal")  # artifacts run from a dispatch plan, not a Relax VM executable
 
@@ -111,8 +114,6 @@ class Session:
             self._load_plan(artifact, device)
             return
         if device == "cuda":  # the artifact's prebuilt fatbin for TVM's CUDA loader (cuda_runtime.py)
-            from .cuda_runtime import provide_cuda_binary
-
             try:
                 provide_cuda_binary(artifact.path, manifest)
             except (ValueError, OSError) as exc:
@@ -130,8 +131,6 @@ class Session:
         self._decode_inputs = _decode_inputs(manifest, len(self._state_tensors), artifact.path)
 
     def _load_plan(self, artifact: Artifact, device: str) -> None:
-        from .plan_runtime import BackendUnavailableError, PlanError, PlanRunner
-
         weights = read_weights(artifact.path, self.manifest)
         try:
             self._plan = PlanRunner(artifact.path, self.manifest, weights, device)

@@ -32,7 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from .plan_runtime import BackendUnavailableError
+from .plan_expr import compile_many
+from .plan_format import BackendUnavailableError
 
 UNIFORM_ALIGN = 256  # WebGPU's minUniformBufferOffsetAlignment (the largest allowed value)
 _BINDING = re.compile(r"@group\(0\)\s*@binding\((\d+)\)\s*var<([^>]+)>\s*(\w+)")
@@ -246,8 +247,6 @@ def bind_shape_vars(params: list[dict[str, Any]], args: list[Any]) -> dict[str, 
 def run_kernel(dev: WgpuDevice, kernel: dict[str, Any], sources: dict[str, str], args: list[Any]) -> list[Any]:
     """Run one compiled PrimFunc (every launch of it, in order) on numpy arguments; returns the
     arguments with every buffer read back (scalars unchanged). For kernel tests."""
-    from .plan_expr import compile_many
-
     params = [p for p in kernel["params"] if p["kind"] != "scratch"]
     values = bind_shape_vars(params, args)
     names = list(values)

@@ -13,13 +13,13 @@ import gguf
 import numpy as np
 import pytest
 import tvm
+from fixtures import write_fixture
 
 from ggufc.codegen import quant as Q
 from ggufc.codegen import quant_int8 as Q8
-from ggufc.codegen.compile import compile_model
 from ggufc.codegen.target import cpu_target
 from ggufc.codegen.tvm_util import aligned_zeros, to_tvm
-from ggufc.frontend.fixtures import write_fixture
+from ggufc.driver.compile import compile_model
 from ggufc.frontend.load import load_model
 from ggufc.ir.act_quant import MIN_TYPES, block_mins, q8_1_sums_ref, quantize_act_ref
 from ggufc.ir.builder import GraphBuilder

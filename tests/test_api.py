@@ -6,9 +6,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from fixtures import write_fixture
 
 import ggufc
-from ggufc.frontend.fixtures import write_fixture
 
 TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}<|assistant|>"
 

@@ -392,13 +392,13 @@ def test_inspect_supported_fixture(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_model_hash_is_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from ggufc import cli
+    from ggufc.driver import models as cli
 
     model = tmp_path / "m.gguf"
     model.write_bytes(b"GGUF" + bytes(1000))
     calls = []
-    real = cli.file_sha256
-    monkeypatch.setattr(cli, "file_sha256", lambda path: calls.append(path) or real(path))
+    real = cli.sha256_file
+    monkeypatch.setattr(cli, "sha256_file", lambda path: calls.append(path) or real(path))
     first = cli.cached_artifact_dir(model, "llvm", None)
     assert cli.cached_artifact_dir(model, "llvm", None) == first and len(calls) == 1
     assert cli.cached_artifact_dir(model, "llvm", 64) != first and len(calls) == 1
@@ -409,7 +409,7 @@ def test_model_hash_is_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
 
 def test_cache_key_follows_the_compiler_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An edited compiler never reuses an artifact compiled by the old one."""
-    from ggufc import cli
+    from ggufc.driver import models as cli
 
     model = tmp_path / "m.gguf"
     model.write_bytes(b"GGUF" + bytes(100))

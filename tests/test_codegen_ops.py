@@ -20,15 +20,16 @@ import gguf
 import numpy as np
 import pytest
 import tvm
+from fixtures import TensorSpec, encode_tensor
 from tvm import relax
 
 from ggufc.codegen import kernels as K
 from ggufc.codegen import quant as Q
 from ggufc.codegen.build import state_plan
-from ggufc.codegen.lower import LOWERING, ModuleBuilder, plan_params
+from ggufc.codegen.lower import LOWERING, ModuleBuilder
+from ggufc.codegen.lower_context import plan_params
 from ggufc.codegen.target import resolve_target
 from ggufc.codegen.tvm_util import to_tvm
-from ggufc.frontend.fixtures import TensorSpec, encode_tensor
 from ggufc.frontend.hparams import rope_table
 from ggufc.ir import ops as O
 from ggufc.ir.act_quant import ACT_QUANT_TYPES, ACT_SCHEME, MIN_TYPES, block_mins

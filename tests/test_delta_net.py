@@ -20,8 +20,9 @@ import numpy as np
 import pytest
 import tvm
 
-from ggufc.codegen.build import Built, build_executable, kernel_weights, weight_key
+from ggufc.codegen.build import Built, kernel_weights, weight_key
 from ggufc.codegen.tvm_util import to_tvm
+from ggufc.driver.stages import build_model
 from ggufc.frontend.hparams import imrope_components, rope_table
 from ggufc.frontend.load import LoadedModel, load_model
 from ggufc.ir import recurrent_ref as R
@@ -173,7 +174,7 @@ def golden_run(request: pytest.FixtureRequest) -> dict[str, Any]:
     name = request.param
     model = load_model(GOLDEN / "fixtures" / f"{name}.gguf")
     gold = _golden(name)
-    comp = Compiled(model, build_executable(model, max_chunk=64))
+    comp = Compiled(model, build_model(model, max_chunk=64))
     logits = {chunk: comp.logits(gold["tokens"], chunk) for chunk in MODES}
     return {"name": name, "model": model, "gold": gold, "compiled": comp, "logits": logits}
 
@@ -207,7 +208,7 @@ def test_compiled_chunked_prefill_equals_one_shot(golden_run: dict[str, Any]) ->
 def test_compiled_without_passes_matches(golden_run: dict[str, Any]) -> None:
     """Passes off: the spelled norms, the unfused MoE and gates, each op its own kernel."""
     model = golden_run["model"]
-    comp = Compiled(model, build_executable(model, run_passes=False, max_chunk=64))
+    comp = Compiled(model, build_model(model, run_passes=False, max_chunk=64))
     tokens = golden_run["gold"]["tokens"][:24]
     unfused = comp.logits(tokens, 24)
     assert nmse(unfused, golden_run["logits"][64][:24]) <= 1e-11
@@ -268,7 +269,7 @@ def test_interpreter_fused_unfused_and_decomposed_agree(name: str) -> None:
 
 def _write_variant(path: Path, arrays: dict[str, np.ndarray]) -> Path:
     """A tiny qwen3next model with these exact tensors (keys as the fixture writer writes them)."""
-    from ggufc.frontend import fixtures as FX
+    import fixtures as FX
 
     fs, opts = FX.resolve_size("tiny"), FX.FixtureOptions()
     writer = gguf.GGUFWriter(str(path), "qwen3next")
@@ -284,7 +285,7 @@ def _write_variant(path: Path, arrays: dict[str, np.ndarray]) -> Path:
 
 
 def _fixture_arrays() -> dict[str, np.ndarray]:
-    from ggufc.frontend import fixtures as FX
+    import fixtures as FX
 
     specs = FX.plan_tensors("qwen3next", FX.resolve_size("tiny"), FX.FixtureOptions())
     return {s.name: FX.tensor_values(s, 0) for s in specs}
@@ -347,8 +348,8 @@ def test_qwen3next_alternative_layouts_compute_the_same(tmp_path: Path, variant:
 
 def test_arch_facts_reach_the_graph(tmp_path: Path) -> None:
     """qwen3next shares q/k heads interleaved and rotates NEOX; qwen35 tiled with IMROPE sections."""
-    from ggufc.frontend.fixtures import write_fixture
-    from ggufc.frontend.fixtures_hybrid import IMROPE_SECTIONS
+    from fixtures import write_fixture
+    from fixtures_hybrid import IMROPE_SECTIONS
 
     for arch, head_map, rope_mode in (("qwen3next", "interleaved", "neox"), ("qwen35", "tiled", "imrope")):
         model = load_model(write_fixture(arch, tmp_path / f"{arch}.gguf"))

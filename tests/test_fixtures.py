@@ -8,17 +8,17 @@ from typing import Any
 import gguf
 import numpy as np
 import pytest
-
-from ggufc.frontend.archs import ARCHITECTURES
-from ggufc.frontend.fixtures import (
+from fixture_spec import SIZES
+from fixtures import (
     RECIPES,
-    SIZES,
     FixtureOptions,
     full_options,
     gpt2_vocab,
     plan_tensors,
     write_fixture,
 )
+
+from ggufc.frontend.archs import ARCHITECTURES
 from ggufc.frontend.load import LoadedModel, dequantize_tensor, load_model
 from ggufc.ir.interp import init_state, run_graph
 

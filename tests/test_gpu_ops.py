@@ -20,8 +20,10 @@ from ggufc.codegen import quant as Q
 from ggufc.codegen import quant_gpu as QG
 from ggufc.codegen.build import state_plan
 from ggufc.codegen.build_gpu import compile_plan_target, wgsl_bundle
-from ggufc.codegen.gpu import GpuScheduleError, gpu_target
-from ggufc.codegen.lower import ModuleBuilder, plan_params
+from ggufc.codegen.gpu import GpuScheduleError
+from ggufc.codegen.lower import ModuleBuilder
+from ggufc.codegen.lower_context import plan_params
+from ggufc.codegen.target import gpu_target
 from ggufc.runtime.plan_runtime import PlanRunner
 
 # 8-bit activation rounding is a CPU kernel strategy: GPU targets compile without the pass that

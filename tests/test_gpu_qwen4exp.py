@@ -13,12 +13,15 @@ import test_qwen4exp as TQ
 from gpu_support import golden_fixture, golden_logits, need_vulkan, nmse
 
 from ggufc.codegen import device_info as DI
+from ggufc.codegen import ngram_embedding as NGK
 from ggufc.codegen import quant_gpu as QG
-from ggufc.codegen import qwen4exp_gpu as QX
-from ggufc.codegen.build import kernel_weights, optimise, state_plan
+from ggufc.codegen import sparse_indexers as SIK
+from ggufc.codegen.build import kernel_weights, state_plan
 from ggufc.codegen.build_gpu import compile_plan_target, wgsl_bundle
-from ggufc.codegen.gpu import gpu_target
-from ggufc.codegen.lower import ModuleBuilder, plan_params
+from ggufc.codegen.lower import ModuleBuilder
+from ggufc.codegen.lower_context import plan_params
+from ggufc.codegen.target import gpu_target
+from ggufc.driver.stages import optimise
 from ggufc.ir import ngram_embedding as NG
 from ggufc.ir import sparse_indexers as SI
 from ggufc.runtime.plan_runtime import PlanRunner
@@ -42,7 +45,7 @@ def test_ple_hash_in_32_bit_words_equals_uint64_reference(dev: object) -> None:
     sizes = (2**31 - 1, 1000003, 65537, 3, 2**30 + 7, 1)
     offsets = (0, 0, 5, 100, 0, 2**31 - 2)
     rng = np.random.default_rng(3)
-    func = QX.ple_hash(cells, ngram, heads, mult, offsets, sizes, eos)
+    func = NGK.ple_hash_gpu(cells, ngram, heads, mult, offsets, sizes, eos)
     kernel = DI.compile_kernel(func, gpu_target("vulkan"), "ple")
     for n, pos in ((9, 0), (1, 0), (6, 20), (1, 40)):
         hist = rng.integers(0, 2**31 - 1, cells, dtype=np.int64).astype(np.int32)
@@ -62,7 +65,7 @@ def test_indexer_topk_equals_reference_heap_order(ratio: int, width: int, dev: o
     cells = 96
     nb1 = cells // ratio + 1
     rng = np.random.default_rng(ratio * 100 + width)
-    kernel = DI.compile_kernel(QX.indexer_topk(nb1, ratio, width, nb1 * ratio), gpu_target("vulkan"), "topk")
+    kernel = DI.compile_kernel(SIK.indexer_topk_gpu(nb1, ratio, width, nb1 * ratio), gpu_target("vulkan"), "topk")
     for n, pos in ((12, 0), (1, 0), (5, 30), (1, 80)):
         scores = rng.integers(0, 4, (n, nb1)).astype(np.float32)  # few distinct values: many ties
         got = run_kernel(dev, kernel.to_json(), kernel.entry_sources, [scores, pos, np.zeros((n, width), np.int32)])[2]

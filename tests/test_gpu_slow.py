@@ -25,7 +25,7 @@ def model() -> Path:
 
 def test_smollm2_on_vulkan_matches_llama_cpp(model: Path, tmp_path: Path) -> None:
     need_vulkan()
-    from ggufc.codegen.compile import compile_model
+    from ggufc.driver.compile import compile_model
     from ggufc.runtime.session import Session
 
     golden = dict(np.load(golden_file("smollm2-shared.npz")))
@@ -49,12 +49,12 @@ def test_smollm2_on_vulkan_matches_llama_cpp(model: Path, tmp_path: Path) -> Non
 
 def test_every_smollm2_cuda_kernel_compiles_to_ptx(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     need_nvcc()
-    from ggufc.codegen.build import build_executable
     from ggufc.codegen.build_gpu import nvcc_compile
+    from ggufc.driver.stages import build_model
     from ggufc.frontend.load import load_model
 
     monkeypatch.setenv("GGUFC_CUDA_BINARY", "0")
-    built = build_executable(load_model(model, 512), "cuda")
+    built = build_model(load_model(model, 512), "cuda")
     ptx = nvcc_compile(built.executable.cuda_source, "ptx", ("sm_90",)).decode()
     entries = set(re.findall(r"\.entry\s+(\w+)\s*\(", ptx))
     missing = [k for k in built.kernel_names if not any(e.startswith(f"{k}_kernel") for e in entries)]

@@ -25,8 +25,7 @@ from random_weights import make_raw
 from ggufc.cli import main
 from ggufc.codegen import quant as Q
 from ggufc.codegen import quant_gpu as QG
-from ggufc.codegen.gpu import parse_archs, split_target
-from ggufc.codegen.target import resolve_target
+from ggufc.codegen.target import parse_archs, resolve_target, split_target
 from ggufc.runtime.plan_expr import PlanExprError, compile_many
 from ggufc.runtime.plan_runtime import PlanError, prepare_functions
 
@@ -125,12 +124,12 @@ def test_metal_argument_struct_layout() -> None:
 def _build(name: str, target: str) -> object:
     import os
 
-    from ggufc.codegen.build import build_executable
+    from ggufc.driver.stages import build_model
     from ggufc.frontend.load import load_model
 
     os.environ["GGUFC_CUDA_BINARY"] = "0"  # the test compiles the source itself
     try:
-        return build_executable(load_model(golden_fixture(name)), target)
+        return build_model(load_model(golden_fixture(name)), target)
     finally:
         del os.environ["GGUFC_CUDA_BINARY"]
 

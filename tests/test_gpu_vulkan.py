@@ -5,7 +5,7 @@
 * attention over the KV cache and the cache write, with the position as a scalar and in device
   memory (the CUDA-graph decode variants, same TIR);
 * every kernel of the llama.cpp fixtures and of SmolLM2, one at a time, against the numpy
-  interpreter (`codegen/gpu_verify.py`: reference inputs in, each node's outputs compared);
+  interpreter (`driver/gpu_verify.py`: reference inputs in, each node's outputs compared);
 * whole models through the public interface, `ggufc eval --target vulkan`, against llama.cpp's
   logits in all three feeding modes, and against the CPU target's logits.
 
@@ -27,7 +27,8 @@ from ggufc.codegen import attention_gpu as AG
 from ggufc.codegen import device_info as DI
 from ggufc.codegen import quant as Q
 from ggufc.codegen import quant_gpu as QG
-from ggufc.codegen.gpu import gpu_kernel, gpu_target
+from ggufc.codegen.gpu import gpu_kernel
+from ggufc.codegen.target import gpu_target
 from ggufc.runtime.wgpu_runtime import run_kernel
 
 QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
@@ -161,7 +162,7 @@ KERNEL_FIXTURES = ["llama-dense", "qwen3-dense", "qwen3moe-moe", "llama-dense-Q4
 
 
 def _check_kernels(model: object, tokens: np.ndarray, tol: float) -> None:
-    from ggufc.codegen.gpu_verify import check_model_kernels
+    from ggufc.driver.gpu_verify import check_model_kernels
 
     for report in check_model_kernels(model, tokens):
         assert not report.unchecked, f"{report.function}: kernels never run: {sorted(report.unchecked)}"

@@ -347,7 +347,7 @@ def test_verify_artifact_missing(tmp_path: Path, capsys: pytest.CaptureFixture[s
 
 @pytest.fixture(scope="module")
 def template_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from ggufc.frontend.fixtures import write_fixture
+    from fixtures import write_fixture
 
     folder = tmp_path_factory.mktemp("templates")
     templates = {

@@ -25,7 +25,7 @@ DTYPES = ["float16", "float64", "int8", "uint8", "int64", "O", "<U4", "V8", "com
 
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from ggufc.codegen.compile import compile_model
+    from ggufc.driver.compile import compile_model
 
     out = tmp_path_factory.mktemp("fuzz") / "artifact"
     compile_model(golden_fixture("llama-dense"), out_dir=out, n_ctx=64)

@@ -9,9 +9,9 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+from fixtures import write_fixture
 
 from ggufc.cli import main
-from ggufc.frontend.fixtures import write_fixture
 from ggufc.frontend.gguf_file import open_gguf
 
 TARGET = "blk.0.attn_q.weight"

@@ -11,11 +11,12 @@ from typing import Any
 import numpy as np
 import pytest
 import tvm
+from fixtures import RECIPES, full_options, write_fixture
 
-from ggufc.codegen.build import Built, build_executable, kernel_weights, weight_key
+from ggufc.codegen.build import Built, kernel_weights, weight_key
 from ggufc.codegen.tvm_util import to_tvm
+from ggufc.driver.stages import build_model
 from ggufc.frontend.archs import ARCHITECTURES
-from ggufc.frontend.fixtures import RECIPES, full_options, write_fixture
 from ggufc.frontend.load import LoadedModel, load_model
 from ggufc.ir.interp import init_state, run_graph
 
@@ -62,7 +63,7 @@ class CompiledModel:
 def compile_fixture(tmp_path: Path, opts: dict[str, Any]) -> CompiledModel:
     opts = dict(opts)
     model = load_model(write_fixture(opts.pop("arch"), tmp_path / "model.gguf", seed=0, **opts))
-    built = build_executable(model, run_passes=False, max_chunk=16)
+    built = build_model(model, run_passes=False, max_chunk=16)
     weights = kernel_weights(model, built.layouts)
     params = [to_tvm(weights[weight_key(lay.source, f)]) for lay in built.layouts for f, _, _ in lay.arrays]
     return CompiledModel(model, built, tvm.runtime.vm.VirtualMachine(built.executable, tvm.cpu()), params)

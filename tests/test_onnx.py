@@ -16,11 +16,11 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from fixtures import full_options, write_fixture
 
 from ggufc.cli import main
 from ggufc.frontend import blocks as B
 from ggufc.frontend.archs import ARCHITECTURES
-from ggufc.frontend.fixtures import full_options, write_fixture
 from ggufc.frontend.load import LoadedModel, load_model
 from ggufc.ir import ops as O
 from ggufc.ir.builder import GraphBuilder

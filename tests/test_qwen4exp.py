@@ -19,15 +19,17 @@ from typing import Any
 import numpy as np
 import pytest
 import tvm
+from fixtures import write_fixture
+from fixtures_hyperconnected import INDEXER_TOP_K
 from tvm import relax
 
 from ggufc.cli import main
-from ggufc.codegen.build import optimise, state_plan
-from ggufc.codegen.lower import ModuleBuilder, plan_params
+from ggufc.codegen.build import state_plan
+from ggufc.codegen.lower import ModuleBuilder
+from ggufc.codegen.lower_context import plan_params
 from ggufc.codegen.target import resolve_target
 from ggufc.codegen.tvm_util import to_tvm
-from ggufc.frontend.fixtures import write_fixture
-from ggufc.frontend.fixtures_qwen4exp import INDEXER_TOP_K
+from ggufc.driver.stages import optimise
 from ggufc.frontend.load import LoadedModel, load_model
 from ggufc.ir import ngram_embedding as NG
 from ggufc.ir import ops as O

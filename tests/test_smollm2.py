@@ -66,7 +66,7 @@ def n_prompts() -> int:
 
 @pytest.fixture(scope="module")
 def session(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    from ggufc.codegen.compile import compile_model
+    from ggufc.driver.compile import compile_model
     from ggufc.runtime.session import Session
 
     out = tmp_path_factory.mktemp("smollm2") / "artifact"

@@ -22,9 +22,9 @@ import tvm_ffi
 
 from ggufc.cli import main, teacher_forced_logits
 from ggufc.codegen import quant_int8 as Q8
-from ggufc.codegen import tune as TU
-from ggufc.codegen.compile import compile_model
 from ggufc.codegen.target import cpu_target
+from ggufc.driver import tune as TU
+from ggufc.driver.compile import compile_model
 from ggufc.frontend.load import load_model
 from ggufc.ir.interp import init_state, run_graph
 from ggufc.runtime.session import Session

@@ -143,7 +143,7 @@ def build_hybrid(
         with b.layer(il):
             h = B.rms_norm(b, x, w.need(f"blk.{il}.attn_norm.weight", (E,)), hp.eps, "attn_norm")
             if hp.recurrent[il]:
-                y = _linear_attention(b, w, hp, facts, il, h, new_state)
+                y = linear_attention_layer(b, w, hp, facts, il, h, new_state)
             else:
                 y = _full_attention(b, w, hp, facts, il, h, pos, table, n_ctx, new_state)
             x = b.add(x, y, "attn_residual")
@@ -151,7 +151,7 @@ def build_hybrid(
                 b, x, w.need(f"blk.{il}.post_attention_norm.weight", (E,)), hp.eps, "attn_post_norm"
             )
             x = b.add(x, ffn(b, w, hp, f"blk.{il}", h), "l_out")
-    _skip_mtp_layers(w, hp)
+    skip_mtp_layers(w, hp)
     if not all_logits:
         x = b.emit("last_token", [x], O.NoAttrs(), "last")
     x = B.rms_norm(b, x, w.need("output_norm.weight", (E,)), hp.eps, "result_norm")
@@ -161,7 +161,7 @@ def build_hybrid(
     return b.finish([logits], new_state)
 
 
-def _skip_mtp_layers(w: B.Weights, hp: HParams) -> None:
+def skip_mtp_layers(w: B.Weights, hp: HParams) -> None:
     """MTP (nextn) blocks are loaded by llama.cpp but not run in the main pass."""
     prefixes = tuple(f"blk.{il}." for il in range(hp.n_layer, hp.n_layer_all))
     if prefixes:
@@ -188,7 +188,7 @@ def proj(
     return B.linear(b, x, weight, short or name.split(".")[-1], bias=bv, scale=s if scale else None)
 
 
-def _linear_attention(
+def linear_attention_layer(
     b: GraphBuilder,
     w: B.Weights,
     hp: HParams,
@@ -197,6 +197,8 @@ def _linear_attention(
     h: Value,
     new_state: dict[str, Value],
 ) -> Value:
+    """One gated delta-net layer from its normed input `h` (qkv/z, beta/alpha, the recurrence,
+    the output projection); qwen3next and qwen4exp run the same layer."""
     E, dims = hp.n_embd, hp.ssm
     p = f"blk.{il}"
     sc = facts.linear_scales

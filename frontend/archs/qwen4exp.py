@@ -127,14 +127,14 @@ def build(w: B.Weights, hp: HParams, n_ctx: int, all_logits: bool) -> Graph:
             m, post = HC.hc_pre(b, streams, HC.hc_weights(w, f"{p}.hc_attn", hc, E, hp.hc_rank), hc, hp.eps,
                                 "hc_attn_mix")
             if hp.recurrent[il]:
-                y = qwen35._linear_attention(b, w, hp, FACTS, il, m, new_state)
+                y = qwen35.linear_attention_layer(b, w, hp, FACTS, il, m, new_state)
             else:
                 y = _full_attention(b, w, hp, il, m, pos, table, n_ctx, new_state)
             streams = HC.hc_post(b, streams, y, post, "hc_attn_combine")
             m, post = HC.hc_pre(b, streams, HC.hc_weights(w, f"{p}.hc_ffn", hc, E, hp.hc_rank), hc, hp.eps,
                                 "hc_ffn_mix")
             streams = HC.hc_post(b, streams, qwen3next.moe_ffn(b, w, hp, p, m), post, "l_out")
-    qwen35._skip_mtp_layers(w, hp)
+    qwen35.skip_mtp_layers(w, hp)
     if not all_logits:
         streams = b.emit("last_token", [streams], O.NoAttrs(), "last")
     out_mix = HC.hc_weights(w, "output_hc", hc, E, hp.hc_rank, inject=False)

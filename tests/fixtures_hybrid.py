@@ -12,12 +12,9 @@ rotates only half of each head (partial NEOX) and stores its experts' gate and u
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 import gguf
-
-if TYPE_CHECKING:
-    from .fixtures import FixtureOptions, FixtureSize, TensorSpec
+from fixture_spec import FixtureOptions, FixtureSize, TensorSpec, linear
 
 CONV_KERNEL = 4
 FULL_ATTENTION_INTERVAL = 2
@@ -36,34 +33,33 @@ def is_linear_layer(il: int) -> bool:
 def hybrid_layer_tensors(
     arch: str, il: int, s: FixtureSize, opts: FixtureOptions, moe: bool
 ) -> Iterator[TensorSpec]:
-    from .fixtures import TensorSpec, _linear
 
     E, D, H, Hkv, F = s.n_embd, s.head_dim, s.n_head, s.n_head_kv, s.n_ff
     yield TensorSpec("attn_norm.weight", (E,), "norm")
     yield TensorSpec("post_attention_norm.weight", (E,), "norm")
     if is_linear_layer(il):
         z = ssm_sizes(s)
-        yield from _linear("attn_qkv", (z["C"], E), bias=False, scale=opts.scales)
-        yield from _linear("attn_gate", (z["VD"], E), bias=False, scale=opts.scales)
+        yield from linear("attn_qkv", (z["C"], E), bias=False, scale=opts.scales)
+        yield from linear("attn_gate", (z["VD"], E), bias=False, scale=opts.scales)
         if arch == "qwen3next":
             yield TensorSpec("ssm_ba.weight", (2 * z["Hv"], E), "matrix")
         else:
-            yield from _linear("ssm_beta", (z["Hv"], E), bias=False, scale=opts.scales)
-            yield from _linear("ssm_alpha", (z["Hv"], E), bias=False, scale=opts.scales)
+            yield from linear("ssm_beta", (z["Hv"], E), bias=False, scale=opts.scales)
+            yield from linear("ssm_alpha", (z["Hv"], E), bias=False, scale=opts.scales)
         yield TensorSpec("ssm_conv1d.weight", (z["C"], CONV_KERNEL), "conv")
         yield TensorSpec("ssm_dt.bias", (z["Hv"],), "bias")
         yield TensorSpec("ssm_a", (z["Hv"],), "ssm_a")
         yield TensorSpec("ssm_norm.weight", (z["Dk"],), "norm")
-        yield from _linear("ssm_out", (E, z["VD"]), bias=False, scale=opts.scales)
+        yield from linear("ssm_out", (E, z["VD"]), bias=False, scale=opts.scales)
     else:
         for name, shape in (("attn_q", (2 * H * D, E)), ("attn_k", (Hkv * D, E)), ("attn_v", (Hkv * D, E))):
-            yield from _linear(name, shape, bias=opts.biases, scale=opts.scales)
-        yield from _linear("attn_output", (E, H * D), bias=False, scale=opts.scales)
+            yield from linear(name, shape, bias=opts.biases, scale=opts.scales)
+        yield from linear("attn_output", (E, H * D), bias=False, scale=opts.scales)
         yield TensorSpec("attn_q_norm.weight", (D,), "norm")
         yield TensorSpec("attn_k_norm.weight", (D,), "norm")
     if not moe:
         for name, shape in (("ffn_gate", (F, E)), ("ffn_up", (F, E)), ("ffn_down", (E, F))):
-            yield from _linear(name, shape, bias=False, scale=opts.scales)
+            yield from linear(name, shape, bias=False, scale=opts.scales)
         return
     X = s.n_expert
     yield TensorSpec("ffn_gate_inp.weight", (X, E), "router")
@@ -73,7 +69,7 @@ def hybrid_layer_tensors(
         yield TensorSpec("ffn_down_exps.scale", (X,), "scale")
     yield TensorSpec("ffn_gate_inp_shexp.weight", (E,), "router")
     for name, shape in (("ffn_gate_shexp", (F, E)), ("ffn_up_shexp", (F, E)), ("ffn_down_shexp", (E, F))):
-        yield from _linear(name, shape, bias=False, scale=opts.scales)
+        yield from linear(name, shape, bias=False, scale=opts.scales)
 
 
 def write_hybrid_hparams(w: gguf.GGUFWriter, arch: str, s: FixtureSize, *, moe: bool) -> None:

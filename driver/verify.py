@@ -10,14 +10,16 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from ggufc.codegen.build import kernel_weights, state_plan, weight_key
+from ggufc.codegen.lower import ModuleBuilder
+from ggufc.codegen.lower_context import plan_params
+from ggufc.codegen.target import resolve_target
+from ggufc.codegen.tvm_util import to_tvm
 from ggufc.frontend.load import LoadedModel, load_model
 from ggufc.ir.graph import Graph, Value
 from ggufc.ir.interp import init_state, run_graph
 
-from .build import kernel_weights, optimise, passes_off_for, state_plan, weight_key
-from .lower import ModuleBuilder, plan_params
-from .target import resolve_target
-from .tvm_util import to_tvm
+from .stages import optimise, passes_off_for
 
 
 @dataclass(frozen=True)

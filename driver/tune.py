@@ -64,7 +64,18 @@ import tvm
 import tvm_ffi
 from tvm import tirx
 
+from ggufc.codegen import quant as Q
+from ggufc.codegen import quant_gpu as QG
+from ggufc.codegen.build import state_plan
+from ggufc.codegen.lower import ModuleBuilder
+from ggufc.codegen.lower_context import plan_params
+from ggufc.codegen.schedule import PRESCHEDULED
+from ggufc.codegen.target import PROCESS_CPUS, resolve_target
+from ggufc.frontend.load import load_model
+from ggufc.runtime.session import configure_cpu_threads
+
 from . import tune_worker as W
+from .stages import optimise, passes_off_for
 
 INDEX_NAME = "index.json"
 FORMAT_VERSION = 1
@@ -109,7 +120,6 @@ UNMEASURABLE_GPU_NAMES = ("vulkan", "webgpu")
 def tune_target(target: str | dict[str, Any] | tvm.target.Target) -> tvm.target.Target:
     """The target to tune for. A GPU target needs a device of its kind on this machine: tuning
     measures every candidate kernel there. CUDA is tuned for the architecture of the device found."""
-    from .target import resolve_target
 
     if isinstance(target, str):
         name = target.partition(":")[0]
@@ -240,8 +250,6 @@ def tunable_func(key: tuple[Any, ...], make: Callable[[], tirx.PrimFunc],
     weight layout through ggufc's own row-dot kernels and are not tuned; other kernels are the TE
     definition their lowering makes (scheduled by `schedule_cpu` or dlight by default).
     """
-    from . import quant as Q
-    from .schedule import PRESCHEDULED
 
     kind = key[0]
     try:
@@ -270,8 +278,6 @@ def extract_workloads(model: Any, target: tvm.target.Target,
     The decode function is lowered exactly as `build_executable` lowers it, so each workload's
     default kernel is the one `ggufc compile` would build.
     """
-    from .build import optimise, passes_off_for, state_plan
-    from .lower import ModuleBuilder, plan_params
 
     graphs, _ = optimise(dict(model.graphs), passes_off_for(target, disabled_passes))
     layouts = plan_params(list(graphs.values()), *_gpu_layout(target))
@@ -297,14 +303,8 @@ def extract_workloads(model: Any, target: tvm.target.Target,
 
 
 def _gpu_layout(target: tvm.target.Target) -> tuple[Any, ...]:
-    """plan_params' extra argument on GPU targets (the packed weight layout), if this tree has one."""
-    if not is_gpu(target):
-        return ()
-    try:
-        from . import quant_gpu as QG
-    except ImportError:
-        return ()
-    return (QG.layout_spec,)
+    """plan_params' extra argument on GPU targets (the packed weight layout)."""
+    return (QG.layout_spec,) if is_gpu(target) else ()
 
 
 # =============================================================================================
@@ -567,7 +567,6 @@ class _Machinery:
         from tvm.s_tir import meta_schedule as ms
 
         self.ms, self.target, self.db, self.options = ms, target, db, options
-        from .target import PROCESS_CPUS
 
         self.cores = PROCESS_CPUS
         self.builder = ms.builder.LocalBuilder(timeout_sec=600, f_build=W.build, max_workers=self.cores)
@@ -754,8 +753,6 @@ def tune_model(
     disabled_passes: frozenset[str] = frozenset(),
 ) -> SessionSummary:
     """Tune the model's decode kernels into `db_dir` within the budget (see the module docstring)."""
-    from ggufc.frontend.load import load_model
-    from ggufc.runtime.session import configure_cpu_threads
 
     require_tuning_packages()
     options = options or TuneOptions()
@@ -1023,6 +1020,5 @@ def open_tuning(db_dir: str | os.PathLike[str] | None, target: Any, *, min_speed
     """The `tuned` hook for a build, or None without a database."""
     if db_dir is None:
         return None
-    from .target import resolve_target
 
     return TunedKernels(db_dir, resolve_target(target), min_speedup=min_speedup)

@@ -1,9 +1,6 @@
-"""Kernels of qwen4exp's own ops: the hyper-connection mix, the QSA indexer, the PLE hash.
+"""Sparse-attention indexer kernels, CPU and GPU side by side, and their lowering (references:
+`ir/sparse_indexers.py`).
 
-* `hc_pre`: one kernel per mix: per-stream RMSNorm of the [T, hc, E] streams, the low-rank gate
-  (down, silu, up), the sigmoid-gated mean over streams and the post weights (inject); the hc-wide
-  stream is read in this one kernel (its normalised copy stays an intermediate of the kernel).
-* `hc_post`: the scatter of a block output into every stream, R + post * y, one pass over R.
 * `indexer_score`: mean-pool the raw key cache per block, RMSNorm, rotate at the block start,
   score = sum over heads of relu(q . key); one kernel.
 * `indexer_topk`: per query row, the cell values of the tail rule and llama.cpp's CPU top-k
@@ -12,77 +9,36 @@
   so no [T, P+T] mask is built and the cost does not grow with the context.
 * `index_mask`, `masked_attention`: the unfused spelling (a dense additive mask and attention
   that adds it), compiled for the passes-off path.
-* `ple_hash`: the n-gram rows in uint64 wrap-around arithmetic, one token per parallel task,
-  reading predecessors from the token-history state.
+* `indexer_topk_gpu`: one thread per query row runs the CPU kernel's libstdc++ heap select (make_heap
+  on the first k cells, then each later cell strictly greater than the top replaces it), so the
+  selection and its tie order are the CPU kernel's and llama.cpp's. Cell values are formed on
+  the fly from the block scores (no [T, cells] scratch), in float32 as the reference does.
+  Heap indices are int32: the cells of one context fit.
 
 Symbolic extents: `n` (tokens of the call) and `pos` (tokens already cached), as in `kernels.py`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable
+from typing import Any
 
 from tvm import te, tirx
 from tvm.script import tirx as T
 
-from .kernels import PShape, f32, func, i64
+from ggufc.ir import ops as O
+from ggufc.ir.graph import Node
+
+from . import kernels as K
+from .kernels import PShape, f32, func, i64, with_root_block
+from .lower_context import FunctionContext, call_args, tensor_dims
+
+THREADS = 64  # GPU threads per workgroup
+I32_MAX = (1 << 31) - 1
+
+
 
 NEG = -3.4e38  # the masked score (finite, so a fully masked row cannot make a NaN)
-
-
-def _sigmoid(x: tirx.PrimExpr) -> tirx.PrimExpr:
-    return f32(1.0) / (f32(1.0) + te.exp(-x))
-
-
-# ---------------------------------------------------------------------------------------------
-# hyper-connections
-
-
-def hc_pre(streams: PShape, rank: int, n_hc: int, eps: float, post: bool) -> tirx.PrimFunc:
-    """Args (R [T,hc,E], norm [hc,E], down [lr,hc*E], up [hc*E,lr][, inject [hc,hc*E]],
-    mixed [T,E][, post [T,hc]])."""
-    n, hc, e = streams
-    hc_i, e_i = int(hc), int(e)
-    wide = i64(hc_i * e_i)
-    r = te.placeholder(streams, "float32", name="r")
-    norm = te.placeholder((hc, e), "float32", name="norm")
-    down = te.placeholder((i64(rank), wide), "float32", name="down")
-    up = te.placeholder((wide, i64(rank)), "float32", name="up")
-    re_ = te.reduce_axis((i64(0), e), name="re")
-    ss = te.compute((n, hc), lambda t, c: te.sum(r[t, c, re_] * r[t, c, re_], axis=re_), name="ss")
-    rstd = te.compute((n, hc), lambda t, c: f32(1.0) / te.sqrt(ss[t, c] / f32(e_i) + f32(eps)), name="rstd")
-    xn = te.compute((n, wide), lambda t, k: r[t, k // e, k % e] * rstd[t, k // e] * norm[k // e, k % e], name="xn")
-    rk = te.reduce_axis((i64(0), wide), name="rk")
-    lo = te.compute((n, i64(rank)), lambda t, j: te.sum(xn[t, rk] * down[j, rk], axis=rk), name="lo")
-    act = te.compute((n, i64(rank)), lambda t, j: lo[t, j] * f32(1.0 / n_hc) * _sigmoid(lo[t, j] * f32(1.0 / n_hc)),
-                     name="act")
-    rr = te.reduce_axis((i64(0), i64(rank)), name="rr")
-    gate = te.compute((n, wide), lambda t, k: te.sum(act[t, rr] * up[k, rr], axis=rr), name="gate")
-    rc = te.reduce_axis((i64(0), hc), name="rc")
-    msum = te.compute((n, e), lambda t, j: te.sum(xn[t, rc * e + j] * _sigmoid(gate[t, rc * e + j]), axis=rc),
-                      name="msum")
-    mixed = te.compute((n, e), lambda t, j: msum[t, j] / f32(hc_i), name="mixed")
-    if not post:
-        return func([r, norm, down, up, mixed])
-    inject = te.placeholder((hc, wide), "float32", name="inject")
-    rk2 = te.reduce_axis((i64(0), wide), name="rk2")
-    inj = te.compute((n, hc), lambda t, c: te.sum(xn[t, rk2] * inject[c, rk2], axis=rk2), name="inj")
-    out_post = te.compute((n, hc), lambda t, c: f32(2.0) * _sigmoid(inj[t, c] * f32(1.0 / n_hc)), name="post")
-    return func([r, norm, down, up, inject, mixed, out_post])
-
-
-def hc_post(streams: PShape) -> tirx.PrimFunc:
-    """Args (R [T,hc,E], y [T,E], post [T,hc], out [T,hc,E])."""
-    n, hc, e = streams
-    r = te.placeholder(streams, "float32", name="r")
-    y = te.placeholder((n, e), "float32", name="y")
-    post = te.placeholder((n, hc), "float32", name="post")
-    out = te.compute(streams, lambda t, c, j: r[t, c, j] + post[t, c] * y[t, j], name="out")
-    return func([r, y, post, out])
-
-
-# ---------------------------------------------------------------------------------------------
-# QSA indexer
 
 
 def indexer_score(q_shape: PShape, n_cells: int, ratio: int, eps: float, n_rot: int) -> tirx.PrimFunc:
@@ -292,81 +248,135 @@ def masked_attention(q_shape: PShape, cache_shape: PShape, scale: float) -> tirx
     return func([q, kc, vc, pos, mask, out])
 
 
-# ---------------------------------------------------------------------------------------------
-# MoE pieces: merged gate_up activation, the shared expert's gate and combine
+def indexer_topk_gpu(nb1: int, ratio: int, width: int, n_cells: int) -> tirx.PrimFunc:
+    """Args (scores [T, NB+1], pos, sel [T, width]); see `kernels_qwen4exp.indexer_topk`."""
+    if n_cells + width > I32_MAX:
+        raise ValueError(f"indexer_topk: {n_cells} cells do not fit int32 heap indices")
+    R, DEAD, W, NT = T.int32(ratio), T.int32(nb1 - 1), T.int32(width), T.int64(THREADS)
+    NB1, WID = T.int64(nb1), T.int64(width)
+
+    def value(S: tirx.Buffer, i: tirx.PrimExpr, q: tirx.PrimExpr, nfull: tirx.PrimExpr, j: tirx.PrimExpr
+              ) -> tirx.PrimExpr:
+        """The CPU kernel's cell value: block score (+1e9 in the tail), -inf after the query."""
+        blk = tirx.truncdiv(j, R)
+        tail = tirx.if_then_else(blk * R >= tirx.truncdiv(q + 1, R) * R, T.float32(1e9), T.float32(0))
+        val = tirx.if_then_else(blk < nfull, S[i, tirx.Cast("int64", tirx.min(blk, DEAD))] + tail,
+                                S[i, tirx.Cast("int64", DEAD)] + T.float32(1e9))
+        return tirx.if_then_else(j > q, tirx.min_value("float32"), val)
+
+    @T.macro
+    def adjust(Sel: T.Buffer, S: T.Buffer, st: T.Buffer, i: T.int64, q: T.int32, nfull: T.int32,
+               hole0: T.int32, length: T.int32, val_idx: T.int32) -> None:
+        # std::__adjust_heap then std::__push_heap, comp(a, b) = value(a) > value(b);
+        # st: hole, second, parent, value, top
+        st[0] = hole0
+        st[1] = hole0
+        st[3] = val_idx
+        st[4] = hole0
+        while st[1] < (length - 1) // 2:
+            st[1] = 2 * (st[1] + 1)
+            if value(S, i, q, nfull, Sel[i, T.Cast("int64", st[1])]) > value(
+                    S, i, q, nfull, Sel[i, T.Cast("int64", st[1] - 1)]):
+                st[1] = st[1] - 1
+            Sel[i, T.Cast("int64", st[0])] = Sel[i, T.Cast("int64", st[1])]
+            st[0] = st[1]
+        if length % 2 == 0 and st[1] == (length - 2) // 2:
+            st[1] = 2 * (st[1] + 1)
+            Sel[i, T.Cast("int64", st[0])] = Sel[i, T.Cast("int64", st[1] - 1)]
+            st[0] = st[1] - 1
+        st[2] = T.max(st[0] - 1, 0) // 2
+        while st[0] > st[4] and value(S, i, q, nfull, Sel[i, T.Cast("int64", st[2])]) > value(
+                S, i, q, nfull, st[3]):
+            Sel[i, T.Cast("int64", st[0])] = Sel[i, T.Cast("int64", st[2])]
+            st[0] = st[2]
+            st[2] = T.max(st[0] - 1, 0) // 2
+        Sel[i, T.Cast("int64", st[0])] = st[3]
+
+    @T.prim_func(private=True)
+    def indexer_topk_gpu(s_h: T.handle, pos: T.int64, o_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        n = T.int64()
+        S = T.match_buffer(s_h, (n, NB1), "float32")
+        Sel = T.match_buffer(o_h, (n, WID), "int32")
+        bx = T.launch_thread("blockIdx.x", (n + NT - T.int64(1)) // NT)
+        st = T.alloc_local((8,), "int32")
+        tx = T.launch_thread("threadIdx.x", NT)
+        i = T.meta_var(bx * NT + tx)
+        q = T.meta_var(T.Cast("int32", pos + bx * NT + tx))
+        nkv = T.meta_var(T.Cast("int32", pos + n))
+        nfull = T.meta_var(T.min(T.Cast("int32", pos + n) // R, DEAD))
+        if bx * NT + tx < n:
+            st[5] = T.min(W, nkv)
+            for a in range(WID):
+                Sel[i, a] = T.Cast("int32", a)
+            if st[5] >= 2:
+                st[6] = (st[5] - 2) // 2
+                while st[6] >= 0:
+                    adjust(Sel, S, st, i, q, nfull, st[6], st[5], Sel[i, T.Cast("int64", st[6])])
+                    st[6] = st[6] - 1
+            st[7] = st[5]
+            while st[7] < nkv:
+                if value(S, i, q, nfull, st[7]) > value(S, i, q, nfull, Sel[i, 0]):
+                    adjust(Sel, S, st, i, q, nfull, 0, st[5], st[7])
+                st[7] = st[7] + 1
+            for a in range(WID):
+                if T.Cast("int32", a) >= st[5] or value(S, i, q, nfull, T.max(Sel[i, a], 0)) == T.min_value(
+                        "float32"):
+                    Sel[i, a] = -1
+
+    return with_root_block(indexer_topk_gpu)
 
 
-def swiglu_halves(act_shape: PShape) -> tirx.PrimFunc:
-    """Args (y [T, k, 2F], act [T, k, F]): silu(y[..., :F]) * y[..., F:]."""
-    n, k, f = act_shape
-    y = te.placeholder((n, k, f * i64(2)), "float32", name="y")
-    act = te.compute(act_shape, lambda t, s, j: y[t, s, j] * _sigmoid(y[t, s, j]) * y[t, s, j + f], name="act")
-    return func([y, act])
+def _indexer_score(fc: FunctionContext, node: Node) -> list[Any]:
+    a: O.IndexerScore = node.attrs
+    q, cache = node.inputs[:2]
+    n_cells = int(cache.shape[0])
+    key = ("indexer_score", a, tensor_dims(fc, node))
+    return fc.call(key, lambda: indexer_score(fc.kernel_shape(q, K.Symbols()), n_cells, a.ratio, a.eps, a.n_rot),
+                   call_args(fc, node), node.outputs, node.outputs[0].name)
 
 
-def shared_combine(shape: PShape, has_scale: bool) -> tirx.PrimFunc:
-    """Args (routed [T,E], shexp [T,E], x [T,E], w [E][, s_down [1]], out [T,E]):
-    routed + shexp [* s] * sigmoid(sum(x * w))."""
-    n, e = shape
-    routed = te.placeholder(shape, "float32", name="routed")
-    shexp = te.placeholder(shape, "float32", name="shexp")
-    x = te.placeholder(shape, "float32", name="x")
-    w = te.placeholder((e,), "float32", name="w")
-    scale = te.placeholder((i64(1),), "float32", name="s_down") if has_scale else None
-    re_ = te.reduce_axis((i64(0), e), name="re")
-    logit = te.compute((n,), lambda t: te.sum(x[t, re_] * w[re_], axis=re_), name="logit")
-
-    def body(t: tirx.PrimExpr, j: tirx.PrimExpr) -> tirx.PrimExpr:
-        sh = shexp[t, j] * scale[i64(0)] if scale is not None else shexp[t, j]
-        return routed[t, j] + sh * _sigmoid(logit[t])
-
-    out = te.compute(shape, body, name="out")
-    return func([routed, shexp, x, w, *([scale] if scale is not None else []), out])
+def _indexer_topk(fc: FunctionContext, node: Node) -> list[Any]:
+    a: O.IndexerTopK = node.attrs
+    nb1 = int(node.inputs[0].shape[1])
+    n_cells = nb1 * a.ratio  # > n_ctx (the score rows cover n_ctx // r whole blocks plus the spare one)
+    key = ("indexer_topk", a, nb1, n_cells)
+    return fc.call(key, lambda: indexer_topk(nb1, a.ratio, a.width, n_cells), call_args(fc, node), node.outputs,
+                   node.outputs[0].name)
 
 
-# ---------------------------------------------------------------------------------------------
-# PLE hash
+def _index_mask(fc: FunctionContext, node: Node) -> list[Any]:
+    sel = node.inputs[0]
+    key = ("index_mask", tensor_dims(fc, node))
+    return fc.call(key, lambda: index_mask(fc.kernel_shape(sel, K.Symbols())), call_args(fc, node), node.outputs,
+                   node.outputs[0].name)
 
 
-def ple_hash(n_cells: int, ngram: int, heads_per_ngram: int, multipliers: Sequence[int], offsets: Sequence[int],
-             sizes: Sequence[int], eos: int) -> tirx.PrimFunc:
-    """Args (history [C] int32, tokens [T] int32, pos, rows [T, (n-1)*heads] int32)."""
-    from tvm.script import ir_builder as IB
-    from tvm.script.ir_builder import tirx as Tb
+def lower_selected_attention(fc: FunctionContext, node: Node) -> list[Any]:
+    """Attention over the indexer's selection: the selected cells only (mask "indices"), or the
+    unfused spelling's additive mask (mask "additive")."""
+    a: O.Attention = node.attrs
+    q, kc = node.inputs[:2]
+    dims = tensor_dims(fc, node)
+    if a.mask == "indices":
+        width = int(node.inputs[4].shape[1])
+        key: tuple[Any, ...] = ("sparse_attention", a, dims)
 
-    n_heads = (ngram - 1) * heads_per_ngram
-    u64 = "uint64"
-    with IB.IRBuilder() as ib:
-        with Tb.prim_func():
-            Tb.func_name("ple_hash")
-            Tb.func_attr({"tirx.noalias": True})
-            hist = Tb.arg("hist", Tb.buffer((i64(n_cells),), "int32"))
-            tok_h = Tb.arg("tokens", Tb.handle())
-            pos = Tb.arg("pos", tirx.Var("pos", "int64"))
-            rows_h = Tb.arg("rows", Tb.handle())
-            n = tirx.Var("n", "int64")
-            toks = Tb.match_buffer(tok_h, (n,), "int32")
-            rows = Tb.match_buffer(rows_h, (n, i64(n_heads)), "int32")
-            with Tb.parallel(i64(0), n) as i:
-                ctx = Tb.decl_buffer((ngram,), "int64", scope="local")
-                cut = Tb.decl_buffer((1,), "int64", scope="local")
-                Tb.buffer_store(ctx, toks[i].astype("int64"), [0])
-                Tb.buffer_store(cut, i64(0), [0])
-                p = pos + i
-                for s in range(1, ngram):
-                    src = p - i64(s)
-                    prev = tirx.if_then_else(tirx.any(cut[0] != i64(0), src < i64(0)), i64(-1),
-                                             hist[te.max(src, i64(0))].astype("int64"))
-                    stop = tirx.any(cut[0] != i64(0), prev < i64(0), prev == i64(eos))
-                    Tb.buffer_store(cut, tirx.if_then_else(stop, i64(1), i64(0)), [0])
-                    Tb.buffer_store(ctx, tirx.if_then_else(stop, i64(eos), prev), [s])
-                for g in range(2, ngram + 1):
-                    mixed = None
-                    for j in range(g):
-                        term = ctx[j].astype(u64) * tirx.const(int(multipliers[j]) & ((1 << 64) - 1), u64)
-                        mixed = term if mixed is None else tirx.bitwise_xor(mixed, term)
-                    for k in range(heads_per_ngram):
-                        h = (g - 2) * heads_per_ngram + k
-                        row = tirx.truncmod(mixed, tirx.const(int(sizes[h]), u64)) + tirx.const(int(offsets[h]), u64)
-                        Tb.buffer_store(rows, row.astype("int32"), [i, i64(h)])
-    return ib.get()
+        def make() -> Any:
+            syms = K.Symbols()
+            return sparse_attention(fc.kernel_shape(q, syms), fc.kernel_shape(kc, syms), width, a.scale)
+    else:
+        key = ("masked_attention", a, dims)
+
+        def make() -> Any:
+            syms = K.Symbols()
+            return masked_attention(fc.kernel_shape(q, syms), fc.kernel_shape(kc, syms), a.scale)
+
+    return fc.call(key, make, call_args(fc, node), node.outputs, node.outputs[0].name)
+
+
+INDEXER_LOWERING: dict[str, Callable[[FunctionContext, Node], list[Any]]] = {
+    "indexer_score": _indexer_score,
+    "indexer_topk": _indexer_topk,
+    "index_mask": _index_mask,
+}

@@ -14,12 +14,9 @@ uint64 multipliers above 2^63, so the hash's wrap-around arithmetic is exercised
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 import gguf
-
-if TYPE_CHECKING:
-    from .fixtures import FixtureOptions, FixtureSize, TensorSpec
+from fixture_spec import FixtureOptions, FixtureSize, TensorSpec, linear
 
 HC, HC_RANK = 2, 4
 CONV_KERNEL = 4
@@ -41,7 +38,6 @@ def ple_heads() -> int:
 
 
 def plan(s: FixtureSize, opts: FixtureOptions) -> list[TensorSpec]:
-    from .fixtures import TensorSpec
 
     E, wide = s.n_embd, HC * s.n_embd
     specs = [TensorSpec("token_embd.weight", (s.vocab, E), "matrix")]
@@ -57,7 +53,6 @@ def plan(s: FixtureSize, opts: FixtureOptions) -> list[TensorSpec]:
 
 
 def _layer(il: int, s: FixtureSize, opts: FixtureOptions) -> Iterator[TensorSpec]:
-    from .fixtures import TensorSpec, _linear
 
     E, D, H, Hkv, F, X = s.n_embd, s.head_dim, s.n_head, s.n_head_kv, s.n_ff, s.n_expert
     wide = HC * E
@@ -68,15 +63,15 @@ def _layer(il: int, s: FixtureSize, opts: FixtureOptions) -> Iterator[TensorSpec
         yield TensorSpec(f"hc_{kind}_inject.weight", (HC, wide), "matrix")
     if is_linear_layer(il):
         c, vd = 2 * Hkv * D + H * D, H * D
-        yield from _linear("attn_qkv", (c, E), bias=False, scale=opts.scales)
-        yield from _linear("attn_gate", (vd, E), bias=False, scale=opts.scales)
-        yield from _linear("ssm_beta", (H, E), bias=False, scale=opts.scales)
-        yield from _linear("ssm_alpha", (H, E), bias=False, scale=opts.scales)
+        yield from linear("attn_qkv", (c, E), bias=False, scale=opts.scales)
+        yield from linear("attn_gate", (vd, E), bias=False, scale=opts.scales)
+        yield from linear("ssm_beta", (H, E), bias=False, scale=opts.scales)
+        yield from linear("ssm_alpha", (H, E), bias=False, scale=opts.scales)
         yield TensorSpec("ssm_conv1d.weight", (c, CONV_KERNEL), "conv")
         yield TensorSpec("ssm_dt.bias", (H,), "bias")
         yield TensorSpec("ssm_a", (H,), "ssm_a")
         yield TensorSpec("ssm_norm.weight", (D,), "norm")
-        yield from _linear("ssm_out", (E, vd), bias=False, scale=opts.scales)
+        yield from linear("ssm_out", (E, vd), bias=False, scale=opts.scales)
         if il == 0:
             yield TensorSpec("ple_key.weight", (wide, E), "matrix")
             yield TensorSpec("ple_value.weight", (E, E), "matrix")
@@ -86,8 +81,8 @@ def _layer(il: int, s: FixtureSize, opts: FixtureOptions) -> Iterator[TensorSpec
     else:
         for name, shape in (("attn_q", (2 * H * D, E)), ("attn_k", (Hkv * D, E)), ("attn_v", (Hkv * D, E))):
             # llama.cpp loads q/k/v biases and never reads them: the fixture writes only what is read
-            yield from _linear(name, shape, bias=False, scale=opts.scales)
-        yield from _linear("attn_output", (E, H * D), bias=False, scale=opts.scales)
+            yield from linear(name, shape, bias=False, scale=opts.scales)
+        yield from linear("attn_output", (E, H * D), bias=False, scale=opts.scales)
         yield TensorSpec("attn_q_norm.weight", (D,), "norm")
         yield TensorSpec("attn_k_norm.weight", (D,), "norm")
         yield TensorSpec("indexer.q_proj.weight", (INDEXER_HEADS * D, E), "matrix")
@@ -101,7 +96,7 @@ def _layer(il: int, s: FixtureSize, opts: FixtureOptions) -> Iterator[TensorSpec
         yield TensorSpec("ffn_down_exps.scale", (X,), "scale")
     yield TensorSpec("ffn_gate_inp_shexp.weight", (E,), "router")
     for name, shape in (("ffn_gate_shexp", (F, E)), ("ffn_up_shexp", (F, E)), ("ffn_down_shexp", (E, F))):
-        yield from _linear(name, shape, bias=False, scale=opts.scales)
+        yield from linear(name, shape, bias=False, scale=opts.scales)
 
 
 def write_hparams(w: gguf.GGUFWriter, s: FixtureSize) -> None:

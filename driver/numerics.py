@@ -22,6 +22,9 @@ from ggufc.frontend.load import LoadedModel, load_model
 from ggufc.ir.graph import Graph, Node, Value
 from ggufc.ir.interp import init_state, run_graph
 
+from .stages import optimise
+from .verify import run_probe
+
 ENGINES = ("kernels", "interpreter")
 # Ops through which a mask's -inf flows unchanged into the scores (softmax ends the chain).
 _MASK_CARRYING_OPS = frozenset(
@@ -86,7 +89,6 @@ def locate_non_finite(
 
 def _optimised(model: LoadedModel) -> Graph:
     """The all-logits graph as the artifact runs it (same passes)."""
-    from .build import optimise
 
     graphs, _ = optimise({"prefill_all": model.graphs["prefill_all"]}, frozenset())
     return graphs["prefill_all"]
@@ -102,7 +104,6 @@ def _run(
 ) -> list[np.ndarray]:
     probe_graph = graph.replace(outputs=list(probes))
     if engine == "kernels":
-        from .verify import run_probe
 
         values, _ = run_probe(model, probe_graph, ids, target)
         return values

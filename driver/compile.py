@@ -14,11 +14,14 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import save_file
 
+from ggufc.codegen.build import DEFAULT_MAX_CHUNK, Built, Progress, kernel_weights, layout_fields
+from ggufc.codegen.target import target_key
 from ggufc.frontend.load import LoadedModel, load_model
+from ggufc.frontend.tokenizer_build import build_tokenizer
 from ggufc.runtime import artifact as A
 
-from .build import DEFAULT_MAX_CHUNK, Built, Progress, build_executable, kernel_weights, layout_fields
-from .gpu import target_key
+from .stages import build_model
+from .tune import open_tuning
 
 
 def compile_model(
@@ -30,9 +33,8 @@ def compile_model(
     """Compile and write the artifact atomically; returns the manifest as written.
 
     `tuning_db`: a `ggufc tune` database whose tuned schedules replace the default ones where they
-    measured at least `tuning_min_speedup` times faster (codegen/tune.py).
+    measured at least `tuning_min_speedup` times faster (driver/tune.py).
     """
-    from .tune import open_tuning
 
     t0 = time.perf_counter()
     staging = staging_for(out_dir)  # before the long part: an output we may not write is refused now
@@ -40,7 +42,7 @@ def compile_model(
         tuning = open_tuning(tuning_db, target, min_speedup=tuning_min_speedup)
         progress(f"reading {os.fspath(model_path)}")
         model = load_model(model_path, n_ctx)
-        built = build_executable(model, target, disabled_passes=disabled_passes, max_chunk=max_chunk,
+        built = build_model(model, target, disabled_passes=disabled_passes, max_chunk=max_chunk,
                                  progress=progress, tuning=tuning)
         if tuning is not None:
             progress(f"{len(tuning.applied)} kernels use tuned schedules from {tuning_db}")
@@ -67,7 +69,6 @@ def staging_for(out_dir: str | os.PathLike[str]) -> Path:
 
 
 def _write_tokenizer(model: LoadedModel, staging: Path) -> dict[str, Any]:
-    from ggufc.frontend.tokenizer_build import build_tokenizer
 
     spec = build_tokenizer(model.gguf.metadata)
     info = {k: v for k, v in spec.to_dict().items() if k != "tokenizer_json"}

@@ -23,16 +23,20 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from ggufc.codegen import lower as L
+from ggufc.codegen.build import kernel_weights, state_plan, weight_key
+from ggufc.codegen.device_info import DeviceKernel, _Names, compile_kernel, expr_str
+from ggufc.codegen.lower_context import plan_params
+from ggufc.codegen.plan import PlanError
+from ggufc.codegen.quant_gpu import layout_spec as gpu_layout_spec
+from ggufc.codegen.target import is_gpu, resolve_target
 from ggufc.frontend.load import LoadedModel
 from ggufc.ir.graph import Graph
 from ggufc.ir.interp import init_state, run_graph
+from ggufc.runtime.plan_expr import evaluate
+from ggufc.runtime.wgpu_runtime import WgpuDevice, run_kernel
 
-from . import lower as L
-from .build import kernel_weights, optimise, passes_off_for, state_plan, weight_key
-from .device_info import DeviceKernel, compile_kernel
-from .gpu import is_gpu
-from .quant_gpu import layout_spec as gpu_layout_spec
-from .target import resolve_target
+from .stages import optimise, passes_off_for
 
 
 @dataclass
@@ -84,7 +88,6 @@ class _Runner:
     def __init__(self, target: tvm.target.Target) -> None:
         if target.kind.name != "webgpu":
             raise NotImplementedError(f"kernel checks run on wgpu (vulkan); {target.kind.name} has no device here")
-        from ggufc.runtime.wgpu_runtime import WgpuDevice, run_kernel
 
         self.dev = WgpuDevice(storage_buffers=8)
         self._run = run_kernel
@@ -102,7 +105,7 @@ def check_model_kernels(model: LoadedModel, tokens: np.ndarray, *, target: str =
     if not is_gpu(tgt):
         raise ValueError("kernel checks are for GPU targets")
     graphs, _ = optimise(dict(model.graphs), passes_off_for(tgt, frozenset()))
-    layouts = L.plan_params(list(graphs.values()), gpu_layout_spec)
+    layouts = plan_params(list(graphs.values()), gpu_layout_spec)
     states = state_plan(graphs["prefill_all"])
     weights = kernel_weights(model, layouts)
     flat = [weights[weight_key(lay.source, f)] for lay in layouts for f, _, _ in lay.arrays]
@@ -151,7 +154,6 @@ def _same(a: Any, b: Any) -> bool:
 def _walk(func: relax.Function, fc: Any, ref_env: dict[int, np.ndarray], ref_states: dict[str, np.ndarray],
           flat: list[np.ndarray], states: list[Any], call_tokens: np.ndarray, pos: int, mod: tvm.IRModule,
           tgt: tvm.target.Target, compiled: dict[str, DeviceKernel], runner: _Runner, report: KernelReport) -> None:
-    from .plan import PlanError
 
     tokens_v, pos_v, states_v, params_v = func.params
     p_var = next(iter(pos_v.ty.values))
@@ -205,9 +207,7 @@ def _walk(func: relax.Function, fc: Any, ref_env: dict[int, np.ndarray], ref_sta
 
 
 def _eval_sym(expr: Any, sym: dict[Any, tuple[str, int]]) -> int:
-    from ggufc.runtime.plan_expr import evaluate
 
-    from .device_info import _Names, expr_str
 
     names = _Names()
     for var, (name, _) in sym.items():

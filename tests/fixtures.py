@@ -25,50 +25,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import fixtures_hyperconnected as hyperconnected
 import gguf
 import numpy as np
+from fixture_spec import FixtureOptions, FixtureSize, TensorSpec, linear, resolve_size
+from fixtures_hybrid import hybrid_layer_tensors, rope_dimension_count, write_hybrid_hparams
 
-from .blocks import SUPPORTED_QTYPES
+from ggufc.frontend.blocks import SUPPORTED_QTYPES
 
 # ---------------------------------------------------------------------------------------------
 # sizes
-
-
-@dataclass(frozen=True)
-class FixtureSize:
-    vocab: int = 64
-    n_embd: int = 64
-    n_layer: int = 2
-    n_head: int = 4
-    n_head_kv: int = 2
-    head_dim: int = 16
-    n_ff: int = 96
-    n_expert: int = 4
-    n_expert_used: int = 2
-    n_ctx: int = 64
-
-
-SIZES: dict[str, FixtureSize] = {
-    # every row length a multiple of 32: the 32-element block formats quantize every matrix
-    "tiny": FixtureSize(),
-    # odd dims (3 heads sharing 1 kv head, odd vocab); rows not a multiple of 32 stay F32
-    "odd": FixtureSize(vocab=61, n_embd=48, n_layer=2, n_head=3, n_head_kv=1, head_dim=16, n_ff=80,
-                       n_expert=3, n_expert_used=2, n_ctx=48),
-    # rows a multiple of 256, so the K-quants (Q4_K, Q5_K, Q6_K) apply to every matrix
-    "kquant": FixtureSize(vocab=64, n_embd=256, n_layer=1, n_head=4, n_head_kv=2, head_dim=64, n_ff=256,
-                          n_expert=4, n_expert_used=2, n_ctx=32),
-    # a GPT-2 byte-level vocabulary needs at least 256 byte tokens plus one special token
-    "bpe": FixtureSize(vocab=320),
-}
-
-
-def resolve_size(size: str | FixtureSize) -> FixtureSize:
-    if isinstance(size, FixtureSize):
-        return size
-    try:
-        return SIZES[size]
-    except KeyError:
-        raise ValueError(f"unknown fixture size {size!r} (have {', '.join(SIZES)})") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -99,30 +65,10 @@ RECIPES: dict[str, ArchRecipe] = {
 }
 
 
-@dataclass(frozen=True)
-class FixtureOptions:
-    biases: bool = False  # q/k/v/o biases (and dense FFN biases where the arch has them)
-    scales: bool = False  # per-tensor `.scale` [1] on projections, per-expert `_exps.scale` [X]
-    rope_freqs: bool = False  # llama's rope_freqs.weight
-    tied_output: bool = False  # no output.weight: logits reuse token_embd
-    moe: bool | None = None  # None: the architecture's default (MoE only where it is required)
-    expert_gate: bool = True  # False: gate-less experts (llama only)
-    rope_scaling: float | None = None  # linear rope.scaling.factor
-    tokenizer: str = "none"  # "none" or "gpt2"
-    chat_template: str | None = None
-    rms_eps: float = 1e-5
-    rope_base: float = 10000.0
-
-
 # ---------------------------------------------------------------------------------------------
 # the tensor plan
 
 
-@dataclass(frozen=True)
-class TensorSpec:
-    name: str
-    shape: tuple[int, ...]  # numpy order
-    kind: str  # "matrix" (quantizable), "router", "bias", "norm", "scale", "rope_freqs",
     #   "conv" (F32 conv kernel), "ssm_a" (negative decay rates)
 
 
@@ -152,9 +98,8 @@ def plan_tensors(arch: str, size: FixtureSize, opts: FixtureOptions) -> list[Ten
     _check_options(arch, recipe, opts, moe)
     s = size
     if recipe.hyper:
-        from .fixtures_qwen4exp import plan
 
-        return plan(s, opts)
+        return hyperconnected.plan(s, opts)
     specs = [TensorSpec("token_embd.weight", (s.vocab, s.n_embd), "matrix"),
              TensorSpec("output_norm.weight", (s.n_embd,), "norm")]
     if not opts.tied_output:
@@ -163,7 +108,6 @@ def plan_tensors(arch: str, size: FixtureSize, opts: FixtureOptions) -> list[Ten
         specs.append(TensorSpec("rope_freqs.weight", (s.head_dim // 2,), "rope_freqs"))
     for il in range(s.n_layer):
         if recipe.hybrid:
-            from .fixtures_hybrid import hybrid_layer_tensors
 
             layer = list(hybrid_layer_tensors(arch, il, s, opts, moe))
         else:
@@ -179,7 +123,7 @@ def _layer_tensors(recipe: ArchRecipe, s: FixtureSize, opts: FixtureOptions, moe
     projections = {"attn_q": (H * D, E), "attn_k": (Hkv * D, E), "attn_v": (Hkv * D, E),
                    "attn_output": (E, H * D)}
     for name, shape in projections.items():
-        yield from _linear(name, shape, bias=opts.biases, scale=opts.scales)
+        yield from linear(name, shape, bias=opts.biases, scale=opts.scales)
     if recipe.qk_norm:
         yield TensorSpec("attn_q_norm.weight", (D,), "norm")
         yield TensorSpec("attn_k_norm.weight", (D,), "norm")
@@ -187,19 +131,11 @@ def _layer_tensors(recipe: ArchRecipe, s: FixtureSize, opts: FixtureOptions, moe
     yield from (_experts(s, opts) if moe else _dense_ffn(recipe, s, opts))
 
 
-def _linear(name: str, shape: tuple[int, int], *, bias: bool, scale: bool) -> Iterator[TensorSpec]:
-    yield TensorSpec(f"{name}.weight", shape, "matrix")
-    if bias:
-        yield TensorSpec(f"{name}.bias", (shape[0],), "bias")
-    if scale:
-        yield TensorSpec(f"{name}.scale", (1,), "scale")
-
-
 def _dense_ffn(recipe: ArchRecipe, s: FixtureSize, opts: FixtureOptions) -> Iterator[TensorSpec]:
     E, F = s.n_embd, s.n_ff
     bias = opts.biases and recipe.dense_ffn_bias
     for name, shape in (("ffn_gate", (F, E)), ("ffn_up", (F, E)), ("ffn_down", (E, F))):
-        yield from _linear(name, shape, bias=bias, scale=opts.scales)
+        yield from linear(name, shape, bias=bias, scale=opts.scales)
 
 
 def _experts(s: FixtureSize, opts: FixtureOptions) -> Iterator[TensorSpec]:
@@ -431,7 +367,6 @@ def _write_hparams(w: gguf.GGUFWriter, arch: str, s: FixtureSize, opts: FixtureO
     w.add_key_length(s.head_dim)
     w.add_value_length(s.head_dim)
     if RECIPES[arch].hybrid:
-        from .fixtures_hybrid import rope_dimension_count
 
         w.add_rope_dimension_count(rope_dimension_count(arch, s))
     else:
@@ -447,13 +382,11 @@ def _write_hparams(w: gguf.GGUFWriter, arch: str, s: FixtureSize, opts: FixtureO
         if RECIPES[arch].expert_ff_key:
             w.add_expert_feed_forward_length(s.n_ff)
     if RECIPES[arch].hybrid:
-        from .fixtures_hybrid import write_hybrid_hparams
 
         write_hybrid_hparams(w, arch, s, moe=moe)
     if RECIPES[arch].hyper:
-        from .fixtures_qwen4exp import write_hparams
 
-        write_hparams(w, s)
+        hyperconnected.write_hparams(w, s)
     w.add_vocab_size(s.vocab)
 
 

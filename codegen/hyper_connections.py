@@ -1,0 +1,92 @@
+"""Hyper-connection kernels and their lowering (references: `ir/hyper_connections.py`).
+
+* `hc_pre`: one kernel per mix: per-stream RMSNorm of the [T, hc, E] streams, the low-rank gate
+  (down, silu, up), the sigmoid-gated mean over streams and the post weights (inject); the hc-wide
+  stream is read in this one kernel (its normalised copy stays an intermediate of the kernel).
+* `hc_post`: the scatter of a block output into every stream, R + post * y, one pass over R.
+
+The GPU targets schedule these TIR kernels with dlight (gpu.py).
+
+Symbolic extents: `n` (tokens of the call) and `pos` (tokens already cached), as in `kernels.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from tvm import te, tirx
+
+from ggufc.ir import ops as O
+from ggufc.ir.graph import Node
+
+from . import kernels as K
+from .kernels import PShape, f32, func, i64
+from .lower_context import FunctionContext, call_args, tensor_dims
+
+
+def hc_pre(streams: PShape, rank: int, n_hc: int, eps: float, post: bool) -> tirx.PrimFunc:
+    """Args (R [T,hc,E], norm [hc,E], down [lr,hc*E], up [hc*E,lr][, inject [hc,hc*E]],
+    mixed [T,E][, post [T,hc]])."""
+    n, hc, e = streams
+    hc_i, e_i = int(hc), int(e)
+    wide = i64(hc_i * e_i)
+    r = te.placeholder(streams, "float32", name="r")
+    norm = te.placeholder((hc, e), "float32", name="norm")
+    down = te.placeholder((i64(rank), wide), "float32", name="down")
+    up = te.placeholder((wide, i64(rank)), "float32", name="up")
+    re_ = te.reduce_axis((i64(0), e), name="re")
+    ss = te.compute((n, hc), lambda t, c: te.sum(r[t, c, re_] * r[t, c, re_], axis=re_), name="ss")
+    rstd = te.compute((n, hc), lambda t, c: f32(1.0) / te.sqrt(ss[t, c] / f32(e_i) + f32(eps)), name="rstd")
+    xn = te.compute((n, wide), lambda t, k: r[t, k // e, k % e] * rstd[t, k // e] * norm[k // e, k % e], name="xn")
+    rk = te.reduce_axis((i64(0), wide), name="rk")
+    lo = te.compute((n, i64(rank)), lambda t, j: te.sum(xn[t, rk] * down[j, rk], axis=rk), name="lo")
+    act = te.compute((n, i64(rank)), lambda t, j: lo[t, j] * f32(1.0 / n_hc) * K.sigmoid(lo[t, j] * f32(1.0 / n_hc)),
+                     name="act")
+    rr = te.reduce_axis((i64(0), i64(rank)), name="rr")
+    gate = te.compute((n, wide), lambda t, k: te.sum(act[t, rr] * up[k, rr], axis=rr), name="gate")
+    rc = te.reduce_axis((i64(0), hc), name="rc")
+    msum = te.compute((n, e), lambda t, j: te.sum(xn[t, rc * e + j] * K.sigmoid(gate[t, rc * e + j]), axis=rc),
+                      name="msum")
+    mixed = te.compute((n, e), lambda t, j: msum[t, j] / f32(hc_i), name="mixed")
+    if not post:
+        return func([r, norm, down, up, mixed])
+    inject = te.placeholder((hc, wide), "float32", name="inject")
+    rk2 = te.reduce_axis((i64(0), wide), name="rk2")
+    inj = te.compute((n, hc), lambda t, c: te.sum(xn[t, rk2] * inject[c, rk2], axis=rk2), name="inj")
+    out_post = te.compute((n, hc), lambda t, c: f32(2.0) * K.sigmoid(inj[t, c] * f32(1.0 / n_hc)), name="post")
+    return func([r, norm, down, up, inject, mixed, out_post])
+
+
+def hc_post(streams: PShape) -> tirx.PrimFunc:
+    """Args (R [T,hc,E], y [T,E], post [T,hc], out [T,hc,E])."""
+    n, hc, e = streams
+    r = te.placeholder(streams, "float32", name="r")
+    y = te.placeholder((n, e), "float32", name="y")
+    post = te.placeholder((n, hc), "float32", name="post")
+    out = te.compute(streams, lambda t, c, j: r[t, c, j] + post[t, c] * y[t, j], name="out")
+    return func([r, y, post, out])
+
+
+def _hc_pre(fc: FunctionContext, node: Node) -> list[Any]:
+    a: O.HcPre = node.attrs
+    r, _norm, down = node.inputs[:3]
+    rank = int(down.shape[0])
+    key = ("hc_pre", a, tensor_dims(fc, node))
+    return fc.call(key, lambda: hc_pre(fc.kernel_shape(r, K.Symbols()), rank, a.n_hc, a.eps, a.post),
+                   call_args(fc, node), node.outputs, node.outputs[0].name)
+
+
+def _hc_post(fc: FunctionContext, node: Node) -> list[Any]:
+    if node.attrs.comb:
+        raise NotImplementedError("hc_post with a comb matrix (deepseek4) is not lowered yet")
+    r = node.inputs[0]
+    key = ("hc_post", tensor_dims(fc, node))
+    return fc.call(key, lambda: hc_post(fc.kernel_shape(r, K.Symbols())), call_args(fc, node), node.outputs,
+                   node.outputs[0].name)
+
+
+HC_LOWERING: dict[str, Callable[[FunctionContext, Node], list[Any]]] = {
+    "hc_pre": _hc_pre,
+    "hc_post": _hc_post,
+}

@@ -1,0 +1,190 @@
+"""What every lowering rule works with: the function being built (values, symbolic dims, weights)
+and the module it adds kernels to. The rules themselves are in `lower.py` and the op families'
+files; the module builder is in `lower.py`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import tvm
+from tvm import relax, tirx
+
+from ggufc.ir.graph import Dim, Graph, Node, Param, Value
+
+from . import kernels as K
+from . import quant as Q
+from .target import TARGET_KEY_OF_KIND
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """Where a weight's kernel-layout arrays sit in the flat params tuple."""
+
+    source: str
+    qtype: str
+    shape: tuple[int, ...]
+    arrays: tuple[tuple[str, tuple[int, ...], str], ...]  # (field, shape, dtype)
+    first: int  # index of the first array in the params tuple
+
+
+GPU_KINDS = frozenset(TARGET_KEY_OF_KIND)  # TVM target kinds whose kernels come from gpu.py
+
+
+POS_TENSOR_KINDS = frozenset({"rope", "attention", "cache_write"})  # kernels taking the position
+
+
+def plan_params(graphs: Sequence[Graph], layout_spec: Callable[..., Any] = Q.layout_spec) -> list[ParamLayout]:
+    """Every param used by any graph, in a stable order, with its kernel layout (GPU targets pass
+    `quant_gpu.layout_spec`)."""
+    seen: dict[str, Param] = {}
+    for g in graphs:
+        for src, p in g.params.items():
+            seen.setdefault(src, p)
+    layouts: list[ParamLayout] = []
+    index = 0
+    for src in sorted(seen):
+        p = seen[src]
+        shape = tuple(int(d) for d in p.value.shape)
+        spec = tuple((n, tuple(s), dt) for n, s, dt in layout_spec(p.qtype, shape)) if len(shape) >= 1 else ()
+        layouts.append(ParamLayout(src, p.qtype, shape, spec, index))
+        index += len(spec)
+    return layouts
+
+
+def tensor_type(shape: Sequence[Any], dtype: str) -> relax.TensorType:
+    return relax.TensorType(list(shape), dtype)
+
+
+class KernelModule(Protocol):
+    """The module a function's kernels go into (lower.ModuleBuilder)."""
+
+    target: tvm.target.Target
+    bb: relax.BlockBuilder
+    layouts: dict[str, ParamLayout]
+    unchecked_params: bool
+
+    def kernel(self, key: tuple[Any, ...], make: Callable[[], tirx.PrimFunc]) -> Any: ...
+
+
+class FunctionContext:
+    """State of one Relax function being built: value environment and symbolic dims."""
+
+    def __init__(self, builder: KernelModule, graph: Graph, fixed_tokens: int | None) -> None:
+        self.mb = builder
+        self.bb = builder.bb
+        self.graph = graph
+        self.fixed_tokens = fixed_tokens
+        self.n = tirx.Var("n", "int64") if fixed_tokens is None else None
+        self.p = tirx.Var("p", "int64")
+        self.env: dict[int, Any] = {}
+        self.param_of: dict[int, Param] = graph.param_values()
+        self.param_arrays: dict[str, list[Any]] = {}
+        self.users: dict[int, list[Node]] = graph.users()
+        self.output_ids: set[int] = {o.id for o in graph.outputs}  # values the function returns
+        self.grouped: dict[int, Any] = {}  # outputs computed early by a grouped kernel
+        self.params_var: Any = None  # the function's weights argument (set by add_function)
+        self.producers: dict[int, Node] = graph.producers()
+        self.order: dict[int, int] = {id(n): i for i, n in enumerate(graph.nodes)}  # node -> position
+
+    # -- dims -----------------------------------------------------------------------------------
+    def dim(self, d: Dim) -> Any:
+        if isinstance(d, int):
+            return K.i64(d)
+        tok = self.n if self.n is not None else K.i64(self.fixed_tokens or 1)
+        return eval(d, {"__builtins__": {}}, {"T": tok, "P": self.p})  # noqa: S307 - IR dims are checked
+
+    def shape(self, v: Value) -> list[Any]:
+        return [self.dim(d) for d in v.shape]
+
+    def is_one(self, d: Dim) -> bool:
+        return d == 1 or (d == "T" and self.fixed_tokens == 1)
+
+    def kernel_key_dims(self, v: Value) -> tuple[Dim, ...]:
+        """Dims as they parameterise a kernel: T becomes 1 in a decode function."""
+        return tuple(1 if (d == "T" and self.fixed_tokens == 1) else d for d in v.shape)
+
+    def kernel_shape(self, v: Value, syms: K.Symbols) -> K.PShape:
+        return syms.shape(self.kernel_key_dims(v))
+
+    # -- values ---------------------------------------------------------------------------------
+    def is_param(self, v: Value) -> bool:
+        return v.id in self.param_of
+
+    def param(self, v: Value) -> tuple[ParamLayout, list[Any]]:
+        p = self.param_of[v.id]
+        layout = self.mb.layouts[p.source]
+        if p.source not in self.param_arrays:
+            self.param_arrays[p.source] = [
+                self.bb.emit(self._param_item(layout.first + i, shape, dtype), name_hint=param_hint(p.source, f))
+                for i, (f, shape, dtype) in enumerate(layout.arrays)
+            ]
+        return layout, self.param_arrays[p.source]
+
+    def _param_item(self, index: int, shape: Sequence[int], dtype: str) -> Any:
+        if not self.mb.unchecked_params:
+            return relax.TupleGetItem(self.params_var, index)
+        # the params argument is an opaque object: no per-call shape/dtype check of every array
+        # (~750 VM checks per step on SmolLM2); the runtime checks the arrays once, at load
+        return relax.call_pure_packed("vm.builtin.tuple_getitem", self.params_var,
+                                      relax.prim_value(tirx.IntImm("int64", index)),
+                                      ty_args=[tensor_type(shape, dtype)])
+
+    def value(self, v: Value) -> Any:
+        if v.id in self.param_of:
+            layout, arrays = self.param(v)
+            if len(arrays) != 1 or layout.qtype != "F32":
+                raise NotImplementedError(f"{v.label}: a {layout.qtype} weight used where f32 is needed")
+            return arrays[0]
+        return self.env[v.id]
+
+    pos_tensor: Any = None  # cuda decode: the int32 [1] state holding the position (gpu.py)
+
+    def pos(self) -> Any:
+        if self.pos_tensor is not None:  # cuda decode: position in device memory
+            return self.pos_tensor
+        return relax.prim_value(self.p)
+
+    # -- calls ----------------------------------------------------------------------------------
+    def call(self, key: tuple[Any, ...], make: Callable[[], tirx.PrimFunc], args: Sequence[Any],
+             outs: Sequence[Value], name: str) -> list[Any]:
+        gv = self.mb.kernel(key, make)
+        types = [tensor_type(self.shape(o), o.dtype) for o in outs]
+        call = relax.call_tir(gv, list(args), types if len(types) > 1 else types[0])
+        res = self.bb.emit(call, name_hint=name)
+        if len(outs) == 1:
+            return [res]
+        return [self.bb.emit(relax.TupleGetItem(res, i)) for i in range(len(outs))]
+
+    def call_temp(self, key: tuple[Any, ...], make: Callable[[], tirx.PrimFunc], args: Sequence[Any],
+                  shapes: Sequence[tuple[Sequence[Any], str]], name: str) -> list[Any]:
+        """A call whose outputs are intermediates of a composite lowering (no IR value)."""
+        gv = self.mb.kernel(key, make)
+        types = [tensor_type(s, dt) for s, dt in shapes]
+        res = self.bb.emit(relax.call_tir(gv, list(args), types if len(types) > 1 else types[0]), name_hint=name)
+        if len(shapes) == 1:
+            return [res]
+        return [self.bb.emit(relax.TupleGetItem(res, i)) for i in range(len(shapes))]
+
+
+def param_hint(source: str, field: str) -> str:
+    return (source.replace(".", "_") + "_" + field)[:60]
+
+
+def weight_args(fc: FunctionContext, w: Value) -> tuple[str, tuple[int, ...], list[Any]]:
+    """(qtype, logical shape, kernel-layout arrays) of a matmul/gather weight operand."""
+    if fc.is_param(w):
+        layout, arrays = fc.param(w)
+        return layout.qtype, layout.shape, arrays
+    return "F32", tuple(int(d) for d in w.shape), [fc.value(w)]
+
+
+def tensor_dims(fc: FunctionContext, node: Node) -> tuple[Any, ...]:
+    """The kernel-key dims of a node's tensor inputs (the position scalar left out)."""
+    return tuple(fc.kernel_key_dims(v) for v in node.inputs if v.shape != ())
+
+
+def call_args(fc: FunctionContext, node: Node) -> list[Any]:
+    """A node's inputs as kernel arguments (the position scalar as the call's position)."""
+    return [fc.pos() if v.shape == () else fc.value(v) for v in node.inputs]

@@ -1,0 +1,47 @@
+"""The compile pipeline's stages in order: a loaded model's graphs through the passes, then lowered
+and compiled for a target. `compile.py` writes the result as an artifact; `verify.py`,
+`numerics.py`, `gpu_verify.py` and `tune.py` run the same stages and look at what they make."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tvm
+
+from ggufc.codegen.build import DEFAULT_MAX_CHUNK, Built, Progress, build_executable
+from ggufc.codegen.target import is_gpu, resolve_target
+from ggufc.frontend.load import LoadedModel
+from ggufc.ir.graph import Graph
+from ggufc.passes.pipeline import run_pipeline
+
+
+def optimise(graphs: dict[str, Graph], disabled: frozenset[str]) -> tuple[dict[str, Graph], dict[str, int]]:
+    """Run the pass pipeline on every entry graph; hit counts are those of the all-logits graph."""
+    out: dict[str, Graph] = {}
+    stats: dict[str, int] = {}
+    for name, g in graphs.items():
+        out[name], s = run_pipeline(g, disabled=disabled)
+        if name == "prefill_all":
+            stats = dict(s)
+    return out, stats
+
+
+def passes_off_for(target: tvm.target.Target, disabled: frozenset[str]) -> frozenset[str]:
+    """The passes to skip for `target`: 8-bit activation rounding is a CPU kernel strategy
+    (codegen/quant_int8.py); GPU targets keep float32 activations."""
+    return disabled | {"quantize_activations"} if is_gpu(target) else disabled
+
+
+def build_model(
+    model: LoadedModel, target: str | dict[str, Any] = "llvm", *, disabled_passes: frozenset[str] = frozenset(),
+    max_chunk: int = DEFAULT_MAX_CHUNK, progress: Progress = lambda s: None, run_passes: bool = True,
+    tuning: Any = None,
+) -> Built:
+    """The model's graphs optimised (unless `run_passes` is off), lowered and compiled for `target`."""
+    tgt = resolve_target(target)
+    graphs, stats = dict(model.graphs), dict[str, int]()
+    if run_passes:
+        progress("optimising graph")
+        graphs, stats = optimise(graphs, passes_off_for(tgt, disabled_passes))
+    return build_executable(graphs, target, n_ctx=model.n_ctx, n_vocab=int(model.hparams.n_vocab),
+                            max_chunk=max_chunk, progress=progress, tuning=tuning, pass_stats=stats)

@@ -1,0 +1,122 @@
+"""The folders are stages and import only the stages before them; no import cycle, not even one
+closed by an import inside a function; no compiler source named after an architecture."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from ggufc.frontend.archs import ARCHITECTURES
+
+ROOT = Path(__file__).resolve().parents[1]
+STAGES = ("frontend", "ir", "passes", "codegen", "runtime", "driver")
+# what each stage may import besides itself (the artifact format is runtime's, shared with codegen)
+ALLOWED = {
+    "ir": set(),
+    "frontend": {"ir"},
+    "passes": {"ir"},
+    "codegen": {"ir", "runtime.artifact", "runtime.plan_expr", "runtime.plan_format"},
+    "runtime": set(),
+    "driver": {"frontend", "ir", "passes", "codegen", "runtime"},
+}
+LEAVES = {"ggufc.version", "ggufc.messages"}  # importable from anywhere
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for stage in STAGES:
+        for path in (ROOT / stage).rglob("*.py"):
+            parts = ["ggufc", *path.relative_to(ROOT).with_suffix("").parts]
+            mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    for path in (ROOT / "ggufc").glob("*.py"):
+        mods["ggufc" if path.stem == "__init__" else f"ggufc.{path.stem}"] = path
+    return mods
+
+
+def _imports(module: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The ggufc modules `module` imports anywhere in its file (functions included)."""
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            target = ".".join(base + ([node.module] if node.module else [])) if node.level else node.module or ""
+            names = [f"{target}.{a.name}" for a in node.names]
+            submodules = [n for n in names if n in known]
+            out.update(submodules or ([target] if target in known else []))
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name in known)
+    return out - {module}
+
+
+MODULES = _modules()
+GRAPH = {m: _imports(m, p, MODULES) for m, p in MODULES.items()}
+
+
+def _stage(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in STAGES else None
+
+
+def test_the_walk_sees_the_package() -> None:
+    assert len(MODULES) > 90 and "ggufc.codegen.lower" in GRAPH["ggufc.codegen.build"]
+    assert "ggufc.ir.graph" in GRAPH["ggufc.passes.dce"]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_stage_imports_only_the_stages_before_it(stage: str) -> None:
+    bad = []
+    for module, targets in GRAPH.items():
+        if _stage(module) != stage:
+            continue
+        for target in targets:
+            other = _stage(target)
+            if other is None or other == stage or target in LEAVES:
+                continue
+            rest = target.split(".", 1)[1]
+            if not any(rest == a or rest.startswith(a + ".") for a in ALLOWED[stage]):
+                bad.append(f"{module} -> {target}")
+    assert not bad, bad
+
+
+def test_no_import_cycle() -> None:
+    """Tarjan's strongly connected components over every import, those inside functions included."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in GRAPH[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for module in GRAPH:
+        if module not in index:
+            visit(module)
+    assert not cycles, cycles
+
+
+def test_only_architecture_files_are_named_after_architectures() -> None:
+    named = [p.relative_to(ROOT).as_posix() for stage in STAGES for p in (ROOT / stage).rglob("*.py")
+             if "archs" not in p.parts and any(arch in p.stem for arch in ARCHITECTURES)]
+    assert not named, named
