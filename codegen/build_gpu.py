@@ -28,6 +28,7 @@ from typing import Any
 import tvm
 from tvm import relax
 
+from ggufc.runtime.artifact import KERNELS_NAME
 from ggufc.runtime.plan_format import WGSL_SEPARATOR
 
 from . import device_info as DI
@@ -39,7 +40,6 @@ PLAN_NAME = "plan.json"
 WGSL_NAME = "kernels.wgsl"
 METAL_NAME = "kernels.metal"
 CUDA_BINARY_NAME = "kernels.fatbin"
-KERNELS_SO = "kernels.so"
 # WebGPU's default maxStorageBufferBindingSize (lavapipe's limit too): no intermediate may exceed it,
 # so a vulkan artifact runs on any conformant device
 BINDING_LIMIT = 128 << 20
@@ -66,7 +66,7 @@ class GpuExecutable:
     def export_library(self, path: str) -> None:
         directory = Path(path).parent
         if self.vm_executable is not None:
-            self.vm_executable.export_library(str(directory / KERNELS_SO))
+            self.vm_executable.export_library(str(directory / KERNELS_NAME))
         for name, data in self.files.items():
             (directory / name).write_bytes(data)
 
@@ -74,7 +74,7 @@ class GpuExecutable:
     def kernel_files(self) -> list[str]:
         names = list(self.files)
         if self.vm_executable is not None:
-            names.insert(0, KERNELS_SO)
+            names.insert(0, KERNELS_NAME)
         return names
 
 

@@ -35,6 +35,7 @@ from tvm import tirx
 
 from . import attention_gpu as AG
 from . import device_info as DI
+from . import kernel_keys as KK
 from . import ngram_embedding as NG
 from . import quant_gpu as QG
 from . import recurrent_gpu as RG
@@ -141,7 +142,6 @@ def _mark(func: tirx.PrimFunc, how: str, notes: Sequence[str] = ()) -> tirx.Prim
     return func.with_attr("tirx.noalias", True)
 
 
-POS_TENSOR = "pos_tensor"
 DECODE_IO_STATES = (("decode_token", (1,), "int32"), ("decode_pos", (1,), "int32"))
 
 
@@ -158,79 +158,119 @@ def decode_io_supported(graph: Any) -> bool:
     return True
 
 
-def gpu_kernel(key: tuple[Any, ...], make: Callable[[], tirx.PrimFunc], target: tvm.target.Target) -> tirx.PrimFunc:
-    """The GPU kernel for a lowering-table key (see `lower.py` for the key of each op)."""
-    kind = key[0]
-    if key[-1] == POS_TENSOR:
-        return _pos_tensor_kernel(key[:-1], target)
-    if kind == "matmul":
-        _, qtype, n, k, gemv = key
-        if gemv:
-            return _mark(QG.gemv(qtype, n, k), "ggufc.row_dot")
-        func, how, notes = apply_dlight(QG.gemm_compute(qtype, n, k), target, _dlight_rules()[:1])
-        if func is None:
-            return _mark(QG.rows(qtype, n, k), "ggufc.row_dot", notes or ["dlight.Matmul: no match"])
-        return _mark(func, how, notes)
-    if kind == "experts":
-        _, qtype, n_exp, n, k, slots, per_slot = key
-        return _mark(QG.experts(qtype, n_exp, n, k, slots, per_slot), "ggufc.row_dot")
-    if kind == "embed":
-        _, qtype, rows, k = key
-        return _schedule(QG.embed_compute(qtype, rows, k), target, key)
-    if kind == "attention":
-        (q_dims, cache_dims, _) = key[2]
-        n_head, dim = int(q_dims[1]), int(q_dims[2])
-        n_cells, n_kv = int(cache_dims[0]), int(cache_dims[1])
-        return _mark(AG.attention(n_head, n_kv, dim, n_cells, key[1].scale), "ggufc.attention_online_softmax")
-    if kind == "cache_write":
-        cshape, xdims = key[1], key[2]
-        dtype = key[3] if len(key) > 3 else "float32"
-        return _mark(AG.cache_write(tuple(int(d) for d in cshape), tuple(int(d) for d in xdims[1:]), dtype),
-                     "ggufc.cache_write")
-    if kind == "ssm_conv":  # ("ssm_conv", channels, width, dilation)
-        return _mark(RG.ssm_conv(int(key[1]), int(key[2]), int(key[3])), "ggufc.scan_per_channel")
-    if kind == "gated_delta_net":  # ("gated_delta_net", hv, dv, dk, hk, attrs)
-        _, hv, dv, dk, hk, attrs = key
-        return _mark(RG.gated_delta_net(int(hv), int(dv), int(dk), int(hk), attrs.head_map, attrs.scale),
-                     "ggufc.scan_per_row")
-    if kind == "sparse_attention":  # ("sparse_attention", attrs, (q, k_cache, v_cache, sel) dims)
-        q_dims, cache_dims, _, sel_dims = key[2]
-        return _mark(AG.sparse_attention(int(q_dims[1]), int(cache_dims[1]), int(q_dims[2]), int(cache_dims[0]),
-                                         int(sel_dims[1]), key[1].scale), "ggufc.attention_online_softmax")
-    if kind == "masked_attention":  # ("masked_attention", attrs, (q, k_cache, v_cache, mask) dims)
-        q_dims, cache_dims = key[2][:2]
-        return _mark(AG.masked_attention(int(q_dims[1]), int(cache_dims[1]), int(q_dims[2]), int(cache_dims[0]),
-                                         key[1].scale), "ggufc.attention_online_softmax")
-    if kind == "index_mask":  # -inf as its bit pattern: WGSL has no infinity literal
-        neg_inf = tirx.reinterpret("float32", tirx.const(0xFF800000, "uint32"))
-        return _schedule(SI.index_mask(Symbols().shape(key[1][0]), neg_inf), target, key)
-    if kind == "ple_hash":  # ("ple_hash", attrs, cells)
-        a, n_cells = key[1], int(key[2])
-        return _mark(NG.ple_hash_gpu(n_cells, a.ngram, a.heads_per_ngram, a.multipliers, a.offsets, a.sizes, a.eos),
-                     "ggufc.hash_per_token")
-    if kind == "indexer_topk":  # ("indexer_topk", attrs, blocks + 1, cells)
-        a, nb1, n_cells = key[1], int(key[2]), int(key[3])
-        return _mark(SI.indexer_topk_gpu(nb1, a.ratio, a.width, n_cells), "ggufc.heap_select_per_row")
+def gpu_kernel(key: KK.KernelKey, make: Callable[[], tirx.PrimFunc], target: tvm.target.Target) -> tirx.PrimFunc:
+    """The GPU kernel for a lowering key: a kernel of ggufc's own where the table names one, else
+    the TIR kernel `make` builds, scheduled by dlight."""
+    table = POS_TENSOR_KERNELS if key.pos_in_memory else GPU_KERNELS
+    own = table.get(key.kind)
+    if own is not None:
+        return own(key, target)
+    if key.pos_in_memory:
+        raise GpuScheduleError(f"kernel '{key.kind}' has no variant reading the position from device memory")
     return _schedule(make(), target, key)
 
 
-def _pos_tensor_kernel(key: tuple[Any, ...], target: tvm.target.Target) -> tirx.PrimFunc:
-    kind = key[0]
-    if kind == "attention":
-        (q_dims, cache_dims, _) = key[2]
-        return _mark(AG.attention_pos_tensor(int(q_dims[1]), int(cache_dims[1]), int(q_dims[2]), int(cache_dims[0]),
-                                             key[1].scale), "ggufc.attention_online_softmax")
-    if kind == "cache_write":
-        cshape, xdims = key[1], key[2]
-        dtype = key[3] if len(key) > 3 else "float32"
-        return _mark(AG.cache_write_pos_tensor(tuple(int(d) for d in cshape), tuple(int(d) for d in xdims[1:]), dtype),
-                     "ggufc.cache_write")
-    if kind == "rope":
-        x_dims, table_dims = key[2]
-        shape = tuple(tirx.IntImm("int64", int(d)) for d in x_dims)
-        tshape = tuple(tirx.IntImm("int64", int(d)) for d in table_dims)
-        return _schedule(AG.rope_pos_tensor(shape, tshape, key[1]), target, key)
-    raise GpuScheduleError(f"kernel '{kind}' has no variant reading the position from device memory")
+def _weight_matmul(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
+    if key.gemv:
+        return _mark(QG.gemv(key.qtype, key.n, key.k), "ggufc.row_dot")
+    func, how, notes = apply_dlight(QG.gemm_compute(key.qtype, key.n, key.k), target, _dlight_rules()[:1])
+    if func is None:
+        return _mark(QG.rows(key.qtype, key.n, key.k), "ggufc.row_dot", notes or ["dlight.Matmul: no match"])
+    return _mark(func, how, notes)
+
+
+def _expert_matmul(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
+    return _mark(QG.experts(key.qtype, key.n_exp, key.n, key.k, key.slots, key.per_slot), "ggufc.row_dot")
+
+
+def _weight_embed(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
+    return _schedule(QG.embed_compute(key.qtype, key.rows, key.k), target, key)
+
+
+def _attention_sizes(key: Any) -> tuple[int, int, int, int]:
+    """(heads, kv heads, head dim, cache cells) of an attention key's q and k-cache dims."""
+    q_dims, cache_dims = key.dims[:2]
+    return int(q_dims[1]), int(cache_dims[1]), int(q_dims[2]), int(cache_dims[0])
+
+
+def _attention(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
+    return _mark(AG.attention(*_attention_sizes(key), key.attrs.scale), "ggufc.attention_online_softmax")
+
+
+def _sparse_attention(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
+    width = int(key.dims[3][1])  # dims of (q, k_cache, v_cache, sel)
+    return _mark(AG.sparse_attention(*_attention_sizes(key), width, key.attrs.scale),
+                 "ggufc.attention_online_softmax")
+
+
+def _masked_attention(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
+    return _mark(AG.masked_attention(*_attention_sizes(key), key.attrs.scale), "ggufc.attention_online_softmax")
+
+
+def _cache_write(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
+    make = AG.cache_write_pos_tensor if key.pos_in_memory else AG.cache_write
+    return _mark(make(tuple(int(d) for d in key.cache_shape), tuple(int(d) for d in key.x_dims[1:]), key.dtype),
+                 "ggufc.cache_write")
+
+
+def _causal_conv(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
+    return _mark(RG.ssm_conv(key.channels, key.width, key.dilation), "ggufc.scan_per_channel")
+
+
+def _delta_net_scan(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
+    return _mark(RG.gated_delta_net(key.hv, key.dv, key.dk, key.hk, key.attrs.head_map, key.attrs.scale),
+                 "ggufc.scan_per_row")
+
+
+def _index_mask(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
+    neg_inf = tirx.reinterpret("float32", tirx.const(0xFF800000, "uint32"))  # WGSL has no infinity literal
+    return _schedule(SI.index_mask(Symbols().shape(key.dims[0]), neg_inf), target, key)
+
+
+def _ngram_hash(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
+    a = key.attrs
+    return _mark(NG.ple_hash_gpu(key.cells, a.ngram, a.heads_per_ngram, a.multipliers, a.offsets, a.sizes, a.eos),
+                 "ggufc.hash_per_token")
+
+
+def _indexer_topk(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
+    a = key.attrs
+    return _mark(SI.indexer_topk_gpu(key.blocks, a.ratio, a.width, key.cells), "ggufc.heap_select_per_row")
+
+
+def _attention_pos_tensor(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
+    return _mark(AG.attention_pos_tensor(*_attention_sizes(key), key.attrs.scale), "ggufc.attention_online_softmax")
+
+
+def _rope_pos_tensor(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
+    x_dims, table_dims = key.dims
+    shape = tuple(tirx.IntImm("int64", int(d)) for d in x_dims)
+    tshape = tuple(tirx.IntImm("int64", int(d)) for d in table_dims)
+    return _schedule(AG.rope_pos_tensor(shape, tshape, key.attrs), target, key)
+
+
+GpuKernel = Callable[[Any, tvm.target.Target], tirx.PrimFunc]
+# the GPU targets' lowering table: kernels of ggufc's own by key kind (all others: dlight schedules)
+GPU_KERNELS: dict[str, GpuKernel] = {
+    KK.WeightMatmul.kind: _weight_matmul,
+    KK.ExpertMatmul.kind: _expert_matmul,
+    KK.WeightEmbed.kind: _weight_embed,
+    "attention": _attention,
+    "sparse_attention": _sparse_attention,
+    "masked_attention": _masked_attention,
+    KK.CacheWrite.kind: _cache_write,
+    KK.CausalConv.kind: _causal_conv,
+    KK.DeltaNetScan.kind: _delta_net_scan,
+    "index_mask": _index_mask,
+    KK.NgramHash.kind: _ngram_hash,
+    KK.IndexerTopK.kind: _indexer_topk,
+}
+# cuda decode captured as one CUDA graph: the kernels that read the position from device memory
+POS_TENSOR_KERNELS: dict[str, GpuKernel] = {
+    "attention": _attention_pos_tensor,
+    KK.CacheWrite.kind: _cache_write,
+    "rope": _rope_pos_tensor,
+}
 
 
 # dlight rules worth trying per kernel kind (the full default list for kinds not named here): a rule
@@ -253,16 +293,16 @@ def _rules_for(kind: str) -> list[tuple[str, Any]]:
     return [(n, rules[n]) for n in names]
 
 
-def _schedule(func: tirx.PrimFunc, target: tvm.target.Target, key: tuple[Any, ...]) -> tirx.PrimFunc:
-    scheduled, how, notes = apply_dlight(func, target, _rules_for(str(key[0])))
+def _schedule(func: tirx.PrimFunc, target: tvm.target.Target, key: KK.KernelKey) -> tirx.PrimFunc:
+    scheduled, how, notes = apply_dlight(func, target, _rules_for(key.kind))
     if scheduled is not None:
         return _mark(scheduled, how, notes)
     if _is_cpu_kernel(func):
         raise GpuScheduleError(
-            f"kernel '{key[0]}' is a hand-written CPU kernel (parallel/vectorised TIR loops, no blocks for a "
+            f"kernel '{key.kind}' is a hand-written CPU kernel (parallel/vectorised TIR loops, no blocks for a "
             f"GPU schedule); it has no {target.kind.name} version yet")
     why = "; ".join(notes) if notes else "no dlight rule matched"
-    raise GpuScheduleError(f"no {target.kind.name} schedule for kernel '{key[0]}' ({why})")
+    raise GpuScheduleError(f"no {target.kind.name} schedule for kernel '{key.kind}' ({why})")
 
 
 # ---------------------------------------------------------------------------------------------

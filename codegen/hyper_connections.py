@@ -20,6 +20,7 @@ from tvm import te, tirx
 from ggufc.ir import ops as O
 from ggufc.ir.graph import Node
 
+from . import kernel_keys as KK
 from . import kernels as K
 from .kernels import PShape, f32, func, i64
 from .lower_context import FunctionContext, call_args, tensor_dims
@@ -72,7 +73,7 @@ def _hc_pre(fc: FunctionContext, node: Node) -> list[Any]:
     a: O.HcPre = node.attrs
     r, _norm, down = node.inputs[:3]
     rank = int(down.shape[0])
-    key = ("hc_pre", a, tensor_dims(fc, node))
+    key = KK.OpKernel("hc_pre", a, tensor_dims(fc, node))
     return fc.call(key, lambda: hc_pre(fc.kernel_shape(r, K.Symbols()), rank, a.n_hc, a.eps, a.post),
                    call_args(fc, node), node.outputs, node.outputs[0].name)
 
@@ -81,7 +82,7 @@ def _hc_post(fc: FunctionContext, node: Node) -> list[Any]:
     if node.attrs.comb:
         raise NotImplementedError("hc_post with a comb matrix (deepseek4) is not lowered yet")
     r = node.inputs[0]
-    key = ("hc_post", tensor_dims(fc, node))
+    key = KK.OpKernel("hc_post", None, tensor_dims(fc, node))
     return fc.call(key, lambda: hc_post(fc.kernel_shape(r, K.Symbols())), call_args(fc, node), node.outputs,
                    node.outputs[0].name)
 

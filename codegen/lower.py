@@ -20,6 +20,7 @@ from ggufc.ir.graph import Dim, Graph, Node, Value
 
 from . import cpu_vec as CV
 from . import hyper_connections as HC
+from . import kernel_keys as KK
 from . import kernels as K
 from . import kernels_attention as KA
 from . import kernels_recurrent as KR
@@ -48,7 +49,7 @@ class ModuleBuilder:
         self.layouts = {lay.source: lay for lay in layouts}
         self.flat_params = [a for lay in layouts for a in lay.arrays]
         self.states = list(states)
-        self.kernels: dict[tuple[Any, ...], Any] = {}
+        self.kernels: dict[KK.KernelKey, Any] = {}
         self.kernel_names: list[str] = []
         # CPU: the weights tuple is passed as an opaque object (see FunctionContext._param_item);
         # GPU plans read the typed tuple
@@ -61,9 +62,9 @@ class ModuleBuilder:
     # (token state index, pos state index) when a cuda decode reads them from device memory
     decode_inputs: tuple[int, int] | None = None
 
-    def kernel(self, key: tuple[Any, ...], make: Callable[[], tirx.PrimFunc]) -> Any:
-        if self.decode_inputs is not None and key[0] in POS_TENSOR_KINDS and self._in_pos_tensor_function():
-            key = (*key, "pos_tensor")  # the variant reading pos from the state tensor (gpu.py)
+    def kernel(self, key: KK.KernelKey, make: Callable[[], tirx.PrimFunc]) -> Any:
+        if self.decode_inputs is not None and key.kind in POS_TENSOR_KINDS and self._in_pos_tensor_function():
+            key = key.reading_pos_from_memory()  # the variant reading pos from the state tensor (gpu.py)
         if key not in self.kernels:
             name = _kernel_name(key, len(self.kernels))
             func = self.tuned.lookup(key, make, name) if self.tuned is not None else None
@@ -71,7 +72,7 @@ class ModuleBuilder:
                 func = gpu_kernel(key, make, self.target)
             if func is None:
                 func = make()
-                if self.target.kind.name == "llvm" and key[0] not in PRESCHEDULED:
+                if self.target.kind.name == "llvm" and key.kind not in PRESCHEDULED:
                     func = schedule_cpu(func)
                 if self.target.kind.name == "llvm":
                     func = K.with_root_block(func)
@@ -116,8 +117,8 @@ class ModuleBuilder:
         return self.bb.get()
 
 
-def _kernel_name(key: tuple[Any, ...], index: int) -> str:
-    return f"k{index:03d}_{key[0]}"
+def _kernel_name(key: KK.KernelKey, index: int) -> str:
+    return f"k{index:03d}_{key.kind}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -125,8 +126,7 @@ def _kernel_name(key: tuple[Any, ...], index: int) -> str:
 
 
 def _ew(fc: FunctionContext, node: Node, program: O.FusedElementwise, name: str) -> list[Any]:
-    shapes_key = tuple(fc.kernel_key_dims(v) for v in node.inputs)
-    key = ("elementwise", program, shapes_key)
+    key = KK.OpKernel("elementwise", program, tuple(fc.kernel_key_dims(v) for v in node.inputs))
 
     def make() -> tirx.PrimFunc:
         syms = K.Symbols()
@@ -149,7 +149,7 @@ def _lower_swiglu(fc: FunctionContext, node: Node) -> list[Any]:
     k = g.shape[-1]
     if fc.mb.target.kind.name == "llvm" and len(g.shape) == 2 and g.shape == u.shape and isinstance(k, int) \
             and k % 8 == 0:  # llama.cpp's vector SiLU (cpu_vec.py)
-        return fc.call(("swiglu", k), lambda: CV.swiglu(k), [fc.value(g), fc.value(u)], node.outputs,
+        return fc.call(KK.OpKernel("swiglu", k, ()), lambda: CV.swiglu(k), [fc.value(g), fc.value(u)], node.outputs,
                        node.outputs[0].name)
     prog = O.FusedElementwise((("unary", O.Unary("silu"), (0,)), ("binary", O.Binary("mul"), (2, 1))), 2)
     return _ew(fc, node, prog, node.outputs[0].name)
@@ -161,7 +161,7 @@ def _simple(kind: str, build: Callable[[FunctionContext, Node, K.Symbols], tirx.
 
     def lower(fc: FunctionContext, node: Node) -> list[Any]:
         tensors = [v for v in node.inputs if v.shape != ()]
-        key = (kind, extra_key(node), tuple(fc.kernel_key_dims(v) for v in tensors))
+        key = KK.OpKernel(kind, extra_key(node), tuple(fc.kernel_key_dims(v) for v in tensors))
         args = [fc.pos() if v.shape == () else fc.value(v) for v in node.inputs]
         return fc.call(key, lambda: build(fc, node, K.Symbols()), args, node.outputs, node.outputs[0].name)
 
@@ -176,7 +176,7 @@ def _reshape(fc: FunctionContext, node: Node) -> list[Any]:
 def _cache_write(fc: FunctionContext, node: Node) -> list[Any]:
     cache, x = node.inputs[0], node.inputs[1]
     cshape = tuple(int(d) for d in cache.shape)
-    key = ("cache_write", cshape, fc.kernel_key_dims(x), cache.dtype)
+    key = KK.CacheWrite(cshape, fc.kernel_key_dims(x), cache.dtype)
     gv = fc.mb.kernel(key, lambda: K.cache_write(K.Symbols().shape(cshape), K.Symbols().shape(x.shape), cache.dtype))
     call = relax.call_tir_inplace(gv, [fc.value(cache), fc.value(x), fc.pos()], [0],
                                   tensor_type(fc.shape(cache), cache.dtype))
@@ -289,7 +289,7 @@ def _int8_gemv_group(fc: FunctionContext, node: Node) -> list[Any]:
     tail = [fc.value(residual[1])] if residual else []
     target = fc.mb.target
     outs = [o for m in members for o in m.outputs]
-    results = fc.call(("matmul_int8", qtype, ns, k, prologue, residual is not None),
+    results = fc.call(KK.Int8GemvGroup(qtype, ns, k, prologue, residual is not None),
                       lambda: Q8.int8_gemv_group(qtype, ns, k, target, prologue, residual is not None),
                       [*lead, *(a for _, _, arrays in weights for a in arrays), *tail], outs, node.outputs[0].name)
     for m, r in zip(members[1:], results[1:], strict=True):
@@ -319,7 +319,7 @@ def _quantize_act(fc: FunctionContext, node: Node) -> list[Any]:
     returned = any(o.id in fc.output_ids for o in node.outputs)  # `ggufc verify` probes every value
     if users and not returned and all(_int8_matmul(fc, u) for u in users):  # they round x themselves
         return [fc.value(x)] * len(node.outputs)
-    key = ("quantize_act", node.attrs, fc.kernel_key_dims(x))
+    key = KK.OpKernel("quantize_act", node.attrs, (fc.kernel_key_dims(x),))
     return fc.call(key, lambda: Q8.quantize_act(fc.kernel_shape(x, K.Symbols()), node.attrs.scheme), [fc.value(x)],
                    node.outputs, node.outputs[0].name)
 
@@ -334,9 +334,9 @@ def _matmul(fc: FunctionContext, node: Node) -> list[Any]:
         return _int8_gemv_group(fc, node)
     if _int8_matmul(fc, node):  # a prompt: the same arithmetic per token, from the unrounded input
         raw = fc.producers[x.id].inputs[0]
-        return fc.call(("matmul_int8_gemm", qtype, n, k), lambda: Q8.int8_gemm(qtype, n, k, fc.mb.target),
+        return fc.call(KK.Int8Gemm(qtype, n, k), lambda: Q8.int8_gemm(qtype, n, k, fc.mb.target),
                        [fc.value(raw), *arrays], node.outputs, node.outputs[0].name)
-    key = ("matmul", qtype, n, k, gemv)
+    key = KK.WeightMatmul(qtype, n, k, gemv)
     if len(node.inputs) == 2:
         return fc.call(key, lambda: Q.qmatmul(qtype, n, k, gemv=gemv), [fc.value(x), *arrays], node.outputs,
                        node.outputs[0].name)
@@ -344,7 +344,7 @@ def _matmul(fc: FunctionContext, node: Node) -> list[Any]:
     y = fc.call_temp(key, lambda: Q.qmatmul(qtype, n, k, gemv=gemv), [fc.value(x), *arrays],
                      [(fc.shape(node.outputs[0]), "float32")], node.outputs[0].name)[0]
     mins = arrays[[name for name, _, _ in Q.layout_spec(qtype, (n, k))].index("m")]
-    return fc.call(("q8_1_min_fix", n, k), lambda: Q8.q8_1_min_fix(n, k),
+    return fc.call(KK.BlockMinimumFix(n, k), lambda: Q8.q8_1_min_fix(n, k),
                    [y, fc.value(x), fc.value(node.inputs[2]), mins], node.outputs, node.outputs[0].name)
 
 
@@ -352,9 +352,9 @@ def _gather(fc: FunctionContext, node: Node) -> list[Any]:
     table, ids = node.inputs
     if fc.is_param(table) and len(table.shape) == 2 and len(ids.shape) == 1:
         qtype, (rows, k), arrays = weight_args(fc, table)
-        return fc.call(("embed", qtype, rows, k), lambda: Q.qembed(qtype, rows, k), [fc.value(ids), *arrays],
+        return fc.call(KK.WeightEmbed(qtype, rows, k), lambda: Q.qembed(qtype, rows, k), [fc.value(ids), *arrays],
                        node.outputs, node.outputs[0].name)
-    key = ("gather", fc.kernel_key_dims(table), fc.kernel_key_dims(ids))
+    key = KK.OpKernel("gather", None, (fc.kernel_key_dims(table), fc.kernel_key_dims(ids)))
 
     def make() -> tirx.PrimFunc:
         syms = K.Symbols()
@@ -372,7 +372,7 @@ def _dequantize(fc: FunctionContext, node: Node) -> list[Any]:
     flat = [a if len(s) <= len(lead) else fc.bb.emit(relax.op.reshape(a, [rows, *s[len(lead):]]))  # GPU: 1-D words
             for a, (_, s, _) in zip(arrays, layout.arrays, strict=True)]
     ids = relax.const(np.arange(rows, dtype=np.int32))
-    out = fc.call_temp(("embed", layout.qtype, rows, k), lambda: Q.qembed(layout.qtype, rows, k), [ids, *flat],
+    out = fc.call_temp(KK.WeightEmbed(layout.qtype, rows, k), lambda: Q.qembed(layout.qtype, rows, k), [ids, *flat],
                        [([K.i64(rows), K.i64(k)], "float32")], node.outputs[0].name)[0]
     return [fc.bb.emit(relax.op.reshape(out, fc.shape(node.outputs[0])))]
 
@@ -382,14 +382,14 @@ def _matmul_id(fc: FunctionContext, node: Node) -> list[Any]:
     qtype, (n_exp, n, k), arrays = weight_args(fc, w)
     slots = int(ids.shape[1])
     per_slot = x.shape[1] != 1
-    key = ("experts", qtype, n_exp, n, k, slots, per_slot)
+    key = KK.ExpertMatmul(qtype, n_exp, n, k, slots, per_slot)
     return fc.call(key, lambda: Q.qmatmul_experts(qtype, n_exp, n, k, slots, x_per_slot=per_slot),
                    [fc.value(x), fc.value(ids), *arrays], node.outputs, node.outputs[0].name)
 
 
 def _topk(fc: FunctionContext, node: Node) -> list[Any]:
     x = node.inputs[0]
-    key = ("topk", node.attrs.k, fc.kernel_key_dims(x))
+    key = KK.OpKernel("topk", node.attrs.k, (fc.kernel_key_dims(x),))
     return fc.call(key, lambda: K.topk(fc.kernel_shape(x, K.Symbols()), node.attrs.k), [fc.value(x)],
                    node.outputs, node.outputs[0].name)
 
@@ -398,14 +398,17 @@ def _route(fc: FunctionContext, logits: Any, logits_dims: tuple[Dim, ...], k: in
            clamp: float, tag: str) -> tuple[Any, Any]:
     """softmax -> top-k -> renormalise, on a [T, X] logits expression."""
     syms_shape = [fc.dim(d) for d in logits_dims]
-    probs = fc.call_temp(("softmax", logits_dims), lambda: K.softmax(K.Symbols().shape(logits_dims)), [logits],
+    probs = fc.call_temp(KK.OpKernel("softmax", None, (logits_dims,)),
+                         lambda: K.softmax(K.Symbols().shape(logits_dims)), [logits],
                          [(syms_shape, "float32")], f"{tag}_probs")[0]
     sel_shape = [syms_shape[0], K.i64(k)]
-    w, ids = fc.call_temp(("topk", k, logits_dims), lambda: K.topk(K.Symbols().shape(logits_dims), k), [probs],
+    w, ids = fc.call_temp(KK.OpKernel("topk", k, (logits_dims,)),
+                          lambda: K.topk(K.Symbols().shape(logits_dims), k), [probs],
                           [(sel_shape, "float32"), (sel_shape, "int32")], f"{tag}_topk")
     if normalize:
         wdims = (logits_dims[0], k)
-        w = fc.call_temp(("moe_normalize", clamp, wdims), lambda: K.moe_normalize(K.Symbols().shape(wdims), clamp),
+        w = fc.call_temp(KK.OpKernel("moe_normalize", clamp, (wdims,)),
+                         lambda: K.moe_normalize(K.Symbols().shape(wdims), clamp),
                          [w], [(sel_shape, "float32")], f"{tag}_weights")[0]
     return w, ids
 
@@ -428,7 +431,7 @@ def _moe_ffn(fc: FunctionContext, node: Node) -> list[Any]:
     e = int(x.shape[1])
     rq, (n_exp, _), rarr = weight_args(fc, router)
     gemv = fc.is_one(x.shape[0])
-    logits = fc.call_temp(("matmul", rq, n_exp, e, gemv), lambda: Q.qmatmul(rq, n_exp, e, gemv=gemv),
+    logits = fc.call_temp(KK.WeightMatmul(rq, n_exp, e, gemv), lambda: Q.qmatmul(rq, n_exp, e, gemv=gemv),
                           [fc.value(x), *rarr], [([t, K.i64(n_exp)], "float32")], "ffn_moe_logits")[0]
     w, ids = _route(fc, logits, (t_dim, n_exp), a.k, a.normalize, a.norm_clamp, "ffn_moe")
     in_scheme, down_scheme = a.act_schemes
@@ -440,7 +443,7 @@ def _moe_ffn(fc: FunctionContext, node: Node) -> list[Any]:
 
     def experts(inp: Any, wv: Value, per_slot: bool, kind: str) -> Any:
         qtype, (_, n, k), arrays = weight_args(fc, wv)
-        key = ("experts", qtype, n_exp, n, k, a.k, per_slot)
+        key = KK.ExpertMatmul(qtype, n_exp, n, k, a.k, per_slot)
         y = fc.call_temp(key, lambda: Q.qmatmul_experts(qtype, n_exp, n, k, a.k, x_per_slot=per_slot),
                          [inp, ids, *arrays], [([t, K.i64(a.k), K.i64(n)], "float32")], f"ffn_moe_{kind}")[0]
         if kind in scales:
@@ -456,30 +459,31 @@ def _moe_ffn(fc: FunctionContext, node: Node) -> list[Any]:
     elif gate is not None:
         g_y = experts(x3, gate, False, "gate")
         prog = O.FusedElementwise((("unary", O.Unary("silu"), (0,)), ("binary", O.Binary("mul"), (2, 1))), 2)
-        act = fc.call_temp(("elementwise", prog, (act_dims, act_dims)),
+        act = fc.call_temp(KK.OpKernel("elementwise", prog, (act_dims, act_dims)),
                            lambda: K.elementwise([K.Symbols().shape(act_dims)] * 2, prog), [g_y, up_y],
                            [(act_shape, "float32")], "ffn_moe_act")[0]
     else:
         prog = O.FusedElementwise((("unary", O.Unary("silu"), (0,)),), 1)
-        act = fc.call_temp(("elementwise", prog, (act_dims,)),
+        act = fc.call_temp(KK.OpKernel("elementwise", prog, (act_dims,)),
                            lambda: K.elementwise([K.Symbols().shape(act_dims)], prog),
                            [up_y], [(act_shape, "float32")], "ffn_moe_act")[0]
     act = _round_temp(fc, act, act_dims, act_shape, down_scheme, "ffn_moe_act_q")
     down_y = experts(act, down, True, "down")
     dims = (t_dim, a.k, e)
     if a.shared:
-        routed = fc.call_temp(("weighted_sum", dims), lambda: K.weighted_sum(K.Symbols().shape(dims), True),
+        routed = fc.call_temp(KK.OpKernel("weighted_sum", None, (dims,)),
+                              lambda: K.weighted_sum(K.Symbols().shape(dims), True),
                               [down_y, w], [([t, K.i64(e)], "float32")], "ffn_moe_routed")[0]
         return MR.shared_expert(fc, node, named, routed)
-    return fc.call(("weighted_sum", dims), lambda: K.weighted_sum(K.Symbols().shape(dims), True), [down_y, w],
-                   node.outputs, node.outputs[0].name)
+    return fc.call(KK.OpKernel("weighted_sum", None, (dims,)), lambda: K.weighted_sum(K.Symbols().shape(dims), True),
+                   [down_y, w], node.outputs, node.outputs[0].name)
 
 
 def _round_temp(fc: FunctionContext, v: Any, dims: tuple[Any, ...], shape: list[Any], scheme: str, name: str) -> Any:
     """`v` through the quantize_act kernel of `scheme` (no kernel when the scheme is "")."""
     if not scheme:
         return v
-    return fc.call_temp(("quantize_act", O.QuantizeAct(scheme), dims),
+    return fc.call_temp(KK.OpKernel("quantize_act", O.QuantizeAct(scheme), (dims,)),
                         lambda: Q8.quantize_act(K.Symbols().shape(dims), scheme), [v], [(shape, "float32")], name)[0]
 
 
@@ -490,13 +494,13 @@ def _scale_by_expert(fc: FunctionContext, y: Any, scale: Value, ids: Any, dims: 
     t_dim, slots, n = dims
     id_dims = (t_dim, slots)
     t = fc.dim(t_dim)
-    per = fc.call_temp(("gather", (n_exp,), id_dims),
+    per = fc.call_temp(KK.OpKernel("gather", None, ((n_exp,), id_dims)),
                        lambda: K.gather_f32(K.Symbols().shape((n_exp,)), K.Symbols().shape(id_dims)),
                        [fc.value(scale), ids], [([t, K.i64(slots)], "float32")], f"ffn_moe_{kind}_scale")[0]
     per3 = fc.bb.emit(relax.op.reshape(per, [t, K.i64(slots), K.i64(1)]))
     in_dims = (dims, (t_dim, slots, 1))
     prog = O.FusedElementwise((("binary", O.Binary("mul"), (0, 1)),), 2)
-    return fc.call_temp(("elementwise", prog, in_dims),
+    return fc.call_temp(KK.OpKernel("elementwise", prog, in_dims),
                         lambda: K.elementwise([K.Symbols().shape(d) for d in in_dims], prog), [y, per3],
                         [([t, K.i64(slots), K.i64(n)], "float32")], f"ffn_moe_{kind}_scaled")[0]
 
@@ -524,7 +528,7 @@ def _first_shape(fc: FunctionContext, node: Node, syms: K.Symbols) -> K.PShape:
     return fc.kernel_shape(node.inputs[0], syms)
 
 
-def _state_scan(fc: FunctionContext, node: Node, key: tuple[Any, ...], make: Callable[[], tirx.PrimFunc]) -> list[Any]:
+def _state_scan(fc: FunctionContext, node: Node, key: KK.KernelKey, make: Callable[[], tirx.PrimFunc]) -> list[Any]:
     """A kernel that updates its state (input 0) in place and makes one fresh output: outputs
     (new state, y) as the op records them (ssm_conv, gated_delta_net)."""
     gv = fc.mb.kernel(key, make)
@@ -537,14 +541,14 @@ def _state_scan(fc: FunctionContext, node: Node, key: tuple[Any, ...], make: Cal
 def _ssm_conv(fc: FunctionContext, node: Node) -> list[Any]:
     n_ch, k = (int(d) for d in node.inputs[2].shape)
     a: O.SsmConv = node.attrs
-    return _state_scan(fc, node, ("ssm_conv", n_ch, k, a.dilation), lambda: KR.ssm_conv(n_ch, k, a.dilation))
+    return _state_scan(fc, node, KK.CausalConv(n_ch, k, a.dilation), lambda: KR.ssm_conv(n_ch, k, a.dilation))
 
 
 def _gated_delta_net(fc: FunctionContext, node: Node) -> list[Any]:
     hv, dv, dk = (int(d) for d in node.inputs[0].shape)
     hk = int(node.inputs[1].shape[1])
     a: O.GatedDeltaNet = node.attrs
-    return _state_scan(fc, node, ("gated_delta_net", hv, dv, dk, hk, a),
+    return _state_scan(fc, node, KK.DeltaNetScan(hv, dv, dk, hk, a),
                        lambda: KR.gated_delta_net(hv, dv, dk, hk, a.head_map, a.scale))
 
 

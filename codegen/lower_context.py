@@ -15,6 +15,7 @@ from ggufc.ir.graph import Dim, Graph, Node, Param, Value
 
 from . import kernels as K
 from . import quant as Q
+from .kernel_keys import KernelKey
 from .target import TARGET_KEY_OF_KIND
 
 
@@ -65,7 +66,7 @@ class KernelModule(Protocol):
     layouts: dict[str, ParamLayout]
     unchecked_params: bool
 
-    def kernel(self, key: tuple[Any, ...], make: Callable[[], tirx.PrimFunc]) -> Any: ...
+    def kernel(self, key: KernelKey, make: Callable[[], tirx.PrimFunc]) -> Any: ...
 
 
 class FunctionContext:
@@ -147,7 +148,7 @@ class FunctionContext:
         return relax.prim_value(self.p)
 
     # -- calls ----------------------------------------------------------------------------------
-    def call(self, key: tuple[Any, ...], make: Callable[[], tirx.PrimFunc], args: Sequence[Any],
+    def call(self, key: KernelKey, make: Callable[[], tirx.PrimFunc], args: Sequence[Any],
              outs: Sequence[Value], name: str) -> list[Any]:
         gv = self.mb.kernel(key, make)
         types = [tensor_type(self.shape(o), o.dtype) for o in outs]
@@ -157,7 +158,7 @@ class FunctionContext:
             return [res]
         return [self.bb.emit(relax.TupleGetItem(res, i)) for i in range(len(outs))]
 
-    def call_temp(self, key: tuple[Any, ...], make: Callable[[], tirx.PrimFunc], args: Sequence[Any],
+    def call_temp(self, key: KernelKey, make: Callable[[], tirx.PrimFunc], args: Sequence[Any],
                   shapes: Sequence[tuple[Sequence[Any], str]], name: str) -> list[Any]:
         """A call whose outputs are intermediates of a composite lowering (no IR value)."""
         gv = self.mb.kernel(key, make)

@@ -16,6 +16,7 @@ from tvm import te, tirx
 from ggufc.ir import ops as O
 from ggufc.ir.graph import Node
 
+from . import kernel_keys as KK
 from . import kernels as K
 from . import quant as Q
 from .kernels import PShape, func, i64
@@ -52,7 +53,8 @@ def shared_combine(shape: PShape, has_scale: bool) -> tirx.PrimFunc:
 
 def merged_gate_up_act(fc: FunctionContext, y: Any, act_dims: tuple[Any, ...], act_shape: list[Any]) -> Any:
     """silu(y[..., :F]) * y[..., F:] of the merged gate_up experts' output [T, k, 2F]."""
-    return fc.call_temp(("swiglu_halves", act_dims), lambda: swiglu_halves(K.Symbols().shape(act_dims)), [y],
+    return fc.call_temp(KK.OpKernel("swiglu_halves", None, (act_dims,)),
+                        lambda: swiglu_halves(K.Symbols().shape(act_dims)), [y],
                         [(act_shape, "float32")], "ffn_moe_act")[0]
 
 
@@ -66,8 +68,8 @@ def shared_expert(fc: FunctionContext, node: Node, named: dict[str, Any], routed
 
     def proj(inp: Any, w: Any, name: str) -> tuple[Any, int]:
         qtype, (n, k), arrays = weight_args(fc, w)
-        out = fc.call_temp(("matmul", qtype, n, k, gemv), lambda: Q.qmatmul(qtype, n, k, gemv=gemv), [inp, *arrays],
-                           [([t, K.i64(n)], "float32")], name)[0]
+        out = fc.call_temp(KK.WeightMatmul(qtype, n, k, gemv), lambda: Q.qmatmul(qtype, n, k, gemv=gemv),
+                           [inp, *arrays], [([t, K.i64(n)], "float32")], name)[0]
         return out, n
 
     g, fs = proj(fc.value(x), named["shexp_gate"], "ffn_shexp_gate")
@@ -92,7 +94,7 @@ def shared_expert(fc: FunctionContext, node: Node, named: dict[str, Any], routed
     steps.append(("unary", O.Unary("silu"), (gate_slot,)))
     steps.append(("binary", O.Binary("mul"), (n_in + len(steps) - 1, up_slot)))
     prog = O.FusedElementwise(tuple(steps), n_in)
-    key = ("elementwise", prog, tuple(dims))
+    key = KK.OpKernel("elementwise", prog, tuple(dims))
     act = fc.call_temp(key, lambda: K.elementwise([K.Symbols().shape(d) for d in dims], prog), ins,
                        [([t, K.i64(fs)], "float32")], "ffn_shexp_act")[0]
     down, _ = proj(act, named["shexp_down"], "ffn_shexp_down")
@@ -101,6 +103,6 @@ def shared_expert(fc: FunctionContext, node: Node, named: dict[str, Any], routed
         raise NotImplementedError("a quantized ffn_gate_inp_shexp is not lowered (fuse_moe keeps it f32)")
     has_sd = "down" in scales
     args = [routed, down, fc.value(x), fc.value(w_gate)] + ([fc.value(scales["down"])] if has_sd else [])
-    key2 = ("shared_combine", (t_dim, e), has_sd)
+    key2 = KK.OpKernel("shared_combine", has_sd, ((t_dim, e),))
     return fc.call(key2, lambda: shared_combine(K.Symbols().shape((t_dim, e)), has_sd), args, node.outputs,
                    node.outputs[0].name)

@@ -24,6 +24,7 @@ from tvm import te, tirx
 from ggufc.ir import ops as O
 from ggufc.ir.graph import Node
 
+from . import kernel_keys as KK
 from .kernels import i64
 from .lower_context import FunctionContext, call_args
 
@@ -166,7 +167,7 @@ def _mod_u64(Tb, word, size: int) -> tirx.PrimExpr:
 def _ple_hash(fc: FunctionContext, node: Node) -> list[Any]:
     a: O.PleHash = node.attrs
     n_cells = int(node.inputs[0].shape[0])
-    key = ("ple_hash", a, n_cells)
+    key = KK.NgramHash(a, n_cells)
     return fc.call(key, lambda: ple_hash(n_cells, a.ngram, a.heads_per_ngram, a.multipliers, a.offsets, a.sizes,
                                             a.eos), call_args(fc, node), node.outputs, node.outputs[0].name)
 

@@ -29,6 +29,7 @@ from tvm.script import tirx as T
 from ggufc.ir import ops as O
 from ggufc.ir.graph import Node
 
+from . import kernel_keys as KK
 from . import kernels as K
 from .kernels import PShape, f32, func, i64, with_root_block
 from .lower_context import FunctionContext, call_args, tensor_dims
@@ -331,7 +332,7 @@ def _indexer_score(fc: FunctionContext, node: Node) -> list[Any]:
     a: O.IndexerScore = node.attrs
     q, cache = node.inputs[:2]
     n_cells = int(cache.shape[0])
-    key = ("indexer_score", a, tensor_dims(fc, node))
+    key = KK.OpKernel("indexer_score", a, tensor_dims(fc, node))
     return fc.call(key, lambda: indexer_score(fc.kernel_shape(q, K.Symbols()), n_cells, a.ratio, a.eps, a.n_rot),
                    call_args(fc, node), node.outputs, node.outputs[0].name)
 
@@ -340,14 +341,14 @@ def _indexer_topk(fc: FunctionContext, node: Node) -> list[Any]:
     a: O.IndexerTopK = node.attrs
     nb1 = int(node.inputs[0].shape[1])
     n_cells = nb1 * a.ratio  # > n_ctx (the score rows cover n_ctx // r whole blocks plus the spare one)
-    key = ("indexer_topk", a, nb1, n_cells)
+    key = KK.IndexerTopK(a, nb1, n_cells)
     return fc.call(key, lambda: indexer_topk(nb1, a.ratio, a.width, n_cells), call_args(fc, node), node.outputs,
                    node.outputs[0].name)
 
 
 def _index_mask(fc: FunctionContext, node: Node) -> list[Any]:
     sel = node.inputs[0]
-    key = ("index_mask", tensor_dims(fc, node))
+    key = KK.OpKernel("index_mask", None, tensor_dims(fc, node))
     return fc.call(key, lambda: index_mask(fc.kernel_shape(sel, K.Symbols())), call_args(fc, node), node.outputs,
                    node.outputs[0].name)
 
@@ -360,13 +361,13 @@ def lower_selected_attention(fc: FunctionContext, node: Node) -> list[Any]:
     dims = tensor_dims(fc, node)
     if a.mask == "indices":
         width = int(node.inputs[4].shape[1])
-        key: tuple[Any, ...] = ("sparse_attention", a, dims)
+        key = KK.OpKernel("sparse_attention", a, dims)
 
         def make() -> Any:
             syms = K.Symbols()
             return sparse_attention(fc.kernel_shape(q, syms), fc.kernel_shape(kc, syms), width, a.scale)
     else:
-        key = ("masked_attention", a, dims)
+        key = KK.OpKernel("masked_attention", a, dims)
 
         def make() -> Any:
             syms = K.Symbols()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import shutil
@@ -102,7 +101,7 @@ def _manifest(model: LoadedModel, built: Built, tokenizer: dict[str, Any], weigh
         "target_key": target_key(built.target),
         "functions": {"prefill_all": {"tokens": "T"}, "prefill": {"tokens": "T"}, "decode": {"tokens": 1}},
         "tokenizer": tokenizer,
-        "source": {"file": os.path.basename(model.gguf.path), "sha256": file_sha256(model.gguf.path)},
+        "source": {"file": os.path.basename(model.gguf.path), "sha256": A.sha256_file(model.gguf.path)},
         "passes": built.pass_stats,
         "kernels": built.kernel_names,
         "weight_bytes": int(sum(a.nbytes for a in weights.values())),
@@ -126,14 +125,6 @@ def _plain_target(target: dict[str, Any]) -> dict[str, Any]:
     """The target as JSON: keep the fields that identify the code (kind, mcpu, mtriple, cores)."""
     keep = ("kind", "mcpu", "mtriple", "num-cores", "mattr", "arch")
     return {k: (str(v) if not isinstance(v, (int, float, list)) else v) for k, v in target.items() if k in keep}
-
-
-def file_sha256(path: str | os.PathLike[str], chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def dumps(manifest: dict[str, Any]) -> str:

@@ -67,6 +67,7 @@ from tvm import tirx
 from ggufc.codegen import quant as Q
 from ggufc.codegen import quant_gpu as QG
 from ggufc.codegen.build import state_plan
+from ggufc.codegen.kernel_keys import KernelKey, OpKernel, WeightMatmul
 from ggufc.codegen.lower import ModuleBuilder
 from ggufc.codegen.lower_context import plan_params
 from ggufc.codegen.schedule import PRESCHEDULED
@@ -183,7 +184,7 @@ def device_of(target: tvm.target.Target) -> tvm.runtime.Device:
 class Workload:
     """One distinct decode kernel of a model for one target."""
 
-    key: tuple[Any, ...]
+    key: KernelKey
     hash: str
     label: str
     calls: int  # calls per decode step
@@ -194,29 +195,29 @@ class Workload:
 
     @property
     def kind(self) -> str:
-        return str(self.key[0])
+        return self.key.kind
 
     @property
     def tunable(self) -> bool:
         return self.func is not None
 
 
-def key_text(key: tuple[Any, ...]) -> str:
+def key_text(key: KernelKey) -> str:
     return repr(key)
 
 
-def workload_hash(key: tuple[Any, ...], target: tvm.target.Target) -> str:
+def workload_hash(key: KernelKey, target: tvm.target.Target) -> str:
     text = json.dumps({"key": key_text(key), "target": target_identity(target)}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def workload_label(key: tuple[Any, ...], func: tirx.PrimFunc | None) -> str:
-    kind = str(key[0])
-    if kind == "matmul" and len(key) >= 4:
-        return f"matmul {key[1]} {key[2]}x{key[3]}"
-    if kind == "elementwise" and len(key) >= 2 and hasattr(key[1], "program"):
-        ops = "+".join(getattr(step[1], "fn", str(step[0])) for step in key[1].program)
-        shapes = " ".join("x".join(str(d) for d in s) for s in key[2]) if len(key) > 2 else ""
+def workload_label(key: KernelKey, func: tirx.PrimFunc | None) -> str:
+    kind = key.kind
+    if isinstance(key, WeightMatmul):
+        return f"matmul {key.qtype} {key.n}x{key.k}"
+    if isinstance(key, OpKernel) and kind == "elementwise" and hasattr(key.attrs, "program"):
+        ops = "+".join(getattr(step[1], "fn", str(step[0])) for step in key.attrs.program)
+        shapes = " ".join("x".join(str(d) for d in s) for s in key.dims)
         return f"elementwise {ops} {shapes}".strip()
     args = static_args(func) if func is not None else None
     if args:
@@ -241,7 +242,7 @@ def static_args(func: tirx.PrimFunc) -> list[tuple[str, tuple[int, ...]]] | None
     return out
 
 
-def tunable_func(key: tuple[Any, ...], make: Callable[[], tirx.PrimFunc],
+def tunable_func(key: KernelKey, make: Callable[[], tirx.PrimFunc],
                  target: tvm.target.Target) -> tuple[tirx.PrimFunc | None, str | None]:
     """The unscheduled PrimFunc MetaSchedule tunes for a kernel key, or (None, reason).
 
@@ -251,15 +252,14 @@ def tunable_func(key: tuple[Any, ...], make: Callable[[], tirx.PrimFunc],
     definition their lowering makes (scheduled by `schedule_cpu` or dlight by default).
     """
 
-    kind = key[0]
+    kind = key.kind
     try:
-        if kind == "matmul":
-            _, qtype, n, k, gemv = key[:5]
-            if not gemv:
+        if isinstance(key, WeightMatmul):
+            if not key.gemv:
                 return None, "prefill matmul (symbolic token count)"
             if is_gpu(target):
                 return None, "GPU matmuls use ggufc's row-dot kernels over the packed GPU layout"
-            func = Q.gemv_compute(str(qtype), int(n), int(k))
+            func = Q.gemv_compute(key.qtype, key.n, key.k)
         elif kind in PRESCHEDULED or kind in ("cache_write",):
             return None, f"{kind}: no static compute definition (symbolic tokens or cache position)"
         else:
@@ -281,11 +281,11 @@ def extract_workloads(model: Any, target: tvm.target.Target,
 
     graphs, _ = optimise(dict(model.graphs), passes_off_for(target, disabled_passes))
     layouts = plan_params(list(graphs.values()), *_gpu_layout(target))
-    calls: dict[tuple[Any, ...], int] = {}
-    makers: dict[tuple[Any, ...], Callable[[], tirx.PrimFunc]] = {}
+    calls: dict[KernelKey, int] = {}
+    makers: dict[KernelKey, Callable[[], tirx.PrimFunc]] = {}
 
     class Recorder(ModuleBuilder):
-        def kernel(self, key: tuple[Any, ...], make: Callable[[], tirx.PrimFunc]) -> Any:
+        def kernel(self, key: KernelKey, make: Callable[[], tirx.PrimFunc]) -> Any:
             calls[key] = calls.get(key, 0) + 1
             makers.setdefault(key, make)
             return super().kernel(key, make)
@@ -978,7 +978,7 @@ class TunedKernels:
         self.applied: dict[str, dict[str, Any]] = {}  # kernel name -> what was applied
         self.skipped: dict[str, str] = {}  # kernel name -> why a known workload kept its default
 
-    def lookup(self, key: tuple[Any, ...], make: Callable[[], tirx.PrimFunc], name: str) -> tirx.PrimFunc | None:
+    def lookup(self, key: KernelKey, make: Callable[[], tirx.PrimFunc], name: str) -> tirx.PrimFunc | None:
         h = workload_hash(key, self.target)
         e = self.db.entry(h)
         if e is None:

@@ -25,6 +25,7 @@ from random_weights import make_raw
 
 from ggufc.codegen import attention_gpu as AG
 from ggufc.codegen import device_info as DI
+from ggufc.codegen import kernel_keys as KK
 from ggufc.codegen import quant as Q
 from ggufc.codegen import quant_gpu as QG
 from ggufc.codegen.gpu import gpu_kernel
@@ -67,17 +68,17 @@ def test_quantised_kernels_on_vulkan(qtype: str, dev: object, target: tvm.target
     w, ref = weights(qtype, (), n, k)
     rng = np.random.default_rng(1)
     x1 = rng.standard_normal((1, k)).astype(np.float32)
-    gemv = gpu_kernel(("matmul", qtype, n, k, True), lambda: None, target)
+    gemv = gpu_kernel(KK.WeightMatmul(qtype, n, k, True), lambda: None, target)
     got = run(dev, gemv, target, [x1, w, np.zeros((1, n), np.float32)], "gemv")[2]
     assert rel_err(got, x1 @ ref.T) < TOL
-    gemm = gpu_kernel(("matmul", qtype, n, k, False), lambda: None, target)
+    gemm = gpu_kernel(KK.WeightMatmul(qtype, n, k, False), lambda: None, target)
     assert gemm.attrs["ggufc.schedule"].startswith(("dlight.Matmul", "ggufc.row_dot"))
     kern = DI.compile_kernel(gemm, target, "gemm")
     for t in (1, 3, 7):
         x = rng.standard_normal((t, k)).astype(np.float32)
         got = run_kernel(dev, kern.to_json(), kern.entry_sources, [x, w, np.zeros((t, n), np.float32)])[2]
         assert rel_err(got, x @ ref.T) < TOL, t
-    emb = gpu_kernel(("embed", qtype, n, k), lambda: None, target)
+    emb = gpu_kernel(KK.WeightEmbed(qtype, n, k), lambda: None, target)
     ids = np.array([3, 0, n - 1, 3, n + 5, -2], np.int32)  # out-of-range ids are clamped
     got = run(dev, emb, target, [ids, w, np.zeros((ids.size, k), np.float32)], "embed")[2]
     np.testing.assert_array_equal(got, ref[np.clip(ids, 0, n - 1)].astype(np.float32))
@@ -86,7 +87,7 @@ def test_quantised_kernels_on_vulkan(qtype: str, dev: object, target: tvm.target
     ids = np.array([[2, 0], [3, 3], [1, 2]], np.int32)
     for per_slot in (False, True):
         x = rng.standard_normal((3, slots if per_slot else 1, k)).astype(np.float32)
-        func = gpu_kernel(("experts", qtype, n_exp, n, k, slots, per_slot), lambda: None, target)
+        func = gpu_kernel(KK.ExpertMatmul(qtype, n_exp, n, k, slots, per_slot), lambda: None, target)
         got = run(dev, func, target, [x, ids, we, np.zeros((3, slots, n), np.float32)], "experts")[3]
         want = np.stack([np.stack([x[t, s if per_slot else 0] @ refe[ids[t, s]].T for s in range(slots)])
                          for t in range(3)])
@@ -145,10 +146,11 @@ def test_rope_position_tensor_matches_scalar_rope(dev: object, target: tvm.targe
     for mode in ("norm", "neox"):
         attrs = O.Rope(mode, 8)
         x = rng.standard_normal((1, 3, 10)).astype(np.float32)
-        scalar = gpu_kernel(("rope", attrs, ((1, 3, 10), (16, 4, 2))),
+        key = KK.OpKernel("rope", attrs, ((1, 3, 10), (16, 4, 2)))
+        scalar = gpu_kernel(key,
                             lambda attrs=attrs: K.rope(K.Symbols().shape((1, 3, 10)), K.Symbols().shape((16, 4, 2)),
                                                        attrs), target)
-        tensor = gpu_kernel(("rope", attrs, ((1, 3, 10), (16, 4, 2)), "pos_tensor"), lambda: None, target)
+        tensor = gpu_kernel(key.reading_pos_from_memory(), lambda: None, target)
         a = run(dev, scalar, target, [x, 6, table, np.zeros_like(x)], "rope")[3]
         b = run(dev, tensor, target, [x, np.array([6], np.int32), table, np.zeros_like(x)], "rope_pos")[3]
         np.testing.assert_array_equal(a, b)
