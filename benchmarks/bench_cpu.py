@@ -351,7 +351,7 @@ def main() -> None:
             update_readme(Path(args.readme), table)
         return
     os.environ.setdefault("TVM_NUM_THREADS", str(args.threads))
-    from ggufc.cli import default_model
+    from ggufc.driver.models import default_model
 
     model = Path(args.model) if args.model else default_model()
     out = Path(args.out)

@@ -15,7 +15,7 @@ os.environ.setdefault("TVM_NUM_THREADS", "2")
 
 import numpy as np  # noqa: E402
 
-from ggufc.cli import cached_artifact_dir, compile_gguf, default_model  # noqa: E402
+from ggufc.driver.models import cached_artifact_dir, compile_gguf, default_model  # noqa: E402
 from ggufc.runtime.bench import bench_session  # noqa: E402
 from ggufc.runtime.session import Session  # noqa: E402
 

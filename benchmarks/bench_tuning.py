@@ -20,8 +20,8 @@ os.environ.setdefault("TVM_NUM_THREADS", str(len(os.sched_getaffinity(0))))
 
 import numpy as np  # noqa: E402
 
-from ggufc.cli import default_model  # noqa: E402
 from ggufc.driver.compile import compile_model  # noqa: E402
+from ggufc.driver.models import default_model  # noqa: E402
 from ggufc.runtime.session import Session  # noqa: E402
 
 

@@ -95,8 +95,8 @@ def main() -> int:
     args = ap.parse_args()
     import tvm
 
-    from ggufc.cli import default_model
     from ggufc.driver.compile import compile_model
+    from ggufc.driver.models import default_model
     from ggufc.runtime import cuda_runtime
     from ggufc.runtime.session import Session
 
