@@ -106,6 +106,7 @@ def test_cpu_only_kernel_fails_clearly_on_gpu() -> None:
     """A hand-written CPU kernel (parallel loops, no blocks) reaching the GPU scheduler is named."""
     from ggufc.codegen import kernels_recurrent as KR
     from ggufc.codegen.gpu import _schedule
+    from ggufc.codegen.kernel_keys import CausalConv
 
     with pytest.raises(GpuScheduleError, match="kernel 'ssm_conv' is a hand-written CPU kernel"):
-        _schedule(KR.ssm_conv(8, 4), gpu_target("vulkan"), ("ssm_conv", 8, 4, 1))
+        _schedule(KR.ssm_conv(8, 4), gpu_target("vulkan"), CausalConv(8, 4, 1))
