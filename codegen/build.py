@@ -79,7 +79,7 @@ def build_executable(
     progress("generating kernels")
     mb.add_function("prefill_all", graphs["prefill_all"])
     mb.add_function("prefill", graphs["prefill"])
-    mb.add_function("decode", graphs["prefill"], fixed_tokens=1)
+    mb.add_function("decode", graphs.get("decode", graphs["prefill"]), fixed_tokens=1)
     mod = mb.module()
     bounds = {"n": max_chunk, "p": n_ctx}
     for name in ("prefill_all", "prefill", "decode"):

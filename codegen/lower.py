@@ -15,7 +15,6 @@ import tvm
 from tvm import relax, tirx
 
 from ggufc.ir import ops as O
-from ggufc.ir.act_quant import MIN_TYPES
 from ggufc.ir.graph import Dim, Graph, Node, Value
 
 from . import cpu_vec as CV
@@ -183,131 +182,33 @@ def _cache_write(fc: FunctionContext, node: Node) -> list[Any]:
     return [fc.bb.emit(call, name_hint=node.outputs[0].name)]
 
 
-def _int8_matmul(fc: FunctionContext, node: Node) -> bool:
-    """Whether this matmul runs on 8-bit integer dot products (quant_int8.py): its input rounded
-    by quantize_act, a weight type with such a kernel and a target with integer dot products."""
-    if node.op != "matmul" or not fc.is_param(node.inputs[1]):
-        return False
-    x, w = node.inputs[:2]
-    src = fc.producers.get(x.id)
-    if src is None or src.op != "quantize_act" or src.attrs.scheme not in ("q8_0", "q8_1"):
-        return False
-    if len(x.shape) != 2:
-        return False
-    layout = fc.mb.layouts[fc.param_of[w.id].source]
-    if (layout.qtype in MIN_TYPES) != (len(node.inputs) == 3):  # the Q4_1 kernel computes q8_1's m term
-        return False
-    n, k = layout.shape
-    return Q8.int8_gemv_supported(layout.qtype, n, k, fc.mb.target)
-
-
-def _int8_gemv(fc: FunctionContext, node: Node) -> bool:
-    """An 8-bit matmul of a decode step (one token): a GEMV, grouped and fused (`_int8_gemv_group`)."""
-    return _int8_matmul(fc, node) and fc.is_one(node.inputs[0].shape[0])
-
-
-PROLOGUE_OPS = ("rms_norm", "swiglu")
-
-
-def _in_gemv_prologue(fc: FunctionContext, node: Node) -> bool:
-    """Whether this decode-step rms_norm/swiglu runs inside the prologue of the 8-bit GEMVs reading
-    it: every reader is a quantize_act that feeds only such GEMVs (quant_int8.int8_gemv_group)."""
-    out = node.outputs[0]
-    if node.op not in PROLOGUE_OPS or fc.mb.target.kind.name != "llvm" or len(out.shape) != 2:
-        return False
-    if not fc.is_one(out.shape[0]) or any(o.id == out.id for o in fc.graph.outputs):
-        return False
-    if node.op == "rms_norm" and not (len(node.inputs) == 2 and fc.is_param(node.inputs[1])
-                                      and len(node.inputs[1].shape) == 1):
-        return False
-    readers = fc.users.get(out.id, [])
-    if not readers or any(r.op != "quantize_act" for r in readers):
-        return False
-    return all((gemvs := fc.users.get(r.outputs[0].id, [])) and all(_int8_gemv(fc, g) for g in gemvs)
-               for r in readers)
-
-
-def _gemv_input(fc: FunctionContext, x: Value) -> tuple[tuple[Any, ...], list[Any]]:
-    """(prologue, leading kernel arguments) of a grouped 8-bit GEMV reading quantize_act output x:
-    the unrounded input (q8_1 block sums need it), or the inputs of the rms_norm/swiglu before it."""
-    raw = fc.producers[x.id].inputs[0]
-    src = fc.producers.get(raw.id)
-    if src is None or not _in_gemv_prologue(fc, src):
-        return (), [fc.value(raw)]
-    if src.op == "rms_norm":
-        return ("rms_norm", float(src.attrs.eps)), [fc.value(src.inputs[0]), fc.value(src.inputs[1])]
-    return ("swiglu",), [fc.value(src.inputs[0]), fc.value(src.inputs[1])]
-
-
-def _group_members(fc: FunctionContext, node: Node) -> list[Node]:
-    """The 8-bit GEMVs that run in one kernel with `node` (itself first): readers of the same rounded
-    input with the same weight type and K (a layer's q/k/v, its gate/up), in graph order."""
-    x = node.inputs[0]
-    qtype, (_, k), _ = weight_args(fc, node.inputs[1])
-
-    def joins(u: Node) -> bool:
-        if not _int8_gemv(fc, u):
-            return False
-        u_qtype, (_, u_k), _ = weight_args(fc, u.inputs[1])
-        return u_qtype == qtype and u_k == k
-
-    members = [u for u in fc.users[x.id] if joins(u)]
-    return members[members.index(node):][: Q8.MAX_GROUP]
-
-
-def _gemv_residual(fc: FunctionContext, node: Node) -> tuple[Node, Value] | None:
-    """(add node, residual) when a lone 8-bit GEMV's output is read only by a residual add of the
-    same shape: the kernel adds the residual itself (the output projection, the FFN down)."""
-    out = node.outputs[0]
-    readers = fc.users.get(out.id, [])
-    if len(readers) != 1 or any(o.id == out.id for o in fc.graph.outputs):
-        return None
-    add = readers[0]
-    if add.op != "binary" or add.attrs.fn != "add" or len(add.inputs) != 2:
-        return None
-    res = add.inputs[1] if add.inputs[0].id == out.id else add.inputs[0]
-    if res.id == out.id or res.shape != out.shape or res.dtype != "float32":
-        return None
-    made = fc.producers.get(res.id)  # the kernel reads it: it must exist before the GEMV runs
-    if made is not None and fc.order[id(made)] > fc.order[id(node)]:
-        return None
-    return (add, res) if _group_members(fc, node) == [node] else None
+def _int8_matmul(fc: FunctionContext, node: Node) -> list[Any]:
+    """matmul(quantize_act(x), W) on 8-bit dot products, the kernel rounding x (passes/fuse_int8.py):
+    the prompt's 8-bit GEMM, or at one token a GEMV group of one."""
+    x, w = node.inputs
+    qtype, (n, k), arrays = weight_args(fc, w)
+    if fc.is_one(x.shape[0]):
+        return fc.call(KK.Int8GemvGroup(qtype, (n,), k, (), False),
+                       lambda: Q8.int8_gemv_group(qtype, (n,), k, fc.mb.target, (), False),
+                       [fc.value(x), *arrays], node.outputs, node.outputs[0].name)
+    return fc.call(KK.Int8Gemm(qtype, n, k), lambda: Q8.int8_gemm(qtype, n, k, fc.mb.target),
+                   [fc.value(x), *arrays], node.outputs, node.outputs[0].name)
 
 
 def _int8_gemv_group(fc: FunctionContext, node: Node) -> list[Any]:
-    """A group of 8-bit GEMVs (`_group_members`) runs as one kernel, emitted at the first of them;
-    the others take their results from it."""
-    if node.outputs[0].id in fc.grouped:
-        return [fc.grouped.pop(node.outputs[0].id)]
-    x, w = node.inputs[:2]
-    prologue, lead = _gemv_input(fc, x)  # the kernels round x themselves
-    qtype, (_, k), _ = weight_args(fc, w)
-    members = _group_members(fc, node)
-    weights = [weight_args(fc, m.inputs[1]) for m in members]
+    """A decode step's GEMVs of one input as one kernel, with their prologue and residual."""
+    a: O.GemvGroup = node.attrs
+    weights = [weight_args(fc, w) for w in node.inputs[a.n_prologue:a.n_prologue + a.n_weights]]
+    qtype, k = weights[0][0], weights[0][1][1]
     ns = tuple(shape[0] for _, shape, _ in weights)
-    residual = _gemv_residual(fc, node) if fc.mb.target.kind.name == "llvm" else None
-    tail = [fc.value(residual[1])] if residual else []
+    prologue: tuple[Any, ...] = ("rms_norm", a.eps) if a.prologue == "rms_norm" else (a.prologue,) * bool(a.prologue)
+    lead = [fc.value(v) for v in node.inputs[: a.n_prologue]]
+    tail = [fc.value(node.inputs[-1])] if a.residual else []
     target = fc.mb.target
-    outs = [o for m in members for o in m.outputs]
-    results = fc.call(KK.Int8GemvGroup(qtype, ns, k, prologue, residual is not None),
-                      lambda: Q8.int8_gemv_group(qtype, ns, k, target, prologue, residual is not None),
-                      [*lead, *(a for _, _, arrays in weights for a in arrays), *tail], outs, node.outputs[0].name)
-    for m, r in zip(members[1:], results[1:], strict=True):
-        fc.grouped[m.outputs[0].id] = r
-    return results[:1]
-
-
-def _folded_residual_add(fc: FunctionContext, node: Node) -> Value | None:
-    """The 8-bit GEMV output that already holds this add's sum (the GEMV added the residual), or None."""
-    if node.op != "binary" or node.attrs.fn != "add" or fc.mb.target.kind.name != "llvm":
-        return None
-    for v in node.inputs:
-        src = fc.producers.get(v.id)
-        if src is not None and src.op == "matmul" and _int8_gemv(fc, src):
-            found = _gemv_residual(fc, src)
-            if found is not None and found[0] is node:
-                return v
-    return None
+    return fc.call(KK.Int8GemvGroup(qtype, ns, k, prologue, a.residual),
+                   lambda: Q8.int8_gemv_group(qtype, ns, k, target, prologue, a.residual),
+                   [*lead, *(arr for _, _, arrays in weights for arr in arrays), *tail], node.outputs,
+                   node.outputs[0].name)
 
 
 def _quantize_act(fc: FunctionContext, node: Node) -> list[Any]:
@@ -315,10 +216,6 @@ def _quantize_act(fc: FunctionContext, node: Node) -> list[Any]:
     if fc.mb.target.kind.name in GPU_KINDS:  # the rounding keeps d in f16, which WGSL/Metal may lack
         raise NotImplementedError(f"{node.outputs[0].label}: 8-bit activation rounding (quantize_act) is a CPU "
                                   "kernel; GPU targets compile with float32 activations")
-    users = fc.users.get(node.outputs[0].id, [])
-    returned = any(o.id in fc.output_ids for o in node.outputs)  # `ggufc verify` probes every value
-    if users and not returned and all(_int8_matmul(fc, u) for u in users):  # they round x themselves
-        return [fc.value(x)] * len(node.outputs)
     key = KK.OpKernel("quantize_act", node.attrs, (fc.kernel_key_dims(x),))
     return fc.call(key, lambda: Q8.quantize_act(fc.kernel_shape(x, K.Symbols()), node.attrs.scheme), [fc.value(x)],
                    node.outputs, node.outputs[0].name)
@@ -330,12 +227,6 @@ def _matmul(fc: FunctionContext, node: Node) -> list[Any]:
     gemv = fc.is_one(x.shape[0]) and len(x.shape) == 2
     if len(x.shape) != 2:
         raise NotImplementedError(f"{node.outputs[0].label}: matmul expects a 2-D activation, got {x.shape}")
-    if _int8_gemv(fc, node):
-        return _int8_gemv_group(fc, node)
-    if _int8_matmul(fc, node):  # a prompt: the same arithmetic per token, from the unrounded input
-        raw = fc.producers[x.id].inputs[0]
-        return fc.call(KK.Int8Gemm(qtype, n, k), lambda: Q8.int8_gemm(qtype, n, k, fc.mb.target),
-                       [fc.value(raw), *arrays], node.outputs, node.outputs[0].name)
     key = KK.WeightMatmul(qtype, n, k, gemv)
     if len(node.inputs) == 2:
         return fc.call(key, lambda: Q.qmatmul(qtype, n, k, gemv=gemv), [fc.value(x), *arrays], node.outputs,
@@ -569,6 +460,8 @@ LOWERING: dict[str, Callable[[FunctionContext, Node], list[Any]]] = {
     "gather": _gather,
     "matmul": _matmul,
     "quantize_act": _quantize_act,
+    "int8_matmul": _int8_matmul,
+    "int8_gemv_group": _int8_gemv_group,
     "matmul_id": _matmul_id,
     "topk": _topk,
     "softmax": _simple("softmax", lambda fc, n, s: K.softmax(_first_shape(fc, n, s), n.attrs.axis)),
@@ -593,10 +486,6 @@ LOWERING: dict[str, Callable[[FunctionContext, Node], list[Any]]] = {
 
 
 def lower_node(fc: FunctionContext, node: Node) -> list[Any]:
-    if node.op in PROLOGUE_OPS and _in_gemv_prologue(fc, node):
-        return [fc.value(node.inputs[0])]  # a placeholder nothing reads: the GEMVs compute the value
-    if (summed := _folded_residual_add(fc, node)) is not None:  # the GEMV's output already holds the sum
-        return [fc.value(summed)]
     lower = LOWERING.get(node.op)
     if lower is None:
         raise NotImplementedError(f"no {fc.mb.target.kind.name} lowering for op '{node.op}' ({node.outputs[0].label})")

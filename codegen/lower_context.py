@@ -82,12 +82,7 @@ class FunctionContext:
         self.env: dict[int, Any] = {}
         self.param_of: dict[int, Param] = graph.param_values()
         self.param_arrays: dict[str, list[Any]] = {}
-        self.users: dict[int, list[Node]] = graph.users()
-        self.output_ids: set[int] = {o.id for o in graph.outputs}  # values the function returns
-        self.grouped: dict[int, Any] = {}  # outputs computed early by a grouped kernel
         self.params_var: Any = None  # the function's weights argument (set by add_function)
-        self.producers: dict[int, Node] = graph.producers()
-        self.order: dict[int, int] = {id(n): i for i, n in enumerate(graph.nodes)}  # node -> position
 
     # -- dims -----------------------------------------------------------------------------------
     def dim(self, d: Dim) -> Any:

@@ -25,6 +25,7 @@ residual epilogue); a prompt runs the same per-token arithmetic as a GEMM (`int8
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import tvm
@@ -54,6 +55,22 @@ def int8_dot_intrinsic(target: tvm.target.Target) -> str | None:
     if has("avxvnni", target):
         return "llvm.x86.avxvnni.vpdpbusd.256"
     return None
+
+
+@dataclass(frozen=True)
+class Int8Kernels:
+    """What this target's 8-bit kernels take (for the rules of passes/fuse_int8.py)."""
+
+    target: tvm.target.Target
+    max_group: int = MAX_GROUP
+
+    def supports(self, qtype: str, n: int, k: int) -> bool:
+        return int8_gemv_supported(qtype, n, k, self.target)
+
+
+def int8_kernels(target: tvm.target.Target) -> Int8Kernels | None:
+    """The 8-bit kernels of a target with 8-bit dot products; None for the others."""
+    return Int8Kernels(target) if int8_dot_intrinsic(target) is not None else None
 
 
 def int8_gemv_supported(qtype: str, n: int, k: int, target: tvm.target.Target) -> bool:

@@ -172,12 +172,12 @@ def compile_gguf(
 
 def check_pass_names(names: frozenset[str]) -> None:
     try:
-        from ggufc.passes.pipeline import PASSES
+        from ggufc.passes.pipeline import ALL_PASS_NAMES
     except ImportError:
         return
-    unknown = sorted(names - set(PASSES))
+    unknown = sorted(names - set(ALL_PASS_NAMES))
     if unknown:
-        raise GgufcError(f"unknown pass {', '.join(unknown)} (passes: {', '.join(PASSES)})")
+        raise GgufcError(f"unknown pass {', '.join(unknown)} (passes: {', '.join(ALL_PASS_NAMES)})")
 
 
 @dataclasses.dataclass

@@ -9,20 +9,36 @@ from typing import Any
 import tvm
 
 from ggufc.codegen.build import DEFAULT_MAX_CHUNK, Built, Progress, build_executable
+from ggufc.codegen.quant_int8 import int8_kernels
 from ggufc.codegen.target import is_gpu, resolve_target
 from ggufc.frontend.load import LoadedModel
 from ggufc.ir.graph import Graph
-from ggufc.passes.pipeline import run_pipeline
+from ggufc.passes.pipeline import TARGET_ORDER, run_pipeline, target_passes
 
 
-def optimise(graphs: dict[str, Graph], disabled: frozenset[str]) -> tuple[dict[str, Graph], dict[str, int]]:
-    """Run the pass pipeline on every entry graph; hit counts are those of the all-logits graph."""
+def optimise(graphs: dict[str, Graph], disabled: frozenset[str],
+             target: tvm.target.Target | None = None) -> tuple[dict[str, Graph], dict[str, int]]:
+    """Run the pass pipeline on every entry graph, then the target's own rules; with rules for the
+    decode step, `decode` is the `prefill` graph at one token with them applied. Hit counts are
+    those of the all-logits graph (and of the decode graph's rules, marked "(decode)")."""
     out: dict[str, Graph] = {}
     stats: dict[str, int] = {}
     for name, g in graphs.items():
         out[name], s = run_pipeline(g, disabled=disabled)
         if name == "prefill_all":
             stats = dict(s)
+    kernels = int8_kernels(target) if target is not None else None
+    if kernels is None:
+        return out, stats
+    if "prefill" in out:
+        out["decode"], s = run_pipeline(out["prefill"], disabled, order=TARGET_ORDER,
+                                        passes=target_passes(kernels, one_token=True))
+        stats.update({f"{k} (decode)": v for k, v in s.items() if not k.startswith("dce")})
+    for name in [n for n in out if n != "decode"]:
+        out[name], s = run_pipeline(out[name], disabled, order=TARGET_ORDER,
+                                    passes=target_passes(kernels, one_token=False))
+        if name == "prefill_all":
+            stats.update({k: v for k, v in s.items() if not k.startswith("dce")})
     return out, stats
 
 
@@ -42,6 +58,6 @@ def build_model(
     graphs, stats = dict(model.graphs), dict[str, int]()
     if run_passes:
         progress("optimising graph")
-        graphs, stats = optimise(graphs, passes_off_for(tgt, disabled_passes))
+        graphs, stats = optimise(graphs, passes_off_for(tgt, disabled_passes), tgt)
     return build_executable(graphs, target, n_ctx=model.n_ctx, n_vocab=int(model.hparams.n_vocab),
                             max_chunk=max_chunk, progress=progress, tuning=tuning, pass_stats=stats)

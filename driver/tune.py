@@ -279,7 +279,7 @@ def extract_workloads(model: Any, target: tvm.target.Target,
     default kernel is the one `ggufc compile` would build.
     """
 
-    graphs, _ = optimise(dict(model.graphs), passes_off_for(target, disabled_passes))
+    graphs, _ = optimise(dict(model.graphs), passes_off_for(target, disabled_passes), target)
     layouts = plan_params(list(graphs.values()), *_gpu_layout(target))
     calls: dict[KernelKey, int] = {}
     makers: dict[KernelKey, Callable[[], tirx.PrimFunc]] = {}
@@ -291,7 +291,7 @@ def extract_workloads(model: Any, target: tvm.target.Target,
             return super().kernel(key, make)
 
     rec = Recorder(target, layouts, state_plan(graphs["prefill_all"]))
-    rec.add_function("decode", graphs["prefill"], fixed_tokens=1)
+    rec.add_function("decode", graphs.get("decode", graphs["prefill"]), fixed_tokens=1)
     mod = rec.module()
     out = []
     for key, n in calls.items():

@@ -93,8 +93,8 @@ def verify_model(path: str | os.PathLike[str], tokens: np.ndarray | None = None,
     if tokens is None:
         tokens = np.random.default_rng(0).integers(0, model.hparams.n_vocab, size=8).astype(np.int32)
     tokens = np.asarray(tokens, dtype=np.int32)
-    graphs, _ = optimise({"prefill_all": model.graphs["prefill_all"]},
-                         passes_off_for(resolve_target(target), disabled_passes))
+    tgt = resolve_target(target)
+    graphs, _ = optimise({"prefill_all": model.graphs["prefill_all"]}, passes_off_for(tgt, disabled_passes), tgt)
     graph = graphs["prefill_all"]
     probes = _probes(graph)
     probe_graph = graph.replace(outputs=[*graph.outputs, *probes])

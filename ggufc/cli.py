@@ -212,7 +212,7 @@ def inspect_report(path: Path) -> dict[str, Any]:
         return report
     report = _file_report(path, model.gguf, missing=None)
     report.update(hparams=_plain(model.hparams), n_ctx=model.n_ctx)
-    report["fusions"] = fusion_hits(model.graphs["prefill_all"])
+    report["fusions"] = fusion_hits(model.graphs)
     return report
 
 
@@ -244,12 +244,15 @@ def raw_hparams(gguf: Any) -> dict[str, Any]:
     return {k[len(prefix):]: v for k, v in gguf.metadata.items() if k.startswith(prefix) and not isinstance(v, list)}
 
 
-def fusion_hits(graph: Any) -> dict[str, int] | str:
+def fusion_hits(graphs: dict[str, Any]) -> dict[str, int] | str:
+    """Hits per rule when compiling for this CPU: the pipeline's on the all-logits graph, and the
+    target's own rules (those marked "(decode)" on the decode step's graph)."""
     try:
-        from ggufc.passes.pipeline import run_pipeline
+        from ggufc.codegen.target import cpu_target
+        from ggufc.driver.stages import optimise
     except ImportError as exc:
         return f"passes unavailable ({one_line(exc)})"
-    _, hits = run_pipeline(graph)
+    _, hits = optimise(dict(graphs), frozenset(), cpu_target())
     return dict(hits)
 
 
@@ -275,7 +278,7 @@ def format_inspect(report: dict[str, Any]) -> str:
     lines += [f"  {t['name']:<{width}}  {t['type']:<6} {t['shape']}" for t in tensors]
     fusions = report["fusions"]
     if isinstance(fusions, dict):
-        lines.append("passes (hits on the all-logits graph):")
+        lines.append('passes for this CPU (hits on the all-logits graph; "(decode)": on the decode step\'s):')
         lines += [f"  {name}: {hits}" for name, hits in fusions.items()]
     elif fusions:
         lines.append(f"passes: {fusions}")

@@ -202,6 +202,39 @@ def _fused_elementwise(b: GraphBuilder, n: Node) -> list[Value]:
     return [vals[-1]]
 
 
+def _rounded(b: GraphBuilder, x: Value, scheme: str, name: str) -> tuple[Value, ...]:
+    """quantize_act's outputs: x rounded, and the q8_1 block sums."""
+    names = [f"{name}.in_q"] + ([f"{name}.in_q_sums"] if scheme == "q8_1" else [])
+    return b.emit_multi("quantize_act", [x], O.QuantizeAct(scheme), names)
+
+
+def _int8_matmul(b: GraphBuilder, n: Node) -> list[Value]:
+    x, w = n.inputs
+    rounded = _rounded(b, x, n.attrs.scheme, n.outputs[0].name)
+    return [b.emit("matmul", [rounded[0], w, *rounded[1:]], O.NoAttrs(), n.outputs[0].name)]
+
+
+def _int8_gemv_group(b: GraphBuilder, n: Node) -> list[Value]:
+    """The prologue's op (rms_norm or swiglu), one rounding, the matmuls, the residual add."""
+    a: O.GemvGroup = n.attrs
+    name = n.outputs[0].name
+    pro, weights = n.inputs[: a.n_prologue], n.inputs[a.n_prologue : a.n_prologue + a.n_weights]
+    if a.prologue == "rms_norm":
+        x = b.emit("rms_norm", list(pro), O.RMSNorm(a.eps), f"{name}.norm")
+    elif a.prologue == "swiglu":
+        x = b.emit("swiglu", list(pro), O.NoAttrs(), f"{name}.act")
+    else:
+        x = pro[0]
+    rounded = _rounded(b, x, a.scheme, name)
+
+    def matmul(w: Value, out_name: str) -> Value:
+        return b.emit("matmul", [rounded[0], w, *rounded[1:]], O.NoAttrs(), out_name)
+
+    if a.residual:
+        return [b.add(matmul(weights[0], f"{name}.mm"), n.inputs[-1], name)]
+    return [matmul(w, o.name) for w, o in zip(weights, n.outputs, strict=True)]
+
+
 DECOMPOSITIONS: dict[str, Decomposition] = {
     "softmax": _softmax,
     "rms_norm": _rms_norm,
@@ -213,6 +246,8 @@ DECOMPOSITIONS: dict[str, Decomposition] = {
     "fused_elementwise": _fused_elementwise,
     "l2_norm": _l2_norm,
     "rms_norm_gated": _rms_norm_gated,
+    "int8_matmul": _int8_matmul,
+    "int8_gemv_group": _int8_gemv_group,
     **HC_DECOMPOSITIONS,  # spelled as the frontend blocks spell them
     **INDEXER_DECOMPOSITIONS,
 }

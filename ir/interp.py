@@ -59,7 +59,7 @@ def run_graph(
         env[s.value.id] = _cast(state[name], dtype)
     for node in graph.nodes:
         args = [env[v.id] for v in node.inputs]
-        args += [mins_of(node.inputs[i]) for i in OPS[node.op].block_mins(len(node.inputs))]
+        args += [mins_of(node.inputs[i]) for i in OPS[node.op].block_mins(len(node.inputs), node.attrs)]
         outs = OPS[node.op].ref(args, node.attrs, ctx)
         for v, a in zip(node.outputs, outs, strict=True):
             a = np.asarray(a)

@@ -106,6 +106,29 @@ class RMSNorm:
 
 
 @dataclass(frozen=True)
+class Int8Matmul:
+    """matmul(quantize_act(x, scheme), W), the rounding done by the kernel (passes/fuse_int8.py)."""
+
+    scheme: str  # q8_0, or q8_1 for weights with block minimums
+
+
+@dataclass(frozen=True)
+class GemvGroup:
+    """The matmuls of one rounded input as one op: inputs are the prologue's (x; x and gamma for
+    "rms_norm"; gate and up for "swiglu"), then `n_weights` weights, then the residual if any."""
+
+    scheme: str
+    n_weights: int
+    prologue: str = ""  # "", "rms_norm" or "swiglu": what computes the input from the first inputs
+    eps: float = 0.0  # the RMSNorm's
+    residual: bool = False  # one weight: the output is the matmul plus the last input
+
+    @property
+    def n_prologue(self) -> int:
+        return 2 if self.prologue else 1
+
+
+@dataclass(frozen=True)
 class Rope:
     """Rotary embedding with a precomputed cos/sin table [n_ctx, n_rot/2, 2] (exact ggml angles).
 
@@ -512,9 +535,61 @@ def matmul_ref(i: Sequence[np.ndarray], a: Any, ctx: Any) -> np.ndarray:
     return y + (s - block_sums) @ mins.T
 
 
-def _matmul_mins(n_inputs: int) -> tuple[int, ...]:
+def _matmul_mins(n_inputs: int, a: Any) -> tuple[int, ...]:
     """matmul(x, W, s) reads the block minimums of W (input 1)."""
     return (1,) if n_inputs == 3 else ()
+
+
+def _rounded_matmul(x: np.ndarray, w: np.ndarray, mins: Sequence[np.ndarray], scheme: str) -> np.ndarray:
+    """matmul_ref of quantize_act's outputs: exactly what the spelled pair computes."""
+    rounded = _quantize_act_ref([x], QuantizeAct(scheme), None)  # [x'] or [x', block sums]
+    return matmul_ref([rounded[0], w, *rounded[1:], *mins], None, None)
+
+
+def _int8_matmul_shape(ins: Sequence[ShapeDtype], a: Int8Matmul) -> list[ShapeDtype]:
+    return _matmul_shape(ins, a)
+
+
+def _int8_matmul_mins(n_inputs: int, a: Int8Matmul) -> tuple[int, ...]:
+    return (1,) if a.scheme == "q8_1" else ()
+
+
+def _int8_matmul_ref(i: Sequence[np.ndarray], a: Int8Matmul, ctx: Any) -> list[np.ndarray]:
+    return [_rounded_matmul(i[0], i[1], i[2:], a.scheme)]
+
+
+def _gemv_group_input(i: Sequence[np.ndarray], a: GemvGroup) -> np.ndarray:
+    if a.prologue == "rms_norm":
+        return rms_norm_ref(i[0], i[1], a.eps)
+    if a.prologue == "swiglu":
+        return i[0] * _sigmoid(i[0]) * i[1]
+    return i[0]
+
+
+def _gemv_group_shape(ins: Sequence[ShapeDtype], a: GemvGroup) -> list[ShapeDtype]:
+    if len(ins) != a.n_prologue + a.n_weights + a.residual or a.n_weights < 1 or (a.residual and a.n_weights != 1):
+        raise ValueError(f"int8_gemv_group {a}: {len(ins)} inputs")
+    x = ins[0]
+    if a.prologue == "swiglu" and tuple(ins[1][0]) != tuple(x[0]):
+        raise ValueError(f"int8_gemv_group: gate {x[0]} and up {ins[1][0]} differ")
+    weights = ins[a.n_prologue:a.n_prologue + a.n_weights]
+    outs = [_matmul_shape([x, w], a)[0] for w in weights]
+    if a.residual and tuple(ins[-1][0]) != tuple(outs[0][0]):
+        raise ValueError(f"int8_gemv_group: residual {ins[-1][0]} is not the output's shape {outs[0][0]}")
+    return outs
+
+
+def _gemv_group_mins(n_inputs: int, a: GemvGroup) -> tuple[int, ...]:
+    return tuple(range(a.n_prologue, a.n_prologue + a.n_weights)) if a.scheme == "q8_1" else ()
+
+
+def _gemv_group_ref(i: Sequence[np.ndarray], a: GemvGroup, ctx: Any) -> list[np.ndarray]:
+    x = _gemv_group_input(i, a)
+    weights = i[a.n_prologue:a.n_prologue + a.n_weights]
+    tail = i[a.n_prologue + a.n_weights:]
+    residual, mins = (tail[0], tail[1:]) if a.residual else (None, tail)
+    outs = [_rounded_matmul(x, w, mins[j:j + 1], a.scheme) for j, w in enumerate(weights)]
+    return [outs[0] + residual] if residual is not None else outs
 
 
 def _bmm_shape(ins: Sequence[ShapeDtype], a: Any) -> list[ShapeDtype]:
@@ -758,7 +833,7 @@ class OpDef:
     effects: bool = False
     # input positions (given the input count) whose weight's block minimums the reference reads;
     # the interpreter appends them to the inputs (ir/interp.py)
-    block_mins: Callable[[int], tuple[int, ...]] = lambda n_inputs: ()
+    block_mins: Callable[[int, Any], tuple[int, ...]] = lambda n_inputs, attrs: ()
 
 
 def _one(f: Callable[..., np.ndarray]) -> Callable[..., list[np.ndarray]]:
@@ -827,6 +902,10 @@ OPS: dict[str, OpDef] = {
         OpDef("fused_elementwise", FusedElementwise, _elementwise_shape,
               _one(lambda i, a, c: fused_elementwise_ref(i, a)), fused=True),
         OpDef("l2_norm", L2Norm, _same, _one(lambda i, a, c: l2_norm_ref(i[0], a.eps)), fused=True),
+        OpDef("int8_matmul", Int8Matmul, _int8_matmul_shape, _int8_matmul_ref, fused=True,
+              block_mins=_int8_matmul_mins),
+        OpDef("int8_gemv_group", GemvGroup, _gemv_group_shape, _gemv_group_ref, fused=True,
+              block_mins=_gemv_group_mins),
         # rms_norm_gated: inputs (x, weight, gate)
         OpDef("rms_norm_gated", RMSNormGated, _rms_norm_gated_shape,
               _one(lambda i, a, c: rms_norm_gated_ref(i[0], i[1], i[2], a.eps, a.act)), fused=True),

@@ -7,7 +7,7 @@ its hits in the graph's meta; `run_pipeline` returns them per step, e.g.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 
 from ggufc.ir.graph import Graph
@@ -20,6 +20,13 @@ from .fold_dequantize import fold_dequantize
 from .fuse_elementwise import fuse_elementwise
 from .fuse_hc import fuse_hc
 from .fuse_indexer import fuse_indexer
+from .fuse_int8 import (
+    Int8Kernels,
+    fuse_int8_matmul,
+    gemv_norm_prologue,
+    gemv_residual_epilogue,
+    group_int8_gemvs,
+)
 from .fuse_moe import fuse_moe
 from .fusions import fuse_rms_norm, fuse_softmax, fuse_swiglu
 from .fusions_recurrent import fuse_gated_norm, fuse_l2_norm
@@ -62,6 +69,27 @@ DEFAULT_ORDER: tuple[str, ...] = (
 )
 
 
+# Rules for targets with 8-bit kernels (passes/fuse_int8.py), run after DEFAULT_ORDER on every
+# entry graph and on the decode graph (the prompt graph at one token): one-token matmuls become
+# GEMV groups with norm prologues and residual epilogues, the others matmuls that round their input.
+TARGET_PASS_NAMES = ("fuse_int8_matmul", "group_int8_gemvs", "gemv_norm_prologue", "gemv_residual_epilogue")
+TARGET_ORDER: tuple[str, ...] = ("group_int8_gemvs", "fuse_int8_matmul", "dce", "gemv_norm_prologue",
+                                 "gemv_residual_epilogue", "dce")
+ALL_PASS_NAMES = (*PASSES, *TARGET_PASS_NAMES)
+
+
+def target_passes(kernels: Int8Kernels, one_token: bool) -> dict[str, Pass]:
+    """The target's rules as passes (with DCE, which they leave work for); `one_token` for the
+    decode graph, whose calls take one token."""
+    return {
+        "fuse_int8_matmul": lambda g: fuse_int8_matmul(g, kernels),
+        "group_int8_gemvs": lambda g: group_int8_gemvs(g, kernels, one_token),
+        "gemv_norm_prologue": gemv_norm_prologue,
+        "gemv_residual_epilogue": gemv_residual_epilogue,
+        "dce": dce,
+    }
+
+
 def _step_labels(order: Sequence[str]) -> list[str]:
     seen: dict[str, int] = {}
     labels = []
@@ -78,15 +106,16 @@ def run_pipeline(
     *,
     order: Sequence[str] = DEFAULT_ORDER,
     check: bool = False,
+    passes: Mapping[str, Pass] = PASSES,
 ) -> tuple[Graph, dict[str, int]]:
     """Run the passes of `order` not in `disabled`; returns the graph and hits per step.
 
     `dump_dir` receives `00-input.txt` and one `NN-<step>.txt` after each pass; `check` runs
     the verifier after each pass.
     """
-    unknown = (set(disabled) | set(order)) - set(PASSES)
+    unknown = (set(disabled) - set(ALL_PASS_NAMES)) | (set(order) - set(passes))
     if unknown:
-        raise KeyError(f"unknown pass(es) {sorted(unknown)}; known: {', '.join(PASSES)}")
+        raise KeyError(f"unknown pass(es) {sorted(unknown)}; known: {', '.join(ALL_PASS_NAMES)}")
     out_dir = Path(dump_dir) if dump_dir is not None else None
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -96,7 +125,7 @@ def run_pipeline(
         if name in disabled:
             continue
         before = hits_of(graph).get(name, 0)
-        graph = PASSES[name](graph)
+        graph = passes[name](graph)
         stats[label] = hits_of(graph).get(name, 0) - before
         if check:
             verify(graph)

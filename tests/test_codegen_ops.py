@@ -28,6 +28,7 @@ from ggufc.codegen import quant as Q
 from ggufc.codegen.build import state_plan
 from ggufc.codegen.lower import LOWERING, ModuleBuilder
 from ggufc.codegen.lower_context import plan_params
+from ggufc.codegen.quant_int8 import int8_kernels
 from ggufc.codegen.target import resolve_target
 from ggufc.codegen.tvm_util import to_tvm
 from ggufc.frontend.hparams import rope_table
@@ -528,6 +529,32 @@ def act8_cases() -> list[Case]:
     return cases
 
 
+INT8_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # the weights the 8-bit kernels take (codegen/quant_int8.py)
+HAS_INT8 = int8_kernels(resolve_target("llvm")) is not None
+
+
+def int8_cases() -> list[Case]:
+    """The ops of passes/fuse_int8.py: prompt GEMMs and one-token GEMVs that round their input, and
+    the decode GEMV groups with an RMSNorm or SwiGLU prologue and a residual epilogue."""
+    cases = []
+    for qtype in INT8_TYPES:
+        scheme = "q8_1" if qtype in MIN_TYPES else ACT_SCHEME[qtype]  # block minimums read the block sums
+        for n, k in ((20, 64), (4, 128), (36, 128)):
+            cases.append(op_case(f"int8_matmul-{qtype}-{n}x{k}", "int8_matmul", O.Int8Matmul(scheme), rows(k),
+                                 weight(n, k, qtype=qtype), group="int8", calls=BOTH))
+        w = [weight(n, 128, qtype=qtype) for n in (20, 8, 12)]
+        cases += [
+            op_case(f"int8_gemv_group-{qtype}-three", "int8_gemv_group", O.GemvGroup(scheme, 3), rows(128), *w,
+                    n_out=3, group="int8", calls=DECODE),
+            op_case(f"int8_gemv_group-{qtype}-rms_norm", "int8_gemv_group", O.GemvGroup(scheme, 2, "rms_norm", 1e-5),
+                    rows(128), weight(128), *w[:2], n_out=2, group="int8", calls=DECODE),
+            op_case(f"int8_gemv_group-{qtype}-swiglu-residual", "int8_gemv_group",
+                    O.GemvGroup(scheme, 1, "swiglu", residual=True), rows(128), rows(128), w[0], rows(20),
+                    group="int8", calls=DECODE),
+        ]
+    return cases
+
+
 def quant_cases() -> list[Case]:
     cases = []
     for qtype in Q.QTYPES:
@@ -692,6 +719,7 @@ CASES: list[Case] = [
     *moe_cases(),
     *quant_cases(),
     *act8_cases(),
+    *int8_cases(),
     *recurrent_cases(),
     *qwen4exp_cases(),
 ]
@@ -850,6 +878,8 @@ def compare(case: Case, got: list[np.ndarray], want: list[np.ndarray], what: str
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_compiled_op_matches_reference(case: Case, compiler: CaseCompiler) -> None:
+    if case.group == "int8" and not HAS_INT8:
+        pytest.skip("this CPU has no 8-bit dot products: compiles for it never use the 8-bit kernels")
     bc, comp = compiler.get(case)
     rng = np.random.default_rng(len(case.name))
     for call in case.calls:

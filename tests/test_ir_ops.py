@@ -142,6 +142,12 @@ def _fused_cases() -> list[Case]:
     cases += _both_t("softmax", O.Softmax(1), (In("x", ("T", 5, 3)),))
     cases += _both_t("rms_norm", O.RMSNorm(1e-5), (X, In("w", (7,))))
     cases += _both_t("rms_norm", O.RMSNorm(1e-6), (In("x", ("T", 3, 7)),))
+    x64, w5, w3 = In("x", ("T", 64)), In("w", (5, 64)), In("w2", (3, 64))
+    cases += _both_t("int8_matmul", O.Int8Matmul("q8_0"), (x64, w5))
+    cases += _both_t("int8_gemv_group", O.GemvGroup("q8_0", 2), (x64, w5, w3))
+    cases += _both_t("int8_gemv_group", O.GemvGroup("q8_0", 1, "rms_norm", 1e-5, residual=True),
+                     (x64, In("gamma", (64,)), w5, In("r", ("T", 5))))
+    cases += _both_t("int8_gemv_group", O.GemvGroup("q8_0", 2, "swiglu"), (x64, In("up", ("T", 64)), w5, w3))
     for mode, d, n_rot in (("norm", 6, 6), ("neox", 6, 6), ("norm", 10, 6), ("neox", 10, 6)):
         x = In("x", ("T", 3, d))
         cases += _both_t("rope", O.Rope(mode, n_rot), (x, POS, ROPE_TABLE), p=2)
