@@ -19,7 +19,8 @@ The "- c A" corrections start the integer accumulator (one lane per four values)
 body has no extra work. Nibble weights keep GGUF's split layout (byte j holds values j and j+16):
 a block's 16 bytes load into both halves of a vector, shifted by 0 and 4 bits, so its codes come
 out in value order. A decode step runs GEMVs (grouped, with an RMSNorm or SwiGLU prologue and a
-residual epilogue); a prompt runs the same per-token arithmetic as a GEMM (`int8_gemm`).
+residual epilogue); a prompt runs the same per-token arithmetic as a GEMM (`int8_gemm`). Which
+matmuls run here is decided by the rules of passes/fuse_int8.py (`Int8Kernels` tells them).
 """
 
 from __future__ import annotations

@@ -250,7 +250,7 @@ def masked_attention(q_shape: PShape, cache_shape: PShape, scale: float) -> tirx
 
 
 def indexer_topk_gpu(nb1: int, ratio: int, width: int, n_cells: int) -> tirx.PrimFunc:
-    """Args (scores [T, NB+1], pos, sel [T, width]); see `kernels_qwen4exp.indexer_topk`."""
+    """Args (scores [T, NB+1], pos, sel [T, width]); see `indexer_topk` above."""
     if n_cells + width > I32_MAX:
         raise ValueError(f"indexer_topk: {n_cells} cells do not fit int32 heap indices")
     R, DEAD, W, NT = T.int32(ratio), T.int32(nb1 - 1), T.int32(width), T.int64(THREADS)
