@@ -8,14 +8,14 @@ live with the op records.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from ggufc.ir import ops as O
 from ggufc.ir.builder import GraphBuilder
-from ggufc.ir.graph import Shape, Value
+from ggufc.ir.graph import Graph, Shape, Value
 
 from .gguf_file import GGUFModel
 from .hparams import ModelError
@@ -188,3 +188,56 @@ def flatten_heads(b: GraphBuilder, x: Value, name: str) -> Value:
 
 def names(prefix: str, parts: Iterable[str]) -> list[str]:
     return [f"{prefix}.{p}" for p in parts]
+
+
+# ---------------------------------------------------------------------------------------------
+# the decoder skeleton (llama.cpp's inp_embd ... result_output, shared by every architecture)
+
+
+@dataclass(frozen=True)
+class DecoderInputs:
+    tokens: Value  # [T] int32
+    pos: Value  # the call's first position
+    embd: Value  # token_embd.weight (the tied output matrix when there is no output.weight)
+    table: Value  # the rope table
+    x: Value  # [T, E] the embedded tokens
+
+
+def decoder_inputs(w: Weights, n_vocab: int, n_embd: int, rope: Callable[[], Value]) -> DecoderInputs:
+    """The call's inputs, the embedding rows of its tokens, and the rope table `rope` makes."""
+    b = w.b
+    tokens = b.input("tokens", ("T",), "int32")
+    pos = b.input("pos", (), "int64")
+    embd = w.need("token_embd.weight", (n_vocab, n_embd))
+    table = rope()
+    x = b.gather(embd if embd.dtype == "float32" else b.dequantize(embd, "token_embd.w"), tokens, "inp_embd")
+    return DecoderInputs(tokens, pos, embd, table, x)
+
+
+def layers(b: GraphBuilder, n_layer: int, x: Value, layer: Callable[[int, Value], Value]) -> Value:
+    """`layer(il, x)` for every layer, each value it makes labelled with its layer."""
+    for il in range(n_layer):
+        with b.layer(il):
+            x = layer(il, x)
+    return x
+
+
+def output_head(w: Weights, inputs: DecoderInputs, x: Value, all_logits: bool, new_state: dict[str, Value],
+                norm: Callable[[Value], Value], *, output_scale: bool = False) -> Graph:
+    """The last token (unless every position's logits are asked for), the final norm, the output
+    matrix (output.weight, else the tied embedding) and the finished graph; every tensor must have
+    been read."""
+    b = w.b
+    n_vocab, n_embd = (int(d) for d in inputs.embd.shape)
+    if not all_logits:
+        x = b.emit("last_token", [x], O.NoAttrs(), "last")
+    h = norm(x)
+    out_w = w.get("output.weight", (n_vocab, n_embd), required=False) or inputs.embd
+    scale = w.get("output.scale", (1,), required=False) if output_scale else None
+    logits = linear(b, h, out_w, "result_output", scale=scale)
+    w.check_all_used()
+    return b.finish([logits], new_state)
+
+
+def final_rms_norm(w: Weights, n_embd: int, eps: float) -> Callable[[Value], Value]:
+    return lambda x: rms_norm(w.b, x, w.need("output_norm.weight", (n_embd,)), eps, "result_norm")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 
-from ggufc.ir import ops as O
 from ggufc.ir.builder import GraphBuilder
 from ggufc.ir.graph import Graph, Value
 
@@ -29,24 +28,12 @@ def build(w: B.Weights, hp: HParams, n_ctx: int, all_logits: bool) -> Graph:
 
 
 def build_decoder(w: B.Weights, hp: HParams, n_ctx: int, all_logits: bool, ffn) -> Graph:  # type: ignore[no-untyped-def]
-    b = w.b
-    E = hp.n_embd
-    tokens = b.input("tokens", ("T",), "int32")
-    pos = b.input("pos", (), "int64")
-    embd = w.need("token_embd.weight", (hp.n_vocab, E))
-    table = w.add_derived("rope_table", rope_table(n_ctx, hp.n_rot, hp.rope_base, hp.freq_scale, None))
-    x = b.gather(embd if embd.dtype == "float32" else b.dequantize(embd, "token_embd.w"), tokens, "inp_embd")
+    inp = B.decoder_inputs(w, hp.n_vocab, hp.n_embd, lambda: w.add_derived(
+        "rope_table", rope_table(n_ctx, hp.n_rot, hp.rope_base, hp.freq_scale, None)))
     new_state: dict[str, Value] = {}
-    for il in range(hp.n_layer):
-        with b.layer(il):
-            x = _layer(b, w, hp, il, x, pos, table, n_ctx, new_state, ffn)
-    if not all_logits:
-        x = b.emit("last_token", [x], O.NoAttrs(), "last")
-    x = B.rms_norm(b, x, w.need("output_norm.weight", (E,)), hp.eps, "result_norm")
-    out_w = w.get("output.weight", (hp.n_vocab, E), required=False) or embd
-    logits = B.linear(b, x, out_w, "result_output")
-    w.check_all_used()
-    return b.finish([logits], new_state)
+    x = B.layers(w.b, hp.n_layer, inp.x,
+                 lambda il, x: _layer(w.b, w, hp, il, x, inp.pos, inp.table, n_ctx, new_state, ffn))
+    return B.output_head(w, inp, x, all_logits, new_state, B.final_rms_norm(w, hp.n_embd, hp.eps))
 
 
 def _proj(w: B.Weights, b: GraphBuilder, x: Value, name: str, n_out: int, n_in: int) -> Value:

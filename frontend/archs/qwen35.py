@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ggufc.ir import ops as O
 from ggufc.ir.builder import GraphBuilder
 from ggufc.ir.graph import Graph, Value
 
@@ -128,37 +127,25 @@ def build(w: B.Weights, hp: HParams, n_ctx: int, all_logits: bool) -> Graph:
 def build_hybrid(
     w: B.Weights, hp: HParams, n_ctx: int, all_logits: bool, facts: HybridFacts, ffn: FFN
 ) -> Graph:
-    b = w.b
-    E = hp.n_embd
-    tokens = b.input("tokens", ("T",), "int32")
-    pos = b.input("pos", (), "int64")
-    embd = w.need("token_embd.weight", (hp.n_vocab, E))
+    b, E = w.b, hp.n_embd
     sections = hp.rope_sections if facts.rope_mode == "imrope" else None
-    table = w.add_derived(
-        "rope_table", rope_table(n_ctx, hp.n_rot, hp.rope_base, hp.freq_scale, None, sections)
-    )
-    x = b.gather(embd if embd.dtype == "float32" else b.dequantize(embd, "token_embd.w"), tokens, "inp_embd")
+    inp = B.decoder_inputs(w, hp.n_vocab, E, lambda: w.add_derived(
+        "rope_table", rope_table(n_ctx, hp.n_rot, hp.rope_base, hp.freq_scale, None, sections)))
     new_state: dict[str, Value] = {}
-    for il in range(hp.n_layer):
-        with b.layer(il):
-            h = B.rms_norm(b, x, w.need(f"blk.{il}.attn_norm.weight", (E,)), hp.eps, "attn_norm")
-            if hp.recurrent[il]:
-                y = linear_attention_layer(b, w, hp, facts, il, h, new_state)
-            else:
-                y = _full_attention(b, w, hp, facts, il, h, pos, table, n_ctx, new_state)
-            x = b.add(x, y, "attn_residual")
-            h = B.rms_norm(
-                b, x, w.need(f"blk.{il}.post_attention_norm.weight", (E,)), hp.eps, "attn_post_norm"
-            )
-            x = b.add(x, ffn(b, w, hp, f"blk.{il}", h), "l_out")
+
+    def layer(il: int, x: Value) -> Value:
+        h = B.rms_norm(b, x, w.need(f"blk.{il}.attn_norm.weight", (E,)), hp.eps, "attn_norm")
+        if hp.recurrent[il]:
+            y = linear_attention_layer(b, w, hp, facts, il, h, new_state)
+        else:
+            y = _full_attention(b, w, hp, facts, il, h, inp.pos, inp.table, n_ctx, new_state)
+        x = b.add(x, y, "attn_residual")
+        h = B.rms_norm(b, x, w.need(f"blk.{il}.post_attention_norm.weight", (E,)), hp.eps, "attn_post_norm")
+        return b.add(x, ffn(b, w, hp, f"blk.{il}", h), "l_out")
+
+    x = B.layers(b, hp.n_layer, inp.x, layer)
     skip_mtp_layers(w, hp)
-    if not all_logits:
-        x = b.emit("last_token", [x], O.NoAttrs(), "last")
-    x = B.rms_norm(b, x, w.need("output_norm.weight", (E,)), hp.eps, "result_norm")
-    out_w = w.get("output.weight", (hp.n_vocab, E), required=False) or embd
-    logits = B.linear(b, x, out_w, "result_output", scale=w.get("output.scale", (1,), required=False))
-    w.check_all_used()
-    return b.finish([logits], new_state)
+    return B.output_head(w, inp, x, all_logits, new_state, B.final_rms_norm(w, E, hp.eps), output_scale=True)
 
 
 def skip_mtp_layers(w: B.Weights, hp: HParams) -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from ggufc.ir import ops as O
 from ggufc.ir.builder import GraphBuilder
 from ggufc.ir.graph import Graph, Value
 
@@ -110,39 +109,36 @@ def _read_ple(keys: Keys, common: dict) -> HC.PleParams | None:
 def build(w: B.Weights, hp: HParams, n_ctx: int, all_logits: bool) -> Graph:
     b = w.b
     E, hc = hp.n_embd, hp.n_hc
-    tokens = b.input("tokens", ("T",), "int32")
-    pos = b.input("pos", (), "int64")
-    embd = w.need("token_embd.weight", (hp.n_vocab, E))
-    table = w.add_derived("rope_table", rope_table(n_ctx, hp.n_rot, hp.rope_base, hp.freq_scale, None,
-                                                   hp.rope_sections))
-    x = b.gather(embd if embd.dtype == "float32" else b.dequantize(embd, "token_embd.w"), tokens, "inp_embd")
-    streams = HC.hc_expand(b, x, hc)
+    inp = B.decoder_inputs(w, hp.n_vocab, E, lambda: w.add_derived(
+        "rope_table", rope_table(n_ctx, hp.n_rot, hp.rope_base, hp.freq_scale, None, hp.rope_sections)))
+    streams = HC.hc_expand(b, inp.x, hc)
     new_state: dict[str, Value] = {}
-    ple_emb = HC.ple_embedding(b, w, hp.ple, tokens, pos, n_ctx, new_state) if hp.ple is not None else None
-    for il in range(hp.n_layer):
-        with b.layer(il):
-            p = f"blk.{il}"
-            if hp.ple is not None and ple_emb is not None and il == hp.ple.layer:
-                streams = HC.ple_block(b, w, hp.ple, streams, ple_emb, hc, hp.eps, new_state)
-            m, post = HC.hc_pre(b, streams, HC.hc_weights(w, f"{p}.hc_attn", hc, E, hp.hc_rank), hc, hp.eps,
-                                "hc_attn_mix")
-            if hp.recurrent[il]:
-                y = qwen35.linear_attention_layer(b, w, hp, FACTS, il, m, new_state)
-            else:
-                y = _full_attention(b, w, hp, il, m, pos, table, n_ctx, new_state)
-            streams = HC.hc_post(b, streams, y, post, "hc_attn_combine")
-            m, post = HC.hc_pre(b, streams, HC.hc_weights(w, f"{p}.hc_ffn", hc, E, hp.hc_rank), hc, hp.eps,
-                                "hc_ffn_mix")
-            streams = HC.hc_post(b, streams, qwen3next.moe_ffn(b, w, hp, p, m), post, "l_out")
+    ple = hp.ple
+    ple_emb = HC.ple_embedding(b, w, ple, inp.tokens, inp.pos, n_ctx, new_state) if ple is not None else None
+
+    def layer(il: int, streams: Value) -> Value:
+        p = f"blk.{il}"
+        if ple is not None and ple_emb is not None and il == ple.layer:
+            streams = HC.ple_block(b, w, ple, streams, ple_emb, hc, hp.eps, new_state)
+        m, post = HC.hc_pre(b, streams, HC.hc_weights(w, f"{p}.hc_attn", hc, E, hp.hc_rank), hc, hp.eps,
+                            "hc_attn_mix")
+        if hp.recurrent[il]:
+            y = qwen35.linear_attention_layer(b, w, hp, FACTS, il, m, new_state)
+        else:
+            y = _full_attention(b, w, hp, il, m, inp.pos, inp.table, n_ctx, new_state)
+        streams = HC.hc_post(b, streams, y, post, "hc_attn_combine")
+        m, post = HC.hc_pre(b, streams, HC.hc_weights(w, f"{p}.hc_ffn", hc, E, hp.hc_rank), hc, hp.eps,
+                            "hc_ffn_mix")
+        return HC.hc_post(b, streams, qwen3next.moe_ffn(b, w, hp, p, m), post, "l_out")
+
+    streams = B.layers(b, hp.n_layer, streams, layer)
     qwen35.skip_mtp_layers(w, hp)
-    if not all_logits:
-        streams = b.emit("last_token", [streams], O.NoAttrs(), "last")
-    out_mix = HC.hc_weights(w, "output_hc", hc, E, hp.hc_rank, inject=False)
-    h = HC.hc_collapse(b, streams, out_mix, hc, hp.eps, "result_norm")
-    out_w = w.get("output.weight", (hp.n_vocab, E), required=False) or embd
-    logits = B.linear(b, h, out_w, "result_output", scale=w.get("output.scale", (1,), required=False))
-    w.check_all_used()
-    return b.finish([logits], new_state)
+
+    def collapse(streams: Value) -> Value:  # the final mix stands in for output_norm
+        out_mix = HC.hc_weights(w, "output_hc", hc, E, hp.hc_rank, inject=False)
+        return HC.hc_collapse(b, streams, out_mix, hc, hp.eps, "result_norm")
+
+    return B.output_head(w, inp, streams, all_logits, new_state, collapse, output_scale=True)
 
 
 def _full_attention(b: GraphBuilder, w: B.Weights, hp: HParams, il: int, m: Value, pos: Value, table: Value,
