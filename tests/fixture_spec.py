@@ -72,3 +72,16 @@ SIZES: dict[str, FixtureSize] = {
     # a GPT-2 byte-level vocabulary needs at least 256 byte tokens plus one special token
     "bpe": FixtureSize(vocab=320),
 }
+
+
+def merged_moe_with_shared_expert(n_expert: int, n_embd: int, n_ff: int, scales: bool) -> Iterator[TensorSpec]:
+    """A sigmoid-gated shared expert beside routed experts whose gate and up are one merged tensor."""
+    X, E, F = n_expert, n_embd, n_ff
+    yield TensorSpec("ffn_gate_inp.weight", (X, E), "router")
+    yield TensorSpec("ffn_gate_up_exps.weight", (X, 2 * F, E), "matrix")  # merged, as llama.cpp writes it
+    yield TensorSpec("ffn_down_exps.weight", (X, E, F), "matrix")
+    if scales:
+        yield TensorSpec("ffn_down_exps.scale", (X,), "scale")
+    yield TensorSpec("ffn_gate_inp_shexp.weight", (E,), "router")
+    for name, shape in (("ffn_gate_shexp", (F, E)), ("ffn_up_shexp", (F, E)), ("ffn_down_shexp", (E, F))):
+        yield from linear(name, shape, bias=False, scale=scales)

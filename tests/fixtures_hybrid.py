@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import gguf
-from fixture_spec import FixtureOptions, FixtureSize, TensorSpec, linear
+from fixture_spec import FixtureOptions, FixtureSize, TensorSpec, linear, merged_moe_with_shared_expert
 
 CONV_KERNEL = 4
 FULL_ATTENTION_INTERVAL = 2
@@ -62,14 +62,7 @@ def hybrid_layer_tensors(
             yield from linear(name, shape, bias=False, scale=opts.scales)
         return
     X = s.n_expert
-    yield TensorSpec("ffn_gate_inp.weight", (X, E), "router")
-    yield TensorSpec("ffn_gate_up_exps.weight", (X, 2 * F, E), "matrix")  # merged, as llama.cpp writes it
-    yield TensorSpec("ffn_down_exps.weight", (X, E, F), "matrix")
-    if opts.scales:
-        yield TensorSpec("ffn_down_exps.scale", (X,), "scale")
-    yield TensorSpec("ffn_gate_inp_shexp.weight", (E,), "router")
-    for name, shape in (("ffn_gate_shexp", (F, E)), ("ffn_up_shexp", (F, E)), ("ffn_down_shexp", (E, F))):
-        yield from linear(name, shape, bias=False, scale=opts.scales)
+    yield from merged_moe_with_shared_expert(X, E, F, opts.scales)
 
 
 def write_hybrid_hparams(w: gguf.GGUFWriter, arch: str, s: FixtureSize, *, moe: bool) -> None:

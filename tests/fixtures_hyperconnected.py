@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import gguf
-from fixture_spec import FixtureOptions, FixtureSize, TensorSpec, linear
+from fixture_spec import FixtureOptions, FixtureSize, TensorSpec, linear, merged_moe_with_shared_expert
 
 HC, HC_RANK = 2, 4
 CONV_KERNEL = 4
@@ -89,14 +89,7 @@ def _layer(il: int, s: FixtureSize, opts: FixtureOptions) -> Iterator[TensorSpec
         yield TensorSpec("indexer.k_proj.weight", (D, E), "matrix")
         yield TensorSpec("indexer.q_norm.weight", (D,), "norm")
         yield TensorSpec("indexer.k_norm.weight", (D,), "norm")
-    yield TensorSpec("ffn_gate_inp.weight", (X, E), "router")
-    yield TensorSpec("ffn_gate_up_exps.weight", (X, 2 * F, E), "matrix")
-    yield TensorSpec("ffn_down_exps.weight", (X, E, F), "matrix")
-    if opts.scales:
-        yield TensorSpec("ffn_down_exps.scale", (X,), "scale")
-    yield TensorSpec("ffn_gate_inp_shexp.weight", (E,), "router")
-    for name, shape in (("ffn_gate_shexp", (F, E)), ("ffn_up_shexp", (F, E)), ("ffn_down_shexp", (E, F))):
-        yield from linear(name, shape, bias=False, scale=opts.scales)
+    yield from merged_moe_with_shared_expert(X, E, F, opts.scales)
 
 
 def write_hparams(w: gguf.GGUFWriter, s: FixtureSize) -> None:
