@@ -201,7 +201,7 @@ def _int8_gemv_group(fc: FunctionContext, node: Node) -> list[Any]:
     weights = [weight_args(fc, w) for w in node.inputs[a.n_prologue:a.n_prologue + a.n_weights]]
     qtype, k = weights[0][0], weights[0][1][1]
     ns = tuple(shape[0] for _, shape, _ in weights)
-    prologue: tuple[Any, ...] = ("rms_norm", a.eps) if a.prologue == "rms_norm" else (a.prologue,) * bool(a.prologue)
+    prologue: tuple[Any, ...] = {"": (), "rms_norm": ("rms_norm", a.eps), "swiglu": ("swiglu",)}[a.prologue]
     lead = [fc.value(v) for v in node.inputs[: a.n_prologue]]
     tail = [fc.value(node.inputs[-1])] if a.residual else []
     target = fc.mb.target
