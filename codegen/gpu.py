@@ -36,9 +36,9 @@ from tvm import tirx
 from . import attention_gpu as AG
 from . import device_info as DI
 from . import kernel_keys as KK
+from . import linear_attention as LA
 from . import ngram_embedding as NG
 from . import quant_gpu as QG
-from . import recurrent_gpu as RG
 from . import sparse_indexers as SI
 from .kernels import Symbols
 
@@ -214,11 +214,11 @@ def _cache_write(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
 
 
 def _causal_conv(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
-    return _mark(RG.ssm_conv(key.channels, key.width, key.dilation), "ggufc.scan_per_channel")
+    return _mark(LA.ssm_conv_gpu(key.channels, key.width, key.dilation), "ggufc.scan_per_channel")
 
 
 def _delta_net_scan(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
-    return _mark(RG.gated_delta_net(key.hv, key.dv, key.dk, key.hk, key.attrs.head_map, key.attrs.scale),
+    return _mark(LA.gated_delta_net_gpu(key.hv, key.dv, key.dk, key.hk, key.attrs.head_map, key.attrs.scale),
                  "ggufc.scan_per_row")
 
 

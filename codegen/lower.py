@@ -22,7 +22,7 @@ from . import hyper_connections as HC
 from . import kernel_keys as KK
 from . import kernels as K
 from . import kernels_attention as KA
-from . import kernels_recurrent as KR
+from . import linear_attention as LA
 from . import moe_routing as MR
 from . import ngram_embedding as NG
 from . import quant as Q
@@ -419,30 +419,6 @@ def _first_shape(fc: FunctionContext, node: Node, syms: K.Symbols) -> K.PShape:
     return fc.kernel_shape(node.inputs[0], syms)
 
 
-def _state_scan(fc: FunctionContext, node: Node, key: KK.KernelKey, make: Callable[[], tirx.PrimFunc]) -> list[Any]:
-    """A kernel that updates its state (input 0) in place and makes one fresh output: outputs
-    (new state, y) as the op records them (ssm_conv, gated_delta_net)."""
-    gv = fc.mb.kernel(key, make)
-    types = [tensor_type(fc.shape(o), o.dtype) for o in node.outputs]
-    call = relax.call_tir_inplace(gv, [fc.value(v) for v in node.inputs], [0, -1], types)
-    res = fc.bb.emit(call, name_hint=node.outputs[1].name)
-    return [fc.bb.emit(relax.TupleGetItem(res, i), name_hint=o.name) for i, o in enumerate(node.outputs)]
-
-
-def _ssm_conv(fc: FunctionContext, node: Node) -> list[Any]:
-    n_ch, k = (int(d) for d in node.inputs[2].shape)
-    a: O.SsmConv = node.attrs
-    return _state_scan(fc, node, KK.CausalConv(n_ch, k, a.dilation), lambda: KR.ssm_conv(n_ch, k, a.dilation))
-
-
-def _gated_delta_net(fc: FunctionContext, node: Node) -> list[Any]:
-    hv, dv, dk = (int(d) for d in node.inputs[0].shape)
-    hk = int(node.inputs[1].shape[1])
-    a: O.GatedDeltaNet = node.attrs
-    return _state_scan(fc, node, KK.DeltaNetScan(hv, dv, dk, hk, a),
-                       lambda: KR.gated_delta_net(hv, dv, dk, hk, a.head_map, a.scale))
-
-
 LOWERING: dict[str, Callable[[FunctionContext, Node], list[Any]]] = {
     "unary": _lower_single_elementwise,
     "binary": _lower_single_elementwise,
@@ -473,12 +449,7 @@ LOWERING: dict[str, Callable[[FunctionContext, Node], list[Any]]] = {
     "cache_write": _cache_write,
     "moe_route": _moe_route,
     "moe_ffn": _moe_ffn,
-    # gated delta-net family (kernels_recurrent.py)
-    "ssm_conv": _ssm_conv,
-    "gated_delta_net": _gated_delta_net,
-    "l2_norm": _simple("l2_norm", lambda fc, n, s: KR.l2_norm(_first_shape(fc, n, s), n.attrs.eps)),
-    "rms_norm_gated": _simple("rms_norm_gated", lambda fc, n, s: KR.rms_norm_gated(_first_shape(fc, n, s),
-                                                                                   n.attrs.eps, n.attrs.act)),
+    **LA.LINEAR_ATTENTION_LOWERING,
     **HC.HC_LOWERING,
     **SI.INDEXER_LOWERING,
     **NG.NGRAM_LOWERING,

@@ -90,7 +90,7 @@ def recurrent_layers(keys: Keys, n_layer_all: int, n_layer: int) -> tuple[bool, 
 
 
 # ---------------------------------------------------------------------------------------------
-# spelled norms (fused by passes/fusions_recurrent.py)
+# spelled norms (fused by passes/fuse_linear_attention.py)
 
 
 def l2_norm(b: GraphBuilder, x: Value, eps: float, name: str) -> Value:

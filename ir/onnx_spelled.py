@@ -19,9 +19,9 @@ from onnx import GraphProto, NodeProto, TensorProto, helper, numpy_helper
 
 from . import ops as O
 from .graph import Node
+from .linear_attention import k_head_index
 from .onnx_heap import Body, heap_select
 from .onnx_writer import OnnxWriter
-from .recurrent_ref import k_head_index
 
 INT64_MAX = int(np.iinfo(np.int64).max)
 

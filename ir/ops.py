@@ -19,8 +19,8 @@ import numpy as np
 from .act_quant import ACT_BLOCK, q8_1_sums_ref, quantize_act_ref
 from .graph import Dim, Shape, eval_shape
 from .hyper_connections import hc_post_ref, hc_pre_ref
+from .linear_attention import gated_delta_net_ref, l2_norm_ref, rms_norm_gated_ref, ssm_conv_ref
 from .ngram_embedding import ple_hash_ref
-from .recurrent_ref import gated_delta_net_ref, l2_norm_ref, rms_norm_gated_ref, ssm_conv_ref
 from .sparse_indexers import index_mask_ref, indexer_score_ref, indexer_topk_ref
 
 # ----------------------------------------------------------------------------------------------

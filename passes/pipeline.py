@@ -27,9 +27,9 @@ from .fuse_int8 import (
     gemv_residual_epilogue,
     group_int8_gemvs,
 )
+from .fuse_linear_attention import fuse_gated_norm, fuse_l2_norm
 from .fuse_moe import fuse_moe
 from .fusions import fuse_rms_norm, fuse_softmax, fuse_swiglu
-from .fusions_recurrent import fuse_gated_norm, fuse_l2_norm
 from .quantize_acts import quantize_activations
 from .stats import hits_of
 

@@ -25,7 +25,7 @@ from ggufc.codegen.tvm_util import to_tvm
 from ggufc.driver.stages import build_model
 from ggufc.frontend.hparams import imrope_components, rope_table
 from ggufc.frontend.load import LoadedModel, load_model
-from ggufc.ir import recurrent_ref as R
+from ggufc.ir import linear_attention as R
 from ggufc.ir.decompose import decompose
 from ggufc.ir.graph import Graph
 from ggufc.ir.interp import init_state, run_graph

@@ -1,4 +1,5 @@
-"""Kernels of the gated delta-net family: the two stateful scans (written as TIR, since they update
+"""The linear-attention family's kernels (the gated delta-net now), CPU and GPU side by side, and
+their lowering: the two stateful scans (written as TIR, since they update
 their state in place: Relax calls them through `call_tir_inplace`) and the two norms (TE).
 
 * `ssm_conv`: causal depthwise conv over [history | this call's inputs], one channel per parallel
@@ -13,18 +14,33 @@ their state in place: Relax calls them through `call_tir_inplace`) and the two n
 
 Every kernel takes the token count as a symbolic extent, so one compiled function serves every
 call size; argument order follows Relax (inputs, then fresh outputs).
+
+GPU counterparts (`*_gpu`, same arguments and the same in-place contract, state first):
+`ssm_conv_gpu` runs one thread per channel over [history | x], then shifts its history row in
+place; `gated_delta_net_gpu` runs one thread per state row of a value head (the delta rule updates
+each row on its own): for every token, decay the row, kv = row . k, add (v - kv) * beta * k,
+o = row . q.
 """
 
 from __future__ import annotations
 
-from tvm import te, tirx
+from collections.abc import Callable
+from typing import Any
+
+from tvm import relax, te, tirx
 from tvm.script import tirx as T
 
-from .kernels import PShape, f32, func, i64
+from ggufc.ir import ops as O
+from ggufc.ir.graph import Node
+
+from . import kernel_keys as KK
+from .kernels import PShape, Symbols, f32, func, i64
+from .lower_context import FunctionContext, tensor_dims, tensor_type
 
 LANES = 8  # partial sums per dot product (one AVX2 register of f32)
 ROW_BLOCK = 32  # state rows per parallel task of gated_delta_net
 CHANNEL_BLOCK = 64  # channels per parallel task of ssm_conv
+THREADS = 64  # GPU threads per workgroup
 
 
 def _block(n: int, limit: int) -> int:
@@ -195,3 +211,129 @@ def rms_norm_gated(shape: PShape, eps: float, act: str) -> tirx.PrimFunc:
 
     out = te.compute(shape, lambda *i: x(*i) * rstd(*i[:-1]) * w[i[-1]] * gate(z(*i)), name="out")
     return func([x, w, z, out])
+
+
+# -- GPU kernels --------------------------------------------------------------------------------
+
+
+def ssm_conv_gpu(n_ch: int, k: int, dilation: int = 1) -> tirx.PrimFunc:
+    """(state [C, H] in place, x [T, C], w [C, K], y [T, C]); H = (K-1)*dilation."""
+    hist = (k - 1) * dilation
+    if hist <= 0:
+        raise NotImplementedError("ssm_conv with a kernel of width 1 has no state")
+    C, H, KW, DIL, NT = T.int64(n_ch), T.int64(hist), T.int64(k), T.int64(dilation), T.int64(THREADS)
+
+    @T.prim_func(private=True)
+    def ssm_conv_gpu(s_h: T.handle, x_h: T.handle, w_h: T.handle, y_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        n = T.int64()
+        S = T.match_buffer(s_h, (C, H), "float32")
+        X = T.match_buffer(x_h, (n, C), "float32")
+        W = T.match_buffer(w_h, (C, KW), "float32")
+        Y = T.match_buffer(y_h, (n, C), "float32")
+        bx = T.launch_thread("blockIdx.x", (C + NT - T.int64(1)) // NT)
+        acc = T.alloc_local((1,), "float32")
+        tx = T.launch_thread("threadIdx.x", NT)
+        c = T.meta_var(bx * NT + tx)
+        if bx * NT + tx < C:
+            for t in range(n):
+                acc[0] = T.float32(0)
+                for j in range(KW):
+                    acc[0] = acc[0] + W[c, j] * T.if_then_else(
+                        t + j * DIL < H,
+                        S[c, T.min(t + j * DIL, H - T.int64(1))],
+                        X[T.max(t + j * DIL - H, T.int64(0)), c],
+                    )
+                Y[t, c] = acc[0]
+            for m in range(H):
+                S[c, m] = T.if_then_else(n + m < H, S[c, T.min(n + m, H - T.int64(1))],
+                                         X[T.max(n + m - H, T.int64(0)), c])
+
+    return ssm_conv_gpu
+
+
+def gated_delta_net_gpu(hv: int, dv: int, dk: int, hk: int, head_map: str, scale: float) -> tirx.PrimFunc:
+    """(state [Hv, Dv, Dk] in place, q [T, Hk, Dk], k [T, Hk, Dk], v [T, Hv, Dv], g [T, Hv],
+    beta [T, Hv], o [T, Hv, Dv])."""
+    if head_map not in ("tiled", "interleaved") or hv % hk:
+        raise ValueError(f"gated_delta_net: bad head sharing {head_map} for {hv} value / {hk} key heads")
+    tiled = head_map == "tiled"
+    HV, DV, DK, HK, REP = T.int64(hv), T.int64(dv), T.int64(dk), T.int64(hk), T.int64(hv // hk)
+    NT, SCALE = T.int64(THREADS), T.float32(scale)
+
+    @T.prim_func(private=True)
+    def gated_delta_net_gpu(s_h: T.handle, q_h: T.handle, k_h: T.handle, v_h: T.handle, g_h: T.handle,
+                            b_h: T.handle, o_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        n = T.int64()
+        S = T.match_buffer(s_h, (HV, DV, DK), "float32")
+        Q = T.match_buffer(q_h, (n, HK, DK), "float32")
+        K = T.match_buffer(k_h, (n, HK, DK), "float32")
+        V = T.match_buffer(v_h, (n, HV, DV), "float32")
+        G = T.match_buffer(g_h, (n, HV), "float32")
+        B = T.match_buffer(b_h, (n, HV), "float32")
+        Out = T.match_buffer(o_h, (n, HV, DV), "float32")
+        bx = T.launch_thread("blockIdx.x", (HV * DV + NT - T.int64(1)) // NT)
+        acc = T.alloc_local((2,), "float32")
+        tx = T.launch_thread("threadIdx.x", NT)
+        h = T.meta_var((bx * NT + tx) // DV)
+        i = T.meta_var((bx * NT + tx) % DV)
+        kh = T.meta_var(T.if_then_else(tiled, (bx * NT + tx) // DV % HK, (bx * NT + tx) // DV // REP))
+        if bx * NT + tx < HV * DV:
+            for t in range(n):
+                acc[1] = T.exp(G[t, h])
+                acc[0] = T.float32(0)
+                for j in range(DK):
+                    S[h, i, j] = S[h, i, j] * acc[1]
+                    acc[0] = acc[0] + S[h, i, j] * K[t, kh, j]
+                acc[1] = (V[t, h, i] - acc[0]) * B[t, h]
+                acc[0] = T.float32(0)
+                for j in range(DK):
+                    S[h, i, j] = S[h, i, j] + acc[1] * K[t, kh, j]
+                    acc[0] = acc[0] + S[h, i, j] * Q[t, kh, j]
+                Out[t, h, i] = acc[0] * SCALE
+
+    return gated_delta_net_gpu
+
+
+# -- lowering -----------------------------------------------------------------------------------
+def _state_scan(fc: FunctionContext, node: Node, key: KK.KernelKey, make: Callable[[], tirx.PrimFunc]) -> list[Any]:
+    """A kernel that updates its state (input 0) in place and makes one fresh output: outputs
+    (new state, y) as the op records them (ssm_conv, gated_delta_net)."""
+    gv = fc.mb.kernel(key, make)
+    types = [tensor_type(fc.shape(o), o.dtype) for o in node.outputs]
+    call = relax.call_tir_inplace(gv, [fc.value(v) for v in node.inputs], [0, -1], types)
+    res = fc.bb.emit(call, name_hint=node.outputs[1].name)
+    return [fc.bb.emit(relax.TupleGetItem(res, i), name_hint=o.name) for i, o in enumerate(node.outputs)]
+
+
+def _ssm_conv(fc: FunctionContext, node: Node) -> list[Any]:
+    n_ch, k = (int(d) for d in node.inputs[2].shape)
+    a: O.SsmConv = node.attrs
+    return _state_scan(fc, node, KK.CausalConv(n_ch, k, a.dilation), lambda: ssm_conv(n_ch, k, a.dilation))
+
+
+def _gated_delta_net(fc: FunctionContext, node: Node) -> list[Any]:
+    hv, dv, dk = (int(d) for d in node.inputs[0].shape)
+    hk = int(node.inputs[1].shape[1])
+    a: O.GatedDeltaNet = node.attrs
+    return _state_scan(fc, node, KK.DeltaNetScan(hv, dv, dk, hk, a),
+                       lambda: gated_delta_net(hv, dv, dk, hk, a.head_map, a.scale))
+
+
+def _norm(kind: str, build: Callable[[PShape, Any], tirx.PrimFunc]) -> Callable[[FunctionContext, Node], list[Any]]:
+    def lower(fc: FunctionContext, node: Node) -> list[Any]:
+        x = node.inputs[0]
+        key = KK.OpKernel(kind, node.attrs, tensor_dims(fc, node))
+        return fc.call(key, lambda: build(fc.kernel_shape(x, Symbols()), node.attrs),
+                       [fc.value(v) for v in node.inputs], node.outputs, node.outputs[0].name)
+
+    return lower
+
+
+LINEAR_ATTENTION_LOWERING: dict[str, Callable[[FunctionContext, Node], list[Any]]] = {
+    "ssm_conv": _ssm_conv,
+    "gated_delta_net": _gated_delta_net,
+    "l2_norm": _norm("l2_norm", lambda shape, a: l2_norm(shape, a.eps)),
+    "rms_norm_gated": _norm("rms_norm_gated", lambda shape, a: rms_norm_gated(shape, a.eps, a.act)),
+}
