@@ -3,7 +3,8 @@ merges `MOE_LOWERING` into its table.
 
 * `moe_route` / the router of `moe_ffn`: gating (the softmax kernel, or one elementwise kernel for
   sigmoid / sqrt(softplus)), [probs + selection bias], top-k (reading the unbiased probs at the
-  selected ids when biased), [renormalise], [scale].
+  selected ids when biased) or, hash-routed, the table rows of the tokens and `take_along` of the
+  probs at them, [renormalise], [scale].
 * `moe_ffn`: router matmul, routing, the selected experts' matmuls (quantized kernels), their
   activation (one elementwise kernel; `act_halves` / `swiglu_halves` on a merged gate_up
   output), the weighted sum, and the shared expert: three projections, one activation kernel,
@@ -117,15 +118,46 @@ def _gate_probs(fc: FunctionContext, logits: Any, dims: tuple[Dim, ...], gating:
     return _elementwise_temp(fc, O.FusedElementwise(steps[gating], 1), [logits], [dims], shape, f"{tag}_probs")
 
 
-def route(fc: FunctionContext, logits: Any, dims: tuple[Dim, ...], a: O.MoeRoute | O.MoeFFN, bias: Value | None,
+def take_along(x_shape: PShape, k: int) -> tirx.PrimFunc:
+    """Args (x [..., X], ids [..., k] int32, out [..., k]): out[..., j] = x[..., ids[..., j]]."""
+    x = te.placeholder(x_shape, "float32", name="x")
+    ids = te.placeholder((*x_shape[:-1], i64(k)), "int32", name="ids")
+    out = te.compute((*x_shape[:-1], i64(k)), lambda *i: x(*i[:-1], ids(*i).astype("int64")), name="out")
+    return func([x, ids, out])
+
+
+def _take_along(fc: FunctionContext, node: Node) -> list[Any]:
+    x, ids = node.inputs
+    k = int(ids.shape[-1])
+    key = KK.OpKernel("take_along", k, (fc.kernel_key_dims(x),))
+    return fc.call(key, lambda: take_along(fc.kernel_shape(x, K.Symbols()), k), [fc.value(x), fc.value(ids)],
+                   node.outputs, node.outputs[0].name)
+
+
+def _hashed_ids(fc: FunctionContext, table: Value, tokens: Value, tag: str) -> Any:
+    """table[tokens] -> [T, k] int32 (llama.cpp's ffn_gate_tid2eid rows of the call's tokens)."""
+    tdims, idims = tuple(int(d) for d in table.shape), fc.kernel_key_dims(tokens)
+    return fc.call_temp(KK.OpKernel("gather", "int32", (tdims, idims)),
+                        lambda: K.gather_f32(K.Symbols().shape(tdims), K.Symbols().shape(idims), "int32"),
+                        [fc.value(table), fc.value(tokens)], [([fc.dim(idims[0]), K.i64(tdims[1])], "int32")],
+                        f"{tag}_ids")[0]
+
+
+def route(fc: FunctionContext, logits: Any, dims: tuple[Dim, ...], a: O.MoeRoute | O.MoeFFN, extra: list[Value],
           tag: str) -> tuple[Any, Any]:
     """(weights, ids) of a [T, X] logits expression: gating, top-k (of probs + bias when biased,
-    the weights then the unbiased probs at the chosen ids), renormalise, scale."""
+    the weights then the unbiased probs at the chosen ids) or, hash-routed, the table rows of the
+    tokens with the probs at them; renormalise, scale. `extra`: [bias] or [table, tokens] or []."""
     shape = [fc.dim(d) for d in dims]
     probs = _gate_probs(fc, logits, dims, a.gating, tag)
     sel_shape = [shape[0], K.i64(a.k)]
     outs = [(sel_shape, "float32"), (sel_shape, "int32")]
-    if bias is None:
+    bias = extra[0] if a.selection_bias else None
+    if a.hash_routed:
+        ids = _hashed_ids(fc, extra[0], extra[1], tag)
+        w = fc.call_temp(KK.OpKernel("take_along", a.k, (dims,)), lambda: take_along(K.Symbols().shape(dims), a.k),
+                         [probs, ids], [outs[0]], f"{tag}_topk")[0]
+    elif bias is None:
         w, ids = fc.call_temp(KK.OpKernel("topk", a.k, (dims,)), lambda: K.topk(K.Symbols().shape(dims), a.k),
                               [probs], outs, f"{tag}_topk")
     else:
@@ -147,8 +179,8 @@ def route(fc: FunctionContext, logits: Any, dims: tuple[Dim, ...], a: O.MoeRoute
 def _moe_route(fc: FunctionContext, node: Node) -> list[Any]:
     a: O.MoeRoute = node.attrs
     logits = node.inputs[0]
-    bias = node.inputs[1] if len(node.inputs) > 1 else None
-    return list(route(fc, fc.value(logits), fc.kernel_key_dims(logits), a, bias, node.outputs[0].name))
+    return list(route(fc, fc.value(logits), fc.kernel_key_dims(logits), a, list(node.inputs[1:]),
+                      node.outputs[0].name))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,7 +200,8 @@ def _moe_ffn(fc: FunctionContext, node: Node) -> list[Any]:
     gemv = fc.is_one(x.shape[0])
     logits = fc.call_temp(KK.WeightMatmul(rq, n_exp, e, gemv), lambda: Q.qmatmul(rq, n_exp, e, gemv=gemv),
                           [fc.value(x), *rarr], [([t, K.i64(n_exp)], "float32")], "ffn_moe_logits")[0]
-    w, ids = route(fc, logits, (t_dim, n_exp), a, named.get("bias"), "ffn_moe")
+    extra = [named["bias"]] if a.selection_bias else [named["hash_table"], named["tokens"]] if a.hash_routed else []
+    w, ids = route(fc, logits, (t_dim, n_exp), a, extra, "ffn_moe")
     in_scheme, down_scheme = a.act_schemes
     if (in_scheme or down_scheme) and fc.mb.target.kind.name in GPU_KINDS:
         raise NotImplementedError(f"{node.outputs[0].label}: 8-bit activation rounding of MoE experts is a CPU "
@@ -342,6 +375,7 @@ def _shared_act(fc: FunctionContext, a: O.MoeFFN, g: Any, u: Any, scales: dict[s
 
 
 MOE_LOWERING: dict[str, Callable[[FunctionContext, Node], list[Any]]] = {
+    "take_along": _take_along,
     "moe_route": _moe_route,
     "moe_ffn": _moe_ffn,
 }

@@ -2,6 +2,7 @@
 
     probs  = gating(x @ router.T)            softmax | sigmoid | sqrt(softplus) over the experts
     ids    = top-k of (probs + bias)          the selection bias (`exp_probs_b`) only picks experts
+             or table[token]                  hash routing (`ffn_gate_tid2eid`, deepseek4's first layers)
     w      = probs[ids]                       the weights read the unbiased probabilities
     w      = w / max(sum(w), clamp)           when normalised
     w      = w * weights_scale                (`expert_weights_scale`, when not 0 or 1)
@@ -64,18 +65,25 @@ def expert_act_ref(g: np.ndarray, u: np.ndarray, act: str, limit: float) -> np.n
     raise ValueError(f"unknown expert activation {act!r} (known: {', '.join(ACTS)})")
 
 
-def check_routing(a: Any, n_exp: Any, bias_shape: Any) -> None:
-    """Shape-rule checks of a MoeRoute / MoeFFN record: known gating and activations, a bias
-    input exactly when selection_bias, of shape [X]."""
+def check_routing(a: Any, n_exp: Any, *extra: Any) -> None:
+    """Shape-rule checks of a MoeRoute / MoeFFN record: known gating and activations; the extra
+    routing inputs' shapes: a bias [X] exactly when selection_bias, a table [V, k] and tokens [T]
+    exactly when hash_routed (never both: llama.cpp's hash layers have no bias)."""
     if a.gating not in GATINGS:
         raise ValueError(f"moe: unknown gating {a.gating!r} (known: {', '.join(GATINGS)})")
     for act in (getattr(a, "act", "swiglu"), getattr(a, "shared_act", "swiglu")):
         if act not in ACTS:
             raise ValueError(f"moe: unknown expert activation {act!r} (known: {', '.join(ACTS)})")
-    if a.selection_bias != (bias_shape is not None):
-        raise ValueError(f"moe: selection_bias={a.selection_bias} but {'a' if bias_shape else 'no'} bias input")
-    if bias_shape is not None and tuple(bias_shape) != (n_exp,):
-        raise ValueError(f"moe: selection bias {tuple(bias_shape)} is not [{n_exp}]")
+    if a.selection_bias and a.hash_routed:
+        raise ValueError("moe: hash routing takes no selection bias")
+    want = 1 if a.selection_bias else 2 if a.hash_routed else 0
+    if len(extra) != want:
+        raise ValueError(f"moe: selection_bias={a.selection_bias}, hash_routed={a.hash_routed} take {want} routing "
+                         f"inputs, got {len(extra)}")
+    if a.selection_bias and tuple(extra[0]) != (n_exp,):
+        raise ValueError(f"moe: selection bias {tuple(extra[0])} is not [{n_exp}]")
+    if a.hash_routed and (len(extra[0]) != 2 or extra[0][1] != a.k or len(extra[1]) != 1):
+        raise ValueError(f"moe: hash table {tuple(extra[0])} is not [V, {a.k}] or tokens {tuple(extra[1])} not [T]")
     if isinstance(n_exp, int) and a.k > n_exp:
         raise ValueError(f"moe: k={a.k} exceeds the {n_exp} experts")
 
@@ -85,10 +93,15 @@ def select_ref(x: np.ndarray, k: int) -> np.ndarray:
     return np.argsort(-x, axis=-1, kind="stable")[..., :k].astype(np.int32)
 
 
-def moe_route_ref(logits: np.ndarray, a: Any, bias: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(weights [T, k], expert ids [T, k]) of a MoeRoute / MoeFFN record."""
+def moe_route_ref(logits: np.ndarray, a: Any, *extra: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(weights [T, k], expert ids [T, k]) of a MoeRoute / MoeFFN record; `extra`: the bias [X]
+    (selection_bias) or the table [V, k] and the tokens [T] (hash_routed)."""
     probs = gate_probs_ref(logits, a.gating)
-    ids = select_ref(probs + bias if bias is not None else probs, a.k)
+    if a.hash_routed:
+        table, tokens = extra
+        ids = np.asarray(table)[np.asarray(tokens).astype(np.int64)].astype(np.int32)
+    else:
+        ids = select_ref(probs + extra[0] if a.selection_bias else probs, a.k)
     w = np.take_along_axis(probs, ids.astype(np.int64), -1)
     dt = logits.dtype.type
     if a.normalize:
@@ -111,6 +124,7 @@ def matmul_id_ref(x: np.ndarray, w: np.ndarray, ids: np.ndarray) -> np.ndarray:
 
 def moe_inputs(ins: Sequence[Any], a: Any) -> dict[str, Any]:
     """Name the inputs of a moe_ffn node: x, router, [selection bias [X] if selection_bias],
+    [hash table [V, k] int32, tokens [T] int32 if hash_routed],
     [gate_exps if has_gate], up_exps (or one gate_up_exps if merged_gate_up), down_exps,
     *per-expert scales named by expert_scales, then if shared: [gate_inp_shexp [E] if
     shared_gated], gate_shexp, up_shexp, down_shexp, *[1] scales named by shared_scales."""
@@ -118,6 +132,8 @@ def moe_inputs(ins: Sequence[Any], a: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"x": x, "router": router}
     if a.selection_bias:
         out["bias"] = rest.pop(0)
+    if a.hash_routed:
+        out["hash_table"], out["tokens"] = rest.pop(0), rest.pop(0)
     if a.merged_gate_up:
         out["gate_up"] = rest.pop(0)
     else:
@@ -144,7 +160,8 @@ def routed_experts_ref(n: dict[str, Any], a: Any) -> np.ndarray:
         wg, wu = n["gate_up"][:, :f], n["gate_up"][:, f:]
     else:
         wg, wu = n.get("gate"), n["up"]
-    w, ids = moe_route_ref(x @ n["router"].T, a, n.get("bias"))
+    extra = [n["bias"]] if a.selection_bias else [n["hash_table"], n["tokens"]] if a.hash_routed else []
+    w, ids = moe_route_ref(x @ n["router"].T, a, *extra)
     in_scheme, down_scheme = a.act_schemes
     x3 = (quantize_act_ref(x, in_scheme) if in_scheme else x)[:, None, :]
 

@@ -29,14 +29,19 @@ def gate_probs_spelled(b: GraphBuilder, logits: Value, gating: str, name: str) -
 
 
 def route_spelled(b: GraphBuilder, logits: Value, a: Any, name: str, bias: Value | None = None,
-                  names: dict[str, str] | None = None) -> tuple[Value, Value]:
+                  names: dict[str, str] | None = None, hashed: tuple[Value, Value] | None = None
+                  ) -> tuple[Value, Value]:
     """(weights, ids): the gating, top-k of the probabilities (plus the selection bias, the
-    weights then read the unbiased probabilities), the clamped renormalisation, the scale.
-    `names` renames the steps (probs, topk, ids, wsum, wsum_clamped, weights, weights_scaled)."""
+    weights then read the unbiased probabilities) or, hash-routed, the ids of table[token]
+    (`hashed` = (table [V, k], tokens [T])) with the probabilities at them; the clamped
+    renormalisation, the scale. `names` renames the steps (probs, topk, ids, wsum, ...)."""
     nm = {k: f"{name}.{k}" for k in ("probs", "sel", "topk", "ids", "wsum", "wsum_clamped", "weights",
                                      "weights_scaled")} | (names or {})
     probs = gate_probs_spelled(b, logits, a.gating, nm["probs"])
-    if bias is not None:
+    if hashed is not None:
+        ids = b.gather(hashed[0], hashed[1], nm["ids"])
+        w = b.emit("take_along", [probs, ids], O.NoAttrs(), nm["topk"])
+    elif bias is not None:
         sel = b.add(probs, bias, nm["sel"])
         w, ids = b.emit_multi("topk", [sel, probs], O.TopK(a.k), [nm["topk"], nm["ids"]])
     else:
@@ -92,8 +97,10 @@ def shared_expert_spelled(b: GraphBuilder, x: Value, routed: Value, named: dict,
 
 
 def _moe_route(b: GraphBuilder, n: Node) -> list[Value]:
-    bias = n.inputs[1] if len(n.inputs) > 1 else None
-    return list(route_spelled(b, n.inputs[0], n.attrs, n.outputs[0].name, bias))
+    a, extra = n.attrs, n.inputs[1:]
+    bias = extra[0] if a.selection_bias else None
+    hashed = (extra[0], extra[1]) if a.hash_routed else None
+    return list(route_spelled(b, n.inputs[0], a, n.outputs[0].name, bias, hashed=hashed))
 
 
 def _moe_ffn(b: GraphBuilder, n: Node) -> list[Value]:
@@ -109,7 +116,9 @@ def _moe_ffn(b: GraphBuilder, n: Node) -> list[Value]:
         up = b.slice(named["gate_up"], 1, f, 2 * f, f"{name}.up_exps")
     else:
         gate, up = named.get("gate"), named["up"]
-    weights, ids = route_spelled(b, b.matmul(x, router, f"{name}.logits"), a, f"{name}.route", named.get("bias"))
+    hashed = (named["hash_table"], named["tokens"]) if a.hash_routed else None
+    weights, ids = route_spelled(b, b.matmul(x, router, f"{name}.logits"), a, f"{name}.route", named.get("bias"),
+                                 hashed=hashed)
     in_scheme, down_scheme = a.act_schemes
     xe = b.emit("quantize_act", [x], O.QuantizeAct(in_scheme), f"{name}.in_q") if in_scheme else x
     x3 = b.reshape(xe, (t, 1, x.shape[1]), f"{name}.in")

@@ -23,7 +23,8 @@ must be f32 [E] and the shared projections read the same x as the router.
 
 The routing family (ir/moe_routing.py, llama.cpp's build_moe_ffn) widens the match: the gating is
 a softmax, a sigmoid or sqrt(softplus); the top-k may rank probs + bias (a selection bias [X])
-while returning the unbiased probs (topk's payload input); the weights may be scaled by a
+while returning the unbiased probs (topk's payload input), or hash routing replaces it (ids =
+gather(tid2eid, tokens), weights = take_along(probs, ids)); the weights may be scaled by a
 constant after the renormalisation; the experts' activation is SwiGLU, clamped SwiGLU
 (silu(min(g, L)) * clip(u, -L, L)) or swiglu_oai; and a shared expert may be added ungated
 (`moe_ffn_shared_ungated`, llama.cpp's always-active shared expert), its activation one of the same.
@@ -61,7 +62,8 @@ def _weights_pat() -> Pat:
     logits = P("matmul", V("x"), V("router"), name="logits")
     probs = _probs_pat(logits)
     biased = P("binary", probs, V("sel_bias"), attrs=O.Binary("add"), commute=True, name="sel")
-    topk = any_of(P("topk", probs, name="topk", out=0), P("topk", biased, V("probs"), name="topk", out=0))
+    hashed = P("take_along", probs, P("gather", V("hash_table"), V("tokens"), name="ids"), name="hash_weights")
+    topk = any_of(P("topk", probs, name="topk", out=0), P("topk", biased, V("probs"), name="topk", out=0), hashed)
     wsum = P("reduce", topk, where=where_attrs(fn="sum", keepdims=True), name="wsum")
     clamped = P("scalar", wsum, where=where_attrs(fn="max"), name="clamp")
     normed = any_of(P("binary", topk, clamped, attrs=O.Binary("div")), topk)
@@ -119,8 +121,10 @@ def _gating(m: Match, g: GraphView) -> str:
 
 
 def _routing_ok(m: Match) -> bool:
-    if m.nodes["topk"].outputs[1] is not m.values["ids"]:
+    if "topk" in m.nodes and m.nodes["topk"].outputs[1] is not m.values["ids"]:
         return False  # the experts must be the ones the router picked
+    if "hash_weights" in m.nodes and (len(m.values["hash_table"].shape) != 2 or len(m.values["tokens"].shape) != 1):
+        return False
     if "softmax_max" in m.nodes and softmax_axis(m) != len(m.values["logits"].shape) - 1:
         return False
     bias = m.values.get("sel_bias")
@@ -140,7 +144,8 @@ def _reshapes_ok(m: Match, k: int) -> bool:
 
 
 def _build_moe(m: Match, g: GraphView) -> Rewrite | None:
-    k = m.nodes["topk"].attrs.k
+    hashed = "hash_weights" in m.nodes
+    k = int(m.values["ids"].shape[-1]) if hashed else m.nodes["topk"].attrs.k
     act = act_of(m, "")
     if len(m.values["x"].shape) != 2 or not _routing_ok(m) or not _reshapes_ok(m, k) or act is None:
         return None
@@ -153,12 +158,13 @@ def _build_moe(m: Match, g: GraphView) -> Rewrite | None:
                      expert_scales=scaled, merged_gate_up=merged is not None, gating=_gating(m, g),
                      selection_bias=bias is not None,
                      weights_scale=m.nodes["wscale"].attrs.c if "wscale" in m.nodes else 1.0,
-                     act=act[0], act_limit=act[1])
+                     act=act[0], act_limit=act[1], hash_routed=hashed)
     experts = [m.values[f"{kind}_exps"] for kind in KINDS if f"{kind}_exps" in m.values]
     if merged is not None:
         experts = [merged, m.values["down_exps"]]
     scales = [m.values[f"{kind}_scale"] for kind in scaled]
-    lead = (m.values["x"], m.values["router"], *([bias] if bias is not None else []))
+    routing = [bias] if bias is not None else [m.values["hash_table"], m.values["tokens"]] if hashed else []
+    lead = (m.values["x"], m.values["router"], *routing)
     return Rewrite("moe_ffn", (*lead, *experts, *scales), attrs)
 
 

@@ -716,6 +716,8 @@ def _routing_ffn_case(name: str, attrs: O.MoeFFN, qtype: str = "F32", e: int = 1
     ins: list[Input] = [rows(e), weight(n_exp, e)]
     if attrs.selection_bias:
         ins.append(weight(n_exp, domain=(-0.3, 0.3)))
+    if attrs.hash_routed:
+        ins += [_hash_table(n_exp, attrs.k), tokens]
     if attrs.merged_gate_up:
         ins.append(weight(n_exp, 2 * f, e, qtype=qtype))
     else:
@@ -727,6 +729,11 @@ def _routing_ffn_case(name: str, attrs: O.MoeFFN, qtype: str = "F32", e: int = 1
         ins += [weight(fs, e, qtype=qtype), weight(fs, e, qtype=qtype), weight(e, fs, qtype=qtype)]
         ins += [weight(1, domain=(0.5, 1.5)) for _ in attrs.shared_scales]
     return op_case(name, "moe_ffn", attrs, *ins, group="moe_routing", calls=BOTH)
+
+
+def _hash_table(n_exp: int, k: int) -> Input:
+    """A [VOCAB, k] int32 token -> experts table (distinct experts per row, as llama.cpp's tid2eid)."""
+    return lambda cg: cg.b.emit_multi("topk", [cg.weight((VOCAB, n_exp))], O.TopK(k), ["tid2eid_v", "tid2eid"])[1]
 
 
 def moe_routing_cases() -> list[Case]:
@@ -756,6 +763,15 @@ def moe_routing_cases() -> list[Case]:
             shared_act="swiglu_clamp", shared_act_limit=0.4)),
         _routing_ffn_case("moe_ffn-oai-gated-shared-oai", O.MoeFFN(
             k=2, act="swiglu_oai", shared=True, shared_act="swiglu_oai", shared_scales=("up",))),
+        op_case("take_along", "take_along", O.NoAttrs(), rows(9),
+                lambda cg: cg.b.gather(_hash_table(9, 3)(cg), cg.tokens, "token_ids"), group="moe_routing",
+                calls=BOTH),
+        op_case("moe_route-hash", "moe_route", O.MoeRoute(2, gating="sqrt_softplus", hash_routed=True,
+                                                          weights_scale=1.5),
+                logits, _hash_table(6, 2), tokens, n_out=2, compare="route", group="moe_routing", calls=BOTH),
+        _routing_ffn_case("moe_ffn-hash-sqrt_softplus-clamp-shared", O.MoeFFN(
+            k=2, gating="sqrt_softplus", hash_routed=True, weights_scale=1.5, act="swiglu_clamp", act_limit=0.7,
+            shared=True, shared_gated=False, shared_act="swiglu_clamp", shared_act_limit=0.5)),
     ]
 
 

@@ -208,6 +208,12 @@ def _moe_routing_cases() -> list[Case]:
     cases += _both_t("moe_ffn", clamp_shared, (X, router, gate, up, down, *shared))
     oai_shared = O.MoeFFN(2, act="swiglu_oai", shared=True, shared_act="swiglu_oai", shared_scales=("up",))
     cases += _both_t("moe_ffn", oai_shared, (X, router, gate, up, down, In("sh_gate_inp", (7,)), *shared, one))
+    cases += _both_t("take_along", O.NoAttrs(), (X, In("ids", ("T", 3), "ids:7", "int32")))
+    table, toks = In("tid2eid", (9, 2), "ids:5", "int32"), In("toks", ("T",), "ids:9", "int32")
+    hashed = O.MoeRoute(2, gating="sqrt_softplus", hash_routed=True, weights_scale=1.5)
+    cases += _both_t("moe_route", hashed, (logits, table, toks))
+    hashed_ffn = O.MoeFFN(2, gating="sqrt_softplus", hash_routed=True, act="swiglu_clamp", act_limit=0.7)
+    cases += _both_t("moe_ffn", hashed_ffn, (X, router, table, toks, gate, up, down))
     return cases
 
 
