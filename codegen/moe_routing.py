@@ -39,7 +39,7 @@ MUL = O.Binary("mul")
 # activations as elementwise programs
 
 
-def act_steps(act: str, limit: float, g: int, u: int, n_before: int) -> list[Step]:
+def act_steps(act: str, limit: float, g: int, u: int, n_before: int, linear_beta: float = 0.0) -> list[Step]:
     """Elementwise steps computing act(vals[g], vals[u]) (ir/moe_routing.py), appended after
     `n_before` values; the last step is the result."""
     steps: list[Step] = []
@@ -56,6 +56,13 @@ def act_steps(act: str, limit: float, g: int, u: int, n_before: int) -> list[Ste
     elif act == "swiglu_clamp":
         gc = emit("scalar", O.Scalar("min", limit), g)
         emit("binary", MUL, emit("unary", O.Unary("silu"), gc), clip(u, limit))
+    elif act == "situ":  # beta * tanh(g / beta) * sigmoid(g) * (lb * tanh(u / lb) or u)
+        def soft_cap(v: int, c: float) -> int:
+            return emit("scalar", O.Scalar("mul", c), emit("unary", O.Unary("tanh"), emit("scalar", O.Scalar("div", c),
+                                                                                          v)))
+
+        gated = emit("binary", MUL, soft_cap(g, limit), emit("unary", O.Unary("sigmoid"), g))
+        emit("binary", MUL, gated, soft_cap(u, linear_beta) if linear_beta > 0 else u)
     elif act == "swiglu_oai":
         xc = emit("scalar", O.Scalar("min", MRef.OAI_LIMIT), g)
         sig = emit("unary", O.Unary("sigmoid"), emit("scalar", O.Scalar("mul", MRef.OAI_ALPHA), xc))
@@ -66,9 +73,9 @@ def act_steps(act: str, limit: float, g: int, u: int, n_before: int) -> list[Ste
     return steps
 
 
-def act_program(act: str, limit: float) -> O.FusedElementwise:
+def act_program(act: str, limit: float, linear_beta: float = 0.0) -> O.FusedElementwise:
     """act(g, u) of two inputs as one elementwise program."""
-    return O.FusedElementwise(tuple(act_steps(act, limit, 0, 1, 2)), 2)
+    return O.FusedElementwise(tuple(act_steps(act, limit, 0, 1, 2, linear_beta)), 2)
 
 
 def swiglu_halves(act_shape: PShape) -> tirx.PrimFunc:
@@ -206,8 +213,11 @@ def _moe_ffn(fc: FunctionContext, node: Node) -> list[Any]:
     if (in_scheme or down_scheme) and fc.mb.target.kind.name in GPU_KINDS:
         raise NotImplementedError(f"{node.outputs[0].label}: 8-bit activation rounding of MoE experts is a CPU "
                                   "kernel; GPU targets compile with float32 activations")
-    xe = _round_temp(fc, fc.value(x), (t_dim, e), [t, K.i64(e)], in_scheme, "ffn_moe_in_q")
-    x3 = fc.bb.emit(relax.op.reshape(xe, [t, K.i64(1), K.i64(e)]))
+    e_in, x_in = e, fc.value(x)
+    if a.latent:  # the experts run in L dims
+        x_in, e_in = _project(fc, x_in, named["latent_down"], x.shape[0], "ffn_moe_latent_in")
+    xe = _round_temp(fc, x_in, (t_dim, e_in), [t, K.i64(e_in)], in_scheme, "ffn_moe_in_q")
+    x3 = fc.bb.emit(relax.op.reshape(xe, [t, K.i64(1), K.i64(e_in)]))
 
     def experts(inp: Any, wv: Value, per_slot: bool, kind: str) -> Any:
         qtype, (_, n, k), arrays = weight_args(fc, wv)
@@ -223,33 +233,63 @@ def _moe_ffn(fc: FunctionContext, node: Node) -> list[Any]:
     act_dims = (t_dim, a.k, hidden)
     act_shape = [t, K.i64(a.k), K.i64(hidden)]
     if a.merged_gate_up:
-        act = _merged_gate_up_act(fc, up_y, act_dims, act_shape, a.act, a.act_limit)
+        act = _merged_gate_up_act(fc, up_y, act_dims, act_shape, a)
     elif gate is not None:
-        act = _elementwise_temp(fc, act_program(a.act, a.act_limit), [experts(x3, gate, False, "gate"), up_y],
-                                [act_dims, act_dims], act_shape, "ffn_moe_act")
+        act = _elementwise_temp(fc, act_program(a.act, a.act_limit, a.act_linear_beta),
+                                [experts(x3, gate, False, "gate"), up_y], [act_dims, act_dims], act_shape,
+                                "ffn_moe_act")
     else:
         silu = O.FusedElementwise((("unary", O.Unary("silu"), (0,)),), 1)
         act = _elementwise_temp(fc, silu, [up_y], [act_dims], act_shape, "ffn_moe_act")
     act = _round_temp(fc, act, act_dims, act_shape, down_scheme, "ffn_moe_act_q")
     down_y = experts(act, down, True, "down")
-    dims = (t_dim, a.k, e)
-    if a.shared:
+    dims = (t_dim, a.k, e_in)
+    if a.shared or a.latent:
         routed = fc.call_temp(KK.OpKernel("weighted_sum", None, (dims,)),
                               lambda: K.weighted_sum(K.Symbols().shape(dims), True),
-                              [down_y, w], [([t, K.i64(e)], "float32")], "ffn_moe_routed")[0]
-        return shared_expert(fc, node, named, routed)
+                              [down_y, w], [([t, K.i64(e_in)], "float32")], "ffn_moe_routed")[0]
+        if a.latent:
+            routed = _latent_out(fc, node, named, routed, t_dim)
+        return shared_expert(fc, node, named, routed) if a.shared else [routed]
     return fc.call(KK.OpKernel("weighted_sum", None, (dims,)), lambda: K.weighted_sum(K.Symbols().shape(dims), True),
                    [down_y, w], node.outputs, node.outputs[0].name)
 
 
-def _merged_gate_up_act(fc: FunctionContext, y: Any, act_dims: tuple[Any, ...], act_shape: list[Any], act: str,
-                        limit: float) -> Any:
+def _project(fc: FunctionContext, v: Any, w: Value, t_dim: Dim, name: str) -> tuple[Any, int]:
+    """v @ W.T with the weight's matmul kernel -> ([T, N], N)."""
+    qtype, (n, k), arrays = weight_args(fc, w)
+    gemv = fc.is_one(t_dim)
+    out = fc.call_temp(KK.WeightMatmul(qtype, n, k, gemv), lambda: Q.qmatmul(qtype, n, k, gemv=gemv), [v, *arrays],
+                       [([fc.dim(t_dim), K.i64(n)], "float32")], name)[0]
+    return out, n
+
+
+def _latent_out(fc: FunctionContext, node: Node, named: dict[str, Any], y: Any, t_dim: Dim) -> Any:
+    """A latent MoE's routed sum [T, L] -> [rmsnorm(., routed_norm)] @ routed_up.T [T, E]."""
+    a: O.MoeFFN = node.attrs
+    if a.latent_norm:
+        dims = (t_dim, int(named["latent_norm"].shape[0]))
+        llvm = fc.mb.target.kind.name == "llvm"
+        y = fc.call_temp(KK.OpKernel("rms_norm", O.RMSNorm(a.latent_norm_eps), (dims, dims[1:])),
+                         lambda: K.rms_norm(K.Symbols().shape(dims), True, a.latent_norm_eps, llvm),
+                         [y, fc.value(named["latent_norm"])], [([fc.dim(t_dim), K.i64(dims[1])], "float32")],
+                         "ffn_moe_latent_norm")[0]
+    if a.shared:
+        return _project(fc, y, named["latent_up"], t_dim, "ffn_moe_latent_out")[0]
+    qtype, (n, k), arrays = weight_args(fc, named["latent_up"])
+    gemv = fc.is_one(t_dim)
+    return fc.call(KK.WeightMatmul(qtype, n, k, gemv), lambda: Q.qmatmul(qtype, n, k, gemv=gemv), [y, *arrays],
+                   node.outputs, node.outputs[0].name)[0]
+
+
+def _merged_gate_up_act(fc: FunctionContext, y: Any, act_dims: tuple[Any, ...], act_shape: list[Any],
+                        a: O.MoeFFN) -> Any:
     """act(y[..., :F], y[..., F:]) of the merged gate_up experts' output [T, k, 2F]."""
-    if act == "swiglu":
+    if a.act == "swiglu":
         return fc.call_temp(KK.OpKernel("swiglu_halves", None, (act_dims,)),
                             lambda: swiglu_halves(K.Symbols().shape(act_dims)), [y],
                             [(act_shape, "float32")], "ffn_moe_act")[0]
-    prog = act_program(act, limit)
+    prog = act_program(a.act, a.act_limit, a.act_linear_beta)
     return fc.call_temp(KK.OpKernel("act_halves", prog, (act_dims,)),
                         lambda: act_halves(K.Symbols().shape(act_dims), prog), [y],
                         [(act_shape, "float32")], "ffn_moe_act")[0]
@@ -370,7 +410,8 @@ def _shared_act(fc: FunctionContext, a: O.MoeFFN, g: Any, u: Any, scales: dict[s
         if kind in scale_slot:
             steps.append(("binary", MUL, (src, scale_slot[kind])))
             slot[kind] = n_in + len(steps) - 1
-    steps += act_steps(a.shared_act, a.shared_act_limit, slot["gate"], slot["up"], n_in + len(steps))
+    steps += act_steps(a.shared_act, a.shared_act_limit, slot["gate"], slot["up"], n_in + len(steps),
+                       a.shared_act_linear_beta)
     return _elementwise_temp(fc, O.FusedElementwise(tuple(steps), n_in), ins, all_dims, shape, "ffn_shexp_act")
 
 

@@ -10,7 +10,10 @@
 
 Expert activations `act(g, u)`: "swiglu" silu(g) * u; "swiglu_clamp" silu(min(g, L)) *
 clip(u, -L, L) (`swiglu_clamp_exp`); "swiglu_oai" with x = min(g, 7), y = clip(u, -7, 7):
-x * sigmoid(1.702 x) * (y + 1) (ggml_swiglu_oai's constants). A shared expert is added to the
+x * sigmoid(1.702 x) * (y + 1) (ggml_swiglu_oai's constants); "situ" (kimi-k3) with beta b and
+linear beta lb: b * tanh(g / b) * sigmoid(g) * (lb * tanh(u / lb) if lb > 0 else u).
+A latent MoE (kimi-k3) runs the experts in L dims: r = x @ routed_down.T, the routed sum
+[rmsnorm(., routed_norm)] @ routed_up.T; the router still reads x. A shared expert is added to the
 routed sum either gated (`* sigmoid(x . gate_inp_shexp)`) or always active (ungated).
 
 The op records (`MoeRoute`, `MoeFFN`) are in `ops.py`; the spellings in primitives in
@@ -29,7 +32,7 @@ from .act_quant import quantize_act_ref
 from .ref_math import sigmoid
 
 GATINGS = ("softmax", "sigmoid", "sqrt_softplus")
-ACTS = ("swiglu", "swiglu_clamp", "swiglu_oai")
+ACTS = ("swiglu", "swiglu_clamp", "swiglu_oai", "situ")
 OAI_ALPHA, OAI_LIMIT = 1.702, 7.0  # hard-coded in llama.cpp's build_moe_ffn / build_ffn
 
 
@@ -51,8 +54,12 @@ def gate_probs_ref(logits: np.ndarray, gating: str) -> np.ndarray:
     raise ValueError(f"unknown MoE gating {gating!r} (known: {', '.join(GATINGS)})")
 
 
-def expert_act_ref(g: np.ndarray, u: np.ndarray, act: str, limit: float) -> np.ndarray:
+def expert_act_ref(g: np.ndarray, u: np.ndarray, act: str, limit: float, linear_beta: float = 0.0) -> np.ndarray:
     dt = g.dtype.type
+    if act == "situ":
+        beta = dt(limit)
+        gated = beta * np.tanh(g / beta) * sigmoid(g)
+        return gated * (dt(linear_beta) * np.tanh(u / dt(linear_beta)) if linear_beta > 0 else u)
     if act == "swiglu":
         return g * sigmoid(g) * u
     if act == "swiglu_clamp":
@@ -126,7 +133,8 @@ def moe_inputs(ins: Sequence[Any], a: Any) -> dict[str, Any]:
     """Name the inputs of a moe_ffn node: x, router, [selection bias [X] if selection_bias],
     [hash table [V, k] int32, tokens [T] int32 if hash_routed],
     [gate_exps if has_gate], up_exps (or one gate_up_exps if merged_gate_up), down_exps,
-    *per-expert scales named by expert_scales, then if shared: [gate_inp_shexp [E] if
+    *per-expert scales named by expert_scales, [routed_down [L, E], [routed_norm [L]], routed_up [E, L]
+    if latent], then if shared: [gate_inp_shexp [E] if
     shared_gated], gate_shexp, up_shexp, down_shexp, *[1] scales named by shared_scales."""
     x, router, *rest = ins
     out: dict[str, Any] = {"x": x, "router": router}
@@ -142,6 +150,11 @@ def moe_inputs(ins: Sequence[Any], a: Any) -> dict[str, Any]:
         out["up"] = rest.pop(0)
     out["down"] = rest.pop(0)
     out["scales"] = {k: rest.pop(0) for k in a.expert_scales}
+    if a.latent:
+        out["latent_down"] = rest.pop(0)
+        if a.latent_norm:
+            out["latent_norm"] = rest.pop(0)
+        out["latent_up"] = rest.pop(0)
     if a.shared:
         kinds = ("shexp_gate_inp",) if a.shared_gated else ()
         for k in (*kinds, "shexp_gate", "shexp_up", "shexp_down"):
@@ -163,16 +176,23 @@ def routed_experts_ref(n: dict[str, Any], a: Any) -> np.ndarray:
     extra = [n["bias"]] if a.selection_bias else [n["hash_table"], n["tokens"]] if a.hash_routed else []
     w, ids = moe_route_ref(x @ n["router"].T, a, *extra)
     in_scheme, down_scheme = a.act_schemes
-    x3 = (quantize_act_ref(x, in_scheme) if in_scheme else x)[:, None, :]
+    r = x @ n["latent_down"].T if a.latent else x
+    x3 = (quantize_act_ref(r, in_scheme) if in_scheme else r)[:, None, :]
 
     def experts(inp: np.ndarray, mat: np.ndarray, kind: str) -> np.ndarray:
         y = matmul_id_ref(inp, mat, ids)
         return y * scales[kind][ids][..., None] if kind in scales else y
 
     up = experts(x3, wu, "up")
-    hdn = expert_act_ref(experts(x3, wg, "gate"), up, a.act, a.act_limit) if wg is not None else up * sigmoid(up)
+    hdn = (expert_act_ref(experts(x3, wg, "gate"), up, a.act, a.act_limit, a.act_linear_beta) if wg is not None
+           else up * sigmoid(up))
     down = experts(quantize_act_ref(hdn, down_scheme) if down_scheme else hdn, n["down"], "down")
-    return np.sum(down * w[..., None], axis=1)
+    y = np.sum(down * w[..., None], axis=1)
+    if not a.latent:
+        return y
+    if a.latent_norm:
+        y = y / np.sqrt(np.mean(y * y, axis=-1, keepdims=True) + y.dtype.type(a.latent_norm_eps)) * n["latent_norm"]
+    return y @ n["latent_up"].T
 
 
 def shared_expert_ref(n: dict[str, Any], a: Any) -> np.ndarray:
@@ -180,8 +200,8 @@ def shared_expert_ref(n: dict[str, Any], a: Any) -> np.ndarray:
     x, s = n["x"], n["shexp_scales"]
     g = x @ n["shexp_gate"].T * (s["gate"] if "gate" in s else 1)
     u = x @ n["shexp_up"].T * (s["up"] if "up" in s else 1)
-    sh = expert_act_ref(g, u, a.shared_act, a.shared_act_limit) @ n["shexp_down"].T * (s["down"] if "down" in s
-                                                                                         else 1)
+    act = expert_act_ref(g, u, a.shared_act, a.shared_act_limit, a.shared_act_linear_beta)
+    sh = act @ n["shexp_down"].T * (s["down"] if "down" in s else 1)
     if not a.shared_gated:
         return sh
     return sh * sigmoid(np.sum(x * n["shexp_gate_inp"], axis=-1, keepdims=True))

@@ -186,11 +186,20 @@ class MoeFFN:
     gating: str = "softmax"
     selection_bias: bool = False
     weights_scale: float = 1.0
-    act: str = "swiglu"  # routed experts: "swiglu", "swiglu_clamp" (limit act_limit) or "swiglu_oai"
+    # routed experts: "swiglu", "swiglu_clamp" (limit act_limit), "swiglu_oai" or "situ" (beta
+    # act_limit, linear beta act_linear_beta)
+    act: str = "swiglu"
     act_limit: float = 0.0
     shared_gated: bool = True  # False: the shared expert is always active (no gate_inp_shexp input)
     shared_act: str = "swiglu"
     shared_act_limit: float = 0.0
+    # latent MoE (kimi-k3): the experts run in L dims between routed_down [L, E] and routed_up [E, L]
+    # (an RMSNorm [L] of the routed sum between them when latent_norm); the router reads x
+    latent: bool = False
+    latent_norm: bool = False
+    latent_norm_eps: float = 0.0
+    act_linear_beta: float = 0.0
+    shared_act_linear_beta: float = 0.0
     hash_routed: bool = False  # experts = tid2eid[token] (inputs table [V, k] int32, tokens [T] int32)
 
 

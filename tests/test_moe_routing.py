@@ -22,11 +22,11 @@ from ggufc.ir.verify import verify
 from ggufc.passes.constant_fold import with_constants
 from ggufc.passes.dce import dce
 from ggufc.passes.fuse_moe import fuse_moe
-from ggufc.passes.fusions import fuse_softmax, fuse_swiglu
+from ggufc.passes.fusions import fuse_rms_norm, fuse_softmax, fuse_swiglu
 from ggufc.passes.stats import hits_of
 
 ENV = {"T": 5, "P": 3}
-E, F, FS, X = 8, 6, 4, 5
+E, F, FS, X, L = 8, 6, 4, 5, 3
 
 
 # ---------------------------------------------------------------------------------------------
@@ -115,6 +115,10 @@ VARIANTS: dict[str, O.MoeFFN] = {
                                      shared_act_limit=0.4),
     "gated-shared-oai": O.MoeFFN(2, act="swiglu_oai", shared=True, shared_act="swiglu_oai", shared_scales=("up",)),
     "gated-shared-plain": O.MoeFFN(2, shared=True),
+    "latent-norm-situ-shared": O.MoeFFN(2, gating="sigmoid", selection_bias=True, latent=True, latent_norm=True,
+                                        latent_norm_eps=1e-5, act="situ", act_limit=1.5, act_linear_beta=0.8,
+                                        shared=True, shared_gated=False, shared_act="situ", shared_act_limit=1.5),
+    "latent-situ": O.MoeFFN(2, latent=True, act="situ", act_limit=4.0),
     "hash-sqrt_softplus-clamp": O.MoeFFN(2, gating="sqrt_softplus", hash_routed=True, weights_scale=1.5,
                                          act="swiglu_clamp", act_limit=0.7, shared=True, shared_gated=False),
 }
@@ -124,8 +128,11 @@ V_TOKENS = 9
 def _input_shapes(a: O.MoeFFN) -> list[tuple[int, ...]]:
     shapes: list[tuple[int, ...]] = [(X, E)]
     shapes += [(X,)] if a.selection_bias else []
-    shapes += [(X, 2 * F, E)] if a.merged_gate_up else [(X, F, E)] * (2 if a.has_gate else 1)
-    shapes += [(X, E, F)] + [(X,)] * len(a.expert_scales)
+    d = L if a.latent else E
+    shapes += [(X, 2 * F, d)] if a.merged_gate_up else [(X, F, d)] * (2 if a.has_gate else 1)
+    shapes += [(X, d, F)] + [(X,)] * len(a.expert_scales)
+    if a.latent:
+        shapes += [(L, E)] + ([(L,)] if a.latent_norm else []) + [(E, L)]
     if a.shared:
         shapes += ([(E,)] if a.shared_gated else []) + [(FS, E), (FS, E), (E, FS)] + [(1,)] * len(a.shared_scales)
     return shapes
@@ -162,7 +169,7 @@ def test_decomposition_fuses_back(name: str) -> None:
     a = VARIANTS[name]
     fused, arrays = _fused_graph(a)
     spelled = decompose(fused)
-    for pre in ([], [fuse_softmax, fuse_swiglu]):  # spelled or already fused pieces
+    for pre in ([], [fuse_rms_norm, fuse_softmax, fuse_swiglu]):  # spelled or already fused pieces
         g = spelled
         for p in pre:
             g = p(g)
@@ -213,3 +220,30 @@ def test_spelled_routing_round_trips_through_onnx(name: str, tmp_path: Any) -> N
     spelled = decompose(fused)
     to_onnx(spelled, tmp_path / "m.onnx")
     assert dump(import_onnx(tmp_path / "m.onnx")) == dump(spelled)
+
+
+def test_frontend_latent_block_with_shared_expert_fuses() -> None:
+    """blocks.moe with latent projections and an RMSNorm, situ experts, plus blocks.shared_ffn
+    (situ) added: one moe_ffn (rule moe_ffn_latent_shared_ungated) with those attrs."""
+    b = GraphBuilder()
+    b.input("tokens", ("T",), "int32")
+    b.input("pos", (), "int64")
+    x = b.input("x", ("T", E), "float32")
+    router, bias = b.param("router", (X, E), "F32"), b.param("bias", (X,), "F32")
+    gate, up, down = b.param("g", (X, F, L), "F32"), b.param("u", (X, F, L), "F32"), b.param("d", (X, L, F), "F32")
+    lat = (b.param("rd", (L, E), "F32"), b.param("rn", (L,), "F32"), b.param("ru", (E, L), "F32"))
+    routed = B.moe(b, x, router, gate, up, down, 2, scales={}, hidden=F, bias=bias, gating="sigmoid", act="situ",
+                   act_limit=4.0, act_linear_beta=25.0, latent=lat, latent_norm_eps=1e-5)
+    sh = [b.param(n, shape, "F32") for n, shape in (("sg", (FS, E)), ("su", (FS, E)), ("sd", (E, FS)))]
+    shared = B.shared_ffn(b, x, *sh, scales={}, act="situ", act_limit=4.0, act_linear_beta=25.0)
+    graph = b.finish([b.add(routed, shared, "ffn_out")], {})
+    for pre in ([], [fuse_rms_norm]):
+        g = graph
+        for p in pre:
+            g = p(g)
+        fused = dce(fuse_moe(g))
+        assert [n.op for n in fused.nodes] == ["moe_ffn"]
+        assert fused.nodes[0].attrs == O.MoeFFN(
+            2, gating="sigmoid", selection_bias=True, act="situ", act_limit=4.0, act_linear_beta=25.0, latent=True,
+            latent_norm=True, latent_norm_eps=1e-5, shared=True, shared_gated=False, shared_act="situ",
+            shared_act_limit=4.0, shared_act_linear_beta=25.0)
