@@ -207,11 +207,10 @@ def _build_moe(m: Match, g: GraphView) -> Rewrite | None:
     if merged is not None:
         experts = [merged, m.values["down_exps"]]
     scales = [m.values[f"{kind}_scale"] for kind in scaled]
-    if latent:
-        scales += [m.values[n] for n in ("latent_down", "latent_norm", "latent_up") if n in m.values]
+    projections = [m.values[n] for n in ("latent_down", "latent_norm", "latent_up") if n in m.values]
     routing = [bias] if bias is not None else [m.values["hash_table"], m.values["tokens"]] if hashed else []
     lead = (m.values["x"], m.values["router"], *routing)
-    return Rewrite("moe_ffn", (*lead, *experts, *scales), attrs)
+    return Rewrite("moe_ffn", (*lead, *experts, *scales, *projections), attrs)
 
 
 def _merged_gate_up(m: Match, g: GraphView, scaled: tuple[str, ...]) -> Value | None:
