@@ -263,6 +263,31 @@ def _read_topk(im: _Importer, n: onnx.NodeProto) -> None:
     im.add("topk", [im.value(n.input[0])], O.TopK(k), list(n.output))
 
 
+def _read_gather_elements(im: _Importer, n: onnx.NodeProto) -> None:
+    """GatherElements along the last axis: of a payload at a TopK's ids (as _export_topk writes
+    it), that topk's payload; at int32 ids cast to int64 (_export_take_along), take_along."""
+    ids = im.value(n.input[1])
+    node = im.producer.get(ids.id)
+    payload = im.value(n.input[0])
+    if _attr(n, "axis", 0) not in (-1, len(payload.shape) - 1):
+        raise OnnxError(f"GatherElements {n.name}: only the last axis is supported")
+    if node is None or node.op != "topk":
+        if ids.dtype != "int32":
+            raise OnnxError(f"GatherElements {n.name}: only int32 ids (cast to int64) or a TopK's ids are supported")
+        im.add("take_along", [payload, ids], O.NoAttrs(), [n.output[0]])
+        return
+    if node.outputs[1] is not ids or len(node.inputs) != 1 or payload.shape != node.inputs[0].shape:
+        raise OnnxError(f"GatherElements {n.name}: a payload must have the TopK's scores' shape")
+    vals = node.outputs[0]
+    named = _value_from_label(n.output[0], vals.shape, payload.dtype)
+    vals.name, vals.layer, vals.dtype = named.name, named.layer, named.dtype
+    selected = Node("topk", (node.inputs[0], payload), node.attrs, node.outputs)
+    im.nodes[im.nodes.index(node)] = selected
+    for v in selected.outputs:
+        im.producer[v.id] = selected
+    im.env[n.output[0]] = vals
+
+
 def _read_cast(im: _Importer, n: onnx.NodeProto) -> None:
     src = im.value(n.input[0])
     to = _attr(n, "to")
@@ -270,6 +295,8 @@ def _read_cast(im: _Importer, n: onnx.NodeProto) -> None:
     if to == TensorProto.INT32 and node is not None and node.op == "topk" and node.outputs[1] is src:
         named = _value_from_label(n.output[0], src.shape, src.dtype)
         src.name, src.layer = named.name, named.layer  # topk's ids are int32 already: keep the Cast's name
+        im.alias(n.input[0], n.output[0])
+    elif to == TensorProto.INT64 and src.dtype == "int32":  # int32 ids widened for GatherElements
         im.alias(n.input[0], n.output[0])
     elif to == TensorProto.FLOAT and src.dtype in ("f16", "bf16"):
         im.add("dequantize", [src], O.NoAttrs(), [n.output[0]])
@@ -306,6 +333,7 @@ READERS: dict[tuple[str, str], Reader] = {
     ("", "Slice"): _read_slice,
     ("", "MatMul"): _read_matmul,
     ("", "TopK"): _read_topk,
+    ("", "GatherElements"): _read_gather_elements,
     ("", "Cast"): _read_cast,
     ("", "Identity"): lambda im, n: im.alias(n.input[0], n.output[0]),
     ("", "Transpose"): _read_simple("transpose", lambda n: O.Transpose(tuple(_attr(n, "perm")))),

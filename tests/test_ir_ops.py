@@ -92,6 +92,7 @@ def _cases() -> list[Case]:
     cases += _recurrent_cases()
     cases += _fused_cases()
     cases += _qwen4exp_cases()
+    cases += _moe_routing_cases()
     return cases
 
 
@@ -179,6 +180,49 @@ def _fused_cases() -> list[Case]:
     )
     ew_inputs = (In("a", ("T", 7)), In("b", (7,)), In("c", ("T", 1)))
     cases += _both_t("fused_elementwise", O.FusedElementwise(program, 3), ew_inputs)
+    return cases
+
+
+def _moe_routing_cases() -> list[Case]:
+    """The MoE routing family: gatings, selection bias, weights scale, expert activations, the
+    ungated shared expert (and topk's payload, the biased selection's primitive)."""
+    cases = _both_t("topk", O.TopK(3), (X, In("payload", ("T", 7))))
+    logits, bias = In("logits", ("T", 5)), In("bias", (5,))
+    for gating in ("softmax", "sigmoid", "sqrt_softplus"):
+        route = O.MoeRoute(3, gating=gating, selection_bias=True, weights_scale=2.5)
+        cases += _both_t("moe_route", route, (logits, bias))
+    cases += _both_t("moe_route", O.MoeRoute(2, normalize=False, gating="sigmoid"), (logits,))
+    router, gate, up, down = In("router", (5, 7)), In("gate", (5, 3, 7)), In("up", (5, 3, 7)), In("down", (5, 7, 3))
+    clamped = O.MoeFFN(2, normalize=False, gating="sigmoid", selection_bias=True, weights_scale=1.5,
+                       act="swiglu_clamp", act_limit=0.7)
+    cases += _both_t("moe_ffn", clamped, (X, router, bias, gate, up, down))
+    oai = O.MoeFFN(3, gating="sqrt_softplus", selection_bias=True, act="swiglu_oai")
+    cases += _both_t("moe_ffn", oai, (X, router, bias, gate, up, down))
+    shared = (In("sh_gate", (4, 7)), In("sh_up", (4, 7)), In("sh_down", (7, 4)))
+    one = In("s", (1,), "pos")
+    ungated = O.MoeFFN(2, normalize=False, gating="sigmoid", selection_bias=True, merged_gate_up=True,
+                       expert_scales=("down",), shared=True, shared_gated=False, shared_scales=("gate", "up", "down"))
+    merged = (X, router, bias, In("gate_up", (5, 6, 7)), down, In("s_down", (5,), "pos"))
+    cases += _both_t("moe_ffn", ungated, (*merged, *shared, one, one, one))
+    clamp_shared = O.MoeFFN(2, shared=True, shared_gated=False, shared_act="swiglu_clamp", shared_act_limit=0.5)
+    cases += _both_t("moe_ffn", clamp_shared, (X, router, gate, up, down, *shared))
+    oai_shared = O.MoeFFN(2, act="swiglu_oai", shared=True, shared_act="swiglu_oai", shared_scales=("up",))
+    cases += _both_t("moe_ffn", oai_shared, (X, router, gate, up, down, In("sh_gate_inp", (7,)), *shared, one))
+    cases += _both_t("take_along", O.NoAttrs(), (X, In("ids", ("T", 3), "ids:7", "int32")))
+    table, toks = In("tid2eid", (9, 2), "ids:5", "int32"), In("toks", ("T",), "ids:9", "int32")
+    hashed = O.MoeRoute(2, gating="sqrt_softplus", hash_routed=True, weights_scale=1.5)
+    cases += _both_t("moe_route", hashed, (logits, table, toks))
+    hashed_ffn = O.MoeFFN(2, gating="sqrt_softplus", hash_routed=True, act="swiglu_clamp", act_limit=0.7)
+    cases += _both_t("moe_ffn", hashed_ffn, (X, router, table, toks, gate, up, down))
+    latent_experts = (In("gate", (5, 3, 4)), In("up", (5, 3, 4)), In("down", (5, 4, 3)))
+    to_latent, from_latent = In("routed_down", (4, 7)), In("routed_up", (7, 4))
+    situ = O.MoeFFN(2, gating="sigmoid", selection_bias=True, latent=True, latent_norm=True, latent_norm_eps=1e-5,
+                    act="situ", act_limit=1.5, act_linear_beta=0.8, shared=True, shared_gated=False,
+                    shared_act="situ", shared_act_limit=1.5, shared_act_linear_beta=0.8)
+    cases += _both_t("moe_ffn", situ, (X, router, bias, *latent_experts, to_latent, In("routed_norm", (4,), "pos"),
+                                       from_latent, *shared))
+    plain_latent = O.MoeFFN(2, latent=True, act="situ", act_limit=1.5)
+    cases += _both_t("moe_ffn", plain_latent, (X, router, *latent_experts, to_latent, from_latent))
     return cases
 
 

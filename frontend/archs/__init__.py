@@ -2,7 +2,7 @@
 
 from types import ModuleType
 
-from . import llama, qwen3, qwen3moe, qwen3next, qwen4exp, qwen35
+from . import hy_v3, llama, qwen3, qwen3moe, qwen3next, qwen4exp, qwen35
 
 ARCHITECTURES: dict[str, ModuleType] = {
     "llama": llama,
@@ -11,4 +11,5 @@ ARCHITECTURES: dict[str, ModuleType] = {
     "qwen3next": qwen3next,
     "qwen35": qwen35,
     "qwen4exp": qwen4exp,
+    "hy_v3": hy_v3,
 }
