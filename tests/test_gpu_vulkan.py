@@ -21,7 +21,7 @@ import pytest
 import tvm
 from artifact_edits import write_manifest
 from gpu_support import golden_fixture, golden_logits, need_vulkan, nmse, rel_err, smollm2_path
-from random_weights import make_raw
+from random_weights import K_QUANTS, make_raw
 
 from ggufc.codegen import attention_gpu as AG
 from ggufc.codegen import device_info as DI
@@ -32,7 +32,7 @@ from ggufc.codegen.gpu import gpu_kernel
 from ggufc.codegen.target import gpu_target
 from ggufc.runtime.wgpu_runtime import run_kernel
 
-QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+QTYPES = Q.QTYPES
 TOL = 2e-6  # max |err| / max |ref| of f32 kernels against float64 numpy
 
 
@@ -58,7 +58,7 @@ def weights(qtype: str, lead: tuple[int, ...], n: int, k: int) -> tuple[np.ndarr
 
 
 def k_of(qtype: str) -> int:
-    return 512 if qtype in ("Q4_K", "Q5_K", "Q6_K") else 96
+    return 512 if qtype in K_QUANTS else 96
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
