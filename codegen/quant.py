@@ -531,6 +531,7 @@ def _ref_mxfp4(a: dict[str, np.ndarray], k: int) -> np.ndarray:
 
 
 def _scale_mxfp4(w: Access, s: PrimExpr) -> PrimExpr:
+    """2^(e - 128) from its bits (GPUs that flush subnormals read the scales of e < 2 as 0)."""
     e = _i32(w("e", s))
     bits = tvm.tirx.Select(e < 2, tvm.tirx.const(0x00200000, "int32") << e, (e - 1) << 23)
     return tvm.tirx.reinterpret("float32", bits)
