@@ -1,7 +1,7 @@
 """Quantised GGUF weights in TVM kernels: load-time repack, numpy reference decode, CPU kernels.
 
 Weights stay in GGUF block format: `repack` only de-interleaves each block's fields into separate
-dense arrays (same bytes; the K-quants' packed 6-bit scales become one byte each: +2-3 %), because
+dense arrays (same bytes; Q4_K/Q5_K's packed 6-bit scales become one byte each: +2-3 %), because
 TVM buffers are dense typed arrays and an 18/34/144-byte block stride leaves the fields misaligned.
 Kernels decode those arrays in registers. Kernel layout for a row-major `[..., N, K]` tensor
 (`...` = leading dims such as MoE experts, written as `N` below):
@@ -13,6 +13,10 @@ Kernels decode those arrays in registers. Kernel layout for a row-major `[..., N
     Q4_K      d, dmin f16 [N, K/256], sc, mn uint8 [N, K/32], qs uint8 [N, K/64, 32]
     Q5_K      as Q4_K plus qh uint8 [N, K/256, 32] before qs
     Q6_K      ql uint8 [N, K/128, 64], qh uint8 [N, K/128, 32], sc int8 [N, K/16], d f16 [N, K/256]
+    Q2_K      sc uint8 [N, K/16], qs uint8 [N, K/128, 32], d, dmin f16 [N, K/256]
+    Q3_K      hmask uint8 [N, K/256, 32], qs uint8 [N, K/128, 32], scales uint8 [N, K/256, 12], d f16
+    IQ4_NL    d f16 [N, K/32], qs uint8 [N, K/32, 16]             (MXFP4: e uint8 [N, K/32] for d)
+    IQ4_XS    d f16, sh uint16 [N, K/256], sl uint8 [N, K/256, 4], qs uint8 [N, K/32, 16]
 
 Every format is described to the kernels by one geometry: the K axis of a row is cut into groups
 of `G = planes * lanes` elements, and element `g*G + h*lanes + p` (group g, plane h, position p)
@@ -356,6 +360,194 @@ def _scale_q6k(w: Access, s: PrimExpr) -> PrimExpr:
     return _tf32(w("d", s // 16)) * _tf32(w("sc", s))
 
 
+# -- Q2_K, Q3_K (256-element super-blocks of 16-element sub-blocks, 2-bit planes) ----------------
+# Both cut a super-block into halves of 128 = 4 planes x 32: element 128a + 32c + l takes bits
+# 2c..2c+1 of qs[32a + l], scale/sub-block 8a + 2c + l//16.
+
+def _planes2(qs: np.ndarray) -> np.ndarray:
+    """[..., 32] bytes -> [..., 4, 32]: the 2-bit fields at bits 0, 2, 4, 6."""
+    return (qs[..., None, :] >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & np.uint8(3)
+
+
+def _code2(w: Access, g: PrimExpr, h: PlaneIdx, p: PrimExpr) -> PrimExpr:
+    return _shr(_i32(w("qs", g, p)), 2 * h) & 3
+
+
+# Q2_K block: scales[16] (low nibble scale, high nibble min) | qs[64] | d | dmin.
+# Value = (d * sc) * q - dmin * m, as gguf-py computes it.
+
+def _split_q2k(rows: np.ndarray, k: int) -> dict[str, np.ndarray]:
+    b = _blocks(rows, 84)
+    r, nb = b.shape[:2]
+    return {"sc": b[..., 0:16].reshape(r, nb * 16), "qs": b[..., 16:80].reshape(r, nb * 2, 32),
+            "d": _f16(b, 80), "dmin": _f16(b, 82)}
+
+
+def _ref_q2k(a: dict[str, np.ndarray], k: int) -> np.ndarray:
+    r, nb = a["d"].shape
+    sc = a["sc"].reshape(r, nb, 16)
+    dl = _f32(a["d"])[..., None] * _f32(sc & np.uint8(15))
+    ml = _f32(a["dmin"])[..., None] * _f32(sc >> np.uint8(4))
+    q = _f32(_planes2(a["qs"].reshape(r, nb, 2, 32)).reshape(r, nb, 16, 16))
+    return (dl[..., None] * q - ml[..., None]).reshape(r, k)
+
+
+# Q3_K block: hmask[32] | qs[64] | scales[12] | d. Bit 4a + c of hmask[l] is bit 2 of element
+# 128a + 32c + l (set: q = low bits, clear: q = low bits - 4); the 16 6-bit scales (minus 32) are
+# nibble s//8 of scales[s % 8] with bits 2(s//4).. of scales[8 + s % 4] above it.
+
+def _split_q3k(rows: np.ndarray, k: int) -> dict[str, np.ndarray]:
+    b = _blocks(rows, 110)
+    r, nb = b.shape[:2]
+    return {"hmask": b[..., 0:32], "qs": b[..., 32:96].reshape(r, nb * 2, 32),
+            "scales": b[..., 96:108], "d": _f16(b, 108)}
+
+
+def _q3k_scales(scales: np.ndarray) -> np.ndarray:
+    """[R, nb, 12] packed bytes -> [R, nb, 16] signed scales (int8)."""
+    low = _nibbles(scales[..., 0:8]).reshape(*scales.shape[:-1], 16)
+    high = _planes2(scales[..., 8:12]).reshape(*scales.shape[:-1], 16)
+    return (low | (high << np.uint8(4))).astype(np.int8) - np.int8(32)
+
+
+def _ref_q3k(a: dict[str, np.ndarray], k: int) -> np.ndarray:
+    r, nb = a["d"].shape
+    low = _planes2(a["qs"].reshape(r, nb, 2, 32)).reshape(r, nb, 8, 32)
+    high = (a["hmask"][:, :, None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & np.uint8(1)
+    q = _f32((low | (high << np.uint8(2))).astype(np.int8) - np.int8(4)).reshape(r, nb, 16, 16)
+    dl = _f32(a["d"])[..., None] * _f32(_q3k_scales(a["scales"]))
+    return (dl[..., None] * q).reshape(r, k)
+
+
+def _code_q3k(w: Access, geo: Geometry, g: PrimExpr, h: PlaneIdx, p: PrimExpr) -> PrimExpr:
+    high = _shr(_i32(w("hmask", g // 2, p)), 4 * (g % 2) + h) & 1
+    return _code2(w, g, h, p) | high << 2
+
+
+def _scale_q3k(w: Access, s: PrimExpr) -> PrimExpr:
+    blk, i = s // 16, s % 16
+    low = _shr(_i32(w("scales", blk, i % 8)), 4 * (i // 8)) & 15
+    high = _shr(_i32(w("scales", blk, 8 + i % 4)), 2 * (i // 4)) & 3
+    return _tf32(w("d", blk)) * _tf32((low | high << 4) - 32)
+
+
+# -- 4-bit codes through a table: IQ4_NL, IQ4_XS, MXFP4 ----------------------------------------
+# The value of a nibble is a signed table entry (a non-linear grid, or MXFP4's e2m1 values doubled)
+# times the block scale. The kernels look the entry up in registers: the 16 entries (+ 128) are four
+# 32-bit constants, bits 2-3 of the nibble pick the word (3 selects) and bits 0-1 the byte (a shift),
+# where a 16-way select tree would take 15 selects.
+
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+
+
+def _table_words(table: Sequence[int]) -> list[int]:
+    """Byte i of word j is table[4j + i] + 128; words as int32 values."""
+    words = []
+    for j in range(4):
+        word = sum((table[4 * j + i] + 128) << (8 * i) for i in range(4))
+        words.append(word - (1 << 32) if word >= 1 << 31 else word)
+    return words
+
+
+def _lookup16(nibble: PrimExpr, table: Sequence[int]) -> PrimExpr:
+    """table[nibble] for an int32 nibble."""
+    w = [tvm.tirx.const(v, "int32") for v in _table_words(table)]
+    bit2, bit3 = (nibble & 4) != 0, (nibble & 8) != 0
+    word = tvm.tirx.Select(bit3, tvm.tirx.Select(bit2, w[3], w[2]), tvm.tirx.Select(bit2, w[1], w[0]))
+    return (_shr(word, (nibble & 3) * 8) & 255) - 128
+
+
+def _ref_table16(qs: np.ndarray, table: Sequence[int]) -> np.ndarray:
+    """[R, nb, 16] bytes of 32-element blocks -> [R, nb, 32] f32 table entries (low nibbles first)."""
+    q = _nibbles(qs).reshape(*qs.shape[:-1], 32)
+    return _f32(np.array(table, np.int8)[q])
+
+
+def _table_code(table: Sequence[int]) -> Callable[[Access, Geometry, PrimExpr, PlaneIdx, PrimExpr], PrimExpr]:
+    def code(w: Access, geo: Geometry, g: PrimExpr, h: PlaneIdx, p: PrimExpr) -> PrimExpr:
+        return _lookup16(_nib(w("qs", g, p), h), table)
+
+    return code
+
+
+# IQ4_NL block: d | qs[16] (Q4_0's layout); value = d * IQ4_VALUES[q].
+
+def _split_iq4nl(rows: np.ndarray, k: int) -> dict[str, np.ndarray]:
+    b = _blocks(rows, 18)
+    return {"d": _f16(b, 0), "qs": b[..., 2:]}
+
+
+def _ref_iq4nl(a: dict[str, np.ndarray], k: int) -> np.ndarray:
+    return (_f32(a["d"])[..., None] * _ref_table16(a["qs"], IQ4_VALUES)).reshape(a["d"].shape[0], k)
+
+
+# IQ4_XS block: d | scales_h (uint16) | scales_l[4] | qs[128]: IQ4_NL's codes in 32-element
+# sub-blocks whose 6-bit scale (minus 32) is nibble s%2 of scales_l[s//2] with bits 2s..2s+1 of
+# scales_h above it; value = (d * scale) * IQ4_VALUES[q].
+
+def _split_iq4xs(rows: np.ndarray, k: int) -> dict[str, np.ndarray]:
+    b = _blocks(rows, 136)
+    r, nb = b.shape[:2]
+    sh = np.ascontiguousarray(b[..., 2:4]).view("<u2")[..., 0]
+    return {"d": _f16(b, 0), "sh": sh, "sl": b[..., 4:8], "qs": b[..., 8:].reshape(r, nb * 8, 16)}
+
+
+def _ref_iq4xs(a: dict[str, np.ndarray], k: int) -> np.ndarray:
+    r, nb = a["d"].shape
+    low = _nibbles(a["sl"]).transpose(0, 1, 3, 2).reshape(r, nb, 8)
+    high = (a["sh"][..., None] >> np.arange(0, 16, 2, dtype=np.uint16)).astype(np.uint8) & np.uint8(3)
+    scale = (low | (high << np.uint8(4))).astype(np.int8) - np.int8(32)
+    dl = _f32(a["d"])[..., None] * _f32(scale)
+    q = _ref_table16(a["qs"].reshape(r, nb, 8, 16), IQ4_VALUES)
+    return (dl[..., None] * q).reshape(r, k)
+
+
+def _scale_iq4xs(w: Access, s: PrimExpr) -> PrimExpr:
+    blk, i = s // 8, s % 8
+    low = _shr(_i32(w("sl", blk, i // 2)), 4 * (i % 2)) & 15
+    high = _shr(_i32(w("sh", blk)), 2 * i) & 3
+    return _tf32(w("d", blk)) * _tf32((low | high << 4) - 32)
+
+
+# MXFP4 block: e (E8M0 exponent) | qs[16]; value = 2^(e - 128) * MXFP4_VALUES[q] (the values are
+# e2m1 doubled, so the scale is halved: llama.cpp's ggml_e8m0_to_fp32_half, subnormal for e < 2).
+
+def _split_mxfp4(rows: np.ndarray, k: int) -> dict[str, np.ndarray]:
+    b = _blocks(rows, 17)
+    return {"e": b[..., 0], "qs": b[..., 1:]}
+
+
+def _e8m0_half_ref(e: np.ndarray) -> np.ndarray:
+    e32 = e.astype(np.uint32)
+    bits = np.where(e32 < 2, np.uint32(0x00200000) << e32, (e32 - np.uint32(1)) << np.uint32(23))
+    return bits.astype(np.uint32).view(np.float32)
+
+
+def _ref_mxfp4(a: dict[str, np.ndarray], k: int) -> np.ndarray:
+    d = _e8m0_half_ref(a["e"])
+    with np.errstate(over="ignore"):  # e = 255 with a code of 12 is inf, as in gguf-py and llama.cpp
+        return (d[..., None] * _ref_table16(a["qs"], MXFP4_VALUES)).reshape(a["e"].shape[0], k)
+
+
+def _scale_mxfp4(w: Access, s: PrimExpr) -> PrimExpr:
+    """2^(e - 128) from its bits (GPUs that flush subnormals read the scales of e < 2 as 0)."""
+    e = _i32(w("e", s))
+    bits = tvm.tirx.Select(e < 2, tvm.tirx.const(0x00200000, "int32") << e, (e - 1) << 23)
+    return tvm.tirx.reinterpret("float32", bits)
+
+
+def _fmt_table32(name: str, type_size: int, first: Field, split: Callable[[np.ndarray, int], dict[str, np.ndarray]],
+                 ref: Callable[[dict[str, np.ndarray], int], np.ndarray], table: Sequence[int],
+                 scale: Callable[[Access, PrimExpr], PrimExpr]) -> QFormat:
+    """A 32-element block format whose nibbles index `table`: `first` then qs[16]."""
+    return QFormat(
+        name=name, block=32, type_size=type_size,
+        fields=(first, Field("qs", lambda k: (k // 32, 16), "uint8")),
+        geometry=_fixed(32, 2), split=split, ref=ref, code=_table_code(table), sub=32, scale=scale,
+    )
+
+
 # -- the table -------------------------------------------------------------------------------
 
 FORMATS: dict[str, QFormat] = {
@@ -394,6 +586,57 @@ FORMATS: dict[str, QFormat] = {
         scale=_scale_q6k,
         bias=lambda w, s: _scale_q6k(w, s) * -32.0,
     ),
+    "Q2_K": QFormat(
+        name="Q2_K", block=256, type_size=84,
+        fields=(
+            Field("sc", lambda k: (k // 16,), "uint8"),
+            Field("qs", lambda k: (k // 128, 32), "uint8"),
+            Field("d", lambda k: (k // 256,), "float16"),
+            Field("dmin", lambda k: (k // 256,), "float16"),
+        ),
+        geometry=_fixed(128, 4),
+        split=_split_q2k,
+        ref=_ref_q2k,
+        code=lambda w, geo, g, h, p: _code2(w, g, h, p),
+        sub=16,
+        scale=lambda w, s: _tf32(w("d", s // 16)) * _tf32(_i32(w("sc", s)) & 15),
+        bias=lambda w, s: -(_tf32(w("dmin", s // 16)) * _tf32(_shr(_i32(w("sc", s)), 4))),
+    ),
+    "Q3_K": QFormat(
+        name="Q3_K", block=256, type_size=110,
+        fields=(
+            Field("hmask", lambda k: (k // 256, 32), "uint8"),
+            Field("qs", lambda k: (k // 128, 32), "uint8"),
+            Field("scales", lambda k: (k // 256, 12), "uint8"),
+            Field("d", lambda k: (k // 256,), "float16"),
+        ),
+        geometry=_fixed(128, 4),
+        split=_split_q3k,
+        ref=_ref_q3k,
+        code=_code_q3k,
+        sub=16,
+        scale=_scale_q3k,
+        bias=lambda w, s: _scale_q3k(w, s) * -4.0,
+    ),
+    "IQ4_NL": _fmt_table32("IQ4_NL", 18, Field("d", lambda k: (k // 32,), "float16"), _split_iq4nl, _ref_iq4nl,
+                           IQ4_VALUES, lambda w, s: _tf32(w("d", s))),
+    "IQ4_XS": QFormat(
+        name="IQ4_XS", block=256, type_size=136,
+        fields=(
+            Field("d", lambda k: (k // 256,), "float16"),
+            Field("sh", lambda k: (k // 256,), "uint16"),
+            Field("sl", lambda k: (k // 256, 4), "uint8"),
+            Field("qs", lambda k: (k // 32, 16), "uint8"),
+        ),
+        geometry=_fixed(32, 2),
+        split=_split_iq4xs,
+        ref=_ref_iq4xs,
+        code=_table_code(IQ4_VALUES),
+        sub=32,
+        scale=_scale_iq4xs,
+    ),
+    "MXFP4": _fmt_table32("MXFP4", 17, Field("e", lambda k: (k // 32,), "uint8"), _split_mxfp4, _ref_mxfp4,
+                          MXFP4_VALUES, _scale_mxfp4),
 }
 
 QTYPES: tuple[str, ...] = tuple(FORMATS)

@@ -21,7 +21,8 @@ from ggufc.ir.graph import Graph, Shape, Value
 from .gguf_file import GGUFModel
 from .hparams import ModelError
 
-SUPPORTED_QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+SUPPORTED_QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+                    "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4")
 
 # tensors llama.cpp loads and never reads in the graphs we build
 IGNORED_SUFFIXES = (".input_scale",)

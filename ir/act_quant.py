@@ -2,12 +2,12 @@
 
 llama.cpp's CPU dot products read the activations in the weight type's `vec_dot_type`:
 
-* `q8_0` for Q4_0/Q5_0/Q8_0 weights (Q8_0 blocks): per 32 values `d = amax / 127`, codes
+* `q8_0` for Q4_0/Q5_0/Q8_0, IQ4_NL and MXFP4 weights (Q8_0 blocks): per 32 values `d = amax / 127`, codes
   `round(x * (127 / amax))` (half to even; the multiplier as its AVX paths spell it), `d` kept as f16;
 * `q8_1` for the weights with block minimums, Q4_1/Q5_1 (Q8_1 blocks): the same codes and `d`, plus
   the block sum `s = f16(d * sum(codes))` with `d` still in f32. Their dot product multiplies the
   weight block's minimum `m` by `s`, not by the sum of the rounded values (`f16(d) * sum(codes)`);
-* `q8_K` for the K-quants Q2_K..Q6_K (Q8_K blocks): per 256 values, `max` the value of largest
+* `q8_K` for the K-quants Q2_K..Q6_K and IQ4_XS (Q8_K blocks): per 256 values, `max` the value of largest
   magnitude (first one on ties) with its sign, `iscale = -127 / max`, codes
   `min(127, round(iscale * x))`, `d = 1 / iscale` kept in f32.
 
@@ -24,8 +24,8 @@ import numpy as np
 ACT_BLOCK = 32  # values per q8_0 block
 SCHEME_BLOCK = {"q8_0": 32, "q8_1": 32, "q8_K": 256}
 ACT_SCHEME = {
-    **dict.fromkeys(("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"), "q8_0"),
-    **dict.fromkeys(("Q4_K", "Q5_K", "Q6_K"), "q8_K"),  # the K-quants ggufc reads
+    **dict.fromkeys(("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "MXFP4"), "q8_0"),
+    **dict.fromkeys(("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"), "q8_K"),
 }
 ACT_QUANT_TYPES = frozenset(ACT_SCHEME)
 MIN_TYPES = frozenset({"Q4_1", "Q5_1"})  # weights with a per-block minimum: a matmul reads q8_1

@@ -36,7 +36,7 @@ INT64_MAX = np.iinfo(np.int64).max
 QUANT_BLOCKS: dict[str, tuple[int, int]] = {
     "Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
     "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "Q8_K": (256, 292),
-    "Q2_K": (256, 84), "Q3_K": (256, 110),
+    "Q2_K": (256, 84), "Q3_K": (256, 110), "IQ4_NL": (32, 18), "IQ4_XS": (256, 136), "MXFP4": (32, 17),
 }
 FLOAT_QTYPES = {"F32": TensorProto.FLOAT, "F16": TensorProto.FLOAT16, "BF16": TensorProto.BFLOAT16}
 DTYPES: dict[str, int] = {

@@ -66,7 +66,7 @@ SIZES: dict[str, FixtureSize] = {
     # odd dims (3 heads sharing 1 kv head, odd vocab); rows not a multiple of 32 stay F32
     "odd": FixtureSize(vocab=61, n_embd=48, n_layer=2, n_head=3, n_head_kv=1, head_dim=16, n_ff=80,
                        n_expert=3, n_expert_used=2, n_ctx=48),
-    # rows a multiple of 256, so the K-quants (Q4_K, Q5_K, Q6_K) apply to every matrix
+    # rows a multiple of 256, so the 256-element block types (K-quants, IQ4_XS) apply to every matrix
     "kquant": FixtureSize(vocab=64, n_embd=256, n_layer=1, n_head=4, n_head_kv=2, head_dim=64, n_ff=256,
                           n_expert=4, n_expert_used=2, n_ctx=32),
     # a GPT-2 byte-level vocabulary needs at least 256 byte tokens plus one special token

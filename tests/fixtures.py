@@ -202,7 +202,20 @@ def tensor_values(spec: TensorSpec, seed: int) -> np.ndarray:
     return (0.1 * rng.standard_normal(spec.shape)).astype(np.float32)
 
 
-K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # gguf-py cannot quantize these: blocks are synthesised
+# the types gguf-py cannot quantize: blocks are synthesised. Per type: byte offset and typical size
+# of the f16 scale d (so the decoded values are roughly N(0, 0.1)), then the offset of the f16 block
+# minimum dmin and its ratio to d (None: no minimum)
+SYNTHESISED: dict[str, tuple[int, float, int | None, float]] = {
+    "Q6_K": (208, 7.3e-5, None, 0.0),  # d * sc(int8) * (q - 32): E|sc*(q-32)| ~ 1370
+    # d * sc * q - dmin * m with sc, m in [0, 64), q in [0, 16) (or [0, 32) for Q5_K): dmin = mean(q) d
+    # centres the sub-blocks around zero on average
+    "Q4_K": (0, 4.6e-4, 2, 7.5),
+    "Q5_K": (0, 2.3e-4, 2, 15.5),
+    "Q2_K": (80, 7e-3, 82, 1.5),  # d * sc * q - dmin * m with sc, m in [0, 16), q in [0, 4)
+    "Q3_K": (108, 2.3e-3, None, 0.0),  # d * (sc - 32) * (q - 4), sc in [0, 64), q in [0, 8)
+    "IQ4_NL": (0, 1.5e-3, None, 0.0),  # d * table[q], rms(table) ~ 67
+    "IQ4_XS": (0, 8e-5, None, 0.0),  # d * (sc - 32) * table[q], sc in [0, 64)
+}
 
 
 def storage_type(spec: TensorSpec, qtype: str) -> str:
@@ -218,30 +231,28 @@ def storage_type(spec: TensorSpec, qtype: str) -> str:
 def encode_tensor(spec: TensorSpec, values: np.ndarray, qtype: str, seed: int) -> np.ndarray:
     """Storage array for GGUFWriter.add_tensor: f32 values, f16 values or uint8 block rows.
 
-    K-quant blocks are synthesised from (seed, name) and do not encode `values`: read the decoded
-    weights back with gguf.quants.dequantize."""
+    Blocks of the SYNTHESISED types are made from (seed, name) and do not encode `values`: read the
+    decoded weights back with gguf.quants.dequantize."""
     if qtype == "F32":
         return values
-    if qtype in K_QUANTS:
-        return _random_kquant_blocks(spec, qtype, seed)
+    if qtype in SYNTHESISED:
+        return _random_blocks(spec, qtype, seed)
     return gguf.quants.quantize(values, gguf.GGMLQuantizationType[qtype])
 
 
-def _random_kquant_blocks(spec: TensorSpec, qtype: str, seed: int) -> np.ndarray:
-    """Valid K-quant super-blocks: random quants and sub-scales, f16 scales chosen so the decoded
-    values are finite and roughly N(0, 0.1)."""
+def _random_blocks(spec: TensorSpec, qtype: str, seed: int) -> np.ndarray:
+    """Valid blocks: random quants and sub-scales, f16 scales chosen so the decoded values are
+    finite and roughly N(0, 0.1)."""
     block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
     *lead, k = spec.shape
     rng = np.random.default_rng([seed, zlib.crc32(spec.name.encode()), 1])
     blocks = rng.integers(0, 256, (*lead, k // block, type_size), dtype=np.uint8)
     jitter = rng.uniform(0.75, 1.25, blocks.shape[:-1])
-    if qtype == "Q6_K":  # d * sc(int8) * (q - 32): E|sc*(q-32)| ~ 1370
-        _put_f16(blocks, 208, 7.3e-5 * jitter)
-    else:  # d * sc * q - dmin * m with sc, m in [0, 64), q in [0, 16) (or [0, 32) for Q5_K)
-        q_mean = 15.5 if qtype == "Q5_K" else 7.5
-        d = (4.6e-4 if qtype == "Q4_K" else 2.3e-4) * jitter
-        _put_f16(blocks, 0, d)
-        _put_f16(blocks, 2, q_mean * d)  # dmin: centres the sub-blocks around zero on average
+    d_at, d_size, min_at, min_ratio = SYNTHESISED[qtype]
+    d = d_size * jitter
+    _put_f16(blocks, d_at, d)
+    if min_at is not None:
+        _put_f16(blocks, min_at, min_ratio * d)
     return blocks.reshape(*lead, -1)
 
 

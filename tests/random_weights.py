@@ -5,7 +5,10 @@ from __future__ import annotations
 import gguf
 import numpy as np
 
-K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
+K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")  # 256-element super-blocks
+# byte offsets of the f16 block scales in the types gguf-py cannot quantize (random bytes elsewhere)
+F16_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+              "IQ4_NL": (0,), "IQ4_XS": (0,)}
 
 
 def make_raw(qtype: str, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
@@ -13,9 +16,9 @@ def make_raw(qtype: str, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
     rng = np.random.default_rng(seed)
     values = rng.standard_normal(shape).astype(np.float32)
     qt = gguf.GGMLQuantizationType[qtype]
-    if qtype not in K_QUANTS:
+    if qtype not in F16_SCALES:
         return gguf.quants.quantize(values, qt)
-    # gguf-py cannot quantise K-quants: random bytes are valid blocks once the f16 d/dmin are finite
+    # gguf-py cannot quantise these: random bytes are valid blocks once the f16 d/dmin are finite
     block, type_size = gguf.GGML_QUANT_SIZES[qt]
     raw = rng.integers(0, 256, size=(*shape[:-1], shape[-1] // block, type_size), dtype=np.uint8)
 
@@ -23,9 +26,6 @@ def make_raw(qtype: str, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
         v = rng.uniform(lo, hi, size=raw.shape[:-1]).astype(np.float16)
         return v.view(np.uint8).reshape(*raw.shape[:-1], 2)
 
-    if qtype == "Q6_K":
-        raw[..., 208:210] = f16_bytes(0.001, 0.01)
-    else:
-        raw[..., 0:2] = f16_bytes(0.001, 0.01)
-        raw[..., 2:4] = f16_bytes(0.0, 0.01)
+    for i, at in enumerate(F16_SCALES[qtype]):  # d, then dmin (which may be 0)
+        raw[..., at:at + 2] = f16_bytes(0.0 if i else 0.001, 0.01)
     return raw.reshape(*shape[:-1], -1)

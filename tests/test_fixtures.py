@@ -11,6 +11,7 @@ import pytest
 from fixture_spec import SIZES
 from fixtures import (
     RECIPES,
+    SYNTHESISED,
     FixtureOptions,
     full_options,
     gpt2_vocab,
@@ -128,8 +129,8 @@ def test_rows_that_do_not_fill_a_block_stay_f32(tmp_path: Path) -> None:
     assert {info.qtype for info in model.gguf.tensors.values()} == {"F32"}  # K-quants need rows of 256
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
-def test_synthesised_kquant_blocks_decode_to_finite_weights(tmp_path: Path, qtype: str) -> None:
+@pytest.mark.parametrize("qtype", list(SYNTHESISED))
+def test_synthesised_blocks_decode_to_finite_weights(tmp_path: Path, qtype: str) -> None:
     model = load_model(write_fixture("qwen3moe", tmp_path / "m.gguf", size="kquant", qtype=qtype))
     quantized = [n for n, info in model.gguf.tensors.items() if info.qtype == qtype]
     assert "blk.0.ffn_down_exps.weight" in quantized and "token_embd.weight" in quantized
@@ -163,7 +164,7 @@ def test_every_tensor_of_the_plan_is_written(tmp_path: Path) -> None:
         ("llama", {"expert_gate": False}),  # gate-less experts need moe=True
         ("llama", {"tokenizer": "spm"}),
         ("llama", {"tokenizer": "gpt2"}),  # the tiny vocab is too small for 256 byte tokens
-        ("llama", {"qtype": "Q2_K"}),
+        ("llama", {"qtype": "IQ2_XS"}),
         ("mamba", {}),
     ],
 )

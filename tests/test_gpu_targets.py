@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gpu_support import golden_fixture, need_nvcc
-from random_weights import make_raw
+from random_weights import K_QUANTS, make_raw
 
 from ggufc.cli import main
 from ggufc.codegen import quant as Q
@@ -66,7 +66,7 @@ def test_cli_arch_only_for_cuda(tmp_path: Path, capsys: pytest.CaptureFixture[st
 
 @pytest.mark.parametrize("qtype", Q.QTYPES)
 def test_gpu_layout_is_the_cpu_bytes_word_packed(qtype: str) -> None:
-    shape = (3, 5, 512 if qtype.endswith("_K") else 96)
+    shape = (3, 5, 512 if qtype in K_QUANTS else 96)
     arrays = Q.repack(qtype, make_raw(qtype, shape), shape)
     packed = QG.pack(qtype, arrays, shape)["w"]
     assert [(n, tuple(s), d) for n, s, d in QG.layout_spec(qtype, shape)] == [("w", packed.shape, str(packed.dtype))]

@@ -15,12 +15,13 @@ from ggufc.cli import main
 from ggufc.frontend.gguf_file import open_gguf
 
 TARGET = "blk.0.attn_q.weight"
+UNSUPPORTED = gguf.GGMLQuantizationType.IQ2_XS  # a 256-element block type ggufc does not read
 NON_SQUARE = "blk.0.attn_k.weight"  # transposing it changes its shape
 
 
 def rewrite(src: Path, dst: Path, *, drop: str | None = None, reshape: str | None = None,
             retype: str | None = None) -> Path:
-    """Copy a GGUF file, dropping one tensor, transposing its shape, or storing it as Q2_K."""
+    """Copy a GGUF file, dropping one tensor, transposing its shape, or storing it as IQ2_XS."""
     reader = gguf.GGUFReader(src)
     model = open_gguf(src)
     writer = gguf.GGUFWriter(dst, model.architecture)
@@ -39,9 +40,9 @@ def rewrite(src: Path, dst: Path, *, drop: str | None = None, reshape: str | Non
         if name == reshape:
             writer.add_tensor(name, np.ascontiguousarray(data.reshape(info.shape).T))
         elif name == retype:
-            n_bytes = info.n_elements // 256 * gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q2_K][1]
+            n_bytes = info.n_elements // 256 * gguf.GGML_QUANT_SIZES[UNSUPPORTED][1]
             raw = np.zeros((info.shape[0], n_bytes // info.shape[0]), dtype=np.uint8)
-            writer.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType.Q2_K)
+            writer.add_tensor(name, raw, raw_dtype=UNSUPPORTED)
         else:
             writer.add_tensor(name, data.reshape(info.shape) if info.qtype == "F32" else data,
                               raw_dtype=None if info.qtype == "F32" else gguf.GGMLQuantizationType[info.qtype])
@@ -54,7 +55,7 @@ def rewrite(src: Path, dst: Path, *, drop: str | None = None, reshape: str | Non
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # rows of 256 so a K-quant type (Q2_K) can stand in for an unsupported type
+    # rows of 256 so a 256-element block type can stand in for an unsupported type
     return write_fixture("llama", tmp_path_factory.mktemp("m") / "base.gguf", size="kquant")
 
 
@@ -63,7 +64,7 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     [
         ({"drop": TARGET}, f"missing tensor {TARGET}"),
         ({"reshape": NON_SQUARE}, f"tensor {NON_SQUARE} has shape"),
-        ({"retype": TARGET}, f"tensor {TARGET} has type Q2_K"),
+        ({"retype": TARGET}, f"tensor {TARGET} has type IQ2_XS"),
     ],
 )
 def test_broken_tensor_named_and_no_artifact(base: Path, tmp_path: Path, change: dict[str, str], expected: str,

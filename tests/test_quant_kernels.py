@@ -218,3 +218,20 @@ def test_cpu_target_names_the_real_cpu() -> None:
     assert str(t.attrs["mcpu"]) == str(tvm.target.codegen.llvm_get_system_cpu())
     assert int(t.attrs["num-cores"]) == 2
     assert math.isfinite(quant.layout_nbytes("Q4_K", (4, 256)))
+
+
+def test_mxfp4_every_exponent_decodes_like_gguf() -> None:
+    """All 256 E8M0 scales (subnormal below 2, 2^127 at the top) with every code, through the
+    reference and the CPU embedding kernel."""
+    n, k = 64, 128  # 256 blocks: block b has exponent b
+    blocks = np.random.default_rng(6).integers(0, 256, (n * k // 32, 17), dtype=np.uint8)
+    blocks[:, 0] = np.arange(256, dtype=np.uint8)
+    raw = blocks.reshape(n, -1)
+    with np.errstate(over="ignore"):  # 2^127 * 12 is inf
+        want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.MXFP4).reshape(n, k)
+    arrays = quant.repack("MXFP4", raw, (n, k))
+    np.testing.assert_array_equal(quant.dequantize_reference("MXFP4", arrays, (n, k)), want)
+    ids = np.arange(n, dtype=np.int32)
+    out = aligned_zeros((n, k), np.float32)
+    compiled("embed", "MXFP4", n, k)(to_tvm(ids), *tvm_weights(arrays), to_tvm(out))
+    np.testing.assert_array_equal(out, want)
