@@ -57,7 +57,8 @@ class Reduce:
 
 @dataclass(frozen=True)
 class QuantizeAct:
-    # llama.cpp's activation format: q8_0 (32-value blocks), q8_1 (q8_0 + block sums) or q8_K (256)
+    # llama.cpp's activation format: q8_0 (32-value blocks), q8_1 (q8_0 + block sums), q8_K (256),
+    # or f16 (each value rounded to half precision, for F16 weights)
     scheme: str = "q8_0"
 
 
