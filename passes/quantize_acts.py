@@ -24,11 +24,13 @@ from .stats import with_hits
 
 def _scheme(node: Node, params: dict[int, str]) -> str | None:
     """The activation scheme llama.cpp uses for this matmul's weight, or None."""
-    if node.op not in ("matmul", "matmul_id"):
+    if node.op not in ("matmul", "matmul_id", "head_matmul"):
         return None
     x, w = node.inputs[:2]
     qtype = params.get(w.id, "")
     scheme = "q8_1" if node.op == "matmul" and qtype in MIN_TYPES else ACT_SCHEME.get(qtype)
+    if node.op == "head_matmul" and scheme != "f16":  # MLA's per-head matrices: F16 or float weights
+        return None
     k = x.shape[-1]
     return scheme if scheme and isinstance(k, int) and k % SCHEME_BLOCK[scheme] == 0 else None
 
