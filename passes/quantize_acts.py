@@ -28,9 +28,7 @@ def _scheme(node: Node, params: dict[int, str]) -> str | None:
         return None
     x, w = node.inputs[:2]
     qtype = params.get(w.id, "")
-    scheme = "q8_1" if node.op == "matmul" and qtype in MIN_TYPES else ACT_SCHEME.get(qtype)
-    if node.op == "head_matmul" and scheme != "f16":  # MLA's per-head matrices: F16 or float weights
-        return None
+    scheme = "q8_1" if node.op == "matmul" and qtype in MIN_TYPES else ACT_SCHEME.get(qtype)  # per-slot kernels: q8_0
     k = x.shape[-1]
     return scheme if scheme and isinstance(k, int) and k % SCHEME_BLOCK[scheme] == 0 else None
 
