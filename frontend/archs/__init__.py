@@ -2,7 +2,7 @@
 
 from types import ModuleType
 
-from . import deepseek32, glm_dsa, llama, qwen3, qwen3moe, qwen3next, qwen4exp, qwen35
+from . import deepseek32, glm_dsa, hy_v3, llama, qwen3, qwen3moe, qwen3next, qwen4exp, qwen35
 
 ARCHITECTURES: dict[str, ModuleType] = {
     "llama": llama,
@@ -13,4 +13,5 @@ ARCHITECTURES: dict[str, ModuleType] = {
     "qwen4exp": qwen4exp,
     "deepseek32": deepseek32,
     "glm-dsa": glm_dsa,
+    "hy_v3": hy_v3,
 }
