@@ -22,6 +22,7 @@ from . import hyper_connections as HC
 from . import kernel_keys as KK
 from . import kernels as K
 from . import kernels_attention as KA
+from . import latent_attention as MLA
 from . import linear_attention as LA
 from . import moe_routing as MR
 from . import ngram_embedding as NG
@@ -341,6 +342,7 @@ LOWERING: dict[str, Callable[[FunctionContext, Node], list[Any]]] = {
     **LA.LINEAR_ATTENTION_LOWERING,
     **HC.HC_LOWERING,
     **SI.INDEXER_LOWERING,
+    **MLA.LATENT_LOWERING,
     **MR.MOE_LOWERING,
     **NG.NGRAM_LOWERING,
 }

@@ -233,7 +233,25 @@ def spell_indexer_topk(e: OnnxWriter, node: Node) -> None:
     tail_value = _op(e, "Add", [tail_col, bias], f"{out}/tail_value")  # [T, 1]
     value = _where(e, _op(e, "Less", [block, n_full], f"{out}/whole"), full_value, tail_value, f"{out}/value")
     value = _where(e, _op(e, "LessOrEqual", [cells, rows], f"{out}/seen"), value, ninf, f"{out}/cell_values")
-    k = _op(e, "Min", [e.ints(f"{out}/width", [a.width]), s.tensor("P+T")], f"{out}/k")
+    _heap_ids(e, out, value, ninf, a.width)
+
+
+def spell_token_topk(e: OnnxWriter, node: Node) -> None:
+    """DSA: the score row with -inf past the query, then the min(width, P+T) cells llama.cpp's heap
+    keeps (ties included, in its order), -1 for unseen cells, padded with -1 to width."""
+    a: O.TokenTopK = node.attrs
+    out = e.name(node.outputs[0])
+    cells, rows = _cells(e, out)
+    ninf = e.const(f"{out}/ninf", np.asarray(-np.inf, np.float32))
+    value = _where(e, _op(e, "LessOrEqual", [cells, rows], f"{out}/seen"), e.name(node.inputs[0]), ninf,
+                   f"{out}/cell_values")
+    _heap_ids(e, out, value, ninf, a.width)
+
+
+def _heap_ids(e: OnnxWriter, out: str, value: str, ninf: str, width: int) -> None:
+    """`out` [T, width] int32: the heap select of the [T, P+T] cell values (-1: unseen or padding)."""
+    s = e.symbols
+    k = _op(e, "Min", [e.ints(f"{out}/width", [width]), s.tensor("P+T")], f"{out}/k")
     heap = Body(f"{out}/heap")
     k_scalar = heap.op("Squeeze", [k, heap.const([0])])
     chosen = heap_select(heap, value, s.tensor("T"), k_scalar, s.scalar("P+T"), f"{out}/heap")
@@ -243,10 +261,19 @@ def spell_indexer_topk(e: OnnxWriter, node: Node) -> None:
     none = e.const(f"{out}/none", np.asarray(-1, np.int64))
     ids = _where(e, _op(e, "Equal", [top_v, ninf], f"{out}/unseen"), none, chosen, f"{out}/ids")
     pads = _op(e, "Concat", [e.ints(f"{out}/pad0", [0, 0, 0]),
-                             _op(e, "Sub", [e.ints(f"{out}/width2", [a.width]), k], f"{out}/pad")],
+                             _op(e, "Sub", [e.ints(f"{out}/width2", [width]), k], f"{out}/pad")],
                f"{out}/pads", axis=0)
     padded = _op(e, "Pad", [ids, pads, none], f"{out}/padded")
     e.emit("Cast", [padded], [out], to=TensorProto.INT32)
+
+
+def spell_head_matmul(e: OnnxWriter, node: Node) -> None:
+    """x [T,H,K], w [H,N,K] -> [T,H,N]: one batched MatMul over heads."""
+    x, w = (e.name(v) for v in node.inputs)
+    out = e.name(node.outputs[0])
+    xh = _op(e, "Transpose", [x], f"{out}/x_heads", perm=[1, 0, 2])  # [H, T, K]
+    wt = _op(e, "Transpose", [w], f"{out}/w_t", perm=[0, 2, 1])  # [H, K, N]
+    e.emit("Transpose", [_op(e, "MatMul", [xh, wt], f"{out}/heads")], [out], perm=[1, 0, 2])
 
 
 def spell_ple_hash(e: OnnxWriter, node: Node) -> None:
@@ -296,6 +323,8 @@ SPELLED: dict[str, Callable[[OnnxWriter, Node], None]] = {
     "ssm_conv": spell_ssm_conv,
     "gated_delta_net": spell_gated_delta_net,
     "indexer_topk": spell_indexer_topk,
+    "token_topk": spell_token_topk,
+    "head_matmul": spell_head_matmul,
     "index_mask": spell_index_mask,
     "ple_hash": spell_ple_hash,
 }

@@ -2,7 +2,7 @@
 
 from types import ModuleType
 
-from . import hy_v3, llama, qwen3, qwen3moe, qwen3next, qwen4exp, qwen35
+from . import deepseek32, glm_dsa, hy_v3, llama, qwen3, qwen3moe, qwen3next, qwen4exp, qwen35
 
 ARCHITECTURES: dict[str, ModuleType] = {
     "llama": llama,
@@ -11,5 +11,7 @@ ARCHITECTURES: dict[str, ModuleType] = {
     "qwen3next": qwen3next,
     "qwen35": qwen35,
     "qwen4exp": qwen4exp,
+    "deepseek32": deepseek32,
+    "glm-dsa": glm_dsa,
     "hy_v3": hy_v3,
 }
