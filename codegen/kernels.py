@@ -104,6 +104,7 @@ UNARY: dict[str, Callable[[PrimExpr], PrimExpr]] = {
     "recip": lambda x: f32(1.0) / x,
     "sign": lambda x: tirx.Select(x > f32(0.0), f32(1.0), tirx.Select(x < f32(0.0), f32(-1.0), f32(0.0))),
     "abs": te.abs,
+    "round_f16": lambda x: x.astype("float16").astype("float32"),  # round to nearest even, as a cast
 }
 
 BINARY: dict[str, Callable[[PrimExpr, PrimExpr], PrimExpr]] = {
