@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import fixtures_hyperconnected as hyperconnected
+import fixtures_msa as msa
 import gguf
 import numpy as np
 from fixture_spec import FixtureOptions, FixtureSize, TensorSpec, linear, resolve_size
@@ -53,6 +54,7 @@ class ArchRecipe:
     expert_ff_key: bool = False  # writes {arch}.expert_feed_forward_length
     hybrid: bool = False  # gated delta-net + gated attention layers (fixtures_hybrid.py)
     hyper: bool = False  # qwen4exp: hyper-connections, QSA, PLE; its own tensor plan (fixtures_qwen4exp.py)
+    msa: bool = False  # minimax-m3: leading dense block, MoE blocks with MSA; its own tensor plan (fixtures_msa.py)
 
 
 RECIPES: dict[str, ArchRecipe] = {
@@ -62,6 +64,7 @@ RECIPES: dict[str, ArchRecipe] = {
     "qwen35": ArchRecipe(moe="never", qk_norm=True, hybrid=True),
     "qwen3next": ArchRecipe(moe="always", qk_norm=True, expert_ff_key=True, hybrid=True),
     "qwen4exp": ArchRecipe(moe="always", qk_norm=True, expert_ff_key=True, hyper=True),
+    "minimax-m3": ArchRecipe(moe="always", qk_norm=True, msa=True),
 }
 
 
@@ -100,6 +103,8 @@ def plan_tensors(arch: str, size: FixtureSize, opts: FixtureOptions) -> list[Ten
     if recipe.hyper:
 
         return hyperconnected.plan(s, opts)
+    if recipe.msa:
+        return msa.plan(s, opts)
     specs = [TensorSpec("token_embd.weight", (s.vocab, s.n_embd), "matrix"),
              TensorSpec("output_norm.weight", (s.n_embd,), "norm")]
     if not opts.tied_output:
@@ -369,6 +374,8 @@ def _write_hparams(w: gguf.GGUFWriter, arch: str, s: FixtureSize, opts: FixtureO
     if RECIPES[arch].hybrid:
 
         w.add_rope_dimension_count(rope_dimension_count(arch, s))
+    elif RECIPES[arch].msa:
+        w.add_rope_dimension_count(msa.rope_dimension_count(s))
     else:
         w.add_rope_dimension_count(s.head_dim)
     w.add_layer_norm_rms_eps(opts.rms_eps)
@@ -387,6 +394,8 @@ def _write_hparams(w: gguf.GGUFWriter, arch: str, s: FixtureSize, opts: FixtureO
     if RECIPES[arch].hyper:
 
         hyperconnected.write_hparams(w, s)
+    if RECIPES[arch].msa:
+        msa.write_hparams(w, s)
     w.add_vocab_size(s.vocab)
 
 

@@ -18,7 +18,8 @@ from ggufc.codegen.target import cpu_target
 GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
 needs_shared = pytest.mark.skipif(not GOLDEN.is_dir(), reason=f"llama.cpp goldens not found at {GOLDEN}")
 
-F32_FIXTURES = ["llama-dense", "qwen3-dense", "qwen3moe-moe", "qwen35-dense", "qwen3next-moe", "qwen4exp-moe"]
+F32_FIXTURES = ["llama-dense", "qwen3-dense", "qwen3moe-moe", "qwen35-dense", "qwen3next-moe", "qwen4exp-moe",
+                "minimax-m3-moe"]
 QUANT_FIXTURES = ["llama-dense-Q4_K_M", "llama-dense-Q8_0", "llama-dense-Q4_0", "llama-dense-Q6_K",
                   "qwen3moe-moe-Q4_K_M"]
 MODES = {None: "logits_prefill", 1: "logits_decode", 7: "logits_chunk7"}
