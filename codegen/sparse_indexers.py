@@ -429,6 +429,85 @@ def indexer_topk_gpu(nb1: int, ratio: int, width: int, n_cells: int) -> tirx.Pri
     return with_root_block(indexer_topk_gpu)
 
 
+def block_score_gpu(n_groups: int, di: int, n_cells: int, block: int) -> tirx.PrimFunc:
+    """Args (q [T,G,Di], cache [C,Di], score [T, G, C // block]); one thread per (query, group,
+    block): the largest dot product over the block's cells."""
+    nb = n_cells // block
+    G, D, NB, C, B, NT = (T.int64(v) for v in (n_groups, di, nb, n_cells, block, THREADS))
+
+    @T.prim_func(private=True)
+    def indexer_block_score_gpu(q_h: T.handle, cache: T.Buffer((C, D), "float32"), s_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        n = T.int64()
+        q = T.match_buffer(q_h, (n, G, D), "float32")
+        S = T.match_buffer(s_h, (n, G, NB), "float32")
+        bx = T.launch_thread("blockIdx.x", (n * G * NB + NT - T.int64(1)) // NT)
+        acc = T.alloc_local((2,), "float32")  # block max, dot product
+        tx = T.launch_thread("threadIdx.x", NT)
+        row = T.meta_var(bx * NT + tx)
+        t = T.meta_var(row // (G * NB))
+        g = T.meta_var(row // NB % G)
+        b = T.meta_var(row % NB)
+        if row < n * G * NB:
+            acc[0] = T.min_value("float32")
+            for r in range(B):
+                acc[1] = T.float32(0)
+                for d in range(D):
+                    acc[1] = acc[1] + q[t, g, d] * cache[b * B + r, d]
+                acc[0] = T.max(acc[0], acc[1])
+            S[t, g, b] = acc[0]
+
+    return with_root_block(indexer_block_score_gpu)
+
+
+def block_topk_gpu(n_groups: int, nb: int, block: int, top_k: int, local: int) -> tirx.PrimFunc:
+    """Args (scores [T, G, NB], pos, sel [T, G, K]); one thread per (query, group) runs the CPU
+    kernel's selection (`block_topk` above) in int32 block indices."""
+    width = min(top_k, nb)
+    G, NB, W, NT = T.int64(n_groups), T.int64(nb), T.int64(width), T.int64(THREADS)
+    B, LOC, W32 = T.int32(block), T.int32(local), T.int32(width)
+
+    @T.prim_func(private=True)
+    def block_topk_gpu(s_h: T.handle, pos: T.int64, o_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        n = T.int64()
+        S = T.match_buffer(s_h, (n, G, NB), "float32")
+        Sel = T.match_buffer(o_h, (n, G, W), "int32")
+        bx = T.launch_thread("blockIdx.x", (n * G + NT - T.int64(1)) // NT)
+        fs = T.alloc_local((2,), "float32")  # previous pick's score, best score
+        st = T.alloc_local((6,), "int32")  # previous pick, best block, last block, n_local, slot, block
+        tx = T.launch_thread("threadIdx.x", NT)
+        row = T.meta_var(bx * NT + tx)
+        t = T.meta_var(row // G)
+        g = T.meta_var(row % G)
+        if row < n * G:
+            st[2] = T.Cast("int32", pos + t) // B
+            st[3] = T.min(T.min(LOC, st[2] + 1), W32)
+            fs[0] = T.max_value("float32")
+            st[0] = -1
+            for a in range(W):
+                Sel[t, g, a] = T.if_then_else(T.Cast("int32", a) < st[3], st[2] - T.Cast("int32", a), -1)
+            st[4] = st[3]
+            while st[4] < W32:
+                st[1] = -1
+                fs[1] = T.min_value("float32")
+                st[5] = 0
+                while st[5] <= st[2] - st[3]:
+                    if (S[t, g, T.Cast("int64", st[5])] < fs[0] or (S[t, g, T.Cast("int64", st[5])] == fs[0]
+                                                                     and st[5] > st[0])) and (
+                            st[1] < 0 or S[t, g, T.Cast("int64", st[5])] > fs[1]):
+                        st[1] = st[5]
+                        fs[1] = S[t, g, T.Cast("int64", st[5])]
+                    st[5] = st[5] + 1
+                if st[1] >= 0:
+                    Sel[t, g, T.Cast("int64", st[4])] = st[1]
+                    st[0] = st[1]
+                    fs[0] = fs[1]
+                st[4] = st[4] + 1
+
+    return with_root_block(block_topk_gpu)
+
+
 def _indexer_score(fc: FunctionContext, node: Node) -> list[Any]:
     a: O.IndexerScore = node.attrs
     q, cache = node.inputs[:2]
