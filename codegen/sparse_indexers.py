@@ -436,10 +436,11 @@ def block_score_gpu(n_groups: int, di: int, n_cells: int, block: int) -> tirx.Pr
     G, D, NB, C, B, NT = (T.int64(v) for v in (n_groups, di, nb, n_cells, block, THREADS))
 
     @T.prim_func(private=True)
-    def indexer_block_score_gpu(q_h: T.handle, cache: T.Buffer((C, D), "float32"), s_h: T.handle):
+    def indexer_block_score_gpu(q_h: T.handle, c_h: T.handle, s_h: T.handle):
         T.func_attr({"tirx.noalias": True})
         n = T.int64()
         q = T.match_buffer(q_h, (n, G, D), "float32")
+        cache = T.match_buffer(c_h, (C, D), "float32")
         S = T.match_buffer(s_h, (n, G, NB), "float32")
         bx = T.launch_thread("blockIdx.x", (n * G * NB + NT - T.int64(1)) // NT)
         acc = T.alloc_local((2,), "float32")  # block max, dot product
