@@ -109,8 +109,9 @@ def _minimax_m3_cases() -> list[Case]:
     cases += _both_t("block_mask", O.BlockMask(3), (In("sel", ("T", 2, 2), "ids:4", "int32"), POS), p=4)
     q, kc, vc = In("q", ("T", 4, 5)), In("kc", (CACHE, 2, 5)), In("vc", (CACHE, 2, 5))
     cases += _both_t("attention", O.Attention(0.37, "additive"), (q, kc, vc, POS, In("m", (2, "T", "P+T"))), p=3)
-    cases += _both_t("attention", O.Attention(0.37, "blocks", 3),
-                     (q, kc, vc, POS, In("sel", ("T", 2, 2), "ids:4", "int32")), p=4)
+    # blocks of 2 cells, ids below 4, queries from cell 6: every selected block has a visible cell
+    cases += _both_t("attention", O.Attention(0.37, "blocks", 2),
+                     (q, kc, vc, POS, In("sel", ("T", 2, 2), "ids:4", "int32")), p=6)
     return cases
 
 
