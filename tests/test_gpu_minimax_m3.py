@@ -137,6 +137,7 @@ def sparse_fixture(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     return "minimax-m3-moe-sparse"
 
 
+@pytest.mark.slow
 def test_sparse_cuda_kernels_compile_to_ptx(sparse_fixture: str) -> None:
     TGT.test_every_cuda_kernel_compiles_to_ptx(sparse_fixture)
 
