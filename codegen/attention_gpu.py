@@ -33,30 +33,46 @@ def attention_threads(dim: int) -> int:
     return p
 
 
-def _online_softmax(n_head: int, n_kv: int, dim: int, scale: float) -> Any:
+def _online_softmax(n_head: int, n_kv: int, dim: int, scale: float, block: int = 0, group_mask: bool = False) -> Any:
     """The attention body shared by every variant: a macro over (q, caches, out, pos, sel, mask).
     Causal attention walks cells [0, pos + t]; with `sel` ([T, W] cell ids) it walks the selected
-    cells instead; with `mask` ([T, P+T], additive) masked-out cells (<= NEG) are skipped."""
+    cells instead, or with `block` ([T, Hkv, K] block ids per KV group) the K * block cells of the
+    selected blocks; with `mask` ([T, P+T], or [Hkv, T, P+T] with `group_mask`, additive) masked-out
+    cells (<= NEG) are skipped."""
     nt = attention_threads(dim)
     H, D, G, NT, DT = T.int64(n_head), T.int64(dim), T.int64(n_head // n_kv), T.int64(nt), T.int64(-(-dim // nt))
-    SCALE, NEG_INF = T.float32(scale), T.float32(NEG)
+    SCALE, NEG_INF, B = T.float32(scale), T.float32(NEG), T.int64(max(block, 1))
 
     def n_slots(sel: Any, pos: Any, t: Any) -> Any:  # uniform per workgroup, so barriers stay legal
-        return pos + t + T.int64(1) if sel is None else sel.shape[1]
+        if sel is None:
+            return pos + t + T.int64(1)
+        return sel.shape[2] * B if block else sel.shape[1]
 
-    def cell(sel: Any, t: Any, s: Any) -> Any:  # the cache row of slot s (clamped: read only when ok)
-        return s if sel is None else T.Cast("int64", T.max(sel[t, T.min(s, sel.shape[1] - T.int64(1))], 0))
+    def chosen(sel: Any, t: Any, kv: Any, s: Any) -> Any:  # the selected cell or block of slot s (clamped)
+        if block:
+            return T.Cast("int64", sel[t, kv, T.min(s // B, sel.shape[2] - T.int64(1))])
+        return T.Cast("int64", sel[t, T.min(s, sel.shape[1] - T.int64(1))])
 
-    def ok(sel: Any, mask: Any, pos: Any, t: Any, s: Any) -> Any:
+    def cell(sel: Any, t: Any, kv: Any, s: Any) -> Any:  # the cache row of slot s (clamped: read only when ok)
+        if sel is None:
+            return s
+        if block:
+            return T.max(chosen(sel, t, kv, s), T.int64(0)) * B + s % B
+        return T.max(chosen(sel, t, kv, s), T.int64(0))
+
+    def ok(sel: Any, mask: Any, pos: Any, t: Any, kv: Any, s: Any) -> Any:
         if sel is not None:
-            c = T.Cast("int64", sel[t, T.min(s, sel.shape[1] - T.int64(1))])
-            return T.And(s < sel.shape[1], T.And(c >= T.int64(0), c <= pos + t))
+            c = chosen(sel, t, kv, s)
+            at = c * B + s % B if block else c
+            return T.And(s < n_slots(sel, pos, t), T.And(c >= T.int64(0), at <= pos + t))
         if mask is not None:
-            return T.And(s < pos + t + T.int64(1), mask[t, T.min(s, pos + t)] > NEG_INF)
+            return T.And(s < pos + t + T.int64(1), bias(mask, t, kv, T.min(s, pos + t)) > NEG_INF)
         return s < pos + t + T.int64(1)
 
-    def bias(mask: Any, t: Any, s: Any) -> Any:
-        return T.float32(0) if mask is None else mask[t, s]
+    def bias(mask: Any, t: Any, kv: Any, s: Any) -> Any:
+        if mask is None:
+            return T.float32(0)
+        return mask[kv, t, s] if group_mask else mask[t, s]
 
     @T.macro
     def attend(q: Any, k_cache: Any, v_cache: Any, o: Any, n: Any, pos: Any, sel: Any, mask: Any) -> None:
@@ -78,10 +94,10 @@ def _online_softmax(n_head: int, n_kv: int, dim: int, scale: float) -> Any:
         T.tvm_storage_sync("shared")
         for tile in range((n_slots(sel, pos, t) + NT - T.int64(1)) // NT):
             stat[2] = T.float32(0)
-            if ok(sel, mask, pos, t, tile * NT + tx):
+            if ok(sel, mask, pos, t, kv, tile * NT + tx):
                 for d in range(D):
-                    stat[2] = stat[2] + qs[d] * k_cache[cell(sel, t, tile * NT + tx), kv, d]
-                ps[tx] = stat[2] + bias(mask, t, tile * NT + tx)
+                    stat[2] = stat[2] + qs[d] * k_cache[cell(sel, t, kv, tile * NT + tx), kv, d]
+                ps[tx] = stat[2] + bias(mask, t, kv, tile * NT + tx)
             else:
                 ps[tx] = NEG_INF
             T.tvm_storage_sync("shared")
@@ -94,12 +110,12 @@ def _online_softmax(n_head: int, n_kv: int, dim: int, scale: float) -> Any:
             stat[1] = stat[1] * stat[3]
             stat[0] = stat[2]
             for j in range(NT):
-                if ok(sel, mask, pos, t, tile * NT + j):
+                if ok(sel, mask, pos, t, kv, tile * NT + j):
                     stat[3] = T.exp(ps[j] - stat[0])
                     stat[1] = stat[1] + stat[3]
                     for d0 in range(DT):
                         if d0 * NT + tx < D:
-                            acc[d0] = acc[d0] + stat[3] * v_cache[cell(sel, t, tile * NT + j), kv, d0 * NT + tx]
+                            acc[d0] = acc[d0] + stat[3] * v_cache[cell(sel, t, kv, tile * NT + j), kv, d0 * NT + tx]
             T.tvm_storage_sync("shared")
         for d0 in range(DT):
             if d0 * NT + tx < D:
@@ -131,20 +147,31 @@ def sparse_attention(n_head: int, n_kv: int, dim: int, n_cells: int, width: int,
     return _attention_with(n_head, n_kv, dim, n_cells, scale, width)
 
 
-def masked_attention(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float) -> tirx.PrimFunc:
-    """(q [T, H, D], k_cache, v_cache [C, Hkv, D], pos, mask [T, P+T], out [T, H, D]): causal
-    attention plus an additive mask (the unfused QSA spelling)."""
-    return _attention_with(n_head, n_kv, dim, n_cells, scale, None)
+def masked_attention(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float, per_group: bool = False
+                     ) -> tirx.PrimFunc:
+    """(q [T, H, D], k_cache, v_cache [C, Hkv, D], pos, mask, out [T, H, D]): causal attention plus
+    an additive mask, [T, P+T] (the unfused QSA spelling) or [Hkv, T, P+T] `per_group` (MSA's)."""
+    return _attention_with(n_head, n_kv, dim, n_cells, scale, None, group_mask=per_group)
 
 
-def _attention_with(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float,
-                    width: int | None) -> tirx.PrimFunc:
+def block_sparse_attention(n_head: int, n_kv: int, dim: int, n_cells: int, width: int, block: int,
+                           scale: float) -> tirx.PrimFunc:
+    """(q [T, H, D], k_cache, v_cache [C, Hkv, D], pos, sel [T, Hkv, K] int32, out [T, H, D]):
+    attention over the cells of each KV group's selected blocks (-1 slots and cells after the query
+    are skipped)."""
+    return _attention_with(n_head, n_kv, dim, n_cells, scale, width, block=block)
+
+
+def _attention_with(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float, width: int | None,
+                    block: int = 0, group_mask: bool = False) -> tirx.PrimFunc:
     """Attention with one more operand before the output: selected cells [T, width] int32 when
-    `width` is given, else an additive mask [T, P+T]."""
+    `width` is given (with `block`: selected blocks [T, Hkv, width]), else an additive mask [T, P+T]
+    (with `group_mask`: [Hkv, T, P+T])."""
     H, HKV, D, C = T.int64(n_head), T.int64(n_kv), T.int64(dim), T.int64(n_cells)
     W = T.int64(width or 0)
     sparse = width is not None
-    attend = _online_softmax(n_head, n_kv, dim, scale)
+    extra_shape = ((HKV, W) if block else (W,)) if sparse else ((HKV,) if group_mask else ())
+    attend = _online_softmax(n_head, n_kv, dim, scale, block, group_mask)
 
     @T.prim_func(private=True)
     def attention_with_gpu(q_h: T.handle, k_h: T.handle,
@@ -155,11 +182,18 @@ def _attention_with(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float
         k_cache = T.match_buffer(k_h, (C, HKV, D), "float32")
         v_cache = T.match_buffer(v_h, (C, HKV, D), "float32")
         q = T.match_buffer(q_h, (n, H, D), "float32")
-        extra = T.match_buffer(extra_h, (n, W if sparse else pos + n), "int32" if sparse else "float32")
+        extra = T.match_buffer(extra_h, _extra_dims(extra_shape, n, pos, sparse), "int32" if sparse else "float32")
         o = T.match_buffer(o_h, (n, H, D), "float32")
         attend(q, k_cache, v_cache, o, n, pos, extra if sparse else None, None if sparse else extra)
 
     return attention_with_gpu
+
+
+def _extra_dims(extra_shape: tuple[Any, ...], n: Any, pos: Any, sparse: bool) -> tuple[Any, ...]:
+    """The extra operand's dims: [T, (Hkv,) W] selections or [(Hkv,) T, P+T] masks."""
+    if sparse:
+        return (n, *extra_shape)
+    return (*extra_shape, n, pos + n)
 
 
 WRITE_THREADS = 256

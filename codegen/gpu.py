@@ -204,7 +204,15 @@ def _sparse_attention(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
 
 
 def _masked_attention(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
-    return _mark(AG.masked_attention(*_attention_sizes(key), key.attrs.scale), "ggufc.attention_online_softmax")
+    per_group = len(key.dims[3]) == 3  # dims of (q, k_cache, v_cache, mask): MSA's mask is one per KV group
+    return _mark(AG.masked_attention(*_attention_sizes(key), key.attrs.scale, per_group),
+                 "ggufc.attention_online_softmax")
+
+
+def _block_sparse_attention(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
+    width = int(key.dims[3][2])  # dims of (q, k_cache, v_cache, sel [T, Hkv, K])
+    return _mark(AG.block_sparse_attention(*_attention_sizes(key), width, key.attrs.block, key.attrs.scale),
+                 "ggufc.attention_online_softmax")
 
 
 def _cache_write(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
@@ -225,6 +233,23 @@ def _delta_net_scan(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
 def _index_mask(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
     neg_inf = tirx.reinterpret("float32", tirx.const(0xFF800000, "uint32"))  # WGSL has no infinity literal
     return _schedule(SI.index_mask(Symbols().shape(key.dims[0]), neg_inf), target, key)
+
+
+def _block_mask(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
+    neg_inf = tirx.reinterpret("float32", tirx.const(0xFF800000, "uint32"))  # WGSL has no infinity literal
+    return _schedule(SI.block_mask(Symbols().shape(key.dims[0]), key.attrs.block, neg_inf), target, key)
+
+
+def _block_score(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
+    q_dims, cache_dims = key.dims[:2]
+    return _mark(SI.block_score_gpu(int(q_dims[1]), int(q_dims[2]), int(cache_dims[0]), key.attrs.block),
+                 "ggufc.max_dot_per_block")
+
+
+def _block_topk(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
+    a = key.attrs
+    _, n_groups, nb = key.dims[0]
+    return _mark(SI.block_topk_gpu(int(n_groups), int(nb), a.block, a.top_k, a.local), "ggufc.select_per_row")
 
 
 def _ngram_hash(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
@@ -267,6 +292,7 @@ GPU_KERNELS: dict[str, GpuKernel] = {
     "attention": _attention,
     "sparse_attention": _sparse_attention,
     "masked_attention": _masked_attention,
+    "block_sparse_attention": _block_sparse_attention,
     KK.CacheWrite.kind: _cache_write,
     KK.CausalConv.kind: _causal_conv,
     KK.DeltaNetScan.kind: _delta_net_scan,
@@ -275,6 +301,9 @@ GPU_KERNELS: dict[str, GpuKernel] = {
     KK.IndexerTopK.kind: _indexer_topk,
     "token_score": _token_score,
     "token_topk": _token_topk,
+    "block_mask": _block_mask,
+    "indexer_block_score": _block_score,
+    "block_topk": _block_topk,
 }
 # cuda decode captured as one CUDA graph: the kernels that read the position from device memory
 POS_TENSOR_KERNELS: dict[str, GpuKernel] = {

@@ -90,6 +90,27 @@ def sigmoid(x: PrimExpr) -> PrimExpr:
     return f32(1.0) / (f32(1.0) + te.exp(-x))
 
 
+def round_to_f16(x: PrimExpr) -> PrimExpr:
+    """x rounded to the nearest half-precision value (ties to even; inf beyond f16's range), in
+    32-bit integer arithmetic on x's bits, so targets without f16 types (WGSL) compute it too."""
+    u32 = lambda v: tirx.const(v, "uint32")  # noqa: E731
+    bits = tirx.reinterpret("uint32", x)
+    sign, mag = bits & u32(0x80000000), bits & u32(0x7FFFFFFF)
+    # normal f16 range: drop 13 mantissa bits, rounding to nearest even (a carry may raise the exponent)
+    normal = (mag + u32(0x0FFF) + ((mag >> u32(13)) & u32(1))) & u32(0xFFFFE000)
+    normal = tirx.Select(normal >= u32(0x47800000), u32(0x7F800000), normal)  # past 65504: inf
+    # f16 subnormals: multiples of 2^-24; the f32 mantissa shifted right by 126 - exponent, rounded to even
+    shift = te.min(u32(126) - te.min(mag >> u32(23), u32(112)), u32(31))
+    mant = (mag & u32(0x7FFFFF)) | u32(0x800000)
+    kept, rest = mant >> shift, mant & ((u32(1) << shift) - u32(1))
+    half = u32(1) << (shift - u32(1))
+    up = tirx.Select(tirx.any(rest > half, tirx.all(rest == half, (kept & u32(1)) == u32(1))), u32(1), u32(0))
+    steps = kept + up  # the value in units of 2^-24: scale by lowering the exponent (no float constant to print)
+    tiny = tirx.Select(steps == u32(0), u32(0), tirx.reinterpret("uint32", steps.astype("float32")) - u32(24 << 23))
+    rounded = tirx.Select(mag > u32(0x7F800000), mag, tirx.Select(mag < u32(0x38800000), tiny, normal))
+    return tirx.reinterpret("float32", rounded | sign)
+
+
 UNARY: dict[str, Callable[[PrimExpr], PrimExpr]] = {
     "silu": lambda x: x * sigmoid(x),
     "sigmoid": sigmoid,
@@ -104,6 +125,7 @@ UNARY: dict[str, Callable[[PrimExpr], PrimExpr]] = {
     "recip": lambda x: f32(1.0) / x,
     "sign": lambda x: tirx.Select(x > f32(0.0), f32(1.0), tirx.Select(x < f32(0.0), f32(-1.0), f32(0.0))),
     "abs": te.abs,
+    "round_f16": lambda x: round_to_f16(x),
 }
 
 BINARY: dict[str, Callable[[PrimExpr, PrimExpr], PrimExpr]] = {

@@ -259,29 +259,29 @@ def index_mask(sel_shape: PShape, neg_inf: tirx.PrimExpr | None = None) -> tirx.
 
 def _attention_core(q_shape: PShape, cache_shape: PShape, scale: float, n_cols: tirx.PrimExpr, key_row, visible
                     ) -> tuple[list[te.Tensor], te.Tensor]:
-    """Softmax attention of q over `n_cols` columns; column s of query t reads cache row
-    key_row(t, s) and counts when visible(t, s)."""
+    """Softmax attention of q over `n_cols` columns; column s of query t in KV group g reads cache
+    row key_row(g, t, s) and counts when visible(g, t, s)."""
     n_tok, n_head, dim = q_shape
     group = tirx.floordiv(n_head, cache_shape[1])
     q = te.placeholder(q_shape, "float32", name="q")
     kc = te.placeholder(cache_shape, "float32", name="k_cache")
     vc = te.placeholder(cache_shape, "float32", name="v_cache")
     rd = te.reduce_axis((i64(0), dim), name="rd")
-    qk = te.compute((n_head, n_tok, n_cols),
-                    lambda h, t, s: te.sum(q[t, h, rd] * kc[key_row(t, s), h // group, rd], axis=rd), name="qk")
+    qk = te.compute((n_head, n_tok, n_cols), lambda h, t, s: te.sum(
+        q[t, h, rd] * kc[key_row(h // group, t, s), h // group, rd], axis=rd), name="qk")
     score = te.compute((n_head, n_tok, n_cols),
-                       lambda h, t, s: tirx.if_then_else(visible(t, s), qk[h, t, s] * f32(scale), f32(NEG)),
-                       name="score")
+                       lambda h, t, s: tirx.if_then_else(visible(h // group, t, s), qk[h, t, s] * f32(scale),
+                                                         f32(NEG)), name="score")
     rs1 = te.reduce_axis((i64(0), n_cols), name="rs1")
     mx = te.compute((n_head, n_tok), lambda h, t: te.max(score[h, t, rs1], axis=rs1), name="mx")
     ex = te.compute((n_head, n_tok, n_cols),
-                    lambda h, t, s: tirx.if_then_else(visible(t, s), te.exp(score[h, t, s] - mx[h, t]), f32(0.0)),
-                    name="ex")
+                    lambda h, t, s: tirx.if_then_else(visible(h // group, t, s), te.exp(score[h, t, s] - mx[h, t]),
+                                                      f32(0.0)), name="ex")
     rs2 = te.reduce_axis((i64(0), n_cols), name="rs2")
     sm = te.compute((n_head, n_tok), lambda h, t: te.sum(ex[h, t, rs2], axis=rs2), name="sm")
     rs3 = te.reduce_axis((i64(0), n_cols), name="rs3")
-    pv = te.compute((n_tok, n_head, dim),
-                    lambda t, h, d: te.sum(ex[h, t, rs3] * vc[key_row(t, rs3), h // group, d], axis=rs3), name="pv")
+    pv = te.compute((n_tok, n_head, dim), lambda t, h, d: te.sum(
+        ex[h, t, rs3] * vc[key_row(h // group, t, rs3), h // group, d], axis=rs3), name="pv")
     out = te.compute((n_tok, n_head, dim), lambda t, h, d: pv[t, h, d] / sm[h, t], name="out")
     return [q, kc, vc], out
 
@@ -292,10 +292,10 @@ def sparse_attention(q_shape: PShape, cache_shape: PShape, width: int, scale: fl
     pos = te.var("pos", "int64")
     sel = te.placeholder((q_shape[0], i64(width)), "int32", name="sel")
 
-    def row(t: tirx.PrimExpr, s: tirx.PrimExpr) -> tirx.PrimExpr:
+    def row(g: tirx.PrimExpr, t: tirx.PrimExpr, s: tirx.PrimExpr) -> tirx.PrimExpr:
         return te.max(sel[t, s].astype("int64"), i64(0))
 
-    def visible(t: tirx.PrimExpr, s: tirx.PrimExpr) -> tirx.PrimExpr:
+    def visible(g: tirx.PrimExpr, t: tirx.PrimExpr, s: tirx.PrimExpr) -> tirx.PrimExpr:
         c = sel[t, s].astype("int64")
         return tirx.all(c >= i64(0), c <= pos + t)
 
@@ -303,11 +303,17 @@ def sparse_attention(q_shape: PShape, cache_shape: PShape, width: int, scale: fl
     return func([*ins, pos, sel, out])
 
 
-def masked_attention(q_shape: PShape, cache_shape: PShape, scale: float) -> tirx.PrimFunc:
-    """Args (q, k_cache, v_cache, pos, mask [T, P+T], out): causal attention plus an additive mask."""
+def masked_attention(q_shape: PShape, cache_shape: PShape, scale: float, per_group: bool = False) -> tirx.PrimFunc:
+    """Args (q, k_cache, v_cache, pos, mask, out): causal attention plus an additive mask, [T, P+T]
+    or, `per_group`, [Hkv, T, P+T] (one per KV group)."""
     pos = te.var("pos", "int64")
     n_ctx = pos + q_shape[0]
-    mask = te.placeholder((q_shape[0], n_ctx), "float32", name="mask")
+    mask_shape = (cache_shape[1], q_shape[0], n_ctx) if per_group else (q_shape[0], n_ctx)
+    mask_t = te.placeholder(mask_shape, "float32", name="mask")
+
+    def mask(h: tirx.PrimExpr, t: tirx.PrimExpr, s: tirx.PrimExpr) -> tirx.PrimExpr:
+        return mask_t[h // group, t, s] if per_group else mask_t[t, s]
+
     q = te.placeholder(q_shape, "float32", name="q")
     kc = te.placeholder(cache_shape, "float32", name="k_cache")
     vc = te.placeholder(cache_shape, "float32", name="v_cache")
@@ -317,16 +323,15 @@ def masked_attention(q_shape: PShape, cache_shape: PShape, scale: float) -> tirx
     qk = te.compute((n_head, n_tok, n_ctx), lambda h, t, s: te.sum(q[t, h, rd] * kc[s, h // group, rd], axis=rd),
                     name="qk")
 
-    def vis(t: tirx.PrimExpr, s: tirx.PrimExpr) -> tirx.PrimExpr:
-        return tirx.all(s <= pos + t, mask[t, s] > f32(NEG))
+    def vis(h: tirx.PrimExpr, t: tirx.PrimExpr, s: tirx.PrimExpr) -> tirx.PrimExpr:
+        return tirx.all(s <= pos + t, mask(h, t, s) > f32(NEG))
 
-    score = te.compute((n_head, n_tok, n_ctx),
-                       lambda h, t, s: tirx.if_then_else(vis(t, s), qk[h, t, s] * f32(scale) + mask[t, s], f32(NEG)),
-                       name="score")
+    score = te.compute((n_head, n_tok, n_ctx), lambda h, t, s: tirx.if_then_else(
+        vis(h, t, s), qk[h, t, s] * f32(scale) + mask(h, t, s), f32(NEG)), name="score")
     rs1 = te.reduce_axis((i64(0), n_ctx), name="rs1")
     mx = te.compute((n_head, n_tok), lambda h, t: te.max(score[h, t, rs1], axis=rs1), name="mx")
     ex = te.compute((n_head, n_tok, n_ctx),
-                    lambda h, t, s: tirx.if_then_else(vis(t, s), te.exp(score[h, t, s] - mx[h, t]), f32(0.0)),
+                    lambda h, t, s: tirx.if_then_else(vis(h, t, s), te.exp(score[h, t, s] - mx[h, t]), f32(0.0)),
                     name="ex")
     rs2 = te.reduce_axis((i64(0), n_ctx), name="rs2")
     sm = te.compute((n_head, n_tok), lambda h, t: te.sum(ex[h, t, rs2], axis=rs2), name="sm")
@@ -334,7 +339,103 @@ def masked_attention(q_shape: PShape, cache_shape: PShape, scale: float) -> tirx
     pv = te.compute((n_tok, n_head, dim), lambda t, h, d: te.sum(ex[h, t, rs3] * vc[rs3, h // group, d], axis=rs3),
                     name="pv")
     out = te.compute((n_tok, n_head, dim), lambda t, h, d: pv[t, h, d] / sm[h, t], name="out")
-    return func([q, kc, vc, pos, mask, out])
+    return func([q, kc, vc, pos, mask_t, out])
+
+
+# ---------------------------------------------------------------------------------------------
+# MSA block selection (references: ir/sparse_indexers.py `block_score_ref`, `block_topk_ref`,
+# `block_mask_ref`)
+
+
+def block_score(q_shape: PShape, n_cells: int, block: int) -> tirx.PrimFunc:
+    """Args (q [T,G,Di], cache [C,Di], score [T, G, C // block]): per block the largest q . key."""
+    n, g, di = q_shape
+    nb = n_cells // block
+    q = te.placeholder(q_shape, "float32", name="q")
+    cache = te.placeholder((i64(n_cells), di), "float32", name="cache")
+    rd = te.reduce_axis((i64(0), di), name="rd")
+    dots = te.compute((n, g, i64(nb * block)), lambda t, h, c: te.sum(q[t, h, rd] * cache[c, rd], axis=rd),
+                      name="dots")
+    rb = te.reduce_axis((i64(0), i64(block)), name="rb")
+    score = te.compute((n, g, i64(nb)), lambda t, h, b: te.max(dots[t, h, b * i64(block) + rb], axis=rb),
+                       name="score")
+    return func([q, cache, score])
+
+
+def block_topk(n_groups: int, nb: int, block: int, top_k: int, local: int) -> tirx.PrimFunc:
+    """Args (scores [T, G, NB], pos, sel [T, G, K]), K = min(top_k, NB). Per (query, group): the
+    `local` blocks ending at the query's block L (nearest first), then K - local rounds each taking
+    the best block of [0, L - local] after the previous pick in (score descending, block
+    ascending) order; -1 in the slots left empty. No scratch: O(K * NB) per row."""
+    width = min(top_k, nb)
+    G, B, W, LOC = T.int64(n_groups), T.int64(block), T.int64(width), T.int64(local)
+
+    @T.prim_func
+    def kernel(s_h: T.handle, pos: T.int64, o_h: T.handle) -> None:
+        T.func_attr({"tirx.noalias": True})
+        n = T.int64()
+        S = T.match_buffer(s_h, (n, G, T.int64(nb)), "float32")
+        Sel = T.match_buffer(o_h, (n, G, W), "int32")
+        for i in T.parallel(n * G):
+            fs = T.decl_buffer((2,), "float32", scope="local")  # previous pick's score, best score
+            ist = T.decl_buffer((2,), "int64", scope="local")  # previous pick's block, best block
+            t = i // G
+            g = i % G
+            last = (pos + t) // B
+            n_local = T.min(T.min(LOC, last + T.int64(1)), W)
+            fs[0] = T.max_value("float32")
+            ist[0] = T.int64(-1)
+            for a in range(W):
+                Sel[t, g, a] = T.if_then_else(a < n_local, T.Cast("int32", last - a), -1)
+            for a in range(W - n_local):
+                ist[1] = T.int64(-1)
+                fs[1] = T.min_value("float32")
+                for b in range(last - n_local + T.int64(1)):
+                    after = S[t, g, b] < fs[0] or (S[t, g, b] == fs[0] and b > ist[0])
+                    if after and (ist[1] < T.int64(0) or S[t, g, b] > fs[1]):
+                        ist[1] = b
+                        fs[1] = S[t, g, b]
+                if ist[1] >= T.int64(0):
+                    Sel[t, g, n_local + a] = T.Cast("int32", ist[1])
+                    ist[0] = ist[1]
+                    fs[0] = fs[1]
+
+    return kernel
+
+
+def block_mask(sel_shape: PShape, block: int, neg_inf: tirx.PrimExpr | None = None) -> tirx.PrimFunc:
+    """Args (sel [T, G, K], pos, mask [G, T, P+T]): 0 at cells of selected blocks j <= pos + t."""
+    n, g, w = sel_shape
+    sel = te.placeholder(sel_shape, "int32", name="sel")
+    pos = te.var("pos", "int64")
+    rw = te.reduce_axis((i64(0), w), name="rw")
+    hit = te.compute((g, n, pos + n), lambda h, t, j: te.max(tirx.Select(
+        sel[t, h, rw].astype("int64") == j // i64(block), f32(1.0), f32(0.0)), axis=rw), name="hit")
+    mask = te.compute((g, n, pos + n), lambda h, t, j: tirx.Select(
+        tirx.all(hit[h, t, j] > f32(0.0), j <= pos + t), f32(0.0), f32(-float("inf")) if neg_inf is None else neg_inf),
+        name="mask")
+    return func([sel, pos, mask])
+
+
+def block_sparse_attention(q_shape: PShape, cache_shape: PShape, width: int, block: int, scale: float
+                           ) -> tirx.PrimFunc:
+    """Args (q [T,H,D], k_cache, v_cache [C,Hkv,D], pos, sel [T, Hkv, K], out [T,H,D]): each query
+    head attends to the K * block cells of its KV group's selected blocks (-1 slots and cells after
+    the query are skipped); the cost does not grow with the context."""
+    pos = te.var("pos", "int64")
+    sel = te.placeholder((q_shape[0], cache_shape[1], i64(width)), "int32", name="sel")
+    last_row = cache_shape[0] - i64(1)
+
+    def row(g: tirx.PrimExpr, t: tirx.PrimExpr, s: tirx.PrimExpr) -> tirx.PrimExpr:
+        b = te.max(sel[t, g, s // i64(block)].astype("int64"), i64(0))
+        return te.min(b * i64(block) + s % i64(block), last_row)
+
+    def visible(g: tirx.PrimExpr, t: tirx.PrimExpr, s: tirx.PrimExpr) -> tirx.PrimExpr:
+        b = sel[t, g, s // i64(block)].astype("int64")
+        return tirx.all(b >= i64(0), b * i64(block) + s % i64(block) <= pos + t)
+
+    ins, out = _attention_core(q_shape, cache_shape, scale, i64(width * block), row, visible)
+    return func([*ins, pos, sel, out])
 
 
 def indexer_topk_gpu(nb1: int, ratio: int, width: int, n_cells: int) -> tirx.PrimFunc:
@@ -512,6 +613,86 @@ def token_topk_gpu(width: int) -> tirx.PrimFunc:
     return with_root_block(token_topk_gpu)
 
 
+def block_score_gpu(n_groups: int, di: int, n_cells: int, block: int) -> tirx.PrimFunc:
+    """Args (q [T,G,Di], cache [C,Di], score [T, G, C // block]); one thread per (query, group,
+    block): the largest dot product over the block's cells."""
+    nb = n_cells // block
+    G, D, NB, C, B, NT = (T.int64(v) for v in (n_groups, di, nb, n_cells, block, THREADS))
+
+    @T.prim_func(private=True)
+    def indexer_block_score_gpu(q_h: T.handle, c_h: T.handle, s_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        n = T.int64()
+        q = T.match_buffer(q_h, (n, G, D), "float32")
+        cache = T.match_buffer(c_h, (C, D), "float32")
+        S = T.match_buffer(s_h, (n, G, NB), "float32")
+        bx = T.launch_thread("blockIdx.x", (n * G * NB + NT - T.int64(1)) // NT)
+        acc = T.alloc_local((2,), "float32")  # block max, dot product
+        tx = T.launch_thread("threadIdx.x", NT)
+        row = T.meta_var(bx * NT + tx)
+        t = T.meta_var(row // (G * NB))
+        g = T.meta_var(row // NB % G)
+        b = T.meta_var(row % NB)
+        if row < n * G * NB:
+            acc[0] = T.min_value("float32")
+            for r in range(B):
+                acc[1] = T.float32(0)
+                for d in range(D):
+                    acc[1] = acc[1] + q[t, g, d] * cache[b * B + r, d]
+                acc[0] = T.max(acc[0], acc[1])
+            S[t, g, b] = acc[0]
+
+    return with_root_block(indexer_block_score_gpu)
+
+
+def block_topk_gpu(n_groups: int, nb: int, block: int, top_k: int, local: int) -> tirx.PrimFunc:
+    """Args (scores [T, G, NB], pos, sel [T, G, K]); one thread per (query, group) runs the CPU
+    kernel's selection (`block_topk` above) in int32 block indices."""
+    width = min(top_k, nb)
+    G, NB, W, NT = T.int64(n_groups), T.int64(nb), T.int64(width), T.int64(THREADS)
+    B, LOC, W32 = T.int32(block), T.int32(local), T.int32(width)
+
+    @T.prim_func(private=True)
+    def block_topk_gpu(s_h: T.handle, pos: T.int64, o_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        n = T.int64()
+        S = T.match_buffer(s_h, (n, G, NB), "float32")
+        Sel = T.match_buffer(o_h, (n, G, W), "int32")
+        bx = T.launch_thread("blockIdx.x", (n * G + NT - T.int64(1)) // NT)
+        fs = T.alloc_local((2,), "float32")  # previous pick's score, best score
+        st = T.alloc_local((6,), "int32")  # previous pick, best block, last block, n_local, slot, block
+        tx = T.launch_thread("threadIdx.x", NT)
+        row = T.meta_var(bx * NT + tx)
+        t = T.meta_var(row // G)
+        g = T.meta_var(row % G)
+        if row < n * G:
+            st[2] = T.Cast("int32", pos + t) // B
+            st[3] = T.min(T.min(LOC, st[2] + 1), W32)
+            fs[0] = T.max_value("float32")
+            st[0] = -1
+            for a in range(W):
+                Sel[t, g, a] = T.if_then_else(T.Cast("int32", a) < st[3], st[2] - T.Cast("int32", a), -1)
+            st[4] = st[3]
+            while st[4] < W32:
+                st[1] = -1
+                fs[1] = T.min_value("float32")
+                st[5] = 0
+                while st[5] <= st[2] - st[3]:
+                    if (S[t, g, T.Cast("int64", st[5])] < fs[0] or (S[t, g, T.Cast("int64", st[5])] == fs[0]
+                                                                     and st[5] > st[0])) and (
+                            st[1] < 0 or S[t, g, T.Cast("int64", st[5])] > fs[1]):
+                        st[1] = st[5]
+                        fs[1] = S[t, g, T.Cast("int64", st[5])]
+                    st[5] = st[5] + 1
+                if st[1] >= 0:
+                    Sel[t, g, T.Cast("int64", st[4])] = st[1]
+                    st[0] = st[1]
+                    fs[0] = fs[1]
+                st[4] = st[4] + 1
+
+    return with_root_block(block_topk_gpu)
+
+
 def _indexer_score(fc: FunctionContext, node: Node) -> list[Any]:
     a: O.IndexerScore = node.attrs
     q, cache = node.inputs[:2]
@@ -551,13 +732,46 @@ def _index_mask(fc: FunctionContext, node: Node) -> list[Any]:
                    node.outputs[0].name)
 
 
+def _indexer_block_score(fc: FunctionContext, node: Node) -> list[Any]:
+    a: O.IndexerBlockScore = node.attrs
+    q, cache = node.inputs
+    n_cells = int(cache.shape[0])
+    key = KK.OpKernel("indexer_block_score", a, tensor_dims(fc, node))
+    return fc.call(key, lambda: block_score(fc.kernel_shape(q, K.Symbols()), n_cells, a.block),
+                   call_args(fc, node), node.outputs, node.outputs[0].name)
+
+
+def _block_topk(fc: FunctionContext, node: Node) -> list[Any]:
+    a: O.BlockTopK = node.attrs
+    n_groups, nb = (int(d) for d in node.inputs[0].shape[1:])
+    key = KK.OpKernel("block_topk", a, tensor_dims(fc, node))
+    return fc.call(key, lambda: block_topk(n_groups, nb, a.block, a.top_k, a.local), call_args(fc, node),
+                   node.outputs, node.outputs[0].name)
+
+
+def _block_mask(fc: FunctionContext, node: Node) -> list[Any]:
+    sel = node.inputs[0]
+    key = KK.OpKernel("block_mask", node.attrs, tensor_dims(fc, node))
+    return fc.call(key, lambda: block_mask(fc.kernel_shape(sel, K.Symbols()), node.attrs.block), call_args(fc, node),
+                   node.outputs, node.outputs[0].name)
+
+
 def lower_selected_attention(fc: FunctionContext, node: Node) -> list[Any]:
-    """Attention over the indexer's selection: the selected cells only (mask "indices"), or the
-    unfused spelling's additive mask (mask "additive")."""
+    """Attention over an indexer's selection: the selected cells only (mask "indices"), the selected
+    blocks only (mask "blocks"), or the unfused spelling's additive mask (mask "additive", one for
+    all heads or one per KV group)."""
     a: O.Attention = node.attrs
     q, kc = node.inputs[:2]
     dims = tensor_dims(fc, node)
-    if a.mask == "indices":
+    if a.mask == "blocks":
+        width = int(node.inputs[4].shape[2])
+        key = KK.OpKernel("block_sparse_attention", a, dims)
+
+        def make() -> Any:
+            syms = K.Symbols()
+            return block_sparse_attention(fc.kernel_shape(q, syms), fc.kernel_shape(kc, syms), width, a.block,
+                                          a.scale)
+    elif a.mask == "indices":
         width = int(node.inputs[4].shape[1])
         key = KK.OpKernel("sparse_attention", a, dims)
 
@@ -569,7 +783,8 @@ def lower_selected_attention(fc: FunctionContext, node: Node) -> list[Any]:
 
         def make() -> Any:
             syms = K.Symbols()
-            return masked_attention(fc.kernel_shape(q, syms), fc.kernel_shape(kc, syms), a.scale)
+            return masked_attention(fc.kernel_shape(q, syms), fc.kernel_shape(kc, syms), a.scale,
+                                    per_group=len(node.inputs[4].shape) == 3)
 
     return fc.call(key, make, call_args(fc, node), node.outputs, node.outputs[0].name)
 
@@ -580,4 +795,7 @@ INDEXER_LOWERING: dict[str, Callable[[FunctionContext, Node], list[Any]]] = {
     "index_mask": _index_mask,
     "token_score": _token_score,
     "token_topk": _token_topk,
+    "indexer_block_score": _indexer_block_score,
+    "block_topk": _block_topk,
+    "block_mask": _block_mask,
 }

@@ -90,6 +90,15 @@ def _rotate(b: GraphBuilder, lo: Value, hi: Value, c: Value, s: Value, name: str
     return [new_lo, new_hi]
 
 
+def _selection_mask(b: GraphBuilder, n: Node, pos: Value, name: str) -> Value:
+    extra = n.inputs[4]
+    if n.attrs.mask == "additive":
+        return extra
+    if n.attrs.mask == "blocks":
+        return b.emit("block_mask", [extra, pos], O.BlockMask(n.attrs.block), f"{name}.sel_mask")
+    return b.emit("index_mask", [extra, pos], O.NoAttrs(), f"{name}.sel_mask")
+
+
 def _attention(b: GraphBuilder, n: Node) -> list[Value]:
     """Causal GQA over the cache: query heads are grouped under their KV head, so one batched
     matmul per KV head serves its whole group (no repeat of K/V)."""
@@ -107,8 +116,9 @@ def _attention(b: GraphBuilder, n: Node) -> list[Value]:
     s_len = scores.shape[2]
     mask = b.emit("causal_mask", [pos], O.Tokens(t), f"{name}.mask")
     if n.attrs.mask != "causal":  # the selected cells as an additive mask (the sparse form's meaning)
-        sel = extra[0] if n.attrs.mask == "additive" else b.emit("index_mask", [extra[0], pos], O.NoAttrs(),
-                                                                 f"{name}.sel_mask")
+        sel = _selection_mask(b, n, pos, name)
+        if len(sel.shape) == 3:  # one mask per KV group: [Hkv, 1, T, P+T] against the grouped scores
+            sel = b.reshape(sel, (hkv, 1, t, sel.shape[2]), f"{name}.sel_mask4")
         mask = b.add(mask, sel, f"{name}.mask_sel")
     masked = b.add(b.reshape(scores, (hkv, g, t, s_len), f"{name}.s4"), mask, f"{name}.masked")
     probs = softmax_spelled(b, masked, -1, f"{name}.probs")

@@ -226,6 +226,10 @@ def _export_unary(e: _Exporter, node: Node) -> None:
         e.emit("Reciprocal", [root], [out])
     elif fn == "square":
         e.emit("Mul", [x, x], [out])
+    elif fn == "round_f16" and e.standard:  # for running; the ggufc export keeps the op (it reads back)
+        half = e.fresh(f"{out}/f16")
+        e.emit("Cast", [x], [half], to=TensorProto.FLOAT16)
+        e.emit("Cast", [half], [out], to=TensorProto.FLOAT)
     else:
         _export_custom(e, node)
 
@@ -316,13 +320,16 @@ def _export_topk(e: _Exporter, node: Node) -> None:
     """TopK (+ Cast of the ids); with a payload input the values are GatherElements of the payload
     at the selected ids (the MoE's selection by biased scores)."""
     vals, ids = (e.name(v) for v in node.outputs)
+    if len(node.inputs) == 2 and not e.standard:  # with a payload: the ggufc node reads back exactly
+        _export_custom(e, node)
+        return
     ids64 = e.fresh(f"{ids}/int64")
     k = e.ints(f"{vals}/k", [node.attrs.k])
-    scores = e.fresh(f"{vals}/scores") if len(node.inputs) > 1 else vals
-    e.emit("TopK", [e.name(node.inputs[0]), k], [scores, ids64], axis=-1, largest=1, sorted=1)
-    e.emit("Cast", [ids64], [ids], to=TensorProto.INT32)
-    if len(node.inputs) > 1:
+    top = vals if len(node.inputs) == 1 else e.fresh(f"{vals}/selected_by")
+    e.emit("TopK", [e.name(node.inputs[0]), k], [top, ids64], axis=-1, largest=1, sorted=1)
+    if len(node.inputs) == 2:  # the values are the payload's at the selected ids
         e.emit("GatherElements", [e.name(node.inputs[1]), ids64], [vals], axis=-1)
+    e.emit("Cast", [ids64], [ids], to=TensorProto.INT32)
 
 
 def _export_take_along(e: _Exporter, node: Node) -> None:

@@ -5,7 +5,8 @@ graph as it is: positions and masks from `Range`, cache reads and writes as `Sli
 at the dynamic position, MoE expert matmuls as a `Gather` of expert rows under a batched
 `MatMul`, the causal conv as a grouped `Conv`, the gated delta rule as a `Scan` over tokens,
 qwen4exp's PLE n-gram hash in uint64 arithmetic, its QSA cell values, heap selection
-(`onnx_heap`) and index mask, and symbolic dims (`P+T`, `2*T`) computed from the token count
+(`onnx_heap`) and index mask, minimax-m3's MSA block selection (`TopK` over values that put the
+local blocks first) and per-group block mask, and symbolic dims (`P+T`, `2*T`) computed from the token count
 and the start position.
 """
 
@@ -276,6 +277,56 @@ def spell_head_matmul(e: OnnxWriter, node: Node) -> None:
     e.emit("Transpose", [_op(e, "MatMul", [xh, wt], f"{out}/heads")], [out], perm=[1, 0, 2])
 
 
+def spell_block_mask(e: OnnxWriter, node: Node) -> None:
+    """[G, T, P+T]: 0 at cells of the selected blocks up to the query, -inf elsewhere."""
+    out, block = e.name(node.outputs[0]), node.attrs.block
+    cells, rows = _cells(e, out)
+    of_cell = _op(e, "Div", [cells, e.const(f"{out}/block", np.asarray(block, np.int64))], f"{out}/of_cell")
+    sel = _unsqueeze(e, _op(e, "Cast", [e.name(node.inputs[0])], f"{out}/sel64", to=TensorProto.INT64), [3],
+                     f"{out}/sel_col")  # [T, G, K, 1]
+    hit = _op(e, "Cast", [_op(e, "Equal", [sel, of_cell], f"{out}/hit")], f"{out}/hit_f", to=TensorProto.FLOAT)
+    chosen = _op(e, "ReduceMax", [hit, e.ints(f"{out}/k_axis", [2])], f"{out}/chosen_f", keepdims=0)
+    chosen = _op(e, "Cast", [chosen], f"{out}/chosen", to=TensorProto.BOOL)  # [T, G, P+T]
+    seen = _unsqueeze(e, _op(e, "LessOrEqual", [cells, rows], f"{out}/seen"), [1], f"{out}/seen3")
+    keep = _op(e, "And", [chosen, seen], f"{out}/keep")
+    zero, ninf = (e.const(f"{out}/{k}", np.asarray(v, np.float32)) for k, v in (("zero_f", 0.0), ("ninf", -np.inf)))
+    e.emit("Transpose", [_where(e, keep, zero, ninf, f"{out}/tgc")], [out], perm=[1, 0, 2])
+
+
+LOCAL_VALUE = 1e30  # above any block score: the local blocks are taken first, the nearest first
+
+
+def spell_block_topk(e: OnnxWriter, node: Node) -> None:
+    """`block_topk_ref` as one TopK: the local blocks valued LOCAL_VALUE * (1 + b / NB) (nearest
+    first), earlier blocks their score, later ones -inf; TopK's order (descending, ties to the lower
+    index) is the reference's; -1 where the value is -inf."""
+    a: O.BlockTopK = node.attrs
+    out, scores = e.name(node.outputs[0]), e.name(node.inputs[0])
+    nb = int(node.inputs[0].shape[2])
+    width = min(a.top_k, nb)
+    s = e.symbols
+    i64 = _constants(e, out, np.int64)
+    positions = _range(e, s.scalar("P"), s.scalar("P+T"), f"{out}/positions")
+    last = _unsqueeze(e, _op(e, "Div", [positions, i64("block", a.block)], f"{out}/last"), [1, 2], f"{out}/last3")
+    n_local = _op(e, "Min", [_op(e, "Min", [i64("local", a.local), _op(e, "Add", [last, i64("one", 1)],
+                                                                          f"{out}/upto")], f"{out}/n_local0"),
+                             i64("width", width)], f"{out}/n_local")
+    blocks = _range(e, i64("zero", 0), i64("nb", nb), f"{out}/blocks")
+    visible = _op(e, "LessOrEqual", [blocks, last], f"{out}/visible")  # [T, 1, NB]
+    local = _op(e, "And", [visible, _op(e, "Greater", [blocks, _op(e, "Sub", [last, n_local], f"{out}/first_local")],
+                                        f"{out}/late")], f"{out}/local")
+    blocks_f = _op(e, "Cast", [blocks], f"{out}/blocks_f", to=TensorProto.FLOAT)
+    local_value = _op(e, "Mul", [_op(e, "Add", [_op(e, "Div", [blocks_f, e.const(f"{out}/nb_f", np.asarray(
+        nb, np.float32))], f"{out}/frac"), e.const(f"{out}/one_f", np.asarray(1.0, np.float32))], f"{out}/rank"),
+        e.const(f"{out}/local_value", np.asarray(LOCAL_VALUE, np.float32))], f"{out}/local_values")
+    ninf = e.const(f"{out}/ninf", np.asarray(-np.inf, np.float32))
+    value = _where(e, local, local_value, _where(e, visible, scores, ninf, f"{out}/earlier"), f"{out}/value")
+    top_v, top_i = e.fresh(f"{out}/top_values"), e.fresh(f"{out}/top_ids")
+    e.emit("TopK", [value, e.ints(f"{out}/k", [width])], [top_v, top_i], axis=2, largest=1, sorted=1)
+    ids = _where(e, _op(e, "Equal", [top_v, ninf], f"{out}/empty"), i64("none", -1), top_i, f"{out}/ids")
+    e.emit("Cast", [ids], [out], to=TensorProto.INT32)
+
+
 def spell_ple_hash(e: OnnxWriter, node: Node) -> None:
     """The n-gram contexts from the token history (EOS from the first cut on), then per n-gram the
     XOR of token * multiplier (uint64, wrapping) and per head `mixed % size + offset`."""
@@ -326,5 +377,7 @@ SPELLED: dict[str, Callable[[OnnxWriter, Node], None]] = {
     "token_topk": spell_token_topk,
     "head_matmul": spell_head_matmul,
     "index_mask": spell_index_mask,
+    "block_topk": spell_block_topk,
+    "block_mask": spell_block_mask,
     "ple_hash": spell_ple_hash,
 }

@@ -23,7 +23,16 @@ from .latent_attention import head_matmul_ref
 from .linear_attention import gated_delta_net_ref, l2_norm_ref, rms_norm_gated_ref, ssm_conv_ref
 from .moe_routing import check_routing, matmul_id_ref, moe_ffn_node_ref, moe_inputs, moe_route_ref
 from .ngram_embedding import ple_hash_ref
-from .sparse_indexers import index_mask_ref, indexer_score_ref, indexer_topk_ref, token_score_ref, token_topk_ref
+from .sparse_indexers import (
+    block_mask_ref,
+    block_score_ref,
+    block_topk_ref,
+    index_mask_ref,
+    indexer_score_ref,
+    indexer_topk_ref,
+    token_score_ref,
+    token_topk_ref,
+)
 
 # ----------------------------------------------------------------------------------------------
 # attributes (frozen, typed)
@@ -36,7 +45,7 @@ class NoAttrs:
 
 @dataclass(frozen=True)
 class Unary:
-    fn: str  # silu sigmoid exp neg sqrt rsqrt relu softplus square tanh recip sign abs
+    fn: str  # silu sigmoid exp neg sqrt rsqrt relu softplus square tanh recip sign abs round_f16
 
 
 @dataclass(frozen=True)
@@ -150,8 +159,11 @@ class Attention:
     scale: float
     # which cells each query sees beyond causality: "causal" (all earlier cells), "additive"
     # (a fifth input: a [T, P+T] mask added to the scores) or "indices" (a fifth input: [T, W]
-    # int32 cell ids, -1 for none; the sparse form, which reads only those cells)
+    # int32 cell ids, -1 for none; the sparse form, which reads only those cells) or "blocks" (a
+    # fifth input: [T, Hkv, K] int32 block ids per KV group, -1 for none, of `block` cells each;
+    # the block-sparse form). An "additive" mask may also be [Hkv, T, P+T], one per KV group.
     mask: str = "causal"
+    block: int = 0  # cells per block of the "blocks" form
 
 
 @dataclass(frozen=True)
@@ -291,6 +303,32 @@ class TokenTopK:
 
 
 @dataclass(frozen=True)
+class IndexerBlockScore:
+    """MSA block scores: (q [T,G,Di] normed+roped, roped key cache [C,Di]) -> [T, G, C//block],
+    the largest q . key of each block of `block` cells."""
+
+    block: int
+
+
+@dataclass(frozen=True)
+class BlockTopK:
+    """MSA selection: (block scores [T,G,NB], pos) -> [T, G, min(top_k, NB)] block ids (-1: none);
+    the `local` blocks ending at the query's block first, then the best earlier ones."""
+
+    block: int
+    top_k: int
+    local: int
+
+
+@dataclass(frozen=True)
+class BlockMask:
+    """(selected blocks [T,G,K], pos) -> additive [G, T, P+T] mask: 0 at cells of selected blocks up
+    to the query, -inf elsewhere."""
+
+    block: int
+
+
+@dataclass(frozen=True)
 class PleHash:
     """PLE n-gram rows: (token history [C] int32, tokens [T], pos) -> [T, (n-1)*heads] int32."""
 
@@ -329,6 +367,11 @@ def _softplus(x: np.ndarray) -> np.ndarray:
         return np.where(x > 20.0, x, np.log1p(np.exp(np.minimum(x, 20.0))))
 
 
+def _round_f16(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        return np.asarray(x).astype(np.float16).astype(np.asarray(x).dtype)
+
+
 UNARY_FNS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "silu": lambda x: x * _sigmoid(x),
     "sigmoid": _sigmoid,
@@ -343,6 +386,9 @@ UNARY_FNS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "recip": lambda x: 1.0 / x,
     "sign": np.sign,  # sign(0) = 0, as ggml_sgn
     "abs": np.abs,
+    # to half precision and back (round to nearest even, inf beyond f16's range): llama.cpp's
+    # flash attention reads K and V as F16
+    "round_f16": lambda x: _round_f16(x),
 }
 
 BINARY_FNS: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
@@ -403,7 +449,7 @@ def causal_mask_ref(t: int, p: int, dtype: Any) -> np.ndarray:
 
 
 def attention_ref(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, pos0: int, scale: float,
-                  mask: str = "causal", extra: np.ndarray | None = None) -> np.ndarray:
+                  mask: str = "causal", extra: np.ndarray | None = None, block: int = 0) -> np.ndarray:
     """q [T,H,D]; caches [C,Hkv,D] already holding this call's keys. Returns [T,H,D].
     `extra`: the additive [T, P+T] mask, or the [T, W] selected cell ids (see `Attention.mask`)."""
     t, h, d = q.shape
@@ -412,10 +458,15 @@ def attention_ref(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, pos0: int, scal
     k = np.repeat(kc[:s_len], h // hkv, axis=1)
     v = np.repeat(vc[:s_len], h // hkv, axis=1)
     s = np.einsum("thd,shd->hts", q, k) * q.dtype.type(scale) + causal_mask_ref(t, pos0, q.dtype)[None]
-    if mask in ("additive", "indices"):
+    if mask in ("additive", "indices", "blocks"):
         if extra is None:
             raise ValueError(f"attention mask {mask!r} needs `extra`")
-        s = s + (extra if mask == "additive" else index_mask_ref(extra, pos0)).astype(q.dtype)[None]
+        if mask == "blocks":
+            extra = block_mask_ref(extra, pos0, block)
+        elif mask == "indices":
+            extra = index_mask_ref(extra, pos0)
+        per_head = np.repeat(extra, h // hkv, axis=0) if extra.ndim == 3 else extra[None]
+        s = s + per_head.astype(q.dtype)
     return np.einsum("hts,shd->thd", softmax_ref(s, -1), v)
 
 
@@ -705,10 +756,13 @@ def _gated_delta_net_shape(ins: Sequence[ShapeDtype], a: GatedDeltaNet) -> list[
 
 def _attention_shape(ins: Sequence[ShapeDtype], a: Attention) -> list[ShapeDtype]:
     n_in = 4 if a.mask == "causal" else 5
-    if len(ins) != n_in or a.mask not in ("causal", "additive", "indices"):
+    if len(ins) != n_in or a.mask not in ("causal", "additive", "indices", "blocks"):
         raise ValueError(f"attention with mask {a.mask!r} takes {n_in} inputs, got {len(ins)}")
     if a.mask == "indices" and (ins[4][1] != "int32" or ins[4][0][0] != ins[0][0][0]):
         raise ValueError(f"attention: selected cells {ins[4]} must be int32 [T, W]")
+    n_kv = ins[1][0][1]
+    if a.mask == "blocks" and (ins[4][1] != "int32" or tuple(ins[4][0][:2]) != (ins[0][0][0], n_kv) or a.block <= 0):
+        raise ValueError(f"attention: selected blocks {ins[4]} must be int32 [T, Hkv, K] with a block size > 0")
     return [ins[0]]
 
 
@@ -776,6 +830,27 @@ def _head_matmul_shape(ins: Sequence[ShapeDtype], a: Any) -> list[ShapeDtype]:
     if len(xs) != 3 or len(ws) != 3 or xs[1] != ws[0] or xs[2] != ws[2]:
         raise ValueError(f"head_matmul: x {xs} [T, H, K] and weight {ws} [H, N, K] disagree")
     return [((xs[0], xs[1], ws[1]), "float32")]
+
+
+def _block_score_shape(ins: Sequence[ShapeDtype], a: IndexerBlockScore) -> list[ShapeDtype]:
+    (qs, _), (cs, _) = ins
+    if len(qs) != 3 or len(cs) != 2 or qs[2] != cs[1] or a.block <= 0:
+        raise ValueError(f"indexer_block_score: q {qs} and key cache {cs} disagree (block {a.block})")
+    return [((qs[0], qs[1], int(cs[0]) // a.block), "float32")]
+
+
+def _block_topk_shape(ins: Sequence[ShapeDtype], a: BlockTopK) -> list[ShapeDtype]:
+    (ss, _), _pos = ins
+    if len(ss) != 3 or min(a.block, a.top_k, a.local) <= 0:
+        raise ValueError(f"block_topk: scores {ss} must be [T, G, NB]; block, top_k and local must be positive")
+    return [((ss[0], ss[1], min(a.top_k, int(ss[2]))), "int32")]
+
+
+def _block_mask_shape(ins: Sequence[ShapeDtype], a: BlockMask) -> list[ShapeDtype]:
+    (ss, dt), _pos = ins
+    if dt != "int32" or len(ss) != 3:
+        raise ValueError(f"block_mask takes [T, G, K] int32 block ids, got {dt}{list(ss)}")
+    return [((ss[1], ss[0], "P+T"), "float32")]
 
 
 def _ple_hash_shape(ins: Sequence[ShapeDtype], a: PleHash) -> list[ShapeDtype]:
@@ -882,6 +957,11 @@ OPS: dict[str, OpDef] = {
               _one(lambda i, a, c: token_score_ref(i[0], i[1], i[2], int(i[3]))), fused=True),
         # MLA: the absorbed per-head projections (attn_k_b into q, attn_v_b on the latent output)
         OpDef("head_matmul", NoAttrs, _head_matmul_shape, _one(lambda i, a, c: head_matmul_ref(i[0], i[1]))),
+        # minimax-m3: MSA block selection
+        OpDef("block_topk", BlockTopK, _block_topk_shape,
+              _one(lambda i, a, c: block_topk_ref(i[0], int(i[1]), a.block, a.top_k, a.local))),
+        OpDef("block_mask", BlockMask, _block_mask_shape,
+              _one(lambda i, a, c: block_mask_ref(i[0], int(i[1]), a.block))),
         OpDef("ple_hash", PleHash, _ple_hash_shape,
               _one(lambda i, a, c: ple_hash_ref(i[0], i[1], int(i[2]), a.ngram, a.heads_per_ngram, a.multipliers,
                                                 a.offsets, a.sizes, a.eos))),
@@ -891,6 +971,8 @@ OPS: dict[str, OpDef] = {
               _one(lambda i, a, c: hc_post_ref(i[0], i[1], i[2], i[3] if a.comb else None)), fused=True),
         OpDef("indexer_score", IndexerScore, _indexer_score_shape,
               _one(lambda i, a, c: indexer_score_ref(i[0], i[1], i[2], i[3], a.ratio, a.eps, a.n_rot)), fused=True),
+        OpDef("indexer_block_score", IndexerBlockScore, _block_score_shape,
+              _one(lambda i, a, c: block_score_ref(i[0], i[1], a.block)), fused=True),
         # fused
         OpDef("softmax", Softmax, _same, _one(lambda i, a, c: softmax_ref(i[0], a.axis)), fused=True),
         # rms_norm: inputs (x,) or (x, weight)
@@ -899,7 +981,7 @@ OPS: dict[str, OpDef] = {
         OpDef("rope", Rope, _same, _one(lambda i, a, c: rope_ref(i[0], int(i[1]), i[2], a)), fused=True),
         OpDef("attention", Attention, _attention_shape,
               _one(lambda i, a, c: attention_ref(i[0], i[1], i[2], int(i[3]), a.scale, a.mask,
-                                                 i[4] if len(i) > 4 else None)), fused=True),
+                                                 i[4] if len(i) > 4 else None, a.block)), fused=True),
         OpDef("swiglu", NoAttrs, _same, _one(lambda i, a, c: i[0] * _sigmoid(i[0]) * i[1]), fused=True),
         OpDef("moe_route", MoeRoute, _route_shape,
               lambda i, a, c: list(moe_route_ref(i[0], a, *i[1:])), fused=True),

@@ -27,6 +27,18 @@ per token):
 * `token_topk`: the `width` = min(top_k, n_ctx) largest visible cells (j <= P+t) of each row by the
   same heap select as QSA's (llama.cpp's CPU ggml_top_k); -1 for slots without a visible cell
   (fewer visible cells than the width). The attention then reads only the selected cells.
+MSA (MiniMax sparse attention: block selection per KV group, llama.cpp `src/models/minimax-m3.cpp`):
+
+* `indexer_block_score`: q [T, G, Di] (one normed, rotated indexer query per KV group), the roped
+  indexer key cache [C, Di] -> [T, G, C // b]: per block of b cells, the largest q . key (no scale,
+  no ReLU). Cells after the query are scored too: only the query's own block can hold them, and
+  that block is always kept (local blocks >= 1), so its score is never read.
+* `block_topk`: per query at position q and group g, the `local` blocks ending at the query's
+  block L = q // b are kept first (L, L-1, ...), then the best-scoring earlier blocks (descending,
+  ties to the lower block) up to K = min(top_k, C // b) slots; [T, G, K] block ids, -1 where a
+  slot holds none. Blocks after L are never selected.
+* `block_mask`: the additive [G, T, P+T] mask of a selection (0 at cells of selected blocks up to
+  the query, -inf elsewhere), the unfused meaning of attention over the selected blocks.
 
 Their spellings in primitives are in `sparse_indexers_spelled.py`.
 """
@@ -170,3 +182,46 @@ def token_topk_ref(scores: np.ndarray, p0: int, width: int) -> np.ndarray:
         chosen = heap_select(row, width)
         out[i, : len(chosen)] = [j if row[j] != -np.inf else -1 for j in chosen]
     return out
+# ---------------------------------------------------------------------------------------------
+# MSA block selection
+
+
+def block_score_ref(q: np.ndarray, cache: np.ndarray, block: int) -> np.ndarray:
+    """q [T,G,Di], cache [C,Di] -> [T, G, C // block]: the largest q . key per block of cells."""
+    n_blocks = cache.shape[0] // block
+    dots = np.einsum("tgd,cd->tgc", q, cache[: n_blocks * block])
+    return dots.reshape(*dots.shape[:2], n_blocks, block).max(axis=-1)
+
+
+def select_blocks(scores: np.ndarray, query_pos: int, block: int, top_k: int, local: int) -> list[int]:
+    """The blocks one (query, group) keeps: local blocks first (nearest first), then the best
+    earlier ones (higher score first, ties to the lower block), at most min(top_k, len(scores))."""
+    last = query_pos // block
+    budget = min(top_k, len(scores))
+    kept = [last - i for i in range(local) if last - i >= 0][:budget]
+    rest = sorted(range(last - len(kept) + 1), key=lambda b: (-float(scores[b]), b))
+    return kept + rest[: budget - len(kept)]
+
+
+def block_topk_ref(scores: np.ndarray, p0: int, block: int, top_k: int, local: int) -> np.ndarray:
+    """scores [T, G, NB] -> selected blocks [T, G, min(top_k, NB)] int32 (-1: empty slot)."""
+    t, g, nb = scores.shape
+    width = min(top_k, nb)
+    out = np.full((t, g, width), -1, dtype=np.int32)
+    for i in range(t):
+        for h in range(g):
+            chosen = select_blocks(scores[i, h], p0 + i, block, top_k, local)
+            out[i, h, : len(chosen)] = chosen
+    return out
+
+
+def block_mask_ref(sel: np.ndarray, p0: int, block: int) -> np.ndarray:
+    """sel [T, G, K] block ids -> additive mask [G, T, P+T] (0 at cells of selected blocks <= P+t)."""
+    t, g, _ = sel.shape
+    mask = np.full((g, t, p0 + t), -np.inf, dtype=np.float32)
+    for i in range(t):
+        for h in range(g):
+            for b in sel[i, h]:
+                if b >= 0:
+                    mask[h, i, b * block : min((b + 1) * block, p0 + i + 1)] = 0.0
+    return mask

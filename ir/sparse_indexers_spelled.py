@@ -1,5 +1,5 @@
-"""The sparse-attention indexer ops `indexer_score` (QSA) and `token_score` (DSA) spelled in primitives (references in
-`sparse_indexers.py`).
+"""The sparse-attention indexer ops `indexer_score` (QSA), `token_score` (DSA) and `indexer_block_score`
+(MSA) spelled in primitives (references in `sparse_indexers.py`).
 
 They are both the decompositions of the fused ops and the unfused builders the frontend blocks
 call, so the fusion passes match exactly what a decomposition emits and the decomposed, unfused
@@ -66,6 +66,22 @@ def _token_score(b: GraphBuilder, n: Node) -> list[Value]:
     return [token_score_spelled(b, q, cache, w, pos, n.outputs[0].name)]
 
 
+def block_score_spelled(b: GraphBuilder, q: Value, cache: Value, block: int, name: str) -> Value:
+    """score[t, g, b] = max over the cells of block b of q[t, g] . key -> [T, G, C // block]."""
+    t, n_groups, di = q.shape
+    n_cells = int(cache.shape[0])
+    nb = n_cells // block
+    keys = cache if nb * block == n_cells else b.slice(cache, 0, 0, nb * block, f"{name}.full")
+    q2 = b.reshape(q, (mul_dim(int(n_groups), t), di), f"{name}.q2")
+    dots = b.reshape(b.matmul(q2, keys, f"{name}.dots2"), (t, n_groups, nb, block), f"{name}.dots")
+    return b.reduce("max", dots, name, axis=3, keepdims=False)
+
+
+def _indexer_block_score(b: GraphBuilder, n: Node) -> list[Value]:
+    q, cache = n.inputs
+    return [block_score_spelled(b, q, cache, n.attrs.block, n.outputs[0].name)]
+
+
 def _indexer_score(b: GraphBuilder, n: Node) -> list[Value]:
     a: O.IndexerScore = n.attrs
     q, cache, norm, table = n.inputs
@@ -75,4 +91,5 @@ def _indexer_score(b: GraphBuilder, n: Node) -> list[Value]:
 INDEXER_DECOMPOSITIONS = {
     "indexer_score": _indexer_score,
     "token_score": _token_score,
+    "indexer_block_score": _indexer_block_score,
 }

@@ -1,6 +1,9 @@
-"""Indexer fusion (QSA blocks, DSA tokens): the spelled block scoring of `frontend/blocks_hc.py::qsa_mask` into one
-`indexer_score` node, and the masked attention into the sparse attention that reads only the
-selected cells.
+"""Sparse-attention indexer fusion (QSA blocks, DSA tokens, MSA blocks per group). QSA: the spelled
+block scoring of `frontend/blocks_hc.py::qsa_mask` into one `indexer_score` node, and the masked
+attention into the sparse attention that reads only the selected cells (DSA's token selection
+likewise). MSA (`frontend/archs/minimax_m3.py`): the spelled per-group block maxima into one
+`indexer_block_score` node, and the per-group masked attention into the block-sparse attention that
+reads only the selected blocks.
 
     keys  = concat(mean(reshape(cache[:nb*r], [nb, r, Di]), 1), cache[:1])      + the spare block
     kb    = rope_rows(rms(keys) * k_norm, table)                                  rms fused or spelled
@@ -21,6 +24,15 @@ with nb = C // r, the spare row is row 0, the rotation pairs halves [0, n_rot/2)
 [n_rot/2, n_rot) with the cos/sin planes of one [nb+1, n_rot/2, 2] table, any rest passes
 through, and q is [T, Hi, Di] flattened head-major. When the dense form makes the indexer dead,
 its raw-key cache (written, never read) is dropped with the nodes that fed it.
+
+MSA:
+
+    score = max(reshape(reshape(q, [T*G, Di]) @ cache[:nb*b].T, [T, G, nb, b]), axis 3)
+        -> indexer_block_score(q, cache)
+    attention(q, K, V, pos, block_mask(block_topk(score, pos), pos))  (mask "additive", [G, T, P+T])
+        -> attention(q, K, V, pos, sel)  (mask "blocks": K blocks per query and group)
+        -> attention(q, K, V, pos)       when min(top_k, blocks) covers every block of the KV cache
+
 Hits: one per rewritten attention plus one per fused scoring.
 """
 
@@ -63,11 +75,30 @@ def _only_selects(sel: Value, g: GraphView) -> bool:
     return sel.id not in g.escaping and all(n.op in ("index_mask", "attention") for n in g.users.get(sel.id, ()))
 
 
+def _build_block_attention(m: Match, g: GraphView) -> Rewrite | None:
+    attn, sel, pos = m.nodes["attn"], m.values["sel"], m.values["pos"]
+    topk = g.producer(sel)
+    if attn.attrs.mask != "additive" or topk is None or topk.op != "block_topk" or topk.outputs[0] is not sel:
+        return None
+    q, kc, vc, pos_a = attn.inputs[:4]
+    block = m.nodes["mask"].attrs.block
+    if pos_a is not pos or topk.inputs[1] is not pos or g.n_users(sel) != 1 or block != topk.attrs.block:
+        return None
+    width = int(sel.shape[2])
+    if width * block >= int(kc.shape[0]):  # every block of the context fits the budget: exactly dense
+        return Rewrite("attention", (q, kc, vc, pos), O.Attention(attn.attrs.scale))
+    return Rewrite("attention", (q, kc, vc, pos, sel), O.Attention(attn.attrs.scale, "blocks", block))
+
+
 ATTENTION_RULES = [
     Rule("qsa_sparse_attention",
          P("attention", V("q"), V("kc"), V("vc"), V("pos_a"), P("index_mask", V("sel"), V("pos"), name="mask"),
            name="attn"),
          _build_attention),
+    Rule("msa_block_sparse_attention",
+         P("attention", V("q"), V("kc"), V("vc"), V("pos_a"), P("block_mask", V("sel"), V("pos"), name="mask"),
+           name="attn"),
+         _build_block_attention),
 ]
 
 
@@ -136,7 +167,31 @@ def _build_score(m: Match, g: GraphView) -> Rewrite | None:
     return Rewrite("indexer_score", (q, cache, norm, table), O.IndexerScore(ratio, eps, n_rot))
 
 
-SCORE_RULES = [Rule("indexer_score", score_pat(), _build_score)]
+def block_score_pat() -> Pat:
+    keys = any_of(P("slice", V("cache"), where=where_attrs(axis=0, start=0), name="full"), V("cache"))
+    dots = P("reshape", P("matmul", P("reshape", V("q"), name="q2"), keys), name="dots")
+    return P("reduce", dots, where=where_attrs(fn="max", axis=3, keepdims=False))
+
+
+def _build_block_score(m: Match, g: GraphView) -> Rewrite | None:
+    q, cache = m.values["q"], m.values["cache"]
+    cache_shape, dots = static_shape(cache.shape), m.values["dots"].shape
+    if len(q.shape) != 3 or cache_shape is None or len(cache_shape) != 2 or len(dots) != 4:
+        return None
+    n_cells, di = cache_shape
+    t, n_groups, nb, block = dots
+    if not isinstance(nb, int) or not isinstance(block, int) or q.shape[2] != di or nb != n_cells // block:
+        return None
+    if ("full" in m.nodes and m.nodes["full"].attrs.stop != nb * block) or (
+            "full" not in m.nodes and nb * block != n_cells):
+        return None
+    if not shapes_equal((t, n_groups), q.shape[:2]):
+        return None
+    return Rewrite("indexer_block_score", (q, cache), O.IndexerBlockScore(block))
+
+
+SCORE_RULES = [Rule("indexer_score", score_pat(), _build_score),
+               Rule("msa_block_score", block_score_pat(), _build_block_score)]
 
 
 # ---------------------------------------------------------------------------------------------

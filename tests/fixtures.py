@@ -27,6 +27,7 @@ from pathlib import Path
 
 import fixtures_hyperconnected as hyperconnected
 import fixtures_latent as latent
+import fixtures_msa as msa
 import gguf
 import numpy as np
 from fixture_spec import (
@@ -66,6 +67,7 @@ class ArchRecipe:
     # exp_probs_b with an ungated shared expert (fixture_spec.biased_moe_with_ungated_shared_expert),
     # weights renormalised and scaled
     biased_moe: bool = False
+    msa: bool = False  # minimax-m3: leading dense block, MoE blocks with MSA; its own tensor plan (fixtures_msa.py)
 
 
 RECIPES: dict[str, ArchRecipe] = {
@@ -78,6 +80,7 @@ RECIPES: dict[str, ArchRecipe] = {
     "deepseek32": ArchRecipe(moe="always", latent=True),
     "glm-dsa": ArchRecipe(moe="always", latent=True),
     "hy_v3": ArchRecipe(moe="always", qk_norm=True, expert_ff_key=True, biased_moe=True),
+    "minimax-m3": ArchRecipe(moe="always", qk_norm=True, msa=True),
 }
 BIASED_MOE_WEIGHTS_SCALE = 2.5  # hy_v3 fixtures: expert_weights_scale (with expert_weights_norm true)
 
@@ -119,6 +122,8 @@ def plan_tensors(arch: str, size: FixtureSize, opts: FixtureOptions) -> list[Ten
         return hyperconnected.plan(s, opts)
     if recipe.latent:
         return latent.plan(arch, s, opts)
+    if recipe.msa:
+        return msa.plan(s, opts)
     specs = [TensorSpec("token_embd.weight", (s.vocab, s.n_embd), "matrix"),
              TensorSpec("output_norm.weight", (s.n_embd,), "norm")]
     if not opts.tied_output:
@@ -415,6 +420,8 @@ def _write_hparams(w: gguf.GGUFWriter, arch: str, s: FixtureSize, opts: FixtureO
     if RECIPES[arch].hybrid:
 
         w.add_rope_dimension_count(rope_dimension_count(arch, s))
+    elif RECIPES[arch].msa:
+        w.add_rope_dimension_count(msa.rope_dimension_count(s))
     else:
         w.add_rope_dimension_count(s.head_dim)
     w.add_layer_norm_rms_eps(opts.rms_eps)
@@ -438,6 +445,8 @@ def _write_hparams(w: gguf.GGUFWriter, arch: str, s: FixtureSize, opts: FixtureO
     if RECIPES[arch].hyper:
 
         hyperconnected.write_hparams(w, s)
+    if RECIPES[arch].msa:
+        msa.write_hparams(w, s)
     w.add_vocab_size(s.vocab)
 
 

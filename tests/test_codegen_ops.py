@@ -744,6 +744,56 @@ def dsa_cases() -> list[Case]:
     ]
 
 
+def _block_score_case(block: int) -> Case:
+    def build(cg: CaseGraph) -> Graph:
+        ins = [cg.rows((2, 8)), cg.state((N_CTX, 8), "idx")]
+        return cg.finish(cg.emit("indexer_block_score", ins, O.IndexerBlockScore(block)))
+
+    return Case(f"indexer_block_score-b{block}", "indexer_block_score", build, group="minimax-m3", calls=STATEFUL)
+
+
+def _selected_blocks(cg: CaseGraph, block: int, top_k: int, local: int) -> Value:
+    """block_topk over random per-group block scores: local blocks, then the best earlier ones."""
+    scores = cg.rows((2, N_CTX // block))
+    return cg.emit("block_topk", [scores, cg.pos], O.BlockTopK(block, top_k, local))[0]
+
+
+def _block_topk_case(block: int, top_k: int, local: int) -> Case:
+    return Case(f"block_topk-b{block}-k{top_k}-l{local}", "block_topk",
+                lambda cg: cg.finish([_selected_blocks(cg, block, top_k, local)]), group="minimax-m3", calls=STATEFUL)
+
+
+def _block_mask_case(cg: CaseGraph) -> Graph:
+    return cg.finish([cg.emit("block_mask", [_selected_blocks(cg, 3, 2, 1), cg.pos], O.BlockMask(3))[0]])
+
+
+def _msa_attention_case(mask: str) -> Case:
+    def build(cg: CaseGraph) -> Graph:
+        q = cg.rows((4, 8))
+        kc, vc = _cache_write(cg, "k", 2, 8), _cache_write(cg, "v", 2, 8)
+        sel = _selected_blocks(cg, 3, 2, 1)
+        extra = sel if mask == "blocks" else cg.emit("block_mask", [sel, cg.pos], O.BlockMask(3))[0]
+        out = cg.emit("attention", [q, kc, vc, cg.pos, extra], O.Attention(0.35, mask, 3 if mask == "blocks" else 0))
+        return cg.finish([out[0]], {f"{cg.name}.k": kc, f"{cg.name}.v": vc})
+
+    return Case(f"attention-msa-{mask}", "attention", build, group="minimax-m3", calls=STATEFUL)
+
+
+def minimax_m3_cases() -> list[Case]:
+    """MSA: per-group block scores, the block selection (local blocks first), its per-group mask,
+    and attention over the selected blocks (masked and block-sparse)."""
+    return [
+        _block_score_case(4),
+        _block_score_case(3),
+        _block_topk_case(3, 2, 1),
+        _block_topk_case(2, 3, 2),
+        _block_topk_case(4, 8, 1),
+        Case("block_mask", "block_mask", _block_mask_case, group="minimax-m3", calls=STATEFUL),
+        _msa_attention_case("additive"),
+        _msa_attention_case("blocks"),
+    ]
+
+
 def _routing_ffn_case(name: str, attrs: O.MoeFFN, qtype: str = "F32", e: int = 16, f: int = 12, fs: int = 10,
                       n_exp: int = 5, latent: int = 8) -> Case:
     """A moe_ffn row of the routing family: inputs in ops.moe_inputs order, from the attrs (a
@@ -834,6 +884,7 @@ CASES: list[Case] = [
     *recurrent_cases(),
     *qwen4exp_cases(),
     *dsa_cases(),
+    *minimax_m3_cases(),
     *moe_routing_cases(),
 ]
 

@@ -30,7 +30,7 @@ from ggufc.runtime.plan_expr import PlanExprError, compile_many
 from ggufc.runtime.plan_runtime import PlanError, prepare_functions
 
 FIXTURES = ["llama-dense", "qwen3-dense", "qwen3moe-moe", "llama-dense-Q4_K_M", "qwen35-dense", "qwen3next-moe",
-            "qwen4exp-moe"]
+            "qwen4exp-moe", "minimax-m3-moe"]
 # decode steps not captured as one CUDA graph: qwen4exp's PLE hash (and QSA indexer, when sparse) has
 # no variant reading the position from device memory, so it (and the kernels Relax leaves between
 # the resulting graphs) launches one by one; most launches are still captured

@@ -93,7 +93,26 @@ def _cases() -> list[Case]:
     cases += _fused_cases()
     cases += _qwen4exp_cases()
     cases += _dsa_cases()
+    cases += _minimax_m3_cases()
     cases += _moe_routing_cases()
+    return cases
+
+
+def _minimax_m3_cases() -> list[Case]:
+    """MSA: per-group block scores, block selection (local blocks first), per-group block mask,
+    attention over the selected blocks (per-group additive mask, block-sparse form)."""
+    cases: list[Case] = []
+    for block in (3, 4):
+        cases += _both_t("indexer_block_score", O.IndexerBlockScore(block),
+                         (In("q", ("T", 2, 6)), In("cache", (12, 6))))
+    for block, top_k, local, p in ((3, 2, 1, 4), (2, 3, 2, 6), (4, 8, 1, 2)):
+        cases += _both_t("block_topk", O.BlockTopK(block, top_k, local), (In("s", ("T", 2, 12 // block)), POS), p=p)
+    cases += _both_t("block_mask", O.BlockMask(3), (In("sel", ("T", 2, 2), "ids:4", "int32"), POS), p=4)
+    q, kc, vc = In("q", ("T", 4, 5)), In("kc", (CACHE, 2, 5)), In("vc", (CACHE, 2, 5))
+    cases += _both_t("attention", O.Attention(0.37, "additive"), (q, kc, vc, POS, In("m", (2, "T", "P+T"))), p=3)
+    # blocks of 2 cells, ids below 4, queries from cell 6: every selected block has a visible cell
+    cases += _both_t("attention", O.Attention(0.37, "blocks", 2),
+                     (q, kc, vc, POS, In("sel", ("T", 2, 2), "ids:4", "int32")), p=6)
     return cases
 
 

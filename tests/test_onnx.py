@@ -168,6 +168,9 @@ ARCHS = sorted(ARCHITECTURES)
 # qwen4exp's QSA budget (top_k 8 + ratio 4 - 1) no longer covers the context: sparse selection
 CALLS = ((0, 9), (9, 14))
 ORT_TOLERANCE = 2e-5  # largest |ort - interp| over the largest |interp|, per output and state
+# graphs that round to half precision (minimax-m3's K/V, as llama.cpp's flash attention reads them):
+# a last-bit float32 difference before the rounding moves a value by one f16 step (2^-11 relative)
+F16_TOLERANCE = 2e-3
 
 
 @pytest.fixture(scope="module")
@@ -221,11 +224,12 @@ def test_onnxruntime_runs_every_architecture_like_the_interpreter(
     onnx.checker.check_model(exported)
     assert {n.domain for n in exported.graph.node} == {""}
     want, got = _interpret(graph, load, tokens), _onnxruntime(tmp_path / "std.onnx", graph, load, tokens)
+    rounds = any(n.op == "unary" and n.attrs.fn == "round_f16" for n in graph.nodes)
     for call_want, call_got in zip(want, got, strict=True):
         for w, g in zip(call_want, call_got, strict=True):
             assert g.shape == w.shape and g.dtype == w.dtype
             scale = float(np.max(np.abs(w))) or 1.0
-            assert float(np.max(np.abs(g - w))) <= ORT_TOLERANCE * scale
+            assert float(np.max(np.abs(g - w))) <= (F16_TOLERANCE if rounds else ORT_TOLERANCE) * scale
     assert np.std(want[-1][0]) > 0.05  # the logits carry signal, so agreeing on them means something
 
 

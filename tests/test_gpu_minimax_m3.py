@@ -1,0 +1,146 @@
+"""minimax-m3 on the vulkan target: the MSA kernels (block scores, block selection in the
+reference's order, half-precision rounding in integer arithmetic) against their references, the
+MSA selection of a whole model against the numpy interpreter (as sets, per query and group,
+one-shot, chunked and decode), and llama.cpp's goldens through `ggufc eval --target vulkan`
+(dense here, sparse in the slow tier)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import test_gpu_targets as TGT
+import test_minimax_m3 as TM
+from gpu_support import golden_fixture, golden_logits, need_vulkan, nmse
+from test_gpu_qwen4exp import VulkanModel, _compile, _eval_modes
+from tvm import te
+
+from ggufc.codegen import device_info as DI
+from ggufc.codegen import gpu as GPU
+from ggufc.codegen import kernels as K
+from ggufc.codegen import sparse_indexers as SIK
+from ggufc.codegen.target import gpu_target
+from ggufc.driver.stages import optimise
+from ggufc.ir import ops as O
+from ggufc.ir import sparse_indexers as SI
+from ggufc.runtime.wgpu_runtime import run_kernel
+
+
+@pytest.fixture(scope="module")
+def dev() -> object:
+    return need_vulkan()
+
+
+def test_block_score_equals_reference(dev: object) -> None:
+    groups, di, cells, block = 2, 16, 24, 4
+    kernel = DI.compile_kernel(SIK.block_score_gpu(groups, di, cells, block), gpu_target("vulkan"), "block_score")
+    rng = np.random.default_rng(2)
+    cache = rng.standard_normal((cells, di)).astype(np.float32)
+    for n in (5, 1):
+        q = rng.standard_normal((n, groups, di)).astype(np.float32)
+        got = run_kernel(dev, kernel.to_json(), kernel.entry_sources,
+                         [q, cache, np.zeros((n, groups, cells // block), np.float32)])[2]
+        np.testing.assert_allclose(got, SI.block_score_ref(q, cache, block), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("block", "top_k", "local"), [(4, 3, 1), (2, 5, 2), (3, 40, 1)])
+def test_block_topk_equals_reference_order(block: int, top_k: int, local: int, dev: object) -> None:
+    """Same blocks in the same order as the reference (local first, then by score, ties to the
+    lower block); few distinct scores, so many ties."""
+    groups, nb = 2, 32
+    width = min(top_k, nb)
+    kernel = DI.compile_kernel(SIK.block_topk_gpu(groups, nb, block, top_k, local), gpu_target("vulkan"), "topk")
+    rng = np.random.default_rng(block * 10 + top_k)
+    for n, pos in ((12, 0), (1, 0), (5, 30), (1, nb * block - 1)):
+        scores = rng.integers(0, 4, (n, groups, nb)).astype(np.float32)
+        got = run_kernel(dev, kernel.to_json(), kernel.entry_sources,
+                         [scores, pos, np.zeros((n, groups, width), np.int32)])[2]
+        want = SI.block_topk_ref(scores, pos, block, top_k, local)
+        np.testing.assert_array_equal(got, want, err_msg=f"n={n} pos={pos}")
+
+
+def test_round_to_half_precision_in_integer_arithmetic(dev: object) -> None:
+    """Ties to even, f16 subnormals, overflow to inf, signed zeros, NaN: numpy's float16 cast."""
+    n = 4096
+    x = te.placeholder((n,), "float32", name="x")
+    y = te.compute((n,), lambda i: K.round_to_f16(x[i]), name="y")
+    target = gpu_target("vulkan")
+    scheduled, _, notes = GPU.apply_dlight(K.func([x, y]), target, [r for r in GPU._dlight_rules()
+                                                                      if r[0] == "dlight.Fallback"])
+    assert scheduled is not None, notes
+    kernel = DI.compile_kernel(scheduled, target, "round_f16")
+    rng = np.random.default_rng(0)
+    vals = np.concatenate([rng.standard_normal(n // 4) * s for s in (1e-6, 1e-3, 1.0, 3e4)]).astype(np.float32)
+    special = [0.0, -0.0, np.inf, -np.inf, 65504.0, 65519.99, 65520.0, -1e9, 2.0**-24, 2.0**-25, 1.5 * 2.0**-24,
+               2.5 * 2.0**-24, 3 * 2.0**-25, 2.0**-14, 2.0**-14 * (1 - 2.0**-12), 1 + 2.0**-11, 1 + 3 * 2.0**-11]
+    vals[: len(special)] = special
+    got = run_kernel(dev, kernel.to_json(), kernel.entry_sources, [vals, np.zeros(n, np.float32)])[1]
+    with np.errstate(over="ignore"):
+        want = O.UNARY_FNS["round_f16"](vals)
+    np.testing.assert_array_equal(got, want)
+    assert np.array_equal(np.signbit(got), np.signbit(want))
+
+
+def test_vulkan_selection_equals_reference_as_sets(tmp_path: Path, dev: object) -> None:
+    """Per query and group, the compiled MSA selection is the interpreter's set, one-shot, in
+    chunks of 7 and in decode; the logits agree."""
+    model = TM.load_model(TM.write_fixture("minimax-m3", tmp_path / "m.gguf", seed=0, biases=True, scales=True))
+    graph = optimise({"prefill_all": model.graphs["prefill_all"]}, frozenset())[0]["prefill_all"]
+    topk = next(n for n in graph.nodes if n.op == "block_topk")
+    graph = graph.replace(outputs=[graph.outputs[0], topk.outputs[0]])
+    tokens = TM.project_tokens(model)
+    logits_ref, want = TM.interpret(model, graph, tokens, 64, outputs=2)
+    compiled = VulkanModel(model, graph)
+    for chunk in (64, 7, 1):
+        logits, got = compiled.run(tokens, chunk)
+        assert nmse(logits, logits_ref) < 1e-10, chunk
+        assert got.shape == want.shape
+        for t in range(len(tokens)):
+            for g in range(want.shape[1]):
+                assert set(got[t, g].tolist()) == set(want[t, g].tolist()), f"chunks of {chunk}, query {t}"
+
+
+def test_minimax_m3_vulkan_eval_matches_llama_cpp(tmp_path: Path, dev: object) -> None:
+    golden = golden_logits("minimax-m3-moe")
+    got = _eval_modes(_compile(golden_fixture("minimax-m3-moe"), tmp_path), golden["tokens"], tmp_path)
+    for key, logits in got.items():
+        assert logits.shape == golden[key].shape and nmse(logits, golden[key]) < 1e-6, (key, nmse(logits, golden[key]))
+
+
+@pytest.mark.slow
+def test_minimax_m3_sparse_vulkan_eval_matches_llama_cpp_sparse(tmp_path: Path, dev: object) -> None:
+    """top_k = 2 blocks: closer to llama.cpp's sparse logits than its dense logits are, by >= 100x."""
+    dense, sparse = golden_logits("minimax-m3-moe"), golden_logits("minimax-m3-moe-sparse")
+    path = TM.with_metadata(golden_fixture("minimax-m3-moe"), tmp_path / "sparse.gguf",
+                            "minimax-m3.attention.indexer.top_k", str(TM.SPARSE_TOP_K))
+    got = _eval_modes(_compile(path, tmp_path), sparse["tokens"], tmp_path)
+    for key, logits in got.items():
+        err, gap = nmse(logits, sparse[key]), nmse(dense[key], sparse[key])
+        assert err < 1e-6 and gap / err >= 100, (key, err, gap)
+
+
+# ---------------------------------------------------------------------------------------------
+# cuda and metal without a GPU: the MSA kernels of the sparse golden fixture (the dense one fuses
+# to plain causal attention) through test_gpu_targets.py's checks
+
+
+@pytest.fixture
+def sparse_fixture(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """`golden_fixture` of test_gpu_targets.py answering the sparse variant (top_k 2) by name."""
+    path = TM.with_metadata(golden_fixture("minimax-m3-moe"), tmp_path / "minimax-m3-moe-sparse.gguf",
+                            "minimax-m3.attention.indexer.top_k", str(TM.SPARSE_TOP_K))
+    monkeypatch.setattr(TGT, "golden_fixture", lambda name: path)
+    # block_topk takes the position as a scalar (no variant reading it from device memory): the
+    # decode step's CUDA graph is split around it, as qwen4exp's around its PLE hash
+    monkeypatch.setitem(TGT.SPLIT_DECODE_GRAPH, "minimax-m3-moe-sparse", {"block_topk"})
+    return "minimax-m3-moe-sparse"
+
+
+@pytest.mark.slow
+def test_sparse_cuda_kernels_compile_to_ptx(sparse_fixture: str) -> None:
+    TGT.test_every_cuda_kernel_compiles_to_ptx(sparse_fixture)
+
+
+def test_sparse_metal_kernels_match_the_plan(sparse_fixture: str, tmp_path: Path) -> None:
+    TGT.test_metal_kernels_match_the_plan(sparse_fixture, tmp_path)
