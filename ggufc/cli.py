@@ -468,7 +468,8 @@ def speculative_report(session: Any, stats: Any, n_prompt: int, produced: list[i
 
     line = (f"speculative: {stats.accepted}/{stats.drafted} drafted tokens accepted ({100 * stats.acceptance:.0f}%), "
             f"{stats.generated} tokens in {stats.steps + 1} model calls, {stats.seconds:.2f} s; "
-            f"rollbacks by copy {session.stats.rollback_copies}, replayed tokens {session.stats.replayed_tokens}")
+            f"rejections cut back {session.stats.truncations} times ({session.stats.rollback_copies} by copying "
+            f"recurrent state, {session.stats.replayed_tokens} tokens replayed)")
     timed = produced[: min(len(produced), 32)]
     if len(timed) < 2 or stats.seconds <= 0:
         return line
