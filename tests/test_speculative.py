@@ -75,6 +75,23 @@ def test_hybrid_speculative_equals_plain_greedy(hybrid: Path, drafter_kind: str,
     assert after.replayed_tokens == before["replayed_tokens"]
 
 
+@needs_golden
+def test_speculative_stops_when_the_context_is_full(hybrid: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """As plain greedy does: the last token is emitted once the context is full, with a note."""
+    session = Session(hybrid)
+    prompt = np.resize(np.load(GOLDEN / "logits" / "qwen35-dense.npz")["tokens"], session.n_ctx - 3)
+    logits, want = session.forward(prompt), []
+    while True:
+        want.append(int(np.argmax(logits)))
+        if session.n_free == 0:
+            break
+        logits = session.forward([want[-1]])
+    session.reset()
+    got = list(speculative_greedy(session, prompt, NgramDrafter(), max_new_tokens=10))
+    assert got == want and len(got) == 4 and session.n_past == session.n_ctx
+    assert "context full" in capsys.readouterr().err
+
+
 def test_speculative_options_refused_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     for argv in (["run", "--prompt", "x", "--speculate", "ngram", "--temp", "0.7"],
                  ["run", "--prompt", "x", "--speculate", "ngram", "--draft", "d.gguf"]):
