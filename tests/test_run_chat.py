@@ -53,3 +53,17 @@ def test_chat_reads_the_first_message_from_stdin(toy_chat_artifact: Path, capsys
     assert main(["run", str(toy_chat_artifact), "-n", "2"]) == 2  # without --chat a prompt is needed
     err = capsys.readouterr().err.strip()
     assert err.startswith("ggufc: error:") and "--prompt" in err and len(err.splitlines()) == 1, err
+
+
+def test_chat_through_a_pipe(toy_chat_artifact: Path) -> None:
+    """The command itself with its stdin piped: one reply line per message, each turn reported."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-m", "ggufc.cli", "run", str(toy_chat_artifact), "--chat", "-n", "3"],
+                          input="dbe\nca\n", capture_output=True, text=True, timeout=300,
+                          env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stderr
+    assert len(done.stdout.splitlines()) == 2
+    assert len(re.findall(r"chat: turn \d+, \d+ of \d+ prompt tokens reused", done.stderr)) == 2
