@@ -47,20 +47,22 @@ def sparse_copy(tmp: Path) -> Path:
     return path
 
 
+class CompiledOnce(dict[str, Path]):
+    """Fixture name -> artifact, compiled on first use (a -k selection compiles only its own)."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, name: str) -> Path:
+        gguf = sparse_copy(self.root) if name.endswith("-sparse") else GOLDEN / "fixtures" / f"{name}.gguf"
+        self[name] = ggufc.compile(gguf, self.root / name)
+        return self[name]
+
+
 @pytest.fixture(scope="module")
-def artifacts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Each fixture compiled once for the module (lazily: a -k selection compiles only its own)."""
-    root = tmp_path_factory.mktemp("truncate")
-    made: dict[str, Path] = {}
-
-    class Lazy(dict):  # type: ignore[type-arg]
-        def __missing__(self, name: str) -> Path:
-            gguf = sparse_copy(root) if name.endswith("-sparse") else GOLDEN / "fixtures" / f"{name}.gguf"
-            made[name] = ggufc.compile(gguf, root / name)
-            self[name] = made[name]
-            return made[name]
-
-    return Lazy()
+def artifacts(tmp_path_factory: pytest.TempPathFactory) -> CompiledOnce:
+    return CompiledOnce(tmp_path_factory.mktemp("truncate"))
 
 
 @dataclass
