@@ -11,7 +11,9 @@ place. `prefill_all` returns float32 [T, V]; `prefill` and `decode` (T == 1) ret
 
 from __future__ import annotations
 
+import gc
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ import numpy as np
 from .artifact import (
     KERNELS_NAME,
     LAYOUT_FUNCTION,
+    MANIFEST_NAME,
     Artifact,
     ArtifactError,
     aligned_empty,
@@ -29,11 +32,24 @@ from .artifact import (
     one_line,
     open_artifact,
     read_weights,
+    sha256_file,
+)
+from .context import (
+    PER_POSITION,
+    RECURRENT,
+    ContextHistory,
+    ContextStats,
+    common_prefix,
+    default_interval,
+    split_points,
+    state_kinds,
 )
 from .cuda_runtime import provide_cuda_binary
 from .plan_format import BackendUnavailableError
 from .plan_runtime import PlanError, PlanRunner
+from .state_file import SavedState, StateFileError, read_state_file, write_state_file
 
+VERIFY = "verify"  # all logits, each row as a one-token call computes it (CPU artifacts have it)
 PLAN_DEVICES = ("vulkan", "metal")  # artifacts run from a dispatch plan, not a Relax VM executable
 
 # Session device name -> the manifest's target_key the kernels must have been built for.
@@ -77,14 +93,36 @@ def configure_cpu_threads(threads: int | None = None) -> int:
     return n
 
 
+def resident_bytes() -> int:
+    """This process's resident set size (Linux /proc; 0 where unavailable)."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+@dataclass
+class ReleasedDevice:
+    """What `release_device` kept: host copies of the states in use (None: states stayed)."""
+
+    states: dict[int, np.ndarray] | None
+
+
 class ContextOverflowError(ValueError):
     """More tokens than the compiled context holds; nothing was run."""
 
 
 class Session:
-    """A loaded artifact plus its context (the tokens fed so far live in the states)."""
+    """A loaded artifact plus its context (the tokens fed so far live in the states).
 
-    def __init__(self, artifact: str | os.PathLike[str], *, device: str = "cpu", threads: int | None = None) -> None:
+    The context can be cut back (`truncate`) and continued: per-position caches by moving the
+    end, recurrent states from checkpoints every `checkpoint_interval` tokens (runtime/context.py).
+    """
+
+    def __init__(self, artifact: str | os.PathLike[str], *, device: str = "cpu", threads: int | None = None,
+                 checkpoint_interval: int | None = None) -> None:
+        self._checkpoint_interval = checkpoint_interval
         target_key = DEVICE_TARGET_KEYS.get(device)
         if target_key is None:
             raise ArtifactError(f"unknown device '{device}' (known: {', '.join(DEVICE_TARGET_KEYS)})")
@@ -100,7 +138,6 @@ class Session:
 
     def _load(self, artifact: Artifact, device: str) -> None:
         import tvm
-        import tvm_ffi
 
         manifest = artifact.manifest
         self.manifest: dict[str, Any] = manifest
@@ -110,6 +147,13 @@ class Session:
         self._device = tvm.device(device)
         self._on_cpu = device == "cpu"
         self._plan: Any = None
+        self._released: ReleasedDevice | None = None
+        self._kinds = state_kinds(manifest)
+        self._state_specs = [array_layout(s) for s in manifest["states"]]
+        self._recurrent = [i for i, k in enumerate(self._kinds) if k == RECURRENT]
+        self._per_position = [i for i, k in enumerate(self._kinds) if k == PER_POSITION]
+        interval = self._checkpoint_interval or default_interval(self.n_ctx)
+        self._context = ContextHistory(self.n_ctx, interval)
         if device in PLAN_DEVICES:  # vulkan / metal: dispatch plan on wgpu or Metal (plan_runtime.py)
             self._load_plan(artifact, device)
             return
@@ -118,17 +162,25 @@ class Session:
                 provide_cuda_binary(artifact.path, manifest)
             except (ValueError, OSError) as exc:
                 raise ArtifactError(f"{artifact.path}: {one_line(exc)}") from None
-        self._functions = _vm_functions(artifact, self._device)
-
-        weights = read_weights(artifact.path, manifest)
-        self._state_arrays = [aligned_zeros(*array_layout(s)) for s in manifest["states"]]
-        self._params = tvm_ffi.Array([self._to_device(a) for a in weights])
-        self._state_tensors = [self._to_device(a) for a in self._state_arrays]
-        self._states = tvm_ffi.Array(self._state_tensors)
+        self._load_kernels_and_weights(artifact)
+        self._allocate_states()
         self._token_buffer = aligned_empty(self.max_chunk, np.int32)
         self._shape_tuple = tvm.runtime.ShapeTuple
         self._n_past = 0
         self._decode_inputs = _decode_inputs(manifest, len(self._state_tensors), artifact.path)
+
+    def _load_kernels_and_weights(self, artifact: Artifact) -> None:
+        import tvm_ffi
+
+        self._functions = _vm_functions(artifact, self._device)
+        self._params: Any = tvm_ffi.Array([self._to_device(a) for a in read_weights(artifact.path, artifact.manifest)])
+
+    def _allocate_states(self) -> None:
+        import tvm_ffi
+
+        self._state_arrays = [aligned_zeros(shape, dtype) for shape, dtype in self._state_specs]
+        self._state_tensors = [self._to_device(a) for a in self._state_arrays]
+        self._states: Any = tvm_ffi.Array(self._state_tensors)
 
     def _load_plan(self, artifact: Artifact, device: str) -> None:
         weights = read_weights(artifact.path, self.manifest)
@@ -167,8 +219,30 @@ class Session:
             return None
         return self._artifact.file(str(tok["file"]))
 
+    @property
+    def tokens(self) -> np.ndarray:
+        """The tokens in the context, in order (a copy)."""
+        return self._context.tokens[: self._n_past].copy()
+
+    @property
+    def checkpoint_interval(self) -> int:
+        return self._context.interval
+
+    @property
+    def stats(self) -> ContextStats:
+        """Counts of truncations by how they were served, replayed tokens, checkpoints taken."""
+        return self._context.stats
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        """Host memory held by copies of recurrent state (checkpoints and rollback copies)."""
+        return self._context.checkpoint_bytes()
+
     def reset(self) -> None:
         """Empty the context: zero every state (recurrent states start from zero)."""
+        self._context.clear()
+        if self._released is not None and self._released.states is not None:
+            self._released.states = {}  # evicted: the restore brings back zeros
         if self._plan is not None:
             self._plan.reset()
             self._n_past = 0
@@ -182,25 +256,263 @@ class Session:
                 tensor.copyfrom(array)
         self._n_past = 0
 
+    def truncate(self, n: int) -> None:
+        """Keep the first `n` tokens of the context; the next forward continues at position n with
+        the logits a fresh session fed the same tokens would give.
+
+        Per-position caches are cut (cells [n, n_past) cleared); recurrent states come from the
+        copy kept at n by a forward with `keep_rollback`, or from the nearest checkpoint <= n and
+        a replay of at most `checkpoint_interval - 1` tokens.
+        """
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= self._n_past:
+            raise ValueError(f"truncate needs a token count in [0, {self._n_past}], got {n!r}")
+        n = int(n)
+        if n == self._n_past:
+            return
+        self._ensure_device()
+        ctx, stats = self._context, self._context.stats
+        stats.truncations += 1
+        start, copy, from_rollback = ctx.nearest(n) if self._recurrent else (n, None, False)
+        for i in self._per_position:
+            self._clear_cells(i, start, self._n_past)
+        for j, i in enumerate(self._recurrent):
+            if copy is None:
+                self._clear_cells(i, 0, None)
+            else:
+                self._write_state(i, copy[j])
+        ctx.forget_after(n)
+        if not self._recurrent or start == n and not from_rollback:
+            stats.cuts += 1
+        elif from_rollback:
+            stats.rollback_copies += 1
+        else:
+            stats.checkpoint_restores += 1
+        replay = ctx.tokens[start:n].copy()
+        self._n_past = start
+        if replay.size:
+            stats.replayed_tokens += int(replay.size)
+            self._feed(replay, all_logits=False, keep_rollback=0)
+
+    def state(self, name: str) -> np.ndarray:
+        """The named state (a manifest state name) as a host array, a copy."""
+        names = [str(st.get("name")) for st in self.manifest["states"]]
+        if name not in names:
+            raise ValueError(f"no state named {name!r:.60} (states: {', '.join(names)[:200]})")
+        self._ensure_device()
+        return self._read_state(names.index(name))
+
+    def reuse_prefix(self, tokens: np.ndarray | list[int]) -> int:
+        """Cut the context back to its longest common prefix with `tokens`, leaving at least one of
+        them to feed (the next logits need a token); returns how many tokens were kept."""
+        want = np.asarray(tokens)
+        keep = min(common_prefix(self.tokens, want), max(want.size - 1, 0))
+        self.truncate(keep)
+        return keep
+
+    # ----------------------------------------------------------------- state access
+
+    def _read_state(self, i: int) -> np.ndarray:
+        """State i as a host array (a copy)."""
+        shape, dtype = self._state_specs[i]
+        if self._plan is not None:
+            return self._plan.read_state(i).view(dtype).reshape(shape).copy()
+        if self._on_cpu:
+            return self._state_arrays[i].copy()
+        return np.asarray(self._state_tensors[i].numpy()).reshape(shape)
+
+    def _write_state(self, i: int, value: np.ndarray) -> None:
+        if self._plan is not None:
+            self._plan.write_state(i, value)
+            return
+        self._state_arrays[i][...] = value
+        if not self._on_cpu:
+            self._state_tensors[i].copyfrom(self._state_arrays[i])
+
+    def _clear_cells(self, i: int, start: int, stop: int | None) -> None:
+        """Zero cells [start, stop) of state i (all of it for stop None)."""
+        if self._on_cpu and self._plan is None:
+            self._state_arrays[i][start:stop] = 0
+            return
+        value = self._read_state(i)
+        value[start:stop] = 0
+        self._write_state(i, value)
+
+    def _copy_recurrent(self) -> list[np.ndarray]:
+        return [self._read_state(i) for i in self._recurrent]
+
+    def _ensure_device(self) -> None:
+        """A session whose device memory was released gets it back before it runs or reads."""
+        if self._released is not None:
+            self.restore_device()
+
+    # ----------------------------------------------------------------- state files
+
+    def _manifest_sha256(self) -> str:
+        if self._artifact is None:
+            raise ValueError("the session is closed")
+        return sha256_file(self._artifact.file(MANIFEST_NAME))
+
+    def save_state(self, path: str | os.PathLike[str]) -> None:
+        """Write the whole context (tokens, caches in use, recurrent states, checkpoints) to `path`."""
+        self._ensure_device()
+        ctx = self._context
+        states = self._live_states()
+        write_state_file(path, SavedState(self._manifest_sha256(), self.tokens, states, dict(ctx.checkpoints),
+                                          dict(ctx.rollback)))
+
+    def load_state(self, path: str | os.PathLike[str]) -> None:
+        """Replace the context with the one saved in `path` (by a session of this same artifact)."""
+        saved = read_state_file(path, self._manifest_sha256(), len(self._recurrent))
+        n = int(saved.tokens.size)
+        where = os.fspath(path)
+        if n > self.n_ctx or (n and (int(saved.tokens.min()) < 0 or int(saved.tokens.max()) >= self.n_vocab)):
+            raise StateFileError(f"{where}: its tokens do not fit this artifact")
+        self._check_saved_shapes(saved, where)
+        self._ensure_device()
+        self.reset()
+        for i, value in saved.states.items():
+            self._write_live_state(i, value)
+        ctx = self._context
+        ctx.tokens[:n] = saved.tokens
+        ctx.checkpoints.update({p: c for p, c in saved.checkpoints.items() if p <= n})
+        ctx.rollback.update({p: c for p, c in saved.rollback.items() if p <= n})
+        self._n_past = n
+
+    def _check_saved_shapes(self, saved: SavedState, where: str) -> None:
+        n = int(saved.tokens.size)
+        wanted = set(self._per_position) | set(self._recurrent)
+        if set(saved.states) != wanted:
+            raise StateFileError(f"{where}: holds states {sorted(saved.states)}, this artifact has {sorted(wanted)}")
+        for i, value in saved.states.items():
+            shape, dtype = self._state_specs[i]
+            want = (n, *shape[1:]) if i in self._per_position else shape
+            if value.shape != tuple(want) or value.dtype != dtype:
+                raise StateFileError(f"{where}: state {i} is {value.dtype}{list(value.shape)}, "
+                                     f"expected {dtype}{list(want)}")
+        for copies in (*saved.checkpoints.values(), *saved.rollback.values()):
+            for j, value in zip(self._recurrent, copies, strict=True):
+                if value.shape != self._state_specs[j][0] or value.dtype != self._state_specs[j][1]:
+                    raise StateFileError(f"{where}: a checkpoint of state {j} has the wrong shape")
+
+    def _live_states(self) -> dict[int, np.ndarray]:
+        """Per-position caches' cells in use and whole recurrent states (scratch left out)."""
+        out = {i: self._read_state(i)[: self._n_past] for i in self._per_position}
+        out.update({i: self._read_state(i) for i in self._recurrent})
+        return out
+
+    def _write_live_state(self, i: int, value: np.ndarray) -> None:
+        if i in self._per_position:
+            full = np.zeros(*self._state_specs[i])
+            full[: value.shape[0]] = value
+            value = full
+        self._write_state(i, value)
+
+    # ----------------------------------------------------------------- device memory
+
+    def release_device(self, evict_state: bool = True) -> None:
+        """Give back the device memory of weights, scratch buffers and (evict_state) the states,
+        keeping a host copy of the states in use; the next forward (or `restore_device`) brings
+        everything back. On the CPU the weights, kernels' scratch and states are freed from the
+        process (weights are re-read from the artifact)."""
+        if self._released is not None:
+            if evict_state and self._released.states is None:
+                self.restore_device()
+            else:
+                return
+        states = self._live_states() if evict_state else None
+        if self._plan is not None:
+            self._plan.release(keep_states=not evict_state)
+        else:
+            self._functions = dict.fromkeys(self._functions)
+            self._params = None
+            if evict_state:
+                self._state_arrays, self._state_tensors, self._states = [], [], None
+        self._released = ReleasedDevice(states)
+        gc.collect()
+
+    def restore_device(self) -> None:
+        """Load weights, kernels and states back after `release_device` (nothing to do otherwise)."""
+        released = self._released
+        if released is None or self._artifact is None:
+            return
+        if self._plan is not None:
+            self._plan.restore(read_weights(self._artifact.path, self.manifest), keep_states=released.states is None)
+        else:
+            self._load_kernels_and_weights(self._artifact)
+            if released.states is not None:
+                self._allocate_states()
+        self._released = None
+        for i, value in (released.states or {}).items():
+            self._write_live_state(i, value)
+
+    @property
+    def released(self) -> bool:
+        return self._released is not None
+
+    def memory(self) -> dict[str, int]:
+        """Memory figures: the process's resident set (`rss_bytes`), host copies kept for a release
+        (`shadow_bytes`), checkpoints (`checkpoint_bytes`), and on vulkan/metal the bytes of the
+        device buffers held (`device_bytes`, the sizes the GPU API reports for them)."""
+        out = {"rss_bytes": resident_bytes(), "checkpoint_bytes": self.checkpoint_bytes,
+               "shadow_bytes": sum(a.nbytes for a in ((self._released and self._released.states) or {}).values())}
+        if self._plan is not None:
+            out["device_bytes"] = self._plan.device_bytes()
+        return out
+
     # ----------------------------------------------------------------- running
 
-    def forward(self, tokens: np.ndarray | list[int], *, all_logits: bool = False) -> np.ndarray:
+    def forward(self, tokens: np.ndarray | list[int], *, all_logits: bool = False,
+                keep_rollback: int = 0) -> np.ndarray:
         """Append `tokens` to the context and return float32 logits.
 
         all_logits=True: [len(tokens), n_vocab], one row per token (teacher forcing).
         all_logits=False: [n_vocab] for the last token.
-        Long inputs are split into chunks of at most `max_chunk`; the result equals one call.
+        Long inputs are split into chunks of at most `max_chunk` (and at checkpoint positions when
+        the model has recurrent state); the result equals one call. keep_rollback=K keeps the
+        recurrent states after each of the last K tokens, so truncating back by up to K tokens is
+        a copy (speculative decoding); those tokens then run one per call. With it, all-logits rows
+        are computed as one-token calls compute them (the artifact's `verify` function, where it
+        has one), so a speculative check sees the logits plain decoding would.
         """
         ids = self._checked_tokens(tokens)
+        if isinstance(keep_rollback, bool) or not isinstance(keep_rollback, int) or keep_rollback < 0:
+            raise ValueError(f"keep_rollback must be a non-negative token count, got {keep_rollback!r}")
+        self._ensure_device()
+        self._context.rollback.clear()  # copies from an earlier step are not kept
+        return self._feed(ids, all_logits=all_logits, keep_rollback=keep_rollback)
+
+    def _feed(self, ids: np.ndarray, *, all_logits: bool, keep_rollback: int) -> np.ndarray:
+        """Run `ids` in chunks ending at checkpoint positions, copying recurrent state there."""
+        ctx, start = self._context, self._n_past
+        recurrent = bool(self._recurrent)
+        end = start + ids.size
+        singles_from = end - keep_rollback if recurrent and keep_rollback else end
+        ends = split_points(start, ids.size, self.max_chunk, ctx.interval if recurrent else None, singles_from)
+        ctx.tokens[start:end] = ids
+        if recurrent and singles_from <= start < end:  # a rollback to before this forward: a copy too
+            ctx.rollback[start] = self._copy_recurrent()
+        rows, prev = [], start
+        for i, stop in enumerate(ends):
+            chunk = ids[prev - start : stop - start]
+            last = i == len(ends) - 1
+            if all_logits:
+                fn = VERIFY if keep_rollback and VERIFY in self._functions else "prefill_all"
+            elif last and chunk.size == 1 and "decode" in self._functions:
+                fn = "decode"
+            else:
+                fn = "prefill"
+            out = self._call(fn, chunk)
+            if all_logits or last:
+                rows.append(out)
+            if recurrent and stop % ctx.interval == 0 and stop not in ctx.checkpoints:
+                ctx.checkpoints[stop] = self._copy_recurrent()
+                ctx.stats.checkpoints_taken += 1
+            if recurrent and singles_from <= stop < end:
+                ctx.rollback[stop] = self._copy_recurrent()
+            prev = stop
         if all_logits:
-            rows = [self._call("prefill_all", chunk) for chunk in self._chunks(ids)]
             return rows[0] if len(rows) == 1 else np.concatenate(rows)
-        chunks = list(self._chunks(ids))
-        for chunk in chunks[:-1]:
-            self._call("prefill", chunk)  # logits of inner chunks are not needed
-        last = chunks[-1]
-        fn = "decode" if len(last) == 1 and "decode" in self._functions else "prefill"
-        return self._call(fn, last)[-1]
+        return rows[-1][-1]
 
     def _checked_tokens(self, tokens: np.ndarray | list[int]) -> np.ndarray:
         ids = np.asarray(tokens)
@@ -217,9 +529,6 @@ class Session:
                 f"context overflow: {self._n_past} tokens in context + {ids.size} new > n_ctx {self.n_ctx}"
             )
         return ids.astype(np.int32, copy=False)
-
-    def _chunks(self, ids: np.ndarray) -> list[np.ndarray]:
-        return [ids[i : i + self.max_chunk] for i in range(0, ids.size, self.max_chunk)]
 
     def _call(self, fn: str, chunk: np.ndarray) -> np.ndarray:
         n = chunk.size

@@ -285,6 +285,22 @@ def test_reset_starts_over(session: Session) -> None:
     np.testing.assert_array_equal(session.forward(TOKENS[:4], all_logits=True), first)
 
 
+def test_truncate_on_an_artifact_without_state_kinds(toy_artifact: Path) -> None:
+    """A manifest that does not say what its states are: every state is treated as recurrent
+    (restored from a checkpoint and replayed), which is correct for any state."""
+    with Session(toy_artifact, checkpoint_interval=4) as s:
+        assert "kind" not in s.manifest["states"][0]
+        full = s.forward(TOKENS, all_logits=True)
+        s.truncate(10)  # checkpoint at 8, two tokens replayed
+        np.testing.assert_allclose(s.forward(TOKENS[10:], all_logits=True), full[10:], rtol=1e-6, atol=1e-6)
+        assert (s.stats.checkpoint_restores, s.stats.replayed_tokens) == (1, 2)
+        np.testing.assert_array_equal(s.tokens, TOKENS)
+        for bad in (-1, TOKENS.size + 1, True, 2.0):
+            with pytest.raises(ValueError, match="truncate needs a token count"):
+                s.truncate(bad)  # type: ignore[arg-type]
+        assert s.n_past == TOKENS.size
+
+
 def test_context_overflow_refused_before_running(session: Session) -> None:
     session.forward(np.arange(CTX - 2) % VOCAB)
     with pytest.raises(ContextOverflowError, match=f"{CTX - 2} tokens in context \\+ 3 new > n_ctx {CTX}"):
