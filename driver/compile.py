@@ -17,6 +17,7 @@ from ggufc.codegen.build import DEFAULT_MAX_CHUNK, Built, Progress, kernel_weigh
 from ggufc.codegen.target import target_key
 from ggufc.frontend.load import LoadedModel, load_model
 from ggufc.frontend.tokenizer_build import build_tokenizer
+from ggufc.ir.state_kinds import SCRATCH, state_kinds
 from ggufc.runtime import artifact as A
 
 from .stages import build_model
@@ -93,10 +94,12 @@ def _jsonable(obj: Any) -> Any:
 def _manifest(model: LoadedModel, built: Built, tokenizer: dict[str, Any], weights: dict[str, np.ndarray],
               seconds: float) -> dict[str, Any]:
     target = dict(built.target.export()) if hasattr(built.target, "export") else {"kind": built.target.kind.name}
+    layout = layout_fields(model.n_ctx, int(model.hparams.n_vocab), built.max_chunk, built.layouts, built.states)
     return {
         "arch": model.arch,
         "hparams": _jsonable(model.hparams),
-        **layout_fields(model.n_ctx, int(model.hparams.n_vocab), built.max_chunk, built.layouts, built.states),
+        **layout,
+        "states": with_state_kinds(layout["states"], built),
         "target": _jsonable(_plain_target(target)),
         "target_key": target_key(built.target),
         "functions": {"prefill_all": {"tokens": "T"}, "prefill": {"tokens": "T"}, "decode": {"tokens": 1}},
@@ -111,6 +114,13 @@ def _manifest(model: LoadedModel, built: Built, tokenizer: dict[str, Any], weigh
         **({"tuning": built.tuning.manifest()} if built.tuning is not None else {}),
         **gpu_manifest(built),
     }
+
+
+def with_state_kinds(states: list[dict[str, Any]], built: Built) -> list[dict[str, Any]]:
+    """Each state with its kind (ir/state_kinds.py), which tells the runtime how to truncate it;
+    states the graphs do not carry (a step's own inputs on cuda) are rewritten by every call."""
+    kinds = state_kinds(built.graphs["prefill_all"])
+    return [{**s, "kind": kinds.get(s["name"], SCRATCH)} for s in states]
 
 
 def gpu_manifest(built: Built) -> dict[str, Any]:

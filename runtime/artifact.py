@@ -64,6 +64,10 @@ REQUIRED_FIELDS: dict[str, type | tuple[type, ...]] = {
 FIELDS_ADDED_HERE = ("format_version", "ggufc_version", "files")
 
 
+# How the runtime truncates each state (runtime/context.py); absent means recurrent.
+STATE_KINDS = ("per_position", "recurrent", "scratch")
+
+
 class ArtifactError(ValueError):
     """An artifact that cannot be written or used; the message is one line naming the problem."""
 
@@ -502,6 +506,9 @@ def _check_fields(manifest: dict[str, Any], where: str) -> None:
         if not isinstance(state, dict):
             raise ArtifactError(f"{where}: manifest state {state!r:.80} is not an object")
         array_layout(state)
+        if state.get("kind", STATE_KINDS[1]) not in STATE_KINDS:
+            raise ArtifactError(f"{where}: manifest state {str(state.get('name'))!r:.40} has unknown kind "
+                                f"{state.get('kind')!r:.40} (known: {', '.join(STATE_KINDS)})")
 
 
 def _kind_name(kind: type | tuple[type, ...]) -> str:

@@ -254,6 +254,12 @@ class PlanRunner:
     def read_state(self, index: int) -> np.ndarray:
         return self.backend.read(self.buffers["state"][index], self.state_bytes[index])
 
+    def write_state(self, index: int, value: np.ndarray) -> None:
+        data = np.ascontiguousarray(value).view(np.uint8).reshape(-1)
+        if data.nbytes != self.state_bytes[index]:
+            raise PlanError(f"state {index} takes {self.state_bytes[index]} bytes, got {data.nbytes}")
+        self.backend.write(self.buffers["state"][index], data)
+
     def reset(self) -> None:
         for buf, nbytes in zip(self.buffers["state"], self.state_bytes, strict=True):
             self.backend.write(buf, np.zeros(nbytes, np.uint8))

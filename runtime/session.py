@@ -30,6 +30,7 @@ from .artifact import (
     open_artifact,
     read_weights,
 )
+from .context import PER_POSITION, RECURRENT, ContextHistory, ContextStats, default_interval, split_points, state_kinds
 from .cuda_runtime import provide_cuda_binary
 from .plan_format import BackendUnavailableError
 from .plan_runtime import PlanError, PlanRunner
@@ -82,9 +83,15 @@ class ContextOverflowError(ValueError):
 
 
 class Session:
-    """A loaded artifact plus its context (the tokens fed so far live in the states)."""
+    """A loaded artifact plus its context (the tokens fed so far live in the states).
 
-    def __init__(self, artifact: str | os.PathLike[str], *, device: str = "cpu", threads: int | None = None) -> None:
+    The context can be cut back (`truncate`) and continued: per-position caches by moving the
+    end, recurrent states from checkpoints every `checkpoint_interval` tokens (runtime/context.py).
+    """
+
+    def __init__(self, artifact: str | os.PathLike[str], *, device: str = "cpu", threads: int | None = None,
+                 checkpoint_interval: int | None = None) -> None:
+        self._checkpoint_interval = checkpoint_interval
         target_key = DEVICE_TARGET_KEYS.get(device)
         if target_key is None:
             raise ArtifactError(f"unknown device '{device}' (known: {', '.join(DEVICE_TARGET_KEYS)})")
@@ -110,6 +117,12 @@ class Session:
         self._device = tvm.device(device)
         self._on_cpu = device == "cpu"
         self._plan: Any = None
+        self._kinds = state_kinds(manifest)
+        self._state_specs = [array_layout(s) for s in manifest["states"]]
+        self._recurrent = [i for i, k in enumerate(self._kinds) if k == RECURRENT]
+        self._per_position = [i for i, k in enumerate(self._kinds) if k == PER_POSITION]
+        interval = self._checkpoint_interval or default_interval(self.n_ctx)
+        self._context = ContextHistory(self.n_ctx, interval)
         if device in PLAN_DEVICES:  # vulkan / metal: dispatch plan on wgpu or Metal (plan_runtime.py)
             self._load_plan(artifact, device)
             return
@@ -167,8 +180,28 @@ class Session:
             return None
         return self._artifact.file(str(tok["file"]))
 
+    @property
+    def tokens(self) -> np.ndarray:
+        """The tokens in the context, in order (a copy)."""
+        return self._context.tokens[: self._n_past].copy()
+
+    @property
+    def checkpoint_interval(self) -> int:
+        return self._context.interval
+
+    @property
+    def stats(self) -> ContextStats:
+        """Counts of truncations by how they were served, replayed tokens, checkpoints taken."""
+        return self._context.stats
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        """Host memory held by copies of recurrent state (checkpoints and rollback copies)."""
+        return self._context.checkpoint_bytes()
+
     def reset(self) -> None:
         """Empty the context: zero every state (recurrent states start from zero)."""
+        self._context.clear()
         if self._plan is not None:
             self._plan.reset()
             self._n_past = 0
@@ -182,25 +215,137 @@ class Session:
                 tensor.copyfrom(array)
         self._n_past = 0
 
+    def truncate(self, n: int) -> None:
+        """Keep the first `n` tokens of the context; the next forward continues at position n with
+        the logits a fresh session fed the same tokens would give.
+
+        Per-position caches are cut (cells [n, n_past) cleared); recurrent states come from the
+        copy kept at n by a forward with `keep_rollback`, or from the nearest checkpoint <= n and
+        a replay of at most `checkpoint_interval - 1` tokens.
+        """
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= self._n_past:
+            raise ValueError(f"truncate needs a token count in [0, {self._n_past}], got {n!r}")
+        n = int(n)
+        if n == self._n_past:
+            return
+        self._ensure_device()
+        ctx, stats = self._context, self._context.stats
+        stats.truncations += 1
+        start, copy, from_rollback = ctx.nearest(n) if self._recurrent else (n, None, False)
+        for i in self._per_position:
+            self._clear_cells(i, start, self._n_past)
+        for j, i in enumerate(self._recurrent):
+            if copy is None:
+                self._clear_cells(i, 0, None)
+            else:
+                self._write_state(i, copy[j])
+        ctx.forget_after(n)
+        if not self._recurrent or start == n and not from_rollback:
+            stats.cuts += 1
+        elif from_rollback:
+            stats.rollback_copies += 1
+        else:
+            stats.checkpoint_restores += 1
+        replay = ctx.tokens[start:n].copy()
+        self._n_past = start
+        if replay.size:
+            stats.replayed_tokens += int(replay.size)
+            self._feed(replay, all_logits=False, keep_rollback=0)
+
+    def state(self, name: str) -> np.ndarray:
+        """The named state (a manifest state name) as a host array, a copy."""
+        names = [str(st.get("name")) for st in self.manifest["states"]]
+        if name not in names:
+            raise ValueError(f"no state named {name!r:.60} (states: {', '.join(names)[:200]})")
+        self._ensure_device()
+        return self._read_state(names.index(name))
+
+    # ----------------------------------------------------------------- state access
+
+    def _read_state(self, i: int) -> np.ndarray:
+        """State i as a host array (a copy)."""
+        shape, dtype = self._state_specs[i]
+        if self._plan is not None:
+            return self._plan.read_state(i).view(dtype).reshape(shape).copy()
+        if self._on_cpu:
+            return self._state_arrays[i].copy()
+        return np.asarray(self._state_tensors[i].numpy()).reshape(shape)
+
+    def _write_state(self, i: int, value: np.ndarray) -> None:
+        if self._plan is not None:
+            self._plan.write_state(i, value)
+            return
+        self._state_arrays[i][...] = value
+        if not self._on_cpu:
+            self._state_tensors[i].copyfrom(self._state_arrays[i])
+
+    def _clear_cells(self, i: int, start: int, stop: int | None) -> None:
+        """Zero cells [start, stop) of state i (all of it for stop None)."""
+        if self._on_cpu and self._plan is None:
+            self._state_arrays[i][start:stop] = 0
+            return
+        value = self._read_state(i)
+        value[start:stop] = 0
+        self._write_state(i, value)
+
+    def _copy_recurrent(self) -> list[np.ndarray]:
+        return [self._read_state(i) for i in self._recurrent]
+
+    def _ensure_device(self) -> None:
+        """Hook for device release (restores what a release gave back)."""
+
     # ----------------------------------------------------------------- running
 
-    def forward(self, tokens: np.ndarray | list[int], *, all_logits: bool = False) -> np.ndarray:
+    def forward(self, tokens: np.ndarray | list[int], *, all_logits: bool = False,
+                keep_rollback: int = 0) -> np.ndarray:
         """Append `tokens` to the context and return float32 logits.
 
         all_logits=True: [len(tokens), n_vocab], one row per token (teacher forcing).
         all_logits=False: [n_vocab] for the last token.
-        Long inputs are split into chunks of at most `max_chunk`; the result equals one call.
+        Long inputs are split into chunks of at most `max_chunk` (and at checkpoint positions when
+        the model has recurrent state); the result equals one call. keep_rollback=K keeps the
+        recurrent states after each of the last K tokens, so truncating back by up to K tokens is
+        a copy (speculative decoding); those tokens then run one per call.
         """
         ids = self._checked_tokens(tokens)
+        if isinstance(keep_rollback, bool) or not isinstance(keep_rollback, int) or keep_rollback < 0:
+            raise ValueError(f"keep_rollback must be a non-negative token count, got {keep_rollback!r}")
+        self._ensure_device()
+        self._context.rollback.clear()  # copies from an earlier step are not kept
+        return self._feed(ids, all_logits=all_logits, keep_rollback=keep_rollback)
+
+    def _feed(self, ids: np.ndarray, *, all_logits: bool, keep_rollback: int) -> np.ndarray:
+        """Run `ids` in chunks ending at checkpoint positions, copying recurrent state there."""
+        ctx, start = self._context, self._n_past
+        recurrent = bool(self._recurrent)
+        end = start + ids.size
+        singles_from = end - keep_rollback if recurrent and keep_rollback else end
+        ends = split_points(start, ids.size, self.max_chunk, ctx.interval if recurrent else None, singles_from)
+        ctx.tokens[start:end] = ids
+        if recurrent and singles_from <= start < end:  # a rollback to before this forward: a copy too
+            ctx.rollback[start] = self._copy_recurrent()
+        rows, prev = [], start
+        for i, stop in enumerate(ends):
+            chunk = ids[prev - start : stop - start]
+            last = i == len(ends) - 1
+            if all_logits:
+                fn = "prefill_all"
+            elif last and chunk.size == 1 and "decode" in self._functions:
+                fn = "decode"
+            else:
+                fn = "prefill"
+            out = self._call(fn, chunk)
+            if all_logits or last:
+                rows.append(out)
+            if recurrent and stop % ctx.interval == 0 and stop not in ctx.checkpoints:
+                ctx.checkpoints[stop] = self._copy_recurrent()
+                ctx.stats.checkpoints_taken += 1
+            if recurrent and singles_from <= stop < end:
+                ctx.rollback[stop] = self._copy_recurrent()
+            prev = stop
         if all_logits:
-            rows = [self._call("prefill_all", chunk) for chunk in self._chunks(ids)]
             return rows[0] if len(rows) == 1 else np.concatenate(rows)
-        chunks = list(self._chunks(ids))
-        for chunk in chunks[:-1]:
-            self._call("prefill", chunk)  # logits of inner chunks are not needed
-        last = chunks[-1]
-        fn = "decode" if len(last) == 1 and "decode" in self._functions else "prefill"
-        return self._call(fn, last)[-1]
+        return rows[-1][-1]
 
     def _checked_tokens(self, tokens: np.ndarray | list[int]) -> np.ndarray:
         ids = np.asarray(tokens)
@@ -217,9 +362,6 @@ class Session:
                 f"context overflow: {self._n_past} tokens in context + {ids.size} new > n_ctx {self.n_ctx}"
             )
         return ids.astype(np.int32, copy=False)
-
-    def _chunks(self, ids: np.ndarray) -> list[np.ndarray]:
-        return [ids[i : i + self.max_chunk] for i in range(0, ids.size, self.max_chunk)]
 
     def _call(self, fn: str, chunk: np.ndarray) -> np.ndarray:
         n = chunk.size

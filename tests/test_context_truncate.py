@@ -1,0 +1,226 @@
+"""A conversation whose context is rewritten between turns, on llama.cpp's fixtures of every
+supported architecture (qwen4exp also QSA-sparse, top_k 4): seven turns that grow, cut back into
+earlier turns (below and above the indexer budget, across checkpoint boundaries, to 0) and grow
+again. After every turn the logits equal a fresh session's one-shot evaluation of the same tokens
+(and llama.cpp's goldens where the tokens are theirs), every state equals the fresh session's
+(per-position caches cell for cell, cleared past the end), and the QSA selections the kernels make
+from the truncated context equal those of the fresh run, compared as sets of cells.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import ggufc
+from ggufc.runtime import Session
+
+GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
+pytestmark = pytest.mark.skipif(not GOLDEN.is_dir(), reason=f"llama.cpp goldens not found at {GOLDEN}")
+
+FIXTURES = ["llama-dense", "qwen3-dense", "qwen3moe-moe", "qwen35-dense", "qwen3next-moe", "qwen4exp-moe",
+            "qwen4exp-moe-sparse"]
+INTERVAL = 16  # checkpoint spacing in these tests: turns cross several boundaries
+NMSE_FRESH = 1e-10  # truncated-and-continued vs fresh one-shot (measured 0 to 1e-15: chunking only)
+NMSE_GOLDEN = 1e-6  # as test_goldens.py for f32 fixtures
+
+
+def nmse(a: np.ndarray, b: np.ndarray) -> float:
+    a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.mean((a64 - b64) ** 2) / np.mean(b64**2))
+
+
+def sparse_copy(tmp: Path) -> Path:
+    """qwen4exp-moe with indexer.top_k = 4, made as the golden README says."""
+    path = tmp / "qwen4exp-moe-sparse.gguf"
+    shutil.copyfile(GOLDEN / "fixtures" / "qwen4exp-moe.gguf", path)
+    path.chmod(0o644)
+    subprocess.run([sys.executable, "-m", "gguf.scripts.gguf_set_metadata", str(path),
+                    "qwen4exp.attention.indexer.top_k", "4", "--force"], check=True, capture_output=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Each fixture compiled once for the module (lazily: a -k selection compiles only its own)."""
+    root = tmp_path_factory.mktemp("truncate")
+    made: dict[str, Path] = {}
+
+    class Lazy(dict):  # type: ignore[type-arg]
+        def __missing__(self, name: str) -> Path:
+            gguf = sparse_copy(root) if name.endswith("-sparse") else GOLDEN / "fixtures" / f"{name}.gguf"
+            made[name] = ggufc.compile(gguf, root / name)
+            self[name] = made[name]
+            return made[name]
+
+    return Lazy()
+
+
+@dataclass
+class Turn:
+    keep: int  # truncate to this many tokens first
+    feed: np.ndarray  # then feed these
+    rollback: int = 0  # forward(keep_rollback=...)
+
+
+def seven_turns(golden_tokens: np.ndarray, n_vocab: int) -> list[Turn]:
+    """Grow with llama.cpp's tokens, cut into earlier turns (into the first checkpoint interval,
+    below the 11-cell QSA budget, to 0, just behind the end: a rollback copy, past the budget and
+    off the checkpoint grid) and grow again with other tokens."""
+    rng = np.random.default_rng(7)
+
+    def other(n: int) -> np.ndarray:
+        return rng.integers(0, n_vocab, n).astype(np.int32)
+
+    g = golden_tokens.astype(np.int32)
+    return [
+        Turn(0, g[:40]),
+        Turn(40, g[40:64], rollback=6),
+        Turn(61, other(22)),  # back by 3 <= 6: the recurrent states are copies
+        Turn(29, other(20)),
+        Turn(9, other(30)),
+        Turn(0, g[:50]),
+        Turn(47, np.concatenate([g[47:64], other(30)])),
+    ]
+
+
+def golden_prefix(context: np.ndarray, golden_tokens: np.ndarray) -> int:
+    """How many leading tokens of `context` are llama.cpp's."""
+    n = min(len(context), len(golden_tokens))
+    same = np.flatnonzero(context[:n] != golden_tokens[:n])
+    return int(same[0]) if same.size else n
+
+
+def states_equal_fresh(session: Session, fresh: Session) -> None:
+    """Per-position caches: cells [0, n) equal, cells past n zero; recurrent states equal."""
+    n = session.n_past
+    for spec in session.manifest["states"]:
+        name, kind = spec["name"], spec["kind"]
+        got, want = session.state(name), fresh.state(name)
+        if kind == "per_position":
+            assert not np.any(got[n:]), f"{name}: cells past the context are not cleared"
+            got, want = got[:n], want[:n]
+        if got.dtype.kind == "f":
+            scale = max(float(np.max(np.abs(want))), 1e-30)
+            assert float(np.max(np.abs(got - want))) <= 1e-5 * scale, name
+        else:
+            np.testing.assert_array_equal(got, want, err_msg=name)
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_seven_turns_equal_fresh_evaluation(name: str, artifacts: dict[str, Path]) -> None:
+    golden = np.load(GOLDEN / "logits" / f"{name}.npz")
+    session = Session(artifacts[name], checkpoint_interval=INTERVAL)
+    fresh = Session(artifacts[name], checkpoint_interval=INTERVAL)
+    turns = seven_turns(golden["tokens"], session.n_vocab)
+    recurrent = any(s["kind"] == "recurrent" for s in session.manifest["states"])
+    golden_rows = 0
+    for i, turn in enumerate(turns):
+        session.truncate(turn.keep)
+        assert session.n_past == turn.keep
+        logits = session.forward(turn.feed, all_logits=True, keep_rollback=turn.rollback)
+        context = session.tokens
+        assert session.n_past == len(context) == turn.keep + len(turn.feed)
+        fresh.reset()
+        want = fresh.forward(context, all_logits=True)[turn.keep :]
+        err = nmse(logits, want)
+        assert err < NMSE_FRESH, f"turn {i + 1}: NMSE {err:.3g} against a fresh one-shot evaluation"
+        assert np.array_equal(logits.argmax(-1), want.argmax(-1)) or err < 1e-14, f"turn {i + 1}: argmax"
+        states_equal_fresh(session, fresh)
+        theirs = golden_prefix(context, golden["tokens"])
+        if theirs > turn.keep:
+            rows = slice(turn.keep, theirs)
+            assert nmse(logits[: theirs - turn.keep], golden["logits_prefill"][rows]) < NMSE_GOLDEN, f"turn {i + 1}"
+            golden_rows += theirs - turn.keep
+    assert golden_rows == 64 + 50 + 17  # turns 1, 2, 6 and 7 compared with llama.cpp
+    stats = session.stats
+    assert stats.truncations == 5  # turns 1 and 2 only grow
+    if recurrent:  # turn 3 from a copy, turns 4, 5 and 7 replay from a checkpoint; turn 6 cuts to 0
+        assert (stats.rollback_copies, stats.checkpoint_restores, stats.cuts) == (1, 3, 1), stats
+        assert 0 < stats.replayed_tokens < 3 * INTERVAL
+    else:
+        assert stats.cuts == 5 and stats.replayed_tokens == 0, stats
+
+
+# ---------------------------------------------------------------------------------------------
+# QSA selections from the truncated context
+
+
+@dataclass
+class SelectionProbe:
+    """The sparse model's all-logits graph compiled with its first layer's QSA selection ([T, W]
+    cell ids) as an output: run from given states, it shows which cells the kernels pick."""
+
+    vm: Any
+    params: list[Any]
+    state_names: list[str]
+
+    def select(self, states: dict[str, np.ndarray], tokens: np.ndarray, pos: int) -> np.ndarray:
+        import tvm
+
+        from ggufc.codegen.tvm_util import to_tvm
+
+        tensors = [to_tvm(np.ascontiguousarray(states[n])) for n in self.state_names]
+        out = self.vm["prefill_all"](to_tvm(tokens.astype(np.int32)), tvm.runtime.ShapeTuple([pos]), tensors,
+                                     self.params)
+        return np.asarray(out[1].numpy())
+
+
+def selection_probe(gguf: Path) -> SelectionProbe:
+    import tvm
+    from tvm import relax
+
+    from ggufc.codegen.build import kernel_weights, state_plan, weight_key
+    from ggufc.codegen.lower import ModuleBuilder
+    from ggufc.codegen.lower_context import plan_params
+    from ggufc.codegen.target import resolve_target
+    from ggufc.codegen.tvm_util import to_tvm
+    from ggufc.driver.stages import optimise
+    from ggufc.frontend.load import load_model
+
+    model = load_model(gguf)
+    graph = optimise({"prefill_all": model.graphs["prefill_all"]}, frozenset())[0]["prefill_all"]
+    sel = next(n for n in graph.nodes if n.op == "indexer_topk").outputs[0]
+    graph = graph.replace(outputs=[graph.outputs[0], sel])
+    layouts = plan_params([graph])
+    states = state_plan(graph)
+    mb = ModuleBuilder(resolve_target("llvm"), layouts, states)
+    mb.add_function("prefill_all", graph)
+    mod = mb.module()
+    gv = mod.get_global_var("prefill_all")
+    mod[gv] = mod[gv].with_attr("tir_var_upper_bound", {"n": 128, "p": model.n_ctx})
+    ex = tvm.compile(mod, target=mb.target, relax_pipeline=relax.pipeline.default_build_pipeline())
+    weights = kernel_weights(model, layouts)
+    params = [to_tvm(weights[weight_key(lay.source, f)]) for lay in layouts for f, _, _ in lay.arrays]
+    return SelectionProbe(tvm.runtime.vm.VirtualMachine(ex, tvm.cpu()), params, [n for n, _, _ in states])
+
+
+def test_sparse_selections_after_truncation_equal_fresh(artifacts: dict[str, Path],
+                                                       tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Each turn's queries select, from the session's truncated context, the cells a fresh run over
+    the same tokens selects; the budget really drops cells in these turns."""
+    name = "qwen4exp-moe-sparse"
+    golden = np.load(GOLDEN / "logits" / f"{name}.npz")
+    probe = selection_probe(sparse_copy(tmp_path_factory.mktemp("probe")))
+    session = Session(artifacts[name], checkpoint_interval=INTERVAL)
+    assert any(n.startswith("cache_idx.") for n in probe.state_names)
+    zeros = {n: np.zeros_like(session.state(n)) for n in probe.state_names}
+    dropped = 0
+    for i, turn in enumerate(seven_turns(golden["tokens"], session.n_vocab)):
+        session.truncate(turn.keep)
+        before = {n: session.state(n) for n in probe.state_names}
+        got = probe.select(before, turn.feed, turn.keep)
+        session.forward(turn.feed, all_logits=True, keep_rollback=turn.rollback)
+        want = probe.select(zeros, session.tokens, 0)[turn.keep :]
+        assert got.shape == want.shape
+        for t, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert set(g.tolist()) == set(w.tolist()), f"turn {i + 1}, query at {turn.keep + t}"
+        dropped += int(np.sum(np.arange(turn.keep, session.n_past) + 1 > got.shape[1]))
+    assert dropped >= 100
