@@ -8,8 +8,9 @@ long prompt is read between the decode steps of the other slots, never in front 
 The slots' decode steps run one after another (round-robin), each its own `decode` call: the
 compiled decode entry point takes one sequence, so N streams read the weights N times per step.
 
-Prefix reuse: a request whose prompt extends the tokens a free slot already holds feeds only the
-rest (a follow-up turn of a chat); any other request empties the slot first.
+Prefix reuse: a request goes to the free slot whose context shares the longest prefix with its
+prompt; the slot's context is cut back to that prefix (`Session.truncate`) and only the rest of
+the prompt is fed (a follow-up turn of a chat, or prompts sharing a system message).
 
 Everything the HTTP side sees arrives through `deliver(Event)`, called on the engine's thread.
 """
@@ -47,6 +48,8 @@ class Runner(Protocol):
     def forward(self, tokens: np.ndarray | list[int], *, all_logits: bool = False) -> np.ndarray: ...
 
     def reset(self) -> None: ...
+
+    def truncate(self, n: int) -> None: ...
 
     def close(self) -> None: ...
 
@@ -133,9 +136,24 @@ class Slot:
         return self.ticket is not None
 
     def reusable_prefix(self, prompt: Sequence[int]) -> int:
-        """How many of `prompt`'s ids this slot already holds (0 unless it holds a proper prefix)."""
-        n = len(self.context)
-        return n if 0 < n < len(prompt) and list(prompt[:n]) == self.context else 0
+        """How many leading ids of `prompt` this slot's context holds and may keep.
+
+        The rest is fed in chunks of `max_chunk` as a fresh context would be, and must not end in a
+        chunk of one token: that token would run through the decode kernels, whose float order
+        differs from the prompt kernels' where the CPU lacks 8-bit dot products, and the answer
+        would differ from a fresh run's. So at most all ids but two, and one fewer where the rest
+        would leave a single token in the last chunk.
+        """
+        if self.runner is None:
+            return 0
+        limit = min(len(self.context), len(prompt) - 2)
+        if limit <= 0:
+            return 0
+        same = np.asarray(self.context[:limit]) == np.asarray(prompt[:limit])
+        keep = limit if same.all() else int(np.argmin(same))
+        if keep and (len(prompt) - keep) % self.runner.max_chunk == 1:
+            keep -= 1
+        return keep
 
 
 class Engine:
@@ -284,10 +302,12 @@ class Engine:
         prompt = ticket.generation.prompt_ids
         slot = max(free, key=lambda s: (s.reusable_prefix(prompt), -len(s.context)))
         reused = slot.reusable_prefix(prompt)
-        if not reused:
-            assert slot.runner is not None
+        assert slot.runner is not None
+        if reused == 0:
             slot.runner.reset()
-            slot.context = []
+        elif reused < len(slot.context):
+            slot.runner.truncate(reused)
+        slot.context = slot.context[:reused]
         slot.ticket, slot.pending, slot.cached = ticket, list(prompt[reused:]), reused
         slot.logits, slot.produced = None, 0
         slot.decoder = text_stream(self._tokenizer)

@@ -184,6 +184,17 @@ def test_a_prompt_extending_a_slot_reuses_it(client: Any, model: Any) -> None:
     assert response.choices[0].text == model.complete(longer, max_tokens=8)
 
 
+def test_a_prompt_sharing_a_prefix_cuts_the_slot_back(client: Any, model: Any) -> None:
+    ids = model.tokenize(PROMPTS[4])
+    first = ids + model.tokenize(" 100 degrees Celsius", add_bos=False)
+    second = ids + model.tokenize(" sea level, and", add_bos=False)
+    shared = next(i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b)
+    client.completions.create(model="smollm2", prompt=first, max_tokens=1, temperature=0)
+    response = client.completions.create(model="smollm2", prompt=second, max_tokens=8, temperature=0)
+    assert response.usage.prompt_tokens_details.cached_tokens == shared >= len(ids)
+    assert response.choices[0].text == model.complete(second, max_tokens=8)
+
+
 def test_the_api_key_is_required(server: ServerProcess) -> None:
     wrong = openai.OpenAI(base_url=server.base_url, api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError) as info:
