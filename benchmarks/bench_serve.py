@@ -133,7 +133,7 @@ def main() -> None:
     report: dict[str, Any] = {"parallel": args.parallel, "tokens": args.tokens, "rounds": args.rounds,
                               "load_avg_start": os.getloadavg()[0], "by_clients": {}}
     try:
-        run_concurrent(port, 1, 4)  # warm-up: first calls, thread pool
+        run_concurrent(port, args.parallel, 4)  # warm-up: every slot's first calls
         for c in concurrencies:
             runs = [run_concurrent(port, c, args.tokens) for _ in range(args.rounds)]
             report["by_clients"][str(c)] = summarise(runs)

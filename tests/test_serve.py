@@ -204,6 +204,14 @@ def test_the_api_key_is_required(server: ServerProcess) -> None:
     assert status == 401 and body["error"]["type"] == "invalid_request_error"
 
 
+def test_a_taken_port_is_a_one_line_error(artifact: Path, server: ServerProcess) -> None:
+    result = subprocess.run([sys.executable, "-m", "ggufc.cli", "serve", str(artifact), "--port", str(server.port)],
+                            capture_output=True, text=True, env=cli_env(), cwd=ROOT, timeout=300)
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == [f"ggufc: error: cannot listen on 127.0.0.1:{server.port}: "
+                                          "Address already in use"]
+
+
 # --------------------------------------------------------------------- refused requests
 
 
