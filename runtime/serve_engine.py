@@ -303,10 +303,16 @@ class Engine:
         slot = max(free, key=lambda s: (s.reusable_prefix(prompt), -len(s.context)))
         reused = slot.reusable_prefix(prompt)
         assert slot.runner is not None
-        if reused == 0:
-            slot.runner.reset()
-        elif reused < len(slot.context):
-            slot.runner.truncate(reused)
+        try:
+            if reused == 0:
+                slot.runner.reset()
+            elif reused < len(slot.context):
+                slot.runner.truncate(reused)
+        except Exception as exc:  # the slot's context is unknown now: the next request resets it
+            slot.context = []
+            ticket.finished = True
+            ticket.deliver(Event("error", text=f"generation failed: {one_line(exc)}"))
+            return
         slot.context = slot.context[:reused]
         slot.ticket, slot.pending, slot.cached = ticket, list(prompt[reused:]), reused
         slot.logits, slot.produced = None, 0

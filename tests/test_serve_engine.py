@@ -5,6 +5,7 @@ scripted runner whose logits follow from its context."""
 from __future__ import annotations
 
 import queue
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -87,7 +88,9 @@ class ScriptedRunner:
         self.context = self.context[:n]
 
     def close(self) -> None:
-        pass
+        self.closed = True
+
+    closed = False
 
 
 class Letters:
@@ -106,7 +109,8 @@ def _expected(prompt: list[int], n: int) -> str:
     return "".join(out)
 
 
-def _engine(parallel: int, max_queue: int = 8) -> tuple[Engine, list[ScriptedRunner], list[tuple[int, int]]]:
+def _engine(parallel: int, max_queue: int = 8,
+            sleep_idle_s: float | None = None) -> tuple[Engine, list[ScriptedRunner], list[tuple[int, int]]]:
     calls: list[tuple[int, int]] = []
     runners: list[ScriptedRunner] = []
 
@@ -114,7 +118,8 @@ def _engine(parallel: int, max_queue: int = 8) -> tuple[Engine, list[ScriptedRun
         runners.append(ScriptedRunner(calls, len(runners)))
         return runners[-1]
 
-    return Engine(open_runner, Letters(), {EOS}, parallel=parallel, max_queue=max_queue), runners, calls
+    engine = Engine(open_runner, Letters(), {EOS}, parallel=parallel, max_queue=max_queue, sleep_idle_s=sleep_idle_s)
+    return engine, runners, calls
 
 
 def _collect(engine: Engine, prompt: list[int], n: int, stop: tuple[str, ...] = ()) -> queue.Queue[Event]:
@@ -181,3 +186,19 @@ def test_the_queue_limit_and_cancellation() -> None:
         engine.stop()
     assert (text, done.finish_reason) == (_expected([1, 2], 2), "length")
     assert gone.empty() and engine.tokens_generated == 2  # the cancelled request generated nothing
+
+
+def test_idle_slots_sleep_and_wake_for_the_next_request() -> None:
+    engine, runners, calls = _engine(parallel=2, sleep_idle_s=0.2)
+    engine.start()
+    try:
+        assert _finish(_collect(engine, [5, 6], 3))[0] == _expected([5, 6], 3)
+        deadline = time.monotonic() + 10
+        while not engine.status()["asleep"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert engine.status()["asleep"] and all(r.closed for r in runners)
+        text, done = _finish(_collect(engine, [5, 6, 7], 3))
+        assert text == _expected([5, 6, 7], 3) and done.usage is not None and done.usage["cached_tokens"] == 0
+        assert len(runners) == 4 and not engine.status()["asleep"]  # two fresh runners
+    finally:
+        engine.stop()
