@@ -354,10 +354,19 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from ggufc.runtime.server import listen
+
+    model = resolve_model(args.model, args.target, args.ctx)
+    with listen(args.host, args.port) as sock:  # before loading: a taken port is refused at once
+        serve_model(args, model, sock)
+    return 0
+
+
+def serve_model(args: argparse.Namespace, model: ModelInput, sock: Any) -> None:
+    """Load the model (compiling a .gguf on first use) and serve it on `sock` until stopped."""
     from ggufc.runtime.server import serve
     from ggufc.runtime.session import Session
 
-    model = resolve_model(args.model, args.target, args.ctx)
     first = existing_session(model) or compiled_session(model)
     path = model.path if model.kind == "artifact" else cached_artifact_dir(model.path, model.target, model.n_ctx)
     try:
@@ -372,10 +381,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return loaded.pop() if loaded else Session(path, device=device)
 
     model_id = args.alias or (model.path.stem if model.kind == "gguf" else model.path.name)
-    serve(open_session, tokenizer, info, model_id=model_id, n_vocab=first.n_vocab, host=args.host, port=args.port,
+    serve(open_session, tokenizer, info, model_id=model_id, n_vocab=first.n_vocab, sock=sock,
           parallel=args.parallel, max_queue=args.queue, sleep_idle_s=args.sleep_idle, api_key=args.api_key,
           announce=progress)
-    return 0
 
 
 def cmd_eval(args: argparse.Namespace) -> int:

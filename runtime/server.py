@@ -309,11 +309,10 @@ class _EventStream(StreamingResponse):
 
 
 def serve(open_runner: Callable[[], Runner], tokenizer: Any, info: Mapping[str, Any], *, model_id: str,
-          n_vocab: int, host: str = "127.0.0.1", port: int = 8080, parallel: int = 1, max_queue: int = 16,
+          n_vocab: int, sock: socket.socket, parallel: int = 1, max_queue: int = 16,
           sleep_idle_s: float | None = None, api_key: str | None = None,
           announce: Callable[[str], None] = print) -> None:
-    """Load `parallel` slots, listen on host:port and serve until SIGINT/SIGTERM."""
-    sock = _listen(host, port)
+    """Load `parallel` slots and serve on `sock` (from `listen`) until SIGINT/SIGTERM."""
     engine = Engine(open_runner, tokenizer, stop_ids(info), parallel=parallel, max_queue=max_queue,
                     sleep_idle_s=sleep_idle_s)
     app = create_app(engine, tokenizer, info, model_id=model_id, n_vocab=n_vocab, api_key=api_key)
@@ -322,10 +321,7 @@ def serve(open_runner: Callable[[], Runner], tokenizer: Any, info: Mapping[str, 
     bound_host, bound_port = sock.getsockname()[:2]
     announce(f"serving {model_id} on http://{_url_host(bound_host)}:{bound_port} "
              f"({parallel} slot{'s' if parallel > 1 else ''}, context {engine.n_ctx}, queue {max_queue})")
-    try:
-        _GracefulServer(config).run(sockets=[sock])
-    finally:
-        sock.close()
+    _GracefulServer(config).run(sockets=[sock])
     announce("stopped")
 
 
@@ -346,7 +342,9 @@ class _GracefulServer(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-def _listen(host: str, port: int) -> socket.socket:
+def listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port (port 0: any free one), or a one-line ServeError; opened
+    before the model loads, so a taken port is refused at once."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         family, kind, proto, _, address = infos[0]
