@@ -29,6 +29,7 @@ from .target import is_gpu, resolve_target, target_key
 Progress = Callable[[str], None]
 
 DEFAULT_MAX_CHUNK = 512
+VERIFY_FUNCTION = "verify"
 
 
 @dataclass
@@ -43,6 +44,7 @@ class Built:
     pass_stats: dict[str, int] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     tuning: Any = None  # codegen.tune.TunedKernels that supplied tuned schedules (compile --tuning-db)
+    functions: list[str] = field(default_factory=lambda: ["prefill_all", "prefill", "decode"])
 
 
 class WeightSource(Protocol):
@@ -80,9 +82,13 @@ def build_executable(
     mb.add_function("prefill_all", graphs["prefill_all"])
     mb.add_function("prefill", graphs["prefill"])
     mb.add_function("decode", graphs.get("decode", graphs["prefill"]), fixed_tokens=1)
+    functions = ["prefill_all", "prefill", "decode"]
+    if not gpu_target:  # speculative verification: all logits, each row as a one-token call computes it
+        mb.add_function(VERIFY_FUNCTION, graphs["prefill_all"], one_token_order=True)
+        functions.append(VERIFY_FUNCTION)
     mod = mb.module()
     bounds = {"n": max_chunk, "p": n_ctx}
-    for name in ("prefill_all", "prefill", "decode"):
+    for name in functions:
         gv = mod.get_global_var(name)
         mod[gv] = mod[gv].with_attr("tir_var_upper_bound", bounds)
     t1 = time.perf_counter()
@@ -104,7 +110,7 @@ def build_executable(
         ex = tvm.compile(mod, target=tgt, relax_pipeline=cpu_build_pipeline())
     t2 = time.perf_counter()
     return Built(ex, layouts, states, graphs, mb.kernel_names, tgt, max_chunk, dict(pass_stats or {}),
-                 {"lower_s": t1 - t0, "tvm_compile_s": t2 - t1}, tuning)
+                 {"lower_s": t1 - t0, "tvm_compile_s": t2 - t1}, tuning, functions)
 
 
 def layout_fields(n_ctx: int, n_vocab: int, max_chunk: int, layouts: list[ParamLayout],

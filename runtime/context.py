@@ -109,3 +109,10 @@ def split_points(start: int, n: int, max_chunk: int, interval: int | None, singl
     ends.update(range(max(singles_from, start + 1), end))
     ends.add(end)
     return sorted(ends)
+
+
+def common_prefix(have: np.ndarray, want: np.ndarray) -> int:
+    """How many leading tokens two token lists share."""
+    n = min(have.size, want.size)
+    differ = np.flatnonzero(have[:n] != want[:n])
+    return int(differ[0]) if differ.size else n

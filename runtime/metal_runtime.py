@@ -97,6 +97,9 @@ class MetalBackend:
     def size(self, buf: Any) -> int:
         return int(buf.length())
 
+    def free(self, buf: Any) -> None:
+        """Metal frees a buffer with its last reference, which the runner drops."""
+
     def _view(self, buf: Any, nbytes: int) -> np.ndarray:
         return np.frombuffer(buf.contents().as_buffer(buf.length()), dtype=np.uint8, count=nbytes)
 

@@ -212,16 +212,41 @@ class PlanRunner:
         else:
             raise PlanError(f"no plan backend for device '{device}'")
         be = self.backend
+        self.state_bytes = [math.prod(s) * dt.itemsize for s, dt in states]
         self.buffers: dict[str, list[Any]] = {
-            "param": [be.upload(w) for w in weights],
-            "state": [be.zeros(math.prod(s) * dt.itemsize) for s, dt in states],
-            "slot": [be.zeros(b) for b in slots],
-            "const": [be.upload(np.asarray(c["values"], dtype=c["dtype"]).reshape(c["shape"])) for c in consts],
+            "state": [be.zeros(n) for n in self.state_bytes],
             "tokens": [be.zeros(max_chunk * 4)],
         }
+        self._allocate(weights)
+
+    def _allocate(self, weights: list[np.ndarray]) -> None:
+        """Weights, intermediate slots and constants on the device; every dispatch's bindings."""
+        be = self.backend
+        self.buffers.update({
+            "param": [be.upload(w) for w in weights],
+            "slot": [be.zeros(b) for b in self.plan["slots"]],
+            "const": [be.upload(np.asarray(c["values"], dtype=c["dtype"]).reshape(c["shape"]))
+                      for c in self.plan.get("consts") or []],
+        })
         self.sizes: dict[str, list[int]] = {k: [be.size(b) for b in v] for k, v in self.buffers.items()}
-        self.state_bytes = [math.prod(s) * dt.itemsize for s, dt in states]
         self.prepared = {name: be.prepare(fp, self._buffer) for name, fp in self.functions.items()}
+
+    def release(self, *, keep_states: bool) -> None:
+        """Free the device buffers of weights, slots and constants (and states unless kept)."""
+        self.prepared = {}
+        for kind in ("param", "slot", "const", *(() if keep_states else ("state",))):
+            for buf in self.buffers[kind]:
+                self.backend.free(buf)
+            self.buffers[kind] = []
+
+    def restore(self, weights: list[np.ndarray], *, keep_states: bool) -> None:
+        if not keep_states:
+            self.buffers["state"] = [self.backend.zeros(n) for n in self.state_bytes]
+        self._allocate(weights)
+
+    def device_bytes(self) -> int:
+        """Bytes of the device buffers held now (as the backend reports each buffer's size)."""
+        return sum(self.backend.size(b) for bufs in self.buffers.values() for b in bufs)
 
     def _buffer(self, ref: tuple[str, int]) -> tuple[Any, int]:
         return self.buffers[ref[0]][ref[1]], self.sizes[ref[0]][ref[1]]

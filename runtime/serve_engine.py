@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import gc
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -50,6 +49,10 @@ class Runner(Protocol):
     def reset(self) -> None: ...
 
     def truncate(self, n: int) -> None: ...
+
+    def release_device(self) -> None: ...
+
+    def restore_device(self) -> None: ...
 
     def close(self) -> None: ...
 
@@ -246,7 +249,7 @@ class Engine:
             if waking:  # reload outside the lock: submit() and status() stay answerable meanwhile
                 try:
                     self._wake_up()
-                except Exception as exc:  # the artifact went away while asleep: refuse what waits
+                except Exception as exc:  # e.g. the artifact went away while asleep: refuse what waits
                     self._refuse_queue(f"cannot reload the model: {one_line(exc)}")
                     continue
             with self._cond:
@@ -261,23 +264,23 @@ class Engine:
         return max(0.05, self._last_active + self._sleep_idle_s - time.monotonic())
 
     def _maybe_sleep(self) -> None:
-        """Free every slot's buffers after `sleep_idle_s` without work (reloaded on the next request)."""
+        """After `sleep_idle_s` without work, every slot gives its memory back (weights, kernels'
+        scratch, states; `Session.release_device`), keeping a host copy of its context's states, so
+        prefix reuse survives the sleep."""
         if self._sleep_idle_s is None or self._asleep or self._queue:
             return
         if time.monotonic() - self._last_active < self._sleep_idle_s:
             return
         for slot in self.slots:
             if slot.runner is not None:
-                slot.runner.close()
-            slot.runner, slot.context = None, []
-        gc.collect()
+                slot.runner.release_device()
         self._asleep = True
 
     def _wake_up(self) -> None:
-        """Reopen the slots' sessions after a sleep (engine thread, lock not held)."""
+        """Load every slot's weights and states back (engine thread, lock not held)."""
         for slot in self.slots:
-            if slot.runner is None:
-                slot.runner = self._open_runner()
+            if slot.runner is not None:
+                slot.runner.restore_device()
         self._asleep = False
 
     def _admit(self) -> bool:

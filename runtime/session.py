@@ -11,7 +11,9 @@ place. `prefill_all` returns float32 [T, V]; `prefill` and `decode` (T == 1) ret
 
 from __future__ import annotations
 
+import gc
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ import numpy as np
 from .artifact import (
     KERNELS_NAME,
     LAYOUT_FUNCTION,
+    MANIFEST_NAME,
     Artifact,
     ArtifactError,
     aligned_empty,
@@ -29,12 +32,24 @@ from .artifact import (
     one_line,
     open_artifact,
     read_weights,
+    sha256_file,
 )
-from .context import PER_POSITION, RECURRENT, ContextHistory, ContextStats, default_interval, split_points, state_kinds
+from .context import (
+    PER_POSITION,
+    RECURRENT,
+    ContextHistory,
+    ContextStats,
+    common_prefix,
+    default_interval,
+    split_points,
+    state_kinds,
+)
 from .cuda_runtime import provide_cuda_binary
 from .plan_format import BackendUnavailableError
 from .plan_runtime import PlanError, PlanRunner
+from .state_file import SavedState, StateFileError, read_state_file, write_state_file
 
+VERIFY = "verify"  # all logits, each row as a one-token call computes it (CPU artifacts have it)
 PLAN_DEVICES = ("vulkan", "metal")  # artifacts run from a dispatch plan, not a Relax VM executable
 
 # Session device name -> the manifest's target_key the kernels must have been built for.
@@ -78,6 +93,22 @@ def configure_cpu_threads(threads: int | None = None) -> int:
     return n
 
 
+def resident_bytes() -> int:
+    """This process's resident set size (Linux /proc; 0 where unavailable)."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+@dataclass
+class ReleasedDevice:
+    """What `release_device` kept: host copies of the states in use (None: states stayed)."""
+
+    states: dict[int, np.ndarray] | None
+
+
 class ContextOverflowError(ValueError):
     """More tokens than the compiled context holds; nothing was run."""
 
@@ -107,7 +138,6 @@ class Session:
 
     def _load(self, artifact: Artifact, device: str) -> None:
         import tvm
-        import tvm_ffi
 
         manifest = artifact.manifest
         self.manifest: dict[str, Any] = manifest
@@ -117,6 +147,7 @@ class Session:
         self._device = tvm.device(device)
         self._on_cpu = device == "cpu"
         self._plan: Any = None
+        self._released: ReleasedDevice | None = None
         self._kinds = state_kinds(manifest)
         self._state_specs = [array_layout(s) for s in manifest["states"]]
         self._recurrent = [i for i, k in enumerate(self._kinds) if k == RECURRENT]
@@ -131,17 +162,25 @@ class Session:
                 provide_cuda_binary(artifact.path, manifest)
             except (ValueError, OSError) as exc:
                 raise ArtifactError(f"{artifact.path}: {one_line(exc)}") from None
-        self._functions = _vm_functions(artifact, self._device)
-
-        weights = read_weights(artifact.path, manifest)
-        self._state_arrays = [aligned_zeros(*array_layout(s)) for s in manifest["states"]]
-        self._params = tvm_ffi.Array([self._to_device(a) for a in weights])
-        self._state_tensors = [self._to_device(a) for a in self._state_arrays]
-        self._states = tvm_ffi.Array(self._state_tensors)
+        self._load_kernels_and_weights(artifact)
+        self._allocate_states()
         self._token_buffer = aligned_empty(self.max_chunk, np.int32)
         self._shape_tuple = tvm.runtime.ShapeTuple
         self._n_past = 0
         self._decode_inputs = _decode_inputs(manifest, len(self._state_tensors), artifact.path)
+
+    def _load_kernels_and_weights(self, artifact: Artifact) -> None:
+        import tvm_ffi
+
+        self._functions = _vm_functions(artifact, self._device)
+        self._params: Any = tvm_ffi.Array([self._to_device(a) for a in read_weights(artifact.path, artifact.manifest)])
+
+    def _allocate_states(self) -> None:
+        import tvm_ffi
+
+        self._state_arrays = [aligned_zeros(shape, dtype) for shape, dtype in self._state_specs]
+        self._state_tensors = [self._to_device(a) for a in self._state_arrays]
+        self._states: Any = tvm_ffi.Array(self._state_tensors)
 
     def _load_plan(self, artifact: Artifact, device: str) -> None:
         weights = read_weights(artifact.path, self.manifest)
@@ -202,6 +241,8 @@ class Session:
     def reset(self) -> None:
         """Empty the context: zero every state (recurrent states start from zero)."""
         self._context.clear()
+        if self._released is not None and self._released.states is not None:
+            self._released.states = {}  # evicted: the restore brings back zeros
         if self._plan is not None:
             self._plan.reset()
             self._n_past = 0
@@ -260,6 +301,14 @@ class Session:
         self._ensure_device()
         return self._read_state(names.index(name))
 
+    def reuse_prefix(self, tokens: np.ndarray | list[int]) -> int:
+        """Cut the context back to its longest common prefix with `tokens`, leaving at least one of
+        them to feed (the next logits need a token); returns how many tokens were kept."""
+        want = np.asarray(tokens)
+        keep = min(common_prefix(self.tokens, want), max(want.size - 1, 0))
+        self.truncate(keep)
+        return keep
+
     # ----------------------------------------------------------------- state access
 
     def _read_state(self, i: int) -> np.ndarray:
@@ -292,7 +341,123 @@ class Session:
         return [self._read_state(i) for i in self._recurrent]
 
     def _ensure_device(self) -> None:
-        """Hook for device release (restores what a release gave back)."""
+        """A session whose device memory was released gets it back before it runs or reads."""
+        if self._released is not None:
+            self.restore_device()
+
+    # ----------------------------------------------------------------- state files
+
+    def _manifest_sha256(self) -> str:
+        if self._artifact is None:
+            raise ValueError("the session is closed")
+        return sha256_file(self._artifact.file(MANIFEST_NAME))
+
+    def save_state(self, path: str | os.PathLike[str]) -> None:
+        """Write the whole context (tokens, caches in use, recurrent states, checkpoints) to `path`."""
+        self._ensure_device()
+        ctx = self._context
+        states = self._live_states()
+        write_state_file(path, SavedState(self._manifest_sha256(), self.tokens, states, dict(ctx.checkpoints),
+                                          dict(ctx.rollback)))
+
+    def load_state(self, path: str | os.PathLike[str]) -> None:
+        """Replace the context with the one saved in `path` (by a session of this same artifact)."""
+        saved = read_state_file(path, self._manifest_sha256(), len(self._recurrent))
+        n = int(saved.tokens.size)
+        where = os.fspath(path)
+        if n > self.n_ctx or (n and (int(saved.tokens.min()) < 0 or int(saved.tokens.max()) >= self.n_vocab)):
+            raise StateFileError(f"{where}: its tokens do not fit this artifact")
+        self._check_saved_shapes(saved, where)
+        self._ensure_device()
+        self.reset()
+        for i, value in saved.states.items():
+            self._write_live_state(i, value)
+        ctx = self._context
+        ctx.tokens[:n] = saved.tokens
+        ctx.checkpoints.update({p: c for p, c in saved.checkpoints.items() if p <= n})
+        ctx.rollback.update({p: c for p, c in saved.rollback.items() if p <= n})
+        self._n_past = n
+
+    def _check_saved_shapes(self, saved: SavedState, where: str) -> None:
+        n = int(saved.tokens.size)
+        wanted = set(self._per_position) | set(self._recurrent)
+        if set(saved.states) != wanted:
+            raise StateFileError(f"{where}: holds states {sorted(saved.states)}, this artifact has {sorted(wanted)}")
+        for i, value in saved.states.items():
+            shape, dtype = self._state_specs[i]
+            want = (n, *shape[1:]) if i in self._per_position else shape
+            if value.shape != tuple(want) or value.dtype != dtype:
+                raise StateFileError(f"{where}: state {i} is {value.dtype}{list(value.shape)}, "
+                                     f"expected {dtype}{list(want)}")
+        for copies in (*saved.checkpoints.values(), *saved.rollback.values()):
+            for j, value in zip(self._recurrent, copies, strict=True):
+                if value.shape != self._state_specs[j][0] or value.dtype != self._state_specs[j][1]:
+                    raise StateFileError(f"{where}: a checkpoint of state {j} has the wrong shape")
+
+    def _live_states(self) -> dict[int, np.ndarray]:
+        """Per-position caches' cells in use and whole recurrent states (scratch left out)."""
+        out = {i: self._read_state(i)[: self._n_past] for i in self._per_position}
+        out.update({i: self._read_state(i) for i in self._recurrent})
+        return out
+
+    def _write_live_state(self, i: int, value: np.ndarray) -> None:
+        if i in self._per_position:
+            full = np.zeros(*self._state_specs[i])
+            full[: value.shape[0]] = value
+            value = full
+        self._write_state(i, value)
+
+    # ----------------------------------------------------------------- device memory
+
+    def release_device(self, evict_state: bool = True) -> None:
+        """Give back the device memory of weights, scratch buffers and (evict_state) the states,
+        keeping a host copy of the states in use; the next forward (or `restore_device`) brings
+        everything back. On the CPU the weights, kernels' scratch and states are freed from the
+        process (weights are re-read from the artifact)."""
+        if self._released is not None:
+            if evict_state and self._released.states is None:
+                self.restore_device()
+            else:
+                return
+        states = self._live_states() if evict_state else None
+        if self._plan is not None:
+            self._plan.release(keep_states=not evict_state)
+        else:
+            self._functions = dict.fromkeys(self._functions)
+            self._params = None
+            if evict_state:
+                self._state_arrays, self._state_tensors, self._states = [], [], None
+        self._released = ReleasedDevice(states)
+        gc.collect()
+
+    def restore_device(self) -> None:
+        """Load weights, kernels and states back after `release_device` (nothing to do otherwise)."""
+        released = self._released
+        if released is None or self._artifact is None:
+            return
+        if self._plan is not None:
+            self._plan.restore(read_weights(self._artifact.path, self.manifest), keep_states=released.states is None)
+        else:
+            self._load_kernels_and_weights(self._artifact)
+            if released.states is not None:
+                self._allocate_states()
+        self._released = None
+        for i, value in (released.states or {}).items():
+            self._write_live_state(i, value)
+
+    @property
+    def released(self) -> bool:
+        return self._released is not None
+
+    def memory(self) -> dict[str, int]:
+        """Memory figures: the process's resident set (`rss_bytes`), host copies kept for a release
+        (`shadow_bytes`), checkpoints (`checkpoint_bytes`), and on vulkan/metal the bytes of the
+        device buffers held (`device_bytes`, the sizes the GPU API reports for them)."""
+        out = {"rss_bytes": resident_bytes(), "checkpoint_bytes": self.checkpoint_bytes,
+               "shadow_bytes": sum(a.nbytes for a in ((self._released and self._released.states) or {}).values())}
+        if self._plan is not None:
+            out["device_bytes"] = self._plan.device_bytes()
+        return out
 
     # ----------------------------------------------------------------- running
 
@@ -305,7 +470,9 @@ class Session:
         Long inputs are split into chunks of at most `max_chunk` (and at checkpoint positions when
         the model has recurrent state); the result equals one call. keep_rollback=K keeps the
         recurrent states after each of the last K tokens, so truncating back by up to K tokens is
-        a copy (speculative decoding); those tokens then run one per call.
+        a copy (speculative decoding); those tokens then run one per call. With it, all-logits rows
+        are computed as one-token calls compute them (the artifact's `verify` function, where it
+        has one), so a speculative check sees the logits plain decoding would.
         """
         ids = self._checked_tokens(tokens)
         if isinstance(keep_rollback, bool) or not isinstance(keep_rollback, int) or keep_rollback < 0:
@@ -329,7 +496,7 @@ class Session:
             chunk = ids[prev - start : stop - start]
             last = i == len(ends) - 1
             if all_logits:
-                fn = "prefill_all"
+                fn = VERIFY if keep_rollback and VERIFY in self._functions else "prefill_all"
             elif last and chunk.size == 1 and "decode" in self._functions:
                 fn = "decode"
             else:

@@ -344,6 +344,9 @@ class WgpuBackend:
     def size(self, buf: Any) -> int:
         return int(buf.size)
 
+    def free(self, buf: Any) -> None:
+        buf.destroy()  # the device memory goes now, not when Python drops the object
+
     def write(self, buf: Any, array: np.ndarray) -> None:
         self.dev.write(buf, array)
 
