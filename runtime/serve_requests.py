@@ -1,0 +1,260 @@
+"""OpenAI request bodies for `ggufc serve`, checked field by field.
+
+A request is untrusted input: every field the server reads is checked for its type and range,
+and whatever is wrong is answered with a `RequestError` (an HTTP status and a one-line message,
+sent as OpenAI's error body) naming the field. Fields ggufc does not implement are refused when
+they ask for something (`n` > 1, `logprobs`, penalties, tools, ...) and ignored when they carry
+their default, so clients that send defaults work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+MAX_BODY_BYTES = 1 << 20
+MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 256
+MAX_TEMPERATURE = 2.0
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
+
+
+class RequestError(ValueError):
+    """A request the server refuses: HTTP status, one-line message, the field at fault."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclasses.dataclass(frozen=True)
+class ApiRequest:
+    """A checked completion or chat request."""
+
+    chat: bool
+    stream: bool
+    include_usage: bool
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: tuple[str, ...]
+    messages: tuple[dict[str, str], ...] = ()  # chat
+    prompt_text: str | None = None  # completions: text ...
+    prompt_ids: tuple[int, ...] | None = None  # ... or token ids
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object (strict JSON: no NaN or Infinity), or a 400."""
+    if len(raw) > MAX_BODY_BYTES:
+        raise RequestError(413, f"the request body is over {MAX_BODY_BYTES} bytes", code="request_too_large")
+    try:
+        body = json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        reason = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        raise RequestError(400, f"the request body is not valid JSON ({reason})", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise RequestError(400, f"the request body must be a JSON object, not {_json_type(body)}")
+    return body
+
+
+def parse_request(body: Mapping[str, Any], *, chat: bool, model_id: str, n_ctx: int, n_vocab: int) -> ApiRequest:
+    _check_model(body, model_id)
+    _refuse_unsupported(body, chat)
+    stream = _optional_bool(body, "stream", False)
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise RequestError(400, "stream_options must be an object", param="stream_options")
+    include_usage = _optional_bool(options or {}, "include_usage", False, param="stream_options.include_usage")
+    limit_name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    default_limit = n_ctx if chat else COMPLETION_DEFAULT_MAX_TOKENS
+    common: dict[str, Any] = dict(
+        chat=chat, stream=stream, include_usage=include_usage,
+        max_tokens=_int(body, limit_name, default_limit, 1, n_ctx),
+        temperature=_number(body, "temperature", 1.0, 0.0, MAX_TEMPERATURE),
+        top_p=_top_p(body), top_k=_int(body, "top_k", 0, 0, n_vocab),
+        seed=_optional_int(body, "seed", *SEED_RANGE), stop=_stop(body),
+    )
+    if chat:
+        return ApiRequest(**common, messages=_messages(body))
+    text, ids = _prompt(body, n_vocab)
+    return ApiRequest(**common, prompt_text=text, prompt_ids=ids)
+
+
+# --------------------------------------------------------------------- fields
+
+
+def _check_model(body: Mapping[str, Any], model_id: str) -> None:
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise RequestError(400, f"model must be a string naming the model ('{model_id}')", param="model")
+    if model != model_id:
+        raise RequestError(404, f"the model '{model[:100]}' does not exist; this server serves '{model_id}'",
+                           param="model", code="model_not_found")
+
+
+# field -> (the values that ask for nothing, what the field would ask for)
+_DEFAULTS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "n": ((None, 1), "n > 1 (one choice per request)"),
+    "best_of": ((None, 1), "best_of > 1"),
+    "echo": ((None, False), "echo"),
+    "logprobs": ((None, False, 0), "logprobs"),
+    "top_logprobs": ((None, 0), "top_logprobs"),
+    "presence_penalty": ((None, 0, 0.0), "presence_penalty"),
+    "frequency_penalty": ((None, 0, 0.0), "frequency_penalty"),
+    "logit_bias": ((None,), "logit_bias"),
+    "suffix": ((None, ""), "suffix"),
+    "tools": ((None,), "tools"),
+    "functions": ((None,), "functions"),
+    "tool_choice": ((None, "none", "auto"), "tool_choice"),
+    "response_format": ((None,), "response_format"),
+}
+
+
+def _refuse_unsupported(body: Mapping[str, Any], chat: bool) -> None:
+    for name, (defaults, what) in _DEFAULTS.items():
+        value = body.get(name)
+        if _is_default(value, defaults):
+            continue
+        if name == "n" and not (isinstance(value, int) and not isinstance(value, bool)):
+            raise RequestError(400, f"n must be an integer, got {_json_type(value)}", param="n")
+        raise RequestError(400, f"{what} is not supported by this server", param=name, code="unsupported")
+
+
+def _is_default(value: Any, defaults: tuple[Any, ...]) -> bool:
+    """Whether `value` asks for nothing: null, an empty list or object, or a default of the same
+    JSON type (so `false` is not taken for 0)."""
+    if value is None or value == {} or value == []:
+        return True
+    return any(type(value) is type(v) and value == v for v in defaults)
+
+
+def _optional_bool(body: Mapping[str, Any], name: str, default: bool, *, param: str | None = None) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise RequestError(400, f"{param or name} must be true or false, got {_json_type(value)}", param=param or name)
+    return value
+
+
+def _int(body: Mapping[str, Any], name: str, default: int, lo: int, hi: int) -> int:
+    value = _optional_int(body, name, lo, hi)
+    return default if value is None else value
+
+
+def _optional_int(body: Mapping[str, Any], name: str, lo: int, hi: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise RequestError(400, f"{name} must be an integer, got {_json_type(value)}", param=name)
+    if not lo <= value <= hi:
+        raise RequestError(400, f"{name} must be between {lo} and {hi}, got {_short(value)}", param=name)
+    return value
+
+
+def _number(body: Mapping[str, Any], name: str, default: float, lo: float, hi: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise RequestError(400, f"{name} must be a number, got {_json_type(value)}", param=name)
+    if not (math.isfinite(value) and lo <= value <= hi):
+        raise RequestError(400, f"{name} must be between {lo:g} and {hi:g}, got {_short(value)}", param=name)
+    return float(value)
+
+
+def _top_p(body: Mapping[str, Any]) -> float:
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    if top_p == 0.0:
+        raise RequestError(400, "top_p must be greater than 0", param="top_p")
+    return top_p
+
+
+def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
+    value = body.get("stop")
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise RequestError(400, "stop must be a string or a list of strings", param="stop")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise RequestError(400, f"stop holds at most {MAX_STOP_STRINGS} strings, got {len(stops)}", param="stop")
+    if any(not 0 < len(s) <= MAX_STOP_CHARS for s in stops):
+        raise RequestError(400, f"each stop string must have 1 to {MAX_STOP_CHARS} characters", param="stop")
+    return tuple(stops)
+
+
+def _messages(body: Mapping[str, Any]) -> tuple[dict[str, str], ...]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError(400, "messages must be a non-empty list of {role, content} objects", param="messages")
+    return tuple(_message(m, i) for i, m in enumerate(messages))
+
+
+def _message(message: Any, i: int) -> dict[str, str]:
+    where = f"messages[{i}]"
+    if not isinstance(message, dict):
+        raise RequestError(400, f"{where} must be an object, got {_json_type(message)}", param=where)
+    role = message.get("role")
+    if role not in CHAT_ROLES:
+        raise RequestError(400, f"{where}.role must be one of {', '.join(CHAT_ROLES)}", param=f"{where}.role")
+    content = message.get("content")
+    if content is None and role == "assistant":
+        content = ""
+    if isinstance(content, list):  # content parts: only text ones
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in content):
+            raise RequestError(400, f"{where}.content parts must be {{type: 'text', text: string}} objects",
+                               param=f"{where}.content")
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise RequestError(400, f"{where}.content must be a string, got {_json_type(content)}",
+                           param=f"{where}.content")
+    return {"role": str(role), "content": content}
+
+
+def _prompt(body: Mapping[str, Any], n_vocab: int) -> tuple[str | None, tuple[int, ...] | None]:
+    """A completion prompt: a string, or a list of token ids (or a list holding one of those)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt, None
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        bad = [t for t in prompt if not 0 <= t < n_vocab]
+        if bad:
+            raise RequestError(400, f"prompt token id {_short(bad[0])} is outside the vocabulary [0, {n_vocab})",
+                               param="prompt")
+        return None, tuple(prompt)
+    if isinstance(prompt, list) and len(prompt) > 1:
+        raise RequestError(400, "one prompt per request (a string or a list of token ids)", param="prompt")
+    raise RequestError(400, "prompt must be a string or a non-empty list of token ids", param="prompt")
+
+
+def _json_type(value: Any) -> str:
+    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
+             dict: "an object", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."

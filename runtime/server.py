@@ -1,0 +1,365 @@
+"""`ggufc serve`: an OpenAI-compatible HTTP server (FastAPI on uvicorn, server-sent events for
+streaming) in front of the generation engine (serve_engine.py).
+
+Endpoints: POST /v1/completions and /v1/chat/completions (streamed or not), GET /v1/models and
+GET /health. Bad requests get OpenAI's error body with a 4xx status (serve_requests.py); a
+request that finds every slot busy and the queue full gets 503. A client that goes away (a
+closed stream, or a dropped connection while it waits for a whole answer) cancels its request,
+which frees its slot at the engine's next step. On SIGTERM uvicorn stops accepting connections,
+lets the requests in flight finish (up to `GRACEFUL_SHUTDOWN_S`), then the engine stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import signal
+import socket
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from typing import Any
+
+import anyio
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
+
+from .chat import ChatTemplateError
+from .prompting import encode_prompt, render_messages, stop_ids
+from .sampling import Sampler
+from .serve_engine import Engine, Event, Generation, Runner, ServerBusyError, Ticket
+from .serve_requests import MAX_BODY_BYTES, ApiRequest, RequestError, parse_json, parse_request
+from .tokenizer import TokenizationError
+
+GRACEFUL_SHUTDOWN_S = 30
+RETRY_AFTER_S = 1
+
+
+class ServeError(OSError):
+    """The server cannot start (one line: the address is taken, ...)."""
+
+
+def create_app(engine: Engine, tokenizer: Any, info: Mapping[str, Any], *, model_id: str, n_vocab: int,
+               api_key: str | None = None) -> FastAPI:
+    """The ASGI app; it starts the engine with the app and stops it on shutdown."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            await anyio.to_thread.run_sync(engine.stop)
+
+    app = FastAPI(title="ggufc", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
+    created = int(time.time())
+    context = _Context(engine, tokenizer, info, model_id, n_vocab, api_key)
+
+    @app.exception_handler(RequestError)
+    async def request_error(_: Request, exc: RequestError) -> JSONResponse:
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 503 else None
+        auth = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers or auth)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(RequestError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+        error = RequestError(500, f"internal error ({type(exc).__name__})", kind="server_error")
+        return JSONResponse(error.body(), status_code=500)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", **engine.status()}
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        context.check_key(request)
+        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created,
+                                            "owned_by": "ggufc", "context_length": engine.n_ctx}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await context.answer(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await context.answer(request, chat=True)
+
+    return app
+
+
+class _Context:
+    """What the request handlers share: the engine, the tokenizer and the server's settings."""
+
+    def __init__(self, engine: Engine, tokenizer: Any, info: Mapping[str, Any], model_id: str, n_vocab: int,
+                 api_key: str | None) -> None:
+        self.engine, self.tokenizer, self.info = engine, tokenizer, info
+        self.model_id, self.n_vocab, self.api_key = model_id, n_vocab, api_key
+
+    def check_key(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self.api_key.encode()):
+            raise RequestError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
+                               code="invalid_api_key")
+
+    async def answer(self, request: Request, *, chat: bool) -> Response:
+        self.check_key(request)
+        body = parse_json(await _read_body(request))
+        parsed = parse_request(body, chat=chat, model_id=self.model_id, n_ctx=self.engine.n_ctx,
+                               n_vocab=self.n_vocab)
+        ids = await anyio.to_thread.run_sync(self._prompt_ids, parsed)
+        sampler = Sampler(temperature=parsed.temperature, top_k=parsed.top_k, top_p=parsed.top_p,
+                          seed=None if parsed.seed is None else parsed.seed % (1 << 64))
+        generation = Generation(tuple(ids), parsed.max_tokens, sampler, parsed.stop)
+        events: asyncio.Queue[Event] = asyncio.Queue()
+        try:
+            ticket = self.engine.submit(generation, _deliverer(asyncio.get_running_loop(), events))
+        except ServerBusyError as exc:
+            raise RequestError(503, str(exc), code="server_busy", kind="server_error") from None
+        reply = _Reply(chat, self.model_id, parsed)
+        if parsed.stream:
+            return _EventStream(reply.stream(events), ticket)
+        return await _whole_answer(request, reply, events, ticket)
+
+    def _prompt_ids(self, parsed: ApiRequest) -> list[int]:
+        """Token ids of the prompt (chat: through the model's template, in jinja2's sandbox)."""
+        if parsed.prompt_ids is not None:
+            ids = list(parsed.prompt_ids)
+        else:
+            try:
+                if parsed.chat:
+                    text = render_messages(self.tokenizer, self.info, parsed.messages)
+                else:
+                    text = parsed.prompt_text or ""
+                ids = encode_prompt(self.tokenizer, self.info, text, templated=parsed.chat)
+            except (ChatTemplateError, TokenizationError) as exc:
+                raise RequestError(400, str(exc), param="messages" if parsed.chat else "prompt") from None
+        if not ids:
+            raise RequestError(400, "the prompt is empty (no tokens)", param="prompt")
+        if len(ids) > self.engine.n_ctx:
+            raise RequestError(400, f"the prompt has {len(ids)} tokens, more than the context holds "
+                                    f"({self.engine.n_ctx} tokens)", param="messages" if parsed.chat else "prompt",
+                               code="context_length_exceeded")
+        return ids
+
+
+async def _read_body(request: Request) -> bytes:
+    """The body, refused (413) past MAX_BODY_BYTES before it is all read."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise RequestError(413, f"the request body is over {MAX_BODY_BYTES} bytes", code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise RequestError(413, f"the request body is over {MAX_BODY_BYTES} bytes", code="request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _deliverer(loop: asyncio.AbstractEventLoop, events: asyncio.Queue[Event]) -> Callable[[Event], None]:
+    """Hand the engine thread's events to the request's queue on the event loop."""
+
+    def deliver(event: Event) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening any more
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+    return deliver
+
+
+class _Reply:
+    """OpenAI's response objects for one request: whole, or as server-sent event chunks."""
+
+    def __init__(self, chat: bool, model_id: str, parsed: ApiRequest) -> None:
+        self.chat, self.model_id, self.parsed = chat, model_id, parsed
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def _envelope(self, chunk: bool) -> dict[str, Any]:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model_id}
+
+    @staticmethod
+    def usage(raw: Mapping[str, int]) -> dict[str, Any]:
+        return {"prompt_tokens": raw["prompt_tokens"], "completion_tokens": raw["completion_tokens"],
+                "total_tokens": raw["total_tokens"],
+                "prompt_tokens_details": {"cached_tokens": raw["cached_tokens"]}}
+
+    def whole(self, text: str, finish_reason: str | None, usage: Mapping[str, int]) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return {**self._envelope(False), "choices": [choice], "usage": self.usage(usage)}
+
+    def chunk(self, text: str | None, finish_reason: str | None = None, *, role: bool = False) -> bytes:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            if text is not None:
+                delta["content"] = text
+            choice["delta"] = delta
+        else:
+            choice["text"] = text or ""
+        return _sse({**self._envelope(True), "choices": [choice]})
+
+    async def stream(self, events: asyncio.Queue[Event]) -> AsyncIterator[bytes]:
+        if self.chat:
+            yield self.chunk("", role=True)
+        while True:
+            event = await events.get()
+            if event.kind == "text":
+                yield self.chunk(event.text)
+                continue
+            if event.kind == "done":
+                yield self.chunk(None, event.finish_reason)
+                if self.parsed.include_usage and event.usage is not None:
+                    yield _sse({**self._envelope(True), "choices": [], "usage": self.usage(event.usage)})
+            else:
+                yield _sse(RequestError(500, event.text, kind="server_error").body())
+            yield b"data: [DONE]\n\n"
+            return
+
+
+def _sse(payload: Mapping[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, ensure_ascii=False).encode("utf-8") + b"\n\n"
+
+
+async def _whole_answer(request: Request, reply: _Reply, events: asyncio.Queue[Event], ticket: Ticket) -> Response:
+    """Collect the generation; a client that disconnects meanwhile cancels it."""
+
+    async def collect() -> Event:
+        pieces: list[str] = []
+        while True:
+            event = await events.get()
+            if event.kind != "text":
+                return _with_text(event, "".join(pieces))
+            pieces.append(event.text)
+
+    collecting = asyncio.ensure_future(collect())
+    watching = asyncio.ensure_future(_disconnected(request.receive))
+    try:
+        await asyncio.wait({collecting, watching}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watching.cancel()
+        if not collecting.done():
+            collecting.cancel()
+            ticket.cancel()
+    if not collecting.done() or collecting.cancelled():
+        return Response(status_code=499)  # nobody is there to read it
+    final = collecting.result()
+    if final.kind == "error":
+        status = 503 if "shutting down" in final.text else 500
+        return JSONResponse(RequestError(status, final.text, kind="server_error").body(), status_code=status)
+    assert final.usage is not None
+    return JSONResponse(reply.whole(final.text, final.finish_reason, final.usage))
+
+
+def _with_text(event: Event, text: str) -> Event:
+    """The final event carrying the whole text (errors keep their message)."""
+    if event.kind == "error":
+        return event
+    return Event(event.kind, text=text, finish_reason=event.finish_reason, usage=event.usage)
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events that stop, and cancel their request, as soon as the client goes away
+    (also under ASGI 2.4 servers, where a plain StreamingResponse only notices at its next write)."""
+
+    def __init__(self, content: AsyncIterator[bytes], ticket: Ticket) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._ticket = ticket
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+
+                async def stream() -> None:
+                    with contextlib.suppress(OSError):
+                        await self.stream_response(send)
+                    group.cancel_scope.cancel()
+
+                group.start_soon(stream)
+                await _disconnected(receive)
+                group.cancel_scope.cancel()
+        finally:
+            self._ticket.cancel()  # no-op when the generation already finished
+
+
+# --------------------------------------------------------------------- running
+
+
+def serve(open_runner: Callable[[], Runner], tokenizer: Any, info: Mapping[str, Any], *, model_id: str,
+          n_vocab: int, sock: socket.socket, parallel: int = 1, max_queue: int = 16,
+          sleep_idle_s: float | None = None, api_key: str | None = None,
+          announce: Callable[[str], None] = print) -> None:
+    """Load `parallel` slots and serve on `sock` (from `listen`) until SIGINT/SIGTERM."""
+    engine = Engine(open_runner, tokenizer, stop_ids(info), parallel=parallel, max_queue=max_queue,
+                    sleep_idle_s=sleep_idle_s)
+    app = create_app(engine, tokenizer, info, model_id=model_id, n_vocab=n_vocab, api_key=api_key)
+    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+                            lifespan="on")
+    bound_host, bound_port = sock.getsockname()[:2]
+    announce(f"serving {model_id} on http://{_url_host(bound_host)}:{bound_port} "
+             f"({parallel} slot{'s' if parallel > 1 else ''}, context {engine.n_ctx}, queue {max_queue})")
+    _GracefulServer(config).run(sockets=[sock])
+    announce("stopped")
+
+
+class _GracefulServer(uvicorn.Server):
+    """uvicorn's server, minus re-raising SIGTERM/SIGINT once it has shut down gracefully: a
+    server stopped by a signal has done its job and exits 0."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port (port 0: any free one), or a one-line ServeError; opened
+    before the model loads, so a taken port is refused at once."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, address = infos[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise ServeError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        raise ServeError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host

@@ -1,0 +1,210 @@
+"""The serving engine without HTTP or a compiled model: stop strings across pieces, request
+checks, and the scheduler (continuous batching, prefix reuse, the queue limit, cancellation) on a
+scripted runner whose logits follow from its context."""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+
+from ggufc.runtime.sampling import Sampler
+from ggufc.runtime.serve_engine import Engine, Event, Generation, ServerBusyError, StopStringFilter
+from ggufc.runtime.serve_requests import RequestError, parse_json, parse_request
+
+N_VOCAB = 16
+EOS = 15
+
+
+@pytest.mark.parametrize(("pieces", "stops", "expected"), [
+    (["Hel", "lo wor", "ld"], ["wor"], ("Hello ", True)),
+    (["a", "b", "c"], ["bc"], ("a", True)),
+    (["ab", "x"], ["bc"], ("abx", False)),  # "b" held back, then released
+    (["a<", "/s", ">tail"], ["</s>"], ("a", True)),
+    (["no stops here"], [], ("no stops here", False)),
+    (["xy", "z"], ["yz", "xyz"], ("", True)),  # the earliest stop wins
+])
+def test_stop_strings_across_pieces(pieces: list[str], stops: list[str], expected: tuple[str, bool]) -> None:
+    f = StopStringFilter(stops)
+    sent, stopped = "", False
+    for piece in pieces:
+        text, stopped = f.feed(piece)
+        sent += text
+        if stopped:
+            break
+    if not stopped:
+        sent += f.finish()
+    assert (sent, stopped) == expected
+
+
+def test_requests_are_checked_field_by_field() -> None:
+    body = parse_json(b'{"model": "m", "prompt": [1, 2, 3], "max_tokens": 4, "stop": "x", "seed": -5}')
+    req = parse_request(body, chat=False, model_id="m", n_ctx=32, n_vocab=N_VOCAB)
+    assert (req.prompt_ids, req.max_tokens, req.stop, req.seed, req.temperature) == ((1, 2, 3), 4, ("x",), -5, 1.0)
+    chat = parse_request({"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                                  {"type": "text", "text": "b"}]}],
+                          "n": 1, "logprobs": False, "presence_penalty": 0}, chat=True, model_id="m", n_ctx=32,
+                         n_vocab=N_VOCAB)
+    assert chat.messages == ({"role": "user", "content": "ab"},) and chat.max_tokens == 32
+    for bad, param in [({"max_tokens": 33}, "max_tokens"), ({"max_tokens": True}, "max_tokens"),
+                       ({"logprobs": True}, "logprobs"), ({"seed": 2**64}, "seed"), ({"top_k": -1}, "top_k"),
+                       ({"prompt": [N_VOCAB]}, "prompt"), ({"prompt": []}, "prompt"), ({"n": "1"}, "n")]:
+        with pytest.raises(RequestError) as info:
+            parse_request({"model": "m", "prompt": "x", **bad}, chat=False, model_id="m", n_ctx=32, n_vocab=N_VOCAB)
+        assert info.value.status == 400 and info.value.param == param
+    with pytest.raises(RequestError) as info:
+        parse_json(b'{"a": Infinity}')
+    assert info.value.status == 400
+
+
+class ScriptedRunner:
+    """Greedy picks (sum of the context's ids + 1) mod 15: EOS (15) is never picked, so only
+    max_tokens and stop strings end a generation; records every forward call's length."""
+
+    n_ctx = 64
+    max_chunk = 4
+
+    def __init__(self, calls: list[tuple[int, int]], index: int) -> None:
+        self.context: list[int] = []
+        self.calls, self.index = calls, index
+
+    def forward(self, tokens: Sequence[int] | np.ndarray, *, all_logits: bool = False) -> np.ndarray:
+        ids = [int(t) for t in tokens]
+        assert 0 < len(ids) <= self.max_chunk and len(self.context) + len(ids) <= self.n_ctx
+        self.context += ids
+        self.calls.append((self.index, len(ids)))
+        logits = np.zeros(N_VOCAB, np.float32)
+        logits[(sum(self.context) + 1) % 15] = 1.0
+        return logits
+
+    def reset(self) -> None:
+        self.context = []
+
+    def truncate(self, n: int) -> None:
+        assert 0 <= n <= len(self.context)
+        self.context = self.context[:n]
+
+    def release_device(self) -> None:
+        self.released = True
+
+    def restore_device(self) -> None:
+        self.released = False
+
+    def close(self) -> None:
+        pass
+
+    released = False
+
+
+class Letters:
+    """Token i decodes to the letter 'a' + i."""
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return "".join(chr(ord("a") + i) for i in ids)
+
+
+def _expected(prompt: list[int], n: int) -> str:
+    context, out = list(prompt), []
+    for _ in range(n):
+        token = (sum(context) + 1) % 15
+        out.append(chr(ord("a") + token))
+        context.append(token)
+    return "".join(out)
+
+
+def _engine(parallel: int, max_queue: int = 8,
+            sleep_idle_s: float | None = None) -> tuple[Engine, list[ScriptedRunner], list[tuple[int, int]]]:
+    calls: list[tuple[int, int]] = []
+    runners: list[ScriptedRunner] = []
+
+    def open_runner() -> ScriptedRunner:
+        runners.append(ScriptedRunner(calls, len(runners)))
+        return runners[-1]
+
+    engine = Engine(open_runner, Letters(), {EOS}, parallel=parallel, max_queue=max_queue, sleep_idle_s=sleep_idle_s)
+    return engine, runners, calls
+
+
+def _collect(engine: Engine, prompt: list[int], n: int, stop: tuple[str, ...] = ()) -> queue.Queue[Event]:
+    events: queue.Queue[Event] = queue.Queue()
+    engine.submit(Generation(tuple(prompt), n, Sampler(), stop), events.put)
+    return events
+
+
+def _finish(events: queue.Queue[Event]) -> tuple[str, Event]:
+    text = ""
+    while True:
+        event = events.get(timeout=10)
+        if event.kind != "text":
+            return text, event
+        text += event.text
+
+
+def test_slots_interleave_prompts_with_decode_steps_and_answer_as_alone() -> None:
+    engine, runners, calls = _engine(parallel=2)
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [3, 1], [2, 2, 2]]
+    streams = [_collect(engine, p, 6) for p in prompts]  # queued before the engine runs: a fixed order
+    engine.start()
+    try:
+        results = [_finish(s) for s in streams]
+    finally:
+        engine.stop()
+    for prompt, (text, done) in zip(prompts, results, strict=True):
+        assert text == _expected(prompt, 6) and done.finish_reason == "length"
+        assert done.usage is not None and done.usage["prompt_tokens"] == len(prompt)
+        assert done.usage["completion_tokens"] == 6
+    # the 10-token prompt is read 4 tokens at a time while the other slot already decodes
+    assert calls[:6] == [(0, 4), (1, 2), (0, 4), (1, 1), (0, 2), (1, 1)]
+    assert len(runners) == 2  # the third request waited for a slot
+
+
+def test_prefix_reuse_and_stop_strings() -> None:
+    engine, runners, calls = _engine(parallel=1)
+    engine.start()
+    try:
+        text, done = _finish(_collect(engine, [1, 2, 3, 4], 5))
+        assert text == _expected([1, 2, 3, 4], 5)
+        text2, done2 = _finish(_collect(engine, [1, 2, 3, 9, 9], 5))
+        assert done2.usage is not None and done2.usage["cached_tokens"] == 3
+        assert text2 == _expected([1, 2, 3, 9, 9], 5)
+        full = _expected([4, 4, 4], 8)
+        text3, done3 = _finish(_collect(engine, [4, 4, 4], 8, stop=(full[3:5],)))
+        assert (text3, done3.finish_reason) == (full[: full.find(full[3:5])], "stop")
+    finally:
+        engine.stop()
+
+
+def test_the_queue_limit_and_cancellation() -> None:
+    engine, runners, calls = _engine(parallel=1, max_queue=1)  # not started yet: nothing moves
+    gone = queue.Queue[Event]()
+    ticket = engine.submit(Generation((1, 2), 50, Sampler()), gone.put)
+    waiting = _collect(engine, [1, 2], 2)  # one slot free, one queued: still accepted
+    with pytest.raises(ServerBusyError):
+        engine.submit(Generation((1, 2), 2, Sampler()), lambda e: None)
+    ticket.cancel()  # its client went away before a slot took it
+    engine.start()
+    try:
+        text, done = _finish(waiting)
+    finally:
+        engine.stop()
+    assert (text, done.finish_reason) == (_expected([1, 2], 2), "length")
+    assert gone.empty() and engine.tokens_generated == 2  # the cancelled request generated nothing
+
+
+def test_idle_slots_sleep_and_wake_for_the_next_request() -> None:
+    engine, runners, calls = _engine(parallel=2, sleep_idle_s=0.2)
+    engine.start()
+    try:
+        assert _finish(_collect(engine, [5, 6], 3))[0] == _expected([5, 6], 3)
+        deadline = time.monotonic() + 10
+        while not engine.status()["asleep"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert engine.status()["asleep"] and all(r.released for r in runners)
+        text, done = _finish(_collect(engine, [5, 6, 7, 8], 3))  # the context survived the sleep
+        assert text == _expected([5, 6, 7, 8], 3) and done.usage is not None and done.usage["cached_tokens"] == 2
+        assert not engine.status()["asleep"] and not any(r.released for r in runners)
+    finally:
+        engine.stop()
