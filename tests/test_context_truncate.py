@@ -1,10 +1,11 @@
 """A conversation whose context is rewritten between turns, on llama.cpp's fixtures of every
-supported architecture (qwen4exp also QSA-sparse, top_k 4): seven turns that grow, cut back into
+supported architecture (the indexer architectures also with the small top_k of their sparse
+goldens: QSA, DSA token top-k, MSA blocks): seven turns that grow, cut back into
 earlier turns (below and above the indexer budget, across checkpoint boundaries, to 0) and grow
 again. After every turn the logits equal a fresh session's one-shot evaluation of the same tokens
 (and llama.cpp's goldens where the tokens are theirs), every state equals the fresh session's
 (per-position caches cell for cell, cleared past the end), and the QSA selections the kernels make
-from the truncated context equal those of the fresh run, compared as sets of cells.
+from the truncated context equal those of the fresh run, compared as sets.
 """
 
 from __future__ import annotations
@@ -25,10 +26,19 @@ from ggufc.runtime import Session
 GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
 pytestmark = pytest.mark.skipif(not GOLDEN.is_dir(), reason=f"llama.cpp goldens not found at {GOLDEN}")
 
+# sparse variants: the key and value their goldens were made with (../shared/golden/README.md)
+SPARSE = {"qwen4exp-moe-sparse": ("qwen4exp", 4), "glm-dsa-moe-F16-sparse": ("glm-dsa", 8),
+          "deepseek32-moe-F16-sparse": ("deepseek32", 8), "minimax-m3-moe-sparse": ("minimax-m3", 2)}
 FIXTURES = ["llama-dense", "qwen3-dense", "qwen3moe-moe", "qwen35-dense", "qwen3next-moe", "qwen4exp-moe",
-            "qwen4exp-moe-sparse"]
+            "hy_v3-moe", "glm-dsa-moe-F16", "deepseek32-moe-F16", "minimax-m3-moe", *SPARSE]
+SELECTION_OPS = ("indexer_topk", "token_topk", "block_topk")
 INTERVAL = 16  # checkpoint spacing in these tests: turns cross several boundaries
 NMSE_FRESH = 1e-10  # truncated-and-continued vs fresh one-shot (measured 0 to 1e-15: chunking only)
+# Where activations or K/V are rounded to F16 (F16 weights; minimax-m3's flash-attention K/V), a
+# one-ulp difference between the one-token and the batched kernels can move a value by one F16 step:
+# chunked and one-shot then differ as llama.cpp's own runs do (~3e-9)
+F16_ROUNDED = ("glm-dsa", "deepseek32", "minimax-m3")
+NMSE_FRESH_F16 = 1e-7
 NMSE_GOLDEN = 1e-6  # as test_goldens.py for f32 fixtures
 
 
@@ -37,13 +47,14 @@ def nmse(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.mean((a64 - b64) ** 2) / np.mean(b64**2))
 
 
-def sparse_copy(tmp: Path) -> Path:
-    """qwen4exp-moe with indexer.top_k = 4, made as the golden README says."""
-    path = tmp / "qwen4exp-moe-sparse.gguf"
-    shutil.copyfile(GOLDEN / "fixtures" / "qwen4exp-moe.gguf", path)
+def sparse_copy(tmp: Path, name: str) -> Path:
+    """The dense fixture with its indexer.top_k lowered, made as the golden README says."""
+    arch, top_k = SPARSE[name]
+    path = tmp / f"{name}.gguf"
+    shutil.copyfile(GOLDEN / "fixtures" / f"{name.removesuffix('-sparse')}.gguf", path)
     path.chmod(0o644)
     subprocess.run([sys.executable, "-m", "gguf.scripts.gguf_set_metadata", str(path),
-                    "qwen4exp.attention.indexer.top_k", "4", "--force"], check=True, capture_output=True)
+                    f"{arch}.attention.indexer.top_k", str(top_k), "--force"], check=True, capture_output=True)
     return path
 
 
@@ -55,7 +66,7 @@ class CompiledOnce(dict[str, Path]):
         self.root = root
 
     def __missing__(self, name: str) -> Path:
-        gguf = sparse_copy(self.root) if name.endswith("-sparse") else GOLDEN / "fixtures" / f"{name}.gguf"
+        gguf = sparse_copy(self.root, name) if name in SPARSE else GOLDEN / "fixtures" / f"{name}.gguf"
         self[name] = ggufc.compile(gguf, self.root / name)
         return self[name]
 
@@ -100,8 +111,9 @@ def golden_prefix(context: np.ndarray, golden_tokens: np.ndarray) -> int:
     return int(same[0]) if same.size else n
 
 
-def states_equal_fresh(session: Session, fresh: Session) -> None:
-    """Per-position caches: cells [0, n) equal, cells past n zero; recurrent states equal."""
+def states_equal_fresh(session: Session, fresh: Session, rtol: float) -> None:
+    """Per-position caches: cells [0, n) equal (to `rtol` of the largest value), cells past n zero;
+    recurrent states equal."""
     n = session.n_past
     for spec in session.manifest["states"]:
         name, kind = spec["name"], spec["kind"]
@@ -111,7 +123,7 @@ def states_equal_fresh(session: Session, fresh: Session) -> None:
             got, want = got[:n], want[:n]
         if got.dtype.kind == "f":
             scale = max(float(np.max(np.abs(want))), 1e-30)
-            assert float(np.max(np.abs(got - want))) <= 1e-5 * scale, name
+            assert float(np.max(np.abs(got - want))) <= rtol * scale, name
         else:
             np.testing.assert_array_equal(got, want, err_msg=name)
 
@@ -123,6 +135,8 @@ def test_seven_turns_equal_fresh_evaluation(name: str, artifacts: dict[str, Path
     fresh = Session(artifacts[name], checkpoint_interval=INTERVAL)
     turns = seven_turns(golden["tokens"], session.n_vocab)
     recurrent = any(s["kind"] == "recurrent" for s in session.manifest["states"])
+    rounded = name.startswith(F16_ROUNDED)
+    bar = NMSE_FRESH_F16 if rounded else NMSE_FRESH
     golden_rows = 0
     for i, turn in enumerate(turns):
         session.truncate(turn.keep)
@@ -133,9 +147,9 @@ def test_seven_turns_equal_fresh_evaluation(name: str, artifacts: dict[str, Path
         fresh.reset()
         want = fresh.forward(context, all_logits=True)[turn.keep :]
         err = nmse(logits, want)
-        assert err < NMSE_FRESH, f"turn {i + 1}: NMSE {err:.3g} against a fresh one-shot evaluation"
-        assert np.array_equal(logits.argmax(-1), want.argmax(-1)) or err < 1e-14, f"turn {i + 1}: argmax"
-        states_equal_fresh(session, fresh)
+        assert err < bar, f"turn {i + 1}: NMSE {err:.3g} against a fresh one-shot evaluation"
+        assert rounded or np.array_equal(logits.argmax(-1), want.argmax(-1)) or err < 1e-14, f"turn {i + 1}: argmax"
+        states_equal_fresh(session, fresh, 1e-2 if rounded else 1e-5)
         theirs = golden_prefix(context, golden["tokens"])
         if theirs > turn.keep:
             rows = slice(turn.keep, theirs)
@@ -157,12 +171,14 @@ def test_seven_turns_equal_fresh_evaluation(name: str, artifacts: dict[str, Path
 
 @dataclass
 class SelectionProbe:
-    """The sparse model's all-logits graph compiled with its first layer's QSA selection ([T, W]
-    cell ids) as an output: run from given states, it shows which cells the kernels pick."""
+    """The sparse model's all-logits graph compiled with its first layer's indexer selection (cell
+    ids [T, W], or block ids [T, G, K]) as an output: run from given states, it shows what the
+    kernels pick."""
 
     vm: Any
     params: list[Any]
     state_names: list[str]
+    cells_per_id: int  # 1 for cell ids, the block size for block ids
 
     def select(self, states: dict[str, np.ndarray], tokens: np.ndarray, pos: int) -> np.ndarray:
         import tvm
@@ -189,8 +205,8 @@ def selection_probe(gguf: Path) -> SelectionProbe:
 
     model = load_model(gguf)
     graph = optimise({"prefill_all": model.graphs["prefill_all"]}, frozenset())[0]["prefill_all"]
-    sel = next(n for n in graph.nodes if n.op == "indexer_topk").outputs[0]
-    graph = graph.replace(outputs=[graph.outputs[0], sel])
+    topk = next(n for n in graph.nodes if n.op in SELECTION_OPS)
+    graph = graph.replace(outputs=[graph.outputs[0], topk.outputs[0]])
     layouts = plan_params([graph])
     states = state_plan(graph)
     mb = ModuleBuilder(resolve_target("llvm"), layouts, states)
@@ -201,16 +217,17 @@ def selection_probe(gguf: Path) -> SelectionProbe:
     ex = tvm.compile(mod, target=mb.target, relax_pipeline=relax.pipeline.default_build_pipeline())
     weights = kernel_weights(model, layouts)
     params = [to_tvm(weights[weight_key(lay.source, f)]) for lay in layouts for f, _, _ in lay.arrays]
-    return SelectionProbe(tvm.runtime.vm.VirtualMachine(ex, tvm.cpu()), params, [n for n, _, _ in states])
+    return SelectionProbe(tvm.runtime.vm.VirtualMachine(ex, tvm.cpu()), params, [n for n, _, _ in states],
+                          topk.attrs.block if topk.op == "block_topk" else 1)
 
 
-def test_sparse_selections_after_truncation_equal_fresh(artifacts: dict[str, Path],
+@pytest.mark.parametrize("name", SPARSE)
+def test_sparse_selections_after_truncation_equal_fresh(name: str, artifacts: dict[str, Path],
                                                        tmp_path_factory: pytest.TempPathFactory) -> None:
-    """Each turn's queries select, from the session's truncated context, the cells a fresh run over
-    the same tokens selects; the budget really drops cells in these turns."""
-    name = "qwen4exp-moe-sparse"
+    """Each turn's queries select, from the session's truncated context, what a fresh run over the
+    same tokens selects; the budget really drops cells in these turns."""
     golden = np.load(GOLDEN / "logits" / f"{name}.npz")
-    probe = selection_probe(sparse_copy(tmp_path_factory.mktemp("probe")))
+    probe = selection_probe(sparse_copy(tmp_path_factory.mktemp("probe"), name))
     session = Session(artifacts[name], checkpoint_interval=INTERVAL)
     assert any(n.startswith("cache_idx.") for n in probe.state_names)
     zeros = {n: np.zeros_like(session.state(n)) for n in probe.state_names}
@@ -223,6 +240,8 @@ def test_sparse_selections_after_truncation_equal_fresh(artifacts: dict[str, Pat
         want = probe.select(zeros, session.tokens, 0)[turn.keep :]
         assert got.shape == want.shape
         for t, (g, w) in enumerate(zip(got, want, strict=True)):
-            assert set(g.tolist()) == set(w.tolist()), f"turn {i + 1}, query at {turn.keep + t}"
-        dropped += int(np.sum(np.arange(turn.keep, session.n_past) + 1 > got.shape[1]))
+            for group, (gg, ww) in enumerate(zip(g.reshape(-1, g.shape[-1]), w.reshape(-1, w.shape[-1]), strict=True)):
+                assert set(gg.tolist()) == set(ww.tolist()), f"turn {i + 1}, query at {turn.keep + t}, group {group}"
+        capacity = got.shape[-1] * probe.cells_per_id
+        dropped += int(np.sum(np.arange(turn.keep, session.n_past) + 1 > capacity))
     assert dropped >= 100
