@@ -21,7 +21,13 @@ from .graph import Dim, Shape, eval_shape
 from .hyper_connections import hc_post_ref, hc_pre_ref
 from .ngram_embedding import ple_hash_ref
 from .recurrent_ref import gated_delta_net_ref, l2_norm_ref, rms_norm_gated_ref, ssm_conv_ref
-from .sparse_indexers import index_mask_ref, indexer_score_ref, indexer_topk_ref
+from .sparse_indexers import (
+    compressed_attention_ref,
+    compressed_score_ref,
+    index_mask_ref,
+    indexer_score_ref,
+    indexer_topk_ref,
+)
 
 # ----------------------------------------------------------------------------------------------
 # attributes (frozen, typed)
@@ -249,6 +255,27 @@ class IndexerTopK:
 
     ratio: int
     width: int
+
+
+@dataclass(frozen=True)
+class CompressedScore:
+    """Lightning-indexer scores over compressed rows: (q [T,Hi,Di], head weights [T,Hi], rows
+    [NB,Di], pos) -> [T, NB], -inf at rows whose block of `ratio` positions is not complete."""
+
+    ratio: int
+
+
+@dataclass(frozen=True)
+class CompressedAttention:
+    """Attention of q [T,H,D] over one shared K = V head: the raw cells of a cache [C, D] within a
+    sliding window, plus (ratio > 0) the complete rows [NB, D] of a compressed cache (all, or
+    `selected`: those listed in a [T, k] int32 input), with per-head sink logits [H].
+    Inputs (q, cache, sinks, pos[, rows[, sel]])."""
+
+    scale: float
+    window: int
+    ratio: int = 0  # 0: raw cells only
+    selected: bool = False
 
 
 @dataclass(frozen=True)
@@ -744,6 +771,28 @@ def _index_mask_shape(ins: Sequence[ShapeDtype], a: Any) -> list[ShapeDtype]:
     return [((ss[0], "P+T"), "float32")]
 
 
+def _compressed_score_shape(ins: Sequence[ShapeDtype], a: CompressedScore) -> list[ShapeDtype]:
+    (qs, dt), (ws, _), (rs, _), _pos = ins
+    if len(qs) != 3 or tuple(ws) != (qs[0], qs[1]) or len(rs) != 2 or rs[1] != qs[2]:
+        raise ValueError(f"compressed_score: q {qs}, weights {ws}, rows {rs} disagree")
+    return [((qs[0], rs[0]), dt)]
+
+
+def _compressed_attention_shape(ins: Sequence[ShapeDtype], a: CompressedAttention) -> list[ShapeDtype]:
+    n_in = 4 + (a.ratio > 0) + a.selected
+    if len(ins) != n_in or (a.selected and a.ratio <= 0):
+        raise ValueError(f"compressed_attention {a} takes {n_in} inputs, got {len(ins)}")
+    (qs, dt), (cs, _), (ss, _) = ins[:3]
+    ok = len(qs) == 3 and len(cs) == 2 and cs[1] == qs[2] and tuple(ss) == (qs[1],)
+    if a.ratio > 0:
+        ok = ok and len(ins[4][0]) == 2 and ins[4][0][1] == qs[2]
+    if a.selected:
+        ok = ok and ins[5][1] == "int32" and len(ins[5][0]) == 2 and ins[5][0][0] == qs[0]
+    if not ok:
+        raise ValueError(f"compressed_attention: inputs {[s for s, _ in ins]} disagree")
+    return [(qs, dt)]
+
+
 def _ple_hash_shape(ins: Sequence[ShapeDtype], a: PleHash) -> list[ShapeDtype]:
     (hs, hdt), (ts, _), _pos = ins
     n_heads = (a.ngram - 1) * a.heads_per_ngram
@@ -878,6 +927,13 @@ OPS: dict[str, OpDef] = {
         OpDef("indexer_topk", IndexerTopK, _indexer_topk_shape,
               _one(lambda i, a, c: indexer_topk_ref(i[0], int(i[1]), a.ratio, a.width))),
         OpDef("index_mask", NoAttrs, _index_mask_shape, _one(lambda i, a, c: index_mask_ref(i[0], int(i[1])))),
+        # compressed rows (deepseek4's CSA/HCA): the lightning indexer's scores, attention with sinks
+        OpDef("compressed_score", CompressedScore, _compressed_score_shape,
+              _one(lambda i, a, c: compressed_score_ref(i[0], i[1], i[2], int(i[3]), a.ratio))),
+        OpDef("compressed_attention", CompressedAttention, _compressed_attention_shape,
+              _one(lambda i, a, c: compressed_attention_ref(
+                  i[0], i[1], i[2], int(i[3]), a.scale, a.window, a.ratio, i[4] if a.ratio > 0 else None,
+                  i[5] if a.selected else None))),
         OpDef("ple_hash", PleHash, _ple_hash_shape,
               _one(lambda i, a, c: ple_hash_ref(i[0], i[1], int(i[2]), a.ngram, a.heads_per_ngram, a.multipliers,
                                                 a.offsets, a.sizes, a.eos))),

@@ -710,6 +710,48 @@ def qwen4exp_cases() -> list[Case]:
     ]
 
 
+def _compressed_score_case(ratio: int) -> Case:
+    def build(cg: CaseGraph) -> Graph:
+        ins = [cg.rows((3, 8)), cg.rows((3,)), cg.weight((N_CTX // ratio, 8)), cg.pos]
+        return cg.finish(cg.emit("compressed_score", ins, O.CompressedScore(ratio)))
+
+    return Case(f"compressed_score-r{ratio}", "compressed_score", build, group="compressed", calls=STATEFUL)
+
+
+def _compressed_attention_case(window: int, ratio: int, top_k: int) -> Case:
+    """Attention with sinks over a cache written this call, plus compressed rows (all of them, or
+    the top `top_k` by an indexer score when top_k > 0)."""
+
+    def build(cg: CaseGraph) -> Graph:
+        q = cg.rows((4, 8))
+        cache = cg.state((N_CTX, 8), "c")
+        kc = cg.emit("cache_write", [cache, cg.rows((8,)), cg.pos], O.NoAttrs())[0]
+        ins = [q, kc, cg.weight((4,)), cg.pos]
+        attrs = O.CompressedAttention(0.35, window, ratio, selected=top_k > 0)
+        if ratio:
+            rows_ = cg.weight((N_CTX // ratio, 8))
+            ins.append(rows_)
+        if top_k:
+            score = cg.emit("compressed_score", [cg.rows((2, 8)), cg.rows((2,)), rows_, cg.pos],
+                            O.CompressedScore(ratio))[0]
+            ins.append(cg.emit("topk", [score], O.TopK(top_k), 2)[1])
+        return cg.finish([cg.emit("compressed_attention", ins, attrs)[0]], {f"{cg.name}.c": kc})
+
+    return Case(f"compressed_attention-w{window}-r{ratio}-k{top_k}", "compressed_attention", build, group="compressed",
+                calls=STATEFUL)
+
+
+def compressed_cases() -> list[Case]:
+    """Compressed rows (deepseek4): the lightning indexer's scores, attention with sinks over a
+    sliding window, plus every complete row or the selected ones."""
+    return [
+        _compressed_score_case(4),
+        _compressed_attention_case(3, 0, 0),
+        _compressed_attention_case(5, 4, 0),
+        _compressed_attention_case(5, 2, 3),
+    ]
+
+
 CASES: list[Case] = [
     *elementwise_cases(),
     *reduce_cases(),
@@ -722,6 +764,7 @@ CASES: list[Case] = [
     *int8_cases(),
     *recurrent_cases(),
     *qwen4exp_cases(),
+    *compressed_cases(),
 ]
 
 # ---------------------------------------------------------------------------------------------

@@ -92,6 +92,7 @@ def _cases() -> list[Case]:
     cases += _recurrent_cases()
     cases += _fused_cases()
     cases += _qwen4exp_cases()
+    cases += _compressed_cases()
     return cases
 
 
@@ -120,6 +121,23 @@ def _qwen4exp_cases() -> list[Case]:
     cases += _both_t("attention", O.Attention(0.37, "additive"), (q, kc, vc, POS, In("m", ("T", "P+T"))), p=3)
     cases += _both_t("attention", O.Attention(0.37, "indices"),
                      (q, kc, vc, POS, In("sel", ("T", 3), "ids:5", "int32")), p=4)
+    return cases
+
+
+def _compressed_cases() -> list[Case]:
+    """Compressed rows (deepseek4): indexer scores and attention with sinks over a sliding window
+    plus all, or the selected, complete rows."""
+    cases: list[Case] = []
+    q_idx, rows_idx = In("q", ("T", 3, 6)), In("rows", (5, 6))
+    for p in (0, 6):
+        cases += _both_t("compressed_score", O.CompressedScore(2), (q_idx, In("w", ("T", 3)), rows_idx, POS), p=p)
+    q, cache, sinks = In("q", ("T", 4, 5)), In("cache", (CACHE, 5)), In("sinks", (4,))
+    rows = In("rows", (5, 5))
+    for p in (0, 5):
+        cases += _both_t("compressed_attention", O.CompressedAttention(0.37, 3), (q, cache, sinks, POS), p=p)
+        cases += _both_t("compressed_attention", O.CompressedAttention(0.37, 4, 2), (q, cache, sinks, POS, rows), p=p)
+        cases += _both_t("compressed_attention", O.CompressedAttention(0.37, 4, 2, selected=True),
+                         (q, cache, sinks, POS, rows, In("sel", ("T", 2), "ids:5", "int32")), p=p)
     return cases
 
 

@@ -2,9 +2,10 @@
 
 from types import ModuleType
 
-from . import llama, qwen3, qwen3moe, qwen3next, qwen4exp, qwen35
+from . import deepseek4, llama, qwen3, qwen3moe, qwen3next, qwen4exp, qwen35
 
 ARCHITECTURES: dict[str, ModuleType] = {
+    "deepseek4": deepseek4,
     "llama": llama,
     "qwen3": qwen3,
     "qwen3moe": qwen3moe,
