@@ -384,9 +384,11 @@ def attention(q_shape: PShape, cache_shape: PShape, scale: float) -> tirx.PrimFu
     return func([q, kc, vc, pos, out])
 
 
-def topk(shape: PShape, k: int) -> tirx.PrimFunc:
-    """Top-k of each row by k rounds of arg-max over the unchosen entries (k is small: MoE)."""
+def topk(shape: PShape, k: int, payload: bool = False) -> tirx.PrimFunc:
+    """Top-k of each row by k rounds of arg-max over the unchosen entries (k is small: MoE).
+    Args (x[, payload], vals, ids); with a payload the values are the payload's at the ids."""
     x = te.placeholder(shape, "float32", name="x")
+    src = te.placeholder(shape, "float32", name="payload") if payload else x
     lead, n = shape[:-1], shape[-1]
 
     def pick(prev: list[te.Tensor]) -> te.Tensor:
@@ -419,8 +421,8 @@ def topk(shape: PShape, k: int) -> tirx.PrimFunc:
         lambda *i: _select_among(chosen, i[:-1], i[-1]),
         name="ids",
     )
-    vals = te.compute((*lead, i64(k)), lambda *i: x(*i[:-1], ids(*i).astype("int64")), name="vals")
-    return func([x, vals, ids])
+    vals = te.compute((*lead, i64(k)), lambda *i: src(*i[:-1], ids(*i).astype("int64")), name="vals")
+    return func([x, *([src] if payload else []), vals, ids])
 
 
 def _select_among(chosen: Sequence[te.Tensor], lead: Sequence[PrimExpr], j: PrimExpr) -> PrimExpr:

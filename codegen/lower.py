@@ -15,7 +15,7 @@ import tvm
 from tvm import relax, tirx
 
 from ggufc.ir import ops as O
-from ggufc.ir.graph import Dim, Graph, Node, Value
+from ggufc.ir.graph import Graph, Node
 
 from . import cpu_vec as CV
 from . import hyper_connections as HC
@@ -280,120 +280,10 @@ def _matmul_id(fc: FunctionContext, node: Node) -> list[Any]:
 
 def _topk(fc: FunctionContext, node: Node) -> list[Any]:
     x = node.inputs[0]
-    key = KK.OpKernel("topk", node.attrs.k, (fc.kernel_key_dims(x),))
-    return fc.call(key, lambda: K.topk(fc.kernel_shape(x, K.Symbols()), node.attrs.k), [fc.value(x)],
-                   node.outputs, node.outputs[0].name)
-
-
-def _route(fc: FunctionContext, logits: Any, logits_dims: tuple[Dim, ...], k: int, normalize: bool,
-           clamp: float, tag: str) -> tuple[Any, Any]:
-    """softmax -> top-k -> renormalise, on a [T, X] logits expression."""
-    syms_shape = [fc.dim(d) for d in logits_dims]
-    probs = fc.call_temp(KK.OpKernel("softmax", None, (logits_dims,)),
-                         lambda: K.softmax(K.Symbols().shape(logits_dims)), [logits],
-                         [(syms_shape, "float32")], f"{tag}_probs")[0]
-    sel_shape = [syms_shape[0], K.i64(k)]
-    w, ids = fc.call_temp(KK.OpKernel("topk", k, (logits_dims,)),
-                          lambda: K.topk(K.Symbols().shape(logits_dims), k), [probs],
-                          [(sel_shape, "float32"), (sel_shape, "int32")], f"{tag}_topk")
-    if normalize:
-        wdims = (logits_dims[0], k)
-        w = fc.call_temp(KK.OpKernel("moe_normalize", clamp, (wdims,)),
-                         lambda: K.moe_normalize(K.Symbols().shape(wdims), clamp),
-                         [w], [(sel_shape, "float32")], f"{tag}_weights")[0]
-    return w, ids
-
-
-def _moe_route(fc: FunctionContext, node: Node) -> list[Any]:
-    a: O.MoeRoute = node.attrs
-    logits = node.inputs[0]
-    return list(_route(fc, fc.value(logits), fc.kernel_key_dims(logits), a.k, a.normalize, a.norm_clamp,
-                       node.outputs[0].name))
-
-
-def _moe_ffn(fc: FunctionContext, node: Node) -> list[Any]:
-    """Router matmul, softmax/top-k/renormalise, selected experts' SwiGLU, weighted sum."""
-    a: O.MoeFFN = node.attrs
-    named = O.moe_inputs(node.inputs, a)  # merged gate_up and the shared expert: moe_routing.py
-    x, router, down, scales = named["x"], named["router"], named["down"], named["scales"]
-    gate, up = named.get("gate"), named["gate_up" if a.merged_gate_up else "up"]
-    t_dim = fc.kernel_key_dims(x)[0]
-    t = fc.dim(x.shape[0])
-    e = int(x.shape[1])
-    rq, (n_exp, _), rarr = weight_args(fc, router)
-    gemv = fc.is_one(x.shape[0])
-    logits = fc.call_temp(KK.WeightMatmul(rq, n_exp, e, gemv), lambda: Q.qmatmul(rq, n_exp, e, gemv=gemv),
-                          [fc.value(x), *rarr], [([t, K.i64(n_exp)], "float32")], "ffn_moe_logits")[0]
-    w, ids = _route(fc, logits, (t_dim, n_exp), a.k, a.normalize, a.norm_clamp, "ffn_moe")
-    in_scheme, down_scheme = a.act_schemes
-    if (in_scheme or down_scheme) and fc.mb.target.kind.name in GPU_KINDS:
-        raise NotImplementedError(f"{node.outputs[0].label}: 8-bit activation rounding of MoE experts is a CPU "
-                                  "kernel; GPU targets compile with float32 activations")
-    xe = _round_temp(fc, fc.value(x), (t_dim, e), [t, K.i64(e)], in_scheme, "ffn_moe_in_q")
-    x3 = fc.bb.emit(relax.op.reshape(xe, [t, K.i64(1), K.i64(e)]))
-
-    def experts(inp: Any, wv: Value, per_slot: bool, kind: str) -> Any:
-        qtype, (_, n, k), arrays = weight_args(fc, wv)
-        key = KK.ExpertMatmul(qtype, n_exp, n, k, a.k, per_slot)
-        y = fc.call_temp(key, lambda: Q.qmatmul_experts(qtype, n_exp, n, k, a.k, x_per_slot=per_slot),
-                         [inp, ids, *arrays], [([t, K.i64(a.k), K.i64(n)], "float32")], f"ffn_moe_{kind}")[0]
-        if kind in scales:
-            y = _scale_by_expert(fc, y, scales[kind], ids, (t_dim, a.k, n), kind)
-        return y
-
-    up_y = experts(x3, up, False, "gate_up" if a.merged_gate_up else "up")
-    hidden = int(up.shape[1]) // (2 if a.merged_gate_up else 1)
-    act_dims = (t_dim, a.k, hidden)
-    act_shape = [t, K.i64(a.k), K.i64(hidden)]
-    if a.merged_gate_up:
-        act = MR.merged_gate_up_act(fc, up_y, act_dims, act_shape)
-    elif gate is not None:
-        g_y = experts(x3, gate, False, "gate")
-        prog = O.FusedElementwise((("unary", O.Unary("silu"), (0,)), ("binary", O.Binary("mul"), (2, 1))), 2)
-        act = fc.call_temp(KK.OpKernel("elementwise", prog, (act_dims, act_dims)),
-                           lambda: K.elementwise([K.Symbols().shape(act_dims)] * 2, prog), [g_y, up_y],
-                           [(act_shape, "float32")], "ffn_moe_act")[0]
-    else:
-        prog = O.FusedElementwise((("unary", O.Unary("silu"), (0,)),), 1)
-        act = fc.call_temp(KK.OpKernel("elementwise", prog, (act_dims,)),
-                           lambda: K.elementwise([K.Symbols().shape(act_dims)], prog),
-                           [up_y], [(act_shape, "float32")], "ffn_moe_act")[0]
-    act = _round_temp(fc, act, act_dims, act_shape, down_scheme, "ffn_moe_act_q")
-    down_y = experts(act, down, True, "down")
-    dims = (t_dim, a.k, e)
-    if a.shared:
-        routed = fc.call_temp(KK.OpKernel("weighted_sum", None, (dims,)),
-                              lambda: K.weighted_sum(K.Symbols().shape(dims), True),
-                              [down_y, w], [([t, K.i64(e)], "float32")], "ffn_moe_routed")[0]
-        return MR.shared_expert(fc, node, named, routed)
-    return fc.call(KK.OpKernel("weighted_sum", None, (dims,)), lambda: K.weighted_sum(K.Symbols().shape(dims), True),
-                   [down_y, w], node.outputs, node.outputs[0].name)
-
-
-def _round_temp(fc: FunctionContext, v: Any, dims: tuple[Any, ...], shape: list[Any], scheme: str, name: str) -> Any:
-    """`v` through the quantize_act kernel of `scheme` (no kernel when the scheme is "")."""
-    if not scheme:
-        return v
-    return fc.call_temp(KK.OpKernel("quantize_act", O.QuantizeAct(scheme), (dims,)),
-                        lambda: Q8.quantize_act(K.Symbols().shape(dims), scheme), [v], [(shape, "float32")], name)[0]
-
-
-def _scale_by_expert(fc: FunctionContext, y: Any, scale: Value, ids: Any, dims: tuple[Dim, int, int],
-                     kind: str) -> Any:
-    """y[t, s, :] *= scale[ids[t, s]] (llama.cpp's per-expert `.scale`); dims = (tokens, slots, n)."""
-    n_exp = int(scale.shape[0])
-    t_dim, slots, n = dims
-    id_dims = (t_dim, slots)
-    t = fc.dim(t_dim)
-    per = fc.call_temp(KK.OpKernel("gather", None, ((n_exp,), id_dims)),
-                       lambda: K.gather_f32(K.Symbols().shape((n_exp,)), K.Symbols().shape(id_dims)),
-                       [fc.value(scale), ids], [([t, K.i64(slots)], "float32")], f"ffn_moe_{kind}_scale")[0]
-    per3 = fc.bb.emit(relax.op.reshape(per, [t, K.i64(slots), K.i64(1)]))
-    in_dims = (dims, (t_dim, slots, 1))
-    prog = O.FusedElementwise((("binary", O.Binary("mul"), (0, 1)),), 2)
-    return fc.call_temp(KK.OpKernel("elementwise", prog, in_dims),
-                        lambda: K.elementwise([K.Symbols().shape(d) for d in in_dims], prog), [y, per3],
-                        [([t, K.i64(slots), K.i64(n)], "float32")], f"ffn_moe_{kind}_scaled")[0]
+    payload = len(node.inputs) > 1  # values read from a second tensor at the selected ids
+    key = KK.OpKernel("topk", (node.attrs.k, "payload") if payload else node.attrs.k, (fc.kernel_key_dims(x),))
+    return fc.call(key, lambda: K.topk(fc.kernel_shape(x, K.Symbols()), node.attrs.k, payload),
+                   [fc.value(v) for v in node.inputs], node.outputs, node.outputs[0].name)
 
 
 _causal_attention = _simple("attention", lambda fc, n, s: _attention_kernel(fc, n, s))
@@ -471,8 +361,6 @@ LOWERING: dict[str, Callable[[FunctionContext, Node], list[Any]]] = {
                                                      llvm_fma=fc.mb.target.kind.name == "llvm")),
     "attention": _attention,
     "cache_write": _cache_write,
-    "moe_route": _moe_route,
-    "moe_ffn": _moe_ffn,
     # gated delta-net family (kernels_recurrent.py)
     "ssm_conv": _ssm_conv,
     "gated_delta_net": _gated_delta_net,
@@ -481,6 +369,7 @@ LOWERING: dict[str, Callable[[FunctionContext, Node], list[Any]]] = {
                                                                                    n.attrs.eps, n.attrs.act)),
     **HC.HC_LOWERING,
     **SI.INDEXER_LOWERING,
+    **MR.MOE_LOWERING,
     **NG.NGRAM_LOWERING,
 }
 

@@ -1,26 +1,73 @@
-"""MoE pieces beyond the routed experts (lower.py's moe_ffn calls these): the merged gate_up
-activation and the sigmoid-gated shared expert.
+"""The MoE routing family's kernels and lowering (references: `ir/moe_routing.py`); lower.py
+merges `MOE_LOWERING` into its table.
 
-* `swiglu_halves`: silu(y[..., :F]) * y[..., F:] of a merged gate_up output.
-* `shared_combine`: routed + shared * sigmoid(x . w_gate) [* s], one kernel for the gate and the combine.
+* `moe_route` / the router of `moe_ffn`: gating (the softmax kernel, or one elementwise kernel for
+  sigmoid / sqrt(softplus)), [probs + selection bias], top-k (reading the unbiased probs at the
+  selected ids when biased), [renormalise], [scale].
+* `moe_ffn`: router matmul, routing, the selected experts' matmuls (quantized kernels), their
+  activation (one elementwise kernel; `act_halves` / `swiglu_halves` on a merged gate_up
+  output), the weighted sum, and the shared expert: three projections, one activation kernel,
+  one kernel for the gate and the combine (`shared_combine`) or the plain add (`shared_add`).
 
 Symbolic extents: `n` (tokens of the call) and `pos` (tokens already cached), as in `kernels.py`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from tvm import te, tirx
+from tvm import relax, te, tirx
 
+from ggufc.ir import moe_routing as MRef
 from ggufc.ir import ops as O
-from ggufc.ir.graph import Node
+from ggufc.ir.graph import Dim, Node, Value
 
 from . import kernel_keys as KK
 from . import kernels as K
 from . import quant as Q
+from . import quant_int8 as Q8
 from .kernels import PShape, func, i64
-from .lower_context import FunctionContext, weight_args
+from .lower_context import GPU_KINDS, FunctionContext, weight_args
+
+Step = tuple[str, Any, tuple[int, ...]]
+MUL = O.Binary("mul")
+
+
+# ---------------------------------------------------------------------------------------------
+# activations as elementwise programs
+
+
+def act_steps(act: str, limit: float, g: int, u: int, n_before: int) -> list[Step]:
+    """Elementwise steps computing act(vals[g], vals[u]) (ir/moe_routing.py), appended after
+    `n_before` values; the last step is the result."""
+    steps: list[Step] = []
+
+    def emit(op: str, attrs: Any, *operands: int) -> int:
+        steps.append((op, attrs, operands))
+        return n_before + len(steps) - 1
+
+    def clip(v: int, lim: float) -> int:
+        return emit("scalar", O.Scalar("max", -lim), emit("scalar", O.Scalar("min", lim), v))
+
+    if act == "swiglu":
+        emit("binary", MUL, emit("unary", O.Unary("silu"), g), u)
+    elif act == "swiglu_clamp":
+        gc = emit("scalar", O.Scalar("min", limit), g)
+        emit("binary", MUL, emit("unary", O.Unary("silu"), gc), clip(u, limit))
+    elif act == "swiglu_oai":
+        xc = emit("scalar", O.Scalar("min", MRef.OAI_LIMIT), g)
+        sig = emit("unary", O.Unary("sigmoid"), emit("scalar", O.Scalar("mul", MRef.OAI_ALPHA), xc))
+        y1 = emit("scalar", O.Scalar("add", 1.0), clip(u, MRef.OAI_LIMIT))
+        emit("binary", MUL, emit("binary", MUL, xc, sig), y1)
+    else:
+        raise NotImplementedError(f"expert activation {act!r} has no kernel (known: {', '.join(MRef.ACTS)})")
+    return steps
+
+
+def act_program(act: str, limit: float) -> O.FusedElementwise:
+    """act(g, u) of two inputs as one elementwise program."""
+    return O.FusedElementwise(tuple(act_steps(act, limit, 0, 1, 2)), 2)
 
 
 def swiglu_halves(act_shape: PShape) -> tirx.PrimFunc:
@@ -29,6 +76,180 @@ def swiglu_halves(act_shape: PShape) -> tirx.PrimFunc:
     y = te.placeholder((n, k, f * i64(2)), "float32", name="y")
     act = te.compute(act_shape, lambda t, s, j: y[t, s, j] * K.sigmoid(y[t, s, j]) * y[t, s, j + f], name="act")
     return func([y, act])
+
+
+def act_halves(act_shape: PShape, program: O.FusedElementwise) -> tirx.PrimFunc:
+    """Args (y [T, k, 2F], act [T, k, F]): program(y[..., :F], y[..., F:]) (act_program)."""
+    n, k, f = act_shape
+    y = te.placeholder((n, k, f * i64(2)), "float32", name="y")
+
+    def body(t: tirx.PrimExpr, s: tirx.PrimExpr, j: tirx.PrimExpr) -> tirx.PrimExpr:
+        vals = [y[t, s, j], y[t, s, j + f]]
+        for op, attrs, operands in program.program:
+            vals.append(K._step(op, attrs, [vals[i] for i in operands]))
+        return vals[-1]
+
+    return func([y, te.compute(act_shape, body, name="act")])
+
+
+def _elementwise_temp(fc: FunctionContext, prog: O.FusedElementwise, args: list[Any], dims: list[tuple[Any, ...]],
+                      out_shape: list[Any], name: str) -> Any:
+    key = KK.OpKernel("elementwise", prog, tuple(dims))
+    return fc.call_temp(key, lambda: K.elementwise([K.Symbols().shape(d) for d in dims], prog), args,
+                        [(out_shape, "float32")], name)[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# routing
+
+
+def _gate_probs(fc: FunctionContext, logits: Any, dims: tuple[Dim, ...], gating: str, tag: str) -> Any:
+    shape = [fc.dim(d) for d in dims]
+    if gating == "softmax":
+        return fc.call_temp(KK.OpKernel("softmax", None, (dims,)), lambda: K.softmax(K.Symbols().shape(dims)),
+                            [logits], [(shape, "float32")], f"{tag}_probs")[0]
+    steps: dict[str, tuple[Step, ...]] = {
+        "sigmoid": (("unary", O.Unary("sigmoid"), (0,)),),
+        "sqrt_softplus": (("unary", O.Unary("softplus"), (0,)), ("unary", O.Unary("sqrt"), (1,))),
+    }
+    if gating not in steps:
+        raise NotImplementedError(f"MoE gating {gating!r} has no kernel (known: {', '.join(MRef.GATINGS)})")
+    return _elementwise_temp(fc, O.FusedElementwise(steps[gating], 1), [logits], [dims], shape, f"{tag}_probs")
+
+
+def route(fc: FunctionContext, logits: Any, dims: tuple[Dim, ...], a: O.MoeRoute | O.MoeFFN, bias: Value | None,
+          tag: str) -> tuple[Any, Any]:
+    """(weights, ids) of a [T, X] logits expression: gating, top-k (of probs + bias when biased,
+    the weights then the unbiased probs at the chosen ids), renormalise, scale."""
+    shape = [fc.dim(d) for d in dims]
+    probs = _gate_probs(fc, logits, dims, a.gating, tag)
+    sel_shape = [shape[0], K.i64(a.k)]
+    outs = [(sel_shape, "float32"), (sel_shape, "int32")]
+    if bias is None:
+        w, ids = fc.call_temp(KK.OpKernel("topk", a.k, (dims,)), lambda: K.topk(K.Symbols().shape(dims), a.k),
+                              [probs], outs, f"{tag}_topk")
+    else:
+        add = O.FusedElementwise((("binary", O.Binary("add"), (0, 1)),), 2)
+        sel = _elementwise_temp(fc, add, [probs, fc.value(bias)], [dims, (dims[-1],)], shape, f"{tag}_sel")
+        w, ids = fc.call_temp(KK.OpKernel("topk", (a.k, "payload"), (dims,)),
+                              lambda: K.topk(K.Symbols().shape(dims), a.k, True), [sel, probs], outs, f"{tag}_topk")
+    wdims = (dims[0], a.k)
+    if a.normalize:
+        w = fc.call_temp(KK.OpKernel("moe_normalize", a.norm_clamp, (wdims,)),
+                         lambda: K.moe_normalize(K.Symbols().shape(wdims), a.norm_clamp),
+                         [w], [(sel_shape, "float32")], f"{tag}_weights")[0]
+    if a.weights_scale != 1.0:
+        scale = O.FusedElementwise((("scalar", O.Scalar("mul", a.weights_scale), (0,)),), 1)
+        w = _elementwise_temp(fc, scale, [w], [wdims], sel_shape, f"{tag}_weights_scaled")
+    return w, ids
+
+
+def _moe_route(fc: FunctionContext, node: Node) -> list[Any]:
+    a: O.MoeRoute = node.attrs
+    logits = node.inputs[0]
+    bias = node.inputs[1] if len(node.inputs) > 1 else None
+    return list(route(fc, fc.value(logits), fc.kernel_key_dims(logits), a, bias, node.outputs[0].name))
+
+
+# ---------------------------------------------------------------------------------------------
+# the fused MoE FFN
+
+
+def _moe_ffn(fc: FunctionContext, node: Node) -> list[Any]:
+    """Router matmul, routing, the selected experts' activation, weighted sum [+ shared expert]."""
+    a: O.MoeFFN = node.attrs
+    named = O.moe_inputs(node.inputs, a)
+    x, router, down, scales = named["x"], named["router"], named["down"], named["scales"]
+    gate, up = named.get("gate"), named["gate_up" if a.merged_gate_up else "up"]
+    t_dim = fc.kernel_key_dims(x)[0]
+    t = fc.dim(x.shape[0])
+    e = int(x.shape[1])
+    rq, (n_exp, _), rarr = weight_args(fc, router)
+    gemv = fc.is_one(x.shape[0])
+    logits = fc.call_temp(KK.WeightMatmul(rq, n_exp, e, gemv), lambda: Q.qmatmul(rq, n_exp, e, gemv=gemv),
+                          [fc.value(x), *rarr], [([t, K.i64(n_exp)], "float32")], "ffn_moe_logits")[0]
+    w, ids = route(fc, logits, (t_dim, n_exp), a, named.get("bias"), "ffn_moe")
+    in_scheme, down_scheme = a.act_schemes
+    if (in_scheme or down_scheme) and fc.mb.target.kind.name in GPU_KINDS:
+        raise NotImplementedError(f"{node.outputs[0].label}: 8-bit activation rounding of MoE experts is a CPU "
+                                  "kernel; GPU targets compile with float32 activations")
+    xe = _round_temp(fc, fc.value(x), (t_dim, e), [t, K.i64(e)], in_scheme, "ffn_moe_in_q")
+    x3 = fc.bb.emit(relax.op.reshape(xe, [t, K.i64(1), K.i64(e)]))
+
+    def experts(inp: Any, wv: Value, per_slot: bool, kind: str) -> Any:
+        qtype, (_, n, k), arrays = weight_args(fc, wv)
+        key = KK.ExpertMatmul(qtype, n_exp, n, k, a.k, per_slot)
+        y = fc.call_temp(key, lambda: Q.qmatmul_experts(qtype, n_exp, n, k, a.k, x_per_slot=per_slot),
+                         [inp, ids, *arrays], [([t, K.i64(a.k), K.i64(n)], "float32")], f"ffn_moe_{kind}")[0]
+        if kind in scales:
+            y = _scale_by_expert(fc, y, scales[kind], ids, (t_dim, a.k, n), kind)
+        return y
+
+    up_y = experts(x3, up, False, "gate_up" if a.merged_gate_up else "up")
+    hidden = int(up.shape[1]) // (2 if a.merged_gate_up else 1)
+    act_dims = (t_dim, a.k, hidden)
+    act_shape = [t, K.i64(a.k), K.i64(hidden)]
+    if a.merged_gate_up:
+        act = _merged_gate_up_act(fc, up_y, act_dims, act_shape, a.act, a.act_limit)
+    elif gate is not None:
+        act = _elementwise_temp(fc, act_program(a.act, a.act_limit), [experts(x3, gate, False, "gate"), up_y],
+                                [act_dims, act_dims], act_shape, "ffn_moe_act")
+    else:
+        silu = O.FusedElementwise((("unary", O.Unary("silu"), (0,)),), 1)
+        act = _elementwise_temp(fc, silu, [up_y], [act_dims], act_shape, "ffn_moe_act")
+    act = _round_temp(fc, act, act_dims, act_shape, down_scheme, "ffn_moe_act_q")
+    down_y = experts(act, down, True, "down")
+    dims = (t_dim, a.k, e)
+    if a.shared:
+        routed = fc.call_temp(KK.OpKernel("weighted_sum", None, (dims,)),
+                              lambda: K.weighted_sum(K.Symbols().shape(dims), True),
+                              [down_y, w], [([t, K.i64(e)], "float32")], "ffn_moe_routed")[0]
+        return shared_expert(fc, node, named, routed)
+    return fc.call(KK.OpKernel("weighted_sum", None, (dims,)), lambda: K.weighted_sum(K.Symbols().shape(dims), True),
+                   [down_y, w], node.outputs, node.outputs[0].name)
+
+
+def _merged_gate_up_act(fc: FunctionContext, y: Any, act_dims: tuple[Any, ...], act_shape: list[Any], act: str,
+                        limit: float) -> Any:
+    """act(y[..., :F], y[..., F:]) of the merged gate_up experts' output [T, k, 2F]."""
+    if act == "swiglu":
+        return fc.call_temp(KK.OpKernel("swiglu_halves", None, (act_dims,)),
+                            lambda: swiglu_halves(K.Symbols().shape(act_dims)), [y],
+                            [(act_shape, "float32")], "ffn_moe_act")[0]
+    prog = act_program(act, limit)
+    return fc.call_temp(KK.OpKernel("act_halves", prog, (act_dims,)),
+                        lambda: act_halves(K.Symbols().shape(act_dims), prog), [y],
+                        [(act_shape, "float32")], "ffn_moe_act")[0]
+
+
+def _round_temp(fc: FunctionContext, v: Any, dims: tuple[Any, ...], shape: list[Any], scheme: str, name: str) -> Any:
+    """`v` through the quantize_act kernel of `scheme` (no kernel when the scheme is "")."""
+    if not scheme:
+        return v
+    return fc.call_temp(KK.OpKernel("quantize_act", O.QuantizeAct(scheme), (dims,)),
+                        lambda: Q8.quantize_act(K.Symbols().shape(dims), scheme), [v], [(shape, "float32")], name)[0]
+
+
+def _scale_by_expert(fc: FunctionContext, y: Any, scale: Value, ids: Any, dims: tuple[Dim, int, int],
+                     kind: str) -> Any:
+    """y[t, s, :] *= scale[ids[t, s]] (llama.cpp's per-expert `.scale`); dims = (tokens, slots, n)."""
+    n_exp = int(scale.shape[0])
+    t_dim, slots, n = dims
+    id_dims = (t_dim, slots)
+    t = fc.dim(t_dim)
+    per = fc.call_temp(KK.OpKernel("gather", None, ((n_exp,), id_dims)),
+                       lambda: K.gather_f32(K.Symbols().shape((n_exp,)), K.Symbols().shape(id_dims)),
+                       [fc.value(scale), ids], [([t, K.i64(slots)], "float32")], f"ffn_moe_{kind}_scale")[0]
+    per3 = fc.bb.emit(relax.op.reshape(per, [t, K.i64(slots), K.i64(1)]))
+    in_dims = (dims, (t_dim, slots, 1))
+    prog = O.FusedElementwise((("binary", MUL, (0, 1)),), 2)
+    return fc.call_temp(KK.OpKernel("elementwise", prog, in_dims),
+                        lambda: K.elementwise([K.Symbols().shape(d) for d in in_dims], prog), [y, per3],
+                        [([t, K.i64(slots), K.i64(n)], "float32")], f"ffn_moe_{kind}_scaled")[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# the shared expert
 
 
 def shared_combine(shape: PShape, has_scale: bool) -> tirx.PrimFunc:
@@ -51,16 +272,24 @@ def shared_combine(shape: PShape, has_scale: bool) -> tirx.PrimFunc:
     return func([routed, shexp, x, w, *([scale] if scale is not None else []), out])
 
 
-def merged_gate_up_act(fc: FunctionContext, y: Any, act_dims: tuple[Any, ...], act_shape: list[Any]) -> Any:
-    """silu(y[..., :F]) * y[..., F:] of the merged gate_up experts' output [T, k, 2F]."""
-    return fc.call_temp(KK.OpKernel("swiglu_halves", None, (act_dims,)),
-                        lambda: swiglu_halves(K.Symbols().shape(act_dims)), [y],
-                        [(act_shape, "float32")], "ffn_moe_act")[0]
+def shared_add(shape: PShape, has_scale: bool) -> tirx.PrimFunc:
+    """Args (routed [T,E], shexp [T,E][, s_down [1]], out [T,E]): routed + shexp [* s] (the
+    always-active shared expert)."""
+    routed = te.placeholder(shape, "float32", name="routed")
+    shexp = te.placeholder(shape, "float32", name="shexp")
+    scale = te.placeholder((i64(1),), "float32", name="s_down") if has_scale else None
+
+    def body(t: tirx.PrimExpr, j: tirx.PrimExpr) -> tirx.PrimExpr:
+        return routed[t, j] + (shexp[t, j] * scale[i64(0)] if scale is not None else shexp[t, j])
+
+    out = te.compute(shape, body, name="out")
+    return func([routed, shexp, *([scale] if scale is not None else []), out])
 
 
 def shared_expert(fc: FunctionContext, node: Node, named: dict[str, Any], routed: Any) -> list[Any]:
-    """routed + (silu(x Wg [sg]) * (x Wu [su])) Wd [sd] * sigmoid(x . w): three projections (the
-    quantized matmul kernels), one activation kernel, one kernel for the gate and the combine."""
+    """routed + act(x Wg [sg], x Wu [su]) Wd [sd] [* sigmoid(x . w) when gated]: three projections
+    (the quantized matmul kernels), one activation kernel, one kernel for the gate and the combine."""
+    a: O.MoeFFN = node.attrs
     x = named["x"]
     t, t_dim, e = fc.dim(x.shape[0]), fc.kernel_key_dims(x)[0], int(x.shape[1])
     gemv = fc.is_one(x.shape[0])
@@ -74,35 +303,45 @@ def shared_expert(fc: FunctionContext, node: Node, named: dict[str, Any], routed
 
     g, fs = proj(fc.value(x), named["shexp_gate"], "ffn_shexp_gate")
     u, _ = proj(fc.value(x), named["shexp_up"], "ffn_shexp_up")
-    ins = [g, u]
-    steps: list[tuple[str, Any, tuple[int, ...]]] = []
-    dims: list[tuple[Any, ...]] = [(t_dim, fs), (t_dim, fs)]
-    gate_slot, up_slot = 0, 1
-    for kind in ("gate", "up"):
-        if kind in scales:
-            ins.append(fc.value(scales[kind]))
-            dims.append((1,))
-    n_in = len(ins)
-    slot = {"gate": 2, "up": 3 if "gate" in scales else 2}
-    for kind, src in (("gate", 0), ("up", 1)):
-        if kind in scales:
-            steps.append(("binary", O.Binary("mul"), (src, slot[kind])))
-            if kind == "gate":
-                gate_slot = n_in + len(steps) - 1
-            else:
-                up_slot = n_in + len(steps) - 1
-    steps.append(("unary", O.Unary("silu"), (gate_slot,)))
-    steps.append(("binary", O.Binary("mul"), (n_in + len(steps) - 1, up_slot)))
-    prog = O.FusedElementwise(tuple(steps), n_in)
-    key = KK.OpKernel("elementwise", prog, tuple(dims))
-    act = fc.call_temp(key, lambda: K.elementwise([K.Symbols().shape(d) for d in dims], prog), ins,
-                       [([t, K.i64(fs)], "float32")], "ffn_shexp_act")[0]
+    act = _shared_act(fc, a, g, u, scales, (t_dim, fs), [t, K.i64(fs)])
     down, _ = proj(act, named["shexp_down"], "ffn_shexp_down")
+    has_sd = "down" in scales
+    s_down = [fc.value(scales["down"])] if has_sd else []
+    if not a.shared_gated:
+        return fc.call(KK.OpKernel("shared_add", has_sd, ((t_dim, e),)),
+                       lambda: shared_add(K.Symbols().shape((t_dim, e)), has_sd), [routed, down, *s_down],
+                       node.outputs, node.outputs[0].name)
     w_gate = named["shexp_gate_inp"]
     if fc.is_param(w_gate) and fc.param(w_gate)[0].qtype != "F32":
         raise NotImplementedError("a quantized ffn_gate_inp_shexp is not lowered (fuse_moe keeps it f32)")
-    has_sd = "down" in scales
-    args = [routed, down, fc.value(x), fc.value(w_gate)] + ([fc.value(scales["down"])] if has_sd else [])
-    key2 = KK.OpKernel("shared_combine", has_sd, ((t_dim, e),))
-    return fc.call(key2, lambda: shared_combine(K.Symbols().shape((t_dim, e)), has_sd), args, node.outputs,
-                   node.outputs[0].name)
+    key = KK.OpKernel("shared_combine", has_sd, ((t_dim, e),))
+    return fc.call(key, lambda: shared_combine(K.Symbols().shape((t_dim, e)), has_sd),
+                   [routed, down, fc.value(x), fc.value(w_gate), *s_down], node.outputs, node.outputs[0].name)
+
+
+def _shared_act(fc: FunctionContext, a: O.MoeFFN, g: Any, u: Any, scales: dict[str, Value], dims: tuple[Any, ...],
+                shape: list[Any]) -> Any:
+    """act(g [* sg], u [* su]) as one elementwise kernel (the [1] scales read as inputs)."""
+    ins = [g, u]
+    all_dims: list[tuple[Any, ...]] = [dims, dims]
+    scale_slot: dict[str, int] = {}
+    for kind in ("gate", "up"):
+        if kind in scales:
+            scale_slot[kind] = len(ins)
+            ins.append(fc.value(scales[kind]))
+            all_dims.append((1,))
+    n_in = len(ins)
+    steps: list[Step] = []
+    slot = {"gate": 0, "up": 1}
+    for kind, src in (("gate", 0), ("up", 1)):
+        if kind in scale_slot:
+            steps.append(("binary", MUL, (src, scale_slot[kind])))
+            slot[kind] = n_in + len(steps) - 1
+    steps += act_steps(a.shared_act, a.shared_act_limit, slot["gate"], slot["up"], n_in + len(steps))
+    return _elementwise_temp(fc, O.FusedElementwise(tuple(steps), n_in), ins, all_dims, shape, "ffn_shexp_act")
+
+
+MOE_LOWERING: dict[str, Callable[[FunctionContext, Node], list[Any]]] = {
+    "moe_route": _moe_route,
+    "moe_ffn": _moe_ffn,
+}

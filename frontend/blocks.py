@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ggufc.ir import moe_routing_spelled as MS
 from ggufc.ir import ops as O
 from ggufc.ir.builder import GraphBuilder
 from ggufc.ir.graph import Graph, Shape, Value
@@ -147,15 +148,20 @@ def swiglu_ffn(
 
 def moe(
     b: GraphBuilder, x: Value, router: Value, gate_exps: Value | None, up_exps: Value, down_exps: Value,
-    n_used: int, *, scales: dict[str, Value | None], hidden: int,
+    n_used: int, *, scales: dict[str, Value | None], hidden: int, bias: Value | None = None,
+    gating: str = "softmax", normalize: bool = True, weights_scale: float = 1.0, act: str = "swiglu",
+    act_limit: float = 0.0,
 ) -> Value:
-    """Softmax router, top-k, renormalised weights, selected experts' SwiGLU, weighted sum."""
+    """llama.cpp's build_moe_ffn: router, gating, top-k (by probs + `bias` when given, weights from
+    the unbiased probs), renormalised and scaled weights, the selected experts' activation, weighted
+    sum (the routing family: ir/moe_routing.py)."""
     t = x.shape[0]
     logits = b.matmul(x, router, "ffn_moe_logits")
-    probs = softmax(b, logits, "ffn_moe_probs")
-    w, ids = b.emit_multi("topk", [probs], O.TopK(n_used), ["ffn_moe_topk", "ffn_moe_ids"])
-    denom = b.scalar("max", b.reduce("sum", w, "ffn_moe_wsum"), 6.103515625e-5, "ffn_moe_wsum_clamped")
-    weights = b.binary("div", w, denom, "ffn_moe_weights")
+    route = O.MoeRoute(n_used, normalize=normalize, gating=gating, selection_bias=bias is not None,
+                       weights_scale=weights_scale)
+    step_names = {k: f"ffn_moe_{k}" for k in ("probs", "sel", "topk", "ids", "wsum", "wsum_clamped", "weights",
+                                               "weights_scaled")}
+    weights, ids = MS.route_spelled(b, logits, route, "ffn_moe", bias, step_names)
     x3 = b.reshape(x, (t, 1, x.shape[1]), "ffn_moe_in")
 
     def experts(inp: Value, wq: Value, kind: str) -> Value:
@@ -169,13 +175,26 @@ def moe(
 
     up = experts(x3, up_exps, "up")
     if gate_exps is not None:
-        act = silu_mul(b, experts(x3, gate_exps, "gate"), up, "ffn_moe_act")
+        act_out = MS.expert_act_spelled(b, experts(x3, gate_exps, "gate"), up, act, act_limit, "ffn_moe_act")
     else:
-        act = b.unary("silu", up, "ffn_moe_act")
-    down = experts(act, down_exps, "down")
+        act_out = b.unary("silu", up, "ffn_moe_act")
+    down = experts(act_out, down_exps, "down")
     w3 = b.reshape(weights, (t, n_used, 1), "ffn_moe_weights3")
     weighted = b.mul(down, w3, "ffn_moe_weighted")
     return b.reduce("sum", weighted, "ffn_moe_out", axis=1, keepdims=False)
+
+
+def shared_ffn(
+    b: GraphBuilder, x: Value, gate: Value, up: Value, down: Value, *, scales: dict[str, Value | None],
+    act: str = "swiglu", act_limit: float = 0.0,
+) -> Value:
+    """A shared expert (llama.cpp build_ffn, parallel gate, no biases): down(act(x Wg [sg], x Wu [su])) [sd]."""
+    if act == "swiglu":
+        return swiglu_ffn(b, x, gate, up, down, biases={}, scales=scales)
+    g = linear(b, x, gate, "ffn_gate", scale=scales.get("gate"))
+    u = linear(b, x, up, "ffn_up", scale=scales.get("up"))
+    h = MS.expert_act_spelled(b, g, u, act, act_limit, "ffn_act")
+    return linear(b, h, down, "ffn_down", scale=scales.get("down"))
 
 
 def heads(b: GraphBuilder, x: Value, n_head: int, head_dim: int, name: str) -> Value:

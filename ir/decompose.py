@@ -15,6 +15,7 @@ from . import ops as O
 from .builder import GraphBuilder
 from .graph import Graph, Node, Value, mul_dim
 from .hyper_connections_spelled import HC_DECOMPOSITIONS
+from .moe_routing_spelled import MOE_DECOMPOSITIONS
 from .sparse_indexers_spelled import INDEXER_DECOMPOSITIONS
 from .verify import IRError, fmt_shape, shapes_equal
 
@@ -37,15 +38,6 @@ def rms_norm_spelled(b: GraphBuilder, x: Value, w: Value | None, eps: float, nam
     r = b.unary("rsqrt", b.scalar("add", ms, eps, f"{name}.ms_eps"), f"{name}.rstd")
     y = b.mul(x, r, f"{name}.normed" if w is not None else name)
     return b.mul(y, w, name) if w is not None else y
-
-
-def route_spelled(b: GraphBuilder, logits: Value, a: O.MoeRoute | O.MoeFFN, name: str) -> tuple[Value, Value]:
-    probs = softmax_spelled(b, logits, -1, f"{name}.probs")
-    w, ids = b.emit_multi("topk", [probs], O.TopK(a.k), [f"{name}.topk", f"{name}.ids"])
-    if not a.normalize:
-        return w, ids
-    denom = b.scalar("max", b.reduce("sum", w, f"{name}.wsum"), a.norm_clamp, f"{name}.wsum_clamped")
-    return b.binary("div", w, denom, f"{name}.weights"), ids
 
 
 # ---------------------------------------------------------------------------------------------
@@ -125,51 +117,6 @@ def _attention(b: GraphBuilder, n: Node) -> list[Value]:
     return [b.reshape(heads, (t, h, d), name)]
 
 
-def _moe_route(b: GraphBuilder, n: Node) -> list[Value]:
-    return list(route_spelled(b, n.inputs[0], n.attrs, n.outputs[0].name))
-
-
-def _moe_ffn(b: GraphBuilder, n: Node) -> list[Value]:
-    """The spelling of frontend/blocks.py::moe (inputs: x, router, [gate], up, down, *scales), a
-    merged gate_up tensor read as two slices, and the sigmoid-gated shared expert added after it
-    (shared_expert_spelled below; inputs named by ops.moe_inputs)."""
-    a: O.MoeFFN = n.attrs
-    named = O.moe_inputs(n.inputs, a)
-    x, router, down, scales = named["x"], named["router"], named["down"], named["scales"]
-    name, t = n.outputs[0].name, x.shape[0]
-    if a.merged_gate_up:
-        f = int(named["gate_up"].shape[1]) // 2
-        gate: Value | None = b.slice(named["gate_up"], 1, 0, f, f"{name}.gate_exps")
-        up = b.slice(named["gate_up"], 1, f, 2 * f, f"{name}.up_exps")
-    else:
-        gate, up = named.get("gate"), named["up"]
-    weights, ids = route_spelled(b, b.matmul(x, router, f"{name}.logits"), a, f"{name}.route")
-    in_scheme, down_scheme = a.act_schemes
-    xe = b.emit("quantize_act", [x], O.QuantizeAct(in_scheme), f"{name}.in_q") if in_scheme else x
-    x3 = b.reshape(xe, (t, 1, x.shape[1]), f"{name}.in")
-
-    def experts(inp: Value, w: Value, kind: str) -> Value:
-        y = b.emit("matmul_id", [inp, w, ids], O.NoAttrs(), f"{name}.{kind}")
-        if kind in scales:
-            per_expert = b.gather(scales[kind], ids, f"{name}.{kind}_scale")
-            y = b.mul(y, b.reshape(per_expert, (t, a.k, 1), f"{name}.{kind}_scale3"), f"{name}.{kind}_scaled")
-        return y
-
-    u = experts(x3, up, "up")
-    if gate is not None:
-        act = b.mul(b.unary("silu", experts(x3, gate, "gate"), f"{name}.silu"), u, f"{name}.act")
-    else:
-        act = b.unary("silu", u, f"{name}.act")
-    w3 = b.reshape(weights, (t, a.k, 1), f"{name}.weights3")
-    if down_scheme:
-        act = b.emit("quantize_act", [act], O.QuantizeAct(down_scheme), f"{name}.act_q")
-    weighted = b.mul(experts(act, down, "down"), w3, f"{name}.weighted")
-    if not a.shared:
-        return [b.reduce("sum", weighted, name, axis=1, keepdims=False)]
-    routed = b.reduce("sum", weighted, f"{name}.routed", axis=1, keepdims=False)
-    return [shared_expert_spelled(b, x, routed, named, name)]
-
-
 def l2_norm_spelled(b: GraphBuilder, x: Value, eps: float, name: str) -> Value:
     """x * rsqrt(sum(x^2) + eps) over the last axis (frontend/delta_net.py spells it this way)."""
     ss = b.reduce("sum", b.unary("square", x, f"{name}.sq"), f"{name}.ss")
@@ -241,8 +188,6 @@ DECOMPOSITIONS: dict[str, Decomposition] = {
     "rope": _rope,
     "attention": _attention,
     "swiglu": _swiglu,
-    "moe_route": _moe_route,
-    "moe_ffn": _moe_ffn,
     "fused_elementwise": _fused_elementwise,
     "l2_norm": _l2_norm,
     "rms_norm_gated": _rms_norm_gated,
@@ -250,6 +195,7 @@ DECOMPOSITIONS: dict[str, Decomposition] = {
     "int8_gemv_group": _int8_gemv_group,
     **HC_DECOMPOSITIONS,  # spelled as the frontend blocks spell them
     **INDEXER_DECOMPOSITIONS,
+    **MOE_DECOMPOSITIONS,
 }
 
 
@@ -295,27 +241,3 @@ def decompose(graph: Graph, only: Collection[str] | None = None) -> Graph:
         if not todo:
             return graph.replace(nodes=nodes)
         nodes = [m for n in nodes for m in (decompose_node(n) if id(n) in todo else [n])]
-
-
-
-
-
-def shared_expert_spelled(b: GraphBuilder, x: Value, routed: Value, named: dict, name: str) -> Value:
-    """routed + swiglu_shexp(x) * sigmoid(sum(x * gate_inp_shexp)); each shared projection is
-    (x @ W.T) [* s] as frontend/blocks.py::linear spells it."""
-    scales = named["shexp_scales"]
-
-    def linear(v: Value, w: Value, kind: str) -> Value:
-        y = b.matmul(v, w, f"{name}.shexp_{kind}" if kind not in scales else f"{name}.shexp_{kind}.mm")
-        return b.mul(y, scales[kind], f"{name}.shexp_{kind}") if kind in scales else y
-
-    g = linear(x, named["shexp_gate"], "gate")
-    u = linear(x, named["shexp_up"], "up")
-    act = b.mul(b.unary("silu", g, f"{name}.shexp_silu"), u, f"{name}.shexp_act")
-    shared = linear(act, named["shexp_down"], "down")
-    w_gate = named["shexp_gate_inp"]
-    if w_gate.dtype != "float32":
-        w_gate = b.dequantize(w_gate, f"{name}.shexp_gate_inp.w")
-    logit = b.reduce("sum", b.mul(x, w_gate, f"{name}.shexp_gate_prod"), f"{name}.shexp_gate_logit")
-    gated = b.mul(shared, b.unary("sigmoid", logit, f"{name}.shexp_gate_sig"), f"{name}.shexp_gated")
-    return b.add(routed, gated, name)

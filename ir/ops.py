@@ -19,6 +19,7 @@ import numpy as np
 from .act_quant import ACT_BLOCK, q8_1_sums_ref, quantize_act_ref
 from .graph import Dim, Shape, eval_shape
 from .hyper_connections import hc_post_ref, hc_pre_ref
+from .moe_routing import check_routing, matmul_id_ref, moe_ffn_node_ref, moe_inputs, moe_route_ref
 from .ngram_embedding import ple_hash_ref
 from .recurrent_ref import gated_delta_net_ref, l2_norm_ref, rms_norm_gated_ref, ssm_conv_ref
 from .sparse_indexers import (
@@ -159,9 +160,15 @@ class Attention:
 
 @dataclass(frozen=True)
 class MoeRoute:
+    """Router probabilities -> (weights [T,k], expert ids [T,k]); inputs (logits[, bias [X]])
+    (references and the routing family: moe_routing.py)."""
+
     k: int
     norm_clamp: float = 6.103515625e-5  # ggml clamps the renormalisation denominator
     normalize: bool = True
+    gating: str = "softmax"  # "softmax", "sigmoid" or "sqrt_softplus" (llama.cpp expert_gating_func)
+    selection_bias: bool = False  # a second input [X] added to the probabilities to pick the experts only
+    weights_scale: float = 1.0  # expert_weights_scale, applied after the normalisation
 
 
 @dataclass(frozen=True)
@@ -179,6 +186,15 @@ class MoeFFN:
     # llama.cpp's 8-bit rounding (ir/act_quant.py) of the routed experts' inputs: (gate/up, down);
     # "" keeps float32 (set by the quantize_activations pass)
     act_schemes: tuple[str, str] = ("", "")
+    # the routing family (moe_routing.py): gating, selection bias input, weights scale, activations
+    gating: str = "softmax"
+    selection_bias: bool = False
+    weights_scale: float = 1.0
+    act: str = "swiglu"  # routed experts: "swiglu", "swiglu_clamp" (limit act_limit) or "swiglu_oai"
+    act_limit: float = 0.0
+    shared_gated: bool = True  # False: the shared expert is always active (no gate_inp_shexp input)
+    shared_act: str = "swiglu"
+    shared_act_limit: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -407,52 +423,12 @@ def attention_ref(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, pos0: int, scal
     return np.einsum("hts,shd->thd", softmax_ref(s, -1), v)
 
 
-def topk_ref(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+def topk_ref(x: np.ndarray, k: int, payload: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(values, ids) of the k largest of x per row; with a payload (same shape as x), the values
+    are the payload's at those ids (MoE selection by biased scores, weights from unbiased ones)."""
     # stable descending order: ties keep the lower index first
     idx = np.argsort(-x, axis=-1, kind="stable")[..., :k]
-    return np.take_along_axis(x, idx, -1), idx.astype(np.int32)
-
-
-def moe_route_ref(logits: np.ndarray, a: MoeRoute | MoeFFN) -> tuple[np.ndarray, np.ndarray]:
-    p = softmax_ref(logits, -1)
-    w, ids = topk_ref(p, a.k)
-    if a.normalize:
-        w = w / np.maximum(w.sum(-1, keepdims=True), logits.dtype.type(a.norm_clamp))
-    return w, ids
-
-
-def matmul_id_ref(x: np.ndarray, w: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """x [T,S,K] (S=1 broadcasts), w [X,N,K], ids [T,k] -> [T,k,N]."""
-    t, k = ids.shape
-    out = np.zeros((t, k, w.shape[1]), dtype=x.dtype)
-    for i in range(t):
-        for j in range(k):
-            xs = x[i, j if x.shape[1] > 1 else 0]
-            out[i, j] = w[ids[i, j]] @ xs
-    return out
-
-
-def moe_ffn_ref(
-    x: np.ndarray, wr: np.ndarray, wg: np.ndarray | None, wu: np.ndarray, wd: np.ndarray,
-    scales: dict[str, np.ndarray], a: MoeFFN,
-) -> np.ndarray:
-    w, ids = moe_route_ref(x @ wr.T, a)
-    in_scheme, down_scheme = a.act_schemes
-    x3 = (quantize_act_ref(x, in_scheme) if in_scheme else x)[:, None, :]
-    up = matmul_id_ref(x3, wu, ids)
-    if "up" in scales:
-        up = up * scales["up"][ids][..., None]
-    if wg is not None:
-        g = matmul_id_ref(x3, wg, ids)
-        if "gate" in scales:
-            g = g * scales["gate"][ids][..., None]
-        hdn = g * _sigmoid(g) * up
-    else:
-        hdn = up * _sigmoid(up)
-    down = matmul_id_ref(quantize_act_ref(hdn, down_scheme) if down_scheme else hdn, wd, ids)
-    if "down" in scales:
-        down = down * scales["down"][ids][..., None]
-    return np.sum(down * w[..., None], axis=1)
+    return np.take_along_axis(x if payload is None else payload, idx, -1), idx.astype(np.int32)
 
 
 def fused_elementwise_ref(inputs: Sequence[np.ndarray], a: FusedElementwise) -> np.ndarray:
@@ -641,10 +617,13 @@ def _matmul_id_shape(ins: Sequence[ShapeDtype], a: Any) -> list[ShapeDtype]:
 
 def _topk_shape(ins: Sequence[ShapeDtype], a: TopK) -> list[ShapeDtype]:
     shape = ins[0][0][:-1] + (a.k,)
-    return [(shape, ins[0][1]), (shape, "int32")]
+    if len(ins) > 1 and tuple(ins[1][0]) != tuple(ins[0][0]):
+        raise ValueError(f"topk: payload {ins[1][0]} does not have the scores' shape {ins[0][0]}")
+    return [(shape, ins[-1][1]), (shape, "int32")]
 
 
 def _route_shape(ins: Sequence[ShapeDtype], a: MoeRoute) -> list[ShapeDtype]:
+    check_routing(a, ins[0][0][-1], ins[1][0] if len(ins) > 1 else None)
     shape = ins[0][0][:-1] + (a.k,)
     return [(shape, "float32"), (shape, "int32")]
 
@@ -679,6 +658,7 @@ def _elementwise_shape(ins: Sequence[ShapeDtype], a: FusedElementwise) -> list[S
 
 def _moe_ffn_shape(ins: Sequence[ShapeDtype], a: MoeFFN) -> list[ShapeDtype]:
     n = moe_inputs([s for s, _ in ins], a)
+    check_routing(a, n["router"][0], n.get("bias"))
     if a.merged_gate_up and (not a.has_gate or {"gate", "up"} & set(a.expert_scales)):
         raise ValueError("moe_ffn: a merged gate_up tensor has a gate and no gate/up scales")
     if a.merged_gate_up and n["gate_up"][1] != 2 * n["down"][2]:
@@ -833,45 +813,6 @@ def _ref_gated_delta_net(ins: Sequence[np.ndarray], a: GatedDeltaNet) -> list[np
     return list(gated_delta_net_ref(state, q, k, v, g, beta, a.head_map, a.scale))
 
 
-def moe_inputs(ins: Sequence[Any], a: MoeFFN) -> dict[str, Any]:
-    """Name the inputs of a moe_ffn node: x, router, [gate_exps if has_gate], up_exps (or one
-    gate_up_exps if merged_gate_up), down_exps, *per-expert scales named by expert_scales, then if
-    shared: gate_inp_shexp [E], gate_shexp, up_shexp, down_shexp, *[1] scales named by shared_scales."""
-    x, router, *rest = ins
-    out: dict[str, Any] = {"x": x, "router": router}
-    if a.merged_gate_up:
-        out["gate_up"] = rest.pop(0)
-    else:
-        if a.has_gate:
-            out["gate"] = rest.pop(0)
-        out["up"] = rest.pop(0)
-    out["down"] = rest.pop(0)
-    out["scales"] = {k: rest.pop(0) for k in a.expert_scales}
-    if a.shared:
-        for k in ("shexp_gate_inp", "shexp_gate", "shexp_up", "shexp_down"):
-            out[k] = rest.pop(0)
-        out["shexp_scales"] = {k: rest.pop(0) for k in a.shared_scales}
-    if rest:
-        raise ValueError(f"moe_ffn {a}: {len(rest)} unexpected inputs")
-    return out
-
-
-def _ref_moe_ffn(ins: Sequence[np.ndarray], a: MoeFFN) -> np.ndarray:
-    n = moe_inputs(ins, a)
-    if a.merged_gate_up:
-        f = n["gate_up"].shape[1] // 2
-        n["gate"], n["up"] = n["gate_up"][:, :f], n["gate_up"][:, f:]
-    y = moe_ffn_ref(n["x"], n["router"], n.get("gate"), n["up"], n["down"], n["scales"], a)
-    if not a.shared:
-        return y
-    x, s = n["x"], n["shexp_scales"]
-    g = x @ n["shexp_gate"].T * (s["gate"] if "gate" in s else 1)
-    u = x @ n["shexp_up"].T * (s["up"] if "up" in s else 1)
-    sh = (g * _sigmoid(g) * u) @ n["shexp_down"].T * (s["down"] if "down" in s else 1)
-    gate = _sigmoid(np.sum(x * n["shexp_gate_inp"], axis=-1, keepdims=True))
-    return y + sh * gate
-
-
 @dataclass(frozen=True)
 class OpDef:
     name: str
@@ -909,7 +850,7 @@ OPS: dict[str, OpDef] = {
         OpDef("bmm_nt", NoAttrs, _bmm_shape, _one(lambda i, a, c: i[0] @ np.swapaxes(i[1], 1, 2))),
         OpDef("bmm_nn", NoAttrs, _bmm_nn_shape, _one(lambda i, a, c: i[0] @ i[1])),
         OpDef("matmul_id", NoAttrs, _matmul_id_shape, _one(lambda i, a, c: matmul_id_ref(i[0], i[1], i[2]))),
-        OpDef("topk", TopK, _topk_shape, lambda i, a, c: list(topk_ref(i[0], a.k))),
+        OpDef("topk", TopK, _topk_shape, lambda i, a, c: list(topk_ref(i[0], a.k, i[1] if len(i) > 1 else None))),
         OpDef("positions", Tokens, _positions_shape,
               _one(lambda i, a, c: (int(i[0]) + np.arange(c["T"])).astype(np.int32))),
         OpDef("causal_mask", Tokens, _mask_shape,
@@ -953,8 +894,9 @@ OPS: dict[str, OpDef] = {
               _one(lambda i, a, c: attention_ref(i[0], i[1], i[2], int(i[3]), a.scale, a.mask,
                                                  i[4] if len(i) > 4 else None)), fused=True),
         OpDef("swiglu", NoAttrs, _same, _one(lambda i, a, c: i[0] * _sigmoid(i[0]) * i[1]), fused=True),
-        OpDef("moe_route", MoeRoute, _route_shape, lambda i, a, c: list(moe_route_ref(i[0], a)), fused=True),
-        OpDef("moe_ffn", MoeFFN, _moe_ffn_shape, _one(lambda i, a, c: _ref_moe_ffn(i, a)), fused=True),
+        OpDef("moe_route", MoeRoute, _route_shape,
+              lambda i, a, c: list(moe_route_ref(i[0], a, i[1] if len(i) > 1 else None)), fused=True),
+        OpDef("moe_ffn", MoeFFN, _moe_ffn_shape, _one(lambda i, a, c: moe_ffn_node_ref(i, a)), fused=True),
         OpDef("fused_elementwise", FusedElementwise, _elementwise_shape,
               _one(lambda i, a, c: fused_elementwise_ref(i, a)), fused=True),
         OpDef("l2_norm", L2Norm, _same, _one(lambda i, a, c: l2_norm_ref(i[0], a.eps)), fused=True),

@@ -20,12 +20,20 @@ Two extensions (qwen3next, qwen4exp): gate and up experts that are the two halve
 
 joins the same node (`shared`, with [1] scales named in `shared_scales`); the shared gate vector
 must be f32 [E] and the shared projections read the same x as the router.
+
+The routing family (ir/moe_routing.py, llama.cpp's build_moe_ffn) widens the match: the gating is
+a softmax, a sigmoid or sqrt(softplus); the top-k may rank probs + bias (a selection bias [X])
+while returning the unbiased probs (topk's payload input); the weights may be scaled by a
+constant after the renormalisation; the experts' activation is SwiGLU, clamped SwiGLU
+(silu(min(g, L)) * clip(u, -L, L)) or swiglu_oai; and a shared expert may be added ungated
+(`moe_ffn_shared_ungated`, llama.cpp's always-active shared expert), its activation one of the same.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from ggufc.ir import moe_routing as MR
 from ggufc.ir import ops as O
 from ggufc.ir.graph import Graph, Value
 from ggufc.ir.verify import shapes_equal
@@ -43,21 +51,71 @@ def _expert_pat(kind: str, inp: Pat) -> Pat:
     return any_of(P("binary", mm, per_expert, attrs=MUL, commute=True), mm)
 
 
+def _probs_pat(logits: Pat) -> Pat:
+    """The gating: softmax (fused or spelled), sigmoid, or sqrt(softplus)."""
+    return any_of(softmax_last_axis_pat(logits), P("unary", logits, attrs=O.Unary("sigmoid")),
+                  P("unary", P("unary", logits, attrs=O.Unary("softplus")), attrs=O.Unary("sqrt")), name="probs")
+
+
 def _weights_pat() -> Pat:
     logits = P("matmul", V("x"), V("router"), name="logits")
-    topk = P("topk", softmax_last_axis_pat(logits), name="topk", out=0)
+    probs = _probs_pat(logits)
+    biased = P("binary", probs, V("sel_bias"), attrs=O.Binary("add"), commute=True, name="sel")
+    topk = any_of(P("topk", probs, name="topk", out=0), P("topk", biased, V("probs"), name="topk", out=0))
     wsum = P("reduce", topk, where=where_attrs(fn="sum", keepdims=True), name="wsum")
     clamped = P("scalar", wsum, where=where_attrs(fn="max"), name="clamp")
-    return any_of(P("binary", topk, clamped, attrs=O.Binary("div")), topk)
+    normed = any_of(P("binary", topk, clamped, attrs=O.Binary("div")), topk)
+    return any_of(P("scalar", normed, where=where_attrs(fn="mul"), name="wscale"), normed)
+
+
+def _clip_pat(u: Pat, name: str) -> Pat:
+    """clip(u, -L, L) spelled max(min(u, L), -L)."""
+    return P("scalar", P("scalar", u, where=where_attrs(fn="min"), name=f"{name}_hi"), where=where_attrs(fn="max"),
+             name=f"{name}_lo")
+
+
+def act_pat(g: Pat, u: Pat, prefix: str) -> Pat:
+    """The experts' activations of ir/moe_routing_spelled.py: SwiGLU, clamped SwiGLU, swiglu_oai
+    (the clamped forms' nodes named `<prefix>clamp_g`, `<prefix>oai_g`, ...)."""
+    clamp_g = P("scalar", g, where=where_attrs(fn="min"), name=f"{prefix}clamp_g")
+    clamped = silu_mul_pat(clamp_g, _clip_pat(u, f"{prefix}clamp_u"))
+    oai_g = P("scalar", g, where=where_attrs(fn="min"), name=f"{prefix}oai_g")
+    glu = P("binary", oai_g, P("unary", P("scalar", oai_g, where=where_attrs(fn="mul"), name=f"{prefix}oai_alpha"),
+                               attrs=O.Unary("sigmoid")), attrs=MUL, commute=True)
+    y1 = P("scalar", _clip_pat(u, f"{prefix}oai_u"), where=where_attrs(fn="add", c=1.0))
+    oai = P("binary", glu, y1, attrs=MUL, commute=True)
+    return any_of(silu_mul_pat(g, u), clamped, oai)
+
+
+def act_of(m: Match, prefix: str) -> tuple[str, float] | None:
+    """(activation, limit) of a matched act_pat, None when its constants are not the activation's."""
+    if f"{prefix}clamp_g" in m.nodes:
+        limit = m.nodes[f"{prefix}clamp_g"].attrs.c
+        bounds = (m.nodes[f"{prefix}clamp_u_hi"].attrs.c, m.nodes[f"{prefix}clamp_u_lo"].attrs.c)
+        return ("swiglu_clamp", limit) if limit > 0 and bounds == (limit, -limit) else None
+    if f"{prefix}oai_g" in m.nodes:
+        consts = (m.nodes[f"{prefix}oai_g"].attrs.c, m.nodes[f"{prefix}oai_alpha"].attrs.c,
+                  m.nodes[f"{prefix}oai_u_hi"].attrs.c, m.nodes[f"{prefix}oai_u_lo"].attrs.c)
+        ok = consts == (MR.OAI_LIMIT, MR.OAI_ALPHA, MR.OAI_LIMIT, -MR.OAI_LIMIT)
+        return ("swiglu_oai", 0.0) if ok else None
+    return "swiglu", 0.0
 
 
 def moe_pat() -> Pat:
     x3 = P("reshape", V("x"), name="x3")
     up = _expert_pat("up", x3)
-    act = any_of(silu_mul_pat(_expert_pat("gate", x3), up), P("unary", up, attrs=O.Unary("silu")))
+    act = any_of(act_pat(_expert_pat("gate", x3), up, ""), P("unary", up, attrs=O.Unary("silu")))
     weights3 = P("reshape", _weights_pat(), name="weights3")
     weighted = P("binary", _expert_pat("down", act), weights3, attrs=MUL, commute=True)
     return P("reduce", weighted, where=where_attrs(fn="sum", axis=1, keepdims=False))
+
+
+def _gating(m: Match, g: GraphView) -> str:
+    probs = g.producer(m.values["probs"])
+    assert probs is not None
+    if probs.op == "unary":
+        return "sigmoid" if probs.attrs.fn == "sigmoid" else "sqrt_softplus"
+    return "softmax"
 
 
 def _routing_ok(m: Match) -> bool:
@@ -65,6 +123,9 @@ def _routing_ok(m: Match) -> bool:
         return False  # the experts must be the ones the router picked
     if "softmax_max" in m.nodes and softmax_axis(m) != len(m.values["logits"].shape) - 1:
         return False
+    bias = m.values.get("sel_bias")
+    if bias is not None and tuple(bias.shape) != (m.values["logits"].shape[-1],):
+        return False  # one bias per expert
     wsum = m.nodes.get("wsum")
     return wsum is None or (wsum.attrs.axis in (-1, 1) and m.nodes["clamp"].attrs.c > 0)
 
@@ -80,19 +141,25 @@ def _reshapes_ok(m: Match, k: int) -> bool:
 
 def _build_moe(m: Match, g: GraphView) -> Rewrite | None:
     k = m.nodes["topk"].attrs.k
-    if len(m.values["x"].shape) != 2 or not _routing_ok(m) or not _reshapes_ok(m, k):
+    act = act_of(m, "")
+    if len(m.values["x"].shape) != 2 or not _routing_ok(m) or not _reshapes_ok(m, k) or act is None:
         return None
     normalize = "clamp" in m.nodes
     clamp = m.nodes["clamp"].attrs.c if normalize else O.MoeFFN.norm_clamp
     scaled = tuple(kind for kind in KINDS if f"{kind}_scale" in m.values)
     merged = _merged_gate_up(m, g, scaled)
+    bias = m.values.get("sel_bias")
     attrs = O.MoeFFN(k=k, normalize=normalize, norm_clamp=clamp, has_gate="gate_exps" in m.values,
-                     expert_scales=scaled, merged_gate_up=merged is not None)
+                     expert_scales=scaled, merged_gate_up=merged is not None, gating=_gating(m, g),
+                     selection_bias=bias is not None,
+                     weights_scale=m.nodes["wscale"].attrs.c if "wscale" in m.nodes else 1.0,
+                     act=act[0], act_limit=act[1])
     experts = [m.values[f"{kind}_exps"] for kind in KINDS if f"{kind}_exps" in m.values]
     if merged is not None:
         experts = [merged, m.values["down_exps"]]
     scales = [m.values[f"{kind}_scale"] for kind in scaled]
-    return Rewrite("moe_ffn", (m.values["x"], m.values["router"], *experts, *scales), attrs)
+    lead = (m.values["x"], m.values["router"], *([bias] if bias is not None else []))
+    return Rewrite("moe_ffn", (*lead, *experts, *scales), attrs)
 
 
 def _merged_gate_up(m: Match, g: GraphView, scaled: tuple[str, ...]) -> Value | None:
@@ -124,17 +191,36 @@ def _shared_linear(kind: str, inp: Pat) -> Pat:
     return any_of(P("binary", mm, V(f"sh_{kind}_scale"), attrs=MUL, commute=True), mm)
 
 
+def _shared_expert_pat() -> Pat:
+    return _shared_linear("down", act_pat(_shared_linear("gate", V("x")), _shared_linear("up", V("x")), "sh_"))
+
+
 def shared_moe_pat() -> Pat:
-    shexp = _shared_linear("down", silu_mul_pat(_shared_linear("gate", V("x")), _shared_linear("up", V("x"))))
     logit = P("reduce", P("binary", V("x"), V("sh_gate_inp"), attrs=MUL, commute=True),
               where=where_attrs(fn="sum", keepdims=True), name="sh_logit")
-    gated = P("binary", shexp, P("unary", logit, attrs=O.Unary("sigmoid")), attrs=MUL, commute=True)
+    gated = P("binary", _shared_expert_pat(), P("unary", logit, attrs=O.Unary("sigmoid")), attrs=MUL, commute=True)
     return P("binary", moe_pat(), gated, attrs=O.Binary("add"), commute=True)
+
+
+def ungated_shared_moe_pat() -> Pat:
+    return P("binary", moe_pat(), _shared_expert_pat(), attrs=O.Binary("add"), commute=True)
+
+
+def _shared_parts(m: Match, base: Rewrite) -> tuple[O.MoeFFN, list[Value]] | None:
+    """The shared expert's attrs (activation, scales) and its matrices and scales."""
+    act = act_of(m, "sh_")
+    scaled = tuple(kind for kind in KINDS if f"sh_{kind}_scale" in m.values)
+    if act is None or any(tuple(m.values[f"sh_{kind}_scale"].shape) != (1,) for kind in scaled):
+        return None
+    attrs = dataclasses.replace(base.attrs, shared=True, shared_scales=scaled, shared_act=act[0],
+                                shared_act_limit=act[1])
+    return attrs, [*(m.values[f"sh_{kind}"] for kind in KINDS), *(m.values[f"sh_{k}_scale"] for k in scaled)]
 
 
 def _build_shared(m: Match, g: GraphView) -> Rewrite | None:
     base = _build_moe(m, g)
-    if base is None:
+    parts = _shared_parts(m, base) if base is not None else None
+    if base is None or parts is None:
         return None
     x, w_gate = m.values["x"], m.values["sh_gate_inp"]
     e = x.shape[-1]
@@ -142,15 +228,22 @@ def _build_shared(m: Match, g: GraphView) -> Rewrite | None:
         return None
     if g.producer(w_gate) is not None and g.producer(w_gate).op == "dequantize":  # type: ignore[union-attr]
         return None  # the gate kernel reads an f32 vector
-    scaled = tuple(kind for kind in KINDS if f"sh_{kind}_scale" in m.values)
-    if any(tuple(m.values[f"sh_{kind}_scale"].shape) != (1,) for kind in scaled):
+    attrs, mats = parts
+    return Rewrite("moe_ffn", (*base.inputs, w_gate, *mats), attrs)
+
+
+def _build_ungated_shared(m: Match, g: GraphView) -> Rewrite | None:
+    base = _build_moe(m, g)
+    parts = _shared_parts(m, base) if base is not None else None
+    if base is None or parts is None:
         return None
-    mats = [m.values[f"sh_{kind}"] for kind in KINDS]
-    attrs = dataclasses.replace(base.attrs, shared=True, shared_scales=scaled)
-    return Rewrite("moe_ffn", (*base.inputs, w_gate, *mats, *(m.values[f"sh_{k}_scale"] for k in scaled)), attrs)
+    attrs, mats = parts
+    return Rewrite("moe_ffn", (*base.inputs, *mats), dataclasses.replace(attrs, shared_gated=False))
 
 
-MOE_RULES = [Rule("moe_ffn_shared", shared_moe_pat(), _build_shared), Rule("moe_ffn", moe_pat(), _build_moe)]
+MOE_RULES = [Rule("moe_ffn_shared", shared_moe_pat(), _build_shared),
+             Rule("moe_ffn_shared_ungated", ungated_shared_moe_pat(), _build_ungated_shared),
+             Rule("moe_ffn", moe_pat(), _build_moe)]
 
 
 def fuse_moe(graph: Graph) -> Graph:

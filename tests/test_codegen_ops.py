@@ -752,6 +752,55 @@ def compressed_cases() -> list[Case]:
     ]
 
 
+def _routing_ffn_case(name: str, attrs: O.MoeFFN, qtype: str = "F32", e: int = 16, f: int = 12, fs: int = 10,
+                      n_exp: int = 5) -> Case:
+    """A moe_ffn row of the routing family: inputs in ops.moe_inputs order, from the attrs."""
+    ins: list[Input] = [rows(e), weight(n_exp, e)]
+    if attrs.selection_bias:
+        ins.append(weight(n_exp, domain=(-0.3, 0.3)))
+    if attrs.merged_gate_up:
+        ins.append(weight(n_exp, 2 * f, e, qtype=qtype))
+    else:
+        ins += [weight(n_exp, f, e, qtype=qtype)] * (2 if attrs.has_gate else 1)
+    ins.append(weight(n_exp, e, f, qtype=qtype))
+    ins += [weight(n_exp, domain=(0.5, 1.5)) for _ in attrs.expert_scales]
+    if attrs.shared:
+        ins += [weight(e)] if attrs.shared_gated else []
+        ins += [weight(fs, e, qtype=qtype), weight(fs, e, qtype=qtype), weight(e, fs, qtype=qtype)]
+        ins += [weight(1, domain=(0.5, 1.5)) for _ in attrs.shared_scales]
+    return op_case(name, "moe_ffn", attrs, *ins, group="moe_routing", calls=BOTH)
+
+
+def moe_routing_cases() -> list[Case]:
+    """The MoE routing family: sigmoid / sqrt-softplus gating, selection by probs + bias with the
+    weights from the unbiased probs (topk's payload), weights scale, clamped SwiGLU and swiglu_oai
+    experts, the ungated shared expert."""
+    logits, bias = rows(6, domain=(-3.0, 3.0)), weight(6, domain=(-0.5, 0.5))
+    sigmoid_route = O.MoeRoute(2, gating="sigmoid", selection_bias=True, weights_scale=2.5)
+    softplus_route = O.MoeRoute(3, gating="sqrt_softplus", selection_bias=True)
+    hy = O.MoeFFN(k=2, normalize=False, gating="sigmoid", selection_bias=True, merged_gate_up=True,
+                  expert_scales=("down",), shared=True, shared_gated=False, shared_scales=("gate", "up", "down"))
+    return [
+        op_case("topk-payload", "topk", O.TopK(3), rows(9), rows(9), n_out=2, compare="topk", group="moe_routing"),
+        op_case("moe_route-sigmoid-bias-scale", "moe_route", sigmoid_route, logits, bias, n_out=2, compare="route",
+                group="moe_routing", calls=BOTH),
+        op_case("moe_route-sqrt_softplus-bias", "moe_route", softplus_route, logits, bias, n_out=2,
+                compare="route", group="moe_routing"),
+        _routing_ffn_case("moe_ffn-sigmoid-bias-clamp", O.MoeFFN(
+            k=2, normalize=False, gating="sigmoid", selection_bias=True, weights_scale=1.5, act="swiglu_clamp",
+            act_limit=0.7, expert_scales=("up",))),
+        _routing_ffn_case("moe_ffn-sqrt_softplus-oai-Q8_0", O.MoeFFN(
+            k=3, gating="sqrt_softplus", selection_bias=True, act="swiglu_oai"), "Q8_0", 32, 32, 32),
+        _routing_ffn_case("moe_ffn-merged-ungated-shared-f32", hy),
+        _routing_ffn_case("moe_ffn-merged-ungated-shared-Q8_0", hy, "Q8_0", 32, 32, 32),
+        _routing_ffn_case("moe_ffn-merged-clamp-ungated-clamp", O.MoeFFN(
+            k=2, merged_gate_up=True, act="swiglu_clamp", act_limit=0.5, shared=True, shared_gated=False,
+            shared_act="swiglu_clamp", shared_act_limit=0.4)),
+        _routing_ffn_case("moe_ffn-oai-gated-shared-oai", O.MoeFFN(
+            k=2, act="swiglu_oai", shared=True, shared_act="swiglu_oai", shared_scales=("up",))),
+    ]
+
+
 CASES: list[Case] = [
     *elementwise_cases(),
     *reduce_cases(),
@@ -765,6 +814,7 @@ CASES: list[Case] = [
     *recurrent_cases(),
     *qwen4exp_cases(),
     *compressed_cases(),
+    *moe_routing_cases(),
 ]
 
 # ---------------------------------------------------------------------------------------------

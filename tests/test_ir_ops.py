@@ -93,6 +93,7 @@ def _cases() -> list[Case]:
     cases += _fused_cases()
     cases += _qwen4exp_cases()
     cases += _compressed_cases()
+    cases += _moe_routing_cases()
     return cases
 
 
@@ -197,6 +198,34 @@ def _fused_cases() -> list[Case]:
     )
     ew_inputs = (In("a", ("T", 7)), In("b", (7,)), In("c", ("T", 1)))
     cases += _both_t("fused_elementwise", O.FusedElementwise(program, 3), ew_inputs)
+    return cases
+
+
+def _moe_routing_cases() -> list[Case]:
+    """The MoE routing family: gatings, selection bias, weights scale, expert activations, the
+    ungated shared expert (and topk's payload, the biased selection's primitive)."""
+    cases = _both_t("topk", O.TopK(3), (X, In("payload", ("T", 7))))
+    logits, bias = In("logits", ("T", 5)), In("bias", (5,))
+    for gating in ("softmax", "sigmoid", "sqrt_softplus"):
+        route = O.MoeRoute(3, gating=gating, selection_bias=True, weights_scale=2.5)
+        cases += _both_t("moe_route", route, (logits, bias))
+    cases += _both_t("moe_route", O.MoeRoute(2, normalize=False, gating="sigmoid"), (logits,))
+    router, gate, up, down = In("router", (5, 7)), In("gate", (5, 3, 7)), In("up", (5, 3, 7)), In("down", (5, 7, 3))
+    clamped = O.MoeFFN(2, normalize=False, gating="sigmoid", selection_bias=True, weights_scale=1.5,
+                       act="swiglu_clamp", act_limit=0.7)
+    cases += _both_t("moe_ffn", clamped, (X, router, bias, gate, up, down))
+    oai = O.MoeFFN(3, gating="sqrt_softplus", selection_bias=True, act="swiglu_oai")
+    cases += _both_t("moe_ffn", oai, (X, router, bias, gate, up, down))
+    shared = (In("sh_gate", (4, 7)), In("sh_up", (4, 7)), In("sh_down", (7, 4)))
+    one = In("s", (1,), "pos")
+    ungated = O.MoeFFN(2, normalize=False, gating="sigmoid", selection_bias=True, merged_gate_up=True,
+                       expert_scales=("down",), shared=True, shared_gated=False, shared_scales=("gate", "up", "down"))
+    merged = (X, router, bias, In("gate_up", (5, 6, 7)), down, In("s_down", (5,), "pos"))
+    cases += _both_t("moe_ffn", ungated, (*merged, *shared, one, one, one))
+    clamp_shared = O.MoeFFN(2, shared=True, shared_gated=False, shared_act="swiglu_clamp", shared_act_limit=0.5)
+    cases += _both_t("moe_ffn", clamp_shared, (X, router, gate, up, down, *shared))
+    oai_shared = O.MoeFFN(2, act="swiglu_oai", shared=True, shared_act="swiglu_oai", shared_scales=("up",))
+    cases += _both_t("moe_ffn", oai_shared, (X, router, gate, up, down, In("sh_gate_inp", (7,)), *shared, one))
     return cases
 
 

@@ -1,0 +1,176 @@
+"""MoE routing family: numpy references (llama.cpp `llm_graph_context::build_moe_ffn`).
+
+    probs  = gating(x @ router.T)            softmax | sigmoid | sqrt(softplus) over the experts
+    ids    = top-k of (probs + bias)          the selection bias (`exp_probs_b`) only picks experts
+    w      = probs[ids]                       the weights read the unbiased probabilities
+    w      = w / max(sum(w), clamp)           when normalised
+    w      = w * weights_scale                (`expert_weights_scale`, when not 0 or 1)
+    y      = sum_k w[k] * down[ids[k]](act(gate[ids[k]] x, up[ids[k]] x))
+
+Expert activations `act(g, u)`: "swiglu" silu(g) * u; "swiglu_clamp" silu(min(g, L)) *
+clip(u, -L, L) (`swiglu_clamp_exp`); "swiglu_oai" with x = min(g, 7), y = clip(u, -7, 7):
+x * sigmoid(1.702 x) * (y + 1) (ggml_swiglu_oai's constants). A shared expert is added to the
+routed sum either gated (`* sigmoid(x . gate_inp_shexp)`) or always active (ungated).
+
+The op records (`MoeRoute`, `MoeFFN`) are in `ops.py`; the spellings in primitives in
+`moe_routing_spelled.py`; the kernels in `codegen/moe_routing.py`; the fusion in
+`passes/fuse_moe.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .act_quant import quantize_act_ref
+from .ref_math import sigmoid
+
+GATINGS = ("softmax", "sigmoid", "sqrt_softplus")
+ACTS = ("swiglu", "swiglu_clamp", "swiglu_oai")
+OAI_ALPHA, OAI_LIMIT = 1.702, 7.0  # hard-coded in llama.cpp's build_moe_ffn / build_ffn
+
+
+def softplus(x: np.ndarray) -> np.ndarray:
+    # ggml switches to the identity above 20
+    with np.errstate(over="ignore"):
+        return np.where(x > 20.0, x, np.log1p(np.exp(np.minimum(x, 20.0)))).astype(x.dtype)
+
+
+def gate_probs_ref(logits: np.ndarray, gating: str) -> np.ndarray:
+    """The per-expert probabilities of the router logits [T, X]."""
+    if gating == "softmax":
+        e = np.exp(logits - np.max(logits, axis=-1, keepdims=True))
+        return e / np.sum(e, axis=-1, keepdims=True)
+    if gating == "sigmoid":
+        return sigmoid(logits)
+    if gating == "sqrt_softplus":
+        return np.sqrt(softplus(logits))
+    raise ValueError(f"unknown MoE gating {gating!r} (known: {', '.join(GATINGS)})")
+
+
+def expert_act_ref(g: np.ndarray, u: np.ndarray, act: str, limit: float) -> np.ndarray:
+    dt = g.dtype.type
+    if act == "swiglu":
+        return g * sigmoid(g) * u
+    if act == "swiglu_clamp":
+        gc = np.minimum(g, dt(limit))
+        return gc * sigmoid(gc) * np.maximum(np.minimum(u, dt(limit)), dt(-limit))
+    if act == "swiglu_oai":
+        xc = np.minimum(g, dt(OAI_LIMIT))
+        yc = np.maximum(np.minimum(u, dt(OAI_LIMIT)), dt(-OAI_LIMIT))
+        return xc * sigmoid(xc * dt(OAI_ALPHA)) * (yc + dt(1.0))
+    raise ValueError(f"unknown expert activation {act!r} (known: {', '.join(ACTS)})")
+
+
+def check_routing(a: Any, n_exp: Any, bias_shape: Any) -> None:
+    """Shape-rule checks of a MoeRoute / MoeFFN record: known gating and activations, a bias
+    input exactly when selection_bias, of shape [X]."""
+    if a.gating not in GATINGS:
+        raise ValueError(f"moe: unknown gating {a.gating!r} (known: {', '.join(GATINGS)})")
+    for act in (getattr(a, "act", "swiglu"), getattr(a, "shared_act", "swiglu")):
+        if act not in ACTS:
+            raise ValueError(f"moe: unknown expert activation {act!r} (known: {', '.join(ACTS)})")
+    if a.selection_bias != (bias_shape is not None):
+        raise ValueError(f"moe: selection_bias={a.selection_bias} but {'a' if bias_shape else 'no'} bias input")
+    if bias_shape is not None and tuple(bias_shape) != (n_exp,):
+        raise ValueError(f"moe: selection bias {tuple(bias_shape)} is not [{n_exp}]")
+    if isinstance(n_exp, int) and a.k > n_exp:
+        raise ValueError(f"moe: k={a.k} exceeds the {n_exp} experts")
+
+
+def select_ref(x: np.ndarray, k: int) -> np.ndarray:
+    """The k largest entries' indices per row, in descending order (ties: the lower index first)."""
+    return np.argsort(-x, axis=-1, kind="stable")[..., :k].astype(np.int32)
+
+
+def moe_route_ref(logits: np.ndarray, a: Any, bias: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(weights [T, k], expert ids [T, k]) of a MoeRoute / MoeFFN record."""
+    probs = gate_probs_ref(logits, a.gating)
+    ids = select_ref(probs + bias if bias is not None else probs, a.k)
+    w = np.take_along_axis(probs, ids.astype(np.int64), -1)
+    dt = logits.dtype.type
+    if a.normalize:
+        w = w / np.maximum(w.sum(-1, keepdims=True), dt(a.norm_clamp))
+    if a.weights_scale != 1.0:
+        w = w * dt(a.weights_scale)
+    return w, ids
+
+
+def matmul_id_ref(x: np.ndarray, w: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """x [T,S,K] (S=1 broadcasts), w [X,N,K], ids [T,k] -> [T,k,N]."""
+    t, k = ids.shape
+    out = np.zeros((t, k, w.shape[1]), dtype=x.dtype)
+    for i in range(t):
+        for j in range(k):
+            xs = x[i, j if x.shape[1] > 1 else 0]
+            out[i, j] = w[ids[i, j]] @ xs
+    return out
+
+
+def moe_inputs(ins: Sequence[Any], a: Any) -> dict[str, Any]:
+    """Name the inputs of a moe_ffn node: x, router, [selection bias [X] if selection_bias],
+    [gate_exps if has_gate], up_exps (or one gate_up_exps if merged_gate_up), down_exps,
+    *per-expert scales named by expert_scales, then if shared: [gate_inp_shexp [E] if
+    shared_gated], gate_shexp, up_shexp, down_shexp, *[1] scales named by shared_scales."""
+    x, router, *rest = ins
+    out: dict[str, Any] = {"x": x, "router": router}
+    if a.selection_bias:
+        out["bias"] = rest.pop(0)
+    if a.merged_gate_up:
+        out["gate_up"] = rest.pop(0)
+    else:
+        if a.has_gate:
+            out["gate"] = rest.pop(0)
+        out["up"] = rest.pop(0)
+    out["down"] = rest.pop(0)
+    out["scales"] = {k: rest.pop(0) for k in a.expert_scales}
+    if a.shared:
+        kinds = ("shexp_gate_inp",) if a.shared_gated else ()
+        for k in (*kinds, "shexp_gate", "shexp_up", "shexp_down"):
+            out[k] = rest.pop(0)
+        out["shexp_scales"] = {k: rest.pop(0) for k in a.shared_scales}
+    if rest:
+        raise ValueError(f"moe_ffn {a}: {len(rest)} unexpected inputs")
+    return out
+
+
+def routed_experts_ref(n: dict[str, Any], a: Any) -> np.ndarray:
+    """The routed experts' weighted sum [T, E] of the named inputs (merged gate_up split)."""
+    x, scales = n["x"], n["scales"]
+    if a.merged_gate_up:
+        f = n["gate_up"].shape[1] // 2
+        wg, wu = n["gate_up"][:, :f], n["gate_up"][:, f:]
+    else:
+        wg, wu = n.get("gate"), n["up"]
+    w, ids = moe_route_ref(x @ n["router"].T, a, n.get("bias"))
+    in_scheme, down_scheme = a.act_schemes
+    x3 = (quantize_act_ref(x, in_scheme) if in_scheme else x)[:, None, :]
+
+    def experts(inp: np.ndarray, mat: np.ndarray, kind: str) -> np.ndarray:
+        y = matmul_id_ref(inp, mat, ids)
+        return y * scales[kind][ids][..., None] if kind in scales else y
+
+    up = experts(x3, wu, "up")
+    hdn = expert_act_ref(experts(x3, wg, "gate"), up, a.act, a.act_limit) if wg is not None else up * sigmoid(up)
+    down = experts(quantize_act_ref(hdn, down_scheme) if down_scheme else hdn, n["down"], "down")
+    return np.sum(down * w[..., None], axis=1)
+
+
+def shared_expert_ref(n: dict[str, Any], a: Any) -> np.ndarray:
+    """down(act(x Wg [sg], x Wu [su])) [sd], times sigmoid(x . gate_inp_shexp) when gated."""
+    x, s = n["x"], n["shexp_scales"]
+    g = x @ n["shexp_gate"].T * (s["gate"] if "gate" in s else 1)
+    u = x @ n["shexp_up"].T * (s["up"] if "up" in s else 1)
+    sh = expert_act_ref(g, u, a.shared_act, a.shared_act_limit) @ n["shexp_down"].T * (s["down"] if "down" in s
+                                                                                         else 1)
+    if not a.shared_gated:
+        return sh
+    return sh * sigmoid(np.sum(x * n["shexp_gate_inp"], axis=-1, keepdims=True))
+
+
+def moe_ffn_node_ref(ins: Sequence[np.ndarray], a: Any) -> np.ndarray:
+    n = moe_inputs(ins, a)
+    y = routed_experts_ref(n, a)
+    return y + shared_expert_ref(n, a) if a.shared else y

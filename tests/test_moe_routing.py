@@ -1,0 +1,179 @@
+"""The MoE routing family (ir/moe_routing.py): the reference against hand-computed routing, and
+the fusion recognising every spelling (the frontend's and the decompositions') as the same node.
+
+Compiled kernels against the reference: the `moe_routing` group of tests/test_codegen_ops.py
+(and tests/test_gpu_ops.py on vulkan)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from ggufc.frontend import blocks as B
+from ggufc.ir import moe_routing as MR
+from ggufc.ir import ops as O
+from ggufc.ir.builder import GraphBuilder
+from ggufc.ir.decompose import decompose
+from ggufc.ir.graph import Graph
+from ggufc.ir.interp import run_graph
+from ggufc.ir.verify import verify
+from ggufc.passes.constant_fold import with_constants
+from ggufc.passes.dce import dce
+from ggufc.passes.fuse_moe import fuse_moe
+from ggufc.passes.fusions import fuse_softmax, fuse_swiglu
+from ggufc.passes.stats import hits_of
+
+ENV = {"T": 5, "P": 3}
+E, F, FS, X = 8, 6, 4, 5
+
+
+# ---------------------------------------------------------------------------------------------
+# the reference, by hand
+
+
+def test_selection_uses_the_bias_and_the_weights_do_not() -> None:
+    """sigmoid gating: the bias moves expert 3 ahead of expert 1 (clear margins), and the weights
+    are the unbiased probabilities of the selected experts, renormalised then scaled."""
+    logits = np.array([[2.0, 1.0, -1.0, 0.0, -2.0]], np.float64)
+    bias = np.array([0.0, 0.0, 0.0, 1.5, 0.0])
+    p = 1 / (1 + np.exp(-logits[0]))
+    route = O.MoeRoute(2, gating="sigmoid", selection_bias=True, weights_scale=2.5)
+    w, ids = MR.moe_route_ref(logits, route, bias)
+    assert set(ids[0].tolist()) == {0, 3}
+    assert list(ids[0]) == [3, 0]  # descending by p + bias: 0.5 + 1.5 > 0.88
+    np.testing.assert_allclose(w[0], 2.5 * p[[3, 0]] / (p[3] + p[0]), rtol=1e-12)
+    _, plain = MR.moe_route_ref(logits, dataclass_replace(route, selection_bias=False))
+    assert set(plain[0].tolist()) == {0, 1}
+
+
+def dataclass_replace(a: Any, **kw: Any) -> Any:
+    import dataclasses
+
+    return dataclasses.replace(a, **kw)
+
+
+@pytest.mark.parametrize("gating", MR.GATINGS)
+def test_gatings(gating: str) -> None:
+    z = np.array([[-30.0, -1.0, 0.0, 3.0, 25.0]])
+    p = MR.gate_probs_ref(z, gating)
+    want = {"softmax": np.exp(z - 25.0) / np.exp(z - 25.0).sum(),
+            "sigmoid": 1 / (1 + np.exp(-z)),
+            "sqrt_softplus": np.sqrt(np.where(z > 20, z, np.log1p(np.exp(z))))}[gating]
+    np.testing.assert_allclose(p, want, rtol=1e-12)
+
+
+def test_activations() -> None:
+    g = np.array([-9.0, -1.0, 0.5, 3.0, 9.0])
+    u = np.array([9.0, -0.3, 2.0, -9.0, 0.1])
+    silu = lambda v: v / (1 + np.exp(-v))  # noqa: E731
+    np.testing.assert_allclose(MR.expert_act_ref(g, u, "swiglu", 0.0), silu(g) * u)
+    np.testing.assert_allclose(MR.expert_act_ref(g, u, "swiglu_clamp", 1.0),
+                               silu(np.minimum(g, 1.0)) * np.clip(u, -1.0, 1.0))
+    x, y = np.minimum(g, 7.0), np.clip(u, -7.0, 7.0)
+    np.testing.assert_allclose(MR.expert_act_ref(g, u, "swiglu_oai", 0.0), x / (1 + np.exp(-1.702 * x)) * (y + 1))
+
+
+def test_unknown_gating_is_refused_by_the_shape_rule() -> None:
+    b = GraphBuilder()
+    z = b.input("z", ("T", X), "float32")
+    with pytest.raises(ValueError, match="unknown gating"):
+        b.emit_multi("moe_route", [z], O.MoeRoute(2, gating="tanh"), ["w", "ids"])
+    with pytest.raises(ValueError, match="bias"):
+        b.emit_multi("moe_route", [z], O.MoeRoute(2, selection_bias=True), ["w", "ids"])
+
+
+# ---------------------------------------------------------------------------------------------
+# fusion: decomposition -> fuse_moe gives the node back
+
+
+VARIANTS: dict[str, O.MoeFFN] = {
+    "sigmoid-bias-scale-clamp": O.MoeFFN(2, normalize=False, gating="sigmoid", selection_bias=True,
+                                         weights_scale=1.5, act="swiglu_clamp", act_limit=0.7,
+                                         expert_scales=("up",)),
+    "sqrt_softplus-bias-oai": O.MoeFFN(3, gating="sqrt_softplus", selection_bias=True, act="swiglu_oai"),
+    "softmax-scale": O.MoeFFN(2, weights_scale=2.0),
+    "merged-ungated-shared": O.MoeFFN(2, normalize=False, gating="sigmoid", selection_bias=True,
+                                      merged_gate_up=True, expert_scales=("down",), shared=True, shared_gated=False,
+                                      shared_scales=("gate", "up", "down")),
+    "ungated-shared-clamp": O.MoeFFN(2, shared=True, shared_gated=False, shared_act="swiglu_clamp",
+                                     shared_act_limit=0.4),
+    "gated-shared-oai": O.MoeFFN(2, act="swiglu_oai", shared=True, shared_act="swiglu_oai", shared_scales=("up",)),
+    "gated-shared-plain": O.MoeFFN(2, shared=True),
+}
+
+
+def _input_shapes(a: O.MoeFFN) -> list[tuple[int, ...]]:
+    shapes: list[tuple[int, ...]] = [(X, E)]
+    shapes += [(X,)] if a.selection_bias else []
+    shapes += [(X, 2 * F, E)] if a.merged_gate_up else [(X, F, E)] * (2 if a.has_gate else 1)
+    shapes += [(X, E, F)] + [(X,)] * len(a.expert_scales)
+    if a.shared:
+        shapes += ([(E,)] if a.shared_gated else []) + [(FS, E), (FS, E), (E, FS)] + [(1,)] * len(a.shared_scales)
+    return shapes
+
+
+def _fused_graph(a: O.MoeFFN) -> tuple[Graph, dict[str, np.ndarray]]:
+    b = GraphBuilder()
+    b.input("tokens", ("T",), "int32")
+    b.input("pos", (), "int64")
+    x = b.input("x", ("T", E), "float32")
+    params = [b.param(f"w{i}", shape, "F32") for i, shape in enumerate(_input_shapes(a))]
+    y = b.emit("moe_ffn", [x, *params], a, "ffn_out")
+    rng = np.random.default_rng(0)
+    arrays = {p.source: rng.standard_normal(tuple(int(d) for d in p.value.shape)).astype(np.float32)
+              for p in b.params.values()}
+    return b.finish([y], {}), arrays
+
+
+def _run(graph: Graph, arrays: dict[str, np.ndarray]) -> np.ndarray:
+    x = np.random.default_rng(1).standard_normal((5, E)).astype(np.float32)
+    inputs = {"tokens": np.zeros(5, np.int32), "pos": np.int64(0), "x": x}
+    loader = with_constants(graph, lambda p: arrays[p.source])
+    return run_graph(graph, inputs, loader, {}).outputs[0]
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_decomposition_fuses_back(name: str) -> None:
+    a = VARIANTS[name]
+    fused, arrays = _fused_graph(a)
+    spelled = decompose(fused)
+    for pre in ([], [fuse_softmax, fuse_swiglu]):  # spelled or already fused pieces
+        g = spelled
+        for p in pre:
+            g = p(g)
+        refused = dce(fuse_moe(g))  # the merged tensor's slices are left dead
+        verify(refused, ENV)
+        assert [n.op for n in refused.nodes] == ["moe_ffn"]
+        assert refused.nodes[0].attrs == a
+        assert [v.id for v in refused.nodes[0].inputs] == [v.id for v in fused.nodes[0].inputs]
+    np.testing.assert_allclose(_run(spelled, arrays), _run(fused, arrays), rtol=2e-4, atol=2e-5)
+
+
+def test_wrong_activation_constants_do_not_fuse() -> None:
+    """A clamp whose bounds disagree (min 0.7, clip to +-0.5) is not the clamped SwiGLU."""
+    fused, _ = _fused_graph(VARIANTS["sigmoid-bias-scale-clamp"])
+    spelled = decompose(fused)
+    by_name = {n.outputs[0].name: n for n in spelled.nodes}
+    hi = next(n for name, n in by_name.items() if name.endswith("u_clipped.hi"))
+    bad = type(hi)("scalar", hi.inputs, O.Scalar("min", 0.5), hi.outputs)
+    broken = spelled.replace(nodes=[bad if n is hi else n for n in spelled.nodes])
+    assert hits_of(fuse_moe(broken))["fuse_moe"] == 0
+
+
+def test_frontend_block_fuses_with_its_options() -> None:
+    """blocks.moe with a selection bias, sigmoid gating, no renormalisation, a weights scale and
+    clamped SwiGLU experts is one moe_ffn with those attrs."""
+    b = GraphBuilder()
+    b.input("tokens", ("T",), "int32")
+    b.input("pos", (), "int64")
+    x = b.input("x", ("T", E), "float32")
+    router, bias = b.param("router", (X, E), "F32"), b.param("bias", (X,), "F32")
+    gate, up, down = b.param("g", (X, F, E), "F32"), b.param("u", (X, F, E), "F32"), b.param("d", (X, E, F), "F32")
+    y = B.moe(b, x, router, gate, up, down, 2, scales={}, hidden=F, bias=bias, gating="sigmoid", normalize=False,
+              weights_scale=2.5, act="swiglu_clamp", act_limit=3.0)
+    fused = fuse_moe(b.finish([y], {}))
+    assert [n.op for n in fused.nodes] == ["moe_ffn"]
+    assert fused.nodes[0].attrs == O.MoeFFN(2, normalize=False, gating="sigmoid", selection_bias=True,
+                                            weights_scale=2.5, act="swiglu_clamp", act_limit=3.0)
