@@ -23,6 +23,7 @@ from . import kernel_keys as KK
 from . import kernels as K
 from . import kernels_attention as KA
 from . import kernels_recurrent as KR
+from . import latent_attention as LA
 from . import moe_routing as MR
 from . import ngram_embedding as NG
 from . import quant as Q
@@ -370,6 +371,7 @@ LOWERING: dict[str, Callable[[FunctionContext, Node], list[Any]]] = {
     **HC.HC_LOWERING,
     **SI.INDEXER_LOWERING,
     **MR.MOE_LOWERING,
+    **LA.LATENT_LOWERING,
     **NG.NGRAM_LOWERING,
 }
 

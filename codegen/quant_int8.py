@@ -91,6 +91,9 @@ def quantize_act(shape: tuple[tirx.PrimExpr, ...], scheme: str = "q8_0") -> tirx
         raise ValueError(f"quantize_act: unknown scheme {scheme!r}")
     block = SCHEME_BLOCK[scheme]
     x = te.placeholder(shape, "float32", name="x")
+    if scheme == "f16":  # F16 weights: each value rounded to half precision (round to nearest even)
+        return te.create_prim_func([x, te.compute(shape, lambda *i: x(*i).astype("float16").astype("float32"),
+                                                  name="out")])
     lead, k = shape[:-1], shape[-1]
     blocks = (*lead, k // block)
     r = te.reduce_axis((i64(0), i64(block)), name="r")

@@ -15,6 +15,10 @@
   the fly from the block scores (no [T, cells] scratch), in float32 as the reference does.
   Heap indices are int32: the cells of one context fit.
 
+* `token_score` (DSA): score[t, j] = sum_h w[t,h] * relu(q[t,h] . k_j) over the P+T cached keys.
+* `token_topk` (DSA): per query row, llama.cpp's CPU top-k (the same libstdc++ heap select as
+  `indexer_topk`) of the visible cells j <= pos + t, read straight from the score row.
+
 Symbolic extents: `n` (tokens of the call) and `pos` (tokens already cached), as in `kernels.py`.
 """
 
@@ -149,6 +153,89 @@ def indexer_topk(nb1: int, ratio: int, width: int, n_cells: int) -> tirx.PrimFun
                 st[7] = st[7] + T.int64(1)
             for a in range(T.int64(width)):
                 if a >= st[5] or V[i, T.Cast("int64", T.max(Sel[i, a], 0))] == T.min_value("float32"):
+                    Sel[i, a] = -1
+
+    return kernel
+
+
+def token_score(q_shape: PShape, n_cells: int) -> tirx.PrimFunc:
+    """Args (q [T,Hi,Di], cache [C,Di], w [T,Hi], pos, score [T, pos+T]): ReLU per head, then the
+    weighted sum over heads."""
+    n, hi, di = q_shape
+    q = te.placeholder(q_shape, "float32", name="q")
+    cache = te.placeholder((i64(n_cells), di), "float32", name="cache")
+    w = te.placeholder((n, hi), "float32", name="w")
+    pos = te.var("pos", "int64")
+    n_kv = pos + n
+    rd = te.reduce_axis((i64(0), di), name="rd")
+    dots = te.compute((n, hi, n_kv), lambda t, h, j: te.sum(q[t, h, rd] * cache[j, rd], axis=rd), name="dots")
+    rh = te.reduce_axis((i64(0), hi), name="rh")
+    score = te.compute((n, n_kv), lambda t, j: te.sum(w[t, rh] * te.max(dots[t, rh, j], f32(0.0)), axis=rh),
+                       name="score")
+    return func([q, cache, w, pos, score])
+
+
+def token_topk(width: int) -> tirx.PrimFunc:
+    """Args (scores [T, pos+T], pos, sel [T, width]). Per row: libstdc++'s heap select of `width`
+    cells over the row (cells after the query count as -inf), then -1 for slots without a visible
+    cell."""
+
+    @T.macro
+    def adjust(Sel: T.Buffer, S: T.Buffer, st: T.Buffer, i: T.int64, q: T.int64, hole0: T.int64,
+               length: T.int64, value: T.int64) -> None:
+        # std::__adjust_heap then std::__push_heap, comp(a, b) = val(a) > val(b); st: hole, second, parent, value, top
+        st[0] = hole0
+        st[1] = hole0
+        st[3] = value
+        st[4] = hole0
+        while st[1] < (length - T.int64(1)) // T.int64(2):
+            st[1] = T.int64(2) * (st[1] + T.int64(1))
+            if T.if_then_else(T.Cast("int64", Sel[i, st[1]]) > q, T.min_value("float32"),
+                              S[i, T.Cast("int64", Sel[i, st[1]])]) > T.if_then_else(
+                    T.Cast("int64", Sel[i, st[1] - T.int64(1)]) > q, T.min_value("float32"),
+                    S[i, T.Cast("int64", Sel[i, st[1] - T.int64(1)])]):
+                st[1] = st[1] - T.int64(1)
+            Sel[i, st[0]] = Sel[i, st[1]]
+            st[0] = st[1]
+        if length % T.int64(2) == T.int64(0) and st[1] == (length - T.int64(2)) // T.int64(2):
+            st[1] = T.int64(2) * (st[1] + T.int64(1))
+            Sel[i, st[0]] = Sel[i, st[1] - T.int64(1)]
+            st[0] = st[1] - T.int64(1)
+        st[2] = T.max(st[0] - T.int64(1), T.int64(0)) // T.int64(2)
+        while st[0] > st[4] and T.if_then_else(T.Cast("int64", Sel[i, st[2]]) > q, T.min_value("float32"),
+                                               S[i, T.Cast("int64", Sel[i, st[2]])]) > T.if_then_else(
+                st[3] > q, T.min_value("float32"), S[i, st[3]]):
+            Sel[i, st[0]] = Sel[i, st[2]]
+            st[0] = st[2]
+            st[2] = T.max(st[0] - T.int64(1), T.int64(0)) // T.int64(2)
+        Sel[i, st[0]] = T.Cast("int32", st[3])
+
+    @T.prim_func
+    def kernel(s_h: T.handle, pos: T.int64, o_h: T.handle) -> None:
+        T.func_attr({"tirx.noalias": True})
+        n = T.int64()
+        S = T.match_buffer(s_h, (n, pos + n), "float32")
+        Sel = T.match_buffer(o_h, (n, width), "int32")
+        for i in T.parallel(n):
+            st = T.decl_buffer((8,), "int64", scope="local")
+            q = pos + i
+            nkv = pos + n
+            st[5] = T.min(T.int64(width), nkv)
+            for a in range(T.int64(width)):
+                Sel[i, a] = T.Cast("int32", a)
+            if st[5] >= T.int64(2):
+                st[6] = (st[5] - T.int64(2)) // T.int64(2)
+                while st[6] >= T.int64(0):
+                    adjust(Sel, S, st, i, q, st[6], st[5], T.Cast("int64", Sel[i, st[6]]))
+                    st[6] = st[6] - T.int64(1)
+            st[7] = st[5]
+            while st[7] < nkv:
+                if st[7] <= q and S[i, st[7]] > T.if_then_else(T.Cast("int64", Sel[i, 0]) > q, T.min_value("float32"),
+                                                              S[i, T.Cast("int64", Sel[i, 0])]):
+                    adjust(Sel, S, st, i, q, T.int64(0), st[5], st[7])
+                st[7] = st[7] + T.int64(1)
+            for a in range(T.int64(width)):
+                if a >= st[5] or T.Cast("int64", T.max(Sel[i, a], 0)) > q:
                     Sel[i, a] = -1
 
     return kernel
@@ -346,6 +433,22 @@ def _indexer_topk(fc: FunctionContext, node: Node) -> list[Any]:
                    node.outputs[0].name)
 
 
+def _token_score(fc: FunctionContext, node: Node) -> list[Any]:
+    q, cache = node.inputs[:2]
+    n_cells = int(cache.shape[0])
+    key = KK.OpKernel("token_score", None, tensor_dims(fc, node))
+    return fc.call(key, lambda: token_score(fc.kernel_shape(q, K.Symbols()), n_cells), call_args(fc, node),
+                   node.outputs, node.outputs[0].name)
+
+
+def _token_topk(fc: FunctionContext, node: Node) -> list[Any]:
+    a: O.TokenTopK = node.attrs
+    if fc.mb.target.kind.name != "llvm":
+        raise NotImplementedError(f"{node.outputs[0].label}: the DSA token top-k has no GPU kernel yet")
+    key = KK.OpKernel("token_topk", a, tensor_dims(fc, node))
+    return fc.call(key, lambda: token_topk(a.width), call_args(fc, node), node.outputs, node.outputs[0].name)
+
+
 def _index_mask(fc: FunctionContext, node: Node) -> list[Any]:
     sel = node.inputs[0]
     key = KK.OpKernel("index_mask", None, tensor_dims(fc, node))
@@ -501,4 +604,6 @@ INDEXER_LOWERING: dict[str, Callable[[FunctionContext, Node], list[Any]]] = {
     "indexer_score": _indexer_score,
     "indexer_topk": _indexer_topk,
     "index_mask": _index_mask,
+    "token_score": _token_score,
+    "token_topk": _token_topk,
 }

@@ -1,4 +1,4 @@
-"""8-bit activation blocks: the rounding llama.cpp applies to a matmul's input for quantised weights.
+"""Activation rounding: what llama.cpp does to a matmul's input for quantised and F16 weights.
 
 llama.cpp's CPU dot products read the activations in the weight type's `vec_dot_type`:
 
@@ -9,7 +9,9 @@ llama.cpp's CPU dot products read the activations in the weight type's `vec_dot_
   weight block's minimum `m` by `s`, not by the sum of the rounded values (`f16(d) * sum(codes)`);
 * `q8_K` for the K-quants Q2_K..Q6_K (Q8_K blocks): per 256 values, `max` the value of largest
   magnitude (first one on ties) with its sign, `iscale = -127 / max`, codes
-  `min(127, round(iscale * x))`, `d = 1 / iscale` kept in f32.
+  `min(127, round(iscale * x))`, `d = 1 / iscale` kept in f32;
+* `f16` for F16 weights: every value rounded to half precision (round to nearest even; beyond
+  f16's range it is inf, as ggml's conversion makes it), the products then summed in f32.
 
 The op `quantize_act` is that rounding made explicit: it returns `codes * d`, so every later
 computation (an integer dot product in an 8-bit kernel, or a float matmul) sees the same numbers;
@@ -22,10 +24,11 @@ from __future__ import annotations
 import numpy as np
 
 ACT_BLOCK = 32  # values per q8_0 block
-SCHEME_BLOCK = {"q8_0": 32, "q8_1": 32, "q8_K": 256}
+SCHEME_BLOCK = {"q8_0": 32, "q8_1": 32, "q8_K": 256, "f16": 1}
 ACT_SCHEME = {
     **dict.fromkeys(("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"), "q8_0"),
     **dict.fromkeys(("Q4_K", "Q5_K", "Q6_K"), "q8_K"),  # the K-quants ggufc reads
+    "F16": "f16",  # F16's vec_dot_type is F16: the activations are converted before the dot product
 }
 ACT_QUANT_TYPES = frozenset(ACT_SCHEME)
 MIN_TYPES = frozenset({"Q4_1", "Q5_1"})  # weights with a per-block minimum: a matmul reads q8_1
@@ -43,6 +46,9 @@ def quantize_act_ref(x: np.ndarray, scheme: str = "q8_0") -> np.ndarray:
         raise ValueError(f"quantize_act: unknown scheme {scheme!r} (known: {', '.join(SCHEME_BLOCK)})")
     if x.shape[-1] % block:
         raise ValueError(f"quantize_act: last dimension {x.shape[-1]} is not a multiple of {block}")
+    if scheme == "f16":
+        with np.errstate(over="ignore"):
+            return x.astype(np.float32).astype(np.float16).astype(x.dtype)
     xb = x.astype(np.float32).reshape(-1, block)
     out = _q8_k(xb) if scheme == "q8_K" else _q8_0(xb)
     return out.reshape(x.shape).astype(x.dtype)

@@ -19,6 +19,7 @@ import numpy as np
 from .act_quant import ACT_BLOCK, q8_1_sums_ref, quantize_act_ref
 from .graph import Dim, Shape, eval_shape
 from .hyper_connections import hc_post_ref, hc_pre_ref
+from .latent_attention import head_matmul_ref
 from .moe_routing import check_routing, matmul_id_ref, moe_ffn_node_ref, moe_inputs, moe_route_ref
 from .ngram_embedding import ple_hash_ref
 from .recurrent_ref import gated_delta_net_ref, l2_norm_ref, rms_norm_gated_ref, ssm_conv_ref
@@ -28,6 +29,8 @@ from .sparse_indexers import (
     index_mask_ref,
     indexer_score_ref,
     indexer_topk_ref,
+    token_score_ref,
+    token_topk_ref,
 )
 
 # ----------------------------------------------------------------------------------------------
@@ -64,7 +67,8 @@ class Reduce:
 
 @dataclass(frozen=True)
 class QuantizeAct:
-    # llama.cpp's activation format: q8_0 (32-value blocks), q8_1 (q8_0 + block sums) or q8_K (256)
+    # llama.cpp's activation format: q8_0 (32-value blocks), q8_1 (q8_0 + block sums), q8_K (256),
+    # or f16 (each value rounded to half precision, for F16 weights)
     scheme: str = "q8_0"
 
 
@@ -292,6 +296,15 @@ class CompressedAttention:
     window: int
     ratio: int = 0  # 0: raw cells only
     selected: bool = False
+
+
+@dataclass(frozen=True)
+class TokenTopK:
+    """DSA selection: (token scores [T, P+T], pos) -> [T, width] cell ids, the `width` largest visible
+    cells (j <= P+t) of each query by llama.cpp's CPU top-k (heap select); -1 where a slot holds no
+    visible cell."""
+
+    width: int
 
 
 @dataclass(frozen=True)
@@ -772,6 +785,26 @@ def _compressed_attention_shape(ins: Sequence[ShapeDtype], a: CompressedAttentio
         raise ValueError(f"compressed_attention: inputs {[s for s, _ in ins]} disagree")
     return [(qs, dt)]
 
+def _token_score_shape(ins: Sequence[ShapeDtype], a: Any) -> list[ShapeDtype]:
+    (qs, _), (cs, _), (ws, _), _pos = ins
+    if len(qs) != 3 or len(cs) != 2 or qs[2] != cs[1] or tuple(ws) != tuple(qs[:2]):
+        raise ValueError(f"token_score: q {qs}, key cache {cs}, head weights {ws} disagree")
+    return [((qs[0], "P+T"), "float32")]
+
+
+def _token_topk_shape(ins: Sequence[ShapeDtype], a: TokenTopK) -> list[ShapeDtype]:
+    (ss, _), _pos = ins
+    if len(ss) != 2 or a.width <= 0:
+        raise ValueError(f"token_topk: scores {ss} must be [T, P+T] and width positive ({a.width})")
+    return [((ss[0], a.width), "int32")]
+
+
+def _head_matmul_shape(ins: Sequence[ShapeDtype], a: Any) -> list[ShapeDtype]:
+    (xs, _), (ws, _) = ins
+    if len(xs) != 3 or len(ws) != 3 or xs[1] != ws[0] or xs[2] != ws[2]:
+        raise ValueError(f"head_matmul: x {xs} [T, H, K] and weight {ws} [H, N, K] disagree")
+    return [((xs[0], xs[1], ws[1]), "float32")]
+
 
 def _ple_hash_shape(ins: Sequence[ShapeDtype], a: PleHash) -> list[ShapeDtype]:
     (hs, hdt), (ts, _), _pos = ins
@@ -875,6 +908,13 @@ OPS: dict[str, OpDef] = {
               _one(lambda i, a, c: compressed_attention_ref(
                   i[0], i[1], i[2], int(i[3]), a.scale, a.window, a.ratio, i[4] if a.ratio > 0 else None,
                   i[5] if a.selected else None))),
+        # DSA (token-level indexer): the lightning indexer's scores and its top-k
+        OpDef("token_topk", TokenTopK, _token_topk_shape, _one(lambda i, a, c: token_topk_ref(i[0], int(i[1]),
+                                                                                              a.width))),
+        OpDef("token_score", NoAttrs, _token_score_shape,
+              _one(lambda i, a, c: token_score_ref(i[0], i[1], i[2], int(i[3]))), fused=True),
+        # MLA: the absorbed per-head projections (attn_k_b into q, attn_v_b on the latent output)
+        OpDef("head_matmul", NoAttrs, _head_matmul_shape, _one(lambda i, a, c: head_matmul_ref(i[0], i[1]))),
         OpDef("ple_hash", PleHash, _ple_hash_shape,
               _one(lambda i, a, c: ple_hash_ref(i[0], i[1], int(i[2]), a.ngram, a.heads_per_ngram, a.multipliers,
                                                 a.offsets, a.sizes, a.eos))),

@@ -18,6 +18,16 @@ QSA (the block indexer of one full-attention layer with compress ratio r):
   indices, -1 where a slot holds no visible cell.
 * `index_mask`: the additive [T, P+T] mask (0 at selected visible cells, -inf elsewhere).
 
+DSA (the lightning indexer of deepseek32 / glm-dsa, llama.cpp `ggml_lightning_indexer`, one key
+per token):
+
+* `token_score`: q [T,Hi,Di] (roped), the indexer key cache [C,Di] (roped, written by this call),
+  head weights w [T,Hi] (already scaled by 1/sqrt(Di*Hi)): score[t, j] = sum_h w[t,h] *
+  relu(q[t,h] . k_j) over the cells j < P+T (ReLU per head, then the weighted sum).
+* `token_topk`: the `width` = min(top_k, n_ctx) largest visible cells (j <= P+t) of each row by the
+  same heap select as QSA's (llama.cpp's CPU ggml_top_k); -1 for slots without a visible cell
+  (fewer visible cells than the width). The attention then reads only the selected cells.
+
 Their spellings in primitives are in `sparse_indexers_spelled.py`.
 """
 
@@ -193,3 +203,21 @@ def compressed_attention_ref(q: np.ndarray, cache: np.ndarray, sinks: np.ndarray
     e = np.exp(s - m[..., None])
     denom = e.sum(axis=-1) + np.exp(sinks[None, :].astype(q.dtype) - m)
     return (np.einsum("thn,nd->thd", e, keys) / denom[..., None]).astype(q.dtype)
+
+
+def token_score_ref(q: np.ndarray, cache: np.ndarray, w: np.ndarray, p0: int) -> np.ndarray:
+    """q [T,Hi,Di], cache [C,Di], w [T,Hi] -> [T, P+T] = sum_h w * relu(q . k_j)."""
+    keys = cache[: p0 + q.shape[0]]
+    dots = np.einsum("thd,jd->thj", q, keys)
+    return np.einsum("th,thj->tj", w, np.maximum(dots, 0))
+
+
+def token_topk_ref(scores: np.ndarray, p0: int, width: int) -> np.ndarray:
+    """scores [T, P+T] -> [T, width] int32 selected cells in heap order; -1 where no visible cell."""
+    t, n_kv = scores.shape
+    out = np.full((t, width), -1, dtype=np.int32)
+    for i in range(t):
+        row = [float(v) if j <= p0 + i else -np.inf for j, v in enumerate(scores[i].astype(np.float32))]
+        chosen = heap_select(row, width)
+        out[i, : len(chosen)] = [j if row[j] != -np.inf else -1 for j in chosen]
+    return out

@@ -1,4 +1,4 @@
-"""The sparse-attention indexer op `indexer_score` spelled in primitives (references in
+"""The sparse-attention indexer ops `indexer_score` (QSA) and `token_score` (DSA) spelled in primitives (references in
 `sparse_indexers.py`).
 
 They are both the decompositions of the fused ops and the unfused builders the frontend blocks
@@ -50,6 +50,22 @@ def indexer_score_spelled(
     return b.reduce("sum", b.unary("relu", dots, f"{name}.relu"), name, axis=1, keepdims=False)
 
 
+def token_score_spelled(b: GraphBuilder, q: Value, cache: Value, w: Value, pos: Value, name: str) -> Value:
+    """DSA: score[t, j] = sum_h w[t, h] * relu(q[t, h] . k_j) over the cached keys j < P+T."""
+    t, n_heads, di = q.shape
+    keys = b.emit("cache_read", [cache, pos], O.Tokens(t), f"{name}.keys")
+    q2 = b.reshape(q, (mul_dim(int(n_heads), t), di), f"{name}.q2")
+    dots = b.reshape(b.matmul(q2, keys, f"{name}.dots2"), (t, n_heads, "P+T"), f"{name}.dots")
+    w3 = b.reshape(w, (t, n_heads, 1), f"{name}.w3")
+    weighted = b.mul(b.unary("relu", dots, f"{name}.relu"), w3, f"{name}.weighted")
+    return b.reduce("sum", weighted, name, axis=1, keepdims=False)
+
+
+def _token_score(b: GraphBuilder, n: Node) -> list[Value]:
+    q, cache, w, pos = n.inputs
+    return [token_score_spelled(b, q, cache, w, pos, n.outputs[0].name)]
+
+
 def _indexer_score(b: GraphBuilder, n: Node) -> list[Value]:
     a: O.IndexerScore = n.attrs
     q, cache, norm, table = n.inputs
@@ -58,4 +74,5 @@ def _indexer_score(b: GraphBuilder, n: Node) -> list[Value]:
 
 INDEXER_DECOMPOSITIONS = {
     "indexer_score": _indexer_score,
+    "token_score": _token_score,
 }

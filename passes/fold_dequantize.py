@@ -16,6 +16,7 @@ QUANT_READERS: dict[str, tuple[int, ...] | None] = {
     "matmul": (1,),
     "gather": (0,),
     "matmul_id": (1,),
+    "head_matmul": (1,),
     "moe_ffn": None,  # every input after x (router, experts, per-expert scales)
 }
 

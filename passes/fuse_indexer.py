@@ -1,4 +1,4 @@
-"""QSA indexer fusion: the spelled block scoring of `frontend/blocks_hc.py::qsa_mask` into one
+"""Indexer fusion (QSA blocks, DSA tokens): the spelled block scoring of `frontend/blocks_hc.py::qsa_mask` into one
 `indexer_score` node, and the masked attention into the sparse attention that reads only the
 selected cells.
 
@@ -9,7 +9,12 @@ selected cells.
         -> attention(q, K, V, pos, sel)  (mask "indices": no [T, P+T] mask, W cells per query)
         -> attention(q, K, V, pos)       when the budget W covers the whole context (exactly dense)
 
-Preconditions checked: the selection comes from `indexer_topk` and is used only by the mask; the
+DSA's selection (`token_topk`, its scores already one `token_score` node) takes the same attention
+rewrite; glm-dsa's shared layers attend over the selection of the last full layer, so a selection
+may feed several masks.
+
+Preconditions checked: the selection comes from `indexer_topk` or `token_topk` and feeds only masks
+and attentions; the
 mask is used only by the attention; for the dense form, width >= the KV cache's rows (so every
 call selects every visible cell). For the scoring: the cache is [C, Di] pooled in blocks of r
 with nb = C // r, the spare row is row 0, the rotation pairs halves [0, n_rot/2) and
@@ -22,7 +27,7 @@ Hits: one per rewritten attention plus one per fused scoring.
 from __future__ import annotations
 
 from ggufc.ir import ops as O
-from ggufc.ir.graph import Graph, static_shape
+from ggufc.ir.graph import Graph, Value, static_shape
 from ggufc.ir.verify import shapes_equal
 from ggufc.ir.walk import without_dead_nodes
 
@@ -37,17 +42,25 @@ SUB, ADD = O.Binary("sub"), O.Binary("add")
 # masked attention -> sparse (or dense) attention
 
 
+SELECTIONS = ("indexer_topk", "token_topk")  # QSA's block cells, DSA's tokens
+
+
 def _build_attention(m: Match, g: GraphView) -> Rewrite | None:
     attn, sel, pos = m.nodes["attn"], m.values["sel"], m.values["pos"]
     topk = g.producer(sel)
-    if attn.attrs.mask != "additive" or topk is None or topk.op != "indexer_topk" or topk.outputs[0] is not sel:
+    if attn.attrs.mask != "additive" or topk is None or topk.op not in SELECTIONS or topk.outputs[0] is not sel:
         return None
     q, kc, vc, pos_a = attn.inputs[:4]
-    if pos_a is not pos or topk.inputs[1] is not pos or g.n_users(sel) != 1:
+    if pos_a is not pos or topk.inputs[1] is not pos or not _only_selects(sel, g):
         return None
     if topk.attrs.width >= int(kc.shape[0]):  # the budget covers the context: every visible cell is kept
         return Rewrite("attention", (q, kc, vc, pos), O.Attention(attn.attrs.scale))
     return Rewrite("attention", (q, kc, vc, pos, sel), O.Attention(attn.attrs.scale, "indices"))
+
+
+def _only_selects(sel: Value, g: GraphView) -> bool:
+    """The selection feeds only masks and attentions (DSA's shared layers reuse one selection)."""
+    return sel.id not in g.escaping and all(n.op in ("index_mask", "attention") for n in g.users.get(sel.id, ()))
 
 
 ATTENTION_RULES = [

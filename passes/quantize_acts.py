@@ -1,9 +1,10 @@
-"""Round matmul inputs to 8-bit blocks where llama.cpp does: `matmul(x, Wq)` -> `matmul(quantize_act(x), Wq)`.
+"""Round matmul inputs where llama.cpp does: `matmul(x, Wq)` -> `matmul(quantize_act(x), Wq)`.
 
 For quantised weights (the 32-block types and the K-quants) llama.cpp's dot products read the
 activations as 8-bit blocks (q8_0, q8_1 or q8_K, ir/act_quant.py); making that rounding an op gives
 the compiled model llama.cpp's numerics, and lets codegen use integer dot-product kernels (which
 re-quantise `x` themselves). Matmuls that share an input and a scheme share one `quantize_act`.
+F16 weights read f16 activations (each value rounded to half precision; no 8-bit kernel applies).
 Weights with block minimums (Q4_1/Q5_1) read q8_1: `matmul(xq, W, s)` with the block sums `s`.
 A fused MoE records the schemes of its routed experts' inputs (`MoeFFN.act_schemes`; q8_0 for
 Q4_1/Q5_1 experts, whose expert kernels have no block-sum input).
@@ -23,11 +24,11 @@ from .stats import with_hits
 
 def _scheme(node: Node, params: dict[int, str]) -> str | None:
     """The activation scheme llama.cpp uses for this matmul's weight, or None."""
-    if node.op not in ("matmul", "matmul_id"):
+    if node.op not in ("matmul", "matmul_id", "head_matmul"):
         return None
     x, w = node.inputs[:2]
     qtype = params.get(w.id, "")
-    scheme = "q8_1" if node.op == "matmul" and qtype in MIN_TYPES else ACT_SCHEME.get(qtype)
+    scheme = "q8_1" if node.op == "matmul" and qtype in MIN_TYPES else ACT_SCHEME.get(qtype)  # per-slot kernels: q8_0
     k = x.shape[-1]
     return scheme if scheme and isinstance(k, int) and k % SCHEME_BLOCK[scheme] == 0 else None
 

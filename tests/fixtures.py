@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import fixtures_hyperconnected as hyperconnected
+import fixtures_latent as latent
 import gguf
 import numpy as np
 from fixture_spec import FixtureOptions, FixtureSize, TensorSpec, linear, resolve_size
@@ -53,6 +54,7 @@ class ArchRecipe:
     expert_ff_key: bool = False  # writes {arch}.expert_feed_forward_length
     hybrid: bool = False  # gated delta-net + gated attention layers (fixtures_hybrid.py)
     hyper: bool = False  # qwen4exp: hyper-connections, QSA, PLE; its own tensor plan (fixtures_qwen4exp.py)
+    latent: bool = False  # MLA + the DSA indexer + sigmoid MoE; its own tensor plan (fixtures_latent.py)
 
 
 RECIPES: dict[str, ArchRecipe] = {
@@ -62,6 +64,8 @@ RECIPES: dict[str, ArchRecipe] = {
     "qwen35": ArchRecipe(moe="never", qk_norm=True, hybrid=True),
     "qwen3next": ArchRecipe(moe="always", qk_norm=True, expert_ff_key=True, hybrid=True),
     "qwen4exp": ArchRecipe(moe="always", qk_norm=True, expert_ff_key=True, hyper=True),
+    "deepseek32": ArchRecipe(moe="always", latent=True),
+    "glm-dsa": ArchRecipe(moe="always", latent=True),
 }
 
 
@@ -100,6 +104,8 @@ def plan_tensors(arch: str, size: FixtureSize, opts: FixtureOptions) -> list[Ten
     if recipe.hyper:
 
         return hyperconnected.plan(s, opts)
+    if recipe.latent:
+        return latent.plan(arch, s, opts)
     specs = [TensorSpec("token_embd.weight", (s.vocab, s.n_embd), "matrix"),
              TensorSpec("output_norm.weight", (s.n_embd,), "norm")]
     if not opts.tied_output:
@@ -361,6 +367,16 @@ def _write_hparams(w: gguf.GGUFWriter, arch: str, s: FixtureSize, opts: FixtureO
     w.add_context_length(s.n_ctx)
     w.add_embedding_length(s.n_embd)
     w.add_block_count(s.n_layer)
+    if RECIPES[arch].latent:  # MLA's own key/value lengths and rope part
+        w.add_head_count(s.n_head)
+        w.add_layer_norm_rms_eps(opts.rms_eps)
+        w.add_rope_freq_base(opts.rope_base)
+        if opts.rope_scaling is not None:
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(opts.rope_scaling)
+        latent.write_hparams(w, arch, s)
+        w.add_vocab_size(s.vocab)
+        return
     w.add_feed_forward_length(s.n_ff)
     w.add_head_count(s.n_head)
     w.add_head_count_kv(s.n_head_kv)

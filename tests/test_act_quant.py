@@ -117,17 +117,27 @@ def _graph_with(qtypes: dict[str, str], k: int = 64) -> tuple[GraphBuilder, obje
 
 def test_pass_rounds_each_input_once_per_scheme() -> None:
     _, graph = _graph_with({"q": "Q4_1", "u": "Q5_1", "k": "Q8_0", "g": "Q4_0", "v": "Q4_K", "w": "Q6_K",
-                            "o": "F32"}, k=256)
+                            "h": "F16", "h2": "F16", "o": "F32", "b": "BF16"}, k=256)
     out, _ = run_pipeline(graph)  # type: ignore[arg-type]
     rounded = {n.attrs.scheme: n.outputs for n in out.nodes if n.op == "quantize_act"}
-    assert set(rounded) == {"q8_0", "q8_1", "q8_K"}
+    assert set(rounded) == {"q8_0", "q8_1", "q8_K", "f16"}
     readers = {s: {n.outputs[0].name for n in out.nodes if n.op == "matmul" and n.inputs[0] is v[0]}
                for s, v in rounded.items()}
-    assert readers == {"q8_0": {"y_k", "y_g"}, "q8_1": {"y_q", "y_u"}, "q8_K": {"y_v", "y_w"}}
+    assert readers == {"q8_0": {"y_k", "y_g"}, "q8_1": {"y_q", "y_u"}, "q8_K": {"y_v", "y_w"},
+                       "f16": {"y_h", "y_h2"}}
     xq, sums = rounded["q8_1"]  # block minimum weights read the q8_1 block sums as a third input
     assert sums.shape == ("T", 256 // 32)
     assert all(n.inputs[2] is sums for n in out.nodes if n.op == "matmul" and n.inputs[0] is xq)
     assert quantize_activations(out) is out  # nothing left to do: a second run changes nothing
+
+
+def test_f16_rounding_is_half_precision_round_to_nearest_even() -> None:
+    """F16 weights read f16 activations (llama.cpp's F16 vec_dot_type): ties go to the even
+    mantissa, values past 65504 (rounded) become inf."""
+    ulp = np.float32(2.0**-10)  # f16's spacing in [1, 2)
+    x = np.array([[1 + ulp / 2, 1 + 3 * ulp / 2, 1 + ulp / 2 + 2.0**-20, -70000.0, 65519.0, 3e-8]], np.float32)
+    want = np.array([[1.0, 1 + 2 * ulp, 1 + ulp, -np.inf, 65504.0, 2.0**-24]], np.float32)  # subnormals kept
+    np.testing.assert_array_equal(quantize_act_ref(x, "f16"), want)
 
 
 def test_pass_skips_rows_that_are_not_whole_blocks() -> None:
@@ -140,7 +150,7 @@ def test_pass_skips_rows_that_are_not_whole_blocks() -> None:
 # kernels
 
 
-@pytest.mark.parametrize(("scheme", "k"), [("q8_0", 160), ("q8_1", 160), ("q8_K", 512)])
+@pytest.mark.parametrize(("scheme", "k"), [("q8_0", 160), ("q8_1", 160), ("q8_K", 512), ("f16", 37)])
 def test_quantize_act_kernel_is_bit_identical(scheme: str, k: int) -> None:
     rng = np.random.default_rng(3)
     x = (rng.standard_normal((5, k)) * rng.uniform(1e-4, 1e4, (5, 1))).astype(np.float32)
