@@ -150,18 +150,19 @@ def moe(
     b: GraphBuilder, x: Value, router: Value, gate_exps: Value | None, up_exps: Value, down_exps: Value,
     n_used: int, *, scales: dict[str, Value | None], hidden: int, bias: Value | None = None,
     gating: str = "softmax", normalize: bool = True, weights_scale: float = 1.0, act: str = "swiglu",
-    act_limit: float = 0.0,
+    act_limit: float = 0.0, selection: Value | None = None,
 ) -> Value:
-    """llama.cpp's build_moe_ffn: router, gating, top-k (by probs + `bias` when given, weights from
-    the unbiased probs), renormalised and scaled weights, the selected experts' activation, weighted
-    sum (the routing family: ir/moe_routing.py)."""
+    """llama.cpp's build_moe_ffn: router, gating, top-k (by probs + `bias` when given, or by
+    `selection` [T, X] when the experts are chosen otherwise; weights from the unbiased probs),
+    renormalised and scaled weights, the selected experts' activation, weighted sum (the routing
+    family: ir/moe_routing.py)."""
     t = x.shape[0]
     logits = b.matmul(x, router, "ffn_moe_logits")
     route = O.MoeRoute(n_used, normalize=normalize, gating=gating, selection_bias=bias is not None,
                        weights_scale=weights_scale)
     step_names = {k: f"ffn_moe_{k}" for k in ("probs", "sel", "topk", "ids", "wsum", "wsum_clamped", "weights",
                                                "weights_scaled")}
-    weights, ids = MS.route_spelled(b, logits, route, "ffn_moe", bias, step_names)
+    weights, ids = MS.route_spelled(b, logits, route, "ffn_moe", bias, step_names, selection)
     x3 = b.reshape(x, (t, 1, x.shape[1]), "ffn_moe_in")
 
     def experts(inp: Value, wq: Value, kind: str) -> Value:

@@ -29,14 +29,17 @@ def gate_probs_spelled(b: GraphBuilder, logits: Value, gating: str, name: str) -
 
 
 def route_spelled(b: GraphBuilder, logits: Value, a: Any, name: str, bias: Value | None = None,
-                  names: dict[str, str] | None = None) -> tuple[Value, Value]:
+                  names: dict[str, str] | None = None, selection: Value | None = None) -> tuple[Value, Value]:
     """(weights, ids): the gating, top-k of the probabilities (plus the selection bias, the
     weights then read the unbiased probabilities), the clamped renormalisation, the scale.
-    `names` renames the steps (probs, topk, ids, wsum, wsum_clamped, weights, weights_scaled)."""
+    `names` renames the steps (probs, topk, ids, wsum, wsum_clamped, weights, weights_scaled);
+    `selection` [T, X] picks the experts in place of the (biased) probabilities."""
     nm = {k: f"{name}.{k}" for k in ("probs", "sel", "topk", "ids", "wsum", "wsum_clamped", "weights",
                                      "weights_scaled")} | (names or {})
     probs = gate_probs_spelled(b, logits, a.gating, nm["probs"])
-    if bias is not None:
+    if selection is not None:  # experts chosen by other scores (hash routing: a token's one-hot row)
+        w, ids = b.emit_multi("topk", [selection, probs], O.TopK(a.k), [nm["topk"], nm["ids"]])
+    elif bias is not None:
         sel = b.add(probs, bias, nm["sel"])
         w, ids = b.emit_multi("topk", [sel, probs], O.TopK(a.k), [nm["topk"], nm["ids"]])
     else:

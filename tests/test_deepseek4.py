@@ -10,13 +10,24 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+import tvm
+from fixture_spec import FixtureSize
+from fixtures import full_options, write_fixture
+from tvm import relax
 
 from ggufc.cli import main
+from ggufc.codegen.build import kernel_weights, state_plan, weight_key
+from ggufc.codegen.lower import ModuleBuilder
+from ggufc.codegen.lower_context import plan_params
+from ggufc.codegen.target import cpu_target, resolve_target
+from ggufc.codegen.tvm_util import to_tvm
+from ggufc.driver.stages import optimise
 from ggufc.frontend.load import LoadedModel, load_model
 from ggufc.ir.graph import Graph
 from ggufc.ir.interp import init_state, run_graph
@@ -110,3 +121,147 @@ def test_interpreter_matches_both_goldens(sparse_path: Path) -> None:
         model = load_model(path, 64)
         logits, _ = interpret(model, model.graphs["prefill_all"], golden["tokens"].astype(np.int32), 64)
         assert nmse(logits, golden["logits_prefill"]) < 1e-6, name
+
+
+# ---------------------------------------------------------------------------------------------
+# the project's fixture: CSA (with hash routing), sliding window, HCA; 140 tokens complete an HCA block
+
+
+FIXTURE_SIZE = FixtureSize(n_layer=3, n_ctx=160)
+N_TOKENS = 140
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    path = write_fixture("deepseek4", tmp_path_factory.mktemp("ds4") / "deepseek4.gguf", size=FIXTURE_SIZE,
+                         **full_options("deepseek4"))
+    return load_model(path, FIXTURE_SIZE.n_ctx)
+
+
+def project_tokens(model: LoadedModel) -> np.ndarray:
+    return np.random.default_rng(7).integers(0, model.hparams.n_vocab, N_TOKENS).astype(np.int32)
+
+
+def test_fixture_has_every_layer_kind(project: LoadedModel) -> None:
+    hp = project.hparams
+    assert hp.ratios == (4, 0, 128) and hp.hash_layers == 1 and hp.window < N_TOKENS
+    assert hp.idx_top_k < N_TOKENS // 4 and hp.yarn is not None and hp.yarn.ext_factor == 1.0
+    ops = {n.op for n in project.graphs["prefill_all"].nodes}
+    assert {"compressed_score", "compressed_attention", "topk"} <= ops
+
+
+def test_chunks_of_every_size_equal_one_shot(project: LoadedModel) -> None:
+    """Chunks of 1..7 tokens (every offset of a compressor block of 4 and its window of 8, and of
+    HCA's block of 128): the compressor states carry the incomplete blocks, so logits and the CSA
+    selection (as sets per query) are the one-shot ones (float64 interpreter)."""
+    tokens = project_tokens(project)
+    graph = project.graphs["prefill_all"]
+    one_shot, seen = interpret(project, graph, tokens, N_TOKENS, np.float64, ("lid_top_k@0",))
+    want = seen["lid_top_k@0"][0]
+    for chunk in range(1, 8):
+        logits, got = interpret(project, graph, tokens, chunk, np.float64, ("lid_top_k@0",))
+        assert nmse(logits, one_shot) < 1e-20, f"chunks of {chunk}"
+        sel = np.concatenate(got["lid_top_k@0"])
+        for t in range(N_TOKENS):
+            assert _visible(sel[t], t) == _visible(want[t], t), f"chunks of {chunk}, query {t}"
+
+
+def _visible(row: np.ndarray, t: int, ratio: int = 4) -> set[int]:
+    """The selected compressed rows a query at position t can see (complete blocks)."""
+    return {int(j) for j in row if 0 <= j and (j + 1) * ratio <= t + 1}
+
+
+@dataclass
+class Compiled:
+    model: LoadedModel
+    graph: Graph  # the optimised all-logits graph (outputs: logits, the CSA selection, its scores)
+    vm: Any
+    params: list[Any]
+    states: list[tuple[str, tuple[int, ...], str]]
+
+    def run(self, tokens: np.ndarray, chunk: int) -> list[np.ndarray]:
+        states = [to_tvm(np.zeros(s, d)) for _, s, d in self.states]
+        fn = "decode" if chunk == 1 else "prefill_all"
+        parts: list[list[np.ndarray]] = [[] for _ in self.graph.outputs]
+        for start in range(0, len(tokens), chunk):
+            out = self.vm[fn](to_tvm(tokens[start : start + chunk].astype(np.int32)),
+                              tvm.runtime.ShapeTuple([start]), states, self.params)
+            for i in range(len(self.graph.outputs)):
+                parts[i].append(out[i].numpy())
+        return [np.concatenate(p) for p in parts]
+
+
+@pytest.fixture(scope="module")
+def compiled(project: LoadedModel) -> Compiled:
+    """The passes, then one Relax module (all-logits prefill and decode) with the CSA selection
+    and its scores as extra outputs."""
+    graphs, _ = optimise({"prefill_all": project.graphs["prefill_all"]}, frozenset(), cpu_target())
+    graph = graphs["prefill_all"]
+    topk = next(n for n in graph.nodes if n.op == "topk" and n.outputs[1].name == "lid_top_k")
+    score = next(n for n in graph.nodes if n.op == "compressed_score").outputs[0]
+    graph = graph.replace(outputs=[graph.outputs[0], topk.outputs[1], score])
+    layouts = plan_params([graph])
+    states = state_plan(graph)
+    mb = ModuleBuilder(resolve_target("llvm"), layouts, states)
+    mb.add_function("prefill_all", graph)
+    mb.add_function("decode", graph, fixed_tokens=1)
+    mod = mb.module()
+    for fn in ("prefill_all", "decode"):
+        gv = mod.get_global_var(fn)
+        mod[gv] = mod[gv].with_attr("tir_var_upper_bound", {"n": N_TOKENS, "p": project.n_ctx})
+    ex = tvm.compile(mod, target=mb.target, relax_pipeline=relax.pipeline.default_build_pipeline())
+    weights = kernel_weights(project, layouts)
+    params = [to_tvm(weights[weight_key(lay.source, f)]) for lay in layouts for f, _, _ in lay.arrays]
+    return Compiled(project, graph, tvm.runtime.vm.VirtualMachine(ex, tvm.cpu()), params, states)
+
+
+def test_compiled_matches_reference_in_every_chunking(compiled: Compiled) -> None:
+    tokens = project_tokens(compiled.model)
+    one_shot = compiled.run(tokens, N_TOKENS)[0]
+    reference, _ = interpret(compiled.model, compiled.graph, tokens, N_TOKENS, np.float64)
+    assert nmse(one_shot, reference) < 1e-9
+    for chunk in range(1, 8):
+        assert nmse(compiled.run(tokens, chunk)[0], one_shot) < 1e-9, f"chunks of {chunk}"
+
+
+def test_compiled_selection_equals_reference(compiled: Compiled) -> None:
+    """The compiled indexer keeps exactly the compressed rows the numpy reference keeps (sets of
+    visible rows per query), one-shot, in chunks of 7 and in decode. Clear margins: at every query
+    that drops rows, the kept and the best dropped score are apart by more than float32 noise."""
+    model = compiled.model
+    tokens = project_tokens(model)
+    k = model.hparams.idx_top_k
+    _, seen = interpret(model, compiled.graph, tokens, N_TOKENS, np.float64, ("lid_score@0", "lid_top_k@0"))
+    scores, want = seen["lid_score@0"][0], seen["lid_top_k@0"][0]
+    dropping = 0
+    for t in range(N_TOKENS):
+        visible = np.sort(scores[t][np.isfinite(scores[t])])[::-1]
+        if len(visible) > k:
+            dropping += 1
+            assert visible[k - 1] - visible[k] > 1e-4 * max(abs(visible[k - 1]), 1e-3), f"near tie at query {t}"
+    assert dropping >= 100  # queries whose complete rows exceed the budget
+    for chunk in (N_TOKENS, 7, 1):
+        got = compiled.run(tokens, chunk)[1]
+        for t in range(N_TOKENS):
+            assert _visible(got[t], t) == _visible(want[t], t), f"chunks of {chunk}, query {t}"
+
+
+def test_hash_layer_routes_by_token(project: LoadedModel) -> None:
+    """Layer 0 picks the experts ffn_gate_tid2eid lists for each token (whatever the scores say),
+    its weights are the normalised, scaled sqrt-softplus scores of those experts."""
+    tokens = project_tokens(project)[:16]
+    graph = project.graphs["prefill_all"]
+    _, seen = interpret(project, graph, tokens, 16, np.float64,
+                        ("ffn_moe_ids@0", "ffn_moe_logits@0", "ffn_moe_weights_scaled@0", "ffn_moe_ids@1"))
+    table = np.asarray(project.gguf.tensors["blk.0.ffn_gate_tid2eid.weight"].data).view(np.int32)
+    table = table.reshape(project.hparams.n_vocab, -1)
+    ids = seen["ffn_moe_ids@0"][0]
+    for t, tok in enumerate(tokens):
+        assert set(ids[t].tolist()) == set(table[tok].tolist())
+    logits = seen["ffn_moe_logits@0"][0]
+    probs = np.sqrt(np.where(logits > 20, logits, np.log1p(np.exp(logits))))
+    picked = np.take_along_axis(probs, ids.astype(np.int64), 1)
+    want = picked / picked.sum(1, keepdims=True) * project.hparams.weights_scale
+    np.testing.assert_allclose(seen["ffn_moe_weights_scaled@0"][0], want, rtol=1e-12)
+    routed = seen["ffn_moe_ids@1"][0]  # a scored layer does not follow the table
+    assert any(set(routed[t].tolist()) != set(table[tok].tolist()) for t, tok in enumerate(tokens))

@@ -72,6 +72,10 @@ class HParams:
     sinkhorn_iters: int
     hc_eps: float
 
+    @property
+    def n_head_kv(self) -> int:  # one K = V head shared by every query head
+        return 1
+
 
 def _per_layer_floats(keys: Keys, name: str, n: int, default: list[float] | None = None) -> tuple[float, ...]:
     v = keys.raw(name)
@@ -107,8 +111,8 @@ def read_hparams(keys: Keys, n_vocab: int) -> HParams:
     if R % 2 or R > D or (4 in ratios and R > Di) or H % G:
         raise ModelError(f"deepseek4: rope dims {R}, head dim {D}, indexer dim {Di}, groups {G} of {H} heads disagree")
     hash_layers = keys.int("hash_layer_count", 0)
-    if hash_layers > 0:
-        raise ModelError("deepseek4: hash routing (hash_layer_count > 0) is not supported yet")
+    if not 0 <= hash_layers <= n_layer:
+        raise ModelError(f"deepseek4: hash_layer_count {hash_layers} is not in [0, {n_layer}]")
     clamp = _per_layer_floats(keys, "swiglu_clamp_exp", n_all)
     return HParams(
         n_vocab=n_vocab, n_ctx_train=keys.int("context_length"), n_embd=keys.int("embedding_length"),
@@ -173,7 +177,7 @@ def build(w: B.Weights, hp: HParams, n_ctx: int, all_logits: bool) -> Graph:
         streams = HC.hc_post_comb(b, streams, y, post, comb, "hc_attn_post")
         h, post, comb = HC.sinkhorn_pre(b, streams, mix(f"{p}.hc_ffn"), hp.eps, "hc_ffn_pre")
         z = B.rms_norm(b, h, w.need(f"{p}.ffn_norm.weight", (E,)), hp.eps, "ffn_norm")
-        y = b.add(_moe(b, w, hp, il, z), _shared_expert(b, w, hp, il, z), "ffn_out")
+        y = b.add(_moe(b, w, hp, il, z, inp.tokens), _shared_expert(b, w, hp, il, z), "ffn_out")
         return HC.hc_post_comb(b, streams, y, post, comb, "l_out")
 
     streams = B.layers(b, hp.n_layer, streams, layer)
@@ -248,64 +252,65 @@ def _grouped_output(b: GraphBuilder, w: B.Weights, hp: HParams, il: int, o: Valu
     shape = (G * OR, width) if info is not None and len(info.shape) == 2 else (G, OR, width)
     wa = w.need(name, shape)
     wa = wa if wa.dtype == "float32" else b.dequantize(wa, "attn_output_a.w")
-    wa4 = b.reshape(wa, (1, G, OR, width), "attn_output_a4")
+    if len(shape) == 2:
+        wa = b.reshape(wa, (G, OR, width), "attn_output_a3")
     t = o.shape[0]
-    o4 = b.reshape(o, (t, G, 1, width), "kqv_groups")
-    oa = b.reduce("sum", b.mul(o4, wa4, "attn_output_a_terms"), "attn_output_a", axis=-1, keepdims=False)
+    oa = b.emit("head_matmul", [b.reshape(o, (t, G, width), "kqv_groups"), wa], O.NoAttrs(), "attn_output_a")
     oa = b.reshape(oa, (t, G * OR), "attn_output_a_flat")
     return b.matmul(oa, w.need(f"{p}.attn_output_b.weight", (E, G * OR)), "attn_out")
 
 
-def _swiglu_clamped(b: GraphBuilder, g: Value, u: Value, limit: float, name: str) -> Value:
-    if limit > 1e-6:  # ggml_swiglu_clamp: silu(min(g, L)) * clip(u, -L, L)
-        g = b.scalar("min", g, limit, f"{name}.g_clamped")
-        u = b.scalar("max", b.scalar("min", u, limit, f"{name}.u_hi"), -limit, f"{name}.u_clamped")
-    return B.silu_mul(b, g, u, name)
+def _act(limit: float) -> tuple[str, float]:
+    """ggml_swiglu_clamp when the layer's limit is set (> 1e-6), plain SwiGLU otherwise."""
+    return ("swiglu_clamp", limit) if limit > 1e-6 else ("swiglu", 0.0)
 
 
-def _moe(b: GraphBuilder, w: B.Weights, hp: HParams, il: int, z: Value) -> Value:
-    """sqrt(softplus) router; top-k by score + exp_probs_b; weights from the unbiased scores."""
-    E, F, X, K = hp.n_embd, hp.n_ff_exp, hp.n_expert, hp.n_expert_used
+def _moe(b: GraphBuilder, w: B.Weights, hp: HParams, il: int, z: Value, tokens: Value) -> Value:
+    """sqrt(softplus) router; top-k by score + exp_probs_b (or, on the first `hash_layer_count`
+    layers, the token's experts from ffn_gate_tid2eid); weights from the unbiased scores."""
+    E, F, X = hp.n_embd, hp.n_ff_exp, hp.n_expert
     p = f"blk.{il}"
-    t = z.shape[0]
-    logits = b.matmul(z, w.need(f"{p}.ffn_gate_inp.weight", (X, E)), "ffn_moe_logits")
-    probs = b.unary("sqrt", b.unary("softplus", logits, "ffn_moe_softplus"), "ffn_moe_probs")
-    bias = w.get(f"{p}.exp_probs_b.bias", (X,), f32=True)
-    _loaded_unread(w, f"{p}.exp_probs_b_vl.bias")  # image tokens only
-    assert bias is not None
-    biased = b.add(probs, bias, "ffn_moe_probs_biased")
-    vals, ids = b.emit_multi("topk", [biased], O.TopK(K), ["ffn_moe_topk_biased", "ffn_moe_ids"])
-    weights = b.binary("sub", vals, b.gather(bias, ids, "ffn_moe_bias_sel"), "ffn_moe_topk")
-    if hp.weights_norm:
-        denom = b.scalar("max", b.reduce("sum", weights, "ffn_moe_wsum"), 6.103515625e-5, "ffn_moe_wsum_clamped")
-        weights = b.binary("div", weights, denom, "ffn_moe_weights_norm")
-    if hp.weights_scale not in (0.0, 1.0):
-        weights = b.scalar("mul", weights, hp.weights_scale, "ffn_moe_weights_scaled")
-    x3 = b.reshape(z, (t, 1, E), "ffn_moe_in")
+    for name in (f"{p}.exp_probs_b_vl.bias", *(f"{p}.ffn_{k}_exps.scale" for k in ("gate", "up", "down"))):
+        _loaded_unread(w, name)
+    hashed = il < hp.hash_layers
+    bias = None if hashed else w.get(f"{p}.exp_probs_b.bias", (X,), f32=True)
+    selection = b.gather(_token_experts(w, hp, il), tokens, "ffn_moe_hash_sel") if hashed else None
+    act, limit = _act(hp.clamp_exp[il])
+    return B.moe(b, z, w.need(f"{p}.ffn_gate_inp.weight", (X, E)), w.need(f"{p}.ffn_gate_exps.weight", (X, F, E)),
+                 w.need(f"{p}.ffn_up_exps.weight", (X, F, E)), w.need(f"{p}.ffn_down_exps.weight", (X, E, F)),
+                 hp.n_expert_used, scales={}, hidden=F, bias=bias, gating="sqrt_softplus", normalize=hp.weights_norm,
+                 weights_scale=hp.weights_scale if hp.weights_scale != 0.0 else 1.0, act=act, act_limit=limit,
+                 selection=selection)
 
-    def experts(inp: Value, kind: str, shape: tuple[int, int, int]) -> Value:
-        wq = w.need(f"{p}.ffn_{kind}_exps.weight", (X, *shape[1:]))
-        wf = b.dequantize(wq, f"ffn_moe_{kind}.w") if wq.dtype != "float32" else wq
-        _loaded_unread(w, f"{p}.ffn_{kind}_exps.scale")
-        return b.emit("matmul_id", [inp, wf, ids], O.NoAttrs(), f"ffn_moe_{kind}")
 
-    act = _swiglu_clamped(b, experts(x3, "gate", (X, F, E)), experts(x3, "up", (X, F, E)), hp.clamp_exp[il],
-                          "ffn_moe_act")
-    down = experts(act, "down", (X, E, F))
-    weighted = b.mul(down, b.reshape(weights, (t, K, 1), "ffn_moe_weights3"), "ffn_moe_weighted")
-    return b.reduce("sum", weighted, "ffn_moe_out", axis=1, keepdims=False)
+def _token_experts(w: B.Weights, hp: HParams, il: int) -> Value:
+    """ffn_gate_tid2eid [V, K] (I32 expert ids per token) as a one-hot [V, X] selection table
+    (computed at compile time, stored in its place): top-k over a token's row picks exactly its K
+    experts."""
+    name = f"blk.{il}.ffn_gate_tid2eid.weight"
+    info = w.model.tensors.get(name)
+    shape = (hp.n_vocab, hp.n_expert_used)
+    if info is None or info.qtype != "I32" or tuple(info.shape) != shape:
+        got = "missing" if info is None else f"{info.qtype} {list(info.shape)}"
+        raise ModelError(f"hash layer {il} needs {name} as I32 {list(shape)}, got {got}")
+    ids = np.asarray(info.data).view(np.int32).reshape(shape)
+    if ids.min(initial=0) < 0 or ids.max(initial=0) >= hp.n_expert or any(len(set(r)) != len(r) for r in ids):
+        raise ModelError(f"{name}: expert ids must be distinct per token and in [0, {hp.n_expert})")
+    onehot = np.zeros((hp.n_vocab, hp.n_expert), dtype=np.float32)
+    np.put_along_axis(onehot, ids.astype(np.int64), 1.0, axis=1)
+    w.used.add(name)
+    return w.add_derived(name, onehot)  # under the tensor's own name: the graph reads it through this table
 
 
 def _shared_expert(b: GraphBuilder, w: B.Weights, hp: HParams, il: int, z: Value) -> Value:
     E, Fs = hp.n_embd, hp.n_ff_exp * hp.n_shared
     p = f"blk.{il}"
-
-    def proj(kind: str, shape: tuple[int, int], x: Value) -> Value:
+    for kind in ("gate", "up", "down"):
         _loaded_unread(w, f"{p}.ffn_{kind}_shexp.scale")
-        return b.matmul(x, w.need(f"{p}.ffn_{kind}_shexp.weight", shape), f"ffn_shexp_{kind}")
-
-    act = _swiglu_clamped(b, proj("gate", (Fs, E), z), proj("up", (Fs, E), z), hp.clamp_shexp[il], "ffn_shexp_act")
-    return proj("down", (E, Fs), act)
+    act, limit = _act(hp.clamp_shexp[il])
+    gate, up = w.need(f"{p}.ffn_gate_shexp.weight", (Fs, E)), w.need(f"{p}.ffn_up_shexp.weight", (Fs, E))
+    return B.shared_ffn(b, z, gate, up, w.need(f"{p}.ffn_down_shexp.weight", (E, Fs)), scales={}, act=act,
+                        act_limit=limit)
 
 
 def _loaded_unread(w: B.Weights, name: str) -> None:
