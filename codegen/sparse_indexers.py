@@ -36,7 +36,7 @@ from ggufc.ir.graph import Node
 from . import kernel_keys as KK
 from . import kernels as K
 from .kernels import PShape, f32, func, i64, with_root_block
-from .lower_context import FunctionContext, call_args, tensor_dims
+from .lower_context import GPU_KINDS, FunctionContext, call_args, tensor_dims
 
 THREADS = 64  # GPU threads per workgroup
 I32_MAX = (1 << 31) - 1
@@ -578,7 +578,14 @@ def compressed_attention(q_shape: PShape, n_cells: int, a: O.CompressedAttention
     return func([*args, out])
 
 
+def _cpu_only(fc: FunctionContext, node: Node) -> None:
+    if fc.mb.target.kind.name in GPU_KINDS:
+        raise NotImplementedError(f"{node.op} ({node.outputs[0].label}): compressed attention has CPU kernels only "
+                                  "so far; compile deepseek4 for the llvm target")
+
+
 def _compressed_score(fc: FunctionContext, node: Node) -> list[Any]:
+    _cpu_only(fc, node)
     a: O.CompressedScore = node.attrs
     q, _, rows = node.inputs[:3]
     n_rows = int(rows.shape[0])
@@ -588,6 +595,7 @@ def _compressed_score(fc: FunctionContext, node: Node) -> list[Any]:
 
 
 def _compressed_attention(fc: FunctionContext, node: Node) -> list[Any]:
+    _cpu_only(fc, node)
     a: O.CompressedAttention = node.attrs
     q, cache = node.inputs[:2]
     n_rows = int(node.inputs[4].shape[0]) if a.ratio > 0 else 0
