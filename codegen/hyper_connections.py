@@ -59,14 +59,21 @@ def hc_pre(streams: PShape, rank: int, n_hc: int, eps: float, post: bool) -> tir
     return func([r, norm, down, up, inject, mixed, out_post])
 
 
-def hc_post(streams: PShape) -> tirx.PrimFunc:
-    """Args (R [T,hc,E], y [T,E], post [T,hc], out [T,hc,E])."""
+def hc_post(streams: PShape, comb: bool = False) -> tirx.PrimFunc:
+    """Args (R [T,hc,E], y [T,E], post [T,hc][, comb [T,hc(src),hc(dst)]], out [T,hc,E]); with the
+    comb matrix each output stream sums the comb-weighted source streams (R read once per element)."""
     n, hc, e = streams
     r = te.placeholder(streams, "float32", name="r")
     y = te.placeholder((n, e), "float32", name="y")
     post = te.placeholder((n, hc), "float32", name="post")
-    out = te.compute(streams, lambda t, c, j: r[t, c, j] + post[t, c] * y[t, j], name="out")
-    return func([r, y, post, out])
+    if not comb:
+        out = te.compute(streams, lambda t, c, j: r[t, c, j] + post[t, c] * y[t, j], name="out")
+        return func([r, y, post, out])
+    cm = te.placeholder((n, hc, hc), "float32", name="comb")
+    rs = te.reduce_axis((i64(0), hc), name="rs")
+    mixed = te.compute(streams, lambda t, d, j: te.sum(cm[t, rs, d] * r[t, rs, j], axis=rs), name="mixed")
+    out = te.compute(streams, lambda t, d, j: post[t, d] * y[t, j] + mixed[t, d, j], name="out")
+    return func([r, y, post, cm, out])
 
 
 def _hc_pre(fc: FunctionContext, node: Node) -> list[Any]:
@@ -79,11 +86,10 @@ def _hc_pre(fc: FunctionContext, node: Node) -> list[Any]:
 
 
 def _hc_post(fc: FunctionContext, node: Node) -> list[Any]:
-    if node.attrs.comb:
-        raise NotImplementedError("hc_post with a comb matrix (deepseek4) is not lowered yet")
     r = node.inputs[0]
-    key = KK.OpKernel("hc_post", None, tensor_dims(fc, node))
-    return fc.call(key, lambda: hc_post(fc.kernel_shape(r, K.Symbols())), call_args(fc, node), node.outputs,
+    comb = bool(node.attrs.comb)
+    key = KK.OpKernel("hc_post", comb or None, tensor_dims(fc, node))
+    return fc.call(key, lambda: hc_post(fc.kernel_shape(r, K.Symbols()), comb), call_args(fc, node), node.outputs,
                    node.outputs[0].name)
 
 

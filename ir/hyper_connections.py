@@ -8,7 +8,8 @@ Hyper-connections keep `hc` residual streams R [T, hc, E]:
   mean_c(xf * sigmoid(gate)) [T, E]; the per-stream post weights are 2*sigmoid((xf @ inject.T) / hc).
   The final collapse (no inject) has no post weights. deepseek4's Sinkhorn-normalised full-rank
   mix is rule "sinkhorn" of the same op (outputs mixed, post and a [T, hc, hc] comb matrix).
-* `hc_post`: R + post[:, :, None] * y[:, None, :] (+ comb mixing of R when the rule has one).
+* `hc_post`: R + post[:, :, None] * y[:, None, :]; with a comb matrix [T, src, dst] (deepseek4)
+  post * y + sum over src of comb[t, src, dst] * R[t, src].
 
 Their spellings in primitives are in `hyper_connections_spelled.py`.
 """
@@ -41,6 +42,9 @@ def hc_pre_ref(ins: Sequence[np.ndarray], n_hc: int, eps: float, rule: str, post
 
 
 def hc_post_ref(r: np.ndarray, y: np.ndarray, post: np.ndarray, comb: np.ndarray | None = None) -> np.ndarray:
-    """R [T,hc,E], y [T,E], post [T,hc][, comb [T,hc(dst),hc(src)]] -> [T,hc,E]."""
-    mixed = r if comb is None else np.einsum("tds,tse->tde", comb, r)
-    return mixed + post[:, :, None] * y[:, None, :]
+    """R [T,hc,E], y [T,E], post [T,hc][, comb [T,hc(src),hc(dst)] (ggml_dsv4_hc_post's [dst,src,T])]
+    -> [T,hc,E]: post * y plus, per destination stream, the comb-weighted sum of the source streams."""
+    scattered = post[:, :, None] * y[:, None, :]
+    if comb is None:
+        return r + scattered
+    return scattered + np.einsum("tsd,tse->tde", comb, r)

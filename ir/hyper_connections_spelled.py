@@ -105,9 +105,9 @@ def _hc_pre(b: GraphBuilder, n: Node) -> list[Value]:
 
 
 def _hc_post(b: GraphBuilder, n: Node) -> list[Value]:
-    if n.attrs.comb:
-        raise NotImplementedError("hc_post with a comb matrix (deepseek4) has no decomposition yet")
     streams, y, post = n.inputs[:3]
+    if n.attrs.comb:
+        return [hc_post_comb_spelled(b, streams, y, post, n.inputs[3], n.outputs[0].name)]
     return [hc_post_spelled(b, streams, y, post, n.outputs[0].name)]
 
 

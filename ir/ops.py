@@ -253,7 +253,7 @@ class HcPre:
 
 @dataclass(frozen=True)
 class HcPost:
-    """R [T,hc,E] + post [T,hc] * y [T,E] per stream (comb=True: R mixed by a [T,hc,hc] comb first)."""
+    """R [T,hc,E] + post [T,hc] * y [T,E] per stream (comb=True: R mixed by a [T,hc(src),hc(dst)] comb)."""
 
     comb: bool = False
 

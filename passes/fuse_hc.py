@@ -12,7 +12,9 @@ from the inject matmul on the same `xf`, and the union must be closed (every val
 only inside; `xf` only by the down, gate and inject products). Preconditions checked: R is
 [T, hc, E] with a [hc, E] gamma, xf is R's stream-major flatten, the gate's pre-activation scale
 and the inject scale are both 1/hc, the post scale is 2, and the mean is over the stream axis.
-`hc_post` is a plain closed rule. Hits: one per fused mix plus one per fused combine.
+`hc_post` is a plain closed rule; with a comb matrix (deepseek4, R' = post * y + sum over src of
+comb[t, src, dst] * R[t, src], spelled as a broadcast product summed over the source axis) it is
+tried first. Hits: one per fused mix plus one per fused combine.
 """
 
 from __future__ import annotations
@@ -140,7 +142,31 @@ def _build_post(m: Match, g: GraphView) -> Rewrite | None:
     return Rewrite("hc_post", (r, y, post), O.HcPost())
 
 
+def _build_post_comb(m: Match, g: GraphView) -> Rewrite | None:
+    r, y, post, comb = m.values["r"], m.values["y"], m.values["post"], m.values["comb"]
+    if len(r.shape) != 3 or len(y.shape) != 2 or len(post.shape) != 2 or len(comb.shape) != 3:
+        return None
+    t, hc, e = r.shape
+    shapes = {"y3": (t, 1, e), "post3": (t, hc, 1), "c4": (t, hc, hc, 1), "r4": (t, hc, 1, e)}
+    if not all(shapes_equal(m.values[k].shape, v) for k, v in shapes.items()):
+        return None
+    if not shapes_equal(comb.shape, (t, hc, hc)) or m.nodes["mix"].attrs.axis != 1:
+        return None
+    return Rewrite("hc_post", (r, y, post, comb), O.HcPost(comb=True))
+
+
+def _comb_mixed() -> Pat:
+    """sum over src of reshape(comb, [T, src, dst, 1]) * reshape(R, [T, src, 1, E])"""
+    terms = P("binary", P("reshape", V("comb"), name="c4"), P("reshape", V("r"), name="r4"), attrs=MUL,
+              commute=True)
+    return P("reduce", terms, where=where_attrs(fn="sum", keepdims=False), name="mix")
+
+
 POST_RULES = [
+    # deepseek4's combine with a comb matrix (first: its scatter term alone looks like a plain combine)
+    Rule("hc_post_comb", P("binary", P("binary", P("reshape", V("y"), name="y3"),
+                                       P("reshape", V("post"), name="post3"), attrs=MUL, commute=True),
+                           _comb_mixed(), attrs=ADD, commute=True), _build_post_comb),
     Rule("hc_post", P("binary", V("r"), P("binary", P("reshape", V("y"), name="y3"), P("reshape", V("post"),
                                                                                      name="post3"),
                                             attrs=MUL, commute=True), attrs=ADD, commute=True), _build_post),

@@ -745,6 +745,8 @@ def compressed_cases() -> list[Case]:
     """Compressed rows (deepseek4): the lightning indexer's scores, attention with sinks over a
     sliding window, plus every complete row or the selected ones."""
     return [
+        op_case("hc_post-comb", "hc_post", O.HcPost(comb=True), rows(4, 8), rows(8), rows(4), rows(4, 4),
+                group="compressed", calls=BOTH),
         _compressed_score_case(4),
         _compressed_attention_case(3, 0, 0),
         _compressed_attention_case(5, 4, 0),

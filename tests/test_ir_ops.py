@@ -106,6 +106,8 @@ def _qwen4exp_cases() -> list[Case]:
     cases += _both_t("hc_pre", O.HcPre(3, 1e-5), (streams, *hc_w, In("inject", (3, 15))))
     cases += _both_t("hc_pre", O.HcPre(3, 1e-6, post=False), (streams, *hc_w))
     cases += _both_t("hc_post", O.HcPost(), (streams, In("y", ("T", 5)), In("post", ("T", 3), "pos")))
+    cases += _both_t("hc_post", O.HcPost(comb=True),
+                     (streams, In("y", ("T", 5)), In("post", ("T", 3), "pos"), In("comb", ("T", 3, 3), "pos")))
     for ratio, n_rot in ((4, 4), (3, 6)):
         cache = In("cache", (12, 6))
         table = In("table", (12 // ratio + 1, n_rot // 2, 2))
