@@ -238,6 +238,15 @@ def _indexer_topk(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
     return _mark(SI.indexer_topk_gpu(key.blocks, a.ratio, a.width, key.cells), "ggufc.heap_select_per_row")
 
 
+def _token_score(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
+    (_, n_head, dim), (n_cells, _) = key.dims[:2]
+    return _mark(SI.token_score_gpu(int(n_head), int(dim), int(n_cells)), "ggufc.dot_per_cell")
+
+
+def _token_topk(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
+    return _mark(SI.token_topk_gpu(key.attrs.width), "ggufc.heap_select_per_row")
+
+
 def _attention_pos_tensor(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
     return _mark(AG.attention_pos_tensor(*_attention_sizes(key), key.attrs.scale), "ggufc.attention_online_softmax")
 
@@ -264,6 +273,8 @@ GPU_KERNELS: dict[str, GpuKernel] = {
     "index_mask": _index_mask,
     KK.NgramHash.kind: _ngram_hash,
     KK.IndexerTopK.kind: _indexer_topk,
+    "token_score": _token_score,
+    "token_topk": _token_topk,
 }
 # cuda decode captured as one CUDA graph: the kernels that read the position from device memory
 POS_TENSOR_KERNELS: dict[str, GpuKernel] = {

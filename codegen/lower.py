@@ -370,8 +370,8 @@ LOWERING: dict[str, Callable[[FunctionContext, Node], list[Any]]] = {
                                                                                    n.attrs.eps, n.attrs.act)),
     **HC.HC_LOWERING,
     **SI.INDEXER_LOWERING,
-    **MR.MOE_LOWERING,
     **LA.LATENT_LOWERING,
+    **MR.MOE_LOWERING,
     **NG.NGRAM_LOWERING,
 }
 

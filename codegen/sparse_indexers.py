@@ -17,7 +17,8 @@
 
 * `token_score` (DSA): score[t, j] = sum_h w[t,h] * relu(q[t,h] . k_j) over the P+T cached keys.
 * `token_topk` (DSA): per query row, llama.cpp's CPU top-k (the same libstdc++ heap select as
-  `indexer_topk`) of the visible cells j <= pos + t, read straight from the score row.
+  `indexer_topk`) of the visible cells j <= pos + t, read straight from the score row;
+  `token_topk_gpu` runs it one thread per row, `token_score_gpu` one thread per (query, cell).
 
 Symbolic extents: `n` (tokens of the call) and `pos` (tokens already cached), as in `kernels.py`.
 """
@@ -415,6 +416,102 @@ def indexer_topk_gpu(nb1: int, ratio: int, width: int, n_cells: int) -> tirx.Pri
     return with_root_block(indexer_topk_gpu)
 
 
+def token_score_gpu(n_head: int, dim: int, n_cells: int) -> tirx.PrimFunc:
+    """Args (q [T,Hi,Di], cache [C,Di], w [T,Hi], pos, score [T, pos+T]); one thread per (query,
+    cell) sums its heads' rectified dot products (dlight has no rule for the ragged [T, pos+T])."""
+    H, D, C, NT = T.int64(n_head), T.int64(dim), T.int64(n_cells), T.int64(THREADS)
+
+    @T.prim_func(private=True)
+    def token_score_gpu(q_h: T.handle, c_h: T.handle, w_h: T.handle, pos: T.int64, o_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        n = T.int64()
+        Q = T.match_buffer(q_h, (n, H, D), "float32")
+        K_ = T.match_buffer(c_h, (C, D), "float32")
+        Wt = T.match_buffer(w_h, (n, H), "float32")
+        O_ = T.match_buffer(o_h, (n, pos + n), "float32")
+        bx = T.launch_thread("blockIdx.x", (n * (pos + n) + NT - T.int64(1)) // NT)
+        acc = T.alloc_local((2,), "float32")
+        tx = T.launch_thread("threadIdx.x", NT)
+        idx = T.meta_var(bx * NT + tx)
+        if idx < n * (pos + n):
+            acc[0] = T.float32(0)
+            for h in range(H):
+                acc[1] = T.float32(0)
+                for d in range(D):
+                    acc[1] = acc[1] + Q[idx // (pos + n), h, d] * K_[idx % (pos + n), d]
+                acc[0] = acc[0] + Wt[idx // (pos + n), h] * T.max(acc[1], T.float32(0))
+            O_[idx // (pos + n), idx % (pos + n)] = acc[0]
+
+    return with_root_block(token_score_gpu)
+
+
+def token_topk_gpu(width: int) -> tirx.PrimFunc:
+    """Args (scores [T, pos+T], pos, sel [T, width]); see `token_topk`: one thread per query row
+    runs the same heap select (the values read from the score row, -inf after the query)."""
+    W, NT, WID = T.int32(width), T.int64(THREADS), T.int64(width)
+
+    def value(S: tirx.Buffer, i: tirx.PrimExpr, q: tirx.PrimExpr, j: tirx.PrimExpr) -> tirx.PrimExpr:
+        return tirx.if_then_else(j > q, tirx.min_value("float32"), S[i, tirx.Cast("int64", tirx.max(j, 0))])
+
+    @T.macro
+    def adjust(Sel: T.Buffer, S: T.Buffer, st: T.Buffer, i: T.int64, q: T.int32, hole0: T.int32, length: T.int32,
+               val_idx: T.int32) -> None:
+        # std::__adjust_heap then std::__push_heap, comp(a, b) = value(a) > value(b);
+        # st: hole, second, parent, value, top
+        st[0] = hole0
+        st[1] = hole0
+        st[3] = val_idx
+        st[4] = hole0
+        while st[1] < (length - 1) // 2:
+            st[1] = 2 * (st[1] + 1)
+            if value(S, i, q, Sel[i, T.Cast("int64", st[1])]) > value(S, i, q, Sel[i, T.Cast("int64", st[1] - 1)]):
+                st[1] = st[1] - 1
+            Sel[i, T.Cast("int64", st[0])] = Sel[i, T.Cast("int64", st[1])]
+            st[0] = st[1]
+        if length % 2 == 0 and st[1] == (length - 2) // 2:
+            st[1] = 2 * (st[1] + 1)
+            Sel[i, T.Cast("int64", st[0])] = Sel[i, T.Cast("int64", st[1] - 1)]
+            st[0] = st[1] - 1
+        st[2] = T.max(st[0] - 1, 0) // 2
+        while st[0] > st[4] and value(S, i, q, Sel[i, T.Cast("int64", st[2])]) > value(S, i, q, st[3]):
+            Sel[i, T.Cast("int64", st[0])] = Sel[i, T.Cast("int64", st[2])]
+            st[0] = st[2]
+            st[2] = T.max(st[0] - 1, 0) // 2
+        Sel[i, T.Cast("int64", st[0])] = st[3]
+
+    @T.prim_func(private=True)
+    def token_topk_gpu(s_h: T.handle, pos: T.int64, o_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        n = T.int64()
+        S = T.match_buffer(s_h, (n, pos + n), "float32")
+        Sel = T.match_buffer(o_h, (n, WID), "int32")
+        bx = T.launch_thread("blockIdx.x", (n + NT - T.int64(1)) // NT)
+        st = T.alloc_local((8,), "int32")
+        tx = T.launch_thread("threadIdx.x", NT)
+        i = T.meta_var(bx * NT + tx)
+        q = T.meta_var(T.Cast("int32", pos + bx * NT + tx))
+        nkv = T.meta_var(T.Cast("int32", pos + n))
+        if bx * NT + tx < n:
+            st[5] = T.min(W, nkv)
+            for a in range(WID):
+                Sel[i, a] = T.Cast("int32", a)
+            if st[5] >= 2:
+                st[6] = (st[5] - 2) // 2
+                while st[6] >= 0:
+                    adjust(Sel, S, st, i, q, st[6], st[5], Sel[i, T.Cast("int64", st[6])])
+                    st[6] = st[6] - 1
+            st[7] = st[5]
+            while st[7] < nkv:
+                if value(S, i, q, st[7]) > value(S, i, q, Sel[i, 0]):
+                    adjust(Sel, S, st, i, q, 0, st[5], st[7])
+                st[7] = st[7] + 1
+            for a in range(WID):
+                if T.Cast("int32", a) >= st[5] or Sel[i, a] > q:
+                    Sel[i, a] = -1
+
+    return with_root_block(token_topk_gpu)
+
+
 def _indexer_score(fc: FunctionContext, node: Node) -> list[Any]:
     a: O.IndexerScore = node.attrs
     q, cache = node.inputs[:2]
@@ -443,8 +540,6 @@ def _token_score(fc: FunctionContext, node: Node) -> list[Any]:
 
 def _token_topk(fc: FunctionContext, node: Node) -> list[Any]:
     a: O.TokenTopK = node.attrs
-    if fc.mb.target.kind.name != "llvm":
-        raise NotImplementedError(f"{node.outputs[0].label}: the DSA token top-k has no GPU kernel yet")
     key = KK.OpKernel("token_topk", a, tensor_dims(fc, node))
     return fc.call(key, lambda: token_topk(a.width), call_args(fc, node), node.outputs, node.outputs[0].name)
 

@@ -313,21 +313,16 @@ def _export_dequantize(e: _Exporter, node: Node) -> None:
 
 
 def _export_topk(e: _Exporter, node: Node) -> None:
-    """TopK; with a payload (the values returned are the payload's at the selected ids, MoE
-    routing by biased probs) the standard spelling gathers them, the default keeps the ggufc op."""
-    if len(node.inputs) > 1 and not e.standard:
-        _export_custom(e, node)
-        return
+    """TopK (+ Cast of the ids); with a payload input the values are GatherElements of the payload
+    at the selected ids (the MoE's selection by biased scores)."""
     vals, ids = (e.name(v) for v in node.outputs)
     ids64 = e.fresh(f"{ids}/int64")
     k = e.ints(f"{vals}/k", [node.attrs.k])
-    if len(node.inputs) > 1:
-        picked = e.fresh(f"{vals}/selection")
-        e.emit("TopK", [e.name(node.inputs[0]), k], [picked, ids64], axis=-1, largest=1, sorted=1)
-        e.emit("GatherElements", [e.name(node.inputs[1]), ids64], [vals], axis=-1)
-    else:
-        e.emit("TopK", [e.name(node.inputs[0]), k], [vals, ids64], axis=-1, largest=1, sorted=1)
+    scores = e.fresh(f"{vals}/scores") if len(node.inputs) > 1 else vals
+    e.emit("TopK", [e.name(node.inputs[0]), k], [scores, ids64], axis=-1, largest=1, sorted=1)
     e.emit("Cast", [ids64], [ids], to=TensorProto.INT32)
+    if len(node.inputs) > 1:
+        e.emit("GatherElements", [e.name(node.inputs[1]), ids64], [vals], axis=-1)
 
 
 def _export_simple(op_type: str, **fixed: Any) -> Callable[[_Exporter, Node], None]:

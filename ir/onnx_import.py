@@ -263,6 +263,25 @@ def _read_topk(im: _Importer, n: onnx.NodeProto) -> None:
     im.add("topk", [im.value(n.input[0])], O.TopK(k), list(n.output))
 
 
+def _read_gather_elements(im: _Importer, n: onnx.NodeProto) -> None:
+    """GatherElements of a payload at a TopK's ids (as _export_topk writes it): that topk's payload."""
+    ids = im.value(n.input[1])
+    node = im.producer.get(ids.id)
+    payload = im.value(n.input[0])
+    if (node is None or node.op != "topk" or node.outputs[1] is not ids or len(node.inputs) != 1
+            or _attr(n, "axis", 0) not in (-1, len(payload.shape) - 1) or payload.shape != node.inputs[0].shape):
+        raise OnnxError(f"GatherElements {n.name}: only a payload read at a TopK's ids along the last axis is "
+                        "supported")
+    vals = node.outputs[0]
+    named = _value_from_label(n.output[0], vals.shape, payload.dtype)
+    vals.name, vals.layer, vals.dtype = named.name, named.layer, named.dtype
+    selected = Node("topk", (node.inputs[0], payload), node.attrs, node.outputs)
+    im.nodes[im.nodes.index(node)] = selected
+    for v in selected.outputs:
+        im.producer[v.id] = selected
+    im.env[n.output[0]] = vals
+
+
 def _read_cast(im: _Importer, n: onnx.NodeProto) -> None:
     src = im.value(n.input[0])
     to = _attr(n, "to")
@@ -306,6 +325,7 @@ READERS: dict[tuple[str, str], Reader] = {
     ("", "Slice"): _read_slice,
     ("", "MatMul"): _read_matmul,
     ("", "TopK"): _read_topk,
+    ("", "GatherElements"): _read_gather_elements,
     ("", "Cast"): _read_cast,
     ("", "Identity"): lambda im, n: im.alias(n.input[0], n.output[0]),
     ("", "Transpose"): _read_simple("transpose", lambda n: O.Transpose(tuple(_attr(n, "perm")))),

@@ -85,3 +85,18 @@ def merged_moe_with_shared_expert(n_expert: int, n_embd: int, n_ff: int, scales:
     yield TensorSpec("ffn_gate_inp_shexp.weight", (E,), "router")
     for name, shape in (("ffn_gate_shexp", (F, E)), ("ffn_up_shexp", (F, E)), ("ffn_down_shexp", (E, F))):
         yield from linear(name, shape, bias=False, scale=scales)
+
+
+def biased_moe_with_ungated_shared_expert(n_expert: int, n_embd: int, n_ff: int, n_ff_shexp: int, scales: bool
+                                          ) -> Iterator[TensorSpec]:
+    """Routed experts (merged gate_up) picked by probs + `exp_probs_b` (no `.bias` suffix, as hy_v3
+    names it) and an always-active shared expert without a gate."""
+    X, E, F, Fs = n_expert, n_embd, n_ff, n_ff_shexp
+    yield TensorSpec("ffn_gate_inp.weight", (X, E), "router")
+    yield TensorSpec("exp_probs_b", (X,), "selection_bias")
+    yield TensorSpec("ffn_gate_up_exps.weight", (X, 2 * F, E), "matrix")
+    yield TensorSpec("ffn_down_exps.weight", (X, E, F), "matrix")
+    if scales:
+        yield TensorSpec("ffn_down_exps.scale", (X,), "scale")
+    for name, shape in (("ffn_gate_shexp", (Fs, E)), ("ffn_up_shexp", (Fs, E)), ("ffn_down_shexp", (E, Fs))):
+        yield from linear(name, shape, bias=False, scale=scales)

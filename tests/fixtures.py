@@ -30,7 +30,14 @@ import fixtures_hyperconnected as hyperconnected
 import fixtures_latent as latent
 import gguf
 import numpy as np
-from fixture_spec import FixtureOptions, FixtureSize, TensorSpec, linear, resolve_size
+from fixture_spec import (
+    FixtureOptions,
+    FixtureSize,
+    TensorSpec,
+    biased_moe_with_ungated_shared_expert,
+    linear,
+    resolve_size,
+)
 from fixtures_hybrid import hybrid_layer_tensors, rope_dimension_count, write_hybrid_hparams
 
 from ggufc.frontend.blocks import SUPPORTED_QTYPES
@@ -57,6 +64,10 @@ class ArchRecipe:
     hyper: bool = False  # qwen4exp: hyper-connections, QSA, PLE; its own tensor plan (fixtures_qwen4exp.py)
     compressed: bool = False  # deepseek4: Sinkhorn HC, compressed attention; its own plan (fixtures_compressed.py)
     latent: bool = False  # MLA + the DSA indexer + sigmoid MoE; its own tensor plan (fixtures_latent.py)
+    # hy_v3: layer 0 dense (when there are others), the others a sigmoid MoE selected by probs +
+    # exp_probs_b with an ungated shared expert (fixture_spec.biased_moe_with_ungated_shared_expert),
+    # weights renormalised and scaled
+    biased_moe: bool = False
 
 
 RECIPES: dict[str, ArchRecipe] = {
@@ -69,7 +80,9 @@ RECIPES: dict[str, ArchRecipe] = {
     "deepseek4": ArchRecipe(moe="always", compressed=True),
     "deepseek32": ArchRecipe(moe="always", latent=True),
     "glm-dsa": ArchRecipe(moe="always", latent=True),
+    "hy_v3": ArchRecipe(moe="always", qk_norm=True, expert_ff_key=True, biased_moe=True),
 }
+BIASED_MOE_WEIGHTS_SCALE = 2.5  # hy_v3 fixtures: expert_weights_scale (with expert_weights_norm true)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -122,7 +135,8 @@ def plan_tensors(arch: str, size: FixtureSize, opts: FixtureOptions) -> list[Ten
 
             layer = list(hybrid_layer_tensors(arch, il, s, opts, moe))
         else:
-            layer = list(_layer_tensors(recipe, s, opts, moe))
+            leading_dense = recipe.biased_moe and il == 0 < s.n_layer - 1
+            layer = list(_layer_tensors(recipe, s, opts, moe and not leading_dense))
         specs += [dataclasses.replace(t, name=f"blk.{il}.{t.name}") for t in layer]
     return specs
 
@@ -139,6 +153,9 @@ def _layer_tensors(recipe: ArchRecipe, s: FixtureSize, opts: FixtureOptions, moe
         yield TensorSpec("attn_q_norm.weight", (D,), "norm")
         yield TensorSpec("attn_k_norm.weight", (D,), "norm")
     yield TensorSpec("ffn_norm.weight", (E,), "norm")
+    if moe and recipe.biased_moe:
+        yield from biased_moe_with_ungated_shared_expert(s.n_expert, E, s.n_ff, s.n_ff // 2, opts.scales)
+        return
     yield from (_experts(s, opts) if moe else _dense_ffn(recipe, s, opts))
 
 
@@ -189,6 +206,8 @@ def tensor_values(spec: TensorSpec, seed: int) -> np.ndarray:
         return (1.0 + 0.1 * rng.standard_normal(spec.shape)).astype(np.float32)
     if spec.kind == "rope_freqs":
         return rng.uniform(1.0, 4.0, spec.shape).astype(np.float32)
+    if spec.kind == "selection_bias":  # large enough to change which experts are picked
+        return (0.5 * rng.standard_normal(spec.shape)).astype(np.float32)
     if spec.kind == "ssm_a":  # stored as -exp(A_log): negative decay rates
         return (-np.exp(0.3 * rng.standard_normal(spec.shape))).astype(np.float32)
     return (0.1 * rng.standard_normal(spec.shape)).astype(np.float32)
@@ -409,6 +428,11 @@ def _write_hparams(w: gguf.GGUFWriter, arch: str, s: FixtureSize, opts: FixtureO
         w.add_expert_used_count(s.n_expert_used)
         if RECIPES[arch].expert_ff_key:
             w.add_expert_feed_forward_length(s.n_ff)
+        if RECIPES[arch].biased_moe:
+            w.add_uint32(f"{arch}.expert_shared_feed_forward_length", s.n_ff // 2)
+            w.add_uint32(f"{arch}.expert_gating_func", 2)
+            w.add_bool(f"{arch}.expert_weights_norm", True)
+            w.add_float32(f"{arch}.expert_weights_scale", BIASED_MOE_WEIGHTS_SCALE)
     if RECIPES[arch].hybrid:
 
         write_hybrid_hparams(w, arch, s, moe=moe)

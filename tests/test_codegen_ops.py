@@ -754,6 +754,40 @@ def compressed_cases() -> list[Case]:
     ]
 
 
+def _token_selected(cg: CaseGraph, width: int, di: int = 8) -> Value:
+    """DSA: lightning-indexer scores over a prefilled key cache, then the token top-k."""
+    ins = [cg.rows((2, di)), cg.state((N_CTX, di), "lid"), cg.rows((2,))]
+    score = cg.emit("token_score", [*ins[:3], cg.pos], O.NoAttrs())[0]
+    return cg.emit("token_topk", [score, cg.pos], O.TokenTopK(width))[0]
+
+
+def _token_score_case(cg: CaseGraph) -> Graph:
+    ins = [cg.rows((3, 8)), cg.state((N_CTX, 8), "lid"), cg.rows((3,))]
+    return cg.finish([cg.emit("token_score", [*ins, cg.pos], O.NoAttrs())[0]])
+
+
+def _latent_attention_case(cg: CaseGraph) -> Graph:
+    """MLA over its latent cache: one cache for keys and values, reading only the selected cells."""
+    q = cg.rows((3, 12))
+    kc = _cache_write(cg, "latent", 1, 12)
+    out = cg.emit("attention", [q, kc, kc, cg.pos, _token_selected(cg, 5)], O.Attention(0.3, "indices"))[0]
+    return cg.finish([out], {f"{cg.name}.latent": kc})
+
+
+def dsa_cases() -> list[Case]:
+    """DSA's lightning-indexer scores and token top-k (the kernel's heap select, so the same cells in
+    the same order as the reference), attention over MLA's latent cache at the selected cells, and
+    MLA's per-head matmul."""
+    return [
+        Case("token_score", "token_score", _token_score_case, group="dsa", calls=STATEFUL),
+        *[Case(f"token_topk-w{w}", "token_topk", lambda cg, w=w: cg.finish([_token_selected(cg, w)]), group="dsa",
+               calls=STATEFUL) for w in (5, 20)],
+        Case("attention-latent-indices", "attention", _latent_attention_case, group="dsa", calls=STATEFUL),
+        *[op_case(f"head_matmul-{q}", "head_matmul", O.NoAttrs(), rows(3, 32), weight(3, 8, 32, qtype=q),
+                  group="dsa", calls=BOTH) for q in ("F32", "F16", "Q8_0")],
+    ]
+
+
 def _routing_ffn_case(name: str, attrs: O.MoeFFN, qtype: str = "F32", e: int = 16, f: int = 12, fs: int = 10,
                       n_exp: int = 5) -> Case:
     """A moe_ffn row of the routing family: inputs in ops.moe_inputs order, from the attrs."""
@@ -816,6 +850,7 @@ CASES: list[Case] = [
     *recurrent_cases(),
     *qwen4exp_cases(),
     *compressed_cases(),
+    *dsa_cases(),
     *moe_routing_cases(),
 ]
 

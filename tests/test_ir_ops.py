@@ -93,6 +93,7 @@ def _cases() -> list[Case]:
     cases += _fused_cases()
     cases += _qwen4exp_cases()
     cases += _compressed_cases()
+    cases += _dsa_cases()
     cases += _moe_routing_cases()
     return cases
 
@@ -141,6 +142,19 @@ def _compressed_cases() -> list[Case]:
         cases += _both_t("compressed_attention", O.CompressedAttention(0.37, 4, 2), (q, cache, sinks, POS, rows), p=p)
         cases += _both_t("compressed_attention", O.CompressedAttention(0.37, 4, 2, selected=True),
                          (q, cache, sinks, POS, rows, In("sel", ("T", 2), "ids:5", "int32")), p=p)
+    return cases
+
+
+def _dsa_cases() -> list[Case]:
+    """DSA's lightning-indexer scores (fused: its spelling equals the reference) and token top-k,
+    MLA's per-head matmul."""
+    cases: list[Case] = []
+    lid = (In("q", ("T", 3, 6)), In("cache", (CACHE, 6)), In("w", ("T", 3)), POS)
+    for p in (0, 4):
+        cases += _both_t("token_score", O.NoAttrs(), lid, p=p)
+    for width, p in ((3, 4), (20, 2)):
+        cases += _both_t("token_topk", O.TokenTopK(width), (In("s", ("T", "P+T")), POS), p=p)
+    cases += _both_t("head_matmul", O.NoAttrs(), (In("x", ("T", 3, 7)), In("w", (3, 5, 7))))
     return cases
 
 

@@ -18,11 +18,46 @@ from ggufc.ir.graph import Graph, Value
 from .. import blocks as B
 from ..blocks_dsa import LightningIndexerDims, lightning_indexer
 from ..blocks_mla import MlaDims, check_dims, low_rank_q, mla_attention
-from ..blocks_sigmoid_moe import SigmoidMoeDims, sigmoid_moe, swiglu
 from ..hparams import Keys, ModelError, rope_freq_scale, rope_table
 
 ARCH = "deepseek32"
 SIGMOID = 2  # expert_gating_func
+
+
+@dataclass(frozen=True)
+class SigmoidMoeDims:
+    n_expert: int
+    n_used: int
+    n_ff_exp: int
+    n_ff_shexp: int  # the shared expert's hidden width (expert_shared_count * F); 0: none
+    weights_norm: bool
+    weights_scale: float  # 0 or 1: no scaling
+
+
+def sigmoid_moe(b: GraphBuilder, w: B.Weights, p: str, x: Value, d: SigmoidMoeDims) -> Value:
+    """llama.cpp's build_moe_ffn with sigmoid gating (the routing family's `blocks.moe`: chosen by
+    probs + `exp_probs_b`, weighted by the unbiased probs) plus the ungated shared expert."""
+    E = int(x.shape[1])
+    X, F = d.n_expert, d.n_ff_exp
+    router = w.need(f"{p}.ffn_gate_inp.weight", (X, E))
+    bias = w.get(f"{p}.exp_probs_b.bias", (X,), required=False)
+    exps = {k: w.need(f"{p}.ffn_{k}_exps.weight", s) for k, s in (("gate", (X, F, E)), ("up", (X, F, E)),
+                                                                    ("down", (X, E, F)))}
+    scales = {k: w.get(f"{p}.ffn_{k}_exps.scale", (X,), required=False) for k in exps}
+    routed = B.moe(b, x, router, exps["gate"], exps["up"], exps["down"], d.n_used, scales=scales, hidden=F,
+                   bias=bias, gating="sigmoid", normalize=d.weights_norm, weights_scale=d.weights_scale or 1.0)
+    if not d.n_ff_shexp:
+        return routed
+    return b.add(routed, swiglu(b, w, f"{p}.ffn", "_shexp", x, d.n_ff_shexp), "ffn_out")
+
+
+def swiglu(b: GraphBuilder, w: B.Weights, prefix: str, suffix: str, x: Value, hidden: int) -> Value:
+    """down(silu(gate(x)) * up(x)) with the optional per-tensor `.scale` of each matrix."""
+    E = int(x.shape[1])
+    shapes = {"gate": (hidden, E), "up": (hidden, E), "down": (E, hidden)}
+    mats = {k: w.need(f"{prefix}_{k}{suffix}.weight", s) for k, s in shapes.items()}
+    scales = {k: w.get(f"{prefix}_{k}{suffix}.scale", (1,), required=False) for k in shapes}
+    return B.shared_ffn(b, x, mats["gate"], mats["up"], mats["down"], scales=scales)
 
 
 @dataclass(frozen=True)
