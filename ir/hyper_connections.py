@@ -23,10 +23,14 @@ import numpy as np
 from .ref_math import rms_plain, sigmoid, silu
 
 
-def hc_pre_ref(ins: Sequence[np.ndarray], n_hc: int, eps: float, rule: str, post: bool) -> list[np.ndarray]:
-    """Inputs (R [T,hc,E], norm [hc,E], down [lr,hc*E], up [hc*E,lr][, inject [hc,hc*E]])."""
+def hc_pre_ref(ins: Sequence[np.ndarray], n_hc: int, eps: float, rule: str, post: bool, hc_eps: float = 0.0,
+               n_iter: int = 0) -> list[np.ndarray]:
+    """Inputs (R [T,hc,E], norm [hc,E], down [lr,hc*E], up [hc*E,lr][, inject [hc,hc*E]]), or for
+    rule "sinkhorn" (R, fn, scale, base)."""
+    if rule == "sinkhorn":
+        return sinkhorn_pre_ref(*ins, n_hc=n_hc, eps=eps, hc_eps=hc_eps, n_iter=n_iter, post=post)
     if rule != "sigmoid_mean":
-        raise NotImplementedError(f"hc_pre rule {rule!r} has no reference yet (known: sigmoid_mean)")
+        raise NotImplementedError(f"hc_pre rule {rule!r} has no reference (known: sigmoid_mean, sinkhorn)")
     r, norm, down, up, *rest = ins
     t, hc, e = r.shape
     dt = r.dtype.type
@@ -39,6 +43,30 @@ def hc_pre_ref(ins: Sequence[np.ndarray], n_hc: int, eps: float, rule: str, post
     (inject,) = rest
     w = dt(2.0) * sigmoid((xf @ inject.T) * dt(1.0 / n_hc))
     return [mixed, w]
+
+
+def sinkhorn_pre_ref(r: np.ndarray, fn: np.ndarray, scale: np.ndarray, base: np.ndarray, *, n_hc: int, eps: float,
+                     hc_eps: float, n_iter: int, post: bool) -> list[np.ndarray]:
+    """deepseek4's mix (llama.cpp ggml_dsv4_hc_pre / hc_comb): mixes = rms(flat R) @ fn.T; pre =
+    sigmoid(mixes[:hc] * scale[0] + base) + hc_eps mixes the streams; post = 2 * sigmoid(...);
+    comb [T, src, dst] = softmax over dst + hc_eps, then column (src) sums + hc_eps divide, then
+    `n_iter - 1` rounds of row (dst) then column normalisation."""
+    t, hc, e = r.shape
+    dt = r.dtype.type
+    mixes = rms_plain(r.reshape(t, hc * e), eps) @ fn.T
+    pre = sigmoid(mixes[:, :hc] * scale[0] + base[:hc]) + dt(hc_eps)
+    mixed = np.einsum("th,the->te", pre, r)
+    if not post:
+        return [mixed]
+    post_w = dt(2.0) * sigmoid(mixes[:, hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
+    logits = (mixes[:, 2 * hc :] * scale[2] + base[2 * hc :]).reshape(t, hc, hc)
+    ex = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    comb = ex / ex.sum(axis=-1, keepdims=True) + dt(hc_eps)
+    comb = comb / (comb.sum(axis=1, keepdims=True) + dt(hc_eps))
+    for _ in range(n_iter - 1):
+        comb = comb / (comb.sum(axis=2, keepdims=True) + dt(hc_eps))
+        comb = comb / (comb.sum(axis=1, keepdims=True) + dt(hc_eps))
+    return [mixed, post_w, comb]
 
 
 def hc_post_ref(r: np.ndarray, y: np.ndarray, post: np.ndarray, comb: np.ndarray | None = None) -> np.ndarray:

@@ -98,6 +98,10 @@ def hc_post_comb_spelled(b: GraphBuilder, streams: Value, y: Value, post: Value,
 
 def _hc_pre(b: GraphBuilder, n: Node) -> list[Value]:
     a: O.HcPre = n.attrs
+    if a.rule == "sinkhorn":
+        r, fn, scale, base = n.inputs
+        return sinkhorn_mix_spelled(b, r, fn, scale, base, a.hc_eps, a.n_iter, a.eps, n.outputs[0].name,
+                                    post=a.post)
     r, norm, down, up, *rest = n.inputs
     mixed, post = hc_pre_spelled(b, r, norm, down, up, rest[0] if a.post else None, a.n_hc, a.eps,
                                  n.outputs[0].name)

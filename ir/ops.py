@@ -241,14 +241,17 @@ class HcPre:
 
     rule "sigmoid_mean" (qwen4exp): inputs (R, norm [hc,E], down [lr,hc*E], up [hc*E,lr]
     [, inject [hc,hc*E]]); outputs (mixed [T,E][, post [T,hc] = 2*sigmoid(inject(xf)/hc)]).
-    rule "sinkhorn" (deepseek4's full-rank mix) is the same op with another rule: outputs (mixed,
-    post, comb [T,hc,hc]) for an `hc_post` with comb=True.
+    rule "sinkhorn" (deepseek4's full-rank mix): inputs (R, fn [(2+hc)*hc, hc*E] (post) or
+    [hc, hc*E] (collapse), scale [3] or [1], base like fn's rows); outputs (mixed[, post [T,hc],
+    comb [T,hc(src),hc(dst)]]) for an `hc_post` with comb=True.
     """
 
     n_hc: int
     eps: float
     rule: str = "sigmoid_mean"
     post: bool = True  # False: the final collapse (no inject, no post weights)
+    hc_eps: float = 0.0  # "sinkhorn": added to the pre weights and in every normalisation
+    n_iter: int = 0  # "sinkhorn": Sinkhorn rounds (the first is the column normalisation alone)
 
 
 @dataclass(frozen=True)
@@ -719,7 +722,21 @@ def _attention_shape(ins: Sequence[ShapeDtype], a: Attention) -> list[ShapeDtype
     return [ins[0]]
 
 
+def _hc_pre_sinkhorn_shape(ins: Sequence[ShapeDtype], a: HcPre) -> list[ShapeDtype]:
+    (rs, dt), (fs, _), (ss, _), (bs, _) = ins
+    t, hc, e = rs
+    n_mix = (2 + a.n_hc) * a.n_hc if a.post else a.n_hc
+    ok = hc == a.n_hc and tuple(fs) == (n_mix, hc * e) and tuple(ss) == ((3,) if a.post else (1,))
+    if not ok or tuple(bs) != (n_mix,) or (a.post and a.n_iter < 1):
+        raise ValueError(f"hc_pre {a}: streams {rs}, weights {[s for s, _ in ins[1:]]} disagree")
+    if not a.post:
+        return [((t, e), dt)]
+    return [((t, e), dt), ((t, hc), dt), ((t, hc, hc), dt)]
+
+
 def _hc_pre_shape(ins: Sequence[ShapeDtype], a: HcPre) -> list[ShapeDtype]:
+    if a.rule == "sinkhorn":
+        return _hc_pre_sinkhorn_shape(ins, a)
     (rs, dt), (ns, _), (ds, _), (us, _), *rest = ins
     t, hc, e = rs
     ok = hc == a.n_hc and tuple(ns) == (hc, e) and ds[1] == hc * e and tuple(us) == (hc * e, ds[0])
@@ -918,7 +935,8 @@ OPS: dict[str, OpDef] = {
         OpDef("ple_hash", PleHash, _ple_hash_shape,
               _one(lambda i, a, c: ple_hash_ref(i[0], i[1], int(i[2]), a.ngram, a.heads_per_ngram, a.multipliers,
                                                 a.offsets, a.sizes, a.eos))),
-        OpDef("hc_pre", HcPre, _hc_pre_shape, lambda i, a, c: hc_pre_ref(i, a.n_hc, a.eps, a.rule, a.post),
+        OpDef("hc_pre", HcPre, _hc_pre_shape, lambda i, a, c: hc_pre_ref(i, a.n_hc, a.eps, a.rule, a.post,
+                                                                          a.hc_eps, a.n_iter),
               fused=True),
         OpDef("hc_post", HcPost, _hc_post_shape,
               _one(lambda i, a, c: hc_post_ref(i[0], i[1], i[2], i[3] if a.comb else None)), fused=True),

@@ -747,6 +747,10 @@ def compressed_cases() -> list[Case]:
     return [
         op_case("hc_post-comb", "hc_post", O.HcPost(comb=True), rows(4, 8), rows(8), rows(4), rows(4, 4),
                 group="compressed", calls=BOTH),
+        op_case("hc_pre-sinkhorn", "hc_pre", O.HcPre(4, 1e-5, "sinkhorn", hc_eps=1e-3, n_iter=3), rows(4, 8),
+                weight(24, 32), weight(3), weight(24), n_out=3, group="compressed", calls=BOTH),
+        op_case("hc_pre-sinkhorn-collapse", "hc_pre", O.HcPre(4, 1e-5, "sinkhorn", post=False, hc_eps=1e-3),
+                rows(4, 8), weight(4, 32), weight(1), weight(4), group="compressed", calls=BOTH),
         _compressed_score_case(4),
         _compressed_attention_case(3, 0, 0),
         _compressed_attention_case(5, 4, 0),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,9 +30,12 @@ from ggufc.codegen.target import cpu_target, resolve_target
 from ggufc.codegen.tvm_util import to_tvm
 from ggufc.driver.stages import optimise
 from ggufc.frontend.load import LoadedModel, load_model
+from ggufc.ir.decompose import decompose
 from ggufc.ir.graph import Graph
+from ggufc.ir.hyper_connections import hc_pre_ref
 from ggufc.ir.interp import init_state, run_graph
 from ggufc.passes.constant_fold import with_constants
+from ggufc.passes.pipeline import run_pipeline
 
 GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
 DENSE = GOLDEN / "fixtures" / "deepseek4-moe-F16.gguf"
@@ -265,3 +269,53 @@ def test_hash_layer_routes_by_token(project: LoadedModel) -> None:
     np.testing.assert_allclose(seen["ffn_moe_weights_scaled@0"][0], want, rtol=1e-12)
     routed = seen["ffn_moe_ids@1"][0]  # a scored layer does not follow the table
     assert any(set(routed[t].tolist()) != set(table[tok].tolist()) for t, tok in enumerate(tokens))
+
+
+# ---------------------------------------------------------------------------------------------
+# the Sinkhorn mix and the fusions
+
+
+def test_sinkhorn_comb_is_doubly_stochastic_within_the_eps_rule() -> None:
+    """float64 reference: after the last column round every column (sum over sources) is
+    S / (S + eps), just below 1; rows (sum over destinations) converge to 1 with the rounds."""
+    rng = np.random.default_rng(3)
+    hc, e, t, eps = 4, 8, 5, 1e-6
+    r = rng.standard_normal((t, hc, e))
+    fn = 0.1 * rng.standard_normal(((2 + hc) * hc, hc * e))
+    scale, base = rng.uniform(0.5, 2, 3), rng.standard_normal(24)
+    row_err = []
+    for n_iter in (1, 3, 20):
+        _, post, comb = hc_pre_ref([r, fn, scale, base], hc, 1e-5, "sinkhorn", True, eps, n_iter)
+        cols = comb.sum(axis=1)  # S / (S + eps), S the column sums before the last round
+        assert np.all(cols < 1.0) and np.all(cols > 1.0 - 1e-3)
+        assert np.all(comb > 0) and np.all((post > 0) & (post < 2))
+        row_err.append(float(np.max(np.abs(comb.sum(axis=2) - 1.0))))
+    assert row_err[2] < 1e-4 and row_err[2] < row_err[1] < row_err[0]
+
+
+def _ops(graph: Graph) -> Counter[str]:
+    return Counter(n.op if n.op != "hc_pre" else f"hc_pre:{n.attrs.rule}" for n in graph.nodes)
+
+
+def test_fusions_hit_and_compute_the_unfused_graph(project: LoadedModel) -> None:
+    """fuse_hc: per layer two Sinkhorn mixes and two comb combines, plus the final collapse; the
+    fused, decomposed and unfused graphs agree (float64); switched off, nothing is fused."""
+    graph = project.graphs["prefill_all"]
+    fused, stats = run_pipeline(graph)
+    n = project.hparams.n_layer
+    ops = _ops(fused)
+    assert ops["hc_pre:sinkhorn"] == 2 * n + 1 and ops["hc_post"] == 2 * n and stats["fuse_hc"] == 4 * n + 1
+    assert all(a.n_iter == 3 for a in (nd.attrs for nd in fused.nodes if nd.op == "hc_pre" and nd.attrs.post))
+    off, off_stats = run_pipeline(graph, disabled=frozenset({"fuse_hc"}))
+    assert "fuse_hc" not in off_stats and not {"hc_pre:sinkhorn", "hc_post"} & set(_ops(off))
+    tokens = project_tokens(project)[:20]
+    want, _ = interpret(project, graph, tokens, 20, np.float64)
+    for g in (fused, decompose(fused)):
+        got, _ = interpret(project, g, tokens, 20, np.float64)
+        assert nmse(got, want) < 1e-24
+
+
+def test_inspect_lists_the_fusions(sparse_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", str(sparse_path)]) == 0
+    out = capsys.readouterr().out
+    assert "deepseek4" in out and "fuse_hc: 17" in out and "fuse_moe: 4" in out
