@@ -319,3 +319,29 @@ def test_inspect_lists_the_fusions(sparse_path: Path, capsys: pytest.CaptureFixt
     assert main(["inspect", str(sparse_path)]) == 0
     out = capsys.readouterr().out
     assert "deepseek4" in out and "fuse_hc: 17" in out and "fuse_moe: 4" in out
+
+
+def _decode_calls(model: LoadedModel, passes: bool) -> Counter[str]:
+    """Kernel calls of one decode step's Relax function."""
+    graphs = optimise(dict(model.graphs), frozenset())[0] if passes else dict(model.graphs)
+    mb = ModuleBuilder(resolve_target("llvm"), plan_params(list(graphs.values())), state_plan(graphs["prefill"]))
+    mb.add_function("decode", graphs["prefill"], fixed_tokens=1)
+    found: list[str] = []
+
+    def visit(e: Any) -> None:
+        if isinstance(e, relax.Call) and getattr(e.op, "name", "") in ("relax.call_tir", "relax.call_tir_inplace"):
+            found.append(e.args[0].name_hint.split("_", 1)[1])
+
+    relax.analysis.post_order_visit(mb.module()["decode"].body, visit)
+    return Counter(found)
+
+
+@needs_golden
+def test_decode_kernel_count(sparse_path: Path) -> None:
+    """A decode step of the 4-layer golden (window, window, CSA top 4, HCA): per layer two Sinkhorn
+    mixes and two combines plus the collapse, one compressed attention per layer and one indexer
+    score for the CSA layer; the fused step runs less than half the unfused one's kernels."""
+    model = load_model(sparse_path, 256)
+    fused, unfused = _decode_calls(model, True), _decode_calls(model, False)
+    assert (fused["hc_pre"], fused["hc_post"], fused["compressed_attention"], fused["compressed_score"]) == (9, 8, 4, 1)
+    assert sum(fused.values()) < sum(unfused.values()) / 2, (sum(fused.values()), sum(unfused.values()))
