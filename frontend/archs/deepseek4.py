@@ -25,6 +25,7 @@ import math
 
 import numpy as np
 
+from ggufc.ir import moe_routing_spelled as MS
 from ggufc.ir import ops as O
 from ggufc.ir.builder import GraphBuilder, rms_norm_plain
 from ggufc.ir.graph import Graph, Value
@@ -272,15 +273,42 @@ def _moe(b: GraphBuilder, w: B.Weights, hp: HParams, il: int, z: Value, tokens: 
     p = f"blk.{il}"
     for name in (f"{p}.exp_probs_b_vl.bias", *(f"{p}.ffn_{k}_exps.scale" for k in ("gate", "up", "down"))):
         _loaded_unread(w, name)
-    hashed = il < hp.hash_layers
-    bias = None if hashed else w.get(f"{p}.exp_probs_b.bias", (X,), f32=True)
-    selection = b.gather(_token_experts(w, hp, il), tokens, "ffn_moe_hash_sel") if hashed else None
     act, limit = _act(hp.clamp_exp[il])
-    return B.moe(b, z, w.need(f"{p}.ffn_gate_inp.weight", (X, E)), w.need(f"{p}.ffn_gate_exps.weight", (X, F, E)),
-                 w.need(f"{p}.ffn_up_exps.weight", (X, F, E)), w.need(f"{p}.ffn_down_exps.weight", (X, E, F)),
-                 hp.n_expert_used, scales={}, hidden=F, bias=bias, gating="sqrt_softplus", normalize=hp.weights_norm,
-                 weights_scale=hp.weights_scale if hp.weights_scale != 0.0 else 1.0, act=act, act_limit=limit,
-                 selection=selection)
+    router = w.need(f"{p}.ffn_gate_inp.weight", (X, E))
+    exps = [w.need(f"{p}.ffn_{k}_exps.weight", shape) for k, shape in
+            (("gate", (X, F, E)), ("up", (X, F, E)), ("down", (X, E, F)))]
+    scale = hp.weights_scale if hp.weights_scale != 0.0 else 1.0
+    if il < hp.hash_layers:
+        return _hash_routed_moe(b, w, hp, il, z, tokens, router, exps, scale, act, limit)
+    return B.moe(b, z, router, exps[0], exps[1], exps[2], hp.n_expert_used, scales={}, hidden=F,
+                 bias=w.get(f"{p}.exp_probs_b.bias", (X,), f32=True), gating="sqrt_softplus",
+                 normalize=hp.weights_norm, weights_scale=scale, act=act, act_limit=limit)
+
+
+def _hash_routed_moe(b: GraphBuilder, w: B.Weights, hp: HParams, il: int, z: Value, tokens: Value, router: Value,
+                     exps: list[Value], scale: float, act: str, limit: float) -> Value:
+    """The experts of each token's ffn_gate_tid2eid row (top-k over its one-hot row, the
+    sqrt-softplus scores as payload: the weights are the scores at those experts)."""
+    t, K = z.shape[0], hp.n_expert_used
+    probs = MS.gate_probs_spelled(b, b.matmul(z, router, "ffn_moe_logits"), "sqrt_softplus", "ffn_moe_probs")
+    chosen = b.gather(_token_experts(w, hp, il), tokens, "ffn_moe_hash_sel")
+    weights, ids = b.emit_multi("topk", [chosen, probs], O.TopK(K), ["ffn_moe_topk", "ffn_moe_ids"])
+    if hp.weights_norm:
+        denom = b.scalar("max", b.reduce("sum", weights, "ffn_moe_wsum"), 6.103515625e-5, "ffn_moe_wsum_clamped")
+        weights = b.binary("div", weights, denom, "ffn_moe_weights")
+    if scale != 1.0:
+        weights = b.scalar("mul", weights, scale, "ffn_moe_weights_scaled")
+    x3 = b.reshape(z, (t, 1, z.shape[1]), "ffn_moe_in")
+
+    def experts(inp: Value, wq: Value, kind: str) -> Value:
+        wf = b.dequantize(wq, f"ffn_moe_{kind}.w") if wq.dtype != "float32" else wq
+        return b.emit("matmul_id", [inp, wf, ids], O.NoAttrs(), f"ffn_moe_{kind}")
+
+    gated = MS.expert_act_spelled(b, experts(x3, exps[0], "gate"), experts(x3, exps[1], "up"), act, limit,
+                                  "ffn_moe_act")
+    down = experts(gated, exps[2], "down")
+    weighted = b.mul(down, b.reshape(weights, (t, K, 1), "ffn_moe_weights3"), "ffn_moe_weighted")
+    return b.reduce("sum", weighted, "ffn_moe_out", axis=1, keepdims=False)
 
 
 def _token_experts(w: B.Weights, hp: HParams, il: int) -> Value:
