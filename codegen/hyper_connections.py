@@ -59,18 +59,86 @@ def hc_pre(streams: PShape, rank: int, n_hc: int, eps: float, post: bool) -> tir
     return func([r, norm, down, up, inject, mixed, out_post])
 
 
-def hc_post(streams: PShape) -> tirx.PrimFunc:
-    """Args (R [T,hc,E], y [T,E], post [T,hc], out [T,hc,E])."""
+def hc_post(streams: PShape, comb: bool = False) -> tirx.PrimFunc:
+    """Args (R [T,hc,E], y [T,E], post [T,hc][, comb [T,hc(src),hc(dst)]], out [T,hc,E]); with the
+    comb matrix each output stream sums the comb-weighted source streams (R read once per element)."""
     n, hc, e = streams
     r = te.placeholder(streams, "float32", name="r")
     y = te.placeholder((n, e), "float32", name="y")
     post = te.placeholder((n, hc), "float32", name="post")
-    out = te.compute(streams, lambda t, c, j: r[t, c, j] + post[t, c] * y[t, j], name="out")
-    return func([r, y, post, out])
+    if not comb:
+        out = te.compute(streams, lambda t, c, j: r[t, c, j] + post[t, c] * y[t, j], name="out")
+        return func([r, y, post, out])
+    cm = te.placeholder((n, hc, hc), "float32", name="comb")
+    rs = te.reduce_axis((i64(0), hc), name="rs")
+    mixed = te.compute(streams, lambda t, d, j: te.sum(cm[t, rs, d] * r[t, rs, j], axis=rs), name="mixed")
+    out = te.compute(streams, lambda t, d, j: post[t, d] * y[t, j] + mixed[t, d, j], name="out")
+    return func([r, y, post, cm, out])
+
+
+def hc_pre_sinkhorn(streams: PShape, a: O.HcPre) -> tirx.PrimFunc:
+    """Args (R [T,hc,E], fn [M, hc*E], scale [3|1], base [M], mixed [T,E][, post [T,hc], comb
+    [T,hc(src),hc(dst)]]): deepseek4's mix in one kernel (ir/hyper_connections.py sinkhorn_pre_ref);
+    the Sinkhorn rounds are unrolled (a.n_iter is static)."""
+    n, hc, e = streams
+    n_hc = a.n_hc
+    wide = n_hc * int(e)
+    n_mix = (2 + n_hc) * n_hc if a.post else n_hc
+    r = te.placeholder(streams, "float32", name="r")
+    fn = te.placeholder((i64(n_mix), i64(wide)), "float32", name="fn")
+    scale = te.placeholder((i64(3 if a.post else 1),), "float32", name="scale")
+    base = te.placeholder((i64(n_mix),), "float32", name="base")
+    ee = i64(int(e))
+
+    def flat(t: tirx.PrimExpr, k: tirx.PrimExpr) -> tirx.PrimExpr:
+        return r[t, k // ee, k % ee]
+
+    rk = te.reduce_axis((i64(0), i64(wide)), name="rk")
+    ss = te.compute((n,), lambda t: te.sum(flat(t, rk) * flat(t, rk), axis=rk), name="ss")
+    rstd = te.compute((n,), lambda t: f32(1.0) / te.sqrt(ss[t] / f32(wide) + f32(a.eps)), name="rstd")
+    rm = te.reduce_axis((i64(0), i64(wide)), name="rm")
+    mixes = te.compute((n, i64(n_mix)), lambda t, m: te.sum(flat(t, rm) * rstd[t] * fn[m, rm], axis=rm), name="mixes")
+    eps = f32(a.hc_eps)
+    pre = te.compute((n, hc), lambda t, h: K.sigmoid(mixes[t, h] * scale[0] + base[h]) + eps, name="pre")
+    rh = te.reduce_axis((i64(0), hc), name="rh")
+    mixed = te.compute((n, e), lambda t, j: te.sum(pre[t, rh] * r[t, rh, j], axis=rh), name="mixed")
+    if not a.post:
+        return func([r, fn, scale, base, mixed])
+    hc2 = i64(2 * n_hc)
+    post = te.compute((n, hc), lambda t, h: f32(2.0) * K.sigmoid(mixes[t, h + hc] * scale[1] + base[h + hc]),
+                      name="post")
+
+    def logit(t: tirx.PrimExpr, s_: tirx.PrimExpr, d: tirx.PrimExpr) -> tirx.PrimExpr:
+        return mixes[t, hc2 + s_ * hc + d] * scale[2] + base[hc2 + s_ * hc + d]
+
+    lg = te.compute((n, hc, hc), logit, name="logits")
+    r1 = te.reduce_axis((i64(0), hc), name="r1")
+    mx = te.compute((n, hc), lambda t, s_: te.max(lg[t, s_, r1], axis=r1), name="mx")
+    ex = te.compute((n, hc, hc), lambda t, s_, d: te.exp(lg[t, s_, d] - mx[t, s_]), name="ex")
+    r2 = te.reduce_axis((i64(0), hc), name="r2")
+    sm = te.compute((n, hc), lambda t, s_: te.sum(ex[t, s_, r2], axis=r2), name="sm")
+    comb = te.compute((n, hc, hc), lambda t, s_, d: ex[t, s_, d] / sm[t, s_] + eps, name="comb_sm")
+
+    def normalise(c: te.Tensor, over_src: bool, tag: str) -> te.Tensor:
+        ra = te.reduce_axis((i64(0), hc), name=f"{tag}_r")
+        if over_src:
+            tot = te.compute((n, hc), lambda t, d: te.sum(c[t, ra, d], axis=ra), name=f"{tag}_sum")
+            return te.compute((n, hc, hc), lambda t, s_, d: c[t, s_, d] / (tot[t, d] + eps), name=tag)
+        tot = te.compute((n, hc), lambda t, s_: te.sum(c[t, s_, ra], axis=ra), name=f"{tag}_sum")
+        return te.compute((n, hc, hc), lambda t, s_, d: c[t, s_, d] / (tot[t, s_] + eps), name=tag)
+
+    comb = normalise(comb, True, "src0")
+    for i in range(1, a.n_iter):
+        comb = normalise(normalise(comb, False, f"dst{i}"), True, f"src{i}")
+    return func([r, fn, scale, base, mixed, post, comb])
 
 
 def _hc_pre(fc: FunctionContext, node: Node) -> list[Any]:
     a: O.HcPre = node.attrs
+    if a.rule == "sinkhorn":
+        key = KK.OpKernel("hc_pre", a, tensor_dims(fc, node))
+        return fc.call(key, lambda: hc_pre_sinkhorn(fc.kernel_shape(node.inputs[0], K.Symbols()), a),
+                       call_args(fc, node), node.outputs, node.outputs[0].name)
     r, _norm, down = node.inputs[:3]
     rank = int(down.shape[0])
     key = KK.OpKernel("hc_pre", a, tensor_dims(fc, node))
@@ -79,11 +147,10 @@ def _hc_pre(fc: FunctionContext, node: Node) -> list[Any]:
 
 
 def _hc_post(fc: FunctionContext, node: Node) -> list[Any]:
-    if node.attrs.comb:
-        raise NotImplementedError("hc_post with a comb matrix (deepseek4) is not lowered yet")
     r = node.inputs[0]
-    key = KK.OpKernel("hc_post", None, tensor_dims(fc, node))
-    return fc.call(key, lambda: hc_post(fc.kernel_shape(r, K.Symbols())), call_args(fc, node), node.outputs,
+    comb = bool(node.attrs.comb)
+    key = KK.OpKernel("hc_post", comb or None, tensor_dims(fc, node))
+    return fc.call(key, lambda: hc_post(fc.kernel_shape(r, K.Symbols()), comb), call_args(fc, node), node.outputs,
                    node.outputs[0].name)
 
 

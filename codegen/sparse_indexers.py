@@ -37,7 +37,7 @@ from ggufc.ir.graph import Node
 from . import kernel_keys as KK
 from . import kernels as K
 from .kernels import PShape, f32, func, i64, with_root_block
-from .lower_context import FunctionContext, call_args, tensor_dims
+from .lower_context import GPU_KINDS, FunctionContext, call_args, tensor_dims
 
 THREADS = 64  # GPU threads per workgroup
 I32_MAX = (1 << 31) - 1
@@ -789,7 +789,136 @@ def lower_selected_attention(fc: FunctionContext, node: Node) -> list[Any]:
     return fc.call(key, make, call_args(fc, node), node.outputs, node.outputs[0].name)
 
 
+# ---------------------------------------------------------------------------------------------
+# compressed rows (deepseek4's CSA/HCA; references in ir/sparse_indexers.py)
+
+
+def _row_visible(j: tirx.PrimExpr, pos: tirx.PrimExpr, t: tirx.PrimExpr, ratio: int) -> tirx.PrimExpr:
+    return (j + i64(1)) * i64(ratio) <= pos + t + i64(1)
+
+
+def compressed_score(q_shape: PShape, n_rows: int, ratio: int) -> tirx.PrimFunc:
+    """Args (q [T,Hi,Di], w [T,Hi], rows [NB,Di], pos, score [T,NB]): sum over heads of
+    w * relu(q . row); -inf at rows whose block is not complete."""
+    n, hi, di = q_shape
+    q = te.placeholder(q_shape, "float32", name="q")
+    wt = te.placeholder((n, hi), "float32", name="w")
+    rows = te.placeholder((i64(n_rows), di), "float32", name="rows")
+    pos = te.var("pos", "int64")
+    rd = te.reduce_axis((i64(0), di), name="rd")
+    dots = te.compute((n, hi, i64(n_rows)), lambda t, h, j: te.sum(q[t, h, rd] * rows[j, rd], axis=rd), name="dots")
+    rh = te.reduce_axis((i64(0), hi), name="rh")
+    total = te.compute((n, i64(n_rows)),
+                       lambda t, j: te.sum(te.max(dots[t, rh, j], f32(0.0)) * wt[t, rh], axis=rh), name="total")
+    score = te.compute((n, i64(n_rows)), lambda t, j: tirx.Select(_row_visible(j, pos, t, ratio), total[t, j],
+                                                                   f32(-float("inf"))), name="score")
+    return func([q, wt, rows, pos, score])
+
+
+def compressed_attention(q_shape: PShape, n_cells: int, a: O.CompressedAttention, n_rows: int = 0, n_sel: int = 0
+                         ) -> tirx.PrimFunc:
+    """Args (q [T,H,D], cache [C,D], sinks [H], pos[, rows [NB,D][, sel [T,k]]], out [T,H,D]).
+    Columns: the raw cells [0, pos+T) (visible within the window), then the compressed rows (all
+    NB, or the k selected ones, each visible once complete); the sink joins max and denominator."""
+    n, n_head, dim = q_shape
+    q = te.placeholder(q_shape, "float32", name="q")
+    cache = te.placeholder((i64(n_cells), dim), "float32", name="cache")
+    sinks = te.placeholder((n_head,), "float32", name="sinks")
+    pos = te.var("pos", "int64")
+    n_raw = pos + n
+    rows = te.placeholder((i64(max(n_rows, 1)), dim), "float32", name="rows")
+    sel = te.placeholder((n, i64(max(n_sel, 1))), "int32", name="sel")
+    n_extra = n_sel if a.selected else n_rows
+
+    def row_of(t: tirx.PrimExpr, c: tirx.PrimExpr) -> tirx.PrimExpr:
+        if not a.selected:
+            return c
+        return te.min(te.max(sel[t, c].astype("int64"), i64(0)), i64(n_rows - 1))
+
+    def extra_visible(t: tirx.PrimExpr, c: tirx.PrimExpr) -> tirx.PrimExpr:
+        seen = _row_visible(row_of(t, c), pos, t, a.ratio)
+        return tirx.all(sel[t, c] >= 0, seen) if a.selected else seen
+
+    rd = te.reduce_axis((i64(0), dim), name="rd")
+    raw_dot = te.compute((n, n_head, n_raw), lambda t, h, s: te.sum(q[t, h, rd] * cache[s, rd], axis=rd),
+                         name="raw_dot")
+    raw = te.compute((n, n_head, n_raw), lambda t, h, s: tirx.Select(
+        tirx.all(s <= pos + t, pos + t - s < i64(a.window)), raw_dot[t, h, s] * f32(a.scale), f32(NEG)), name="raw")
+    parts = [raw]
+    if n_extra:
+        re_ = te.reduce_axis((i64(0), dim), name="re")
+        extra_dot = te.compute((n, n_head, i64(n_extra)),
+                               lambda t, h, c: te.sum(q[t, h, re_] * rows[row_of(t, c), re_], axis=re_),
+                               name="extra_dot")
+        extra = te.compute((n, n_head, i64(n_extra)), lambda t, h, c: tirx.Select(
+            extra_visible(t, c), extra_dot[t, h, c] * f32(a.scale), f32(NEG)), name="extra")
+        parts.append(extra)
+    r1 = te.reduce_axis((i64(0), n_raw), name="r1")
+    mx = te.compute((n, n_head), lambda t, h: te.max(raw[t, h, r1], axis=r1), name="mx_raw")
+    if n_extra:
+        r2 = te.reduce_axis((i64(0), i64(n_extra)), name="r2")
+        mx_e = te.compute((n, n_head), lambda t, h: te.max(parts[1][t, h, r2], axis=r2), name="mx_extra")
+        mx = te.compute((n, n_head), lambda t, h: te.max(te.max(mx[t, h], mx_e[t, h]), sinks[h]), name="mx")
+    else:
+        mx = te.compute((n, n_head), lambda t, h: te.max(mx[t, h], sinks[h]), name="mx")
+    ex_raw = te.compute((n, n_head, n_raw), lambda t, h, s: tirx.Select(
+        raw[t, h, s] > f32(NEG), te.exp(raw[t, h, s] - mx[t, h]), f32(0.0)), name="ex_raw")
+    r3 = te.reduce_axis((i64(0), n_raw), name="r3")
+    den = te.compute((n, n_head), lambda t, h: te.sum(ex_raw[t, h, r3], axis=r3), name="den_raw")
+    r4 = te.reduce_axis((i64(0), n_raw), name="r4")
+    acc = te.compute((n, n_head, dim), lambda t, h, d: te.sum(ex_raw[t, h, r4] * cache[r4, d], axis=r4),
+                     name="acc_raw")
+    if n_extra:
+        ex_e = te.compute((n, n_head, i64(n_extra)), lambda t, h, c: tirx.Select(
+            parts[1][t, h, c] > f32(NEG), te.exp(parts[1][t, h, c] - mx[t, h]), f32(0.0)), name="ex_extra")
+        r5 = te.reduce_axis((i64(0), i64(n_extra)), name="r5")
+        den_e = te.compute((n, n_head), lambda t, h: te.sum(ex_e[t, h, r5], axis=r5), name="den_extra")
+        r6 = te.reduce_axis((i64(0), i64(n_extra)), name="r6")
+        acc_e = te.compute((n, n_head, dim), lambda t, h, d: te.sum(ex_e[t, h, r6] * rows[row_of(t, r6), d],
+                                                                    axis=r6), name="acc_extra")
+        den = te.compute((n, n_head), lambda t, h: den[t, h] + den_e[t, h], name="den")
+        acc = te.compute((n, n_head, dim), lambda t, h, d: acc[t, h, d] + acc_e[t, h, d], name="acc")
+    out = te.compute((n, n_head, dim), lambda t, h, d: acc[t, h, d] / (den[t, h] + te.exp(sinks[h] - mx[t, h])),
+                     name="out")
+    args = [q, cache, sinks, pos]
+    if n_rows:
+        args.append(rows)
+    if a.selected:
+        args.append(sel)
+    return func([*args, out])
+
+
+def _cpu_only(fc: FunctionContext, node: Node) -> None:
+    if fc.mb.target.kind.name in GPU_KINDS:
+        raise NotImplementedError(f"{node.op} ({node.outputs[0].label}): compressed attention has CPU kernels only "
+                                  "so far; compile deepseek4 for the llvm target")
+
+
+def _compressed_score(fc: FunctionContext, node: Node) -> list[Any]:
+    _cpu_only(fc, node)
+    a: O.CompressedScore = node.attrs
+    q, _, rows = node.inputs[:3]
+    n_rows = int(rows.shape[0])
+    key = KK.OpKernel("compressed_score", (a, n_rows), tensor_dims(fc, node))
+    return fc.call(key, lambda: compressed_score(fc.kernel_shape(q, K.Symbols()), n_rows, a.ratio),
+                   call_args(fc, node), node.outputs, node.outputs[0].name)
+
+
+def _compressed_attention(fc: FunctionContext, node: Node) -> list[Any]:
+    _cpu_only(fc, node)
+    a: O.CompressedAttention = node.attrs
+    q, cache = node.inputs[:2]
+    n_rows = int(node.inputs[4].shape[0]) if a.ratio > 0 else 0
+    n_sel = int(node.inputs[5].shape[1]) if a.selected else 0
+    n_cells = int(cache.shape[0])
+    key = KK.OpKernel("compressed_attention", (a, n_cells, n_rows, n_sel), tensor_dims(fc, node))
+    return fc.call(key, lambda: compressed_attention(fc.kernel_shape(q, K.Symbols()), n_cells, a, n_rows, n_sel),
+                   call_args(fc, node), node.outputs, node.outputs[0].name)
+
+
 INDEXER_LOWERING: dict[str, Callable[[FunctionContext, Node], list[Any]]] = {
+    "compressed_score": _compressed_score,
+    "compressed_attention": _compressed_attention,
     "indexer_score": _indexer_score,
     "indexer_topk": _indexer_topk,
     "index_mask": _index_mask,

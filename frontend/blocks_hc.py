@@ -18,7 +18,12 @@ import numpy as np
 from ggufc.ir import ops as O
 from ggufc.ir.builder import GraphBuilder, rms_norm_plain
 from ggufc.ir.graph import Value
-from ggufc.ir.hyper_connections_spelled import hc_post_spelled, hc_pre_spelled
+from ggufc.ir.hyper_connections_spelled import (
+    hc_post_comb_spelled,
+    hc_post_spelled,
+    hc_pre_spelled,
+    sinkhorn_mix_spelled,
+)
 from ggufc.ir.sparse_indexers_spelled import indexer_score_spelled
 
 from . import blocks as B
@@ -82,6 +87,45 @@ def hc_collapse(b: GraphBuilder, streams: Value, hw: HcWeights, n_hc: int, eps: 
 def hc_post(b: GraphBuilder, streams: Value, y: Value, post: Value, name: str) -> Value:
     """Scatter the block output back into every stream with its own weight."""
     return hc_post_spelled(b, streams, y, post, name)
+
+
+@dataclass(frozen=True)
+class SinkhornMix:
+    """deepseek4's full-rank mix: `{prefix}_fn` [(2+hc)*hc, hc*E] (or [hc, hc*E] for the final
+    collapse), `_scale` [3] (pre, post, comb; [1] for the collapse), `_base` like fn's rows."""
+
+    fn: Value
+    scale: Value
+    base: Value
+    hc_eps: float
+    n_iter: int
+
+
+def sinkhorn_weights(w: B.Weights, prefix: str, n_hc: int, n_embd: int, hc_eps: float, n_iter: int,
+                     collapse: bool = False) -> SinkhornMix:
+    n_mix = n_hc if collapse else (2 + n_hc) * n_hc
+    fn = w.need(f"{prefix}_fn.weight", (n_mix, n_hc * n_embd))
+    scale = w.get(f"{prefix}_scale.weight", (1 if collapse else 3,), f32=True)
+    base = w.get(f"{prefix}_base.weight", (n_mix,), f32=True)
+    assert scale is not None and base is not None
+    return SinkhornMix(fn, scale, base, hc_eps, n_iter)
+
+
+def sinkhorn_pre(b: GraphBuilder, streams: Value, mix: SinkhornMix, eps: float, name: str
+                 ) -> tuple[Value, Value, Value]:
+    """The block input [T, E], the post weights [T, hc] and the comb matrix [T, hc(src), hc(dst)]."""
+    mixed, post, comb = sinkhorn_mix_spelled(b, streams, mix.fn, mix.scale, mix.base, mix.hc_eps, mix.n_iter, eps,
+                                             name)
+    return mixed, post, comb
+
+
+def sinkhorn_collapse(b: GraphBuilder, streams: Value, mix: SinkhornMix, eps: float, name: str) -> Value:
+    return sinkhorn_mix_spelled(b, streams, mix.fn, mix.scale, mix.base, mix.hc_eps, 0, eps, name, post=False)[0]
+
+
+def hc_post_comb(b: GraphBuilder, streams: Value, y: Value, post: Value, comb: Value, name: str) -> Value:
+    """The block output into every stream through the post weights, plus the comb-mixed old streams."""
+    return hc_post_comb_spelled(b, streams, y, post, comb, name)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,7 +8,8 @@ Hyper-connections keep `hc` residual streams R [T, hc, E]:
   mean_c(xf * sigmoid(gate)) [T, E]; the per-stream post weights are 2*sigmoid((xf @ inject.T) / hc).
   The final collapse (no inject) has no post weights. deepseek4's Sinkhorn-normalised full-rank
   mix is rule "sinkhorn" of the same op (outputs mixed, post and a [T, hc, hc] comb matrix).
-* `hc_post`: R + post[:, :, None] * y[:, None, :] (+ comb mixing of R when the rule has one).
+* `hc_post`: R + post[:, :, None] * y[:, None, :]; with a comb matrix [T, src, dst] (deepseek4)
+  post * y + sum over src of comb[t, src, dst] * R[t, src].
 
 Their spellings in primitives are in `hyper_connections_spelled.py`.
 """
@@ -22,10 +23,14 @@ import numpy as np
 from .ref_math import rms_plain, sigmoid, silu
 
 
-def hc_pre_ref(ins: Sequence[np.ndarray], n_hc: int, eps: float, rule: str, post: bool) -> list[np.ndarray]:
-    """Inputs (R [T,hc,E], norm [hc,E], down [lr,hc*E], up [hc*E,lr][, inject [hc,hc*E]])."""
+def hc_pre_ref(ins: Sequence[np.ndarray], n_hc: int, eps: float, rule: str, post: bool, hc_eps: float = 0.0,
+               n_iter: int = 0) -> list[np.ndarray]:
+    """Inputs (R [T,hc,E], norm [hc,E], down [lr,hc*E], up [hc*E,lr][, inject [hc,hc*E]]), or for
+    rule "sinkhorn" (R, fn, scale, base)."""
+    if rule == "sinkhorn":
+        return sinkhorn_pre_ref(*ins, n_hc=n_hc, eps=eps, hc_eps=hc_eps, n_iter=n_iter, post=post)
     if rule != "sigmoid_mean":
-        raise NotImplementedError(f"hc_pre rule {rule!r} has no reference yet (known: sigmoid_mean)")
+        raise NotImplementedError(f"hc_pre rule {rule!r} has no reference (known: sigmoid_mean, sinkhorn)")
     r, norm, down, up, *rest = ins
     t, hc, e = r.shape
     dt = r.dtype.type
@@ -40,7 +45,34 @@ def hc_pre_ref(ins: Sequence[np.ndarray], n_hc: int, eps: float, rule: str, post
     return [mixed, w]
 
 
+def sinkhorn_pre_ref(r: np.ndarray, fn: np.ndarray, scale: np.ndarray, base: np.ndarray, *, n_hc: int, eps: float,
+                     hc_eps: float, n_iter: int, post: bool) -> list[np.ndarray]:
+    """deepseek4's mix (llama.cpp ggml_dsv4_hc_pre / hc_comb): mixes = rms(flat R) @ fn.T; pre =
+    sigmoid(mixes[:hc] * scale[0] + base) + hc_eps mixes the streams; post = 2 * sigmoid(...);
+    comb [T, src, dst] = softmax over dst + hc_eps, then column (src) sums + hc_eps divide, then
+    `n_iter - 1` rounds of row (dst) then column normalisation."""
+    t, hc, e = r.shape
+    dt = r.dtype.type
+    mixes = rms_plain(r.reshape(t, hc * e), eps) @ fn.T
+    pre = sigmoid(mixes[:, :hc] * scale[0] + base[:hc]) + dt(hc_eps)
+    mixed = np.einsum("th,the->te", pre, r)
+    if not post:
+        return [mixed]
+    post_w = dt(2.0) * sigmoid(mixes[:, hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
+    logits = (mixes[:, 2 * hc :] * scale[2] + base[2 * hc :]).reshape(t, hc, hc)
+    ex = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    comb = ex / ex.sum(axis=-1, keepdims=True) + dt(hc_eps)
+    comb = comb / (comb.sum(axis=1, keepdims=True) + dt(hc_eps))
+    for _ in range(n_iter - 1):
+        comb = comb / (comb.sum(axis=2, keepdims=True) + dt(hc_eps))
+        comb = comb / (comb.sum(axis=1, keepdims=True) + dt(hc_eps))
+    return [mixed, post_w, comb]
+
+
 def hc_post_ref(r: np.ndarray, y: np.ndarray, post: np.ndarray, comb: np.ndarray | None = None) -> np.ndarray:
-    """R [T,hc,E], y [T,E], post [T,hc][, comb [T,hc(dst),hc(src)]] -> [T,hc,E]."""
-    mixed = r if comb is None else np.einsum("tds,tse->tde", comb, r)
-    return mixed + post[:, :, None] * y[:, None, :]
+    """R [T,hc,E], y [T,E], post [T,hc][, comb [T,hc(src),hc(dst)] (ggml_dsv4_hc_post's [dst,src,T])]
+    -> [T,hc,E]: post * y plus, per destination stream, the comb-weighted sum of the source streams."""
+    scattered = post[:, :, None] * y[:, None, :]
+    if comb is None:
+        return r + scattered
+    return scattered + np.einsum("tsd,tse->tde", comb, r)

@@ -27,6 +27,8 @@ from .sparse_indexers import (
     block_mask_ref,
     block_score_ref,
     block_topk_ref,
+    compressed_attention_ref,
+    compressed_score_ref,
     index_mask_ref,
     indexer_score_ref,
     indexer_topk_ref,
@@ -257,19 +259,22 @@ class HcPre:
 
     rule "sigmoid_mean" (qwen4exp): inputs (R, norm [hc,E], down [lr,hc*E], up [hc*E,lr]
     [, inject [hc,hc*E]]); outputs (mixed [T,E][, post [T,hc] = 2*sigmoid(inject(xf)/hc)]).
-    rule "sinkhorn" (deepseek4's full-rank mix) is the same op with another rule: outputs (mixed,
-    post, comb [T,hc,hc]) for an `hc_post` with comb=True.
+    rule "sinkhorn" (deepseek4's full-rank mix): inputs (R, fn [(2+hc)*hc, hc*E] (post) or
+    [hc, hc*E] (collapse), scale [3] or [1], base like fn's rows); outputs (mixed[, post [T,hc],
+    comb [T,hc(src),hc(dst)]]) for an `hc_post` with comb=True.
     """
 
     n_hc: int
     eps: float
     rule: str = "sigmoid_mean"
     post: bool = True  # False: the final collapse (no inject, no post weights)
+    hc_eps: float = 0.0  # "sinkhorn": added to the pre weights and in every normalisation
+    n_iter: int = 0  # "sinkhorn": Sinkhorn rounds (the first is the column normalisation alone)
 
 
 @dataclass(frozen=True)
 class HcPost:
-    """R [T,hc,E] + post [T,hc] * y [T,E] per stream (comb=True: R mixed by a [T,hc,hc] comb first)."""
+    """R [T,hc,E] + post [T,hc] * y [T,E] per stream (comb=True: R mixed by a [T,hc(src),hc(dst)] comb)."""
 
     comb: bool = False
 
@@ -291,6 +296,27 @@ class IndexerTopK:
 
     ratio: int
     width: int
+
+
+@dataclass(frozen=True)
+class CompressedScore:
+    """Lightning-indexer scores over compressed rows: (q [T,Hi,Di], head weights [T,Hi], rows
+    [NB,Di], pos) -> [T, NB], -inf at rows whose block of `ratio` positions is not complete."""
+
+    ratio: int
+
+
+@dataclass(frozen=True)
+class CompressedAttention:
+    """Attention of q [T,H,D] over one shared K = V head: the raw cells of a cache [C, D] within a
+    sliding window, plus (ratio > 0) the complete rows [NB, D] of a compressed cache (all, or
+    `selected`: those listed in a [T, k] int32 input), with per-head sink logits [H].
+    Inputs (q, cache, sinks, pos[, rows[, sel]])."""
+
+    scale: float
+    window: int
+    ratio: int = 0  # 0: raw cells only
+    selected: bool = False
 
 
 @dataclass(frozen=True)
@@ -766,7 +792,21 @@ def _attention_shape(ins: Sequence[ShapeDtype], a: Attention) -> list[ShapeDtype
     return [ins[0]]
 
 
+def _hc_pre_sinkhorn_shape(ins: Sequence[ShapeDtype], a: HcPre) -> list[ShapeDtype]:
+    (rs, dt), (fs, _), (ss, _), (bs, _) = ins
+    t, hc, e = rs
+    n_mix = (2 + a.n_hc) * a.n_hc if a.post else a.n_hc
+    ok = hc == a.n_hc and tuple(fs) == (n_mix, hc * e) and tuple(ss) == ((3,) if a.post else (1,))
+    if not ok or tuple(bs) != (n_mix,) or (a.post and a.n_iter < 1):
+        raise ValueError(f"hc_pre {a}: streams {rs}, weights {[s for s, _ in ins[1:]]} disagree")
+    if not a.post:
+        return [((t, e), dt)]
+    return [((t, e), dt), ((t, hc), dt), ((t, hc, hc), dt)]
+
+
 def _hc_pre_shape(ins: Sequence[ShapeDtype], a: HcPre) -> list[ShapeDtype]:
+    if a.rule == "sinkhorn":
+        return _hc_pre_sinkhorn_shape(ins, a)
     (rs, dt), (ns, _), (ds, _), (us, _), *rest = ins
     t, hc, e = rs
     ok = hc == a.n_hc and tuple(ns) == (hc, e) and ds[1] == hc * e and tuple(us) == (hc * e, ds[0])
@@ -810,6 +850,27 @@ def _index_mask_shape(ins: Sequence[ShapeDtype], a: Any) -> list[ShapeDtype]:
         raise ValueError(f"index_mask takes [T, W] int32 cell ids, got {dt}{list(ss)}")
     return [((ss[0], "P+T"), "float32")]
 
+
+def _compressed_score_shape(ins: Sequence[ShapeDtype], a: CompressedScore) -> list[ShapeDtype]:
+    (qs, dt), (ws, _), (rs, _), _pos = ins
+    if len(qs) != 3 or tuple(ws) != (qs[0], qs[1]) or len(rs) != 2 or rs[1] != qs[2]:
+        raise ValueError(f"compressed_score: q {qs}, weights {ws}, rows {rs} disagree")
+    return [((qs[0], rs[0]), dt)]
+
+
+def _compressed_attention_shape(ins: Sequence[ShapeDtype], a: CompressedAttention) -> list[ShapeDtype]:
+    n_in = 4 + (a.ratio > 0) + a.selected
+    if len(ins) != n_in or (a.selected and a.ratio <= 0):
+        raise ValueError(f"compressed_attention {a} takes {n_in} inputs, got {len(ins)}")
+    (qs, dt), (cs, _), (ss, _) = ins[:3]
+    ok = len(qs) == 3 and len(cs) == 2 and cs[1] == qs[2] and tuple(ss) == (qs[1],)
+    if a.ratio > 0:
+        ok = ok and len(ins[4][0]) == 2 and ins[4][0][1] == qs[2]
+    if a.selected:
+        ok = ok and ins[5][1] == "int32" and len(ins[5][0]) == 2 and ins[5][0][0] == qs[0]
+    if not ok:
+        raise ValueError(f"compressed_attention: inputs {[s for s, _ in ins]} disagree")
+    return [(qs, dt)]
 
 def _token_score_shape(ins: Sequence[ShapeDtype], a: Any) -> list[ShapeDtype]:
     (qs, _), (cs, _), (ws, _), _pos = ins
@@ -950,6 +1011,13 @@ OPS: dict[str, OpDef] = {
         OpDef("indexer_topk", IndexerTopK, _indexer_topk_shape,
               _one(lambda i, a, c: indexer_topk_ref(i[0], int(i[1]), a.ratio, a.width))),
         OpDef("index_mask", NoAttrs, _index_mask_shape, _one(lambda i, a, c: index_mask_ref(i[0], int(i[1])))),
+        # compressed rows (deepseek4's CSA/HCA): the lightning indexer's scores, attention with sinks
+        OpDef("compressed_score", CompressedScore, _compressed_score_shape,
+              _one(lambda i, a, c: compressed_score_ref(i[0], i[1], i[2], int(i[3]), a.ratio))),
+        OpDef("compressed_attention", CompressedAttention, _compressed_attention_shape,
+              _one(lambda i, a, c: compressed_attention_ref(
+                  i[0], i[1], i[2], int(i[3]), a.scale, a.window, a.ratio, i[4] if a.ratio > 0 else None,
+                  i[5] if a.selected else None))),
         # DSA (token-level indexer): the lightning indexer's scores and its top-k
         OpDef("token_topk", TokenTopK, _token_topk_shape, _one(lambda i, a, c: token_topk_ref(i[0], int(i[1]),
                                                                                               a.width))),
@@ -965,7 +1033,8 @@ OPS: dict[str, OpDef] = {
         OpDef("ple_hash", PleHash, _ple_hash_shape,
               _one(lambda i, a, c: ple_hash_ref(i[0], i[1], int(i[2]), a.ngram, a.heads_per_ngram, a.multipliers,
                                                 a.offsets, a.sizes, a.eos))),
-        OpDef("hc_pre", HcPre, _hc_pre_shape, lambda i, a, c: hc_pre_ref(i, a.n_hc, a.eps, a.rule, a.post),
+        OpDef("hc_pre", HcPre, _hc_pre_shape, lambda i, a, c: hc_pre_ref(i, a.n_hc, a.eps, a.rule, a.post,
+                                                                          a.hc_eps, a.n_iter),
               fused=True),
         OpDef("hc_post", HcPost, _hc_post_shape,
               _one(lambda i, a, c: hc_post_ref(i[0], i[1], i[2], i[3] if a.comb else None)), fused=True),

@@ -166,6 +166,57 @@ def index_mask_ref(sel: np.ndarray, p0: int) -> np.ndarray:
     return mask
 
 
+# ---------------------------------------------------------------------------------------------
+# compressed rows (llama.cpp `llama-kv-cache-dsv4.cpp`, `ggml_lightning_indexer`): each complete
+# block of `ratio` positions is pooled into one row; block j is visible to the query at position
+# q once it is complete, (j + 1) * ratio <= q + 1.
+
+
+def visible_rows(n_rows: int, p0: int, t: int, ratio: int) -> np.ndarray:
+    """[T, NB] bool: row j is complete at the query's position."""
+    q = p0 + np.arange(t)
+    return (np.arange(n_rows)[None, :] + 1) * ratio <= q[:, None] + 1
+
+
+def compressed_score_ref(q: np.ndarray, w: np.ndarray, rows: np.ndarray, p0: int, ratio: int) -> np.ndarray:
+    """q [T,Hi,Di], w [T,Hi] (pre-scaled head weights), rows [NB,Di] -> [T, NB]:
+    sum_h w[t,h] * relu(q[t,h] . rows[j]), -inf at rows not yet complete."""
+    dots = np.maximum(np.einsum("thd,jd->thj", q, rows), 0)
+    score = np.einsum("thj,th->tj", dots, w)
+    return np.where(visible_rows(rows.shape[0], p0, q.shape[0], ratio), score, -np.inf).astype(q.dtype)
+
+
+def compressed_attention_ref(q: np.ndarray, cache: np.ndarray, sinks: np.ndarray, p0: int, scale: float, window: int,
+                             ratio: int, rows: np.ndarray | None = None, sel: np.ndarray | None = None
+                             ) -> np.ndarray:
+    """One shared K = V head: q [T,H,D] over the raw cells [P+T, D] of `cache` within the sliding
+    `window` (p_q - p_k < window), plus the complete compressed `rows` [NB, D] (all of them, or
+    only those listed in `sel` [T, k], -1 for none), with a per-head sink logit joining the
+    softmax's max and denominator (ggml_soft_max_add_sinks). Returns [T, H, D]."""
+    t = q.shape[0]
+    n = p0 + t
+    keys = cache[:n]
+    qpos = p0 + np.arange(t)[:, None]
+    kpos = np.arange(n)[None, :]
+    visible = (kpos <= qpos) & (qpos - kpos < window)
+    if rows is not None:
+        seen = visible_rows(rows.shape[0], p0, t, ratio)
+        if sel is not None:
+            chosen = np.zeros_like(seen)
+            for i in range(t):
+                ids = sel[i][(sel[i] >= 0) & (sel[i] < rows.shape[0])]
+                chosen[i, ids] = True
+            seen = seen & chosen
+        keys = np.concatenate([keys, rows], axis=0)
+        visible = np.concatenate([visible, seen], axis=1)
+    s = np.einsum("thd,nd->thn", q, keys) * q.dtype.type(scale)
+    s = np.where(visible[:, None, :], s, -np.inf)
+    m = np.maximum(s.max(axis=-1), sinks[None, :].astype(q.dtype))
+    e = np.exp(s - m[..., None])
+    denom = e.sum(axis=-1) + np.exp(sinks[None, :].astype(q.dtype) - m)
+    return (np.einsum("thn,nd->thd", e, keys) / denom[..., None]).astype(q.dtype)
+
+
 def token_score_ref(q: np.ndarray, cache: np.ndarray, w: np.ndarray, p0: int) -> np.ndarray:
     """q [T,Hi,Di], cache [C,Di], w [T,Hi] -> [T, P+T] = sum_h w * relu(q . k_j)."""
     keys = cache[: p0 + q.shape[0]]

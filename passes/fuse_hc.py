@@ -12,7 +12,13 @@ from the inject matmul on the same `xf`, and the union must be closed (every val
 only inside; `xf` only by the down, gate and inject products). Preconditions checked: R is
 [T, hc, E] with a [hc, E] gamma, xf is R's stream-major flatten, the gate's pre-activation scale
 and the inject scale are both 1/hc, the post scale is 2, and the mean is over the stream axis.
-`hc_post` is a plain closed rule. Hits: one per fused mix plus one per fused combine.
+`hc_post` is a plain closed rule; with a comb matrix (deepseek4, R' = post * y + sum over src of
+comb[t, src, dst] * R[t, src], spelled as a broadcast product summed over the source axis) it is
+tried first. deepseek4's Sinkhorn mix (rule "sinkhorn": rms of the flattened streams, the
+full-rank `fn` product, pre/post weights and the Sinkhorn-normalised comb matrix, or the final
+pre-only collapse) is matched by rebuilding its spelling for the candidate's inputs and constants
+(epsilons read from the graph, the number of rounds tried) and comparing node for node.
+Hits: one per fused mix plus one per fused combine.
 """
 
 from __future__ import annotations
@@ -140,14 +146,154 @@ def _build_post(m: Match, g: GraphView) -> Rewrite | None:
     return Rewrite("hc_post", (r, y, post), O.HcPost())
 
 
+def _build_post_comb(m: Match, g: GraphView) -> Rewrite | None:
+    r, y, post, comb = m.values["r"], m.values["y"], m.values["post"], m.values["comb"]
+    if len(r.shape) != 3 or len(y.shape) != 2 or len(post.shape) != 2 or len(comb.shape) != 3:
+        return None
+    t, hc, e = r.shape
+    shapes = {"y3": (t, 1, e), "post3": (t, hc, 1), "c4": (t, hc, hc, 1), "r4": (t, hc, 1, e)}
+    if not all(shapes_equal(m.values[k].shape, v) for k, v in shapes.items()):
+        return None
+    if not shapes_equal(comb.shape, (t, hc, hc)) or m.nodes["mix"].attrs.axis != 1:
+        return None
+    return Rewrite("hc_post", (r, y, post, comb), O.HcPost(comb=True))
+
+
+def _comb_mixed() -> Pat:
+    """sum over src of reshape(comb, [T, src, dst, 1]) * reshape(R, [T, src, 1, E])"""
+    terms = P("binary", P("reshape", V("comb"), name="c4"), P("reshape", V("r"), name="r4"), attrs=MUL,
+              commute=True)
+    return P("reduce", terms, where=where_attrs(fn="sum", keepdims=False), name="mix")
+
+
 POST_RULES = [
+    # deepseek4's combine with a comb matrix (first: its scatter term alone looks like a plain combine)
+    Rule("hc_post_comb", P("binary", P("binary", P("reshape", V("y"), name="y3"),
+                                       P("reshape", V("post"), name="post3"), attrs=MUL, commute=True),
+                           _comb_mixed(), attrs=ADD, commute=True), _build_post_comb),
     Rule("hc_post", P("binary", V("r"), P("binary", P("reshape", V("y"), name="y3"), P("reshape", V("post"),
                                                                                      name="post3"),
                                             attrs=MUL, commute=True), attrs=ADD, commute=True), _build_post),
 ]
 
 
+# ---------------------------------------------------------------------------------------------
+# deepseek4's Sinkhorn mix: matched against its own spelling (ir/hyper_connections_spelled.py)
+# rebuilt for the candidate's inputs and constants, node for node
+
+
+MAX_SINKHORN_ITERS = 16
+
+
+def _sinkhorn_candidate(mm: Node, view: GraphView) -> tuple[Value, Value, Value, Value, float, float] | None:
+    """(R, fn, scale, base, eps, hc_eps) when `mm` is mixes = rms(reshape(R)) @ fn.T of a mix."""
+    x, fn = mm.inputs[:2]
+    normed = view.producers.get(x.id)
+    if normed is None or normed.op != "binary":
+        return None
+    flat = view.producers.get(normed.inputs[0].id)
+    if flat is None or flat.op != "reshape" or len(flat.inputs[0].shape) != 3:
+        return None
+    rstd = view.producers.get(normed.inputs[1].id)
+    plus_eps = view.producers.get(rstd.inputs[0].id) if rstd is not None and rstd.op == "unary" else None
+    if plus_eps is None or plus_eps.op != "scalar":
+        return None
+    scale = base = None
+    hc_eps = None
+    for sl in view.users.get(mm.outputs[0].id, []):
+        if sl.op != "slice" or sl.attrs.start != 0:
+            continue
+        for mul in view.users.get(sl.outputs[0].id, []):
+            s_node = view.producers.get(mul.inputs[1].id) if mul.op == "binary" else None
+            if s_node is None or s_node.op != "slice":
+                continue
+            scale = s_node.inputs[0]
+            for add in view.users.get(mul.outputs[0].id, []):
+                b_node = view.producers.get(add.inputs[1].id)
+                base = b_node.inputs[0] if b_node is not None and b_node.op == "slice" else add.inputs[1]
+                sig = view.users.get(add.outputs[0].id, [])
+                pre = view.users.get(sig[0].outputs[0].id, []) if len(sig) == 1 else []
+                hc_eps = pre[0].attrs.c if len(pre) == 1 and pre[0].op == "scalar" else None
+    if scale is None or base is None or hc_eps is None:
+        return None
+    return flat.inputs[0], fn, scale, base, plus_eps.attrs.c, hc_eps
+
+
+def _match_template(template: list[Node], given: dict[int, Value], view: GraphView
+                    ) -> tuple[list[Node], dict[int, Value]] | None:
+    """The graph's nodes computing `template` (same ops, attributes and wiring) from the values
+    `given` maps the template's inputs to, in template order, and the template's values mapped to
+    the graph's; None when any differs."""
+    mapped = dict(given)
+    body: list[Node] = []
+    for tn in template:
+        ins = [mapped.get(v.id) for v in tn.inputs]
+        if any(v is None for v in ins):
+            return None
+        found = next((gn for gn in view.users.get(ins[0].id, [])  # type: ignore[union-attr]
+                      if gn.op == tn.op and gn.attrs == tn.attrs and len(gn.inputs) == len(ins)
+                      and all(a.id == b.id for a, b in zip(gn.inputs, ins, strict=True))  # type: ignore[union-attr]
+                      and id(gn) not in {id(n) for n in body}), None)
+        if found is None:
+            return None
+        body.append(found)
+        mapped.update({t.id: g for t, g in zip(tn.outputs, found.outputs, strict=True)})
+    return body, mapped
+
+
+def _sinkhorn_template(cand: tuple[Value, Value, Value, Value, float, float], post: bool, n_iter: int
+                       ) -> tuple[list[Node], list[Value], list[Value]]:
+    from ggufc.ir.builder import GraphBuilder
+    from ggufc.ir.hyper_connections_spelled import sinkhorn_mix_spelled
+
+    r, fn, scale, base, eps, hc_eps = cand
+    tb = GraphBuilder()
+    ins = [tb.input(f"t{i}", v.shape, v.dtype) for i, v in enumerate((r, fn, scale, base))]
+    outs = sinkhorn_mix_spelled(tb, ins[0], ins[1], ins[2], ins[3], hc_eps, n_iter, eps, "template", post=post)
+    return tb.nodes, ins, outs
+
+
+def _fuse_sinkhorn(graph: Graph) -> tuple[Graph, int]:
+    view = GraphView(graph)
+    index = {id(n): i for i, n in enumerate(graph.nodes)}
+    removed: set[int] = set()
+    placed: dict[int, Node] = {}
+    for mm in graph.nodes:
+        cand = _sinkhorn_candidate(mm, view) if mm.op == "matmul" and id(mm) not in removed else None
+        if cand is None:
+            continue
+        r, fn = cand[0], cand[1]
+        hc = int(r.shape[1])
+        post = int(fn.shape[0]) == (2 + hc) * hc
+        if not post and int(fn.shape[0]) != hc:
+            continue
+        for n_iter in range(MAX_SINKHORN_ITERS, 0, -1) if post else (0,):  # the longest spelling first
+            template, t_ins, t_outs = _sinkhorn_template(cand, post, n_iter)
+            found = _match_template(template, {t.id: g for t, g in zip(t_ins, cand[:4], strict=True)}, view)
+            if found is None:
+                continue
+            body, mapped = found
+            outs = [mapped[v.id] for v in t_outs]
+            roots = [view.producers[o.id] for o in outs]
+            at = max(index[id(n)] for n in body)
+            users_after = all(index[id(u)] > at for o in outs for u in view.users.get(o.id, []))
+            if inner_values_escape(body, roots, view.users, view.escaping) or not users_after:
+                break
+            attrs = O.HcPre(hc, cand[4], "sinkhorn", post=post, hc_eps=cand[5], n_iter=n_iter)
+            placed[at] = Node("hc_pre", tuple(cand[:4]), attrs, tuple(outs))
+            removed.update(id(n) for n in body)
+            break
+    nodes = []
+    for i, n in enumerate(graph.nodes):
+        if id(n) not in removed:
+            nodes.append(n)
+        if i in placed:
+            nodes.append(placed[i])
+    return graph.replace(nodes=nodes), len(placed)
+
+
 def fuse_hc(graph: Graph) -> Graph:
     fused, hits = _fuse_pre(graph)
-    fused = with_hits(fused, "fuse_hc", hits)
+    fused, sinkhorn_hits = _fuse_sinkhorn(fused)
+    fused = with_hits(fused, "fuse_hc", hits + sinkhorn_hits)
     return rewrite_graph(fused, POST_RULES, "fuse_hc")

@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import fixtures_compressed as compressed
 import fixtures_hyperconnected as hyperconnected
 import fixtures_latent as latent
 import fixtures_msa as msa
@@ -62,6 +63,7 @@ class ArchRecipe:
     expert_ff_key: bool = False  # writes {arch}.expert_feed_forward_length
     hybrid: bool = False  # gated delta-net + gated attention layers (fixtures_hybrid.py)
     hyper: bool = False  # qwen4exp: hyper-connections, QSA, PLE; its own tensor plan (fixtures_qwen4exp.py)
+    compressed: bool = False  # deepseek4: Sinkhorn HC, compressed attention; its own plan (fixtures_compressed.py)
     latent: bool = False  # MLA + the DSA indexer + sigmoid MoE; its own tensor plan (fixtures_latent.py)
     # hy_v3: layer 0 dense (when there are others), the others a sigmoid MoE selected by probs +
     # exp_probs_b with an ungated shared expert (fixture_spec.biased_moe_with_ungated_shared_expert),
@@ -77,6 +79,7 @@ RECIPES: dict[str, ArchRecipe] = {
     "qwen35": ArchRecipe(moe="never", qk_norm=True, hybrid=True),
     "qwen3next": ArchRecipe(moe="always", qk_norm=True, expert_ff_key=True, hybrid=True),
     "qwen4exp": ArchRecipe(moe="always", qk_norm=True, expert_ff_key=True, hyper=True),
+    "deepseek4": ArchRecipe(moe="always", compressed=True),
     "deepseek32": ArchRecipe(moe="always", latent=True),
     "glm-dsa": ArchRecipe(moe="always", latent=True),
     "hy_v3": ArchRecipe(moe="always", qk_norm=True, expert_ff_key=True, biased_moe=True),
@@ -120,6 +123,8 @@ def plan_tensors(arch: str, size: FixtureSize, opts: FixtureOptions) -> list[Ten
     if recipe.hyper:
 
         return hyperconnected.plan(s, opts)
+    if recipe.compressed:
+        return compressed.plan(s, opts)
     if recipe.latent:
         return latent.plan(arch, s, opts)
     if recipe.msa:
@@ -383,6 +388,9 @@ def write_fixture(
     _write_hparams(writer, arch, fs, opts, moe=any(t.name.endswith("_exps.weight") for t in specs))
     _write_tokenizer(writer, opts, vocab)
     for spec in specs:
+        if spec.kind == "expert_ids":
+            writer.add_tensor(spec.name, compressed.expert_ids(spec, seed, fs.n_expert))
+            continue
         _add_tensor(writer, spec, seed, storage_type(spec, qtype))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -399,6 +407,10 @@ def _add_tensor(writer: gguf.GGUFWriter, spec: TensorSpec, seed: int, qtype: str
 
 def _write_hparams(w: gguf.GGUFWriter, arch: str, s: FixtureSize, opts: FixtureOptions, *, moe: bool) -> None:
     w.add_name(f"ggufc-fixture-{arch}")
+    if RECIPES[arch].compressed:
+        compressed.write_hparams(w, s, opts)
+        w.add_vocab_size(s.vocab)
+        return
     w.add_context_length(s.n_ctx)
     w.add_embedding_length(s.n_embd)
     w.add_block_count(s.n_layer)

@@ -710,6 +710,54 @@ def qwen4exp_cases() -> list[Case]:
     ]
 
 
+def _compressed_score_case(ratio: int) -> Case:
+    def build(cg: CaseGraph) -> Graph:
+        ins = [cg.rows((3, 8)), cg.rows((3,)), cg.weight((N_CTX // ratio, 8)), cg.pos]
+        return cg.finish(cg.emit("compressed_score", ins, O.CompressedScore(ratio)))
+
+    return Case(f"compressed_score-r{ratio}", "compressed_score", build, group="compressed", calls=STATEFUL)
+
+
+def _compressed_attention_case(window: int, ratio: int, top_k: int) -> Case:
+    """Attention with sinks over a cache written this call, plus compressed rows (all of them, or
+    the top `top_k` by an indexer score when top_k > 0)."""
+
+    def build(cg: CaseGraph) -> Graph:
+        q = cg.rows((4, 8))
+        cache = cg.state((N_CTX, 8), "c")
+        kc = cg.emit("cache_write", [cache, cg.rows((8,)), cg.pos], O.NoAttrs())[0]
+        ins = [q, kc, cg.weight((4,)), cg.pos]
+        attrs = O.CompressedAttention(0.35, window, ratio, selected=top_k > 0)
+        if ratio:
+            rows_ = cg.weight((N_CTX // ratio, 8))
+            ins.append(rows_)
+        if top_k:
+            score = cg.emit("compressed_score", [cg.rows((2, 8)), cg.rows((2,)), rows_, cg.pos],
+                            O.CompressedScore(ratio))[0]
+            ins.append(cg.emit("topk", [score], O.TopK(top_k), 2)[1])
+        return cg.finish([cg.emit("compressed_attention", ins, attrs)[0]], {f"{cg.name}.c": kc})
+
+    return Case(f"compressed_attention-w{window}-r{ratio}-k{top_k}", "compressed_attention", build, group="compressed",
+                calls=STATEFUL)
+
+
+def compressed_cases() -> list[Case]:
+    """Compressed rows (deepseek4): the lightning indexer's scores, attention with sinks over a
+    sliding window, plus every complete row or the selected ones."""
+    return [
+        op_case("hc_post-comb", "hc_post", O.HcPost(comb=True), rows(4, 8), rows(8), rows(4), rows(4, 4),
+                group="compressed", calls=BOTH),
+        op_case("hc_pre-sinkhorn", "hc_pre", O.HcPre(4, 1e-5, "sinkhorn", hc_eps=1e-3, n_iter=3), rows(4, 8),
+                weight(24, 32), weight(3), weight(24), n_out=3, group="compressed", calls=BOTH),
+        op_case("hc_pre-sinkhorn-collapse", "hc_pre", O.HcPre(4, 1e-5, "sinkhorn", post=False, hc_eps=1e-3),
+                rows(4, 8), weight(4, 32), weight(1), weight(4), group="compressed", calls=BOTH),
+        _compressed_score_case(4),
+        _compressed_attention_case(3, 0, 0),
+        _compressed_attention_case(5, 4, 0),
+        _compressed_attention_case(5, 2, 3),
+    ]
+
+
 def _token_selected(cg: CaseGraph, width: int, di: int = 8) -> Value:
     """DSA: lightning-indexer scores over a prefilled key cache, then the token top-k."""
     ins = [cg.rows((2, di)), cg.state((N_CTX, di), "lid"), cg.rows((2,))]
@@ -883,6 +931,7 @@ CASES: list[Case] = [
     *int8_cases(),
     *recurrent_cases(),
     *qwen4exp_cases(),
+    *compressed_cases(),
     *dsa_cases(),
     *minimax_m3_cases(),
     *moe_routing_cases(),

@@ -92,6 +92,7 @@ def _cases() -> list[Case]:
     cases += _recurrent_cases()
     cases += _fused_cases()
     cases += _qwen4exp_cases()
+    cases += _compressed_cases()
     cases += _dsa_cases()
     cases += _minimax_m3_cases()
     cases += _moe_routing_cases()
@@ -125,6 +126,12 @@ def _qwen4exp_cases() -> list[Case]:
     cases += _both_t("hc_pre", O.HcPre(3, 1e-5), (streams, *hc_w, In("inject", (3, 15))))
     cases += _both_t("hc_pre", O.HcPre(3, 1e-6, post=False), (streams, *hc_w))
     cases += _both_t("hc_post", O.HcPost(), (streams, In("y", ("T", 5)), In("post", ("T", 3), "pos")))
+    sink = O.HcPre(3, 1e-5, "sinkhorn", hc_eps=1e-3, n_iter=3)
+    cases += _both_t("hc_pre", sink, (streams, In("fn", (15, 15)), In("scale", (3,)), In("base", (15,))))
+    cases += _both_t("hc_pre", O.HcPre(3, 1e-5, "sinkhorn", post=False, hc_eps=1e-3),
+                     (streams, In("fn", (3, 15)), In("scale", (1,)), In("base", (3,))))
+    cases += _both_t("hc_post", O.HcPost(comb=True),
+                     (streams, In("y", ("T", 5)), In("post", ("T", 3), "pos"), In("comb", ("T", 3, 3), "pos")))
     for ratio, n_rot in ((4, 4), (3, 6)):
         cache = In("cache", (12, 6))
         table = In("table", (12 // ratio + 1, n_rot // 2, 2))
@@ -141,6 +148,23 @@ def _qwen4exp_cases() -> list[Case]:
     cases += _both_t("attention", O.Attention(0.37, "additive"), (q, kc, vc, POS, In("m", ("T", "P+T"))), p=3)
     cases += _both_t("attention", O.Attention(0.37, "indices"),
                      (q, kc, vc, POS, In("sel", ("T", 3), "ids:5", "int32")), p=4)
+    return cases
+
+
+def _compressed_cases() -> list[Case]:
+    """Compressed rows (deepseek4): indexer scores and attention with sinks over a sliding window
+    plus all, or the selected, complete rows."""
+    cases: list[Case] = []
+    q_idx, rows_idx = In("q", ("T", 3, 6)), In("rows", (5, 6))
+    for p in (0, 6):
+        cases += _both_t("compressed_score", O.CompressedScore(2), (q_idx, In("w", ("T", 3)), rows_idx, POS), p=p)
+    q, cache, sinks = In("q", ("T", 4, 5)), In("cache", (CACHE, 5)), In("sinks", (4,))
+    rows = In("rows", (5, 5))
+    for p in (0, 5):
+        cases += _both_t("compressed_attention", O.CompressedAttention(0.37, 3), (q, cache, sinks, POS), p=p)
+        cases += _both_t("compressed_attention", O.CompressedAttention(0.37, 4, 2), (q, cache, sinks, POS, rows), p=p)
+        cases += _both_t("compressed_attention", O.CompressedAttention(0.37, 4, 2, selected=True),
+                         (q, cache, sinks, POS, rows, In("sel", ("T", 2), "ids:5", "int32")), p=p)
     return cases
 
 

@@ -2,9 +2,10 @@
 
 from types import ModuleType
 
-from . import deepseek32, glm_dsa, hy_v3, llama, minimax_m3, qwen3, qwen3moe, qwen3next, qwen4exp, qwen35
+from . import deepseek4, deepseek32, glm_dsa, hy_v3, llama, minimax_m3, qwen3, qwen3moe, qwen3next, qwen4exp, qwen35
 
 ARCHITECTURES: dict[str, ModuleType] = {
+    "deepseek4": deepseek4,
     "llama": llama,
     "minimax-m3": minimax_m3,
     "qwen3": qwen3,

@@ -1,0 +1,347 @@
+"""deepseek4 end to end: llama.cpp's goldens (dense, and CSA-sparse with indexer.top_k 4) through
+`ggufc eval` in all three feeding modes and through the reference interpreter.
+
+llama.cpp rounds the activations of F16-weight matmuls to F16 on the CPU; its own prefill and
+decode disagree by 3e-7 on this fixture, the sparse and dense goldens by 2.4e-3.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tvm
+from fixture_spec import FixtureSize
+from fixtures import full_options, write_fixture
+from tvm import relax
+
+from ggufc.cli import main
+from ggufc.codegen.build import kernel_weights, state_plan, weight_key
+from ggufc.codegen.lower import ModuleBuilder
+from ggufc.codegen.lower_context import plan_params
+from ggufc.codegen.target import cpu_target, resolve_target
+from ggufc.codegen.tvm_util import to_tvm
+from ggufc.driver.stages import optimise
+from ggufc.frontend.load import LoadedModel, load_model
+from ggufc.ir.decompose import decompose
+from ggufc.ir.graph import Graph
+from ggufc.ir.hyper_connections import hc_pre_ref
+from ggufc.ir.interp import init_state, run_graph
+from ggufc.passes.constant_fold import with_constants
+from ggufc.passes.pipeline import run_pipeline
+
+GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
+DENSE = GOLDEN / "fixtures" / "deepseek4-moe-F16.gguf"
+needs_golden = pytest.mark.skipif(not DENSE.exists(), reason=f"llama.cpp goldens not found at {GOLDEN}")
+MODES = {None: "logits_prefill", 1: "logits_decode", 7: "logits_chunk7"}
+
+
+def nmse(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.mean((np.asarray(a, np.float64) - b) ** 2) / np.mean(np.asarray(b, np.float64) ** 2))
+
+
+def interpret(model: LoadedModel, graph: Graph, tokens: np.ndarray, chunk: int, dtype: Any = np.float32,
+              traced: tuple[str, ...] = ()) -> tuple[np.ndarray, dict[str, list[np.ndarray]]]:
+    """Logits of `graph` for `tokens` fed `chunk` at a time from an empty context, and the traced
+    values (by name) of every call."""
+    state = init_state(graph, {}, dtype)
+    load = with_constants(graph, model.param_loader())
+    ids = {o.label: o.id for n in graph.nodes for o in n.outputs}
+    parts, seen = [], {name: [] for name in traced}  # type: ignore[var-annotated]
+    for start in range(0, len(tokens), chunk):
+        res = run_graph(graph, {"tokens": tokens[start : start + chunk], "pos": np.int64(start)}, load, state,
+                        dtype=dtype, trace=bool(traced))
+        state = res.state
+        parts.append(res.outputs[0])
+        for name in traced:
+            seen[name].append(res.trace[ids[name]])
+    return np.concatenate(parts), seen
+
+
+@pytest.fixture(scope="module")
+def sparse_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The dense fixture with indexer.top_k = 4, set by the gguf package's gguf-set-metadata."""
+    if not DENSE.exists():
+        pytest.skip("llama.cpp goldens absent")
+    path = tmp_path_factory.mktemp("sparse") / "deepseek4-moe-F16-sparse.gguf"
+    shutil.copyfile(DENSE, path)
+    path.chmod(0o644)
+    cmd = [sys.executable, "-m", "gguf.scripts.gguf_set_metadata", str(path), "deepseek4.attention.indexer.top_k",
+           "4", "--force"]
+    subprocess.run(cmd, check=True, capture_output=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("ggufc-cache")
+
+
+def _eval(path: Path, tokens: np.ndarray, chunk: int | None, tmp: Path, cache: Path,
+          monkeypatch: pytest.MonkeyPatch) -> np.ndarray:
+    monkeypatch.setenv("GGUFC_CACHE", str(cache))
+    np.save(tmp / "tokens.npy", tokens.astype(np.int32))
+    argv = ["eval", str(path), "--tokens", str(tmp / "tokens.npy"), "--out", str(tmp / "logits.npy")]
+    assert main(argv + ([] if chunk is None else ["--chunk", str(chunk)])) == 0
+    return np.load(tmp / "logits.npy")
+
+
+@needs_golden
+@pytest.mark.parametrize("chunk", list(MODES))
+def test_dense_golden_through_eval(chunk: int | None, tmp_path: Path, cache: Path,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Measured 3.74e-7 (prefill, chunks of 7) and 3.60e-7 (decode)."""
+    golden = np.load(GOLDEN / "logits" / "deepseek4-moe-F16.npz")
+    logits = _eval(DENSE, golden["tokens"], chunk, tmp_path, cache, monkeypatch)
+    assert logits.shape == golden[MODES[chunk]].shape and logits.dtype == np.float32
+    assert nmse(logits, golden[MODES[chunk]]) < 1e-6
+
+
+@needs_golden
+@pytest.mark.slow
+@pytest.mark.parametrize("chunk", list(MODES))
+def test_sparse_golden_through_eval(chunk: int | None, sparse_path: Path, tmp_path: Path, cache: Path,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Measured 3.81e-7 (prefill, chunks of 7) and 3.66e-7 (decode); sparse vs dense goldens: 2.4e-3."""
+    golden = np.load(GOLDEN / "logits" / "deepseek4-moe-F16-sparse.npz")
+    logits = _eval(sparse_path, golden["tokens"], chunk, tmp_path, cache, monkeypatch)
+    assert nmse(logits, golden[MODES[chunk]]) < 1e-6
+    assert nmse(logits, golden[MODES[chunk]]) * 100 < nmse(logits, np.load(
+        GOLDEN / "logits" / "deepseek4-moe-F16.npz")[MODES[chunk]])
+
+
+@needs_golden
+def test_interpreter_matches_both_goldens(sparse_path: Path) -> None:
+    """The reference interpreter (the spec) against llama.cpp, dense and sparse, one batch."""
+    for path, name in ((DENSE, "deepseek4-moe-F16"), (sparse_path, "deepseek4-moe-F16-sparse")):
+        golden = np.load(GOLDEN / "logits" / f"{name}.npz")
+        model = load_model(path, 64)
+        logits, _ = interpret(model, model.graphs["prefill_all"], golden["tokens"].astype(np.int32), 64)
+        assert nmse(logits, golden["logits_prefill"]) < 1e-6, name
+
+
+# ---------------------------------------------------------------------------------------------
+# the project's fixture: CSA (with hash routing), sliding window, HCA; 140 tokens complete an HCA block
+
+
+FIXTURE_SIZE = FixtureSize(n_layer=3, n_ctx=160)
+N_TOKENS = 140
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    path = write_fixture("deepseek4", tmp_path_factory.mktemp("ds4") / "deepseek4.gguf", size=FIXTURE_SIZE,
+                         **full_options("deepseek4"))
+    return load_model(path, FIXTURE_SIZE.n_ctx)
+
+
+def project_tokens(model: LoadedModel) -> np.ndarray:
+    return np.random.default_rng(7).integers(0, model.hparams.n_vocab, N_TOKENS).astype(np.int32)
+
+
+def test_fixture_has_every_layer_kind(project: LoadedModel) -> None:
+    hp = project.hparams
+    assert hp.ratios == (4, 0, 128) and hp.hash_layers == 1 and hp.window < N_TOKENS
+    assert hp.idx_top_k < N_TOKENS // 4 and hp.yarn is not None and hp.yarn.ext_factor == 1.0
+    ops = {n.op for n in project.graphs["prefill_all"].nodes}
+    assert {"compressed_score", "compressed_attention", "topk"} <= ops
+
+
+def test_chunks_of_every_size_equal_one_shot(project: LoadedModel) -> None:
+    """Chunks of 1..7 tokens (every offset of a compressor block of 4 and its window of 8, and of
+    HCA's block of 128): the compressor states carry the incomplete blocks, so logits and the CSA
+    selection (as sets per query) are the one-shot ones (float64 interpreter)."""
+    tokens = project_tokens(project)
+    graph = project.graphs["prefill_all"]
+    one_shot, seen = interpret(project, graph, tokens, N_TOKENS, np.float64, ("lid_top_k@0",))
+    want = seen["lid_top_k@0"][0]
+    for chunk in range(1, 8):
+        logits, got = interpret(project, graph, tokens, chunk, np.float64, ("lid_top_k@0",))
+        assert nmse(logits, one_shot) < 1e-20, f"chunks of {chunk}"
+        sel = np.concatenate(got["lid_top_k@0"])
+        for t in range(N_TOKENS):
+            assert _visible(sel[t], t) == _visible(want[t], t), f"chunks of {chunk}, query {t}"
+
+
+def _visible(row: np.ndarray, t: int, ratio: int = 4) -> set[int]:
+    """The selected compressed rows a query at position t can see (complete blocks)."""
+    return {int(j) for j in row if 0 <= j and (j + 1) * ratio <= t + 1}
+
+
+@dataclass
+class Compiled:
+    model: LoadedModel
+    graph: Graph  # the optimised all-logits graph (outputs: logits, the CSA selection, its scores)
+    vm: Any
+    params: list[Any]
+    states: list[tuple[str, tuple[int, ...], str]]
+
+    def run(self, tokens: np.ndarray, chunk: int) -> list[np.ndarray]:
+        states = [to_tvm(np.zeros(s, d)) for _, s, d in self.states]
+        fn = "decode" if chunk == 1 else "prefill_all"
+        parts: list[list[np.ndarray]] = [[] for _ in self.graph.outputs]
+        for start in range(0, len(tokens), chunk):
+            out = self.vm[fn](to_tvm(tokens[start : start + chunk].astype(np.int32)),
+                              tvm.runtime.ShapeTuple([start]), states, self.params)
+            for i in range(len(self.graph.outputs)):
+                parts[i].append(out[i].numpy())
+        return [np.concatenate(p) for p in parts]
+
+
+@pytest.fixture(scope="module")
+def compiled(project: LoadedModel) -> Compiled:
+    """The passes, then one Relax module (all-logits prefill and decode) with the CSA selection
+    and its scores as extra outputs."""
+    graphs, _ = optimise({"prefill_all": project.graphs["prefill_all"]}, frozenset(), cpu_target())
+    graph = graphs["prefill_all"]
+    topk = next(n for n in graph.nodes if n.op == "topk" and n.outputs[1].name == "lid_top_k")
+    score = next(n for n in graph.nodes if n.op == "compressed_score").outputs[0]
+    graph = graph.replace(outputs=[graph.outputs[0], topk.outputs[1], score])
+    layouts = plan_params([graph])
+    states = state_plan(graph)
+    mb = ModuleBuilder(resolve_target("llvm"), layouts, states)
+    mb.add_function("prefill_all", graph)
+    mb.add_function("decode", graph, fixed_tokens=1)
+    mod = mb.module()
+    for fn in ("prefill_all", "decode"):
+        gv = mod.get_global_var(fn)
+        mod[gv] = mod[gv].with_attr("tir_var_upper_bound", {"n": N_TOKENS, "p": project.n_ctx})
+    ex = tvm.compile(mod, target=mb.target, relax_pipeline=relax.pipeline.default_build_pipeline())
+    weights = kernel_weights(project, layouts)
+    params = [to_tvm(weights[weight_key(lay.source, f)]) for lay in layouts for f, _, _ in lay.arrays]
+    return Compiled(project, graph, tvm.runtime.vm.VirtualMachine(ex, tvm.cpu()), params, states)
+
+
+def test_compiled_matches_reference_in_every_chunking(compiled: Compiled) -> None:
+    tokens = project_tokens(compiled.model)
+    one_shot = compiled.run(tokens, N_TOKENS)[0]
+    reference, _ = interpret(compiled.model, compiled.graph, tokens, N_TOKENS, np.float64)
+    assert nmse(one_shot, reference) < 1e-9
+    for chunk in range(1, 8):
+        assert nmse(compiled.run(tokens, chunk)[0], one_shot) < 1e-9, f"chunks of {chunk}"
+
+
+def test_compiled_selection_equals_reference(compiled: Compiled) -> None:
+    """The compiled indexer keeps exactly the compressed rows the numpy reference keeps (sets of
+    visible rows per query), one-shot, in chunks of 7 and in decode. Clear margins: at every query
+    that drops rows, the kept and the best dropped score are apart by more than float32 noise."""
+    model = compiled.model
+    tokens = project_tokens(model)
+    k = model.hparams.idx_top_k
+    _, seen = interpret(model, compiled.graph, tokens, N_TOKENS, np.float64, ("lid_score@0", "lid_top_k@0"))
+    scores, want = seen["lid_score@0"][0], seen["lid_top_k@0"][0]
+    dropping = 0
+    for t in range(N_TOKENS):
+        visible = np.sort(scores[t][np.isfinite(scores[t])])[::-1]
+        if len(visible) > k:
+            dropping += 1
+            assert visible[k - 1] - visible[k] > 1e-4 * max(abs(visible[k - 1]), 1e-3), f"near tie at query {t}"
+    assert dropping >= 100  # queries whose complete rows exceed the budget
+    for chunk in (N_TOKENS, 7, 1):
+        got = compiled.run(tokens, chunk)[1]
+        for t in range(N_TOKENS):
+            assert _visible(got[t], t) == _visible(want[t], t), f"chunks of {chunk}, query {t}"
+
+
+def test_hash_layer_routes_by_token(project: LoadedModel) -> None:
+    """Layer 0 picks the experts ffn_gate_tid2eid lists for each token (whatever the scores say),
+    its weights are the normalised, scaled sqrt-softplus scores of those experts."""
+    tokens = project_tokens(project)[:16]
+    graph = project.graphs["prefill_all"]
+    _, seen = interpret(project, graph, tokens, 16, np.float64,
+                        ("ffn_moe_ids@0", "ffn_moe_logits@0", "ffn_moe_weights_scaled@0", "ffn_moe_ids@1"))
+    table = np.asarray(project.gguf.tensors["blk.0.ffn_gate_tid2eid.weight"].data).view(np.int32)
+    table = table.reshape(project.hparams.n_vocab, -1)
+    ids = seen["ffn_moe_ids@0"][0]
+    for t, tok in enumerate(tokens):
+        assert set(ids[t].tolist()) == set(table[tok].tolist())
+    logits = seen["ffn_moe_logits@0"][0]
+    probs = np.sqrt(np.where(logits > 20, logits, np.log1p(np.exp(logits))))
+    picked = np.take_along_axis(probs, ids.astype(np.int64), 1)
+    want = picked / picked.sum(1, keepdims=True) * project.hparams.weights_scale
+    np.testing.assert_allclose(seen["ffn_moe_weights_scaled@0"][0], want, rtol=1e-12)
+    routed = seen["ffn_moe_ids@1"][0]  # a scored layer does not follow the table
+    assert any(set(routed[t].tolist()) != set(table[tok].tolist()) for t, tok in enumerate(tokens))
+
+
+# ---------------------------------------------------------------------------------------------
+# the Sinkhorn mix and the fusions
+
+
+def test_sinkhorn_comb_is_doubly_stochastic_within_the_eps_rule() -> None:
+    """float64 reference: after the last column round every column (sum over sources) is
+    S / (S + eps), just below 1; rows (sum over destinations) converge to 1 with the rounds."""
+    rng = np.random.default_rng(3)
+    hc, e, t, eps = 4, 8, 5, 1e-6
+    r = rng.standard_normal((t, hc, e))
+    fn = 0.1 * rng.standard_normal(((2 + hc) * hc, hc * e))
+    scale, base = rng.uniform(0.5, 2, 3), rng.standard_normal(24)
+    row_err = []
+    for n_iter in (1, 3, 20):
+        _, post, comb = hc_pre_ref([r, fn, scale, base], hc, 1e-5, "sinkhorn", True, eps, n_iter)
+        cols = comb.sum(axis=1)  # S / (S + eps), S the column sums before the last round
+        assert np.all(cols < 1.0) and np.all(cols > 1.0 - 1e-3)
+        assert np.all(comb > 0) and np.all((post > 0) & (post < 2))
+        row_err.append(float(np.max(np.abs(comb.sum(axis=2) - 1.0))))
+    assert row_err[2] < 1e-4 and row_err[2] < row_err[1] < row_err[0]
+
+
+def _ops(graph: Graph) -> Counter[str]:
+    return Counter(n.op if n.op != "hc_pre" else f"hc_pre:{n.attrs.rule}" for n in graph.nodes)
+
+
+def test_fusions_hit_and_compute_the_unfused_graph(project: LoadedModel) -> None:
+    """fuse_hc: per layer two Sinkhorn mixes and two comb combines, plus the final collapse; the
+    fused, decomposed and unfused graphs agree (float64); switched off, nothing is fused."""
+    graph = project.graphs["prefill_all"]
+    fused, stats = run_pipeline(graph)
+    n = project.hparams.n_layer
+    ops = _ops(fused)
+    assert ops["hc_pre:sinkhorn"] == 2 * n + 1 and ops["hc_post"] == 2 * n and stats["fuse_hc"] == 4 * n + 1
+    assert all(a.n_iter == 3 for a in (nd.attrs for nd in fused.nodes if nd.op == "hc_pre" and nd.attrs.post))
+    off, off_stats = run_pipeline(graph, disabled=frozenset({"fuse_hc"}))
+    assert "fuse_hc" not in off_stats and not {"hc_pre:sinkhorn", "hc_post"} & set(_ops(off))
+    tokens = project_tokens(project)[:20]
+    want, _ = interpret(project, graph, tokens, 20, np.float64)
+    for g in (fused, decompose(fused)):
+        got, _ = interpret(project, g, tokens, 20, np.float64)
+        assert nmse(got, want) < 1e-24
+
+
+def test_inspect_lists_the_fusions(sparse_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", str(sparse_path)]) == 0
+    out = capsys.readouterr().out
+    assert "deepseek4" in out and "fuse_hc: 17" in out and "fuse_moe: 4" in out
+
+
+def _decode_calls(model: LoadedModel, passes: bool) -> Counter[str]:
+    """Kernel calls of one decode step's Relax function."""
+    graphs = optimise(dict(model.graphs), frozenset())[0] if passes else dict(model.graphs)
+    mb = ModuleBuilder(resolve_target("llvm"), plan_params(list(graphs.values())), state_plan(graphs["prefill"]))
+    mb.add_function("decode", graphs["prefill"], fixed_tokens=1)
+    found: list[str] = []
+
+    def visit(e: Any) -> None:
+        if isinstance(e, relax.Call) and getattr(e.op, "name", "") in ("relax.call_tir", "relax.call_tir_inplace"):
+            found.append(e.args[0].name_hint.split("_", 1)[1])
+
+    relax.analysis.post_order_visit(mb.module()["decode"].body, visit)
+    return Counter(found)
+
+
+@needs_golden
+def test_decode_kernel_count(sparse_path: Path) -> None:
+    """A decode step of the 4-layer golden (window, window, CSA top 4, HCA): per layer two Sinkhorn
+    mixes and two combines plus the collapse, one compressed attention per layer and one indexer
+    score for the CSA layer; the fused step runs less than half the unfused one's kernels."""
+    model = load_model(sparse_path, 256)
+    fused, unfused = _decode_calls(model, True), _decode_calls(model, False)
+    assert (fused["hc_pre"], fused["hc_post"], fused["compressed_attention"], fused["compressed_score"]) == (9, 8, 4, 1)
+    assert sum(fused.values()) < sum(unfused.values()) / 2, (sum(fused.values()), sum(unfused.values()))
