@@ -39,6 +39,7 @@ from .lower_context import (
     weight_args,
 )
 from .schedule import PRESCHEDULED, schedule_cpu
+from .target import UnsupportedOnTarget
 
 
 class ModuleBuilder:
@@ -357,5 +358,5 @@ LOWERING: dict[str, Callable[[FunctionContext, Node], list[Any]]] = {
 def lower_node(fc: FunctionContext, node: Node) -> list[Any]:
     lower = LOWERING.get(node.op)
     if lower is None:
-        raise NotImplementedError(f"no {fc.mb.target.kind.name} lowering for op '{node.op}' ({node.outputs[0].label})")
+        raise UnsupportedOnTarget(f"no {fc.mb.target.kind.name} lowering for op '{node.op}' ({node.outputs[0].label})")
     return lower(fc, node)

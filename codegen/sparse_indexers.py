@@ -38,6 +38,7 @@ from . import kernel_keys as KK
 from . import kernels as K
 from .kernels import PShape, f32, func, i64, with_root_block
 from .lower_context import GPU_KINDS, FunctionContext, call_args, tensor_dims
+from .target import UnsupportedOnTarget
 
 THREADS = 64  # GPU threads per workgroup
 I32_MAX = (1 << 31) - 1
@@ -890,8 +891,8 @@ def compressed_attention(q_shape: PShape, n_cells: int, a: O.CompressedAttention
 
 def _cpu_only(fc: FunctionContext, node: Node) -> None:
     if fc.mb.target.kind.name in GPU_KINDS:
-        raise NotImplementedError(f"{node.op} ({node.outputs[0].label}): compressed attention has CPU kernels only "
-                                  "so far; compile deepseek4 for the llvm target")
+        raise UnsupportedOnTarget(f"{node.op} ({node.outputs[0].label}): compressed attention has CPU kernels only "
+                                  "so far; compile this model for the llvm target")
 
 
 def _compressed_score(fc: FunctionContext, node: Node) -> list[Any]:

@@ -47,6 +47,10 @@ def resolve_target(target: str | dict | tvm.target.Target) -> tvm.target.Target:
     raise ValueError(f"unknown target '{target}' (supported: llvm, cuda[:sm_XY,...], vulkan, metal)")
 
 
+class UnsupportedOnTarget(ValueError):
+    """An op this target has no kernel for yet: a one-line refusal of the compile, not a bug."""
+
+
 GPU_TARGETS = ("cuda", "vulkan", "metal")
 
 

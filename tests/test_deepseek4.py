@@ -345,3 +345,16 @@ def test_decode_kernel_count(sparse_path: Path) -> None:
     fused, unfused = _decode_calls(model, True), _decode_calls(model, False)
     assert (fused["hc_pre"], fused["hc_post"], fused["compressed_attention"], fused["compressed_score"]) == (9, 8, 4, 1)
     assert sum(fused.values()) < sum(unfused.values()) / 2, (sum(fused.values()), sum(unfused.values()))
+
+
+def test_gpu_targets_refuse_compressed_attention_in_one_line(tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """Compressed attention has CPU kernels only so far: a GPU compile stops with one line naming
+    the op, exit 1, and writes no artifact."""
+    out = tmp_path / "artifact"
+    rc = main(["compile", str(GOLDEN / "fixtures" / "deepseek4-moe-F16.gguf"), "-t", "vulkan", "-o", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert rc == 1
+    assert err.startswith("ggufc: error: compressed_") and "CPU kernels only so far" in err, err
+    assert "internal error" not in err
+    assert not out.exists()
