@@ -60,10 +60,15 @@ def silu_mul8(g: tirx.PrimExpr, u: tirx.PrimExpr) -> tirx.PrimExpr:
     return g / (T.broadcast(T.float32(1), 8) + expf8(T.broadcast(T.float32(0), 8) - g)) * u
 
 
-def swiglu(k: int) -> tirx.PrimFunc:
-    """`(gate [T, K], up [T, K], y [T, K])`, y = silu(gate) * up (K a multiple of 8), a task per token."""
+def swiglu(k: int, column_tasks: int = 1) -> tirx.PrimFunc:
+    """`(gate [T, K], up [T, K], y [T, K])`, y = silu(gate) * up (K a multiple of 8), a task per token.
+
+    Knob (`ggufc tune`, codegen/kernel_knobs.py): `column_tasks` > 1 splits each token's 8-lane
+    vectors over that many tasks (a decode step has one token); every value's arithmetic is the same."""
     if k % 8:
         raise ValueError(f"swiglu: width {k} is not a multiple of 8")
+    if column_tasks > 1:
+        return _swiglu_split(k, column_tasks)
     K = T.int64(k)
 
     @T.prim_func(private=True)
@@ -76,5 +81,27 @@ def swiglu(k: int) -> tirx.PrimFunc:
         for t in T.parallel(t_len):
             for c in range(k // 8):
                 y[t, c * 8:c * 8 + 8] = silu_mul8(g.vload([t, c * 8], "float32x8"), u.vload([t, c * 8], "float32x8"))
+
+    return swiglu_cpu
+
+
+def _swiglu_split(k: int, tasks: int) -> tirx.PrimFunc:
+    """swiglu with each token's k/8 vectors split over `tasks` parallel tasks."""
+    K = T.int64(k)
+    per = -(-(k // 8) // tasks)  # vectors per task, the last task takes the rest
+
+    @T.prim_func(private=True)
+    def swiglu_cpu(g_h: T.handle, u_h: T.handle, y_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        t_len = T.int64()
+        g = T.match_buffer(g_h, (t_len, K), "float32")
+        u = T.match_buffer(u_h, (t_len, K), "float32")
+        y = T.match_buffer(y_h, (t_len, K), "float32")
+        for tp in T.parallel(t_len * tasks):
+            for ci in range(per):
+                if (tp % tasks) * per + ci < k // 8:
+                    y[tp // tasks, ((tp % tasks) * per + ci) * 8:((tp % tasks) * per + ci) * 8 + 8] = silu_mul8(
+                        g.vload([tp // tasks, ((tp % tasks) * per + ci) * 8], "float32x8"),
+                        u.vload([tp // tasks, ((tp % tasks) * per + ci) * 8], "float32x8"))
 
     return swiglu_cpu

@@ -179,7 +179,8 @@ def int8_gemv(qtype: str, n: int, k: int, target: tvm.target.Target) -> tirx.Pri
 
 
 def int8_gemv_group(qtype: str, ns: tuple[int, ...], k: int, target: tvm.target.Target,
-                    prologue: tuple[Any, ...] = (), residual: bool = False) -> tirx.PrimFunc:
+                    prologue: tuple[Any, ...] = (), residual: bool = False, *,
+                    prefetch_groups: int = PREFETCH_GROUPS, groups_per_task: int = 1) -> tirx.PrimFunc:
     """Up to MAX_GROUP GEMVs of one input (a layer's q/k/v, its gate/up) in one kernel: one
     quantisation of x, one parallel loop over the row groups of every matrix.
     `(x [1, K], *weights of matrix 1, ..., *weights of matrix G, y_1 [1, N_1], ..., y_G [1, N_G])`.
@@ -188,7 +189,11 @@ def int8_gemv_group(qtype: str, ns: tuple[int, ...], k: int, target: tvm.target.
     ("rms_norm", eps) takes `(x, w [K], ...)` and normalises x; ("swiglu",) takes `(gate, up [1, K],
     ...)` and computes silu(gate) * up, with llama.cpp's vector exp (cpu_vec.expf8).
     `residual` (one matrix only) takes `res [1, N]` after the weights: y = res + W x, the same
-    float sum as a separate add."""
+    float sum as a separate add.
+
+    Knobs (`ggufc tune`, codegen/kernel_knobs.py), neither changing any output's float order:
+    `prefetch_groups`, how many row groups ahead a task prefetches weight bytes; `groups_per_task`,
+    consecutive row groups one parallel task takes (1: one task per row group)."""
     intrin = int8_dot_intrinsic(target)
     if intrin is None or not 1 <= len(ns) <= MAX_GROUP or not all(int8_gemv_supported(qtype, n, k, target) for n in ns):
         raise NotImplementedError(f"no 8-bit GEMV for {qtype} {list(ns)} x {k} on {target}")
@@ -199,7 +204,7 @@ def int8_gemv_group(qtype: str, ns: tuple[int, ...], k: int, target: tvm.target.
         raise ValueError("int8 GEMV: a residual add needs a single matrix")
     stage = _input_stage(prologue, k)
     fields = [name for name, _, _ in layout_spec(qtype, (ns[0], k))]
-    func = _gemv(qtype, ns, k, intrin, stage, residual)
+    func = _gemv(qtype, ns, k, intrin, stage, residual, prefetch_groups, groups_per_task)
     unused = {f"{name}{slot}" for slot in range(len(ns) + 1, MAX_GROUP + 1) for name in ("wd", "wm", "wq4", "wq8", "y")}
     absent = {"Q8_0": ("wm", "wq4"), "Q4_0": ("wm", "wq8"), "Q4_1": ("wq8",)}[qtype]  # fields the type lacks
     unused |= {f"{name}{slot}" for slot in range(1, MAX_GROUP + 1) for name in absent}
@@ -324,7 +329,8 @@ def _lane(v: tirx.PrimExpr, i: tirx.PrimExpr) -> tirx.PrimExpr:
     return T.call_llvm_pure_intrin("float32x8", "llvm.x86.avx2.permps", v, T.broadcast(T.Cast("int32", i), 8))
 
 
-def _q4_steps(intrin: str, has_min: bool, rows: int, n_blocks: int, tt: int = 1) -> Callable[..., None]:
+def _q4_steps(intrin: str, has_min: bool, rows: int, n_blocks: int, tt: int = 1,
+              prefetch_groups: int = PREFETCH_GROUPS) -> Callable[..., None]:
     """The row-group macro of the Q4_0/Q4_1 kernels: rows [jo * rows, jo * rows + rows) of one
     matrix for tokens [t, t + tt), in llama.cpp's order (ggml_vec_dot_q4_{0,1}_q8_{0,1}, AVX2): per
     block, an 8-lane integer dot (lane j: values 4j..4j+3) converted to float and accumulated as
@@ -379,7 +385,7 @@ def _q4_steps(intrin: str, has_min: bool, rows: int, n_blocks: int, tt: int = 1)
         # d_w d_a of every block and token, each product rounded as llama.cpp's; the loop below
         # broadcasts them from memory (a load, not a shuffle)
         scales = T.alloc_buffer((rows * tt, n_blocks), "float32")  # small: a stack array per task
-        ahead = T.meta_var(T.min(jo + PREFETCH_GROUPS, n // rows - 1))
+        ahead = T.meta_var(T.min(jo + prefetch_groups, n // rows - 1))
         for r in T.unroll(rows):
             for u in T.unroll(tt):
                 acc[r * tt + u, 0:8] = T.broadcast(T.float32(0), 8)
@@ -410,7 +416,7 @@ def _q4_steps(intrin: str, has_min: bool, rows: int, n_blocks: int, tt: int = 1)
     return row_group
 
 
-def _q8_steps(intrin: str, rows: int, n_blocks: int) -> Callable[..., None]:
+def _q8_steps(intrin: str, rows: int, n_blocks: int, prefetch_groups: int = PREFETCH_GROUPS) -> Callable[..., None]:
     """The row-group macro of the Q8_0 kernels, in llama.cpp's order (ggml_vec_dot_q8_0_q8_0, AVX2,
     and tinyBLAS's Q8_0 GEMM): per block acc = fma(d_w d_a, 8-lane dot, acc), then hsum_float_8."""
     n_octs = n_blocks // 8  # 8-block runs whose scales d_w d_a form one vector
@@ -431,7 +437,7 @@ def _q8_steps(intrin: str, rows: int, n_blocks: int) -> Callable[..., None]:
         wd_flat = T.decl_buffer((n * n_blocks,), "float16", data=wd.data)
         acc = T.alloc_buffer((rows, 8), "float32")  # small: a stack array per task
         s8 = T.alloc_buffer((rows, 8), "float32")  # small: a stack array per task
-        ahead = T.meta_var(T.min(jo + PREFETCH_GROUPS, n // rows - 1))
+        ahead = T.meta_var(T.min(jo + prefetch_groups, n // rows - 1))
         for r in T.unroll(rows):
             acc[r, 0:8] = T.broadcast(T.float32(0), 8)
         for o in range(n_octs):
@@ -473,7 +479,7 @@ def _starts(n_blocks: int, offset: int) -> Callable[..., None]:
 
 
 def _gemv(qtype: str, ns: tuple[int, ...], k: int, intrin: str, stage: Stage | None,
-          residual: bool) -> tirx.PrimFunc:
+          residual: bool, prefetch_groups: int = PREFETCH_GROUPS, groups_per_task: int = 1) -> tirx.PrimFunc:
     """The grouped GEMV body for every weight type: per slot the fields of Q4 (`wd`, `wm`, `wq4`)
     and Q8 (`wd`, `wq8`) weights; int8_gemv_group drops the parameters a type or group leaves unused."""
     n_blocks, rows, group, is_q8 = k // 32, ROWS, len(ns), qtype == "Q8_0"
@@ -481,9 +487,11 @@ def _gemv(qtype: str, ns: tuple[int, ...], k: int, intrin: str, stage: Stage | N
     (n1, n2, n3), (g1, g2, g3) = _slots(ns)
     _, prologue = _quantize_prologue(_q8_pos, stage, k)
     add_residual = _residual_adder(residual)
-    q4_rows = _q4_steps(intrin, has_min, rows, n_blocks)
-    q8_rows = _q8_steps(intrin, rows, n_blocks)
+    q4_rows = _q4_steps(intrin, has_min, rows, n_blocks, prefetch_groups=prefetch_groups)
+    q8_rows = _q8_steps(intrin, rows, n_blocks, prefetch_groups)
     starts = _starts(n_blocks, 128 if is_q8 else 0 if has_min else 8)
+    n_groups = g1 + (g2 if group >= 2 else 0) + (g3 if group >= 3 else 0)
+    split = max(1, int(groups_per_task))
 
     @T.macro
     def row_group(wd, wm, wq4, wq8, y, n, jo, xb, xd, xss, xc):  # type: ignore[no-untyped-def]
@@ -491,6 +499,16 @@ def _gemv(qtype: str, ns: tuple[int, ...], k: int, intrin: str, stage: Stage | N
             q8_rows(wd, wq8, y, n, jo, 0, xb, xd, xc)
         else:
             q4_rows(wd, wm, wq4, y, n, jo, 0, xb, xd, xss, xc)
+
+    @T.macro
+    def slot_group(wd1, wm1, wq41, wq81, wd2, wm2, wq42, wq82, wd3, wm3, wq43, wq83,  # type: ignore[no-untyped-def]
+                   y1, y2, y3, jo, xb, xd, xss, xc):
+        if jo < g1:
+            row_group(wd1, wm1, wq41, wq81, y1, n1, jo, xb, xd, xss, xc)
+        elif group >= 2 and jo < g1 + g2:
+            row_group(wd2, wm2, wq42, wq82, y2, n2, jo - g1, xb, xd, xss, xc)
+        elif group >= 3:
+            row_group(wd3, wm3, wq43, wq83, y3, n3, jo - g1 - g2, xb, xd, xss, xc)
 
     @T.prim_func
     def gemv(x: T.Buffer((1, k), "float32"), xw: T.Buffer((k,), "float32"), xu: T.Buffer((1, k), "float32"),
@@ -509,13 +527,16 @@ def _gemv(qtype: str, ns: tuple[int, ...], k: int, intrin: str, stage: Stage | N
         prologue(x, xw, xu, xb, xd, xs, xss, n_blocks)
         xc = T.alloc_buffer((1, n_blocks * 8), "int32")
         starts(xb, xc, 0)
-        for jo in T.parallel(g1 + (g2 if group >= 2 else 0) + (g3 if group >= 3 else 0)):
-            if jo < g1:
-                row_group(wd1, wm1, wq41, wq81, y1, n1, jo, xb, xd, xss, xc)
-            elif group >= 2 and jo < g1 + g2:
-                row_group(wd2, wm2, wq42, wq82, y2, n2, jo - g1, xb, xd, xss, xc)
-            elif group >= 3:
-                row_group(wd3, wm3, wq43, wq83, y3, n3, jo - g1 - g2, xb, xd, xss, xc)
+        if split == 1:
+            for jo in T.parallel(n_groups):
+                slot_group(wd1, wm1, wq41, wq81, wd2, wm2, wq42, wq82, wd3, wm3, wq43, wq83, y1, y2, y3, jo,
+                           xb, xd, xss, xc)
+        else:  # `split` consecutive row groups per task
+            for task in T.parallel((n_groups + split - 1) // split):
+                for part in range(split):
+                    if task * split + part < n_groups:
+                        slot_group(wd1, wm1, wq41, wq81, wd2, wm2, wq42, wq82, wd3, wm3, wq43, wq83, y1, y2, y3,
+                                   task * split + part, xb, xd, xss, xc)
         add_residual(res, y1, n1)
 
     return gemv

@@ -9,7 +9,11 @@ That covers the decode matmuls (T = 1), norms and elementwise kernels; it leaves
 shape or loop bounds depend on the cache position or on the token count (rope, attention, cache
 writes, embeddings, MoE expert matmuls, every prefill kernel), which keep their default schedules.
 Quantized matmuls are tuned from their unscheduled compute definition (`quant.gemv_compute`), the
-others from the PrimFunc their lowering makes before `schedule_cpu`.
+others from the PrimFunc their lowering makes before `schedule_cpu`. The hand-written CPU kernels
+(the 8-bit GEMV groups, the vector SwiGLU) are tuned through their knobs instead
+(codegen/kernel_knobs.py): a round times the next untried knob settings against the default
+kernel, each committed to `knob_records.jsonl` as soon as it is measured; everything else (budget,
+priority, the index, `--tuning-min-speedup`) is shared with MetaSchedule's workloads.
 
 The database (DIR):
     index.json                  one entry per workload: key, target, label, models using it (calls
@@ -18,7 +22,14 @@ The database (DIR):
     workloads/<hash>/           MetaSchedule's JSONDatabase for that workload (records are committed
                                 as they are measured, so an interrupted session loses at most the
                                 batch in flight) and tune.log
+    workloads/<hash>/devices.jsonl  the device that measured each record (tune_rpc.py)
+    workloads/<hash>/knob_records.jsonl  a hand-written kernel's measured knob settings (instead of
+                                the MetaSchedule database)
 The workload hash is sha256 of (repr(kernel key), the target's identifying fields).
+
+Measuring on other devices: with a `tune_rpc.RemoteDevices` (`--rpc-tracker HOST:PORT --rpc-key
+KEY`) candidates are built here and measured on the RPC servers a TVM tracker holds under KEY, in
+parallel, through MetaSchedule's RPCRunner; see tune_rpc.py.
 
 A session spends trials where they pay off most: every workload first gets one round, the ones
 with the largest share of a decode step (default time x calls per step) first; after that each
@@ -64,10 +75,12 @@ import tvm
 import tvm_ffi
 from tvm import tirx
 
+from ggufc.codegen import kernel_knobs as KN
+from ggufc.codegen import kernels as K
 from ggufc.codegen import quant as Q
 from ggufc.codegen import quant_gpu as QG
 from ggufc.codegen.build import state_plan
-from ggufc.codegen.kernel_keys import KernelKey, OpKernel, WeightMatmul
+from ggufc.codegen.kernel_keys import Int8GemvGroup, KernelKey, OpKernel, WeightMatmul
 from ggufc.codegen.lower import ModuleBuilder
 from ggufc.codegen.lower_context import plan_params
 from ggufc.codegen.schedule import PRESCHEDULED
@@ -75,10 +88,12 @@ from ggufc.codegen.target import PROCESS_CPUS, resolve_target
 from ggufc.frontend.load import load_model
 from ggufc.runtime.session import configure_cpu_threads
 
+from . import tune_rpc as R
 from . import tune_worker as W
 from .stages import optimise, passes_off_for
 
 INDEX_NAME = "index.json"
+KNOB_RECORDS = "knob_records.jsonl"  # a hand-written kernel's measured knob settings, one JSON line each
 FORMAT_VERSION = 1
 DEFAULT_TRIALS_PER_KERNEL = 32
 
@@ -118,10 +133,22 @@ MEASURABLE_GPU_KINDS = ("cuda", "rocm", "metal", "opencl")
 UNMEASURABLE_GPU_NAMES = ("vulkan", "webgpu")
 
 
-def tune_target(target: str | dict[str, Any] | tvm.target.Target) -> tvm.target.Target:
+def tune_target(target: str | dict[str, Any] | tvm.target.Target,
+                remote: R.RemoteDevices | None = None) -> tvm.target.Target:
     """The target to tune for. A GPU target needs a device of its kind on this machine: tuning
-    measures every candidate kernel there. CUDA is tuned for the architecture of the device found."""
+    measures every candidate kernel there. CUDA is tuned for the architecture of the device found.
+    With `remote`, CPU targets (`llvm -mtriple=... -mcpu=...` included) are measured on the
+    tracker's devices; a cross target needs its toolchain here (tune_rpc.check_measurable)."""
 
+    if isinstance(target, str) and target.startswith("llvm "):
+        target = R.parse_llvm_target(target)
+    if remote is not None:
+        tgt = resolve_target(target) if not isinstance(target, str) or target in ("llvm", "cpu") else None
+        if tgt is None or tgt.kind.name != "llvm":
+            raise TuneError(f"--rpc-tracker measures CPU (llvm) targets; tune -t {target} on a machine with the "
+                            "device itself")
+        R.check_measurable(tgt, remote)
+        return tgt
     if isinstance(target, str):
         name = target.partition(":")[0]
         if name in UNMEASURABLE_GPU_NAMES:
@@ -134,6 +161,7 @@ def tune_target(target: str | dict[str, Any] | tvm.target.Target) -> tvm.target.
     tgt = resolve_target(target)
     if tgt.kind.name != "llvm":
         require_device(tgt.kind.name)
+    R.check_measurable(tgt, None)
     return tgt
 
 
@@ -192,6 +220,7 @@ class Workload:
     func: tirx.PrimFunc | None  # static, unscheduled: what MetaSchedule tunes (None: not tunable)
     why_not: str | None = None
     args: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
+    knobs: list[KN.Knobs] | None = None  # a hand-written kernel's knob settings to try (kernel_knobs.py)
 
     @property
     def kind(self) -> str:
@@ -199,7 +228,12 @@ class Workload:
 
     @property
     def tunable(self) -> bool:
-        return self.func is not None
+        return self.func is not None or bool(self.knobs)
+
+    @property
+    def search(self) -> str:
+        """How the workload is tuned: MetaSchedule's search, or ggufc's knob settings."""
+        return "knobs" if self.knobs else "metaschedule"
 
 
 def key_text(key: KernelKey) -> str:
@@ -213,6 +247,11 @@ def workload_hash(key: KernelKey, target: tvm.target.Target) -> str:
 
 def workload_label(key: KernelKey, func: tirx.PrimFunc | None) -> str:
     kind = key.kind
+    if isinstance(key, Int8GemvGroup):
+        extra = (f" {key.prologue[0]}" if key.prologue else "") + (" +res" if key.residual else "")
+        return f"{kind} {key.qtype} {'+'.join(str(n) for n in key.ns)}x{key.k}{extra}"
+    if isinstance(key, OpKernel) and kind == "swiglu":
+        return f"swiglu 1x{key.attrs}"
     if isinstance(key, WeightMatmul):
         return f"matmul {key.qtype} {key.n}x{key.k}"
     if isinstance(key, OpKernel) and kind == "elementwise" and hasattr(key.attrs, "program"):
@@ -295,11 +334,26 @@ def extract_workloads(model: Any, target: tvm.target.Target,
     mod = rec.module()
     out = []
     for key, n in calls.items():
-        func, why = tunable_func(key, makers[key], target)
         default = mod[rec.kernels[key]]
+        knob_args = KN.decode_args(key, default) if KN.family(key, target) else None
+        if knob_args is not None:  # a hand-written kernel: its knobs are searched, not its schedule
+            out.append(Workload(key, workload_hash(key, target), workload_label(key, None), n, default, None, None,
+                                knob_args, KN.space(key, target)))
+            continue
+        func, why = tunable_func(key, makers[key], target)
         args = (static_args(func) or []) if func is not None else []
         out.append(Workload(key, workload_hash(key, target), workload_label(key, func), n, default, func, why, args))
     return out
+
+
+def kernel_hash(func: tirx.PrimFunc) -> str:
+    """A kernel's structural hash, whatever its symbol name."""
+    return str(tvm_ffi.structural_hash(func.without_attr("global_symbol")))
+
+
+def knob_kernel(key: KernelKey, target: tvm.target.Target, knobs: KN.Knobs) -> tirx.PrimFunc:
+    """A hand-written kernel with knob settings, as ModuleBuilder would add its default."""
+    return K.with_root_block(KN.build(key, target, knobs)).with_attr("tirx.noalias", True)
 
 
 def _gpu_layout(target: tvm.target.Target) -> tuple[Any, ...]:
@@ -311,6 +365,14 @@ def _gpu_layout(target: tvm.target.Target) -> tuple[Any, ...]:
 # measuring (ggufc's own timer: default and tuned kernels on the same data, interleaved)
 
 
+def kernel_timer(args: Sequence[tuple[str, tuple[int, ...]]], target: tvm.target.Target, options: TuneOptions,
+                 remote: R.RemoteDevices | None) -> KernelTimer | R.RemoteKernelTimer:
+    """ggufc's paired timer, here or on a device from the tracker."""
+    if remote is not None:
+        return R.RemoteKernelTimer(args, target, options, remote)
+    return KernelTimer(args, target, options)
+
+
 class KernelTimer:
     """Compiled kernels sharing one set of arguments, timed in interleaved rounds."""
 
@@ -318,6 +380,7 @@ class KernelTimer:
                  options: TuneOptions) -> None:
         self.target, self.options = target, options
         self.dev = device_of(target)
+        self.device_name = R.local_device_name()
         rng = np.random.default_rng(0)
         self.args = []
         for dtype, shape in args:
@@ -393,7 +456,6 @@ class TuningDB:
         os.replace(tmp, path)
 
     def register(self, w: Workload, target: tvm.target.Target, model_name: str) -> dict[str, Any]:
-        assert w.func is not None
         e = self.workloads.setdefault(w.hash, {
             "key": key_text(w.key), "kind": w.kind, "label": w.label, "target": target_identity(target),
             "args": [[d, list(s)] for d, s in w.args], "models": {}, "default_us": None, "tuned_us": None,
@@ -401,7 +463,9 @@ class TuningDB:
             "created": _now(),
         })
         e["models"][model_name] = w.calls
-        e["func_hash"] = str(tvm_ffi.structural_hash(w.func))
+        e["search"] = w.search
+        # knob workloads: the default kernel's hash (a changed kernel makes its settings stale)
+        e["func_hash"] = str(tvm_ffi.structural_hash(w.func)) if w.func is not None else kernel_hash(w.default)
         return e
 
     # -- per-workload MetaSchedule databases ---------------------------------------------------------
@@ -419,8 +483,26 @@ class TuningDB:
             self._ms[h] = ms.database.JSONDatabase(work_dir=str(d), module_equality="structural")
         return self._ms[h]
 
+    def knob_records(self, h: str) -> list[dict[str, Any]]:
+        """The knob settings measured for a hand-written kernel, in order (KNOB_RECORDS)."""
+        path = self.workload_dir(h) / KNOB_RECORDS
+        if not path.is_file():
+            return []
+        out = []
+        for line in path.read_text(encoding="utf-8").splitlines():
+            with contextlib.suppress(ValueError):
+                out.append(json.loads(line))
+        return out
+
+    def add_knob_record(self, h: str, record: dict[str, Any]) -> None:
+        self.workload_dir(h).mkdir(parents=True, exist_ok=True)
+        with (self.workload_dir(h) / KNOB_RECORDS).open("a", encoding="utf-8") as fh:
+            fh.write(json.dumps(record, sort_keys=True) + "\n")
+
     def records(self, h: str) -> list[float | None]:
         """Mean seconds of every measured candidate in commit order (None: failed)."""
+        if (self.workload_dir(h) / KNOB_RECORDS).is_file():
+            return [float(r["seconds"]) for r in self.knob_records(h)]
         path = self.workload_dir(h) / "database_tuning_record.json"
         out: list[float | None] = []
         if not path.is_file():
@@ -437,6 +519,14 @@ class TuningDB:
             else:
                 out.append(None)
         return out
+
+    def devices(self, h: str) -> list[str]:
+        """The device that measured each record, in commit order ('unknown' for records older than
+        the device log)."""
+        if (self.workload_dir(h) / KNOB_RECORDS).is_file():
+            return [str(r.get("device", "unknown")) for r in self.knob_records(h)]
+        known = R.read_devices(self.workload_dir(h) / R.DEVICES_NAME)
+        return [known.get(i, "unknown") for i in range(len(self.records(h)))]
 
     def history(self, h: str) -> list[tuple[int, float]]:
         """(trials so far, best mean seconds so far) after every successful record."""
@@ -563,17 +653,26 @@ def _cost_model(num_cores: int) -> Any:
 class _Machinery:
     """Builder, runner and per-workload tune contexts/cost models, shared by a session's rounds."""
 
-    def __init__(self, target: tvm.target.Target, db: TuningDB, options: TuneOptions) -> None:
+    def __init__(self, target: tvm.target.Target, db: TuningDB, options: TuneOptions,
+                 remote: R.RemoteDevices | None = None, remote_workers: int = 1) -> None:
         from tvm.s_tir import meta_schedule as ms
 
-        self.ms, self.target, self.db, self.options = ms, target, db, options
+        self.ms, self.target, self.db, self.options, self.remote = ms, target, db, options, remote
 
         self.cores = PROCESS_CPUS
-        self.builder = ms.builder.LocalBuilder(timeout_sec=600, f_build=W.build, max_workers=self.cores)
-        self.runner = ms.runner.LocalRunner(
-            timeout_sec=120,
-            evaluator_config=ms.runner.EvaluatorConfig(number=1, repeat=3, min_repeat_ms=int(options.min_repeat_ms)),
-            f_alloc_argument=W.alloc_argument, f_run_evaluator=W.run_evaluator, initializer=W.configure_threads)
+        if remote is None:
+            self.builder = ms.builder.LocalBuilder(timeout_sec=600, f_build=W.build, max_workers=self.cores)
+            self.runner = ms.runner.LocalRunner(
+                timeout_sec=120,
+                evaluator_config=ms.runner.EvaluatorConfig(number=1, repeat=3,
+                                                           min_repeat_ms=int(options.min_repeat_ms)),
+                f_alloc_argument=W.alloc_argument, f_run_evaluator=W.run_evaluator, initializer=W.configure_threads)
+            self.device_name = R.local_device_name()
+        else:  # built and linked here, measured on the tracker's devices
+            self.builder = ms.builder.LocalBuilder(timeout_sec=600, f_build=W.build,
+                                                   f_export=R.builder_export(target), max_workers=self.cores)
+            self.runner = R.rpc_runner(remote, remote_workers, options)
+            self.device_name = f"{remote.key}@{remote.tracker}"
         self.contexts: dict[str, Any] = {}
         self.models: dict[str, Any] = {}
         self.handlers: list[tuple[logging.Logger, logging.Handler]] = []
@@ -625,15 +724,33 @@ class _Machinery:
                 pass
 
     def round(self, w: Workload, trials: int) -> None:
+        if w.knobs is not None:
+            self.knob_round(w, trials)
+            return
         ms = self.ms
         ctx, model = self.context(w)
         ms.tune.tune_tasks(
             tasks=[ctx], task_weights=[1.0], work_dir=str(self.db.workload_dir(w.hash)),
             max_trials_global=trials, num_trials_per_iter=trials, builder=self.builder, runner=self.runner,
             database=self.db.ms_database(w.hash), cost_model=model,
-            measure_callbacks=[ms.measure_callback.AddToDatabase(), ms.measure_callback.RemoveBuildArtifact(),
-                               ms.measure_callback.UpdateCostModel()],
+            measure_callbacks=[ms.measure_callback.AddToDatabase(), self._device_log(w),
+                               ms.measure_callback.RemoveBuildArtifact(), ms.measure_callback.UpdateCostModel()],
             task_scheduler="round-robin")
+
+    def knob_round(self, w: Workload, trials: int) -> None:
+        """The next `trials` untried knob settings of a hand-written kernel, each timed against the
+        default kernel (paired, interleaved) and committed as soon as it is measured."""
+        tried = [r["knobs"] for r in self.db.knob_records(w.hash)]
+        todo = [k for k in w.knobs or [] if k not in tried][:trials]
+        for knobs in todo:
+            timer = kernel_timer(w.args, self.target, self.options, self.remote)
+            t_default, t_knobs = timer.times(w.default, knob_kernel(w.key, self.target, knobs))
+            self.db.add_knob_record(w.hash, {"knobs": knobs, "seconds": t_knobs, "default_seconds": t_default,
+                                             "device": timer.device_name, "measured": _now()})
+
+    def _device_log(self, w: Workload) -> Any:
+        d = self.db.workload_dir(w.hash)
+        return R.record_devices_callback(d / R.DEVICES_NAME, d / "database_tuning_record.json", self.device_name)
 
     def close(self) -> None:
         pool = getattr(self.runner, "pool", None)
@@ -708,6 +825,7 @@ class SessionSummary:
     stop_reason: str
     db: str = ""
     tuned: dict[str, dict[str, Any]] = field(default_factory=dict)  # hash -> index entry snapshot
+    measured_on: dict[str, int] = field(default_factory=dict)  # device -> this session's records it measured
 
     def format(self) -> str:
         lines = [
@@ -716,6 +834,8 @@ class SessionSummary:
             f"  {self.new_trials} new trials this session, {self.total_trials} in the database for this model; "
             f"{self.seconds:.0f} s; stopped: {self.stop_reason}",
         ]
+        if self.measured_on:
+            lines.append("  measured on: " + ", ".join(f"{d} ({n})" for d, n in sorted(self.measured_on.items())))
         if self.reused:
             lines.append(f"  reused records of {len(self.reused)} workloads without tuning them again")
         faster = [e for e in self.tuned.values() if e.get("tuned_us") and e["default_us"] >= e["tuned_us"]]
@@ -750,16 +870,23 @@ def tune_model(
     db_dir: str | os.PathLike[str],
     *, trials: int | None = None, time_budget_s: float | None = None, kinds: Sequence[str] | None = None,
     options: TuneOptions | None = None, progress: ProgressBar | None = None,
-    disabled_passes: frozenset[str] = frozenset(),
+    disabled_passes: frozenset[str] = frozenset(), remote: R.RemoteDevices | None = None,
 ) -> SessionSummary:
-    """Tune the model's decode kernels into `db_dir` within the budget (see the module docstring)."""
+    """Tune the model's decode kernels into `db_dir` within the budget (see the module docstring);
+    with `remote`, candidates and the paired timings are measured on the tracker's devices."""
 
     require_tuning_packages()
     options = options or TuneOptions()
     bar = progress or ProgressBar()
     t_start = time.perf_counter()
-    tgt = tune_target(target)
-    if tgt.kind.name == "llvm":
+    tgt = tune_target(target, remote)
+    workers = 1
+    if remote is not None:
+        servers = R.count_servers(remote)
+        workers = remote.workers or servers
+        bar.message(f"measuring on {servers} {remote.key} device(s) at tracker {remote.tracker}, "
+                    f"{workers} at a time")
+    elif tgt.kind.name == "llvm":
         configure_cpu_threads()
     model_name = Path(model_path).name
     bar.message(f"extracting the decode kernels of {model_name}")
@@ -778,7 +905,7 @@ def tune_model(
         for w in tunable:
             entries[w.hash]["trials"] = before[w.hash]
         shared = [w.hash for w in tunable if len(entries[w.hash]["models"]) > 1]
-        _measure_defaults(tunable, entries, tgt, options, bar)
+        _measure_defaults(tunable, entries, tgt, options, bar, remote)
         db.save()
         if trials is None and time_budget_s is None:
             trials = DEFAULT_TRIALS_PER_KERNEL * len(tunable)
@@ -786,7 +913,7 @@ def tune_model(
                     + (f"{trials} trials in total" if trials is not None else "")
                     + (" and " if trials is not None and time_budget_s is not None else "")
                     + (f"{time_budget_s / 60:.1f} min" if time_budget_s is not None else ""))
-        machinery = _Machinery(tgt, db, options) if tunable else None
+        machinery = _Machinery(tgt, db, options, remote, workers) if tunable else None
         order = {w.hash: i + 1 for i, w in enumerate(sorted(
             tunable, key=lambda w: -w.calls * (entries[w.hash].get("default_us") or 0.0)))}
         stop = "nothing to tune" if not tunable else ""
@@ -845,7 +972,7 @@ def tune_model(
                 e["seconds_per_trial"] = round(e["tune_seconds"] / max(1, now), 3)
                 if now == done:
                     e["exhausted"] = True  # the search found nothing new to measure
-                _refresh_best(db, w, e, tgt, options)
+                _refresh_best(db, w, e, tgt, options, remote)
                 e["updated"] = _now()
                 db.save()
                 bar.workload(order[w.hash], len(tunable), w.label, now, goal, e.get("default_us"),
@@ -861,13 +988,17 @@ def tune_model(
                 machinery.close()
             gc.collect()  # finalise MetaSchedule's worker pools here, not in one of their own threads
         counts = {w.hash: len(db.records(w.hash)) for w in tunable}
+        measured_on: dict[str, int] = {}
+        for h in counts:
+            for device in db.devices(h)[before[h]:]:
+                measured_on[device] = measured_on.get(device, 0) + 1
         reused = [h for h in counts if before[h] > 0 and counts[h] == before[h]]
         summary = SessionSummary(
             model=model_name, target=target_identity(tgt), workloads=len(workloads), tunable=len(tunable),
             shared=shared, reused=reused, new_trials=sum(counts[h] - before[h] for h in counts),
             total_trials=sum(counts.values()), trial_budget=trials, time_budget_s=time_budget_s,
             seconds=time.perf_counter() - t_start, stop_reason=stop, db=str(db.root),
-            tuned={h: dict(entries[h]) for h in counts})
+            tuned={h: dict(entries[h]) for h in counts}, measured_on=measured_on)
     return summary
 
 
@@ -931,17 +1062,19 @@ def _deadline(seconds: float) -> Iterator[list[bool]]:
 
 
 def _measure_defaults(tunable: list[Workload], entries: dict[str, dict[str, Any]], target: tvm.target.Target,
-                      options: TuneOptions, bar: ProgressBar) -> None:
+                      options: TuneOptions, bar: ProgressBar, remote: R.RemoteDevices | None = None) -> None:
     todo = [w for w in tunable if not entries[w.hash].get("default_us")]
     if todo:
         bar.message(f"timing the default schedules of {len(todo)} kernels")
     for w in todo:
-        (t,) = KernelTimer(w.args, target, options).times(w.default)
+        timer = kernel_timer(w.args, target, options, remote)
+        (t,) = timer.times(w.default)
         entries[w.hash]["default_us"] = round(t * 1e6, 3)
+        entries[w.hash]["timed_on"] = timer.device_name
 
 
 def _refresh_best(db: TuningDB, w: Workload, e: dict[str, Any], target: tvm.target.Target,
-                  options: TuneOptions) -> None:
+                  options: TuneOptions, remote: R.RemoteDevices | None = None) -> None:
     """After a round that improved MetaSchedule's best: time default and tuned side by side."""
     hist = db.history(w.hash)
     if not hist:
@@ -950,12 +1083,19 @@ def _refresh_best(db: TuningDB, w: Workload, e: dict[str, Any], target: tvm.targ
     if e.get("ms_best_us") == ms_best and e.get("tuned_us"):
         return
     e["ms_best_us"] = ms_best
-    assert w.func is not None
-    tuned = db.best_schedule(w.hash, w.func, target)
+    if w.knobs is not None:
+        best = min(db.knob_records(w.hash), key=lambda r: float(r["seconds"]))
+        e["knobs"] = best["knobs"]
+        tuned = knob_kernel(w.key, target, best["knobs"])
+    else:
+        assert w.func is not None
+        tuned = db.best_schedule(w.hash, w.func, target)
     if tuned is None:
         return
-    t_default, t_tuned = KernelTimer(w.args, target, options).times(w.default, tuned)
+    timer = kernel_timer(w.args, target, options, remote)
+    t_default, t_tuned = timer.times(w.default, tuned)
     e["default_us"], e["tuned_us"] = round(t_default * 1e6, 3), round(t_tuned * 1e6, 3)
+    e["timed_on"] = timer.device_name
     e["speedup"] = round(t_default / t_tuned, 4)
 
 
@@ -990,6 +1130,8 @@ class TunedKernels:
         if speedup < self.min_speedup:
             self.skipped[name] = f"tuned {speedup:.2f}x of default, below {self.min_speedup:.2f}x"
             return None
+        if e.get("search") == "knobs":
+            return self._with_knobs(key, make, name, h, e, speedup)
         func, why = tunable_func(key, make, self.target)
         if func is None:
             self.skipped[name] = why or "not tunable"
@@ -1005,6 +1147,21 @@ class TunedKernels:
                               "default_us": e.get("default_us"), "tuned_us": e.get("tuned_us"),
                               "speedup": round(speedup, 4)}
         return tuned
+
+    def _with_knobs(self, key: KernelKey, make: Callable[[], tirx.PrimFunc], name: str, h: str, e: dict[str, Any],
+                    speedup: float) -> tirx.PrimFunc | None:
+        """A hand-written kernel built with its best knob settings (bit-identical results, see
+        codegen/kernel_knobs.py), unless the default kernel changed since they were measured."""
+        if KN.family(key, self.target) is None or not e.get("knobs"):
+            self.skipped[name] = "no knob settings for this kernel"
+            return None
+        if kernel_hash(K.with_root_block(make())) != e.get("func_hash"):
+            self.skipped[name] = "stale: the kernel changed since its knobs were tuned"
+            return None
+        self.applied[name] = {"workload": h, "label": e.get("label"), "trials": e.get("trials"),
+                              "default_us": e.get("default_us"), "tuned_us": e.get("tuned_us"),
+                              "speedup": round(speedup, 4), "knobs": dict(e["knobs"])}
+        return knob_kernel(key, self.target, e["knobs"])
 
     def manifest(self) -> dict[str, Any]:
         return {

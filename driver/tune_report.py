@@ -2,7 +2,8 @@
 
 The table has one row per workload: default and tuned time (both timed by ggufc on the same data,
 in interleaved rounds), the speedup, trials and whether `ggufc compile --tuning-db` would use the
-tuned schedule. The plot shows MetaSchedule's best measured time against trials for each workload,
+tuned schedule, and which devices measured its records (the table's last column; a summary per
+device follows). The plot shows MetaSchedule's best measured time against trials for each workload,
 with the default schedule's time as a dashed line of the same colour.
 """
 
@@ -27,6 +28,17 @@ class Row:
     tuned_us: float | None
     ms_best_us: float | None
     exhausted: bool
+    devices: dict[str, int]  # device -> records it measured
+    timed_on: str | None  # where ggufc's paired default/tuned timing ran
+    knobs: dict[str, int] | None = None  # a hand-written kernel's best knob settings
+
+    @property
+    def measured_on(self) -> str:
+        if not self.devices:
+            return "-"
+        if len(self.devices) == 1:
+            return next(iter(self.devices))
+        return f"{len(self.devices)} devices"
 
     @property
     def calls(self) -> int:
@@ -52,10 +64,13 @@ def rows(db: TuningDB) -> list[Row]:
     out = []
     for h, e in db.workloads.items():
         target = e.get("target") or {}
+        devices: dict[str, int] = {}
+        for d in db.devices(h):
+            devices[d] = devices.get(d, 0) + 1
         out.append(Row(h, str(e.get("label", e.get("kind", "?"))),
                        f"{target.get('kind', '?')}" + (f"/{target['mcpu']}" if target.get("mcpu") else ""),
                        dict(e.get("models") or {}), len(db.records(h)), e.get("default_us"), e.get("tuned_us"),
-                       e.get("ms_best_us"), bool(e.get("exhausted"))))
+                       e.get("ms_best_us"), bool(e.get("exhausted")), devices, e.get("timed_on"), e.get("knobs")))
     return sorted(out, key=lambda r: (-(r.calls * (r.default_us or 0.0)), r.hash))
 
 
@@ -64,16 +79,25 @@ def table(db: TuningDB, min_speedup: float = 1.0) -> str:
     if not rs:
         return f"{db.root}: no workloads yet"
     header = (f"{'workload':<16}  {'kernel':<36} {'calls':>5} {'trials':>6} {'default us':>11} {'tuned us':>10} "
-              f"{'speedup':>8}  status")
+              f"{'speedup':>8}  {'status':<14} measured on")
     lines = [header, "-" * len(header)]
     for r in rs:
         tuned = f"{r.tuned_us:10.2f}" if r.tuned_us else f"{'-':>10}"
         default = f"{r.default_us:11.2f}" if r.default_us else f"{'-':>11}"
         speed = f"{r.speedup:7.2f}x" if r.speedup else f"{'-':>8}"
         status = r.status(min_speedup) + (" (search exhausted)" if r.exhausted else "")
-        lines.append(f"{r.hash:<16}  {r.label[:36]:<36} {r.calls:>5} {r.trials:>6} {default} {tuned} {speed}  {status}")
+        lines.append(f"{r.hash:<16}  {r.label[:36]:<36} {r.calls:>5} {r.trials:>6} {default} {tuned} {speed}  "
+                     f"{status:<14} {r.measured_on}")
     lines.append("")
     lines += _per_model(rs, min_speedup)
+    knobbed = [r for r in rs if r.knobs]
+    if knobbed:
+        lines.append("")
+        lines.append("best knob settings of the hand-written kernels (bit-identical results):")
+        lines += [f"  {r.hash}  {r.label[:36]:<36} " + " ".join(f"{k}={v}" for k, v in sorted(r.knobs.items()))
+                  for r in knobbed if r.knobs]
+    lines.append("")
+    lines += _per_device(rs)
     lines.append("")
     lines.append("calls: per decode step (largest over the models using the workload); times: ggufc's median of "
                  "interleaved runs on the same data")
@@ -99,6 +123,23 @@ def _per_model(rs: list[Row], min_speedup: float) -> list[str]:
             tuned += calls * (r.tuned_us if use and r.tuned_us else r.default_us)
         ratio = f"{default / tuned:.3f}x" if tuned else "-"
         out.append(f"  {m}: {n} workloads, {used} tuned: {default / 1000:.3f} ms -> {tuned / 1000:.3f} ms ({ratio})")
+    return out
+
+
+def _per_device(rs: list[Row]) -> list[str]:
+    """Records per measuring device, and where ggufc's paired timings ran."""
+    records: dict[str, int] = {}
+    timings: dict[str, int] = {}
+    for r in rs:
+        for d, n in r.devices.items():
+            records[d] = records.get(d, 0) + n
+        if r.timed_on:
+            timings[r.timed_on] = timings.get(r.timed_on, 0) + 1
+    out = ["records per measuring device:"]
+    out += [f"  {d}: {n} records" for d, n in sorted(records.items())] or ["  none yet"]
+    if timings:
+        out.append("default/tuned timings ran on: " + ", ".join(f"{d} ({n} workloads)"
+                                                               for d, n in sorted(timings.items())))
     return out
 
 
@@ -153,4 +194,5 @@ def summary(db_dir: str | os.PathLike[str]) -> dict[str, Any]:
     """Machine-readable rows (for scripts and tests)."""
     db = TuningDB(db_dir)
     return {r.hash: {"label": r.label, "models": r.models, "trials": r.trials, "default_us": r.default_us,
-                     "tuned_us": r.tuned_us, "speedup": r.speedup, "status": r.status()} for r in rows(db)}
+                     "tuned_us": r.tuned_us, "speedup": r.speedup, "status": r.status(), "devices": r.devices,
+                     "timed_on": r.timed_on, "knobs": r.knobs} for r in rows(db)}

@@ -12,6 +12,8 @@ so both sides of a speedup are measured on the same data.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 from typing import Any
 
@@ -83,3 +85,158 @@ def run_evaluator(rt_mod: Any, device: Any, evaluator_config: Any, repeated_args
         device.sync()
         costs.extend(float(c) for c in evaluator(*args).results)
     return costs
+
+
+# =============================================================================================
+# measuring on devices behind a TVM RPC tracker (MetaSchedule's RPCRunner hooks)
+#
+# The runner calls create_session, upload_module, alloc_argument, run_evaluator and cleanup in
+# turn, in one worker process per measurement. A device that goes away mid-measurement (its RPC
+# server killed, unplugged) must not turn the candidate into a failed record: `run_evaluator`
+# redoes the whole measurement on another device the tracker hands out, so the hooks before it
+# only remember what they were given and leave errors to it. Which device measured the candidate
+# is written next to the local artifact (MEASURED_BY), where the session's measure callback reads it.
+
+MEASURED_BY = "measured_by.json"
+RPC_ATTEMPTS = 3  # devices tried per candidate before it is recorded as failed
+
+
+class _Measurement:
+    """What the hooks of one runner call share (one measurement at a time per worker process)."""
+
+    def __init__(self) -> None:
+        self.config: Any = None
+        self.session: Any = None
+        self.device_name = ""
+        self.local_path = ""
+        self.remote_path = ""
+        self.args_info: Any = None
+        self.module: Any = None
+        self.args: Any = None
+        self.device_type = 1  # kDLCPU; the runner's device type, without the RPC session bits
+        self.attempts = 0  # devices asked for so far
+
+
+_current = _Measurement()
+
+
+def request_device(config: Any) -> tuple[Any, str]:
+    """A session with a server the tracker hands out under the config's key, and that server's
+    name (`KEY@host:port`): the tracker's own `request` connects without saying which it got."""
+    from tvm import rpc
+    from tvm.rpc import base
+
+    tracker = config.connect_tracker()
+    try:
+        base.sendjson(tracker._sock, [base.TrackerCode.REQUEST, config.tracker_key, "", 1])
+        value = base.recvjson(tracker._sock)
+    finally:
+        tracker.close()
+    if value[0] != base.TrackerCode.SUCCESS:
+        raise RuntimeError(f"the tracker refused a {config.tracker_key} device: {value}")
+    host, port, matchkey = value[1]
+    session = rpc.connect(host, port, matchkey, session_timeout=config.session_timeout_sec)
+    return session, f"{config.tracker_key}@{host}:{port}"
+
+
+def rpc_create_session(config: Any) -> Any:
+    """A session with a device; the tracker may still hand out one that just went away, so ask again."""
+    import time
+
+    global _current
+    _current = _Measurement()
+    _current.config = config
+    for attempt in range(RPC_ATTEMPTS):
+        _current.attempts += 1
+        try:
+            _current.session, _current.device_name = request_device(config)
+            return _current.session
+        except Exception:
+            if attempt + 1 == RPC_ATTEMPTS:
+                raise
+            time.sleep(1.0)
+    raise AssertionError("unreachable")
+
+
+def rpc_upload_module(session: Any, local_path: str, remote_path: str) -> Any:
+    _current.local_path, _current.remote_path = local_path, remote_path
+    try:
+        session.upload(local_path, remote_path)
+        _current.module = session.load_module(remote_path)
+    except Exception:  # noqa: BLE001 - run_evaluator retries on another device
+        _current.module = None
+    return _current.module
+
+
+def rpc_alloc_argument(session: Any, device: Any, args_info: Any, alloc_repeat: int) -> Any:
+    from tvm.rpc.base import RPC_SESS_MASK
+
+    _current.args_info = (args_info, alloc_repeat)
+    _current.device_type = int(device.dlpack_device_type()) % RPC_SESS_MASK
+    if _current.module is None:
+        return None
+    try:
+        _current.args = alloc_argument(device, args_info, alloc_repeat)
+    except Exception:  # noqa: BLE001 - run_evaluator retries on another device
+        _current.args = None
+    return _current.args
+
+
+def rpc_run_evaluator(session: Any, rt_mod: Any, device: Any, evaluator_config: Any,
+                      repeated_args: Any) -> list[float]:
+    """Time the candidate on the device the tracker gave; if that device fails, on another one."""
+    from pathlib import Path
+
+    error: BaseException | None = None
+    for attempt in range(RPC_ATTEMPTS):
+        try:
+            if attempt > 0 or rt_mod is None or repeated_args is None:
+                rt_mod, device, repeated_args = _measure_elsewhere()
+            costs = run_evaluator(rt_mod, device, evaluator_config, repeated_args)
+        except Exception as exc:  # noqa: BLE001 - a lost device: try the next one
+            error = exc
+            continue
+        Path(_current.local_path).with_name(MEASURED_BY).write_text(
+            json.dumps({"device": _current.device_name, "devices_asked": _current.attempts}), encoding="utf-8")
+        return costs
+    raise RuntimeError(f"no {_current.config.tracker_key} device could measure the candidate "
+                       f"({RPC_ATTEMPTS} tried): {error}")
+
+
+def _measure_elsewhere() -> tuple[Any, Any, Any]:
+    """A fresh session from the tracker, with the candidate uploaded and its arguments allocated."""
+    _current.attempts += 1
+    _current.session, _current.device_name = request_device(_current.config)
+    device = _current.session.device(_current.device_type, 0)
+    _current.session.upload(_current.local_path, _current.remote_path)
+    module = _current.session.load_module(_current.remote_path)
+    args_info, repeat = _current.args_info
+    return module, device, alloc_argument(device, args_info, repeat)
+
+
+def rpc_cleanup(session: Any, remote_path: str | None) -> None:
+    """Remove the uploaded candidate from the device that ran it (a dead one needs nothing)."""
+    live = _current.session if _current.session is not None else session
+    if live is not None and remote_path is not None:
+        with contextlib.suppress(Exception):
+            live.remove(remote_path)
+            live.remove(remote_path + ".so")
+            live.remove("")
+
+
+def export_shared(mod: Any, cc: str = "") -> str:
+    """MetaSchedule builder hook: the candidate as a shared library, linked here (by `cc`, a cross
+    compiler for cross targets), so the device needs no compiler of its own."""
+    import tempfile
+
+    return export_shared_to(mod, os.path.join(tempfile.mkdtemp(), "tvm_tmp_mod.so"), cc)
+
+
+def export_shared_to(mod: Any, path: str, cc: str = "") -> str:
+    from tvm.support import cc as tvm_cc
+
+    if cc:
+        mod.export_library(path, fcompile=tvm_cc.cross_compiler(cc))
+    else:
+        mod.export_library(path)
+    return path

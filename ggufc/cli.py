@@ -318,9 +318,23 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     budget_s = None if args.time_budget is None else args.time_budget * 60.0
     summary = tune_model(path, args.target, args.db, trials=args.trials, time_budget_s=budget_s, kinds=args.only,
-                         options=TuneOptions.for_round(args.trials_per_round))
+                         options=TuneOptions.for_round(args.trials_per_round), remote=_remote_devices(args))
     print(summary.format())
     return 0
+
+
+def _remote_devices(args: argparse.Namespace) -> Any:
+    """--rpc-tracker/--rpc-key/--rpc-workers as a tune_rpc.RemoteDevices (None: measure here)."""
+    if args.rpc_tracker is None:
+        if args.rpc_key is not None or args.rpc_workers is not None:
+            raise CLIError("--rpc-key and --rpc-workers go with --rpc-tracker HOST:PORT")
+        return None
+    if not args.rpc_key:
+        raise CLIError("--rpc-tracker needs --rpc-key KEY: the key the devices' RPC servers registered under")
+    from ggufc.driver.tune_rpc import RemoteDevices, parse_tracker
+
+    host, port = parse_tracker(args.rpc_tracker)
+    return RemoteDevices(host, port, args.rpc_key, args.rpc_workers)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -811,6 +825,11 @@ def build_parser() -> Parser:
                    help="candidates measured per round (default 16)")
     p.add_argument("--only", action="append", metavar="KIND",
                    help="tune only this kernel kind (matmul, rms_norm, elementwise, ...); repeatable")
+    p.add_argument("--rpc-tracker", metavar="HOST:PORT",
+                   help="measure on the devices registered at this TVM RPC tracker (built here)")
+    p.add_argument("--rpc-key", metavar="KEY", help="with --rpc-tracker: the devices' key")
+    p.add_argument("--rpc-workers", type=positive_int, metavar="N",
+                   help="with --rpc-tracker: measurements in parallel (default: one per registered device)")
     p.add_argument("--report", metavar="DIR", help="print the database's table and write its plot")
     p.add_argument("--plot", metavar="PNG", help="where --report writes the plot (default DIR/report.png)")
     p.add_argument("--min-speedup", type=positive_float, default=1.0, metavar="X",

@@ -108,7 +108,9 @@ def test_records_are_written_per_workload(tuned: dict[str, Any]) -> None:
     tuned_hashes = [h for h, n in tuned["after_a"].items() if n]
     assert len(tuned_hashes) == 2  # warm-up order: the two heaviest decode kernels, one round each
     llama = {h: e for h, e in db.workloads.items() if "llama-dense.gguf" in e["models"]}
-    assert len(llama) == tuned["resumed"].tunable == 10  # SwiGLU is a hand-written vector kernel (cpu_vec.py)
+    # 10 MetaSchedule workloads and the hand-written vector SwiGLU (cpu_vec.py), tuned through its knobs
+    assert len(llama) == tuned["resumed"].tunable == 11
+    assert sorted(e["search"] for e in llama.values()).count("knobs") == 1
     for e in llama.values():
         assert e["target"] == target
         assert e["models"]["llama-dense.gguf"] >= 1
@@ -141,7 +143,7 @@ def test_a_second_model_reuses_the_workloads_it_shares(tuned: dict[str, Any],
     db = TU.TuningDB(db_dir)
     qwen = {w.hash for w in TU.extract_workloads(load_model(QWEN3), TU.tune_target("llvm")) if w.tunable}
     shared = qwen & set(db.workloads)
-    assert len(shared) == 7  # the llama and qwen3 fixtures have the same hidden/FFN sizes
+    assert len(shared) == 8  # the llama and qwen3 fixtures have the same hidden/FFN sizes
     before = record_counts(db_dir)
     already = sum(before[h] for h in shared)
     assert already == BUDGET  # both tuned llama workloads are among the shared ones

@@ -1,0 +1,127 @@
+"""Knobs of the hand-written CPU kernels: the search spaces `ggufc tune` explores per workload.
+
+MetaSchedule cannot search these kernels (they are written loop by loop in TVMScript, with LLVM
+intrinsics), so each kernel family exposes a few parameters whose values `ggufc tune` times on the
+workload's own shapes (driver/tune.py, next to MetaSchedule, in the same database):
+
+    8-bit GEMV groups (quant_int8.int8_gemv_group)   prefetch_groups  row groups prefetched ahead
+                                                     groups_per_task  row groups per parallel task
+    vector SwiGLU (cpu_vec.swiglu)                   column_tasks     parallel tasks per token
+
+Every knob keeps each output value's float operations and their order: it moves work between
+threads, or changes what is prefetched, never how a sum is split or associated. So a tuned kernel
+gives bit-identical results to the default one (tests/test_kernel_knobs.py checks it), and the
+bit-exactness against llama.cpp (tests/test_llama_order.py) holds with any database; a knob that
+changed the order would need the user's consent and is not offered. The defaults are the values
+the kernels are written with; a workload whose knobs all stay at their defaults builds exactly
+today's kernel.
+
+The row-group size (4 rows: the Q4_1 minimum terms of a group are one float32x4), the prompt
+GEMM's token tile (no prompt kernel is tuned: a session tunes the decode step) and the attention
+kernel (its cost depends on the cache position, which a workload does not fix) have no knobs yet.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import tvm
+from tvm import tirx
+
+from . import cpu_vec as CV
+from . import quant_int8 as Q8
+from .kernel_keys import Int8GemvGroup, KernelKey, OpKernel
+
+Knobs = dict[str, int]
+
+GEMV_KNOBS: dict[str, tuple[int, ...]] = {
+    "prefetch_groups": (Q8.PREFETCH_GROUPS, 1, 2, 8, 16),
+    "groups_per_task": (1, 2, 4, 8),
+}
+SWIGLU_KNOBS: dict[str, tuple[int, ...]] = {"column_tasks": (1, 2, 4, 8, 16)}
+
+
+def family(key: KernelKey, target: tvm.target.Target) -> str | None:
+    """The knob family of a kernel key on a target ('int8_gemv', 'swiglu'), or None."""
+    if target.kind.name != "llvm":
+        return None
+    if isinstance(key, Int8GemvGroup) and Q8.int8_dot_intrinsic(target) is not None:
+        return "int8_gemv"
+    if isinstance(key, OpKernel) and key.op == "swiglu" and isinstance(key.attrs, int):
+        return "swiglu"
+    return None
+
+
+def defaults(key: KernelKey, target: tvm.target.Target) -> Knobs:
+    grid = _grid(key, target)
+    return {name: values[0] for name, values in grid.items()}
+
+
+def space(key: KernelKey, target: tvm.target.Target) -> list[Knobs]:
+    """Every knob setting of the workload but the default one, in a fixed order: settings that
+    change one knob first (each value in turn), then the combinations."""
+    grid = _grid(key, target)
+    base = {name: values[0] for name, values in grid.items()}
+    singles = [{**base, name: v} for name, values in grid.items() for v in values[1:]]
+    combos = [dict(zip(grid, vs, strict=True)) for vs in itertools.product(*grid.values())]
+    seen: list[Knobs] = []
+    for knobs in singles + combos:
+        if knobs != base and knobs not in seen:
+            seen.append(knobs)
+    return seen
+
+
+def build(key: KernelKey, target: tvm.target.Target, knobs: Knobs) -> tirx.PrimFunc:
+    """The kernel of `key` with `knobs` (missing ones at their defaults)."""
+    fam = family(key, target)
+    if fam is None:
+        raise ValueError(f"{key!r} has no knobs on {target.kind.name}")
+    settings = {**defaults(key, target), **knobs}
+    return _BUILDERS[fam](key, target, settings)
+
+
+def _grid(key: KernelKey, target: tvm.target.Target) -> dict[str, tuple[int, ...]]:
+    fam = family(key, target)
+    if fam == "int8_gemv":
+        return GEMV_KNOBS
+    if fam == "swiglu":
+        vectors = int(key.attrs) // 8  # type: ignore[attr-defined]
+        return {"column_tasks": tuple(v for v in SWIGLU_KNOBS["column_tasks"] if v <= max(1, vectors))}
+    raise ValueError(f"{key!r} has no knobs on {target.kind.name}")
+
+
+def _build_gemv(key: Any, target: tvm.target.Target, knobs: Knobs) -> tirx.PrimFunc:
+    return Q8.int8_gemv_group(key.qtype, key.ns, key.k, target, key.prologue, key.residual,
+                              prefetch_groups=knobs["prefetch_groups"], groups_per_task=knobs["groups_per_task"])
+
+
+def _build_swiglu(key: Any, target: tvm.target.Target, knobs: Knobs) -> tirx.PrimFunc:
+    return CV.swiglu(int(key.attrs), column_tasks=knobs["column_tasks"])
+
+
+_BUILDERS: dict[str, Callable[[Any, tvm.target.Target, Knobs], tirx.PrimFunc]] = {
+    "int8_gemv": _build_gemv,
+    "swiglu": _build_swiglu,
+}
+
+
+def decode_args(key: KernelKey, func: tirx.PrimFunc) -> list[tuple[str, tuple[int, ...]]] | None:
+    """(dtype, shape) of the kernel's arguments at one token (a decode step), or None when they
+    are not known: the GEMV groups' arguments are all static; SwiGLU's lead with the token count."""
+    if isinstance(key, OpKernel) and key.op == "swiglu" and isinstance(key.attrs, int):
+        return [("float32", (1, int(key.attrs)))] * 3
+    from tvm.s_tir import meta_schedule as ms
+
+    try:
+        infos = ms.arg_info.ArgInfo.from_prim_func(func)
+    except Exception:  # noqa: BLE001 - a symbolic shape or a scalar argument
+        return None
+    out = []
+    for info in infos:
+        kind, dtype, shape = info.as_json()
+        if kind != "TENSOR":
+            return None
+        out.append((str(dtype), tuple(int(d) for d in shape)))
+    return out

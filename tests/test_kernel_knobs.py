@@ -1,0 +1,145 @@
+"""Knobs of the hand-written CPU kernels (codegen/kernel_knobs.py) and their tuning sessions.
+
+The defaults build exactly the kernels the lowering builds; every other setting gives bit-identical
+outputs (the knobs move work between threads and change prefetching, never a float order); a
+session measures knob settings next to MetaSchedule in the same database, resumes, and
+`compile --tuning-db` builds the kernels with the settings found, with decode logits identical to
+the default artifact's.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tvm
+import tvm_ffi
+
+from ggufc.cli import teacher_forced_logits
+from ggufc.codegen import kernel_knobs as KN
+from ggufc.codegen import quant_int8 as Q8
+from ggufc.codegen.kernel_keys import Int8GemvGroup, OpKernel
+from ggufc.codegen.target import cpu_target
+from ggufc.driver import tune as TU
+from ggufc.driver import tune_report
+from ggufc.driver import tune_worker as W
+from ggufc.driver.compile import compile_model
+from ggufc.runtime.session import Session
+
+GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
+FIXTURES = GOLDEN / "fixtures"
+LLAMA_Q4 = FIXTURES / "llama-dense-Q4_0.gguf"
+TARGET = cpu_target()
+needs_int8_dot = pytest.mark.skipif(Q8.int8_dot_intrinsic(TARGET) is None, reason="no 8-bit dot product on this CPU")
+SMALL = TU.TuneOptions.for_round(2, timing_rounds=2, min_repeat_ms=2)
+
+
+def outputs(func: tvm.tirx.PrimFunc, args: list[tuple[str, tuple[int, ...]]]) -> list[np.ndarray]:
+    """Every argument after one call on fixed random data (the outputs among them)."""
+    ex = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=TARGET)
+    rng = np.random.default_rng(3)
+    arrays = [tvm.runtime.tensor(W.fill(d, s, rng)) for d, s in args]
+    ex.mod["main"](*arrays)
+    return [a.numpy() for a in arrays]
+
+
+GEMV_KEYS = [
+    Int8GemvGroup("Q4_1", (64, 32), 256, ("rms_norm", 1e-5), False),
+    Int8GemvGroup("Q4_0", (96,), 128, ("swiglu",), True),
+    Int8GemvGroup("Q8_0", (32, 16, 16), 128, (), False),
+]
+
+
+@needs_int8_dot
+@pytest.mark.parametrize("key", GEMV_KEYS, ids=lambda k: f"{k.qtype}-{len(k.ns)}")
+def test_gemv_knobs_keep_every_output_bit_for_bit(key: Int8GemvGroup) -> None:
+    default = Q8.int8_gemv_group(key.qtype, key.ns, key.k, TARGET, key.prologue, key.residual)
+    assert tvm_ffi.structural_equal(KN.build(key, TARGET, KN.defaults(key, TARGET)), default)
+    args = KN.decode_args(key, default)
+    assert args is not None
+    want = outputs(default, args)
+    if key.qtype == "Q4_1":  # every value of each knob on one kernel
+        settings = [k for k in KN.space(key, TARGET)
+                    if sum(v != KN.defaults(key, TARGET)[n] for n, v in k.items()) == 1]
+    else:
+        settings = [{"prefetch_groups": 1, "groups_per_task": 8}]
+    settings.append({"prefetch_groups": 16, "groups_per_task": 3})  # a split that leaves a short last task
+    for knobs in settings:
+        got = outputs(KN.build(key, TARGET, knobs), args)
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(g, w, err_msg=str(knobs))
+
+
+def test_swiglu_knobs_keep_every_output_bit_for_bit() -> None:
+    key = OpKernel("swiglu", 200, ())
+    default = KN.build(key, TARGET, {})
+    args = KN.decode_args(key, default)
+    assert args == [("float32", (1, 200))] * 3
+    want = outputs(default, args)
+    assert [k["column_tasks"] for k in KN.space(key, TARGET)] == [2, 4, 8, 16]
+    for knobs in KN.space(key, TARGET):  # 25 vectors: 13+12, 7+7+7+4, 4x6+1, 2x12+1
+        got = outputs(KN.build(key, TARGET, knobs), args)
+        np.testing.assert_array_equal(got[2], want[2], err_msg=str(knobs))
+
+
+def test_the_space_lists_each_setting_once_defaults_excluded() -> None:
+    key = GEMV_KEYS[0]
+    space = KN.space(key, TARGET)
+    assert KN.defaults(key, TARGET) == {"prefetch_groups": Q8.PREFETCH_GROUPS, "groups_per_task": 1}
+    assert KN.defaults(key, TARGET) not in space
+    assert len(space) == len({json.dumps(k, sort_keys=True) for k in space}) == 5 * 4 - 1
+    assert KN.family(key, tvm.target.Target({"kind": "cuda", "arch": "sm_80"})) is None
+
+
+@pytest.fixture(scope="module")
+def knob_session(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    db = tmp_path_factory.mktemp("knobs") / "db"
+    first = TU.tune_model(LLAMA_Q4, "llvm", db, trials=2, kinds=["matmul_int8"], options=SMALL)
+    tdb = TU.TuningDB(db)
+    after_first = {h: [json.dumps(r, sort_keys=True) for r in tdb.knob_records(h)] for h in tdb.workloads}
+    again = TU.tune_model(LLAMA_Q4, "llvm", db, trials=4, kinds=["matmul_int8"], options=SMALL)
+    return {"db": db, "first": first, "again": again, "after_first": after_first}
+
+
+@needs_int8_dot
+@pytest.mark.skipif(not FIXTURES.is_dir(), reason=f"llama.cpp fixtures not found at {FIXTURES}")
+def test_a_session_measures_knob_settings_and_resumes(knob_session: dict[str, Any]) -> None:
+    first, again = knob_session["first"], knob_session["again"]
+    assert first.new_trials == 2 and again.new_trials == 2 and again.total_trials == 4
+    db = TU.TuningDB(knob_session["db"])
+    knob_workloads = [h for h, e in db.workloads.items() if e["search"] == "knobs"]
+    assert knob_workloads and all(db.workloads[h]["kind"] == "matmul_int8" for h in knob_workloads)
+    assert sum(len(db.knob_records(h)) for h in knob_workloads) == 4
+    for h in knob_workloads:  # no setting measured twice; the rerun went on where the first stopped
+        settings = [json.dumps(r["knobs"], sort_keys=True) for r in db.knob_records(h)]
+        assert len(settings) == len(set(settings))
+    for h, lines in knob_session["after_first"].items():  # the first session's records are kept as they were
+        assert [json.dumps(r, sort_keys=True) for r in db.knob_records(h)][:len(lines)] == lines
+    tuned = [h for h in knob_workloads if db.knob_records(h)]
+    assert len(tuned) == 2  # each session's round went to a workload not tried yet
+    for h in tuned:
+        for r in db.knob_records(h):
+            assert r["device"].startswith("local@") and r["seconds"] > 0 and r["default_seconds"] > 0
+        assert db.workloads[h]["knobs"] in [r["knobs"] for r in db.knob_records(h)]
+        assert db.workloads[h]["tuned_us"] > 0
+    assert "best knob settings of the hand-written kernels" in tune_report.table(db)
+
+
+@needs_int8_dot
+@pytest.mark.skipif(not FIXTURES.is_dir(), reason=f"llama.cpp fixtures not found at {FIXTURES}")
+def test_compiled_with_tuned_knobs_the_decode_logits_are_identical(knob_session: dict[str, Any],
+                                                                  tmp_path: Path) -> None:
+    compile_model(LLAMA_Q4, "llvm", tmp_path / "default")
+    forced = compile_model(LLAMA_Q4, "llvm", tmp_path / "tuned", tuning_db=knob_session["db"],
+                           tuning_min_speedup=1e-6)
+    applied = forced["tuning"]["kernels"]
+    assert applied and all("knobs" in k for k in applied.values())
+    tokens = np.load(GOLDEN / "logits" / "llama-dense-Q4_0.npz")["tokens"].astype(np.int32)
+    with Session(tmp_path / "tuned") as s:
+        tuned = teacher_forced_logits(s, tokens, 1)
+    with Session(tmp_path / "default") as s:
+        default = teacher_forced_logits(s, tokens, 1)
+    np.testing.assert_array_equal(tuned, default)
