@@ -246,11 +246,12 @@ def _gather(fc: FunctionContext, node: Node) -> list[Any]:
         qtype, (rows, k), arrays = weight_args(fc, table)
         return fc.call(KK.WeightEmbed(qtype, rows, k), lambda: Q.qembed(qtype, rows, k), [fc.value(ids), *arrays],
                        node.outputs, node.outputs[0].name)
-    key = KK.OpKernel("gather", None, (fc.kernel_key_dims(table), fc.kernel_key_dims(ids)))
+    dtype = None if table.dtype == "float32" else table.dtype  # int tables: MoE hash routing's tid2eid
+    key = KK.OpKernel("gather", dtype, (fc.kernel_key_dims(table), fc.kernel_key_dims(ids)))
 
     def make() -> tirx.PrimFunc:
         syms = K.Symbols()
-        return K.gather_f32(fc.kernel_shape(table, syms), fc.kernel_shape(ids, syms))
+        return K.gather_f32(fc.kernel_shape(table, syms), fc.kernel_shape(ids, syms), table.dtype)
 
     return fc.call(key, make, [fc.value(table), fc.value(ids)], node.outputs, node.outputs[0].name)
 

@@ -3,7 +3,8 @@ merges `MOE_LOWERING` into its table.
 
 * `moe_route` / the router of `moe_ffn`: gating (the softmax kernel, or one elementwise kernel for
   sigmoid / sqrt(softplus)), [probs + selection bias], top-k (reading the unbiased probs at the
-  selected ids when biased), [renormalise], [scale].
+  selected ids when biased) or, hash-routed, the table rows of the tokens and `take_along` of the
+  probs at them, [renormalise], [scale].
 * `moe_ffn`: router matmul, routing, the selected experts' matmuls (quantized kernels), their
   activation (one elementwise kernel; `act_halves` / `swiglu_halves` on a merged gate_up
   output), the weighted sum, and the shared expert: three projections, one activation kernel,
@@ -38,7 +39,7 @@ MUL = O.Binary("mul")
 # activations as elementwise programs
 
 
-def act_steps(act: str, limit: float, g: int, u: int, n_before: int) -> list[Step]:
+def act_steps(act: str, limit: float, g: int, u: int, n_before: int, linear_beta: float = 0.0) -> list[Step]:
     """Elementwise steps computing act(vals[g], vals[u]) (ir/moe_routing.py), appended after
     `n_before` values; the last step is the result."""
     steps: list[Step] = []
@@ -55,6 +56,13 @@ def act_steps(act: str, limit: float, g: int, u: int, n_before: int) -> list[Ste
     elif act == "swiglu_clamp":
         gc = emit("scalar", O.Scalar("min", limit), g)
         emit("binary", MUL, emit("unary", O.Unary("silu"), gc), clip(u, limit))
+    elif act == "situ":  # beta * tanh(g / beta) * sigmoid(g) * (lb * tanh(u / lb) or u)
+        def soft_cap(v: int, c: float) -> int:
+            return emit("scalar", O.Scalar("mul", c), emit("unary", O.Unary("tanh"), emit("scalar", O.Scalar("div", c),
+                                                                                          v)))
+
+        gated = emit("binary", MUL, soft_cap(g, limit), emit("unary", O.Unary("sigmoid"), g))
+        emit("binary", MUL, gated, soft_cap(u, linear_beta) if linear_beta > 0 else u)
     elif act == "swiglu_oai":
         xc = emit("scalar", O.Scalar("min", MRef.OAI_LIMIT), g)
         sig = emit("unary", O.Unary("sigmoid"), emit("scalar", O.Scalar("mul", MRef.OAI_ALPHA), xc))
@@ -65,9 +73,9 @@ def act_steps(act: str, limit: float, g: int, u: int, n_before: int) -> list[Ste
     return steps
 
 
-def act_program(act: str, limit: float) -> O.FusedElementwise:
+def act_program(act: str, limit: float, linear_beta: float = 0.0) -> O.FusedElementwise:
     """act(g, u) of two inputs as one elementwise program."""
-    return O.FusedElementwise(tuple(act_steps(act, limit, 0, 1, 2)), 2)
+    return O.FusedElementwise(tuple(act_steps(act, limit, 0, 1, 2, linear_beta)), 2)
 
 
 def swiglu_halves(act_shape: PShape) -> tirx.PrimFunc:
@@ -117,15 +125,46 @@ def _gate_probs(fc: FunctionContext, logits: Any, dims: tuple[Dim, ...], gating:
     return _elementwise_temp(fc, O.FusedElementwise(steps[gating], 1), [logits], [dims], shape, f"{tag}_probs")
 
 
-def route(fc: FunctionContext, logits: Any, dims: tuple[Dim, ...], a: O.MoeRoute | O.MoeFFN, bias: Value | None,
+def take_along(x_shape: PShape, k: int) -> tirx.PrimFunc:
+    """Args (x [..., X], ids [..., k] int32, out [..., k]): out[..., j] = x[..., ids[..., j]]."""
+    x = te.placeholder(x_shape, "float32", name="x")
+    ids = te.placeholder((*x_shape[:-1], i64(k)), "int32", name="ids")
+    out = te.compute((*x_shape[:-1], i64(k)), lambda *i: x(*i[:-1], ids(*i).astype("int64")), name="out")
+    return func([x, ids, out])
+
+
+def _take_along(fc: FunctionContext, node: Node) -> list[Any]:
+    x, ids = node.inputs
+    k = int(ids.shape[-1])
+    key = KK.OpKernel("take_along", k, (fc.kernel_key_dims(x),))
+    return fc.call(key, lambda: take_along(fc.kernel_shape(x, K.Symbols()), k), [fc.value(x), fc.value(ids)],
+                   node.outputs, node.outputs[0].name)
+
+
+def _hashed_ids(fc: FunctionContext, table: Value, tokens: Value, tag: str) -> Any:
+    """table[tokens] -> [T, k] int32 (llama.cpp's ffn_gate_tid2eid rows of the call's tokens)."""
+    tdims, idims = tuple(int(d) for d in table.shape), fc.kernel_key_dims(tokens)
+    return fc.call_temp(KK.OpKernel("gather", "int32", (tdims, idims)),
+                        lambda: K.gather_f32(K.Symbols().shape(tdims), K.Symbols().shape(idims), "int32"),
+                        [fc.value(table), fc.value(tokens)], [([fc.dim(idims[0]), K.i64(tdims[1])], "int32")],
+                        f"{tag}_ids")[0]
+
+
+def route(fc: FunctionContext, logits: Any, dims: tuple[Dim, ...], a: O.MoeRoute | O.MoeFFN, extra: list[Value],
           tag: str) -> tuple[Any, Any]:
     """(weights, ids) of a [T, X] logits expression: gating, top-k (of probs + bias when biased,
-    the weights then the unbiased probs at the chosen ids), renormalise, scale."""
+    the weights then the unbiased probs at the chosen ids) or, hash-routed, the table rows of the
+    tokens with the probs at them; renormalise, scale. `extra`: [bias] or [table, tokens] or []."""
     shape = [fc.dim(d) for d in dims]
     probs = _gate_probs(fc, logits, dims, a.gating, tag)
     sel_shape = [shape[0], K.i64(a.k)]
     outs = [(sel_shape, "float32"), (sel_shape, "int32")]
-    if bias is None:
+    bias = extra[0] if a.selection_bias else None
+    if a.hash_routed:
+        ids = _hashed_ids(fc, extra[0], extra[1], tag)
+        w = fc.call_temp(KK.OpKernel("take_along", a.k, (dims,)), lambda: take_along(K.Symbols().shape(dims), a.k),
+                         [probs, ids], [outs[0]], f"{tag}_topk")[0]
+    elif bias is None:
         w, ids = fc.call_temp(KK.OpKernel("topk", a.k, (dims,)), lambda: K.topk(K.Symbols().shape(dims), a.k),
                               [probs], outs, f"{tag}_topk")
     else:
@@ -147,8 +186,8 @@ def route(fc: FunctionContext, logits: Any, dims: tuple[Dim, ...], a: O.MoeRoute
 def _moe_route(fc: FunctionContext, node: Node) -> list[Any]:
     a: O.MoeRoute = node.attrs
     logits = node.inputs[0]
-    bias = node.inputs[1] if len(node.inputs) > 1 else None
-    return list(route(fc, fc.value(logits), fc.kernel_key_dims(logits), a, bias, node.outputs[0].name))
+    return list(route(fc, fc.value(logits), fc.kernel_key_dims(logits), a, list(node.inputs[1:]),
+                      node.outputs[0].name))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,13 +207,17 @@ def _moe_ffn(fc: FunctionContext, node: Node) -> list[Any]:
     gemv = fc.is_one(x.shape[0])
     logits = fc.call_temp(KK.WeightMatmul(rq, n_exp, e, gemv), lambda: Q.qmatmul(rq, n_exp, e, gemv=gemv),
                           [fc.value(x), *rarr], [([t, K.i64(n_exp)], "float32")], "ffn_moe_logits")[0]
-    w, ids = route(fc, logits, (t_dim, n_exp), a, named.get("bias"), "ffn_moe")
+    extra = [named["bias"]] if a.selection_bias else [named["hash_table"], named["tokens"]] if a.hash_routed else []
+    w, ids = route(fc, logits, (t_dim, n_exp), a, extra, "ffn_moe")
     in_scheme, down_scheme = a.act_schemes
     if (in_scheme or down_scheme) and fc.mb.target.kind.name in GPU_KINDS:
         raise NotImplementedError(f"{node.outputs[0].label}: 8-bit activation rounding of MoE experts is a CPU "
                                   "kernel; GPU targets compile with float32 activations")
-    xe = _round_temp(fc, fc.value(x), (t_dim, e), [t, K.i64(e)], in_scheme, "ffn_moe_in_q")
-    x3 = fc.bb.emit(relax.op.reshape(xe, [t, K.i64(1), K.i64(e)]))
+    e_in, x_in = e, fc.value(x)
+    if a.latent:  # the experts run in L dims
+        x_in, e_in = _project(fc, x_in, named["latent_down"], x.shape[0], "ffn_moe_latent_in")
+    xe = _round_temp(fc, x_in, (t_dim, e_in), [t, K.i64(e_in)], in_scheme, "ffn_moe_in_q")
+    x3 = fc.bb.emit(relax.op.reshape(xe, [t, K.i64(1), K.i64(e_in)]))
 
     def experts(inp: Any, wv: Value, per_slot: bool, kind: str) -> Any:
         qtype, (_, n, k), arrays = weight_args(fc, wv)
@@ -190,33 +233,63 @@ def _moe_ffn(fc: FunctionContext, node: Node) -> list[Any]:
     act_dims = (t_dim, a.k, hidden)
     act_shape = [t, K.i64(a.k), K.i64(hidden)]
     if a.merged_gate_up:
-        act = _merged_gate_up_act(fc, up_y, act_dims, act_shape, a.act, a.act_limit)
+        act = _merged_gate_up_act(fc, up_y, act_dims, act_shape, a)
     elif gate is not None:
-        act = _elementwise_temp(fc, act_program(a.act, a.act_limit), [experts(x3, gate, False, "gate"), up_y],
-                                [act_dims, act_dims], act_shape, "ffn_moe_act")
+        act = _elementwise_temp(fc, act_program(a.act, a.act_limit, a.act_linear_beta),
+                                [experts(x3, gate, False, "gate"), up_y], [act_dims, act_dims], act_shape,
+                                "ffn_moe_act")
     else:
         silu = O.FusedElementwise((("unary", O.Unary("silu"), (0,)),), 1)
         act = _elementwise_temp(fc, silu, [up_y], [act_dims], act_shape, "ffn_moe_act")
     act = _round_temp(fc, act, act_dims, act_shape, down_scheme, "ffn_moe_act_q")
     down_y = experts(act, down, True, "down")
-    dims = (t_dim, a.k, e)
-    if a.shared:
+    dims = (t_dim, a.k, e_in)
+    if a.shared or a.latent:
         routed = fc.call_temp(KK.OpKernel("weighted_sum", None, (dims,)),
                               lambda: K.weighted_sum(K.Symbols().shape(dims), True),
-                              [down_y, w], [([t, K.i64(e)], "float32")], "ffn_moe_routed")[0]
-        return shared_expert(fc, node, named, routed)
+                              [down_y, w], [([t, K.i64(e_in)], "float32")], "ffn_moe_routed")[0]
+        if a.latent:
+            routed = _latent_out(fc, node, named, routed, t_dim)
+        return shared_expert(fc, node, named, routed) if a.shared else [routed]
     return fc.call(KK.OpKernel("weighted_sum", None, (dims,)), lambda: K.weighted_sum(K.Symbols().shape(dims), True),
                    [down_y, w], node.outputs, node.outputs[0].name)
 
 
-def _merged_gate_up_act(fc: FunctionContext, y: Any, act_dims: tuple[Any, ...], act_shape: list[Any], act: str,
-                        limit: float) -> Any:
+def _project(fc: FunctionContext, v: Any, w: Value, t_dim: Dim, name: str) -> tuple[Any, int]:
+    """v @ W.T with the weight's matmul kernel -> ([T, N], N)."""
+    qtype, (n, k), arrays = weight_args(fc, w)
+    gemv = fc.is_one(t_dim)
+    out = fc.call_temp(KK.WeightMatmul(qtype, n, k, gemv), lambda: Q.qmatmul(qtype, n, k, gemv=gemv), [v, *arrays],
+                       [([fc.dim(t_dim), K.i64(n)], "float32")], name)[0]
+    return out, n
+
+
+def _latent_out(fc: FunctionContext, node: Node, named: dict[str, Any], y: Any, t_dim: Dim) -> Any:
+    """A latent MoE's routed sum [T, L] -> [rmsnorm(., routed_norm)] @ routed_up.T [T, E]."""
+    a: O.MoeFFN = node.attrs
+    if a.latent_norm:
+        dims = (t_dim, int(named["latent_norm"].shape[0]))
+        llvm = fc.mb.target.kind.name == "llvm"
+        y = fc.call_temp(KK.OpKernel("rms_norm", O.RMSNorm(a.latent_norm_eps), (dims, dims[1:])),
+                         lambda: K.rms_norm(K.Symbols().shape(dims), True, a.latent_norm_eps, llvm),
+                         [y, fc.value(named["latent_norm"])], [([fc.dim(t_dim), K.i64(dims[1])], "float32")],
+                         "ffn_moe_latent_norm")[0]
+    if a.shared:
+        return _project(fc, y, named["latent_up"], t_dim, "ffn_moe_latent_out")[0]
+    qtype, (n, k), arrays = weight_args(fc, named["latent_up"])
+    gemv = fc.is_one(t_dim)
+    return fc.call(KK.WeightMatmul(qtype, n, k, gemv), lambda: Q.qmatmul(qtype, n, k, gemv=gemv), [y, *arrays],
+                   node.outputs, node.outputs[0].name)[0]
+
+
+def _merged_gate_up_act(fc: FunctionContext, y: Any, act_dims: tuple[Any, ...], act_shape: list[Any],
+                        a: O.MoeFFN) -> Any:
     """act(y[..., :F], y[..., F:]) of the merged gate_up experts' output [T, k, 2F]."""
-    if act == "swiglu":
+    if a.act == "swiglu":
         return fc.call_temp(KK.OpKernel("swiglu_halves", None, (act_dims,)),
                             lambda: swiglu_halves(K.Symbols().shape(act_dims)), [y],
                             [(act_shape, "float32")], "ffn_moe_act")[0]
-    prog = act_program(act, limit)
+    prog = act_program(a.act, a.act_limit, a.act_linear_beta)
     return fc.call_temp(KK.OpKernel("act_halves", prog, (act_dims,)),
                         lambda: act_halves(K.Symbols().shape(act_dims), prog), [y],
                         [(act_shape, "float32")], "ffn_moe_act")[0]
@@ -337,11 +410,13 @@ def _shared_act(fc: FunctionContext, a: O.MoeFFN, g: Any, u: Any, scales: dict[s
         if kind in scale_slot:
             steps.append(("binary", MUL, (src, scale_slot[kind])))
             slot[kind] = n_in + len(steps) - 1
-    steps += act_steps(a.shared_act, a.shared_act_limit, slot["gate"], slot["up"], n_in + len(steps))
+    steps += act_steps(a.shared_act, a.shared_act_limit, slot["gate"], slot["up"], n_in + len(steps),
+                       a.shared_act_linear_beta)
     return _elementwise_temp(fc, O.FusedElementwise(tuple(steps), n_in), ins, all_dims, shape, "ffn_shexp_act")
 
 
 MOE_LOWERING: dict[str, Callable[[FunctionContext, Node], list[Any]]] = {
+    "take_along": _take_along,
     "moe_route": _moe_route,
     "moe_ffn": _moe_ffn,
 }

@@ -150,19 +150,23 @@ def moe(
     b: GraphBuilder, x: Value, router: Value, gate_exps: Value | None, up_exps: Value, down_exps: Value,
     n_used: int, *, scales: dict[str, Value | None], hidden: int, bias: Value | None = None,
     gating: str = "softmax", normalize: bool = True, weights_scale: float = 1.0, act: str = "swiglu",
-    act_limit: float = 0.0,
+    act_limit: float = 0.0, hashed: tuple[Value, Value] | None = None, act_linear_beta: float = 0.0,
+    latent: tuple[Value, Value | None, Value] | None = None, latent_norm_eps: float = 0.0,
 ) -> Value:
     """llama.cpp's build_moe_ffn: router, gating, top-k (by probs + `bias` when given, weights from
-    the unbiased probs), renormalised and scaled weights, the selected experts' activation, weighted
-    sum (the routing family: ir/moe_routing.py)."""
+    the unbiased probs; or, `hashed` = (tid2eid table [V, k] int32, tokens [T]), the experts of
+    each token's row), renormalised and scaled weights, the selected experts' activation, weighted
+    sum (the routing family: ir/moe_routing.py). `latent` = (routed_down [L, E], routed_norm [L] or
+    None, routed_up [E, L]): the experts run in L dims, the router still reads x."""
     t = x.shape[0]
     logits = b.matmul(x, router, "ffn_moe_logits")
     route = O.MoeRoute(n_used, normalize=normalize, gating=gating, selection_bias=bias is not None,
-                       weights_scale=weights_scale)
+                       weights_scale=weights_scale, hash_routed=hashed is not None)
     step_names = {k: f"ffn_moe_{k}" for k in ("probs", "sel", "topk", "ids", "wsum", "wsum_clamped", "weights",
                                                "weights_scaled")}
-    weights, ids = MS.route_spelled(b, logits, route, "ffn_moe", bias, step_names)
-    x3 = b.reshape(x, (t, 1, x.shape[1]), "ffn_moe_in")
+    weights, ids = MS.route_spelled(b, logits, route, "ffn_moe", bias, step_names, hashed)
+    r = b.matmul(x, latent[0], "ffn_moe_latent_in") if latent is not None else x
+    x3 = b.reshape(r, (t, 1, r.shape[1]), "ffn_moe_in")
 
     def experts(inp: Value, wq: Value, kind: str) -> Value:
         wf = b.dequantize(wq, f"ffn_moe_{kind}.w") if wq.dtype != "float32" else wq
@@ -175,25 +179,29 @@ def moe(
 
     up = experts(x3, up_exps, "up")
     if gate_exps is not None:
-        act_out = MS.expert_act_spelled(b, experts(x3, gate_exps, "gate"), up, act, act_limit, "ffn_moe_act")
+        act_out = MS.expert_act_spelled(b, experts(x3, gate_exps, "gate"), up, act, act_limit, "ffn_moe_act",
+                                        act_linear_beta)
     else:
         act_out = b.unary("silu", up, "ffn_moe_act")
     down = experts(act_out, down_exps, "down")
     w3 = b.reshape(weights, (t, n_used, 1), "ffn_moe_weights3")
     weighted = b.mul(down, w3, "ffn_moe_weighted")
-    return b.reduce("sum", weighted, "ffn_moe_out", axis=1, keepdims=False)
+    if latent is None:
+        return b.reduce("sum", weighted, "ffn_moe_out", axis=1, keepdims=False)
+    routed = b.reduce("sum", weighted, "ffn_moe_routed", axis=1, keepdims=False)
+    return MS.latent_out_spelled(b, routed, latent[1], latent[2], latent_norm_eps, "ffn_moe_out")
 
 
 def shared_ffn(
     b: GraphBuilder, x: Value, gate: Value, up: Value, down: Value, *, scales: dict[str, Value | None],
-    act: str = "swiglu", act_limit: float = 0.0,
+    act: str = "swiglu", act_limit: float = 0.0, act_linear_beta: float = 0.0,
 ) -> Value:
     """A shared expert (llama.cpp build_ffn, parallel gate, no biases): down(act(x Wg [sg], x Wu [su])) [sd]."""
     if act == "swiglu":
         return swiglu_ffn(b, x, gate, up, down, biases={}, scales=scales)
     g = linear(b, x, gate, "ffn_gate", scale=scales.get("gate"))
     u = linear(b, x, up, "ffn_up", scale=scales.get("up"))
-    h = MS.expert_act_spelled(b, g, u, act, act_limit, "ffn_act")
+    h = MS.expert_act_spelled(b, g, u, act, act_limit, "ffn_act", act_linear_beta)
     return linear(b, h, down, "ffn_down", scale=scales.get("down"))
 
 

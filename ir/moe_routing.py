@@ -2,6 +2,7 @@
 
     probs  = gating(x @ router.T)            softmax | sigmoid | sqrt(softplus) over the experts
     ids    = top-k of (probs + bias)          the selection bias (`exp_probs_b`) only picks experts
+             or table[token]                  hash routing (`ffn_gate_tid2eid`, deepseek4's first layers)
     w      = probs[ids]                       the weights read the unbiased probabilities
     w      = w / max(sum(w), clamp)           when normalised
     w      = w * weights_scale                (`expert_weights_scale`, when not 0 or 1)
@@ -9,7 +10,10 @@
 
 Expert activations `act(g, u)`: "swiglu" silu(g) * u; "swiglu_clamp" silu(min(g, L)) *
 clip(u, -L, L) (`swiglu_clamp_exp`); "swiglu_oai" with x = min(g, 7), y = clip(u, -7, 7):
-x * sigmoid(1.702 x) * (y + 1) (ggml_swiglu_oai's constants). A shared expert is added to the
+x * sigmoid(1.702 x) * (y + 1) (ggml_swiglu_oai's constants); "situ" (kimi-k3) with beta b and
+linear beta lb: b * tanh(g / b) * sigmoid(g) * (lb * tanh(u / lb) if lb > 0 else u).
+A latent MoE (kimi-k3) runs the experts in L dims: r = x @ routed_down.T, the routed sum
+[rmsnorm(., routed_norm)] @ routed_up.T; the router still reads x. A shared expert is added to the
 routed sum either gated (`* sigmoid(x . gate_inp_shexp)`) or always active (ungated).
 
 The op records (`MoeRoute`, `MoeFFN`) are in `ops.py`; the spellings in primitives in
@@ -28,7 +32,7 @@ from .act_quant import quantize_act_ref
 from .ref_math import sigmoid
 
 GATINGS = ("softmax", "sigmoid", "sqrt_softplus")
-ACTS = ("swiglu", "swiglu_clamp", "swiglu_oai")
+ACTS = ("swiglu", "swiglu_clamp", "swiglu_oai", "situ")
 OAI_ALPHA, OAI_LIMIT = 1.702, 7.0  # hard-coded in llama.cpp's build_moe_ffn / build_ffn
 
 
@@ -50,8 +54,12 @@ def gate_probs_ref(logits: np.ndarray, gating: str) -> np.ndarray:
     raise ValueError(f"unknown MoE gating {gating!r} (known: {', '.join(GATINGS)})")
 
 
-def expert_act_ref(g: np.ndarray, u: np.ndarray, act: str, limit: float) -> np.ndarray:
+def expert_act_ref(g: np.ndarray, u: np.ndarray, act: str, limit: float, linear_beta: float = 0.0) -> np.ndarray:
     dt = g.dtype.type
+    if act == "situ":
+        beta = dt(limit)
+        gated = beta * np.tanh(g / beta) * sigmoid(g)
+        return gated * (dt(linear_beta) * np.tanh(u / dt(linear_beta)) if linear_beta > 0 else u)
     if act == "swiglu":
         return g * sigmoid(g) * u
     if act == "swiglu_clamp":
@@ -64,18 +72,25 @@ def expert_act_ref(g: np.ndarray, u: np.ndarray, act: str, limit: float) -> np.n
     raise ValueError(f"unknown expert activation {act!r} (known: {', '.join(ACTS)})")
 
 
-def check_routing(a: Any, n_exp: Any, bias_shape: Any) -> None:
-    """Shape-rule checks of a MoeRoute / MoeFFN record: known gating and activations, a bias
-    input exactly when selection_bias, of shape [X]."""
+def check_routing(a: Any, n_exp: Any, *extra: Any) -> None:
+    """Shape-rule checks of a MoeRoute / MoeFFN record: known gating and activations; the extra
+    routing inputs' shapes: a bias [X] exactly when selection_bias, a table [V, k] and tokens [T]
+    exactly when hash_routed (never both: llama.cpp's hash layers have no bias)."""
     if a.gating not in GATINGS:
         raise ValueError(f"moe: unknown gating {a.gating!r} (known: {', '.join(GATINGS)})")
     for act in (getattr(a, "act", "swiglu"), getattr(a, "shared_act", "swiglu")):
         if act not in ACTS:
             raise ValueError(f"moe: unknown expert activation {act!r} (known: {', '.join(ACTS)})")
-    if a.selection_bias != (bias_shape is not None):
-        raise ValueError(f"moe: selection_bias={a.selection_bias} but {'a' if bias_shape else 'no'} bias input")
-    if bias_shape is not None and tuple(bias_shape) != (n_exp,):
-        raise ValueError(f"moe: selection bias {tuple(bias_shape)} is not [{n_exp}]")
+    if a.selection_bias and a.hash_routed:
+        raise ValueError("moe: hash routing takes no selection bias")
+    want = 1 if a.selection_bias else 2 if a.hash_routed else 0
+    if len(extra) != want:
+        raise ValueError(f"moe: selection_bias={a.selection_bias}, hash_routed={a.hash_routed} take {want} routing "
+                         f"inputs, got {len(extra)}")
+    if a.selection_bias and tuple(extra[0]) != (n_exp,):
+        raise ValueError(f"moe: selection bias {tuple(extra[0])} is not [{n_exp}]")
+    if a.hash_routed and (len(extra[0]) != 2 or extra[0][1] != a.k or len(extra[1]) != 1):
+        raise ValueError(f"moe: hash table {tuple(extra[0])} is not [V, {a.k}] or tokens {tuple(extra[1])} not [T]")
     if isinstance(n_exp, int) and a.k > n_exp:
         raise ValueError(f"moe: k={a.k} exceeds the {n_exp} experts")
 
@@ -85,10 +100,15 @@ def select_ref(x: np.ndarray, k: int) -> np.ndarray:
     return np.argsort(-x, axis=-1, kind="stable")[..., :k].astype(np.int32)
 
 
-def moe_route_ref(logits: np.ndarray, a: Any, bias: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(weights [T, k], expert ids [T, k]) of a MoeRoute / MoeFFN record."""
+def moe_route_ref(logits: np.ndarray, a: Any, *extra: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(weights [T, k], expert ids [T, k]) of a MoeRoute / MoeFFN record; `extra`: the bias [X]
+    (selection_bias) or the table [V, k] and the tokens [T] (hash_routed)."""
     probs = gate_probs_ref(logits, a.gating)
-    ids = select_ref(probs + bias if bias is not None else probs, a.k)
+    if a.hash_routed:
+        table, tokens = extra
+        ids = np.asarray(table)[np.asarray(tokens).astype(np.int64)].astype(np.int32)
+    else:
+        ids = select_ref(probs + extra[0] if a.selection_bias else probs, a.k)
     w = np.take_along_axis(probs, ids.astype(np.int64), -1)
     dt = logits.dtype.type
     if a.normalize:
@@ -111,13 +131,17 @@ def matmul_id_ref(x: np.ndarray, w: np.ndarray, ids: np.ndarray) -> np.ndarray:
 
 def moe_inputs(ins: Sequence[Any], a: Any) -> dict[str, Any]:
     """Name the inputs of a moe_ffn node: x, router, [selection bias [X] if selection_bias],
+    [hash table [V, k] int32, tokens [T] int32 if hash_routed],
     [gate_exps if has_gate], up_exps (or one gate_up_exps if merged_gate_up), down_exps,
-    *per-expert scales named by expert_scales, then if shared: [gate_inp_shexp [E] if
+    *per-expert scales named by expert_scales, [routed_down [L, E], [routed_norm [L]], routed_up [E, L]
+    if latent], then if shared: [gate_inp_shexp [E] if
     shared_gated], gate_shexp, up_shexp, down_shexp, *[1] scales named by shared_scales."""
     x, router, *rest = ins
     out: dict[str, Any] = {"x": x, "router": router}
     if a.selection_bias:
         out["bias"] = rest.pop(0)
+    if a.hash_routed:
+        out["hash_table"], out["tokens"] = rest.pop(0), rest.pop(0)
     if a.merged_gate_up:
         out["gate_up"] = rest.pop(0)
     else:
@@ -126,6 +150,11 @@ def moe_inputs(ins: Sequence[Any], a: Any) -> dict[str, Any]:
         out["up"] = rest.pop(0)
     out["down"] = rest.pop(0)
     out["scales"] = {k: rest.pop(0) for k in a.expert_scales}
+    if a.latent:
+        out["latent_down"] = rest.pop(0)
+        if a.latent_norm:
+            out["latent_norm"] = rest.pop(0)
+        out["latent_up"] = rest.pop(0)
     if a.shared:
         kinds = ("shexp_gate_inp",) if a.shared_gated else ()
         for k in (*kinds, "shexp_gate", "shexp_up", "shexp_down"):
@@ -144,18 +173,26 @@ def routed_experts_ref(n: dict[str, Any], a: Any) -> np.ndarray:
         wg, wu = n["gate_up"][:, :f], n["gate_up"][:, f:]
     else:
         wg, wu = n.get("gate"), n["up"]
-    w, ids = moe_route_ref(x @ n["router"].T, a, n.get("bias"))
+    extra = [n["bias"]] if a.selection_bias else [n["hash_table"], n["tokens"]] if a.hash_routed else []
+    w, ids = moe_route_ref(x @ n["router"].T, a, *extra)
     in_scheme, down_scheme = a.act_schemes
-    x3 = (quantize_act_ref(x, in_scheme) if in_scheme else x)[:, None, :]
+    r = x @ n["latent_down"].T if a.latent else x
+    x3 = (quantize_act_ref(r, in_scheme) if in_scheme else r)[:, None, :]
 
     def experts(inp: np.ndarray, mat: np.ndarray, kind: str) -> np.ndarray:
         y = matmul_id_ref(inp, mat, ids)
         return y * scales[kind][ids][..., None] if kind in scales else y
 
     up = experts(x3, wu, "up")
-    hdn = expert_act_ref(experts(x3, wg, "gate"), up, a.act, a.act_limit) if wg is not None else up * sigmoid(up)
+    hdn = (expert_act_ref(experts(x3, wg, "gate"), up, a.act, a.act_limit, a.act_linear_beta) if wg is not None
+           else up * sigmoid(up))
     down = experts(quantize_act_ref(hdn, down_scheme) if down_scheme else hdn, n["down"], "down")
-    return np.sum(down * w[..., None], axis=1)
+    y = np.sum(down * w[..., None], axis=1)
+    if not a.latent:
+        return y
+    if a.latent_norm:
+        y = y / np.sqrt(np.mean(y * y, axis=-1, keepdims=True) + y.dtype.type(a.latent_norm_eps)) * n["latent_norm"]
+    return y @ n["latent_up"].T
 
 
 def shared_expert_ref(n: dict[str, Any], a: Any) -> np.ndarray:
@@ -163,8 +200,8 @@ def shared_expert_ref(n: dict[str, Any], a: Any) -> np.ndarray:
     x, s = n["x"], n["shexp_scales"]
     g = x @ n["shexp_gate"].T * (s["gate"] if "gate" in s else 1)
     u = x @ n["shexp_up"].T * (s["up"] if "up" in s else 1)
-    sh = expert_act_ref(g, u, a.shared_act, a.shared_act_limit) @ n["shexp_down"].T * (s["down"] if "down" in s
-                                                                                         else 1)
+    act = expert_act_ref(g, u, a.shared_act, a.shared_act_limit, a.shared_act_linear_beta)
+    sh = act @ n["shexp_down"].T * (s["down"] if "down" in s else 1)
     if not a.shared_gated:
         return sh
     return sh * sigmoid(np.sum(x * n["shexp_gate_inp"], axis=-1, keepdims=True))

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import ops as O
-from .builder import GraphBuilder
+from .builder import GraphBuilder, rms_norm_plain
 from .graph import Node, Value
 from .moe_routing import OAI_ALPHA, OAI_LIMIT
 
@@ -29,14 +29,19 @@ def gate_probs_spelled(b: GraphBuilder, logits: Value, gating: str, name: str) -
 
 
 def route_spelled(b: GraphBuilder, logits: Value, a: Any, name: str, bias: Value | None = None,
-                  names: dict[str, str] | None = None) -> tuple[Value, Value]:
+                  names: dict[str, str] | None = None, hashed: tuple[Value, Value] | None = None
+                  ) -> tuple[Value, Value]:
     """(weights, ids): the gating, top-k of the probabilities (plus the selection bias, the
-    weights then read the unbiased probabilities), the clamped renormalisation, the scale.
-    `names` renames the steps (probs, topk, ids, wsum, wsum_clamped, weights, weights_scaled)."""
+    weights then read the unbiased probabilities) or, hash-routed, the ids of table[token]
+    (`hashed` = (table [V, k], tokens [T])) with the probabilities at them; the clamped
+    renormalisation, the scale. `names` renames the steps (probs, topk, ids, wsum, ...)."""
     nm = {k: f"{name}.{k}" for k in ("probs", "sel", "topk", "ids", "wsum", "wsum_clamped", "weights",
                                      "weights_scaled")} | (names or {})
     probs = gate_probs_spelled(b, logits, a.gating, nm["probs"])
-    if bias is not None:
+    if hashed is not None:
+        ids = b.gather(hashed[0], hashed[1], nm["ids"])
+        w = b.emit("take_along", [probs, ids], O.NoAttrs(), nm["topk"])
+    elif bias is not None:
         sel = b.add(probs, bias, nm["sel"])
         w, ids = b.emit_multi("topk", [sel, probs], O.TopK(a.k), [nm["topk"], nm["ids"]])
     else:
@@ -53,8 +58,17 @@ def _clip(b: GraphBuilder, u: Value, limit: float, name: str) -> Value:
     return b.scalar("max", b.scalar("min", u, limit, f"{name}.hi"), -limit, name)
 
 
-def expert_act_spelled(b: GraphBuilder, g: Value, u: Value, act: str, limit: float, name: str) -> Value:
-    """act(g, u): SwiGLU, clamped SwiGLU or swiglu_oai (moe_routing.py)."""
+def expert_act_spelled(b: GraphBuilder, g: Value, u: Value, act: str, limit: float, name: str,
+                       linear_beta: float = 0.0) -> Value:
+    """act(g, u): SwiGLU, clamped SwiGLU, swiglu_oai or situ (moe_routing.py)."""
+    if act == "situ":  # beta * tanh(g / beta) * sigmoid(g) * (lb * tanh(u / lb) if lb > 0 else u)
+        soft = b.unary("tanh", b.scalar("div", g, limit, f"{name}.g_beta"), f"{name}.g_tanh")
+        gated = b.mul(b.scalar("mul", soft, limit, f"{name}.g_soft"), b.unary("sigmoid", g, f"{name}.sig"),
+                      f"{name}.glu")
+        if linear_beta > 0:
+            u_soft = b.unary("tanh", b.scalar("div", u, linear_beta, f"{name}.u_beta"), f"{name}.u_tanh")
+            u = b.scalar("mul", u_soft, linear_beta, f"{name}.u_soft")
+        return b.mul(gated, u, name)
     if act == "swiglu":
         return b.mul(b.unary("silu", g, f"{name}.silu"), u, name)
     if act == "swiglu_clamp":
@@ -79,8 +93,8 @@ def shared_expert_spelled(b: GraphBuilder, x: Value, routed: Value, named: dict,
 
     g = linear(x, named["shexp_gate"], "gate")
     u = linear(x, named["shexp_up"], "up")
-    shared = linear(expert_act_spelled(b, g, u, a.shared_act, a.shared_act_limit, f"{name}.shexp_act"),
-                    named["shexp_down"], "down")
+    act = expert_act_spelled(b, g, u, a.shared_act, a.shared_act_limit, f"{name}.shexp_act", a.shared_act_linear_beta)
+    shared = linear(act, named["shexp_down"], "down")
     if not a.shared_gated:
         return b.add(routed, shared, name)
     w_gate = named["shexp_gate_inp"]
@@ -92,8 +106,10 @@ def shared_expert_spelled(b: GraphBuilder, x: Value, routed: Value, named: dict,
 
 
 def _moe_route(b: GraphBuilder, n: Node) -> list[Value]:
-    bias = n.inputs[1] if len(n.inputs) > 1 else None
-    return list(route_spelled(b, n.inputs[0], n.attrs, n.outputs[0].name, bias))
+    a, extra = n.attrs, n.inputs[1:]
+    bias = extra[0] if a.selection_bias else None
+    hashed = (extra[0], extra[1]) if a.hash_routed else None
+    return list(route_spelled(b, n.inputs[0], a, n.outputs[0].name, bias, hashed=hashed))
 
 
 def _moe_ffn(b: GraphBuilder, n: Node) -> list[Value]:
@@ -109,10 +125,13 @@ def _moe_ffn(b: GraphBuilder, n: Node) -> list[Value]:
         up = b.slice(named["gate_up"], 1, f, 2 * f, f"{name}.up_exps")
     else:
         gate, up = named.get("gate"), named["up"]
-    weights, ids = route_spelled(b, b.matmul(x, router, f"{name}.logits"), a, f"{name}.route", named.get("bias"))
+    hashed = (named["hash_table"], named["tokens"]) if a.hash_routed else None
+    weights, ids = route_spelled(b, b.matmul(x, router, f"{name}.logits"), a, f"{name}.route", named.get("bias"),
+                                 hashed=hashed)
     in_scheme, down_scheme = a.act_schemes
-    xe = b.emit("quantize_act", [x], O.QuantizeAct(in_scheme), f"{name}.in_q") if in_scheme else x
-    x3 = b.reshape(xe, (t, 1, x.shape[1]), f"{name}.in")
+    r = b.matmul(x, named["latent_down"], f"{name}.latent_in") if a.latent else x
+    xe = b.emit("quantize_act", [r], O.QuantizeAct(in_scheme), f"{name}.in_q") if in_scheme else r
+    x3 = b.reshape(xe, (t, 1, r.shape[1]), f"{name}.in")
 
     def experts(inp: Value, w: Value, kind: str) -> Value:
         y = b.emit("matmul_id", [inp, w, ids], O.NoAttrs(), f"{name}.{kind}")
@@ -123,17 +142,29 @@ def _moe_ffn(b: GraphBuilder, n: Node) -> list[Value]:
 
     u = experts(x3, up, "up")
     if gate is not None:
-        act = expert_act_spelled(b, experts(x3, gate, "gate"), u, a.act, a.act_limit, f"{name}.act")
+        act = expert_act_spelled(b, experts(x3, gate, "gate"), u, a.act, a.act_limit, f"{name}.act",
+                                 a.act_linear_beta)
     else:
         act = b.unary("silu", u, f"{name}.act")
     w3 = b.reshape(weights, (t, a.k, 1), f"{name}.weights3")
     if down_scheme:
         act = b.emit("quantize_act", [act], O.QuantizeAct(down_scheme), f"{name}.act_q")
     weighted = b.mul(experts(act, down, "down"), w3, f"{name}.weighted")
-    if not a.shared:
+    if not a.shared and not a.latent:
         return [b.reduce("sum", weighted, name, axis=1, keepdims=False)]
     routed = b.reduce("sum", weighted, f"{name}.routed", axis=1, keepdims=False)
-    return [shared_expert_spelled(b, x, routed, named, a, name)]
+    if a.latent:
+        routed = latent_out_spelled(b, routed, named.get("latent_norm"), named["latent_up"], a.latent_norm_eps,
+                                    f"{name}.latent_out" if a.shared else name)
+    return [shared_expert_spelled(b, x, routed, named, a, name)] if a.shared else [routed]
+
+
+def latent_out_spelled(b: GraphBuilder, y: Value, norm: Value | None, up: Value, eps: float, name: str) -> Value:
+    """[rmsnorm(y, norm)] @ up.T: a latent MoE's routed sum back to the model width."""
+    if norm is not None:
+        y = rms_norm_plain(b, y, eps, f"{name}.norm")
+        y = b.mul(y, norm, f"{name}.normed")
+    return b.matmul(y, up, name)
 
 
 MOE_DECOMPOSITIONS = {

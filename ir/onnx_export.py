@@ -325,6 +325,13 @@ def _export_topk(e: _Exporter, node: Node) -> None:
         e.emit("GatherElements", [e.name(node.inputs[1]), ids64], [vals], axis=-1)
 
 
+def _export_take_along(e: _Exporter, node: Node) -> None:
+    x, ids = node.inputs
+    ids64 = e.fresh(f"{e.name(ids)}/int64")
+    e.emit("Cast", [e.name(ids)], [ids64], to=TensorProto.INT64)
+    e.emit("GatherElements", [e.name(x), ids64], [e.name(node.outputs[0])], axis=-1)
+
+
 def _export_simple(op_type: str, **fixed: Any) -> Callable[[_Exporter, Node], None]:
     def export(e: _Exporter, node: Node) -> None:
         attrs = {**fixed}
@@ -352,6 +359,7 @@ EXPORTERS: dict[str, Callable[[_Exporter, Node], None]] = {
     "bmm_nt": _export_bmm_nt,
     "bmm_nn": _export_simple("MatMul"),
     "topk": _export_topk,
+    "take_along": _export_take_along,
     "last_token": _export_last_token,
     "softmax": _export_simple("Softmax"),
     # everything else (matmul_id, positions, causal_mask, cache ops, fused ops) is custom

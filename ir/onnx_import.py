@@ -264,14 +264,20 @@ def _read_topk(im: _Importer, n: onnx.NodeProto) -> None:
 
 
 def _read_gather_elements(im: _Importer, n: onnx.NodeProto) -> None:
-    """GatherElements of a payload at a TopK's ids (as _export_topk writes it): that topk's payload."""
+    """GatherElements along the last axis: of a payload at a TopK's ids (as _export_topk writes
+    it), that topk's payload; at int32 ids cast to int64 (_export_take_along), take_along."""
     ids = im.value(n.input[1])
     node = im.producer.get(ids.id)
     payload = im.value(n.input[0])
-    if (node is None or node.op != "topk" or node.outputs[1] is not ids or len(node.inputs) != 1
-            or _attr(n, "axis", 0) not in (-1, len(payload.shape) - 1) or payload.shape != node.inputs[0].shape):
-        raise OnnxError(f"GatherElements {n.name}: only a payload read at a TopK's ids along the last axis is "
-                        "supported")
+    if _attr(n, "axis", 0) not in (-1, len(payload.shape) - 1):
+        raise OnnxError(f"GatherElements {n.name}: only the last axis is supported")
+    if node is None or node.op != "topk":
+        if ids.dtype != "int32":
+            raise OnnxError(f"GatherElements {n.name}: only int32 ids (cast to int64) or a TopK's ids are supported")
+        im.add("take_along", [payload, ids], O.NoAttrs(), [n.output[0]])
+        return
+    if node.outputs[1] is not ids or len(node.inputs) != 1 or payload.shape != node.inputs[0].shape:
+        raise OnnxError(f"GatherElements {n.name}: a payload must have the TopK's scores' shape")
     vals = node.outputs[0]
     named = _value_from_label(n.output[0], vals.shape, payload.dtype)
     vals.name, vals.layer, vals.dtype = named.name, named.layer, named.dtype
@@ -289,6 +295,8 @@ def _read_cast(im: _Importer, n: onnx.NodeProto) -> None:
     if to == TensorProto.INT32 and node is not None and node.op == "topk" and node.outputs[1] is src:
         named = _value_from_label(n.output[0], src.shape, src.dtype)
         src.name, src.layer = named.name, named.layer  # topk's ids are int32 already: keep the Cast's name
+        im.alias(n.input[0], n.output[0])
+    elif to == TensorProto.INT64 and src.dtype == "int32":  # int32 ids widened for GatherElements
         im.alias(n.input[0], n.output[0])
     elif to == TensorProto.FLOAT and src.dtype in ("f16", "bf16"):
         im.add("dequantize", [src], O.NoAttrs(), [n.output[0]])

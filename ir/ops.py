@@ -165,6 +165,8 @@ class MoeRoute:
     gating: str = "softmax"  # "softmax", "sigmoid" or "sqrt_softplus" (llama.cpp expert_gating_func)
     selection_bias: bool = False  # a second input [X] added to the probabilities to pick the experts only
     weights_scale: float = 1.0  # expert_weights_scale, applied after the normalisation
+    # hash routing: the experts are table[token] (inputs table [V, k] int32, tokens [T] int32), not a top-k
+    hash_routed: bool = False
 
 
 @dataclass(frozen=True)
@@ -186,11 +188,21 @@ class MoeFFN:
     gating: str = "softmax"
     selection_bias: bool = False
     weights_scale: float = 1.0
-    act: str = "swiglu"  # routed experts: "swiglu", "swiglu_clamp" (limit act_limit) or "swiglu_oai"
+    # routed experts: "swiglu", "swiglu_clamp" (limit act_limit), "swiglu_oai" or "situ" (beta
+    # act_limit, linear beta act_linear_beta)
+    act: str = "swiglu"
     act_limit: float = 0.0
     shared_gated: bool = True  # False: the shared expert is always active (no gate_inp_shexp input)
     shared_act: str = "swiglu"
     shared_act_limit: float = 0.0
+    # latent MoE (kimi-k3): the experts run in L dims between routed_down [L, E] and routed_up [E, L]
+    # (an RMSNorm [L] of the routed sum between them when latent_norm); the router reads x
+    latent: bool = False
+    latent_norm: bool = False
+    latent_norm_eps: float = 0.0
+    act_linear_beta: float = 0.0
+    shared_act_linear_beta: float = 0.0
+    hash_routed: bool = False  # experts = tid2eid[token] (inputs table [V, k] int32, tokens [T] int32)
 
 
 @dataclass(frozen=True)
@@ -606,8 +618,17 @@ def _topk_shape(ins: Sequence[ShapeDtype], a: TopK) -> list[ShapeDtype]:
     return [(shape, ins[-1][1]), (shape, "int32")]
 
 
+def _take_along_shape(ins: Sequence[ShapeDtype], a: Any) -> list[ShapeDtype]:
+    """x [..., X], ids [..., k] int32 -> [..., k]: x's values at the ids along the last axis."""
+    (xs, dt), (ids, it) = ins
+    lead_ok = all(p == q for p, q in zip(xs[:-1], ids[:-1], strict=False) if isinstance(p, int) and isinstance(q, int))
+    if len(xs) != len(ids) or it != "int32" or not lead_ok:
+        raise ValueError(f"take_along: ids {it}{list(ids)} do not index the last axis of {list(xs)}")
+    return [(ids, dt)]
+
+
 def _route_shape(ins: Sequence[ShapeDtype], a: MoeRoute) -> list[ShapeDtype]:
-    check_routing(a, ins[0][0][-1], ins[1][0] if len(ins) > 1 else None)
+    check_routing(a, ins[0][0][-1], *(s for s, _ in ins[1:]))
     shape = ins[0][0][:-1] + (a.k,)
     return [(shape, "float32"), (shape, "int32")]
 
@@ -642,7 +663,8 @@ def _elementwise_shape(ins: Sequence[ShapeDtype], a: FusedElementwise) -> list[S
 
 def _moe_ffn_shape(ins: Sequence[ShapeDtype], a: MoeFFN) -> list[ShapeDtype]:
     n = moe_inputs([s for s, _ in ins], a)
-    check_routing(a, n["router"][0], n.get("bias"))
+    check_routing(a, n["router"][0], *((n["hash_table"], n["tokens"]) if a.hash_routed else
+                                       (n["bias"],) if a.selection_bias else ()))
     if a.merged_gate_up and (not a.has_gate or {"gate", "up"} & set(a.expert_scales)):
         raise ValueError("moe_ffn: a merged gate_up tensor has a gate and no gate/up scales")
     if a.merged_gate_up and n["gate_up"][1] != 2 * n["down"][2]:
@@ -833,6 +855,8 @@ OPS: dict[str, OpDef] = {
         OpDef("bmm_nt", NoAttrs, _bmm_shape, _one(lambda i, a, c: i[0] @ np.swapaxes(i[1], 1, 2))),
         OpDef("bmm_nn", NoAttrs, _bmm_nn_shape, _one(lambda i, a, c: i[0] @ i[1])),
         OpDef("matmul_id", NoAttrs, _matmul_id_shape, _one(lambda i, a, c: matmul_id_ref(i[0], i[1], i[2]))),
+        OpDef("take_along", NoAttrs, _take_along_shape,
+              _one(lambda i, a, c: np.take_along_axis(i[0], i[1].astype(np.int64), -1))),
         OpDef("topk", TopK, _topk_shape, lambda i, a, c: list(topk_ref(i[0], a.k, i[1] if len(i) > 1 else None))),
         OpDef("positions", Tokens, _positions_shape,
               _one(lambda i, a, c: (int(i[0]) + np.arange(c["T"])).astype(np.int32))),
@@ -878,7 +902,7 @@ OPS: dict[str, OpDef] = {
                                                  i[4] if len(i) > 4 else None)), fused=True),
         OpDef("swiglu", NoAttrs, _same, _one(lambda i, a, c: i[0] * _sigmoid(i[0]) * i[1]), fused=True),
         OpDef("moe_route", MoeRoute, _route_shape,
-              lambda i, a, c: list(moe_route_ref(i[0], a, i[1] if len(i) > 1 else None)), fused=True),
+              lambda i, a, c: list(moe_route_ref(i[0], a, *i[1:])), fused=True),
         OpDef("moe_ffn", MoeFFN, _moe_ffn_shape, _one(lambda i, a, c: moe_ffn_node_ref(i, a)), fused=True),
         OpDef("fused_elementwise", FusedElementwise, _elementwise_shape,
               _one(lambda i, a, c: fused_elementwise_ref(i, a)), fused=True),

@@ -23,22 +23,26 @@ must be f32 [E] and the shared projections read the same x as the router.
 
 The routing family (ir/moe_routing.py, llama.cpp's build_moe_ffn) widens the match: the gating is
 a softmax, a sigmoid or sqrt(softplus); the top-k may rank probs + bias (a selection bias [X])
-while returning the unbiased probs (topk's payload input); the weights may be scaled by a
+while returning the unbiased probs (topk's payload input), or hash routing replaces it (ids =
+gather(tid2eid, tokens), weights = take_along(probs, ids)); the weights may be scaled by a
 constant after the renormalisation; the experts' activation is SwiGLU, clamped SwiGLU
 (silu(min(g, L)) * clip(u, -L, L)) or swiglu_oai; and a shared expert may be added ungated
-(`moe_ffn_shared_ungated`, llama.cpp's always-active shared expert), its activation one of the same.
+(`moe_ffn_shared_ungated`, llama.cpp's always-active shared expert), its activation one of the same
+(or situ); a latent MoE (`moe_ffn_latent*`, kimi-k3) runs the experts on x @ routed_down.T and
+maps their sum back with [rmsnorm(., routed_norm)] @ routed_up.T.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from ggufc.ir import moe_routing as MR
 from ggufc.ir import ops as O
 from ggufc.ir.graph import Graph, Value
 from ggufc.ir.verify import shapes_equal
 
-from .fusions import MUL, silu_mul_pat, softmax_axis, softmax_last_axis_pat
+from .fusions import MUL, normed_pat, silu_mul_pat, softmax_axis, softmax_last_axis_pat
 from .matcher import GraphView, Match, P, Pat, Rewrite, Rule, V, any_of, rewrite_graph, where_attrs
 
 KINDS = ("gate", "up", "down")
@@ -61,7 +65,8 @@ def _weights_pat() -> Pat:
     logits = P("matmul", V("x"), V("router"), name="logits")
     probs = _probs_pat(logits)
     biased = P("binary", probs, V("sel_bias"), attrs=O.Binary("add"), commute=True, name="sel")
-    topk = any_of(P("topk", probs, name="topk", out=0), P("topk", biased, V("probs"), name="topk", out=0))
+    hashed = P("take_along", probs, P("gather", V("hash_table"), V("tokens"), name="ids"), name="hash_weights")
+    topk = any_of(P("topk", probs, name="topk", out=0), P("topk", biased, V("probs"), name="topk", out=0), hashed)
     wsum = P("reduce", topk, where=where_attrs(fn="sum", keepdims=True), name="wsum")
     clamped = P("scalar", wsum, where=where_attrs(fn="max"), name="clamp")
     normed = any_of(P("binary", topk, clamped, attrs=O.Binary("div")), topk)
@@ -84,25 +89,44 @@ def act_pat(g: Pat, u: Pat, prefix: str) -> Pat:
                                attrs=O.Unary("sigmoid")), attrs=MUL, commute=True)
     y1 = P("scalar", _clip_pat(u, f"{prefix}oai_u"), where=where_attrs(fn="add", c=1.0))
     oai = P("binary", glu, y1, attrs=MUL, commute=True)
-    return any_of(silu_mul_pat(g, u), clamped, oai)
+    return any_of(silu_mul_pat(g, u), clamped, oai, _situ_pat(g, u, prefix))
 
 
-def act_of(m: Match, prefix: str) -> tuple[str, float] | None:
-    """(activation, limit) of a matched act_pat, None when its constants are not the activation's."""
-    if f"{prefix}clamp_g" in m.nodes:
-        limit = m.nodes[f"{prefix}clamp_g"].attrs.c
-        bounds = (m.nodes[f"{prefix}clamp_u_hi"].attrs.c, m.nodes[f"{prefix}clamp_u_lo"].attrs.c)
-        return ("swiglu_clamp", limit) if limit > 0 and bounds == (limit, -limit) else None
-    if f"{prefix}oai_g" in m.nodes:
-        consts = (m.nodes[f"{prefix}oai_g"].attrs.c, m.nodes[f"{prefix}oai_alpha"].attrs.c,
-                  m.nodes[f"{prefix}oai_u_hi"].attrs.c, m.nodes[f"{prefix}oai_u_lo"].attrs.c)
+def _soft_cap_pat(v: Pat, name: str) -> Pat:
+    """c * tanh(v / c) (the two constants checked equal by act_of)."""
+    scaled = P("scalar", v, where=where_attrs(fn="div"), name=f"{name}_in")
+    return P("scalar", P("unary", scaled, attrs=O.Unary("tanh")), where=where_attrs(fn="mul"), name=f"{name}_out")
+
+
+def _situ_pat(g: Pat, u: Pat, prefix: str) -> Pat:
+    """situ: beta * tanh(g / beta) * sigmoid(g) * (lb * tanh(u / lb) or u)."""
+    gated = P("binary", _soft_cap_pat(g, f"{prefix}situ_g"), P("unary", g, attrs=O.Unary("sigmoid")), attrs=MUL,
+              commute=True)
+    return P("binary", gated, any_of(_soft_cap_pat(u, f"{prefix}situ_u"), u), attrs=MUL, commute=True)
+
+
+def act_of(m: Match, prefix: str) -> tuple[str, float, float] | None:
+    """(activation, limit or beta, linear beta) of a matched act_pat, None when its constants are
+    not the activation's."""
+    c = {name: n.attrs.c for name, n in m.nodes.items() if name.startswith(prefix) and hasattr(n.attrs, "c")}
+    if f"{prefix}clamp_g" in c:
+        limit = c[f"{prefix}clamp_g"]
+        bounds = (c[f"{prefix}clamp_u_hi"], c[f"{prefix}clamp_u_lo"])
+        return ("swiglu_clamp", limit, 0.0) if limit > 0 and bounds == (limit, -limit) else None
+    if f"{prefix}oai_g" in c:
+        consts = (c[f"{prefix}oai_g"], c[f"{prefix}oai_alpha"], c[f"{prefix}oai_u_hi"], c[f"{prefix}oai_u_lo"])
         ok = consts == (MR.OAI_LIMIT, MR.OAI_ALPHA, MR.OAI_LIMIT, -MR.OAI_LIMIT)
-        return ("swiglu_oai", 0.0) if ok else None
-    return "swiglu", 0.0
+        return ("swiglu_oai", 0.0, 0.0) if ok else None
+    if f"{prefix}situ_g_in" in c:
+        beta, lb = c[f"{prefix}situ_g_in"], c.get(f"{prefix}situ_u_in", 0.0)
+        ok = beta > 0 and c[f"{prefix}situ_g_out"] == beta and c.get(f"{prefix}situ_u_out", 0.0) == lb
+        return ("situ", beta, lb) if ok and (lb > 0 or f"{prefix}situ_u_in" not in c) else None
+    return "swiglu", 0.0, 0.0
 
 
-def moe_pat() -> Pat:
-    x3 = P("reshape", V("x"), name="x3")
+def moe_pat(expert_in: Pat | None = None) -> Pat:
+    """The routed experts' weighted sum; they read x (or `expert_in`: a latent MoE's x @ routed_down.T)."""
+    x3 = P("reshape", expert_in if expert_in is not None else V("x"), name="x3")
     up = _expert_pat("up", x3)
     act = any_of(act_pat(_expert_pat("gate", x3), up, ""), P("unary", up, attrs=O.Unary("silu")))
     weights3 = P("reshape", _weights_pat(), name="weights3")
@@ -119,8 +143,10 @@ def _gating(m: Match, g: GraphView) -> str:
 
 
 def _routing_ok(m: Match) -> bool:
-    if m.nodes["topk"].outputs[1] is not m.values["ids"]:
+    if "topk" in m.nodes and m.nodes["topk"].outputs[1] is not m.values["ids"]:
         return False  # the experts must be the ones the router picked
+    if "hash_weights" in m.nodes and (len(m.values["hash_table"].shape) != 2 or len(m.values["tokens"].shape) != 1):
+        return False
     if "softmax_max" in m.nodes and softmax_axis(m) != len(m.values["logits"].shape) - 1:
         return False
     bias = m.values.get("sel_bias")
@@ -130,8 +156,29 @@ def _routing_ok(m: Match) -> bool:
     return wsum is None or (wsum.attrs.axis in (-1, 1) and m.nodes["clamp"].attrs.c > 0)
 
 
+def latent_moe_pat() -> Pat:
+    """[rmsnorm(moe(x @ routed_down.T), routed_norm)] @ routed_up.T, the router reading x."""
+    routed = moe_pat(P("matmul", V("x"), V("latent_down"), name="latent_in"))
+    normed = any_of(P("rms_norm", routed, V("latent_norm"), name="latent_rms"),
+                    P("binary", normed_pat(routed), V("latent_norm"), attrs=MUL, commute=True))
+    return P("matmul", any_of(normed, routed), V("latent_up"), name="latent_out")
+
+
+def _latent_attrs(m: Match) -> dict[str, Any] | None:
+    """MoeFFN fields of a matched latent MoE (None: not latent; {} when the norm is not per-L)."""
+    if "latent_in" not in m.nodes:
+        return None
+    if "latent_norm" not in m.values:
+        return {"latent": True}
+    norm = m.values["latent_norm"]
+    if tuple(norm.shape) != (m.values["latent_in"].shape[-1],):
+        return {}
+    eps = m.nodes["latent_rms"].attrs.eps if "latent_rms" in m.nodes else m.nodes["eps"].attrs.c
+    return {"latent": True, "latent_norm": True, "latent_norm_eps": eps}
+
+
 def _reshapes_ok(m: Match, k: int) -> bool:
-    x = m.values["x"]
+    x = m.values["latent_in"] if "latent_in" in m.values else m.values["x"]
     t = x.shape[0]
     expected = {"x3": (t, 1, x.shape[-1]), "weights3": (t, k, 1)}
     expected |= {f"{kind}_scale3": (t, k, 1) for kind in KINDS}
@@ -140,9 +187,11 @@ def _reshapes_ok(m: Match, k: int) -> bool:
 
 
 def _build_moe(m: Match, g: GraphView) -> Rewrite | None:
-    k = m.nodes["topk"].attrs.k
+    hashed = "hash_weights" in m.nodes
+    k = int(m.values["ids"].shape[-1]) if hashed else m.nodes["topk"].attrs.k
     act = act_of(m, "")
-    if len(m.values["x"].shape) != 2 or not _routing_ok(m) or not _reshapes_ok(m, k) or act is None:
+    latent = _latent_attrs(m)
+    if len(m.values["x"].shape) != 2 or not _routing_ok(m) or not _reshapes_ok(m, k) or act is None or latent == {}:
         return None
     normalize = "clamp" in m.nodes
     clamp = m.nodes["clamp"].attrs.c if normalize else O.MoeFFN.norm_clamp
@@ -153,13 +202,15 @@ def _build_moe(m: Match, g: GraphView) -> Rewrite | None:
                      expert_scales=scaled, merged_gate_up=merged is not None, gating=_gating(m, g),
                      selection_bias=bias is not None,
                      weights_scale=m.nodes["wscale"].attrs.c if "wscale" in m.nodes else 1.0,
-                     act=act[0], act_limit=act[1])
+                     act=act[0], act_limit=act[1], act_linear_beta=act[2], hash_routed=hashed, **(latent or {}))
     experts = [m.values[f"{kind}_exps"] for kind in KINDS if f"{kind}_exps" in m.values]
     if merged is not None:
         experts = [merged, m.values["down_exps"]]
     scales = [m.values[f"{kind}_scale"] for kind in scaled]
-    lead = (m.values["x"], m.values["router"], *([bias] if bias is not None else []))
-    return Rewrite("moe_ffn", (*lead, *experts, *scales), attrs)
+    projections = [m.values[n] for n in ("latent_down", "latent_norm", "latent_up") if n in m.values]
+    routing = [bias] if bias is not None else [m.values["hash_table"], m.values["tokens"]] if hashed else []
+    lead = (m.values["x"], m.values["router"], *routing)
+    return Rewrite("moe_ffn", (*lead, *experts, *scales, *projections), attrs)
 
 
 def _merged_gate_up(m: Match, g: GraphView, scaled: tuple[str, ...]) -> Value | None:
@@ -195,15 +246,15 @@ def _shared_expert_pat() -> Pat:
     return _shared_linear("down", act_pat(_shared_linear("gate", V("x")), _shared_linear("up", V("x")), "sh_"))
 
 
-def shared_moe_pat() -> Pat:
+def shared_moe_pat(routed: Pat) -> Pat:
     logit = P("reduce", P("binary", V("x"), V("sh_gate_inp"), attrs=MUL, commute=True),
               where=where_attrs(fn="sum", keepdims=True), name="sh_logit")
     gated = P("binary", _shared_expert_pat(), P("unary", logit, attrs=O.Unary("sigmoid")), attrs=MUL, commute=True)
-    return P("binary", moe_pat(), gated, attrs=O.Binary("add"), commute=True)
+    return P("binary", routed, gated, attrs=O.Binary("add"), commute=True)
 
 
-def ungated_shared_moe_pat() -> Pat:
-    return P("binary", moe_pat(), _shared_expert_pat(), attrs=O.Binary("add"), commute=True)
+def ungated_shared_moe_pat(routed: Pat) -> Pat:
+    return P("binary", routed, _shared_expert_pat(), attrs=O.Binary("add"), commute=True)
 
 
 def _shared_parts(m: Match, base: Rewrite) -> tuple[O.MoeFFN, list[Value]] | None:
@@ -213,7 +264,7 @@ def _shared_parts(m: Match, base: Rewrite) -> tuple[O.MoeFFN, list[Value]] | Non
     if act is None or any(tuple(m.values[f"sh_{kind}_scale"].shape) != (1,) for kind in scaled):
         return None
     attrs = dataclasses.replace(base.attrs, shared=True, shared_scales=scaled, shared_act=act[0],
-                                shared_act_limit=act[1])
+                                shared_act_limit=act[1], shared_act_linear_beta=act[2])
     return attrs, [*(m.values[f"sh_{kind}"] for kind in KINDS), *(m.values[f"sh_{k}_scale"] for k in scaled)]
 
 
@@ -241,8 +292,11 @@ def _build_ungated_shared(m: Match, g: GraphView) -> Rewrite | None:
     return Rewrite("moe_ffn", (*base.inputs, *mats), dataclasses.replace(attrs, shared_gated=False))
 
 
-MOE_RULES = [Rule("moe_ffn_shared", shared_moe_pat(), _build_shared),
-             Rule("moe_ffn_shared_ungated", ungated_shared_moe_pat(), _build_ungated_shared),
+MOE_RULES = [Rule("moe_ffn_latent_shared", shared_moe_pat(latent_moe_pat()), _build_shared),
+             Rule("moe_ffn_latent_shared_ungated", ungated_shared_moe_pat(latent_moe_pat()), _build_ungated_shared),
+             Rule("moe_ffn_latent", latent_moe_pat(), _build_moe),
+             Rule("moe_ffn_shared", shared_moe_pat(moe_pat()), _build_shared),
+             Rule("moe_ffn_shared_ungated", ungated_shared_moe_pat(moe_pat()), _build_ungated_shared),
              Rule("moe_ffn", moe_pat(), _build_moe)]
 
 

@@ -745,22 +745,35 @@ def dsa_cases() -> list[Case]:
 
 
 def _routing_ffn_case(name: str, attrs: O.MoeFFN, qtype: str = "F32", e: int = 16, f: int = 12, fs: int = 10,
-                      n_exp: int = 5) -> Case:
-    """A moe_ffn row of the routing family: inputs in ops.moe_inputs order, from the attrs."""
+                      n_exp: int = 5, latent: int = 8) -> Case:
+    """A moe_ffn row of the routing family: inputs in ops.moe_inputs order, from the attrs (a
+    latent MoE's experts in `latent` dims)."""
     ins: list[Input] = [rows(e), weight(n_exp, e)]
     if attrs.selection_bias:
         ins.append(weight(n_exp, domain=(-0.3, 0.3)))
+    if attrs.hash_routed:
+        ins += [_hash_table(n_exp, attrs.k), tokens]
+    d = latent if attrs.latent else e
     if attrs.merged_gate_up:
-        ins.append(weight(n_exp, 2 * f, e, qtype=qtype))
+        ins.append(weight(n_exp, 2 * f, d, qtype=qtype))
     else:
-        ins += [weight(n_exp, f, e, qtype=qtype)] * (2 if attrs.has_gate else 1)
-    ins.append(weight(n_exp, e, f, qtype=qtype))
+        ins += [weight(n_exp, f, d, qtype=qtype)] * (2 if attrs.has_gate else 1)
+    ins.append(weight(n_exp, d, f, qtype=qtype))
     ins += [weight(n_exp, domain=(0.5, 1.5)) for _ in attrs.expert_scales]
+    if attrs.latent:
+        ins.append(weight(latent, e, qtype=qtype))
+        ins += [weight(latent, domain=(0.5, 1.5))] if attrs.latent_norm else []
+        ins.append(weight(e, latent, qtype=qtype))
     if attrs.shared:
         ins += [weight(e)] if attrs.shared_gated else []
         ins += [weight(fs, e, qtype=qtype), weight(fs, e, qtype=qtype), weight(e, fs, qtype=qtype)]
         ins += [weight(1, domain=(0.5, 1.5)) for _ in attrs.shared_scales]
     return op_case(name, "moe_ffn", attrs, *ins, group="moe_routing", calls=BOTH)
+
+
+def _hash_table(n_exp: int, k: int) -> Input:
+    """A [VOCAB, k] int32 token -> experts table (distinct experts per row, as llama.cpp's tid2eid)."""
+    return lambda cg: cg.b.emit_multi("topk", [cg.weight((VOCAB, n_exp))], O.TopK(k), ["tid2eid_v", "tid2eid"])[1]
 
 
 def moe_routing_cases() -> list[Case]:
@@ -790,6 +803,21 @@ def moe_routing_cases() -> list[Case]:
             shared_act="swiglu_clamp", shared_act_limit=0.4)),
         _routing_ffn_case("moe_ffn-oai-gated-shared-oai", O.MoeFFN(
             k=2, act="swiglu_oai", shared=True, shared_act="swiglu_oai", shared_scales=("up",))),
+        op_case("take_along", "take_along", O.NoAttrs(), rows(9),
+                lambda cg: cg.b.gather(_hash_table(9, 3)(cg), cg.tokens, "token_ids"), group="moe_routing",
+                calls=BOTH),
+        op_case("moe_route-hash", "moe_route", O.MoeRoute(2, gating="sqrt_softplus", hash_routed=True,
+                                                          weights_scale=1.5),
+                logits, _hash_table(6, 2), tokens, n_out=2, compare="route", group="moe_routing", calls=BOTH),
+        _routing_ffn_case("moe_ffn-latent-situ-norm-shared-situ", O.MoeFFN(
+            k=2, gating="sigmoid", selection_bias=True, latent=True, latent_norm=True, latent_norm_eps=1e-5,
+            act="situ", act_limit=1.5, act_linear_beta=0.8, shared=True, shared_gated=False, shared_act="situ",
+            shared_act_limit=1.5, shared_act_linear_beta=0.8)),
+        _routing_ffn_case("moe_ffn-latent-situ-Q8_0", O.MoeFFN(
+            k=2, gating="sigmoid", latent=True, act="situ", act_limit=4.0), "Q8_0", 32, 32, latent=32),
+        _routing_ffn_case("moe_ffn-hash-sqrt_softplus-clamp-shared", O.MoeFFN(
+            k=2, gating="sqrt_softplus", hash_routed=True, weights_scale=1.5, act="swiglu_clamp", act_limit=0.7,
+            shared=True, shared_gated=False, shared_act="swiglu_clamp", shared_act_limit=0.5)),
     ]
 
 

@@ -222,6 +222,21 @@ def _moe_routing_cases() -> list[Case]:
     cases += _both_t("moe_ffn", clamp_shared, (X, router, gate, up, down, *shared))
     oai_shared = O.MoeFFN(2, act="swiglu_oai", shared=True, shared_act="swiglu_oai", shared_scales=("up",))
     cases += _both_t("moe_ffn", oai_shared, (X, router, gate, up, down, In("sh_gate_inp", (7,)), *shared, one))
+    cases += _both_t("take_along", O.NoAttrs(), (X, In("ids", ("T", 3), "ids:7", "int32")))
+    table, toks = In("tid2eid", (9, 2), "ids:5", "int32"), In("toks", ("T",), "ids:9", "int32")
+    hashed = O.MoeRoute(2, gating="sqrt_softplus", hash_routed=True, weights_scale=1.5)
+    cases += _both_t("moe_route", hashed, (logits, table, toks))
+    hashed_ffn = O.MoeFFN(2, gating="sqrt_softplus", hash_routed=True, act="swiglu_clamp", act_limit=0.7)
+    cases += _both_t("moe_ffn", hashed_ffn, (X, router, table, toks, gate, up, down))
+    latent_experts = (In("gate", (5, 3, 4)), In("up", (5, 3, 4)), In("down", (5, 4, 3)))
+    to_latent, from_latent = In("routed_down", (4, 7)), In("routed_up", (7, 4))
+    situ = O.MoeFFN(2, gating="sigmoid", selection_bias=True, latent=True, latent_norm=True, latent_norm_eps=1e-5,
+                    act="situ", act_limit=1.5, act_linear_beta=0.8, shared=True, shared_gated=False,
+                    shared_act="situ", shared_act_limit=1.5, shared_act_linear_beta=0.8)
+    cases += _both_t("moe_ffn", situ, (X, router, bias, *latent_experts, to_latent, In("routed_norm", (4,), "pos"),
+                                       from_latent, *shared))
+    plain_latent = O.MoeFFN(2, latent=True, act="situ", act_limit=1.5)
+    cases += _both_t("moe_ffn", plain_latent, (X, router, *latent_experts, to_latent, from_latent))
     return cases
 
 

@@ -22,11 +22,11 @@ from ggufc.ir.verify import verify
 from ggufc.passes.constant_fold import with_constants
 from ggufc.passes.dce import dce
 from ggufc.passes.fuse_moe import fuse_moe
-from ggufc.passes.fusions import fuse_softmax, fuse_swiglu
+from ggufc.passes.fusions import fuse_rms_norm, fuse_softmax, fuse_swiglu
 from ggufc.passes.stats import hits_of
 
 ENV = {"T": 5, "P": 3}
-E, F, FS, X = 8, 6, 4, 5
+E, F, FS, X, L = 8, 6, 4, 5, 3
 
 
 # ---------------------------------------------------------------------------------------------
@@ -75,6 +75,20 @@ def test_activations() -> None:
     np.testing.assert_allclose(MR.expert_act_ref(g, u, "swiglu_oai", 0.0), x / (1 + np.exp(-1.702 * x)) * (y + 1))
 
 
+def test_hash_routing_reads_the_token_rows() -> None:
+    """Hash routing: the experts are the token's table row (no top-k), the weights the gated
+    probabilities at them (sqrt-softplus here), renormalised then scaled."""
+    logits = np.array([[0.5, -1.0, 2.0, 0.0], [1.0, 1.0, -3.0, 0.2]])
+    table = np.array([[3, 1], [0, 2], [2, 3]], np.int32)
+    tokens = np.array([2, 0], np.int32)
+    route = O.MoeRoute(2, gating="sqrt_softplus", hash_routed=True, weights_scale=1.5)
+    w, ids = MR.moe_route_ref(logits, route, table, tokens)
+    np.testing.assert_array_equal(ids, [[2, 3], [3, 1]])
+    p = np.sqrt(np.log1p(np.exp(logits)))
+    want = np.take_along_axis(p, ids.astype(np.int64), -1)
+    np.testing.assert_allclose(w, 1.5 * want / want.sum(-1, keepdims=True), rtol=1e-12)
+
+
 def test_unknown_gating_is_refused_by_the_shape_rule() -> None:
     b = GraphBuilder()
     z = b.input("z", ("T", X), "float32")
@@ -101,14 +115,24 @@ VARIANTS: dict[str, O.MoeFFN] = {
                                      shared_act_limit=0.4),
     "gated-shared-oai": O.MoeFFN(2, act="swiglu_oai", shared=True, shared_act="swiglu_oai", shared_scales=("up",)),
     "gated-shared-plain": O.MoeFFN(2, shared=True),
+    "latent-norm-situ-shared": O.MoeFFN(2, gating="sigmoid", selection_bias=True, latent=True, latent_norm=True,
+                                        latent_norm_eps=1e-5, act="situ", act_limit=1.5, act_linear_beta=0.8,
+                                        shared=True, shared_gated=False, shared_act="situ", shared_act_limit=1.5),
+    "latent-situ": O.MoeFFN(2, latent=True, act="situ", act_limit=4.0),
+    "hash-sqrt_softplus-clamp": O.MoeFFN(2, gating="sqrt_softplus", hash_routed=True, weights_scale=1.5,
+                                         act="swiglu_clamp", act_limit=0.7, shared=True, shared_gated=False),
 }
+V_TOKENS = 9
 
 
 def _input_shapes(a: O.MoeFFN) -> list[tuple[int, ...]]:
     shapes: list[tuple[int, ...]] = [(X, E)]
     shapes += [(X,)] if a.selection_bias else []
-    shapes += [(X, 2 * F, E)] if a.merged_gate_up else [(X, F, E)] * (2 if a.has_gate else 1)
-    shapes += [(X, E, F)] + [(X,)] * len(a.expert_scales)
+    d = L if a.latent else E
+    shapes += [(X, 2 * F, d)] if a.merged_gate_up else [(X, F, d)] * (2 if a.has_gate else 1)
+    shapes += [(X, d, F)] + [(X,)] * len(a.expert_scales)
+    if a.latent:
+        shapes += [(L, E)] + ([(L,)] if a.latent_norm else []) + [(E, L)]
     if a.shared:
         shapes += ([(E,)] if a.shared_gated else []) + [(FS, E), (FS, E), (E, FS)] + [(1,)] * len(a.shared_scales)
     return shapes
@@ -120,6 +144,8 @@ def _fused_graph(a: O.MoeFFN) -> tuple[Graph, dict[str, np.ndarray]]:
     b.input("pos", (), "int64")
     x = b.input("x", ("T", E), "float32")
     params = [b.param(f"w{i}", shape, "F32") for i, shape in enumerate(_input_shapes(a))]
+    if a.hash_routed:  # the token -> experts table and the call's tokens follow the router
+        params[1:1] = [b.input("tid2eid", (V_TOKENS, a.k), "int32"), b.inputs[0]]
     y = b.emit("moe_ffn", [x, *params], a, "ffn_out")
     rng = np.random.default_rng(0)
     arrays = {p.source: rng.standard_normal(tuple(int(d) for d in p.value.shape)).astype(np.float32)
@@ -128,8 +154,12 @@ def _fused_graph(a: O.MoeFFN) -> tuple[Graph, dict[str, np.ndarray]]:
 
 
 def _run(graph: Graph, arrays: dict[str, np.ndarray]) -> np.ndarray:
-    x = np.random.default_rng(1).standard_normal((5, E)).astype(np.float32)
-    inputs = {"tokens": np.zeros(5, np.int32), "pos": np.int64(0), "x": x}
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((5, E)).astype(np.float32)
+    table = np.argsort(rng.standard_normal((V_TOKENS, X)), -1)[:, :3].astype(np.int32)
+    inputs = {"tokens": rng.integers(0, V_TOKENS, 5).astype(np.int32), "pos": np.int64(0), "x": x}
+    if any(v.name == "tid2eid" for v in graph.inputs):
+        inputs["tid2eid"] = np.ascontiguousarray(table[:, :2])
     loader = with_constants(graph, lambda p: arrays[p.source])
     return run_graph(graph, inputs, loader, {}).outputs[0]
 
@@ -139,7 +169,7 @@ def test_decomposition_fuses_back(name: str) -> None:
     a = VARIANTS[name]
     fused, arrays = _fused_graph(a)
     spelled = decompose(fused)
-    for pre in ([], [fuse_softmax, fuse_swiglu]):  # spelled or already fused pieces
+    for pre in ([], [fuse_rms_norm, fuse_softmax, fuse_swiglu]):  # spelled or already fused pieces
         g = spelled
         for p in pre:
             g = p(g)
@@ -177,3 +207,43 @@ def test_frontend_block_fuses_with_its_options() -> None:
     assert [n.op for n in fused.nodes] == ["moe_ffn"]
     assert fused.nodes[0].attrs == O.MoeFFN(2, normalize=False, gating="sigmoid", selection_bias=True,
                                             weights_scale=2.5, act="swiglu_clamp", act_limit=3.0)
+
+
+@pytest.mark.parametrize("name", ["hash-sqrt_softplus-clamp", "sigmoid-bias-scale-clamp"])
+def test_spelled_routing_round_trips_through_onnx(name: str, tmp_path: Any) -> None:
+    """take_along and topk's payload are GatherElements in ONNX and read back as themselves."""
+    from ggufc.ir.onnx_export import to_onnx
+    from ggufc.ir.onnx_import import import_onnx
+    from ggufc.ir.printer import dump
+
+    fused, _ = _fused_graph(VARIANTS[name])
+    spelled = decompose(fused)
+    to_onnx(spelled, tmp_path / "m.onnx")
+    assert dump(import_onnx(tmp_path / "m.onnx")) == dump(spelled)
+
+
+def test_frontend_latent_block_with_shared_expert_fuses() -> None:
+    """blocks.moe with latent projections and an RMSNorm, situ experts, plus blocks.shared_ffn
+    (situ) added: one moe_ffn (rule moe_ffn_latent_shared_ungated) with those attrs."""
+    b = GraphBuilder()
+    b.input("tokens", ("T",), "int32")
+    b.input("pos", (), "int64")
+    x = b.input("x", ("T", E), "float32")
+    router, bias = b.param("router", (X, E), "F32"), b.param("bias", (X,), "F32")
+    gate, up, down = b.param("g", (X, F, L), "F32"), b.param("u", (X, F, L), "F32"), b.param("d", (X, L, F), "F32")
+    lat = (b.param("rd", (L, E), "F32"), b.param("rn", (L,), "F32"), b.param("ru", (E, L), "F32"))
+    routed = B.moe(b, x, router, gate, up, down, 2, scales={}, hidden=F, bias=bias, gating="sigmoid", act="situ",
+                   act_limit=4.0, act_linear_beta=25.0, latent=lat, latent_norm_eps=1e-5)
+    sh = [b.param(n, shape, "F32") for n, shape in (("sg", (FS, E)), ("su", (FS, E)), ("sd", (E, FS)))]
+    shared = B.shared_ffn(b, x, *sh, scales={}, act="situ", act_limit=4.0, act_linear_beta=25.0)
+    graph = b.finish([b.add(routed, shared, "ffn_out")], {})
+    for pre in ([], [fuse_rms_norm]):
+        g = graph
+        for p in pre:
+            g = p(g)
+        fused = dce(fuse_moe(g))
+        assert [n.op for n in fused.nodes] == ["moe_ffn"]
+        assert fused.nodes[0].attrs == O.MoeFFN(
+            2, gating="sigmoid", selection_bias=True, act="situ", act_limit=4.0, act_linear_beta=25.0, latent=True,
+            latent_norm=True, latent_norm_eps=1e-5, shared=True, shared_gated=False, shared_act="situ",
+            shared_act_limit=4.0, shared_act_linear_beta=25.0)
