@@ -86,9 +86,10 @@ def ssm_conv(n_ch: int, k: int, dilation: int = 1) -> tirx.PrimFunc:
     return kernel
 
 
-def gated_delta_net(hv: int, dv: int, dk: int, hk: int, head_map: str, scale: float) -> tirx.PrimFunc:
-    """Args (state [Hv, Dv, Dk] in place, q [T, Hk, Dk], k [T, Hk, Dk], v [T, Hv, Dv], g [T, Hv],
-    beta [T, Hv], o [T, Hv, Dv]).
+def gated_delta_net(hv: int, dv: int, dk: int, hk: int, head_map: str, scale: float,
+                    key_decay: bool = False) -> tirx.PrimFunc:
+    """Args (state [Hv, Dv, Dk] in place, q [T, Hk, Dk], k [T, Hk, Dk], v [T, Hv, Dv], g [T, Hv]
+    (key_decay: [T, Hv, Dk], one decay per key index), beta [T, Hv], o [T, Hv, Dv]).
 
     Parallel over blocks of rows of one head; each task allocates its LANES partial sums once
     (a scratch buffer inside a parallel loop is a workspace allocation, too dear per row) and runs
@@ -101,6 +102,7 @@ def gated_delta_net(hv: int, dv: int, dk: int, hk: int, head_map: str, scale: fl
     lanes = LANES if dk % LANES == 0 else 1
     n_outer = dk // lanes
     rb = _block(dv, ROW_BLOCK)
+    g_shape = (dk,) if key_decay else ()
 
     @T.prim_func
     def kernel(
@@ -118,7 +120,7 @@ def gated_delta_net(hv: int, dv: int, dk: int, hk: int, head_map: str, scale: fl
         Q = T.match_buffer(q_h, (n, hk, dk), "float32")
         K = T.match_buffer(k_h, (n, hk, dk), "float32")
         V = T.match_buffer(v_h, (n, hv, dv), "float32")
-        G = T.match_buffer(g_h, (n, hv), "float32")
+        G = T.match_buffer(g_h, (n, hv, *g_shape), "float32")
         B = T.match_buffer(b_h, (n, hv), "float32")
         Out = T.match_buffer(o_h, (n, hv, dv), "float32")
         for blk in T.parallel(T.int64(hv * (dv // rb))):
@@ -127,7 +129,7 @@ def gated_delta_net(hv: int, dv: int, dk: int, hk: int, head_map: str, scale: fl
             h = blk // T.int64(dv // rb)
             kh = T.if_then_else(tiled, h % T.int64(hk), h // T.int64(rep))
             for t in range(n):
-                decay = T.exp(G[t, h])
+                decay = T.exp(G[t, h]) if not key_decay else T.float32(0)
                 for ri in range(T.int64(rb)):
                     i = (blk % T.int64(dv // rb)) * T.int64(rb) + ri
                     # decay the row, then kv = M_i . k
@@ -135,7 +137,8 @@ def gated_delta_net(hv: int, dv: int, dk: int, hk: int, head_map: str, scale: fl
                         part[ln] = T.float32(0)
                     for jo in range(T.int64(n_outer)):
                         for ln in T.vectorized(T.int64(lanes)):
-                            S[h, i, jo * lanes + ln] = S[h, i, jo * lanes + ln] * decay
+                            S[h, i, jo * lanes + ln] = S[h, i, jo * lanes + ln] * (
+                                T.exp(G[t, h, jo * lanes + ln]) if key_decay else decay)
                             part[ln] = part[ln] + S[h, i, jo * lanes + ln] * K[t, kh, jo * lanes + ln]
                     tot[0] = T.float32(0)
                     for ln in range(T.int64(lanes)):

@@ -332,7 +332,7 @@ def _gated_delta_net(fc: FunctionContext, node: Node) -> list[Any]:
     hk = int(node.inputs[1].shape[1])
     a: O.GatedDeltaNet = node.attrs
     return _state_scan(fc, node, KK.DeltaNetScan(hv, dv, dk, hk, a),
-                       lambda: KR.gated_delta_net(hv, dv, dk, hk, a.head_map, a.scale))
+                       lambda: KR.gated_delta_net(hv, dv, dk, hk, a.head_map, a.scale, a.key_decay))
 
 
 LOWERING: dict[str, Callable[[FunctionContext, Node], list[Any]]] = {

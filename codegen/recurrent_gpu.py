@@ -57,14 +57,16 @@ def ssm_conv(n_ch: int, k: int, dilation: int = 1) -> tirx.PrimFunc:
     return ssm_conv_gpu
 
 
-def gated_delta_net(hv: int, dv: int, dk: int, hk: int, head_map: str, scale: float) -> tirx.PrimFunc:
-    """(state [Hv, Dv, Dk] in place, q [T, Hk, Dk], k [T, Hk, Dk], v [T, Hv, Dv], g [T, Hv],
-    beta [T, Hv], o [T, Hv, Dv])."""
+def gated_delta_net(hv: int, dv: int, dk: int, hk: int, head_map: str, scale: float,
+                    key_decay: bool = False) -> tirx.PrimFunc:
+    """(state [Hv, Dv, Dk] in place, q [T, Hk, Dk], k [T, Hk, Dk], v [T, Hv, Dv], g [T, Hv]
+    (key_decay: [T, Hv, Dk]), beta [T, Hv], o [T, Hv, Dv])."""
     if head_map not in ("tiled", "interleaved") or hv % hk:
         raise ValueError(f"gated_delta_net: bad head sharing {head_map} for {hv} value / {hk} key heads")
     tiled = head_map == "tiled"
     HV, DV, DK, HK, REP = T.int64(hv), T.int64(dv), T.int64(dk), T.int64(hk), T.int64(hv // hk)
     NT, SCALE = T.int64(THREADS), T.float32(scale)
+    g_shape = (DK,) if key_decay else ()
 
     @T.prim_func(private=True)
     def gated_delta_net_gpu(s_h: T.handle, q_h: T.handle, k_h: T.handle, v_h: T.handle, g_h: T.handle,
@@ -75,7 +77,7 @@ def gated_delta_net(hv: int, dv: int, dk: int, hk: int, head_map: str, scale: fl
         Q = T.match_buffer(q_h, (n, HK, DK), "float32")
         K = T.match_buffer(k_h, (n, HK, DK), "float32")
         V = T.match_buffer(v_h, (n, HV, DV), "float32")
-        G = T.match_buffer(g_h, (n, HV), "float32")
+        G = T.match_buffer(g_h, (n, HV, *g_shape), "float32")
         B = T.match_buffer(b_h, (n, HV), "float32")
         Out = T.match_buffer(o_h, (n, HV, DV), "float32")
         bx = T.launch_thread("blockIdx.x", (HV * DV + NT - T.int64(1)) // NT)
@@ -86,10 +88,10 @@ def gated_delta_net(hv: int, dv: int, dk: int, hk: int, head_map: str, scale: fl
         kh = T.meta_var(T.if_then_else(tiled, (bx * NT + tx) // DV % HK, (bx * NT + tx) // DV // REP))
         if bx * NT + tx < HV * DV:
             for t in range(n):
-                acc[1] = T.exp(G[t, h])
+                acc[1] = T.exp(G[t, h]) if not key_decay else T.float32(0)
                 acc[0] = T.float32(0)
                 for j in range(DK):
-                    S[h, i, j] = S[h, i, j] * acc[1]
+                    S[h, i, j] = S[h, i, j] * (T.exp(G[t, h, j]) if key_decay else acc[1])
                     acc[0] = acc[0] + S[h, i, j] * K[t, kh, j]
                 acc[1] = (V[t, h, i] - acc[0]) * B[t, h]
                 acc[0] = T.float32(0)

@@ -204,3 +204,29 @@ def ple_block(b: GraphBuilder, w: B.Weights, pp: PleParams, streams: Value, emb:
     new_state[f"ple_conv.{pp.layer}"] = new_hist
     conv_out = b.reshape(b.unary("silu", conv, "ple_conv_silu"), (t, hc, e), "ple_conv_out")
     return b.add(streams, b.add(gated, conv_out, "ple_update"), "ple_out")
+
+
+# ---------------------------------------------------------------------------------------------
+# cross-layer residual attention (kimi-k3's attn_res): a softmax mix of banked layer inputs
+
+
+def residual_attention_mix(b: GraphBuilder, bank: list[Value], cur: Value, score_w: Value, eps: float,
+                           name: str) -> Value:
+    """sum_c p[c] * bank[c] + p[-1] * cur with p = softmax over the bank and cur of
+    sum(rms_norm(x) * score_w) (the scores read normalised values, the mix the raw ones); the
+    stream itself when nothing is banked yet."""
+    if not bank:
+        return cur
+    t, e = cur.shape
+    rows = [b.reshape(x, (t, 1, e), f"{name}.bank{i}") for i, x in enumerate(bank)]
+    src = rows[0] if len(rows) == 1 else b.emit("concat", rows, O.Concat(1), f"{name}.src")
+    s_src = b.reduce("sum", b.mul(rms_norm_plain(b, src, eps, f"{name}.src_norm"), score_w, f"{name}.src_w"),
+                     f"{name}.src_score", keepdims=False)
+    s_cur = b.reduce("sum", b.mul(rms_norm_plain(b, cur, eps, f"{name}.cur_norm"), score_w, f"{name}.cur_w"),
+                     f"{name}.cur_score")
+    probs = B.softmax(b, b.emit("concat", [s_src, s_cur], O.Concat(1), f"{name}.scores"), f"{name}.probs")
+    n = len(bank)
+    p_src = b.reshape(b.slice(probs, 1, 0, n, f"{name}.p_src2"), (t, n, 1), f"{name}.p_src")
+    mixed = b.reduce("sum", b.mul(src, p_src, f"{name}.src_weighted"), f"{name}.src_mix", axis=1, keepdims=False)
+    p_cur = b.slice(probs, 1, n, n + 1, f"{name}.p_cur")
+    return b.add(mixed, b.mul(cur, p_cur, f"{name}.cur_weighted"), name)

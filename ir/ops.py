@@ -233,6 +233,7 @@ class GatedDeltaNet:
 
     head_map: str  # which q/k head value head h reads: "tiled" h % Hk or "interleaved" h // (Hv/Hk)
     scale: float  # output scale, 1/sqrt(Dk)
+    key_decay: bool = False  # g [T, Hv, Dk]: one decay per key index (KDA) instead of one per head
 
 
 # -- hyper-connections, sparse-attention indexers, n-gram embedding hash (references in -------
@@ -689,13 +690,15 @@ def _ssm_conv_shape(ins: Sequence[ShapeDtype], a: SsmConv) -> list[ShapeDtype]:
 
 
 def _gated_delta_net_shape(ins: Sequence[ShapeDtype], a: GatedDeltaNet) -> list[ShapeDtype]:
-    """(state [Hv,Dv,Dk], q [T,Hk,Dk], k [T,Hk,Dk], v [T,Hv,Dv], g [T,Hv], beta [T,Hv]) -> (state, o)."""
+    """(state [Hv,Dv,Dk], q [T,Hk,Dk], k [T,Hk,Dk], v [T,Hv,Dv], g [T,Hv] (key_decay: [T,Hv,Dk]),
+    beta [T,Hv]) -> (state, o)."""
     (ss, sdt), (qs, _), (ks, _), (vs, _), (gs, _), (bs, _) = ins
     hv, dv, dk = ss
     t, hk = qs[0], qs[1]
     ok = (
         tuple(qs) == (t, hk, dk) and tuple(ks) == tuple(qs) and tuple(vs) == (t, hv, dv)
-        and tuple(gs) == (t, hv) and tuple(bs) == (t, hv) and isinstance(hk, int) and hv % hk == 0
+        and tuple(gs) == ((t, hv, dk) if a.key_decay else (t, hv)) and tuple(bs) == (t, hv)
+        and isinstance(hk, int) and hv % hk == 0
         and a.head_map in ("tiled", "interleaved")
     )
     if not ok:

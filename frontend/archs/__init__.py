@@ -2,7 +2,7 @@
 
 from types import ModuleType
 
-from . import deepseek32, glm_dsa, hy_v3, llama, qwen3, qwen3moe, qwen3next, qwen4exp, qwen35
+from . import deepseek32, glm_dsa, hy_v3, kimi_k3, llama, qwen3, qwen3moe, qwen3next, qwen4exp, qwen35
 
 ARCHITECTURES: dict[str, ModuleType] = {
     "llama": llama,
@@ -14,4 +14,5 @@ ARCHITECTURES: dict[str, ModuleType] = {
     "deepseek32": deepseek32,
     "glm-dsa": glm_dsa,
     "hy_v3": hy_v3,
+    "kimi-k3": kimi_k3,
 }

@@ -1,0 +1,189 @@
+"""kimi-k3 end to end: llama.cpp's golden through the float64 interpreter and through `ggufc eval`
+(compiled kernels) in all three feeding modes; KDA's key-decay delta rule (sequential, chunked and
+one token at a time agree in float64, both gate forms); the cross-layer residual attention mix
+against its formula with several banks, and the compiled model against the interpreter when every
+layer banks (block size 1).
+
+The KDA scan kernel against its reference: the `gated_delta_net-key` rows of
+tests/test_codegen_ops.py.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_goldens import _eval
+from test_hy_v3 import interpret, nmse
+
+from ggufc.cli import main
+from ggufc.frontend.blocks_hc import residual_attention_mix
+from ggufc.frontend.load import LoadedModel, load_model
+from ggufc.ir import recurrent_ref as R
+from ggufc.ir.builder import GraphBuilder
+from ggufc.ir.interp import run_graph
+from ggufc.ir.ref_math import rms_plain
+
+GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
+FIXTURE = GOLDEN / "fixtures" / "kimi-k3-moe.gguf"
+needs_golden = pytest.mark.skipif(not FIXTURE.exists(), reason=f"llama.cpp goldens not found at {GOLDEN}")
+MODES = {64: "logits_prefill", 1: "logits_decode", 7: "logits_chunk7"}
+
+
+@pytest.fixture(scope="module")
+def golden() -> LoadedModel:
+    if not FIXTURE.exists():
+        pytest.skip("llama.cpp goldens absent")
+    return load_model(FIXTURE)
+
+
+# ---------------------------------------------------------------------------------------------
+# llama.cpp's golden
+
+
+@needs_golden
+def test_hparams_of_the_llama_cpp_fixture(golden: LoadedModel) -> None:
+    hp = golden.hparams
+    assert hp.kda_layers == (False, True) and hp.res_block == 12 and hp.kda.gate_lower_bound == -5.0
+    assert (hp.mla.n_head, hp.mla.kv_lora, hp.mla.n_rot, hp.mla.nope, hp.mla.v_head) == (1, 512, 64, 128, 128)
+    assert (hp.n_latent, hp.n_ff_exp, hp.n_ff_shexp, hp.situ_beta, hp.situ_linear_beta) == (192, 192, 192, 4.0, 25.0)
+
+
+@needs_golden
+@pytest.mark.parametrize("chunk", [64, 7, 1])
+def test_interpreter_matches_llama_cpp(golden: LoadedModel, chunk: int) -> None:
+    """Measured: 7.4e-14 (prefill, chunks of 7), 5.6e-14 (decode); llama.cpp's own runs ~1e-13."""
+    gold = np.load(GOLDEN / "logits" / "kimi-k3-moe.npz")
+    assert nmse(interpret(golden, golden.graph, gold["tokens"], chunk), gold[MODES[chunk]]) < 1e-10
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("ggufc-cache")
+
+
+@needs_golden
+@pytest.mark.parametrize("chunk", [None, 1, 7])
+def test_compiled_matches_llama_cpp(chunk: int | None, tmp_path: Path, cache: Path,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """`ggufc eval` on the CPU: measured 1.8e-12 (prefill), 1.7e-12 (decode), 1.8e-12 (chunks of 7)."""
+    logits = _eval("kimi-k3-moe", chunk, tmp_path, cache, monkeypatch)
+    gold = np.load(GOLDEN / "logits" / "kimi-k3-moe.npz")[MODES[chunk or 64]]
+    assert logits.shape == gold.shape and nmse(logits, gold) < 1e-10
+
+
+# ---------------------------------------------------------------------------------------------
+# KDA: the delta rule with one decay per key index
+
+
+def _kda_inputs(gate_form: str, t: int = 19, h: int = 2, d: int = 8, seed: int = 0) -> tuple[np.ndarray, ...]:
+    """float64 q, k (L2-normalised), v, the per-key decay logits of `gate_form`, beta, a state."""
+    rng = np.random.default_rng(seed)
+    q = R.l2_norm_ref(rng.normal(size=(t, h, d)), 1e-6)
+    k = R.l2_norm_ref(rng.normal(size=(t, h, d)), 1e-6)
+    v = rng.normal(size=(t, h, d))
+    raw = rng.normal(size=(t, h, d))
+    a = -np.exp(rng.normal(size=(h, 1)))  # ssm_a = -exp(A_log)
+    if gate_form == "softplus":  # -exp(A_log) * softplus(g)
+        g = np.log1p(np.exp(raw)) * a
+    else:  # lower_bound * sigmoid(exp(A_log) * g), lower bound -5
+        g = -5.0 / (1.0 + np.exp(raw * a))
+    beta = 1.0 / (1.0 + np.exp(-rng.normal(size=(t, h))))
+    state = rng.normal(size=(h, d, d)) * 0.1
+    return state, q, k, v, g, beta
+
+
+@pytest.mark.parametrize("gate_form", ["softplus", "lower_bound"])
+@pytest.mark.parametrize("chunk", [1, 4, 64])
+def test_kda_chunked_equals_recurrent(gate_form: str, chunk: int) -> None:
+    state, q, k, v, g, beta = _kda_inputs(gate_form)
+    s_seq, o_seq = R.gated_delta_net_ref(state, q, k, v, g, beta, "tiled", 8**-0.5)
+    s_chk, o_chk = R.gated_delta_net_chunked_ref(state, q, k, v, g, beta, "tiled", 8**-0.5, chunk=chunk)
+    np.testing.assert_allclose(o_chk, o_seq, rtol=1e-9, atol=1e-11)
+    np.testing.assert_allclose(s_chk, s_seq, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("gate_form", ["softplus", "lower_bound"])
+def test_kda_one_token_at_a_time_equals_one_call(gate_form: str) -> None:
+    state, q, k, v, g, beta = _kda_inputs(gate_form)
+    s_all, o_all = R.gated_delta_net_ref(state, q, k, v, g, beta, "tiled", 0.5)
+    s = state
+    for i in range(q.shape[0]):
+        s, o = R.gated_delta_net_ref(s, q[i:i + 1], k[i:i + 1], v[i:i + 1], g[i:i + 1], beta[i:i + 1], "tiled", 0.5)
+        np.testing.assert_allclose(o[0], o_all[i], rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(s, s_all, rtol=1e-12, atol=1e-12)
+
+
+def test_kda_decays_along_the_key_axis() -> None:
+    """The state M [Hv, Dv, Dk] decays column j by exp(g[j]) (llama.cpp's fused op: the key index)."""
+    d = 4
+    state = np.arange(d * d, dtype=np.float64).reshape(1, d, d)
+    g = np.log(np.array([[[1.0, 0.5, 0.25, 0.125]]]))
+    zeros = np.zeros((1, 1, d))
+    new, _ = R.gated_delta_net_ref(state, zeros, zeros, zeros, g, np.zeros((1, 1)), "tiled", 1.0)
+    np.testing.assert_allclose(new[0], state[0] * np.exp(g[0, 0])[None, :])
+    assert not np.allclose(new[0], state[0] * np.exp(g[0, 0])[:, None])
+
+
+# ---------------------------------------------------------------------------------------------
+# cross-layer residual attention
+
+
+def _mix_formula(bank: list[np.ndarray], cur: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    src = np.stack(bank, axis=1)  # [T, n, E]
+    scores = np.concatenate([(rms_plain(src, eps) * w).sum(-1), (rms_plain(cur, eps) * w).sum(-1, keepdims=True)], 1)
+    p = np.exp(scores - scores.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    return np.einsum("tc,tce->te", p[:, :-1], src) + p[:, -1:] * cur
+
+
+@pytest.mark.parametrize("n_bank", [1, 3])
+def test_residual_attention_mix_matches_its_formula(n_bank: int) -> None:
+    t, e, eps = 5, 16, 1e-5
+    rng = np.random.default_rng(n_bank)
+    arrays = {f"bank{i}": rng.normal(size=(t, e)) * (i + 1) for i in range(n_bank)}
+    arrays |= {"cur": rng.normal(size=(t, e)), "w": rng.normal(size=(e,))}
+    b = GraphBuilder()
+    vals = {n: b.input(n, a.shape, "float32") for n, a in arrays.items()}
+    out = residual_attention_mix(b, [vals[f"bank{i}"] for i in range(n_bank)], vals["cur"], vals["w"], eps, "mix")
+    graph = b.finish([out], {})
+    feed = arrays | {"tokens": np.zeros(t, np.int32), "pos": np.int64(0)}  # the call's context sizes
+    got = run_graph(graph, feed, lambda p: None, {}, dtype=np.float64).outputs[0]
+    want = _mix_formula([arrays[f"bank{i}"] for i in range(n_bank)], arrays["cur"], arrays["w"], eps)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_residual_attention_mix_without_bank_is_the_stream() -> None:
+    b = GraphBuilder()
+    cur = b.input("cur", (3, 4), "float32")
+    assert residual_attention_mix(b, [], cur, b.input("w", (4,), "float32"), 1e-5, "mix") is cur
+
+
+@needs_golden
+@pytest.mark.parametrize("chunk", [None, 5])
+def test_every_layer_banked_compiled_matches_interpreter(chunk: int | None, tmp_path: Path, cache: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """attn_res.block_size 1: both layers bank, the mixes read 1 and 2 banks (the output mix too);
+    the residual restarts after each layer's attention. The logits move far from the golden's."""
+    import gguf
+
+    path = tmp_path / "kimi-bs1.gguf"
+    shutil.copy(FIXTURE, path)
+    reader = gguf.GGUFReader(path, "r+")
+    reader.fields["kimi-k3.attn_res.block_size"].parts[-1][0] = 1
+    del reader
+    model = load_model(path)
+    assert model.hparams.res_block == 1
+    tokens = np.load(GOLDEN / "logits" / "kimi-k3-moe.npz")["tokens"][:24].astype(np.int32)
+    ref = interpret(model, model.graph, tokens, 24)
+    gold = np.load(GOLDEN / "logits" / "kimi-k3-moe.npz")["logits_prefill"][:24]
+    assert nmse(ref, gold) > 1e-3  # the banks change the model
+    monkeypatch.setenv("GGUFC_CACHE", str(cache))
+    np.save(tmp_path / "t.npy", tokens)
+    argv = ["eval", str(path), "--tokens", str(tmp_path / "t.npy"), "--out", str(tmp_path / "o.npy")]
+    assert main(argv + (["--chunk", str(chunk)] if chunk else [])) == 0
+    assert nmse(np.load(tmp_path / "o.npy"), ref) < 1e-10
+    assert math.isfinite(float(np.abs(ref).max()))
