@@ -148,6 +148,9 @@ def _recurrent_cases() -> list[Case]:
         gdn_in = (In("ssm", (hv, 3, 5), "state"), In("q", ("T", 2, 5)), In("k", ("T", 2, 5)),
                   In("v", ("T", hv, 3)), In("g", ("T", hv)), In("beta", ("T", hv), "pos"))
         cases += _both_t("gated_delta_net", O.GatedDeltaNet(head_map, 0.45), gdn_in)
+    kda_in = (In("ssm", (2, 3, 5), "state"), In("q", ("T", 2, 5)), In("k", ("T", 2, 5)), In("v", ("T", 2, 3)),
+              In("g", ("T", 2, 5)), In("beta", ("T", 2), "pos"))  # KDA: one decay per key index
+    cases += _both_t("gated_delta_net", O.GatedDeltaNet("tiled", 0.45, key_decay=True), kda_in)
     return cases
 
 
