@@ -18,7 +18,7 @@ import numpy as np
 from ggufc.ir import ops as O
 from ggufc.ir.builder import GraphBuilder, rms_norm_plain
 from ggufc.ir.graph import Value
-from ggufc.ir.hyper_connections_spelled import hc_post_spelled, hc_pre_spelled
+from ggufc.ir.hyper_connections_spelled import hc_post_spelled, hc_pre_spelled, res_mix_spelled
 from ggufc.ir.sparse_indexers_spelled import indexer_score_spelled
 
 from . import blocks as B
@@ -220,13 +220,4 @@ def residual_attention_mix(b: GraphBuilder, bank: list[Value], cur: Value, score
     t, e = cur.shape
     rows = [b.reshape(x, (t, 1, e), f"{name}.bank{i}") for i, x in enumerate(bank)]
     src = rows[0] if len(rows) == 1 else b.emit("concat", rows, O.Concat(1), f"{name}.src")
-    s_src = b.reduce("sum", b.mul(rms_norm_plain(b, src, eps, f"{name}.src_norm"), score_w, f"{name}.src_w"),
-                     f"{name}.src_score", keepdims=False)
-    s_cur = b.reduce("sum", b.mul(rms_norm_plain(b, cur, eps, f"{name}.cur_norm"), score_w, f"{name}.cur_w"),
-                     f"{name}.cur_score")
-    probs = B.softmax(b, b.emit("concat", [s_src, s_cur], O.Concat(1), f"{name}.scores"), f"{name}.probs")
-    n = len(bank)
-    p_src = b.reshape(b.slice(probs, 1, 0, n, f"{name}.p_src2"), (t, n, 1), f"{name}.p_src")
-    mixed = b.reduce("sum", b.mul(src, p_src, f"{name}.src_weighted"), f"{name}.src_mix", axis=1, keepdims=False)
-    p_cur = b.slice(probs, 1, n, n + 1, f"{name}.p_cur")
-    return b.add(mixed, b.mul(cur, p_cur, f"{name}.cur_weighted"), name)
+    return res_mix_spelled(b, src, cur, score_w, eps, name)

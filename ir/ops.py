@@ -18,7 +18,7 @@ import numpy as np
 
 from .act_quant import ACT_BLOCK, q8_1_sums_ref, quantize_act_ref
 from .graph import Dim, Shape, eval_shape
-from .hyper_connections import hc_post_ref, hc_pre_ref
+from .hyper_connections import hc_post_ref, hc_pre_ref, res_mix_ref
 from .latent_attention import head_matmul_ref
 from .moe_routing import check_routing, matmul_id_ref, moe_ffn_node_ref, moe_inputs, moe_route_ref
 from .ngram_embedding import ple_hash_ref
@@ -261,6 +261,14 @@ class HcPost:
     """R [T,hc,E] + post [T,hc] * y [T,E] per stream (comb=True: R mixed by a [T,hc,hc] comb first)."""
 
     comb: bool = False
+
+
+@dataclass(frozen=True)
+class ResMix:
+    """Cross-layer residual attention: (src [T,n,E] banked inputs, cur [T,E], score weight [E]) ->
+    softmax-of-(sum(rms(x) * w)) mix of the raw src rows and cur [T,E]."""
+
+    eps: float
 
 
 @dataclass(frozen=True)
@@ -730,6 +738,13 @@ def _hc_pre_shape(ins: Sequence[ShapeDtype], a: HcPre) -> list[ShapeDtype]:
     return outs
 
 
+def _res_mix_shape(ins: Sequence[ShapeDtype], a: ResMix) -> list[ShapeDtype]:
+    (ss, _), (cs, dt), (ws, _) = ins
+    if len(ss) != 3 or len(cs) != 2 or cs[0] != ss[0] or cs[1] != ss[2] or tuple(ws) != (ss[2],):
+        raise ValueError(f"res_mix: bank {ss}, stream {cs} and score weight {ws} disagree")
+    return [(cs, dt)]
+
+
 def _hc_post_shape(ins: Sequence[ShapeDtype], a: HcPost) -> list[ShapeDtype]:
     (rs, dt), (ys, _), (ps, _), *rest = ins
     t, hc, e = rs
@@ -892,6 +907,8 @@ OPS: dict[str, OpDef] = {
               fused=True),
         OpDef("hc_post", HcPost, _hc_post_shape,
               _one(lambda i, a, c: hc_post_ref(i[0], i[1], i[2], i[3] if a.comb else None)), fused=True),
+        OpDef("res_mix", ResMix, _res_mix_shape, _one(lambda i, a, c: res_mix_ref(i[0], i[1], i[2], a.eps)),
+              fused=True),
         OpDef("indexer_score", IndexerScore, _indexer_score_shape,
               _one(lambda i, a, c: indexer_score_ref(i[0], i[1], i[2], i[3], a.ratio, a.eps, a.n_rot)), fused=True),
         # fused

@@ -702,6 +702,8 @@ def qwen4exp_cases() -> list[Case]:
         _hc_pre_case(True),
         _hc_pre_case(False),
         op_case("hc_post", "hc_post", O.HcPost(), rows(3, 8), rows(8), rows(3), group="qwen4exp", calls=BOTH),
+        *[op_case(f"res_mix-{n}", "res_mix", O.ResMix(1e-5), rows(n, 8), rows(8), weight(8), group="qwen4exp",
+                  calls=BOTH) for n in (1, 3)],
         _indexer_score_case(4, 8),
         _indexer_score_case(3, 6),
         _indexer_topk_case(3, 5),

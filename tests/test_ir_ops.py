@@ -106,6 +106,9 @@ def _qwen4exp_cases() -> list[Case]:
     cases += _both_t("hc_pre", O.HcPre(3, 1e-5), (streams, *hc_w, In("inject", (3, 15))))
     cases += _both_t("hc_pre", O.HcPre(3, 1e-6, post=False), (streams, *hc_w))
     cases += _both_t("hc_post", O.HcPost(), (streams, In("y", ("T", 5)), In("post", ("T", 3), "pos")))
+    for n_bank in (1, 3):  # cross-layer residual attention over n banked rows and the stream
+        cases += _both_t("res_mix", O.ResMix(1e-5), (In("src", ("T", n_bank, 5)), In("cur", ("T", 5)),
+                                                     In("w", (5,))))
     for ratio, n_rot in ((4, 4), (3, 6)):
         cache = In("cache", (12, 6))
         table = In("table", (12 // ratio + 1, n_rot // 2, 2))

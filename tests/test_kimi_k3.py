@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import shutil
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -24,8 +25,11 @@ from ggufc.frontend.blocks_hc import residual_attention_mix
 from ggufc.frontend.load import LoadedModel, load_model
 from ggufc.ir import recurrent_ref as R
 from ggufc.ir.builder import GraphBuilder
+from ggufc.ir.decompose import decompose
 from ggufc.ir.interp import run_graph
 from ggufc.ir.ref_math import rms_plain
+from ggufc.ir.verify import verify
+from ggufc.passes.pipeline import run_pipeline
 
 GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
 FIXTURE = GOLDEN / "fixtures" / "kimi-k3-moe.gguf"
@@ -187,3 +191,35 @@ def test_every_layer_banked_compiled_matches_interpreter(chunk: int | None, tmp_
     assert main(argv + (["--chunk", str(chunk)] if chunk else [])) == 0
     assert nmse(np.load(tmp_path / "o.npy"), ref) < 1e-10
     assert math.isfinite(float(np.abs(ref).max()))
+
+
+# ---------------------------------------------------------------------------------------------
+# fusions
+
+
+@needs_golden
+def test_inspect_lists_the_fusions(capsys: pytest.CaptureFixture[str]) -> None:
+    """Four residual-attention mixes (layer 0's attention mix has an empty bank), one latent MoE."""
+    assert main(["inspect", str(FIXTURE)]) == 0
+    out = capsys.readouterr().out
+    assert "architecture: kimi-k3 (supported)" in out and "fuse_hc: 4" in out and "fuse_moe: 1" in out
+
+
+@needs_golden
+def test_fused_decomposed_and_switched_off_match_unfused(golden: LoadedModel) -> None:
+    tokens = np.load(GOLDEN / "logits" / "kimi-k3-moe.npz")["tokens"][:16]
+    reference = interpret(golden, golden.graph, tokens, 16)
+    fused, stats = run_pipeline(golden.graph, check=True)
+    assert stats["fuse_hc"] == 4 and sum(n.op == "res_mix" for n in fused.nodes) == 4
+    (moe,) = [n for n in fused.nodes if n.op == "moe_ffn"]
+    assert (moe.attrs.latent, moe.attrs.latent_norm, moe.attrs.act, moe.attrs.shared_act) == (True, True, "situ",
+                                                                                                "situ")
+    assert nmse(interpret(golden, fused, tokens, 16), reference) < 1e-20
+    decomposed = decompose(fused)
+    verify(decomposed, {"T": 5, "P": 3})
+    assert nmse(interpret(golden, decomposed, tokens, 16), reference) < 1e-20
+    refused, _ = run_pipeline(decompose(fused, only={"res_mix"}))
+    assert Counter(n.op for n in refused.nodes) == Counter(n.op for n in fused.nodes)
+    off, stats = run_pipeline(golden.graph, disabled={"fuse_hc"}, check=True)
+    assert "fuse_hc" not in stats and not any(n.op == "res_mix" for n in off.nodes)
+    assert nmse(interpret(golden, off, tokens, 16), reference) < 1e-20
