@@ -223,3 +223,44 @@ def test_fused_decomposed_and_switched_off_match_unfused(golden: LoadedModel) ->
     off, stats = run_pipeline(golden.graph, disabled={"fuse_hc"}, check=True)
     assert "fuse_hc" not in stats and not any(n.op == "res_mix" for n in off.nodes)
     assert nmse(interpret(golden, off, tokens, 16), reference) < 1e-20
+
+
+@needs_golden
+def test_onnxruntime_runs_kimi_k3_like_the_interpreter(golden: LoadedModel, tmp_path: Path) -> None:
+    """Standard-ONNX export (the KDA scan decays along the key axis, res_mix spelled in primitives)."""
+    import test_onnx as TO
+
+    from ggufc.ir.onnx_export import to_onnx
+
+    graph, load, tokens = golden.graphs["prefill_all"], golden.param_loader(), TO._tokens(golden)
+    to_onnx(graph, tmp_path / "std.onnx", standard=True)
+    want, got = TO._interpret(graph, load, tokens), TO._onnxruntime(tmp_path / "std.onnx", graph, load, tokens)
+    for call_want, call_got in zip(want, got, strict=True):
+        for w, g in zip(call_want, call_got, strict=True):
+            assert float(np.max(np.abs(g - w))) <= TO.ORT_TOLERANCE * (float(np.max(np.abs(w))) or 1.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# state and decode step
+
+
+@needs_golden
+def test_state_layout(golden: LoadedModel) -> None:
+    """MLA layer 0: one [kv_lora | rope] = 576-float row per token; KDA layer 1: three conv
+    histories [d_inner, d_conv - 1] and the recurrent state [H, dh(v), dh(k)], per sequence."""
+    states = {n: tuple(int(d) for d in s.value.shape) for n, s in golden.graph.states.items()}
+    assert states == {"cache_latent.0": (256, 1, 576), "conv_state_q.1": (128, 3), "conv_state_k.1": (128, 3),
+                      "conv_state_v.1": (128, 3), "ssm_state.1": (1, 128, 128)}
+
+
+@needs_golden
+def test_decode_kernel_count(golden: LoadedModel) -> None:
+    """A decode step: 76 kernels fused (4 res_mix, one KDA scan, 3 convs), 116 with fuse_hc off,
+    260 unfused."""
+    from test_hy_v3 import _decode_calls
+
+    fused = _decode_calls(golden, True)
+    assert sum(fused.values()) == 76
+    assert (fused["res_mix"], fused["gated_delta_net"], fused["ssm_conv"], fused["experts"]) == (4, 1, 3, 3)
+    assert sum(_decode_calls(golden, True, frozenset({"fuse_hc"})).values()) == 116
+    assert sum(_decode_calls(golden, False).values()) == 260
