@@ -264,3 +264,62 @@ def test_decode_kernel_count(golden: LoadedModel) -> None:
     assert (fused["res_mix"], fused["gated_delta_net"], fused["ssm_conv"], fused["experts"]) == (4, 1, 3, 3)
     assert sum(_decode_calls(golden, True, frozenset({"fuse_hc"})).values()) == 116
     assert sum(_decode_calls(golden, False).values()) == 260
+
+
+# ---------------------------------------------------------------------------------------------
+# the two gate forms as the frontend spells them, and what is refused
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+def test_kda_gate_forms(lower_bound: float | None) -> None:
+    from ggufc.frontend.delta_net import KdaDims, kda_gate
+
+    rng = np.random.default_rng(3)
+    g, a = rng.normal(size=(4, 2, 3)) * 3, -np.exp(rng.normal(size=(2, 1)))
+    b = GraphBuilder()
+    gv, av = b.input("g", g.shape, "float32"), b.input("a", a.shape, "float32")
+    graph = b.finish([kda_gate(b, KdaDims(2, 3, 4, lower_bound), gv, av)], {})
+    feed = {"g": g, "a": a, "tokens": np.zeros(4, np.int32), "pos": np.int64(0)}
+    got = run_graph(graph, feed, lambda p: None, {}, dtype=np.float64).outputs[0]
+    a_log = np.log(-a)
+    want = (-np.exp(a_log) * np.log1p(np.exp(g)) if lower_bound is None
+            else lower_bound / (1.0 + np.exp(-np.exp(a_log) * g)))
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
+def _keys(**extra: object) -> object:
+    from ggufc.frontend.hparams import Keys
+
+    base = {"block_count": 2, "attention.head_count": [1, 0], "attention.head_count_kv": [1, 0],
+            "rope.dimension_count": 8, "attention.key_length_mla": 24, "attention.kv_lora_rank": 16,
+            "attention.key_length": 24, "attention.value_length_mla": 16, "attention.q_lora_rank": 16,
+            "kda.head_dim": 8, "ssm.conv_kernel": 4, "expert_count": 4, "expert_used_count": 2,
+            "expert_feed_forward_length": 32, "expert_shared_count": 1, "expert_gating_func": 2,
+            "attn_res.block_size": 1, "activation.situ_beta": 4.0, "activation.situ_linear_beta": 25.0,
+            "embedding_length": 32, "context_length": 64, "attention.layer_norm_rms_epsilon": 1e-5}
+    return Keys({f"kimi-k3.{k}": v for k, v in {**base, **extra}.items()}, "kimi-k3")
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ({"expert_gating_func": 1}, "expert_gating_func 1 is not supported"),
+    ({"expert_group_count": 4}, "grouped expert selection"),
+    ({"nextn_predict_layers": 1}, "multi-token prediction"),
+    ({"attention.head_count_kv": [1, 0, 0]}, "has 3 entries, expected 2"),
+    ({"attention.key_length": 30}, r"must be kv_lora_rank \+ rope"),
+    ({"expert_used_count": 5}, "expert_used_count"),
+])
+def test_refusals_are_one_line(extra: dict[str, object], message: str) -> None:
+    from ggufc.frontend.archs import kimi_k3
+    from ggufc.frontend.hparams import ModelError
+
+    with pytest.raises(ModelError, match=message) as err:
+        kimi_k3.read_hparams(_keys(**extra), 64)  # type: ignore[arg-type]
+    assert "\n" not in str(err.value)
+
+
+def test_hparams_without_lower_bound_select_the_softplus_gate() -> None:
+    from ggufc.frontend.archs import kimi_k3
+
+    hp = kimi_k3.read_hparams(_keys(), 64)  # type: ignore[arg-type]
+    assert hp.kda.gate_lower_bound is None and hp.kda_layers == (False, True) and hp.weights_scale == 1.0
+    assert kimi_k3.read_hparams(_keys(**{"kda.gate_lower_bound": -5.0}), 64).kda.gate_lower_bound == -5.0  # type: ignore[arg-type]
