@@ -323,3 +323,106 @@ def test_hparams_without_lower_bound_select_the_softplus_gate() -> None:
     hp = kimi_k3.read_hparams(_keys(), 64)  # type: ignore[arg-type]
     assert hp.kda.gate_lower_bound is None and hp.kda_layers == (False, True) and hp.weights_scale == 1.0
     assert kimi_k3.read_hparams(_keys(**{"kda.gate_lower_bound": -5.0}), 64).kda.gate_lower_bound == -5.0  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------------
+# a wider project model: what llama.cpp's fixture (one head, one bank) leaves out
+
+
+def write_wide_kimi(path: Path, seed: int = 0) -> Path:
+    """3 layers (MLA with a direct `attn_q`, then two KDA), 2 heads, the softplus gate (no lower
+    bound), every layer banked (block size 1), 4 experts with 2 used, renormalised and scaled
+    weights, latent experts without the routed norm."""
+    import gguf
+
+    E, H, dh, conv, KVL, R, nope, Dv, X, F, L, FF, V = 64, 2, 16, 4, 32, 8, 16, 16, 4, 32, 48, 96, 96
+    inner = H * dh
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), "kimi-k3")
+    a = "kimi-k3"
+    for key, val in {"context_length": 64, "embedding_length": E, "block_count": 3, "feed_forward_length": FF,
+                     "expert_count": X, "expert_used_count": 2, "expert_feed_forward_length": F,
+                     "expert_shared_count": 1, "expert_gating_func": 2, "expert_latent_length": L,
+                     "leading_dense_block_count": 1, "attn_res.block_size": 1, "attention.head_count": H,
+                     "attention.key_length": KVL + R, "rope.dimension_count": R, "attention.kv_lora_rank": KVL,
+                     "attention.key_length_mla": nope + R, "attention.value_length_mla": Dv, "kda.head_dim": dh,
+                     "ssm.conv_kernel": conv}.items():
+        w.add_uint32(f"{a}.{key}", val)
+    for key, fval in {"attention.layer_norm_rms_epsilon": 1e-5, "activation.situ_beta": 4.0,
+                      "activation.situ_linear_beta": 25.0, "expert_weights_scale": 2.5}.items():
+        w.add_float32(f"{a}.{key}", fval)
+    w.add_bool(f"{a}.expert_weights_norm", True)
+    w.add_array(f"{a}.attention.head_count_kv", [1, 0, 0])
+    w.add_tokenizer_model("none")
+
+    def t(name: str, *shape: int, scale: float = 0.1) -> None:
+        w.add_tensor(name, (rng.normal(size=shape) * scale).astype(np.float32))
+
+    t("token_embd.weight", V, E, scale=1.0)
+    t("output_norm.weight", E)
+    t("output.weight", V, E)
+    t("output_res_score.weight", E)
+    for il in range(3):
+        p = f"blk.{il}"
+        for n in ("attn_norm", "ffn_norm", "attn_res_score", "ffn_res_score"):
+            t(f"{p}.{n}.weight", E)
+        if il == 0:
+            t(f"{p}.attn_q.weight", H * (nope + R), E)
+            t(f"{p}.attn_kv_a_mqa.weight", KVL + R, E)
+            t(f"{p}.attn_kv_a_norm.weight", KVL)
+            t(f"{p}.attn_k_b.weight", H, KVL, nope)
+            t(f"{p}.attn_v_b.weight", H, Dv, KVL)
+            t(f"{p}.attn_gate.weight", H * Dv, E)
+            t(f"{p}.attn_output.weight", E, H * Dv)
+            for n, s in (("gate", (FF, E)), ("up", (FF, E)), ("down", (E, FF))):
+                t(f"{p}.ffn_{n}.weight", *s)
+            continue
+        for n in "qkv":
+            t(f"{p}.attn_{n}.weight", inner, E)
+            t(f"{p}.ssm_conv1d_{n}.weight", inner, 1, conv, scale=0.5)
+        t(f"{p}.ssm_f_a.weight", dh, E)
+        t(f"{p}.ssm_f_b.weight", inner, dh)
+        t(f"{p}.ssm_beta.weight", H, E)
+        w.add_tensor(f"{p}.ssm_a", -np.exp(rng.normal(size=H)).astype(np.float32))
+        t(f"{p}.ssm_dt.bias", inner)
+        t(f"{p}.ssm_g.weight", inner, E)
+        t(f"{p}.ssm_norm.weight", dh)
+        t(f"{p}.attn_output.weight", E, inner)
+        t(f"{p}.ffn_gate_inp.weight", X, E)
+        t(f"{p}.exp_probs_b.bias", X, scale=1.0)
+        t(f"{p}.ffn_gate_exps.weight", X, F, L)
+        t(f"{p}.ffn_up_exps.weight", X, F, L)
+        t(f"{p}.ffn_down_exps.weight", X, L, F)
+        t(f"{p}.ffn_routed_down.weight", L, E)
+        t(f"{p}.ffn_routed_up.weight", E, L)
+        for n, s in (("gate", (F, E)), ("up", (F, E)), ("down", (E, F))):
+            t(f"{p}.ffn_{n}_shexp.weight", *s)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("chunk", [None, 1, 7])
+def test_wide_model_compiled_matches_interpreter(chunk: int | None, tmp_path_factory: pytest.TempPathFactory,
+                                                 tmp_path: Path, cache: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two heads (per-head k_b/v_b, beta rows, A per head), three banks, the softplus gate, routing
+    with 2 of 4 experts: the compiled model (one-shot, decode, chunks of 7) against the float64
+    interpreter run one-shot."""
+    folder = tmp_path_factory.getbasetemp() / "kimi-wide"
+    folder.mkdir(exist_ok=True)
+    path = folder / "wide.gguf"
+    if not path.exists():
+        write_wide_kimi(path)
+    model = load_model(path)
+    assert model.hparams.kda.gate_lower_bound is None and model.hparams.kda_layers == (False, True, True)
+    tokens = np.random.default_rng(1).integers(0, 96, 20).astype(np.int32)
+    ref = interpret(model, model.graph, tokens, 20)
+    assert nmse(interpret(model, model.graph, tokens, 3), ref) < 1e-20 and float(np.std(ref)) > 0.05
+    monkeypatch.setenv("GGUFC_CACHE", str(cache))
+    np.save(tmp_path / "t.npy", tokens)
+    argv = ["eval", str(path), "--tokens", str(tmp_path / "t.npy"), "--out", str(tmp_path / "o.npy")]
+    assert main(argv + (["--chunk", str(chunk)] if chunk else [])) == 0
+    assert nmse(np.load(tmp_path / "o.npy"), ref) < 1e-10
