@@ -129,9 +129,6 @@ def _layer(b: GraphBuilder, w: B.Weights, hp: HParams, il: int, x: Value, pos: V
     def mix(stream: Value, which: str) -> Value:
         if not hp.res_block:
             return stream
-        if not bank:  # nothing banked yet: llama.cpp loads the score weight and reads nothing
-            w.used.add(f"{p}.{which}_res_score.weight")
-            return stream
         return residual_attention_mix(b, bank, stream, w.need(f"{p}.{which}_res_score.weight", (E,)), hp.eps,
                                       f"{which}_res_mix")
 
