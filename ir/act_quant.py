@@ -30,7 +30,7 @@ ACT_SCHEME = {
     **dict.fromkeys(("Q4_K", "Q5_K", "Q6_K"), "q8_K"),  # the K-quants ggufc reads
     "F16": "f16",  # F16's vec_dot_type is F16: the activations are converted before the dot product
 }
-ACT_QUANT_TYPES = frozenset(ACT_SCHEME)
+ACT_QUANT_TYPES = frozenset(q for q, scheme in ACT_SCHEME.items() if scheme != "f16")  # 8-bit activations
 MIN_TYPES = frozenset({"Q4_1", "Q5_1"})  # weights with a per-block minimum: a matmul reads q8_1
 MIN_OFFSET = 2  # byte offset of the f16 minimum `m` in a Q4_1/Q5_1 block (after `d`)
 

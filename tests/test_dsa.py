@@ -310,6 +310,13 @@ def test_indexer_rewrite_counts_and_switch(golden_models: dict[str, LoadedModel]
 
 
 @needs_golden
+def test_inspect_lists_the_indexer_rewrite(golden_paths: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", str(golden_paths["glm-dsa-moe-F16-sparse"])]) == 0
+    out = capsys.readouterr().out
+    assert "architecture: glm-dsa (supported)" in out and "  fuse_indexer: 2" in out and "  fuse_moe: 1" in out
+
+
+@needs_golden
 def test_latent_cache_is_one_row_per_token_and_layer(golden_models: dict[str, LoadedModel]) -> None:
     """MLA keeps [kv_lora | rope] = 576 floats per token and layer (keys, and values as their first
     512 columns); the indexer keeps its own [Di] = 128 keys. No expanded K/V anywhere."""
