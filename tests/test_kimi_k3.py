@@ -166,6 +166,7 @@ def test_residual_attention_mix_without_bank_is_the_stream() -> None:
     assert residual_attention_mix(b, [], cur, b.input("w", (4,), "float32"), 1e-5, "mix") is cur
 
 
+@pytest.mark.slow  # a second compile of the golden's weights; the wide project model covers 3 banks by default
 @needs_golden
 @pytest.mark.parametrize("chunk", [None, 5])
 def test_every_layer_banked_compiled_matches_interpreter(chunk: int | None, tmp_path: Path, cache: Path,
