@@ -226,7 +226,8 @@ def _causal_conv(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
 
 
 def _delta_net_scan(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
-    return _mark(LA.gated_delta_net_gpu(key.hv, key.dv, key.dk, key.hk, key.attrs.head_map, key.attrs.scale),
+    return _mark(LA.gated_delta_net_gpu(key.hv, key.dv, key.dk, key.hk, key.attrs.head_map, key.attrs.scale,
+                                        key.attrs.key_decay),
                  "ggufc.scan_per_row")
 
 

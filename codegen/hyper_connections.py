@@ -4,6 +4,8 @@
   (down, silu, up), the sigmoid-gated mean over streams and the post weights (inject); the hc-wide
   stream is read in this one kernel (its normalised copy stays an intermediate of the kernel).
 * `hc_post`: the scatter of a block output into every stream, R + post * y, one pass over R.
+* `res_mix`: cross-layer residual attention in one kernel: the RMS scores of the banked rows and
+  of the stream, their softmax and the weighted sum of the raw rows.
 
 The GPU targets schedule these TIR kernels with dlight (gpu.py).
 
@@ -133,6 +135,40 @@ def hc_pre_sinkhorn(streams: PShape, a: O.HcPre) -> tirx.PrimFunc:
     return func([r, fn, scale, base, mixed, post, comb])
 
 
+def res_mix(src_shape: PShape, eps: float) -> tirx.PrimFunc:
+    """Args (src [T,n,E], cur [T,E], w [E], out [T,E])."""
+    n, nb, e = src_shape
+    e_f = f32(int(e))
+    src = te.placeholder(src_shape, "float32", name="src")
+    cur = te.placeholder((n, e), "float32", name="cur")
+    w = te.placeholder((e,), "float32", name="w")
+    r1, r2, r3, r4 = (te.reduce_axis((i64(0), e), name=f"r{i}") for i in range(1, 5))
+    ss_src = te.compute((n, nb), lambda t, c: te.sum(src[t, c, r1] * src[t, c, r1], axis=r1), name="ss_src")
+    ss_cur = te.compute((n,), lambda t: te.sum(cur[t, r2] * cur[t, r2], axis=r2), name="ss_cur")
+    s_src = te.compute((n, nb), lambda t, c: te.sum(
+        src[t, c, r3] * (f32(1.0) / te.sqrt(ss_src[t, c] / e_f + f32(eps))) * w[r3], axis=r3), name="s_src")
+    s_cur = te.compute((n,), lambda t: te.sum(cur[t, r4] * (f32(1.0) / te.sqrt(ss_cur[t] / e_f + f32(eps))) * w[r4],
+                                              axis=r4), name="s_cur")
+    rc = te.reduce_axis((i64(0), nb), name="rc")
+    mx_src = te.compute((n,), lambda t: te.max(s_src[t, rc], axis=rc), name="mx_src")
+    mx = te.compute((n,), lambda t: tirx.max(mx_src[t], s_cur[t]), name="mx")
+    rc2 = te.reduce_axis((i64(0), nb), name="rc2")
+    den_src = te.compute((n,), lambda t: te.sum(te.exp(s_src[t, rc2] - mx[t]), axis=rc2), name="den_src")
+    den = te.compute((n,), lambda t: den_src[t] + te.exp(s_cur[t] - mx[t]), name="den")
+    p_src = te.compute((n, nb), lambda t, c: te.exp(s_src[t, c] - mx[t]) / den[t], name="p_src")
+    rc3 = te.reduce_axis((i64(0), nb), name="rc3")
+    mixed = te.compute((n, e), lambda t, j: te.sum(src[t, rc3, j] * p_src[t, rc3], axis=rc3), name="mixed")
+    out = te.compute((n, e), lambda t, j: mixed[t, j] + cur[t, j] * (te.exp(s_cur[t] - mx[t]) / den[t]), name="out")
+    return func([src, cur, w, out])
+
+
+def _res_mix(fc: FunctionContext, node: Node) -> list[Any]:
+    a: O.ResMix = node.attrs
+    key = KK.OpKernel("res_mix", a, tensor_dims(fc, node))
+    return fc.call(key, lambda: res_mix(fc.kernel_shape(node.inputs[0], K.Symbols()), a.eps), call_args(fc, node),
+                   node.outputs, node.outputs[0].name)
+
+
 def _hc_pre(fc: FunctionContext, node: Node) -> list[Any]:
     a: O.HcPre = node.attrs
     if a.rule == "sinkhorn":
@@ -157,4 +193,5 @@ def _hc_post(fc: FunctionContext, node: Node) -> list[Any]:
 HC_LOWERING: dict[str, Callable[[FunctionContext, Node], list[Any]]] = {
     "hc_pre": _hc_pre,
     "hc_post": _hc_post,
+    "res_mix": _res_mix,
 }

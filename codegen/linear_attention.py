@@ -102,9 +102,10 @@ def ssm_conv(n_ch: int, k: int, dilation: int = 1) -> tirx.PrimFunc:
     return kernel
 
 
-def gated_delta_net(hv: int, dv: int, dk: int, hk: int, head_map: str, scale: float) -> tirx.PrimFunc:
-    """Args (state [Hv, Dv, Dk] in place, q [T, Hk, Dk], k [T, Hk, Dk], v [T, Hv, Dv], g [T, Hv],
-    beta [T, Hv], o [T, Hv, Dv]).
+def gated_delta_net(hv: int, dv: int, dk: int, hk: int, head_map: str, scale: float,
+                    key_decay: bool = False) -> tirx.PrimFunc:
+    """Args (state [Hv, Dv, Dk] in place, q [T, Hk, Dk], k [T, Hk, Dk], v [T, Hv, Dv], g [T, Hv]
+    (key_decay: [T, Hv, Dk], one decay per key index), beta [T, Hv], o [T, Hv, Dv]).
 
     Parallel over blocks of rows of one head; each task allocates its LANES partial sums once
     (a scratch buffer inside a parallel loop is a workspace allocation, too dear per row) and runs
@@ -117,6 +118,7 @@ def gated_delta_net(hv: int, dv: int, dk: int, hk: int, head_map: str, scale: fl
     lanes = LANES if dk % LANES == 0 else 1
     n_outer = dk // lanes
     rb = _block(dv, ROW_BLOCK)
+    g_shape = (dk,) if key_decay else ()
 
     @T.prim_func
     def kernel(
@@ -134,7 +136,7 @@ def gated_delta_net(hv: int, dv: int, dk: int, hk: int, head_map: str, scale: fl
         Q = T.match_buffer(q_h, (n, hk, dk), "float32")
         K = T.match_buffer(k_h, (n, hk, dk), "float32")
         V = T.match_buffer(v_h, (n, hv, dv), "float32")
-        G = T.match_buffer(g_h, (n, hv), "float32")
+        G = T.match_buffer(g_h, (n, hv, *g_shape), "float32")
         B = T.match_buffer(b_h, (n, hv), "float32")
         Out = T.match_buffer(o_h, (n, hv, dv), "float32")
         for blk in T.parallel(T.int64(hv * (dv // rb))):
@@ -143,7 +145,7 @@ def gated_delta_net(hv: int, dv: int, dk: int, hk: int, head_map: str, scale: fl
             h = blk // T.int64(dv // rb)
             kh = T.if_then_else(tiled, h % T.int64(hk), h // T.int64(rep))
             for t in range(n):
-                decay = T.exp(G[t, h])
+                decay = T.exp(G[t, h]) if not key_decay else T.float32(0)
                 for ri in range(T.int64(rb)):
                     i = (blk % T.int64(dv // rb)) * T.int64(rb) + ri
                     # decay the row, then kv = M_i . k
@@ -151,7 +153,8 @@ def gated_delta_net(hv: int, dv: int, dk: int, hk: int, head_map: str, scale: fl
                         part[ln] = T.float32(0)
                     for jo in range(T.int64(n_outer)):
                         for ln in T.vectorized(T.int64(lanes)):
-                            S[h, i, jo * lanes + ln] = S[h, i, jo * lanes + ln] * decay
+                            S[h, i, jo * lanes + ln] = S[h, i, jo * lanes + ln] * (
+                                T.exp(G[t, h, jo * lanes + ln]) if key_decay else decay)
                             part[ln] = part[ln] + S[h, i, jo * lanes + ln] * K[t, kh, jo * lanes + ln]
                     tot[0] = T.float32(0)
                     for ln in range(T.int64(lanes)):
@@ -252,14 +255,16 @@ def ssm_conv_gpu(n_ch: int, k: int, dilation: int = 1) -> tirx.PrimFunc:
     return ssm_conv_gpu
 
 
-def gated_delta_net_gpu(hv: int, dv: int, dk: int, hk: int, head_map: str, scale: float) -> tirx.PrimFunc:
-    """(state [Hv, Dv, Dk] in place, q [T, Hk, Dk], k [T, Hk, Dk], v [T, Hv, Dv], g [T, Hv],
-    beta [T, Hv], o [T, Hv, Dv])."""
+def gated_delta_net_gpu(hv: int, dv: int, dk: int, hk: int, head_map: str, scale: float,
+                        key_decay: bool = False) -> tirx.PrimFunc:
+    """(state [Hv, Dv, Dk] in place, q [T, Hk, Dk], k [T, Hk, Dk], v [T, Hv, Dv], g [T, Hv]
+    (key_decay: [T, Hv, Dk]), beta [T, Hv], o [T, Hv, Dv])."""
     if head_map not in ("tiled", "interleaved") or hv % hk:
         raise ValueError(f"gated_delta_net: bad head sharing {head_map} for {hv} value / {hk} key heads")
     tiled = head_map == "tiled"
     HV, DV, DK, HK, REP = T.int64(hv), T.int64(dv), T.int64(dk), T.int64(hk), T.int64(hv // hk)
     NT, SCALE = T.int64(THREADS), T.float32(scale)
+    g_shape = (DK,) if key_decay else ()
 
     @T.prim_func(private=True)
     def gated_delta_net_gpu(s_h: T.handle, q_h: T.handle, k_h: T.handle, v_h: T.handle, g_h: T.handle,
@@ -270,7 +275,7 @@ def gated_delta_net_gpu(hv: int, dv: int, dk: int, hk: int, head_map: str, scale
         Q = T.match_buffer(q_h, (n, HK, DK), "float32")
         K = T.match_buffer(k_h, (n, HK, DK), "float32")
         V = T.match_buffer(v_h, (n, HV, DV), "float32")
-        G = T.match_buffer(g_h, (n, HV), "float32")
+        G = T.match_buffer(g_h, (n, HV, *g_shape), "float32")
         B = T.match_buffer(b_h, (n, HV), "float32")
         Out = T.match_buffer(o_h, (n, HV, DV), "float32")
         bx = T.launch_thread("blockIdx.x", (HV * DV + NT - T.int64(1)) // NT)
@@ -281,10 +286,10 @@ def gated_delta_net_gpu(hv: int, dv: int, dk: int, hk: int, head_map: str, scale
         kh = T.meta_var(T.if_then_else(tiled, (bx * NT + tx) // DV % HK, (bx * NT + tx) // DV // REP))
         if bx * NT + tx < HV * DV:
             for t in range(n):
-                acc[1] = T.exp(G[t, h])
+                acc[1] = T.exp(G[t, h]) if not key_decay else T.float32(0)
                 acc[0] = T.float32(0)
                 for j in range(DK):
-                    S[h, i, j] = S[h, i, j] * acc[1]
+                    S[h, i, j] = S[h, i, j] * (T.exp(G[t, h, j]) if key_decay else acc[1])
                     acc[0] = acc[0] + S[h, i, j] * K[t, kh, j]
                 acc[1] = (V[t, h, i] - acc[0]) * B[t, h]
                 acc[0] = T.float32(0)
@@ -318,7 +323,7 @@ def _gated_delta_net(fc: FunctionContext, node: Node) -> list[Any]:
     hk = int(node.inputs[1].shape[1])
     a: O.GatedDeltaNet = node.attrs
     return _state_scan(fc, node, KK.DeltaNetScan(hv, dv, dk, hk, a),
-                       lambda: gated_delta_net(hv, dv, dk, hk, a.head_map, a.scale))
+                       lambda: gated_delta_net(hv, dv, dk, hk, a.head_map, a.scale, a.key_decay))
 
 
 def _norm(kind: str, build: Callable[[PShape, Any], tirx.PrimFunc]) -> Callable[[FunctionContext, Node], list[Any]]:

@@ -22,6 +22,7 @@ from ggufc.ir.hyper_connections_spelled import (
     hc_post_comb_spelled,
     hc_post_spelled,
     hc_pre_spelled,
+    res_mix_spelled,
     sinkhorn_mix_spelled,
 )
 from ggufc.ir.sparse_indexers_spelled import indexer_score_spelled
@@ -248,3 +249,20 @@ def ple_block(b: GraphBuilder, w: B.Weights, pp: PleParams, streams: Value, emb:
     new_state[f"ple_conv.{pp.layer}"] = new_hist
     conv_out = b.reshape(b.unary("silu", conv, "ple_conv_silu"), (t, hc, e), "ple_conv_out")
     return b.add(streams, b.add(gated, conv_out, "ple_update"), "ple_out")
+
+
+# ---------------------------------------------------------------------------------------------
+# cross-layer residual attention (kimi-k3's attn_res): a softmax mix of banked layer inputs
+
+
+def residual_attention_mix(b: GraphBuilder, bank: list[Value], cur: Value, score_w: Value, eps: float,
+                           name: str) -> Value:
+    """sum_c p[c] * bank[c] + p[-1] * cur with p = softmax over the bank and cur of
+    sum(rms_norm(x) * score_w) (the scores read normalised values, the mix the raw ones); the
+    stream itself when nothing is banked yet."""
+    if not bank:
+        return cur
+    t, e = cur.shape
+    rows = [b.reshape(x, (t, 1, e), f"{name}.bank{i}") for i, x in enumerate(bank)]
+    src = rows[0] if len(rows) == 1 else b.emit("concat", rows, O.Concat(1), f"{name}.src")
+    return res_mix_spelled(b, src, cur, score_w, eps, name)

@@ -62,20 +62,28 @@ def head_linear(b: GraphBuilder, w: B.Weights, name: str, x: Value, n_out: int, 
 
 def mla_attention(
     b: GraphBuilder, w: B.Weights, p: str, layer: int, h: Value, qr: Value, dims: MlaDims, eps: float, pos: Value,
-    table: Value, n_ctx: int, scale: float, new_state: dict[str, Value], select: Value | None,
+    table: Value | None, n_ctx: int, scale: float, new_state: dict[str, Value], select: Value | None,
+    out_gate: Value | None = None, output_scale: bool = True,
 ) -> Value:
     """The attention block's output [T, E] (before the residual); `select`: the indexer's selected
-    cells [T, W] (attention reads only them), None for dense causal attention."""
+    cells [T, W] (attention reads only them), None for dense causal attention. `table` None: no
+    rope anywhere (the `k_pe`/`q_pe` parts enter as they are, kimi-k3); `qr` is then the layer
+    input itself when there is no q_lora (`attn_q`). `out_gate` [T, H*Dv]: the heads' output is
+    multiplied by sigmoid(out_gate) before the output projection; `output_scale` False: an
+    `attn_output.scale` tensor is not applied (the caller's architecture never reads it)."""
     E = int(h.shape[1])
     H, R, KVL = dims.n_head, dims.n_rot, dims.kv_lora
     t = h.shape[0]
-    q = B.heads(b, B.linear(b, qr, w.need(f"{p}.attn_q_b.weight", (H * dims.key_dim, dims.q_lora)), "q"), H,
-                dims.key_dim, "q3")
+    q_w = (w.need(f"{p}.attn_q_b.weight", (H * dims.key_dim, dims.q_lora)) if dims.q_lora
+           else w.need(f"{p}.attn_q.weight", (H * dims.key_dim, E)))
+    q = B.heads(b, B.linear(b, qr, q_w, "q"), H, dims.key_dim, "q3")
     q_nope = b.slice(q, 2, 0, dims.nope, "q_nope")
-    q_pe = B.rope(b, b.slice(q, 2, dims.nope, dims.key_dim, "q_pe_raw"), pos, table, "norm", R, "q_pe")
+    q_pe = b.slice(q, 2, dims.nope, dims.key_dim, "q_pe_raw")
     kv = B.linear(b, h, w.need(f"{p}.attn_kv_a_mqa.weight", (KVL + R, E)), "kv_cmpr_pe")
     k_pe = b.reshape(b.slice(kv, 1, KVL, KVL + R, "k_pe_raw2"), (t, 1, R), "k_pe_raw")
-    k_pe = B.rope(b, k_pe, pos, table, "norm", R, "k_pe")
+    if table is not None:
+        q_pe = B.rope(b, q_pe, pos, table, "norm", R, "q_pe")
+        k_pe = B.rope(b, k_pe, pos, table, "norm", R, "k_pe")
     latent = B.rms_norm(b, b.slice(kv, 1, 0, KVL, "kv_cmpr_raw"), w.need(f"{p}.attn_kv_a_norm.weight", (KVL,)),
                         eps, "kv_cmpr")
     q_abs = head_linear(b, w, f"{p}.attn_k_b.weight", q_nope, KVL, "q_nope_absorbed")
@@ -90,10 +98,12 @@ def mla_attention(
         mask = b.emit("index_mask", [select, pos], O.NoAttrs(), "kq_mask_top_k")
         a = b.emit("attention", [q_full, kc, kc, pos, mask], O.Attention(scale, "additive"), "kqv_latent_row")
     o_latent = b.slice(a, 2, 0, KVL, "kqv_latent")  # the values are the rows' first kv_lora columns
-    o = head_linear(b, w, f"{p}.attn_v_b.weight", o_latent, dims.v_head, "kqv_out")
+    o = B.flatten_heads(b, head_linear(b, w, f"{p}.attn_v_b.weight", o_latent, dims.v_head, "kqv_out"), "kqv_flat")
+    if out_gate is not None:
+        o = b.mul(o, b.unary("sigmoid", out_gate, "mla_gate_sigmoid"), "mla_gated")
     wo = w.need(f"{p}.attn_output.weight", (E, H * dims.v_head))
-    scale_o = w.get(f"{p}.attn_output.scale", (1,), required=False)
-    return B.linear(b, B.flatten_heads(b, o, "kqv_flat"), wo, "attn_out", scale=scale_o)
+    scale_o = w.get(f"{p}.attn_output.scale", (1,), required=False) if output_scale else None
+    return B.linear(b, o, wo, "attn_out", scale=scale_o)
 
 
 def check_dims(dims: MlaDims, key_length: int, value_length: int, arch: str) -> None:

@@ -266,3 +266,75 @@ def shared_expert_gate(b: GraphBuilder, h: Value, w_gate: Value) -> Value:
     """sigmoid(h @ w) with w [E] (`ffn_gate_inp_shexp`): one gate per token, [T, 1]."""
     logit = b.reduce("sum", b.mul(h, w_gate, "shared_expert_gate_prod"), "shared_expert_gate")
     return b.unary("sigmoid", logit, "shared_expert_gate_sigmoid")
+
+
+# ---------------------------------------------------------------------------------------------
+# KDA: the delta rule with a decay per key index (kimi-k3, llama.cpp `build_kda_layer`)
+
+
+@dataclass(frozen=True)
+class KdaDims:
+    n_head: int  # H (q, k and v heads alike)
+    head_dim: int  # dh (keys and values)
+    conv_kernel: int  # d_conv
+    gate_lower_bound: float | None  # None: -exp(A_log) * softplus(g); else lb * sigmoid(exp(A_log) * g)
+
+    @property
+    def inner(self) -> int:
+        return self.n_head * self.head_dim
+
+
+@dataclass(frozen=True)
+class KdaWeights:
+    q: Value  # [d_inner, E] each
+    k: Value
+    v: Value
+    conv: tuple[Value, Value, Value]  # q/k/v depthwise kernels [d_inner, d_conv]
+    f_a: Value  # [dh, E]
+    f_b: Value  # [d_inner, dh]
+    dt_bias: Value  # [d_inner]
+    ssm_a: Value  # [H, 1]: -exp(A_log) per head
+    beta: Value  # [H, E]
+    out_gate: Value  # [d_inner, E]
+    norm: Value  # [dh]
+
+
+def kda_gate(b: GraphBuilder, dims: KdaDims, g: Value, ssm_a: Value) -> Value:
+    """The per-key decay logits [T, H, dh] from g = f_b(f_a(h)) + dt_bias [T, H, dh]: with a lower
+    bound `lb * sigmoid(-(g * ssm_a))` (= lb * sigmoid(exp(A_log) * g)), else softplus(g) * ssm_a."""
+    if dims.gate_lower_bound is None:
+        return b.mul(b.unary("softplus", g, "kda_g_softplus"), ssm_a, "kda_g1")
+    sig = b.unary("sigmoid", b.scalar("mul", b.mul(g, ssm_a, "kda_g_scaled"), -1.0, "kda_g_neg"), "kda_g_sigmoid")
+    return b.scalar("mul", sig, dims.gate_lower_bound, "kda_g1")
+
+
+def kda(b: GraphBuilder, dims: KdaDims, layer: int, h: Value, wt: KdaWeights, eps: float,
+        new_state: dict[str, Value]) -> Value:
+    """From the normed layer input h [T, E] to the gated, normalised heads [T, d_inner] that the
+    output projection reads: q/k/v each through its own causal conv (state `conv_state_{q,k,v}`)
+    and SiLU, L2-normalised q/k, the per-key decay gate, beta = sigmoid(h @ beta.T), the delta
+    rule over the state [H, dh(v), dh(k)], the RMSNorm of each head times sigmoid(h @ out_gate.T)."""
+    t = h.shape[0]
+    H, D = dims.n_head, dims.head_dim
+
+    def conv(which: str, proj: Value, kernel: Value) -> Value:
+        state = b.state(f"conv_state_{which}.{layer}", (dims.inner, dims.conv_kernel - 1))
+        new, y = b.emit_multi("ssm_conv", [state, B.linear(b, h, proj, f"kda_{which}"), kernel], O.SsmConv(),
+                              [f"conv_state_{which}.{layer}", f"kda_{which}_conv_raw"])
+        new_state[f"conv_state_{which}.{layer}"] = new
+        return B.heads(b, b.unary("silu", y, f"kda_{which}_conv_silu"), H, D, f"kda_{which}_conv")
+
+    q = l2_norm(b, conv("q", wt.q, wt.conv[0]), eps, "kda_q_normed")
+    k = l2_norm(b, conv("k", wt.k, wt.conv[1]), eps, "kda_k_normed")
+    v = conv("v", wt.v, wt.conv[2])
+    g = b.add(B.linear(b, B.linear(b, h, wt.f_a, "kda_f_a"), wt.f_b, "kda_f_b"), wt.dt_bias, "kda_g_biased")
+    g = kda_gate(b, dims, B.heads(b, g, H, D, "kda_g_heads"), wt.ssm_a)
+    beta = b.unary("sigmoid", B.linear(b, h, wt.beta, "kda_beta_logits"), "kda_beta")
+    ssm_state = b.state(f"ssm_state.{layer}", (H, D, D))
+    ssm_new, o = b.emit_multi("gated_delta_net", [ssm_state, q, k, v, g, beta],
+                              O.GatedDeltaNet("tiled", 1.0 / math.sqrt(D), key_decay=True),
+                              [f"ssm_state.{layer}", "kda_scan_out"])
+    new_state[f"ssm_state.{layer}"] = ssm_new
+    z = B.heads(b, B.linear(b, h, wt.out_gate, "kda_g2"), H, D, "kda_g2_heads")
+    normed = rms_norm_gated(b, o, wt.norm, z, eps, "sigmoid", "kda_gated")
+    return b.reshape(normed, (t, dims.inner), "kda_gated_flat")

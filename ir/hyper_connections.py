@@ -11,6 +11,10 @@ Hyper-connections keep `hc` residual streams R [T, hc, E]:
 * `hc_post`: R + post[:, :, None] * y[:, None, :]; with a comb matrix [T, src, dst] (deepseek4)
   post * y + sum over src of comb[t, src, dst] * R[t, src].
 
+* `res_mix` (kimi-k3's cross-layer residual attention): a softmax over banked layer inputs
+  src [T, n, E] and the current stream cur [T, E], scored by sum(rms(x) * w); the mix of the raw
+  values sum_c p[c] * src[:, c] + p[-1] * cur.
+
 Their spellings in primitives are in `hyper_connections_spelled.py`.
 """
 
@@ -76,3 +80,12 @@ def hc_post_ref(r: np.ndarray, y: np.ndarray, post: np.ndarray, comb: np.ndarray
     if comb is None:
         return r + scattered
     return scattered + np.einsum("tsd,tse->tde", comb, r)
+
+
+def res_mix_ref(src: np.ndarray, cur: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """src [T,n,E] banked layer inputs, cur [T,E], score weight w [E] -> [T,E]."""
+    scores = np.concatenate([(rms_plain(src, eps) * w).sum(-1), (rms_plain(cur, eps) * w).sum(-1, keepdims=True)], 1)
+    e = np.exp(scores - scores.max(1, keepdims=True))
+    p = e / e.sum(1, keepdims=True)
+    n = src.shape[1]
+    return np.einsum("tc,tce->te", p[:, :n], src) + p[:, n:] * cur

@@ -96,6 +96,28 @@ def hc_post_comb_spelled(b: GraphBuilder, streams: Value, y: Value, post: Value,
     return b.add(b.mul(y3, p3, f"{name}.scattered"), mixed, name)
 
 
+def res_mix_spelled(b: GraphBuilder, src: Value, cur: Value, w: Value, eps: float, name: str) -> Value:
+    """Cross-layer residual attention over src [T,n,E] and cur [T,E] (the `res_mix` op)."""
+    t, n, _ = src.shape
+    s_src = b.reduce("sum", b.mul(rms_norm_plain(b, src, eps, f"{name}.src_norm"), w, f"{name}.src_w"),
+                     f"{name}.src_score", keepdims=False)
+    s_cur = b.reduce("sum", b.mul(rms_norm_plain(b, cur, eps, f"{name}.cur_norm"), w, f"{name}.cur_w"),
+                     f"{name}.cur_score")
+    scores = b.emit("concat", [s_src, s_cur], O.Concat(1), f"{name}.scores")
+    m = b.reduce("max", scores, f"{name}.probs.max")
+    e = b.unary("exp", b.binary("sub", scores, m, f"{name}.probs.shift"), f"{name}.probs.exp")
+    probs = b.binary("div", e, b.reduce("sum", e, f"{name}.probs.sum"), f"{name}.probs")
+    p_src = b.reshape(b.slice(probs, 1, 0, int(n), f"{name}.p_src2"), (t, n, 1), f"{name}.p_src")
+    mixed = b.reduce("sum", b.mul(src, p_src, f"{name}.src_weighted"), f"{name}.src_mix", axis=1, keepdims=False)
+    p_cur = b.slice(probs, 1, int(n), int(n) + 1, f"{name}.p_cur")
+    return b.add(mixed, b.mul(cur, p_cur, f"{name}.cur_weighted"), name)
+
+
+def _res_mix(b: GraphBuilder, n: Node) -> list[Value]:
+    src, cur, w = n.inputs
+    return [res_mix_spelled(b, src, cur, w, n.attrs.eps, n.outputs[0].name)]
+
+
 def _hc_pre(b: GraphBuilder, n: Node) -> list[Value]:
     a: O.HcPre = n.attrs
     if a.rule == "sinkhorn":
@@ -118,4 +140,5 @@ def _hc_post(b: GraphBuilder, n: Node) -> list[Value]:
 HC_DECOMPOSITIONS = {
     "hc_pre": _hc_pre,
     "hc_post": _hc_post,
+    "res_mix": _res_mix,
 }

@@ -5,7 +5,8 @@ The op records in `ops.py` call these. Shapes (numpy order, one sequence):
 
 * conv state `[C, (K-1)*dilation]`: the last inputs of the previous call, oldest first;
 * recurrent state `[Hv, Dv, Dk]`: one matrix `M[h]` per value head (llama.cpp's ssm cache);
-* q, k `[T, Hk, Dk]`, v `[T, Hv, Dv]`, per-head decay logits g and write strengths beta `[T, Hv]`.
+* q, k `[T, Hk, Dk]`, v `[T, Hv, Dv]`, per-head decay logits g and write strengths beta `[T, Hv]`;
+  KDA (kimi-k3) decays each key index apart: g `[T, Hv, Dk]`, `M[h] *= exp(g[t, h])[None, :]`.
 
 `gated_delta_net_ref` is the sequential recurrence (llama.cpp's fused CPU op, the default path);
 `gated_delta_net_chunked_ref` is the chunked WY/UT form of the same maths (llama.cpp's non-fused
@@ -85,7 +86,8 @@ def gated_delta_net_ref(
 ) -> tuple[np.ndarray, np.ndarray]:
     """The gated delta rule, one token at a time; returns (new_state, o [T, Hv, Dv]).
 
-    M[h] *= exp(g[t, h]);  d = (v[t, h] - M[h] @ k[t, kh]) * beta[t, h]
+    M[h] *= exp(g[t, h]) (g [T, Hv, Dk]: along the key axis, M[h][:, j] *= exp(g[t, h, j]));
+    d = (v[t, h] - M[h] @ k[t, kh]) * beta[t, h]
     M[h] += outer(d, k[t, kh]);  o[t, h] = (M[h] @ q[t, kh]) * scale
     """
     n_tok, n_v, dv = v.shape
@@ -94,7 +96,7 @@ def gated_delta_net_ref(
     o = np.zeros((n_tok, n_v, dv), dtype=v.dtype)
     for t in range(n_tok):
         kt, qt = k[t, kmap], q[t, kmap]  # [Hv, Dk]
-        m *= np.exp(g[t])[:, None, None]
+        m *= np.exp(g[t])[:, None, :] if g.ndim == 3 else np.exp(g[t])[:, None, None]
         d = (v[t] - np.einsum("hij,hj->hi", m, kt)) * beta[t][:, None]
         m += d[:, :, None] * kt[:, None, :]
         o[t] = np.einsum("hij,hj->hi", m, qt) * v.dtype.type(scale)
@@ -114,31 +116,35 @@ def gated_delta_net_chunked_ref(
 ) -> tuple[np.ndarray, np.ndarray]:
     """The same recurrence in chunks (WY/UT transform), as llama.cpp's non-fused path.
 
-    Per chunk and head, with S = M^T [Dk, Dv], gc = cumsum(g), G[i, j] = exp(gc[i] - gc[j]):
-    A = strict_lower((beta k) k^T * G), Tm = (I + A)^-1, U = Tm (beta v), W = Tm (beta k exp(gc)),
-    Vn = U - W S, o = scale (q exp(gc)) S + scale lower_incl(q k^T * G) Vn,
+    Per chunk and head, with S = M^T [Dk, Dv], gc = cumsum(g) per key index (a per-head g is the
+    same decay on every key index), D[i, j, :] = exp(gc[i] - gc[j]) for j <= i:
+    A = strict_lower(sum_d beta_i k_i k_j D[i, j]), Tm = (I + A)^-1, U = Tm (beta v),
+    W = Tm (beta k exp(gc)), Vn = U - W S, o = scale (q exp(gc)) S + scale lower_incl(sum_d q_i k_j D) Vn,
     S' = exp(gc[-1]) S + (k exp(gc[-1] - gc))^T Vn.
     """
     n_tok, n_v, dv = v.shape
     kmap = k_head_index(head_map, n_v, q.shape[1])
     dt = v.dtype
+    dk = q.shape[2]
+    gk = g.astype(dt) if g.ndim == 3 else np.repeat(g.astype(dt)[:, :, None], dk, axis=2)
     s = np.swapaxes(state.astype(dt), 1, 2).copy()  # [Hv, Dk, Dv]
     o = np.zeros((n_tok, n_v, dv), dtype=dt)
     for c0 in range(0, n_tok, chunk):
         c1 = min(c0 + chunk, n_tok)
         n = c1 - c0
-        lower = np.tril(np.ones((n, n), dtype=bool), -1)
+        incl = np.tril(np.ones((n, n), dtype=bool))
+        lower = np.tril(incl, -1)
         for h in range(n_v):
             qh, kh = q[c0:c1, kmap[h]].astype(dt), k[c0:c1, kmap[h]].astype(dt)
-            vh, gh, bh = v[c0:c1, h], g[c0:c1, h].astype(dt), beta[c0:c1, h].astype(dt)
-            gc = np.cumsum(gh)
-            decay = np.exp(np.where(np.tril(np.ones((n, n), dtype=bool)), gc[:, None] - gc[None, :], -np.inf))
-            a = np.where(lower, (bh[:, None] * kh) @ kh.T * decay, 0.0)
+            vh, bh = v[c0:c1, h], beta[c0:c1, h].astype(dt)
+            gc = np.cumsum(gk[c0:c1, h], axis=0)  # [n, Dk]
+            decay = np.exp(np.where(incl[:, :, None], gc[:, None, :] - gc[None, :, :], -np.inf))  # [n, n, Dk]
+            a = np.where(lower, np.einsum("id,jd,ijd->ij", bh[:, None] * kh, kh, decay), 0.0)
             tm = np.linalg.inv(np.eye(n, dtype=dt) + a)
             u = tm @ (bh[:, None] * vh)
-            wm = tm @ (bh[:, None] * kh * np.exp(gc)[:, None])
+            wm = tm @ (bh[:, None] * kh * np.exp(gc))
             vn = u - wm @ s[h]
-            psi = (qh @ kh.T) * decay
-            o[c0:c1, h] = dt.type(scale) * ((qh * np.exp(gc)[:, None]) @ s[h] + psi @ vn)
-            s[h] = s[h] * np.exp(gc[-1]) + (kh * np.exp(gc[-1] - gc)[:, None]).T @ vn
+            psi = np.einsum("id,jd,ijd->ij", qh, kh, decay)
+            o[c0:c1, h] = dt.type(scale) * ((qh * np.exp(gc)) @ s[h] + psi @ vn)
+            s[h] = s[h] * np.exp(gc[-1])[:, None] + (kh * np.exp(gc[-1] - gc)).T @ vn
     return np.ascontiguousarray(np.swapaxes(s, 1, 2)), o

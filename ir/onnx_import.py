@@ -179,7 +179,7 @@ def _read_unary(fn: str) -> Reader:
 def _read_binary(fn: str) -> Reader:
     def read(im: _Importer, n: onnx.NodeProto) -> None:
         a, b = n.input
-        if b in im.inits and im.inits[b].size == 1 and fn in ("add", "mul", "max", "min", "pow"):
+        if b in im.inits and im.inits[b].size == 1 and fn in ("add", "mul", "div", "max", "min", "pow"):
             im.add("scalar", [im.value(a)], O.Scalar(fn, float(im.inits[b].reshape(()))), [n.output[0]])
             return
         if fn == "mul" and a == b:

@@ -134,17 +134,17 @@ def spell_gated_delta_net(e: OnnxWriter, node: Node) -> None:
     qv, kv = e.fresh(f"{out}/q_heads"), e.fresh(f"{out}/k_heads")
     e.emit("Gather", [q, kmap], [qv], axis=1)
     e.emit("Gather", [k, kmap], [kv], axis=1)
-    body = _delta_step(a.scale)
+    body = _delta_step(a.scale, a.key_decay)
     e.emit("Scan", [state, qv, kv, v, g, beta], [new_state, out], body=body, num_scan_inputs=5)
 
 
-def _delta_step(scale: float) -> GraphProto:
-    """Scan body: (m, q [Hv,Dk], k [Hv,Dk], v [Hv,Dv], g [Hv], beta [Hv]) -> (m', o [Hv,Dv])."""
+def _delta_step(scale: float, key_decay: bool = False) -> GraphProto:
+    """Scan body: (m, q [Hv,Dk], k [Hv,Dk], v [Hv,Dv], g [Hv] (key_decay: [Hv,Dk]), beta [Hv]) -> (m', o [Hv,Dv])."""
 
     def n(op: str, ins: list[str], outs: list[str]) -> NodeProto:
         return helper.make_node(op, [f"step.{i}" for i in ins], [f"step.{o}" for o in outs])
 
-    consts = {"ax0": [1, 2], "ax1": [1], "ax2": [2]}
+    consts = {"ax0": [1] if key_decay else [1, 2], "ax1": [1], "ax2": [2]}  # exp(g) along M's key axis
     inits = [numpy_helper.from_array(np.asarray(v, np.int64), f"step.{k}") for k, v in consts.items()]
     inits.append(numpy_helper.from_array(np.asarray(scale, np.float32), "step.scale"))
     nodes = [

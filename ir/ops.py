@@ -18,7 +18,7 @@ import numpy as np
 
 from .act_quant import ACT_BLOCK, q8_1_sums_ref, quantize_act_ref
 from .graph import Dim, Shape, eval_shape
-from .hyper_connections import hc_post_ref, hc_pre_ref
+from .hyper_connections import hc_post_ref, hc_pre_ref, res_mix_ref
 from .latent_attention import head_matmul_ref
 from .linear_attention import gated_delta_net_ref, l2_norm_ref, rms_norm_gated_ref, ssm_conv_ref
 from .moe_routing import check_routing, matmul_id_ref, moe_ffn_node_ref, moe_inputs, moe_route_ref
@@ -247,6 +247,7 @@ class GatedDeltaNet:
 
     head_map: str  # which q/k head value head h reads: "tiled" h % Hk or "interleaved" h // (Hv/Hk)
     scale: float  # output scale, 1/sqrt(Dk)
+    key_decay: bool = False  # g [T, Hv, Dk]: one decay per key index (KDA) instead of one per head
 
 
 # -- hyper-connections, sparse-attention indexers, n-gram embedding hash (references in -------
@@ -277,6 +278,14 @@ class HcPost:
     """R [T,hc,E] + post [T,hc] * y [T,E] per stream (comb=True: R mixed by a [T,hc(src),hc(dst)] comb)."""
 
     comb: bool = False
+
+
+@dataclass(frozen=True)
+class ResMix:
+    """Cross-layer residual attention: (src [T,n,E] banked inputs, cur [T,E], score weight [E]) ->
+    softmax-of-(sum(rms(x) * w)) mix of the raw src rows and cur [T,E]."""
+
+    eps: float
 
 
 @dataclass(frozen=True)
@@ -766,13 +775,15 @@ def _ssm_conv_shape(ins: Sequence[ShapeDtype], a: SsmConv) -> list[ShapeDtype]:
 
 
 def _gated_delta_net_shape(ins: Sequence[ShapeDtype], a: GatedDeltaNet) -> list[ShapeDtype]:
-    """(state [Hv,Dv,Dk], q [T,Hk,Dk], k [T,Hk,Dk], v [T,Hv,Dv], g [T,Hv], beta [T,Hv]) -> (state, o)."""
+    """(state [Hv,Dv,Dk], q [T,Hk,Dk], k [T,Hk,Dk], v [T,Hv,Dv], g [T,Hv] (key_decay: [T,Hv,Dk]),
+    beta [T,Hv]) -> (state, o)."""
     (ss, sdt), (qs, _), (ks, _), (vs, _), (gs, _), (bs, _) = ins
     hv, dv, dk = ss
     t, hk = qs[0], qs[1]
     ok = (
         tuple(qs) == (t, hk, dk) and tuple(ks) == tuple(qs) and tuple(vs) == (t, hv, dv)
-        and tuple(gs) == (t, hv) and tuple(bs) == (t, hv) and isinstance(hk, int) and hv % hk == 0
+        and tuple(gs) == ((t, hv, dk) if a.key_decay else (t, hv)) and tuple(bs) == (t, hv)
+        and isinstance(hk, int) and hv % hk == 0
         and a.head_map in ("tiled", "interleaved")
     )
     if not ok:
@@ -819,6 +830,13 @@ def _hc_pre_shape(ins: Sequence[ShapeDtype], a: HcPre) -> list[ShapeDtype]:
     if a.post:
         outs.append(((t, hc), dt))
     return outs
+
+
+def _res_mix_shape(ins: Sequence[ShapeDtype], a: ResMix) -> list[ShapeDtype]:
+    (ss, _), (cs, dt), (ws, _) = ins
+    if len(ss) != 3 or len(cs) != 2 or cs[0] != ss[0] or cs[1] != ss[2] or tuple(ws) != (ss[2],):
+        raise ValueError(f"res_mix: bank {ss}, stream {cs} and score weight {ws} disagree")
+    return [(cs, dt)]
 
 
 def _hc_post_shape(ins: Sequence[ShapeDtype], a: HcPost) -> list[ShapeDtype]:
@@ -1038,6 +1056,8 @@ OPS: dict[str, OpDef] = {
               fused=True),
         OpDef("hc_post", HcPost, _hc_post_shape,
               _one(lambda i, a, c: hc_post_ref(i[0], i[1], i[2], i[3] if a.comb else None)), fused=True),
+        OpDef("res_mix", ResMix, _res_mix_shape, _one(lambda i, a, c: res_mix_ref(i[0], i[1], i[2], a.eps)),
+              fused=True),
         OpDef("indexer_score", IndexerScore, _indexer_score_shape,
               _one(lambda i, a, c: indexer_score_ref(i[0], i[1], i[2], i[3], a.ratio, a.eps, a.n_rot)), fused=True),
         OpDef("indexer_block_score", IndexerBlockScore, _block_score_shape,

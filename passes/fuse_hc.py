@@ -18,7 +18,13 @@ tried first. deepseek4's Sinkhorn mix (rule "sinkhorn": rms of the flattened str
 full-rank `fn` product, pre/post weights and the Sinkhorn-normalised comb matrix, or the final
 pre-only collapse) is matched by rebuilding its spelling for the candidate's inputs and constants
 (epsilons read from the graph, the number of rounds tried) and comparing node for node.
-Hits: one per fused mix plus one per fused combine.
+`res_mix` (cross-layer residual attention) is one too:
+
+    score(x) = sum(rms(x) * w, last axis)                       rms fused or spelled, no weight
+    p        = softmax(concat([score(src), score(cur)], 1))     fused or spelled
+    out      = sum(src * reshape(p[:, :n], [T, n, 1]), axis=1) + cur * p[:, n:]
+
+Hits: one per fused mix, combine and residual-attention mix.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from ggufc.ir.graph import Graph, Node, Value, static_shape
 from ggufc.ir.verify import shapes_equal
 from ggufc.ir.walk import defined_before, inner_values_escape
 
-from .fusions import MUL, normed_pat, silu_pat
+from .fusions import MUL, normed_pat, silu_pat, softmax_axis, softmax_last_axis_pat
 from .matcher import GraphView, Match, P, Pat, Rewrite, Rule, V, any_of, match, rewrite_graph, where_attrs
 from .stats import with_hits
 
@@ -292,8 +298,67 @@ def _fuse_sinkhorn(graph: Graph) -> tuple[Graph, int]:
     return graph.replace(nodes=nodes), len(placed)
 
 
+# cross-layer residual attention
+
+
+def _plain_rms(x: Pat, tag: str) -> Pat:
+    """rms(x) without weight, fused or spelled; names prefixed by `tag` (two norms in one rule)."""
+    square = any_of(P("unary", x, attrs=O.Unary("square")), P("binary", x, x, attrs=MUL))
+    mean = P("reduce", square, where=where_attrs(fn="mean", keepdims=True))
+    plus_eps = P("scalar", mean, where=where_attrs(fn="add"), name=f"{tag}_eps")
+    return any_of(P("rms_norm", x, name=f"{tag}_rms"),
+                  P("binary", x, P("unary", plus_eps, attrs=O.Unary("rsqrt")), attrs=MUL, commute=True))
+
+
+def _score(x: Pat, tag: str) -> Pat:
+    weighted = P("binary", _plain_rms(x, tag), V("w"), attrs=MUL, commute=True)
+    last = lambda n: n.attrs.fn == "sum" and n.attrs.axis in (-1, len(n.inputs[0].shape) - 1)  # noqa: E731
+    return P("reduce", weighted, where=last, name=f"{tag}_score")
+
+
+def res_mix_pat() -> Pat:
+    scores = P("concat", _score(V("src"), "src"), _score(V("cur"), "cur"), where=where_attrs(axis=1), name="scores")
+    probs = any_of(softmax_last_axis_pat(scores), name="probs")
+    p_src = P("reshape", P("slice", probs, name="p_src2"), name="p_src")
+    mixed = P("reduce", P("binary", V("src"), p_src, attrs=MUL, commute=True),
+              where=where_attrs(fn="sum", axis=1, keepdims=False))
+    cur_part = P("binary", V("cur"), P("slice", V("probs"), name="p_cur"), attrs=MUL, commute=True)
+    return P("binary", mixed, cur_part, attrs=ADD, commute=True)
+
+
+def _norm_eps(m: Match, tag: str) -> float | None:
+    if f"{tag}_rms" in m.nodes:
+        rms = m.nodes[f"{tag}_rms"]
+        return rms.attrs.eps if len(rms.inputs) == 1 else None
+    return m.nodes[f"{tag}_eps"].attrs.c
+
+
+def _build_res_mix(m: Match, g: GraphView) -> Rewrite | None:
+    src, cur, w = m.values["src"], m.values["cur"], m.values["w"]
+    if len(src.shape) != 3 or len(cur.shape) != 2 or not isinstance(src.shape[1], int):
+        return None
+    t, e = src.shape[0], src.shape[2]
+    n = int(src.shape[1])
+    if not (shapes_equal(cur.shape, (t, e)) and tuple(w.shape) == (e,)):
+        return None
+    if m.nodes["src_score"].attrs.keepdims or not m.nodes["cur_score"].attrs.keepdims:
+        return None
+    if "softmax_max" in m.nodes and softmax_axis(m) not in (-1, 1):
+        return None
+    lo, hi = m.nodes["p_src2"].attrs, m.nodes["p_cur"].attrs
+    if (lo.axis, lo.start, lo.stop, hi.axis, hi.start, hi.stop) != (1, 0, n, 1, n, n + 1):
+        return None
+    eps_src, eps_cur = _norm_eps(m, "src"), _norm_eps(m, "cur")
+    if eps_src is None or eps_cur is None or not _close(eps_src, eps_cur):
+        return None
+    return Rewrite("res_mix", (src, cur, w), O.ResMix(eps_src))
+
+
+RES_MIX_RULES = [Rule("res_mix", res_mix_pat(), _build_res_mix)]
+
+
 def fuse_hc(graph: Graph) -> Graph:
     fused, hits = _fuse_pre(graph)
     fused, sinkhorn_hits = _fuse_sinkhorn(fused)
     fused = with_hits(fused, "fuse_hc", hits + sinkhorn_hits)
-    return rewrite_graph(fused, POST_RULES, "fuse_hc")
+    return rewrite_graph(fused, POST_RULES + RES_MIX_RULES, "fuse_hc")

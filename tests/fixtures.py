@@ -27,6 +27,7 @@ from pathlib import Path
 
 import fixtures_compressed as compressed
 import fixtures_hyperconnected as hyperconnected
+import fixtures_kimi as kimi
 import fixtures_latent as latent
 import fixtures_msa as msa
 import gguf
@@ -70,6 +71,7 @@ class ArchRecipe:
     # weights renormalised and scaled
     biased_moe: bool = False
     msa: bool = False  # minimax-m3: leading dense block, MoE blocks with MSA; its own tensor plan (fixtures_msa.py)
+    kimi: bool = False  # KDA + rope-less MLA, residual attention, latent MoE; its own tensor plan (fixtures_kimi.py)
 
 
 RECIPES: dict[str, ArchRecipe] = {
@@ -84,6 +86,7 @@ RECIPES: dict[str, ArchRecipe] = {
     "glm-dsa": ArchRecipe(moe="always", latent=True),
     "hy_v3": ArchRecipe(moe="always", qk_norm=True, expert_ff_key=True, biased_moe=True),
     "minimax-m3": ArchRecipe(moe="always", qk_norm=True, msa=True),
+    "kimi-k3": ArchRecipe(moe="always", kimi=True),
 }
 BIASED_MOE_WEIGHTS_SCALE = 2.5  # hy_v3 fixtures: expert_weights_scale (with expert_weights_norm true)
 
@@ -129,6 +132,8 @@ def plan_tensors(arch: str, size: FixtureSize, opts: FixtureOptions) -> list[Ten
         return latent.plan(arch, s, opts)
     if recipe.msa:
         return msa.plan(s, opts)
+    if recipe.kimi:
+        return kimi.plan(s, opts)
     specs = [TensorSpec("token_embd.weight", (s.vocab, s.n_embd), "matrix"),
              TensorSpec("output_norm.weight", (s.n_embd,), "norm")]
     if not opts.tied_output:
@@ -414,6 +419,12 @@ def _write_hparams(w: gguf.GGUFWriter, arch: str, s: FixtureSize, opts: FixtureO
     w.add_context_length(s.n_ctx)
     w.add_embedding_length(s.n_embd)
     w.add_block_count(s.n_layer)
+    if RECIPES[arch].kimi:  # per-layer kv heads (0: KDA), MLA's lengths, KDA, residual attention
+        w.add_head_count(s.n_head)
+        w.add_layer_norm_rms_eps(opts.rms_eps)
+        kimi.write_hparams(w, s)
+        w.add_vocab_size(s.vocab)
+        return
     if RECIPES[arch].latent:  # MLA's own key/value lengths and rope part
         w.add_head_count(s.n_head)
         w.add_layer_norm_rms_eps(opts.rms_eps)

@@ -592,18 +592,21 @@ def _ssm_conv_case(dilation: int) -> Case:
     return Case(f"ssm_conv-dilation{dilation}", "ssm_conv", build, group="recurrent", calls=STATEFUL)
 
 
-def _gated_delta_net_case(head_map: str, hv: int, hk: int, dk: int) -> Case:
-    """Decay logits g <= 0 and write strengths beta in (0, 1), as the gates make them."""
+def _gated_delta_net_case(head_map: str, hv: int, hk: int, dk: int, key_decay: bool = False) -> Case:
+    """Decay logits g <= 0 and write strengths beta in (0, 1), as the gates make them; key_decay:
+    one decay per key index (KDA)."""
 
     def build(cg: CaseGraph) -> Graph:
         st = cg.state((hv, dk, dk), "ssm")
         q, k = cg.rows((hk, dk)), cg.rows((hk, dk))
-        v, g, beta = cg.rows((hv, dk)), cg.rows((hv,), domain=(-2.0, 0.0)), cg.rows((hv,), domain=(0.0, 1.0))
-        attrs = O.GatedDeltaNet(head_map, dk**-0.5)
+        g_shape = (hv, dk) if key_decay else (hv,)
+        v, g, beta = cg.rows((hv, dk)), cg.rows(g_shape, domain=(-2.0, 0.0)), cg.rows((hv,), domain=(0.0, 1.0))
+        attrs = O.GatedDeltaNet(head_map, dk**-0.5, key_decay)
         new, o = cg.emit("gated_delta_net", [st, q, k, v, g, beta], attrs, 2)
         return cg.finish([o, new], {st.name: new})
 
-    return Case(f"gated_delta_net-{head_map}-{hv}x{hk}-d{dk}", "gated_delta_net", build, group="recurrent",
+    kind = "-key" if key_decay else ""
+    return Case(f"gated_delta_net{kind}-{head_map}-{hv}x{hk}-d{dk}", "gated_delta_net", build, group="recurrent",
                 calls=STATEFUL)
 
 
@@ -614,6 +617,8 @@ def recurrent_cases() -> list[Case]:
         _ssm_conv_case(2),
         _gated_delta_net_case("tiled", 4, 2, 16),
         _gated_delta_net_case("interleaved", 6, 2, 12),
+        _gated_delta_net_case("tiled", 2, 2, 16, key_decay=True),
+        _gated_delta_net_case("tiled", 3, 3, 12, key_decay=True),
         op_case("l2_norm", "l2_norm", O.L2Norm(1e-6), rows(3, 7), group="recurrent", calls=BOTH),
         *[
             op_case(f"rms_norm_gated-{act}", "rms_norm_gated", O.RMSNormGated(1e-5, act), rows(3, 8), weight(8),
@@ -697,6 +702,8 @@ def qwen4exp_cases() -> list[Case]:
         _hc_pre_case(True),
         _hc_pre_case(False),
         op_case("hc_post", "hc_post", O.HcPost(), rows(3, 8), rows(8), rows(3), group="qwen4exp", calls=BOTH),
+        *[op_case(f"res_mix-{n}", "res_mix", O.ResMix(1e-5), rows(n, 8), rows(8), weight(8), group="qwen4exp",
+                  calls=BOTH) for n in (1, 3)],
         _indexer_score_case(4, 8),
         _indexer_score_case(3, 6),
         _indexer_topk_case(3, 5),

@@ -132,6 +132,9 @@ def _qwen4exp_cases() -> list[Case]:
                      (streams, In("fn", (3, 15)), In("scale", (1,)), In("base", (3,))))
     cases += _both_t("hc_post", O.HcPost(comb=True),
                      (streams, In("y", ("T", 5)), In("post", ("T", 3), "pos"), In("comb", ("T", 3, 3), "pos")))
+    for n_bank in (1, 3):  # cross-layer residual attention over n banked rows and the stream
+        cases += _both_t("res_mix", O.ResMix(1e-5), (In("src", ("T", n_bank, 5)), In("cur", ("T", 5)),
+                                                     In("w", (5,))))
     for ratio, n_rot in ((4, 4), (3, 6)):
         cache = In("cache", (12, 6))
         table = In("table", (12 // ratio + 1, n_rot // 2, 2))
@@ -191,6 +194,9 @@ def _recurrent_cases() -> list[Case]:
         gdn_in = (In("ssm", (hv, 3, 5), "state"), In("q", ("T", 2, 5)), In("k", ("T", 2, 5)),
                   In("v", ("T", hv, 3)), In("g", ("T", hv)), In("beta", ("T", hv), "pos"))
         cases += _both_t("gated_delta_net", O.GatedDeltaNet(head_map, 0.45), gdn_in)
+    kda_in = (In("ssm", (2, 3, 5), "state"), In("q", ("T", 2, 5)), In("k", ("T", 2, 5)), In("v", ("T", 2, 3)),
+              In("g", ("T", 2, 5)), In("beta", ("T", 2), "pos"))  # KDA: one decay per key index
+    cases += _both_t("gated_delta_net", O.GatedDeltaNet("tiled", 0.45, key_decay=True), kda_in)
     return cases
 
 

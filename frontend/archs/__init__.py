@@ -2,7 +2,20 @@
 
 from types import ModuleType
 
-from . import deepseek4, deepseek32, glm_dsa, hy_v3, llama, minimax_m3, qwen3, qwen3moe, qwen3next, qwen4exp, qwen35
+from . import (
+    deepseek4,
+    deepseek32,
+    glm_dsa,
+    hy_v3,
+    kimi_k3,
+    llama,
+    minimax_m3,
+    qwen3,
+    qwen3moe,
+    qwen3next,
+    qwen4exp,
+    qwen35,
+)
 
 ARCHITECTURES: dict[str, ModuleType] = {
     "deepseek4": deepseek4,
@@ -16,4 +29,5 @@ ARCHITECTURES: dict[str, ModuleType] = {
     "deepseek32": deepseek32,
     "glm-dsa": glm_dsa,
     "hy_v3": hy_v3,
+    "kimi-k3": kimi_k3,
 }
