@@ -18,16 +18,16 @@ from . import (
 )
 
 ARCHITECTURES: dict[str, ModuleType] = {
-    "deepseek4": deepseek4,
-    "llama": llama,
-    "minimax-m3": minimax_m3,
-    "qwen3": qwen3,
-    "qwen3moe": qwen3moe,
-    "qwen3next": qwen3next,
-    "qwen35": qwen35,
-    "qwen4exp": qwen4exp,
     "deepseek32": deepseek32,
+    "deepseek4": deepseek4,
     "glm-dsa": glm_dsa,
     "hy_v3": hy_v3,
     "kimi-k3": kimi_k3,
+    "llama": llama,
+    "minimax-m3": minimax_m3,
+    "qwen3": qwen3,
+    "qwen35": qwen35,
+    "qwen3moe": qwen3moe,
+    "qwen3next": qwen3next,
+    "qwen4exp": qwen4exp,
 }
