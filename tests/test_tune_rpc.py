@@ -3,11 +3,9 @@
 A tracker and two RPC servers are started on loopback by the test (`python -m tvm.exec.rpc_tracker`,
 `python -m tvm.exec.rpc_server`, each in its own process group, stopped by the test) and a short
 session on llama.cpp's llama-dense fixture runs through them, two measurements at a time. When
-its second round starts, server A stops answering (SIGSTOP: the tracker still hands it out) and
-is killed once a connection of the session is waiting on it: the round finishes on server B,
-every record of the session is a valid measurement, the first round's records are untouched,
-and every record names the device that measured it. Two to a few minutes depending on the
-machine's load: in the slow tier.
+its second round starts, server A is killed: the round finishes on server B, every record of the
+session is a valid measurement, the first round's records are untouched, and every record names
+the device that measured it. Several minutes: in the slow tier.
 """
 
 from __future__ import annotations
@@ -19,7 +17,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -39,7 +36,6 @@ LLAMA = FIXTURES / "llama-dense.gguf"
 KEY = "ggufc-test"
 SMALL = TU.TuneOptions.for_round(4, genetic_iters=1, timing_rounds=3, min_repeat_ms=5)
 START_TIMEOUT_S = 120  # importing TVM in three processes on a busy 2-core machine
-HANG_LIMIT_S = 300  # server A is killed this long after it stopped answering, at the latest
 
 
 def free_port() -> int:
@@ -61,29 +57,6 @@ class Loopback:
         """To the server's whole process group (its listener and its session processes)."""
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.servers[name][0].pid, sig)
-
-
-def _clients_of(port: int) -> int:
-    """Established TCP connections to a local port (the kernel accepts them for a stopped server)."""
-    n = 0
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(OSError):
-            for line in Path(table).read_text().splitlines()[1:]:
-                fields = line.split()
-                if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "01":
-                    n += 1
-    return n
-
-
-def _kill_when_a_client_waits(loopback: Loopback, name: str, seen: list[bool]) -> None:
-    """SIGKILL the stopped server once a client is stuck on it (or after HANG_LIMIT_S); `seen` gets
-    True when one was."""
-    deadline = time.monotonic() + HANG_LIMIT_S
-    while time.monotonic() < deadline and _clients_of(loopback.servers[name][1]) == 0:
-        time.sleep(0.1)
-    seen.append(_clients_of(loopback.servers[name][1]) > 0)
-    time.sleep(0.5)
-    loopback.signal(name, signal.SIGKILL)
 
 
 def _start(args: list[str]) -> subprocess.Popen[bytes]:
@@ -154,20 +127,17 @@ def _records(db: Path) -> dict[str, bytes]:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not FIXTURES.is_dir(), reason=f"llama.cpp fixtures not found at {FIXTURES}")
-@pytest.mark.skipif(not Path("/proc/net/tcp").is_file(), reason="needs Linux's /proc/net/tcp")
 def test_a_session_through_the_tracker_survives_losing_a_device(loopback: Loopback, tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     db = tmp_path / "db"
     remote = R.RemoteDevices("127.0.0.1", loopback.tracker_port, KEY, workers=2)
     before_second: dict[str, Any] = {}
-    stuck_on_a: list[bool] = []
     real_round = TU._Machinery.round
 
     def round_(machinery: Any, w: TU.Workload, trials: int) -> None:
         if not before_second and any(_records(db).values()):  # the second round starts: lose server A
             before_second.update(records=_records(db), log=_device_log(db))
-            loopback.signal("a", signal.SIGSTOP)
-            threading.Thread(target=_kill_when_a_client_waits, args=(loopback, "a", stuck_on_a), daemon=True).start()
+            loopback.signal("a", signal.SIGKILL)
         real_round(machinery, w, trials)
 
     monkeypatch.setattr(TU._Machinery, "round", round_)
@@ -175,7 +145,6 @@ def test_a_session_through_the_tracker_survives_losing_a_device(loopback: Loopba
 
     assert summary.new_trials == 8 and summary.stop_reason.startswith("trial budget reached")
     assert loopback.servers["a"][0].wait(timeout=30) is not None  # A is gone
-    assert stuck_on_a == [True]  # it was killed while the session had a connection waiting on it
     tdb = TU.TuningDB(db)
     for h in tdb.workloads:  # every candidate was measured: no failed record
         assert all(s is not None for s in tdb.records(h)), h
