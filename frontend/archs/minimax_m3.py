@@ -27,6 +27,7 @@ from ggufc.ir.sparse_indexers_spelled import block_score_spelled
 
 from .. import blocks as B
 from ..hparams import Keys, ModelError, rope_freq_scale, rope_table
+from . import llama
 
 ARCH = "minimax-m3"
 GATINGS = {1: "softmax", 2: "sigmoid"}  # llama.cpp's expert_gating_func values
@@ -42,22 +43,8 @@ class MsaParams:
 
 
 @dataclass(frozen=True)
-class HParams:
-    n_vocab: int
-    n_embd: int
-    n_layer: int
-    n_head: int
-    n_head_kv: int
-    head_dim: int
-    n_rot: int
-    n_ff: int
-    eps: float
-    rope_base: float
-    freq_scale: float
-    n_ctx_train: int
+class HParams(llama.HParams):
     n_dense_lead: int
-    n_expert: int
-    n_expert_used: int
     n_ff_exp: int
     n_expert_shared: int
     gating: str
