@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from gpu_support import golden_fixture, need_vulkan
 
@@ -105,3 +106,20 @@ def test_no_vulkan_driver_means_no_device_not_opengl() -> None:
     assert proc.returncode != 0
     assert "WgpuUnavailableError: no Vulkan/Metal/D3D12 adapter" in proc.stderr
     assert "OpenGL" not in proc.stdout
+
+
+def test_two_processes_compile_a_model_once(tmp_path: Path) -> None:
+    """Two commands started together on the same uncached model: one compiles, the other waits on
+    the cache entry's lock and loads that artifact; both answer."""
+    tokens = tmp_path / "tokens.npy"
+    np.save(tokens, np.array([1, 2, 3], dtype=np.int32))
+    env = {**os.environ, "GGUFC_CACHE": str(tmp_path / "cache")}
+    runs = [
+        subprocess.Popen([sys.executable, "-m", "ggufc.cli", "eval", str(Q4_1_FIXTURE), "--tokens", str(tokens),
+                          "--out", str(tmp_path / f"logits{i}.npy")], env=env, stderr=subprocess.PIPE, text=True)
+        for i in range(2)
+    ]
+    errors = [proc.communicate(timeout=600)[1] for proc in runs]
+    assert [proc.returncode for proc in runs] == [0, 0], errors
+    assert sum("first use" in err for err in errors) == 1, errors
+    np.testing.assert_array_equal(np.load(tmp_path / "logits0.npy"), np.load(tmp_path / "logits1.npy"))
