@@ -17,7 +17,8 @@ ROW_WISE_OPS = frozenset({
     "transpose", "slice", "concat", "gather", "dequantize", "matmul", "quantize_act", "int8_matmul", "matmul_id",
     "topk", "moe_ffn",
 })
-POSITIONED_OPS = frozenset({"rope", "cache_write", "attention"})  # replaced by per-row versions
+# replaced by per-row versions, which take these inputs: (x, pos, table), (cache, x, pos), (q, k, v, pos)
+POSITIONED_OPS = {"rope": 3, "cache_write": 3, "attention": 4}
 
 
 def batch_refusal(graph: Graph) -> str | None:
@@ -36,8 +37,10 @@ def batch_refusal(graph: Graph) -> str | None:
 
 def _node_refusal(node: Node, state_ids: set[int], pos_ids: set[int], cache_ids: set[int]) -> str | None:
     label = f"{node.op} ({node.outputs[0].label})"
-    if node.op not in ROW_WISE_OPS | POSITIONED_OPS:
+    if node.op not in ROW_WISE_OPS and node.op not in POSITIONED_OPS:
         return f"{label} is not row-wise"
+    if node.op in POSITIONED_OPS and len(node.inputs) != POSITIONED_OPS[node.op]:
+        return f"{label} takes inputs the per-row version does not"
     if node.op in ROW_WISE_OPS and not _keeps_rows(node):
         return f"{label} mixes tokens"
     reads = {v.id for v in node.inputs}

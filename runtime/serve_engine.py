@@ -204,6 +204,8 @@ class Engine:
         self._last_active = time.monotonic()
         self._thread = threading.Thread(target=self._loop, name="ggufc-engine", daemon=True)
         self.tokens_generated = 0  # every sampled token of every request (/health; a freed slot stops adding)
+        self.batched_steps = 0  # decode_batch calls, and the tokens they fed (/health)
+        self.batched_tokens = 0
 
     # ------------------------------------------------------------ HTTP side
 
@@ -229,7 +231,9 @@ class Engine:
     def status(self) -> dict[str, Any]:
         with self._cond:
             return {"slots": len(self.slots), "slots_busy": sum(s.busy for s in self.slots),
-                    "queued": len(self._queue), "asleep": self._asleep, "tokens_generated": self.tokens_generated}
+                    "queued": len(self._queue), "asleep": self._asleep, "tokens_generated": self.tokens_generated,
+                    "batched_decode": self.batch_refused is None, "batched_steps": self.batched_steps,
+                    "batched_tokens": self.batched_tokens}
 
     def stop(self) -> None:
         """Refuse new requests, end the ones in flight with an error, join the thread, free the slots."""
@@ -383,6 +387,8 @@ class Engine:
             for slot, _ in sampled:
                 self._fail_model_call(slot, exc)
             return
+        self.batched_steps += 1
+        self.batched_tokens += len(sampled)
         for row, (slot, token) in enumerate(sampled):
             slot.logits = logits[row].copy()
             slot.context.append(token)
