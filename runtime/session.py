@@ -149,6 +149,17 @@ class StackedStates:
         self.arrays: list[np.ndarray] | None = None
         self.refused: str | None = None  # why the states could not be stacked
         self._users: set[int] = set()
+        self._tensors: Any = None
+
+    def tensors(self) -> Any:
+        """The stacked arrays as the kernels' states tuple (wrapped once per allocation, no copy)."""
+        import tvm
+        import tvm_ffi
+
+        assert self.arrays is not None, "no slot holds the stacked states"
+        if self._tensors is None:
+            self._tensors = tvm_ffi.Array([tvm.runtime.from_dlpack(a) for a in self.arrays])
+        return self._tensors
 
     def acquire(self, slot: int, specs: list[tuple[tuple[int, ...], np.dtype[Any]]]) -> list[np.ndarray] | None:
         """Slot `slot`'s blocks, or None when a block would not start 64-byte aligned (the kernels
@@ -165,7 +176,7 @@ class StackedStates:
     def release(self, slot: int) -> None:
         self._users.discard(slot)
         if not self._users:
-            self.arrays = None
+            self.arrays, self._tensors = None, None
 
 
 class ContextOverflowError(ValueError):

@@ -73,13 +73,9 @@ class SlotGroup:
 
     def _call(self, n: int, loaded: Session) -> np.ndarray:
         import tvm
-        import tvm_ffi
 
-        arrays = self._stack.arrays
-        assert arrays is not None  # every session's device state was restored above
         rows = [tvm.runtime.from_dlpack(self._rows[name][:n]) for name in ("tokens", "positions", "slots")]
-        states = tvm_ffi.Array([tvm.runtime.from_dlpack(a) for a in arrays])
-        out = loaded._functions[DECODE_BATCH](*rows, states, loaded._params)
+        out = loaded._functions[DECODE_BATCH](*rows, self._stack.tensors(), loaded._params)
         return np.from_dlpack(out).reshape(n, self.n_vocab).astype(np.float32, copy=False)
 
     def release_device(self) -> None:
