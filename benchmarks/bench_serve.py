@@ -9,11 +9,16 @@ prompts), `--rounds` times, and reports per C:
 - time to first token and inter-token latency, p50 / p90 / p99 over every stream and token;
 - the ratio of C streams' decode tok/s to one stream's.
 
+The concurrencies take turns within each round (1, 4, 1, 4, ...), so a machine whose load changes
+during the run weighs on both figures alike. Then, in this process, the kernel-level figure: one
+batched decode step of P slots (`SlotGroup.decode_batch`) against one single-sequence decode
+step, timed alternately, and the throughput ratio P * t_single / t_batch.
+
     python benchmarks/bench_serve.py [MODEL.gguf|ARTIFACT] [--parallel 4] [--clients 1,4] [--tokens 64]
         [--rounds 3] [--json OUT.json]
 
-The server steps its slots round-robin (one decode call per slot per step), so on a CPU the ratio
-shows what interleaving gains (overlapping Python work with kernels), not batched weight reads.
+The server feeds the tokens of all generating slots in one batched decode call (every weight read
+once per step), so the ratio is what batching gains over one stream.
 """
 
 from __future__ import annotations
@@ -119,6 +124,35 @@ def summarise(runs: list[list[dict[str, Any]]]) -> dict[str, Any]:
             "itl_ms": pct(itl)}
 
 
+def kernel_step_ratio(model: str | None, parallel: int, steps: int = 40) -> dict[str, Any]:
+    """Median times of one `decode_batch` call over `parallel` slots and of one single-sequence
+    decode call, alternated, on the artifact the server ran (slots at different positions)."""
+    sys.path.insert(0, str(ROOT))
+    from ggufc.driver.models import cached_artifact_dir, resolve_model
+    from ggufc.runtime.slot_group import SlotGroup
+
+    source = resolve_model(model, "llvm", None)
+    path = source.path if source.kind == "artifact" else cached_artifact_dir(source.path, source.target, source.n_ctx)
+    group = SlotGroup(path, parallel)
+    if group.batch_refused is not None:
+        return {"refused": group.batch_refused, "batch_ms": float("nan"), "single_ms": float("nan"),
+                "throughput_ratio": float("nan")}
+    for i, session in enumerate(group.sessions):
+        session.forward(list(range(1, 9 + 5 * i)))
+    single, batch = [], []
+    for step in range(steps):
+        t0 = time.perf_counter()
+        group.decode_batch([(i, 1 + (step + i) % 50) for i in range(parallel)])
+        t1 = time.perf_counter()
+        group.sessions[0].forward([1 + step % 50])
+        t2 = time.perf_counter()
+        batch.append(t1 - t0)
+        single.append(t2 - t1)
+    b, s = float(np.median(batch)), float(np.median(single))
+    group.close()
+    return {"batch_ms": b * 1e3, "single_ms": s * 1e3, "throughput_ratio": parallel * s / b}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", nargs="?", default=None, help="default: SmolLM2-135M-Instruct Q4_1")
@@ -134,12 +168,15 @@ def main() -> None:
                               "load_avg_start": os.getloadavg()[0], "by_clients": {}}
     try:
         run_concurrent(port, args.parallel, 4)  # warm-up: every slot's first calls
-        for c in concurrencies:
-            runs = [run_concurrent(port, c, args.tokens) for _ in range(args.rounds)]
-            report["by_clients"][str(c)] = summarise(runs)
+        runs: dict[int, list[list[dict[str, Any]]]] = {c: [] for c in concurrencies}
+        for _ in range(args.rounds):
+            for c in concurrencies:
+                runs[c].append(run_concurrent(port, c, args.tokens))
+        report["by_clients"] = {str(c): summarise(r) for c, r in runs.items()}
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
+    report["kernel"] = kernel_step_ratio(args.model, args.parallel)
     report["load_avg_end"] = os.getloadavg()[0]
     one = report["by_clients"].get("1", {}).get("decode_tok_s")
     print(f"{'clients':>7} {'decode tok/s':>12} {'vs 1':>6} {'TTFT p50/p90/p99 ms':>24} {'ITL p50/p90/p99 ms':>22}")
@@ -148,6 +185,9 @@ def main() -> None:
         t, i = r["ttft_ms"], r["itl_ms"]
         print(f"{c:>7} {r['decode_tok_s']:>12.1f} {ratio:>6} {t['p50']:>8.1f}/{t['p90']:.1f}/{t['p99']:.1f} "
               f"{i['p50']:>8.1f}/{i['p90']:.1f}/{i['p99']:.1f}")
+    k = report["kernel"]
+    print(f"kernel: one batched step of {args.parallel} {k['batch_ms']:.2f} ms, one single decode step "
+          f"{k['single_ms']:.2f} ms: {k['throughput_ratio']:.2f}x the tokens/s")
     print(f"load average {report['load_avg_start']:.1f} at the start, {report['load_avg_end']:.1f} at the end")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")

@@ -20,6 +20,7 @@ from ggufc.runtime.artifact import LAYOUT_FUNCTION, layout_contract
 
 from . import quant as Q
 from . import quant_gpu as QG
+from .batch_rows import DECODE_BATCH, add_decode_batch, decode_batch_refusal
 from .build_gpu import compile_gpu, seal_plan_layout
 from .gpu import DECODE_IO_STATES, decode_io_supported
 from .lower import ModuleBuilder
@@ -45,6 +46,7 @@ class Built:
     timings: dict[str, float] = field(default_factory=dict)
     tuning: Any = None  # codegen.tune.TunedKernels that supplied tuned schedules (compile --tuning-db)
     functions: list[str] = field(default_factory=lambda: ["prefill_all", "prefill", "decode"])
+    decode_batch_refused: str | None = None  # why there is no `decode_batch` function (None: there is)
 
 
 class WeightSource(Protocol):
@@ -86,6 +88,10 @@ def build_executable(
     if not gpu_target:  # speculative verification: all logits, each row as a one-token call computes it
         mb.add_function(VERIFY_FUNCTION, graphs["prefill_all"], one_token_order=True)
         functions.append(VERIFY_FUNCTION)
+    batch_refused = decode_batch_refusal(graphs["prefill_all"], tgt)
+    if batch_refused is None:  # one token of each of several sequences (codegen/batch_rows.py)
+        add_decode_batch(mb, graphs["prefill_all"])
+        functions.append(DECODE_BATCH)
     mod = mb.module()
     bounds = {"n": max_chunk, "p": n_ctx}
     for name in functions:
@@ -110,7 +116,7 @@ def build_executable(
         ex = tvm.compile(mod, target=tgt, relax_pipeline=cpu_build_pipeline())
     t2 = time.perf_counter()
     return Built(ex, layouts, states, graphs, mb.kernel_names, tgt, max_chunk, dict(pass_stats or {}),
-                 {"lower_s": t1 - t0, "tvm_compile_s": t2 - t1}, tuning, functions)
+                 {"lower_s": t1 - t0, "tvm_compile_s": t2 - t1}, tuning, functions, batch_refused)
 
 
 def layout_fields(n_ctx: int, n_vocab: int, max_chunk: int, layouts: list[ParamLayout],

@@ -340,11 +340,27 @@ def rope(x_shape: PShape, table_shape: PShape, attrs: O.Rope, llvm_fma: bool = F
     x = te.placeholder(x_shape, "float32", name="x")
     table = te.placeholder(table_shape, "float32", name="table")
     pos = te.var("pos", "int64")
+    out = _rope_compute(x_shape, x, table, lambda t: pos + t, attrs, llvm_fma)
+    return func_with_scalar([x, pos, table, out])
+
+
+def rope_rows(x_shape: PShape, table_shape: PShape, attrs: O.Rope, llvm_fma: bool = False) -> tirx.PrimFunc:
+    """rope with each row at its own position: (x [B, H, D], positions [B] int32, table, out); the
+    rows of a batched decode step, each a different sequence."""
+    x = te.placeholder(x_shape, "float32", name="x")
+    positions = te.placeholder((x_shape[0],), "int32", name="positions")
+    table = te.placeholder(table_shape, "float32", name="table")
+    out = _rope_compute(x_shape, x, table, lambda t: positions[t].astype("int64"), attrs, llvm_fma)
+    return func([x, positions, table, out])
+
+
+def _rope_compute(x_shape: PShape, x: te.Tensor, table: te.Tensor, position: Callable[[PrimExpr], PrimExpr],
+                  attrs: O.Rope, llvm_fma: bool) -> te.Tensor:
     half = attrs.n_rot // 2
     n_rot = i64(attrs.n_rot)
 
     def body(t: PrimExpr, h: PrimExpr, d: PrimExpr) -> PrimExpr:
-        p = pos + t
+        p = position(t)
         if attrs.mode == "norm":
             pair, second = d // i64(2), d % i64(2) == i64(1)
             a, b = x[t, h, d - d % i64(2)], x[t, h, d - d % i64(2) + i64(1)]
@@ -362,8 +378,7 @@ def rope(x_shape: PShape, table_shape: PShape, attrs: O.Rope, llvm_fma: bool = F
             rotated = tirx.if_then_else(second, a * s + b * c, a * c - b * s)
         return tirx.if_then_else(d < n_rot, rotated, x[t, h, d])
 
-    out = te.compute(x_shape, body, name="out")
-    return func_with_scalar([x, pos, table, out])
+    return te.compute(x_shape, body, name="out")
 
 
 def func_with_scalar(args: Sequence[Any]) -> tirx.PrimFunc:
@@ -404,6 +419,46 @@ def attention(q_shape: PShape, cache_shape: PShape, scale: float) -> tirx.PrimFu
     )
     out = te.compute((n_tok, n_head, dim), lambda t, h, d: pv[t, h, d] / sm[h, t], name="out")
     return func([q, kc, vc, pos, out])
+
+
+def attention_slot_rows(q_shape: PShape, cache_shape: PShape, scale: float) -> tirx.PrimFunc:
+    """`attention` for the rows of a batched decode step, each one token of its own sequence:
+    (q [B, H, D], k_cache [S, C, Hkv, D], v_cache, slots [B] int32, positions [B] int32, out);
+    row t attends over cells [0, positions[t]] of slot slots[t]'s caches."""
+    n_tok, n_head, dim = q_shape
+    n_cells, n_kv = cache_shape[0], cache_shape[1]
+    group = tirx.floordiv(n_head, n_kv)
+    slots_dim = te.var("s", "int64")
+    q = te.placeholder(q_shape, "float32", name="q")
+    kc = te.placeholder((slots_dim, *cache_shape), "float32", name="k_cache")
+    vc = te.placeholder((slots_dim, *cache_shape), "float32", name="v_cache")
+    slots = te.placeholder((n_tok,), "int32", name="slots")
+    positions = te.placeholder((n_tok,), "int32", name="positions")
+
+    def seen(t: PrimExpr, s: PrimExpr) -> PrimExpr:
+        return s <= positions[t].astype("int64")
+
+    def slot(t: PrimExpr) -> PrimExpr:
+        return slots[t].astype("int64")
+
+    rd = te.reduce_axis((i64(0), dim), name="rd")
+    qk = te.compute((n_head, n_tok, n_cells),
+                    lambda h, t, s: te.sum(q[t, h, rd] * kc[slot(t), s, h // group, rd], axis=rd), name="qk")
+    score = te.compute((n_head, n_tok, n_cells),
+                       lambda h, t, s: tirx.if_then_else(seen(t, s), qk[h, t, s] * f32(scale), f32(-3.4e38)),
+                       name="score")
+    rs1 = te.reduce_axis((i64(0), n_cells), name="rs1")
+    mx = te.compute((n_head, n_tok), lambda h, t: te.max(score[h, t, rs1], axis=rs1), name="mx")
+    ex = te.compute((n_head, n_tok, n_cells),
+                    lambda h, t, s: tirx.if_then_else(seen(t, s), te.exp(score[h, t, s] - mx[h, t]), f32(0.0)),
+                    name="ex")
+    rs2 = te.reduce_axis((i64(0), n_cells), name="rs2")
+    sm = te.compute((n_head, n_tok), lambda h, t: te.sum(ex[h, t, rs2], axis=rs2), name="sm")
+    rs3 = te.reduce_axis((i64(0), n_cells), name="rs3")
+    pv = te.compute((n_tok, n_head, dim),
+                    lambda t, h, d: te.sum(ex[h, t, rs3] * vc[slot(t), rs3, h // group, d], axis=rs3), name="pv")
+    out = te.compute((n_tok, n_head, dim), lambda t, h, d: pv[t, h, d] / sm[h, t], name="out")
+    return func([q, kc, vc, slots, positions, out])
 
 
 def topk(shape: PShape, k: int, payload: bool = False) -> tirx.PrimFunc:
@@ -490,6 +545,33 @@ def cache_write(cache_shape: PShape, x_shape: PShape, dtype: str = "float32") ->
                 idx = idx if len(x_shape) > 1 else [idx]  # one extent: grid yields a bare var
                 t, rest = idx[0], idx[1:]
                 Tb.buffer_store(cache, x[(t, *rest)], [pos + t, *rest])
+    return ib.get()
+
+
+def cache_write_rows(cache_shape: PShape, x_shape: PShape, dtype: str = "float32") -> tirx.PrimFunc:
+    """In place, for the rows of a batched decode step: cache[slots[t], positions[t]] = x[t], the
+    caches of every slot stacked on a leading axis (cache [S, C, ...])."""
+    from tvm.script import ir_builder as IB
+    from tvm.script.ir_builder import tirx as Tb
+
+    with IB.IRBuilder() as ib:
+        with Tb.prim_func():
+            Tb.func_name("cache_write_rows")
+            Tb.func_attr({"tirx.noalias": True})
+            n_slots, n = tirx.Var("s", "int64"), tirx.Var("n", "int64")
+            cache_h = Tb.arg("cache", Tb.handle())
+            x_h = Tb.arg("x", Tb.handle())
+            slots_h = Tb.arg("slots", Tb.handle())
+            positions_h = Tb.arg("positions", Tb.handle())
+            cache = Tb.match_buffer(cache_h, (n_slots, *cache_shape), dtype)
+            x = Tb.match_buffer(x_h, (n, *x_shape[1:]), dtype)
+            slots = Tb.match_buffer(slots_h, (n,), "int32")
+            positions = Tb.match_buffer(positions_h, (n,), "int32")
+            with Tb.grid(n, *x_shape[1:]) as idx:
+                idx = idx if len(x_shape) > 1 else [idx]
+                t, rest = idx[0], idx[1:]
+                where = [slots[t].astype("int64"), positions[t].astype("int64"), *rest]
+                Tb.buffer_store(cache, x[(t, *rest)], where)
     return ib.get()
 
 

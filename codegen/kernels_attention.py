@@ -94,6 +94,74 @@ def attention_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float,
     return attention
 
 
+def attention_slot_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float) -> tirx.PrimFunc:
+    """`attention_rows` for the rows of a batched decode step, each one token of its own sequence:
+    (q [B, H, D], k_cache [S, C, Hkv, D], v_cache, slots [B] int32, positions [B] int32, out);
+    row t reads cells [0, positions[t]] of slot slots[t]. The float steps are attention_rows' at one
+    token, so each row equals that sequence's own decode step bit for bit."""
+    if dim % STEP:
+        raise ValueError(f"attention: head dim {dim} must be a multiple of {STEP}")
+    H, HKV, D, C = T.int64(n_head), T.int64(n_kv), T.int64(dim), T.int64(n_cells)
+    G, L = T.int64(n_head // n_kv), T.int64(LANES)
+    SCALE = T.float32(scale)
+    CP = T.int64(-(-n_cells // STEP) * STEP)
+
+    def fma(a: tirx.PrimExpr, b: tirx.PrimExpr, c: tirx.PrimExpr) -> tirx.PrimExpr:
+        return T.call_llvm_pure_intrin("float32", "llvm.fma.f32", a, b, c)
+
+    @T.prim_func(private=True)
+    def attention(q_h: T.handle, k_h: T.handle, v_h: T.handle, slots_h: T.handle, positions_h: T.handle,
+                  o_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        n = T.int64()
+        n_slots = T.int64()
+        q = T.match_buffer(q_h, (n, H, D), "float32")
+        k_cache = T.match_buffer(k_h, (n_slots, C, HKV, D), "float32")
+        v_cache = T.match_buffer(v_h, (n_slots, C, HKV, D), "float32")
+        slots = T.match_buffer(slots_h, (n,), "int32")
+        positions = T.match_buffer(positions_h, (n,), "int32")
+        o = T.match_buffer(o_h, (n, H, D), "float32")
+        for row in T.parallel(n * H):
+            t = row // H
+            h = row % H
+            kv = h // G
+            b = T.Cast("int64", slots[t])
+            visible = T.Cast("int64", positions[t]) + T.int64(1)
+            scores = T.decl_buffer((CP,), "float32")
+            part = T.decl_buffer((STEP,), "float32")
+            acc = T.decl_buffer((STEP, D), "float32")
+            stat = T.decl_buffer((2,), "float32")
+            total = T.decl_buffer((1,), "float64")
+            stat[0] = T.float32(-3.0e38)
+            for s in range(visible):
+                for lane in T.vectorized(STEP):
+                    part[lane] = T.float32(0)
+                for d0 in range(D // STEP):
+                    for lane in T.vectorized(STEP):
+                        part[lane] = fma(k_cache[b, s, kv, d0 * STEP + lane], q[t, h, d0 * STEP + lane], part[lane])
+                scores[s] = _fold32([part[i] for i in range(STEP)]) * SCALE
+                stat[0] = T.max(stat[0], scores[s])
+            chunks = (visible + L - T.int64(1)) // L
+            for s in range(visible, chunks * L):
+                scores[s] = T.float32(-3.0e38)
+            total[0] = T.float64(0)
+            for c in range(chunks):
+                scores[c * 8:c * 8 + 8] = expf8(scores.vload([c * 8], "float32x8") - T.broadcast(stat[0], 8))
+                total[0] = total[0] + T.Cast("float64", _hsum8([scores[c * 8 + i] for i in range(8)]))
+            stat[1] = T.Cast("float32", T.float64(1) / total[0])
+            for s in range(visible):
+                scores[s] = scores[s] * stat[1]
+            for a, d in T.grid(STEP, D):
+                acc[a, d] = T.float32(0)
+            for s in range(visible):  # the one-token order: cell s into accumulator s % 32
+                for d in T.vectorized(D):
+                    acc[s % STEP, d] = fma(v_cache[b, s, kv, d], scores[s], acc[s % STEP, d])
+            for d in T.vectorized(D):
+                o[t, h, d] = _fold32([acc[i, d] for i in range(STEP)])
+
+    return attention
+
+
 def _hsum8(v: list[tirx.PrimExpr]) -> tirx.PrimExpr:
     """hsum_float_8's order: ((0+4) + (2+6)) + ((1+5) + (3+7))."""
     return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]))

@@ -107,6 +107,7 @@ def _manifest(model: LoadedModel, built: Built, tokenizer: dict[str, Any], weigh
         "source": {"file": os.path.basename(model.gguf.path), "sha256": A.sha256_file(model.gguf.path)},
         "passes": built.pass_stats,
         "kernels": built.kernel_names,
+        **({"decode_batch_refused": built.decode_batch_refused} if built.decode_batch_refused else {}),
         "weight_bytes": int(sum(a.nbytes for a in weights.values())),
         "derived_bytes": int(sum(a.nbytes for a in model.derived.values())),
         "gguf_tensor_bytes": int(sum(t.n_bytes for t in model.gguf.tensors.values())),

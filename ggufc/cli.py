@@ -399,23 +399,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def serve_model(args: argparse.Namespace, model: ModelInput, sock: Any) -> None:
     """Load the model (compiling a .gguf on first use) and serve it on `sock` until stopped."""
     from ggufc.runtime.server import serve
-    from ggufc.runtime.session import Session
+    from ggufc.runtime.slot_group import SlotGroup
 
-    first = existing_session(model) or compiled_session(model)
+    first = existing_session(model) or compiled_session(model)  # compiles a .gguf on first use
     path = model.path if model.kind == "artifact" else cached_artifact_dir(model.path, model.target, model.n_ctx)
     try:
         tokenizer, info = tokenizer_from_session(first)
-    except BaseException:
+        n_vocab = first.n_vocab
+    finally:
         first.close()
-        raise
     device = device_for(model.target)
-    loaded = [first]
 
-    def open_session() -> Any:  # the first slot takes the session opened above, later ones load again
-        return loaded.pop() if loaded else Session(path, device=device)
+    def open_slots(n: int) -> SlotGroup:  # one copy of the weights for every slot
+        return SlotGroup(path, n, device=device)
 
     model_id = args.alias or (model.path.stem if model.kind == "gguf" else model.path.name)
-    serve(open_session, tokenizer, info, model_id=model_id, n_vocab=first.n_vocab, sock=sock,
+    serve(open_slots, tokenizer, info, model_id=model_id, n_vocab=n_vocab, sock=sock,
           parallel=args.parallel, max_queue=args.queue, sleep_idle_s=args.sleep_idle, api_key=args.api_key,
           announce=progress)
 

@@ -3,10 +3,12 @@ stepped by one thread.
 
 Continuous batching: every iteration of the engine's loop first admits queued requests into free
 slots, then advances every busy slot by one step: a slot still reading its prompt feeds one chunk
-(at most the artifact's `max_chunk` tokens), a generating slot samples a token and feeds it. So a
-long prompt is read between the decode steps of the other slots, never in front of all of them.
-The slots' decode steps run one after another (round-robin), each its own `decode` call: the
-compiled decode entry point takes one sequence, so N streams read the weights N times per step.
+(at most the artifact's `max_chunk` tokens), a generating slot samples a token. So a long prompt is
+read between the decode steps of the other slots, never in front of all of them. The sampled
+tokens of all generating slots are then fed in one batched decode call (`SlotGroup.decode_batch`:
+every weight read once for all of them, each row bit-identical to that slot's own decode step);
+where the artifact has no batched entry point (`batch_refused` says why) each slot feeds its token
+in its own `decode` call. The slots share one copy of the weights either way.
 
 Prefix reuse: a request goes to the free slot whose context shares the longest prefix with its
 prompt; the slot's context is cut back to that prefix (`Session.truncate`) and only the rest of
@@ -39,7 +41,7 @@ class ServerBusyError(RuntimeError):
 
 
 class Runner(Protocol):
-    """What the engine needs of a runtime.Session."""
+    """What the engine needs of one slot's runtime.Session."""
 
     n_ctx: int
     max_chunk: int
@@ -49,6 +51,25 @@ class Runner(Protocol):
     def reset(self) -> None: ...
 
     def truncate(self, n: int) -> None: ...
+
+    def release_device(self) -> None: ...
+
+    def restore_device(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Slots(Protocol):
+    """What the engine needs of a runtime.SlotGroup: one runner per slot, and their batched step."""
+
+    @property
+    def sessions(self) -> Sequence[Runner]: ...
+
+    @property
+    def batch_refused(self) -> str | None:  # why `decode_batch` is unavailable (None: it works)
+        ...
+
+    def decode_batch(self, steps: Sequence[tuple[int, int]]) -> np.ndarray: ...
 
     def release_device(self) -> None: ...
 
@@ -162,16 +183,17 @@ class Slot:
 class Engine:
     """Slots, a FIFO queue of requests and the thread that steps them."""
 
-    def __init__(self, open_runner: Callable[[], Runner], tokenizer: Any, stop_ids: set[int], *,
+    def __init__(self, open_slots: Callable[[int], Slots], tokenizer: Any, stop_ids: set[int], *,
                  parallel: int = 1, max_queue: int = 16, sleep_idle_s: float | None = None) -> None:
         if parallel < 1 or max_queue < 0:
             raise ValueError(f"parallel must be >= 1 and the queue >= 0, got {parallel} and {max_queue}")
-        self._open_runner = open_runner
         self._tokenizer = tokenizer
         self._stop_ids = frozenset(stop_ids)
         self._max_queue = max_queue
         self._sleep_idle_s = sleep_idle_s
-        self.slots = [Slot(i, open_runner()) for i in range(parallel)]
+        self._group: Slots | None = open_slots(parallel)
+        self.batch_refused = self._group.batch_refused
+        self.slots = [Slot(i, runner) for i, runner in enumerate(self._group.sessions)]
         first = self.slots[0].runner
         assert first is not None
         self.n_ctx = first.n_ctx
@@ -182,6 +204,8 @@ class Engine:
         self._last_active = time.monotonic()
         self._thread = threading.Thread(target=self._loop, name="ggufc-engine", daemon=True)
         self.tokens_generated = 0  # every sampled token of every request (/health; a freed slot stops adding)
+        self.batched_steps = 0  # decode_batch calls, and the tokens they fed (/health)
+        self.batched_tokens = 0
 
     # ------------------------------------------------------------ HTTP side
 
@@ -207,7 +231,9 @@ class Engine:
     def status(self) -> dict[str, Any]:
         with self._cond:
             return {"slots": len(self.slots), "slots_busy": sum(s.busy for s in self.slots),
-                    "queued": len(self._queue), "asleep": self._asleep, "tokens_generated": self.tokens_generated}
+                    "queued": len(self._queue), "asleep": self._asleep, "tokens_generated": self.tokens_generated,
+                    "batched_decode": self.batch_refused is None, "batched_steps": self.batched_steps,
+                    "batched_tokens": self.batched_tokens}
 
     def stop(self) -> None:
         """Refuse new requests, end the ones in flight with an error, join the thread, free the slots."""
@@ -219,9 +245,10 @@ class Engine:
         for slot in self.slots:
             if slot.ticket is not None:
                 self._fail(slot, "the server is shutting down")
-            if slot.runner is not None:
-                slot.runner.close()
-                slot.runner = None
+            slot.runner = None
+        if self._group is not None:
+            self._group.close()
+            self._group = None
         self._refuse_queue("the server is shutting down")
 
     def _refuse_queue(self, message: str) -> None:
@@ -271,16 +298,14 @@ class Engine:
             return
         if time.monotonic() - self._last_active < self._sleep_idle_s:
             return
-        for slot in self.slots:
-            if slot.runner is not None:
-                slot.runner.release_device()
+        if self._group is not None:
+            self._group.release_device()
         self._asleep = True
 
     def _wake_up(self) -> None:
         """Load every slot's weights and states back (engine thread, lock not held)."""
-        for slot in self.slots:
-            if slot.runner is not None:
-                slot.runner.restore_device()
+        if self._group is not None:
+            self._group.restore_device()
         self._asleep = False
 
     def _admit(self) -> bool:
@@ -323,6 +348,8 @@ class Engine:
         slot.stops = StopStringFilter(ticket.generation.stop_strings)
 
     def _step(self) -> None:
+        """One chunk of every slot reading a prompt, then one token of every generating slot."""
+        sampled: list[tuple[Slot, int]] = []
         for slot in self.slots:
             if slot.ticket is None:
                 continue
@@ -333,10 +360,38 @@ class Engine:
                 if slot.pending:
                     self._prefill_chunk(slot)
                 else:
-                    self._decode_step(slot)
+                    token = self._sample(slot)
+                    if token is not None:
+                        sampled.append((slot, token))
             except Exception as exc:  # a failing model call ends this request, not the server
-                slot.context = []
-                self._fail(slot, f"generation failed: {one_line(exc)}")
+                self._fail_model_call(slot, exc)
+        if len(sampled) > 1 and self.batch_refused is None:
+            self._feed_batch(sampled)
+        else:
+            for slot, token in sampled:
+                try:
+                    self._feed(slot, [token])
+                except Exception as exc:
+                    self._fail_model_call(slot, exc)
+
+    def _fail_model_call(self, slot: Slot, exc: Exception) -> None:
+        slot.context = []  # what the runner's states hold is unknown now: the next request resets it
+        self._fail(slot, f"generation failed: {one_line(exc)}")
+
+    def _feed_batch(self, sampled: list[tuple[Slot, int]]) -> None:
+        """Every sampled token in one batched decode call, each slot's row its next logits."""
+        assert self._group is not None
+        try:
+            logits = self._group.decode_batch([(slot.index, token) for slot, token in sampled])
+        except Exception as exc:
+            for slot, _ in sampled:
+                self._fail_model_call(slot, exc)
+            return
+        self.batched_steps += 1
+        self.batched_tokens += len(sampled)
+        for row, (slot, token) in enumerate(sampled):
+            slot.logits = logits[row].copy()
+            slot.context.append(token)
 
     def _feed(self, slot: Slot, ids: list[int]) -> None:
         assert slot.runner is not None
@@ -348,14 +403,15 @@ class Engine:
         chunk, slot.pending = slot.pending[: slot.runner.max_chunk], slot.pending[slot.runner.max_chunk :]
         self._feed(slot, chunk)
 
-    def _decode_step(self, slot: Slot) -> None:
-        """Sample the next token as `runtime.generate` does, send its text, feed it."""
+    def _sample(self, slot: Slot) -> int | None:
+        """Sample the next token as `runtime.generate` does and send its text; the token to feed
+        next, or None when the generation ended."""
         assert slot.ticket is not None and slot.logits is not None and slot.decoder is not None
         generation = slot.ticket.generation
         token = generation.sampler(slot.logits)
         if token in self._stop_ids:
             self._finish(slot, FINISH_STOP)
-            return
+            return None
         slot.produced += 1
         self.tokens_generated += 1
         text, stopped = slot.stops.feed(slot.decoder.feed(token))
@@ -366,7 +422,8 @@ class Engine:
         elif slot.produced >= generation.max_tokens or len(slot.context) >= self.n_ctx:
             self._finish(slot, FINISH_LENGTH)
         else:
-            self._feed(slot, [token])
+            return int(token)
+        return None
 
     def _finish(self, slot: Slot, reason: str, *, flush: bool = True) -> None:
         assert slot.ticket is not None and slot.decoder is not None

@@ -33,7 +33,7 @@ from starlette.types import Receive, Scope, Send
 from .chat import ChatTemplateError
 from .prompting import encode_prompt, render_messages, stop_ids
 from .sampling import Sampler
-from .serve_engine import Engine, Event, Generation, Runner, ServerBusyError, Ticket
+from .serve_engine import Engine, Event, Generation, ServerBusyError, Slots, Ticket
 from .serve_requests import MAX_BODY_BYTES, ApiRequest, RequestError, parse_json, parse_request
 from .tokenizer import TokenizationError
 
@@ -308,13 +308,16 @@ class _EventStream(StreamingResponse):
 # --------------------------------------------------------------------- running
 
 
-def serve(open_runner: Callable[[], Runner], tokenizer: Any, info: Mapping[str, Any], *, model_id: str,
+def serve(open_slots: Callable[[int], Slots], tokenizer: Any, info: Mapping[str, Any], *, model_id: str,
           n_vocab: int, sock: socket.socket, parallel: int = 1, max_queue: int = 16,
           sleep_idle_s: float | None = None, api_key: str | None = None,
           announce: Callable[[str], None] = print) -> None:
-    """Load `parallel` slots and serve on `sock` (from `listen`) until SIGINT/SIGTERM."""
-    engine = Engine(open_runner, tokenizer, stop_ids(info), parallel=parallel, max_queue=max_queue,
+    """Load `parallel` slots (`open_slots(parallel)`) and serve on `sock` (from `listen`) until
+    SIGINT/SIGTERM."""
+    engine = Engine(open_slots, tokenizer, stop_ids(info), parallel=parallel, max_queue=max_queue,
                     sleep_idle_s=sleep_idle_s)
+    if parallel > 1 and engine.batch_refused is not None:
+        announce(f"slots decode one call each (no batched decode: {engine.batch_refused})")
     app = create_app(engine, tokenizer, info, model_id=model_id, n_vocab=n_vocab, api_key=api_key)
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
                             lifespan="on")

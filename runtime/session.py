@@ -109,6 +109,76 @@ class ReleasedDevice:
     states: dict[int, np.ndarray] | None
 
 
+class SharedWeights:
+    """An artifact's kernels and weights on a device, loaded once for every session that shares
+    them (the slots of a server): loaded when the first of them needs them, dropped when the last
+    one lets go (`Session.release_device`)."""
+
+    def __init__(self, artifact: Artifact, device: Any, on_cpu: bool) -> None:
+        self._artifact, self._device, self._on_cpu = artifact, device, on_cpu
+        self._loaded: tuple[dict[str, Any], Any] | None = None
+        self._users: set[int] = set()
+
+    def acquire(self, user: object) -> tuple[dict[str, Any], Any]:
+        """(functions by name, the params tuple), loading them if no session holds them."""
+        if self._loaded is None:
+            import tvm
+            import tvm_ffi
+
+            functions = _vm_functions(self._artifact, self._device)
+            arrays = read_weights(self._artifact.path, self._artifact.manifest)
+            params = tvm_ffi.Array([tvm.runtime.from_dlpack(a) if self._on_cpu  # zero-copy: 64-byte aligned
+                                    else tvm.runtime.tensor(a, device=self._device) for a in arrays])
+            self._loaded = functions, params
+        self._users.add(id(user))
+        return self._loaded
+
+    def release(self, user: object) -> None:
+        self._users.discard(id(user))
+        if not self._users:
+            self._loaded = None
+
+
+class StackedStates:
+    """The states of several sessions as one host array per state with a leading slot axis: slot
+    i's session runs on block i, a batched decode step (`decode_batch`) on the whole stack.
+    Allocated when the first slot needs it, freed when every slot released it."""
+
+    def __init__(self, n_slots: int) -> None:
+        self.n_slots = n_slots
+        self.arrays: list[np.ndarray] | None = None
+        self.refused: str | None = None  # why the states could not be stacked
+        self._users: set[int] = set()
+        self._tensors: Any = None
+
+    def tensors(self) -> Any:
+        """The stacked arrays as the kernels' states tuple (wrapped once per allocation, no copy)."""
+        import tvm
+        import tvm_ffi
+
+        assert self.arrays is not None, "no slot holds the stacked states"
+        if self._tensors is None:
+            self._tensors = tvm_ffi.Array([tvm.runtime.from_dlpack(a) for a in self.arrays])
+        return self._tensors
+
+    def acquire(self, slot: int, specs: list[tuple[tuple[int, ...], np.dtype[Any]]]) -> list[np.ndarray] | None:
+        """Slot `slot`'s blocks, or None when a block would not start 64-byte aligned (the kernels
+        take host arrays without a copy only when aligned)."""
+        for shape, dtype in specs:
+            if int(np.prod(shape)) * dtype.itemsize % 64:
+                self.refused = f"a state of {list(shape)} {dtype} is not a whole number of 64-byte lines"
+                return None
+        if self.arrays is None:
+            self.arrays = [aligned_zeros((self.n_slots, *shape), dtype) for shape, dtype in specs]
+        self._users.add(slot)
+        return [a[slot] for a in self.arrays]
+
+    def release(self, slot: int) -> None:
+        self._users.discard(slot)
+        if not self._users:
+            self.arrays, self._tensors = None, None
+
+
 class ContextOverflowError(ValueError):
     """More tokens than the compiled context holds; nothing was run."""
 
@@ -121,8 +191,14 @@ class Session:
     """
 
     def __init__(self, artifact: str | os.PathLike[str], *, device: str = "cpu", threads: int | None = None,
-                 checkpoint_interval: int | None = None) -> None:
+                 checkpoint_interval: int | None = None, weights: SharedWeights | None = None,
+                 stack: tuple[StackedStates, int] | None = None) -> None:
+        """`weights`: kernels and weights shared with other sessions of the same artifact (by default
+        the session loads its own); `stack` (CPU): (stacked states, this session's slot) to run on
+        its block of them (runtime/slot_group.py)."""
         self._checkpoint_interval = checkpoint_interval
+        self._weights = weights
+        self._stack = stack
         target_key = DEVICE_TARGET_KEYS.get(device)
         if target_key is None:
             raise ArtifactError(f"unknown device '{device}' (known: {', '.join(DEVICE_TARGET_KEYS)})")
@@ -170,15 +246,16 @@ class Session:
         self._decode_inputs = _decode_inputs(manifest, len(self._state_tensors), artifact.path)
 
     def _load_kernels_and_weights(self, artifact: Artifact) -> None:
-        import tvm_ffi
-
-        self._functions = _vm_functions(artifact, self._device)
-        self._params: Any = tvm_ffi.Array([self._to_device(a) for a in read_weights(artifact.path, artifact.manifest)])
+        if self._weights is None:
+            self._weights = SharedWeights(artifact, self._device, self._on_cpu)
+        functions, self._params = self._weights.acquire(self)
+        self._functions = dict(functions)
 
     def _allocate_states(self) -> None:
         import tvm_ffi
 
-        self._state_arrays = [aligned_zeros(shape, dtype) for shape, dtype in self._state_specs]
+        blocks = self._stack[0].acquire(self._stack[1], self._state_specs) if self._stack and self._on_cpu else None
+        self._state_arrays = blocks or [aligned_zeros(shape, dtype) for shape, dtype in self._state_specs]
         self._state_tensors = [self._to_device(a) for a in self._state_arrays]
         self._states: Any = tvm_ffi.Array(self._state_tensors)
 
@@ -425,8 +502,12 @@ class Session:
         else:
             self._functions = dict.fromkeys(self._functions)
             self._params = None
+            if self._weights is not None:
+                self._weights.release(self)
             if evict_state:
                 self._state_arrays, self._state_tensors, self._states = [], [], None
+                if self._stack is not None:
+                    self._stack[0].release(self._stack[1])
         self._released = ReleasedDevice(states)
         gc.collect()
 
@@ -513,6 +594,18 @@ class Session:
         if all_logits:
             return rows[0] if len(rows) == 1 else np.concatenate(rows)
         return rows[-1][-1]
+
+    def _before_batch_step(self, token: int) -> int:
+        """A batched decode step is about to feed `token` (runtime/slot_group.py): checked as
+        `forward` checks it; returns the position it goes to."""
+        self._checked_tokens([token])
+        self._ensure_device()
+        self._context.rollback.clear()
+        return self._n_past
+
+    def _after_batch_step(self, token: int) -> None:
+        self._context.tokens[self._n_past] = token
+        self._n_past += 1
 
     def _checked_tokens(self, tokens: np.ndarray | list[int]) -> np.ndarray:
         ids = np.asarray(tokens)

@@ -437,6 +437,8 @@ def test_32_streaming_clients_against_4_slots(artifact: Path, model: Any) -> Non
             assert kinds.count("completed") >= 8 and kinds.count("refused") >= 1, kinds
             assert wait_until(lambda: proc.health()["slots_busy"] == 0 and proc.health()["queued"] == 0, 30)
             rss.append(proc.rss_bytes())
+        health = proc.health()  # the generating slots were fed together, several tokens a call
+        assert health["batched_decode"] and health["batched_tokens"] >= 2 * health["batched_steps"] > 0, health
         assert rss[1] - rss[0] < 48 << 20, rss
         assert proc.terminate() == 0
     finally:

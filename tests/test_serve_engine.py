@@ -74,8 +74,11 @@ class ScriptedRunner:
     def forward(self, tokens: Sequence[int] | np.ndarray, *, all_logits: bool = False) -> np.ndarray:
         ids = [int(t) for t in tokens]
         assert 0 < len(ids) <= self.max_chunk and len(self.context) + len(ids) <= self.n_ctx
-        self.context += ids
         self.calls.append((self.index, len(ids)))
+        return self.append(ids)
+
+    def append(self, ids: list[int]) -> np.ndarray:
+        self.context += ids
         logits = np.zeros(N_VOCAB, np.float32)
         logits[(sum(self.context) + 1) % 15] = 1.0
         return logits
@@ -99,6 +102,32 @@ class ScriptedRunner:
     released = False
 
 
+class ScriptedSlots:
+    """Scripted runners as a slot group; `batched`: its decode_batch steps several at once
+    (recorded as ("batch", slots)), else it refuses batching as a recurrent artifact would."""
+
+    def __init__(self, n: int, calls: list[tuple[object, object]], batched: bool) -> None:
+        self.sessions = [ScriptedRunner(calls, i) for i in range(n)]  # type: ignore[arg-type]
+        self.calls = calls
+        self.batch_refused = None if batched else "scripted: no batched entry point"
+
+    def decode_batch(self, steps: Sequence[tuple[int, int]]) -> np.ndarray:
+        assert self.batch_refused is None and len({s for s, _ in steps}) == len(steps)
+        self.calls.append(("batch", tuple(s for s, _ in steps)))
+        return np.stack([self.sessions[s].append([t]) for s, t in steps])
+
+    def release_device(self) -> None:
+        for r in self.sessions:
+            r.release_device()
+
+    def restore_device(self) -> None:
+        for r in self.sessions:
+            r.restore_device()
+
+    def close(self) -> None:
+        pass
+
+
 class Letters:
     """Token i decodes to the letter 'a' + i."""
 
@@ -115,17 +144,17 @@ def _expected(prompt: list[int], n: int) -> str:
     return "".join(out)
 
 
-def _engine(parallel: int, max_queue: int = 8,
-            sleep_idle_s: float | None = None) -> tuple[Engine, list[ScriptedRunner], list[tuple[int, int]]]:
-    calls: list[tuple[int, int]] = []
-    runners: list[ScriptedRunner] = []
+def _engine(parallel: int, max_queue: int = 8, sleep_idle_s: float | None = None,
+            batched: bool = False) -> tuple[Engine, list[ScriptedRunner], list[tuple[object, object]]]:
+    calls: list[tuple[object, object]] = []
+    groups: list[ScriptedSlots] = []
 
-    def open_runner() -> ScriptedRunner:
-        runners.append(ScriptedRunner(calls, len(runners)))
-        return runners[-1]
+    def open_slots(n: int) -> ScriptedSlots:
+        groups.append(ScriptedSlots(n, calls, batched))
+        return groups[-1]
 
-    engine = Engine(open_runner, Letters(), {EOS}, parallel=parallel, max_queue=max_queue, sleep_idle_s=sleep_idle_s)
-    return engine, runners, calls
+    engine = Engine(open_slots, Letters(), {EOS}, parallel=parallel, max_queue=max_queue, sleep_idle_s=sleep_idle_s)
+    return engine, groups[0].sessions, calls
 
 
 def _collect(engine: Engine, prompt: list[int], n: int, stop: tuple[str, ...] = ()) -> queue.Queue[Event]:
@@ -158,7 +187,25 @@ def test_slots_interleave_prompts_with_decode_steps_and_answer_as_alone() -> Non
         assert done.usage["completion_tokens"] == 6
     # the 10-token prompt is read 4 tokens at a time while the other slot already decodes
     assert calls[:6] == [(0, 4), (1, 2), (0, 4), (1, 1), (0, 2), (1, 1)]
-    assert len(runners) == 2  # the third request waited for a slot
+    assert len(runners) == 2 and len(calls) == sum(len(p) // 4 + 1 for p in prompts) + 3 * 5  # one feed a token
+
+
+def test_generating_slots_are_fed_in_one_batched_call() -> None:
+    engine, runners, calls = _engine(parallel=3, batched=True)
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [3, 1], [2, 2, 2], [7]]
+    streams = [_collect(engine, p, 5) for p in prompts]
+    engine.start()
+    try:
+        results = [_finish(s) for s in streams]
+    finally:
+        engine.stop()
+    for prompt, (text, done) in zip(prompts, results, strict=True):
+        assert text == _expected(prompt, 5) and done.finish_reason == "length"
+    # step 2: slots 1 and 2 have read their prompts and sampled, slot 0 still reads (4 + 4 + 1)
+    assert calls[:6] == [(0, 4), (1, 2), (2, 3), (0, 4), ("batch", (1, 2)), (0, 1)]
+    assert ("batch", (0, 1, 2)) in calls  # all three generating: one call
+    status = engine.status()
+    assert status["batched_decode"] and status["batched_steps"] == sum(c[0] == "batch" for c in calls) > 0
 
 
 def test_prefix_reuse_and_stop_strings() -> None:

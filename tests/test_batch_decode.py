@@ -1,0 +1,146 @@
+"""Batched decode (`decode_batch`, codegen/batch_rows.py) and slot groups (runtime/slot_group.py):
+B sequences at different positions, with different prompt lengths, stepped in one call, each row
+compared with the logits that sequence gets alone; which graphs are refused, and why; one copy of
+the weights for every slot; a group that released its memory and comes back."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from fixture_spec import FixtureSize
+from fixtures import write_fixture
+
+from ggufc.codegen.batch_rows import decode_batch_refusal
+from ggufc.codegen.target import resolve_target
+from ggufc.driver.compile import compile_model
+from ggufc.frontend.load import load_model
+from ggufc.ir.batch_rows import batch_refusal
+from ggufc.runtime.session import ContextOverflowError, Session
+from ggufc.runtime.slot_group import SlotGroup
+
+# head dim 32: attention runs the row-streaming kernel real models use (dims of 16 take the TE one)
+SIZE = FixtureSize(n_head=2, n_head_kv=1, head_dim=32, n_ctx=64)
+PROMPT_LENGTHS = (5, 17, 9)
+
+
+def _compile(tmp: Path, arch: str, qtype: str, size: FixtureSize = SIZE) -> Path:
+    gguf = write_fixture(arch, tmp / f"{arch}.gguf", qtype=qtype, size=size)
+    compile_model(gguf, "llvm", tmp / arch, n_ctx=64)
+    return tmp / arch
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Q4_0: every matmul on the 8-bit kernels, whose GEMM rows are the GEMV's arithmetic."""
+    return _compile(tmp_path_factory.mktemp("batch"), "llama", "Q4_0")
+
+
+@pytest.fixture(scope="module")
+def qwen3moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _compile(tmp_path_factory.mktemp("batch"), "qwen3moe", "Q8_0")
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """F32 weights, head dim 16: the float matmuls and the TE attention kernel."""
+    return _compile(tmp_path_factory.mktemp("batch"), "qwen3", "F32", FixtureSize())
+
+
+def _alone(artifact: Path, history: list[int]) -> np.ndarray:
+    """The logits of the last token of `history`, fed to a fresh session as a prompt then one decode."""
+    with Session(artifact) as session:
+        session.forward(history[:-1])
+        return session.forward(history[-1:])
+
+
+def _batched_vs_alone(artifact: Path, steps: int = 5) -> tuple[float, int]:
+    """(largest |batched - alone| over every row of every step, rows compared): slots at different
+    positions, stepped in varying orders and subsets."""
+    rng = np.random.default_rng(7)
+    group = SlotGroup(artifact, len(PROMPT_LENGTHS))
+    assert group.batch_refused is None
+    n_vocab = group.n_vocab
+    histories = [[int(t) for t in rng.integers(0, n_vocab, n)] for n in PROMPT_LENGTHS]
+    for session, prompt in zip(group.sessions, histories, strict=True):
+        session.forward(prompt)
+    worst, rows = 0.0, 0
+    orders = [[0, 1, 2], [2, 0, 1], [1, 2], [2, 1, 0], [0, 2]]
+    for step in range(steps):
+        order = orders[step % len(orders)]
+        tokens = {slot: int(rng.integers(0, n_vocab)) for slot in order}
+        out = group.decode_batch([(slot, tokens[slot]) for slot in order])
+        assert out.shape == (len(order), n_vocab) and out.dtype == np.float32
+        for row, slot in enumerate(order):
+            histories[slot].append(tokens[slot])
+            assert group.sessions[slot].n_past == len(histories[slot])
+            worst = max(worst, float(np.abs(out[row] - _alone(artifact, histories[slot])).max()))
+            rows += 1
+    group.close()
+    return worst, rows
+
+
+def test_llama_batched_rows_equal_each_sequence_alone_bit_for_bit(llama: Path) -> None:
+    worst, rows = _batched_vs_alone(llama)
+    assert rows == 13 and worst == 0.0
+
+
+def test_qwen3moe_batched_rows_equal_each_sequence_alone_bit_for_bit(qwen3moe: Path) -> None:
+    worst, rows = _batched_vs_alone(qwen3moe)
+    assert rows == 13 and worst == 0.0
+
+
+def test_qwen3_f32_batched_rows_match_each_sequence_alone(qwen3: Path) -> None:
+    """F32 weights: the batched step runs them as a GEMM over the rows, whose tiles sum each dot
+    product in another order than the one-token GEMV; the rows agree to float32 rounding."""
+    worst, rows = _batched_vs_alone(qwen3)
+    assert rows == 13 and worst < 1e-5
+
+
+def test_slots_share_one_copy_of_the_weights_and_come_back_after_a_release(llama: Path) -> None:
+    group = SlotGroup(llama, 3)
+    params = [s._params for s in group.sessions]
+    assert all(p is params[0] for p in params)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
+    for session, prompt in zip(group.sessions, prompts, strict=True):
+        session.forward(prompt)
+    before = group.decode_batch([(0, 10), (1, 11), (2, 12)])
+    group.release_device()
+    shared = group.sessions[0]._weights
+    assert all(s._params is None for s in group.sessions) and shared is not None and shared._loaded is None
+    for session in group.sessions:
+        session.truncate(session.n_past - 1)  # restores, then cuts the last token back
+    group.restore_device()
+    assert all(s._params is group.sessions[0]._params for s in group.sessions)
+    again = group.decode_batch([(2, 12), (0, 10), (1, 11)])
+    np.testing.assert_array_equal(again, before[[2, 0, 1]])
+    group.close()
+
+
+def test_bad_batched_steps_are_refused_and_change_nothing(llama: Path) -> None:
+    group = SlotGroup(llama, 2)
+    group.sessions[0].forward(list(range(1, 63)))  # 62 of 64 cells used
+    group.sessions[1].forward([1, 2])
+    with pytest.raises(ValueError, match="distinct slots"):
+        group.decode_batch([(0, 1), (0, 2)])
+    with pytest.raises(ValueError, match="distinct slots"):
+        group.decode_batch([(2, 1)])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        group.decode_batch([(1, 3), (0, 10_000)])
+    group.decode_batch([(0, 1), (1, 3)])
+    group.decode_batch([(0, 1), (1, 4)])
+    with pytest.raises(ContextOverflowError):
+        group.decode_batch([(1, 5), (0, 1)])
+    assert [s.n_past for s in group.sessions] == [64, 4]
+    group.close()
+
+
+def test_recurrent_and_gpu_graphs_are_refused_in_one_line(tmp_path: Path) -> None:
+    hybrid = load_model(write_fixture("qwen35", tmp_path / "qwen35.gguf"), None).graphs["prefill_all"]
+    reason = batch_refusal(hybrid)
+    assert reason is not None and "not row-wise" in reason and "\n" not in reason
+    plain = load_model(write_fixture("llama", tmp_path / "llama.gguf"), None).graphs["prefill_all"]
+    assert batch_refusal(plain) is None
+    gpu = decode_batch_refusal(plain, resolve_target("vulkan"))
+    assert gpu is not None and "CPU" in gpu
