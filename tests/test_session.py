@@ -203,6 +203,7 @@ def toy_tokenizer_info() -> tuple[dict, str]:
 def build_toy_artifact(out_dir: Path, *, with_tokenizer: bool = False) -> Path:
     from ggufc.codegen.build import with_layout_function
     from ggufc.codegen.target import cpu_target
+    from ggufc.driver.compile import plain_target
 
     target = cpu_target()
     manifest = toy_manifest()
@@ -213,11 +214,7 @@ def build_toy_artifact(out_dir: Path, *, with_tokenizer: bool = False) -> Path:
     staging = make_staging_dir(out_dir)
     executable.export_library(str(staging / "kernels.so"))
     save_file(toy_weights(), str(staging / "weights.safetensors"))
-    manifest["target"] = {
-        k: (v if isinstance(v, int) else str(v))
-        for k, v in target.export().items()
-        if k in ("kind", "mcpu", "num-cores")
-    }
+    manifest["target"] = plain_target(dict(target.export()))
     if with_tokenizer:
         manifest["tokenizer"], tokenizer_json = toy_tokenizer_info()
         (staging / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
