@@ -61,6 +61,8 @@ PREFILL = (Call(1), Call(5), Call(7))
 DECODE = (Call(1, 3, decode=True),)
 BOTH = PREFILL + DECODE
 STATEFUL = (Call(5, 0), Call(1, 0), Call(4, 6), Call(3, 13), Call(1, 9, decode=True))
+# calls of MAX_TOKENS take the chunked form of the KDA scan (codegen CHUNKED_FROM), the others its recurrence
+CHUNKED = (Call(MAX_TOKENS, 0), Call(1, 0), Call(MAX_TOKENS, 0), Call(1, 9, decode=True))
 
 # ---------------------------------------------------------------------------------------------
 # building one row's graph
@@ -592,7 +594,8 @@ def _ssm_conv_case(dilation: int) -> Case:
     return Case(f"ssm_conv-dilation{dilation}", "ssm_conv", build, group="recurrent", calls=STATEFUL)
 
 
-def _gated_delta_net_case(head_map: str, hv: int, hk: int, dk: int, key_decay: bool = False) -> Case:
+def _gated_delta_net_case(head_map: str, hv: int, hk: int, dk: int, key_decay: bool = False,
+                          calls: tuple[Call, ...] = STATEFUL) -> Case:
     """Decay logits g <= 0 and write strengths beta in (0, 1), as the gates make them; key_decay:
     one decay per key index (KDA)."""
 
@@ -605,9 +608,9 @@ def _gated_delta_net_case(head_map: str, hv: int, hk: int, dk: int, key_decay: b
         new, o = cg.emit("gated_delta_net", [st, q, k, v, g, beta], attrs, 2)
         return cg.finish([o, new], {st.name: new})
 
-    kind = "-key" if key_decay else ""
+    kind = ("-key" if key_decay else "") + ("-long" if calls is CHUNKED else "")
     return Case(f"gated_delta_net{kind}-{head_map}-{hv}x{hk}-d{dk}", "gated_delta_net", build, group="recurrent",
-                calls=STATEFUL)
+                calls=calls)
 
 
 def recurrent_cases() -> list[Case]:
@@ -619,6 +622,7 @@ def recurrent_cases() -> list[Case]:
         _gated_delta_net_case("interleaved", 6, 2, 12),
         _gated_delta_net_case("tiled", 2, 2, 16, key_decay=True),
         _gated_delta_net_case("tiled", 3, 3, 12, key_decay=True),
+        _gated_delta_net_case("interleaved", 4, 2, 16, key_decay=True, calls=CHUNKED),
         op_case("l2_norm", "l2_norm", O.L2Norm(1e-6), rows(3, 7), group="recurrent", calls=BOTH),
         *[
             op_case(f"rms_norm_gated-{act}", "rms_norm_gated", O.RMSNormGated(1e-5, act), rows(3, 8), weight(8),
