@@ -46,6 +46,7 @@ ROW_BLOCK = 32  # state rows per parallel task of gated_delta_net
 CHANNEL_BLOCK = 64  # channels per parallel task of ssm_conv
 THREADS = 64  # GPU threads per workgroup
 CHUNK = 64  # tokens per chunk of the chunked delta rule (llama.cpp's chunk size)
+SUB = 16  # tokens per sub-chunk: pairs across sub-chunks share their decay exps
 CHUNKED_FROM = 16  # calls of this many tokens or more take the chunked form (benchmarks/bench_kda.py)
 
 
@@ -244,6 +245,9 @@ def _chunked_scan(hv: int, dv: int, dk: int, hk: int, head_map: str, scale: floa
             last = T.decl_buffer((dk,), "float32")  # e^gc_last
             pa = T.decl_buffer((L,), "float32")
             pp = T.decl_buffer((L,), "float32")
+            qs = T.decl_buffer((C * dk,), "float32")  # q e^(gc - gc_b), b the first token of its sub-chunk
+            ks = T.decl_buffer((C * dk,), "float32")  # k e^(gc - gc_b)
+            kb = T.decl_buffer((C // SUB * C * dk,), "float32")  # per sub-chunk: earlier k e^(gc_b - gc)
             kh = T.if_then_else(tiled, h % T.int64(hk), h // T.int64(rep))
             for c in range((n + T.int64(C - 1)) // T.int64(C)):
                 c0 = c * T.int64(C)
@@ -265,17 +269,39 @@ def _chunked_scan(hv: int, dv: int, dk: int, hk: int, head_map: str, scale: floa
                         kd[i * dk + d8 * L:i * dk + d8 * L + L] = vec(K, c0 + i, kh, d8 * L) * el
                     for r in T.vectorized(T.int64(dv)):
                         u[i * dv + r] = V[c0 + i, h, r] * B[c0 + i, h]
-                # A (strictly below the diagonal) and P (on and below it), one decay row per pair
+                # A (strictly below the diagonal) and P (on and below it). A pair in one sub-chunk
+                # takes its decay row whole; a pair across sub-chunks splits it at the first token b
+                # of i's sub-chunk, e^(gc_i - gc_b) e^(gc_b - gc_j) (both factors at most 1), so
+                # the exps are per token and per (sub-chunk, earlier token), not per pair
                 for i in range(m):
+                    b = i // T.int64(SUB) * T.int64(SUB)
+                    for d8 in range(T.int64(DK8)):
+                        e = T.meta_var(expf8(vec(gc, i * dk + d8 * L) - vec(gc, b * dk + d8 * L)))
+                        qs[i * dk + d8 * L:i * dk + d8 * L + L] = vec(Q, c0 + i, kh, d8 * L) * e
+                        ks[i * dk + d8 * L:i * dk + d8 * L + L] = vec(K, c0 + i, kh, d8 * L) * e
+                for sc in range((m + T.int64(SUB - 1)) // T.int64(SUB)):
+                    for j in range(sc * T.int64(SUB)):
+                        for d8 in range(T.int64(DK8)):
+                            e = T.meta_var(expf8(vec(gc, sc * T.int64(SUB) * dk + d8 * L) - vec(gc, j * dk + d8 * L)))
+                            kb[(sc * C + j) * dk + d8 * L:(sc * C + j) * dk + d8 * L + L] = (
+                                vec(K, c0 + j, kh, d8 * L) * e)
+                for i in range(m):
+                    b = i // T.int64(SUB) * T.int64(SUB)
                     for j in range(i + T.int64(1)):
                         for ln in T.vectorized(T.int64(L)):
                             pa[ln] = T.float32(0)
                             pp[ln] = T.float32(0)
-                        for d8 in range(T.int64(DK8)):
-                            e = T.meta_var(expf8(vec(gc, i * dk + d8 * L) - vec(gc, j * dk + d8 * L)))
-                            kj = T.meta_var(vec(K, c0 + j, kh, d8 * L) * e)
-                            pa[0:L] = pa.vload([0], "float32x8") + vec(K, c0 + i, kh, d8 * L) * kj
-                            pp[0:L] = pp.vload([0], "float32x8") + vec(Q, c0 + i, kh, d8 * L) * kj
+                        if j >= b:
+                            for d8 in range(T.int64(DK8)):
+                                e = T.meta_var(expf8(vec(gc, i * dk + d8 * L) - vec(gc, j * dk + d8 * L)))
+                                kj = T.meta_var(vec(K, c0 + j, kh, d8 * L) * e)
+                                pa[0:L] = pa.vload([0], "float32x8") + vec(K, c0 + i, kh, d8 * L) * kj
+                                pp[0:L] = pp.vload([0], "float32x8") + vec(Q, c0 + i, kh, d8 * L) * kj
+                        else:
+                            for d8 in range(T.int64(DK8)):
+                                kj = T.meta_var(vec(kb, ((i // T.int64(SUB)) * C + j) * dk + d8 * L))
+                                pa[0:L] = pa.vload([0], "float32x8") + vec(ks, i * dk + d8 * L) * kj
+                                pp[0:L] = pp.vload([0], "float32x8") + vec(qs, i * dk + d8 * L) * kj
                         a[i * C + j] = hsum(pa) * B[c0 + i, h]
                         p[i * C + j] = hsum(pp)
                 # U and W by forward substitution: X_i -= A[i, j] X_j for j < i
