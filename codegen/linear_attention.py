@@ -9,10 +9,10 @@ their state in place: Relax calls them through `call_tir_inplace`) and the two n
   so the kernel runs the Hv*Dv rows in parallel and, inside a row, the tokens of the call in
   order: the same kernel serves decode (T=1) and chunked prefill, and equals the sequential
   recurrence of the reference by construction. The row stays in the state buffer (Dk floats, in
-  L1); dot products accumulate over `LANES` partial sums so the loops vectorise. With the KDA
-  decay (one per key index), calls of `CHUNKED_FROM` tokens or more take the chunked WY / UT form
-  instead (`_chunked_scan`: a task per value head, chunks of `CHUNK` tokens, the maths of
-  `gated_delta_net_chunked_ref`); shorter calls, decode among them, keep the recurrence.
+  L1); dot products accumulate over `LANES` partial sums so the loops vectorise. Calls of
+  `CHUNKED_FROM` tokens or more take the chunked WY / UT form instead (`_chunked_scan`: a task per
+  value head, chunks of `CHUNK` tokens, the maths of `gated_delta_net_chunked_ref`, either decay);
+  shorter calls, decode among them, keep the recurrence.
 * `l2_norm`, `rms_norm_gated`: one reduction and one elementwise stage, like `kernels.rms_norm`.
 
 Every kernel takes the token count as a symbolic extent, so one compiled function serves every
@@ -115,8 +115,8 @@ def gated_delta_net(hv: int, dv: int, dk: int, hk: int, head_map: str, scale: fl
     (key_decay: [T, Hv, Dk], one decay per key index), beta [T, Hv], o [T, Hv, Dv]).
 
     Calls of at least `chunked_from` tokens (default `CHUNKED_FROM`; 0: never) take the chunked
-    form (`_chunked_scan`) where it is built (key decay, Dk and Dv multiples of 8); shorter calls,
-    decode among them, the sequential recurrence.
+    form (`_chunked_scan`) where it is built (Dk and Dv multiples of 8); shorter calls, decode
+    among them, the sequential recurrence.
 
     Sequential: parallel over blocks of rows of one head; each task allocates its LANES partial
     sums once (a scratch buffer inside a parallel loop is a workspace allocation, too dear per
@@ -132,7 +132,7 @@ def gated_delta_net(hv: int, dv: int, dk: int, hk: int, head_map: str, scale: fl
     rb = _block(dv, ROW_BLOCK)
     g_shape = (dk,) if key_decay else ()
     threshold = CHUNKED_FROM if chunked_from is None else chunked_from
-    chunked = threshold > 0 and chunked_form_fits(dv, dk, key_decay)
+    chunked = threshold > 0 and chunked_form_fits(dv, dk)
 
     @T.macro
     def sequential(S, Q, K, V, G, B, Out, n):  # type: ignore[no-untyped-def]
@@ -175,7 +175,7 @@ def gated_delta_net(hv: int, dv: int, dk: int, hk: int, head_map: str, scale: fl
                         tot[0] = tot[0] + part[ln]
                     Out[t, h, i] = tot[0] * T.float32(scale)
 
-    chunk_scan = _chunked_scan(hv, dv, dk, hk, head_map, scale) if chunked else sequential
+    chunk_scan = _chunked_scan(hv, dv, dk, hk, head_map, scale, key_decay) if chunked else sequential
 
     @T.prim_func
     def kernel(
@@ -204,16 +204,17 @@ def gated_delta_net(hv: int, dv: int, dk: int, hk: int, head_map: str, scale: fl
     return kernel
 
 
-def chunked_form_fits(dv: int, dk: int, key_decay: bool) -> bool:
-    """Where the chunked form is built: the KDA decay (one per key index), 8-lane rows."""
-    return key_decay and dk % LANES == 0 and dv % LANES == 0
+def chunked_form_fits(dv: int, dk: int) -> bool:
+    """Where the chunked form is built: 8-lane rows."""
+    return dk % LANES == 0 and dv % LANES == 0
 
 
-def _chunked_scan(hv: int, dv: int, dk: int, hk: int, head_map: str, scale: float) -> Any:
-    """The chunked (WY / UT transform) form of the key-decay delta rule as a TIR macro, the maths of
-    `gated_delta_net_chunked_ref`: a parallel task per value head runs its chunks of CHUNK tokens
-    in order. Per chunk (n tokens, gc = cumsum of g per key index, all decays exp(gc_i - gc_j),
-    j <= i, at most 1 so no overflow whatever the gate):
+def _chunked_scan(hv: int, dv: int, dk: int, hk: int, head_map: str, scale: float, key_decay: bool) -> Any:
+    """The chunked (WY / UT transform) form of the delta rule as a TIR macro, the maths of
+    `gated_delta_net_chunked_ref` (a per-head decay is the same decay on every key index): a
+    parallel task per value head runs its chunks of CHUNK tokens in order. Per chunk (n tokens,
+    gc = cumsum of g per key index, all decays exp(gc_i - gc_j), j <= i, at most 1 so no overflow
+    whatever the gate):
 
       A[i, j] = beta_i sum_d k_i k_j e^(gc_i - gc_j)  (j < i),  P[i, j] = sum_d q_i k_j e^(gc_i - gc_j)  (j <= i)
       U = (I + A)^-1 (beta v),  W = (I + A)^-1 (beta k e^gc)       (forward substitution, row by row)
@@ -255,7 +256,7 @@ def _chunked_scan(hv: int, dv: int, dk: int, hk: int, head_map: str, scale: floa
                 # gc: running sums of g; the per-token rows of the chunk
                 for i in range(m):
                     for d in T.vectorized(T.int64(dk)):
-                        gc[i * dk + d] = G[c0 + i, h, d] + T.if_then_else(
+                        gc[i * dk + d] = (G[c0 + i, h, d] if key_decay else G[c0 + i, h]) + T.if_then_else(
                             i > T.int64(0), gc[T.max(i - T.int64(1), T.int64(0)) * dk + d], T.float32(0))
                 for d8 in range(T.int64(DK8)):
                     last[d8 * L:d8 * L + L] = expf8(vec(gc, (m - T.int64(1)) * dk + d8 * L))

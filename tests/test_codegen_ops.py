@@ -61,7 +61,8 @@ PREFILL = (Call(1), Call(5), Call(7))
 DECODE = (Call(1, 3, decode=True),)
 BOTH = PREFILL + DECODE
 STATEFUL = (Call(5, 0), Call(1, 0), Call(4, 6), Call(3, 13), Call(1, 9, decode=True))
-# calls of MAX_TOKENS take the chunked form of the KDA scan (codegen CHUNKED_FROM), the others its recurrence
+# calls of MAX_TOKENS take the chunked form of the delta-rule scan (codegen CHUNKED_FROM), the others its
+# recurrence
 CHUNKED = (Call(MAX_TOKENS, 0), Call(1, 0), Call(MAX_TOKENS, 0), Call(1, 9, decode=True))
 
 # ---------------------------------------------------------------------------------------------
@@ -622,6 +623,7 @@ def recurrent_cases() -> list[Case]:
         _gated_delta_net_case("interleaved", 6, 2, 12),
         _gated_delta_net_case("tiled", 2, 2, 16, key_decay=True),
         _gated_delta_net_case("tiled", 3, 3, 12, key_decay=True),
+        _gated_delta_net_case("tiled", 4, 2, 16, calls=CHUNKED),
         _gated_delta_net_case("interleaved", 4, 2, 16, key_decay=True, calls=CHUNKED),
         op_case("l2_norm", "l2_norm", O.L2Norm(1e-6), rows(3, 7), group="recurrent", calls=BOTH),
         *[
