@@ -355,13 +355,20 @@ def _cache_write(cg: CaseGraph, tag: str, n_kv: int, dim: int) -> Value:
     return cg.emit("cache_write", [cache, cg.rows((n_kv, dim)), cg.pos], O.NoAttrs())[0]
 
 
-def _attention_case(n_head: int, n_kv: int, dim: int) -> Case:
+def _attention_case(n_head: int, n_kv: int, dim: int, f16_pv_below: int = 0) -> Case:
+    """f16_pv_below: the CPU target's rounding of llama.cpp's one-row flash attention for calls
+    shorter than that (here the 1- to 4-token calls; the 5-token one keeps float32)."""
+
     def build(cg: CaseGraph) -> Graph:
         q = cg.rows((n_head, dim))
         kc, vc = _cache_write(cg, "k", n_kv, dim), _cache_write(cg, "v", n_kv, dim)
-        out = cg.emit("attention", [q, kc, vc, cg.pos], O.Attention(1.0 / math.sqrt(dim)))[0]
+        attrs = O.Attention(1.0 / math.sqrt(dim), f16_pv_below=f16_pv_below)
+        out = cg.emit("attention", [q, kc, vc, cg.pos], attrs)[0]
         return cg.finish([out], {f"{cg.name}.k": kc, f"{cg.name}.v": vc})
 
+    if f16_pv_below:
+        return Case(f"attention-h{n_head}-kv{n_kv}-d{dim}-f16pv", "attention", build, group="cpu_rounding",
+                    calls=STATEFUL)
     return Case(f"attention-h{n_head}-kv{n_kv}-d{dim}", "attention", build, calls=STATEFUL)
 
 
@@ -379,6 +386,8 @@ def position_cases() -> list[Case]:
         _attention_case(4, 2, 8),
         _attention_case(3, 1, 16),
         _attention_case(2, 2, 4),
+        _attention_case(4, 2, 32, f16_pv_below=5),
+        _attention_case(3, 1, 16, f16_pv_below=5),
         Case("cache_write", "cache_write", _cache_write_case, calls=STATEFUL),
     ]
 
