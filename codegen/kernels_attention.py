@@ -25,13 +25,18 @@ STEP = 32  # values per step of ggml_vec_dot_f32 (4 registers)
 
 
 def attention_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float,
-                   one_token_order: bool = False) -> tirx.PrimFunc:
-    """(q [T, H, D], k_cache [C, Hkv, D], v_cache [C, Hkv, D], pos, out [T, H, D]); D % 32 == 0.
+                   one_token_order: bool = False, f16_pv_below: int = 0) -> tirx.PrimFunc:
+    """(q [T, H, D], k_cache [C, Hkv, D], v_cache [C, Hkv, D], pos, out [T, H, D]); D % 32 == 0
+    (any D with f16_pv_below: the last D % 32 values of each dot added one by one, as llama.cpp's
+    dot products add their tail).
 
     one_token_order: every row sums KQV in the one-token order, so a row equals what a one-token
-    call computes bit for bit (speculative verification must reproduce one-token decoding)."""
-    if dim % STEP:
+    call computes bit for bit (speculative verification must reproduce one-token decoding).
+    f16_pv_below: calls of fewer tokens take llama.cpp's one-row flash-attention steps instead
+    (`f16_pv_row`, see `Attention.f16_pv_below`)."""
+    if dim % STEP and not f16_pv_below:
         raise ValueError(f"attention: head dim {dim} must be a multiple of {STEP}")
+    body, tail = dim // STEP * STEP, dim % STEP  # the 32-value steps of a dot and its tail
     H, HKV, D, C = T.int64(n_head), T.int64(n_kv), T.int64(dim), T.int64(n_cells)
     G, L = T.int64(n_head // n_kv), T.int64(LANES)
     SCALE = T.float32(scale)
@@ -39,6 +44,38 @@ def attention_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float,
 
     def fma(a: tirx.PrimExpr, b: tirx.PrimExpr, c: tirx.PrimExpr) -> tirx.PrimExpr:
         return T.call_llvm_pure_intrin("float32", "llvm.fma.f32", a, b, c)
+
+    def f16(x: tirx.PrimExpr) -> tirx.PrimExpr:
+        return T.Cast("float32", T.Cast("float16", x))
+
+    @T.macro
+    def f16_pv_row(q, k_cache, v_cache, o, t, h, kv, visible, part, acc, stat):  # type: ignore[no-untyped-def]
+        """llama.cpp's one-row flash attention with F16 K/V (attention_f16_pv_ref): scores from q
+        rounded to f16 (ggml_vec_dot_f16: the 4 x 8 lane sums folded as ggml_vec_dot_f32's),
+        then per visible cell in order an online softmax whose P.V accumulator (acc row 0) is
+        rounded to f16 after each rescale and each fma; stat = max, sum."""
+        stat[0] = T.float32(-3.0e38)
+        stat[1] = T.float32(0)
+        for d in T.vectorized(D):
+            acc[0, d] = T.float32(0)
+        for s in range(visible):
+            for lane in T.vectorized(STEP):
+                part[lane] = T.float32(0)
+            for d0 in range(D // STEP):
+                for lane in T.vectorized(STEP):
+                    part[lane] = fma(k_cache[s, kv, d0 * STEP + lane], f16(q[t, h, d0 * STEP + lane]), part[lane])
+            part[0] = _fold32([part[i] for i in range(STEP)])
+            for d in range(tail):
+                part[0] = part[0] + k_cache[s, kv, body + d] * f16(q[t, h, body + d])
+            part[0] = part[0] * SCALE
+            part[1] = T.if_then_else(part[0] > stat[0], T.exp(stat[0] - part[0]), T.float32(1))  # rescale
+            part[2] = T.if_then_else(part[0] > stat[0], T.float32(1), T.exp(part[0] - stat[0]))  # weight
+            stat[0] = T.max(stat[0], part[0])
+            for d in T.vectorized(D):
+                acc[0, d] = f16(fma(v_cache[s, kv, d], part[2], f16(acc[0, d] * part[1])))
+            stat[1] = stat[1] * part[1] + part[2]
+        for d in T.vectorized(D):
+            o[t, h, d] = acc[0, d] * (T.float32(1) / stat[1])
 
     @T.prim_func(private=True)
     def attention(q_h: T.handle, k_cache: T.Buffer((C, HKV, D), "float32"),
@@ -56,40 +93,46 @@ def attention_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float,
             part = T.decl_buffer((STEP,), "float32")
             acc = T.decl_buffer((STEP, D), "float32")  # lane accumulators of the KQV sums
             stat = T.decl_buffer((2,), "float32")  # max, 1 / sum
-            total = T.decl_buffer((1,), "float64")
-            stat[0] = T.float32(-3.0e38)
-            for s in range(visible):
-                for lane in T.vectorized(STEP):
-                    part[lane] = T.float32(0)
-                for d0 in range(D // STEP):
+            if f16_pv_below > 0 and n < T.int64(f16_pv_below):
+                f16_pv_row(q, k_cache, v_cache, o, t, h, kv, visible, part, acc, stat)
+            else:
+                total = T.decl_buffer((1,), "float64")
+                stat[0] = T.float32(-3.0e38)
+                for s in range(visible):
                     for lane in T.vectorized(STEP):
-                        part[lane] = fma(k_cache[s, kv, d0 * STEP + lane], q[t, h, d0 * STEP + lane], part[lane])
-                scores[s] = _fold32([part[i] for i in range(STEP)]) * SCALE
-                stat[0] = T.max(stat[0], scores[s])
-            chunks = (visible + L - T.int64(1)) // L
-            for s in range(visible, chunks * L):
-                scores[s] = T.float32(-3.0e38)  # exp gives 0
-            total[0] = T.float64(0)
-            for c in range(chunks):
-                scores[c * 8:c * 8 + 8] = expf8(scores.vload([c * 8], "float32x8") - T.broadcast(stat[0], 8))
-                total[0] = total[0] + T.Cast("float64", _hsum8([scores[c * 8 + i] for i in range(8)]))
-            stat[1] = T.Cast("float32", T.float64(1) / total[0])
-            for s in range(visible):
-                scores[s] = scores[s] * stat[1]
-            for a, d in T.grid(STEP, D):
-                acc[a, d] = T.float32(0)
-            if one_token_order or n == T.int64(1):  # ggml_vec_dot_f32 over the cells: cell s into accumulator s % 32
+                        part[lane] = T.float32(0)
+                    for d0 in range(D // STEP):
+                        for lane in T.vectorized(STEP):
+                            part[lane] = fma(k_cache[s, kv, d0 * STEP + lane], q[t, h, d0 * STEP + lane], part[lane])
+                    scores[s] = _fold32([part[i] for i in range(STEP)])
+                    for d in range(tail):
+                        scores[s] = scores[s] + k_cache[s, kv, body + d] * q[t, h, body + d]
+                    scores[s] = scores[s] * SCALE
+                    stat[0] = T.max(stat[0], scores[s])
+                chunks = (visible + L - T.int64(1)) // L
+                for s in range(visible, chunks * L):
+                    scores[s] = T.float32(-3.0e38)  # exp gives 0
+                total[0] = T.float64(0)
+                for c in range(chunks):
+                    scores[c * 8:c * 8 + 8] = expf8(scores.vload([c * 8], "float32x8") - T.broadcast(stat[0], 8))
+                    total[0] = total[0] + T.Cast("float64", _hsum8([scores[c * 8 + i] for i in range(8)]))
+                stat[1] = T.Cast("float32", T.float64(1) / total[0])
                 for s in range(visible):
+                    scores[s] = scores[s] * stat[1]
+                for a, d in T.grid(STEP, D):
+                    acc[a, d] = T.float32(0)
+                if one_token_order or n == T.int64(1):  # ggml_vec_dot_f32 over the cells: cell s into acc s % 32
+                    for s in range(visible):
+                        for d in T.vectorized(D):
+                            acc[s % STEP, d] = fma(v_cache[s, kv, d], scores[s], acc[s % STEP, d])
                     for d in T.vectorized(D):
-                        acc[s % STEP, d] = fma(v_cache[s, kv, d], scores[s], acc[s % STEP, d])
-                for d in T.vectorized(D):
-                    o[t, h, d] = _fold32([acc[i, d] for i in range(STEP)])
-            else:  # tinyBLAS: cell s into accumulator s % 8, then hsum_float_8
-                for s in range(visible):
+                        o[t, h, d] = _fold32([acc[i, d] for i in range(STEP)])
+                else:  # tinyBLAS: cell s into accumulator s % 8, then hsum_float_8
+                    for s in range(visible):
+                        for d in T.vectorized(D):
+                            acc[s % L, d] = fma(v_cache[s, kv, d], scores[s], acc[s % L, d])
                     for d in T.vectorized(D):
-                        acc[s % L, d] = fma(v_cache[s, kv, d], scores[s], acc[s % L, d])
-                for d in T.vectorized(D):
-                    o[t, h, d] = _hsum8([acc[i, d] for i in range(8)])
+                        o[t, h, d] = _hsum8([acc[i, d] for i in range(8)])
 
     return attention
 

@@ -9,7 +9,10 @@ their state in place: Relax calls them through `call_tir_inplace`) and the two n
   so the kernel runs the Hv*Dv rows in parallel and, inside a row, the tokens of the call in
   order: the same kernel serves decode (T=1) and chunked prefill, and equals the sequential
   recurrence of the reference by construction. The row stays in the state buffer (Dk floats, in
-  L1); dot products accumulate over `LANES` partial sums so the loops vectorise.
+  L1); dot products accumulate over `LANES` partial sums so the loops vectorise. Calls of
+  `CHUNKED_FROM` tokens or more take the chunked WY / UT form instead (`_chunked_scan`: a task per
+  value head, chunks of `CHUNK` tokens, the maths of `gated_delta_net_chunked_ref`, either decay);
+  shorter calls, decode among them, keep the recurrence.
 * `l2_norm`, `rms_norm_gated`: one reduction and one elementwise stage, like `kernels.rms_norm`.
 
 Every kernel takes the token count as a symbolic extent, so one compiled function serves every
@@ -34,6 +37,7 @@ from ggufc.ir import ops as O
 from ggufc.ir.graph import Node
 
 from . import kernel_keys as KK
+from .cpu_vec import expf8
 from .kernels import PShape, Symbols, f32, func, i64
 from .lower_context import FunctionContext, tensor_dims, tensor_type
 
@@ -41,6 +45,9 @@ LANES = 8  # partial sums per dot product (one AVX2 register of f32)
 ROW_BLOCK = 32  # state rows per parallel task of gated_delta_net
 CHANNEL_BLOCK = 64  # channels per parallel task of ssm_conv
 THREADS = 64  # GPU threads per workgroup
+CHUNK = 64  # tokens per chunk of the chunked delta rule (llama.cpp's chunk size)
+SUB = 16  # tokens per sub-chunk: pairs across sub-chunks share their decay exps
+CHUNKED_FROM = 16  # calls of this many tokens or more take the chunked form (benchmarks/bench_kda.py)
 
 
 def _block(n: int, limit: int) -> int:
@@ -103,14 +110,19 @@ def ssm_conv(n_ch: int, k: int, dilation: int = 1) -> tirx.PrimFunc:
 
 
 def gated_delta_net(hv: int, dv: int, dk: int, hk: int, head_map: str, scale: float,
-                    key_decay: bool = False) -> tirx.PrimFunc:
+                    key_decay: bool = False, chunked_from: int | None = None) -> tirx.PrimFunc:
     """Args (state [Hv, Dv, Dk] in place, q [T, Hk, Dk], k [T, Hk, Dk], v [T, Hv, Dv], g [T, Hv]
     (key_decay: [T, Hv, Dk], one decay per key index), beta [T, Hv], o [T, Hv, Dv]).
 
-    Parallel over blocks of rows of one head; each task allocates its LANES partial sums once
-    (a scratch buffer inside a parallel loop is a workspace allocation, too dear per row) and runs
-    the tokens in order, each over the block's rows (the decay is computed once per token, the
-    block's rows stay in L1, k and q of the token are shared by the rows)."""
+    Calls of at least `chunked_from` tokens (default `CHUNKED_FROM`; 0: never) take the chunked
+    form (`_chunked_scan`) where it is built (Dk and Dv multiples of 8); shorter calls, decode
+    among them, the sequential recurrence.
+
+    Sequential: parallel over blocks of rows of one head; each task allocates its LANES partial
+    sums once (a scratch buffer inside a parallel loop is a workspace allocation, too dear per
+    row) and runs the tokens in order, each over the block's rows (the decay, or the Dk key
+    decays, computed once per token; the block's rows stay in L1, k and q of the token are shared
+    by the rows)."""
     if head_map not in ("tiled", "interleaved") or hv % hk:
         raise ValueError(f"gated_delta_net: bad head sharing {head_map} for {hv} value / {hk} key heads")
     tiled = head_map == "tiled"
@@ -119,6 +131,51 @@ def gated_delta_net(hv: int, dv: int, dk: int, hk: int, head_map: str, scale: fl
     n_outer = dk // lanes
     rb = _block(dv, ROW_BLOCK)
     g_shape = (dk,) if key_decay else ()
+    threshold = CHUNKED_FROM if chunked_from is None else chunked_from
+    chunked = threshold > 0 and chunked_form_fits(dv, dk)
+
+    @T.macro
+    def sequential(S, Q, K, V, G, B, Out, n):  # type: ignore[no-untyped-def]
+        for blk in T.parallel(T.int64(hv * (dv // rb))):
+            part = T.decl_buffer((lanes,), "float32", scope="local")
+            tot = T.decl_buffer((1,), "float32", scope="local")
+            eg = T.decl_buffer((dk if key_decay else 1,), "float32")  # the token's key decays exp(g)
+            h = blk // T.int64(dv // rb)
+            kh = T.if_then_else(tiled, h % T.int64(hk), h // T.int64(rep))
+            for t in range(n):
+                decay = T.exp(G[t, h]) if not key_decay else T.float32(0)
+                if key_decay:
+                    for j in range(T.int64(dk)):
+                        eg[j] = T.exp(G[t, h, j])
+                for ri in range(T.int64(rb)):
+                    i = (blk % T.int64(dv // rb)) * T.int64(rb) + ri
+                    # decay the row, then kv = M_i . k
+                    for ln in T.vectorized(T.int64(lanes)):
+                        part[ln] = T.float32(0)
+                    for jo in range(T.int64(n_outer)):
+                        for ln in T.vectorized(T.int64(lanes)):
+                            S[h, i, jo * lanes + ln] = S[h, i, jo * lanes + ln] * (
+                                eg[jo * lanes + ln] if key_decay else decay)
+                            part[ln] = part[ln] + S[h, i, jo * lanes + ln] * K[t, kh, jo * lanes + ln]
+                    tot[0] = T.float32(0)
+                    for ln in range(T.int64(lanes)):
+                        tot[0] = tot[0] + part[ln]
+                    d = (V[t, h, i] - tot[0]) * B[t, h]
+                    # write d * k into the row, then o = M_i . q
+                    for ln in T.vectorized(T.int64(lanes)):
+                        part[ln] = T.float32(0)
+                    for jo in range(T.int64(n_outer)):
+                        for ln in T.vectorized(T.int64(lanes)):
+                            S[h, i, jo * lanes + ln] = (
+                                S[h, i, jo * lanes + ln] + d * K[t, kh, jo * lanes + ln]
+                            )
+                            part[ln] = part[ln] + S[h, i, jo * lanes + ln] * Q[t, kh, jo * lanes + ln]
+                    tot[0] = T.float32(0)
+                    for ln in range(T.int64(lanes)):
+                        tot[0] = tot[0] + part[ln]
+                    Out[t, h, i] = tot[0] * T.float32(scale)
+
+    chunk_scan = _chunked_scan(hv, dv, dk, hk, head_map, scale, key_decay) if chunked else sequential
 
     @T.prim_func
     def kernel(
@@ -139,42 +196,149 @@ def gated_delta_net(hv: int, dv: int, dk: int, hk: int, head_map: str, scale: fl
         G = T.match_buffer(g_h, (n, hv, *g_shape), "float32")
         B = T.match_buffer(b_h, (n, hv), "float32")
         Out = T.match_buffer(o_h, (n, hv, dv), "float32")
-        for blk in T.parallel(T.int64(hv * (dv // rb))):
-            part = T.decl_buffer((lanes,), "float32", scope="local")
-            tot = T.decl_buffer((1,), "float32", scope="local")
-            h = blk // T.int64(dv // rb)
-            kh = T.if_then_else(tiled, h % T.int64(hk), h // T.int64(rep))
-            for t in range(n):
-                decay = T.exp(G[t, h]) if not key_decay else T.float32(0)
-                for ri in range(T.int64(rb)):
-                    i = (blk % T.int64(dv // rb)) * T.int64(rb) + ri
-                    # decay the row, then kv = M_i . k
-                    for ln in T.vectorized(T.int64(lanes)):
-                        part[ln] = T.float32(0)
-                    for jo in range(T.int64(n_outer)):
-                        for ln in T.vectorized(T.int64(lanes)):
-                            S[h, i, jo * lanes + ln] = S[h, i, jo * lanes + ln] * (
-                                T.exp(G[t, h, jo * lanes + ln]) if key_decay else decay)
-                            part[ln] = part[ln] + S[h, i, jo * lanes + ln] * K[t, kh, jo * lanes + ln]
-                    tot[0] = T.float32(0)
-                    for ln in range(T.int64(lanes)):
-                        tot[0] = tot[0] + part[ln]
-                    d = (V[t, h, i] - tot[0]) * B[t, h]
-                    # write d * k into the row, then o = M_i . q
-                    for ln in T.vectorized(T.int64(lanes)):
-                        part[ln] = T.float32(0)
-                    for jo in range(T.int64(n_outer)):
-                        for ln in T.vectorized(T.int64(lanes)):
-                            S[h, i, jo * lanes + ln] = (
-                                S[h, i, jo * lanes + ln] + d * K[t, kh, jo * lanes + ln]
-                            )
-                            part[ln] = part[ln] + S[h, i, jo * lanes + ln] * Q[t, kh, jo * lanes + ln]
-                    tot[0] = T.float32(0)
-                    for ln in range(T.int64(lanes)):
-                        tot[0] = tot[0] + part[ln]
-                    Out[t, h, i] = tot[0] * T.float32(scale)
+        if chunked and n >= T.int64(threshold):
+            chunk_scan(S, Q, K, V, G, B, Out, n)
+        else:
+            sequential(S, Q, K, V, G, B, Out, n)
 
     return kernel
+
+
+def chunked_form_fits(dv: int, dk: int) -> bool:
+    """Where the chunked form is built: 8-lane rows."""
+    return dk % LANES == 0 and dv % LANES == 0
+
+
+def _chunked_scan(hv: int, dv: int, dk: int, hk: int, head_map: str, scale: float, key_decay: bool) -> Any:
+    """The chunked (WY / UT transform) form of the delta rule as a TIR macro, the maths of
+    `gated_delta_net_chunked_ref` (a per-head decay is the same decay on every key index): a
+    parallel task per value head runs its chunks of CHUNK tokens in order. Per chunk (n tokens,
+    gc = cumsum of g per key index, all decays exp(gc_i - gc_j), j <= i, at most 1 so no overflow
+    whatever the gate):
+
+      A[i, j] = beta_i sum_d k_i k_j e^(gc_i - gc_j)  (j < i),  P[i, j] = sum_d q_i k_j e^(gc_i - gc_j)  (j <= i)
+      U = (I + A)^-1 (beta v),  W = (I + A)^-1 (beta k e^gc)       (forward substitution, row by row)
+      Vn = U - W S,  o = scale (q e^gc S + P Vn),  S' = e^gc_last S + (k e^(gc_last - gc))^T Vn
+
+    with S = M^T: the state rows M[h, r, :] are read and written in place. The exps are llama.cpp's
+    8-lane `expf8`; every product runs over 8-lane rows."""
+    tiled = head_map == "tiled"
+    rep = hv // hk
+    C, L = CHUNK, LANES
+    DK8 = dk // L
+
+    def vec(buf: Any, *idx: Any) -> Any:
+        return buf.vload(list(idx), "float32x8")
+
+    def hsum(p: Any) -> Any:
+        return ((p[0] + p[4]) + (p[2] + p[6])) + ((p[1] + p[5]) + (p[3] + p[7]))
+
+    @T.macro
+    def scan(S, Q, K, V, G, B, Out, n):  # type: ignore[no-untyped-def]
+        for h in T.parallel(T.int64(hv)):
+            gc = T.decl_buffer((C * dk,), "float32")  # running sums of the decay logits
+            qg = T.decl_buffer((C * dk,), "float32")  # q e^gc
+            kd = T.decl_buffer((C * dk,), "float32")  # k e^(gc_last - gc)
+            w = T.decl_buffer((C * dk,), "float32")  # beta k e^gc, then W
+            a = T.decl_buffer((C * C,), "float32")
+            p = T.decl_buffer((C * C,), "float32")
+            u = T.decl_buffer((C * dv,), "float32")  # beta v, then U, then Vn
+            last = T.decl_buffer((dk,), "float32")  # e^gc_last
+            pa = T.decl_buffer((L,), "float32")
+            pp = T.decl_buffer((L,), "float32")
+            qs = T.decl_buffer((C * dk,), "float32")  # q e^(gc - gc_b), b the first token of its sub-chunk
+            ks = T.decl_buffer((C * dk,), "float32")  # k e^(gc - gc_b)
+            kb = T.decl_buffer((C // SUB * C * dk,), "float32")  # per sub-chunk: earlier k e^(gc_b - gc)
+            kh = T.if_then_else(tiled, h % T.int64(hk), h // T.int64(rep))
+            for c in range((n + T.int64(C - 1)) // T.int64(C)):
+                c0 = c * T.int64(C)
+                m = T.min(n - c0, T.int64(C))
+                # gc: running sums of g; the per-token rows of the chunk
+                for i in range(m):
+                    for d in T.vectorized(T.int64(dk)):
+                        gc[i * dk + d] = (G[c0 + i, h, d] if key_decay else G[c0 + i, h]) + T.if_then_else(
+                            i > T.int64(0), gc[T.max(i - T.int64(1), T.int64(0)) * dk + d], T.float32(0))
+                for d8 in range(T.int64(DK8)):
+                    last[d8 * L:d8 * L + L] = expf8(vec(gc, (m - T.int64(1)) * dk + d8 * L))
+                for i in range(m):
+                    for d8 in range(T.int64(DK8)):
+                        eg = T.meta_var(expf8(vec(gc, i * dk + d8 * L)))
+                        el = T.meta_var(expf8(vec(gc, (m - T.int64(1)) * dk + d8 * L) - vec(gc, i * dk + d8 * L)))
+                        qg[i * dk + d8 * L:i * dk + d8 * L + L] = vec(Q, c0 + i, kh, d8 * L) * eg
+                        w[i * dk + d8 * L:i * dk + d8 * L + L] = (vec(K, c0 + i, kh, d8 * L) * eg
+                                                                  * T.broadcast(B[c0 + i, h], L))
+                        kd[i * dk + d8 * L:i * dk + d8 * L + L] = vec(K, c0 + i, kh, d8 * L) * el
+                    for r in T.vectorized(T.int64(dv)):
+                        u[i * dv + r] = V[c0 + i, h, r] * B[c0 + i, h]
+                # A (strictly below the diagonal) and P (on and below it). A pair in one sub-chunk
+                # takes its decay row whole; a pair across sub-chunks splits it at the first token b
+                # of i's sub-chunk, e^(gc_i - gc_b) e^(gc_b - gc_j) (both factors at most 1), so
+                # the exps are per token and per (sub-chunk, earlier token), not per pair
+                for i in range(m):
+                    b = i // T.int64(SUB) * T.int64(SUB)
+                    for d8 in range(T.int64(DK8)):
+                        e = T.meta_var(expf8(vec(gc, i * dk + d8 * L) - vec(gc, b * dk + d8 * L)))
+                        qs[i * dk + d8 * L:i * dk + d8 * L + L] = vec(Q, c0 + i, kh, d8 * L) * e
+                        ks[i * dk + d8 * L:i * dk + d8 * L + L] = vec(K, c0 + i, kh, d8 * L) * e
+                for sc in range((m + T.int64(SUB - 1)) // T.int64(SUB)):
+                    for j in range(sc * T.int64(SUB)):
+                        for d8 in range(T.int64(DK8)):
+                            e = T.meta_var(expf8(vec(gc, sc * T.int64(SUB) * dk + d8 * L) - vec(gc, j * dk + d8 * L)))
+                            kb[(sc * C + j) * dk + d8 * L:(sc * C + j) * dk + d8 * L + L] = (
+                                vec(K, c0 + j, kh, d8 * L) * e)
+                for i in range(m):
+                    b = i // T.int64(SUB) * T.int64(SUB)
+                    for j in range(i + T.int64(1)):
+                        for ln in T.vectorized(T.int64(L)):
+                            pa[ln] = T.float32(0)
+                            pp[ln] = T.float32(0)
+                        if j >= b:
+                            for d8 in range(T.int64(DK8)):
+                                e = T.meta_var(expf8(vec(gc, i * dk + d8 * L) - vec(gc, j * dk + d8 * L)))
+                                kj = T.meta_var(vec(K, c0 + j, kh, d8 * L) * e)
+                                pa[0:L] = pa.vload([0], "float32x8") + vec(K, c0 + i, kh, d8 * L) * kj
+                                pp[0:L] = pp.vload([0], "float32x8") + vec(Q, c0 + i, kh, d8 * L) * kj
+                        else:
+                            for d8 in range(T.int64(DK8)):
+                                kj = T.meta_var(vec(kb, ((i // T.int64(SUB)) * C + j) * dk + d8 * L))
+                                pa[0:L] = pa.vload([0], "float32x8") + vec(ks, i * dk + d8 * L) * kj
+                                pp[0:L] = pp.vload([0], "float32x8") + vec(qs, i * dk + d8 * L) * kj
+                        a[i * C + j] = hsum(pa) * B[c0 + i, h]
+                        p[i * C + j] = hsum(pp)
+                # U and W by forward substitution: X_i -= A[i, j] X_j for j < i
+                for i in range(m):
+                    for j in range(i):
+                        for r in T.vectorized(T.int64(dv)):
+                            u[i * dv + r] = u[i * dv + r] - a[i * C + j] * u[j * dv + r]
+                        for d in T.vectorized(T.int64(dk)):
+                            w[i * dk + d] = w[i * dk + d] - a[i * C + j] * w[j * dk + d]
+                # Vn = U - W S and the state's share of o, q e^gc S, over the state rows
+                for i in range(m):
+                    for r in range(T.int64(dv)):
+                        for ln in T.vectorized(T.int64(L)):
+                            pa[ln] = T.float32(0)
+                            pp[ln] = T.float32(0)
+                        for d8 in range(T.int64(DK8)):
+                            pa[0:L] = pa.vload([0], "float32x8") + vec(w, i * dk + d8 * L) * vec(S, h, r, d8 * L)
+                            pp[0:L] = pp.vload([0], "float32x8") + vec(qg, i * dk + d8 * L) * vec(S, h, r, d8 * L)
+                        u[i * dv + r] = u[i * dv + r] - hsum(pa)
+                        Out[c0 + i, h, r] = hsum(pp)
+                # o += P Vn, then times the scale
+                for i in range(m):
+                    for j in range(i + T.int64(1)):
+                        for r in T.vectorized(T.int64(dv)):
+                            Out[c0 + i, h, r] = Out[c0 + i, h, r] + p[i * C + j] * u[j * dv + r]
+                    for r in T.vectorized(T.int64(dv)):
+                        Out[c0 + i, h, r] = Out[c0 + i, h, r] * T.float32(scale)
+                # S' = e^gc_last S + (k e^(gc_last - gc))^T Vn, row by row of M
+                for r in range(T.int64(dv)):
+                    for d in T.vectorized(T.int64(dk)):
+                        S[h, r, d] = S[h, r, d] * last[d]
+                    for j in range(m):
+                        for d in T.vectorized(T.int64(dk)):
+                            S[h, r, d] = S[h, r, d] + kd[j * dk + d] * u[j * dv + r]
+
+    return scan
 
 
 # ---------------------------------------------------------------------------------------------

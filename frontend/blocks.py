@@ -124,17 +124,18 @@ def kv_cache(b: GraphBuilder, layer: int, n_ctx: int, n_kv_head: int, head_dim: 
 
 def attention(
     b: GraphBuilder, q: Value, k: Value, v: Value, pos: Value, caches: tuple[Value, Value], scale: float,
-    new_state: dict[str, Value], layer: int, mask: Value | None = None,
+    new_state: dict[str, Value], layer: int, mask: Value | None = None, f16_pv_below: int = 0,
 ) -> Value:
     """Write this call's K/V into the cache, then attend causally over everything cached
-    (`mask`: an extra additive [T, P+T] mask, e.g. the QSA indexer's selection)."""
+    (`mask`: an extra additive [T, P+T] mask, e.g. the QSA indexer's selection; `f16_pv_below`:
+    see `Attention`, for the causal form)."""
     kc = b.emit("cache_write", [caches[0], k, pos], O.NoAttrs(), f"cache_k.{layer}")
     vc = b.emit("cache_write", [caches[1], v, pos], O.NoAttrs(), f"cache_v.{layer}")
     new_state[f"cache_k.{layer}"] = kc
     new_state[f"cache_v.{layer}"] = vc
     if mask is not None:
         return b.emit("attention", [q, kc, vc, pos, mask], O.Attention(scale, "additive"), "attn")
-    return b.emit("attention", [q, kc, vc, pos], O.Attention(scale), "attn")
+    return b.emit("attention", [q, kc, vc, pos], O.Attention(scale, f16_pv_below=f16_pv_below), "attn")
 
 
 def swiglu_ffn(

@@ -101,7 +101,9 @@ def _selection_mask(b: GraphBuilder, n: Node, pos: Value, name: str) -> Value:
 
 def _attention(b: GraphBuilder, n: Node) -> list[Value]:
     """Causal GQA over the cache: query heads are grouped under their KV head, so one batched
-    matmul per KV head serves its whole group (no repeat of K/V)."""
+    matmul per KV head serves its whole group (no repeat of K/V). An `f16_pv_below` rounding (a
+    per-cell scan, llama.cpp's CPU backend) has no primitive spelling: the spelled form
+    accumulates in float32, as the GPU targets do."""
     q, kc, vc, pos, *extra = n.inputs
     name, (t, h, d) = n.outputs[0].name, q.shape
     hkv = int(kc.shape[1])

@@ -166,6 +166,11 @@ class Attention:
     # the block-sparse form). An "additive" mask may also be [Hkv, T, P+T], one per KV group.
     mask: str = "causal"
     block: int = 0  # cells per block of the "blocks" form
+    # calls of fewer tokens than this take llama.cpp's one-row flash-attention path on its CPU
+    # backend (K/V read as F16): q rounded to f16, an online softmax over the cells in order and
+    # P.V accumulated in an f16 vector (`attention_f16_pv_ref`); 0: never. Causal mask only; the
+    # CPU target rounds so, GPU targets accumulate in f32.
+    f16_pv_below: int = 0
 
 
 @dataclass(frozen=True)
@@ -484,9 +489,12 @@ def causal_mask_ref(t: int, p: int, dtype: Any) -> np.ndarray:
 
 
 def attention_ref(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, pos0: int, scale: float,
-                  mask: str = "causal", extra: np.ndarray | None = None, block: int = 0) -> np.ndarray:
+                  mask: str = "causal", extra: np.ndarray | None = None, block: int = 0,
+                  f16_pv_below: int = 0) -> np.ndarray:
     """q [T,H,D]; caches [C,Hkv,D] already holding this call's keys. Returns [T,H,D].
     `extra`: the additive [T, P+T] mask, or the [T, W] selected cell ids (see `Attention.mask`)."""
+    if q.shape[0] < f16_pv_below:
+        return attention_f16_pv_ref(q, kc, vc, pos0, scale)
     t, h, d = q.shape
     hkv = kc.shape[1]
     s_len = pos0 + t
@@ -503,6 +511,34 @@ def attention_ref(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, pos0: int, scal
         per_head = np.repeat(extra, h // hkv, axis=0) if extra.ndim == 3 else extra[None]
         s = s + per_head.astype(q.dtype)
     return np.einsum("hts,shd->thd", softmax_ref(s, -1), v)
+
+
+def attention_f16_pv_ref(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, pos0: int, scale: float) -> np.ndarray:
+    """Causal attention as llama.cpp's CPU flash attention computes a row with F16 K/V
+    (`ggml_compute_forward_flash_attn_ext_f16_one_chunk`): q rounded to f16 for the scores, then
+    for each visible cell in order an online softmax (max M, sum S in float32) whose P.V
+    accumulator is an f16 vector, rescaled (acc * e^(M_old - M)) and accumulated
+    (acc + v e^(s - M)) with a rounding to f16 after each step; out = acc / S."""
+    t, h, d = q.shape
+    group = h // kc.shape[1]
+    qh = _round_f16(q)
+    out = np.zeros_like(q)
+    for i in range(t):
+        k = np.repeat(kc[: pos0 + i + 1], group, axis=1)  # [cells, H, D]
+        v = np.repeat(vc[: pos0 + i + 1], group, axis=1)
+        s = (np.einsum("shd,hd->sh", k, qh[i]).astype(np.float32) * np.float32(scale)).astype(q.dtype)
+        m = np.full(h, -np.inf, dtype=q.dtype)
+        total = np.zeros(h, dtype=q.dtype)
+        acc = np.zeros((h, d), dtype=q.dtype)
+        for c in range(s.shape[0]):
+            new_max = s[c] > m
+            ms = np.where(new_max, np.exp(np.where(new_max, m - s[c], 0.0)), 1.0)
+            vs = np.where(new_max, 1.0, np.exp(np.minimum(s[c] - m, 0.0)))
+            m = np.maximum(m, s[c])
+            acc = _round_f16(_round_f16(acc * ms[:, None]) + v[c] * vs[:, None])
+            total = total * ms + vs
+        out[i] = acc * (1.0 / total)[:, None]
+    return out
 
 
 def topk_ref(x: np.ndarray, k: int, payload: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -800,6 +836,8 @@ def _attention_shape(ins: Sequence[ShapeDtype], a: Attention) -> list[ShapeDtype
     n_kv = ins[1][0][1]
     if a.mask == "blocks" and (ins[4][1] != "int32" or tuple(ins[4][0][:2]) != (ins[0][0][0], n_kv) or a.block <= 0):
         raise ValueError(f"attention: selected blocks {ins[4]} must be int32 [T, Hkv, K] with a block size > 0")
+    if a.f16_pv_below and a.mask != "causal":
+        raise ValueError(f"attention: f16 P.V accumulation is defined for the causal mask, not {a.mask!r}")
     return [ins[0]]
 
 
@@ -1070,7 +1108,8 @@ OPS: dict[str, OpDef] = {
         OpDef("rope", Rope, _same, _one(lambda i, a, c: rope_ref(i[0], int(i[1]), i[2], a)), fused=True),
         OpDef("attention", Attention, _attention_shape,
               _one(lambda i, a, c: attention_ref(i[0], i[1], i[2], int(i[3]), a.scale, a.mask,
-                                                 i[4] if len(i) > 4 else None, a.block)), fused=True),
+                                                 i[4] if len(i) > 4 else None, a.block, a.f16_pv_below)),
+              fused=True),
         OpDef("swiglu", NoAttrs, _same, _one(lambda i, a, c: i[0] * _sigmoid(i[0]) * i[1]), fused=True),
         OpDef("moe_route", MoeRoute, _route_shape,
               lambda i, a, c: list(moe_route_ref(i[0], a, *i[1:])), fused=True),

@@ -61,6 +61,9 @@ PREFILL = (Call(1), Call(5), Call(7))
 DECODE = (Call(1, 3, decode=True),)
 BOTH = PREFILL + DECODE
 STATEFUL = (Call(5, 0), Call(1, 0), Call(4, 6), Call(3, 13), Call(1, 9, decode=True))
+# calls of MAX_TOKENS take the chunked form of the delta-rule scan (codegen CHUNKED_FROM), the others its
+# recurrence
+CHUNKED = (Call(MAX_TOKENS, 0), Call(1, 0), Call(MAX_TOKENS, 0), Call(1, 9, decode=True))
 
 # ---------------------------------------------------------------------------------------------
 # building one row's graph
@@ -352,13 +355,20 @@ def _cache_write(cg: CaseGraph, tag: str, n_kv: int, dim: int) -> Value:
     return cg.emit("cache_write", [cache, cg.rows((n_kv, dim)), cg.pos], O.NoAttrs())[0]
 
 
-def _attention_case(n_head: int, n_kv: int, dim: int) -> Case:
+def _attention_case(n_head: int, n_kv: int, dim: int, f16_pv_below: int = 0) -> Case:
+    """f16_pv_below: the CPU target's rounding of llama.cpp's one-row flash attention for calls
+    shorter than that (here the 1- to 4-token calls; the 5-token one keeps float32)."""
+
     def build(cg: CaseGraph) -> Graph:
         q = cg.rows((n_head, dim))
         kc, vc = _cache_write(cg, "k", n_kv, dim), _cache_write(cg, "v", n_kv, dim)
-        out = cg.emit("attention", [q, kc, vc, cg.pos], O.Attention(1.0 / math.sqrt(dim)))[0]
+        attrs = O.Attention(1.0 / math.sqrt(dim), f16_pv_below=f16_pv_below)
+        out = cg.emit("attention", [q, kc, vc, cg.pos], attrs)[0]
         return cg.finish([out], {f"{cg.name}.k": kc, f"{cg.name}.v": vc})
 
+    if f16_pv_below:
+        return Case(f"attention-h{n_head}-kv{n_kv}-d{dim}-f16pv", "attention", build, group="cpu_rounding",
+                    calls=STATEFUL)
     return Case(f"attention-h{n_head}-kv{n_kv}-d{dim}", "attention", build, calls=STATEFUL)
 
 
@@ -376,6 +386,8 @@ def position_cases() -> list[Case]:
         _attention_case(4, 2, 8),
         _attention_case(3, 1, 16),
         _attention_case(2, 2, 4),
+        _attention_case(4, 2, 32, f16_pv_below=5),
+        _attention_case(3, 1, 16, f16_pv_below=5),
         Case("cache_write", "cache_write", _cache_write_case, calls=STATEFUL),
     ]
 
@@ -592,7 +604,8 @@ def _ssm_conv_case(dilation: int) -> Case:
     return Case(f"ssm_conv-dilation{dilation}", "ssm_conv", build, group="recurrent", calls=STATEFUL)
 
 
-def _gated_delta_net_case(head_map: str, hv: int, hk: int, dk: int, key_decay: bool = False) -> Case:
+def _gated_delta_net_case(head_map: str, hv: int, hk: int, dk: int, key_decay: bool = False,
+                          calls: tuple[Call, ...] = STATEFUL) -> Case:
     """Decay logits g <= 0 and write strengths beta in (0, 1), as the gates make them; key_decay:
     one decay per key index (KDA)."""
 
@@ -605,9 +618,9 @@ def _gated_delta_net_case(head_map: str, hv: int, hk: int, dk: int, key_decay: b
         new, o = cg.emit("gated_delta_net", [st, q, k, v, g, beta], attrs, 2)
         return cg.finish([o, new], {st.name: new})
 
-    kind = "-key" if key_decay else ""
+    kind = ("-key" if key_decay else "") + ("-long" if calls is CHUNKED else "")
     return Case(f"gated_delta_net{kind}-{head_map}-{hv}x{hk}-d{dk}", "gated_delta_net", build, group="recurrent",
-                calls=STATEFUL)
+                calls=calls)
 
 
 def recurrent_cases() -> list[Case]:
@@ -619,6 +632,8 @@ def recurrent_cases() -> list[Case]:
         _gated_delta_net_case("interleaved", 6, 2, 12),
         _gated_delta_net_case("tiled", 2, 2, 16, key_decay=True),
         _gated_delta_net_case("tiled", 3, 3, 12, key_decay=True),
+        _gated_delta_net_case("tiled", 4, 2, 16, calls=CHUNKED),
+        _gated_delta_net_case("interleaved", 4, 2, 16, key_decay=True, calls=CHUNKED),
         op_case("l2_norm", "l2_norm", O.L2Norm(1e-6), rows(3, 7), group="recurrent", calls=BOTH),
         *[
             op_case(f"rms_norm_gated-{act}", "rms_norm_gated", O.RMSNormGated(1e-5, act), rows(3, 8), weight(8),

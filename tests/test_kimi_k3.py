@@ -14,13 +14,18 @@ import math
 import shutil
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+import tvm
+from test_codegen_ops import MAX_TOKENS
 from test_goldens import _eval
 from test_hy_v3 import interpret, nmse
 
 from ggufc.cli import main
+from ggufc.codegen import linear_attention as LA
+from ggufc.codegen.target import resolve_target
 from ggufc.frontend.blocks_hc import residual_attention_mix
 from ggufc.frontend.load import LoadedModel, load_model
 from ggufc.ir import linear_attention as R
@@ -73,7 +78,8 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize("chunk", [None, 1, 7])
 def test_compiled_matches_llama_cpp(chunk: int | None, tmp_path: Path, cache: Path,
                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """`ggufc eval` on the CPU: measured 1.8e-12 (prefill), 1.7e-12 (decode), 1.8e-12 (chunks of 7)."""
+    """`ggufc eval` on the CPU: measured 1.9e-12 (prefill: the chunked KDA form), 1.8e-12 (decode), 1.8e-12
+    (chunks of 7)."""
     logits = _eval("kimi-k3-moe", chunk, tmp_path, cache, monkeypatch)
     gold = np.load(GOLDEN / "logits" / "kimi-k3-moe.npz")[MODES[chunk or 64]]
     assert logits.shape == gold.shape and nmse(logits, gold) < 1e-10
@@ -119,6 +125,36 @@ def test_kda_one_token_at_a_time_equals_one_call(gate_form: str) -> None:
         s, o = R.gated_delta_net_ref(s, q[i:i + 1], k[i:i + 1], v[i:i + 1], g[i:i + 1], beta[i:i + 1], "tiled", 0.5)
         np.testing.assert_allclose(o[0], o_all[i], rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(s, s_all, rtol=1e-12, atol=1e-12)
+
+
+def _compiled_kda_scan(hv: int, hk: int, d: int, chunked_from: int) -> Any:
+    f = LA.gated_delta_net(hv, d, d, hk, "interleaved", d**-0.5, key_decay=True, chunked_from=chunked_from)
+    return tvm.compile(tvm.IRModule({"main": f}), target=resolve_target("llvm"))["main"]
+
+
+@pytest.mark.parametrize("gate_form", ["softplus", "lower_bound"])
+def test_kda_chunked_kernel_equals_the_float64_recurrence(gate_form: str) -> None:
+    """The compiled chunked form (every call chunked) against the float64 sequential reference: 70
+    tokens (a whole chunk and a partial one), then 1 and 3 more on the carried state; the compiled
+    sequential form beside it for scale."""
+    assert LA.CHUNKED_FROM <= MAX_TOKENS  # the -long rows of test_codegen_ops run the chunked form too
+    hv, hk, d = 4, 2, 16
+    kernels = {"chunked": _compiled_kda_scan(hv, hk, d, 1), "sequential": _compiled_kda_scan(hv, hk, d, 0)}
+    state, q, k, v, g, beta = _kda_inputs(gate_form, t=74, h=hv, d=d, seed=3)
+    q, k = q[:, ::2], k[:, ::2]  # two key heads, shared by value heads 2i and 2i+1
+    errs = {}
+    for name, fn in kernels.items():
+        s_ref, s_dev = state, tvm.runtime.tensor(state.astype(np.float32))
+        worst = 0.0
+        for t0, t1 in ((0, 70), (70, 71), (71, 74)):
+            part = [x[t0:t1] for x in (q, k, v, g, beta)]
+            s_ref, o_ref = R.gated_delta_net_ref(s_ref, *part, "interleaved", d**-0.5)
+            out = tvm.runtime.tensor(np.zeros(o_ref.shape, np.float32))
+            fn(s_dev, *(tvm.runtime.tensor(x.astype(np.float32)) for x in part), out)
+            worst = max(worst, float(np.max(np.abs(out.numpy() - o_ref)) / np.max(np.abs(o_ref))),
+                        float(np.max(np.abs(s_dev.numpy() - s_ref)) / np.max(np.abs(s_ref))))
+        errs[name] = worst
+    assert errs["chunked"] < 5e-6 and errs["sequential"] < 5e-6, errs
 
 
 def test_kda_decays_along_the_key_axis() -> None:

@@ -30,6 +30,7 @@ from ..hparams import Keys, ModelError, rope_freq_scale, rope_table
 from . import llama
 
 ARCH = "minimax-m3"
+FLASH_ATTN_Q_TILE = 64  # query rows per tile of llama.cpp's CPU flash attention (GGML_FA_TILE_Q)
 GATINGS = {1: "softmax", 2: "sigmoid"}  # llama.cpp's expert_gating_func values
 
 
@@ -135,7 +136,11 @@ def _attention(b: GraphBuilder, w: B.Weights, hp: HParams, il: int, h: Value, po
                "neox", hp.n_rot, "Krope")
     k, v = b.unary("round_f16", k, "Kcur_f16"), b.unary("round_f16", v, "Vcur_f16")
     mask = _msa_mask(b, w, hp, il, h, pos, table, n_ctx, new_state) if il >= hp.n_dense_lead else None
-    a = B.attention(b, q, k, v, pos, B.kv_cache(b, il, n_ctx, Hkv, D), 1.0 / math.sqrt(D), new_state, il, mask)
+    # llama.cpp's flash attention takes calls shorter than its query tile one row at a time,
+    # accumulating P.V in F16: the dense layers' goldens show it, the MSA layers' (a flash
+    # attention per KV group) agree with float32 accumulation instead (both measured)
+    a = B.attention(b, q, k, v, pos, B.kv_cache(b, il, n_ctx, Hkv, D), 1.0 / math.sqrt(D), new_state, il, mask,
+                    f16_pv_below=FLASH_ATTN_Q_TILE if mask is None else 0)
     return _proj(w, B.flatten_heads(b, a, "attn_flat"), f"{p}.attn_output", E, H * D)
 
 
