@@ -143,7 +143,8 @@ class Case:
     build: Build
     group: str = "f32"
     calls: tuple[Call, ...] = PREFILL  # rows where T=1 changes the kernel ask for BOTH
-    compare: str = "close"  # "close", "topk" (sets of indices) or "route" (sets of (id, weight))
+    compare: str = "close"  # "close", "topk" (sets of indices), "selected" (sets of the indices whose
+    # score is finite: -inf rows tie and are never read) or "route" (sets of (id, weight))
     may_xfail: bool = False  # quantized prefill kernels under rework: a schedule error xfails
 
     @property
@@ -725,6 +726,18 @@ def _compressed_score_case(ratio: int) -> Case:
     return Case(f"compressed_score-r{ratio}", "compressed_score", build, group="compressed", calls=STATEFUL)
 
 
+def _compressed_select_case(ratio: int, top_k: int) -> Case:
+    """The CSA selection: the top `top_k` compressed rows by indexer score (compared on indices)."""
+
+    def build(cg: CaseGraph) -> Graph:
+        ins = [cg.rows((2, 8)), cg.rows((2,)), cg.weight((N_CTX // ratio, 8)), cg.pos]
+        score = cg.emit("compressed_score", ins, O.CompressedScore(ratio))[0]
+        return cg.finish(cg.emit("topk", [score], O.TopK(top_k), 2))
+
+    return Case(f"compressed_select-r{ratio}-k{top_k}", "topk", build, group="compressed", calls=STATEFUL,
+                compare="selected")
+
+
 def _compressed_attention_case(window: int, ratio: int, top_k: int) -> Case:
     """Attention with sinks over a cache written this call, plus compressed rows (all of them, or
     the top `top_k` by an indexer score when top_k > 0)."""
@@ -759,6 +772,7 @@ def compressed_cases() -> list[Case]:
         op_case("hc_pre-sinkhorn-collapse", "hc_pre", O.HcPre(4, 1e-5, "sinkhorn", post=False, hc_eps=1e-3),
                 rows(4, 8), weight(4, 32), weight(1), weight(4), group="compressed", calls=BOTH),
         _compressed_score_case(4),
+        _compressed_select_case(2, 3),
         _compressed_attention_case(3, 0, 0),
         _compressed_attention_case(5, 4, 0),
         _compressed_attention_case(5, 2, 3),
@@ -1083,6 +1097,9 @@ def compare(case: Case, got: list[np.ndarray], want: list[np.ndarray], what: str
         return
     (gv, gi), (wv, wi) = got, want
     assert gi.shape == wi.shape, f"{what}: ids shape {gi.shape}, expected {wi.shape}"
+    if case.compare == "selected":
+        _compare_finite_selection(gv, gi, wv, wi, what)
+        return
     if case.compare == "topk":  # tie order is free: compare the selected sets and sorted values
         np.testing.assert_array_equal(np.sort(gi, -1), np.sort(wi, -1), err_msg=f"{what}: selected ids")
         assert_close(np.sort(gv, -1), np.sort(wv, -1), f"{what}: values")
@@ -1094,6 +1111,17 @@ def compare(case: Case, got: list[np.ndarray], want: list[np.ndarray], what: str
             err_msg=f"{what}: selected experts",
         )
         assert_close(np.take_along_axis(gv, go, -1), np.take_along_axis(wv, wo, -1), f"{what}: weights")
+
+
+def _compare_finite_selection(gv: np.ndarray, gi: np.ndarray, wv: np.ndarray, wi: np.ndarray, what: str) -> None:
+    """Per row, the set of selected ids with a finite score and their sorted scores (the compiled
+    top-k may also mark -inf slots with id -1)."""
+    k = gi.shape[-1]
+    for g_ids, g_vals, w_ids, w_vals in zip(gi.reshape(-1, k), gv.reshape(-1, k), wi.reshape(-1, k),
+                                            wv.reshape(-1, k), strict=True):
+        g_real, w_real = np.isfinite(g_vals) & (g_ids >= 0), np.isfinite(w_vals) & (w_ids >= 0)
+        assert sorted(g_ids[g_real]) == sorted(w_ids[w_real]), f"{what}: selected ids"
+        assert_close(np.sort(g_vals[g_real]), np.sort(w_vals[w_real]), f"{what}: scores")
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])

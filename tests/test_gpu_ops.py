@@ -28,9 +28,8 @@ from ggufc.runtime.plan_runtime import PlanRunner
 
 # 8-bit activation rounding is a CPU kernel strategy: GPU targets compile without the pass that
 # inserts it (driver/stages.py) and without the 8-bit matmul rules, and lowering it for a GPU is an
-# error (test below); deepseek4's compressed attention and Sinkhorn mix have CPU kernels only so far
-# (its compressed-attention ops refuse GPU targets in one line)
-CASES = [c for c in C.CASES if c.group not in ("act8", "int8", "compressed")]
+# error (test below)
+CASES = [c for c in C.CASES if c.group not in ("act8", "int8")]
 
 
 class GpuCompiled:
