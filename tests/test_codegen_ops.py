@@ -687,13 +687,16 @@ def _ple_hash_case(cg: CaseGraph) -> Graph:
     return cg.finish([rows_, new], {name: new})
 
 
-def _moe_shared_case(name: str, qtype: str, e: int, f: int, fs: int) -> Case:
+def _moe_shared_case(name: str, qtype: str, e: int, f: int, fs: int, shared_schemes: tuple[str, str] = ("", "")
+                     ) -> Case:
+    """With `shared_schemes`, the shared expert's inputs rounded as llama.cpp rounds them (a CPU kernel)."""
     attrs = O.MoeFFN(k=2, expert_scales=("down",), merged_gate_up=True, shared=True,
-                     shared_scales=("gate", "up", "down"))
+                     shared_scales=("gate", "up", "down"), shared_act_schemes=shared_schemes)
     return op_case(name, "moe_ffn", attrs, rows(e), weight(5, e), weight(5, 2 * f, e, qtype=qtype),
                    weight(5, e, f, qtype=qtype), weight(5, domain=(0.5, 1.5)), weight(e),
                    weight(fs, e, qtype=qtype), weight(fs, e, qtype=qtype), weight(e, fs, qtype=qtype),
-                   *[weight(1, domain=(0.5, 1.5)) for _ in range(3)], group="qwen4exp", calls=BOTH)
+                   *[weight(1, domain=(0.5, 1.5)) for _ in range(3)],
+                   group="act8" if any(shared_schemes) else "qwen4exp", calls=BOTH)
 
 
 def qwen4exp_cases() -> list[Case]:
@@ -715,6 +718,8 @@ def qwen4exp_cases() -> list[Case]:
         Case("ple_hash", "ple_hash", _ple_hash_case, group="qwen4exp", calls=STATEFUL),
         _moe_shared_case("moe_ffn-merged-shared-f32", "F32", 16, 12, 10),
         _moe_shared_case("moe_ffn-merged-shared-Q8_0", "Q8_0", 32, 32, 32),
+        _moe_shared_case("moe_ffn-merged-shared-F16-rounded", "F16", 16, 12, 10, ("f16", "f16")),
+        _moe_shared_case("moe_ffn-merged-shared-Q8_0-act8", "Q8_0", 32, 32, 32, ("q8_0", "q8_0")),
     ]
 
 
