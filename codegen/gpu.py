@@ -35,6 +35,7 @@ from tvm import tirx
 
 from . import attention_gpu as AG
 from . import device_info as DI
+from . import hyper_connections as HC
 from . import kernel_keys as KK
 from . import linear_attention as LA
 from . import ngram_embedding as NG
@@ -163,8 +164,9 @@ def gpu_kernel(key: KK.KernelKey, make: Callable[[], tirx.PrimFunc], target: tvm
     the TIR kernel `make` builds, scheduled by dlight."""
     table = POS_TENSOR_KERNELS if key.pos_in_memory else GPU_KERNELS
     own = table.get(key.kind)
-    if own is not None:
-        return own(key, target)
+    func = own(key, target) if own is not None else None
+    if func is not None:
+        return func
     if key.pos_in_memory:
         raise GpuScheduleError(f"kernel '{key.kind}' has no variant reading the position from device memory")
     return _schedule(make(), target, key)
@@ -273,6 +275,35 @@ def _token_topk(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
     return _mark(SI.token_topk_gpu(key.attrs.width), "ggufc.heap_select_per_row")
 
 
+def _compressed_score(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
+    a, n_rows = key.attrs
+    _, n_head, dim = key.dims[0]  # dims of (q, w, rows)
+    return _mark(SI.compressed_score_gpu(int(n_head), int(dim), n_rows, a.ratio), "ggufc.dot_per_row")
+
+
+def _compressed_attention(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
+    a, n_cells, n_rows, n_sel = key.attrs
+    _, n_head, dim = key.dims[0]  # dims of (q, cache, sinks[, rows[, sel]])
+    return _mark(SI.compressed_attention_gpu(int(n_head), int(dim), n_cells, a, n_rows, n_sel),
+                 "ggufc.attention_online_softmax")
+
+
+def _hc_pre(key: Any, target: tvm.target.Target) -> tirx.PrimFunc | None:
+    """The Sinkhorn mix's own kernel (None: the low-rank rule, its TE definition scheduled by dlight)."""
+    if key.attrs.rule != "sinkhorn":
+        return None
+    _, n_hc, e = key.dims[0]  # dims of (R, fn, scale, base)
+    return _mark(HC.hc_pre_sinkhorn_gpu(int(n_hc), int(e), key.attrs), "ggufc.mix_per_token")
+
+
+def _hc_post(key: Any, target: tvm.target.Target) -> tirx.PrimFunc | None:
+    """The comb-mixed scatter's own kernel (None: the plain scatter, dlight's)."""
+    if not key.attrs:
+        return None
+    _, n_hc, e = key.dims[0]  # dims of (R, y, post, comb)
+    return _mark(HC.hc_post_comb_gpu(int(n_hc), int(e)), "ggufc.mix_per_element")
+
+
 def _attention_pos_tensor(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
     return _mark(AG.attention_pos_tensor(*_attention_sizes(key), key.attrs.scale), "ggufc.attention_online_softmax")
 
@@ -284,8 +315,9 @@ def _rope_pos_tensor(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
     return _schedule(AG.rope_pos_tensor(shape, tshape, key.attrs), target, key)
 
 
-GpuKernel = Callable[[Any, tvm.target.Target], tirx.PrimFunc]
-# the GPU targets' lowering table: kernels of ggufc's own by key kind (all others: dlight schedules)
+GpuKernel = Callable[[Any, tvm.target.Target], tirx.PrimFunc | None]
+# the GPU targets' lowering table: kernels of ggufc's own by key kind (all others, and keys for which
+# the entry gives None: dlight schedules)
 GPU_KERNELS: dict[str, GpuKernel] = {
     KK.WeightMatmul.kind: _weight_matmul,
     KK.ExpertMatmul.kind: _expert_matmul,
@@ -305,6 +337,10 @@ GPU_KERNELS: dict[str, GpuKernel] = {
     "block_mask": _block_mask,
     "indexer_block_score": _block_score,
     "block_topk": _block_topk,
+    "compressed_score": _compressed_score,
+    "compressed_attention": _compressed_attention,
+    "hc_pre": _hc_pre,
+    "hc_post": _hc_post,
 }
 # cuda decode captured as one CUDA graph: the kernels that read the position from device memory
 POS_TENSOR_KERNELS: dict[str, GpuKernel] = {

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tvm import te, tirx
+from tvm.script import tirx as T
 
 from ggufc.ir import ops as O
 from ggufc.ir.graph import Node
@@ -26,6 +27,8 @@ from . import kernel_keys as KK
 from . import kernels as K
 from .kernels import PShape, f32, func, i64
 from .lower_context import FunctionContext, call_args, tensor_dims
+
+NEG = -3.0e38  # a finite -inf: WGSL has no infinity literal
 
 
 def hc_pre(streams: PShape, rank: int, n_hc: int, eps: float, post: bool) -> tirx.PrimFunc:
@@ -133,6 +136,165 @@ def hc_pre_sinkhorn(streams: PShape, a: O.HcPre) -> tirx.PrimFunc:
     for i in range(1, a.n_iter):
         comb = normalise(normalise(comb, False, f"dst{i}"), True, f"src{i}")
     return func([r, fn, scale, base, mixed, post, comb])
+
+
+HC_THREADS = 64  # GPU threads per workgroup of the Sinkhorn mix (fewer when its mixes are many)
+HC_SHARED_FLOATS = 2048  # partial sums in workgroup memory: 8 KiB of WebGPU's guaranteed 16
+
+
+def hc_pre_sinkhorn_gpu(n_hc: int, e: int, a: O.HcPre) -> tirx.PrimFunc:
+    """As `hc_pre_sinkhorn` (same arguments), one workgroup per token: one pass over the token's
+    hc-wide stream sums its squares and every mix's dot product (rms(x) . fn = rstd * (x . fn)),
+    each thread a strided slice, the partial sums reduced in workgroup memory; every thread then
+    forms the pre weights, post weights and the Sinkhorn-normalised comb (hc x hc, tiny) from the
+    same sums, and a second pass writes the pre-mixed row. Two launches' worth of dlight stages
+    become one."""
+    n_mix = (2 + n_hc) * n_hc if a.post else n_hc
+    nt = HC_THREADS
+    while nt > 1 and (n_mix + 1) * nt > HC_SHARED_FLOATS:
+        nt //= 2
+    HC, E, WIDE, NM, NT = T.int64(n_hc), T.int64(e), T.int64(n_hc * e), T.int64(n_mix), T.int64(nt)
+    EPS, HC_EPS, WIDE_F = T.float32(a.eps), T.float32(a.hc_eps), T.float32(n_hc * e)
+    NS, HC2 = T.int64(3 if a.post else 1), T.int64(2 * n_hc)
+
+    def sigmoid(x: Any) -> Any:
+        return T.float32(1) / (T.float32(1) + T.exp(-x))
+
+    @T.macro
+    def sums(r: Any, fn: Any, red: Any, part: Any, ms: Any, t: Any, tx: Any) -> None:
+        # part[m] (m < NM): this thread's x . fn[m]; part[NM]: its sum of squares
+        for m in range(NM + T.int64(1)):
+            part[m] = T.float32(0)
+        for k0 in range((WIDE + NT - T.int64(1)) // NT):
+            if k0 * NT + tx < WIDE:
+                part[NM] = part[NM] + r[t, (k0 * NT + tx) // E, (k0 * NT + tx) % E] * r[
+                    t, (k0 * NT + tx) // E, (k0 * NT + tx) % E]
+                for m in range(NM):
+                    part[m] = part[m] + r[t, (k0 * NT + tx) // E, (k0 * NT + tx) % E] * fn[m, k0 * NT + tx]
+        for m in range(NM + T.int64(1)):
+            red[m * NT + tx] = part[m]
+        T.tvm_storage_sync("shared")
+        for m0 in range((NM + NT) // NT):  # thread m sums mix m's partials (and NM: the squares)
+            if m0 * NT + tx <= NM:
+                part[0] = T.float32(0)
+                for j in range(NT):
+                    part[0] = part[0] + red[(m0 * NT + tx) * NT + j]
+                ms[m0 * NT + tx] = part[0]
+        T.tvm_storage_sync("shared")
+
+    def at(i: Any, j: Any, over_src: bool) -> Any:  # comb[src, dst] of line i, entry j
+        return j * HC + i if over_src else i * HC + j
+
+    @T.macro
+    def normalise(cm: Any, st: Any, over_src: bool) -> None:
+        for i in range(HC):
+            st[1] = T.float32(0)
+            for j in range(HC):
+                st[1] = st[1] + cm[at(i, j, over_src)]
+            for j in range(HC):
+                cm[at(i, j, over_src)] = cm[at(i, j, over_src)] / (st[1] + HC_EPS)
+
+    @T.macro
+    def sinkhorn(ms: Any, scale: Any, base: Any, cm: Any, st: Any, rstd: Any) -> None:
+        for s_ in range(HC):  # softmax over destinations per source, plus hc_eps
+            st[0] = T.float32(NEG)
+            for d in range(HC):
+                st[0] = T.max(st[0], ms[HC2 + s_ * HC + d] * rstd * scale[2] + base[HC2 + s_ * HC + d])
+            st[1] = T.float32(0)
+            for d in range(HC):
+                cm[s_ * HC + d] = T.exp(ms[HC2 + s_ * HC + d] * rstd * scale[2] + base[HC2 + s_ * HC + d] - st[0])
+                st[1] = st[1] + cm[s_ * HC + d]
+            for d in range(HC):
+                cm[s_ * HC + d] = cm[s_ * HC + d] / st[1] + HC_EPS
+        normalise(cm, st, True)
+        for _it in range(T.int64(a.n_iter - 1)):
+            normalise(cm, st, False)
+            normalise(cm, st, True)
+
+    @T.macro
+    def premix(r: Any, ms: Any, scale: Any, base: Any, mixed: Any, pre: Any, t: Any, tx: Any, rstd: Any) -> None:
+        for h in range(HC):
+            pre[h] = sigmoid(ms[h] * rstd * scale[0] + base[h]) + HC_EPS
+        for j0 in range((E + NT - T.int64(1)) // NT):
+            if j0 * NT + tx < E:
+                pre[HC] = T.float32(0)
+                for h in range(HC):
+                    pre[HC] = pre[HC] + pre[h] * r[t, h, j0 * NT + tx]
+                mixed[t, j0 * NT + tx] = pre[HC]
+
+    @T.prim_func(private=True)
+    def hc_collapse_gpu(r_h: T.handle, fn: T.Buffer((NM, WIDE), "float32"), scale: T.Buffer((NS,), "float32"),
+                        base: T.Buffer((NM,), "float32"), mixed_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        n = T.int64()
+        r = T.match_buffer(r_h, (n, HC, E), "float32")
+        mixed = T.match_buffer(mixed_h, (n, E), "float32")
+        t = T.launch_thread("blockIdx.x", n)
+        red = T.alloc_shared(((NM + T.int64(1)) * NT,), "float32")
+        ms = T.alloc_shared((NM + T.int64(1),), "float32")
+        part = T.alloc_local((NM + T.int64(1),), "float32")
+        pre = T.alloc_local((HC + T.int64(1),), "float32")
+        tx = T.launch_thread("threadIdx.x", NT)
+        sums(r, fn, red, part, ms, t, tx)
+        premix(r, ms, scale, base, mixed, pre, t, tx, T.float32(1) / T.sqrt(ms[NM] / WIDE_F + EPS))
+
+    @T.prim_func(private=True)
+    def hc_pre_sinkhorn_gpu(r_h: T.handle, fn: T.Buffer((NM, WIDE), "float32"), scale: T.Buffer((NS,), "float32"),
+                            base: T.Buffer((NM,), "float32"), mixed_h: T.handle, post_h: T.handle,
+                            comb_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        n = T.int64()
+        r = T.match_buffer(r_h, (n, HC, E), "float32")
+        mixed = T.match_buffer(mixed_h, (n, E), "float32")
+        post = T.match_buffer(post_h, (n, HC), "float32")
+        comb = T.match_buffer(comb_h, (n, HC, HC), "float32")
+        t = T.launch_thread("blockIdx.x", n)
+        red = T.alloc_shared(((NM + T.int64(1)) * NT,), "float32")
+        ms = T.alloc_shared((NM + T.int64(1),), "float32")
+        part = T.alloc_local((NM + T.int64(1),), "float32")
+        pre = T.alloc_local((HC + T.int64(1),), "float32")
+        cm = T.alloc_local((HC * HC,), "float32")
+        st = T.alloc_local((2,), "float32")
+        tx = T.launch_thread("threadIdx.x", NT)
+        sums(r, fn, red, part, ms, t, tx)
+        premix(r, ms, scale, base, mixed, pre, t, tx, T.float32(1) / T.sqrt(ms[NM] / WIDE_F + EPS))
+        if tx == T.int64(0):
+            sinkhorn(ms, scale, base, cm, st, T.float32(1) / T.sqrt(ms[NM] / WIDE_F + EPS))
+            for h in range(HC):
+                post[t, h] = T.float32(2) * sigmoid(
+                    ms[HC + h] * (T.float32(1) / T.sqrt(ms[NM] / WIDE_F + EPS)) * scale[1] + base[HC + h])
+            for i in range(HC * HC):
+                comb[t, i // HC, i % HC] = cm[i]
+
+    return hc_pre_sinkhorn_gpu if a.post else hc_collapse_gpu
+
+
+def hc_post_comb_gpu(n_hc: int, e: int) -> tirx.PrimFunc:
+    """As `hc_post` with the comb matrix (same arguments), one thread per output element: the
+    comb-weighted sum of the source streams plus post * y in one launch (dlight: two)."""
+    HC, E, NT = T.int64(n_hc), T.int64(e), T.int64(HC_THREADS)
+
+    @T.prim_func(private=True)
+    def hc_post_comb_gpu(r_h: T.handle, y_h: T.handle, post_h: T.handle, comb_h: T.handle, out_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        n = T.int64()
+        r = T.match_buffer(r_h, (n, HC, E), "float32")
+        y = T.match_buffer(y_h, (n, E), "float32")
+        post = T.match_buffer(post_h, (n, HC), "float32")
+        comb = T.match_buffer(comb_h, (n, HC, HC), "float32")
+        out = T.match_buffer(out_h, (n, HC, E), "float32")
+        bx = T.launch_thread("blockIdx.x", (n * HC * E + NT - T.int64(1)) // NT)
+        acc = T.alloc_local((1,), "float32")
+        tx = T.launch_thread("threadIdx.x", NT)
+        idx = T.meta_var(bx * NT + tx)
+        if idx < n * HC * E:
+            acc[0] = T.float32(0)
+            for s_ in range(HC):
+                acc[0] = acc[0] + comb[idx // (HC * E), s_, idx // E % HC] * r[idx // (HC * E), s_, idx % E]
+            out[idx // (HC * E), idx // E % HC, idx % E] = post[idx // (HC * E), idx // E % HC] * y[
+                idx // (HC * E), idx % E] + acc[0]
+
+    return K.with_root_block(hc_post_comb_gpu)
 
 
 def res_mix(src_shape: PShape, eps: float) -> tirx.PrimFunc:

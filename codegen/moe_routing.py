@@ -210,7 +210,7 @@ def _moe_ffn(fc: FunctionContext, node: Node) -> list[Any]:
     extra = [named["bias"]] if a.selection_bias else [named["hash_table"], named["tokens"]] if a.hash_routed else []
     w, ids = route(fc, logits, (t_dim, n_exp), a, extra, "ffn_moe")
     in_scheme, down_scheme = a.act_schemes
-    if (in_scheme or down_scheme) and fc.mb.target.kind.name in GPU_KINDS:
+    if (in_scheme or down_scheme or any(a.shared_act_schemes)) and fc.mb.target.kind.name in GPU_KINDS:
         raise NotImplementedError(f"{node.outputs[0].label}: 8-bit activation rounding of MoE experts is a CPU "
                                   "kernel; GPU targets compile with float32 activations")
     e_in, x_in = e, fc.value(x)
@@ -374,9 +374,12 @@ def shared_expert(fc: FunctionContext, node: Node, named: dict[str, Any], routed
                            [inp, *arrays], [([t, K.i64(n)], "float32")], name)[0]
         return out, n
 
-    g, fs = proj(fc.value(x), named["shexp_gate"], "ffn_shexp_gate")
-    u, _ = proj(fc.value(x), named["shexp_up"], "ffn_shexp_up")
+    in_scheme, down_scheme = a.shared_act_schemes
+    xr = _round_temp(fc, fc.value(x), (t_dim, e), [t, K.i64(e)], in_scheme, "ffn_shexp_in_q")
+    g, fs = proj(xr, named["shexp_gate"], "ffn_shexp_gate")
+    u, _ = proj(xr, named["shexp_up"], "ffn_shexp_up")
     act = _shared_act(fc, a, g, u, scales, (t_dim, fs), [t, K.i64(fs)])
+    act = _round_temp(fc, act, (t_dim, fs), [t, K.i64(fs)], down_scheme, "ffn_shexp_act_q")
     down, _ = proj(act, named["shexp_down"], "ffn_shexp_down")
     has_sd = "down" in scales
     s_down = [fc.value(scales["down"])] if has_sd else []

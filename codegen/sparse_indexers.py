@@ -34,11 +34,11 @@ from tvm.script import tirx as T
 from ggufc.ir import ops as O
 from ggufc.ir.graph import Node
 
+from . import attention_gpu as AG
 from . import kernel_keys as KK
 from . import kernels as K
 from .kernels import PShape, f32, func, i64, with_root_block
-from .lower_context import GPU_KINDS, FunctionContext, call_args, tensor_dims
-from .target import UnsupportedOnTarget
+from .lower_context import FunctionContext, call_args, tensor_dims
 
 THREADS = 64  # GPU threads per workgroup
 I32_MAX = (1 << 31) - 1
@@ -889,14 +889,173 @@ def compressed_attention(q_shape: PShape, n_cells: int, a: O.CompressedAttention
     return func([*args, out])
 
 
-def _cpu_only(fc: FunctionContext, node: Node) -> None:
-    if fc.mb.target.kind.name in GPU_KINDS:
-        raise UnsupportedOnTarget(f"{node.op} ({node.outputs[0].label}): compressed attention has CPU kernels only "
-                                  "so far; compile this model for the llvm target")
+def compressed_score_gpu(n_head: int, dim: int, n_rows: int, ratio: int) -> tirx.PrimFunc:
+    """As `compressed_score`, one thread per (query, row): the sum over heads of w * relu(q . row),
+    -inf (written as its bit pattern: WGSL has no infinity literal) at rows not yet complete."""
+    H, D, NB, NT, RATIO = T.int64(n_head), T.int64(dim), T.int64(n_rows), T.int64(THREADS), T.int64(ratio)
+    neg_inf = tirx.reinterpret("float32", tirx.const(0xFF800000, "uint32"))
+
+    @T.prim_func(private=True)
+    def compressed_score_gpu(q_h: T.handle, w_h: T.handle, rows: T.Buffer((NB, D), "float32"), pos: T.int64,
+                             o_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        n = T.int64()
+        Q = T.match_buffer(q_h, (n, H, D), "float32")
+        Wt = T.match_buffer(w_h, (n, H), "float32")
+        O_ = T.match_buffer(o_h, (n, NB), "float32")
+        bx = T.launch_thread("blockIdx.x", (n * NB + NT - T.int64(1)) // NT)
+        acc = T.alloc_local((2,), "float32")
+        tx = T.launch_thread("threadIdx.x", NT)
+        idx = T.meta_var(bx * NT + tx)
+        if idx < n * NB:
+            acc[0] = T.float32(0)
+            for h in range(H):
+                acc[1] = T.float32(0)
+                for d in range(D):
+                    acc[1] = acc[1] + Q[idx // NB, h, d] * rows[idx % NB, d]
+                acc[0] = acc[0] + Wt[idx // NB, h] * T.max(acc[1], T.float32(0))
+            if (idx % NB + T.int64(1)) * RATIO <= pos + idx // NB + T.int64(1):
+                O_[idx // NB, idx % NB] = acc[0]
+            else:
+                O_[idx // NB, idx % NB] = neg_inf
+
+    return with_root_block(compressed_score_gpu)
+
+
+def _compressed_online_softmax(n_head: int, dim: int, n_cells: int, a: O.CompressedAttention, n_rows: int,
+                               n_sel: int) -> Any:
+    """The body of `compressed_attention_gpu`, a macro over (q, cache, sinks, rows, sel, out, n, pos):
+    one workgroup per (token, head) walks its slots in tiles of NT (the raw cells of its window,
+    then the compressed rows: all, or the selected ones) with the online softmax of
+    `attention_gpu.py`; the running max and sum start at the sink (max = sink, sum = exp(0)), so
+    the sink joins max and denominator as in the CPU kernel. Tile counts depend on the workgroup
+    id and `pos` only, so the barriers stay in uniform control flow."""
+    nt = AG.attention_threads(dim)
+    H, D, C, NT, DT = T.int64(n_head), T.int64(dim), T.int64(n_cells), T.int64(nt), T.int64(-(-dim // nt))
+    NR, RATIO, WIN = T.int64(max(n_rows, 1)), T.int64(max(a.ratio, 1)), T.int64(a.window)
+    E = T.int64(n_sel if a.selected else n_rows)  # compressed slots after the raw ones
+    SCALE, NEG_INF = T.float32(a.scale), T.float32(AG.NEG)
+
+    def first(pos: Any, t: Any) -> Any:  # the oldest raw cell in the window of query t
+        return T.max(pos + t + T.int64(1) - WIN, T.int64(0))
+
+    def n_raw(pos: Any, t: Any) -> Any:
+        return pos + t + T.int64(1) - first(pos, t)
+
+    def extra(pos: Any, t: Any, s: Any) -> Any:  # the compressed slot of slot s (clamped)
+        return T.min(T.max(s - n_raw(pos, t), T.int64(0)), E - T.int64(1))
+
+    def row(sel: Any, pos: Any, t: Any, s: Any) -> Any:  # the compressed row of slot s (clamped)
+        if sel is None:
+            return T.min(extra(pos, t, s), NR - T.int64(1))
+        return T.min(T.max(T.Cast("int64", sel[t, extra(pos, t, s)]), T.int64(0)), NR - T.int64(1))
+
+    def ok(sel: Any, pos: Any, t: Any, s: Any) -> Any:
+        if not n_rows:
+            return s < n_raw(pos, t)
+        complete = (row(sel, pos, t, s) + T.int64(1)) * RATIO <= pos + t + T.int64(1)
+        if sel is not None:
+            complete = T.And(sel[t, extra(pos, t, s)] >= 0, complete)
+        return T.Or(s < n_raw(pos, t), T.And(s < n_raw(pos, t) + E, complete))
+
+    def kv(cache: Any, rows: Any, sel: Any, pos: Any, t: Any, s: Any, d: Any) -> Any:  # K = V of slot s
+        raw = cache[T.min(first(pos, t) + s, C - T.int64(1)), d]
+        if rows is None:
+            return raw
+        return T.if_then_else(s < n_raw(pos, t), raw, rows[row(sel, pos, t, s), d])
+
+    @T.macro
+    def attend(q: Any, cache: Any, sinks: Any, rows: Any, sel: Any, o: Any, n: Any, pos: Any) -> None:
+        wg = T.launch_thread("blockIdx.x", n * H)
+        qs = T.alloc_shared((D,), "float32")
+        ps = T.alloc_shared((NT,), "float32")
+        acc = T.alloc_local((DT,), "float32")
+        stat = T.alloc_local((4,), "float32")  # running max, running sum, tile max, tile sum
+        tx = T.launch_thread("threadIdx.x", NT)
+        t = T.meta_var(wg // H)
+        h = T.meta_var(wg % H)
+        for d0 in range(DT):
+            if d0 * NT + tx < D:
+                qs[d0 * NT + tx] = q[t, h, d0 * NT + tx] * SCALE
+            acc[d0] = T.float32(0)
+        stat[0] = sinks[h]
+        stat[1] = T.float32(1)
+        T.tvm_storage_sync("shared")
+        for tile in range((n_raw(pos, t) + E + NT - T.int64(1)) // NT):
+            stat[2] = T.float32(0)
+            if ok(sel, pos, t, tile * NT + tx):
+                for d in range(D):
+                    stat[2] = stat[2] + qs[d] * kv(cache, rows, sel, pos, t, tile * NT + tx, d)
+                ps[tx] = stat[2]
+            else:
+                ps[tx] = NEG_INF
+            T.tvm_storage_sync("shared")
+            stat[2] = stat[0]
+            for j in range(NT):
+                stat[2] = T.max(stat[2], ps[j])
+            stat[3] = T.exp(stat[0] - stat[2])
+            for d0 in range(DT):
+                acc[d0] = acc[d0] * stat[3]
+            stat[1] = stat[1] * stat[3]
+            stat[0] = stat[2]
+            for j in range(NT):
+                if ok(sel, pos, t, tile * NT + j):
+                    stat[3] = T.exp(ps[j] - stat[0])
+                    stat[1] = stat[1] + stat[3]
+                    for d0 in range(DT):
+                        if d0 * NT + tx < D:
+                            acc[d0] = acc[d0] + stat[3] * kv(cache, rows, sel, pos, t, tile * NT + j, d0 * NT + tx)
+            T.tvm_storage_sync("shared")
+        for d0 in range(DT):
+            if d0 * NT + tx < D:
+                o[t, h, d0 * NT + tx] = acc[d0] / stat[1]
+
+    return attend
+
+
+def compressed_attention_gpu(n_head: int, dim: int, n_cells: int, a: O.CompressedAttention, n_rows: int = 0,
+                             n_sel: int = 0) -> tirx.PrimFunc:
+    """As `compressed_attention` (same arguments), in the online-softmax form of `attention_gpu.py`:
+    no [T, H, P+T] score matrix, and only the window's raw cells are read."""
+    H, D, C, NR, K_ = T.int64(n_head), T.int64(dim), T.int64(n_cells), T.int64(max(n_rows, 1)), T.int64(max(n_sel, 1))
+    attend = _compressed_online_softmax(n_head, dim, n_cells, a, n_rows, n_sel)
+
+    @T.prim_func(private=True)
+    def window_attention_gpu(q_h: T.handle, cache: T.Buffer((C, D), "float32"), sinks: T.Buffer((H,), "float32"),
+                             pos: T.int64, o_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        n = T.int64()
+        q = T.match_buffer(q_h, (n, H, D), "float32")
+        o = T.match_buffer(o_h, (n, H, D), "float32")
+        attend(q, cache, sinks, None, None, o, n, pos)
+
+    @T.prim_func(private=True)
+    def compressed_attention_gpu(q_h: T.handle, cache: T.Buffer((C, D), "float32"),
+                                 sinks: T.Buffer((H,), "float32"), pos: T.int64,
+                                 rows: T.Buffer((NR, D), "float32"), o_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        n = T.int64()
+        q = T.match_buffer(q_h, (n, H, D), "float32")
+        o = T.match_buffer(o_h, (n, H, D), "float32")
+        attend(q, cache, sinks, rows, None, o, n, pos)
+
+    @T.prim_func(private=True)
+    def selected_attention_gpu(q_h: T.handle, cache: T.Buffer((C, D), "float32"),
+                               sinks: T.Buffer((H,), "float32"), pos: T.int64,
+                               rows: T.Buffer((NR, D), "float32"), sel_h: T.handle, o_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        n = T.int64()
+        q = T.match_buffer(q_h, (n, H, D), "float32")
+        sel = T.match_buffer(sel_h, (n, K_), "int32")
+        o = T.match_buffer(o_h, (n, H, D), "float32")
+        attend(q, cache, sinks, rows, sel, o, n, pos)
+
+    if not n_rows:
+        return window_attention_gpu
+    return selected_attention_gpu if a.selected else compressed_attention_gpu
 
 
 def _compressed_score(fc: FunctionContext, node: Node) -> list[Any]:
-    _cpu_only(fc, node)
     a: O.CompressedScore = node.attrs
     q, _, rows = node.inputs[:3]
     n_rows = int(rows.shape[0])
@@ -906,7 +1065,6 @@ def _compressed_score(fc: FunctionContext, node: Node) -> list[Any]:
 
 
 def _compressed_attention(fc: FunctionContext, node: Node) -> list[Any]:
-    _cpu_only(fc, node)
     a: O.CompressedAttention = node.attrs
     q, cache = node.inputs[:2]
     n_rows = int(node.inputs[4].shape[0]) if a.ratio > 0 else 0

@@ -198,9 +198,12 @@ def routed_experts_ref(n: dict[str, Any], a: Any) -> np.ndarray:
 def shared_expert_ref(n: dict[str, Any], a: Any) -> np.ndarray:
     """down(act(x Wg [sg], x Wu [su])) [sd], times sigmoid(x . gate_inp_shexp) when gated."""
     x, s = n["x"], n["shexp_scales"]
-    g = x @ n["shexp_gate"].T * (s["gate"] if "gate" in s else 1)
-    u = x @ n["shexp_up"].T * (s["up"] if "up" in s else 1)
+    in_scheme, down_scheme = a.shared_act_schemes
+    xr = quantize_act_ref(x, in_scheme) if in_scheme else x
+    g = xr @ n["shexp_gate"].T * (s["gate"] if "gate" in s else 1)
+    u = xr @ n["shexp_up"].T * (s["up"] if "up" in s else 1)
     act = expert_act_ref(g, u, a.shared_act, a.shared_act_limit, a.shared_act_linear_beta)
+    act = quantize_act_ref(act, down_scheme) if down_scheme else act
     sh = act @ n["shexp_down"].T * (s["down"] if "down" in s else 1)
     if not a.shared_gated:
         return sh

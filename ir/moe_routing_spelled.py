@@ -91,9 +91,13 @@ def shared_expert_spelled(b: GraphBuilder, x: Value, routed: Value, named: dict,
         y = b.matmul(v, w, f"{name}.shexp_{kind}" if kind not in scales else f"{name}.shexp_{kind}.mm")
         return b.mul(y, scales[kind], f"{name}.shexp_{kind}") if kind in scales else y
 
-    g = linear(x, named["shexp_gate"], "gate")
-    u = linear(x, named["shexp_up"], "up")
+    in_scheme, down_scheme = a.shared_act_schemes
+    xr = b.emit("quantize_act", [x], O.QuantizeAct(in_scheme), f"{name}.shexp_in_q") if in_scheme else x
+    g = linear(xr, named["shexp_gate"], "gate")
+    u = linear(xr, named["shexp_up"], "up")
     act = expert_act_spelled(b, g, u, a.shared_act, a.shared_act_limit, f"{name}.shexp_act", a.shared_act_linear_beta)
+    if down_scheme:
+        act = b.emit("quantize_act", [act], O.QuantizeAct(down_scheme), f"{name}.shexp_act_q")
     shared = linear(act, named["shexp_down"], "down")
     if not a.shared_gated:
         return b.add(routed, shared, name)

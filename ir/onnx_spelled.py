@@ -6,8 +6,9 @@ at the dynamic position, MoE expert matmuls as a `Gather` of expert rows under a
 `MatMul`, the causal conv as a grouped `Conv`, the gated delta rule as a `Scan` over tokens,
 qwen4exp's PLE n-gram hash in uint64 arithmetic, its QSA cell values, heap selection
 (`onnx_heap`) and index mask, minimax-m3's MSA block selection (`TopK` over values that put the
-local blocks first) and per-group block mask, and symbolic dims (`P+T`, `2*T`) computed from the token count
-and the start position.
+local blocks first) and per-group block mask, deepseek4's compressed-row scores and attention
+(one softmax over the window's cells, the complete or selected rows and the sink), and symbolic
+dims (`P+T`, `2*T`) computed from the token count and the start position.
 """
 
 from __future__ import annotations
@@ -365,6 +366,89 @@ def spell_ple_hash(e: OnnxWriter, node: Node) -> None:
     e.emit("Cast", [rows], [out], to=TensorProto.INT32)
 
 
+def _complete_rows(e: OnnxWriter, out: str, n_rows: int, ratio: int) -> str:
+    """[T, NB] bool: compressed row j is complete for query i ((j + 1) * ratio <= P + i + 1)."""
+    _, rows = _cells(e, out)
+    last_cells = e.const(f"{out}/row_last_cell", ((np.arange(n_rows) + 1) * ratio - 1).astype(np.int64))
+    return _op(e, "LessOrEqual", [last_cells, rows], f"{out}/complete")
+
+
+def spell_compressed_score(e: OnnxWriter, node: Node) -> None:
+    """[T, NB]: sum over heads of w * relu(q . row) (one batched MatMul), -inf at rows not complete."""
+    q, w, rows = (e.name(v) for v in node.inputs[:3])
+    out, n_rows = e.name(node.outputs[0]), int(node.inputs[2].shape[0])
+    dots = _op(e, "Relu", [_op(e, "MatMul", [q, _op(e, "Transpose", [rows], f"{out}/rows_t")], f"{out}/dots")],
+               f"{out}/relu")  # [T, Hi, NB]
+    weighted = _op(e, "Mul", [dots, _unsqueeze(e, w, [2], f"{out}/w_col")], f"{out}/weighted")
+    total = _op(e, "ReduceSum", [weighted, e.ints(f"{out}/h_axis", [1])], f"{out}/total", keepdims=0)
+    ninf = e.const(f"{out}/ninf", np.asarray(-np.inf, np.float32))
+    e.emit("Where", [_complete_rows(e, out, n_rows, node.attrs.ratio), total, ninf], [out])
+
+
+def spell_compressed_attention(e: OnnxWriter, node: Node) -> None:
+    """One softmax over [raw cells of the window | compressed rows (all, or the selected ones,
+    gathered per query) | the head's sink]; the sink column carries no value."""
+    a: O.CompressedAttention = node.attrs
+    q, cache = e.name(node.inputs[0]), e.name(node.inputs[1])
+    out, s = e.name(node.outputs[0]), e.symbols
+    ninf = e.const(f"{out}/ninf", np.asarray(-np.inf, np.float32))
+    scale = e.const(f"{out}/scale", np.asarray(a.scale, np.float32))
+    keys = _slice(e, cache, e.ints(f"{out}/zero", [0]), s.tensor("P+T"), 0, f"{out}/keys")  # [P+T, D]
+    cells, qrows = _cells(e, out)
+    ago = _op(e, "Sub", [qrows, cells], f"{out}/ago")
+    seen = _op(e, "And", [_op(e, "LessOrEqual", [cells, qrows], f"{out}/causal"),
+                          _op(e, "Less", [ago, e.const(f"{out}/window", np.asarray(a.window, np.int64))],
+                              f"{out}/in_window")], f"{out}/seen")
+    raw = _op(e, "Mul", [_op(e, "MatMul", [q, _op(e, "Transpose", [keys], f"{out}/keys_t")], f"{out}/raw_dot"),
+                         scale], f"{out}/raw_scaled")  # [T, H, P+T]
+    logits = [_where(e, _unsqueeze(e, seen, [1], f"{out}/seen3"), raw, ninf, f"{out}/raw")]
+    extra = _compressed_columns(e, node, out, q, scale, ninf) if a.ratio else None
+    if extra is not None:
+        logits.append(extra[0])
+    n_head = int(node.inputs[0].shape[1])
+    sink_shape = _op(e, "Concat", [s.tensor("T"), e.ints(f"{out}/h1", [n_head, 1])], f"{out}/sink_shape", axis=0)
+    sinks = _unsqueeze(e, e.name(node.inputs[2]), [0, 2], f"{out}/sinks3")
+    logits.append(_op(e, "Expand", [sinks, sink_shape], f"{out}/sink_col"))  # [T, H, 1]
+    probs = _op(e, "Softmax", [_op(e, "Concat", logits, f"{out}/logits", axis=2)], f"{out}/probs", axis=2)
+    raw_probs = _slice(e, probs, e.ints(f"{out}/zero2", [0]), s.tensor("P+T"), 2, f"{out}/raw_probs")
+    acc = _op(e, "MatMul", [raw_probs, keys], f"{out}/acc_raw")
+    if extra is None:
+        e.emit("Identity", [acc], [out])
+        return
+    _, values, width = extra
+    end = _op(e, "Add", [s.tensor("P+T"), e.ints(f"{out}/width", [width])], f"{out}/extra_end")
+    extra_probs = _slice(e, probs, s.tensor("P+T"), end, 2, f"{out}/extra_probs")
+    e.emit("Add", [acc, _op(e, "MatMul", [extra_probs, values], f"{out}/acc_extra")], [out])
+
+
+def _compressed_columns(e: OnnxWriter, node: Node, out: str, q: str, scale: str, ninf: str
+                        ) -> tuple[str, str, int]:
+    """(logits [T, H, W] of the compressed rows, their values ([NB, D], or [T, k, D] gathered per
+    query), W): every complete row, or the selected ones (-1 and incomplete rows masked)."""
+    a: O.CompressedAttention = node.attrs
+    rows = e.name(node.inputs[4])
+    n_rows = int(node.inputs[4].shape[0])
+    complete = _complete_rows(e, out, n_rows, a.ratio)  # [T, NB]
+    if a.selected:
+        sel = _op(e, "Cast", [e.name(node.inputs[5])], f"{out}/sel64", to=TensorProto.INT64)  # [T, k]
+        clamped = _op(e, "Max", [_op(e, "Min", [sel, e.const(f"{out}/last_row", np.asarray(n_rows - 1, np.int64))],
+                                     f"{out}/sel_min"), e.const(f"{out}/zero_i", np.asarray(0, np.int64))],
+                      f"{out}/sel_row")
+        values = _op(e, "Gather", [rows, clamped], f"{out}/sel_rows", axis=0)  # [T, k, D]
+        ok = _op(e, "And", [_op(e, "GreaterOrEqual", [sel, e.const(f"{out}/zero_s", np.asarray(0, np.int64))],
+                                f"{out}/listed"),
+                            _op(e, "GatherElements", [complete, clamped], f"{out}/sel_complete", axis=1)],
+                 f"{out}/sel_ok")
+        dots = _op(e, "MatMul", [q, _op(e, "Transpose", [values], f"{out}/sel_rows_t", perm=[0, 2, 1])],
+                   f"{out}/extra_dot")  # [T, H, k]
+        width = int(node.inputs[5].shape[1])
+    else:
+        values, ok, width = rows, complete, n_rows
+        dots = _op(e, "MatMul", [q, _op(e, "Transpose", [rows], f"{out}/rows_t")], f"{out}/extra_dot")
+    scaled = _op(e, "Mul", [dots, scale], f"{out}/extra_scaled")
+    return _where(e, _unsqueeze(e, ok, [1], f"{out}/ok3"), scaled, ninf, f"{out}/extra"), values, width
+
+
 SPELLED: dict[str, Callable[[OnnxWriter, Node], None]] = {
     "positions": spell_positions,
     "causal_mask": spell_causal_mask,
@@ -380,4 +464,6 @@ SPELLED: dict[str, Callable[[OnnxWriter, Node], None]] = {
     "block_topk": spell_block_topk,
     "block_mask": spell_block_mask,
     "ple_hash": spell_ple_hash,
+    "compressed_score": spell_compressed_score,
+    "compressed_attention": spell_compressed_attention,
 }

@@ -203,6 +203,7 @@ class MoeFFN:
     # llama.cpp's 8-bit rounding (ir/act_quant.py) of the routed experts' inputs: (gate/up, down);
     # "" keeps float32 (set by the quantize_activations pass)
     act_schemes: tuple[str, str] = ("", "")
+    shared_act_schemes: tuple[str, str] = ("", "")  # the same for the shared expert's inputs
     # the routing family (moe_routing.py): gating, selection bias input, weights scale, activations
     gating: str = "softmax"
     selection_bias: bool = False

@@ -7,7 +7,8 @@ re-quantise `x` themselves). Matmuls that share an input and a scheme share one 
 F16 weights read f16 activations (each value rounded to half precision; no 8-bit kernel applies).
 Weights with block minimums (Q4_1/Q5_1) read q8_1: `matmul(xq, W, s)` with the block sums `s`.
 A fused MoE records the schemes of its routed experts' inputs (`MoeFFN.act_schemes`; q8_0 for
-Q4_1/Q5_1 experts, whose expert kernels have no block-sum input).
+Q4_1/Q5_1 experts, whose expert kernels have no block-sum input) and of its shared expert's
+(`MoeFFN.shared_act_schemes`: gate/up input, down input, as the unfused matmuls would get them).
 Runs after `fold_dequantize`, when a matmul reads its quantised param directly.
 """
 
@@ -33,23 +34,32 @@ def _scheme(node: Node, params: dict[int, str]) -> str | None:
     return scheme if scheme and isinstance(k, int) and k % SCHEME_BLOCK[scheme] == 0 else None
 
 
-def _expert_schemes(node: Node, params: dict[int, str]) -> tuple[str, str] | None:
-    """The schemes of a moe_ffn's routed experts (gate/up input, down input), or None."""
-    a: MoeFFN = node.attrs
-    named = moe_inputs(node.inputs, a)
-    ups = [named[k] for k in ("gate", "up", "gate_up") if k in named]
+def _pair_schemes(ups: list[Value], down: Value, e: object, params: dict[int, str]) -> tuple[str, str]:
+    """The schemes of an FFN's gate/up input (one scheme for all `ups`, or none) and down input."""
     in_schemes = {ACT_SCHEME.get(params.get(w.id, "")) for w in ups}
-    down_scheme = ACT_SCHEME.get(params.get(named["down"].id, ""))
-    hidden = int(named["down"].shape[-1])
-    e = node.inputs[0].shape[-1]
+    down_scheme = ACT_SCHEME.get(params.get(down.id, ""))
+    hidden = int(down.shape[-1])
     in_scheme = in_schemes.pop() if len(in_schemes) == 1 else None
     if in_scheme and not (isinstance(e, int) and e % SCHEME_BLOCK[in_scheme] == 0):
         in_scheme = None
     if down_scheme and hidden % SCHEME_BLOCK[down_scheme]:
         down_scheme = None
-    if not (in_scheme or down_scheme) or a.act_schemes != ("", ""):
-        return None
     return in_scheme or "", down_scheme or ""
+
+
+def _expert_schemes(node: Node, params: dict[int, str]) -> tuple[tuple[str, str], tuple[str, str]] | None:
+    """The schemes of a moe_ffn's routed experts and of its shared expert (each (gate/up input,
+    down input)), or None when there is none to set."""
+    a: MoeFFN = node.attrs
+    named = moe_inputs(node.inputs, a)
+    e = node.inputs[0].shape[-1]
+    routed = _pair_schemes([named[k] for k in ("gate", "up", "gate_up") if k in named], named["down"], e, params)
+    shared = ("", "")
+    if a.shared:
+        shared = _pair_schemes([named["shexp_gate"], named["shexp_up"]], named["shexp_down"], e, params)
+    if routed == shared == ("", "") or (a.act_schemes, a.shared_act_schemes) != (("", ""), ("", "")):
+        return None
+    return routed, shared
 
 
 def quantize_activations(graph: Graph) -> Graph:
@@ -60,8 +70,8 @@ def quantize_activations(graph: Graph) -> Graph:
     experts = 0
     for node in graph.nodes:
         if node.op == "moe_ffn" and (schemes := _expert_schemes(node, params)) is not None:
-            nodes.append(Node(node.op, node.inputs, dataclasses.replace(node.attrs, act_schemes=schemes),
-                              node.outputs))
+            attrs = dataclasses.replace(node.attrs, act_schemes=schemes[0], shared_act_schemes=schemes[1])
+            nodes.append(Node(node.op, node.inputs, attrs, node.outputs))
             experts += 1
             continue
         scheme = _scheme(node, params)

@@ -146,7 +146,8 @@ class Case:
     build: Build
     group: str = "f32"
     calls: tuple[Call, ...] = PREFILL  # rows where T=1 changes the kernel ask for BOTH
-    compare: str = "close"  # "close", "topk" (sets of indices) or "route" (sets of (id, weight))
+    compare: str = "close"  # "close", "topk" (sets of indices), "selected" (sets of the indices whose
+    # score is finite: -inf rows tie and are never read) or "route" (sets of (id, weight))
     may_xfail: bool = False  # quantized prefill kernels under rework: a schedule error xfails
 
     @property
@@ -701,13 +702,16 @@ def _ple_hash_case(cg: CaseGraph) -> Graph:
     return cg.finish([rows_, new], {name: new})
 
 
-def _moe_shared_case(name: str, qtype: str, e: int, f: int, fs: int) -> Case:
+def _moe_shared_case(name: str, qtype: str, e: int, f: int, fs: int, shared_schemes: tuple[str, str] = ("", "")
+                     ) -> Case:
+    """With `shared_schemes`, the shared expert's inputs rounded as llama.cpp rounds them (a CPU kernel)."""
     attrs = O.MoeFFN(k=2, expert_scales=("down",), merged_gate_up=True, shared=True,
-                     shared_scales=("gate", "up", "down"))
+                     shared_scales=("gate", "up", "down"), shared_act_schemes=shared_schemes)
     return op_case(name, "moe_ffn", attrs, rows(e), weight(5, e), weight(5, 2 * f, e, qtype=qtype),
                    weight(5, e, f, qtype=qtype), weight(5, domain=(0.5, 1.5)), weight(e),
                    weight(fs, e, qtype=qtype), weight(fs, e, qtype=qtype), weight(e, fs, qtype=qtype),
-                   *[weight(1, domain=(0.5, 1.5)) for _ in range(3)], group="qwen4exp", calls=BOTH)
+                   *[weight(1, domain=(0.5, 1.5)) for _ in range(3)],
+                   group="act8" if any(shared_schemes) else "qwen4exp", calls=BOTH)
 
 
 def qwen4exp_cases() -> list[Case]:
@@ -729,6 +733,8 @@ def qwen4exp_cases() -> list[Case]:
         Case("ple_hash", "ple_hash", _ple_hash_case, group="qwen4exp", calls=STATEFUL),
         _moe_shared_case("moe_ffn-merged-shared-f32", "F32", 16, 12, 10),
         _moe_shared_case("moe_ffn-merged-shared-Q8_0", "Q8_0", 32, 32, 32),
+        _moe_shared_case("moe_ffn-merged-shared-F16-rounded", "F16", 16, 12, 10, ("f16", "f16")),
+        _moe_shared_case("moe_ffn-merged-shared-Q8_0-act8", "Q8_0", 32, 32, 32, ("q8_0", "q8_0")),
     ]
 
 
@@ -738,6 +744,18 @@ def _compressed_score_case(ratio: int) -> Case:
         return cg.finish(cg.emit("compressed_score", ins, O.CompressedScore(ratio)))
 
     return Case(f"compressed_score-r{ratio}", "compressed_score", build, group="compressed", calls=STATEFUL)
+
+
+def _compressed_select_case(ratio: int, top_k: int) -> Case:
+    """The CSA selection: the top `top_k` compressed rows by indexer score (compared on indices)."""
+
+    def build(cg: CaseGraph) -> Graph:
+        ins = [cg.rows((2, 8)), cg.rows((2,)), cg.weight((N_CTX // ratio, 8)), cg.pos]
+        score = cg.emit("compressed_score", ins, O.CompressedScore(ratio))[0]
+        return cg.finish(cg.emit("topk", [score], O.TopK(top_k), 2))
+
+    return Case(f"compressed_select-r{ratio}-k{top_k}", "topk", build, group="compressed", calls=STATEFUL,
+                compare="selected")
 
 
 def _compressed_attention_case(window: int, ratio: int, top_k: int) -> Case:
@@ -774,6 +792,7 @@ def compressed_cases() -> list[Case]:
         op_case("hc_pre-sinkhorn-collapse", "hc_pre", O.HcPre(4, 1e-5, "sinkhorn", post=False, hc_eps=1e-3),
                 rows(4, 8), weight(4, 32), weight(1), weight(4), group="compressed", calls=BOTH),
         _compressed_score_case(4),
+        _compressed_select_case(2, 3),
         _compressed_attention_case(3, 0, 0),
         _compressed_attention_case(5, 4, 0),
         _compressed_attention_case(5, 2, 3),
@@ -1098,6 +1117,9 @@ def compare(case: Case, got: list[np.ndarray], want: list[np.ndarray], what: str
         return
     (gv, gi), (wv, wi) = got, want
     assert gi.shape == wi.shape, f"{what}: ids shape {gi.shape}, expected {wi.shape}"
+    if case.compare == "selected":
+        _compare_finite_selection(gv, gi, wv, wi, what)
+        return
     if case.compare == "topk":  # tie order is free: compare the selected sets and sorted values
         np.testing.assert_array_equal(np.sort(gi, -1), np.sort(wi, -1), err_msg=f"{what}: selected ids")
         assert_close(np.sort(gv, -1), np.sort(wv, -1), f"{what}: values")
@@ -1109,6 +1131,17 @@ def compare(case: Case, got: list[np.ndarray], want: list[np.ndarray], what: str
             err_msg=f"{what}: selected experts",
         )
         assert_close(np.take_along_axis(gv, go, -1), np.take_along_axis(wv, wo, -1), f"{what}: weights")
+
+
+def _compare_finite_selection(gv: np.ndarray, gi: np.ndarray, wv: np.ndarray, wi: np.ndarray, what: str) -> None:
+    """Per row, the set of selected ids with a finite score and their sorted scores (the compiled
+    top-k may also mark -inf slots with id -1)."""
+    k = gi.shape[-1]
+    for g_ids, g_vals, w_ids, w_vals in zip(gi.reshape(-1, k), gv.reshape(-1, k), wi.reshape(-1, k),
+                                            wv.reshape(-1, k), strict=True):
+        g_real, w_real = np.isfinite(g_vals) & (g_ids >= 0), np.isfinite(w_vals) & (w_ids >= 0)
+        assert sorted(g_ids[g_real]) == sorted(w_ids[w_real]), f"{what}: selected ids"
+        assert_close(np.sort(g_vals[g_real]), np.sort(w_vals[w_real]), f"{what}: scores")
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])

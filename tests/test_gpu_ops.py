@@ -28,10 +28,9 @@ from ggufc.runtime.plan_runtime import PlanRunner
 
 # 8-bit activation rounding is a CPU kernel strategy: GPU targets compile without the pass that
 # inserts it (driver/stages.py) and without the 8-bit matmul rules, and lowering it for a GPU is an
-# error (test below); deepseek4's compressed attention and Sinkhorn mix have CPU kernels only so far
-# (its compressed-attention ops refuse GPU targets in one line)
+# error (test below)
 # cpu_rounding: llama.cpp CPU-backend roundings the GPU targets do not reproduce (f32 there)
-CASES = [c for c in C.CASES if c.group not in ("act8", "int8", "compressed", "cpu_rounding")]
+CASES = [c for c in C.CASES if c.group not in ("act8", "int8", "cpu_rounding")]
 
 
 class GpuCompiled:

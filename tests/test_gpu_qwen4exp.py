@@ -75,7 +75,7 @@ def test_indexer_topk_equals_reference_heap_order(ratio: int, width: int, dev: o
 class VulkanModel:
     """The project's qwen4exp fixture compiled for vulkan with the first QSA selection exposed."""
 
-    def __init__(self, model: object, graph: object) -> None:
+    def __init__(self, model: object, graph: object, max_chunk: int = 64) -> None:
         target = gpu_target("vulkan")
         layouts = plan_params([graph], QG.layout_spec)
         self.states = state_plan(graph)
@@ -83,22 +83,25 @@ class VulkanModel:
         mb.add_function("prefill_all", graph)
         mb.add_function("decode", graph, fixed_tokens=1)
         exe = compile_plan_target(mb.module(), target, mb.kernel_names, n_params=len(mb.flat_params),
-                                  n_states=len(self.states), max_chunk=64, n_ctx=model.n_ctx,
+                                  n_states=len(self.states), max_chunk=max_chunk, n_ctx=model.n_ctx,
                                   functions=(("prefill_all", None), ("decode", 1)))
         weights = kernel_weights(model, layouts)
         from ggufc.codegen.build import weight_key
 
         params = [weights[weight_key(lay.source, f)] for lay in layouts for f, _, _ in lay.arrays]
         self.runner = PlanRunner.from_parts(exe.plan, wgsl_bundle(exe.kernels), params,
-                                            [(s, d) for _, s, d in self.states], 64, model.n_ctx, "vulkan")
+                                            [(s, d) for _, s, d in self.states], max_chunk, model.n_ctx,
+                                            "vulkan")
 
     def run(self, tokens: np.ndarray, chunk: int) -> list[np.ndarray]:
         for buf, (_, shape, dtype) in zip(self.runner.buffers["state"], self.states, strict=True):
             self.runner.backend.write(buf, np.zeros(shape, dtype))
         fn = "decode" if chunk == 1 else "prefill_all"
-        parts: list[list[np.ndarray]] = [[], []]
+        parts: list[list[np.ndarray]] = []
         for start in range(0, len(tokens), chunk):
-            for i, out in enumerate(self.runner.call_all(fn, tokens[start:start + chunk].astype(np.int32), start)):
+            outs = self.runner.call_all(fn, tokens[start:start + chunk].astype(np.int32), start)
+            parts = parts or [[] for _ in outs]
+            for i, out in enumerate(outs):
                 parts[i].append(out)
         return [np.concatenate(p) for p in parts]
 

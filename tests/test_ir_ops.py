@@ -235,6 +235,9 @@ def _fused_cases() -> list[Case]:
     cases += _both_t("moe_ffn", plain, no_gate)
     rounded = (In("router", (5, 64)), In("gate", (5, 32, 64)), In("up", (5, 32, 64)), In("down", (5, 64, 32)))
     cases += _both_t("moe_ffn", O.MoeFFN(2, act_schemes=("q8_0", "q8_0")), (In("x", ("T", 64)), *rounded))
+    shexp = (In("shexp_gate", (4, 7)), In("shexp_up", (4, 7)), In("shexp_down", (7, 4)))
+    shared_f16 = O.MoeFFN(2, shared=True, shared_gated=False, shared_act_schemes=("f16", "f16"))
+    cases += _both_t("moe_ffn", shared_f16, (X, *experts, *shexp))
     program = (
         ("binary", O.Binary("mul"), (0, 1)),
         ("scalar", O.Scalar("add", 0.5), (3,)),
