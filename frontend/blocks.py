@@ -62,6 +62,16 @@ class Weights:
         assert v is not None
         return v
 
+    def int_table(self, name: str, shape: Shape, user: str) -> np.ndarray:
+        """The values of an I32 tensor, read at compile time rather than as a graph parameter (`user`
+        names what needs it, for the error)."""
+        info = self.model.tensors.get(name)
+        if info is None or info.qtype != "I32" or tuple(info.shape) != tuple(shape):
+            got = "missing" if info is None else f"{info.qtype} {list(info.shape)}"
+            raise ModelError(f"{user} needs {name} as I32 {list(shape)}, got {got}")
+        self.used.add(name)
+        return np.asarray(info.data).view(np.int32).reshape(info.shape)
+
     def add_derived(self, name: str, array: np.ndarray) -> Value:
         """A constant computed at compile time (rope tables); stored with the weights."""
         self.derived[name] = np.ascontiguousarray(array, dtype=np.float32)
