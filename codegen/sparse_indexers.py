@@ -88,25 +88,28 @@ def indexer_score(q_shape: PShape, n_cells: int, ratio: int, eps: float, n_rot: 
     return func([q, cache, norm, table, score])
 
 
-def indexer_topk(nb1: int, ratio: int, width: int, n_cells: int) -> tirx.PrimFunc:
-    """Args (scores [T, NB+1], pos, sel [T, width]). Per row: cell values (block score, +1e9 for the
-    tail and the incomplete block, -inf after the query), then libstdc++'s heap select of `width`
-    cells (make_heap on the first k, then each later cell strictly greater than the top replaces
-    it), then -1 for slots without a visible cell."""
-    r = ratio
-    dead = nb1 - 1
+def _heap_select(width: int, value: Callable[..., tirx.PrimExpr], dropped: Callable[..., tirx.PrimExpr]) -> Any:
+    """A macro (Sel, V, st, i, q, nkv): row i's selection of `width` cells among the first nkv, by
+    libstdc++'s heap select (make_heap on the first k, then each later cell strictly greater than
+    the top replaces it), then -1 for slots without a visible cell. `value(V, i, q, j)` reads cell
+    j's value for the query at position q (a cell after the query reads as the lowest float);
+    `dropped(V, i, q, slot)` says a filled slot (an int32 cell id) holds no visible cell. st: int64
+    scratch [8]."""
+
+    def at(V: Any, i: Any, q: Any, slot: Any) -> tirx.PrimExpr:  # the value of the cell a slot holds
+        return value(V, i, q, T.Cast("int64", slot))
 
     @T.macro
-    def adjust(Sel: T.Buffer, V: T.Buffer, st: T.Buffer, i: T.int64, hole0: T.int64, length: T.int64,
-               value: T.int64) -> None:
-        # std::__adjust_heap then std::__push_heap, comp(a, b) = V[a] > V[b]; st: hole, second, parent, value, top
+    def adjust(Sel: T.Buffer, V: T.Buffer, st: T.Buffer, i: T.int64, q: T.int64, hole0: T.int64, length: T.int64,
+               cell: T.int64) -> None:
+        # std::__adjust_heap then std::__push_heap, comp(a, b) = val(a) > val(b); st: hole, second, parent, cell, top
         st[0] = hole0
         st[1] = hole0
-        st[3] = value
+        st[3] = cell
         st[4] = hole0
         while st[1] < (length - T.int64(1)) // T.int64(2):
             st[1] = T.int64(2) * (st[1] + T.int64(1))
-            if V[i, T.Cast("int64", Sel[i, st[1]])] > V[i, T.Cast("int64", Sel[i, st[1] - T.int64(1)])]:
+            if at(V, i, q, Sel[i, st[1]]) > at(V, i, q, Sel[i, st[1] - T.int64(1)]):
                 st[1] = st[1] - T.int64(1)
             Sel[i, st[0]] = Sel[i, st[1]]
             st[0] = st[1]
@@ -115,11 +118,42 @@ def indexer_topk(nb1: int, ratio: int, width: int, n_cells: int) -> tirx.PrimFun
             Sel[i, st[0]] = Sel[i, st[1] - T.int64(1)]
             st[0] = st[1] - T.int64(1)
         st[2] = T.max(st[0] - T.int64(1), T.int64(0)) // T.int64(2)
-        while st[0] > st[4] and V[i, T.Cast("int64", Sel[i, st[2]])] > V[i, st[3]]:
+        while st[0] > st[4] and at(V, i, q, Sel[i, st[2]]) > value(V, i, q, st[3]):
             Sel[i, st[0]] = Sel[i, st[2]]
             st[0] = st[2]
             st[2] = T.max(st[0] - T.int64(1), T.int64(0)) // T.int64(2)
         Sel[i, st[0]] = T.Cast("int32", st[3])
+
+    @T.macro
+    def select(Sel: T.Buffer, V: T.Buffer, st: T.Buffer, i: T.int64, q: T.int64, nkv: T.int64) -> None:
+        st[5] = T.min(T.int64(width), nkv)
+        for a in range(T.int64(width)):
+            Sel[i, a] = T.Cast("int32", a)
+        if st[5] >= T.int64(2):
+            st[6] = (st[5] - T.int64(2)) // T.int64(2)
+            while st[6] >= T.int64(0):
+                adjust(Sel, V, st, i, q, st[6], st[5], T.Cast("int64", Sel[i, st[6]]))
+                st[6] = st[6] - T.int64(1)
+        st[7] = st[5]
+        while st[7] < nkv:
+            if value(V, i, q, st[7]) > at(V, i, q, Sel[i, 0]):
+                adjust(Sel, V, st, i, q, T.int64(0), st[5], st[7])
+            st[7] = st[7] + T.int64(1)
+        for a in range(T.int64(width)):
+            if a >= st[5] or dropped(V, i, q, Sel[i, a]):
+                Sel[i, a] = -1
+
+    return select
+
+
+def indexer_topk(nb1: int, ratio: int, width: int, n_cells: int) -> tirx.PrimFunc:
+    """Args (scores [T, NB+1], pos, sel [T, width]). Per row: cell values (block score, +1e9 for the
+    tail and the incomplete block, -inf after the query), then the heap select of `width` cells
+    (`_heap_select`)."""
+    r = ratio
+    dead = nb1 - 1
+    heap_select = _heap_select(width, lambda V, i, q, j: V[i, j],
+                               lambda V, i, q, slot: V[i, T.Cast("int64", T.max(slot, 0))] == T.min_value("float32"))
 
     @T.prim_func
     def kernel(s_h: T.handle, pos: T.int64, o_h: T.handle) -> None:
@@ -140,22 +174,7 @@ def indexer_topk(nb1: int, ratio: int, width: int, n_cells: int) -> tirx.PrimFun
                 val = T.if_then_else(blk < nfull, S[i, T.min(blk, T.int64(dead))] + bias,
                                      S[i, T.int64(dead)] + T.float32(1e9))
                 V[i, j] = T.if_then_else(j > q, T.min_value("float32"), val)  # -inf of the reference
-            st[5] = T.min(T.int64(width), nkv)
-            for a in range(T.int64(width)):
-                Sel[i, a] = T.Cast("int32", a)
-            if st[5] >= T.int64(2):
-                st[6] = (st[5] - T.int64(2)) // T.int64(2)
-                while st[6] >= T.int64(0):
-                    adjust(Sel, V, st, i, st[6], st[5], T.Cast("int64", Sel[i, st[6]]))
-                    st[6] = st[6] - T.int64(1)
-            st[7] = st[5]
-            while st[7] < nkv:
-                if V[i, st[7]] > V[i, T.Cast("int64", Sel[i, 0])]:
-                    adjust(Sel, V, st, i, T.int64(0), st[5], st[7])
-                st[7] = st[7] + T.int64(1)
-            for a in range(T.int64(width)):
-                if a >= st[5] or V[i, T.Cast("int64", T.max(Sel[i, a], 0))] == T.min_value("float32"):
-                    Sel[i, a] = -1
+            heap_select(Sel, V, st, i, q, nkv)
 
     return kernel
 
@@ -178,39 +197,10 @@ def token_score(q_shape: PShape, n_cells: int) -> tirx.PrimFunc:
 
 
 def token_topk(width: int) -> tirx.PrimFunc:
-    """Args (scores [T, pos+T], pos, sel [T, width]). Per row: libstdc++'s heap select of `width`
-    cells over the row (cells after the query count as -inf), then -1 for slots without a visible
-    cell."""
-
-    @T.macro
-    def adjust(Sel: T.Buffer, S: T.Buffer, st: T.Buffer, i: T.int64, q: T.int64, hole0: T.int64,
-               length: T.int64, value: T.int64) -> None:
-        # std::__adjust_heap then std::__push_heap, comp(a, b) = val(a) > val(b); st: hole, second, parent, value, top
-        st[0] = hole0
-        st[1] = hole0
-        st[3] = value
-        st[4] = hole0
-        while st[1] < (length - T.int64(1)) // T.int64(2):
-            st[1] = T.int64(2) * (st[1] + T.int64(1))
-            if T.if_then_else(T.Cast("int64", Sel[i, st[1]]) > q, T.min_value("float32"),
-                              S[i, T.Cast("int64", Sel[i, st[1]])]) > T.if_then_else(
-                    T.Cast("int64", Sel[i, st[1] - T.int64(1)]) > q, T.min_value("float32"),
-                    S[i, T.Cast("int64", Sel[i, st[1] - T.int64(1)])]):
-                st[1] = st[1] - T.int64(1)
-            Sel[i, st[0]] = Sel[i, st[1]]
-            st[0] = st[1]
-        if length % T.int64(2) == T.int64(0) and st[1] == (length - T.int64(2)) // T.int64(2):
-            st[1] = T.int64(2) * (st[1] + T.int64(1))
-            Sel[i, st[0]] = Sel[i, st[1] - T.int64(1)]
-            st[0] = st[1] - T.int64(1)
-        st[2] = T.max(st[0] - T.int64(1), T.int64(0)) // T.int64(2)
-        while st[0] > st[4] and T.if_then_else(T.Cast("int64", Sel[i, st[2]]) > q, T.min_value("float32"),
-                                               S[i, T.Cast("int64", Sel[i, st[2]])]) > T.if_then_else(
-                st[3] > q, T.min_value("float32"), S[i, st[3]]):
-            Sel[i, st[0]] = Sel[i, st[2]]
-            st[0] = st[2]
-            st[2] = T.max(st[0] - T.int64(1), T.int64(0)) // T.int64(2)
-        Sel[i, st[0]] = T.Cast("int32", st[3])
+    """Args (scores [T, pos+T], pos, sel [T, width]). Per row: the heap select of `width` cells
+    (`_heap_select`; cells after the query count as -inf)."""
+    heap_select = _heap_select(width, lambda S, i, q, j: T.if_then_else(j > q, T.min_value("float32"), S[i, j]),
+                               lambda S, i, q, slot: T.Cast("int64", T.max(slot, 0)) > q)
 
     @T.prim_func
     def kernel(s_h: T.handle, pos: T.int64, o_h: T.handle) -> None:
@@ -222,23 +212,7 @@ def token_topk(width: int) -> tirx.PrimFunc:
             st = T.decl_buffer((8,), "int64", scope="local")
             q = pos + i
             nkv = pos + n
-            st[5] = T.min(T.int64(width), nkv)
-            for a in range(T.int64(width)):
-                Sel[i, a] = T.Cast("int32", a)
-            if st[5] >= T.int64(2):
-                st[6] = (st[5] - T.int64(2)) // T.int64(2)
-                while st[6] >= T.int64(0):
-                    adjust(Sel, S, st, i, q, st[6], st[5], T.Cast("int64", Sel[i, st[6]]))
-                    st[6] = st[6] - T.int64(1)
-            st[7] = st[5]
-            while st[7] < nkv:
-                if st[7] <= q and S[i, st[7]] > T.if_then_else(T.Cast("int64", Sel[i, 0]) > q, T.min_value("float32"),
-                                                              S[i, T.Cast("int64", Sel[i, 0])]):
-                    adjust(Sel, S, st, i, q, T.int64(0), st[5], st[7])
-                st[7] = st[7] + T.int64(1)
-            for a in range(T.int64(width)):
-                if a >= st[5] or T.Cast("int64", T.max(Sel[i, a], 0)) > q:
-                    Sel[i, a] = -1
+            heap_select(Sel, S, st, i, q, nkv)
 
     return kernel
 
@@ -439,11 +413,68 @@ def block_sparse_attention(q_shape: PShape, cache_shape: PShape, width: int, blo
     return func([*ins, pos, sel, out])
 
 
+def _heap_select_gpu(width: int, value: Callable[..., tirx.PrimExpr], dropped: Callable[..., tirx.PrimExpr]
+                     ) -> Any:
+    """`_heap_select` for one GPU thread per row (int32 heap and scratch): a macro (Sel, S, st, i,
+    q, row, nkv). `value(S, i, q, row, j)` reads cell j's value, `row` being what the reader needs
+    of the whole call; `dropped(S, i, q, row, cell)` says a filled slot holds no visible cell."""
+    W, WID = T.int32(width), T.int64(width)
+
+    @T.macro
+    def adjust(Sel: T.Buffer, S: T.Buffer, st: T.Buffer, i: T.int64, q: T.int32, row: T.int32, hole0: T.int32,
+               length: T.int32, val_idx: T.int32) -> None:
+        # std::__adjust_heap then std::__push_heap, comp(a, b) = value(a) > value(b);
+        # st: hole, second, parent, value, top
+        st[0] = hole0
+        st[1] = hole0
+        st[3] = val_idx
+        st[4] = hole0
+        while st[1] < (length - 1) // 2:
+            st[1] = 2 * (st[1] + 1)
+            if value(S, i, q, row, Sel[i, T.Cast("int64", st[1])]) > value(
+                    S, i, q, row, Sel[i, T.Cast("int64", st[1] - 1)]):
+                st[1] = st[1] - 1
+            Sel[i, T.Cast("int64", st[0])] = Sel[i, T.Cast("int64", st[1])]
+            st[0] = st[1]
+        if length % 2 == 0 and st[1] == (length - 2) // 2:
+            st[1] = 2 * (st[1] + 1)
+            Sel[i, T.Cast("int64", st[0])] = Sel[i, T.Cast("int64", st[1] - 1)]
+            st[0] = st[1] - 1
+        st[2] = T.max(st[0] - 1, 0) // 2
+        while st[0] > st[4] and value(S, i, q, row, Sel[i, T.Cast("int64", st[2])]) > value(S, i, q, row, st[3]):
+            Sel[i, T.Cast("int64", st[0])] = Sel[i, T.Cast("int64", st[2])]
+            st[0] = st[2]
+            st[2] = T.max(st[0] - 1, 0) // 2
+        Sel[i, T.Cast("int64", st[0])] = st[3]
+
+    @T.macro
+    def select(Sel: T.Buffer, S: T.Buffer, st: T.Buffer, i: T.int64, q: T.int32, row: T.int32, nkv: T.int32
+               ) -> None:
+        st[5] = T.min(W, nkv)
+        for a in range(WID):
+            Sel[i, a] = T.Cast("int32", a)
+        if st[5] >= 2:
+            st[6] = (st[5] - 2) // 2
+            while st[6] >= 0:
+                adjust(Sel, S, st, i, q, row, st[6], st[5], Sel[i, T.Cast("int64", st[6])])
+                st[6] = st[6] - 1
+        st[7] = st[5]
+        while st[7] < nkv:
+            if value(S, i, q, row, st[7]) > value(S, i, q, row, Sel[i, 0]):
+                adjust(Sel, S, st, i, q, row, 0, st[5], st[7])
+            st[7] = st[7] + 1
+        for a in range(WID):
+            if T.Cast("int32", a) >= st[5] or dropped(S, i, q, row, Sel[i, a]):
+                Sel[i, a] = -1
+
+    return select
+
+
 def indexer_topk_gpu(nb1: int, ratio: int, width: int, n_cells: int) -> tirx.PrimFunc:
     """Args (scores [T, NB+1], pos, sel [T, width]); see `indexer_topk` above."""
     if n_cells + width > I32_MAX:
         raise ValueError(f"indexer_topk: {n_cells} cells do not fit int32 heap indices")
-    R, DEAD, W, NT = T.int32(ratio), T.int32(nb1 - 1), T.int32(width), T.int64(THREADS)
+    R, DEAD, NT = T.int32(ratio), T.int32(nb1 - 1), T.int64(THREADS)
     NB1, WID = T.int64(nb1), T.int64(width)
 
     def value(S: tirx.Buffer, i: tirx.PrimExpr, q: tirx.PrimExpr, nfull: tirx.PrimExpr, j: tirx.PrimExpr
@@ -455,33 +486,11 @@ def indexer_topk_gpu(nb1: int, ratio: int, width: int, n_cells: int) -> tirx.Pri
                                 S[i, tirx.Cast("int64", DEAD)] + T.float32(1e9))
         return tirx.if_then_else(j > q, tirx.min_value("float32"), val)
 
-    @T.macro
-    def adjust(Sel: T.Buffer, S: T.Buffer, st: T.Buffer, i: T.int64, q: T.int32, nfull: T.int32,
-               hole0: T.int32, length: T.int32, val_idx: T.int32) -> None:
-        # std::__adjust_heap then std::__push_heap, comp(a, b) = value(a) > value(b);
-        # st: hole, second, parent, value, top
-        st[0] = hole0
-        st[1] = hole0
-        st[3] = val_idx
-        st[4] = hole0
-        while st[1] < (length - 1) // 2:
-            st[1] = 2 * (st[1] + 1)
-            if value(S, i, q, nfull, Sel[i, T.Cast("int64", st[1])]) > value(
-                    S, i, q, nfull, Sel[i, T.Cast("int64", st[1] - 1)]):
-                st[1] = st[1] - 1
-            Sel[i, T.Cast("int64", st[0])] = Sel[i, T.Cast("int64", st[1])]
-            st[0] = st[1]
-        if length % 2 == 0 and st[1] == (length - 2) // 2:
-            st[1] = 2 * (st[1] + 1)
-            Sel[i, T.Cast("int64", st[0])] = Sel[i, T.Cast("int64", st[1] - 1)]
-            st[0] = st[1] - 1
-        st[2] = T.max(st[0] - 1, 0) // 2
-        while st[0] > st[4] and value(S, i, q, nfull, Sel[i, T.Cast("int64", st[2])]) > value(
-                S, i, q, nfull, st[3]):
-            Sel[i, T.Cast("int64", st[0])] = Sel[i, T.Cast("int64", st[2])]
-            st[0] = st[2]
-            st[2] = T.max(st[0] - 1, 0) // 2
-        Sel[i, T.Cast("int64", st[0])] = st[3]
+    def dropped(S: tirx.Buffer, i: tirx.PrimExpr, q: tirx.PrimExpr, nfull: tirx.PrimExpr, cell: tirx.PrimExpr
+                ) -> tirx.PrimExpr:
+        return value(S, i, q, nfull, tirx.max(cell, 0)) == tirx.min_value("float32")
+
+    heap_select = _heap_select_gpu(width, value, dropped)
 
     @T.prim_func(private=True)
     def indexer_topk_gpu(s_h: T.handle, pos: T.int64, o_h: T.handle):
@@ -492,28 +501,9 @@ def indexer_topk_gpu(nb1: int, ratio: int, width: int, n_cells: int) -> tirx.Pri
         bx = T.launch_thread("blockIdx.x", (n + NT - T.int64(1)) // NT)
         st = T.alloc_local((8,), "int32")
         tx = T.launch_thread("threadIdx.x", NT)
-        i = T.meta_var(bx * NT + tx)
-        q = T.meta_var(T.Cast("int32", pos + bx * NT + tx))
-        nkv = T.meta_var(T.Cast("int32", pos + n))
-        nfull = T.meta_var(T.min(T.Cast("int32", pos + n) // R, DEAD))
         if bx * NT + tx < n:
-            st[5] = T.min(W, nkv)
-            for a in range(WID):
-                Sel[i, a] = T.Cast("int32", a)
-            if st[5] >= 2:
-                st[6] = (st[5] - 2) // 2
-                while st[6] >= 0:
-                    adjust(Sel, S, st, i, q, nfull, st[6], st[5], Sel[i, T.Cast("int64", st[6])])
-                    st[6] = st[6] - 1
-            st[7] = st[5]
-            while st[7] < nkv:
-                if value(S, i, q, nfull, st[7]) > value(S, i, q, nfull, Sel[i, 0]):
-                    adjust(Sel, S, st, i, q, nfull, 0, st[5], st[7])
-                st[7] = st[7] + 1
-            for a in range(WID):
-                if T.Cast("int32", a) >= st[5] or value(S, i, q, nfull, T.max(Sel[i, a], 0)) == T.min_value(
-                        "float32"):
-                    Sel[i, a] = -1
+            heap_select(Sel, S, st, bx * NT + tx, T.Cast("int32", pos + bx * NT + tx),
+                        T.min(T.Cast("int32", pos + n) // R, DEAD), T.Cast("int32", pos + n))
 
     return with_root_block(indexer_topk_gpu)
 
@@ -550,36 +540,13 @@ def token_score_gpu(n_head: int, dim: int, n_cells: int) -> tirx.PrimFunc:
 def token_topk_gpu(width: int) -> tirx.PrimFunc:
     """Args (scores [T, pos+T], pos, sel [T, width]); see `token_topk`: one thread per query row
     runs the same heap select (the values read from the score row, -inf after the query)."""
-    W, NT, WID = T.int32(width), T.int64(THREADS), T.int64(width)
+    NT, WID = T.int64(THREADS), T.int64(width)
 
-    def value(S: tirx.Buffer, i: tirx.PrimExpr, q: tirx.PrimExpr, j: tirx.PrimExpr) -> tirx.PrimExpr:
+    def value(S: tirx.Buffer, i: tirx.PrimExpr, q: tirx.PrimExpr, _: tirx.PrimExpr, j: tirx.PrimExpr
+              ) -> tirx.PrimExpr:
         return tirx.if_then_else(j > q, tirx.min_value("float32"), S[i, tirx.Cast("int64", tirx.max(j, 0))])
 
-    @T.macro
-    def adjust(Sel: T.Buffer, S: T.Buffer, st: T.Buffer, i: T.int64, q: T.int32, hole0: T.int32, length: T.int32,
-               val_idx: T.int32) -> None:
-        # std::__adjust_heap then std::__push_heap, comp(a, b) = value(a) > value(b);
-        # st: hole, second, parent, value, top
-        st[0] = hole0
-        st[1] = hole0
-        st[3] = val_idx
-        st[4] = hole0
-        while st[1] < (length - 1) // 2:
-            st[1] = 2 * (st[1] + 1)
-            if value(S, i, q, Sel[i, T.Cast("int64", st[1])]) > value(S, i, q, Sel[i, T.Cast("int64", st[1] - 1)]):
-                st[1] = st[1] - 1
-            Sel[i, T.Cast("int64", st[0])] = Sel[i, T.Cast("int64", st[1])]
-            st[0] = st[1]
-        if length % 2 == 0 and st[1] == (length - 2) // 2:
-            st[1] = 2 * (st[1] + 1)
-            Sel[i, T.Cast("int64", st[0])] = Sel[i, T.Cast("int64", st[1] - 1)]
-            st[0] = st[1] - 1
-        st[2] = T.max(st[0] - 1, 0) // 2
-        while st[0] > st[4] and value(S, i, q, Sel[i, T.Cast("int64", st[2])]) > value(S, i, q, st[3]):
-            Sel[i, T.Cast("int64", st[0])] = Sel[i, T.Cast("int64", st[2])]
-            st[0] = st[2]
-            st[2] = T.max(st[0] - 1, 0) // 2
-        Sel[i, T.Cast("int64", st[0])] = st[3]
+    heap_select = _heap_select_gpu(width, value, lambda S, i, q, _, cell: cell > q)
 
     @T.prim_func(private=True)
     def token_topk_gpu(s_h: T.handle, pos: T.int64, o_h: T.handle):
@@ -590,26 +557,8 @@ def token_topk_gpu(width: int) -> tirx.PrimFunc:
         bx = T.launch_thread("blockIdx.x", (n + NT - T.int64(1)) // NT)
         st = T.alloc_local((8,), "int32")
         tx = T.launch_thread("threadIdx.x", NT)
-        i = T.meta_var(bx * NT + tx)
-        q = T.meta_var(T.Cast("int32", pos + bx * NT + tx))
-        nkv = T.meta_var(T.Cast("int32", pos + n))
         if bx * NT + tx < n:
-            st[5] = T.min(W, nkv)
-            for a in range(WID):
-                Sel[i, a] = T.Cast("int32", a)
-            if st[5] >= 2:
-                st[6] = (st[5] - 2) // 2
-                while st[6] >= 0:
-                    adjust(Sel, S, st, i, q, st[6], st[5], Sel[i, T.Cast("int64", st[6])])
-                    st[6] = st[6] - 1
-            st[7] = st[5]
-            while st[7] < nkv:
-                if value(S, i, q, st[7]) > value(S, i, q, Sel[i, 0]):
-                    adjust(Sel, S, st, i, q, 0, st[5], st[7])
-                st[7] = st[7] + 1
-            for a in range(WID):
-                if T.Cast("int32", a) >= st[5] or Sel[i, a] > q:
-                    Sel[i, a] = -1
+            heap_select(Sel, S, st, bx * NT + tx, T.Cast("int32", pos + bx * NT + tx), 0, T.Cast("int32", pos + n))
 
     return with_root_block(token_topk_gpu)
 

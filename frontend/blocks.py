@@ -62,6 +62,16 @@ class Weights:
         assert v is not None
         return v
 
+    def int_table(self, name: str, shape: Shape, user: str) -> np.ndarray:
+        """The values of an I32 tensor, read at compile time rather than as a graph parameter (`user`
+        names what needs it, for the error)."""
+        info = self.model.tensors.get(name)
+        if info is None or info.qtype != "I32" or tuple(info.shape) != tuple(shape):
+            got = "missing" if info is None else f"{info.qtype} {list(info.shape)}"
+            raise ModelError(f"{user} needs {name} as I32 {list(shape)}, got {got}")
+        self.used.add(name)
+        return np.asarray(info.data).view(np.int32).reshape(info.shape)
+
     def add_derived(self, name: str, array: np.ndarray) -> Value:
         """A constant computed at compile time (rope tables); stored with the weights."""
         self.derived[name] = np.ascontiguousarray(array, dtype=np.float32)
@@ -146,6 +156,26 @@ def swiglu_ffn(
     u = linear(b, x, up, "ffn_up", bias=biases.get("up"), scale=scales.get("up"), bias_before_scale=True)
     h = silu_mul(b, g, u, "ffn_act")
     return linear(b, h, down, "ffn_down", bias=biases.get("down"), scale=scales.get("down"), bias_before_scale=True)
+
+
+def scaled_swiglu_ffn(w: Weights, p: str, h: Value, n_embd: int, n_ff: int) -> Value:
+    """The dense FFN `{p}.ffn_{gate,up,down}` with optional per-tensor `.scale` and no biases."""
+    parts = {"gate": (n_ff, n_embd), "up": (n_ff, n_embd), "down": (n_embd, n_ff)}
+    mats = {k: w.need(f"{p}.ffn_{k}.weight", s) for k, s in parts.items()}
+    scales = {k: w.get(f"{p}.ffn_{k}.scale", (1,), required=False) for k in parts}
+    return swiglu_ffn(w.b, h, mats["gate"], mats["up"], mats["down"], biases={}, scales=scales)
+
+
+def expert_gate_up(w: Weights, p: str, n_expert: int, n_ff: int, n_embd: int) -> tuple[Value, Value]:
+    """The experts' gate and up [X, F, E]: two tensors, or llama.cpp's merged `ffn_gate_up_exps`
+    [X, 2F, E] sliced in two."""
+    b = w.b
+    if not w.has(f"{p}.ffn_gate_up_exps.weight"):
+        return (w.need(f"{p}.ffn_gate_exps.weight", (n_expert, n_ff, n_embd)),
+                w.need(f"{p}.ffn_up_exps.weight", (n_expert, n_ff, n_embd)))
+    merged = w.need(f"{p}.ffn_gate_up_exps.weight", (n_expert, 2 * n_ff, n_embd))
+    full = merged if merged.dtype == "float32" else b.dequantize(merged, "ffn_gate_up_exps.w")
+    return b.slice(full, 1, 0, n_ff, "ffn_gate_exps"), b.slice(full, 1, n_ff, 2 * n_ff, "ffn_up_exps")
 
 
 def moe(

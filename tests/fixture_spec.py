@@ -1,9 +1,8 @@
-"""The shapes of a test fixture: its size, its options, and the tensors it plans (shared by the
-fixture writer and its per-family tensor plans)."""
+"""The shapes of a test fixture: its size, its options, and the record of one tensor it writes
+(shared by the fixture writer and its per-family keys)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 
@@ -49,15 +48,10 @@ class FixtureOptions:
 class TensorSpec:
     name: str
     shape: tuple[int, ...]  # numpy order
-    kind: str  # "matrix" (quantizable), "router", "bias", "norm", "scale", "rope_freqs",
-
-
-def linear(name: str, shape: tuple[int, int], *, bias: bool, scale: bool) -> Iterator[TensorSpec]:
-    yield TensorSpec(f"{name}.weight", shape, "matrix")
-    if bias:
-        yield TensorSpec(f"{name}.bias", (shape[0],), "bias")
-    if scale:
-        yield TensorSpec(f"{name}.scale", (1,), "scale")
+    # how its values are drawn and stored: "matrix" (quantizable), "router", "bias", "conv", "norm",
+    # "scale", "rope_freqs", "selection_bias", "ssm_a" (negative decay rates), "expert_ids" (I32),
+    # "f32" (read as F32 only)
+    kind: str
 
 
 SIZES: dict[str, FixtureSize] = {
@@ -72,31 +66,3 @@ SIZES: dict[str, FixtureSize] = {
     # a GPT-2 byte-level vocabulary needs at least 256 byte tokens plus one special token
     "bpe": FixtureSize(vocab=320),
 }
-
-
-def merged_moe_with_shared_expert(n_expert: int, n_embd: int, n_ff: int, scales: bool) -> Iterator[TensorSpec]:
-    """A sigmoid-gated shared expert beside routed experts whose gate and up are one merged tensor."""
-    X, E, F = n_expert, n_embd, n_ff
-    yield TensorSpec("ffn_gate_inp.weight", (X, E), "router")
-    yield TensorSpec("ffn_gate_up_exps.weight", (X, 2 * F, E), "matrix")  # merged, as llama.cpp writes it
-    yield TensorSpec("ffn_down_exps.weight", (X, E, F), "matrix")
-    if scales:
-        yield TensorSpec("ffn_down_exps.scale", (X,), "scale")
-    yield TensorSpec("ffn_gate_inp_shexp.weight", (E,), "router")
-    for name, shape in (("ffn_gate_shexp", (F, E)), ("ffn_up_shexp", (F, E)), ("ffn_down_shexp", (E, F))):
-        yield from linear(name, shape, bias=False, scale=scales)
-
-
-def biased_moe_with_ungated_shared_expert(n_expert: int, n_embd: int, n_ff: int, n_ff_shexp: int, scales: bool
-                                          ) -> Iterator[TensorSpec]:
-    """Routed experts (merged gate_up) picked by probs + `exp_probs_b` (no `.bias` suffix, as hy_v3
-    names it) and an always-active shared expert without a gate."""
-    X, E, F, Fs = n_expert, n_embd, n_ff, n_ff_shexp
-    yield TensorSpec("ffn_gate_inp.weight", (X, E), "router")
-    yield TensorSpec("exp_probs_b", (X,), "selection_bias")
-    yield TensorSpec("ffn_gate_up_exps.weight", (X, 2 * F, E), "matrix")
-    yield TensorSpec("ffn_down_exps.weight", (X, E, F), "matrix")
-    if scales:
-        yield TensorSpec("ffn_down_exps.scale", (X,), "scale")
-    for name, shape in (("ffn_gate_shexp", (Fs, E)), ("ffn_up_shexp", (Fs, E)), ("ffn_down_shexp", (E, Fs))):
-        yield from linear(name, shape, bias=False, scale=scales)

@@ -1,9 +1,12 @@
 """Deterministic tiny GGUF models for every registered architecture, written by the project.
 
 `write_fixture("llama", path, seed=0)` writes a random-weight model that `load_model` accepts:
-every tensor the architecture file reads, with the shapes it checks, and nothing more. Options
-switch on the optional paths (biases, per-tensor `.scale`, `rope_freqs`, untied output, MoE,
-quantized weights, a GPT-2 BPE vocabulary) so tests can exercise each one.
+every tensor the architecture file reads, with the shapes it checks, and nothing more. The tensor
+list is not written down here: the architecture file is run against a weight source that records
+what it reads (declared_tensors.py); this file supplies the keys, which optional tensors are
+present, how values are drawn and the storage types. Options switch on the optional paths
+(biases, per-tensor `.scale`, `rope_freqs`, untied output, MoE, quantized weights, a GPT-2 BPE
+vocabulary) so tests can exercise each one.
 
 Values: matrices, embeddings and biases are N(0, 0.1) (as llama.cpp's own fixtures); norm gammas
 and `.scale` multipliers are 1 + N(0, 0.1) so activations keep a useful size through the layers;
@@ -11,19 +14,20 @@ and `.scale` multipliers are 1 + N(0, 0.1) so activations keep a useful size thr
 (seed, crc32(name)), so a tensor's values do not depend on which other tensors an option adds.
 The same arguments always give a byte-identical file.
 
-Adding an architecture is one `ArchRecipe` entry in `RECIPES`.
+Adding an architecture is one `ArchRecipe` entry in `RECIPES` and the keys its fixture carries
+(`_write_hparams`, or a `fixtures_<family>.py` beside this file for a family with many keys).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 import zlib
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import fixtures_compressed as compressed
 import fixtures_hyperconnected as hyperconnected
@@ -32,21 +36,11 @@ import fixtures_latent as latent
 import fixtures_msa as msa
 import gguf
 import numpy as np
-from fixture_spec import (
-    FixtureOptions,
-    FixtureSize,
-    TensorSpec,
-    biased_moe_with_ungated_shared_expert,
-    linear,
-    resolve_size,
-)
-from fixtures_hybrid import hybrid_layer_tensors, rope_dimension_count, write_hybrid_hparams
+from declared_tensors import Declared, Presence, declared_tensors
+from fixture_spec import FixtureOptions, FixtureSize, TensorSpec, resolve_size
+from fixtures_hybrid import rope_dimension_count, write_hybrid_hparams
 
 from ggufc.frontend.blocks import SUPPORTED_QTYPES
-
-# ---------------------------------------------------------------------------------------------
-# sizes
-
 
 # ---------------------------------------------------------------------------------------------
 # architectures
@@ -54,48 +48,38 @@ from ggufc.frontend.blocks import SUPPORTED_QTYPES
 
 @dataclass(frozen=True)
 class ArchRecipe:
-    """Which tensors and keys an architecture file reads beyond the common llama skeleton."""
+    """The keys an architecture's fixture carries beyond the common llama skeleton (its tensors are
+    the ones the architecture file reads: declared_tensors.py)."""
 
     moe: str  # "never", "optional" or "always"
-    qk_norm: bool = False  # per-head attn_q_norm / attn_k_norm
-    rope_freqs: bool = False  # optional rope_freqs.weight
-    dense_ffn_bias: bool = False  # ffn_{gate,up,down}.bias on the dense FFN
     expert_gate_optional: bool = False  # MoE without ffn_gate_exps (silu(up) only)
     expert_ff_key: bool = False  # writes {arch}.expert_feed_forward_length
     hybrid: bool = False  # gated delta-net + gated attention layers (fixtures_hybrid.py)
-    hyper: bool = False  # qwen4exp: hyper-connections, QSA, PLE; its own tensor plan (fixtures_qwen4exp.py)
-    compressed: bool = False  # deepseek4: Sinkhorn HC, compressed attention; its own plan (fixtures_compressed.py)
-    latent: bool = False  # MLA + the DSA indexer + sigmoid MoE; its own tensor plan (fixtures_latent.py)
+    hyper: bool = False  # qwen4exp: hyper-connections, QSA, PLE (fixtures_hyperconnected.py)
+    compressed: bool = False  # deepseek4: Sinkhorn HC, compressed attention (fixtures_compressed.py)
+    latent: bool = False  # MLA + the DSA indexer + sigmoid MoE (fixtures_latent.py)
     # hy_v3: layer 0 dense (when there are others), the others a sigmoid MoE selected by probs +
-    # exp_probs_b with an ungated shared expert (fixture_spec.biased_moe_with_ungated_shared_expert),
-    # weights renormalised and scaled
+    # exp_probs_b with an ungated shared expert of n_ff / 2, weights renormalised and scaled
     biased_moe: bool = False
-    msa: bool = False  # minimax-m3: leading dense block, MoE blocks with MSA; its own tensor plan (fixtures_msa.py)
-    kimi: bool = False  # KDA + rope-less MLA, residual attention, latent MoE; its own tensor plan (fixtures_kimi.py)
+    msa: bool = False  # minimax-m3: leading dense block, MoE blocks with MSA (fixtures_msa.py)
+    kimi: bool = False  # KDA + rope-less MLA, residual attention, latent MoE (fixtures_kimi.py)
 
 
 RECIPES: dict[str, ArchRecipe] = {
-    "llama": ArchRecipe(moe="optional", rope_freqs=True, dense_ffn_bias=True, expert_gate_optional=True),
-    "qwen3": ArchRecipe(moe="never", qk_norm=True),
-    "qwen3moe": ArchRecipe(moe="always", qk_norm=True, expert_ff_key=True),
-    "qwen35": ArchRecipe(moe="never", qk_norm=True, hybrid=True),
-    "qwen3next": ArchRecipe(moe="always", qk_norm=True, expert_ff_key=True, hybrid=True),
-    "qwen4exp": ArchRecipe(moe="always", qk_norm=True, expert_ff_key=True, hyper=True),
+    "llama": ArchRecipe(moe="optional", expert_gate_optional=True),
+    "qwen3": ArchRecipe(moe="never"),
+    "qwen3moe": ArchRecipe(moe="always", expert_ff_key=True),
+    "qwen35": ArchRecipe(moe="never", hybrid=True),
+    "qwen3next": ArchRecipe(moe="always", expert_ff_key=True, hybrid=True),
+    "qwen4exp": ArchRecipe(moe="always", expert_ff_key=True, hyper=True),
     "deepseek4": ArchRecipe(moe="always", compressed=True),
     "deepseek32": ArchRecipe(moe="always", latent=True),
     "glm-dsa": ArchRecipe(moe="always", latent=True),
-    "hy_v3": ArchRecipe(moe="always", qk_norm=True, expert_ff_key=True, biased_moe=True),
-    "minimax-m3": ArchRecipe(moe="always", qk_norm=True, msa=True),
+    "hy_v3": ArchRecipe(moe="always", expert_ff_key=True, biased_moe=True),
+    "minimax-m3": ArchRecipe(moe="always", msa=True),
     "kimi-k3": ArchRecipe(moe="always", kimi=True),
 }
 BIASED_MOE_WEIGHTS_SCALE = 2.5  # hy_v3 fixtures: expert_weights_scale (with expert_weights_norm true)
-
-
-# ---------------------------------------------------------------------------------------------
-# the tensor plan
-
-
-    #   "conv" (F32 conv kernel), "ssm_a" (negative decay rates)
 
 
 def _is_moe(recipe: ArchRecipe, opts: FixtureOptions, arch: str) -> bool:
@@ -108,94 +92,10 @@ def _is_moe(recipe: ArchRecipe, opts: FixtureOptions, arch: str) -> bool:
     return opts.moe
 
 
-def _check_options(arch: str, recipe: ArchRecipe, opts: FixtureOptions, moe: bool) -> None:
-    if opts.rope_freqs and not recipe.rope_freqs:
-        raise ValueError(f"{arch} has no rope_freqs tensor")
-    if not opts.expert_gate and not (moe and recipe.expert_gate_optional):
-        raise ValueError(f"{arch} needs ffn_gate_exps (expert_gate=False is for llama MoE only)")
-    if opts.tokenizer not in ("none", "gpt2"):
-        raise ValueError(f"unknown tokenizer {opts.tokenizer!r} (have 'none', 'gpt2')")
-
-
-def plan_tensors(arch: str, size: FixtureSize, opts: FixtureOptions) -> list[TensorSpec]:
-    """Every tensor of the fixture, in file order."""
-    recipe = _recipe(arch)
-    moe = _is_moe(recipe, opts, arch)
-    _check_options(arch, recipe, opts, moe)
-    s = size
-    if recipe.hyper:
-
-        return hyperconnected.plan(s, opts)
-    if recipe.compressed:
-        return compressed.plan(s, opts)
-    if recipe.latent:
-        return latent.plan(arch, s, opts)
-    if recipe.msa:
-        return msa.plan(s, opts)
-    if recipe.kimi:
-        return kimi.plan(s, opts)
-    specs = [TensorSpec("token_embd.weight", (s.vocab, s.n_embd), "matrix"),
-             TensorSpec("output_norm.weight", (s.n_embd,), "norm")]
-    if not opts.tied_output:
-        specs.append(TensorSpec("output.weight", (s.vocab, s.n_embd), "matrix"))
-    if opts.rope_freqs:
-        specs.append(TensorSpec("rope_freqs.weight", (s.head_dim // 2,), "rope_freqs"))
-    for il in range(s.n_layer):
-        if recipe.hybrid:
-
-            layer = list(hybrid_layer_tensors(arch, il, s, opts, moe))
-        else:
-            leading_dense = recipe.biased_moe and il == 0 < s.n_layer - 1
-            layer = list(_layer_tensors(recipe, s, opts, moe and not leading_dense))
-        specs += [dataclasses.replace(t, name=f"blk.{il}.{t.name}") for t in layer]
-    return specs
-
-
-def _layer_tensors(recipe: ArchRecipe, s: FixtureSize, opts: FixtureOptions, moe: bool
-                   ) -> Iterator[TensorSpec]:
-    E, D, H, Hkv = s.n_embd, s.head_dim, s.n_head, s.n_head_kv
-    yield TensorSpec("attn_norm.weight", (E,), "norm")
-    projections = {"attn_q": (H * D, E), "attn_k": (Hkv * D, E), "attn_v": (Hkv * D, E),
-                   "attn_output": (E, H * D)}
-    for name, shape in projections.items():
-        yield from linear(name, shape, bias=opts.biases, scale=opts.scales)
-    if recipe.qk_norm:
-        yield TensorSpec("attn_q_norm.weight", (D,), "norm")
-        yield TensorSpec("attn_k_norm.weight", (D,), "norm")
-    yield TensorSpec("ffn_norm.weight", (E,), "norm")
-    if moe and recipe.biased_moe:
-        yield from biased_moe_with_ungated_shared_expert(s.n_expert, E, s.n_ff, s.n_ff // 2, opts.scales)
-        return
-    yield from (_experts(s, opts) if moe else _dense_ffn(recipe, s, opts))
-
-
-def _dense_ffn(recipe: ArchRecipe, s: FixtureSize, opts: FixtureOptions) -> Iterator[TensorSpec]:
-    E, F = s.n_embd, s.n_ff
-    bias = opts.biases and recipe.dense_ffn_bias
-    for name, shape in (("ffn_gate", (F, E)), ("ffn_up", (F, E)), ("ffn_down", (E, F))):
-        yield from linear(name, shape, bias=bias, scale=opts.scales)
-
-
-def _experts(s: FixtureSize, opts: FixtureOptions) -> Iterator[TensorSpec]:
-    E, F, X = s.n_embd, s.n_ff, s.n_expert
-    yield TensorSpec("ffn_gate_inp.weight", (X, E), "router")
-    kinds = {"gate": (X, F, E), "up": (X, F, E), "down": (X, E, F)}
-    if not opts.expert_gate:
-        del kinds["gate"]
-    for kind, shape in kinds.items():
-        yield TensorSpec(f"ffn_{kind}_exps.weight", shape, "matrix")
-        if opts.scales:
-            yield TensorSpec(f"ffn_{kind}_exps.scale", (X,), "scale")
-
-
-def full_options(arch: str) -> dict[str, bool]:
-    """write_fixture options that switch on every optional tensor `arch` knows (as llama.cpp's own
-    fixtures have them): biases, `.scale` multipliers, rope_freqs where it exists, untied output."""
-    recipe = _recipe(arch)
-    opts = {"biases": True, "scales": True, "tied_output": False}
-    if recipe.rope_freqs:
-        opts["rope_freqs"] = True
-    return opts
+def _has_moe_layers(arch: str, s: FixtureSize, opts: FixtureOptions) -> bool:
+    """MoE, and more layers than minimax-m3's leading dense block (one layer: no expert keys)."""
+    moe = _is_moe(_recipe(arch), opts, arch)
+    return moe and not (RECIPES[arch].msa and s.n_layer <= msa.N_DENSE_LEAD)
 
 
 def _recipe(arch: str) -> ArchRecipe:
@@ -203,6 +103,134 @@ def _recipe(arch: str) -> ArchRecipe:
         return RECIPES[arch]
     except KeyError:
         raise ValueError(f"no fixture recipe for architecture {arch!r} (have {', '.join(RECIPES)})") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# the tensor plan: what the architecture file reads from a model with the fixture's keys
+
+
+def _layer_and_name(name: str) -> tuple[int | None, str]:
+    """blk.3.attn_q.weight -> (3, "attn_q.weight"); a model-level tensor has no layer."""
+    parts = name.split(".", 2)
+    if parts[0] == "blk" and len(parts) == 3 and parts[1].isdigit():
+        return int(parts[1]), parts[2]
+    return None, name
+
+
+def _optional_present(short: str, opts: FixtureOptions) -> bool:
+    """Which optional tensors (and which probed layouts) a fixture has, from its options (a `.scale`
+    or `.bias` only beside its matrix: `_presence`)."""
+    if short == "output.weight":
+        return not opts.tied_output
+    if short == "rope_freqs.weight":
+        return opts.rope_freqs
+    if short == "ffn_gate_exps.weight":
+        return opts.expert_gate
+    if short == "output.scale":  # the `.scale` option is for the projections and experts
+        return False
+    if short == "ssm_in.weight":  # the legacy fused delta-net input: fixtures use attn_qkv + attn_gate
+        return False
+    if short.endswith(".scale"):
+        return opts.scales
+    if short.endswith(".bias"):
+        return opts.biases
+    return True
+
+
+def _presence(arch: str, s: FixtureSize, opts: FixtureOptions) -> Presence:
+    def present(name: str, read: Collection[str]) -> bool:
+        layer, short = _layer_and_name(name)
+        if arch == "hy_v3" and short == "ffn_gate_inp.weight":  # layer 0 dense when there are others
+            return not (layer == 0 < s.n_layer - 1)
+        if short.startswith("exp_probs_b"):  # the routing's selection bias: part of the architecture
+            return True
+        if name.endswith((".scale", ".bias")) and name.rsplit(".", 1)[0] + ".weight" not in read:
+            return False  # only beside its matrix: no gate scale beside a merged gate_up
+        return _optional_present(short, opts)
+
+    return present
+
+
+def value_kind(arch: str, d: Declared) -> str:
+    """How a tensor's values are drawn and stored (see `tensor_values`, `storage_type`)."""
+    _, short = _layer_and_name(d.name)
+    if d.qtype == "I32":
+        return "expert_ids"
+    if short in KIND_OVERRIDES.get(arch, {}):
+        return KIND_OVERRIDES[arch][short]
+    stem = short.removesuffix(".weight")
+    if short == "rope_freqs.weight":
+        return "rope_freqs"
+    if short == "ssm_a":
+        return "ssm_a"
+    if short == "exp_probs_b":
+        return "selection_bias"
+    if short.endswith(".scale") or stem.endswith("_scale"):
+        return "scale"
+    if short.endswith(".weight") and ("norm" in stem or stem.endswith("_res_score")):
+        return "norm"
+    if short.endswith(".bias") or stem.endswith(("_base", "_ape", "attn_sinks")):
+        return "bias"
+    if stem.startswith("ffn_gate_inp"):
+        return "router"
+    if "conv1d" in stem:
+        return "conv"
+    if d.qtype == "F32":  # the architecture reads it as F32 only: never quantized
+        return "f32"
+    return "matrix"
+
+
+KIND_OVERRIDES: dict[str, dict[str, str]] = {"kimi-k3": kimi.VALUE_KINDS}
+
+FILE_HEAD = ("token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight")
+
+
+def _file_order(d: Declared, index: int) -> tuple[int, int, int]:
+    """The model-level tensors first (the embedding and output ones leading), then layer by layer,
+    each in the order the architecture reads them."""
+    layer, _ = _layer_and_name(d.name)
+    if layer is not None:
+        return (2, layer, index)
+    return (0, FILE_HEAD.index(d.name), 0) if d.name in FILE_HEAD else (1, index, 0)
+
+
+def _keys(writer: gguf.GGUFWriter) -> dict[str, Any]:
+    return {key: v.value for key, v in writer.kv_data[0].items()}
+
+
+def _declared(arch: str, s: FixtureSize, opts: FixtureOptions, keys: dict[str, Any]) -> list[Declared]:
+    found = declared_tensors(arch, {**keys, "general.architecture": arch}, s.vocab, _presence(arch, s, opts))
+    if opts.rope_freqs and "rope_freqs.weight" not in {d.name for d in found.tensors}:
+        raise ValueError(f"{arch} has no rope_freqs tensor")
+    if not opts.expert_gate and not any(n.endswith(".ffn_gate_exps.weight") for n in found.absent):
+        raise ValueError(f"{arch} needs ffn_gate_exps (expert_gate=False is for llama MoE only)")
+    return found.tensors
+
+
+def plan_tensors(arch: str, size: FixtureSize, opts: FixtureOptions) -> list[TensorSpec]:
+    """Every tensor of the fixture, in file order: the tensors the architecture file reads."""
+    writer = gguf.GGUFWriter(None, arch)
+    _write_hparams(writer, arch, size, opts, moe=_has_moe_layers(arch, size, opts))
+    return _plan(arch, size, opts, _keys(writer))
+
+
+def _plan(arch: str, s: FixtureSize, opts: FixtureOptions, keys: dict[str, Any]) -> list[TensorSpec]:
+    if opts.tokenizer not in ("none", "gpt2"):
+        raise ValueError(f"unknown tokenizer {opts.tokenizer!r} (have 'none', 'gpt2')")
+    declared = _declared(arch, s, opts, keys)
+    ordered = sorted(enumerate(declared), key=lambda item: _file_order(item[1], item[0]))
+    return [TensorSpec(d.name, d.shape, value_kind(arch, d)) for _, d in ordered]
+
+
+def full_options(arch: str) -> dict[str, bool]:
+    """write_fixture options that switch on every optional tensor `arch` knows (as llama.cpp's own
+    fixtures have them): biases, `.scale` multipliers, rope_freqs where it exists, untied output."""
+    opts = {"biases": True, "scales": True, "tied_output": False}
+    try:
+        plan_tensors(arch, resolve_size("tiny"), FixtureOptions(rope_freqs=True))
+    except ValueError:
+        return opts
+    return {**opts, "rope_freqs": True}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -386,11 +414,12 @@ def write_fixture(
     opts = FixtureOptions(biases=biases, scales=scales, rope_freqs=rope_freqs, tied_output=tied_output,
                           moe=moe, expert_gate=expert_gate, rope_scaling=rope_scaling, tokenizer=tokenizer,
                           chat_template=chat_template, rms_eps=rms_eps, rope_base=rope_base)
-    specs = plan_tensors(arch, fs, opts)
+    moe = _has_moe_layers(arch, fs, opts)
     vocab = gpt2_vocab(fs.vocab) if tokenizer == "gpt2" else None
     out = Path(path)
-    writer = gguf.GGUFWriter(os.fspath(out), arch)
-    _write_hparams(writer, arch, fs, opts, moe=any(t.name.endswith("_exps.weight") for t in specs))
+    writer = gguf.GGUFWriter(os.fspath(out), arch)  # nothing reaches the file before the tensors are planned
+    _write_hparams(writer, arch, fs, opts, moe=moe)
+    specs = _plan(arch, fs, opts, _keys(writer))
     _write_tokenizer(writer, opts, vocab)
     for spec in specs:
         if spec.kind == "expert_ids":

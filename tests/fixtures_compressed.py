@@ -1,5 +1,5 @@
-"""deepseek4 in the fixture writer: its whole tensor plan and its keys. `fixtures.py` calls these for
-the recipe with `compressed=True`.
+"""deepseek4 in the fixture writer: its keys and its hash-routing table. `fixtures.py` calls these
+for the recipe with `compressed=True`; the tensors are the ones frontend/archs/deepseek4.py reads.
 
 Sizes from the common `FixtureSize` (E = n_embd, H = n_head, D = head_dim with its last half
 rotated, X = n_expert, K = n_expert_used, F = n_ff; one K/V head whatever n_head_kv says); the
@@ -15,7 +15,6 @@ with YaRN (factor 4 over an original context of 32).
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterator
 
 import gguf
 import numpy as np
@@ -36,65 +35,6 @@ def ratio(il: int) -> int:
 
 def out_groups(s: FixtureSize) -> int:
     return 2 if s.n_head % 2 == 0 else 1
-
-
-def plan(s: FixtureSize, opts: FixtureOptions) -> list[TensorSpec]:
-    E = s.n_embd
-    specs = [TensorSpec("token_embd.weight", (s.vocab, E), "matrix"),
-             TensorSpec("output_norm.weight", (E,), "norm")]
-    if not opts.tied_output:
-        specs.append(TensorSpec("output.weight", (s.vocab, E), "matrix"))
-    specs += [TensorSpec("output_hc_fn.weight", (HC, HC * E), "matrix"),
-              TensorSpec("output_hc_base.weight", (HC,), "bias"),
-              TensorSpec("output_hc_scale.weight", (1,), "scale")]
-    for il in range(s.n_layer):
-        specs += [TensorSpec(f"blk.{il}.{t.name}", t.shape, t.kind) for t in _layer(il, s, opts)]
-    return specs
-
-
-def _layer(il: int, s: FixtureSize, opts: FixtureOptions) -> Iterator[TensorSpec]:
-    E, H, D, X, F = s.n_embd, s.n_head, s.head_dim, s.n_expert, s.n_ff
-    G = out_groups(s)
-    mix = (2 + HC) * HC
-    for kind in ("attn", "ffn"):
-        yield TensorSpec(f"hc_{kind}_fn.weight", (mix, HC * E), "matrix")
-        yield TensorSpec(f"hc_{kind}_base.weight", (mix,), "bias")
-        yield TensorSpec(f"hc_{kind}_scale.weight", (3,), "scale")
-    yield TensorSpec("attn_norm.weight", (E,), "norm")
-    yield TensorSpec("attn_sinks.weight", (H,), "bias")
-    yield TensorSpec("attn_q_a.weight", (Q_RANK, E), "matrix")
-    yield TensorSpec("attn_q_a_norm.weight", (Q_RANK,), "norm")
-    yield TensorSpec("attn_q_b.weight", (H * D, Q_RANK), "matrix")
-    yield TensorSpec("attn_kv.weight", (D, E), "matrix")
-    yield TensorSpec("attn_kv_a_norm.weight", (D,), "norm")
-    yield TensorSpec("attn_output_a.weight", (G, OUT_RANK, H * D // G), "matrix")
-    yield TensorSpec("attn_output_b.weight", (E, G * OUT_RANK), "matrix")
-    r = ratio(il)
-    if r:
-        yield from _compressor("attn_compressor", D, r, E)
-    if r == 4:
-        yield TensorSpec("indexer.proj.weight", (INDEXER_HEADS, E), "matrix")
-        yield TensorSpec("indexer.attn_q_b.weight", (INDEXER_HEADS * INDEXER_DIM, Q_RANK), "matrix")
-        yield from _compressor("indexer_compressor", INDEXER_DIM, r, E)
-    yield TensorSpec("ffn_norm.weight", (E,), "norm")
-    yield TensorSpec("ffn_gate_inp.weight", (X, E), "router")
-    if il < HASH_LAYERS:
-        yield TensorSpec("ffn_gate_tid2eid.weight", (s.vocab, s.n_expert_used), "expert_ids")
-    else:
-        yield TensorSpec("exp_probs_b.bias", (X,), "bias")
-    for kind, shape in (("gate", (X, F, E)), ("up", (X, F, E)), ("down", (X, E, F))):
-        # the experts' `.scale` (llama.cpp loads them, its deepseek4 graph never reads them): not written
-        yield TensorSpec(f"ffn_{kind}_exps.weight", shape, "matrix")
-    for kind, shape in (("gate", (F, E)), ("up", (F, E)), ("down", (E, F))):
-        yield TensorSpec(f"ffn_{kind}_shexp.weight", shape, "matrix")
-
-
-def _compressor(prefix: str, d: int, r: int, e: int) -> Iterator[TensorSpec]:
-    wide = 2 * d if r == 4 else d
-    yield TensorSpec(f"{prefix}_kv.weight", (wide, e), "matrix")
-    yield TensorSpec(f"{prefix}_gate.weight", (wide, e), "matrix")
-    yield TensorSpec(f"{prefix}_ape.weight", (r, wide), "bias")
-    yield TensorSpec(f"{prefix}_norm.weight", (d,), "norm")
 
 
 def expert_ids(spec: TensorSpec, seed: int, n_expert: int) -> np.ndarray:

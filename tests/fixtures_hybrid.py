@@ -1,5 +1,6 @@
-"""The hybrid gated delta-net architectures (qwen35, qwen3next) in the fixture writer: their
-per-layer tensor plan and keys. `fixtures.py` calls these for recipes with `hybrid=True`.
+"""The hybrid gated delta-net architectures (qwen35, qwen3next) in the fixture writer: their keys.
+`fixtures.py` calls these for recipes with `hybrid=True`; the tensors are the ones the
+architecture files read.
 
 Sizes come from the common `FixtureSize`: delta-net head dim Dk = Dv = head_dim, key heads
 Hk = n_head_kv and value heads Hv = n_head (so tiny fixtures share each q/k head between two value
@@ -11,10 +12,8 @@ rotates only half of each head (partial NEOX) and stores its experts' gate and u
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import gguf
-from fixture_spec import FixtureOptions, FixtureSize, TensorSpec, linear, merged_moe_with_shared_expert
+from fixture_spec import FixtureSize
 
 CONV_KERNEL = 4
 FULL_ATTENTION_INTERVAL = 2
@@ -28,41 +27,6 @@ def ssm_sizes(s: FixtureSize) -> dict[str, int]:
 
 def is_linear_layer(il: int) -> bool:
     return (il + 1) % FULL_ATTENTION_INTERVAL != 0
-
-
-def hybrid_layer_tensors(
-    arch: str, il: int, s: FixtureSize, opts: FixtureOptions, moe: bool
-) -> Iterator[TensorSpec]:
-
-    E, D, H, Hkv, F = s.n_embd, s.head_dim, s.n_head, s.n_head_kv, s.n_ff
-    yield TensorSpec("attn_norm.weight", (E,), "norm")
-    yield TensorSpec("post_attention_norm.weight", (E,), "norm")
-    if is_linear_layer(il):
-        z = ssm_sizes(s)
-        yield from linear("attn_qkv", (z["C"], E), bias=False, scale=opts.scales)
-        yield from linear("attn_gate", (z["VD"], E), bias=False, scale=opts.scales)
-        if arch == "qwen3next":
-            yield TensorSpec("ssm_ba.weight", (2 * z["Hv"], E), "matrix")
-        else:
-            yield from linear("ssm_beta", (z["Hv"], E), bias=False, scale=opts.scales)
-            yield from linear("ssm_alpha", (z["Hv"], E), bias=False, scale=opts.scales)
-        yield TensorSpec("ssm_conv1d.weight", (z["C"], CONV_KERNEL), "conv")
-        yield TensorSpec("ssm_dt.bias", (z["Hv"],), "bias")
-        yield TensorSpec("ssm_a", (z["Hv"],), "ssm_a")
-        yield TensorSpec("ssm_norm.weight", (z["Dk"],), "norm")
-        yield from linear("ssm_out", (E, z["VD"]), bias=False, scale=opts.scales)
-    else:
-        for name, shape in (("attn_q", (2 * H * D, E)), ("attn_k", (Hkv * D, E)), ("attn_v", (Hkv * D, E))):
-            yield from linear(name, shape, bias=opts.biases, scale=opts.scales)
-        yield from linear("attn_output", (E, H * D), bias=False, scale=opts.scales)
-        yield TensorSpec("attn_q_norm.weight", (D,), "norm")
-        yield TensorSpec("attn_k_norm.weight", (D,), "norm")
-    if not moe:
-        for name, shape in (("ffn_gate", (F, E)), ("ffn_up", (F, E)), ("ffn_down", (E, F))):
-            yield from linear(name, shape, bias=False, scale=opts.scales)
-        return
-    X = s.n_expert
-    yield from merged_moe_with_shared_expert(X, E, F, opts.scales)
 
 
 def write_hybrid_hparams(w: gguf.GGUFWriter, arch: str, s: FixtureSize, *, moe: bool) -> None:

@@ -1,5 +1,5 @@
-"""qwen4exp in the fixture writer: its whole tensor plan (no output_norm: the final hyper-connection
-mix stands in for it) and its keys. `fixtures.py` calls these for the recipe with `hyper=True`.
+"""qwen4exp in the fixture writer: its keys. `fixtures.py` calls these for the recipe with
+`hyper=True`; the tensors are the ones frontend/archs/qwen4exp.py reads.
 
 Sizes from the common `FixtureSize`: hc = 2 streams of rank 4; delta-net heads as the hybrid
 fixtures (Hk = n_head_kv, Hv = n_head, Dk = head_dim, conv kernel 4); layers alternate linear and
@@ -13,10 +13,8 @@ uint64 multipliers above 2^63, so the hash's wrap-around arithmetic is exercised
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import gguf
-from fixture_spec import FixtureOptions, FixtureSize, TensorSpec, linear, merged_moe_with_shared_expert
+from fixture_spec import FixtureSize
 
 HC, HC_RANK = 2, 4
 CONV_KERNEL = 4
@@ -35,61 +33,6 @@ def is_linear_layer(il: int) -> bool:
 
 def ple_heads() -> int:
     return (PLE_NGRAM - 1) * PLE_HEADS_PER_NGRAM
-
-
-def plan(s: FixtureSize, opts: FixtureOptions) -> list[TensorSpec]:
-
-    E, wide = s.n_embd, HC * s.n_embd
-    specs = [TensorSpec("token_embd.weight", (s.vocab, E), "matrix")]
-    if not opts.tied_output:
-        specs.append(TensorSpec("output.weight", (s.vocab, E), "matrix"))
-    specs += [TensorSpec("output_hc_norm.weight", (HC, E), "norm"),
-              TensorSpec("output_hc_down.weight", (HC_RANK, wide), "matrix"),
-              TensorSpec("output_hc_up.weight", (wide, HC_RANK), "matrix"),
-              TensorSpec("per_layer_token_embd.weight", (ple_heads() * s.vocab, E // ple_heads()), "matrix")]
-    for il in range(s.n_layer):
-        specs += [TensorSpec(f"blk.{il}.{t.name}", t.shape, t.kind) for t in _layer(il, s, opts)]
-    return specs
-
-
-def _layer(il: int, s: FixtureSize, opts: FixtureOptions) -> Iterator[TensorSpec]:
-
-    E, D, H, Hkv, F, X = s.n_embd, s.head_dim, s.n_head, s.n_head_kv, s.n_ff, s.n_expert
-    wide = HC * E
-    for kind in ("attn", "ffn"):
-        yield TensorSpec(f"hc_{kind}_norm.weight", (HC, E), "norm")
-        yield TensorSpec(f"hc_{kind}_down.weight", (HC_RANK, wide), "matrix")
-        yield TensorSpec(f"hc_{kind}_up.weight", (wide, HC_RANK), "matrix")
-        yield TensorSpec(f"hc_{kind}_inject.weight", (HC, wide), "matrix")
-    if is_linear_layer(il):
-        c, vd = 2 * Hkv * D + H * D, H * D
-        yield from linear("attn_qkv", (c, E), bias=False, scale=opts.scales)
-        yield from linear("attn_gate", (vd, E), bias=False, scale=opts.scales)
-        yield from linear("ssm_beta", (H, E), bias=False, scale=opts.scales)
-        yield from linear("ssm_alpha", (H, E), bias=False, scale=opts.scales)
-        yield TensorSpec("ssm_conv1d.weight", (c, CONV_KERNEL), "conv")
-        yield TensorSpec("ssm_dt.bias", (H,), "bias")
-        yield TensorSpec("ssm_a", (H,), "ssm_a")
-        yield TensorSpec("ssm_norm.weight", (D,), "norm")
-        yield from linear("ssm_out", (E, vd), bias=False, scale=opts.scales)
-        if il == 0:
-            yield TensorSpec("ple_key.weight", (wide, E), "matrix")
-            yield TensorSpec("ple_value.weight", (E, E), "matrix")
-            for name in ("key", "query", "conv"):
-                yield TensorSpec(f"ple_norm_{name}.weight", (HC, E), "norm")
-            yield TensorSpec("ple_conv1d.weight", (wide, PLE_CONV_KERNEL), "conv")
-    else:
-        for name, shape in (("attn_q", (2 * H * D, E)), ("attn_k", (Hkv * D, E)), ("attn_v", (Hkv * D, E))):
-            # llama.cpp loads q/k/v biases and never reads them: the fixture writes only what is read
-            yield from linear(name, shape, bias=False, scale=opts.scales)
-        yield from linear("attn_output", (E, H * D), bias=False, scale=opts.scales)
-        yield TensorSpec("attn_q_norm.weight", (D,), "norm")
-        yield TensorSpec("attn_k_norm.weight", (D,), "norm")
-        yield TensorSpec("indexer.q_proj.weight", (INDEXER_HEADS * D, E), "matrix")
-        yield TensorSpec("indexer.k_proj.weight", (D, E), "matrix")
-        yield TensorSpec("indexer.q_norm.weight", (D,), "norm")
-        yield TensorSpec("indexer.k_norm.weight", (D,), "norm")
-    yield from merged_moe_with_shared_expert(X, E, F, opts.scales)
 
 
 def write_hparams(w: gguf.GGUFWriter, s: FixtureSize) -> None:

@@ -13,14 +13,14 @@ reads them (its own fixture, tests/test_kimi_k3.py, carries them).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import gguf
-from fixture_spec import FixtureOptions, FixtureSize, TensorSpec, linear
+from fixture_spec import FixtureSize
 
 N_LEAD_DENSE = 1
 CONV_KERNEL = 4
 RES_BLOCK = 1
+# the selection bias is drawn large enough to change which experts are picked
+VALUE_KINDS = {"exp_probs_b.bias": "selection_bias"}
 
 
 def dims(s: FixtureSize) -> dict[str, int]:
@@ -30,76 +30,6 @@ def dims(s: FixtureSize) -> dict[str, int]:
 
 def is_kda(il: int) -> bool:
     return il % 2 == 1
-
-
-def plan(s: FixtureSize, opts: FixtureOptions) -> list[TensorSpec]:
-    E = s.n_embd
-    specs = [TensorSpec("token_embd.weight", (s.vocab, E), "matrix"), TensorSpec("output_norm.weight", (E,), "norm")]
-    if not opts.tied_output:
-        specs.append(TensorSpec("output.weight", (s.vocab, E), "matrix"))
-    specs.append(TensorSpec("output_res_score.weight", (E,), "norm"))
-    for il in range(s.n_layer):
-        specs += [TensorSpec(f"blk.{il}.{t.name}", t.shape, t.kind) for t in _layer(il, s, opts)]
-    return specs
-
-
-def _layer(il: int, s: FixtureSize, opts: FixtureOptions) -> Iterator[TensorSpec]:
-    E = s.n_embd
-    yield TensorSpec("attn_norm.weight", (E,), "norm")
-    yield TensorSpec("attn_res_score.weight", (E,), "norm")
-    yield TensorSpec("ffn_res_score.weight", (E,), "norm")
-    yield from _kda(s, opts) if is_kda(il) else _mla(s, opts)
-    yield TensorSpec("ffn_norm.weight", (E,), "norm")
-    if il < N_LEAD_DENSE:
-        F = s.n_ff
-        for name, shape in (("ffn_gate", (F, E)), ("ffn_up", (F, E)), ("ffn_down", (E, F))):
-            yield from linear(name, shape, bias=False, scale=False)
-        return
-    yield from _latent_moe(s, opts)
-
-
-def _mla(s: FixtureSize, opts: FixtureOptions) -> Iterator[TensorSpec]:
-    d = dims(s)
-    E, H, R, KVL, Q = s.n_embd, d["H"], d["R"], d["KVL"], d["Q"]
-    yield TensorSpec("attn_q_a.weight", (Q, E), "matrix")
-    yield TensorSpec("attn_q_a_norm.weight", (Q,), "norm")
-    yield TensorSpec("attn_q_b.weight", (H * (d["nope"] + R), Q), "matrix")
-    yield TensorSpec("attn_kv_a_mqa.weight", (KVL + R, E), "matrix")
-    yield TensorSpec("attn_kv_a_norm.weight", (KVL,), "norm")
-    yield TensorSpec("attn_k_b.weight", (H, KVL, d["nope"]), "matrix")
-    yield TensorSpec("attn_v_b.weight", (H, d["Dv"], KVL), "matrix")
-    yield from linear("attn_gate", (H * d["Dv"], E), bias=False, scale=False)
-    yield from linear("attn_output", (E, H * d["Dv"]), bias=False, scale=False)
-
-
-def _kda(s: FixtureSize, opts: FixtureOptions) -> Iterator[TensorSpec]:
-    d = dims(s)
-    E, H, dh = s.n_embd, d["H"], d["dh"]
-    inner = H * dh
-    for n in "qkv":
-        yield from linear(f"attn_{n}", (inner, E), bias=False, scale=False)
-        yield TensorSpec(f"ssm_conv1d_{n}.weight", (inner, 1, CONV_KERNEL), "conv")
-    yield TensorSpec("ssm_f_a.weight", (dh, E), "matrix")
-    yield TensorSpec("ssm_f_b.weight", (inner, dh), "matrix")
-    yield from linear("ssm_beta", (H, E), bias=False, scale=False)
-    yield TensorSpec("ssm_a", (H,), "ssm_a")
-    yield TensorSpec("ssm_dt.bias", (inner,), "bias")
-    yield TensorSpec("ssm_g.weight", (inner, E), "matrix")
-    yield TensorSpec("ssm_norm.weight", (dh,), "norm")
-    yield from linear("attn_output", (E, inner), bias=False, scale=False)
-
-
-def _latent_moe(s: FixtureSize, opts: FixtureOptions) -> Iterator[TensorSpec]:
-    E, F, X, L = s.n_embd, s.n_ff, s.n_expert, dims(s)["L"]
-    yield TensorSpec("ffn_gate_inp.weight", (X, E), "router")
-    yield TensorSpec("exp_probs_b.bias", (X,), "selection_bias")
-    for kind, shape in (("gate", (X, F, L)), ("up", (X, F, L)), ("down", (X, L, F))):
-        yield TensorSpec(f"ffn_{kind}_exps.weight", shape, "matrix")
-    yield TensorSpec("ffn_routed_down.weight", (L, E), "matrix")
-    yield TensorSpec("ffn_routed_up.weight", (E, L), "matrix")
-    yield TensorSpec("ffn_routed_norm.weight", (L,), "norm")
-    for name, shape in (("ffn_gate_shexp", (F, E)), ("ffn_up_shexp", (F, E)), ("ffn_down_shexp", (E, F))):
-        yield from linear(name, shape, bias=False, scale=False)
 
 
 def write_hparams(w: gguf.GGUFWriter, s: FixtureSize) -> None:

@@ -1,6 +1,7 @@
 """deepseek32 and glm-dsa in the fixture writer: MLA attention with the DSA lightning indexer,
 a leading dense block, then sigmoid-routed MoE with selection bias and a shared expert.
-`fixtures.py` calls these for the recipes with `latent=True`.
+`fixtures.py` calls these (the keys) for the recipes with `latent=True`; the tensors are the ones
+the architecture files read.
 
 Sizes from the common `FixtureSize`: H = n_head MLA heads (3-D `attn_k_b`/`attn_v_b`, so the
 per-head matmul runs; llama.cpp's own one-head fixtures store them 2-D), rope part R = head_dim,
@@ -12,10 +13,8 @@ drops cells. glm-dsa's `indexer.types` makes every second layer after the first 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import gguf
-from fixture_spec import FixtureOptions, FixtureSize, TensorSpec, linear
+from fixture_spec import FixtureSize
 
 INDEXER_HEADS = 2
 INDEXER_TOP_K = 8
@@ -31,52 +30,6 @@ def dims(s: FixtureSize) -> dict[str, int]:
 def indexer_full(arch: str, n_layer: int) -> list[int]:
     """1: the layer computes its own selection; 0 (glm-dsa only): it reuses the last full layer's."""
     return [1 if arch == "deepseek32" or il % 2 == 0 else 0 for il in range(n_layer)]
-
-
-def plan(arch: str, s: FixtureSize, opts: FixtureOptions) -> list[TensorSpec]:
-    E = s.n_embd
-    specs = [TensorSpec("token_embd.weight", (s.vocab, E), "matrix"), TensorSpec("output_norm.weight", (E,), "norm")]
-    if not opts.tied_output:
-        specs.append(TensorSpec("output.weight", (s.vocab, E), "matrix"))
-    full = indexer_full(arch, s.n_layer)
-    for il in range(s.n_layer):
-        specs += [TensorSpec(f"blk.{il}.{t.name}", t.shape, t.kind) for t in _layer(il, s, opts, bool(full[il]))]
-    return specs
-
-
-def _layer(il: int, s: FixtureSize, opts: FixtureOptions, full: bool) -> Iterator[TensorSpec]:
-    d = dims(s)
-    E, H, R, KVL, Q, Di = s.n_embd, d["H"], d["R"], d["KVL"], d["Q"], d["Di"]
-    yield TensorSpec("attn_norm.weight", (E,), "norm")
-    yield TensorSpec("attn_q_a.weight", (Q, E), "matrix")
-    yield TensorSpec("attn_q_a_norm.weight", (Q,), "norm")
-    yield TensorSpec("attn_q_b.weight", (H * (d["nope"] + R), Q), "matrix")
-    yield TensorSpec("attn_kv_a_mqa.weight", (KVL + R, E), "matrix")
-    yield TensorSpec("attn_kv_a_norm.weight", (KVL,), "norm")
-    yield TensorSpec("attn_k_b.weight", (H, KVL, d["nope"]), "matrix")
-    yield TensorSpec("attn_v_b.weight", (H, d["Dv"], KVL), "matrix")
-    yield from linear("attn_output", (E, H * d["Dv"]), bias=False, scale=opts.scales)
-    if full:
-        yield TensorSpec("indexer.attn_q_b.weight", (INDEXER_HEADS * Di, Q), "matrix")
-        yield TensorSpec("indexer.attn_k.weight", (Di, E), "matrix")
-        yield TensorSpec("indexer.k_norm.weight", (Di,), "norm")
-        yield TensorSpec("indexer.k_norm.bias", (Di,), "bias")
-        yield TensorSpec("indexer.proj.weight", (INDEXER_HEADS, E), "matrix")
-    yield TensorSpec("ffn_norm.weight", (E,), "norm")
-    F, X = s.n_ff, s.n_expert
-    if il < N_LEAD_DENSE:
-        for name, shape in (("ffn_gate", (F, E)), ("ffn_up", (F, E)), ("ffn_down", (E, F))):
-            yield from linear(name, shape, bias=False, scale=opts.scales)
-        return
-    yield TensorSpec("ffn_gate_inp.weight", (X, E), "router")
-    yield TensorSpec("exp_probs_b.bias", (X,), "bias")
-    for kind, shape in (("gate", (X, F, E)), ("up", (X, F, E)), ("down", (X, E, F))):
-        yield TensorSpec(f"ffn_{kind}_exps.weight", shape, "matrix")
-        if opts.scales:
-            yield TensorSpec(f"ffn_{kind}_exps.scale", (X,), "scale")
-    Fs = F * SHARED_EXPERTS
-    for name, shape in (("ffn_gate_shexp", (Fs, E)), ("ffn_up_shexp", (Fs, E)), ("ffn_down_shexp", (E, Fs))):
-        yield from linear(name, shape, bias=False, scale=opts.scales)
 
 
 def write_hparams(w: gguf.GGUFWriter, arch: str, s: FixtureSize) -> None:

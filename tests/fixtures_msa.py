@@ -1,5 +1,5 @@
-"""minimax-m3 in the fixture writer: its tensor plan and keys. `fixtures.py` calls these for the
-recipe with `msa=True`.
+"""minimax-m3 in the fixture writer: its keys. `fixtures.py` calls these for the recipe with
+`msa=True`; the tensors are the ones frontend/archs/minimax_m3.py reads.
 
 Sizes from the common `FixtureSize`: layer 0 is a leading dense block (swigluoai FFN of n_ff),
 the later layers are MoE blocks (sigmoid router with a selection bias, experts of n_ff, one
@@ -13,10 +13,8 @@ with every scale, is the golden test's).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import gguf
-from fixture_spec import FixtureOptions, FixtureSize, TensorSpec, linear
+from fixture_spec import FixtureSize
 
 MSA_BLOCK, MSA_TOP_K, MSA_LOCAL = 4, 3, 1
 N_DENSE_LEAD = 1
@@ -24,41 +22,6 @@ N_DENSE_LEAD = 1
 
 def rope_dimension_count(s: FixtureSize) -> int:
     return s.head_dim // 2
-
-
-def plan(s: FixtureSize, opts: FixtureOptions) -> list[TensorSpec]:
-    E = s.n_embd
-    specs = [TensorSpec("token_embd.weight", (s.vocab, E), "matrix"), TensorSpec("output_norm.weight", (E,), "norm")]
-    if not opts.tied_output:
-        specs.append(TensorSpec("output.weight", (s.vocab, E), "matrix"))
-    for il in range(s.n_layer):
-        specs += [TensorSpec(f"blk.{il}.{t.name}", t.shape, t.kind) for t in _layer(il, s, opts)]
-    return specs
-
-
-def _layer(il: int, s: FixtureSize, opts: FixtureOptions) -> Iterator[TensorSpec]:
-    E, D, H, Hkv, F, X = s.n_embd, s.head_dim, s.n_head, s.n_head_kv, s.n_ff, s.n_expert
-    yield TensorSpec("attn_norm.weight", (E,), "norm")
-    for name, shape in (("attn_q", (H * D, E)), ("attn_k", (Hkv * D, E)), ("attn_v", (Hkv * D, E))):
-        yield from linear(name, shape, bias=opts.biases, scale=opts.scales)
-    yield from linear("attn_output", (E, H * D), bias=False, scale=opts.scales)
-    yield TensorSpec("attn_q_norm.weight", (D,), "norm")
-    yield TensorSpec("attn_k_norm.weight", (D,), "norm")
-    yield TensorSpec("ffn_norm.weight", (E,), "norm")
-    if il < N_DENSE_LEAD:
-        for name, shape in (("ffn_gate", (F, E)), ("ffn_up", (F, E)), ("ffn_down", (E, F))):
-            yield TensorSpec(f"{name}.weight", shape, "matrix")
-        return
-    yield TensorSpec("ffn_gate_inp.weight", (X, E), "router")
-    yield TensorSpec("exp_probs_b.bias", (X,), "bias")
-    for kind, shape in (("gate", (X, F, E)), ("up", (X, F, E)), ("down", (X, E, F))):
-        yield TensorSpec(f"ffn_{kind}_exps.weight", shape, "matrix")
-    for name, shape in (("ffn_gate_shexp", (F, E)), ("ffn_up_shexp", (F, E)), ("ffn_down_shexp", (E, F))):
-        yield TensorSpec(f"{name}.weight", shape, "matrix")
-    yield TensorSpec("indexer.q_proj.weight", (Hkv * D, E), "matrix")
-    yield TensorSpec("indexer.k_proj.weight", (D, E), "matrix")
-    yield TensorSpec("indexer.q_norm.weight", (D,), "norm")
-    yield TensorSpec("indexer.k_norm.weight", (D,), "norm")
 
 
 def write_hparams(w: gguf.GGUFWriter, s: FixtureSize) -> None:

@@ -8,31 +8,22 @@ decode disagree by 3e-7 on this fixture, the sparse and dense goldens by 2.4e-3.
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
-import sys
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-import tvm
 from fixture_spec import FixtureSize
 from fixtures import full_options, write_fixture
-from tvm import relax
+from sparse_probes import Compiled, compile_probed, decode_kernel_calls, nmse, with_metadata
 
 from ggufc.cli import main
-from ggufc.codegen.build import kernel_weights, state_plan, weight_key
-from ggufc.codegen.lower import ModuleBuilder
-from ggufc.codegen.lower_context import plan_params
-from ggufc.codegen.target import cpu_target, resolve_target
-from ggufc.codegen.tvm_util import to_tvm
+from ggufc.codegen.target import cpu_target
 from ggufc.driver.stages import optimise
 from ggufc.frontend.load import LoadedModel, load_model
 from ggufc.ir.decompose import decompose
-from ggufc.ir.graph import Graph
+from ggufc.ir.graph import Graph, Value
 from ggufc.ir.hyper_connections import hc_pre_ref
 from ggufc.ir.interp import init_state, run_graph
 from ggufc.passes.constant_fold import with_constants
@@ -42,10 +33,6 @@ GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
 DENSE = GOLDEN / "fixtures" / "deepseek4-moe-F16.gguf"
 needs_golden = pytest.mark.skipif(not DENSE.exists(), reason=f"llama.cpp goldens not found at {GOLDEN}")
 MODES = {None: "logits_prefill", 1: "logits_decode", 7: "logits_chunk7"}
-
-
-def nmse(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.mean((np.asarray(a, np.float64) - b) ** 2) / np.mean(np.asarray(b, np.float64) ** 2))
 
 
 def interpret(model: LoadedModel, graph: Graph, tokens: np.ndarray, chunk: int, dtype: Any = np.float32,
@@ -68,16 +55,11 @@ def interpret(model: LoadedModel, graph: Graph, tokens: np.ndarray, chunk: int, 
 
 @pytest.fixture(scope="module")
 def sparse_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The dense fixture with indexer.top_k = 4, set by the gguf package's gguf-set-metadata."""
+    """The dense fixture with indexer.top_k = 4."""
     if not DENSE.exists():
         pytest.skip("llama.cpp goldens absent")
-    path = tmp_path_factory.mktemp("sparse") / "deepseek4-moe-F16-sparse.gguf"
-    shutil.copyfile(DENSE, path)
-    path.chmod(0o644)
-    cmd = [sys.executable, "-m", "gguf.scripts.gguf_set_metadata", str(path), "deepseek4.attention.indexer.top_k",
-           "4", "--force"]
-    subprocess.run(cmd, check=True, capture_output=True)
-    return path
+    return with_metadata(DENSE, tmp_path_factory.mktemp("sparse") / "deepseek4-moe-F16-sparse.gguf",
+                         "deepseek4.attention.indexer.top_k", "4")
 
 
 def _eval(path: Path, tokens: np.ndarray, chunk: int | None, tmp: Path, compile_cache: Path,
@@ -181,48 +163,15 @@ def _visible(row: np.ndarray, t: int, ratio: int = 4) -> set[int]:
     return {int(j) for j in row if 0 <= j and (j + 1) * ratio <= t + 1}
 
 
-@dataclass
-class Compiled:
-    model: LoadedModel
-    graph: Graph  # the optimised all-logits graph (outputs: logits, the CSA selection, its scores)
-    vm: Any
-    params: list[Any]
-    states: list[tuple[str, tuple[int, ...], str]]
-
-    def run(self, tokens: np.ndarray, chunk: int) -> list[np.ndarray]:
-        states = [to_tvm(np.zeros(s, d)) for _, s, d in self.states]
-        fn = "decode" if chunk == 1 else "prefill_all"
-        parts: list[list[np.ndarray]] = [[] for _ in self.graph.outputs]
-        for start in range(0, len(tokens), chunk):
-            out = self.vm[fn](to_tvm(tokens[start : start + chunk].astype(np.int32)),
-                              tvm.runtime.ShapeTuple([start]), states, self.params)
-            for i in range(len(self.graph.outputs)):
-                parts[i].append(out[i].numpy())
-        return [np.concatenate(p) for p in parts]
-
-
 @pytest.fixture(scope="module")
 def compiled(project: LoadedModel) -> Compiled:
-    """The passes, then one Relax module (all-logits prefill and decode) with the CSA selection
-    and its scores as extra outputs."""
-    graphs, _ = optimise({"prefill_all": project.graphs["prefill_all"]}, frozenset(), cpu_target())
-    graph = graphs["prefill_all"]
-    topk = next(n for n in graph.nodes if n.op == "topk" and n.outputs[1].name == "lid_top_k")
-    score = next(n for n in graph.nodes if n.op == "compressed_score").outputs[0]
-    graph = graph.replace(outputs=[graph.outputs[0], topk.outputs[1], score])
-    layouts = plan_params([graph])
-    states = state_plan(graph)
-    mb = ModuleBuilder(resolve_target("llvm"), layouts, states)
-    mb.add_function("prefill_all", graph)
-    mb.add_function("decode", graph, fixed_tokens=1)
-    mod = mb.module()
-    for fn in ("prefill_all", "decode"):
-        gv = mod.get_global_var(fn)
-        mod[gv] = mod[gv].with_attr("tir_var_upper_bound", {"n": N_TOKENS, "p": project.n_ctx})
-    ex = tvm.compile(mod, target=mb.target, relax_pipeline=relax.pipeline.default_build_pipeline())
-    weights = kernel_weights(project, layouts)
-    params = [to_tvm(weights[weight_key(lay.source, f)]) for lay in layouts for f, _, _ in lay.arrays]
-    return Compiled(project, graph, tvm.runtime.vm.VirtualMachine(ex, tvm.cpu()), params, states)
+    """The CPU build with the CSA selection and its scores as extra outputs."""
+
+    def csa_selection(graph: Graph) -> list[Value]:
+        topk = next(n for n in graph.nodes if n.op == "topk" and n.outputs[1].name == "lid_top_k")
+        return [topk.outputs[1], next(n for n in graph.nodes if n.op == "compressed_score").outputs[0]]
+
+    return compile_probed(project, csa_selection, max_tokens=N_TOKENS, target=cpu_target())
 
 
 def test_compiled_matches_reference_in_every_chunking(compiled: Compiled) -> None:
@@ -327,28 +276,13 @@ def test_inspect_lists_the_fusions(sparse_path: Path, capsys: pytest.CaptureFixt
     assert "deepseek4" in out and "fuse_hc: 17" in out and "fuse_moe: 4" in out
 
 
-def _decode_calls(model: LoadedModel, passes: bool) -> Counter[str]:
-    """Kernel calls of one decode step's Relax function."""
-    graphs = optimise(dict(model.graphs), frozenset())[0] if passes else dict(model.graphs)
-    mb = ModuleBuilder(resolve_target("llvm"), plan_params(list(graphs.values())), state_plan(graphs["prefill"]))
-    mb.add_function("decode", graphs["prefill"], fixed_tokens=1)
-    found: list[str] = []
-
-    def visit(e: Any) -> None:
-        if isinstance(e, relax.Call) and getattr(e.op, "name", "") in ("relax.call_tir", "relax.call_tir_inplace"):
-            found.append(e.args[0].name_hint.split("_", 1)[1])
-
-    relax.analysis.post_order_visit(mb.module()["decode"].body, visit)
-    return Counter(found)
-
-
 @needs_golden
 def test_decode_kernel_count(sparse_path: Path) -> None:
     """A decode step of the 4-layer golden (window, window, CSA top 4, HCA): per layer two Sinkhorn
     mixes and two combines plus the collapse, one compressed attention per layer and one indexer
     score for the CSA layer; the fused step runs less than half the unfused one's kernels."""
     model = load_model(sparse_path, 256)
-    fused, unfused = _decode_calls(model, True), _decode_calls(model, False)
+    fused, unfused = decode_kernel_calls(model), decode_kernel_calls(model, passes=False)
     assert (fused["hc_pre"], fused["hc_post"], fused["compressed_attention"], fused["compressed_score"]) == (9, 8, 4, 1)
     assert sum(fused.values()) < sum(unfused.values()) / 2, (sum(fused.values()), sum(unfused.values()))
 

@@ -12,34 +12,21 @@ The dense goldens through `ggufc eval` are in test_goldens.py (F16_FIXTURES).
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import sys
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-import tvm
 from fixtures import write_fixture
 from fixtures_latent import INDEXER_TOP_K
-from tvm import relax
+from sparse_probes import Compiled, compile_probed, decode_kernel_calls, interpret, nmse, with_metadata
 
 from ggufc.cli import main
 from ggufc.codegen.build import state_plan
-from ggufc.codegen.lower import ModuleBuilder
-from ggufc.codegen.lower_context import plan_params
-from ggufc.codegen.target import resolve_target
-from ggufc.codegen.tvm_util import to_tvm
-from ggufc.driver.stages import optimise
 from ggufc.frontend.archs import deepseek32, glm_dsa
 from ggufc.frontend.hparams import Keys, ModelError
 from ggufc.frontend.load import LoadedModel, load_model
-from ggufc.ir.graph import Graph
-from ggufc.ir.interp import init_state, run_graph
-from ggufc.passes.constant_fold import with_constants
 from ggufc.passes.pipeline import run_pipeline
 
 GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
@@ -51,35 +38,11 @@ SPARSE_TOP_K = 8
 ROUNDING = ("fold_dequantize", "quantize_activations")  # the passes that change numerics (F16 activations)
 
 
-def nmse(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.mean((np.asarray(a, np.float64) - b) ** 2) / np.mean(np.asarray(b, np.float64) ** 2))
-
-
-def interpret(model: LoadedModel, graph: Graph, tokens: np.ndarray, chunk: int,
-              outputs: int = 1) -> list[np.ndarray]:
-    """Outputs of `graph` (float64) for `tokens` fed `chunk` at a time from an empty context."""
-    state = init_state(graph, {}, np.float64)
-    load = with_constants(graph, model.param_loader())
-    parts: list[list[np.ndarray]] = [[] for _ in range(outputs)]
-    for start in range(0, len(tokens), chunk):
-        res = run_graph(graph, {"tokens": tokens[start : start + chunk], "pos": np.int64(start)}, load, state,
-                        dtype=np.float64)
-        state = res.state
-        for i in range(outputs):
-            parts[i].append(res.outputs[i])
-    return [np.concatenate(p) for p in parts]
-
-
 def sparse_copy(name: str, folder: Path) -> Path:
-    """The dense fixture with indexer.top_k = 8, set by the gguf package's gguf-set-metadata."""
-    path = folder / f"{name}-sparse.gguf"
-    shutil.copyfile(GOLDEN / "fixtures" / f"{name}.gguf", path)
-    path.chmod(0o644)
+    """The dense fixture with indexer.top_k = 8."""
     arch = name.split("-moe")[0]
-    cmd = [sys.executable, "-m", "gguf.scripts.gguf_set_metadata", str(path), f"{arch}.attention.indexer.top_k",
-           str(SPARSE_TOP_K), "--force"]
-    subprocess.run(cmd, check=True, capture_output=True)
-    return path
+    return with_metadata(GOLDEN / "fixtures" / f"{name}.gguf", folder / f"{name}-sparse.gguf",
+                         f"{arch}.attention.indexer.top_k", str(SPARSE_TOP_K))
 
 
 @pytest.fixture(scope="module")
@@ -151,47 +114,9 @@ def test_compiled_sparse_matches_llama_cpp_sparse(golden_paths: dict[str, Path],
 # compiled kernels on the project's fixtures
 
 
-@dataclass
-class Compiled:
-    model: LoadedModel
-    graph: Graph  # the optimised all-logits graph (outputs: logits, then each full layer's selection)
-    vm: Any
-    params: list[Any]
-    states: list[tuple[str, tuple[int, ...], str]]
-
-    def run(self, tokens: np.ndarray, chunk: int) -> list[np.ndarray]:
-        states = [to_tvm(np.zeros(s, d)) for _, s, d in self.states]
-        fn = "decode" if chunk == 1 else "prefill_all"
-        n_out = len(self.graph.outputs)
-        parts: list[list[np.ndarray]] = [[] for _ in range(n_out)]
-        for start in range(0, len(tokens), chunk):
-            out = self.vm[fn](to_tvm(tokens[start : start + chunk].astype(np.int32)),
-                              tvm.runtime.ShapeTuple([start]), states, self.params)
-            for i in range(n_out):
-                parts[i].append((out if n_out == 1 else out[i]).numpy())
-        return [np.concatenate(p) for p in parts]
-
-
 def compile_model(model: LoadedModel) -> Compiled:
-    """Fused graph with every token_topk selection as an extra output -> prefill_all and decode."""
-    from ggufc.codegen.build import kernel_weights, weight_key
-
-    graph = optimise({"prefill_all": model.graphs["prefill_all"]}, frozenset())[0]["prefill_all"]
-    sels = [n.outputs[0] for n in graph.nodes if n.op == "token_topk"]
-    graph = graph.replace(outputs=[graph.outputs[0], *sels])
-    layouts = plan_params([graph])
-    states = state_plan(graph)
-    mb = ModuleBuilder(resolve_target("llvm"), layouts, states)
-    mb.add_function("prefill_all", graph)
-    mb.add_function("decode", graph, fixed_tokens=1)
-    mod = mb.module()
-    for fn in ("prefill_all", "decode"):
-        gv = mod.get_global_var(fn)
-        mod[gv] = mod[gv].with_attr("tir_var_upper_bound", {"n": 64, "p": model.n_ctx})
-    ex = tvm.compile(mod, target=mb.target, relax_pipeline=relax.pipeline.default_build_pipeline())
-    weights = kernel_weights(model, layouts)
-    params = [to_tvm(weights[weight_key(lay.source, f)]) for lay in layouts for f, _, _ in lay.arrays]
-    return Compiled(model, graph, tvm.runtime.vm.VirtualMachine(ex, tvm.cpu()), params, states)
+    """The CPU build with every token_topk selection as an extra output."""
+    return compile_probed(model, lambda g: [n.outputs[0] for n in g.nodes if n.op == "token_topk"])
 
 
 @pytest.fixture(scope="module", params=["deepseek32", "glm-dsa"])
@@ -327,17 +252,7 @@ def test_decode_kernel_count(golden_models: dict[str, LoadedModel]) -> None:
     """A decode step of the sparse model: per layer one scoring kernel, one top-k and one attention
     over the selected cells; no dense [T, P+T] mask."""
     model = golden_models["deepseek32-moe-F16-sparse"]
-    graphs = optimise(dict(model.graphs), frozenset())[0]
-    mb = ModuleBuilder(resolve_target("llvm"), plan_params(list(graphs.values())), state_plan(graphs["prefill"]))
-    mb.add_function("decode", graphs["prefill"], fixed_tokens=1)
-    found: list[str] = []
-
-    def visit(e: Any) -> None:
-        if isinstance(e, relax.Call) and getattr(e.op, "name", "") in ("relax.call_tir", "relax.call_tir_inplace"):
-            found.append(e.args[0].name_hint.split("_", 1)[1])
-
-    relax.analysis.post_order_visit(mb.module()["decode"].body, visit)
-    calls = Counter(found)
+    calls = decode_kernel_calls(model)
     assert (calls["token_score"], calls["token_topk"], calls["sparse_attention"]) == (2, 2, 2), calls
     assert calls["index_mask"] == calls["masked_attention"] == 0
 

@@ -156,6 +156,22 @@ def test_every_tensor_of_the_plan_is_written(tmp_path: Path) -> None:
     assert {n: tuple(i.shape) for n, i in model.gguf.tensors.items()} == planned
 
 
+def test_plan_is_what_the_architecture_file_reads() -> None:
+    """The tensors come from running the architecture file: its optional tensors follow the options,
+    a `.scale` only beside its matrix (no gate scale beside qwen3next's merged gate_up), and an
+    option whose tensor the architecture never reads raises."""
+    def names(arch: str, **opts: Any) -> set[str]:
+        return {t.name for t in plan_tensors(arch, SIZES["tiny"], FixtureOptions(**opts))}
+
+    assert "output.weight" in names("qwen3") and "output.weight" not in names("qwen3", tied_output=True)
+    assert names("qwen3", biases=True) - names("qwen3") == {
+        f"blk.{il}.attn_{k}.bias" for il in range(2) for k in ("q", "k", "v", "output")}
+    merged = names("qwen3next", scales=True)
+    assert "blk.0.ffn_gate_up_exps.weight" in merged and "blk.0.ffn_down_exps.scale" in merged
+    assert not {"blk.0.ffn_gate_exps.scale", "blk.0.ffn_up_exps.scale"} & merged
+    assert [a for a in ARCHS if full_options(a).get("rope_freqs")] == ["llama"]
+
+
 @pytest.mark.parametrize(
     ("arch", "opts"),
     [

@@ -18,15 +18,10 @@ from typing import Any
 import numpy as np
 import pytest
 from fixtures import BIASED_MOE_WEIGHTS_SCALE, write_fixture
+from sparse_probes import decode_kernel_calls
 from test_goldens import _eval
-from tvm import relax
 
 from ggufc.cli import main
-from ggufc.codegen.build import state_plan
-from ggufc.codegen.lower import ModuleBuilder
-from ggufc.codegen.lower_context import plan_params
-from ggufc.codegen.target import resolve_target
-from ggufc.driver.stages import optimise
 from ggufc.frontend.archs import hy_v3
 from ggufc.frontend.hparams import Keys, ModelError
 from ggufc.frontend.load import LoadedModel, load_model
@@ -120,31 +115,16 @@ def test_inspect_lists_the_moe_fusion(capsys: pytest.CaptureFixture[str]) -> Non
     assert "architecture: hy_v3 (supported)" in out and "fuse_moe: 2" in out
 
 
-def _decode_calls(model: LoadedModel, passes: bool, disabled: frozenset[str] = frozenset()) -> Counter[str]:
-    """Kernel calls of one decode step's Relax function, by kernel kind."""
-    graphs = optimise(dict(model.graphs), disabled)[0] if passes else dict(model.graphs)
-    mb = ModuleBuilder(resolve_target("llvm"), plan_params(list(graphs.values())), state_plan(graphs["prefill"]))
-    mb.add_function("decode", graphs["prefill"], fixed_tokens=1)
-    found: list[str] = []
-
-    def visit(e: Any) -> None:
-        if isinstance(e, relax.Call) and getattr(e.op, "name", "") in ("relax.call_tir", "relax.call_tir_inplace"):
-            found.append(e.args[0].name_hint.split("_", 1)[1])
-
-    relax.analysis.post_order_visit(mb.module()["decode"].body, visit)
-    return Counter(found)
-
-
 @needs_golden
 def test_decode_kernel_count(golden: LoadedModel) -> None:
     """A decode step: 70 kernels fused (2 expert matmuls and one combine per MoE layer, the merged
     gate_up read in place), 78 with fuse_moe off (the merged tensor sliced every step), 141 unfused."""
-    fused = _decode_calls(golden, True)
+    fused = decode_kernel_calls(golden, True)
     assert sum(fused.values()) == 70
     assert (fused["experts"], fused["swiglu_halves"], fused["shared_add"], fused["topk"]) == (4, 2, 2, 2)
-    no_moe = _decode_calls(golden, True, frozenset({"fuse_moe"}))
+    no_moe = decode_kernel_calls(golden, True, frozenset({"fuse_moe"}))
     assert no_moe["slice"] == 4 and sum(no_moe.values()) == 78
-    assert sum(_decode_calls(golden, False).values()) > 2 * sum(fused.values())
+    assert sum(decode_kernel_calls(golden, False).values()) > 2 * sum(fused.values())
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,37 +8,20 @@ The dense golden in all three feeding modes through `ggufc eval` is in test_gold
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import sys
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
-import tvm
+import sparse_probes as SP
 from fixtures import write_fixture
 from fixtures_hyperconnected import INDEXER_TOP_K
-from tvm import relax
+from sparse_probes import Compiled, compile_probed, decode_kernel_calls, interpret, nmse, with_metadata
 
 from ggufc.cli import main
-from ggufc.codegen.build import state_plan
-from ggufc.codegen.lower import ModuleBuilder
-from ggufc.codegen.lower_context import plan_params
-from ggufc.codegen.target import resolve_target
-from ggufc.codegen.tvm_util import to_tvm
-from ggufc.driver.stages import optimise
 from ggufc.frontend.load import LoadedModel, load_model
 from ggufc.ir import ngram_embedding as NG
-from ggufc.ir import ops as O
 from ggufc.ir import sparse_indexers as SI
-from ggufc.ir.decompose import decompose
-from ggufc.ir.graph import Graph
-from ggufc.ir.interp import init_state, run_graph
-from ggufc.ir.verify import verify
-from ggufc.passes.constant_fold import with_constants
 from ggufc.passes.pipeline import run_pipeline
 
 GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
@@ -47,37 +30,13 @@ needs_golden = pytest.mark.skipif(not DENSE.exists(), reason=f"llama.cpp goldens
 MODES = {64: "logits_prefill", 1: "logits_decode", 7: "logits_chunk7"}
 
 
-def nmse(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.mean((np.asarray(a, np.float64) - b) ** 2) / np.mean(np.asarray(b, np.float64) ** 2))
-
-
-def interpret(model: LoadedModel, graph: Graph, tokens: np.ndarray, chunk: int, dtype: Any = np.float64,
-              outputs: int = 1) -> list[np.ndarray]:
-    """Outputs of `graph` for `tokens` fed `chunk` at a time from an empty context, concatenated."""
-    state = init_state(graph, {}, dtype)
-    load = with_constants(graph, model.param_loader())
-    parts: list[list[np.ndarray]] = [[] for _ in range(outputs)]
-    for start in range(0, len(tokens), chunk):
-        res = run_graph(graph, {"tokens": tokens[start : start + chunk], "pos": np.int64(start)}, load, state,
-                        dtype=dtype)
-        state = res.state
-        for i in range(outputs):
-            parts[i].append(res.outputs[i])
-    return [np.concatenate(p) for p in parts]
-
-
 @pytest.fixture(scope="module")
 def sparse_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The dense fixture with indexer.top_k = 4, set by the gguf package's gguf-set-metadata."""
+    """The dense fixture with indexer.top_k = 4."""
     if not DENSE.exists():
         pytest.skip("llama.cpp goldens absent")
-    path = tmp_path_factory.mktemp("sparse") / "qwen4exp-moe-sparse.gguf"
-    shutil.copyfile(DENSE, path)
-    path.chmod(0o644)
-    cmd = [sys.executable, "-m", "gguf.scripts.gguf_set_metadata", str(path), "qwen4exp.attention.indexer.top_k",
-           "4", "--force"]
-    subprocess.run(cmd, check=True, capture_output=True)
-    return path
+    return with_metadata(DENSE, tmp_path_factory.mktemp("sparse") / "qwen4exp-moe-sparse.gguf",
+                         "qwen4exp.attention.indexer.top_k", "4")
 
 
 @pytest.fixture(scope="module")
@@ -132,51 +91,12 @@ def test_chunked_interpreter_equals_one_shot(project: LoadedModel) -> None:
 # compiled kernels
 
 
-@dataclass
-class Compiled:
-    model: LoadedModel
-    graph: Graph  # the optimised all-logits graph (outputs: logits[, selected cells])
-    vm: Any
-    params: list[Any]
-    states: list[tuple[str, tuple[int, ...], str]]
-    stats: dict[str, int]
-
-    def run(self, tokens: np.ndarray, chunk: int) -> list[np.ndarray]:
-        states = [to_tvm(np.zeros(s, d)) for _, s, d in self.states]
-        fn = "decode" if chunk == 1 else "prefill_all"
-        parts: list[list[np.ndarray]] = [[] for _ in self.graph.outputs]
-        for start in range(0, len(tokens), chunk):
-            out = self.vm[fn](to_tvm(tokens[start : start + chunk].astype(np.int32)),
-                              tvm.runtime.ShapeTuple([start]), states, self.params)
-            outs = [out] if len(self.graph.outputs) == 1 else [out[i] for i in range(len(self.graph.outputs))]
-            for i, o in enumerate(outs):
-                parts[i].append(o.numpy())
-        return [np.concatenate(p) for p in parts]
-
-
 def compile_model(model: LoadedModel, expose_selection: bool = False) -> Compiled:
-    """Fused graph -> one Relax module (all-logits prefill and decode) -> VM; optionally with the
-    QSA selection ([T, W] cell ids of the first indexer_topk) as a second output."""
-    from ggufc.codegen.build import kernel_weights, weight_key
-
-    graphs, stats = optimise({"prefill_all": model.graphs["prefill_all"]}, frozenset())
-    graph = graphs["prefill_all"]
-    if expose_selection:
-        sel = next(n for n in graph.nodes if n.op == "indexer_topk").outputs[0]
-        graph = graph.replace(outputs=[graph.outputs[0], sel])
-    layouts = plan_params([graph])
-    states = state_plan(graph)
-    mb = ModuleBuilder(resolve_target("llvm"), layouts, states)
-    mb.add_function("prefill_all", graph)
-    mb.add_function("decode", graph, fixed_tokens=1)
-    mod = mb.module()
-    for fn in ("prefill_all", "decode"):
-        gv = mod.get_global_var(fn)
-        mod[gv] = mod[gv].with_attr("tir_var_upper_bound", {"n": 64, "p": model.n_ctx})
-    ex = tvm.compile(mod, target=mb.target, relax_pipeline=relax.pipeline.default_build_pipeline())
-    weights = kernel_weights(model, layouts)
-    params = [to_tvm(weights[weight_key(lay.source, f)]) for lay in layouts for f, _, _ in lay.arrays]
-    return Compiled(model, graph, tvm.runtime.vm.VirtualMachine(ex, tvm.cpu()), params, states, stats)
+    """The CPU build; optionally with the QSA selection ([T, W] cell ids of the first indexer_topk)
+    as a second output."""
+    if not expose_selection:
+        return compile_probed(model)
+    return compile_probed(model, lambda g: [next(n for n in g.nodes if n.op == "indexer_topk").outputs[0]])
 
 
 @pytest.fixture(scope="module")
@@ -237,21 +157,8 @@ def test_compiled_selection_equals_reference(compiled_project: Compiled) -> None
 def test_decode_kernel_count(golden_models: dict[str, LoadedModel]) -> None:
     """One Relax function runs a decode step; count its kernel calls, fused and unfused."""
 
-    def calls(model: LoadedModel, passes: bool) -> Counter[str]:
-        graphs = optimise(dict(model.graphs), frozenset())[0] if passes else dict(model.graphs)
-        mb = ModuleBuilder(resolve_target("llvm"), plan_params(list(graphs.values())), state_plan(graphs["prefill"]))
-        mb.add_function("decode", graphs["prefill"], fixed_tokens=1)
-        found: list[str] = []
-
-        def visit(e: Any) -> None:
-            if isinstance(e, relax.Call) and getattr(e.op, "name", "") in ("relax.call_tir", "relax.call_tir_inplace"):
-                found.append(e.args[0].name_hint.split("_", 1)[1])
-
-        relax.analysis.post_order_visit(mb.module()["decode"].body, visit)
-        return Counter(found)
-
     model = golden_models["qwen4exp-moe-sparse"]
-    fused, unfused = calls(model, True), calls(model, False)
+    fused, unfused = decode_kernel_calls(model), decode_kernel_calls(model, passes=False)
     assert (fused["hc_pre"], fused["hc_post"], fused["indexer_score"], fused["sparse_attention"]) == (5, 4, 1, 1)
     assert fused["index_mask"] == fused["masked_attention"] == 0
     assert sum(fused.values()) < sum(unfused.values()) / 2, (sum(fused.values()), sum(unfused.values()))
@@ -282,18 +189,6 @@ def _tokens(name: str, model: LoadedModel) -> np.ndarray:
     return np.load(GOLDEN / "logits" / f"{name}.npz")["tokens"][:24]
 
 
-def _two_calls(model: LoadedModel, graph: Graph, tokens: np.ndarray) -> np.ndarray:
-    """16 tokens, then 8 more: the second call reads every cache the first wrote."""
-    state = init_state(graph, {}, np.float64)
-    load = with_constants(graph, model.param_loader())
-    out = []
-    for lo, hi in ((0, 16), (16, 24)):
-        res = run_graph(graph, {"tokens": tokens[lo:hi], "pos": np.int64(lo)}, load, state, dtype=np.float64)
-        state = res.state
-        out.append(res.outputs[0])
-    return np.concatenate(out)
-
-
 def test_fusion_hits_and_fused_ops(case: tuple[str, LoadedModel]) -> None:
     name, model = case
     fused, stats = run_pipeline(model.graph, check=True)
@@ -308,31 +203,16 @@ def test_fusion_hits_and_fused_ops(case: tuple[str, LoadedModel]) -> None:
 
 
 def test_fused_and_decomposed_match_unfused(case: tuple[str, LoadedModel]) -> None:
-    name, model = case
-    tokens = _tokens(name, model)
-    reference = _two_calls(model, model.graph, tokens)
-    fused, _ = run_pipeline(model.graph)
-    assert nmse(_two_calls(model, fused, tokens), reference) < 1e-20
-    decomposed = decompose(fused)
-    verify(decomposed, {"T": 5, "P": 3})
-    assert not any(O.OPS[n.op].fused for n in decomposed.nodes)
-    assert nmse(_two_calls(model, decomposed, tokens), reference) < 1e-20
+    SP.check_fused_and_decomposed_match_unfused(case[1], _tokens(*case))
 
 
 @pytest.mark.parametrize("off", ["fuse_hc", "fuse_indexer", "fuse_moe"])
 def test_each_named_fusion_switches_off(case: tuple[str, LoadedModel], off: str) -> None:
-    name, model = case
-    tokens = _tokens(name, model)
-    graph, stats = run_pipeline(model.graph, disabled={off}, check=True)
-    assert off not in stats
-    assert nmse(_two_calls(model, graph, tokens), _two_calls(model, model.graph, tokens)) < 1e-20
+    SP.check_fusion_switches_off(case[1], _tokens(*case), off)
 
 
 def test_fusions_recognise_the_decompositions(case: tuple[str, LoadedModel]) -> None:
-    _, model = case
-    fused, _ = run_pipeline(model.graph)
-    refused, _ = run_pipeline(decompose(fused, only={"hc_pre", "hc_post", "indexer_score", "moe_ffn"}))
-    assert Counter(n.op for n in refused.nodes) == Counter(n.op for n in fused.nodes)
+    SP.check_fusions_recognise_decompositions(case[1], {"hc_pre", "hc_post", "indexer_score", "moe_ffn"})
 
 
 @needs_golden

@@ -316,17 +316,11 @@ def _token_experts(w: B.Weights, hp: HParams, il: int) -> Value:
     (computed at compile time, stored in its place): top-k over a token's row picks exactly its K
     experts."""
     name = f"blk.{il}.ffn_gate_tid2eid.weight"
-    info = w.model.tensors.get(name)
-    shape = (hp.n_vocab, hp.n_expert_used)
-    if info is None or info.qtype != "I32" or tuple(info.shape) != shape:
-        got = "missing" if info is None else f"{info.qtype} {list(info.shape)}"
-        raise ModelError(f"hash layer {il} needs {name} as I32 {list(shape)}, got {got}")
-    ids = np.asarray(info.data).view(np.int32).reshape(shape)
+    ids = w.int_table(name, (hp.n_vocab, hp.n_expert_used), f"hash layer {il}")
     if ids.min(initial=0) < 0 or ids.max(initial=0) >= hp.n_expert or any(len(set(r)) != len(r) for r in ids):
         raise ModelError(f"{name}: expert ids must be distinct per token and in [0, {hp.n_expert})")
     onehot = np.zeros((hp.n_vocab, hp.n_expert), dtype=np.float32)
     np.put_along_axis(onehot, ids.astype(np.int64), 1.0, axis=1)
-    w.used.add(name)
     return w.add_derived(name, onehot)  # under the tensor's own name: the graph reads it through this table
 
 

@@ -71,14 +71,7 @@ def _routed(b: GraphBuilder, w: B.Weights, hp: HParams, p: str, h: Value) -> Val
     E, F, X = hp.n_embd, hp.n_ff_exp, hp.n_expert
     router = w.need(f"{p}.ffn_gate_inp.weight", (X, E))
     bias = w.get(f"{p}.exp_probs_b", (X,), required=False, f32=True)
-    if w.has(f"{p}.ffn_gate_up_exps.weight"):
-        merged = w.need(f"{p}.ffn_gate_up_exps.weight", (X, 2 * F, E))
-        full = merged if merged.dtype == "float32" else b.dequantize(merged, "ffn_gate_up_exps.w")
-        gate = b.slice(full, 1, 0, F, "ffn_gate_exps")
-        up = b.slice(full, 1, F, 2 * F, "ffn_up_exps")
-    else:
-        gate = w.need(f"{p}.ffn_gate_exps.weight", (X, F, E))
-        up = w.need(f"{p}.ffn_up_exps.weight", (X, F, E))
+    gate, up = B.expert_gate_up(w, p, X, F, E)
     down = w.need(f"{p}.ffn_down_exps.weight", (X, E, F))
     scales = {k: w.get(f"{p}.ffn_{k}_exps.scale", (X,), required=False) for k in ("gate", "up", "down")}
     return B.moe(b, h, router, gate, up, down, hp.n_expert_used, scales=scales, hidden=F, bias=bias,

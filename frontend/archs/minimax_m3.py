@@ -116,10 +116,11 @@ def build(w: B.Weights, hp: HParams, n_ctx: int, all_logits: bool) -> Graph:
     return B.output_head(w, inp, x, all_logits, new_state, B.final_rms_norm(w, hp.n_embd, hp.eps))
 
 
-def _proj(w: B.Weights, x: Value, name: str, n_out: int, n_in: int) -> Value:
-    """x @ W.T * scale + bias (llama.cpp's build_lora_mm with the tensor's scale, then the bias)."""
+def _proj(w: B.Weights, x: Value, name: str, n_out: int, n_in: int, *, bias: bool = True) -> Value:
+    """x @ W.T * scale + bias (llama.cpp's build_lora_mm with the tensor's scale, then the bias; only
+    q, k and v have one)."""
     return B.linear(w.b, x, w.need(f"{name}.weight", (n_out, n_in)), name.split(".")[-1],
-                    bias=w.get(f"{name}.bias", (n_out,), required=False),
+                    bias=w.get(f"{name}.bias", (n_out,), required=False) if bias else None,
                     scale=w.get(f"{name}.scale", (1,), required=False))
 
 
@@ -141,7 +142,7 @@ def _attention(b: GraphBuilder, w: B.Weights, hp: HParams, il: int, h: Value, po
     # attention per KV group) agree with float32 accumulation instead (both measured)
     a = B.attention(b, q, k, v, pos, B.kv_cache(b, il, n_ctx, Hkv, D), 1.0 / math.sqrt(D), new_state, il, mask,
                     f16_pv_below=FLASH_ATTN_Q_TILE if mask is None else 0)
-    return _proj(w, B.flatten_heads(b, a, "attn_flat"), f"{p}.attn_output", E, H * D)
+    return _proj(w, B.flatten_heads(b, a, "attn_flat"), f"{p}.attn_output", E, H * D, bias=False)
 
 
 def _msa_mask(b: GraphBuilder, w: B.Weights, hp: HParams, il: int, h: Value, pos: Value, table: Value, n_ctx: int,

@@ -275,8 +275,4 @@ def _full_attention(
 
 
 def dense_ffn(b: GraphBuilder, w: B.Weights, hp: HParams, p: str, h: Value) -> Value:
-    E, F = hp.n_embd, hp.n_ff
-    parts = {"gate": (F, E), "up": (F, E), "down": (E, F)}
-    mats = {k: w.need(f"{p}.ffn_{k}.weight", s) for k, s in parts.items()}
-    scales = {k: w.get(f"{p}.ffn_{k}.scale", (1,), required=False) for k in parts}
-    return B.swiglu_ffn(b, h, mats["gate"], mats["up"], mats["down"], biases={}, scales=scales)
+    return B.scaled_swiglu_ffn(w, p, h, hp.n_embd, hp.n_ff)
