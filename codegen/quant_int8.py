@@ -39,6 +39,7 @@ from .cpu_vec import silu_mul8
 from .quant import i64, layout_spec
 
 INT8_GEMV_TYPES = frozenset({"Q4_0", "Q4_1", "Q8_0"})
+KQUANT_GEMV_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K"})  # q8_K activations: codegen/kquant_int8.py
 ROWS = 4  # rows per parallel task: independent accumulator chains, activation loads shared
 LANES = 8  # int32 lanes of a 256-bit vector
 MAX_GROUP = 3  # matrices one grouped GEMV kernel takes
@@ -75,7 +76,13 @@ def int8_kernels(target: tvm.target.Target) -> Int8Kernels | None:
 
 
 def int8_gemv_supported(qtype: str, n: int, k: int, target: tvm.target.Target) -> bool:
-    if qtype not in INT8_GEMV_TYPES or int8_dot_intrinsic(target) is None or n % ROWS:
+    from .kquant_int8 import kquant_supported  # the K-quant kernels build on this module's parts
+
+    if int8_dot_intrinsic(target) is None:
+        return False
+    if kquant_supported(qtype, n, k):
+        return True
+    if qtype not in INT8_GEMV_TYPES or n % ROWS:
         return False
     return k % (2 * ACT_BLOCK) == 0 if qtype != "Q8_0" else k % ACT_BLOCK == 0
 
@@ -202,6 +209,11 @@ def int8_gemv_group(qtype: str, ns: tuple[int, ...], k: int, target: tvm.target.
         raise ValueError(f"int8 GEMV: unknown prologue {prologue!r}")
     if residual and len(ns) != 1:
         raise ValueError("int8 GEMV: a residual add needs a single matrix")
+    if qtype in KQUANT_GEMV_TYPES:
+        from .kquant_int8 import kquant_gemv_group
+
+        func = kquant_gemv_group(qtype, ns, k, intrin, prologue, residual, prefetch_groups, groups_per_task)
+        return func.with_attr("tirx.noalias", True)
     stage = _input_stage(prologue, k)
     fields = [name for name, _, _ in layout_spec(qtype, (ns[0], k))]
     func = _gemv(qtype, ns, k, intrin, stage, residual, prefetch_groups, groups_per_task)
@@ -550,6 +562,10 @@ def int8_gemm(qtype: str, n: int, k: int, target: tvm.target.Target) -> tirx.Pri
     intrin = int8_dot_intrinsic(target)
     if intrin is None or not int8_gemv_supported(qtype, n, k, target):
         raise NotImplementedError(f"no 8-bit GEMM for {qtype} {n} x {k} on {target}")
+    if qtype in KQUANT_GEMV_TYPES:
+        from .kquant_int8 import kquant_gemm
+
+        return kquant_gemm(qtype, n, k, intrin)
     n_blocks, rows, is_q8 = k // 32, ROWS, qtype == "Q8_0"
     N, K, B = T.int64(n), T.int64(k), T.int64(n_blocks)
     has_min = qtype == "Q4_1"

@@ -28,7 +28,7 @@ from ggufc.ir.walk import defined_before, escaping_ids
 
 from .stats import with_hits
 
-ROUNDINGS = ("q8_0", "q8_1")  # the 32-value block schemes 8-bit kernels round to
+ROUNDINGS = ("q8_0", "q8_1", "q8_K")  # the block schemes 8-bit kernels round to
 
 
 class Int8Kernels(Protocol):
