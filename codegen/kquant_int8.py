@@ -51,10 +51,11 @@ def kquant_supported(qtype: str, n: int, k: int) -> bool:
 
 def _q8k_quantize() -> Callable[..., None]:
     """Macro: token t of x [T, K] -> codes xb[t] (int8, value order), d xd[t, K/256] (f32), the
-    code sums of each 32-value run xs[t, K/32] and of each lane's four codes xl[t, K/4] (int32)."""
+    code sums of each 32-value run xs[t, K/32] (int16: |sum| <= 32 * 127) and 32 times the sum of each pair of codes
+    xp[t, K/2] (int16: Q6_K's offset, as llama.cpp's maddubs(32, a))."""
 
     @T.macro
-    def quantize(x, t, xb, xd, xs, xl, n_super):  # type: ignore[no-untyped-def]
+    def quantize(x, t, xb, xd, xs, xp, n_super):  # type: ignore[no-untyped-def]
         for i in range(n_super):
             part = T.alloc_buffer((8,), "float32")  # small: a stack array
             first = T.alloc_buffer((1,), "int32")
@@ -77,14 +78,14 @@ def _q8k_quantize() -> Callable[..., None]:
                     xb[t, i * 256 + c * 8 + j] = T.Cast("int8", T.min(T.nearbyint(scale[0] * x[t, i * 256 + c * 8 + j]),
                                                                       T.float32(127)))
             xd[t, i] = T.if_then_else(amax > T.float32(0), T.float32(1) / scale[0], T.float32(0))
-        for q in range(n_super * 64):
-            xl[t, q] = 0
-            for c in range(4):
-                xl[t, q] = xl[t, q] + T.Cast("int32", xb[t, q * 4 + c])
+        for q in range(n_super * 128):
+            xp[t, q] = T.Cast("int16", 32 * (T.Cast("int32", xb[t, q * 2]) + T.Cast("int32", xb[t, q * 2 + 1])))
         for b in range(n_super * 8):
-            xs[t, b] = 0
-            for lane in range(8):
-                xs[t, b] = xs[t, b] + xl[t, b * 8 + lane]
+            total = T.alloc_buffer((1,), "int32")
+            total[0] = 0
+            for j in range(32):
+                total[0] = total[0] + T.Cast("int32", xb[t, b * 32 + j])
+            xs[t, b] = T.Cast("int16", total[0])
 
     return quantize
 
@@ -93,8 +94,20 @@ def _q8k_quantize() -> Callable[..., None]:
 # the row groups: `rows` rows of one matrix for tokens [t, t + tt)
 
 
-def _dot(intrin: str, start: tirx.PrimExpr, codes: tirx.PrimExpr, acts: tirx.PrimExpr) -> tirx.PrimExpr:
-    return T.call_llvm_pure_intrin("int32x8", intrin, start, T.reinterpret("int8x32", codes), acts)
+def _pairs(codes: tirx.PrimExpr, acts: tirx.PrimExpr) -> tirx.PrimExpr:
+    """u8 codes x s8 activations, adjacent products summed: int16x16 (vpmaddubsw; no sum of
+    these codes reaches int16's limits: 2 * 63 * 127)."""
+    return T.call_llvm_pure_intrin("int16x16", "llvm.x86.avx2.pmadd.ub.sw", T.reinterpret("int8x32", codes), acts)
+
+
+def _scaled(wide: str, acc: tirx.PrimExpr, pairs: tirx.PrimExpr, scales: tirx.PrimExpr) -> tirx.PrimExpr:
+    """acc + the int16 pair sums times their sub-block scales, adjacent pairs summed (vpdpwssd):
+    lane j gains scale (a . q over values 4j..4j+3), exactly."""
+    return T.call_llvm_pure_intrin("int32x8", wide, acc, pairs, scales)
+
+
+def _scale16(v: tirx.PrimExpr) -> tirx.PrimExpr:
+    return T.broadcast(T.Cast("int16", v), 16)
 
 
 def _fma4(a: tirx.PrimExpr, b: tirx.PrimExpr, c: tirx.PrimExpr) -> tirx.PrimExpr:
@@ -119,9 +132,9 @@ def _scaled_sum(acc: tirx.Buffer, sumi: tirx.Buffer, r: tirx.PrimExpr, scale: ti
 
 def _min_dot(mn: tirx.Buffer, xs: tirx.Buffer, row: tirx.PrimExpr, t: tirx.PrimExpr, i: tirx.PrimExpr) -> tirx.PrimExpr:
     """sum_s mn_s A_s over the 8 sub-blocks of super-block i (an integer, exact)."""
-    total = T.Cast("int32", mn[row, i * 8]) * xs[t, i * 8]
+    total = T.Cast("int32", mn[row, i * 8]) * T.Cast("int32", xs[t, i * 8])
     for s in range(1, 8):
-        total = total + T.Cast("int32", mn[row, i * 8 + s]) * xs[t, i * 8 + s]
+        total = total + T.Cast("int32", mn[row, i * 8 + s]) * T.Cast("int32", xs[t, i * 8 + s])
     return total
 
 
@@ -129,7 +142,7 @@ def _q45k_rows(intrin: str, five: bool, rows: int, n_super: int, tt: int,
                prefetch_groups: int) -> Callable[..., None]:
     """Row-group macro of Q4_K / Q5_K (fields d, dmin, sc, mn, [qh,] qs)."""
     zero = T.broadcast(T.int32(0), 8)
-    odd, even = [1, 3, 5, 7], [0, 2, 4, 6]
+    wide = intrin.replace("vpdpbusd", "vpdpwssd")
 
     @T.macro
     def row_group(d, dmin, sc, mn, qh, qs, y, n, jo, t, xb, xd, xs):  # type: ignore[no-untyped-def]
@@ -139,10 +152,18 @@ def _q45k_rows(intrin: str, five: bool, rows: int, n_super: int, tt: int,
         acc = T.alloc_buffer((rows * tt, 8), "float32")  # small: stack arrays per task
         accm = T.alloc_buffer((rows * tt, 4), "float32")
         sumi = T.alloc_buffer((rows * tt, 8), "int32")
+        # d_a d_w and -d_a dmin_w of every super-block and token, each product rounded as
+        # llama.cpp's; the loop below broadcasts them from memory (a load, not a shuffle)
+        ds = T.alloc_buffer((rows * tt, n_super), "float32")
+        dms = T.alloc_buffer((rows * tt, n_super), "float32")
         ahead = T.meta_var(T.min(jo + prefetch_groups, n // rows - 1))
-        for r in T.unroll(rows * tt):
-            acc[r, 0:8] = T.broadcast(T.float32(0), 8)
-            accm[r, 0:4] = T.broadcast(T.float32(0), 4)
+        for r in T.unroll(rows):
+            for u in T.unroll(tt):
+                acc[r * tt + u, 0:8] = T.broadcast(T.float32(0), 8)
+                accm[r * tt + u, 0:4] = T.broadcast(T.float32(0), 4)
+                for i in range(n_super):
+                    ds[r * tt + u, i] = xd[t + u, i] * T.Cast("float32", d[jo * rows + r, i])
+                    dms[r * tt + u, i] = -xd[t + u, i] * T.Cast("float32", dmin[jo * rows + r, i])
         for i in range(n_super):
             for p in T.unroll(8):
                 Q8._prefetch(qs_flat, ahead * rows * n_super * 128 + i * rows * 128 + p * 64)
@@ -150,7 +171,7 @@ def _q45k_rows(intrin: str, five: bool, rows: int, n_super: int, tt: int,
             Q8._prefetch(mn_flat, ahead * rows * n_super * 8 + i * rows * 8)
             for r in T.unroll(rows * tt):
                 sumi[r, 0:8] = zero
-            for g in T.unroll(4):
+            for g in range(4):  # rolled: an unrolled super-block spills its dot products
                 for r in T.unroll(rows):
                     bits = T.meta_var(T.reinterpret("int32x8", qs.vload([jo * rows + r, i * 4 + g, 0], "uint8x32")))
                     lo = T.meta_var(_mask(bits, 0x0F0F0F0F))
@@ -160,28 +181,27 @@ def _q45k_rows(intrin: str, five: bool, rows: int, n_super: int, tt: int,
                         lo5 = T.meta_var(T.bitwise_or(lo, _fifth_bit(high, 2 * g)))
                         hi5 = T.meta_var(T.bitwise_or(hi, _fifth_bit(high, 2 * g + 1)))
                         for u in T.unroll(tt):
-                            sumi[r * tt + u, 0:8] = (
-                                sumi.vload([r * tt + u, 0], "int32x8")
-                                + _dot(intrin, zero, lo5, xb.vload([t + u, i * 256 + g * 64], "int8x32"))
-                                * T.broadcast(T.Cast("int32", sc[jo * rows + r, i * 8 + 2 * g]), 8)
-                                + _dot(intrin, zero, hi5, xb.vload([t + u, i * 256 + g * 64 + 32], "int8x32"))
-                                * T.broadcast(T.Cast("int32", sc[jo * rows + r, i * 8 + 2 * g + 1]), 8))
+                            sumi[r * tt + u, 0:8] = _scaled(wide, _scaled(
+                                wide, sumi.vload([r * tt + u, 0], "int32x8"),
+                                _pairs(lo5, xb.vload([t + u, i * 256 + g * 64], "int8x32")),
+                                _scale16(sc[jo * rows + r, i * 8 + 2 * g])),
+                                _pairs(hi5, xb.vload([t + u, i * 256 + g * 64 + 32], "int8x32")),
+                                _scale16(sc[jo * rows + r, i * 8 + 2 * g + 1]))
                     else:
                         for u in T.unroll(tt):
-                            sumi[r * tt + u, 0:8] = (
-                                sumi.vload([r * tt + u, 0], "int32x8")
-                                + _dot(intrin, zero, lo, xb.vload([t + u, i * 256 + g * 64], "int8x32"))
-                                * T.broadcast(T.Cast("int32", sc[jo * rows + r, i * 8 + 2 * g]), 8)
-                                + _dot(intrin, zero, hi, xb.vload([t + u, i * 256 + g * 64 + 32], "int8x32"))
-                                * T.broadcast(T.Cast("int32", sc[jo * rows + r, i * 8 + 2 * g + 1]), 8))
+                            sumi[r * tt + u, 0:8] = _scaled(wide, _scaled(
+                                wide, sumi.vload([r * tt + u, 0], "int32x8"),
+                                _pairs(lo, xb.vload([t + u, i * 256 + g * 64], "int8x32")),
+                                _scale16(sc[jo * rows + r, i * 8 + 2 * g])),
+                                _pairs(hi, xb.vload([t + u, i * 256 + g * 64 + 32], "int8x32")),
+                                _scale16(sc[jo * rows + r, i * 8 + 2 * g + 1]))
             for r in T.unroll(rows):
                 for u in T.unroll(tt):
-                    scale = T.meta_var(xd[t + u, i] * T.Cast("float32", d[jo * rows + r, i]))
-                    acc[r * tt + u, 0:8] = _scaled_sum(acc, sumi, r * tt + u, scale)
-                    prod8 = T.meta_var(T.Cast("int32x8", mn.vload([jo * rows + r, i * 8], "uint8x8"))
-                                       * xs.vload([t + u, i * 8], "int32x8"))
-                    prod = T.meta_var(T.Shuffle([prod8], even) + T.Shuffle([prod8], odd))
-                    dm = T.meta_var(-xd[t + u, i] * T.Cast("float32", dmin[jo * rows + r, i]))
+                    acc[r * tt + u, 0:8] = _scaled_sum(acc, sumi, r * tt + u, ds[r * tt + u, i])
+                    mins = T.meta_var(T.Cast("int16x8", mn.vload([jo * rows + r, i * 8], "uint8x8")))
+                    prod = T.meta_var(T.call_llvm_pure_intrin(  # llama.cpp's madd of the minimums and sums
+                        "int32x4", "llvm.x86.sse2.pmadd.wd", mins, xs.vload([t + u, i * 8], "int16x8")))
+                    dm = T.meta_var(dms[r * tt + u, i])
                     if five:  # a scalar sum, one product added per super-block
                         accm[r * tt + u, 0] = accm[r * tt + u, 0] + dm * T.Cast(
                             "float32", _min_dot(mn, xs, jo * rows + r, t + u, i))
@@ -202,12 +222,13 @@ def _q45k_rows(intrin: str, five: bool, rows: int, n_super: int, tt: int,
 def _q6k_rows(intrin: str, rows: int, n_super: int, tt: int, prefetch_groups: int) -> Callable[..., None]:
     """Row-group macro of Q6_K (fields ql, qh, sc, d): each lane's dot product starts at -32 times
     its activation sum, so the codes' offset costs nothing in the loop."""
-    halves = [0, 1, 2, 3, 8, 9, 10, 11]
+    halves = [*range(8), *range(16, 24)]
+    wide = intrin.replace("vpdpbusd", "vpdpwssd")
 
     def scales(sc: tirx.Buffer, row: tirx.PrimExpr, s: tirx.PrimExpr) -> tirx.PrimExpr:
-        """sc[s] in lanes 0-3 and sc[s + 1] in lanes 4-7 (the two 16-value sub-blocks of a run)."""
-        return T.Shuffle([T.broadcast(T.Cast("int32", sc[row, s]), 8), T.broadcast(T.Cast("int32", sc[row, s + 1]), 8)],
-                         halves)
+        """sc[s] for values 0-15 and sc[s + 1] for 16-31 (the two 16-value sub-blocks of a run), as
+        the int16 multipliers of their pair sums."""
+        return T.Shuffle([_scale16(sc[row, s]), _scale16(sc[row, s + 1])], halves)
 
     def code(low: tirx.PrimExpr, high: tirx.PrimExpr, c: tirx.PrimExpr) -> tirx.PrimExpr:
         """Codes of run c (0..3) of a half: its low nibbles and bits 2c, 2c + 1 of the high pairs."""
@@ -216,15 +237,19 @@ def _q6k_rows(intrin: str, rows: int, n_super: int, tt: int, prefetch_groups: in
         return T.bitwise_or(nib, T.shift_left(top, T.broadcast(T.int32(4), 8)))
 
     @T.macro
-    def row_group(ql, qh, sc, d, y, n, jo, t, xb, xd, xl):  # type: ignore[no-untyped-def]
+    def row_group(ql, qh, sc, d, y, n, jo, t, xb, xd, xp):  # type: ignore[no-untyped-def]
         ql_flat = T.decl_buffer((n * n_super * 128,), "uint8", data=ql.data)
         qh_flat = T.decl_buffer((n * n_super * 64,), "uint8", data=qh.data)
         sc_flat = T.decl_buffer((n * n_super * 16,), "int8", data=sc.data)
         acc = T.alloc_buffer((rows * tt, 8), "float32")  # small: stack arrays per task
         sumi = T.alloc_buffer((rows * tt, 8), "int32")
+        ds = T.alloc_buffer((rows * tt, n_super), "float32")  # d_a d_w, as in the Q4_K macro
         ahead = T.meta_var(T.min(jo + prefetch_groups, n // rows - 1))
-        for r in T.unroll(rows * tt):
-            acc[r, 0:8] = T.broadcast(T.float32(0), 8)
+        for r in T.unroll(rows):
+            for u in T.unroll(tt):
+                acc[r * tt + u, 0:8] = T.broadcast(T.float32(0), 8)
+                for i in range(n_super):
+                    ds[r * tt + u, i] = xd[t + u, i] * T.Cast("float32", d[jo * rows + r, i])
         for i in range(n_super):
             for p in T.unroll(8):
                 Q8._prefetch(ql_flat, ahead * rows * n_super * 128 + i * rows * 128 + p * 64)
@@ -233,7 +258,7 @@ def _q6k_rows(intrin: str, rows: int, n_super: int, tt: int, prefetch_groups: in
             Q8._prefetch(sc_flat, ahead * rows * n_super * 16 + i * rows * 16)
             for r in T.unroll(rows * tt):
                 sumi[r, 0:8] = T.broadcast(T.int32(0), 8)
-            for a in T.unroll(2):
+            for a in range(2):  # rolled: an unrolled super-block spills its dot products
                 for r in T.unroll(rows):
                     high = T.meta_var(T.reinterpret("int32x8", qh.vload([jo * rows + r, i * 2 + a, 0], "uint8x32")))
                     for c in T.unroll(4):
@@ -241,14 +266,13 @@ def _q6k_rows(intrin: str, rows: int, n_super: int, tt: int, prefetch_groups: in
                                                                            "uint8x32")))
                         for u in T.unroll(tt):
                             run = T.meta_var(i * 8 + a * 4 + c)  # 32-value run of the row
-                            start = T.meta_var(xl.vload([t + u, run * 8], "int32x8") * T.broadcast(T.int32(-32), 8))
-                            sumi[r * tt + u, 0:8] = sumi.vload([r * tt + u, 0], "int32x8") + _dot(
-                                intrin, start, code(low, high, c),
-                                xb.vload([t + u, run * 32], "int8x32")) * scales(sc, jo * rows + r, run * 2)
+                            pairs = T.meta_var(_pairs(code(low, high, c), xb.vload([t + u, run * 32], "int8x32"))
+                                               - xp.vload([t + u, run * 16], "int16x16"))
+                            sumi[r * tt + u, 0:8] = _scaled(wide, sumi.vload([r * tt + u, 0], "int32x8"), pairs,
+                                                            scales(sc, jo * rows + r, run * 2))
             for r in T.unroll(rows):
                 for u in T.unroll(tt):
-                    scale = T.meta_var(xd[t + u, i] * T.Cast("float32", d[jo * rows + r, i]))
-                    acc[r * tt + u, 0:8] = _scaled_sum(acc, sumi, r * tt + u, scale)
+                    acc[r * tt + u, 0:8] = _scaled_sum(acc, sumi, r * tt + u, ds[r * tt + u, i])
         for r in T.unroll(rows):
             for u in T.unroll(tt):
                 y[t + u, jo * rows + r] = Q8._hsum8(acc, r * tt + u)
@@ -257,21 +281,21 @@ def _q6k_rows(intrin: str, rows: int, n_super: int, tt: int, prefetch_groups: in
 
 
 def _row_steps(qtype: str, intrin: str, n_super: int, tt: int, prefetch_groups: int) -> Callable[..., None]:
-    """One macro `(f0..f5, y, n, jo, t, xb, xd, xs, xl)` for every K-quant: f0.. the weight's fields
+    """One macro `(f0..f5, y, n, jo, t, xb, xd, xs, xp)` for every K-quant: f0.. the weight's fields
     in layout_spec order (the ones past a type's last unused)."""
     if qtype == "Q6_K":
         q6 = _q6k_rows(intrin, Q8.ROWS, n_super, tt, prefetch_groups)
 
         @T.macro
-        def steps6(f0, f1, f2, f3, f4, f5, y, n, jo, t, xb, xd, xs, xl):  # type: ignore[no-untyped-def]
-            q6(f0, f1, f2, f3, y, n, jo, t, xb, xd, xl)
+        def steps6(f0, f1, f2, f3, f4, f5, y, n, jo, t, xb, xd, xs, xp):  # type: ignore[no-untyped-def]
+            q6(f0, f1, f2, f3, y, n, jo, t, xb, xd, xp)
 
         return steps6
     five = qtype == "Q5_K"
     q45 = _q45k_rows(intrin, five, Q8.ROWS, n_super, tt, prefetch_groups)
 
     @T.macro
-    def steps45(f0, f1, f2, f3, f4, f5, y, n, jo, t, xb, xd, xs, xl):  # type: ignore[no-untyped-def]
+    def steps45(f0, f1, f2, f3, f4, f5, y, n, jo, t, xb, xd, xs, xp):  # type: ignore[no-untyped-def]
         if five:
             q45(f0, f1, f2, f3, f4, f5, y, n, jo, t, xb, xd, xs)
         else:
@@ -319,13 +343,13 @@ def kquant_gemv_group(qtype: str, ns: tuple[int, ...], k: int, intrin: str, prol
 
     @T.macro
     def slot_group(a0, a1, a2, a3, a4, a5, b0, b1, b2, b3, b4, b5,  # type: ignore[no-untyped-def]
-                   c0, c1, c2, c3, c4, c5, y1, y2, y3, jo, xb, xd, xs, xl):
+                   c0, c1, c2, c3, c4, c5, y1, y2, y3, jo, xb, xd, xs, xp):
         if jo < g1:
-            steps(a0, a1, a2, a3, a4, a5, y1, n1, jo, 0, xb, xd, xs, xl)
+            steps(a0, a1, a2, a3, a4, a5, y1, n1, jo, 0, xb, xd, xs, xp)
         elif group >= 2 and jo < g1 + g2:
-            steps(b0, b1, b2, b3, b4, b5, y2, n2, jo - g1, 0, xb, xd, xs, xl)
+            steps(b0, b1, b2, b3, b4, b5, y2, n2, jo - g1, 0, xb, xd, xs, xp)
         elif group >= 3:
-            steps(c0, c1, c2, c3, c4, c5, y3, n3, jo - g1 - g2, 0, xb, xd, xs, xl)
+            steps(c0, c1, c2, c3, c4, c5, y3, n3, jo - g1 - g2, 0, xb, xd, xs, xp)
 
     @T.prim_func
     def gemv(x: T.Buffer((1, k), "float32"), xw: T.Buffer((k,), "float32"), xu: T.Buffer((1, k), "float32"),
@@ -340,23 +364,23 @@ def kquant_gemv_group(qtype: str, ns: tuple[int, ...], k: int, intrin: str, prol
         xin = T.alloc_buffer((1, k), "float32")
         xb = T.alloc_buffer((1, k), "int8")
         xd = T.alloc_buffer((1, n_super), "float32")
-        xs = T.alloc_buffer((1, n_super * 8), "int32")
-        xl = T.alloc_buffer((1, n_super * 64), "int32")
+        xs = T.alloc_buffer((1, n_super * 8), "int16")
+        xp = T.alloc_buffer((1, n_super * 128), "int16")
         prologue(x, xw, xu, xin)
         if stage is None:
-            quantize(x, 0, xb, xd, xs, xl, n_super)
+            quantize(x, 0, xb, xd, xs, xp, n_super)
         else:
-            quantize(xin, 0, xb, xd, xs, xl, n_super)
+            quantize(xin, 0, xb, xd, xs, xp, n_super)
         if split == 1:
             for jo in T.parallel(n_groups):
                 slot_group(a0, a1, a2, a3, a4, a5, b0, b1, b2, b3, b4, b5, c0, c1, c2, c3, c4, c5, y1, y2, y3, jo,
-                           xb, xd, xs, xl)
+                           xb, xd, xs, xp)
         else:  # `split` consecutive row groups per task
             for task in T.parallel((n_groups + split - 1) // split):
                 for part in range(split):
                     if task * split + part < n_groups:
                         slot_group(a0, a1, a2, a3, a4, a5, b0, b1, b2, b3, b4, b5, c0, c1, c2, c3, c4, c5,
-                                   y1, y2, y3, task * split + part, xb, xd, xs, xl)
+                                   y1, y2, y3, task * split + part, xb, xd, xs, xp)
         add_residual(res, y1, n1)
 
     n_fields = len(layout_spec(qtype, (ns[0], k)))
@@ -369,7 +393,7 @@ def kquant_gemv_group(qtype: str, ns: tuple[int, ...], k: int, intrin: str, prol
     return Q8._without_params(gemv, unused)
 
 
-def kquant_gemm(qtype: str, n: int, k: int, intrin: str) -> tirx.PrimFunc:
+def kquant_gemm(qtype: str, n: int, k: int, intrin: str, tokens: int = GEMM_TOKENS) -> tirx.PrimFunc:
     """quant_int8.int8_gemm for the K-quants: tokens quantised in parallel, then each task takes
     a group of rows through every token, GEMM_TOKENS tokens per pass over their codes."""
     n_super, rows = k // SUPER, Q8.ROWS
@@ -377,7 +401,7 @@ def kquant_gemm(qtype: str, n: int, k: int, intrin: str) -> tirx.PrimFunc:
     specs = _field_specs(qtype, n, k)
     quantize = _q8k_quantize()
     one = _row_steps(qtype, intrin, n_super, 1, Q8.PREFETCH_GROUPS)
-    tile = _row_steps(qtype, intrin, n_super, GEMM_TOKENS, Q8.PREFETCH_GROUPS)
+    tile = _row_steps(qtype, intrin, n_super, tokens, Q8.PREFETCH_GROUPS)
 
     @T.prim_func(private=True)
     def gemm(x_h: T.handle, f0: T.Buffer(specs[0][0], specs[0][1]), f1: T.Buffer(specs[1][0], specs[1][1]),
@@ -389,15 +413,15 @@ def kquant_gemm(qtype: str, n: int, k: int, intrin: str) -> tirx.PrimFunc:
         y = T.match_buffer(y_h, (t_len, N), "float32")
         xb = T.alloc_buffer((t_len, K), "int8")
         xd = T.alloc_buffer((t_len, n_super), "float32")
-        xs = T.alloc_buffer((t_len, n_super * 8), "int32")
-        xl = T.alloc_buffer((t_len, n_super * 64), "int32")
+        xs = T.alloc_buffer((t_len, n_super * 8), "int16")
+        xp = T.alloc_buffer((t_len, n_super * 128), "int16")
         for t in T.parallel(t_len):
-            quantize(x, t, xb, xd, xs, xl, n_super)
+            quantize(x, t, xb, xd, xs, xp, n_super)
         for jo in T.parallel(n // rows):
-            for g in range(t_len // GEMM_TOKENS):
-                tile(f0, f1, f2, f3, f4, f5, y, n, jo, g * GEMM_TOKENS, xb, xd, xs, xl)
-            for t in range(t_len // GEMM_TOKENS * GEMM_TOKENS, t_len):
-                one(f0, f1, f2, f3, f4, f5, y, n, jo, t, xb, xd, xs, xl)
+            for g in range(t_len // tokens):
+                tile(f0, f1, f2, f3, f4, f5, y, n, jo, g * tokens, xb, xd, xs, xp)
+            for t in range(t_len // tokens * tokens, t_len):
+                one(f0, f1, f2, f3, f4, f5, y, n, jo, t, xb, xd, xs, xp)
 
     n_fields = len(layout_spec(qtype, (n, k)))
     return Q8._without_params(gemm, {f"f{f}" for f in range(n_fields, FIELDS)})
