@@ -69,6 +69,11 @@ class Int8Kernels:
     def supports(self, qtype: str, n: int, k: int) -> bool:
         return int8_gemv_supported(qtype, n, k, self.target)
 
+    def supports_prompt(self, qtype: str, n: int, k: int) -> bool:
+        """Q6_K's prompt GEMM stays on the float kernel: its integer GEMM (six-bit codes decoded
+        from three loads) measured no faster (benchmarks/kquant_int8.py: 0.7-1.0x)."""
+        return qtype != "Q6_K" and self.supports(qtype, n, k)
+
 
 def int8_kernels(target: tvm.target.Target) -> Int8Kernels | None:
     """The 8-bit kernels of a target with 8-bit dot products; None for the others."""

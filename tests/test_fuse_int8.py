@@ -26,9 +26,14 @@ class Kernels:
     widths: frozenset[int] = frozenset({E, F})
     max_group: int = 3
     qtype: str = "Q8_0"
+    decode_only: bool = False  # GEMVs but no prompt GEMM
 
     def supports(self, qtype: str, n: int, k: int) -> bool:
         return qtype == self.qtype and k in self.widths
+
+    def supports_prompt(self, qtype: str, n: int, k: int) -> bool:
+        return self.supports(qtype, n, k) and not self.decode_only
+
 
 
 KQ_E, KQ_F = 256, 512  # a K-quant block's widths: whole 256-value super-blocks
@@ -159,3 +164,10 @@ def test_kquant_block_takes_the_same_rules_with_q8_K_rounding(qtype: str) -> Non
         x = np.random.default_rng(2).standard_normal((1 if one_token else 3, KQ_E))
         for got, want in zip(_run(fused, weights, x), _run(spelled, weights, x), strict=True):
             np.testing.assert_array_equal(got, want)
+
+
+def test_a_type_without_a_prompt_gemm_keeps_the_float_matmul_in_prompts() -> None:
+    graph, hits = _fused(_block(), one_token=False, kernels=Kernels(decode_only=True))
+    assert hits["fuse_int8_matmul"] == 0 and _ops(graph).count("matmul") == 7
+    _, decode_hits = _fused(_block(), one_token=True, kernels=Kernels(decode_only=True))
+    assert decode_hits["group_int8_gemvs"] == 4

@@ -93,6 +93,31 @@ def test_kquant_int8_matmul_is_llama_cpp_bit_for_bit(qtype: str, n: int, k: int,
     np.testing.assert_array_equal(y, G.matmul_k(qtype, raw, n, k, x))
 
 
+@needs_int8_dot
+@pytest.mark.parametrize("qtype", sorted(Q8.KQUANT_GEMV_TYPES))
+def test_kquant_gemv_groups_and_residual_are_llama_cpp_bit_for_bit(qtype: str) -> None:
+    """q/k/v-like groups (1-3 matrices of different heights, one input) and the residual
+    epilogue: each matrix's output is ggml_vec_dot's, the residual added after it."""
+    rng = np.random.default_rng(11)
+    k, heights = 512, (12, 4, 8)
+    x = (rng.standard_normal((1, k)) * 2).astype(np.float32)
+    raws = [_k_blocks(qtype, n, k, rng) for n in heights]
+    mats = [[Q.repack(qtype, raw, (n, k))[f] for f, _, _ in Q.layout_spec(qtype, (n, k))]
+            for n, raw in zip(heights, raws, strict=True)]
+    want = [G.matmul_k(qtype, raw, n, k, x) for n, raw in zip(heights, raws, strict=True)]
+    for size in (1, 2, 3):
+        ys = [aligned_zeros((1, n), np.float32) for n in heights[:size]]
+        kernel = _build(Q8.int8_gemv_group(qtype, heights[:size], k, TARGET))
+        kernel(to_tvm(x), *(to_tvm(a) for fields in mats[:size] for a in fields), *map(to_tvm, ys))
+        for got, expected in zip(ys, want, strict=False):
+            np.testing.assert_array_equal(got, expected)
+    res = rng.standard_normal((1, heights[0])).astype(np.float32)
+    y = aligned_zeros((1, heights[0]), np.float32)
+    _build(Q8.int8_gemv_group(qtype, heights[:1], k, TARGET, (), True))(to_tvm(x), *map(to_tvm, mats[0]),
+                                                                         to_tvm(res), to_tvm(y))
+    np.testing.assert_array_equal(y, res + want[0])
+
+
 @pytest.mark.parametrize(("t", "pos"), [(1, 0), (1, 37), (5, 0), (7, 20)])
 @pytest.mark.parametrize("dim", [32, 64])
 def test_attention_is_llama_cpp_bit_for_bit(t: int, pos: int, dim: int) -> None:
