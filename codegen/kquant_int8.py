@@ -352,15 +352,15 @@ def kquant_gemv_group(qtype: str, ns: tuple[int, ...], k: int, intrin: str, prol
             steps(c0, c1, c2, c3, c4, c5, y3, n3, jo - g1 - g2, 0, xb, xd, xs, xp)
 
     @T.prim_func
-    def gemv(x: T.Buffer((1, k), "float32"), xw: T.Buffer((k,), "float32"), xu: T.Buffer((1, k), "float32"),
-             a0: T.Buffer(s1[0][0], s1[0][1]), a1: T.Buffer(s1[1][0], s1[1][1]), a2: T.Buffer(s1[2][0], s1[2][1]),
-             a3: T.Buffer(s1[3][0], s1[3][1]), a4: T.Buffer(s1[4][0], s1[4][1]), a5: T.Buffer(s1[5][0], s1[5][1]),
-             b0: T.Buffer(s2[0][0], s2[0][1]), b1: T.Buffer(s2[1][0], s2[1][1]), b2: T.Buffer(s2[2][0], s2[2][1]),
-             b3: T.Buffer(s2[3][0], s2[3][1]), b4: T.Buffer(s2[4][0], s2[4][1]), b5: T.Buffer(s2[5][0], s2[5][1]),
-             c0: T.Buffer(s3[0][0], s3[0][1]), c1: T.Buffer(s3[1][0], s3[1][1]), c2: T.Buffer(s3[2][0], s3[2][1]),
-             c3: T.Buffer(s3[3][0], s3[3][1]), c4: T.Buffer(s3[4][0], s3[4][1]), c5: T.Buffer(s3[5][0], s3[5][1]),
-             res: T.Buffer((1, n1), "float32"),
-             y1: T.Buffer((1, n1), "float32"), y2: T.Buffer((1, n2), "float32"), y3: T.Buffer((1, n3), "float32")):
+    def gemv(x: T.Buffer((1, k), "float32"), xw: T.Buffer((k,), "float32"), xu: T.Buffer((1, k), "float32"),  # type: ignore[valid-type]
+             a0: T.Buffer(s1[0][0], s1[0][1]), a1: T.Buffer(s1[1][0], s1[1][1]), a2: T.Buffer(s1[2][0], s1[2][1]),  # type: ignore[valid-type]
+             a3: T.Buffer(s1[3][0], s1[3][1]), a4: T.Buffer(s1[4][0], s1[4][1]), a5: T.Buffer(s1[5][0], s1[5][1]),  # type: ignore[valid-type]
+             b0: T.Buffer(s2[0][0], s2[0][1]), b1: T.Buffer(s2[1][0], s2[1][1]), b2: T.Buffer(s2[2][0], s2[2][1]),  # type: ignore[valid-type]
+             b3: T.Buffer(s2[3][0], s2[3][1]), b4: T.Buffer(s2[4][0], s2[4][1]), b5: T.Buffer(s2[5][0], s2[5][1]),  # type: ignore[valid-type]
+             c0: T.Buffer(s3[0][0], s3[0][1]), c1: T.Buffer(s3[1][0], s3[1][1]), c2: T.Buffer(s3[2][0], s3[2][1]),  # type: ignore[valid-type]
+             c3: T.Buffer(s3[3][0], s3[3][1]), c4: T.Buffer(s3[4][0], s3[4][1]), c5: T.Buffer(s3[5][0], s3[5][1]),  # type: ignore[valid-type]
+             res: T.Buffer((1, n1), "float32"),  # type: ignore[valid-type]
+             y1: T.Buffer((1, n1), "float32"), y2: T.Buffer((1, n2), "float32"), y3: T.Buffer((1, n3), "float32")):  # type: ignore[valid-type]
         xin = T.alloc_buffer((1, k), "float32")
         xb = T.alloc_buffer((1, k), "int8")
         xd = T.alloc_buffer((1, n_super), "float32")
@@ -404,9 +404,9 @@ def kquant_gemm(qtype: str, n: int, k: int, intrin: str, tokens: int = GEMM_TOKE
     tile = _row_steps(qtype, intrin, n_super, tokens, Q8.PREFETCH_GROUPS)
 
     @T.prim_func(private=True)
-    def gemm(x_h: T.handle, f0: T.Buffer(specs[0][0], specs[0][1]), f1: T.Buffer(specs[1][0], specs[1][1]),
-             f2: T.Buffer(specs[2][0], specs[2][1]), f3: T.Buffer(specs[3][0], specs[3][1]),
-             f4: T.Buffer(specs[4][0], specs[4][1]), f5: T.Buffer(specs[5][0], specs[5][1]), y_h: T.handle):
+    def gemm(x_h: T.handle, f0: T.Buffer(specs[0][0], specs[0][1]), f1: T.Buffer(specs[1][0], specs[1][1]),  # type: ignore[valid-type]
+             f2: T.Buffer(specs[2][0], specs[2][1]), f3: T.Buffer(specs[3][0], specs[3][1]),  # type: ignore[valid-type]
+             f4: T.Buffer(specs[4][0], specs[4][1]), f5: T.Buffer(specs[5][0], specs[5][1]), y_h: T.handle):  # type: ignore[valid-type]
         T.func_attr({"tirx.noalias": True})
         t_len = T.int64()
         x = T.match_buffer(x_h, (t_len, K), "float32")
