@@ -2,10 +2,11 @@
 
 The activations are rounded to q8_K blocks (256 values, as `quantize_row_q8_K`: the value of
 largest magnitude, the first one on ties, sets iscale = -127 / max; codes min(127, rint(iscale x)),
-d = 1 / iscale in f32), weight codes times activation codes summed in `vpdpbusd` (u8 x s8 -> i32,
-four products per lane), and the scales applied as llama.cpp's x86 AVX2 dot products do
-(ggml_vec_dot_q{4,5,6}_K_q8_K). Per 256-value super-block i of a row, with lane j holding values
-4j..4j+3 of each 32-value run:
+d = 1 / iscale in f32), weight codes times activation codes summed in pairs (`vpmaddubsw`, u8 x s8
+-> i16) and the pairs times their sub-block scales in `vpdpwssd` (i16 x i16 -> i32, two pairs per
+lane: llama.cpp's maddubs/madd products, the add fused), and the scales applied as llama.cpp's x86
+AVX2 dot products do (ggml_vec_dot_q{4,5,6}_K_q8_K). Per 256-value super-block i of a row, with
+lane j holding values 4j..4j+3 of each 32-value run:
 
     Q4_K, Q5_K  sumi_j = sum_s sc_s (q . a)_{s,j}            integers, exact in any order
                 acc_j  = fma(d_a d_w, float(sumi_j), acc_j)
@@ -22,7 +23,9 @@ takes two 32-byte runs of low nibbles and one of high bit pairs.
 
 A decode step runs GEMVs (up to MAX_GROUP matrices of one input, with an RMSNorm or SwiGLU
 prologue and a residual epilogue, as quant_int8's); a prompt runs the same per-token arithmetic
-as a GEMM, each task taking a group of rows through every token.
+as a GEMM, each task taking a group of rows through every token, GEMM_TOKENS at a time (whether
+a type's prompts use it is Int8Kernels.supports_prompt's to say). The super-block loop stays
+rolled: unrolled, LLVM schedules all its products first and spills them.
 """
 
 from __future__ import annotations

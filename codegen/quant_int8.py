@@ -21,6 +21,8 @@ a block's 16 bytes load into both halves of a vector, shifted by 0 and 4 bits, s
 out in value order. A decode step runs GEMVs (grouped, with an RMSNorm or SwiGLU prologue and a
 residual epilogue); a prompt runs the same per-token arithmetic as a GEMM (`int8_gemm`). Which
 matmuls run here is decided by the rules of passes/fuse_int8.py (`Int8Kernels` tells them).
+Q4_K, Q5_K and Q6_K weights (q8_K activations) take the same entry points, built by
+codegen/kquant_int8.py.
 """
 
 from __future__ import annotations
