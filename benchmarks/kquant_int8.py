@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_cpu import stream_bandwidth  # noqa: E402
 from quant_kernels import make_raw  # noqa: E402
 
+from ggufc.codegen import kquant_int8 as KQ  # noqa: E402
 from ggufc.codegen import quant as Q  # noqa: E402
 from ggufc.codegen import quant_int8 as Q8  # noqa: E402
 from ggufc.codegen.target import cpu_target  # noqa: E402
@@ -114,12 +115,12 @@ def model_decode(model: Path, rounds: int, tokens: int, threads: int) -> dict[st
     from ggufc.runtime.session import Session
 
     tmp = Path(tempfile.mkdtemp(prefix="kquant-bench-"))
-    kept = Q8.KQUANT_GEMV_TYPES
-    Q8.KQUANT_GEMV_TYPES = frozenset()  # the old compile: K-quant matmuls on the float kernels
+    kept = KQ.KQUANT_GEMV_TYPES
+    KQ.KQUANT_GEMV_TYPES = frozenset()  # the old compile: K-quant matmuls on the float kernels
     try:
         compile_gguf(model, "llvm", tmp / "old", None)
     finally:
-        Q8.KQUANT_GEMV_TYPES = kept
+        KQ.KQUANT_GEMV_TYPES = kept
     compile_gguf(model, "llvm", tmp / "new", None)
     sessions = {name: Session(tmp / name, threads=threads) for name in ("old", "new")}
     times: dict[str, list[float]] = {"old": [], "new": []}

@@ -36,16 +36,17 @@ from typing import Any
 from tvm import tirx
 from tvm.script import tirx as T
 
-from . import quant_int8 as Q8
+from . import int8_parts as P
 from .quant import layout_spec
 
+KQUANT_GEMV_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K"})  # the weights with integer kernels here
 SUPER = 256  # values per super-block (and per q8_K activation block)
 FIELDS = 6  # weight fields per matrix slot of the grouped kernel (Q5_K has the most)
 GEMM_TOKENS = 4  # tokens a prompt GEMM's row group takes per pass over its weight codes
 
 
 def kquant_supported(qtype: str, n: int, k: int) -> bool:
-    return qtype in Q8.KQUANT_GEMV_TYPES and n % Q8.ROWS == 0 and k % SUPER == 0
+    return qtype in KQUANT_GEMV_TYPES and n % P.ROWS == 0 and k % SUPER == 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -129,7 +130,7 @@ def _fifth_bit(high: tirx.PrimExpr, bit: tirx.PrimExpr) -> tirx.PrimExpr:
 
 def _scaled_sum(acc: tirx.Buffer, sumi: tirx.Buffer, r: tirx.PrimExpr, scale: tirx.PrimExpr) -> tirx.PrimExpr:
     """fma(d_a d_w, float(sumi[r]), acc[r]): a super-block's integer lane sums into the float lanes."""
-    return Q8._fma8(T.broadcast(scale, 8), T.Cast("float32x8", sumi.vload([r, 0], "int32x8")),
+    return P.fma8(T.broadcast(scale, 8), T.Cast("float32x8", sumi.vload([r, 0], "int32x8")),
                     acc.vload([r, 0], "float32x8"))
 
 
@@ -169,9 +170,9 @@ def _q45k_rows(intrin: str, five: bool, rows: int, n_super: int, tt: int,
                     dms[r * tt + u, i] = -xd[t + u, i] * T.Cast("float32", dmin[jo * rows + r, i])
         for i in range(n_super):
             for p in T.unroll(8):
-                Q8._prefetch(qs_flat, ahead * rows * n_super * 128 + i * rows * 128 + p * 64)
-            Q8._prefetch(sc_flat, ahead * rows * n_super * 8 + i * rows * 8)
-            Q8._prefetch(mn_flat, ahead * rows * n_super * 8 + i * rows * 8)
+                P.prefetch(qs_flat, ahead * rows * n_super * 128 + i * rows * 128 + p * 64)
+            P.prefetch(sc_flat, ahead * rows * n_super * 8 + i * rows * 8)
+            P.prefetch(mn_flat, ahead * rows * n_super * 8 + i * rows * 8)
             for r in T.unroll(rows * tt):
                 sumi[r, 0:8] = zero
             for g in range(4):  # rolled: an unrolled super-block spills its dot products
@@ -214,9 +215,9 @@ def _q45k_rows(intrin: str, five: bool, rows: int, n_super: int, tt: int,
         for r in T.unroll(rows):
             for u in T.unroll(tt):
                 if five:
-                    y[t + u, jo * rows + r] = Q8._hsum8(acc, r * tt + u) + accm[r * tt + u, 0]
+                    y[t + u, jo * rows + r] = P.hsum8(acc, r * tt + u) + accm[r * tt + u, 0]
                 else:
-                    y[t + u, jo * rows + r] = Q8._hsum8(acc, r * tt + u) + (
+                    y[t + u, jo * rows + r] = P.hsum8(acc, r * tt + u) + (
                         (accm[r * tt + u, 0] + accm[r * tt + u, 2]) + (accm[r * tt + u, 1] + accm[r * tt + u, 3]))
 
     return row_group
@@ -255,10 +256,10 @@ def _q6k_rows(intrin: str, rows: int, n_super: int, tt: int, prefetch_groups: in
                     ds[r * tt + u, i] = xd[t + u, i] * T.Cast("float32", d[jo * rows + r, i])
         for i in range(n_super):
             for p in T.unroll(8):
-                Q8._prefetch(ql_flat, ahead * rows * n_super * 128 + i * rows * 128 + p * 64)
+                P.prefetch(ql_flat, ahead * rows * n_super * 128 + i * rows * 128 + p * 64)
             for p in T.unroll(4):
-                Q8._prefetch(qh_flat, ahead * rows * n_super * 64 + i * rows * 64 + p * 64)
-            Q8._prefetch(sc_flat, ahead * rows * n_super * 16 + i * rows * 16)
+                P.prefetch(qh_flat, ahead * rows * n_super * 64 + i * rows * 64 + p * 64)
+            P.prefetch(sc_flat, ahead * rows * n_super * 16 + i * rows * 16)
             for r in T.unroll(rows * tt):
                 sumi[r, 0:8] = T.broadcast(T.int32(0), 8)
             for a in range(2):  # rolled: an unrolled super-block spills its dot products
@@ -278,7 +279,7 @@ def _q6k_rows(intrin: str, rows: int, n_super: int, tt: int, prefetch_groups: in
                     acc[r * tt + u, 0:8] = _scaled_sum(acc, sumi, r * tt + u, ds[r * tt + u, i])
         for r in T.unroll(rows):
             for u in T.unroll(tt):
-                y[t + u, jo * rows + r] = Q8._hsum8(acc, r * tt + u)
+                y[t + u, jo * rows + r] = P.hsum8(acc, r * tt + u)
 
     return row_group
 
@@ -287,7 +288,7 @@ def _row_steps(qtype: str, intrin: str, n_super: int, tt: int, prefetch_groups: 
     """One macro `(f0..f5, y, n, jo, t, xb, xd, xs, xp)` for every K-quant: f0.. the weight's fields
     in layout_spec order (the ones past a type's last unused)."""
     if qtype == "Q6_K":
-        q6 = _q6k_rows(intrin, Q8.ROWS, n_super, tt, prefetch_groups)
+        q6 = _q6k_rows(intrin, P.ROWS, n_super, tt, prefetch_groups)
 
         @T.macro
         def steps6(f0, f1, f2, f3, f4, f5, y, n, jo, t, xb, xd, xs, xp):  # type: ignore[no-untyped-def]
@@ -295,7 +296,7 @@ def _row_steps(qtype: str, intrin: str, n_super: int, tt: int, prefetch_groups: 
 
         return steps6
     five = qtype == "Q5_K"
-    q45 = _q45k_rows(intrin, five, Q8.ROWS, n_super, tt, prefetch_groups)
+    q45 = _q45k_rows(intrin, five, P.ROWS, n_super, tt, prefetch_groups)
 
     @T.macro
     def steps45(f0, f1, f2, f3, f4, f5, y, n, jo, t, xb, xd, xs, xp):  # type: ignore[no-untyped-def]
@@ -321,13 +322,13 @@ def kquant_gemv_group(qtype: str, ns: tuple[int, ...], k: int, intrin: str, prol
                       residual: bool, prefetch_groups: int, groups_per_task: int) -> tirx.PrimFunc:
     """quant_int8.int8_gemv_group for the K-quants (which checks the arguments first)."""
     kind = prologue_spec[0] if prologue_spec else ""
-    stage = Q8._input_stage(prologue_spec, k)
+    stage = P.input_stage(prologue_spec, k)
     n_super, group = k // SUPER, len(ns)
-    (n1, n2, n3), (g1, g2, g3) = Q8._slots(ns)
+    (n1, n2, n3), (g1, g2, g3) = P.slots(ns)
     s1, s2, s3 = (_field_specs(qtype, n, k) for n in (n1, n2, n3))
     quantize = _q8k_quantize()
     steps = _row_steps(qtype, intrin, n_super, 1, prefetch_groups)
-    add_residual = Q8._residual_adder(residual)
+    add_residual = P.residual_adder(residual)
     n_groups = g1 + (g2 if group >= 2 else 0) + (g3 if group >= 3 else 0)
     split = max(1, int(groups_per_task))
     parallel_stage = stage is not None and stage[2]
@@ -389,22 +390,22 @@ def kquant_gemv_group(qtype: str, ns: tuple[int, ...], k: int, intrin: str, prol
     n_fields = len(layout_spec(qtype, (ns[0], k)))
     unused = {f"{slot}{f}" for slot in "abc" for f in range(n_fields, FIELDS)}
     unused |= {f"{slot}{f}" for slot in "abc"[group:] for f in range(FIELDS)}
-    unused |= {f"y{slot}" for slot in range(group + 1, Q8.MAX_GROUP + 1)}
+    unused |= {f"y{slot}" for slot in range(group + 1, P.MAX_GROUP + 1)}
     unused |= {"xw"} if kind != "rms_norm" else set()
     unused |= {"xu"} if kind != "swiglu" else set()
     unused |= {"res"} if not residual else set()
-    return Q8._without_params(gemv, unused)
+    return P.without_params(gemv, unused)
 
 
 def kquant_gemm(qtype: str, n: int, k: int, intrin: str, tokens: int = GEMM_TOKENS) -> tirx.PrimFunc:
     """quant_int8.int8_gemm for the K-quants: tokens quantised in parallel, then each task takes
     a group of rows through every token, GEMM_TOKENS tokens per pass over their codes."""
-    n_super, rows = k // SUPER, Q8.ROWS
+    n_super, rows = k // SUPER, P.ROWS
     N, K = T.int64(n), T.int64(k)
     specs = _field_specs(qtype, n, k)
     quantize = _q8k_quantize()
-    one = _row_steps(qtype, intrin, n_super, 1, Q8.PREFETCH_GROUPS)
-    tile = _row_steps(qtype, intrin, n_super, tokens, Q8.PREFETCH_GROUPS)
+    one = _row_steps(qtype, intrin, n_super, 1, P.PREFETCH_GROUPS)
+    tile = _row_steps(qtype, intrin, n_super, tokens, P.PREFETCH_GROUPS)
 
     @T.prim_func(private=True)
     def gemm(x_h: T.handle, f0: T.Buffer(specs[0][0], specs[0][1]), f1: T.Buffer(specs[1][0], specs[1][1]),  # type: ignore[valid-type]
@@ -427,4 +428,4 @@ def kquant_gemm(qtype: str, n: int, k: int, intrin: str, tokens: int = GEMM_TOKE
                 one(f0, f1, f2, f3, f4, f5, y, n, jo, t, xb, xd, xs, xp)
 
     n_fields = len(layout_spec(qtype, (n, k)))
-    return Q8._without_params(gemm, {f"f{f}" for f in range(n_fields, FIELDS)})
+    return P.without_params(gemm, {f"f{f}" for f in range(n_fields, FIELDS)})
