@@ -111,10 +111,14 @@ class MatrixCase:
 
 def model_decode(model: Path, rounds: int, tokens: int, threads: int) -> dict[str, list[float]]:
     """Seconds per decode step of `model`, old (K-quant integer kernels off) and new, interleaved."""
+    with tempfile.TemporaryDirectory(prefix="kquant-bench-") as tmp:
+        return _decode_times(model, Path(tmp), rounds, tokens, threads)
+
+
+def _decode_times(model: Path, tmp: Path, rounds: int, tokens: int, threads: int) -> dict[str, list[float]]:
     from ggufc.driver.models import compile_gguf
     from ggufc.runtime.session import Session
 
-    tmp = Path(tempfile.mkdtemp(prefix="kquant-bench-"))
     kept = KQ.KQUANT_GEMV_TYPES
     KQ.KQUANT_GEMV_TYPES = frozenset()  # the old compile: K-quant matmuls on the float kernels
     try:
