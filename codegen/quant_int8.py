@@ -21,6 +21,8 @@ a block's 16 bytes load into both halves of a vector, shifted by 0 and 4 bits, s
 out in value order. A decode step runs GEMVs (grouped, with an RMSNorm or SwiGLU prologue and a
 residual epilogue); a prompt runs the same per-token arithmetic as a GEMM (`int8_gemm`). Which
 matmuls run here is decided by the rules of passes/fuse_int8.py (`Int8Kernels` tells them).
+Q4_K, Q5_K and Q6_K weights (q8_K activations) take the same entry points, built by
+codegen/kquant_int8.py.
 """
 
 from __future__ import annotations
@@ -35,14 +37,23 @@ from tvm.script import tirx as T
 
 from ggufc.ir.act_quant import ACT_BLOCK, SCHEME_BLOCK
 
-from .cpu_vec import silu_mul8
+from .int8_parts import (
+    MAX_GROUP,
+    PREFETCH_GROUPS,
+    ROWS,
+    Stage,
+    fma8,
+    hsum8,
+    input_stage,
+    prefetch,
+    residual_adder,
+    slots,
+    without_params,
+)
+from .kquant_int8 import KQUANT_GEMV_TYPES, kquant_gemm, kquant_gemv_group, kquant_supported
 from .quant import i64, layout_spec
 
 INT8_GEMV_TYPES = frozenset({"Q4_0", "Q4_1", "Q8_0"})
-ROWS = 4  # rows per parallel task: independent accumulator chains, activation loads shared
-LANES = 8  # int32 lanes of a 256-bit vector
-MAX_GROUP = 3  # matrices one grouped GEMV kernel takes
-PREFETCH_GROUPS = 4  # row groups ahead whose weight bytes are prefetched
 GEMM_TOKENS = 4  # tokens a prompt GEMM's row group takes per pass over its weight codes
 
 
@@ -68,6 +79,11 @@ class Int8Kernels:
     def supports(self, qtype: str, n: int, k: int) -> bool:
         return int8_gemv_supported(qtype, n, k, self.target)
 
+    def supports_prompt(self, qtype: str, n: int, k: int) -> bool:
+        """Q6_K's prompt GEMM stays on the float kernel: its integer GEMM (six-bit codes decoded
+        from three loads) measured no faster (benchmarks/kquant_int8.py: 0.7-1.0x)."""
+        return qtype != "Q6_K" and self.supports(qtype, n, k)
+
 
 def int8_kernels(target: tvm.target.Target) -> Int8Kernels | None:
     """The 8-bit kernels of a target with 8-bit dot products; None for the others."""
@@ -75,7 +91,11 @@ def int8_kernels(target: tvm.target.Target) -> Int8Kernels | None:
 
 
 def int8_gemv_supported(qtype: str, n: int, k: int, target: tvm.target.Target) -> bool:
-    if qtype not in INT8_GEMV_TYPES or int8_dot_intrinsic(target) is None or n % ROWS:
+    if int8_dot_intrinsic(target) is None:
+        return False
+    if kquant_supported(qtype, n, k):
+        return True
+    if qtype not in INT8_GEMV_TYPES or n % ROWS:
         return False
     return k % (2 * ACT_BLOCK) == 0 if qtype != "Q8_0" else k % ACT_BLOCK == 0
 
@@ -202,7 +222,10 @@ def int8_gemv_group(qtype: str, ns: tuple[int, ...], k: int, target: tvm.target.
         raise ValueError(f"int8 GEMV: unknown prologue {prologue!r}")
     if residual and len(ns) != 1:
         raise ValueError("int8 GEMV: a residual add needs a single matrix")
-    stage = _input_stage(prologue, k)
+    if qtype in KQUANT_GEMV_TYPES:
+        func = kquant_gemv_group(qtype, ns, k, intrin, prologue, residual, prefetch_groups, groups_per_task)
+        return func.with_attr("tirx.noalias", True)
+    stage = input_stage(prologue, k)
     fields = [name for name, _, _ in layout_spec(qtype, (ns[0], k))]
     func = _gemv(qtype, ns, k, intrin, stage, residual, prefetch_groups, groups_per_task)
     unused = {f"{name}{slot}" for slot in range(len(ns) + 1, MAX_GROUP + 1) for name in ("wd", "wm", "wq4", "wq8", "y")}
@@ -211,49 +234,9 @@ def int8_gemv_group(qtype: str, ns: tuple[int, ...], k: int, target: tvm.target.
     unused |= {"xw"} if kind != "rms_norm" else set()
     unused |= {"xu"} if kind != "swiglu" else set()
     unused |= {"res"} if not residual else set()
-    func = _without_params(func, unused)
+    func = without_params(func, unused)
     assert len(func.params) == 1 + (kind != "") + residual + len(ns) * (len(fields) + 1), (qtype, fields)
     return func.with_attr("tirx.noalias", True)
-
-
-Stage = tuple[Callable[..., None], Callable[..., None], bool]
-
-
-def _input_stage(prologue: tuple[Any, ...], k: int) -> Stage | None:
-    """(setup, block, heavy): macros computing the GEMV input xin [1, K] from (x, xw, xu) one
-    32-block at a time (setup: what every block needs first), and whether the blocks are worth
-    spreading over the thread pool (SwiGLU's exp); or None (x is the input)."""
-    kind = prologue[0] if prologue else ""
-    if not kind:
-        return None
-    eps = float(prologue[1]) if kind == "rms_norm" else 0.0
-
-    @T.macro
-    def setup(x, rstd):  # type: ignore[no-untyped-def]
-        if kind == "rms_norm":  # the rms_norm kernel's steps: squares summed in float64
-            acc = T.alloc_buffer((1,), "float64")
-            acc[0] = T.float64(0)
-            for i in range(k):
-                acc[0] = acc[0] + T.Cast("float64", x[0, i] * x[0, i])
-            rstd[0] = T.float32(1) / T.sqrt(T.Cast("float32", acc[0] / T.float64(k)) + T.float32(eps))
-
-    @T.macro
-    def block(x, xw, xu, xin, rstd, b):  # type: ignore[no-untyped-def]
-        if kind == "rms_norm":
-            for i in range(32):
-                xin[0, b * 32 + i] = x[0, b * 32 + i] * rstd[0] * xw[b * 32 + i]
-        else:  # swiglu, as llama.cpp's ggml_vec_swiglu_f32: gate / (1 + exp(-gate)) * up
-            for c in range(4):
-                xin[0, b * 32 + c * 8:b * 32 + c * 8 + 8] = silu_mul8(x.vload([0, b * 32 + c * 8], "float32x8"),
-                                                                      xu.vload([0, b * 32 + c * 8], "float32x8"))
-
-    return setup, block, kind == "swiglu"
-
-
-def _slots(ns: tuple[int, ...]) -> tuple[list[int], list[int]]:
-    """Row counts of the three slots (unused ones get a placeholder size) and their row-group counts."""
-    padded = [*ns, *([ROWS] * (MAX_GROUP - len(ns)))]
-    return padded, [n // ROWS for n in padded]
 
 
 def _quantize_prologue(pos: Callable[..., tirx.PrimExpr], stage: Stage | None,
@@ -320,10 +303,6 @@ def _q8_pos(b: tirx.PrimExpr, i: tirx.PrimExpr) -> tirx.PrimExpr:
     return b * 32 + i
 
 
-def _fma8(a: tirx.PrimExpr, b: tirx.PrimExpr, c: tirx.PrimExpr) -> tirx.PrimExpr:
-    return T.call_llvm_pure_intrin("float32x8", "llvm.fma.v8f32", a, b, c)
-
-
 def _lane(v: tirx.PrimExpr, i: tirx.PrimExpr) -> tirx.PrimExpr:
     """Lane i of a float32x8 vector, broadcast to all 8 lanes."""
     return T.call_llvm_pure_intrin("float32x8", "llvm.x86.avx2.permps", v, T.broadcast(T.Cast("int32", i), 8))
@@ -354,7 +333,7 @@ def _q4_steps(intrin: str, has_min: bool, rows: int, n_blocks: int, tt: int = 1,
             dot = T.meta_var(T.call_llvm_pure_intrin(
                 "int32x8", intrin, T.broadcast(T.int32(0), 8) if has_min else xc.vload([t + u, b * 8], "int32x8"),
                 T.reinterpret("int8x32", codes), xb.vload([t + u, b * 32], "int8x32")))
-            acc[r * tt + u, 0:8] = _fma8(T.broadcast(scales[r * tt + u, b], 8), T.Cast("float32x8", dot),
+            acc[r * tt + u, 0:8] = fma8(T.broadcast(scales[r * tt + u, b], 8), T.Cast("float32x8", dot),
                                          acc.vload([r * tt + u, 0], "float32x8"))
 
     @T.macro
@@ -397,9 +376,9 @@ def _q4_steps(intrin: str, has_min: bool, rows: int, n_blocks: int, tt: int = 1,
                     scales[r * tt + u, b] = T.Cast("float32", wd[jo * rows + r, b]) * xd[t + u, b]
         for o in range(n_octs):
             for c in T.unroll(4):
-                _prefetch(wq_flat, ahead * rows * n_blocks * 16 + (o * 4 + c) * 128)
-                _prefetch(wq_flat, ahead * rows * n_blocks * 16 + (o * 4 + c) * 128 + 64)
-            _prefetch(wd_flat, ahead * rows * n_blocks + o * 8)
+                prefetch(wq_flat, ahead * rows * n_blocks * 16 + (o * 4 + c) * 128)
+                prefetch(wq_flat, ahead * rows * n_blocks * 16 + (o * 4 + c) * 128 + 64)
+            prefetch(wd_flat, ahead * rows * n_blocks + o * 8)
             for c in T.unroll(8):
                 for r in T.unroll(rows):
                     block_step(wq, acc, jo * rows + r, r, o * 8 + c, scales, t, xb, xc)
@@ -408,7 +387,7 @@ def _q4_steps(intrin: str, has_min: bool, rows: int, n_blocks: int, tt: int = 1,
                 block_step(wq, acc, jo * rows + r, r, b, scales, t, xb, xc)
         for r in T.unroll(rows):
             for u in T.unroll(tt):
-                y[t + u, jo * rows + r] = _hsum8(acc, r * tt + u)
+                y[t + u, jo * rows + r] = hsum8(acc, r * tt + u)
         if has_min:
             for u in T.unroll(tt):
                 min_terms(wm, y, jo, t + u, xss, s8)
@@ -429,7 +408,7 @@ def _q8_steps(intrin: str, rows: int, n_blocks: int, prefetch_groups: int = PREF
         dot = T.meta_var(T.call_llvm_pure_intrin(
             "int32x8", intrin, xc.vload([t, b * 8], "int32x8"), T.reinterpret("int8x32", word),
             xb.vload([t, b * 32], "int8x32")))
-        acc[r, 0:8] = _fma8(scale, T.Cast("float32x8", dot), acc.vload([r, 0], "float32x8"))
+        acc[r, 0:8] = fma8(scale, T.Cast("float32x8", dot), acc.vload([r, 0], "float32x8"))
 
     @T.macro
     def row_group(wd, wq, y, n, jo, t, xb, xd, xc):  # type: ignore[no-untyped-def]
@@ -441,24 +420,24 @@ def _q8_steps(intrin: str, rows: int, n_blocks: int, prefetch_groups: int = PREF
         for r in T.unroll(rows):
             acc[r, 0:8] = T.broadcast(T.float32(0), 8)
         for o in range(n_octs):
-            _prefetch(wd_flat, ahead * rows * n_blocks + o * 8)
+            prefetch(wd_flat, ahead * rows * n_blocks + o * 8)
             for r in T.unroll(rows):
                 s8[r, 0:8] = (T.Cast("float32x8", wd.vload([jo * rows + r, o * 8], "float16x8"))
                               * xd.vload([t, o * 8], "float32x8"))
             for c in T.unroll(8):
-                _prefetch(wq_flat, ahead * rows * n_blocks * 32 + (o * 8 + c) * 128)
-                _prefetch(wq_flat, ahead * rows * n_blocks * 32 + (o * 8 + c) * 128 + 64)
+                prefetch(wq_flat, ahead * rows * n_blocks * 32 + (o * 8 + c) * 128)
+                prefetch(wq_flat, ahead * rows * n_blocks * 32 + (o * 8 + c) * 128 + 64)
                 for r in T.unroll(rows):
                     block_step(wq, acc, jo * rows + r, r, o * 8 + c, _lane(s8.vload([r, 0], "float32x8"), c), t,
                                xb, xc)
         for b in range(n_octs * 8, n_blocks):  # the blocks after the last whole 8-block run
-            _prefetch(wq_flat, ahead * rows * n_blocks * 32 + b * 128)
-            _prefetch(wq_flat, ahead * rows * n_blocks * 32 + b * 128 + 64)
+            prefetch(wq_flat, ahead * rows * n_blocks * 32 + b * 128)
+            prefetch(wq_flat, ahead * rows * n_blocks * 32 + b * 128 + 64)
             for r in T.unroll(rows):
                 scale = T.meta_var(T.broadcast(T.Cast("float32", wd[jo * rows + r, b]) * xd[t, b], 8))
                 block_step(wq, acc, jo * rows + r, r, b, scale, t, xb, xc)
         for r in T.unroll(rows):
-            y[t, jo * rows + r] = _hsum8(acc, r)
+            y[t, jo * rows + r] = hsum8(acc, r)
 
     return row_group
 
@@ -484,9 +463,9 @@ def _gemv(qtype: str, ns: tuple[int, ...], k: int, intrin: str, stage: Stage | N
     and Q8 (`wd`, `wq8`) weights; int8_gemv_group drops the parameters a type or group leaves unused."""
     n_blocks, rows, group, is_q8 = k // 32, ROWS, len(ns), qtype == "Q8_0"
     has_min = qtype == "Q4_1"
-    (n1, n2, n3), (g1, g2, g3) = _slots(ns)
+    (n1, n2, n3), (g1, g2, g3) = slots(ns)
     _, prologue = _quantize_prologue(_q8_pos, stage, k)
-    add_residual = _residual_adder(residual)
+    add_residual = residual_adder(residual)
     q4_rows = _q4_steps(intrin, has_min, rows, n_blocks, prefetch_groups=prefetch_groups)
     q8_rows = _q8_steps(intrin, rows, n_blocks, prefetch_groups)
     starts = _starts(n_blocks, 128 if is_q8 else 0 if has_min else 8)
@@ -550,6 +529,8 @@ def int8_gemm(qtype: str, n: int, k: int, target: tvm.target.Target) -> tirx.Pri
     intrin = int8_dot_intrinsic(target)
     if intrin is None or not int8_gemv_supported(qtype, n, k, target):
         raise NotImplementedError(f"no 8-bit GEMM for {qtype} {n} x {k} on {target}")
+    if qtype in KQUANT_GEMV_TYPES:
+        return kquant_gemm(qtype, n, k, intrin)
     n_blocks, rows, is_q8 = k // 32, ROWS, qtype == "Q8_0"
     N, K, B = T.int64(n), T.int64(k), T.int64(n_blocks)
     has_min = qtype == "Q4_1"
@@ -585,26 +566,7 @@ def int8_gemm(qtype: str, n: int, k: int, target: tvm.target.Target) -> tirx.Pri
                     q4_rows(wd, wm, wq4, y, n, jo, t, xb, xd, xss, xc)
 
     unused = {"wm", "wq4"} if is_q8 else {"wq8"} if has_min else {"wm", "wq8"}
-    return _without_params(gemm, unused)
-
-
-def _residual_adder(residual: bool) -> Callable[..., None]:
-    """The epilogue y += res (serial: one add per output row, after the parallel loop), or nothing."""
-
-    @T.macro
-    def add_residual(res, y, n):  # type: ignore[no-untyped-def]
-        if residual:
-            for j in range(n):
-                y[0, j] = res[0, j] + y[0, j]
-
-    return add_residual
-
-
-def _prefetch(flat: tirx.Buffer, index: tirx.PrimExpr) -> tirx.PrimExpr:
-    """Ask for the cache line holding flat[index] (read, keep in all levels): the row groups a
-    task reads next, so the stream from L3/DRAM overlaps the arithmetic (~1.7x here)."""
-    return T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(flat[index]), T.int32(0), T.int32(3),
-                              T.int32(1))
+    return without_params(gemm, unused)
 
 
 def _transpose4x8(p: list[tirx.PrimExpr]) -> list[tirx.PrimExpr]:
@@ -624,13 +586,3 @@ def _sum_in_order(start: tirx.PrimExpr, terms: list[tirx.PrimExpr]) -> tirx.Prim
         total = total + term
     return total
 
-
-def _hsum8(acc: tirx.Buffer, r: tirx.PrimExpr) -> tirx.PrimExpr:
-    """The 8 lanes of acc[r] summed as llama.cpp's hsum_float_8: ((0+4) + (2+6)) + ((1+5) + (3+7))."""
-    return ((acc[r, 0] + acc[r, 4]) + (acc[r, 2] + acc[r, 6])) + ((acc[r, 1] + acc[r, 5]) + (acc[r, 3] + acc[r, 7]))
-
-
-def _without_params(func: tirx.PrimFunc, names: set[str]) -> tirx.PrimFunc:
-    """`func` minus unused buffer parameters (one TVMScript body serves several signatures)."""
-    keep = [p for p in func.params if p.name not in names]
-    return tirx.PrimFunc(keep, func.body, func.ret_type, func.attrs)

@@ -3,7 +3,8 @@ matmul's input (`quantize_act`, from `quantize_activations`) moves into the matm
 decode step's matmuls take their neighbours in.
 
 * `fuse_int8_matmul`: matmul(quantize_act(x), W) -> int8_matmul(x, W), the kernel rounding x
-  itself (a prompt's 8-bit GEMM).
+  itself (a prompt's 8-bit GEMM; for the weight types whose GEMM the target has and finds faster
+  than its float one, `supports_prompt`).
 * `group_int8_gemvs`: the one-token matmuls (every matmul of the decode graph, those of one row
   elsewhere, as the last-token logits) reading one rounded input with the same weight type and
   width (a layer's q/k/v, its gate/up; up to the kernel's `max_group`) -> one int8_gemv_group; a
@@ -28,7 +29,7 @@ from ggufc.ir.walk import defined_before, escaping_ids
 
 from .stats import with_hits
 
-ROUNDINGS = ("q8_0", "q8_1")  # the 32-value block schemes 8-bit kernels round to
+ROUNDINGS = ("q8_0", "q8_1", "q8_K")  # the block schemes 8-bit kernels round to
 
 
 class Int8Kernels(Protocol):
@@ -39,10 +40,13 @@ class Int8Kernels(Protocol):
 
     def supports(self, qtype: str, n: int, k: int) -> bool: ...
 
+    def supports_prompt(self, qtype: str, n: int, k: int) -> bool: ...
+
 
 def _rounded_matmul(node: Node, producers: dict[int, Node], params: dict[int, Param],
-                    kernels: Int8Kernels) -> tuple[Node, Param] | None:
-    """(the quantize_act, the weight) of a matmul an 8-bit kernel can compute, or None."""
+                    kernels: Int8Kernels, prompt: bool = False) -> tuple[Node, Param] | None:
+    """(the quantize_act, the weight) of a matmul an 8-bit kernel can compute (`prompt`: as a
+    GEMM over a prompt's tokens), or None."""
     if node.op != "matmul":
         return None
     x, w = node.inputs[:2]
@@ -54,14 +58,15 @@ def _rounded_matmul(node: Node, producers: dict[int, Node], params: dict[int, Pa
         return None
     if (weight.qtype in MIN_TYPES) != (len(node.inputs) == 3):  # q8_1 block sums for block minimums
         return None
-    return (src, weight) if kernels.supports(weight.qtype, shape[0], shape[1]) else None
+    supports = kernels.supports_prompt if prompt else kernels.supports
+    return (src, weight) if supports(weight.qtype, shape[0], shape[1]) else None
 
 
 def fuse_int8_matmul(graph: Graph, kernels: Int8Kernels) -> Graph:
     producers, params = graph.producers(), graph.param_values()
     nodes, hits = [], 0
     for node in graph.nodes:
-        found = _rounded_matmul(node, producers, params, kernels)
+        found = _rounded_matmul(node, producers, params, kernels, prompt=True)
         if found is None:
             nodes.append(node)
             continue

@@ -155,3 +155,83 @@ def attention(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, pos: int, scale: fl
     vt = v.transpose(1, 2, 0)[:, None]  # [H, 1, D, cells]
     dot = vec_dot_f32 if t == 1 else tinyblas_dot
     return dot(vt, p[:, :, None, :]).transpose(1, 0, 2)  # [T, H, D]
+
+
+def quantize_q8_K(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """quantize_row_q8_K: codes [.., nb, 256] int32 and d [.., nb] (f32) per 256 values; the first
+    value of largest magnitude sets iscale = -127 / max."""
+    xb = np.asarray(x, F32).reshape(*np.shape(x)[:-1], -1, 256)
+    first = np.argmax(np.abs(xb), axis=-1)[..., None]
+    peak = np.take_along_axis(xb, first, axis=-1)[..., 0]
+    with np.errstate(divide="ignore"):
+        iscale = np.where(peak != 0, F32(-127) / peak, F32(0)).astype(F32)
+        d = np.where(peak != 0, F32(1) / iscale, F32(0)).astype(F32)
+    q = np.minimum(np.rint((xb * iscale[..., None]).astype(F32)), F32(127)).astype(np.int32)
+    return q, d
+
+
+def _scale_min_k4(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """get_scale_min_k4 for j = 0..7 of 12-byte packed fields [.., 12] -> (sc, mn) [.., 8] int32."""
+    q = scales.astype(np.int32)
+    sc = np.concatenate([q[..., 0:4] & 63, (q[..., 8:12] & 0xF) | ((q[..., 0:4] >> 6) << 4)], axis=-1)
+    mn = np.concatenate([q[..., 4:8] & 63, (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)], axis=-1)
+    return sc, mn
+
+
+def k_blocks(qtype: str, raw: np.ndarray, n: int, k: int) -> dict[str, np.ndarray]:
+    """GGUF blocks of a Q4_K/Q5_K/Q6_K [n, k] weight -> d, dmin [n, nb] f32, codes [n, nb, 256] int32
+    in value order (Q6_K's with its -32), the scale of each value's sub-block [n, nb, 256], and
+    Q4_K/Q5_K's sub-block minimums mn [n, nb, 8]."""
+    size = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}[qtype]
+    blk = np.asarray(raw).view(np.uint8).reshape(n, k // 256, size)
+    f16 = lambda at: blk[..., at:at + 2].copy().view(np.float16)[..., 0].astype(F32)  # noqa: E731
+    if qtype == "Q6_K":
+        ql, qh = blk[..., 0:128].astype(np.int32), blk[..., 128:192].astype(np.int32)
+        codes = np.empty((n, k // 256, 256), np.int32)
+        for a in range(2):
+            for c in range(4):
+                low = (ql[..., 64 * a + 32 * (c % 2):64 * a + 32 * (c % 2) + 32] >> (4 * (c // 2))) & 15
+                high = (qh[..., 32 * a:32 * a + 32] >> (2 * c)) & 3
+                codes[..., 128 * a + 32 * c:128 * a + 32 * c + 32] = (low | high << 4) - 32
+        scales = np.repeat(blk[..., 192:208].view(np.int8).astype(np.int32), 16, axis=-1)
+        return {"d": f16(208), "codes": codes, "scales": scales}
+    qs = blk[..., size - 128:].astype(np.int32).reshape(n, k // 256, 4, 32)
+    codes = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(n, k // 256, 256)
+    if qtype == "Q5_K":
+        qh = blk[..., 16:48].astype(np.int32)
+        codes = codes | np.concatenate([(qh >> b) & 1 for b in range(8)], axis=-1) << 4
+    sc, mn = _scale_min_k4(blk[..., 4:16])
+    return {"d": f16(0), "dmin": f16(2), "codes": codes, "scales": np.repeat(sc, 32, axis=-1), "mn": mn}
+
+
+def matmul_k(qtype: str, raw: np.ndarray, n: int, k: int, x: np.ndarray) -> np.ndarray:
+    """x [T, K] @ W.T as ggml_vec_dot_{q4,q5,q6}_K_q8_K (AVX2): per super-block, the integer lane
+    sums sumi_j (lane j: values 4j..4j+3 of every 32-value run, times their sub-block scales),
+    acc_j = fma(d_a d_w, sumi_j, acc_j), then hsum_float_8; plus the minimum terms (Q4_K: four
+    lanes prod_p = sum of two sub-blocks' mn * code sum, m_p = fma(-d_a dmin, prod_p, m_p), added
+    as (m0 + m2) + (m1 + m3); Q5_K: m = m + (-d_a dmin) * sum_p prod_p)."""
+    w = k_blocks(qtype, raw, n, k)
+    qa, da = quantize_q8_K(x)
+    t, nb = qa.shape[0], k // 256
+    prods = np.einsum("nbv,tbv->tnbv", w["codes"] * w["scales"], qa)  # exact in int64
+    sumi = prods.reshape(t, n, nb, 8, 8, 4).sum(axis=(3, 5)).astype(F32)  # [t, n, nb, lane]
+    acc = np.zeros((t, n, 8), F32)
+    accm = np.zeros((t, n, 4), F32)
+    summs = np.zeros((t, n), F32)
+    for i in range(nb):
+        scale = (da[:, None, i] * w["d"][None, :, i]).astype(F32)
+        acc = fma(np.broadcast_to(scale[..., None], acc.shape), sumi[:, :, i], acc)
+        if qtype == "Q6_K":
+            continue
+        sub_sums = qa[:, i].reshape(t, 8, 32).sum(-1)  # [t, 8]
+        prod = (w["mn"][None, :, i] * sub_sums[:, None]).reshape(t, n, 4, 2).sum(-1)
+        dmin = (-da[:, None, i] * w["dmin"][None, :, i]).astype(F32)
+        if qtype == "Q4_K":
+            accm = fma(np.broadcast_to(dmin[..., None], accm.shape), prod.astype(F32), accm)
+        else:
+            summs = (summs + (dmin * prod.sum(-1).astype(F32)).astype(F32)).astype(F32)
+    out = hsum_float_8(acc)
+    if qtype == "Q4_K":
+        mins = ((accm[..., 0] + accm[..., 2]).astype(F32) + (accm[..., 1] + accm[..., 3]).astype(F32)).astype(F32)
+        return (out + mins).astype(F32)
+    return (out + summs).astype(F32) if qtype == "Q5_K" else out

@@ -542,7 +542,9 @@ def act8_cases() -> list[Case]:
     return cases
 
 
-INT8_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # the weights the 8-bit kernels take (codegen/quant_int8.py)
+# the weights the 8-bit kernels take (codegen/quant_int8.py; the K-quants codegen/kquant_int8.py)
+INT8_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+KQUANT_INT8_TYPES = ("Q4_K", "Q5_K", "Q6_K")
 HAS_INT8 = int8_kernels(resolve_target("llvm")) is not None
 
 
@@ -563,6 +565,20 @@ def int8_cases() -> list[Case]:
                     rows(128), weight(128), *w[:2], n_out=2, group="int8", calls=DECODE),
             op_case(f"int8_gemv_group-{qtype}-swiglu-residual", "int8_gemv_group",
                     O.GemvGroup(scheme, 1, "swiglu", residual=True), rows(128), rows(128), w[0], rows(20),
+                    group="int8", calls=DECODE),
+        ]
+    for qtype in KQUANT_INT8_TYPES:  # q8_K activations, 256-value super-blocks
+        for n, k in ((20, 256), (8, 512)):
+            cases.append(op_case(f"int8_matmul-{qtype}-{n}x{k}", "int8_matmul", O.Int8Matmul("q8_K"), rows(k),
+                                 weight(n, k, qtype=qtype), group="int8", calls=BOTH))
+        w = [weight(n, 256, qtype=qtype) for n in (20, 8, 12)]
+        cases += [
+            op_case(f"int8_gemv_group-{qtype}-three", "int8_gemv_group", O.GemvGroup("q8_K", 3), rows(256), *w,
+                    n_out=3, group="int8", calls=DECODE),
+            op_case(f"int8_gemv_group-{qtype}-rms_norm", "int8_gemv_group", O.GemvGroup("q8_K", 2, "rms_norm", 1e-5),
+                    rows(256), weight(256), *w[:2], n_out=2, group="int8", calls=DECODE),
+            op_case(f"int8_gemv_group-{qtype}-swiglu-residual", "int8_gemv_group",
+                    O.GemvGroup("q8_K", 1, "swiglu", residual=True), rows(256), rows(256), w[0], rows(20),
                     group="int8", calls=DECODE),
         ]
     return cases

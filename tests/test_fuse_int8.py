@@ -21,38 +21,47 @@ E, F = 64, 96
 
 @dataclass(frozen=True)
 class Kernels:
-    """A target whose 8-bit kernels take the Q8_0 matrices of the given widths."""
+    """A target whose 8-bit kernels take the matrices of one type and the given widths."""
 
     widths: frozenset[int] = frozenset({E, F})
     max_group: int = 3
+    qtype: str = "Q8_0"
+    decode_only: bool = False  # GEMVs but no prompt GEMM
 
     def supports(self, qtype: str, n: int, k: int) -> bool:
-        return qtype == "Q8_0" and k in self.widths
+        return qtype == self.qtype and k in self.widths
+
+    def supports_prompt(self, qtype: str, n: int, k: int) -> bool:
+        return self.supports(qtype, n, k) and not self.decode_only
 
 
-def _block(extra_reader: bool = False) -> Graph:
+
+KQ_E, KQ_F = 256, 512  # a K-quant block's widths: whole 256-value super-blocks
+
+
+def _block(extra_reader: bool = False, qtype: str = "Q8_0", scheme: str = "q8_0", e: int = E, f: int = F) -> Graph:
     """One decoder block's matmuls as `quantize_activations` leaves them: an RMSNorm read by q/k/v,
     the output projection into a residual add, SwiGLU's gate/up and the down projection."""
     b = GraphBuilder()
-    x = b.input("x", ("T", E), "float32")
+    x = b.input("x", ("T", e), "float32")
 
     def w(name: str, n: int, k: int) -> object:
-        return b.param(name, (n, k), "Q8_0")
+        return b.param(name, (n, k), qtype)
 
     def rounded_matmuls(v: object, weights: list[object], name: str) -> list[object]:
-        q = b.emit("quantize_act", [v], O.QuantizeAct("q8_0"), f"{name}.q")
+        q = b.emit("quantize_act", [v], O.QuantizeAct(scheme), f"{name}.q")
         return [b.emit("matmul", [q, wt], O.NoAttrs(), f"{name}{i}") for i, wt in enumerate(weights)]
 
-    h = b.emit("rms_norm", [x, b.param("attn_norm", (E,), "F32")], O.RMSNorm(1e-5), "attn_norm")
-    q, k, v = rounded_matmuls(h, [w("wq", E, E), w("wk", 32, E), w("wv", 32, E)], "qkv")
+    h = b.emit("rms_norm", [x, b.param("attn_norm", (e,), "F32")], O.RMSNorm(1e-5), "attn_norm")
+    q, k, v = rounded_matmuls(h, [w("wq", e, e), w("wk", e // 2, e), w("wv", e // 2, e)], "qkv")
     kv = b.emit("concat", [k, v], O.Concat(1), "kv")
     mixed = b.add(q, kv, "mixed")
-    (o,) = rounded_matmuls(mixed, [w("wo", E, E)], "wo")
+    (o,) = rounded_matmuls(mixed, [w("wo", e, e)], "wo")
     x2 = b.add(o, x, "ffn_inp")
-    h2 = b.emit("rms_norm", [x2, b.param("ffn_norm", (E,), "F32")], O.RMSNorm(1e-5), "ffn_norm")
-    gate, up = rounded_matmuls(h2, [w("wg", F, E), w("wu", F, E)], "gu")
+    h2 = b.emit("rms_norm", [x2, b.param("ffn_norm", (e,), "F32")], O.RMSNorm(1e-5), "ffn_norm")
+    gate, up = rounded_matmuls(h2, [w("wg", f, e), w("wu", f, e)], "gu")
     act = b.emit("swiglu", [gate, up], O.NoAttrs(), "act")
-    (down,) = rounded_matmuls(act, [w("wd", E, F)], "down")
+    (down,) = rounded_matmuls(act, [w("wd", e, f)], "down")
     out = b.add(down, x2, "l_out")
     outputs = [out, h2] if extra_reader else [out]
     return b.finish(outputs, {})
@@ -136,3 +145,29 @@ def test_each_rule_switches_off(off: str) -> None:
         assert not any(g.prologue for g in groups) and _ops(graph).count("rms_norm") == 2
     else:
         assert not any(g.residual for g in groups)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
+def test_kquant_block_takes_the_same_rules_with_q8_K_rounding(qtype: str) -> None:
+    """K-quant weights read q8_K activations (256-value blocks): the same four decode kernels, and
+    the fused graph computes what the spelled one does, at one token and for a prompt."""
+    spelled = _block(qtype=qtype, scheme="q8_K", e=KQ_E, f=KQ_F)
+    kernels = Kernels(widths=frozenset({KQ_E, KQ_F}), qtype=qtype)
+    graph, hits = _fused(spelled, one_token=True, kernels=kernels)
+    groups = [n.attrs for n in graph.nodes if n.op == "int8_gemv_group"]
+    assert [(g.scheme, g.n_weights, g.prologue, g.residual) for g in groups] == [
+        ("q8_K", 3, "rms_norm", False), ("q8_K", 1, "", True), ("q8_K", 2, "rms_norm", False),
+        ("q8_K", 1, "swiglu", True)]
+    weights = _weights(spelled)
+    for one_token in (True, False):
+        fused, _ = _fused(spelled, one_token, kernels=kernels)
+        x = np.random.default_rng(2).standard_normal((1 if one_token else 3, KQ_E))
+        for got, want in zip(_run(fused, weights, x), _run(spelled, weights, x), strict=True):
+            np.testing.assert_array_equal(got, want)
+
+
+def test_a_type_without_a_prompt_gemm_keeps_the_float_matmul_in_prompts() -> None:
+    graph, hits = _fused(_block(), one_token=False, kernels=Kernels(decode_only=True))
+    assert hits["fuse_int8_matmul"] == 0 and _ops(graph).count("matmul") == 7
+    _, decode_hits = _fused(_block(), one_token=True, kernels=Kernels(decode_only=True))
+    assert decode_hits["group_int8_gemvs"] == 4

@@ -59,6 +59,65 @@ def test_int8_matmul_is_llama_cpp_bit_for_bit(qtype: str, n: int, k: int, t: int
     np.testing.assert_array_equal(y, G.matmul_q(qtype, raw, n, k, x))
 
 
+def _k_blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Random GGUF K-quant blocks (every code and scale pattern) with f16 scales of a real
+    model's size."""
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+    raw = rng.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
+    d = rng.uniform(1e-4, 2e-3, size=(n, k // block, 2)).astype(np.float16).view(np.uint8)
+    if qtype == "Q6_K":
+        raw[..., 208:210] = d[..., 0:2]
+    else:
+        raw[..., 0:4] = d
+    return raw.reshape(n, -1)
+
+
+@needs_int8_dot
+@pytest.mark.parametrize("qtype", sorted(Q8.KQUANT_GEMV_TYPES))
+@pytest.mark.parametrize(("n", "k", "t"), [(4, 256, 1), (12, 768, 1), (8, 512, 6), (4, 256, 9)])
+def test_kquant_int8_matmul_is_llama_cpp_bit_for_bit(qtype: str, n: int, k: int, t: int) -> None:
+    """q8_K activations, integer sub-block sums and llama.cpp's float steps (ggml_vec_dot_*_K_q8_K,
+    AVX2): one token is the decode GEMV; 6 and 9 tokens the prompt GEMM's 4-token tiles and tail.
+    The activations have a zero super-block, an outlier and a magnitude tie of opposite signs (the
+    first one sets the scale)."""
+    rng = np.random.default_rng(n * k + t)
+    raw = _k_blocks(qtype, n, k, rng)
+    arrays = Q.repack(qtype, raw, (n, k))
+    x = (rng.standard_normal((t, k)) * rng.uniform(0.01, 10, (t, 1))).astype(np.float32)
+    x[0, :256] = 0
+    x[-1, 300 % k] = 90.0
+    x[t // 2, 5], x[t // 2, 9] = -40.0, 40.0
+    y = aligned_zeros((t, n), np.float32)
+    kernel = Q8.int8_gemv(qtype, n, k, TARGET) if t == 1 else Q8.int8_gemm(qtype, n, k, TARGET)
+    _build(kernel)(to_tvm(x), *(to_tvm(arrays[f]) for f, _, _ in Q.layout_spec(qtype, (n, k))), to_tvm(y))
+    np.testing.assert_array_equal(y, G.matmul_k(qtype, raw, n, k, x))
+
+
+@needs_int8_dot
+@pytest.mark.parametrize("qtype", sorted(Q8.KQUANT_GEMV_TYPES))
+def test_kquant_gemv_groups_and_residual_are_llama_cpp_bit_for_bit(qtype: str) -> None:
+    """q/k/v-like groups (1-3 matrices of different heights, one input) and the residual
+    epilogue: each matrix's output is ggml_vec_dot's, the residual added after it."""
+    rng = np.random.default_rng(11)
+    k, heights = 512, (12, 4, 8)
+    x = (rng.standard_normal((1, k)) * 2).astype(np.float32)
+    raws = [_k_blocks(qtype, n, k, rng) for n in heights]
+    mats = [[Q.repack(qtype, raw, (n, k))[f] for f, _, _ in Q.layout_spec(qtype, (n, k))]
+            for n, raw in zip(heights, raws, strict=True)]
+    want = [G.matmul_k(qtype, raw, n, k, x) for n, raw in zip(heights, raws, strict=True)]
+    for size in (1, 2, 3):
+        ys = [aligned_zeros((1, n), np.float32) for n in heights[:size]]
+        kernel = _build(Q8.int8_gemv_group(qtype, heights[:size], k, TARGET))
+        kernel(to_tvm(x), *(to_tvm(a) for fields in mats[:size] for a in fields), *map(to_tvm, ys))
+        for got, expected in zip(ys, want, strict=False):
+            np.testing.assert_array_equal(got, expected)
+    res = rng.standard_normal((1, heights[0])).astype(np.float32)
+    y = aligned_zeros((1, heights[0]), np.float32)
+    _build(Q8.int8_gemv_group(qtype, heights[:1], k, TARGET, (), True))(to_tvm(x), *map(to_tvm, mats[0]),
+                                                                         to_tvm(res), to_tvm(y))
+    np.testing.assert_array_equal(y, res + want[0])
+
+
 @pytest.mark.parametrize(("t", "pos"), [(1, 0), (1, 37), (5, 0), (7, 20)])
 @pytest.mark.parametrize("dim", [32, 64])
 def test_attention_is_llama_cpp_bit_for_bit(t: int, pos: int, dim: int) -> None:

@@ -1,0 +1,185 @@
+"""K-quant matmuls: the float kernels (a `quantize_act` q8_K kernel, then codegen/quant.py's float
+matmul) against the 8-bit integer kernels (codegen/kquant_int8.py), in one run.
+
+    TVM_NUM_THREADS=2 python benchmarks/kquant_int8.py [--rounds 7] [--types Q4_K,Q6_K]
+                                                       [--model ../shared/golden/fixtures/llama-dense-Q4_K_M.gguf]
+
+* GEMV (decode) on realistic matrices (1536 x 6144 and 6144 x 1536): `cold` cycles through enough
+  copies of the weight to exceed the last-level cache (every call streams its weight from DRAM, as
+  a model bigger than the cache does), `hot` repeats one copy (in cache);
+* GEMM (prompt, T tokens) on the same matrices, in cache;
+* the decode step of a compiled model (`--model`), the old artifact compiled with the K-quant
+  integer kernels switched off;
+* a stream-read reference from the same run (bench_cpu.stream_bandwidth): the cold GEMVs' weight
+  bytes per second as a fraction of it.
+
+Old and new are interleaved round by round (the machine is shared); medians are reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import tvm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_cpu import stream_bandwidth  # noqa: E402
+from quant_kernels import make_raw  # noqa: E402
+
+from ggufc.codegen import kquant_int8 as KQ  # noqa: E402
+from ggufc.codegen import quant as Q  # noqa: E402
+from ggufc.codegen import quant_int8 as Q8  # noqa: E402
+from ggufc.codegen.target import cpu_target  # noqa: E402
+from ggufc.codegen.tvm_util import aligned_zeros, to_tvm  # noqa: E402
+
+SHAPES = [(1536, 6144), (6144, 1536)]
+LLC_BYTES = 300 << 20  # this machine's L3: cold copies must exceed it
+
+
+def _build(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> tvm.runtime.Function:
+    return tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=target)["main"]
+
+
+class MatrixCase:
+    """One weight shape: old and new kernels over `copies` copies of the weight."""
+
+    def __init__(self, qtype: str, n: int, k: int, t: int, target: tvm.target.Target, rng: np.random.Generator) -> None:
+        self.qtype, self.n, self.k, self.t = qtype, n, k, t
+        raw = make_raw(qtype, (n, k), rng)
+        arrays = Q.repack(qtype, raw, (n, k))
+        self.nbytes = sum(a.nbytes for a in arrays.values())
+        self.copies = max(2, -(-2 * LLC_BYTES // self.nbytes))
+        fields = [f for f, _, _ in Q.layout_spec(qtype, (n, k))]
+        self.weights = [[to_tvm(arrays[f].copy()) for f in fields] for _ in range(self.copies)]
+        self.x1 = to_tvm(rng.standard_normal((1, k)).astype(np.float32))
+        self.xt = to_tvm(rng.standard_normal((t, k)).astype(np.float32))
+        self.xq1, self.xqt = to_tvm(aligned_zeros((1, k), np.float32)), to_tvm(aligned_zeros((t, k), np.float32))
+        self.y1, self.yt = to_tvm(aligned_zeros((1, n), np.float32)), to_tvm(aligned_zeros((t, n), np.float32))
+        quantize1, quantize_t = (_build(Q8.quantize_act((rows, k), "q8_K"), target) for rows in (1, t))
+        float_gemv, float_gemm = _build(Q.qmatmul(qtype, n, k, gemv=True), target), _build(
+            Q.qmatmul(qtype, n, k, gemv=False), target)
+        int8_gemv, int8_gemm = _build(Q8.int8_gemv(qtype, n, k, target), target), _build(
+            Q8.int8_gemm(qtype, n, k, target), target)
+
+        def old_gemv(w: list[tvm.runtime.Tensor]) -> None:
+            quantize1(self.x1, self.xq1)
+            float_gemv(self.xq1, *w, self.y1)
+
+        def old_gemm(w: list[tvm.runtime.Tensor]) -> None:
+            quantize_t(self.xt, self.xqt)
+            float_gemm(self.xqt, *w, self.yt)
+
+        self.runs: dict[str, Callable[[list[tvm.runtime.Tensor]], None]] = {
+            "old_gemv": old_gemv, "new_gemv": lambda w: int8_gemv(self.x1, *w, self.y1),
+            "old_gemm": old_gemm, "new_gemm": lambda w: int8_gemm(self.xt, *w, self.yt)}
+        self.check()
+        self.times: dict[str, list[float]] = {}
+
+    def check(self) -> None:
+        """Old and new agree (the new one's float order differs: ulps)."""
+        outs = {}
+        for name in ("old_gemv", "new_gemv"):
+            self.runs[name](self.weights[0])
+            outs[name] = self.y1.numpy().copy()
+        err = np.abs(outs["old_gemv"] - outs["new_gemv"]).max() / np.abs(outs["old_gemv"]).max()
+        assert err < 1e-4, f"{self.qtype} {self.n}x{self.k}: old and new GEMVs differ by {err:.2e}"
+
+    def round(self) -> None:
+        for mode in ("gemv", "gemm"):
+            for which in ("old", "new"):
+                run = self.runs[f"{which}_{mode}"]
+                if mode == "gemv":  # cold: one call per copy, every weight byte from DRAM
+                    t0 = time.perf_counter()
+                    for w in self.weights:
+                        run(w)
+                    self.times.setdefault(f"{which}_gemv_cold", []).append((time.perf_counter() - t0) / self.copies)
+                reps = 20 if mode == "gemv" else 3
+                run(self.weights[0])
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    run(self.weights[0])
+                self.times.setdefault(f"{which}_{mode}_hot", []).append((time.perf_counter() - t0) / reps)
+                time.sleep(0.05)
+
+
+def model_decode(model: Path, rounds: int, tokens: int, threads: int) -> dict[str, list[float]]:
+    """Seconds per decode step of `model`, old (K-quant integer kernels off) and new, interleaved."""
+    with tempfile.TemporaryDirectory(prefix="kquant-bench-") as tmp:
+        return _decode_times(model, Path(tmp), rounds, tokens, threads)
+
+
+def _decode_times(model: Path, tmp: Path, rounds: int, tokens: int, threads: int) -> dict[str, list[float]]:
+    from ggufc.driver.models import compile_gguf
+    from ggufc.runtime.session import Session
+
+    kept = KQ.KQUANT_GEMV_TYPES
+    KQ.KQUANT_GEMV_TYPES = frozenset()  # the old compile: K-quant matmuls on the float kernels
+    try:
+        compile_gguf(model, "llvm", tmp / "old", None)
+    finally:
+        KQ.KQUANT_GEMV_TYPES = kept
+    compile_gguf(model, "llvm", tmp / "new", None)
+    sessions = {name: Session(tmp / name, threads=threads) for name in ("old", "new")}
+    times: dict[str, list[float]] = {"old": [], "new": []}
+    try:
+        for _ in range(rounds):
+            for name, s in sessions.items():
+                s.reset()
+                tok = int(np.argmax(s.forward(np.arange(1, 9, dtype=np.int32))))
+                t0 = time.perf_counter()
+                for _ in range(tokens):
+                    tok = int(np.argmax(s.forward([tok])))
+                times[name].append((time.perf_counter() - t0) / tokens)
+                time.sleep(0.2)
+    finally:
+        for s in sessions.values():
+            s.close()
+    return times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--types", default="Q4_K")
+    ap.add_argument("--prefill-t", type=int, default=64)
+    ap.add_argument("--model", type=Path, default=None, help="a GGUF file whose decode step is timed")
+    ap.add_argument("--decode-tokens", type=int, default=32)
+    args = ap.parse_args()
+    target = cpu_target()
+    threads = tvm.get_global_func("runtime.NumThreads")()
+    print(f"target {target.attrs['mcpu']}, int8 dot {Q8.int8_dot_intrinsic(target)}, TVM threads {threads}", flush=True)
+    rng = np.random.default_rng(0)
+    cases = [MatrixCase(qt, n, k, args.prefill_t, target, rng) for qt in args.types.split(",") for n, k in SHAPES]
+    stream = [stream_bandwidth(threads, repeats=3)["read_gb_s"]]
+    for _ in range(args.rounds):
+        for c in cases:
+            c.round()
+        stream.append(stream_bandwidth(threads, repeats=3)["read_gb_s"])
+    read_gb_s = statistics.median(stream)
+    print(f"stream read (OpenBLAS sgemv, 256 MiB): median {read_gb_s:.1f} GB/s over {len(stream)} runs")
+    print(f"{'type':5} {'N':>5} {'K':>5} {'kernel':10} | {'old ms':>8} {'new ms':>8} {'old/new':>7} |"
+          f" {'old GB/s':>8} {'new GB/s':>8} | {'new/stream':>10}")
+    for c in cases:
+        for mode in ("gemv_cold", "gemv_hot", "gemm_hot"):
+            old, new = statistics.median(c.times[f"old_{mode}"]), statistics.median(c.times[f"new_{mode}"])
+            label = mode if mode != "gemm_hot" else f"gemm T={c.t}"
+            bw = f"{c.nbytes / old / 1e9:8.1f} {c.nbytes / new / 1e9:8.1f} | {c.nbytes / new / 1e9 / read_gb_s:10.2f}" \
+                if mode.startswith("gemv") else f"{'-':>8} {'-':>8} | {'-':>10}"
+            times = f"{old * 1e3:8.3f} {new * 1e3:8.3f} {old / new:7.2f}"
+            print(f"{c.qtype:5} {c.n:5d} {c.k:5d} {label:10} | {times} | {bw}")
+    if args.model is not None:
+        times = model_decode(args.model, args.rounds, args.decode_tokens, threads)
+        old, new = statistics.median(times["old"]), statistics.median(times["new"])
+        print(f"decode step of {args.model.name}: old {old * 1e3:.3f} ms, new {new * 1e3:.3f} ms, "
+              f"old/new {old / new:.2f} (medians of {args.rounds} x {args.decode_tokens} tokens)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""The parts the 8-bit matmul kernels share (codegen/quant_int8.py for 32-value blocks,
+codegen/kquant_int8.py for the K-quants): row grouping, the GEMV prologues and residual epilogue,
+prefetch, llama.cpp's horizontal sum, and parameter pruning."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from .cpu_vec import silu_mul8
+
+ROWS = 4  # rows per parallel task: independent accumulator chains, activation loads shared
+MAX_GROUP = 3  # matrices one grouped GEMV kernel takes
+PREFETCH_GROUPS = 4  # row groups ahead whose weight bytes are prefetched
+
+
+Stage = tuple[Callable[..., None], Callable[..., None], bool]
+
+
+def input_stage(prologue: tuple[Any, ...], k: int) -> Stage | None:
+    """(setup, block, heavy): macros computing the GEMV input xin [1, K] from (x, xw, xu) one
+    32-block at a time (setup: what every block needs first), and whether the blocks are worth
+    spreading over the thread pool (SwiGLU's exp); or None (x is the input)."""
+    kind = prologue[0] if prologue else ""
+    if not kind:
+        return None
+    eps = float(prologue[1]) if kind == "rms_norm" else 0.0
+
+    @T.macro
+    def setup(x, rstd):  # type: ignore[no-untyped-def]
+        if kind == "rms_norm":  # the rms_norm kernel's steps: squares summed in float64
+            acc = T.alloc_buffer((1,), "float64")
+            acc[0] = T.float64(0)
+            for i in range(k):
+                acc[0] = acc[0] + T.Cast("float64", x[0, i] * x[0, i])
+            rstd[0] = T.float32(1) / T.sqrt(T.Cast("float32", acc[0] / T.float64(k)) + T.float32(eps))
+
+    @T.macro
+    def block(x, xw, xu, xin, rstd, b):  # type: ignore[no-untyped-def]
+        if kind == "rms_norm":
+            for i in range(32):
+                xin[0, b * 32 + i] = x[0, b * 32 + i] * rstd[0] * xw[b * 32 + i]
+        else:  # swiglu, as llama.cpp's ggml_vec_swiglu_f32: gate / (1 + exp(-gate)) * up
+            for c in range(4):
+                xin[0, b * 32 + c * 8:b * 32 + c * 8 + 8] = silu_mul8(x.vload([0, b * 32 + c * 8], "float32x8"),
+                                                                      xu.vload([0, b * 32 + c * 8], "float32x8"))
+
+    return setup, block, kind == "swiglu"
+
+
+def slots(ns: tuple[int, ...]) -> tuple[list[int], list[int]]:
+    """Row counts of the three slots (unused ones get a placeholder size) and their row-group counts."""
+    padded = [*ns, *([ROWS] * (MAX_GROUP - len(ns)))]
+    return padded, [n // ROWS for n in padded]
+
+
+def fma8(a: tirx.PrimExpr, b: tirx.PrimExpr, c: tirx.PrimExpr) -> tirx.PrimExpr:
+    return T.call_llvm_pure_intrin("float32x8", "llvm.fma.v8f32", a, b, c)
+
+
+def residual_adder(residual: bool) -> Callable[..., None]:
+    """The epilogue y += res (serial: one add per output row, after the parallel loop), or nothing."""
+
+    @T.macro
+    def add_residual(res, y, n):  # type: ignore[no-untyped-def]
+        if residual:
+            for j in range(n):
+                y[0, j] = res[0, j] + y[0, j]
+
+    return add_residual
+
+
+def prefetch(flat: tirx.Buffer, index: tirx.PrimExpr) -> tirx.PrimExpr:
+    """Ask for the cache line holding flat[index] (read, keep in all levels): the row groups a
+    task reads next, so the stream from L3/DRAM overlaps the arithmetic (~1.7x here)."""
+    return T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(flat[index]), T.int32(0), T.int32(3),
+                              T.int32(1))
+
+
+def hsum8(acc: tirx.Buffer, r: tirx.PrimExpr) -> tirx.PrimExpr:
+    """The 8 lanes of acc[r] summed as llama.cpp's hsum_float_8: ((0+4) + (2+6)) + ((1+5) + (3+7))."""
+    return ((acc[r, 0] + acc[r, 4]) + (acc[r, 2] + acc[r, 6])) + ((acc[r, 1] + acc[r, 5]) + (acc[r, 3] + acc[r, 7]))
+
+
+def without_params(func: tirx.PrimFunc, names: set[str]) -> tirx.PrimFunc:
+    """`func` minus unused buffer parameters (one TVMScript body serves several signatures)."""
+    keep = [p for p in func.params if p.name not in names]
+    return tirx.PrimFunc(keep, func.body, func.ret_type, func.attrs)

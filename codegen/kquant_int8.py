@@ -1,0 +1,431 @@
+"""8-bit integer matmuls for the K-quants (Q4_K, Q5_K, Q6_K) on the CPU (VNNI), in llama.cpp's order.
+
+The activations are rounded to q8_K blocks (256 values, as `quantize_row_q8_K`: the value of
+largest magnitude, the first one on ties, sets iscale = -127 / max; codes min(127, rint(iscale x)),
+d = 1 / iscale in f32), weight codes times activation codes summed in pairs (`vpmaddubsw`, u8 x s8
+-> i16) and the pairs times their sub-block scales in `vpdpwssd` (i16 x i16 -> i32, two pairs per
+lane: llama.cpp's maddubs/madd products, the add fused), and the scales applied as llama.cpp's x86
+AVX2 dot products do (ggml_vec_dot_q{4,5,6}_K_q8_K). Per 256-value super-block i of a row, with
+lane j holding values 4j..4j+3 of each 32-value run:
+
+    Q4_K, Q5_K  sumi_j = sum_s sc_s (q . a)_{s,j}            integers, exact in any order
+                acc_j  = fma(d_a d_w, float(sumi_j), acc_j)
+                min term: prod_p = mn_{2p} A_{2p} + mn_{2p+1} A_{2p+1} (A_s: the code sum of
+                sub-block s), Q4_K: m_p = fma(-d_a dmin_w, float(prod_p), m_p) in four lanes;
+                Q5_K: one scalar m = m + (-d_a dmin_w) * float(sum_p prod_p)
+    Q6_K        sumi_j = sum_s sc_s ((q . a)_{s,j} - 32 (sum a)_{s,j}), q the unsigned 6-bit code
+                acc_j  = fma(d_a d_w, float(sumi_j), acc_j)
+
+then y = hsum_float_8(acc) (+ (m_0 + m_2) + (m_1 + m_3) for Q4_K, + m for Q5_K). The layouts are
+codegen/quant.py's: Q4_K's 32 bytes of a 64-value group hold sub-block 2g in their low nibbles
+and 2g+1 in their high ones, so one load gives 64 codes in value order; Q6_K's 128-value half
+takes two 32-byte runs of low nibbles and one of high bit pairs.
+
+A decode step runs GEMVs (up to MAX_GROUP matrices of one input, with an RMSNorm or SwiGLU
+prologue and a residual epilogue, as quant_int8's); a prompt runs the same per-token arithmetic
+as a GEMM, each task taking a group of rows through every token, GEMM_TOKENS at a time (whether
+a type's prompts use it is Int8Kernels.supports_prompt's to say). The super-block loop stays
+rolled: unrolled, LLVM schedules all its products first and spills them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from . import int8_parts as P
+from .quant import layout_spec
+
+KQUANT_GEMV_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K"})  # the weights with integer kernels here
+SUPER = 256  # values per super-block (and per q8_K activation block)
+FIELDS = 6  # weight fields per matrix slot of the grouped kernel (Q5_K has the most)
+GEMM_TOKENS = 4  # tokens a prompt GEMM's row group takes per pass over its weight codes
+
+
+def kquant_supported(qtype: str, n: int, k: int) -> bool:
+    return qtype in KQUANT_GEMV_TYPES and n % P.ROWS == 0 and k % SUPER == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# q8_K activations
+
+
+def _q8k_quantize() -> Callable[..., None]:
+    """Macro: token t of x [T, K] -> codes xb[t] (int8, value order), d xd[t, K/256] (f32), the
+    code sums of each 32-value run xs[t, K/32] (int16: |sum| <= 32 * 127) and 32 times the sum of each pair of codes
+    xp[t, K/2] (int16: Q6_K's offset, as llama.cpp's maddubs(32, a))."""
+
+    @T.macro
+    def quantize(x, t, xb, xd, xs, xp, n_super):  # type: ignore[no-untyped-def]
+        for i in range(n_super):
+            part = T.alloc_buffer((8,), "float32")  # small: a stack array
+            first = T.alloc_buffer((1,), "int32")
+            scale = T.alloc_buffer((1,), "float32")
+            for lane in T.vectorized(8):
+                part[lane] = T.float32(0)
+            for c in range(32):
+                for lane in T.vectorized(8):
+                    part[lane] = T.max(part[lane], T.fabs(x[t, i * 256 + c * 8 + lane]))
+            amax = T.meta_var(T.max(T.max(T.max(part[0], part[1]), T.max(part[2], part[3])),
+                                    T.max(T.max(part[4], part[5]), T.max(part[6], part[7]))))
+            first[0] = 0
+            for j in range(256):  # backwards, so the first value of largest magnitude is the one kept
+                if T.fabs(x[t, i * 256 + 255 - j]) == amax:
+                    first[0] = 255 - j
+            scale[0] = T.if_then_else(amax > T.float32(0), T.float32(-127) / x[t, i * 256 + first[0]],
+                                      T.float32(0))
+            for c in range(32):
+                for j in T.vectorized(8):
+                    xb[t, i * 256 + c * 8 + j] = T.Cast("int8", T.min(T.nearbyint(scale[0] * x[t, i * 256 + c * 8 + j]),
+                                                                      T.float32(127)))
+            xd[t, i] = T.if_then_else(amax > T.float32(0), T.float32(1) / scale[0], T.float32(0))
+        for q in range(n_super * 128):
+            xp[t, q] = T.Cast("int16", 32 * (T.Cast("int32", xb[t, q * 2]) + T.Cast("int32", xb[t, q * 2 + 1])))
+        for b in range(n_super * 8):
+            total = T.alloc_buffer((1,), "int32")
+            total[0] = 0
+            for j in range(32):
+                total[0] = total[0] + T.Cast("int32", xb[t, b * 32 + j])
+            xs[t, b] = T.Cast("int16", total[0])
+
+    return quantize
+
+
+# ---------------------------------------------------------------------------------------------
+# the row groups: `rows` rows of one matrix for tokens [t, t + tt)
+
+
+def _pairs(codes: tirx.PrimExpr, acts: tirx.PrimExpr) -> tirx.PrimExpr:
+    """u8 codes x s8 activations, adjacent products summed: int16x16 (vpmaddubsw; no sum of
+    these codes reaches int16's limits: 2 * 63 * 127)."""
+    return T.call_llvm_pure_intrin("int16x16", "llvm.x86.avx2.pmadd.ub.sw", T.reinterpret("int8x32", codes), acts)
+
+
+def _scaled(wide: str, acc: tirx.PrimExpr, pairs: tirx.PrimExpr, scales: tirx.PrimExpr) -> tirx.PrimExpr:
+    """acc + the int16 pair sums times their sub-block scales, adjacent pairs summed (vpdpwssd):
+    lane j gains scale (a . q over values 4j..4j+3), exactly."""
+    return T.call_llvm_pure_intrin("int32x8", wide, acc, pairs, scales)
+
+
+def _scale16(v: tirx.PrimExpr) -> tirx.PrimExpr:
+    return T.broadcast(T.Cast("int16", v), 16)
+
+
+def _fma4(a: tirx.PrimExpr, b: tirx.PrimExpr, c: tirx.PrimExpr) -> tirx.PrimExpr:
+    return T.call_llvm_pure_intrin("float32x4", "llvm.fma.v4f32", a, b, c)
+
+
+def _mask(v: tirx.PrimExpr, bits: int) -> tirx.PrimExpr:
+    return T.bitwise_and(v, T.broadcast(T.int32(bits), 8))
+
+
+def _fifth_bit(high: tirx.PrimExpr, bit: tirx.PrimExpr) -> tirx.PrimExpr:
+    """Bit `bit` of each byte of Q5_K's high bits, moved to bit 4 (the code's fifth bit)."""
+    return T.shift_left(_mask(T.shift_right(high, T.broadcast(T.Cast("int32", bit), 8)), 0x01010101),
+                        T.broadcast(T.int32(4), 8))
+
+
+def _scaled_sum(acc: tirx.Buffer, sumi: tirx.Buffer, r: tirx.PrimExpr, scale: tirx.PrimExpr) -> tirx.PrimExpr:
+    """fma(d_a d_w, float(sumi[r]), acc[r]): a super-block's integer lane sums into the float lanes."""
+    return P.fma8(T.broadcast(scale, 8), T.Cast("float32x8", sumi.vload([r, 0], "int32x8")),
+                    acc.vload([r, 0], "float32x8"))
+
+
+def _min_dot(mn: tirx.Buffer, xs: tirx.Buffer, row: tirx.PrimExpr, t: tirx.PrimExpr, i: tirx.PrimExpr) -> tirx.PrimExpr:
+    """sum_s mn_s A_s over the 8 sub-blocks of super-block i (an integer, exact)."""
+    total = T.Cast("int32", mn[row, i * 8]) * T.Cast("int32", xs[t, i * 8])
+    for s in range(1, 8):
+        total = total + T.Cast("int32", mn[row, i * 8 + s]) * T.Cast("int32", xs[t, i * 8 + s])
+    return total
+
+
+def _q45k_rows(intrin: str, five: bool, rows: int, n_super: int, tt: int,
+               prefetch_groups: int) -> Callable[..., None]:
+    """Row-group macro of Q4_K / Q5_K (fields d, dmin, sc, mn, [qh,] qs)."""
+    zero = T.broadcast(T.int32(0), 8)
+    wide = intrin.replace("vpdpbusd", "vpdpwssd")
+
+    @T.macro
+    def row_group(d, dmin, sc, mn, qh, qs, y, n, jo, t, xb, xd, xs):  # type: ignore[no-untyped-def]
+        qs_flat = T.decl_buffer((n * n_super * 128,), "uint8", data=qs.data)
+        sc_flat = T.decl_buffer((n * n_super * 8,), "uint8", data=sc.data)
+        mn_flat = T.decl_buffer((n * n_super * 8,), "uint8", data=mn.data)
+        acc = T.alloc_buffer((rows * tt, 8), "float32")  # small: stack arrays per task
+        accm = T.alloc_buffer((rows * tt, 4), "float32")
+        sumi = T.alloc_buffer((rows * tt, 8), "int32")
+        # d_a d_w and -d_a dmin_w of every super-block and token, each product rounded as
+        # llama.cpp's; the loop below broadcasts them from memory (a load, not a shuffle)
+        ds = T.alloc_buffer((rows * tt, n_super), "float32")
+        dms = T.alloc_buffer((rows * tt, n_super), "float32")
+        ahead = T.meta_var(T.min(jo + prefetch_groups, n // rows - 1))
+        for r in T.unroll(rows):
+            for u in T.unroll(tt):
+                acc[r * tt + u, 0:8] = T.broadcast(T.float32(0), 8)
+                accm[r * tt + u, 0:4] = T.broadcast(T.float32(0), 4)
+                for i in range(n_super):
+                    ds[r * tt + u, i] = xd[t + u, i] * T.Cast("float32", d[jo * rows + r, i])
+                    dms[r * tt + u, i] = -xd[t + u, i] * T.Cast("float32", dmin[jo * rows + r, i])
+        for i in range(n_super):
+            for p in T.unroll(8):
+                P.prefetch(qs_flat, ahead * rows * n_super * 128 + i * rows * 128 + p * 64)
+            P.prefetch(sc_flat, ahead * rows * n_super * 8 + i * rows * 8)
+            P.prefetch(mn_flat, ahead * rows * n_super * 8 + i * rows * 8)
+            for r in T.unroll(rows * tt):
+                sumi[r, 0:8] = zero
+            for g in range(4):  # rolled: an unrolled super-block spills its dot products
+                for r in T.unroll(rows):
+                    bits = T.meta_var(T.reinterpret("int32x8", qs.vload([jo * rows + r, i * 4 + g, 0], "uint8x32")))
+                    lo = T.meta_var(_mask(bits, 0x0F0F0F0F))
+                    hi = T.meta_var(_mask(T.shift_right(bits, T.broadcast(T.int32(4), 8)), 0x0F0F0F0F))
+                    if five:
+                        high = T.meta_var(T.reinterpret("int32x8", qh.vload([jo * rows + r, i, 0], "uint8x32")))
+                        lo5 = T.meta_var(T.bitwise_or(lo, _fifth_bit(high, 2 * g)))
+                        hi5 = T.meta_var(T.bitwise_or(hi, _fifth_bit(high, 2 * g + 1)))
+                        for u in T.unroll(tt):
+                            sumi[r * tt + u, 0:8] = _scaled(wide, _scaled(
+                                wide, sumi.vload([r * tt + u, 0], "int32x8"),
+                                _pairs(lo5, xb.vload([t + u, i * 256 + g * 64], "int8x32")),
+                                _scale16(sc[jo * rows + r, i * 8 + 2 * g])),
+                                _pairs(hi5, xb.vload([t + u, i * 256 + g * 64 + 32], "int8x32")),
+                                _scale16(sc[jo * rows + r, i * 8 + 2 * g + 1]))
+                    else:
+                        for u in T.unroll(tt):
+                            sumi[r * tt + u, 0:8] = _scaled(wide, _scaled(
+                                wide, sumi.vload([r * tt + u, 0], "int32x8"),
+                                _pairs(lo, xb.vload([t + u, i * 256 + g * 64], "int8x32")),
+                                _scale16(sc[jo * rows + r, i * 8 + 2 * g])),
+                                _pairs(hi, xb.vload([t + u, i * 256 + g * 64 + 32], "int8x32")),
+                                _scale16(sc[jo * rows + r, i * 8 + 2 * g + 1]))
+            for r in T.unroll(rows):
+                for u in T.unroll(tt):
+                    acc[r * tt + u, 0:8] = _scaled_sum(acc, sumi, r * tt + u, ds[r * tt + u, i])
+                    mins = T.meta_var(T.Cast("int16x8", mn.vload([jo * rows + r, i * 8], "uint8x8")))
+                    prod = T.meta_var(T.call_llvm_pure_intrin(  # llama.cpp's madd of the minimums and sums
+                        "int32x4", "llvm.x86.sse2.pmadd.wd", mins, xs.vload([t + u, i * 8], "int16x8")))
+                    dm = T.meta_var(dms[r * tt + u, i])
+                    if five:  # a scalar sum, one product added per super-block
+                        accm[r * tt + u, 0] = accm[r * tt + u, 0] + dm * T.Cast(
+                            "float32", _min_dot(mn, xs, jo * rows + r, t + u, i))
+                    else:
+                        accm[r * tt + u, 0:4] = _fma4(T.broadcast(dm, 4), T.Cast("float32x4", prod),
+                                                       accm.vload([r * tt + u, 0], "float32x4"))
+        for r in T.unroll(rows):
+            for u in T.unroll(tt):
+                if five:
+                    y[t + u, jo * rows + r] = P.hsum8(acc, r * tt + u) + accm[r * tt + u, 0]
+                else:
+                    y[t + u, jo * rows + r] = P.hsum8(acc, r * tt + u) + (
+                        (accm[r * tt + u, 0] + accm[r * tt + u, 2]) + (accm[r * tt + u, 1] + accm[r * tt + u, 3]))
+
+    return row_group
+
+
+def _q6k_rows(intrin: str, rows: int, n_super: int, tt: int, prefetch_groups: int) -> Callable[..., None]:
+    """Row-group macro of Q6_K (fields ql, qh, sc, d): each lane's dot product starts at -32 times
+    its activation sum, so the codes' offset costs nothing in the loop."""
+    halves = [*range(8), *range(16, 24)]
+    wide = intrin.replace("vpdpbusd", "vpdpwssd")
+
+    def scales(sc: tirx.Buffer, row: tirx.PrimExpr, s: tirx.PrimExpr) -> tirx.PrimExpr:
+        """sc[s] for values 0-15 and sc[s + 1] for 16-31 (the two 16-value sub-blocks of a run), as
+        the int16 multipliers of their pair sums."""
+        return T.Shuffle([_scale16(sc[row, s]), _scale16(sc[row, s + 1])], halves)
+
+    def code(low: tirx.PrimExpr, high: tirx.PrimExpr, c: tirx.PrimExpr) -> tirx.PrimExpr:
+        """Codes of run c (0..3) of a half: its low nibbles and bits 2c, 2c + 1 of the high pairs."""
+        nib = _mask(T.shift_right(low, T.broadcast(T.Cast("int32", 4 * (c // 2)), 8)), 0x0F0F0F0F)
+        top = _mask(T.shift_right(high, T.broadcast(T.Cast("int32", 2 * c), 8)), 0x03030303)
+        return T.bitwise_or(nib, T.shift_left(top, T.broadcast(T.int32(4), 8)))
+
+    @T.macro
+    def row_group(ql, qh, sc, d, y, n, jo, t, xb, xd, xp):  # type: ignore[no-untyped-def]
+        ql_flat = T.decl_buffer((n * n_super * 128,), "uint8", data=ql.data)
+        qh_flat = T.decl_buffer((n * n_super * 64,), "uint8", data=qh.data)
+        sc_flat = T.decl_buffer((n * n_super * 16,), "int8", data=sc.data)
+        acc = T.alloc_buffer((rows * tt, 8), "float32")  # small: stack arrays per task
+        sumi = T.alloc_buffer((rows * tt, 8), "int32")
+        ds = T.alloc_buffer((rows * tt, n_super), "float32")  # d_a d_w, as in the Q4_K macro
+        ahead = T.meta_var(T.min(jo + prefetch_groups, n // rows - 1))
+        for r in T.unroll(rows):
+            for u in T.unroll(tt):
+                acc[r * tt + u, 0:8] = T.broadcast(T.float32(0), 8)
+                for i in range(n_super):
+                    ds[r * tt + u, i] = xd[t + u, i] * T.Cast("float32", d[jo * rows + r, i])
+        for i in range(n_super):
+            for p in T.unroll(8):
+                P.prefetch(ql_flat, ahead * rows * n_super * 128 + i * rows * 128 + p * 64)
+            for p in T.unroll(4):
+                P.prefetch(qh_flat, ahead * rows * n_super * 64 + i * rows * 64 + p * 64)
+            P.prefetch(sc_flat, ahead * rows * n_super * 16 + i * rows * 16)
+            for r in T.unroll(rows * tt):
+                sumi[r, 0:8] = T.broadcast(T.int32(0), 8)
+            for a in range(2):  # rolled: an unrolled super-block spills its dot products
+                for r in T.unroll(rows):
+                    high = T.meta_var(T.reinterpret("int32x8", qh.vload([jo * rows + r, i * 2 + a, 0], "uint8x32")))
+                    for c in T.unroll(4):
+                        low = T.meta_var(T.reinterpret("int32x8", ql.vload([jo * rows + r, i * 2 + a, 32 * (c % 2)],
+                                                                           "uint8x32")))
+                        for u in T.unroll(tt):
+                            run = T.meta_var(i * 8 + a * 4 + c)  # 32-value run of the row
+                            pairs = T.meta_var(_pairs(code(low, high, c), xb.vload([t + u, run * 32], "int8x32"))
+                                               - xp.vload([t + u, run * 16], "int16x16"))
+                            sumi[r * tt + u, 0:8] = _scaled(wide, sumi.vload([r * tt + u, 0], "int32x8"), pairs,
+                                                            scales(sc, jo * rows + r, run * 2))
+            for r in T.unroll(rows):
+                for u in T.unroll(tt):
+                    acc[r * tt + u, 0:8] = _scaled_sum(acc, sumi, r * tt + u, ds[r * tt + u, i])
+        for r in T.unroll(rows):
+            for u in T.unroll(tt):
+                y[t + u, jo * rows + r] = P.hsum8(acc, r * tt + u)
+
+    return row_group
+
+
+def _row_steps(qtype: str, intrin: str, n_super: int, tt: int, prefetch_groups: int) -> Callable[..., None]:
+    """One macro `(f0..f5, y, n, jo, t, xb, xd, xs, xp)` for every K-quant: f0.. the weight's fields
+    in layout_spec order (the ones past a type's last unused)."""
+    if qtype == "Q6_K":
+        q6 = _q6k_rows(intrin, P.ROWS, n_super, tt, prefetch_groups)
+
+        @T.macro
+        def steps6(f0, f1, f2, f3, f4, f5, y, n, jo, t, xb, xd, xs, xp):  # type: ignore[no-untyped-def]
+            q6(f0, f1, f2, f3, y, n, jo, t, xb, xd, xp)
+
+        return steps6
+    five = qtype == "Q5_K"
+    q45 = _q45k_rows(intrin, five, P.ROWS, n_super, tt, prefetch_groups)
+
+    @T.macro
+    def steps45(f0, f1, f2, f3, f4, f5, y, n, jo, t, xb, xd, xs, xp):  # type: ignore[no-untyped-def]
+        if five:
+            q45(f0, f1, f2, f3, f4, f5, y, n, jo, t, xb, xd, xs)
+        else:
+            q45(f0, f1, f2, f3, f0, f4, y, n, jo, t, xb, xd, xs)
+
+    return steps45
+
+
+def _field_specs(qtype: str, n: int, k: int) -> list[tuple[tuple[int, ...], str]]:
+    """(shape, dtype) of a matrix's FIELDS parameters: its layout_spec fields, then placeholders."""
+    specs = [(tuple(shape), dtype) for _, shape, dtype in layout_spec(qtype, (n, k))]
+    return specs + [((1,), "uint8")] * (FIELDS - len(specs))
+
+
+# ---------------------------------------------------------------------------------------------
+# the kernels
+
+
+def kquant_gemv_group(qtype: str, ns: tuple[int, ...], k: int, intrin: str, prologue_spec: tuple[Any, ...],
+                      residual: bool, prefetch_groups: int, groups_per_task: int) -> tirx.PrimFunc:
+    """quant_int8.int8_gemv_group for the K-quants (which checks the arguments first)."""
+    kind = prologue_spec[0] if prologue_spec else ""
+    stage = P.input_stage(prologue_spec, k)
+    n_super, group = k // SUPER, len(ns)
+    (n1, n2, n3), (g1, g2, g3) = P.slots(ns)
+    s1, s2, s3 = (_field_specs(qtype, n, k) for n in (n1, n2, n3))
+    quantize = _q8k_quantize()
+    steps = _row_steps(qtype, intrin, n_super, 1, prefetch_groups)
+    add_residual = P.residual_adder(residual)
+    n_groups = g1 + (g2 if group >= 2 else 0) + (g3 if group >= 3 else 0)
+    split = max(1, int(groups_per_task))
+    parallel_stage = stage is not None and stage[2]
+
+    @T.macro
+    def prologue(x, xw, xu, xin):  # type: ignore[no-untyped-def]
+        if stage is not None:
+            rstd = T.alloc_buffer((1,), "float32")
+            stage[0](x, rstd)
+            if parallel_stage:
+                for b in T.parallel(k // 32):
+                    stage[1](x, xw, xu, xin, rstd, b)
+            else:
+                for b in range(k // 32):
+                    stage[1](x, xw, xu, xin, rstd, b)
+
+    @T.macro
+    def slot_group(a0, a1, a2, a3, a4, a5, b0, b1, b2, b3, b4, b5,  # type: ignore[no-untyped-def]
+                   c0, c1, c2, c3, c4, c5, y1, y2, y3, jo, xb, xd, xs, xp):
+        if jo < g1:
+            steps(a0, a1, a2, a3, a4, a5, y1, n1, jo, 0, xb, xd, xs, xp)
+        elif group >= 2 and jo < g1 + g2:
+            steps(b0, b1, b2, b3, b4, b5, y2, n2, jo - g1, 0, xb, xd, xs, xp)
+        elif group >= 3:
+            steps(c0, c1, c2, c3, c4, c5, y3, n3, jo - g1 - g2, 0, xb, xd, xs, xp)
+
+    @T.prim_func
+    def gemv(x: T.Buffer((1, k), "float32"), xw: T.Buffer((k,), "float32"), xu: T.Buffer((1, k), "float32"),  # type: ignore[valid-type]
+             a0: T.Buffer(s1[0][0], s1[0][1]), a1: T.Buffer(s1[1][0], s1[1][1]), a2: T.Buffer(s1[2][0], s1[2][1]),  # type: ignore[valid-type]
+             a3: T.Buffer(s1[3][0], s1[3][1]), a4: T.Buffer(s1[4][0], s1[4][1]), a5: T.Buffer(s1[5][0], s1[5][1]),  # type: ignore[valid-type]
+             b0: T.Buffer(s2[0][0], s2[0][1]), b1: T.Buffer(s2[1][0], s2[1][1]), b2: T.Buffer(s2[2][0], s2[2][1]),  # type: ignore[valid-type]
+             b3: T.Buffer(s2[3][0], s2[3][1]), b4: T.Buffer(s2[4][0], s2[4][1]), b5: T.Buffer(s2[5][0], s2[5][1]),  # type: ignore[valid-type]
+             c0: T.Buffer(s3[0][0], s3[0][1]), c1: T.Buffer(s3[1][0], s3[1][1]), c2: T.Buffer(s3[2][0], s3[2][1]),  # type: ignore[valid-type]
+             c3: T.Buffer(s3[3][0], s3[3][1]), c4: T.Buffer(s3[4][0], s3[4][1]), c5: T.Buffer(s3[5][0], s3[5][1]),  # type: ignore[valid-type]
+             res: T.Buffer((1, n1), "float32"),  # type: ignore[valid-type]
+             y1: T.Buffer((1, n1), "float32"), y2: T.Buffer((1, n2), "float32"), y3: T.Buffer((1, n3), "float32")):  # type: ignore[valid-type]
+        xin = T.alloc_buffer((1, k), "float32")
+        xb = T.alloc_buffer((1, k), "int8")
+        xd = T.alloc_buffer((1, n_super), "float32")
+        xs = T.alloc_buffer((1, n_super * 8), "int16")
+        xp = T.alloc_buffer((1, n_super * 128), "int16")
+        prologue(x, xw, xu, xin)
+        if stage is None:
+            quantize(x, 0, xb, xd, xs, xp, n_super)
+        else:
+            quantize(xin, 0, xb, xd, xs, xp, n_super)
+        if split == 1:
+            for jo in T.parallel(n_groups):
+                slot_group(a0, a1, a2, a3, a4, a5, b0, b1, b2, b3, b4, b5, c0, c1, c2, c3, c4, c5, y1, y2, y3, jo,
+                           xb, xd, xs, xp)
+        else:  # `split` consecutive row groups per task
+            for task in T.parallel((n_groups + split - 1) // split):
+                for part in range(split):
+                    if task * split + part < n_groups:
+                        slot_group(a0, a1, a2, a3, a4, a5, b0, b1, b2, b3, b4, b5, c0, c1, c2, c3, c4, c5,
+                                   y1, y2, y3, task * split + part, xb, xd, xs, xp)
+        add_residual(res, y1, n1)
+
+    n_fields = len(layout_spec(qtype, (ns[0], k)))
+    unused = {f"{slot}{f}" for slot in "abc" for f in range(n_fields, FIELDS)}
+    unused |= {f"{slot}{f}" for slot in "abc"[group:] for f in range(FIELDS)}
+    unused |= {f"y{slot}" for slot in range(group + 1, P.MAX_GROUP + 1)}
+    unused |= {"xw"} if kind != "rms_norm" else set()
+    unused |= {"xu"} if kind != "swiglu" else set()
+    unused |= {"res"} if not residual else set()
+    return P.without_params(gemv, unused)
+
+
+def kquant_gemm(qtype: str, n: int, k: int, intrin: str, tokens: int = GEMM_TOKENS) -> tirx.PrimFunc:
+    """quant_int8.int8_gemm for the K-quants: tokens quantised in parallel, then each task takes
+    a group of rows through every token, GEMM_TOKENS tokens per pass over their codes."""
+    n_super, rows = k // SUPER, P.ROWS
+    N, K = T.int64(n), T.int64(k)
+    specs = _field_specs(qtype, n, k)
+    quantize = _q8k_quantize()
+    one = _row_steps(qtype, intrin, n_super, 1, P.PREFETCH_GROUPS)
+    tile = _row_steps(qtype, intrin, n_super, tokens, P.PREFETCH_GROUPS)
+
+    @T.prim_func(private=True)
+    def gemm(x_h: T.handle, f0: T.Buffer(specs[0][0], specs[0][1]), f1: T.Buffer(specs[1][0], specs[1][1]),  # type: ignore[valid-type]
+             f2: T.Buffer(specs[2][0], specs[2][1]), f3: T.Buffer(specs[3][0], specs[3][1]),  # type: ignore[valid-type]
+             f4: T.Buffer(specs[4][0], specs[4][1]), f5: T.Buffer(specs[5][0], specs[5][1]), y_h: T.handle):  # type: ignore[valid-type]
+        T.func_attr({"tirx.noalias": True})
+        t_len = T.int64()
+        x = T.match_buffer(x_h, (t_len, K), "float32")
+        y = T.match_buffer(y_h, (t_len, N), "float32")
+        xb = T.alloc_buffer((t_len, K), "int8")
+        xd = T.alloc_buffer((t_len, n_super), "float32")
+        xs = T.alloc_buffer((t_len, n_super * 8), "int16")
+        xp = T.alloc_buffer((t_len, n_super * 128), "int16")
+        for t in T.parallel(t_len):
+            quantize(x, t, xb, xd, xs, xp, n_super)
+        for jo in T.parallel(n // rows):
+            for g in range(t_len // tokens):
+                tile(f0, f1, f2, f3, f4, f5, y, n, jo, g * tokens, xb, xd, xs, xp)
+            for t in range(t_len // tokens * tokens, t_len):
+                one(f0, f1, f2, f3, f4, f5, y, n, jo, t, xb, xd, xs, xp)
+
+    n_fields = len(layout_spec(qtype, (n, k)))
+    return P.without_params(gemm, {f"f{f}" for f in range(n_fields, FIELDS)})
