@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 import tvm
+from sparse_probes import decode_kernel_calls
 from test_codegen_ops import MAX_TOKENS
 from test_goldens import _eval
 from test_hy_v3 import interpret, nmse
@@ -294,13 +295,11 @@ def test_state_layout(golden: LoadedModel) -> None:
 def test_decode_kernel_count(golden: LoadedModel) -> None:
     """A decode step: 76 kernels fused (4 res_mix, one KDA scan, 3 convs), 116 with fuse_hc off,
     260 unfused."""
-    from test_hy_v3 import _decode_calls
-
-    fused = _decode_calls(golden, True)
+    fused = decode_kernel_calls(golden, True)
     assert sum(fused.values()) == 76
     assert (fused["res_mix"], fused["gated_delta_net"], fused["ssm_conv"], fused["experts"]) == (4, 1, 3, 3)
-    assert sum(_decode_calls(golden, True, frozenset({"fuse_hc"})).values()) == 116
-    assert sum(_decode_calls(golden, False).values()) == 260
+    assert sum(decode_kernel_calls(golden, True, frozenset({"fuse_hc"})).values()) == 116
+    assert sum(decode_kernel_calls(golden, False).values()) == 260
 
 
 # ---------------------------------------------------------------------------------------------
