@@ -22,8 +22,12 @@ $(VENV)/.installed: pyproject.toml
 run: setup
 	ggufc run --prompt "$(PROMPT)" -n 48
 
+# Test modules are spread over one worker per CPU (at most 4: each holds TVM and compiled models);
+# a module stays on one worker, so its module-scoped compiles happen once.
+TEST_JOBS ?= $(shell $(BOOT_PYTHON) -c "import os; print(min(4, len(os.sched_getaffinity(0))))")
+
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile
 
 test-slow: setup
 	$(PY) -m pytest -q -m slow; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]

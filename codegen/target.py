@@ -14,6 +14,8 @@ from typing import Any
 
 import tvm
 
+from ggufc.runtime.artifact import features_missing_here
+
 
 def host_cpu_name() -> str:
     """LLVM's name for the CPU we run on (e.g. 'znver3', 'emeraldrapids')."""
@@ -30,7 +32,11 @@ def cpu_target(num_cores: int | None = None) -> tvm.target.Target:
     """LLVM target for this machine's CPU; `num_cores` defaults to the CPUs we may run on."""
     if num_cores is None:
         num_cores = PROCESS_CPUS
-    return tvm.target.Target({"kind": "llvm", "mcpu": host_cpu_name(), "num-cores": int(num_cores)})
+    spec: dict[str, object] = {"kind": "llvm", "mcpu": host_cpu_name(), "num-cores": int(num_cores)}
+    hidden = features_missing_here(spec)  # e.g. AMX a hypervisor hides: never generate code for it
+    if hidden:
+        spec["mattr"] = [f"-{f}" for f in hidden]
+    return tvm.target.Target(spec)
 
 
 def resolve_target(target: str | dict | tvm.target.Target) -> tvm.target.Target:

@@ -100,7 +100,7 @@ def _manifest(model: LoadedModel, built: Built, tokenizer: dict[str, Any], weigh
         "hparams": _jsonable(model.hparams),
         **layout,
         "states": with_state_kinds(layout["states"], built),
-        "target": _jsonable(_plain_target(target)),
+        "target": _jsonable(plain_target(target)),
         "target_key": target_key(built.target),
         "functions": {name: {"tokens": 1 if name == "decode" else "T"} for name in built.functions},
         "tokenizer": tokenizer,
@@ -131,10 +131,18 @@ def gpu_manifest(built: Built) -> dict[str, Any]:
     return {"kernel_files": exe.kernel_files, "gpu": exe.manifest}
 
 
-def _plain_target(target: dict[str, Any]) -> dict[str, Any]:
+def plain_target(target: dict[str, Any]) -> dict[str, Any]:
     """The target as JSON: keep the fields that identify the code (kind, mcpu, mtriple, cores)."""
     keep = ("kind", "mcpu", "mtriple", "num-cores", "mattr", "arch")
-    return {k: (str(v) if not isinstance(v, (int, float, list)) else v) for k, v in target.items() if k in keep}
+    return {k: _plain_value(v) for k, v in target.items() if k in keep}
+
+
+def _plain_value(value: Any) -> Any:
+    if isinstance(value, (int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)) or type(value).__name__ == "Array":  # TVM's Array of strings
+        return [str(v) for v in value]
+    return str(value)
 
 
 def dumps(manifest: dict[str, Any]) -> str:

@@ -8,13 +8,16 @@ argument errors answer without loading TVM.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import importlib.util
 import json
 import os
 import sys
 import tarfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -260,9 +263,28 @@ def compiled_session(model: ModelInput) -> Any:
 
     model.gguf()
     out = cached_artifact_dir(model.path, model.target, model.n_ctx)
-    progress(f"compiling {model.path.name} for {model.target} (first use; cached in {out})")
-    compile_gguf(model.path, model.target, out, model.n_ctx)
+    with compile_lock(out):  # another process compiling the same entry: wait for it, then use its result
+        session = existing_session(model)
+        if session is not None:
+            return session
+        progress(f"compiling {model.path.name} for {model.target} (first use; cached in {out})")
+        compile_gguf(model.path, model.target, out, model.n_ctx)
     return Session(out, device=device_for(model.target))
+
+
+@contextlib.contextmanager
+def compile_lock(out: Path) -> Iterator[None]:
+    """Hold an exclusive lock on a cache entry while it is compiled, so two processes asking for the
+    same model compile it once (the second waits, then loads the first's artifact)."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(out.parent / f".{out.name}.lock", "a+b")  # noqa: SIM115 - held across the yield
+    except OSError:  # an unwritable cache: the compile itself reports it in one line
+        yield
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def device_for(target: str) -> str:

@@ -785,10 +785,7 @@ def _check_llvm_target_runs_here(target: dict[str, Any], where: str) -> None:
         target_machine = _normalise_machine(triple.split("-", 1)[0])
         if target_machine != host.machine:
             raise ArtifactError(f"{where}: compiled for {target_machine}, this machine is {host.machine}")
-    needed = _llvm_target_features(target, host.machine)
-    if needed is None or host.flags is None:
-        return  # cannot tell without LLVM or /proc/cpuinfo; the kernels may still run
-    missing = [f for f in needed if _normalise_flag(_CPUINFO_ALIASES.get(f, f)) not in host.flags]
+    missing = features_missing_here(target)
     if missing:
         raise ArtifactError(
             f"{where}: compiled for CPU '{target.get('mcpu', '?')}', whose {', '.join(missing)} "
@@ -796,16 +793,30 @@ def _check_llvm_target_runs_here(target: dict[str, Any], where: str) -> None:
         )
 
 
+def features_missing_here(target: dict[str, Any]) -> list[str]:
+    """The checked ISA extensions an LLVM target (same machine kind) needs that this CPU does not
+    list in /proc/cpuinfo. A CPU model can lack what its name implies: a hypervisor may hide AMX
+    from a guest whose CPU LLVM still calls 'emeraldrapids'. Empty when it cannot tell (no LLVM,
+    no /proc/cpuinfo): the kernels may still run."""
+    host = host_features()
+    needed = _llvm_target_features(target, host.machine)
+    if needed is None or host.flags is None:
+        return []
+    return [f for f in needed if _normalise_flag(_CPUINFO_ALIASES.get(f, f)) not in host.flags]
+
+
 def _llvm_target_features(target: dict[str, Any], machine: str) -> list[str] | None:
     """The checked ISA extensions an LLVM target needs, or None when LLVM is unavailable."""
     checked = _CHECKED_FEATURES.get(machine, [])
-    wanted = {a[1:] for a in _as_list(target.get("mattr")) if a.startswith("+")}
+    attrs = _as_list(target.get("mattr"))
+    wanted = {a[1:] for a in attrs if a.startswith("+")}
     mcpu = target.get("mcpu")
     if mcpu and mcpu != "generic":
         implied = _llvm_cpu_features(str(mcpu), str(target.get("mtriple", "")))
         if implied is None:
             return None
         wanted |= implied
+    wanted -= {a[1:] for a in attrs if a.startswith("-")}  # switched off explicitly
     return [f for f in checked if f in wanted]
 
 

@@ -14,6 +14,7 @@ from artifact_edits import write_manifest
 from safetensors.numpy import save_file
 
 from ggufc import __version__
+from ggufc.driver.compile import plain_target
 from ggufc.runtime import artifact as A
 from ggufc.runtime.artifact import ArtifactError, finalize_artifact, load_manifest, read_weights
 
@@ -192,9 +193,30 @@ def test_missing_cpu_features_refused(artifact: Path, monkeypatch: pytest.Monkey
 
 def test_host_cpu_target_accepted(artifact: Path) -> None:
     tvm = pytest.importorskip("tvm")
-    host_cpu = str(tvm.target.codegen.llvm_get_system_cpu())
-    edit_manifest(artifact, target={"kind": "llvm", "mcpu": host_cpu, "num-cores": 2})
+    from ggufc.codegen.target import cpu_target
+
+    edit_manifest(artifact, target=plain_target(dict(cpu_target(2).export())))
     load_manifest(artifact, target_key="llvm")
+    host_cpu = str(tvm.target.codegen.llvm_get_system_cpu())
+    hidden = A.features_missing_here({"kind": "llvm", "mcpu": host_cpu})
+    if hidden:  # a CPU whose model name implies more than it has (a hypervisor hiding AMX): refused
+        edit_manifest(artifact, target={"kind": "llvm", "mcpu": host_cpu, "num-cores": 2})
+        refused(artifact, f"whose {hidden[0]}.* this CPU lacks")
+
+
+def test_target_switches_off_what_the_cpu_lacks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU that LLVM names 'skylake-avx512' but whose /proc/cpuinfo hides AVX-512 (as hypervisors
+    hide AMX): the compiler's host target switches those features off, and the check accepts it."""
+    pytest.importorskip("tvm")
+    from ggufc.codegen import target as T
+
+    flags = frozenset("sse3 ssse3 sse41 sse42 avx avx2 fma f16c bmi1 bmi2".split())
+    monkeypatch.setattr(T, "host_cpu_name", lambda: "skylake-avx512")
+    monkeypatch.setattr(A, "host_features", lambda: A.HostFeatures("x86_64", flags))
+    spec = dict(T.cpu_target(2).export())
+    assert {"-avx512f", "-avx512bw", "-avx512vl"} <= set(map(str, spec["mattr"]))
+    assert A.features_missing_here(plain_target(spec)) == []
+    assert "avx512f" in A.features_missing_here({"kind": "llvm", "mcpu": "skylake-avx512"})
 
 
 def test_garbled_manifest_refused(artifact: Path) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-import ggufc
+from ggufc.driver.models import cached_artifact_dir, compiled_session, existing_session, resolve_model
 from ggufc.runtime import Session
 
 GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
@@ -61,21 +61,27 @@ def sparse_copy(tmp: Path, name: str) -> Path:
 
 
 class CompiledOnce(dict[str, Path]):
-    """Fixture name -> artifact, compiled on first use (a -k selection compiles only its own)."""
+    """Fixture name -> artifact, compiled on first use (a -k selection compiles only its own) into
+    the run's compile cache, where other modules' compiles of the same fixture are reused."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, cache: Path) -> None:
         super().__init__()
         self.root = root
+        self.cache = cache
 
     def __missing__(self, name: str) -> Path:
         gguf = sparse_copy(self.root, name) if name in SPARSE else GOLDEN / "fixtures" / f"{name}.gguf"
-        self[name] = ggufc.compile(gguf, self.root / name)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("GGUFC_CACHE", str(self.cache))
+            model = resolve_model(str(gguf))
+            (existing_session(model) or compiled_session(model)).close()
+            self[name] = cached_artifact_dir(model.path, model.target, model.n_ctx)
         return self[name]
 
 
 @pytest.fixture(scope="module")
-def artifacts(tmp_path_factory: pytest.TempPathFactory) -> CompiledOnce:
-    return CompiledOnce(tmp_path_factory.mktemp("truncate"))
+def artifacts(tmp_path_factory: pytest.TempPathFactory, compile_cache: Path) -> CompiledOnce:
+    return CompiledOnce(tmp_path_factory.mktemp("truncate"), compile_cache)
 
 
 @dataclass

@@ -79,14 +79,9 @@ def sparse_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("ggufc-cache")
-
-
-def _eval(path: Path, tokens: np.ndarray, chunk: int | None, tmp: Path, cache: Path,
+def _eval(path: Path, tokens: np.ndarray, chunk: int | None, tmp: Path, compile_cache: Path,
           monkeypatch: pytest.MonkeyPatch) -> np.ndarray:
-    monkeypatch.setenv("GGUFC_CACHE", str(cache))
+    monkeypatch.setenv("GGUFC_CACHE", str(compile_cache))
     np.save(tmp / "tokens.npy", tokens.astype(np.int32))
     argv = ["eval", str(path), "--tokens", str(tmp / "tokens.npy"), "--out", str(tmp / "logits.npy")]
     assert main(argv + ([] if chunk is None else ["--chunk", str(chunk)])) == 0
@@ -95,11 +90,11 @@ def _eval(path: Path, tokens: np.ndarray, chunk: int | None, tmp: Path, cache: P
 
 @needs_golden
 @pytest.mark.parametrize("chunk", list(MODES))
-def test_dense_golden_through_eval(chunk: int | None, tmp_path: Path, cache: Path,
+def test_dense_golden_through_eval(chunk: int | None, tmp_path: Path, compile_cache: Path,
                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Measured 3.74e-7 (prefill, chunks of 7) and 3.60e-7 (decode)."""
     golden = np.load(GOLDEN / "logits" / "deepseek4-moe-F16.npz")
-    logits = _eval(DENSE, golden["tokens"], chunk, tmp_path, cache, monkeypatch)
+    logits = _eval(DENSE, golden["tokens"], chunk, tmp_path, compile_cache, monkeypatch)
     assert logits.shape == golden[MODES[chunk]].shape and logits.dtype == np.float32
     assert nmse(logits, golden[MODES[chunk]]) < 1e-6
 
@@ -107,11 +102,11 @@ def test_dense_golden_through_eval(chunk: int | None, tmp_path: Path, cache: Pat
 @needs_golden
 @pytest.mark.slow
 @pytest.mark.parametrize("chunk", list(MODES))
-def test_sparse_golden_through_eval(chunk: int | None, sparse_path: Path, tmp_path: Path, cache: Path,
+def test_sparse_golden_through_eval(chunk: int | None, sparse_path: Path, tmp_path: Path, compile_cache: Path,
                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """Measured 3.81e-7 (prefill, chunks of 7) and 3.66e-7 (decode); sparse vs dense goldens: 2.4e-3."""
     golden = np.load(GOLDEN / "logits" / "deepseek4-moe-F16-sparse.npz")
-    logits = _eval(sparse_path, golden["tokens"], chunk, tmp_path, cache, monkeypatch)
+    logits = _eval(sparse_path, golden["tokens"], chunk, tmp_path, compile_cache, monkeypatch)
     assert nmse(logits, golden[MODES[chunk]]) < 1e-6
     assert nmse(logits, golden[MODES[chunk]]) * 100 < nmse(logits, np.load(
         GOLDEN / "logits" / "deepseek4-moe-F16.npz")[MODES[chunk]])

@@ -126,20 +126,15 @@ def test_interpreter_matches_llama_cpp(golden_models: dict[str, LoadedModel], na
     assert nmse(logits, gold[MODES[chunk]]) < 1e-8
 
 
-@pytest.fixture(scope="module")
-def eval_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("ggufc-cache")
-
-
 @needs_golden
 @pytest.mark.parametrize("chunk", list(MODES))
 @pytest.mark.parametrize("name", DENSE)
 def test_compiled_sparse_matches_llama_cpp_sparse(golden_paths: dict[str, Path], name: str, chunk: int,
-                                                  tmp_path: Path, eval_cache: Path,
+                                                  tmp_path: Path, compile_cache: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """`ggufc eval` on the top_k 8 variant: within 1e-6 of llama.cpp's sparse logits and >= 10x
     closer to them than llama.cpp's dense logits are (measured ~1e-9..4e-9 against a 3.5e-3 gap)."""
-    monkeypatch.setenv("GGUFC_CACHE", str(eval_cache))
+    monkeypatch.setenv("GGUFC_CACHE", str(compile_cache))
     sparse = np.load(GOLDEN / "logits" / f"{name}-sparse.npz")
     dense = np.load(GOLDEN / "logits" / f"{name}.npz")
     tokens, out = tmp_path / "tokens.npy", tmp_path / "logits.npy"

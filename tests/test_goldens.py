@@ -44,14 +44,9 @@ def nmse(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.mean((a - b) ** 2) / np.mean(b**2))
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("ggufc-cache")
-
-
-def _eval(name: str, chunk: int | None, tmp: Path, cache: Path, monkeypatch: pytest.MonkeyPatch,
+def _eval(name: str, chunk: int | None, tmp: Path, compile_cache: Path, monkeypatch: pytest.MonkeyPatch,
           where: tuple[Path, Path] = (GOLDEN / "fixtures", GOLDEN / "logits")) -> np.ndarray:
-    monkeypatch.setenv("GGUFC_CACHE", str(cache))
+    monkeypatch.setenv("GGUFC_CACHE", str(compile_cache))
     golden = np.load(where[1] / f"{name}.npz")
     tokens = tmp / "tokens.npy"
     out = tmp / "logits.npy"
@@ -66,9 +61,9 @@ def _eval(name: str, chunk: int | None, tmp: Path, cache: Path, monkeypatch: pyt
 @needs_shared
 @pytest.mark.parametrize("chunk", list(MODES))
 @pytest.mark.parametrize("name", F32_FIXTURES + F16_FIXTURES)
-def test_f32_fixture_matches_llama_cpp(name: str, chunk: int | None, tmp_path: Path, cache: Path,
+def test_f32_fixture_matches_llama_cpp(name: str, chunk: int | None, tmp_path: Path, compile_cache: Path,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    logits = _eval(name, chunk, tmp_path, cache, monkeypatch)
+    logits = _eval(name, chunk, tmp_path, compile_cache, monkeypatch)
     golden = np.load(GOLDEN / "logits" / f"{name}.npz")[MODES[chunk]]
     assert logits.shape == golden.shape and logits.dtype == np.float32
     assert nmse(logits, golden) < 1e-6
@@ -77,9 +72,9 @@ def test_f32_fixture_matches_llama_cpp(name: str, chunk: int | None, tmp_path: P
 @needs_shared
 @pytest.mark.parametrize("chunk", list(MODES))
 @pytest.mark.parametrize("name", QUANT_FIXTURES)
-def test_quantized_fixture_matches_llama_cpp(name: str, chunk: int | None, tmp_path: Path, cache: Path,
+def test_quantized_fixture_matches_llama_cpp(name: str, chunk: int | None, tmp_path: Path, compile_cache: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    logits = _eval(name, chunk, tmp_path, cache, monkeypatch)
+    logits = _eval(name, chunk, tmp_path, compile_cache, monkeypatch)
     golden = np.load(GOLDEN / "logits" / f"{name}.npz")[MODES[chunk]]
     assert nmse(logits, golden) < 5e-3
     # with llama.cpp's 8-bit activation rounding (quantize_activations, MoE experts included) the
@@ -97,12 +92,12 @@ def test_quantized_fixture_matches_llama_cpp(name: str, chunk: int | None, tmp_p
 @needs_shared
 @pytest.mark.parametrize("chunk", list(MODES))
 @pytest.mark.parametrize("name", BLOCK_FORMAT_FIXTURES)
-def test_block_format_fixture_matches_llama_cpp(name: str, chunk: int | None, tmp_path: Path, cache: Path,
+def test_block_format_fixture_matches_llama_cpp(name: str, chunk: int | None, tmp_path: Path, compile_cache: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """Weights decoded in registers from their blocks, activations rounded as llama.cpp rounds them:
     measured 1.4e-14..2.9e-14 (every position under 8.4e-14); the MXFP4 MoE fixture 0 on a CPU with
     8-bit dot products (its experts' products and block sums are exact in f32)."""
-    logits = _eval(name, chunk, tmp_path, cache, monkeypatch)
+    logits = _eval(name, chunk, tmp_path, compile_cache, monkeypatch)
     golden = np.load(GOLDEN / "logits" / f"{name}.npz")[MODES[chunk]]
     assert logits.shape == golden.shape and logits.dtype == np.float32
     per_position = np.mean((logits - golden) ** 2, axis=1) / np.mean(golden**2)
@@ -111,10 +106,10 @@ def test_block_format_fixture_matches_llama_cpp(name: str, chunk: int | None, tm
 
 @pytest.mark.parametrize("chunk", list(MODES))
 @pytest.mark.parametrize("name", MIN_FIXTURES)
-def test_block_minimum_fixture_matches_llama_cpp(name: str, chunk: int | None, tmp_path: Path, cache: Path,
+def test_block_minimum_fixture_matches_llama_cpp(name: str, chunk: int | None, tmp_path: Path, compile_cache: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Q4_1/Q5_1 weights read q8_1 activations: the m term uses the f16 block sums s (with the
     q8_0 reading of the same input: 1.4e-6 (Q4_1) and 2.1e-6 (Q5_1); measured now 3e-14..7e-14)."""
-    logits = _eval(name, chunk, tmp_path, cache, monkeypatch, (LOCAL, LOCAL))
+    logits = _eval(name, chunk, tmp_path, compile_cache, monkeypatch, (LOCAL, LOCAL))
     golden = np.load(LOCAL / f"{name}.npz")[MODES[chunk]]
     assert nmse(logits, golden) < 1e-10

@@ -32,19 +32,14 @@ def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("ggufc-cache")
-
-
 @pytest.mark.parametrize("chunk", list(MODES))
 @pytest.mark.parametrize("name", ["glm-dsa-moe-F16-sparse", "deepseek32-moe-F16-sparse", *TD.DENSE])
-def test_vulkan_eval_matches_llama_cpp(name: str, chunk: int | None, paths: dict[str, Path], cache: Path,
+def test_vulkan_eval_matches_llama_cpp(name: str, chunk: int | None, paths: dict[str, Path], compile_cache: Path,
                                        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Measured 4.7e-8..5.2e-8 NMSE: float32 activations where llama.cpp's CPU rounds them to F16
     (the CPU target: 1e-9..4e-9); the selection is the CPU kernel's heap select."""
     need_vulkan()
-    monkeypatch.setenv("GGUFC_CACHE", str(cache))
+    monkeypatch.setenv("GGUFC_CACHE", str(compile_cache))
     gold = np.load(TD.GOLDEN / "logits" / f"{name}.npz")
     tokens, out = tmp_path / "tokens.npy", tmp_path / "logits.npy"
     np.save(tokens, gold["tokens"].astype(np.int32))

@@ -27,18 +27,13 @@ def nmse(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.mean((a64 - b64) ** 2) / np.mean(b64**2))
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("ggufc-cache")
-
-
 @needs_golden
 @pytest.mark.parametrize("chunk", list(MODES))
-def test_vulkan_eval_matches_llama_cpp(chunk: int | None, cache: Path, tmp_path: Path,
+def test_vulkan_eval_matches_llama_cpp(chunk: int | None, compile_cache: Path, tmp_path: Path,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Measured 6.8e-12..6.9e-12 NMSE in the three modes (the CPU target: 1.7e-12..1.8e-12)."""
     need_vulkan()
-    monkeypatch.setenv("GGUFC_CACHE", str(cache))
+    monkeypatch.setenv("GGUFC_CACHE", str(compile_cache))
     gold = np.load(GOLDEN / "logits" / "kimi-k3-moe.npz")
     tokens, out = tmp_path / "tokens.npy", tmp_path / "logits.npy"
     np.save(tokens, gold["tokens"].astype(np.int32))
