@@ -220,8 +220,9 @@ def markdown(report: dict[str, Any]) -> str:
               f"(one token-embedding row, the used experts' share) / {report['roofline_gb_s']:.1f} GB/s, "
               "the best stream-like read of the run (OpenBLAS sgemv over a 1 GiB f32 matrix).", ""]
     lines += ["| bandwidth | start | end |", "|---|---:|---:|"]
+    end = bw.get("end")
     for k, label in (("read_1gib_gb_s", "read (sgemv, 1 GiB), GB/s"), ("copy_gb_s", "copy (read + write), GB/s")):
-        lines.append(f"| {label} | {bw['start'][k]:.1f} | {bw['end'][k]:.1f} |")
+        lines.append(f"| {label} | {bw['start'][k]:.1f} | {f'{end[k]:.1f}' if end else 'run unfinished'} |")
     lines.append("")
     for r in report["models"].values():
         if "skipped" in r:
@@ -245,8 +246,10 @@ def llama_build(worker: LlamaCppWorker | None, python: str, missing: str | None)
     if worker is None:
         return {"build": f"not measured: {missing}"}
     info = worker.ask(cmd="info")
-    return {"python": python, "version": info["version"], "system_info": info["system_info"],
-            "build": f"llama-cpp-python {info['version']} under {python}; ggml system info: {info['system_info']}"}
+    return {"python": python, "version": info["version"], "library": info["library"],
+            "system_info": info["system_info"],
+            "build": f"llama-cpp-python {info['version']} under {python} (libraries in {info['library']}); "
+                     f"ggml system info: {info['system_info']}"}
 
 
 def main() -> None:
@@ -277,7 +280,7 @@ def main() -> None:
         "machine": machine(), "threads": args.threads,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens, "repeats": args.repeats,
-        "llama_cpp": llama_build(worker, python, missing), "models": {}, "compile_cold": {},
+        "llama_cpp": llama_build(worker, python, missing), "models": {}, "compile_cold": {}, "complete": False,
         "bandwidth_gb_s": {"start": bandwidth(args.threads)},
     }
     with tempfile.TemporaryDirectory(prefix="ggufc-cold-") as cold_root:
@@ -293,20 +296,27 @@ def main() -> None:
             report["models"][m.key] = measure_model(m, args, worker, artifact)
             figures = {k: v for k, v in report["models"][m.key].items() if k in ("ggufc", "llama.cpp", "ratio")}
             print(f"{m.key}: {json.dumps(figures)}", flush=True)
+            write_report(report, args.out, load_before)  # a long run leaves what it has measured so far
     if worker:
         worker.stop()
     settle()
     report["bandwidth_gb_s"]["end"] = bandwidth(args.threads)
+    report["complete"] = True
+    print(write_report(report, args.out, load_before))
+
+
+def write_report(report: dict[str, Any], out: Path, load_before: float) -> str:
+    """Roofline figures from the bandwidths measured so far; the JSON and the markdown table."""
     report["load_avg_1min"] = [load_before, os.getloadavg()[0]]
     report["roofline_gb_s"] = max(b["read_1gib_gb_s"] for b in report["bandwidth_gb_s"].values())
     for r in report["models"].values():
         if "skipped" not in r:
             r["roofline_tok_s"] = report["roofline_gb_s"] * 1e9 / r["decode_weight_bytes"]
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench_side_by_side.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_side_by_side.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
     table = markdown(report)
-    (args.out / "bench_side_by_side.md").write_text(table + "\n", encoding="utf-8")
-    print(table)
+    (out / "bench_side_by_side.md").write_text(table + "\n", encoding="utf-8")
+    return table
 
 
 if __name__ == "__main__":

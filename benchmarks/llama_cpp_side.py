@@ -74,7 +74,7 @@ def quantize_with(python: str, src: Path, dst: Path, qtype: str, threads: int) -
 def build_info() -> dict[str, str]:
     import llama_cpp
 
-    return {"version": llama_cpp.__version__,
+    return {"version": llama_cpp.__version__, "library": str(llama_cpp.llama_cpp._base_path),
             "system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip()}
 
 
