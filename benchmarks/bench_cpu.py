@@ -42,11 +42,12 @@ BEGIN, END = "<!-- bench-cpu:begin -->", "<!-- bench-cpu:end -->"
 class GgufcEngine:
     name = "ggufc"
 
-    def __init__(self, model: Path, threads: int) -> None:
+    def __init__(self, model: Path, threads: int, artifact: Path | None = None) -> None:
+        """`artifact`: an already compiled one (default: the compile cache's, compiled if missing)."""
         from ggufc.cli import cached_artifact_dir, compile_gguf
         from ggufc.runtime.session import Session
 
-        self.artifact = cached_artifact_dir(model, "llvm", None)
+        self.artifact = artifact or cached_artifact_dir(model, "llvm", None)
         if not (self.artifact / "manifest.json").is_file():
             compile_gguf(model, "llvm", self.artifact, None)
         self.session = Session(self.artifact, threads=threads)
