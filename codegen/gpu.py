@@ -249,6 +249,12 @@ def _block_score(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
                  "ggufc.max_dot_per_block")
 
 
+def _compressor_pool(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
+    n_cells, wide = key.dims[0]
+    return _mark(SI.compressor_pool_gpu(int(n_cells), int(wide), key.attrs.ratio, key.attrs.overlap),
+                 "ggufc.pool_per_channel")
+
+
 def _block_topk(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
     a = key.attrs
     _, n_groups, nb = key.dims[0]
@@ -336,6 +342,7 @@ GPU_KERNELS: dict[str, GpuKernel] = {
     "token_topk": _token_topk,
     "block_mask": _block_mask,
     "indexer_block_score": _block_score,
+    "compressor_pool": _compressor_pool,
     "block_topk": _block_topk,
     "compressed_score": _compressed_score,
     "compressed_attention": _compressed_attention,

@@ -20,6 +20,11 @@
   `indexer_topk`) of the visible cells j <= pos + t, read straight from the score row;
   `token_topk_gpu` runs it one thread per row, `token_score_gpu` one thread per (query, cell).
 
+* `compressor_pool` (deepseek4's compressors): per block and channel, the softmax over the block
+  window of score + ape weighting the kv states, read straight from the [C, wide] states (the
+  overlapping window's halves and the slots before block 0 by index, no copies);
+  `compressor_pool_gpu` runs one thread per (block, channel).
+
 Symbolic extents: `n` (tokens of the call) and `pos` (tokens already cached), as in `kernels.py`.
 """
 
@@ -33,6 +38,7 @@ from tvm.script import tirx as T
 
 from ggufc.ir import ops as O
 from ggufc.ir.graph import Node
+from ggufc.ir.sparse_indexers import POOL_NEG
 
 from . import attention_gpu as AG
 from . import kernel_keys as KK
@@ -682,6 +688,14 @@ def _index_mask(fc: FunctionContext, node: Node) -> list[Any]:
                    node.outputs[0].name)
 
 
+def _compressor_pool(fc: FunctionContext, node: Node) -> list[Any]:
+    a: O.CompressorPool = node.attrs
+    n_cells, wide = (int(s) for s in node.inputs[0].shape)
+    key = KK.OpKernel("compressor_pool", a, tensor_dims(fc, node))
+    return fc.call(key, lambda: compressor_pool(n_cells, wide, a.ratio, a.overlap), call_args(fc, node),
+                   node.outputs, node.outputs[0].name)
+
+
 def _indexer_block_score(fc: FunctionContext, node: Node) -> list[Any]:
     a: O.IndexerBlockScore = node.attrs
     q, cache = node.inputs
@@ -836,6 +850,91 @@ def compressed_attention(q_shape: PShape, n_cells: int, a: O.CompressedAttention
     if a.selected:
         args.append(sel)
     return func([*args, out])
+
+
+def _pool_window(n_cells: int, ratio: int, overlap: bool) -> tuple[int, int, int]:
+    """(blocks, window, channels per output row) of a compressor's [C, wide] states."""
+    return n_cells // ratio, 2 * ratio if overlap else ratio, 1 if not overlap else 2
+
+
+def compressor_pool(n_cells: int, wide: int, ratio: int, overlap: bool) -> tirx.PrimFunc:
+    """Args (kv [C, wide], score [C, wide], ape [r, wide], pooled [C/r, d]): per block and channel
+    the softmax over the window of score + ape weighting kv. Window slot j of block b reads cell
+    b*r + j - r (overlap: slots j < r the first d channels of block b-1, -3.4e38 / 0 before block
+    0; slots j >= r the last d channels of block b) or b*r + j (no overlap)."""
+    nb, win, halves = _pool_window(n_cells, ratio, overlap)
+    d = wide // halves
+    kv = te.placeholder((i64(n_cells), i64(wide)), "float32", name="kv")
+    sc = te.placeholder((i64(n_cells), i64(wide)), "float32", name="score")
+    ape = te.placeholder((i64(ratio), i64(wide)), "float32", name="ape")
+    R, Dd = i64(ratio), i64(d)
+
+    def slot(b: Any, j: Any, c: Any) -> tuple[Any, Any, Any]:
+        """(cell, column, slot within the block) of window slot j, channel c (overlap: the cell is
+        clamped at 0 for the slots before block 0, which `before_first` masks)."""
+        if not overlap:
+            return b * R + j, c, j
+        return te.max(b * R + j - R, i64(0)), c + tirx.Select(j >= R, Dd, i64(0)), j % R
+
+    def before_first(b: Any, j: Any) -> Any:
+        return b * R + j < R if overlap else tirx.const(False, "bool")
+
+    def score(b: Any, j: Any, c: Any) -> Any:
+        cell, col, k = slot(b, j, c)
+        return tirx.Select(before_first(b, j), f32(float(POOL_NEG)), sc[cell, col] + ape[k, col])
+
+    def value(b: Any, j: Any, c: Any) -> Any:
+        cell, col, _ = slot(b, j, c)
+        return tirx.Select(before_first(b, j), f32(0.0), kv[cell, col])
+
+    s = te.compute((i64(nb), i64(win), Dd), score, name="s")
+    rj = te.reduce_axis((i64(0), i64(win)), name="rj")
+    mx = te.compute((i64(nb), Dd), lambda b, c: te.max(s[b, rj, c], axis=rj), name="mx")
+    e = te.compute((i64(nb), i64(win), Dd), lambda b, j, c: te.exp(s[b, j, c] - mx[b, c]), name="e")
+    rs = te.reduce_axis((i64(0), i64(win)), name="rs")
+    total = te.compute((i64(nb), Dd), lambda b, c: te.sum(e[b, rs, c], axis=rs), name="total")
+    rw = te.reduce_axis((i64(0), i64(win)), name="rw")
+    pooled = te.compute((i64(nb), Dd), lambda b, c: te.sum(e[b, rw, c] / total[b, c] * value(b, rw, c), axis=rw),
+                        name="pooled")
+    return func([kv, sc, ape, pooled])
+
+
+def compressor_pool_gpu(n_cells: int, wide: int, ratio: int, overlap: bool) -> tirx.PrimFunc:
+    """As `compressor_pool`, one thread per (block, channel): the window's max, then the sum of
+    its exponentials and their kv-weighted sum in one pass (the slots before block 0 weigh 0)."""
+    nb, win, halves = _pool_window(n_cells, ratio, overlap)
+    d = wide // halves
+    C, WIDE, R, D, NB, NT = (T.int64(v) for v in (n_cells, wide, ratio, d, nb, THREADS))
+    SHIFT = T.int64(ratio if overlap else 0)  # slot j reads cell b*r + j - SHIFT
+    HI = T.int64(ratio if overlap else 2 * ratio)  # slots from HI on read the last d channels
+
+    @T.prim_func(private=True)
+    def compressor_pool_gpu(kv: T.Buffer((C, WIDE), "float32"), sc: T.Buffer((C, WIDE), "float32"),
+                            ape: T.Buffer((R, WIDE), "float32"), out: T.Buffer((NB, D), "float32")):
+        T.func_attr({"tirx.noalias": True})
+        bx = T.launch_thread("blockIdx.x", (NB * D + NT - T.int64(1)) // NT)
+        acc = T.alloc_local((4,), "float32")  # max, sum of exp, weighted sum, the slot's score
+        tx = T.launch_thread("threadIdx.x", NT)
+        idx = T.meta_var(bx * NT + tx)
+        b = T.meta_var(idx // D)
+        c = T.meta_var(idx % D)
+        if idx < NB * D:
+            acc[0] = T.float32(float(POOL_NEG))
+            for j in range(T.int64(win)):
+                if b * R + j >= SHIFT:
+                    acc[0] = T.max(acc[0], sc[b * R + j - SHIFT, c + T.if_then_else(j >= HI, D, T.int64(0))]
+                                   + ape[j % R, c + T.if_then_else(j >= HI, D, T.int64(0))])
+            acc[1] = T.float32(0)
+            acc[2] = T.float32(0)
+            for j in range(T.int64(win)):
+                if b * R + j >= SHIFT:
+                    acc[3] = T.exp(sc[b * R + j - SHIFT, c + T.if_then_else(j >= HI, D, T.int64(0))]
+                                   + ape[j % R, c + T.if_then_else(j >= HI, D, T.int64(0))] - acc[0])
+                    acc[1] = acc[1] + acc[3]
+                    acc[2] = acc[2] + acc[3] * kv[b * R + j - SHIFT, c + T.if_then_else(j >= HI, D, T.int64(0))]
+            out[b, c] = acc[2] / acc[1]
+
+    return with_root_block(compressor_pool_gpu)
 
 
 def compressed_score_gpu(n_head: int, dim: int, n_rows: int, ratio: int) -> tirx.PrimFunc:
@@ -1033,6 +1132,7 @@ INDEXER_LOWERING: dict[str, Callable[[FunctionContext, Node], list[Any]]] = {
     "token_score": _token_score,
     "token_topk": _token_topk,
     "indexer_block_score": _indexer_block_score,
+    "compressor_pool": _compressor_pool,
     "block_topk": _block_topk,
     "block_mask": _block_mask,
 }

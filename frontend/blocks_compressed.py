@@ -18,12 +18,10 @@ import numpy as np
 from ggufc.ir import ops as O
 from ggufc.ir.builder import GraphBuilder
 from ggufc.ir.graph import Value
+from ggufc.ir.sparse_indexers_spelled import compressor_pool_spelled
 
 from . import blocks as B
 from .hparams import ModelError, powf, rope_table
-
-NEG = np.float32(-3.4e38)  # the window slot before block 0 (finite: exp() of it is 0, never a NaN)
-
 
 # ---------------------------------------------------------------------------------------------
 # rope
@@ -132,36 +130,15 @@ def compressed_rows(b: GraphBuilder, w: B.Weights, cp: Compressor, x: Value, pos
     wide = 2 * d if cp.overlap else d
     kv = b.matmul(x, w.need(f"{cp.prefix}_kv.weight", (wide, E)), f"{cp.state}_kv_proj")
     score = b.matmul(x, w.need(f"{cp.prefix}_gate.weight", (wide, E)), f"{cp.state}_score_proj")
-    blocks = []
+    written = []
     for kind, v in (("kv", kv), ("score", score)):
         st = f"{cp.state}_{kind}"
-        written = b.emit("cache_write", [b.state(st, (cp.n_cells, wide)), v, pos], O.NoAttrs(), st)
-        new_state[st] = written
-        blocks.append(b.reshape(written, (cp.n_rows, r, wide), f"{st}.blocks"))
-    kv_b, sc_b = blocks
+        written.append(b.emit("cache_write", [b.state(st, (cp.n_cells, wide)), v, pos], O.NoAttrs(), st))
+        new_state[st] = written[-1]
     ape = _f32(w, w.need(f"{cp.prefix}_ape.weight", (r, wide)), f"{cp.prefix}_ape")
-    sc_b = b.add(sc_b, b.reshape(ape, (1, r, wide), f"{cp.state}_ape3"), f"{cp.state}_score_ape")
-    if cp.overlap:
-        kv_b = _overlap_window(b, w, kv_b, d, 0.0, f"{cp.state}_kv_win")
-        sc_b = _overlap_window(b, w, sc_b, d, float(NEG), f"{cp.state}_score_win")
-    m = b.reduce("max", sc_b, f"{cp.state}_max", axis=1)
-    ex = b.unary("exp", b.binary("sub", sc_b, m, f"{cp.state}_shift"), f"{cp.state}_exp")
-    p = b.binary("div", ex, b.reduce("sum", ex, f"{cp.state}_sum", axis=1), f"{cp.state}_softmax")
-    pooled = b.reduce("sum", b.mul(p, kv_b, f"{cp.state}_weighted"), f"{cp.state}_pooled", axis=1, keepdims=False)
+    pooled = compressor_pool_spelled(b, written[0], written[1], ape, r, cp.overlap, f"{cp.state}_pooled")
     normed = B.rms_norm(b, pooled, w.need(f"{cp.prefix}_norm.weight", (d,)), eps, f"{cp.state}_normed")
     return rope_rows(b, w, normed, block_rope, f"{cp.state}_rope", f"{cp.state}_rows")
-
-
-def _overlap_window(b: GraphBuilder, w: B.Weights, blocks: Value, d: int, fill: float, name: str) -> Value:
-    """[NB, r, 2d] -> [NB, 2r, d]: block j-1's first d channels (`fill` before block 0), then block
-    j's last d channels."""
-    nb, r, _ = (int(s) for s in blocks.shape)
-    pad = w.add_derived(f"compressor_pad.{r}x{d}.{'zero' if fill == 0 else 'neg'}",
-                        np.full((1, r, d), fill, dtype=np.float32))
-    first = b.slice(blocks, 2, 0, d, f"{name}.first")
-    prev = b.emit("concat", [pad, b.slice(first, 0, 0, nb - 1, f"{name}.shift")], O.Concat(0), f"{name}.prev") \
-        if nb > 1 else pad
-    return b.emit("concat", [prev, b.slice(blocks, 2, d, 2 * d, f"{name}.cur")], O.Concat(1), name)
 
 
 def _f32(w: B.Weights, v: Value, name: str) -> Value:

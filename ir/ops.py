@@ -29,6 +29,7 @@ from .sparse_indexers import (
     block_topk_ref,
     compressed_attention_ref,
     compressed_score_ref,
+    compressor_pool_ref,
     index_mask_ref,
     indexer_score_ref,
     indexer_topk_ref,
@@ -349,6 +350,17 @@ class IndexerBlockScore:
     the largest q . key of each block of `block` cells."""
 
     block: int
+
+
+@dataclass(frozen=True)
+class CompressorPool:
+    """Compressed rows: (kv states [C, wide], score states [C, wide], ape [r, wide]) -> [C/r, d], per
+    block and channel the kv of the block window weighted by the softmax of score + ape over it.
+    `overlap`: wide = 2d and the window is 2r (block j-1's first d channels, then block j's last d);
+    otherwise wide = d and the window is the block."""
+
+    ratio: int
+    overlap: bool
 
 
 @dataclass(frozen=True)
@@ -957,6 +969,16 @@ def _block_score_shape(ins: Sequence[ShapeDtype], a: IndexerBlockScore) -> list[
     return [((qs[0], qs[1], int(cs[0]) // a.block), "float32")]
 
 
+def _compressor_pool_shape(ins: Sequence[ShapeDtype], a: CompressorPool) -> list[ShapeDtype]:
+    (ks, _), (ss, _), (ap, _) = ins
+    wide = ks[1] if len(ks) == 2 else 0
+    if (len(ks) != 2 or tuple(ss) != tuple(ks) or tuple(ap) != (a.ratio, wide) or a.ratio <= 0
+            or int(ks[0]) % a.ratio or (a.overlap and int(wide) % 2)):
+        raise ValueError(f"compressor_pool {a}: kv {ks}, score {ss} [C, wide] (C whole blocks) and ape {ap} "
+                         f"[r, wide] disagree")
+    return [((int(ks[0]) // a.ratio, int(wide) // 2 if a.overlap else wide), "float32")]
+
+
 def _block_topk_shape(ins: Sequence[ShapeDtype], a: BlockTopK) -> list[ShapeDtype]:
     (ss, _), _pos = ins
     if len(ss) != 3 or min(a.block, a.top_k, a.local) <= 0:
@@ -1101,6 +1123,8 @@ OPS: dict[str, OpDef] = {
               _one(lambda i, a, c: indexer_score_ref(i[0], i[1], i[2], i[3], a.ratio, a.eps, a.n_rot)), fused=True),
         OpDef("indexer_block_score", IndexerBlockScore, _block_score_shape,
               _one(lambda i, a, c: block_score_ref(i[0], i[1], a.block)), fused=True),
+        OpDef("compressor_pool", CompressorPool, _compressor_pool_shape,
+              _one(lambda i, a, c: compressor_pool_ref(i[0], i[1], i[2], a.ratio, a.overlap)), fused=True),
         # fused
         OpDef("softmax", Softmax, _same, _one(lambda i, a, c: softmax_ref(i[0], a.axis)), fused=True),
         # rms_norm: inputs (x,) or (x, weight)

@@ -40,6 +40,14 @@ MSA (MiniMax sparse attention: block selection per KV group, llama.cpp `src/mode
 * `block_mask`: the additive [G, T, P+T] mask of a selection (0 at cells of selected blocks up to
   the query, -inf elsewhere), the unfused meaning of attention over the selected blocks.
 
+Compressed rows (deepseek4's CSA/HCA compressors, llama.cpp `llama-kv-cache-dsv4.cpp`):
+
+* `compressor_pool`: the kv and gate-score projections of every position so far [C, wide] and
+  `ape` [r, wide] -> [C/r, d]: per block and channel, the kv of the block window weighted by the
+  softmax over that window of score + ape (by position within the block). Ratio-4 compressors
+  overlap (wide = 2d, window 2r: block j-1's first d channels, then block j's last d; before
+  block 0 the score slots are -3.4e38 and the kv slots 0); the others pool their own block.
+
 Their spellings in primitives are in `sparse_indexers_spelled.py`.
 """
 
@@ -176,6 +184,32 @@ def visible_rows(n_rows: int, p0: int, t: int, ratio: int) -> np.ndarray:
     """[T, NB] bool: row j is complete at the query's position."""
     q = p0 + np.arange(t)
     return (np.arange(n_rows)[None, :] + 1) * ratio <= q[:, None] + 1
+
+
+POOL_NEG = np.float32(-3.4e38)  # the window slot before block 0 (finite: exp() of it is 0, never a NaN)
+
+
+def compressor_windows(state: np.ndarray, ratio: int, overlap: bool, fill: float) -> np.ndarray:
+    """[C, wide] -> [NB, W, d]: each block's window; with `overlap` (wide = 2d, W = 2r) block j-1's
+    first d channels (`fill` before block 0), then block j's last d."""
+    nb = state.shape[0] // ratio
+    blocks = state[: nb * ratio].reshape(nb, ratio, state.shape[1])
+    if not overlap:
+        return blocks
+    d = state.shape[1] // 2
+    prev = np.concatenate([np.full((1, ratio, d), fill, state.dtype), blocks[:-1, :, :d]])
+    return np.concatenate([prev, blocks[:, :, d:]], axis=1)
+
+
+def compressor_pool_ref(kv: np.ndarray, score: np.ndarray, ape: np.ndarray, ratio: int, overlap: bool) -> np.ndarray:
+    """kv, score [C, wide], ape [r, wide] -> [C//r, d]: per block and channel, the kv of the window
+    weighted by the softmax over the window of score + ape (`ape` by position within the block)."""
+    nb = score.shape[0] // ratio
+    scored = (score[: nb * ratio].reshape(nb, ratio, -1) + ape[None]).reshape(nb * ratio, -1)
+    s = compressor_windows(scored, ratio, overlap, float(POOL_NEG))
+    e = np.exp(s - s.max(axis=1, keepdims=True))
+    p = e / e.sum(axis=1, keepdims=True)
+    return (p * compressor_windows(kv, ratio, overlap, 0.0)).sum(axis=1).astype(kv.dtype)
 
 
 def compressed_score_ref(q: np.ndarray, w: np.ndarray, rows: np.ndarray, p0: int, ratio: int) -> np.ndarray:

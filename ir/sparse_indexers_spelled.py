@@ -1,5 +1,5 @@
-"""The sparse-attention indexer ops `indexer_score` (QSA), `token_score` (DSA) and `indexer_block_score`
-(MSA) spelled in primitives (references in `sparse_indexers.py`).
+"""The sparse-attention indexer ops `indexer_score` (QSA), `token_score` (DSA), `indexer_block_score`
+(MSA) and the compressed rows' `compressor_pool` spelled in primitives (references in `sparse_indexers.py`).
 
 They are both the decompositions of the fused ops and the unfused builders the frontend blocks
 call, so the fusion passes match exactly what a decomposition emits and the decomposed, unfused
@@ -11,6 +11,7 @@ from __future__ import annotations
 from . import ops as O
 from .builder import GraphBuilder, rms_norm_plain
 from .graph import Node, Value, mul_dim
+from .sparse_indexers import POOL_NEG
 
 
 def block_keys_spelled(
@@ -82,6 +83,42 @@ def _indexer_block_score(b: GraphBuilder, n: Node) -> list[Value]:
     return [block_score_spelled(b, q, cache, n.attrs.block, n.outputs[0].name)]
 
 
+def compressor_pool_spelled(b: GraphBuilder, kv: Value, score: Value, ape: Value, ratio: int, overlap: bool,
+                            name: str) -> Value:
+    """[C//r, d]: per block and channel, the kv of the block window weighted by the softmax over it
+    of score + ape (`compressor_pool_ref`)."""
+    n_cells, wide = (int(s) for s in kv.shape)
+    kv_b, sc_b = (b.reshape(state, (n_cells // ratio, ratio, wide), f"{name}.{kind}_blocks")
+                  for kind, state in (("kv", kv), ("score", score)))
+    sc_b = b.add(sc_b, b.reshape(ape, (1, ratio, wide), f"{name}.ape3"), f"{name}.score_ape")
+    if overlap:
+        kv_b = _overlap_window(b, kv_b, 0.0, f"{name}.kv_win")
+        sc_b = _overlap_window(b, sc_b, float(POOL_NEG), f"{name}.score_win")
+    m = b.reduce("max", sc_b, f"{name}.max", axis=1)
+    ex = b.unary("exp", b.binary("sub", sc_b, m, f"{name}.shift"), f"{name}.exp")
+    p = b.binary("div", ex, b.reduce("sum", ex, f"{name}.sum", axis=1), f"{name}.softmax")
+    return b.reduce("sum", b.mul(p, kv_b, f"{name}.weighted"), name, axis=1, keepdims=False)
+
+
+def _overlap_window(b: GraphBuilder, blocks: Value, fill: float, name: str) -> Value:
+    """[NB, r, 2d] -> [NB, 2r, d]: block j-1's first d channels (`fill` before block 0, made from
+    block 0's as 0 * x + fill: the graph holds no constants), then block j's last d channels."""
+    nb, r, wide = (int(s) for s in blocks.shape)
+    d = wide // 2
+    first = b.slice(blocks, 2, 0, d, f"{name}.first")
+    zero = b.scalar("mul", b.slice(first, 0, 0, 1, f"{name}.block0"), 0.0, f"{name}.zero")
+    pad = b.scalar("add", zero, fill, f"{name}.pad")
+    prev = b.emit("concat", [pad, b.slice(first, 0, 0, nb - 1, f"{name}.shift")], O.Concat(0), f"{name}.prev") \
+        if nb > 1 else pad
+    return b.emit("concat", [prev, b.slice(blocks, 2, d, wide, f"{name}.cur")], O.Concat(1), name)
+
+
+def _compressor_pool(b: GraphBuilder, n: Node) -> list[Value]:
+    a: O.CompressorPool = n.attrs
+    kv, score, ape = n.inputs
+    return [compressor_pool_spelled(b, kv, score, ape, a.ratio, a.overlap, n.outputs[0].name)]
+
+
 def _indexer_score(b: GraphBuilder, n: Node) -> list[Value]:
     a: O.IndexerScore = n.attrs
     q, cache, norm, table = n.inputs
@@ -92,4 +129,5 @@ INDEXER_DECOMPOSITIONS = {
     "indexer_score": _indexer_score,
     "token_score": _token_score,
     "indexer_block_score": _indexer_block_score,
+    "compressor_pool": _compressor_pool,
 }

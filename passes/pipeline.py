@@ -17,6 +17,7 @@ from ggufc.ir.verify import verify
 from .constant_fold import constant_fold
 from .dce import dce
 from .fold_dequantize import fold_dequantize
+from .fuse_compressor import fuse_compressor_pool
 from .fuse_elementwise import fuse_elementwise
 from .fuse_hc import fuse_hc
 from .fuse_indexer import fuse_indexer
@@ -40,6 +41,7 @@ PASSES: dict[str, Pass] = {
     "constant_fold": constant_fold,
     "fuse_hc": fuse_hc,
     "fuse_indexer": fuse_indexer,
+    "fuse_compressor_pool": fuse_compressor_pool,
     "fuse_rms_norm": fuse_rms_norm,
     "fuse_swiglu": fuse_swiglu,
     "fuse_softmax": fuse_softmax,
@@ -56,6 +58,7 @@ DEFAULT_ORDER: tuple[str, ...] = (
     "constant_fold",
     "fuse_hc",
     "fuse_indexer",
+    "fuse_compressor_pool",
     "fuse_rms_norm",
     "fuse_gated_norm",
     "fuse_swiglu",

@@ -797,10 +797,24 @@ def _compressed_attention_case(window: int, ratio: int, top_k: int) -> Case:
                 calls=STATEFUL)
 
 
+def _compressor_pool_case(ratio: int, overlap: bool, wide: int) -> Case:
+    """This call's projections written into prefilled kv and score states, then every block pooled."""
+    def build(cg: CaseGraph) -> Graph:
+        written = [cg.emit("cache_write", [cg.state((N_CTX, wide), tag), cg.rows((wide,)), cg.pos], O.NoAttrs())[0]
+                   for tag in ("kv", "score")]
+        pooled = cg.emit("compressor_pool", [*written, cg.weight((ratio, wide))], O.CompressorPool(ratio, overlap))
+        return cg.finish([pooled[0]], {f"{cg.name}.kv": written[0], f"{cg.name}.score": written[1]})
+
+    return Case(f"compressor_pool-r{ratio}{'-overlap' if overlap else ''}", "compressor_pool", build,
+                group="compressed", calls=STATEFUL)
+
+
 def compressed_cases() -> list[Case]:
-    """Compressed rows (deepseek4): the lightning indexer's scores, attention with sinks over a
-    sliding window, plus every complete row or the selected ones."""
+    """Compressed rows (deepseek4): the compressor's pooling, the lightning indexer's scores,
+    attention with sinks over a sliding window, plus every complete row or the selected ones."""
     return [
+        _compressor_pool_case(4, True, 12),
+        _compressor_pool_case(8, False, 6),
         op_case("hc_post-comb", "hc_post", O.HcPost(comb=True), rows(4, 8), rows(8), rows(4), rows(4, 4),
                 group="compressed", calls=BOTH),
         op_case("hc_pre-sinkhorn", "hc_pre", O.HcPre(4, 1e-5, "sinkhorn", hc_eps=1e-3, n_iter=3), rows(4, 8),

@@ -155,8 +155,8 @@ def _qwen4exp_cases() -> list[Case]:
 
 
 def _compressed_cases() -> list[Case]:
-    """Compressed rows (deepseek4): indexer scores and attention with sinks over a sliding window
-    plus all, or the selected, complete rows."""
+    """Compressed rows (deepseek4): the compressor's pooling, indexer scores and attention with
+    sinks over a sliding window plus all, or the selected, complete rows."""
     cases: list[Case] = []
     q_idx, rows_idx = In("q", ("T", 3, 6)), In("rows", (5, 6))
     for p in (0, 6):
@@ -168,6 +168,12 @@ def _compressed_cases() -> list[Case]:
         cases += _both_t("compressed_attention", O.CompressedAttention(0.37, 4, 2), (q, cache, sinks, POS, rows), p=p)
         cases += _both_t("compressed_attention", O.CompressedAttention(0.37, 4, 2, selected=True),
                          (q, cache, sinks, POS, rows, In("sel", ("T", 2), "ids:5", "int32")), p=p)
+    # the compressor's pooling reads whole states (the same for any T): overlapping windows of 2r
+    # over [C, 2d] (several blocks, and one), plain blocks over [C, d]
+    for ratio, overlap, cells, wide in ((4, True, 12, 8), (4, True, 4, 6), (3, False, 12, 5)):
+        state = (cells, wide)
+        cases += _both_t("compressor_pool", O.CompressorPool(ratio, overlap),
+                         (In("kv", state), In("score", state), In("ape", (ratio, wide))))
     return cases
 
 

@@ -20,9 +20,11 @@ from ggufc.ir.builder import GraphBuilder
 from ggufc.ir.decompose import decompose
 from ggufc.ir.graph import Graph, Node, Value
 from ggufc.ir.interp import init_state, run_graph
+from ggufc.ir.sparse_indexers_spelled import compressor_pool_spelled
 from ggufc.ir.verify import verify
 from ggufc.passes.constant_fold import CONSTANTS_KEY, constant_fold, with_constants
 from ggufc.passes.dce import dce
+from ggufc.passes.fuse_compressor import fuse_compressor_pool
 from ggufc.passes.fuse_elementwise import fuse_elementwise
 from ggufc.passes.fuse_moe import fuse_moe
 from ggufc.passes.fusions import fuse_rms_norm, fuse_softmax, fuse_swiglu
@@ -233,6 +235,43 @@ def test_softmax_axes_must_agree() -> None:
     good = B.softmax(b2, x2, "p")
     fused = fuse_softmax(b2.finish([good], {}))
     assert [(n.op, n.attrs) for n in fused.nodes] == [("softmax", O.Softmax(-1))]
+
+
+def _pool_graph(ratio: int, overlap: bool, fill: float | None = None) -> tuple[Graph, dict[str, np.ndarray]]:
+    """The compressor's pooling spelled over states given as inputs; `fill` replaces the score
+    window's pad value (a spelling the rule must refuse)."""
+    b = GraphBuilder()
+    b.input("tokens", ("T",), "int32")
+    b.input("pos", (), "int64")
+    wide = 8 if overlap else 5
+    kv, score = (b.input(n, (4 * ratio, wide), "float32") for n in ("kv", "score"))
+    ape = b.param("ape", (ratio, wide), "F32")
+    pooled = compressor_pool_spelled(b, kv, score, ape, ratio, overlap, "pooled")
+    graph = b.finish([pooled], {})
+    if fill is not None:
+        graph = graph.replace(nodes=[
+            Node(n.op, n.inputs, O.Scalar("add", fill), n.outputs) if n.outputs[0].name == "pooled.score_win.pad"
+            else n for n in graph.nodes])
+    rng = np.random.default_rng(3)
+    arrays = {"ape": rng.standard_normal((ratio, wide)).astype(np.float32)}
+    return graph, arrays
+
+
+@pytest.mark.parametrize("ratio, overlap", [(4, True), (1, True), (3, False)])
+def test_compressor_pool_fuses_its_spelling(ratio: int, overlap: bool) -> None:
+    graph, arrays = _pool_graph(ratio, overlap)
+    fused = fuse_compressor_pool(graph)
+    assert hits_of(fused) == {"fuse_compressor_pool": 1}
+    assert [(n.op, n.attrs) for n in dce(fused).nodes] == [("compressor_pool", O.CompressorPool(ratio, overlap))]
+    rng = np.random.default_rng(4)
+    wide = 8 if overlap else 5
+    feeds = {n: rng.standard_normal((4 * ratio, wide)).astype(np.float32) for n in ("kv", "score")}
+    np.testing.assert_allclose(_run(fused, feeds, arrays)[0], _run(graph, feeds, arrays)[0], rtol=1e-6, atol=1e-7)
+
+
+def test_compressor_pool_needs_the_window_fills() -> None:
+    graph, _ = _pool_graph(4, True, fill=-1.0)
+    assert hits_of(fuse_compressor_pool(graph)) == {"fuse_compressor_pool": 0}
 
 
 def test_swiglu_either_operand_order() -> None:
