@@ -2,7 +2,8 @@
 
 Builds the `gated_delta_net` kernel twice for one layer size (the sequential form only, and the
 chunked form for every call), with KDA's decay per key index (`--gate key`, the default) or the
-gated delta-net's one decay per head (`--gate head`), runs both on the same random inputs
+gated delta-net's one decay per head (`--gate head`: the kernel takes it, while lowering keeps
+that model family on the recurrence for now), runs both on the same random inputs
 (L2-normalised q/k, a lower-bound style gate, a nonzero state) for each call length, and reports the
 best and median milliseconds of each in alternating rounds (machine load hits both alike), the
 ratio, and each form's error against the float64 sequential reference (max abs of o and of the new

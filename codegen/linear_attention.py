@@ -12,7 +12,8 @@ their state in place: Relax calls them through `call_tir_inplace`) and the two n
   L1); dot products accumulate over `LANES` partial sums so the loops vectorise. Calls of
   `CHUNKED_FROM` tokens or more take the chunked WY / UT form instead (`_chunked_scan`: a task per
   value head, chunks of `CHUNK` tokens, the maths of `gated_delta_net_chunked_ref`, either decay);
-  shorter calls, decode among them, keep the recurrence.
+  shorter calls, decode among them, keep the recurrence. Lowering picks the chunked form for KDA
+  (a decay per key index) only; the per-head-decay delta-net runs the recurrence (`_gated_delta_net`).
 * `l2_norm`, `rms_norm_gated`: one reduction and one elementwise stage, like `kernels.rms_norm`.
 
 Every kernel takes the token count as a symbolic extent, so one compiled function serves every
