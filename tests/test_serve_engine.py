@@ -172,15 +172,20 @@ def _finish(events: queue.Queue[Event]) -> tuple[str, Event]:
         text += event.text
 
 
+def _run_queued(engine: Engine, prompts: list[list[int]], n: int) -> list[tuple[str, Event]]:
+    """Queue every prompt before the engine starts (a fixed order), run it, collect each answer."""
+    streams = [_collect(engine, p, n) for p in prompts]
+    engine.start()
+    try:
+        return [_finish(s) for s in streams]
+    finally:
+        engine.stop()
+
+
 def test_slots_interleave_prompts_with_decode_steps_and_answer_as_alone() -> None:
     engine, runners, calls = _engine(parallel=2)
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [3, 1], [2, 2, 2]]
-    streams = [_collect(engine, p, 6) for p in prompts]  # queued before the engine runs: a fixed order
-    engine.start()
-    try:
-        results = [_finish(s) for s in streams]
-    finally:
-        engine.stop()
+    results = _run_queued(engine, prompts, 6)
     for prompt, (text, done) in zip(prompts, results, strict=True):
         assert text == _expected(prompt, 6) and done.finish_reason == "length"
         assert done.usage is not None and done.usage["prompt_tokens"] == len(prompt)
@@ -193,12 +198,7 @@ def test_slots_interleave_prompts_with_decode_steps_and_answer_as_alone() -> Non
 def test_generating_slots_are_fed_in_one_batched_call() -> None:
     engine, runners, calls = _engine(parallel=3, batched=True)
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [3, 1], [2, 2, 2], [7]]
-    streams = [_collect(engine, p, 5) for p in prompts]
-    engine.start()
-    try:
-        results = [_finish(s) for s in streams]
-    finally:
-        engine.stop()
+    results = _run_queued(engine, prompts, 5)
     for prompt, (text, done) in zip(prompts, results, strict=True):
         assert text == _expected(prompt, 5) and done.finish_reason == "length"
     # step 2: slots 1 and 2 have read their prompts and sampled, slot 0 still reads (4 + 4 + 1)
