@@ -26,6 +26,12 @@ prologue and a residual epilogue, as quant_int8's); a prompt runs the same per-t
 as a GEMM, each task taking a group of rows through every token, GEMM_TOKENS at a time (whether
 a type's prompts use it is Int8Kernels.supports_prompt's to say). The super-block loop stays
 rolled: unrolled, LLVM schedules all its products first and spills them.
+
+Q4_K prompts on a target with 512-bit registers take two tokens per register instead: the
+activations of tokens 2p and 2p + 1 are laid side by side once per prompt, so one 32-code run,
+unpacked once, feeds both halves of a `vpmaddubsw`, and the per-super-block float steps (which
+llama.cpp's order fixes per token) run on two tokens at a time. Every value is still one
+ggml_vec_dot_q4_K_q8_K in its order (benchmarks/kquant_int8.py: 1.25-1.4x the 4-token kernel).
 """
 
 from __future__ import annotations
@@ -43,6 +49,8 @@ KQUANT_GEMV_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K"})  # the weights with inte
 SUPER = 256  # values per super-block (and per q8_K activation block)
 FIELDS = 6  # weight fields per matrix slot of the grouped kernel (Q5_K has the most)
 GEMM_TOKENS = 4  # tokens a prompt GEMM's row group takes per pass over its weight codes
+PAIR_TILE = 3  # token pairs a Q4_K prompt GEMM's row group takes per pass (512-bit registers)
+PAIR_ROWS = 2  # rows per task of that GEMM: 3 accumulator registers per row and pair
 
 
 def kquant_supported(qtype: str, n: int, k: int) -> bool:
@@ -223,6 +231,119 @@ def _q45k_rows(intrin: str, five: bool, rows: int, n_super: int, tt: int,
     return row_group
 
 
+def _wide(v: tirx.PrimExpr, lanes: int) -> tirx.PrimExpr:
+    """A `lanes`-lane vector twice, as one vector of 2 * lanes (both halves of a zmm register)."""
+    return T.Shuffle([v, v], list(range(2 * lanes)))
+
+
+def _pairs512(codes: tirx.PrimExpr, acts: tirx.PrimExpr) -> tirx.PrimExpr:
+    """_pairs on 64 values: int16x32."""
+    return T.call_llvm_pure_intrin("int16x32", "llvm.x86.avx512.pmaddubs.w.512", T.reinterpret("int8x64", codes),
+                                   acts)
+
+
+def _scaled512(acc: tirx.PrimExpr, pairs: tirx.PrimExpr, scales: tirx.PrimExpr) -> tirx.PrimExpr:
+    """_scaled on 512 bits, in the saturating form (no sum here comes near int32's limits: the
+    same values), which LLVM leaves alone; it splits the plain one into vpmaddwd + vpaddd."""
+    return T.call_llvm_pure_intrin("int32x16", "llvm.x86.avx512.vpdpwssds.512", acc, pairs, scales)
+
+
+def _fma16(a: tirx.PrimExpr, b: tirx.PrimExpr, c: tirx.PrimExpr) -> tirx.PrimExpr:
+    return T.call_llvm_pure_intrin("float32x16", "llvm.fma.v16f32", a, b, c)
+
+
+def _q4k_pair_rows(rows: int, n_pairs: int, n_super: int, prefetch_groups: int) -> Callable[..., None]:
+    """Row-group macro of Q4_K over `n_pairs` token pairs, in 512-bit registers: the low half of a
+    register holds token 2p, the high half token 2p + 1, each lane the same 4-value slot as in
+    _q45k_rows (so every integer sum and every float step is that macro's, per token). One
+    unpacked 32-code run feeds both tokens of a pair; the float steps take two tokens at a time.
+    The pair-interleaved activations (xb2, xd2, xs2) are _pair_acts's."""
+    tiles = rows * n_pairs
+    nib = T.broadcast(T.int32(0x0F0F0F0F), 16)
+
+    @T.macro
+    def row_group(d, dmin, sc, mn, qs, y, n, jo, p0, xb2, xd2, xs2):  # type: ignore[no-untyped-def]
+        qs_flat = T.decl_buffer((n * n_super * 128,), "uint8", data=qs.data)
+        sc_flat = T.decl_buffer((n * n_super * 8,), "uint8", data=sc.data)
+        mn_flat = T.decl_buffer((n * n_super * 8,), "uint8", data=mn.data)
+        acc = T.alloc_buffer((tiles, 16), "float32")  # small: stack arrays per task
+        accm = T.alloc_buffer((tiles, 8), "float32")
+        # the low and high nibbles' sums in two chains (so one vpdpwssds need not wait for the
+        # other), added when the super-block ends: integers, the same sum
+        sumi = T.alloc_buffer((tiles * 2, 16), "int32")
+        acc_tok = T.decl_buffer((tiles * 2, 8), "float32", data=acc.data)  # one token's 8 lanes per row
+        ahead = T.meta_var(T.min(jo + prefetch_groups, n // rows - 1))
+        for q in T.unroll(tiles):
+            acc[q, 0:16] = T.broadcast(T.float32(0), 16)
+            accm[q, 0:8] = T.broadcast(T.float32(0), 8)
+            sumi[q * 2, 0:16] = T.broadcast(T.int32(0), 16)
+            sumi[q * 2 + 1, 0:16] = T.broadcast(T.int32(0), 16)
+        for i in range(n_super):
+            for p in T.unroll(8):
+                P.prefetch(qs_flat, ahead * rows * n_super * 128 + i * rows * 128 + p * 64)
+            P.prefetch(sc_flat, ahead * rows * n_super * 8 + i * rows * 8)
+            P.prefetch(mn_flat, ahead * rows * n_super * 8 + i * rows * 8)
+            for g in T.unroll(4):
+                for r in T.unroll(rows):
+                    codes = T.meta_var(qs.vload([jo * rows + r, i * 4 + g, 0], "uint8x32"))
+                    bits = T.meta_var(_wide(T.reinterpret("int32x8", codes), 8))
+                    lo = T.meta_var(T.bitwise_and(bits, nib))
+                    hi = T.meta_var(T.bitwise_and(T.shift_right(bits, T.broadcast(T.int32(4), 16)), nib))
+                    for u in T.unroll(n_pairs):
+                        sumi[(r * n_pairs + u) * 2, 0:16] = _scaled512(
+                            sumi.vload([(r * n_pairs + u) * 2, 0], "int32x16"),
+                            _pairs512(lo, xb2.vload([p0 + u, (i * 8 + 2 * g) * 64], "int8x64")),
+                            T.broadcast(T.Cast("int16", sc[jo * rows + r, i * 8 + 2 * g]), 32))
+                    for u in T.unroll(n_pairs):
+                        sumi[(r * n_pairs + u) * 2 + 1, 0:16] = _scaled512(
+                            sumi.vload([(r * n_pairs + u) * 2 + 1, 0], "int32x16"),
+                            _pairs512(hi, xb2.vload([p0 + u, (i * 8 + 2 * g + 1) * 64], "int8x64")),
+                            T.broadcast(T.Cast("int16", sc[jo * rows + r, i * 8 + 2 * g + 1]), 32))
+            for r in T.unroll(rows):
+                mins = T.meta_var(_wide(T.Cast("int16x8", mn.vload([jo * rows + r, i * 8], "uint8x8")), 8))
+                for u in T.unroll(n_pairs):
+                    xd = T.meta_var(xd2.vload([p0 + u, i, 0], "float32x16"))
+                    acc[r * n_pairs + u, 0:16] = _fma16(
+                        xd * T.broadcast(T.Cast("float32", d[jo * rows + r, i]), 16),
+                        T.Cast("float32x16", sumi.vload([(r * n_pairs + u) * 2, 0], "int32x16")
+                               + sumi.vload([(r * n_pairs + u) * 2 + 1, 0], "int32x16")),
+                        acc.vload([r * n_pairs + u, 0], "float32x16"))
+                    sumi[(r * n_pairs + u) * 2, 0:16] = T.broadcast(T.int32(0), 16)
+                    sumi[(r * n_pairs + u) * 2 + 1, 0:16] = T.broadcast(T.int32(0), 16)
+                    prod = T.meta_var(T.call_llvm_pure_intrin(  # llama.cpp's madd of the minimums and sums
+                        "int32x8", "llvm.x86.avx2.pmadd.wd", mins, xs2.vload([p0 + u, i, 0], "int16x16")))
+                    accm[r * n_pairs + u, 0:8] = P.fma8(
+                        -T.Shuffle([xd], [0, 1, 2, 3, 8, 9, 10, 11])
+                        * T.broadcast(T.Cast("float32", dmin[jo * rows + r, i]), 8),
+                        T.Cast("float32x8", prod), accm.vload([r * n_pairs + u, 0], "float32x8"))
+        for r in T.unroll(rows):
+            for u in T.unroll(n_pairs):
+                for h in T.unroll(2):
+                    y[(p0 + u) * 2 + h, jo * rows + r] = P.hsum8(acc_tok, (r * n_pairs + u) * 2 + h) + (
+                        (accm[r * n_pairs + u, h * 4] + accm[r * n_pairs + u, h * 4 + 2])
+                        + (accm[r * n_pairs + u, h * 4 + 1] + accm[r * n_pairs + u, h * 4 + 3]))
+
+    return row_group
+
+
+def _pair_acts(n_super: int) -> Callable[..., None]:
+    """Macro: tokens 2p and 2p + 1 of the q8_K activations side by side, as _q4k_pair_rows reads
+    them: each 32-value run's codes (xb2 [P, 2K]), d repeated over 8 lanes (xd2 [P, K/256, 16]) and
+    the 8 sub-block code sums (xs2 [P, K/256, 16])."""
+
+    @T.macro
+    def pair(xb, xd, xs, xb2, xd2, xs2, p):  # type: ignore[no-untyped-def]
+        for q in range(n_super * 8):
+            for h in T.unroll(2):
+                xb2[p, q * 64 + h * 32:q * 64 + h * 32 + 32] = xb.vload([p * 2 + h, q * 32], "int8x32")
+        for i in range(n_super):
+            for h in T.unroll(2):
+                xd2[p, i, h * 8:h * 8 + 8] = T.broadcast(xd[p * 2 + h, i], 8)
+                xs2[p, i, h * 8:h * 8 + 8] = xs.vload([p * 2 + h, i * 8], "int16x8")
+
+    return pair
+
+
 def _q6k_rows(intrin: str, rows: int, n_super: int, tt: int, prefetch_groups: int) -> Callable[..., None]:
     """Row-group macro of Q6_K (fields ql, qh, sc, d): each lane's dot product starts at -32 times
     its activation sum, so the codes' offset costs nothing in the loop."""
@@ -284,11 +405,12 @@ def _q6k_rows(intrin: str, rows: int, n_super: int, tt: int, prefetch_groups: in
     return row_group
 
 
-def _row_steps(qtype: str, intrin: str, n_super: int, tt: int, prefetch_groups: int) -> Callable[..., None]:
+def _row_steps(qtype: str, intrin: str, n_super: int, tt: int, prefetch_groups: int,
+               rows: int = P.ROWS) -> Callable[..., None]:
     """One macro `(f0..f5, y, n, jo, t, xb, xd, xs, xp)` for every K-quant: f0.. the weight's fields
-    in layout_spec order (the ones past a type's last unused)."""
+    in layout_spec order (the ones past a type's last unused); `rows` rows per group."""
     if qtype == "Q6_K":
-        q6 = _q6k_rows(intrin, P.ROWS, n_super, tt, prefetch_groups)
+        q6 = _q6k_rows(intrin, rows, n_super, tt, prefetch_groups)
 
         @T.macro
         def steps6(f0, f1, f2, f3, f4, f5, y, n, jo, t, xb, xd, xs, xp):  # type: ignore[no-untyped-def]
@@ -296,7 +418,7 @@ def _row_steps(qtype: str, intrin: str, n_super: int, tt: int, prefetch_groups: 
 
         return steps6
     five = qtype == "Q5_K"
-    q45 = _q45k_rows(intrin, five, P.ROWS, n_super, tt, prefetch_groups)
+    q45 = _q45k_rows(intrin, five, rows, n_super, tt, prefetch_groups)
 
     @T.macro
     def steps45(f0, f1, f2, f3, f4, f5, y, n, jo, t, xb, xd, xs, xp):  # type: ignore[no-untyped-def]
@@ -397,9 +519,15 @@ def kquant_gemv_group(qtype: str, ns: tuple[int, ...], k: int, intrin: str, prol
     return P.without_params(gemv, unused)
 
 
-def kquant_gemm(qtype: str, n: int, k: int, intrin: str, tokens: int = GEMM_TOKENS) -> tirx.PrimFunc:
+def kquant_gemm(qtype: str, n: int, k: int, intrin: str, tokens: int = GEMM_TOKENS,
+                pairs: int | None = None) -> tirx.PrimFunc:
     """quant_int8.int8_gemm for the K-quants: tokens quantised in parallel, then each task takes
-    a group of rows through every token, GEMM_TOKENS tokens per pass over their codes."""
+    a group of rows through every token, `tokens` tokens per pass over their codes. Q4_K on a
+    target with 512-bit registers takes token pairs instead (_q4k_pair_gemm, `pairs` of them per
+    pass; PAIR_TILE unless given, 0 for the one-token-per-register kernel)."""
+    pairs = (PAIR_TILE if qtype == "Q4_K" and intrin.startswith("llvm.x86.avx512") else 0) if pairs is None else pairs
+    if pairs:
+        return _q4k_pair_gemm(n, k, intrin, PAIR_ROWS, pairs)
     n_super, rows = k // SUPER, P.ROWS
     N, K = T.int64(n), T.int64(k)
     specs = _field_specs(qtype, n, k)
@@ -429,3 +557,42 @@ def kquant_gemm(qtype: str, n: int, k: int, intrin: str, tokens: int = GEMM_TOKE
 
     n_fields = len(layout_spec(qtype, (n, k)))
     return P.without_params(gemm, {f"f{f}" for f in range(n_fields, FIELDS)})
+
+
+def _q4k_pair_gemm(n: int, k: int, intrin: str, rows: int, pairs: int) -> tirx.PrimFunc:
+    """kquant_gemm of Q4_K in token pairs (_q4k_pair_rows), 2 * pairs tokens per pass over a row
+    group's codes; the tokens past the last whole tile take the one-token macro."""
+    n_super, tokens = k // SUPER, 2 * pairs
+    N, K = T.int64(n), T.int64(k)
+    specs = _field_specs("Q4_K", n, k)
+    quantize = _q8k_quantize()
+    pair_acts = _pair_acts(n_super)
+    one = _row_steps("Q4_K", intrin, n_super, 1, P.PREFETCH_GROUPS, rows)
+    tile = _q4k_pair_rows(rows, pairs, n_super, P.PREFETCH_GROUPS)
+
+    @T.prim_func(private=True)
+    def gemm(x_h: T.handle, f0: T.Buffer(specs[0][0], specs[0][1]), f1: T.Buffer(specs[1][0], specs[1][1]),  # type: ignore[valid-type]
+             f2: T.Buffer(specs[2][0], specs[2][1]), f3: T.Buffer(specs[3][0], specs[3][1]),  # type: ignore[valid-type]
+             f4: T.Buffer(specs[4][0], specs[4][1]), y_h: T.handle):  # type: ignore[valid-type]
+        T.func_attr({"tirx.noalias": True})
+        t_len = T.int64()
+        x = T.match_buffer(x_h, (t_len, K), "float32")
+        y = T.match_buffer(y_h, (t_len, N), "float32")
+        xb = T.alloc_buffer((t_len, K), "int8")
+        xd = T.alloc_buffer((t_len, n_super), "float32")
+        xs = T.alloc_buffer((t_len, n_super * 8), "int16")
+        xp = T.alloc_buffer((t_len, n_super * 128), "int16")
+        xb2 = T.alloc_buffer((t_len // 2, K * 2), "int8")
+        xd2 = T.alloc_buffer((t_len // 2, n_super, 16), "float32")
+        xs2 = T.alloc_buffer((t_len // 2, n_super, 16), "int16")
+        for t in T.parallel(t_len):
+            quantize(x, t, xb, xd, xs, xp, n_super)
+        for p in T.parallel(t_len // 2):
+            pair_acts(xb, xd, xs, xb2, xd2, xs2, p)
+        for jo in T.parallel(n // rows):
+            for g in range(t_len // tokens):
+                tile(f0, f1, f2, f3, f4, y, n, jo, g * pairs, xb2, xd2, xs2)
+            for t in range(t_len // tokens * tokens, t_len):
+                one(f0, f1, f2, f3, f4, f4, y, n, jo, t, xb, xd, xs, xp)  # f5: unused by Q4_K
+
+    return gemm

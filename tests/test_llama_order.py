@@ -18,6 +18,7 @@ import pytest
 import tvm
 
 from ggufc.codegen import kernels_attention as KA
+from ggufc.codegen import kquant_int8 as KQ
 from ggufc.codegen import quant as Q
 from ggufc.codegen import quant_int8 as Q8
 from ggufc.codegen.cpu_vec import swiglu
@@ -91,6 +92,27 @@ def test_kquant_int8_matmul_is_llama_cpp_bit_for_bit(qtype: str, n: int, k: int,
     kernel = Q8.int8_gemv(qtype, n, k, TARGET) if t == 1 else Q8.int8_gemm(qtype, n, k, TARGET)
     _build(kernel)(to_tvm(x), *(to_tvm(arrays[f]) for f, _, _ in Q.layout_spec(qtype, (n, k))), to_tvm(y))
     np.testing.assert_array_equal(y, G.matmul_k(qtype, raw, n, k, x))
+
+
+@needs_int8_dot
+@pytest.mark.parametrize(("pairs", "t"), [(0, 13), (1, 1), (1, 2), (3, 5), (3, 13), (2, 8)])
+def test_q4k_prompt_gemm_tilings_are_llama_cpp_bit_for_bit(pairs: int, t: int) -> None:
+    """Q4_K's prompt GEMM in token pairs (512-bit registers; `pairs` per pass, 0: the 4-token
+    kernel), with whole tiles, a tail of single tokens, and prompts shorter than one tile."""
+    intrin = Q8.int8_dot_intrinsic(TARGET)
+    if pairs and not intrin.startswith("llvm.x86.avx512"):
+        pytest.skip(f"{TARGET.attrs.get('mcpu')} has no 512-bit registers")
+    n, k = 8, 768
+    rng = np.random.default_rng(pairs * 31 + t)
+    raw = _k_blocks("Q4_K", n, k, rng)
+    arrays = Q.repack("Q4_K", raw, (n, k))
+    x = (rng.standard_normal((t, k)) * rng.uniform(0.01, 10, (t, 1))).astype(np.float32)
+    x[0, 256:512] = 0
+    x[-1, 300] = 90.0
+    y = aligned_zeros((t, n), np.float32)
+    kernel = KQ.kquant_gemm("Q4_K", n, k, intrin, pairs=pairs)
+    _build(kernel)(to_tvm(x), *(to_tvm(arrays[f]) for f, _, _ in Q.layout_spec("Q4_K", (n, k))), to_tvm(y))
+    np.testing.assert_array_equal(y, G.matmul_k("Q4_K", raw, n, k, x))
 
 
 @needs_int8_dot
