@@ -27,11 +27,12 @@ as a GEMM, each task taking a group of rows through every token, GEMM_TOKENS at 
 a type's prompts use it is Int8Kernels.supports_prompt's to say). The super-block loop stays
 rolled: unrolled, LLVM schedules all its products first and spills them.
 
-Q4_K prompts on a target with 512-bit registers take two tokens per register instead: the
-activations of tokens 2p and 2p + 1 are laid side by side once per prompt, so one 32-code run,
-unpacked once, feeds both halves of a `vpmaddubsw`, and the per-super-block float steps (which
-llama.cpp's order fixes per token) run on two tokens at a time. Every value is still one
-ggml_vec_dot_q4_K_q8_K in its order (benchmarks/kquant_int8.py: 1.25-1.4x the 4-token kernel).
+Q4_K and Q6_K prompts on a target with 512-bit registers take two tokens per register instead:
+the activations of tokens 2p and 2p + 1 are laid side by side once per prompt, so one 32-code
+run, unpacked once, feeds both halves of a `vpmaddubsw`, and the per-super-block float steps
+(which llama.cpp's order fixes per token) run on two tokens at a time. Every value is still one
+ggml_vec_dot_q{4,6}_K_q8_K in its order (benchmarks/kquant_int8.py: 1.25-1.75x the 4-token
+kernel at 128 tokens).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ KQUANT_GEMV_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K"})  # the weights with inte
 SUPER = 256  # values per super-block (and per q8_K activation block)
 FIELDS = 6  # weight fields per matrix slot of the grouped kernel (Q5_K has the most)
 GEMM_TOKENS = 4  # tokens a prompt GEMM's row group takes per pass over its weight codes
+PAIR_TYPES = frozenset({"Q4_K", "Q6_K"})  # the K-quants whose prompt GEMMs take token pairs
 PAIR_TILE = 3  # token pairs a Q4_K prompt GEMM's row group takes per pass (512-bit registers)
 PAIR_ROWS = 2  # rows per task of that GEMM: 3 accumulator registers per row and pair
 
@@ -327,21 +329,90 @@ def _q4k_pair_rows(rows: int, n_pairs: int, n_super: int, prefetch_groups: int) 
 
 
 def _pair_acts(n_super: int) -> Callable[..., None]:
-    """Macro: tokens 2p and 2p + 1 of the q8_K activations side by side, as _q4k_pair_rows reads
-    them: each 32-value run's codes (xb2 [P, 2K]), d repeated over 8 lanes (xd2 [P, K/256, 16]) and
-    the 8 sub-block code sums (xs2 [P, K/256, 16])."""
+    """Macro: tokens 2p and 2p + 1 of the q8_K activations side by side, as the pair macros read
+    them: each 32-value run's codes (xb2 [P, 2K]) and Q6_K's offsets (xp2 [P, K]), d repeated over 8
+    lanes (xd2 [P, K/256, 16]) and the 8 sub-block code sums (xs2 [P, K/256, 16])."""
 
     @T.macro
-    def pair(xb, xd, xs, xb2, xd2, xs2, p):  # type: ignore[no-untyped-def]
+    def pair(xb, xd, xs, xp, xb2, xd2, xs2, xp2, p, offsets):  # type: ignore[no-untyped-def]
         for q in range(n_super * 8):
             for h in T.unroll(2):
                 xb2[p, q * 64 + h * 32:q * 64 + h * 32 + 32] = xb.vload([p * 2 + h, q * 32], "int8x32")
+                if offsets:
+                    xp2[p, q * 32 + h * 16:q * 32 + h * 16 + 16] = xp.vload([p * 2 + h, q * 16], "int16x16")
         for i in range(n_super):
             for h in T.unroll(2):
                 xd2[p, i, h * 8:h * 8 + 8] = T.broadcast(xd[p * 2 + h, i], 8)
                 xs2[p, i, h * 8:h * 8 + 8] = xs.vload([p * 2 + h, i * 8], "int16x8")
 
     return pair
+
+
+def _q6k_pair_rows(rows: int, n_pairs: int, n_super: int, prefetch_groups: int) -> Callable[..., None]:
+    """_q6k_rows in token pairs, as _q4k_pair_rows: one decoded 32-code run feeds both halves of
+    a 512-bit `vpmaddubsw`, the offsets (xp2) subtracted per token, the float step per two tokens."""
+    tiles = rows * n_pairs
+    halves = [*range(8), *range(16, 24)]
+
+    def scales(sc: tirx.Buffer, row: tirx.PrimExpr, s: tirx.PrimExpr) -> tirx.PrimExpr:
+        return _wide(T.Shuffle([_scale16(sc[row, s]), _scale16(sc[row, s + 1])], halves), 16)
+
+    def code(low: tirx.PrimExpr, high: tirx.PrimExpr, c: tirx.PrimExpr) -> tirx.PrimExpr:
+        nib = T.bitwise_and(T.shift_right(low, T.broadcast(T.Cast("int32", 4 * (c // 2)), 16)),
+                            T.broadcast(T.int32(0x0F0F0F0F), 16))
+        top = T.bitwise_and(T.shift_right(high, T.broadcast(T.Cast("int32", 2 * c), 16)),
+                            T.broadcast(T.int32(0x03030303), 16))
+        return T.bitwise_or(nib, T.shift_left(top, T.broadcast(T.int32(4), 16)))
+
+    @T.macro
+    def row_group(ql, qh, sc, d, y, n, jo, p0, xb2, xd2, xp2):  # type: ignore[no-untyped-def]
+        ql_flat = T.decl_buffer((n * n_super * 128,), "uint8", data=ql.data)
+        qh_flat = T.decl_buffer((n * n_super * 64,), "uint8", data=qh.data)
+        sc_flat = T.decl_buffer((n * n_super * 16,), "int8", data=sc.data)
+        acc = T.alloc_buffer((tiles, 16), "float32")  # small: stack arrays per task
+        sumi = T.alloc_buffer((tiles * 2, 16), "int32")  # two chains, as in _q4k_pair_rows
+        acc_tok = T.decl_buffer((tiles * 2, 8), "float32", data=acc.data)
+        ahead = T.meta_var(T.min(jo + prefetch_groups, n // rows - 1))
+        for q in T.unroll(tiles):
+            acc[q, 0:16] = T.broadcast(T.float32(0), 16)
+            sumi[q * 2, 0:16] = T.broadcast(T.int32(0), 16)
+            sumi[q * 2 + 1, 0:16] = T.broadcast(T.int32(0), 16)
+        for i in range(n_super):
+            for p in T.unroll(8):
+                P.prefetch(ql_flat, ahead * rows * n_super * 128 + i * rows * 128 + p * 64)
+            for p in T.unroll(4):
+                P.prefetch(qh_flat, ahead * rows * n_super * 64 + i * rows * 64 + p * 64)
+            P.prefetch(sc_flat, ahead * rows * n_super * 16 + i * rows * 16)
+            for a in T.unroll(2):
+                for r in T.unroll(rows):
+                    bits = T.meta_var(qh.vload([jo * rows + r, i * 2 + a, 0], "uint8x32"))
+                    high = T.meta_var(_wide(T.reinterpret("int32x8", bits), 8))
+                    for c in T.unroll(4):
+                        half = T.meta_var(ql.vload([jo * rows + r, i * 2 + a, 32 * (c % 2)], "uint8x32"))
+                        low = T.meta_var(_wide(T.reinterpret("int32x8", half), 8))
+                        run = T.meta_var(i * 8 + a * 4 + c)
+                        for u in T.unroll(n_pairs):
+                            sumi[(r * n_pairs + u) * 2 + c % 2, 0:16] = _scaled512(
+                                sumi.vload([(r * n_pairs + u) * 2 + c % 2, 0], "int32x16"),
+                                _pairs512(code(low, high, c), xb2.vload([p0 + u, run * 64], "int8x64"))
+                                - xp2.vload([p0 + u, run * 32], "int16x32"),
+                                scales(sc, jo * rows + r, run * 2))
+            for r in T.unroll(rows):
+                for u in T.unroll(n_pairs):
+                    acc[r * n_pairs + u, 0:16] = _fma16(
+                        xd2.vload([p0 + u, i, 0], "float32x16")
+                        * T.broadcast(T.Cast("float32", d[jo * rows + r, i]), 16),
+                        T.Cast("float32x16", sumi.vload([(r * n_pairs + u) * 2, 0], "int32x16")
+                               + sumi.vload([(r * n_pairs + u) * 2 + 1, 0], "int32x16")),
+                        acc.vload([r * n_pairs + u, 0], "float32x16"))
+                    sumi[(r * n_pairs + u) * 2, 0:16] = T.broadcast(T.int32(0), 16)
+                    sumi[(r * n_pairs + u) * 2 + 1, 0:16] = T.broadcast(T.int32(0), 16)
+        for r in T.unroll(rows):
+            for u in T.unroll(n_pairs):
+                for h in T.unroll(2):
+                    y[(p0 + u) * 2 + h, jo * rows + r] = P.hsum8(acc_tok, (r * n_pairs + u) * 2 + h)
+
+    return row_group
 
 
 def _q6k_rows(intrin: str, rows: int, n_super: int, tt: int, prefetch_groups: int) -> Callable[..., None]:
@@ -522,12 +593,13 @@ def kquant_gemv_group(qtype: str, ns: tuple[int, ...], k: int, intrin: str, prol
 def kquant_gemm(qtype: str, n: int, k: int, intrin: str, tokens: int = GEMM_TOKENS,
                 pairs: int | None = None) -> tirx.PrimFunc:
     """quant_int8.int8_gemm for the K-quants: tokens quantised in parallel, then each task takes
-    a group of rows through every token, `tokens` tokens per pass over their codes. Q4_K on a
-    target with 512-bit registers takes token pairs instead (_q4k_pair_gemm, `pairs` of them per
+    a group of rows through every token, `tokens` tokens per pass over their codes. Q4_K and Q6_K
+    on a target with 512-bit registers take token pairs instead (_pair_gemm, `pairs` of them per
     pass; PAIR_TILE unless given, 0 for the one-token-per-register kernel)."""
-    pairs = (PAIR_TILE if qtype == "Q4_K" and intrin.startswith("llvm.x86.avx512") else 0) if pairs is None else pairs
+    if pairs is None:
+        pairs = PAIR_TILE if qtype in PAIR_TYPES and intrin.startswith("llvm.x86.avx512") else 0
     if pairs:
-        return _q4k_pair_gemm(n, k, intrin, PAIR_ROWS, pairs)
+        return _pair_gemm(qtype, n, k, intrin, PAIR_ROWS, pairs)
     n_super, rows = k // SUPER, P.ROWS
     N, K = T.int64(n), T.int64(k)
     specs = _field_specs(qtype, n, k)
@@ -559,16 +631,24 @@ def kquant_gemm(qtype: str, n: int, k: int, intrin: str, tokens: int = GEMM_TOKE
     return P.without_params(gemm, {f"f{f}" for f in range(n_fields, FIELDS)})
 
 
-def _q4k_pair_gemm(n: int, k: int, intrin: str, rows: int, pairs: int) -> tirx.PrimFunc:
-    """kquant_gemm of Q4_K in token pairs (_q4k_pair_rows), 2 * pairs tokens per pass over a row
-    group's codes; the tokens past the last whole tile take the one-token macro."""
-    n_super, tokens = k // SUPER, 2 * pairs
+def _pair_gemm(qtype: str, n: int, k: int, intrin: str, rows: int, pairs: int) -> tirx.PrimFunc:
+    """kquant_gemm of Q4_K or Q6_K in token pairs, 2 * pairs tokens per pass over a row group's
+    codes; the tokens past the last whole tile take the one-token macro."""
+    n_super, tokens, six = k // SUPER, 2 * pairs, qtype == "Q6_K"
     N, K = T.int64(n), T.int64(k)
-    specs = _field_specs("Q4_K", n, k)
+    specs = _field_specs(qtype, n, k)
     quantize = _q8k_quantize()
     pair_acts = _pair_acts(n_super)
-    one = _row_steps("Q4_K", intrin, n_super, 1, P.PREFETCH_GROUPS, rows)
-    tile = _q4k_pair_rows(rows, pairs, n_super, P.PREFETCH_GROUPS)
+    one = _row_steps(qtype, intrin, n_super, 1, P.PREFETCH_GROUPS, rows)
+    q4 = _q4k_pair_rows(rows, pairs, n_super, P.PREFETCH_GROUPS)
+    q6 = _q6k_pair_rows(rows, pairs, n_super, P.PREFETCH_GROUPS)
+
+    @T.macro
+    def tile(f0, f1, f2, f3, f4, y, jo, p0, xb2, xd2, xs2, xp2):  # type: ignore[no-untyped-def]
+        if six:
+            q6(f0, f1, f2, f3, y, n, jo, p0, xb2, xd2, xp2)
+        else:
+            q4(f0, f1, f2, f3, f4, y, n, jo, p0, xb2, xd2, xs2)
 
     @T.prim_func(private=True)
     def gemm(x_h: T.handle, f0: T.Buffer(specs[0][0], specs[0][1]), f1: T.Buffer(specs[1][0], specs[1][1]),  # type: ignore[valid-type]
@@ -585,14 +665,15 @@ def _q4k_pair_gemm(n: int, k: int, intrin: str, rows: int, pairs: int) -> tirx.P
         xb2 = T.alloc_buffer((t_len // 2, K * 2), "int8")
         xd2 = T.alloc_buffer((t_len // 2, n_super, 16), "float32")
         xs2 = T.alloc_buffer((t_len // 2, n_super, 16), "int16")
+        xp2 = T.alloc_buffer((t_len // 2, K if six else 1), "int16")
         for t in T.parallel(t_len):
             quantize(x, t, xb, xd, xs, xp, n_super)
         for p in T.parallel(t_len // 2):
-            pair_acts(xb, xd, xs, xb2, xd2, xs2, p)
+            pair_acts(xb, xd, xs, xp, xb2, xd2, xs2, xp2, p, six)
         for jo in T.parallel(n // rows):
             for g in range(t_len // tokens):
-                tile(f0, f1, f2, f3, f4, y, n, jo, g * pairs, xb2, xd2, xs2)
+                tile(f0, f1, f2, f3, f4, y, jo, g * pairs, xb2, xd2, xs2, xp2)
             for t in range(t_len // tokens * tokens, t_len):
-                one(f0, f1, f2, f3, f4, f4, y, n, jo, t, xb, xd, xs, xp)  # f5: unused by Q4_K
+                one(f0, f1, f2, f3, f4, f4, y, n, jo, t, xb, xd, xs, xp)  # f5: unused by Q4_K and Q6_K
 
-    return gemm
+    return P.without_params(gemm, {f"f{f}" for f in range(len(layout_spec(qtype, (n, k))), FIELDS - 1)})

@@ -95,24 +95,25 @@ def test_kquant_int8_matmul_is_llama_cpp_bit_for_bit(qtype: str, n: int, k: int,
 
 
 @needs_int8_dot
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
 @pytest.mark.parametrize(("pairs", "t"), [(0, 13), (1, 1), (1, 2), (3, 5), (3, 13), (2, 8)])
-def test_q4k_prompt_gemm_tilings_are_llama_cpp_bit_for_bit(pairs: int, t: int) -> None:
-    """Q4_K's prompt GEMM in token pairs (512-bit registers; `pairs` per pass, 0: the 4-token
-    kernel), with whole tiles, a tail of single tokens, and prompts shorter than one tile."""
+def test_kquant_prompt_gemm_tilings_are_llama_cpp_bit_for_bit(qtype: str, pairs: int, t: int) -> None:
+    """The Q4_K and Q6_K prompt GEMMs in token pairs (512-bit registers; `pairs` per pass, 0: the
+    4-token kernel), with whole tiles, a tail of single tokens, and prompts shorter than one tile."""
     intrin = Q8.int8_dot_intrinsic(TARGET)
     if pairs and not intrin.startswith("llvm.x86.avx512"):
         pytest.skip(f"{TARGET.attrs.get('mcpu')} has no 512-bit registers")
     n, k = 8, 768
     rng = np.random.default_rng(pairs * 31 + t)
-    raw = _k_blocks("Q4_K", n, k, rng)
-    arrays = Q.repack("Q4_K", raw, (n, k))
+    raw = _k_blocks(qtype, n, k, rng)
+    arrays = Q.repack(qtype, raw, (n, k))
     x = (rng.standard_normal((t, k)) * rng.uniform(0.01, 10, (t, 1))).astype(np.float32)
     x[0, 256:512] = 0
     x[-1, 300] = 90.0
     y = aligned_zeros((t, n), np.float32)
-    kernel = KQ.kquant_gemm("Q4_K", n, k, intrin, pairs=pairs)
-    _build(kernel)(to_tvm(x), *(to_tvm(arrays[f]) for f, _, _ in Q.layout_spec("Q4_K", (n, k))), to_tvm(y))
-    np.testing.assert_array_equal(y, G.matmul_k("Q4_K", raw, n, k, x))
+    kernel = KQ.kquant_gemm(qtype, n, k, intrin, pairs=pairs)
+    _build(kernel)(to_tvm(x), *(to_tvm(arrays[f]) for f, _, _ in Q.layout_spec(qtype, (n, k))), to_tvm(y))
+    np.testing.assert_array_equal(y, G.matmul_k(qtype, raw, n, k, x))
 
 
 @needs_int8_dot
