@@ -7,7 +7,8 @@ matmul) against the 8-bit integer kernels (codegen/kquant_int8.py), in one run.
 * GEMV (decode) on realistic matrices (1536 x 6144 and 6144 x 1536): `cold` cycles through enough
   copies of the weight to exceed the last-level cache (every call streams its weight from DRAM, as
   a model bigger than the cache does), `hot` repeats one copy (in cache);
-* GEMM (prompt, T tokens) on the same matrices, in cache;
+* GEMM (prompt, T tokens) on the same matrices, in cache; also the 4-token GEMM (one token per
+  register, `kquant_gemm(..., pairs=0)`) against the default one (token pairs on 512-bit targets);
 * the decode step of a compiled model (`--model`), the old artifact compiled with the K-quant
   integer kernels switched off;
 * a stream-read reference from the same run (bench_cpu.stream_bandwidth): the cold GEMVs' weight
@@ -67,6 +68,7 @@ class MatrixCase:
             Q.qmatmul(qtype, n, k, gemv=False), target)
         int8_gemv, int8_gemm = _build(Q8.int8_gemv(qtype, n, k, target), target), _build(
             Q8.int8_gemm(qtype, n, k, target), target)
+        tile4_gemm = _build(KQ.kquant_gemm(qtype, n, k, str(Q8.int8_dot_intrinsic(target)), pairs=0), target)
 
         def old_gemv(w: list[tvm.runtime.Tensor]) -> None:
             quantize1(self.x1, self.xq1)
@@ -78,7 +80,8 @@ class MatrixCase:
 
         self.runs: dict[str, Callable[[list[tvm.runtime.Tensor]], None]] = {
             "old_gemv": old_gemv, "new_gemv": lambda w: int8_gemv(self.x1, *w, self.y1),
-            "old_gemm": old_gemm, "new_gemm": lambda w: int8_gemm(self.xt, *w, self.yt)}
+            "old_gemm": old_gemm, "new_gemm": lambda w: int8_gemm(self.xt, *w, self.yt),
+            "tile4_gemm": lambda w: tile4_gemm(self.xt, *w, self.yt)}
         self.check()
         self.times: dict[str, list[float]] = {}
 
@@ -93,7 +96,7 @@ class MatrixCase:
 
     def round(self) -> None:
         for mode in ("gemv", "gemm"):
-            for which in ("old", "new"):
+            for which in ("old", "new") if mode == "gemv" else ("old", "tile4", "new"):
                 run = self.runs[f"{which}_{mode}"]
                 if mode == "gemv":  # cold: one call per copy, every weight byte from DRAM
                     t0 = time.perf_counter()
@@ -174,6 +177,9 @@ def main() -> None:
                 if mode.startswith("gemv") else f"{'-':>8} {'-':>8} | {'-':>10}"
             times = f"{old * 1e3:8.3f} {new * 1e3:8.3f} {old / new:7.2f}"
             print(f"{c.qtype:5} {c.n:5d} {c.k:5d} {label:10} | {times} | {bw}")
+        tile4, new = statistics.median(c.times["tile4_gemm_hot"]), statistics.median(c.times["new_gemm_hot"])
+        print(f"{c.qtype:5} {c.n:5d} {c.k:5d} {'4-token':10} | {tile4 * 1e3:8.3f} {new * 1e3:8.3f} {tile4 / new:7.2f} |"
+              f" (the one-token-per-register GEMM against the default one)")
     if args.model is not None:
         times = model_decode(args.model, args.rounds, args.decode_tokens, threads)
         old, new = statistics.median(times["old"]), statistics.median(times["new"])
