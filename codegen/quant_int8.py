@@ -21,7 +21,7 @@ a block's 16 bytes load into both halves of a vector, shifted by 0 and 4 bits, s
 out in value order. A decode step runs GEMVs (grouped, with an RMSNorm or SwiGLU prologue and a
 residual epilogue); a prompt runs the same per-token arithmetic as a GEMM (`int8_gemm`). Which
 matmuls run here is decided by the rules of passes/fuse_int8.py (`Int8Kernels` tells them).
-Q4_K, Q5_K and Q6_K weights (q8_K activations) take the same entry points, built by
+Q2_K, Q3_K, Q4_K, Q5_K and Q6_K weights (q8_K activations) take the same entry points, built by
 codegen/kquant_int8.py.
 """
 
@@ -55,6 +55,7 @@ from .quant import i64, layout_spec
 
 INT8_GEMV_TYPES = frozenset({"Q4_0", "Q4_1", "Q8_0"})
 GEMM_TOKENS = 4  # tokens a prompt GEMM's row group takes per pass over its weight codes
+PROMPT_ON_FLOAT = frozenset({"Q3_K", "Q6_K"})  # integer GEMV, float prompt GEMM (Int8Kernels.supports_prompt)
 
 
 def int8_dot_intrinsic(target: tvm.target.Target) -> str | None:
@@ -80,9 +81,10 @@ class Int8Kernels:
         return int8_gemv_supported(qtype, n, k, self.target)
 
     def supports_prompt(self, qtype: str, n: int, k: int) -> bool:
-        """Q6_K's prompt GEMM stays on the float kernel: its integer GEMM (six-bit codes decoded
-        from three loads) measured no faster (benchmarks/kquant_int8.py: 0.7-1.0x)."""
-        return qtype != "Q6_K" and self.supports(qtype, n, k)
+        """Q6_K's and Q3_K's prompt GEMMs stay on the float kernel: their integer GEMMs (codes
+        decoded from two or three loads, Q3_K's packed scales unpacked per super-block) measured
+        no faster (benchmarks/kquant_int8.py, 64 tokens: Q6_K 0.7-1.0x, Q3_K 0.7-1.0x)."""
+        return qtype not in PROMPT_ON_FLOAT and self.supports(qtype, n, k)
 
 
 def int8_kernels(target: tvm.target.Target) -> Int8Kernels | None:

@@ -178,12 +178,33 @@ def _scale_min_k4(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, mn
 
 
+def _low_bit_blocks(qtype: str, blk: np.ndarray) -> dict[str, np.ndarray]:
+    """Q2_K / Q3_K blocks [n, nb, size]: element 128a + 32c + l takes bits 2c..2c+1 of qs[32a + l]
+    (Q3_K: minus 4 unless bit 4a + c of hmask[l] is set), sub-block (16 values) 8a + 2c + l // 16."""
+    f16 = lambda at: blk[..., at:at + 2].copy().view(np.float16)[..., 0].astype(F32)  # noqa: E731
+    at = 16 if qtype == "Q2_K" else 32
+    qs = blk[..., at:at + 64].astype(np.int32).reshape(*blk.shape[:2], 2, 1, 32)
+    codes = ((qs >> (2 * np.arange(4)[:, None])) & 3).reshape(*blk.shape[:2], 256)
+    if qtype == "Q2_K":
+        sc = blk[..., 0:16].astype(np.int32)
+        return {"d": f16(80), "dmin": f16(82), "codes": codes, "scales": np.repeat(sc & 15, 16, axis=-1),
+                "mn16": sc >> 4}
+    hm = blk[..., 0:32].astype(np.int32)
+    high = np.stack([(hm >> b) & 1 for b in range(8)], axis=-2).reshape(*blk.shape[:2], 256)
+    aux = blk[..., 96:108].astype(np.int32)
+    low = np.concatenate([aux[..., 0:8] & 15, aux[..., 0:8] >> 4], axis=-1)
+    top = np.concatenate([(aux[..., 8:12] >> (2 * s)) & 3 for s in range(4)], axis=-1)
+    return {"d": f16(108), "codes": codes - 4 * (1 - high), "scales": np.repeat((low | top << 4) - 32, 16, axis=-1)}
+
+
 def k_blocks(qtype: str, raw: np.ndarray, n: int, k: int) -> dict[str, np.ndarray]:
-    """GGUF blocks of a Q4_K/Q5_K/Q6_K [n, k] weight -> d, dmin [n, nb] f32, codes [n, nb, 256] int32
-    in value order (Q6_K's with its -32), the scale of each value's sub-block [n, nb, 256], and
-    Q4_K/Q5_K's sub-block minimums mn [n, nb, 8]."""
-    size = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}[qtype]
+    """GGUF blocks of a Q2_K..Q6_K [n, k] weight -> d, dmin [n, nb] f32, codes [n, nb, 256] int32
+    in value order (Q6_K's with its -32, Q3_K's with its -4), the scale of each value's sub-block
+    [n, nb, 256], Q4_K/Q5_K's sub-block minimums mn [n, nb, 8] and Q2_K's mn16 [n, nb, 16]."""
+    size = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}[qtype]
     blk = np.asarray(raw).view(np.uint8).reshape(n, k // 256, size)
+    if qtype in ("Q2_K", "Q3_K"):
+        return _low_bit_blocks(qtype, blk)
     f16 = lambda at: blk[..., at:at + 2].copy().view(np.float16)[..., 0].astype(F32)  # noqa: E731
     if qtype == "Q6_K":
         ql, qh = blk[..., 0:128].astype(np.int32), blk[..., 128:192].astype(np.int32)
@@ -209,7 +230,9 @@ def matmul_k(qtype: str, raw: np.ndarray, n: int, k: int, x: np.ndarray) -> np.n
     sums sumi_j (lane j: values 4j..4j+3 of every 32-value run, times their sub-block scales),
     acc_j = fma(d_a d_w, sumi_j, acc_j), then hsum_float_8; plus the minimum terms (Q4_K: four
     lanes prod_p = sum of two sub-blocks' mn * code sum, m_p = fma(-d_a dmin, prod_p, m_p), added
-    as (m0 + m2) + (m1 + m3); Q5_K: m = m + (-d_a dmin) * sum_p prod_p)."""
+    as (m0 + m2) + (m1 + m3); Q5_K: m = m + (-d_a dmin) * sum_p prod_p). Q2_K and Q3_K as Q6_K
+    (ggml_vec_dot_q{2,3}_K_q8_K), Q2_K's minimums first into the same lanes: lane p gains
+    fma(-d_a dmin, mn_2p B_2p + mn_2p+1 B_2p+1, .) (B_s: the code sum of 16-value sub-block s)."""
     w = k_blocks(qtype, raw, n, k)
     qa, da = quantize_q8_K(x)
     t, nb = qa.shape[0], k // 256
@@ -219,9 +242,14 @@ def matmul_k(qtype: str, raw: np.ndarray, n: int, k: int, x: np.ndarray) -> np.n
     accm = np.zeros((t, n, 4), F32)
     summs = np.zeros((t, n), F32)
     for i in range(nb):
+        if qtype == "Q2_K":
+            sums16 = qa[:, i].reshape(t, 16, 16).sum(-1)  # [t, 16]
+            prod16 = (w["mn16"][None, :, i] * sums16[:, None]).reshape(t, n, 8, 2).sum(-1).astype(F32)
+            dmin16 = (-da[:, None, i] * w["dmin"][None, :, i]).astype(F32)
+            acc = fma(np.broadcast_to(dmin16[..., None], acc.shape), prod16, acc)
         scale = (da[:, None, i] * w["d"][None, :, i]).astype(F32)
         acc = fma(np.broadcast_to(scale[..., None], acc.shape), sumi[:, :, i], acc)
-        if qtype == "Q6_K":
+        if qtype in ("Q2_K", "Q3_K", "Q6_K"):
             continue
         sub_sums = qa[:, i].reshape(t, 8, 32).sum(-1)  # [t, 8]
         prod = (w["mn"][None, :, i] * sub_sums[:, None]).reshape(t, n, 4, 2).sum(-1)

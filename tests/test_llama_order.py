@@ -59,16 +59,16 @@ def test_int8_matmul_is_llama_cpp_bit_for_bit(qtype: str, n: int, k: int, t: int
     np.testing.assert_array_equal(y, G.matmul_q(qtype, raw, n, k, x))
 
 
+SCALE_OFFSETS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q6_K": (208,)}  # f16 d (and dmin) per block
+
+
 def _k_blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
     """Random GGUF K-quant blocks (every code and scale pattern) with f16 scales of a real
     model's size."""
     block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
     raw = rng.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
-    d = rng.uniform(1e-4, 2e-3, size=(n, k // block, 2)).astype(np.float16).view(np.uint8)
-    if qtype == "Q6_K":
-        raw[..., 208:210] = d[..., 0:2]
-    else:
-        raw[..., 0:4] = d
+    for at in SCALE_OFFSETS.get(qtype, (0, 2)):
+        raw[..., at:at + 2] = rng.uniform(1e-4, 2e-3, size=(n, k // block)).astype(np.float16)[..., None].view(np.uint8)
     return raw.reshape(n, -1)
 
 
