@@ -51,25 +51,29 @@ def quantize_q8(x: np.ndarray, with_sums: bool) -> tuple[np.ndarray, np.ndarray,
 
 
 def weight_blocks(qtype: str, raw: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """GGUF blocks of a Q4_0/Q4_1/Q8_0 [n, k] weight -> (d, m, codes [n, nb, 32] in value order,
-    Q4_0's offset applied)."""
-    size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[qtype]
+    """GGUF blocks of a Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 [n, k] weight -> (d, m, codes [n, nb, 32] in value
+    order, Q4_0's and Q5_0's offsets applied)."""
+    size = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}[qtype]
     blk = np.asarray(raw).view(np.uint8).reshape(n, k // 32, size)
     d = blk[..., 0:2].copy().view(np.float16)[..., 0].astype(F32)
     if qtype == "Q8_0":
         return d, np.zeros_like(d), blk[..., 2:].copy().view(np.int8).astype(np.int32)
     qs = blk[..., -16:]
     codes = np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.int32)
-    if qtype == "Q4_0":
-        return d, np.zeros_like(d), codes - 8
+    if qtype in ("Q5_0", "Q5_1"):  # bit v of the little-endian qh word: the fifth bit of code v
+        qh = blk[..., size - 20:size - 16].copy().view(np.uint32).astype(np.int64)
+        codes = codes | (((qh >> np.arange(32)) & 1) << 4).astype(np.int32)
+    if qtype in ("Q4_0", "Q5_0"):
+        return d, np.zeros_like(d), codes - (8 if qtype == "Q4_0" else 16)
     return d, blk[..., 2:4].copy().view(np.float16)[..., 0].astype(F32), codes
 
 
 def matmul_q(qtype: str, raw: np.ndarray, n: int, k: int, x: np.ndarray) -> np.ndarray:
-    """x [T, K] @ W.T as ggml_vec_dot_{q4_0,q4_1,q8_0}_q8_{0,1} (and tinyBLAS, same order): per block
-    acc_j = fma(d_w d_a, lane j's integer dot, acc_j), then hsum_float_8 (+ sum_b m_w s_b)."""
+    """x [T, K] @ W.T as ggml_vec_dot_{q4_0,q4_1,q5_0,q5_1,q8_0}_q8_{0,1} (and tinyBLAS, same order):
+    per block acc_j = fma(d_w d_a, lane j's integer dot, acc_j), then hsum_float_8 (+ sum_b m_w s_b)."""
     dw, mw, qw = weight_blocks(qtype, raw, n, k)
-    qa, da, sa = quantize_q8(x, with_sums=qtype == "Q4_1")
+    with_min = qtype in ("Q4_1", "Q5_1")
+    qa, da, sa = quantize_q8(x, with_sums=with_min)
     t, nb = qa.shape[0], k // 32
     lanes = np.einsum("nbjc,tbjc->tnbj", qw.reshape(n, nb, 8, 4), qa.reshape(t, nb, 8, 4)).astype(F32)
     acc = np.zeros((t, n, 8), F32)
@@ -79,7 +83,7 @@ def matmul_q(qtype: str, raw: np.ndarray, n: int, k: int, x: np.ndarray) -> np.n
         acc = fma(np.broadcast_to(scale[..., None], acc.shape), lanes[:, :, b], acc)
         summs = (summs + (mw[None, :, b] * sa[:, None, b]).astype(F32)).astype(F32)
     out = hsum_float_8(acc)
-    return (out + summs).astype(F32) if qtype == "Q4_1" else out
+    return (out + summs).astype(F32) if with_min else out
 
 
 def expf(x: np.ndarray) -> np.ndarray:
