@@ -1,18 +1,20 @@
 """8-bit activation kernels for the CPU: `quantize_act`, and integer dot-product matmuls (VNNI).
 
-A matmul with a 32-block weight (Q4_0, Q4_1, Q8_0) reads its input as 8-bit blocks
+A matmul with a 32-block weight (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) reads its input as 8-bit blocks
 (ir/act_quant.py). The kernels here quantise `x` themselves (the q8_0 op is idempotent, so they
-may be handed `x` or `quantize_act(x)`; the q8_1 block sums of Q4_1 need the unrounded `x`) and
+may be handed `x` or `quantize_act(x)`; the q8_1 block sums of Q4_1/Q5_1 need the unrounded `x`) and
 multiply weight codes with activation codes in `vpdpbusd` (u8 x s8 -> i32, four products per
 lane), in llama.cpp's float order (ggml_vec_dot_*_q8_* on x86 AVX2, and tinyBLAS for its
 batches): per block, lane j (values 4j..4j+3) converted to float and accumulated as
-acc_j = fma(d_w d_a, dot_j, acc_j); then hsum_float_8 of the 8 lanes, + sum_b m_w s_b for Q4_1.
+acc_j = fma(d_w d_a, dot_j, acc_j); then hsum_float_8 of the 8 lanes, + sum_b m_w s_b for Q4_1/Q5_1.
 The results are bit-identical to llama.cpp's (tests/test_llama_order.py).
 
 Per 32-value block b of a row, with weight codes q, activation codes a and block sum A = sum a:
 
     Q4_1   d_w d_a (q . a) + m_w s                q = nibble (0..15), s = f16(d_a A) (q8_1, d_a in f32)
     Q4_0   d_w d_a (q . a - 8 A)                   q = nibble
+    Q5_1   as Q4_1                                 q = nibble | fifth bit << 4 (0..31)
+    Q5_0   d_w d_a (q . a - 16 A)                  q as Q5_1
     Q8_0   d_w d_a (q' . a - 128 A)                q' = q + 128 (the byte with its sign bit flipped)
 
 The "- c A" corrections start the integer accumulator (one lane per four values), so the loop
@@ -55,7 +57,8 @@ from .quant import i64, layout_spec
 
 INT8_GEMV_TYPES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"})
 GEMM_TOKENS = 4  # tokens a prompt GEMM's row group takes per pass over its weight codes
-PROMPT_ON_FLOAT = frozenset({"Q3_K", "Q6_K"})  # integer GEMV, float prompt GEMM (Int8Kernels.supports_prompt)
+# integer GEMVs, float prompt GEMMs (Int8Kernels.supports_prompt)
+PROMPT_ON_FLOAT = frozenset({"Q3_K", "Q5_0", "Q5_1", "Q6_K"})
 
 
 def int8_dot_intrinsic(target: tvm.target.Target) -> str | None:
@@ -81,9 +84,10 @@ class Int8Kernels:
         return int8_gemv_supported(qtype, n, k, self.target)
 
     def supports_prompt(self, qtype: str, n: int, k: int) -> bool:
-        """Q6_K's and Q3_K's prompt GEMMs stay on the float kernel: their integer GEMMs (codes
-        decoded from two or three loads, Q3_K's packed scales unpacked per super-block) measured
-        no faster (benchmarks/kquant_int8.py, 64 tokens: Q6_K 0.7-1.0x, Q3_K 0.7-1.0x)."""
+        """Q6_K's, Q3_K's, Q5_0's and Q5_1's prompt GEMMs stay on the float kernel: their integer
+        GEMMs (codes decoded from two or three loads, Q3_K's packed scales unpacked per super-block,
+        Q5's fifth bits spread per block) measured no faster (benchmarks/kquant_int8.py, 64 tokens:
+        Q6_K 0.77-0.98x, Q3_K 0.67-0.92x, Q5_0 0.78-0.99x, Q5_1 0.73-1.00x)."""
         return qtype not in PROMPT_ON_FLOAT and self.supports(qtype, n, k)
 
 
@@ -574,7 +578,8 @@ def int8_gemm(qtype: str, n: int, k: int, target: tvm.target.Target) -> tirx.Pri
 
     @T.prim_func(private=True)
     def gemm(x_h: T.handle, wd: T.Buffer((N, B), "float16"), wm: T.Buffer((N, B), "float16"),
-             wqh: T.Buffer((N, B), "uint32"), wq4: T.Buffer((N, B, 16), "uint8"), wq8: T.Buffer((N, B, 32), "int8"), y_h: T.handle):
+             wqh: T.Buffer((N, B), "uint32"), wq4: T.Buffer((N, B, 16), "uint8"), wq8: T.Buffer((N, B, 32), "int8"),
+             y_h: T.handle):
         T.func_attr({"tirx.noalias": True})
         t_len = T.int64()
         x = T.match_buffer(x_h, (t_len, K), "float32")

@@ -261,7 +261,7 @@ def test_int8_gemv_refuses_shapes_it_does_not_cover() -> None:
     assert not Q8.int8_gemv_supported("Q4_K", 6, 256, TARGET)
     assert not Q8.int8_gemv_supported("Q6_K", 8, 128, TARGET)  # not a whole super-block
     with pytest.raises(NotImplementedError, match="no 8-bit GEMV"):
-        Q8.int8_gemv("Q5_0", 8, 64, TARGET)
+        Q8.int8_gemv("IQ4_NL", 8, 64, TARGET)
 
 
 @needs_int8_dot

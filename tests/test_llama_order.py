@@ -67,8 +67,9 @@ def _k_blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> np.ndarra
     model's size."""
     block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
     raw = rng.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
-    for at in SCALE_OFFSETS.get(qtype, (0, 2)):
-        raw[..., at:at + 2] = rng.uniform(1e-4, 2e-3, size=(n, k // block)).astype(np.float16)[..., None].view(np.uint8)
+    d = rng.uniform(1e-4, 2e-3, size=(n, k // block, 2)).astype(np.float16).view(np.uint8)
+    for i, at in enumerate(SCALE_OFFSETS.get(qtype, (0, 2))):
+        raw[..., at:at + 2] = d[..., 2 * i:2 * i + 2]
     return raw.reshape(n, -1)
 
 
