@@ -38,6 +38,10 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from . import int8_parts as P
+from .int8_parts import mask32 as _mask
+from .int8_parts import pairs16 as _pairs
+from .int8_parts import scaled_pairs as _scaled
+from .kquant_lowbit_int8 import q2k_rows, q3k_rows
 from .quant import layout_spec
 
 KQUANT_GEMV_TYPES = frozenset({"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"})  # the weights with integer kernels here
@@ -100,28 +104,12 @@ def _q8k_quantize(run: int = 32) -> Callable[..., None]:
 # the row groups: `rows` rows of one matrix for tokens [t, t + tt)
 
 
-def _pairs(codes: tirx.PrimExpr, acts: tirx.PrimExpr) -> tirx.PrimExpr:
-    """u8 codes x s8 activations, adjacent products summed: int16x16 (vpmaddubsw; no sum of
-    these codes reaches int16's limits: 2 * 63 * 127)."""
-    return T.call_llvm_pure_intrin("int16x16", "llvm.x86.avx2.pmadd.ub.sw", T.reinterpret("int8x32", codes), acts)
-
-
-def _scaled(wide: str, acc: tirx.PrimExpr, pairs: tirx.PrimExpr, scales: tirx.PrimExpr) -> tirx.PrimExpr:
-    """acc + the int16 pair sums times their sub-block scales, adjacent pairs summed (vpdpwssd):
-    lane j gains scale (a . q over values 4j..4j+3), exactly."""
-    return T.call_llvm_pure_intrin("int32x8", wide, acc, pairs, scales)
-
-
 def _scale16(v: tirx.PrimExpr) -> tirx.PrimExpr:
     return T.broadcast(T.Cast("int16", v), 16)
 
 
 def _fma4(a: tirx.PrimExpr, b: tirx.PrimExpr, c: tirx.PrimExpr) -> tirx.PrimExpr:
     return T.call_llvm_pure_intrin("float32x4", "llvm.fma.v4f32", a, b, c)
-
-
-def _mask(v: tirx.PrimExpr, bits: int) -> tirx.PrimExpr:
-    return T.bitwise_and(v, T.broadcast(T.int32(bits), 8))
 
 
 def _fifth_bit(high: tirx.PrimExpr, bit: tirx.PrimExpr) -> tirx.PrimExpr:
@@ -289,8 +277,6 @@ def _q6k_rows(intrin: str, rows: int, n_super: int, tt: int, prefetch_groups: in
 def _row_steps(qtype: str, intrin: str, n_super: int, tt: int, prefetch_groups: int) -> Callable[..., None]:
     """One macro `(f0..f5, y, n, jo, t, xb, xd, xs, xp)` for every K-quant: f0.. the weight's fields
     in layout_spec order (the ones past a type's last unused; Q2_K's xs holds 16-value runs)."""
-    from .kquant_lowbit_int8 import q2k_rows, q3k_rows  # built on this module's primitives
-
     if qtype == "Q2_K":
         q2 = q2k_rows(intrin, P.ROWS, n_super, tt, prefetch_groups)
 

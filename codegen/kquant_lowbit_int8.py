@@ -25,7 +25,9 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from . import int8_parts as P
-from .kquant_int8 import _mask, _pairs, _scaled
+from .int8_parts import mask32 as _mask
+from .int8_parts import pairs16 as _pairs
+from .int8_parts import scaled_pairs as _scaled
 
 LOW_BIT_TYPES = frozenset({"Q2_K", "Q3_K"})
 HALVES = [*range(8), *range(16, 24)]  # lanes of the first broadcast for values 0-15, the second's for 16-31
