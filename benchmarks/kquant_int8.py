@@ -1,5 +1,6 @@
-"""K-quant matmuls: the float kernels (a `quantize_act` q8_K kernel, then codegen/quant.py's float
-matmul) against the 8-bit integer kernels (codegen/kquant_int8.py), in one run.
+"""Block-format matmuls: the float kernels (a `quantize_act` kernel, then codegen/quant.py's float
+matmul) against the 8-bit integer kernels (codegen/quant_int8.py, codegen/kquant_int8.py), in one
+run: the K-quants, and Q5_0/Q5_1 (`--types Q5_0,Q5_1`; Q5_1's float path adds the q8_1 minimum fix).
 
     TVM_NUM_THREADS=2 python benchmarks/kquant_int8.py [--rounds 7] [--types Q4_K,Q6_K]
                                                        [--model ../shared/golden/fixtures/llama-dense-Q4_K_M.gguf]
@@ -39,6 +40,7 @@ from ggufc.codegen import quant as Q  # noqa: E402
 from ggufc.codegen import quant_int8 as Q8  # noqa: E402
 from ggufc.codegen.target import cpu_target  # noqa: E402
 from ggufc.codegen.tvm_util import aligned_zeros, to_tvm  # noqa: E402
+from ggufc.ir.act_quant import ACT_SCHEME, MIN_TYPES  # noqa: E402
 
 SHAPES = [(1536, 6144), (6144, 1536)]
 LLC_BYTES = 300 << 20  # this machine's L3: cold copies must exceed it
@@ -63,20 +65,20 @@ class MatrixCase:
         self.xt = to_tvm(rng.standard_normal((t, k)).astype(np.float32))
         self.xq1, self.xqt = to_tvm(aligned_zeros((1, k), np.float32)), to_tvm(aligned_zeros((t, k), np.float32))
         self.y1, self.yt = to_tvm(aligned_zeros((1, n), np.float32)), to_tvm(aligned_zeros((t, n), np.float32))
-        quantize1, quantize_t = (_build(Q8.quantize_act((rows, k), "q8_K"), target) for rows in (1, t))
+        scheme = "q8_1" if qtype in MIN_TYPES else ACT_SCHEME[qtype]
+        quantize1, quantize_t = (_build(Q8.quantize_act((rows, k), scheme), target) for rows in (1, t))
         float_gemv, float_gemm = _build(Q.qmatmul(qtype, n, k, gemv=True), target), _build(
             Q.qmatmul(qtype, n, k, gemv=False), target)
         int8_gemv, int8_gemm = _build(Q8.int8_gemv(qtype, n, k, target), target), _build(
             Q8.int8_gemm(qtype, n, k, target), target)
         tile4_gemm = _build(KQ.kquant_gemm(qtype, n, k, str(Q8.int8_dot_intrinsic(target)), pairs=0), target)
+        old_matmul = _old_matmul(qtype, n, k, target, fields)
 
         def old_gemv(w: list[tvm.runtime.Tensor]) -> None:
-            quantize1(self.x1, self.xq1)
-            float_gemv(self.xq1, *w, self.y1)
+            old_matmul(quantize1, float_gemv, self.x1, self.xq1, w, self.y1)
 
         def old_gemm(w: list[tvm.runtime.Tensor]) -> None:
-            quantize_t(self.xt, self.xqt)
-            float_gemm(self.xqt, *w, self.yt)
+            old_matmul(quantize_t, float_gemm, self.xt, self.xqt, w, self.yt)
 
         self.runs: dict[str, Callable[[list[tvm.runtime.Tensor]], None]] = {
             "old_gemv": old_gemv, "new_gemv": lambda w: int8_gemv(self.x1, *w, self.y1),
@@ -110,6 +112,33 @@ class MatrixCase:
                     run(self.weights[0])
                 self.times.setdefault(f"{which}_{mode}_hot", []).append((time.perf_counter() - t0) / reps)
                 time.sleep(0.05)
+
+
+def _old_matmul(qtype: str, n: int, k: int, target: tvm.target.Target,
+                fields: list[str]) -> Callable[..., None]:
+    """The float path of a matmul: quantize_act, the float kernel, and for the types with block
+    minimums (q8_1) the kernel moving each minimum term onto the q8_1 block sums."""
+    if qtype not in MIN_TYPES:
+        def plain(quantize: Callable[..., None], matmul: Callable[..., None], x: tvm.runtime.Tensor,
+                  xq: tvm.runtime.Tensor, w: list[tvm.runtime.Tensor], y: tvm.runtime.Tensor) -> None:
+            quantize(x, xq)
+            matmul(xq, *w, y)
+
+        return plain
+    min_fix = _build(Q8.q8_1_min_fix(n, k), target)
+    scratch: dict[int, tuple[tvm.runtime.Tensor, tvm.runtime.Tensor]] = {}
+
+    def with_mins(quantize: Callable[..., None], matmul: Callable[..., None], x: tvm.runtime.Tensor,
+                  xq: tvm.runtime.Tensor, w: list[tvm.runtime.Tensor], y: tvm.runtime.Tensor) -> None:
+        t = x.shape[0]
+        if t not in scratch:
+            scratch[t] = (to_tvm(aligned_zeros((t, k // 32), np.float32)), to_tvm(aligned_zeros((t, n), np.float32)))
+        sums, y0 = scratch[t]
+        quantize(x, xq, sums)
+        matmul(xq, *w, y0)
+        min_fix(y0, xq, sums, w[fields.index("m")], y)
+
+    return with_mins
 
 
 def model_decode(model: Path, rounds: int, tokens: int, threads: int) -> dict[str, list[float]]:

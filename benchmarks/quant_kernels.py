@@ -54,11 +54,8 @@ def make_raw(qtype: str, shape: tuple[int, int], rng: np.random.Generator) -> np
         block, type_size = gguf.GGML_QUANT_SIZES[qt]
         raw = rng.integers(0, 256, size=(shape[0], shape[1] // block, type_size), dtype=np.uint8)
         d = rng.uniform(1e-3, 1e-2, size=raw.shape[:-1]).astype(np.float16).view(np.uint8)
-        if qtype == "Q6_K":
-            raw[..., 208:210] = d.reshape(*raw.shape[:-1], 2)
-        else:
-            raw[..., 0:2] = d.reshape(*raw.shape[:-1], 2)
-            raw[..., 2:4] = d.reshape(*raw.shape[:-1], 2)
+        for at in {"Q2_K": (80, 82), "Q3_K": (108,), "Q6_K": (208,)}.get(qtype, (0, 2)):  # f16 d (and dmin)
+            raw[..., at:at + 2] = d.reshape(*raw.shape[:-1], 2)
         return raw.reshape(shape[0], -1)
 
 

@@ -1,6 +1,7 @@
 """The parts the 8-bit matmul kernels share (codegen/quant_int8.py for 32-value blocks,
-codegen/kquant_int8.py for the K-quants): row grouping, the GEMV prologues and residual epilogue,
-prefetch, llama.cpp's horizontal sum, and parameter pruning."""
+codegen/kquant_int8.py and codegen/kquant_lowbit_int8.py for the K-quants): row grouping, the GEMV
+prologues and residual epilogue, prefetch, llama.cpp's horizontal sum, parameter pruning, and the
+K-quants' integer pair sums."""
 
 from __future__ import annotations
 
@@ -89,3 +90,20 @@ def without_params(func: tirx.PrimFunc, names: set[str]) -> tirx.PrimFunc:
     """`func` minus unused buffer parameters (one TVMScript body serves several signatures)."""
     keep = [p for p in func.params if p.name not in names]
     return tirx.PrimFunc(keep, func.body, func.ret_type, func.attrs)
+
+
+def pairs16(codes: tirx.PrimExpr, acts: tirx.PrimExpr) -> tirx.PrimExpr:
+    """u8 codes x s8 activations, adjacent products summed: int16x16 (vpmaddubsw; no sum of the
+    K-quants' codes reaches int16's limits: 2 * 63 * 127)."""
+    return T.call_llvm_pure_intrin("int16x16", "llvm.x86.avx2.pmadd.ub.sw", T.reinterpret("int8x32", codes), acts)
+
+
+def scaled_pairs(wide: str, acc: tirx.PrimExpr, pairs: tirx.PrimExpr, scales: tirx.PrimExpr) -> tirx.PrimExpr:
+    """acc + the int16 pair sums times their sub-block scales, adjacent pairs summed (vpdpwssd):
+    lane j gains scale (a . q over values 4j..4j+3), exactly."""
+    return T.call_llvm_pure_intrin("int32x8", wide, acc, pairs, scales)
+
+
+def mask32(v: tirx.PrimExpr, bits: int) -> tirx.PrimExpr:
+    """The bits `bits` of each int32 lane of an int32x8."""
+    return T.bitwise_and(v, T.broadcast(T.int32(bits), 8))

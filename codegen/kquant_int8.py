@@ -1,4 +1,5 @@
-"""8-bit integer matmuls for the K-quants (Q4_K, Q5_K, Q6_K) on the CPU (VNNI), in llama.cpp's order.
+"""8-bit integer matmuls for the K-quants (Q2_K..Q6_K) on the CPU (VNNI), in llama.cpp's order.
+Q2_K and Q3_K's row groups are codegen/kquant_lowbit_int8.py's; the kernels around them are these.
 
 The activations are rounded to q8_K blocks (256 values, as `quantize_row_q8_K`: the value of
 largest magnitude, the first one on ties, sets iscale = -127 / max; codes min(127, rint(iscale x)),
@@ -44,9 +45,13 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from . import int8_parts as P
+from .int8_parts import mask32 as _mask
+from .int8_parts import pairs16 as _pairs
+from .int8_parts import scaled_pairs as _scaled
+from .kquant_lowbit_int8 import q2k_rows, q3k_rows
 from .quant import layout_spec
 
-KQUANT_GEMV_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K"})  # the weights with integer kernels here
+KQUANT_GEMV_TYPES = frozenset({"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"})  # the weights with integer kernels here
 SUPER = 256  # values per super-block (and per q8_K activation block)
 FIELDS = 6  # weight fields per matrix slot of the grouped kernel (Q5_K has the most)
 GEMM_TOKENS = 4  # tokens a prompt GEMM's row group takes per pass over its weight codes
@@ -63,9 +68,10 @@ def kquant_supported(qtype: str, n: int, k: int) -> bool:
 # q8_K activations
 
 
-def _q8k_quantize() -> Callable[..., None]:
+def _q8k_quantize(run: int = 32) -> Callable[..., None]:
     """Macro: token t of x [T, K] -> codes xb[t] (int8, value order), d xd[t, K/256] (f32), the
-    code sums of each 32-value run xs[t, K/32] (int16: |sum| <= 32 * 127) and 32 times the sum of each pair of codes
+    code sums of each `run`-value run xs[t, K/run] (int16: |sum| <= 32 * 128; Q2_K's minimums take
+    16-value runs, llama.cpp's bsums) and 32 times the sum of each pair of codes
     xp[t, K/2] (int16: Q6_K's offset, as llama.cpp's maddubs(32, a))."""
 
     @T.macro
@@ -94,11 +100,11 @@ def _q8k_quantize() -> Callable[..., None]:
             xd[t, i] = T.if_then_else(amax > T.float32(0), T.float32(1) / scale[0], T.float32(0))
         for q in range(n_super * 128):
             xp[t, q] = T.Cast("int16", 32 * (T.Cast("int32", xb[t, q * 2]) + T.Cast("int32", xb[t, q * 2 + 1])))
-        for b in range(n_super * 8):
+        for b in range(n_super * (SUPER // run)):
             total = T.alloc_buffer((1,), "int32")
             total[0] = 0
-            for j in range(32):
-                total[0] = total[0] + T.Cast("int32", xb[t, b * 32 + j])
+            for j in range(run):
+                total[0] = total[0] + T.Cast("int32", xb[t, b * run + j])
             xs[t, b] = T.Cast("int16", total[0])
 
     return quantize
@@ -108,28 +114,12 @@ def _q8k_quantize() -> Callable[..., None]:
 # the row groups: `rows` rows of one matrix for tokens [t, t + tt)
 
 
-def _pairs(codes: tirx.PrimExpr, acts: tirx.PrimExpr) -> tirx.PrimExpr:
-    """u8 codes x s8 activations, adjacent products summed: int16x16 (vpmaddubsw; no sum of
-    these codes reaches int16's limits: 2 * 63 * 127)."""
-    return T.call_llvm_pure_intrin("int16x16", "llvm.x86.avx2.pmadd.ub.sw", T.reinterpret("int8x32", codes), acts)
-
-
-def _scaled(wide: str, acc: tirx.PrimExpr, pairs: tirx.PrimExpr, scales: tirx.PrimExpr) -> tirx.PrimExpr:
-    """acc + the int16 pair sums times their sub-block scales, adjacent pairs summed (vpdpwssd):
-    lane j gains scale (a . q over values 4j..4j+3), exactly."""
-    return T.call_llvm_pure_intrin("int32x8", wide, acc, pairs, scales)
-
-
 def _scale16(v: tirx.PrimExpr) -> tirx.PrimExpr:
     return T.broadcast(T.Cast("int16", v), 16)
 
 
 def _fma4(a: tirx.PrimExpr, b: tirx.PrimExpr, c: tirx.PrimExpr) -> tirx.PrimExpr:
     return T.call_llvm_pure_intrin("float32x4", "llvm.fma.v4f32", a, b, c)
-
-
-def _mask(v: tirx.PrimExpr, bits: int) -> tirx.PrimExpr:
-    return T.bitwise_and(v, T.broadcast(T.int32(bits), 8))
 
 
 def _fifth_bit(high: tirx.PrimExpr, bit: tirx.PrimExpr) -> tirx.PrimExpr:
@@ -479,7 +469,24 @@ def _q6k_rows(intrin: str, rows: int, n_super: int, tt: int, prefetch_groups: in
 def _row_steps(qtype: str, intrin: str, n_super: int, tt: int, prefetch_groups: int,
                rows: int = P.ROWS) -> Callable[..., None]:
     """One macro `(f0..f5, y, n, jo, t, xb, xd, xs, xp)` for every K-quant: f0.. the weight's fields
-    in layout_spec order (the ones past a type's last unused); `rows` rows per group."""
+    in layout_spec order (the ones past a type's last unused; Q2_K's xs holds 16-value runs);
+    `rows` rows per group."""
+    if qtype == "Q2_K":
+        q2 = q2k_rows(intrin, rows, n_super, tt, prefetch_groups)
+
+        @T.macro
+        def steps2(f0, f1, f2, f3, f4, f5, y, n, jo, t, xb, xd, xs, xp):  # type: ignore[no-untyped-def]
+            q2(f0, f1, f2, f3, y, n, jo, t, xb, xd, xs)
+
+        return steps2
+    if qtype == "Q3_K":
+        q3 = q3k_rows(intrin, rows, n_super, tt, prefetch_groups)
+
+        @T.macro
+        def steps3(f0, f1, f2, f3, f4, f5, y, n, jo, t, xb, xd, xs, xp):  # type: ignore[no-untyped-def]
+            q3(f0, f1, f2, f3, y, n, jo, t, xb, xd, xp)
+
+        return steps3
     if qtype == "Q6_K":
         q6 = _q6k_rows(intrin, rows, n_super, tt, prefetch_groups)
 
@@ -501,6 +508,11 @@ def _row_steps(qtype: str, intrin: str, n_super: int, tt: int, prefetch_groups: 
     return steps45
 
 
+def _sum_run(qtype: str) -> int:
+    """Values per activation code sum the type's minimums read."""
+    return 16 if qtype == "Q2_K" else 32
+
+
 def _field_specs(qtype: str, n: int, k: int) -> list[tuple[tuple[int, ...], str]]:
     """(shape, dtype) of a matrix's FIELDS parameters: its layout_spec fields, then placeholders."""
     specs = [(tuple(shape), dtype) for _, shape, dtype in layout_spec(qtype, (n, k))]
@@ -519,7 +531,8 @@ def kquant_gemv_group(qtype: str, ns: tuple[int, ...], k: int, intrin: str, prol
     n_super, group = k // SUPER, len(ns)
     (n1, n2, n3), (g1, g2, g3) = P.slots(ns)
     s1, s2, s3 = (_field_specs(qtype, n, k) for n in (n1, n2, n3))
-    quantize = _q8k_quantize()
+    run = _sum_run(qtype)
+    quantize = _q8k_quantize(run)
     steps = _row_steps(qtype, intrin, n_super, 1, prefetch_groups)
     add_residual = P.residual_adder(residual)
     n_groups = g1 + (g2 if group >= 2 else 0) + (g3 if group >= 3 else 0)
@@ -561,7 +574,7 @@ def kquant_gemv_group(qtype: str, ns: tuple[int, ...], k: int, intrin: str, prol
         xin = T.alloc_buffer((1, k), "float32")
         xb = T.alloc_buffer((1, k), "int8")
         xd = T.alloc_buffer((1, n_super), "float32")
-        xs = T.alloc_buffer((1, n_super * 8), "int16")
+        xs = T.alloc_buffer((1, k // run), "int16")
         xp = T.alloc_buffer((1, n_super * 128), "int16")
         prologue(x, xw, xu, xin)
         if stage is None:
@@ -603,7 +616,8 @@ def kquant_gemm(qtype: str, n: int, k: int, intrin: str, tokens: int = GEMM_TOKE
     n_super, rows = k // SUPER, P.ROWS
     N, K = T.int64(n), T.int64(k)
     specs = _field_specs(qtype, n, k)
-    quantize = _q8k_quantize()
+    run = _sum_run(qtype)
+    quantize = _q8k_quantize(run)
     one = _row_steps(qtype, intrin, n_super, 1, P.PREFETCH_GROUPS)
     tile = _row_steps(qtype, intrin, n_super, tokens, P.PREFETCH_GROUPS)
 
@@ -617,7 +631,7 @@ def kquant_gemm(qtype: str, n: int, k: int, intrin: str, tokens: int = GEMM_TOKE
         y = T.match_buffer(y_h, (t_len, N), "float32")
         xb = T.alloc_buffer((t_len, K), "int8")
         xd = T.alloc_buffer((t_len, n_super), "float32")
-        xs = T.alloc_buffer((t_len, n_super * 8), "int16")
+        xs = T.alloc_buffer((t_len, K // run), "int16")
         xp = T.alloc_buffer((t_len, n_super * 128), "int16")
         for t in T.parallel(t_len):
             quantize(x, t, xb, xd, xs, xp, n_super)

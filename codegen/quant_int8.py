@@ -1,18 +1,20 @@
 """8-bit activation kernels for the CPU: `quantize_act`, and integer dot-product matmuls (VNNI).
 
-A matmul with a 32-block weight (Q4_0, Q4_1, Q8_0) reads its input as 8-bit blocks
+A matmul with a 32-block weight (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) reads its input as 8-bit blocks
 (ir/act_quant.py). The kernels here quantise `x` themselves (the q8_0 op is idempotent, so they
-may be handed `x` or `quantize_act(x)`; the q8_1 block sums of Q4_1 need the unrounded `x`) and
+may be handed `x` or `quantize_act(x)`; the q8_1 block sums of Q4_1/Q5_1 need the unrounded `x`) and
 multiply weight codes with activation codes in `vpdpbusd` (u8 x s8 -> i32, four products per
 lane), in llama.cpp's float order (ggml_vec_dot_*_q8_* on x86 AVX2, and tinyBLAS for its
 batches): per block, lane j (values 4j..4j+3) converted to float and accumulated as
-acc_j = fma(d_w d_a, dot_j, acc_j); then hsum_float_8 of the 8 lanes, + sum_b m_w s_b for Q4_1.
+acc_j = fma(d_w d_a, dot_j, acc_j); then hsum_float_8 of the 8 lanes, + sum_b m_w s_b for Q4_1/Q5_1.
 The results are bit-identical to llama.cpp's (tests/test_llama_order.py).
 
 Per 32-value block b of a row, with weight codes q, activation codes a and block sum A = sum a:
 
     Q4_1   d_w d_a (q . a) + m_w s                q = nibble (0..15), s = f16(d_a A) (q8_1, d_a in f32)
     Q4_0   d_w d_a (q . a - 8 A)                   q = nibble
+    Q5_1   as Q4_1                                 q = nibble | fifth bit << 4 (0..31)
+    Q5_0   d_w d_a (q . a - 16 A)                  q as Q5_1
     Q8_0   d_w d_a (q' . a - 128 A)                q' = q + 128 (the byte with its sign bit flipped)
 
 The "- c A" corrections start the integer accumulator (one lane per four values), so the loop
@@ -21,7 +23,7 @@ a block's 16 bytes load into both halves of a vector, shifted by 0 and 4 bits, s
 out in value order. A decode step runs GEMVs (grouped, with an RMSNorm or SwiGLU prologue and a
 residual epilogue); a prompt runs the same per-token arithmetic as a GEMM (`int8_gemm`). Which
 matmuls run here is decided by the rules of passes/fuse_int8.py (`Int8Kernels` tells them).
-Q4_K, Q5_K and Q6_K weights (q8_K activations) take the same entry points, built by
+Q2_K, Q3_K, Q4_K, Q5_K and Q6_K weights (q8_K activations) take the same entry points, built by
 codegen/kquant_int8.py.
 """
 
@@ -53,8 +55,10 @@ from .int8_parts import (
 from .kquant_int8 import KQUANT_GEMV_TYPES, kquant_gemm, kquant_gemv_group, kquant_supported
 from .quant import i64, layout_spec
 
-INT8_GEMV_TYPES = frozenset({"Q4_0", "Q4_1", "Q8_0"})
+INT8_GEMV_TYPES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"})
 GEMM_TOKENS = 4  # tokens a prompt GEMM's row group takes per pass over its weight codes
+# integer GEMVs, float prompt GEMMs (Int8Kernels.supports_prompt)
+PROMPT_ON_FLOAT = frozenset({"Q3_K", "Q5_0", "Q5_1"})
 
 
 def int8_dot_intrinsic(target: tvm.target.Target) -> str | None:
@@ -80,10 +84,13 @@ class Int8Kernels:
         return int8_gemv_supported(qtype, n, k, self.target)
 
     def supports_prompt(self, qtype: str, n: int, k: int) -> bool:
-        """Every type with an 8-bit GEMV has an 8-bit GEMM. Q6_K's against its float GEMM (2
-        threads, 128 tokens, benchmarks/kquant_int8.py): 3.2x at 1536 x 6144, 1.8x at 512 x 1536,
-        0.95x at 6144 x 1536 (one kernel for all shapes keeps llama.cpp's order in prompts)."""
-        return self.supports(qtype, n, k)
+        """Q3_K's, Q5_0's and Q5_1's prompt GEMMs stay on the float kernel: their integer GEMMs
+        (Q3_K's packed scales unpacked per super-block, Q5's fifth bits spread per block) measured no
+        faster (benchmarks/kquant_int8.py, 64 tokens: Q3_K 0.67-0.92x, Q5_0 0.78-0.99x, Q5_1
+        0.73-1.00x). Q6_K's, in token pairs, against its float GEMM (2 threads, 128 tokens): 3.2x at
+        1536 x 6144, 1.8x at 512 x 1536, 0.95x at 6144 x 1536 (one kernel for all shapes keeps
+        llama.cpp's order in prompts)."""
+        return qtype not in PROMPT_ON_FLOAT and self.supports(qtype, n, k)
 
 
 def int8_kernels(target: tvm.target.Target) -> Int8Kernels | None:
@@ -229,8 +236,10 @@ def int8_gemv_group(qtype: str, ns: tuple[int, ...], k: int, target: tvm.target.
     stage = input_stage(prologue, k)
     fields = [name for name, _, _ in layout_spec(qtype, (ns[0], k))]
     func = _gemv(qtype, ns, k, intrin, stage, residual, prefetch_groups, groups_per_task)
-    unused = {f"{name}{slot}" for slot in range(len(ns) + 1, MAX_GROUP + 1) for name in ("wd", "wm", "wq4", "wq8", "y")}
-    absent = {"Q8_0": ("wm", "wq4"), "Q4_0": ("wm", "wq8"), "Q4_1": ("wq8",)}[qtype]  # fields the type lacks
+    unused = {f"{name}{slot}" for slot in range(len(ns) + 1, MAX_GROUP + 1)
+              for name in ("wd", "wm", "wqh", "wq4", "wq8", "y")}
+    absent = {"Q8_0": ("wm", "wqh", "wq4"), "Q4_0": ("wm", "wqh", "wq8"), "Q4_1": ("wqh", "wq8"),
+              "Q5_0": ("wm", "wq8"), "Q5_1": ("wq8",)}[qtype]  # fields the type lacks
     unused |= {f"{name}{slot}" for slot in range(1, MAX_GROUP + 1) for name in absent}
     unused |= {"xw"} if kind != "rms_norm" else set()
     unused |= {"xu"} if kind != "swiglu" else set()
@@ -310,26 +319,39 @@ def _lane(v: tirx.PrimExpr, i: tirx.PrimExpr) -> tirx.PrimExpr:
 
 
 def _q4_steps(intrin: str, has_min: bool, rows: int, n_blocks: int, tt: int = 1,
-              prefetch_groups: int = PREFETCH_GROUPS) -> Callable[..., None]:
+              prefetch_groups: int = PREFETCH_GROUPS, five: bool = False) -> Callable[..., None]:
     """The row-group macro of the Q4_0/Q4_1 kernels: rows [jo * rows, jo * rows + rows) of one
     matrix for tokens [t, t + tt), in llama.cpp's order (ggml_vec_dot_q4_{0,1}_q8_{0,1}, AVX2): per
     block, an 8-lane integer dot (lane j: values 4j..4j+3) converted to float and accumulated as
     fma(d_w d_a, dot, acc); then the tree sum of the 8 lanes (hsum_float_8), + sum_b m_w s (Q4_1,
     added block by block). A block's 16 code bytes load into both halves of a vector; one
     per-half shift (0 or 4 bits) and a mask give its 32 codes in value order, which serve the
-    tile's tt tokens."""
+    tile's tt tokens. `five`: Q5_0/Q5_1 (ggml_vec_dot_q5_{0,1}_q8_{0,1}, the same float steps), bit
+    v of the block's qh word the fifth bit of code v."""
     assert rows == 4, "the Q4_1 minimum terms of a row group are one float32x4"
     n_octs = n_blocks // 8  # 8-block runs whose weight scales load as one f16x8 vector
     halves = T.Shuffle([T.broadcast(T.int32(0), 8), T.broadcast(T.int32(4), 8)], [0, 1, 2, 3, 8, 9, 10, 11])
+    lane_shifts = T.Shuffle([T.broadcast(T.int32(4 * k), 8) for k in range(8)], [k * 8 + k for k in range(8)])
 
     def codes_of(wq: tirx.Buffer, j: tirx.PrimExpr, b: tirx.PrimExpr) -> tirx.PrimExpr:
         both = T.reinterpret("int32x8", T.Shuffle([wq.vload([j, b, 0], "uint8x16"), wq.vload([j, b, 0], "uint8x16")],
                                                   [*range(32)]))
         return T.bitwise_and(T.shift_right(both, halves), T.broadcast(T.int32(0x0F0F0F0F), 8))
 
+    def fifth_bits(wqh: tirx.Buffer, j: tirx.PrimExpr, b: tirx.PrimExpr) -> tirx.PrimExpr:
+        """Bit 4 of byte v set where bit v of qh[j, b] is: lane k takes bits 4k..4k+3, spread to
+        its four bytes by one multiply (the shifted copies do not overlap, so no carries)."""
+        nib = T.bitwise_and(T.shift_right(T.broadcast(T.reinterpret("int32", wqh[j, b]), 8), lane_shifts),
+                            T.broadcast(T.int32(15), 8))
+        spread = T.bitwise_and(nib * T.broadcast(T.int32(0x00204081), 8), T.broadcast(T.int32(0x01010101), 8))
+        return T.shift_left(spread, T.broadcast(T.int32(4), 8))
+
+    def codes5(wq: tirx.Buffer, wqh: tirx.Buffer, j: tirx.PrimExpr, b: tirx.PrimExpr) -> tirx.PrimExpr:
+        return T.bitwise_or(codes_of(wq, j, b), fifth_bits(wqh, j, b)) if five else codes_of(wq, j, b)
+
     @T.macro
-    def block_step(wq, acc, j, r, b, scales, t, xb, xc):  # type: ignore[no-untyped-def]
-        codes = T.meta_var(codes_of(wq, j, b))
+    def block_step(wq, wqh, acc, j, r, b, scales, t, xb, xc):  # type: ignore[no-untyped-def]
+        codes = T.meta_var(codes5(wq, wqh, j, b))
         for u in T.unroll(tt):
             dot = T.meta_var(T.call_llvm_pure_intrin(
                 "int32x8", intrin, T.broadcast(T.int32(0), 8) if has_min else xc.vload([t + u, b * 8], "int32x8"),
@@ -357,7 +379,7 @@ def _q4_steps(intrin: str, has_min: bool, rows: int, n_blocks: int, tt: int = 1,
             y[t, jo * rows + r] = y[t, jo * rows + r] + summ[r]
 
     @T.macro
-    def row_group(wd, wm, wq, y, n, jo, t, xb, xd, xss, xc):  # type: ignore[no-untyped-def]
+    def row_group(wd, wm, wq, y, n, jo, t, xb, xd, xss, xc, wqh):  # type: ignore[no-untyped-def]
         wq_flat = T.decl_buffer((n * n_blocks * 16,), "uint8", data=wq.data)
         wd_flat = T.decl_buffer((n * n_blocks,), "float16", data=wd.data)
         acc = T.alloc_buffer((rows * tt, 8), "float32")  # small: a stack array per task
@@ -380,12 +402,16 @@ def _q4_steps(intrin: str, has_min: bool, rows: int, n_blocks: int, tt: int = 1,
                 prefetch(wq_flat, ahead * rows * n_blocks * 16 + (o * 4 + c) * 128)
                 prefetch(wq_flat, ahead * rows * n_blocks * 16 + (o * 4 + c) * 128 + 64)
             prefetch(wd_flat, ahead * rows * n_blocks + o * 8)
+            if five:
+                wqh_flat = T.decl_buffer((n * n_blocks,), "uint32", data=wqh.data)
+                for c in T.unroll(2):
+                    prefetch(wqh_flat, ahead * rows * n_blocks + o * 32 + c * 16)
             for c in T.unroll(8):
                 for r in T.unroll(rows):
-                    block_step(wq, acc, jo * rows + r, r, o * 8 + c, scales, t, xb, xc)
+                    block_step(wq, wqh, acc, jo * rows + r, r, o * 8 + c, scales, t, xb, xc)
         for b in range(n_octs * 8, n_blocks):  # the blocks after the last whole 8-block run
             for r in T.unroll(rows):
-                block_step(wq, acc, jo * rows + r, r, b, scales, t, xb, xc)
+                block_step(wq, wqh, acc, jo * rows + r, r, b, scales, t, xb, xc)
         for r in T.unroll(rows):
             for u in T.unroll(tt):
                 y[t + u, jo * rows + r] = hsum8(acc, r * tt + u)
@@ -443,6 +469,12 @@ def _q8_steps(intrin: str, rows: int, n_blocks: int, prefetch_groups: int = PREF
     return row_group
 
 
+def _code_offset(qtype: str) -> int:
+    """What the unsigned weight codes stand above their values: Q8_0's sign-bit flip, Q4_0's and
+    Q5_0's centre; none where a block minimum shifts the values instead."""
+    return {"Q8_0": 128, "Q4_0": 8, "Q5_0": 16}.get(qtype, 0)
+
+
 def _starts(n_blocks: int, offset: int) -> Callable[..., None]:
     """The integer starts xc[t, b * 8 + lane] = -offset x (the sum of the lane's 4 activation
     codes): Q8_0's sign-bit flip (128), Q4_0's nibble offset (8); none (offset 0) for Q4_1."""
@@ -463,40 +495,43 @@ def _gemv(qtype: str, ns: tuple[int, ...], k: int, intrin: str, stage: Stage | N
     """The grouped GEMV body for every weight type: per slot the fields of Q4 (`wd`, `wm`, `wq4`)
     and Q8 (`wd`, `wq8`) weights; int8_gemv_group drops the parameters a type or group leaves unused."""
     n_blocks, rows, group, is_q8 = k // 32, ROWS, len(ns), qtype == "Q8_0"
-    has_min = qtype == "Q4_1"
+    has_min = qtype in ("Q4_1", "Q5_1")
     (n1, n2, n3), (g1, g2, g3) = slots(ns)
     _, prologue = _quantize_prologue(_q8_pos, stage, k)
     add_residual = residual_adder(residual)
-    q4_rows = _q4_steps(intrin, has_min, rows, n_blocks, prefetch_groups=prefetch_groups)
+    q4_rows = _q4_steps(intrin, has_min, rows, n_blocks, prefetch_groups=prefetch_groups, five=qtype[:2] == "Q5")
     q8_rows = _q8_steps(intrin, rows, n_blocks, prefetch_groups)
-    starts = _starts(n_blocks, 128 if is_q8 else 0 if has_min else 8)
+    starts = _starts(n_blocks, _code_offset(qtype))
     n_groups = g1 + (g2 if group >= 2 else 0) + (g3 if group >= 3 else 0)
     split = max(1, int(groups_per_task))
 
     @T.macro
-    def row_group(wd, wm, wq4, wq8, y, n, jo, xb, xd, xss, xc):  # type: ignore[no-untyped-def]
+    def row_group(wd, wm, wqh, wq4, wq8, y, n, jo, xb, xd, xss, xc):  # type: ignore[no-untyped-def]
         if is_q8:
             q8_rows(wd, wq8, y, n, jo, 0, xb, xd, xc)
         else:
-            q4_rows(wd, wm, wq4, y, n, jo, 0, xb, xd, xss, xc)
+            q4_rows(wd, wm, wq4, y, n, jo, 0, xb, xd, xss, xc, wqh)
 
     @T.macro
-    def slot_group(wd1, wm1, wq41, wq81, wd2, wm2, wq42, wq82, wd3, wm3, wq43, wq83,  # type: ignore[no-untyped-def]
-                   y1, y2, y3, jo, xb, xd, xss, xc):
+    def slot_group(wd1, wm1, wqh1, wq41, wq81, wd2, wm2, wqh2, wq42, wq82,  # type: ignore[no-untyped-def]
+                   wd3, wm3, wqh3, wq43, wq83, y1, y2, y3, jo, xb, xd, xss, xc):
         if jo < g1:
-            row_group(wd1, wm1, wq41, wq81, y1, n1, jo, xb, xd, xss, xc)
+            row_group(wd1, wm1, wqh1, wq41, wq81, y1, n1, jo, xb, xd, xss, xc)
         elif group >= 2 and jo < g1 + g2:
-            row_group(wd2, wm2, wq42, wq82, y2, n2, jo - g1, xb, xd, xss, xc)
+            row_group(wd2, wm2, wqh2, wq42, wq82, y2, n2, jo - g1, xb, xd, xss, xc)
         elif group >= 3:
-            row_group(wd3, wm3, wq43, wq83, y3, n3, jo - g1 - g2, xb, xd, xss, xc)
+            row_group(wd3, wm3, wqh3, wq43, wq83, y3, n3, jo - g1 - g2, xb, xd, xss, xc)
 
     @T.prim_func
     def gemv(x: T.Buffer((1, k), "float32"), xw: T.Buffer((k,), "float32"), xu: T.Buffer((1, k), "float32"),
              wd1: T.Buffer((n1, n_blocks), "float16"), wm1: T.Buffer((n1, n_blocks), "float16"),
+             wqh1: T.Buffer((n1, n_blocks), "uint32"),
              wq41: T.Buffer((n1, n_blocks, 16), "uint8"), wq81: T.Buffer((n1, n_blocks, 32), "int8"),
              wd2: T.Buffer((n2, n_blocks), "float16"), wm2: T.Buffer((n2, n_blocks), "float16"),
+             wqh2: T.Buffer((n2, n_blocks), "uint32"),
              wq42: T.Buffer((n2, n_blocks, 16), "uint8"), wq82: T.Buffer((n2, n_blocks, 32), "int8"),
              wd3: T.Buffer((n3, n_blocks), "float16"), wm3: T.Buffer((n3, n_blocks), "float16"),
+             wqh3: T.Buffer((n3, n_blocks), "uint32"),
              wq43: T.Buffer((n3, n_blocks, 16), "uint8"), wq83: T.Buffer((n3, n_blocks, 32), "int8"),
              res: T.Buffer((1, n1), "float32"),
              y1: T.Buffer((1, n1), "float32"), y2: T.Buffer((1, n2), "float32"), y3: T.Buffer((1, n3), "float32")):
@@ -509,13 +544,15 @@ def _gemv(qtype: str, ns: tuple[int, ...], k: int, intrin: str, stage: Stage | N
         starts(xb, xc, 0)
         if split == 1:
             for jo in T.parallel(n_groups):
-                slot_group(wd1, wm1, wq41, wq81, wd2, wm2, wq42, wq82, wd3, wm3, wq43, wq83, y1, y2, y3, jo,
+                slot_group(wd1, wm1, wqh1, wq41, wq81, wd2, wm2, wqh2, wq42, wq82, wd3, wm3, wqh3, wq43, wq83,
+                                   y1, y2, y3, jo,
                            xb, xd, xss, xc)
         else:  # `split` consecutive row groups per task
             for task in T.parallel((n_groups + split - 1) // split):
                 for part in range(split):
                     if task * split + part < n_groups:
-                        slot_group(wd1, wm1, wq41, wq81, wd2, wm2, wq42, wq82, wd3, wm3, wq43, wq83, y1, y2, y3,
+                        slot_group(wd1, wm1, wqh1, wq41, wq81, wd2, wm2, wqh2, wq42, wq82, wd3, wm3, wqh3, wq43, wq83,
+                                   y1, y2, y3,
                                    task * split + part, xb, xd, xss, xc)
         add_residual(res, y1, n1)
 
@@ -532,18 +569,19 @@ def int8_gemm(qtype: str, n: int, k: int, target: tvm.target.Target) -> tirx.Pri
         raise NotImplementedError(f"no 8-bit GEMM for {qtype} {n} x {k} on {target}")
     if qtype in KQUANT_GEMV_TYPES:
         return kquant_gemm(qtype, n, k, intrin)
-    n_blocks, rows, is_q8 = k // 32, ROWS, qtype == "Q8_0"
+    n_blocks, rows, is_q8, five = k // 32, ROWS, qtype == "Q8_0", qtype[:2] == "Q5"
     N, K, B = T.int64(n), T.int64(k), T.int64(n_blocks)
-    has_min = qtype == "Q4_1"
+    has_min = qtype in ("Q4_1", "Q5_1")
     quantize, _ = _quantize_prologue(_q8_pos, None, k)
-    starts = _starts(n_blocks, 128 if is_q8 else 0 if has_min else 8)
+    starts = _starts(n_blocks, _code_offset(qtype))
     q8_rows = _q8_steps(intrin, rows, n_blocks)
-    q4_rows = _q4_steps(intrin, has_min, rows, n_blocks)
-    q4_tile = _q4_steps(intrin, has_min, rows, n_blocks, GEMM_TOKENS)
+    q4_rows = _q4_steps(intrin, has_min, rows, n_blocks, five=five)
+    q4_tile = _q4_steps(intrin, has_min, rows, n_blocks, GEMM_TOKENS, five=five)
 
     @T.prim_func(private=True)
     def gemm(x_h: T.handle, wd: T.Buffer((N, B), "float16"), wm: T.Buffer((N, B), "float16"),
-             wq4: T.Buffer((N, B, 16), "uint8"), wq8: T.Buffer((N, B, 32), "int8"), y_h: T.handle):
+             wqh: T.Buffer((N, B), "uint32"), wq4: T.Buffer((N, B, 16), "uint8"), wq8: T.Buffer((N, B, 32), "int8"),
+             y_h: T.handle):
         T.func_attr({"tirx.noalias": True})
         t_len = T.int64()
         x = T.match_buffer(x_h, (t_len, K), "float32")
@@ -562,11 +600,12 @@ def int8_gemm(qtype: str, n: int, k: int, target: tvm.target.Target) -> tirx.Pri
                     q8_rows(wd, wq8, y, n, jo, t, xb, xd, xc)
             else:
                 for tile in range(t_len // GEMM_TOKENS):
-                    q4_tile(wd, wm, wq4, y, n, jo, tile * GEMM_TOKENS, xb, xd, xss, xc)
+                    q4_tile(wd, wm, wq4, y, n, jo, tile * GEMM_TOKENS, xb, xd, xss, xc, wqh)
                 for t in range(t_len // GEMM_TOKENS * GEMM_TOKENS, t_len):
-                    q4_rows(wd, wm, wq4, y, n, jo, t, xb, xd, xss, xc)
+                    q4_rows(wd, wm, wq4, y, n, jo, t, xb, xd, xss, xc, wqh)
 
-    unused = {"wm", "wq4"} if is_q8 else {"wq8"} if has_min else {"wm", "wq8"}
+    unused = {"wm", "wqh", "wq4"} if is_q8 else {"wq8"} if has_min else {"wm", "wq8"}
+    unused |= {"wqh"} if not five else set()
     return without_params(gemm, unused)
 
 

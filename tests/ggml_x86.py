@@ -51,25 +51,29 @@ def quantize_q8(x: np.ndarray, with_sums: bool) -> tuple[np.ndarray, np.ndarray,
 
 
 def weight_blocks(qtype: str, raw: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """GGUF blocks of a Q4_0/Q4_1/Q8_0 [n, k] weight -> (d, m, codes [n, nb, 32] in value order,
-    Q4_0's offset applied)."""
-    size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[qtype]
+    """GGUF blocks of a Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 [n, k] weight -> (d, m, codes [n, nb, 32] in value
+    order, Q4_0's and Q5_0's offsets applied)."""
+    size = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}[qtype]
     blk = np.asarray(raw).view(np.uint8).reshape(n, k // 32, size)
     d = blk[..., 0:2].copy().view(np.float16)[..., 0].astype(F32)
     if qtype == "Q8_0":
         return d, np.zeros_like(d), blk[..., 2:].copy().view(np.int8).astype(np.int32)
     qs = blk[..., -16:]
     codes = np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.int32)
-    if qtype == "Q4_0":
-        return d, np.zeros_like(d), codes - 8
+    if qtype in ("Q5_0", "Q5_1"):  # bit v of the little-endian qh word: the fifth bit of code v
+        qh = blk[..., size - 20:size - 16].copy().view(np.uint32).astype(np.int64)
+        codes = codes | (((qh >> np.arange(32)) & 1) << 4).astype(np.int32)
+    if qtype in ("Q4_0", "Q5_0"):
+        return d, np.zeros_like(d), codes - (8 if qtype == "Q4_0" else 16)
     return d, blk[..., 2:4].copy().view(np.float16)[..., 0].astype(F32), codes
 
 
 def matmul_q(qtype: str, raw: np.ndarray, n: int, k: int, x: np.ndarray) -> np.ndarray:
-    """x [T, K] @ W.T as ggml_vec_dot_{q4_0,q4_1,q8_0}_q8_{0,1} (and tinyBLAS, same order): per block
-    acc_j = fma(d_w d_a, lane j's integer dot, acc_j), then hsum_float_8 (+ sum_b m_w s_b)."""
+    """x [T, K] @ W.T as ggml_vec_dot_{q4_0,q4_1,q5_0,q5_1,q8_0}_q8_{0,1} (and tinyBLAS, same order):
+    per block acc_j = fma(d_w d_a, lane j's integer dot, acc_j), then hsum_float_8 (+ sum_b m_w s_b)."""
     dw, mw, qw = weight_blocks(qtype, raw, n, k)
-    qa, da, sa = quantize_q8(x, with_sums=qtype == "Q4_1")
+    with_min = qtype in ("Q4_1", "Q5_1")
+    qa, da, sa = quantize_q8(x, with_sums=with_min)
     t, nb = qa.shape[0], k // 32
     lanes = np.einsum("nbjc,tbjc->tnbj", qw.reshape(n, nb, 8, 4), qa.reshape(t, nb, 8, 4)).astype(F32)
     acc = np.zeros((t, n, 8), F32)
@@ -79,7 +83,7 @@ def matmul_q(qtype: str, raw: np.ndarray, n: int, k: int, x: np.ndarray) -> np.n
         acc = fma(np.broadcast_to(scale[..., None], acc.shape), lanes[:, :, b], acc)
         summs = (summs + (mw[None, :, b] * sa[:, None, b]).astype(F32)).astype(F32)
     out = hsum_float_8(acc)
-    return (out + summs).astype(F32) if qtype == "Q4_1" else out
+    return (out + summs).astype(F32) if with_min else out
 
 
 def expf(x: np.ndarray) -> np.ndarray:
@@ -178,12 +182,33 @@ def _scale_min_k4(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, mn
 
 
+def _low_bit_blocks(qtype: str, blk: np.ndarray) -> dict[str, np.ndarray]:
+    """Q2_K / Q3_K blocks [n, nb, size]: element 128a + 32c + l takes bits 2c..2c+1 of qs[32a + l]
+    (Q3_K: minus 4 unless bit 4a + c of hmask[l] is set), sub-block (16 values) 8a + 2c + l // 16."""
+    f16 = lambda at: blk[..., at:at + 2].copy().view(np.float16)[..., 0].astype(F32)  # noqa: E731
+    at = 16 if qtype == "Q2_K" else 32
+    qs = blk[..., at:at + 64].astype(np.int32).reshape(*blk.shape[:2], 2, 1, 32)
+    codes = ((qs >> (2 * np.arange(4)[:, None])) & 3).reshape(*blk.shape[:2], 256)
+    if qtype == "Q2_K":
+        sc = blk[..., 0:16].astype(np.int32)
+        return {"d": f16(80), "dmin": f16(82), "codes": codes, "scales": np.repeat(sc & 15, 16, axis=-1),
+                "mn16": sc >> 4}
+    hm = blk[..., 0:32].astype(np.int32)
+    high = np.stack([(hm >> b) & 1 for b in range(8)], axis=-2).reshape(*blk.shape[:2], 256)
+    aux = blk[..., 96:108].astype(np.int32)
+    low = np.concatenate([aux[..., 0:8] & 15, aux[..., 0:8] >> 4], axis=-1)
+    top = np.concatenate([(aux[..., 8:12] >> (2 * s)) & 3 for s in range(4)], axis=-1)
+    return {"d": f16(108), "codes": codes - 4 * (1 - high), "scales": np.repeat((low | top << 4) - 32, 16, axis=-1)}
+
+
 def k_blocks(qtype: str, raw: np.ndarray, n: int, k: int) -> dict[str, np.ndarray]:
-    """GGUF blocks of a Q4_K/Q5_K/Q6_K [n, k] weight -> d, dmin [n, nb] f32, codes [n, nb, 256] int32
-    in value order (Q6_K's with its -32), the scale of each value's sub-block [n, nb, 256], and
-    Q4_K/Q5_K's sub-block minimums mn [n, nb, 8]."""
-    size = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}[qtype]
+    """GGUF blocks of a Q2_K..Q6_K [n, k] weight -> d, dmin [n, nb] f32, codes [n, nb, 256] int32
+    in value order (Q6_K's with its -32, Q3_K's with its -4), the scale of each value's sub-block
+    [n, nb, 256], Q4_K/Q5_K's sub-block minimums mn [n, nb, 8] and Q2_K's mn16 [n, nb, 16]."""
+    size = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}[qtype]
     blk = np.asarray(raw).view(np.uint8).reshape(n, k // 256, size)
+    if qtype in ("Q2_K", "Q3_K"):
+        return _low_bit_blocks(qtype, blk)
     f16 = lambda at: blk[..., at:at + 2].copy().view(np.float16)[..., 0].astype(F32)  # noqa: E731
     if qtype == "Q6_K":
         ql, qh = blk[..., 0:128].astype(np.int32), blk[..., 128:192].astype(np.int32)
@@ -209,7 +234,9 @@ def matmul_k(qtype: str, raw: np.ndarray, n: int, k: int, x: np.ndarray) -> np.n
     sums sumi_j (lane j: values 4j..4j+3 of every 32-value run, times their sub-block scales),
     acc_j = fma(d_a d_w, sumi_j, acc_j), then hsum_float_8; plus the minimum terms (Q4_K: four
     lanes prod_p = sum of two sub-blocks' mn * code sum, m_p = fma(-d_a dmin, prod_p, m_p), added
-    as (m0 + m2) + (m1 + m3); Q5_K: m = m + (-d_a dmin) * sum_p prod_p)."""
+    as (m0 + m2) + (m1 + m3); Q5_K: m = m + (-d_a dmin) * sum_p prod_p). Q2_K and Q3_K as Q6_K
+    (ggml_vec_dot_q{2,3}_K_q8_K), Q2_K's minimums first into the same lanes: lane p gains
+    fma(-d_a dmin, mn_2p B_2p + mn_2p+1 B_2p+1, .) (B_s: the code sum of 16-value sub-block s)."""
     w = k_blocks(qtype, raw, n, k)
     qa, da = quantize_q8_K(x)
     t, nb = qa.shape[0], k // 256
@@ -219,9 +246,14 @@ def matmul_k(qtype: str, raw: np.ndarray, n: int, k: int, x: np.ndarray) -> np.n
     accm = np.zeros((t, n, 4), F32)
     summs = np.zeros((t, n), F32)
     for i in range(nb):
+        if qtype == "Q2_K":
+            sums16 = qa[:, i].reshape(t, 16, 16).sum(-1)  # [t, 16]
+            prod16 = (w["mn16"][None, :, i] * sums16[:, None]).reshape(t, n, 8, 2).sum(-1).astype(F32)
+            dmin16 = (-da[:, None, i] * w["dmin"][None, :, i]).astype(F32)
+            acc = fma(np.broadcast_to(dmin16[..., None], acc.shape), prod16, acc)
         scale = (da[:, None, i] * w["d"][None, :, i]).astype(F32)
         acc = fma(np.broadcast_to(scale[..., None], acc.shape), sumi[:, :, i], acc)
-        if qtype == "Q6_K":
+        if qtype in ("Q2_K", "Q3_K", "Q6_K"):
             continue
         sub_sums = qa[:, i].reshape(t, 8, 32).sum(-1)  # [t, 8]
         prod = (w["mn"][None, :, i] * sub_sums[:, None]).reshape(t, n, 4, 2).sum(-1)

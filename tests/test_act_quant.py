@@ -256,11 +256,12 @@ def test_int8_gemv_matches_the_reference(qtype: str, n: int, k: int) -> None:
 def test_int8_gemv_refuses_shapes_it_does_not_cover() -> None:
     assert not Q8.int8_gemv_supported("Q4_1", 6, 64, TARGET)  # rows not a multiple of 4
     assert not Q8.int8_gemv_supported("Q4_0", 8, 96, TARGET)  # odd number of 32-blocks
-    assert not Q8.int8_gemv_supported("Q2_K", 8, 256, TARGET)  # K-quants without an integer kernel
+    assert not Q8.int8_gemv_supported("IQ4_XS", 8, 256, TARGET)  # a type without an integer kernel
+    assert not Q8.int8_gemv_supported("Q2_K", 8, 128, TARGET)  # not a whole super-block
     assert not Q8.int8_gemv_supported("Q4_K", 6, 256, TARGET)
     assert not Q8.int8_gemv_supported("Q6_K", 8, 128, TARGET)  # not a whole super-block
     with pytest.raises(NotImplementedError, match="no 8-bit GEMV"):
-        Q8.int8_gemv("Q5_0", 8, 64, TARGET)
+        Q8.int8_gemv("IQ4_NL", 8, 64, TARGET)
 
 
 @needs_int8_dot

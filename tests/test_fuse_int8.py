@@ -147,7 +147,7 @@ def test_each_rule_switches_off(off: str) -> None:
         assert not any(g.residual for g in groups)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
 def test_kquant_block_takes_the_same_rules_with_q8_K_rounding(qtype: str) -> None:
     """K-quant weights read q8_K activations (256-value blocks): the same four decode kernels, and
     the fused graph computes what the spelled one does, at one token and for a prompt."""

@@ -25,6 +25,7 @@ from ggufc.codegen.cpu_vec import swiglu
 from ggufc.codegen.target import cpu_target
 from ggufc.codegen.tvm_util import aligned_zeros, to_tvm
 from ggufc.frontend.hparams import rope_table
+from ggufc.ir.act_quant import quantize_act_ref
 
 TARGET = cpu_target()
 needs_int8_dot = pytest.mark.skipif(Q8.int8_dot_intrinsic(TARGET) is None,
@@ -60,16 +61,17 @@ def test_int8_matmul_is_llama_cpp_bit_for_bit(qtype: str, n: int, k: int, t: int
     np.testing.assert_array_equal(y, G.matmul_q(qtype, raw, n, k, x))
 
 
+SCALE_OFFSETS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q6_K": (208,)}  # f16 d (and dmin) per block
+
+
 def _k_blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
     """Random GGUF K-quant blocks (every code and scale pattern) with f16 scales of a real
     model's size."""
     block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
     raw = rng.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
     d = rng.uniform(1e-4, 2e-3, size=(n, k // block, 2)).astype(np.float16).view(np.uint8)
-    if qtype == "Q6_K":
-        raw[..., 208:210] = d[..., 0:2]
-    else:
-        raw[..., 0:4] = d
+    for i, at in enumerate(SCALE_OFFSETS.get(qtype, (0, 2))):
+        raw[..., at:at + 2] = d[..., 2 * i:2 * i + 2]
     return raw.reshape(n, -1)
 
 
@@ -92,6 +94,21 @@ def test_kquant_int8_matmul_is_llama_cpp_bit_for_bit(qtype: str, n: int, k: int,
     kernel = Q8.int8_gemv(qtype, n, k, TARGET) if t == 1 else Q8.int8_gemm(qtype, n, k, TARGET)
     _build(kernel)(to_tvm(x), *(to_tvm(arrays[f]) for f, _, _ in Q.layout_spec(qtype, (n, k))), to_tvm(y))
     np.testing.assert_array_equal(y, G.matmul_k(qtype, raw, n, k, x))
+
+
+@pytest.mark.parametrize("qtype", sorted(Q8.KQUANT_GEMV_TYPES))
+def test_kquant_model_is_the_reference_matmul_up_to_rounding(qtype: str) -> None:
+    """The ggml_x86 model of a K-quant dot product computes the numpy reference's product of the
+    q8_K-rounded activations and the decoded weights (float64), up to float32 rounding: its block
+    decoding (codes, scales, minimums) is the reference's."""
+    rng = np.random.default_rng(5)
+    n, k = 8, 512
+    raw = _k_blocks(qtype, n, k, rng)
+    w = Q.dequantize_reference(qtype, Q.repack(qtype, raw, (n, k)), (n, k)).astype(np.float64)
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    want = quantize_act_ref(x, "q8_K").astype(np.float64) @ w.T
+    err = np.abs(G.matmul_k(qtype, raw, n, k, x) - want).max() / np.abs(want).max()
+    assert err < 1e-6, f"{qtype}: relative error {err:.2e}"
 
 
 @needs_int8_dot
