@@ -19,7 +19,9 @@ The "- c A" corrections start the integer accumulator (one lane per four values)
 body has no extra work. Nibble weights keep GGUF's split layout (byte j holds values j and j+16):
 a block's 16 bytes load into both halves of a vector, shifted by 0 and 4 bits, so its codes come
 out in value order. A decode step runs GEMVs (grouped, with an RMSNorm or SwiGLU prologue and a
-residual epilogue); a prompt runs the same per-token arithmetic as a GEMM (`int8_gemm`). Which
+residual epilogue); a prompt, or a batched decode step's B rows, runs the same per-token
+arithmetic as a GEMM (`int8_gemm`: with 512-bit VNNI two tokens per vector, codegen/int8_pair_gemm.py;
+else 256-bit tiles of GEMM_TOKENS tokens sharing their unpacked codes). Which
 matmuls run here is decided by the rules of passes/fuse_int8.py (`Int8Kernels` tells them).
 Q4_K, Q5_K and Q6_K weights (q8_K activations) take the same entry points, built by
 codegen/kquant_int8.py.
