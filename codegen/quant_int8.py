@@ -21,7 +21,9 @@ The "- c A" corrections start the integer accumulator (one lane per four values)
 body has no extra work. Nibble weights keep GGUF's split layout (byte j holds values j and j+16):
 a block's 16 bytes load into both halves of a vector, shifted by 0 and 4 bits, so its codes come
 out in value order. A decode step runs GEMVs (grouped, with an RMSNorm or SwiGLU prologue and a
-residual epilogue); a prompt runs the same per-token arithmetic as a GEMM (`int8_gemm`). Which
+residual epilogue); a prompt, or a batched decode step's B rows, runs the same per-token
+arithmetic as a GEMM (`int8_gemm`: with 512-bit VNNI two tokens per vector, codegen/int8_pair_gemm.py;
+else 256-bit tiles of GEMM_TOKENS tokens sharing their unpacked codes). Which
 matmuls run here is decided by the rules of passes/fuse_int8.py (`Int8Kernels` tells them).
 Q2_K, Q3_K, Q4_K, Q5_K and Q6_K weights (q8_K activations) take the same entry points, built by
 codegen/kquant_int8.py.
@@ -39,6 +41,7 @@ from tvm.script import tirx as T
 
 from ggufc.ir.act_quant import ACT_BLOCK, SCHEME_BLOCK
 
+from .int8_pair_gemm import PAIRS_PER_TILE, pair_tile
 from .int8_parts import (
     MAX_GROUP,
     PREFETCH_GROUPS,
@@ -59,6 +62,8 @@ INT8_GEMV_TYPES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"})
 GEMM_TOKENS = 4  # tokens a prompt GEMM's row group takes per pass over its weight codes
 # integer GEMVs, float prompt GEMMs (Int8Kernels.supports_prompt)
 PROMPT_ON_FLOAT = frozenset({"Q3_K", "Q5_0", "Q5_1"})
+# two tokens per 512-bit vector (int8_pair_gemm); Q5_0/Q5_1 GEMMs keep the 256-bit tiles
+PAIR_GEMM_TYPES = frozenset({"Q4_0", "Q4_1", "Q8_0"})
 
 
 def int8_dot_intrinsic(target: tvm.target.Target) -> str | None:
@@ -71,6 +76,12 @@ def int8_dot_intrinsic(target: tvm.target.Target) -> str | None:
     if has("avxvnni", target):
         return "llvm.x86.avxvnni.vpdpbusd.256"
     return None
+
+
+def has_512bit_dot(target: tvm.target.Target) -> bool:
+    """Whether `target` has the 512-bit u8 x s8 dot product (int8_pair_gemm's vectors)."""
+    has = tvm.target.codegen.target_has_features
+    return target.kind.name == "llvm" and has("avx512vnni", target) and has("avx512bw", target)
 
 
 @dataclass(frozen=True)
@@ -569,6 +580,13 @@ def int8_gemm(qtype: str, n: int, k: int, target: tvm.target.Target) -> tirx.Pri
         raise NotImplementedError(f"no 8-bit GEMM for {qtype} {n} x {k} on {target}")
     if qtype in KQUANT_GEMV_TYPES:
         return kquant_gemm(qtype, n, k, intrin)
+    if has_512bit_dot(target) and qtype in PAIR_GEMM_TYPES:
+        return int8_pair_gemm(qtype, n, k, target)
+    return int8_tile_gemm(qtype, n, k, intrin)
+
+
+def int8_tile_gemm(qtype: str, n: int, k: int, intrin: str) -> tirx.PrimFunc:
+    """int8_gemm in 256-bit vectors: Q4/Q5 tiles of GEMM_TOKENS tokens share their unpacked codes."""
     n_blocks, rows, is_q8, five = k // 32, ROWS, qtype == "Q8_0", qtype[:2] == "Q5"
     N, K, B = T.int64(n), T.int64(k), T.int64(n_blocks)
     has_min = qtype in ("Q4_1", "Q5_1")
@@ -626,3 +644,79 @@ def _sum_in_order(start: tirx.PrimExpr, terms: list[tirx.PrimExpr]) -> tirx.Prim
         total = total + term
     return total
 
+
+def int8_pair_gemm(qtype: str, n: int, k: int, target: tvm.target.Target) -> tirx.PrimFunc:
+    """int8_gemm for Q4_0, Q4_1 and Q8_0 in 512-bit vectors, two tokens per vector
+    (codegen/int8_pair_gemm.py); the same signature and bit-identical outputs."""
+    n_blocks, rows, is_q8, has_min = k // 32, ROWS, qtype == "Q8_0", qtype == "Q4_1"
+    N, K, B = T.int64(n), T.int64(k), T.int64(n_blocks)
+    quantize, _ = _quantize_prologue(_q8_pos, None, k)
+    starts = _starts(n_blocks, _code_offset(qtype))
+    tile = pair_tile(qtype, n_blocks, PAIRS_PER_TILE, PREFETCH_GROUPS)
+    tail = pair_tile(qtype, n_blocks, 1, PREFETCH_GROUPS)
+    step = 2 * PAIRS_PER_TILE
+
+    @T.macro
+    def block_major(xb, xc, xq, xcq, t, t_pad):  # type: ignore[no-untyped-def]
+        """Token t's codes (and integer starts) into the [block, token, ...] layout."""
+        for b in range(n_blocks):
+            xq[(b * t_pad + t) * 32:(b * t_pad + t) * 32 + 32] = xb.vload([t, b * 32], "int8x32")
+            if not has_min:
+                xcq[(b * t_pad + t) * 8:(b * t_pad + t) * 8 + 8] = xc.vload([t, b * 8], "int32x8")
+
+    @T.macro
+    def zero_token(xq, xcq, xd, xss, t, t_pad):  # type: ignore[no-untyped-def]
+        for b in range(n_blocks):
+            xq[(b * t_pad + t) * 32:(b * t_pad + t) * 32 + 32] = T.broadcast(T.int8(0), 32)
+            xcq[(b * t_pad + t) * 8:(b * t_pad + t) * 8 + 8] = T.broadcast(T.int32(0), 8)
+            xd[t, b] = T.float32(0)
+            xss[t, b] = T.float32(0)
+
+    @T.macro
+    def sums_by_tile(xss, xsw, t_pad):  # type: ignore[no-untyped-def]
+        """xsw[i, b, 4u + r] = xss[4i + u, b] (the tile's q8_1 block sums, one per row lane)."""
+        for i, b in T.grid((t_pad + 3) // 4, n_blocks):
+            for u in T.unroll(4):
+                for r in T.unroll(rows):
+                    xsw[(i * n_blocks + b) * 16 + u * 4 + r] = T.if_then_else(
+                        i * 4 + u < t_pad, xss[T.min(i * 4 + u, t_pad - 1), b], T.float32(0))
+
+    @T.prim_func(private=True)
+    def gemm(x_h: T.handle, wd: T.Buffer((N, B), "float16"), wm: T.Buffer((N, B), "float16"),
+             wq4: T.Buffer((N, B, 16), "uint8"), wq8: T.Buffer((N, B, 32), "int8"), y_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        t_len = T.int64()
+        x = T.match_buffer(x_h, (t_len, K), "float32")
+        y = T.match_buffer(y_h, (t_len, N), "float32")
+        t_pad = T.meta_var((t_len + 1) // 2 * 2)
+        xb = T.alloc_buffer((t_len, K), "int8")
+        xd = T.alloc_buffer((t_pad, B), "float32")
+        xs = T.alloc_buffer((t_len, B), "int32")
+        xss = T.alloc_buffer((t_pad, B), "float32")
+        xc = T.alloc_buffer((t_len, B * 8), "int32")
+        xq = T.alloc_buffer((B * t_pad * 32,), "int8")
+        xcq = T.alloc_buffer((B * t_pad * 8,), "int32")
+        xsw = T.alloc_buffer(((t_pad + 3) // 4 * B * 16,), "float32")
+        for t in T.parallel(t_pad):
+            if t < t_len:
+                quantize(x, t, xb, xd, xs, xss, n_blocks)
+                starts(xb, xc, t)
+                block_major(xb, xc, xq, xcq, t, t_pad)
+            else:
+                zero_token(xq, xcq, xd, xss, t, t_pad)
+        if has_min:
+            sums_by_tile(xss, xsw, t_pad)
+        for jo in T.parallel(n // rows):
+            for i in range(t_pad // step):
+                if is_q8:
+                    tile(wd, wm, wq8, y, n, jo, i * step, t_len, t_pad, xq, xd, xcq, xsw)
+                else:
+                    tile(wd, wm, wq4, y, n, jo, i * step, t_len, t_pad, xq, xd, xcq, xsw)
+            if t_pad % step != 0:
+                if is_q8:
+                    tail(wd, wm, wq8, y, n, jo, t_pad - 2, t_len, t_pad, xq, xd, xcq, xsw)
+                else:
+                    tail(wd, wm, wq4, y, n, jo, t_pad - 2, t_len, t_pad, xq, xd, xcq, xsw)
+
+    unused = {"wm", "wq4"} if is_q8 else {"wq8"} if has_min else {"wm", "wq8"}
+    return without_params(gemm, unused)

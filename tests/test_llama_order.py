@@ -46,10 +46,11 @@ def _activations(rng: np.random.Generator, t: int, k: int) -> np.ndarray:
 @needs_int8_dot
 @pytest.mark.parametrize("qtype", sorted(Q8.INT8_GEMV_TYPES))
 @pytest.mark.parametrize(("n", "k"), [(4, 64), (12, 320), (40, 576)])
-@pytest.mark.parametrize("t", [1, 5, 8])
+@pytest.mark.parametrize("t", [1, 3, 5, 8])
 def test_int8_matmul_is_llama_cpp_bit_for_bit(qtype: str, n: int, k: int, t: int) -> None:
-    """One token: the decode GEMV; several: the prompt GEMM. Blocks past the last 8-block run
-    (k = 64, 320, 576) take the kernels' tail path."""
+    """One token: the decode GEMV; several: the prompt GEMM (and a batched decode step's: 3
+    tokens are one tile of 2 + 2, one of them padding; 5 a full tile and a padded pair). Blocks
+    past the last 8-block run (k = 64, 320, 576) take the kernels' tail path."""
     rng = np.random.default_rng(n * k + t)
     raw = gguf.quants.quantize((rng.standard_normal((n, k)) * 0.05 + 0.01).astype(np.float32),
                                gguf.GGMLQuantizationType[qtype])
@@ -57,6 +58,23 @@ def test_int8_matmul_is_llama_cpp_bit_for_bit(qtype: str, n: int, k: int, t: int
     x = _activations(rng, t, k)
     y = aligned_zeros((t, n), np.float32)
     kernel = Q8.int8_gemv(qtype, n, k, TARGET) if t == 1 else Q8.int8_gemm(qtype, n, k, TARGET)
+    _build(kernel)(to_tvm(x), *(to_tvm(arrays[f]) for f, _, _ in Q.layout_spec(qtype, (n, k))), to_tvm(y))
+    np.testing.assert_array_equal(y, G.matmul_q(qtype, raw, n, k, x))
+
+
+@needs_int8_dot
+@pytest.mark.parametrize("qtype", sorted(Q8.INT8_GEMV_TYPES))
+def test_int8_tile_gemm_256_bit_is_llama_cpp_bit_for_bit(qtype: str) -> None:
+    """The 256-bit GEMM (targets with VNNI but no 512-bit vectors), built here directly: a
+    4-token tile and the single-token tail."""
+    n, k, t = 12, 320, 5
+    rng = np.random.default_rng(7)
+    raw = gguf.quants.quantize((rng.standard_normal((n, k)) * 0.05 + 0.01).astype(np.float32),
+                               gguf.GGMLQuantizationType[qtype])
+    arrays = Q.repack(qtype, raw, (n, k))
+    x = _activations(rng, t, k)
+    y = aligned_zeros((t, n), np.float32)
+    kernel = Q8.int8_tile_gemm(qtype, n, k, Q8.int8_dot_intrinsic(TARGET))
     _build(kernel)(to_tvm(x), *(to_tvm(arrays[f]) for f, _, _ in Q.layout_spec(qtype, (n, k))), to_tvm(y))
     np.testing.assert_array_equal(y, G.matmul_q(qtype, raw, n, k, x))
 

@@ -1,0 +1,135 @@
+"""The 8-bit GEMM of 32-block weights (Q4_0, Q4_1, Q8_0) in 512-bit vectors: two tokens per vector.
+
+codegen/quant_int8.py keeps llama.cpp's float order per output value, so every (row, token) pair
+repeats the GEMV's per-block float work (an 8-lane integer dot, its conversion, one fma); only the
+unpacked weight codes are shared by the tokens of a tile. Here one 16-lane vector holds the 8 lanes
+of two tokens (lanes 0-7: token u, 8-15: token u + 1), so each of those steps is one 512-bit
+instruction for two tokens: the block's codes are unpacked once into both halves, the two tokens'
+activation codes are one 64-byte load (they are stored block-major: [block, token, 32]), and the
+scale vector holds d_w d_a of each token in its half. Each lane computes exactly what the 256-bit
+kernel's lane does, so the outputs are bit-identical; a token count that is odd gets a zero token
+(scale 0) beside the last one, whose results are not written.
+
+Q4_1's minimum terms (sum_b m_w s_b per row and token) are summed for the 4 rows x 4 tokens of a
+tile in one 16-lane fma per block (each product is exact, so the sums keep the block order of
+the 256-bit kernel's), not per token after the dots.
+
+Tiles take PAIRS_PER_TILE pairs of tokens (4 tokens) through a row group, the tail pair one more.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from .int8_parts import ROWS, prefetch
+
+DOT512 = "llvm.x86.avx512.vpdpbusd.512"
+PAIRS_PER_TILE = 2
+
+
+def _fma16(a: tirx.PrimExpr, b: tirx.PrimExpr, c: tirx.PrimExpr) -> tirx.PrimExpr:
+    return T.call_llvm_pure_intrin("float32x16", "llvm.fma.v16f32", a, b, c)
+
+
+def _hsum_half(acc: tirx.Buffer, i: tirx.PrimExpr, h: int) -> tirx.PrimExpr:
+    """hsum_float_8 (int8_parts.hsum8) of lanes 8h..8h+7 of acc[i]."""
+    o = 8 * h
+    return (((acc[i, o + 0] + acc[i, o + 4]) + (acc[i, o + 2] + acc[i, o + 6]))
+            + ((acc[i, o + 1] + acc[i, o + 5]) + (acc[i, o + 3] + acc[i, o + 7])))
+
+
+def pair_tile(qtype: str, n_blocks: int, pairs: int, prefetch_groups: int) -> Callable[..., None]:
+    """Row-group macro: rows [jo * ROWS, jo * ROWS + ROWS) for the tokens [t, t + 2 pairs) that
+    are < t_len, in llama.cpp's per-block float order (see codegen/quant_int8.py).
+
+    Reads xq [n_blocks, t_pad, 32] int8 (activation codes, block-major), xcq [n_blocks, t_pad, 8]
+    int32 (the integer starts of Q4_0/Q8_0), xd [t_pad, n_blocks] (activation scales) and writes
+    y[t, row]; Q4_1's minimum terms come from xsw [ceil(t_pad / 4), n_blocks, 16], lane 4u + r
+    holding token 4i + u's q8_1 block sum (0 past the last token)."""
+    rows, tt = ROWS, 2 * pairs
+    assert rows == 4 and pairs <= 2, "a tile's minimum sums are one 16-lane vector (4 rows x 4 tokens)"
+    is_q8, has_min = qtype == "Q8_0", qtype == "Q4_1"
+    n_octs = n_blocks // 8
+    shifts = T.Shuffle([T.broadcast(T.int32(0), 16), T.broadcast(T.int32(4), 16)],
+                       [0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23])
+
+    def codes_of(wq: tirx.Buffer, j: tirx.PrimExpr, b: tirx.PrimExpr) -> tirx.PrimExpr:
+        """The block's 32 weight codes (unsigned bytes, value order) in both 256-bit halves."""
+        if is_q8:  # q + 128: the byte with its sign bit flipped
+            v = wq.vload([j, b, 0], "int8x32")
+            both = T.reinterpret("int32x16", T.Shuffle([v, v], [*range(32), *range(32)]))
+            return T.bitwise_xor(both, T.broadcast(T.int32(-2139062144), 16))  # 0x80808080
+        v = wq.vload([j, b, 0], "uint8x16")
+        twice = T.Shuffle([v, v], [*range(32)])
+        both = T.reinterpret("int32x16", T.Shuffle([twice, twice], [*range(64)]))
+        return T.bitwise_and(T.shift_right(both, shifts), T.broadcast(T.int32(0x0F0F0F0F), 16))
+
+    @T.macro
+    def block_step(wq, acc, j, r, b, scales, t, t_pad, xq, xcq):  # type: ignore[no-untyped-def]
+        codes = T.meta_var(codes_of(wq, j, b))
+        for p in T.unroll(pairs):
+            dot = T.meta_var(T.call_llvm_pure_intrin(
+                "int32x16", DOT512,
+                T.broadcast(T.int32(0), 16) if has_min else xcq.vload([(b * t_pad + t + 2 * p) * 8], "int32x16"),
+                T.reinterpret("int8x64", codes), xq.vload([(b * t_pad + t + 2 * p) * 32], "int8x64")))
+            scale = T.meta_var(T.Shuffle([T.broadcast(scales[r * tt + 2 * p, b], 16),
+                                          T.broadcast(scales[r * tt + 2 * p + 1, b], 16)], [*range(8), *range(24, 32)]))
+            acc[r * pairs + p, 0:16] = _fma16(scale, T.Cast("float32x16", dot),
+                                              acc.vload([r * pairs + p, 0], "float32x16"))
+
+    @T.macro
+    def min_step(wm, mf, mins, jo, b, t, xsw):  # type: ignore[no-untyped-def]
+        """Q4_1: mins[4u + r] += m_w(r, b) s(u, b), for the 4 rows and 4 tokens of a tile in one
+        fma (each product of two f16-exact values is exact, so this adds in block order as the
+        256-bit kernel's sums do)."""
+        four = T.meta_var(mf.vload([b * 4], "float32x4"))
+        eight = T.meta_var(T.Shuffle([four, four], [*range(8)]))
+        mins[0:16] = _fma16(T.Shuffle([eight, eight], [*range(16)]),
+                            xsw.vload([((t // 4) * n_blocks + b) * 16], "float32x16"), mins.vload([0], "float32x16"))
+
+    @T.macro
+    def row_group(wd, wm, wq, y, n, jo, t, t_len, t_pad, xq, xd, xcq, xsw):  # type: ignore[no-untyped-def]
+        bytes_per_block = T.meta_var(32 if is_q8 else 16)
+        mf = T.alloc_buffer((n_blocks * 4,), "float32")  # small: a stack array per task (Q4_1)
+        mins = T.alloc_buffer((16,), "float32")  # small: a stack array per task (Q4_1)
+        if has_min:  # the row group's minimums m_w, block-major: mf[4b + r]
+            mins[0:16] = T.broadcast(T.float32(0), 16)
+            for b in range(n_blocks):
+                for r in T.unroll(rows):
+                    mf[b * 4 + r] = T.Cast("float32", wm[jo * rows + r, b])
+        wq_flat = T.decl_buffer((n * n_blocks * bytes_per_block,), wq.dtype, data=wq.data)
+        acc = T.alloc_buffer((rows * pairs, 16), "float32")  # small: a stack array per task
+        scales = T.alloc_buffer((rows * tt, n_blocks), "float32")  # small: a stack array per task
+        ahead = T.meta_var(T.min(jo + prefetch_groups, n // rows - 1))
+        for r in T.unroll(rows):
+            for p in T.unroll(pairs):
+                acc[r * pairs + p, 0:16] = T.broadcast(T.float32(0), 16)
+            for u in T.unroll(tt):
+                for o in range(n_octs):
+                    scales[r * tt + u, o * 8:o * 8 + 8] = (
+                        T.Cast("float32x8", wd.vload([jo * rows + r, o * 8], "float16x8"))
+                        * xd.vload([t + u, o * 8], "float32x8"))
+                for b in range(n_octs * 8, n_blocks):
+                    scales[r * tt + u, b] = T.Cast("float32", wd[jo * rows + r, b]) * xd[t + u, b]
+        for b in range(n_blocks):
+            prefetch(wq_flat, (ahead * rows * n_blocks + b * rows) * bytes_per_block)
+            if is_q8:
+                prefetch(wq_flat, (ahead * rows * n_blocks + b * rows) * bytes_per_block + 64)
+            for r in T.unroll(rows):
+                block_step(wq, acc, jo * rows + r, r, b, scales, t, t_pad, xq, xcq)
+            if has_min:
+                min_step(wm, mf, mins, jo, b, t, xsw)
+        for r in T.unroll(rows):
+            for p in T.unroll(pairs):
+                for h in T.unroll(2):
+                    if t + 2 * p + h < t_len:
+                        if has_min:
+                            y[t + 2 * p + h, jo * rows + r] = (_hsum_half(acc, r * pairs + p, h)
+                                                               + mins[(2 * p + h) * 4 + r])
+                        else:
+                            y[t + 2 * p + h, jo * rows + r] = _hsum_half(acc, r * pairs + p, h)
+
+    return row_group
