@@ -252,6 +252,9 @@ def workload_label(key: KernelKey, func: tirx.PrimFunc | None) -> str:
         return f"{kind} {key.qtype} {'+'.join(str(n) for n in key.ns)}x{key.k}{extra}"
     if isinstance(key, OpKernel) and kind == "swiglu":
         return f"swiglu 1x{key.attrs}"
+    if isinstance(key, OpKernel) and kind == "attention" and len(key.dims) == 3:
+        (t, heads, dim), (cells, kv, _) = key.dims[0], key.dims[1]
+        return f"attention {t}x{heads}x{dim} kv {kv}x{cells} at pos {KN.TIMING_POSITION}"
     if isinstance(key, WeightMatmul):
         return f"matmul {key.qtype} {key.n}x{key.k}"
     if isinstance(key, OpKernel) and kind == "elementwise" and hasattr(key.attrs, "program"):
@@ -381,12 +384,7 @@ class KernelTimer:
         self.target, self.options = target, options
         self.dev = device_of(target)
         self.device_name = R.local_device_name()
-        rng = np.random.default_rng(0)
-        self.args = []
-        for dtype, shape in args:
-            arr = tvm.runtime.empty(shape, dtype, self.dev)
-            arr.copyfrom(W.fill(dtype, shape, rng))
-            self.args.append(arr)
+        self.args = W.timing_args(args, self.dev, KN.TIMING_POSITION)
 
     def compile(self, func: tirx.PrimFunc) -> Any:
         mod = tvm.IRModule({"main": func.with_attr("global_symbol", "main")})
