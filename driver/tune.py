@@ -10,10 +10,11 @@ shape or loop bounds depend on the cache position or on the token count (rope, a
 writes, embeddings, MoE expert matmuls, every prefill kernel), which keep their default schedules.
 Quantized matmuls are tuned from their unscheduled compute definition (`quant.gemv_compute`), the
 others from the PrimFunc their lowering makes before `schedule_cpu`. The hand-written CPU kernels
-(the 8-bit GEMV groups, the vector SwiGLU) are tuned through their knobs instead
-(codegen/kernel_knobs.py): a round times the next untried knob settings against the default
-kernel, each committed to `knob_records.jsonl` as soon as it is measured; everything else (budget,
-priority, the index, `--tuning-min-speedup`) is shared with MetaSchedule's workloads.
+(the 8-bit GEMV groups, the vector SwiGLU, causal attention timed at a fixed cache position) are
+tuned through their knobs instead (codegen/kernel_knobs.py): a round times the next untried knob
+settings against the default kernel, each committed to `knob_records.jsonl` as soon as it is
+measured; everything else (budget, priority, the index, `--tuning-min-speedup`) is shared with
+MetaSchedule's workloads.
 
 The database (DIR):
     index.json                  one entry per workload: key, target, label, models using it (calls
