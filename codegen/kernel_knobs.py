@@ -7,6 +7,8 @@ workload's own shapes (driver/tune.py, next to MetaSchedule, in the same databas
     8-bit GEMV groups (quant_int8.int8_gemv_group)   prefetch_groups  row groups prefetched ahead
                                                      groups_per_task  row groups per parallel task
     vector SwiGLU (cpu_vec.swiglu)                   column_tasks     parallel tasks per token
+    causal attention (kernels_attention.attention_rows)  rows_per_task  (token, head) rows per
+                                                                     parallel task
 
 Every knob keeps each output value's float operations and their order: it moves work between
 threads, or changes what is prefetched, never how a sum is split or associated. So a tuned kernel
@@ -16,9 +18,16 @@ changed the order would need the user's consent and is not offered. The defaults
 the kernels are written with; a workload whose knobs all stay at their defaults builds exactly
 today's kernel.
 
-The row-group size (4 rows: the Q4_1 minimum terms of a group are one float32x4), the prompt
-GEMM's token tile (no prompt kernel is tuned: a session tunes the decode step) and the attention
-kernel (its cost depends on the cache position, which a workload does not fix) have no knobs yet.
+The 8-bit GEMV groups cover every decode matmul of an 8-bit model, K-quant ones and the output
+layer included (lower.py lowers a one-token 8-bit matmul to a group of one); the RMSNorm before
+them, the SwiGLU before the down matrix and the input's rounding to 8 bits (quantize_act) run in
+their prologue, so they have no kernel of their own in a decode step. The attention kernel's cost
+grows with the cache position, which a workload does not fix: it is timed at TIMING_POSITION.
+
+No knobs yet: the row-group size (4 rows: the Q4_1 minimum terms of a group are one float32x4),
+a KV block for attention (a row reads its cells once, in order; blocking them would only reorder
+loads), the prompt GEMM's token tile (no prompt kernel is tuned: a session tunes the decode step),
+and GPU workgroup shapes (only llvm kernels have knobs).
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ import tvm
 from tvm import tirx
 
 from . import cpu_vec as CV
+from . import kernels_attention as KA
 from . import quant_int8 as Q8
 from .kernel_keys import Int8GemvGroup, KernelKey, OpKernel
 
@@ -41,17 +51,39 @@ GEMV_KNOBS: dict[str, tuple[int, ...]] = {
     "groups_per_task": (1, 2, 4, 8),
 }
 SWIGLU_KNOBS: dict[str, tuple[int, ...]] = {"column_tasks": (1, 2, 4, 8, 16)}
+ATTENTION_KNOBS: dict[str, tuple[int, ...]] = {"rows_per_task": (1, 2, 4, 8)}
+TIMING_POSITION = 255  # the cache position attention is timed at (256 visible cells)
 
 
 def family(key: KernelKey, target: tvm.target.Target) -> str | None:
-    """The knob family of a kernel key on a target ('int8_gemv', 'swiglu'), or None."""
+    """The knob family of a kernel key on a target ('int8_gemv', 'swiglu', 'attention'), or None."""
     if target.kind.name != "llvm":
         return None
     if isinstance(key, Int8GemvGroup) and Q8.int8_dot_intrinsic(target) is not None:
         return "int8_gemv"
     if isinstance(key, OpKernel) and key.op == "swiglu" and isinstance(key.attrs, int):
         return "swiglu"
+    if isinstance(key, OpKernel) and key.op == "attention" and _row_attention(key) is not None:
+        return "attention"
     return None
+
+
+def _row_attention(key: OpKernel) -> tuple[Any, bool, int, int, int, int] | None:
+    """(attrs, one_token_order, heads, kv heads, head dim, cells) of a causal attention key that
+    lowering builds as `attention_rows` (lower.py), or None."""
+    attrs, one_token = key.attrs, False
+    if isinstance(attrs, tuple):  # (attrs, "one_token_order"); other tags are other kernels
+        if attrs[1:] != ("one_token_order",):
+            return None
+        attrs, one_token = attrs[0], True
+    if getattr(attrs, "mask", None) != "causal" or len(key.dims) != 3:
+        return None
+    (_, heads, dim), (cells, kv, _) = key.dims[0], key.dims[1]
+    if not all(isinstance(d, int) for d in (heads, dim, cells, kv)):
+        return None
+    if dim % KA.STEP and not attrs.f16_pv_below:
+        return None
+    return attrs, one_token, int(heads), int(kv), int(dim), int(cells)
 
 
 def defaults(key: KernelKey, target: tvm.target.Target) -> Knobs:
@@ -89,6 +121,8 @@ def _grid(key: KernelKey, target: tvm.target.Target) -> dict[str, tuple[int, ...
     if fam == "swiglu":
         vectors = int(key.attrs) // 8  # type: ignore[attr-defined]
         return {"column_tasks": tuple(v for v in SWIGLU_KNOBS["column_tasks"] if v <= max(1, vectors))}
+    if fam == "attention":
+        return ATTENTION_KNOBS
     raise ValueError(f"{key!r} has no knobs on {target.kind.name}")
 
 
@@ -101,17 +135,33 @@ def _build_swiglu(key: Any, target: tvm.target.Target, knobs: Knobs) -> tirx.Pri
     return CV.swiglu(int(key.attrs), column_tasks=knobs["column_tasks"])
 
 
+def _build_attention(key: Any, target: tvm.target.Target, knobs: Knobs) -> tirx.PrimFunc:
+    attrs, one_token, heads, kv, dim, cells = _row_attention(key)  # type: ignore[misc]
+    return KA.attention_rows(heads, kv, dim, cells, attrs.scale, one_token, attrs.f16_pv_below,
+                             rows_per_task=knobs["rows_per_task"])
+
+
 _BUILDERS: dict[str, Callable[[Any, tvm.target.Target, Knobs], tirx.PrimFunc]] = {
     "int8_gemv": _build_gemv,
     "swiglu": _build_swiglu,
+    "attention": _build_attention,
 }
 
 
 def decode_args(key: KernelKey, func: tirx.PrimFunc) -> list[tuple[str, tuple[int, ...]]] | None:
     """(dtype, shape) of the kernel's arguments at one token (a decode step), or None when they
-    are not known: the GEMV groups' arguments are all static; SwiGLU's lead with the token count."""
+    are not known: the GEMV groups' arguments are all static; SwiGLU's lead with the token count;
+    attention's are (q, k cache, v cache, pos, out), pos an int64 scalar (shape ()) that the timer
+    sets to TIMING_POSITION."""
     if isinstance(key, OpKernel) and key.op == "swiglu" and isinstance(key.attrs, int):
         return [("float32", (1, int(key.attrs)))] * 3
+    if isinstance(key, OpKernel) and key.op == "attention":
+        row = _row_attention(key)
+        if row is None or row[5] <= TIMING_POSITION:
+            return None
+        _, _, heads, kv, dim, cells = row
+        q, cache = ("float32", (1, heads, dim)), ("float32", (cells, kv, dim))
+        return [q, cache, cache, ("int64", ()), q]
     from tvm.s_tir import meta_schedule as ms
 
     try:

@@ -25,7 +25,8 @@ STEP = 32  # values per step of ggml_vec_dot_f32 (4 registers)
 
 
 def attention_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float,
-                   one_token_order: bool = False, f16_pv_below: int = 0) -> tirx.PrimFunc:
+                   one_token_order: bool = False, f16_pv_below: int = 0, *,
+                   rows_per_task: int = 1) -> tirx.PrimFunc:
     """(q [T, H, D], k_cache [C, Hkv, D], v_cache [C, Hkv, D], pos, out [T, H, D]); D % 32 == 0
     (any D with f16_pv_below: the last D % 32 values of each dot added one by one, as llama.cpp's
     dot products add their tail).
@@ -33,7 +34,10 @@ def attention_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float,
     one_token_order: every row sums KQV in the one-token order, so a row equals what a one-token
     call computes bit for bit (speculative verification must reproduce one-token decoding).
     f16_pv_below: calls of fewer tokens take llama.cpp's one-row flash-attention steps instead
-    (`f16_pv_row`, see `Attention.f16_pv_below`)."""
+    (`f16_pv_row`, see `Attention.f16_pv_below`).
+
+    Knob (`ggufc tune`, codegen/kernel_knobs.py): `rows_per_task`, consecutive (token, head) rows
+    one parallel task takes (1: one task per row); a row's float steps do not depend on it."""
     if dim % STEP and not f16_pv_below:
         raise ValueError(f"attention: head dim {dim} must be a multiple of {STEP}")
     body, tail = dim // STEP * STEP, dim % STEP  # the 32-value steps of a dot and its tail
@@ -77,6 +81,59 @@ def attention_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float,
         for d in T.vectorized(D):
             o[t, h, d] = acc[0, d] * (T.float32(1) / stat[1])
 
+    @T.macro
+    def one_row(q, k_cache, v_cache, pos, o, n, row):  # type: ignore[no-untyped-def]
+        t = row // H
+        h = row % H
+        kv = h // G
+        visible = pos + t + T.int64(1)
+        scores = T.decl_buffer((CP,), "float32")
+        part = T.decl_buffer((STEP,), "float32")
+        acc = T.decl_buffer((STEP, D), "float32")  # lane accumulators of the KQV sums
+        stat = T.decl_buffer((2,), "float32")  # max, 1 / sum
+        if f16_pv_below > 0 and n < T.int64(f16_pv_below):
+            f16_pv_row(q, k_cache, v_cache, o, t, h, kv, visible, part, acc, stat)
+        else:
+            total = T.decl_buffer((1,), "float64")
+            stat[0] = T.float32(-3.0e38)
+            for s in range(visible):
+                for lane in T.vectorized(STEP):
+                    part[lane] = T.float32(0)
+                for d0 in range(D // STEP):
+                    for lane in T.vectorized(STEP):
+                        part[lane] = fma(k_cache[s, kv, d0 * STEP + lane], q[t, h, d0 * STEP + lane], part[lane])
+                scores[s] = _fold32([part[i] for i in range(STEP)])
+                for d in range(tail):
+                    scores[s] = scores[s] + k_cache[s, kv, body + d] * q[t, h, body + d]
+                scores[s] = scores[s] * SCALE
+                stat[0] = T.max(stat[0], scores[s])
+            chunks = (visible + L - T.int64(1)) // L
+            for s in range(visible, chunks * L):
+                scores[s] = T.float32(-3.0e38)  # exp gives 0
+            total[0] = T.float64(0)
+            for c in range(chunks):
+                scores[c * 8:c * 8 + 8] = expf8(scores.vload([c * 8], "float32x8") - T.broadcast(stat[0], 8))
+                total[0] = total[0] + T.Cast("float64", _hsum8([scores[c * 8 + i] for i in range(8)]))
+            stat[1] = T.Cast("float32", T.float64(1) / total[0])
+            for s in range(visible):
+                scores[s] = scores[s] * stat[1]
+            for a, d in T.grid(STEP, D):
+                acc[a, d] = T.float32(0)
+            if one_token_order or n == T.int64(1):  # ggml_vec_dot_f32 over the cells: cell s into acc s % 32
+                for s in range(visible):
+                    for d in T.vectorized(D):
+                        acc[s % STEP, d] = fma(v_cache[s, kv, d], scores[s], acc[s % STEP, d])
+                for d in T.vectorized(D):
+                    o[t, h, d] = _fold32([acc[i, d] for i in range(STEP)])
+            else:  # tinyBLAS: cell s into accumulator s % 8, then hsum_float_8
+                for s in range(visible):
+                    for d in T.vectorized(D):
+                        acc[s % L, d] = fma(v_cache[s, kv, d], scores[s], acc[s % L, d])
+                for d in T.vectorized(D):
+                    o[t, h, d] = _hsum8([acc[i, d] for i in range(8)])
+
+    split = max(1, int(rows_per_task))
+
     @T.prim_func(private=True)
     def attention(q_h: T.handle, k_cache: T.Buffer((C, HKV, D), "float32"),
                   v_cache: T.Buffer((C, HKV, D), "float32"), pos: T.int64, o_h: T.handle):
@@ -84,55 +141,14 @@ def attention_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float,
         n = T.int64()
         q = T.match_buffer(q_h, (n, H, D), "float32")
         o = T.match_buffer(o_h, (n, H, D), "float32")
-        for row in T.parallel(n * H):
-            t = row // H
-            h = row % H
-            kv = h // G
-            visible = pos + t + T.int64(1)
-            scores = T.decl_buffer((CP,), "float32")
-            part = T.decl_buffer((STEP,), "float32")
-            acc = T.decl_buffer((STEP, D), "float32")  # lane accumulators of the KQV sums
-            stat = T.decl_buffer((2,), "float32")  # max, 1 / sum
-            if f16_pv_below > 0 and n < T.int64(f16_pv_below):
-                f16_pv_row(q, k_cache, v_cache, o, t, h, kv, visible, part, acc, stat)
-            else:
-                total = T.decl_buffer((1,), "float64")
-                stat[0] = T.float32(-3.0e38)
-                for s in range(visible):
-                    for lane in T.vectorized(STEP):
-                        part[lane] = T.float32(0)
-                    for d0 in range(D // STEP):
-                        for lane in T.vectorized(STEP):
-                            part[lane] = fma(k_cache[s, kv, d0 * STEP + lane], q[t, h, d0 * STEP + lane], part[lane])
-                    scores[s] = _fold32([part[i] for i in range(STEP)])
-                    for d in range(tail):
-                        scores[s] = scores[s] + k_cache[s, kv, body + d] * q[t, h, body + d]
-                    scores[s] = scores[s] * SCALE
-                    stat[0] = T.max(stat[0], scores[s])
-                chunks = (visible + L - T.int64(1)) // L
-                for s in range(visible, chunks * L):
-                    scores[s] = T.float32(-3.0e38)  # exp gives 0
-                total[0] = T.float64(0)
-                for c in range(chunks):
-                    scores[c * 8:c * 8 + 8] = expf8(scores.vload([c * 8], "float32x8") - T.broadcast(stat[0], 8))
-                    total[0] = total[0] + T.Cast("float64", _hsum8([scores[c * 8 + i] for i in range(8)]))
-                stat[1] = T.Cast("float32", T.float64(1) / total[0])
-                for s in range(visible):
-                    scores[s] = scores[s] * stat[1]
-                for a, d in T.grid(STEP, D):
-                    acc[a, d] = T.float32(0)
-                if one_token_order or n == T.int64(1):  # ggml_vec_dot_f32 over the cells: cell s into acc s % 32
-                    for s in range(visible):
-                        for d in T.vectorized(D):
-                            acc[s % STEP, d] = fma(v_cache[s, kv, d], scores[s], acc[s % STEP, d])
-                    for d in T.vectorized(D):
-                        o[t, h, d] = _fold32([acc[i, d] for i in range(STEP)])
-                else:  # tinyBLAS: cell s into accumulator s % 8, then hsum_float_8
-                    for s in range(visible):
-                        for d in T.vectorized(D):
-                            acc[s % L, d] = fma(v_cache[s, kv, d], scores[s], acc[s % L, d])
-                    for d in T.vectorized(D):
-                        o[t, h, d] = _hsum8([acc[i, d] for i in range(8)])
+        if split == 1:
+            for row in T.parallel(n * H):
+                one_row(q, k_cache, v_cache, pos, o, n, row)
+        else:  # `split` consecutive rows per task
+            for task in T.parallel((n * H + T.int64(split - 1)) // T.int64(split)):
+                for part in range(T.int64(split)):
+                    if task * T.int64(split) + part < n * H:
+                        one_row(q, k_cache, v_cache, pos, o, n, task * T.int64(split) + part)
 
     return attention
 

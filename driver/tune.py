@@ -10,10 +10,11 @@ shape or loop bounds depend on the cache position or on the token count (rope, a
 writes, embeddings, MoE expert matmuls, every prefill kernel), which keep their default schedules.
 Quantized matmuls are tuned from their unscheduled compute definition (`quant.gemv_compute`), the
 others from the PrimFunc their lowering makes before `schedule_cpu`. The hand-written CPU kernels
-(the 8-bit GEMV groups, the vector SwiGLU) are tuned through their knobs instead
-(codegen/kernel_knobs.py): a round times the next untried knob settings against the default
-kernel, each committed to `knob_records.jsonl` as soon as it is measured; everything else (budget,
-priority, the index, `--tuning-min-speedup`) is shared with MetaSchedule's workloads.
+(the 8-bit GEMV groups, the vector SwiGLU, causal attention timed at a fixed cache position) are
+tuned through their knobs instead (codegen/kernel_knobs.py): a round times the next untried knob
+settings against the default kernel, each committed to `knob_records.jsonl` as soon as it is
+measured; everything else (budget, priority, the index, `--tuning-min-speedup`) is shared with
+MetaSchedule's workloads.
 
 The database (DIR):
     index.json                  one entry per workload: key, target, label, models using it (calls
@@ -252,6 +253,9 @@ def workload_label(key: KernelKey, func: tirx.PrimFunc | None) -> str:
         return f"{kind} {key.qtype} {'+'.join(str(n) for n in key.ns)}x{key.k}{extra}"
     if isinstance(key, OpKernel) and kind == "swiglu":
         return f"swiglu 1x{key.attrs}"
+    if isinstance(key, OpKernel) and kind == "attention" and len(key.dims) == 3:
+        (t, heads, dim), (cells, kv, _) = key.dims[0], key.dims[1]
+        return f"attention {t}x{heads}x{dim} kv {kv}x{cells} at pos {KN.TIMING_POSITION}"
     if isinstance(key, WeightMatmul):
         return f"matmul {key.qtype} {key.n}x{key.k}"
     if isinstance(key, OpKernel) and kind == "elementwise" and hasattr(key.attrs, "program"):
@@ -381,12 +385,7 @@ class KernelTimer:
         self.target, self.options = target, options
         self.dev = device_of(target)
         self.device_name = R.local_device_name()
-        rng = np.random.default_rng(0)
-        self.args = []
-        for dtype, shape in args:
-            arr = tvm.runtime.empty(shape, dtype, self.dev)
-            arr.copyfrom(W.fill(dtype, shape, rng))
-            self.args.append(arr)
+        self.args = W.timing_args(args, self.dev, KN.TIMING_POSITION)
 
     def compile(self, func: tirx.PrimFunc) -> Any:
         mod = tvm.IRModule({"main": func.with_attr("global_symbol", "main")})

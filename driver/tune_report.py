@@ -107,8 +107,8 @@ def table(db: TuningDB, min_speedup: float = 1.0) -> str:
 def _per_model(rs: list[Row], min_speedup: float) -> list[str]:
     """Per model: the tunable kernels' time in one decode step, default vs with the database."""
     models = sorted({m for r in rs for m in r.models})
-    out = [f"per decode step, summed over the tunable kernels (attention, rope, cache writes excluded), "
-           f"tuned schedules used where >= {min_speedup:.2f}x:"]
+    out = [f"per decode step, summed over the tunable kernels (rope, cache writes excluded; attention as timed "
+           f"at its timing position), tuned schedules used where >= {min_speedup:.2f}x:"]
     for m in models:
         default = tuned = 0.0
         n = used = 0

@@ -33,6 +33,7 @@ import numpy as np
 import tvm
 from tvm import tirx
 
+from ggufc.codegen import kernel_knobs as KN
 from ggufc.codegen.target import host_cpu_name
 
 from . import tune_worker as W
@@ -276,12 +277,7 @@ class RemoteKernelTimer:
     def _times_on_a_device(self, libs: list[Path]) -> list[float]:
         session, self.device_name = W.request_device(self.remote.config())
         dev = session.cpu(0)
-        rng = np.random.default_rng(0)
-        args = []
-        for dtype, shape in self.arg_specs:
-            arr = tvm.runtime.empty(shape, dtype, dev)
-            arr.copyfrom(W.fill(dtype, shape, rng))
-            args.append(arr)
+        args = W.timing_args(self.arg_specs, dev, KN.TIMING_POSITION)
         evaluators = []
         for lib in libs:
             session.upload(str(lib))

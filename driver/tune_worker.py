@@ -54,6 +54,21 @@ def fill(dtype: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.nda
     return np.zeros(shape, dtype=dt)
 
 
+def timing_args(specs: Any, device: Any, scalar: int) -> list[Any]:
+    """Arguments for timing a kernel: `fill`ed tensors on `device`, and `scalar` for each scalar
+    argument (shape (): a kernel's cache position)."""
+    rng = np.random.default_rng(0)
+    out: list[Any] = []
+    for dtype, shape in specs:
+        if tuple(shape) == ():
+            out.append(int(scalar))
+            continue
+        arr = tvm.runtime.empty(tuple(shape), dtype, device)
+        arr.copyfrom(fill(dtype, tuple(shape), rng))
+        out.append(arr)
+    return out
+
+
 def alloc_argument(device: Any, args_info: Any, alloc_repeat: int) -> list[list[Any]]:
     """MetaSchedule runner hook: arguments from `fill` instead of raw random bits (random int32
     ids would read out of bounds; random f16 bits include NaN and Inf)."""

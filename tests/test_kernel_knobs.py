@@ -20,6 +20,7 @@ import tvm_ffi
 
 from ggufc.cli import teacher_forced_logits
 from ggufc.codegen import kernel_knobs as KN
+from ggufc.codegen import kernels_attention as KA
 from ggufc.codegen import quant_int8 as Q8
 from ggufc.codegen.kernel_keys import Int8GemvGroup, OpKernel
 from ggufc.codegen.target import cpu_target
@@ -27,6 +28,7 @@ from ggufc.driver import tune as TU
 from ggufc.driver import tune_report
 from ggufc.driver import tune_worker as W
 from ggufc.driver.compile import compile_model
+from ggufc.ir.ops import Attention
 from ggufc.runtime.session import Session
 
 GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
@@ -83,6 +85,47 @@ def test_swiglu_knobs_keep_every_output_bit_for_bit() -> None:
     for knobs in KN.space(key, TARGET):  # 25 vectors: 13+12, 7+7+7+4, 4x6+1, 2x12+1
         got = outputs(KN.build(key, TARGET, knobs), args)
         np.testing.assert_array_equal(got[2], want[2], err_msg=str(knobs))
+
+
+ATTENTION_KEYS = [  # 8 heads over 2 KV heads, 256 + 64 cells; the one-token-order and f16 P.V forms
+    OpKernel("attention", Attention(0.125), ((1, 8, 64), (320, 2, 64), (320, 2, 64))),
+    OpKernel("attention", (Attention(0.125), "one_token_order"), ((1, 8, 64), (320, 2, 64), (320, 2, 64))),
+    OpKernel("attention", Attention(0.1, f16_pv_below=4), ((1, 6, 40), (300, 3, 40), (300, 3, 40))),
+]
+
+
+def attention_outputs(func: tvm.tirx.PrimFunc, args: list[tuple[str, tuple[int, ...]]]) -> np.ndarray:
+    ex = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=TARGET)
+    arrays = W.timing_args(args, tvm.cpu(), KN.TIMING_POSITION)
+    ex.mod["main"](*arrays)
+    return arrays[-1].numpy()
+
+
+@pytest.mark.parametrize("key", ATTENTION_KEYS, ids=["f32", "one-token-order", "f16-pv"])
+def test_attention_knobs_keep_every_output_bit_for_bit(key: OpKernel) -> None:
+    attrs = key.attrs[0] if isinstance(key.attrs, tuple) else key.attrs
+    (_, heads, dim), (cells, kv, _) = key.dims[0], key.dims[1]
+    default = KA.attention_rows(heads, kv, dim, cells, attrs.scale, isinstance(key.attrs, tuple), attrs.f16_pv_below)
+    assert KN.family(key, TARGET) == "attention"
+    assert tvm_ffi.structural_equal(KN.build(key, TARGET, {}), default)
+    args = KN.decode_args(key, default)
+    assert args is not None and args[3] == ("int64", ())
+    want = attention_outputs(default, args)
+    assert np.isfinite(want).all() and np.abs(want).max() > 0
+    settings = KN.space(key, TARGET) + [{"rows_per_task": 5}]  # 5: a short last task
+    assert [k["rows_per_task"] for k in settings] == [2, 4, 8, 5]
+    for knobs in settings:
+        np.testing.assert_array_equal(attention_outputs(KN.build(key, TARGET, knobs), args), want, err_msg=str(knobs))
+
+
+def test_attention_without_the_row_kernel_has_no_knobs() -> None:
+    masked = OpKernel("attention", Attention(0.125, mask="additive"), ((1, 8, 64), (320, 2, 64), (320, 2, 64)))
+    odd_dim = OpKernel("attention", Attention(0.125), ((1, 8, 40), (320, 2, 40), (320, 2, 40)))
+    batched = OpKernel("attention", (Attention(0.125), "slot_rows"), ((1, 8, 64), (320, 2, 64), (320, 2, 64)))
+    for key in (masked, odd_dim, batched):
+        assert KN.family(key, TARGET) is None
+    short = OpKernel("attention", Attention(0.125), ((1, 8, 64), (128, 2, 64), (128, 2, 64)))
+    assert KN.decode_args(short, KN.build(short, TARGET, {})) is None  # fewer cells than the timing position
 
 
 def test_the_space_lists_each_setting_once_defaults_excluded() -> None:
