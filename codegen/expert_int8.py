@@ -43,6 +43,9 @@ def int8_experts(qtype: str, n_exp: int, n: int, k: int, slots: int, per_slot: b
     return kquant_experts(qtype, n_exp, n, k, slots, per_slot, intrin)
 
 
+SERIAL_ROWS = 8  # rows rounded, gathered and scattered without the thread pool (a decode step's)
+
+
 def _expert_view(f: tirx.Buffer, e: tirx.PrimExpr) -> tirx.Buffer:
     """Expert e's [N, ...] slice of a weight field [X, N, ...], read in place."""
     per_expert = 1
@@ -99,6 +102,24 @@ def kquant_experts(qtype: str, n_exp: int, n: int, k: int, slots: int, per_slot:
         for q in range(start[e] + count[e] // tokens * tokens, start[e + 1]):
             one(v0, v1, v2, v3, v4, v5, ys, n, jo, q, gb, gd, gs, gp)
 
+    @T.macro
+    def gather(q, order, xb, xd, xs, xp, gb, gd, gs, gp):  # type: ignore[no-untyped-def]
+        """Pair q's rounded row (codes, scales, sums) into its place in expert order."""
+        src = T.meta_var(order[q] if per_slot else order[q] // S)
+        for j in range(k):
+            gb[q, j] = xb[src, j]
+        for j in range(n_super):
+            gd[q, j] = xd[src, j]
+        for j in range(n_super * 8):
+            gs[q, j] = xs[src, j]
+        for j in range(n_super * 128):
+            gp[q, j] = xp[src, j]
+
+    @T.macro
+    def scatter(q, order, ys, y):  # type: ignore[no-untyped-def]
+        for j in range(n):
+            y[order[q] // S, order[q] % S, j] = ys[q, j]
+
     @T.prim_func(private=True)
     def experts(x_h: T.handle, ids_h: T.handle, f0: T.Buffer(specs[0][0], specs[0][1]),  # type: ignore[valid-type]
                 f1: T.Buffer(specs[1][0], specs[1][1]), f2: T.Buffer(specs[2][0], specs[2][1]),  # type: ignore[valid-type]
@@ -116,8 +137,12 @@ def kquant_experts(qtype: str, n_exp: int, n: int, k: int, slots: int, per_slot:
         xd = T.alloc_buffer((t_len * SX, n_super), "float32")
         xs = T.alloc_buffer((t_len * SX, n_super * 8), "int16")
         xp = T.alloc_buffer((t_len * SX, n_super * 128), "int16")
-        for r in T.parallel(t_len * SX):
-            quantize(rows_in, r, xb, xd, xs, xp, n_super)
+        if t_len * SX > SERIAL_ROWS:
+            for r in T.parallel(t_len * SX):
+                quantize(rows_in, r, xb, xd, xs, xp, n_super)
+        else:
+            for r in range(t_len * SX):
+                quantize(rows_in, r, xb, xd, xs, xp, n_super)
         count = T.alloc_buffer((n_exp,), "int32")
         start = T.alloc_buffer((n_exp + 1,), "int32")
         cursor = T.alloc_buffer((n_exp,), "int32")
@@ -130,22 +155,21 @@ def kquant_experts(qtype: str, n_exp: int, n: int, k: int, slots: int, per_slot:
         gd = T.alloc_buffer((m, n_super), "float32")
         gs = T.alloc_buffer((m, n_super * 8), "int16")
         gp = T.alloc_buffer((m, n_super * 128), "int16")
-        for q in T.parallel(m):
-            src = T.meta_var(order[q] if per_slot else order[q] // S)
-            for j in range(k):
-                gb[q, j] = xb[src, j]
-            for j in range(n_super):
-                gd[q, j] = xd[src, j]
-            for j in range(n_super * 8):
-                gs[q, j] = xs[src, j]
-            for j in range(n_super * 128):
-                gp[q, j] = xp[src, j]
+        if m > SERIAL_ROWS:
+            for q in T.parallel(m):
+                gather(q, order, xb, xd, xs, xp, gb, gd, gs, gp)
+        else:
+            for q in range(m):
+                gather(q, order, xb, xd, xs, xp, gb, gd, gs, gp)
         ys = T.alloc_buffer((m, N), "float32")
         for task in T.parallel(n_used[0] * groups):
             expert_rows(f0, f1, f2, f3, f4, f5, used[task // groups], task % groups, ys, gb, gd, gs, gp, start,
                         count)
-        for q in T.parallel(m):
-            for j in range(n):
-                y[order[q] // S, order[q] % S, j] = ys[q, j]
+        if m > SERIAL_ROWS:
+            for q in T.parallel(m):
+                scatter(q, order, ys, y)
+        else:
+            for q in range(m):
+                scatter(q, order, ys, y)
 
     return P.without_params(experts, {f"f{f}" for f in range(n_fields, FIELDS)})
