@@ -4,6 +4,9 @@ ggml_vec_dot_*_K_q8_K (tests/ggml_x86.py) and against the dense 8-bit kernel on 
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import ggml_x86 as G
 import gguf
 import numpy as np
@@ -15,6 +18,7 @@ from ggufc.codegen import quant as Q
 from ggufc.codegen import quant_int8 as Q8
 from ggufc.codegen.target import UnsupportedOnTarget, cpu_target
 from ggufc.codegen.tvm_util import aligned_zeros, to_tvm
+from ggufc.driver.models import cached_artifact_dir, compile_gguf
 from ggufc.ir.act_quant import quantize_act_ref
 from ggufc.ir.moe_routing import matmul_id_ref
 
@@ -22,6 +26,7 @@ TARGET = cpu_target()
 needs_int8_dot = pytest.mark.skipif(Q8.int8_dot_intrinsic(TARGET) is None,
                                     reason=f"{TARGET.attrs.get('mcpu')} has no VNNI dot product")
 N_EXP, N, K, SLOTS = 6, 8, 512, 3
+MOE_FIXTURE = Path(__file__).resolve().parents[1].parent / "shared" / "golden" / "fixtures" / "qwen3moe-moe-Q4_K_M.gguf"
 
 
 def _build(func: tvm.tirx.PrimFunc) -> tvm.runtime.Function:
@@ -110,3 +115,18 @@ def test_int8_experts_refuse_what_they_cannot_compute() -> None:
     assert not E8.int8_experts_supported("Q4_K", N, 320, TARGET)
     with pytest.raises(UnsupportedOnTarget, match="no 8-bit experts kernel for Q4_K 6 x 512"):
         E8.int8_experts("Q4_K", N_EXP, 6, K, SLOTS, False, TARGET)
+
+
+@needs_int8_dot
+@pytest.mark.skipif(not MOE_FIXTURE.is_file(), reason=f"{MOE_FIXTURE} not found")
+def test_q4_k_moe_lowers_its_experts_to_the_int8_kernel(compile_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fixture's Q4_K gate/up experts take the 8-bit kernel (one kernel serves both, at one token
+    and over a prompt); its Q5_0 down experts, which have none, keep the float experts kernel. (The goldens in
+    test_goldens.py compile the same artifact and check its logits.)"""
+    monkeypatch.setenv("GGUFC_CACHE", str(compile_cache))
+    artifact = cached_artifact_dir(MOE_FIXTURE, "llvm", None)
+    if not (artifact / "manifest.json").is_file():
+        compile_gguf(MOE_FIXTURE, "llvm", artifact, None)
+    kernels = json.loads((artifact / "manifest.json").read_text())["kernels"]
+    kinds = [k.split("_", 1)[1] for k in kernels if "experts" in k]
+    assert kinds.count("experts_int8") == 1 and set(kinds) == {"experts", "experts_int8"}, kinds
