@@ -110,6 +110,20 @@ class ExpertMatmul(KernelKey):
 
 
 @dataclass(frozen=True)
+class Int8ExpertMatmul(KernelKey):
+    """The selected experts' matmuls on 8-bit dot products, rounding their input rows as
+    llama.cpp's mul_mat_id does (q8_K) and grouping the rows by expert."""
+
+    kind: ClassVar[str] = "experts_int8"
+    qtype: str
+    n_exp: int
+    n: int
+    k: int
+    slots: int
+    per_slot: bool
+
+
+@dataclass(frozen=True)
 class CacheWrite(KernelKey):
     """A call's rows written into a cache at the position."""
 

@@ -150,9 +150,9 @@ def _q45k_rows(intrin: str, five: bool, rows: int, n_super: int, tt: int,
 
     @T.macro
     def row_group(d, dmin, sc, mn, qh, qs, y, n, jo, t, xb, xd, xs):  # type: ignore[no-untyped-def]
-        qs_flat = T.decl_buffer((n * n_super * 128,), "uint8", data=qs.data)
-        sc_flat = T.decl_buffer((n * n_super * 8,), "uint8", data=sc.data)
-        mn_flat = T.decl_buffer((n * n_super * 8,), "uint8", data=mn.data)
+        qs_flat = T.decl_buffer((n * n_super * 128,), "uint8", data=qs.data, elem_offset=qs.elem_offset)
+        sc_flat = T.decl_buffer((n * n_super * 8,), "uint8", data=sc.data, elem_offset=sc.elem_offset)
+        mn_flat = T.decl_buffer((n * n_super * 8,), "uint8", data=mn.data, elem_offset=mn.elem_offset)
         acc = T.alloc_buffer((rows * tt, 8), "float32")  # small: stack arrays per task
         accm = T.alloc_buffer((rows * tt, 4), "float32")
         sumi = T.alloc_buffer((rows * tt, 8), "int32")
@@ -424,9 +424,9 @@ def _q6k_rows(intrin: str, rows: int, n_super: int, tt: int, prefetch_groups: in
 
     @T.macro
     def row_group(ql, qh, sc, d, y, n, jo, t, xb, xd, xp):  # type: ignore[no-untyped-def]
-        ql_flat = T.decl_buffer((n * n_super * 128,), "uint8", data=ql.data)
-        qh_flat = T.decl_buffer((n * n_super * 64,), "uint8", data=qh.data)
-        sc_flat = T.decl_buffer((n * n_super * 16,), "int8", data=sc.data)
+        ql_flat = T.decl_buffer((n * n_super * 128,), "uint8", data=ql.data, elem_offset=ql.elem_offset)
+        qh_flat = T.decl_buffer((n * n_super * 64,), "uint8", data=qh.data, elem_offset=qh.elem_offset)
+        sc_flat = T.decl_buffer((n * n_super * 16,), "int8", data=sc.data, elem_offset=sc.elem_offset)
         acc = T.alloc_buffer((rows * tt, 8), "float32")  # small: stack arrays per task
         sumi = T.alloc_buffer((rows * tt, 8), "int32")
         ds = T.alloc_buffer((rows * tt, n_super), "float32")  # d_a d_w, as in the Q4_K macro

@@ -24,6 +24,7 @@ from ggufc.ir import moe_routing as MRef
 from ggufc.ir import ops as O
 from ggufc.ir.graph import Dim, Node, Value
 
+from . import expert_int8 as E8
 from . import kernel_keys as KK
 from . import kernels as K
 from . import quant as Q
@@ -216,19 +217,27 @@ def _moe_ffn(fc: FunctionContext, node: Node) -> list[Any]:
     e_in, x_in = e, fc.value(x)
     if a.latent:  # the experts run in L dims
         x_in, e_in = _project(fc, x_in, named["latent_down"], x.shape[0], "ffn_moe_latent_in")
-    xe = _round_temp(fc, x_in, (t_dim, e_in), [t, K.i64(e_in)], in_scheme, "ffn_moe_in_q")
+    int8_in = all(_int8_experts(fc, wv, in_scheme) for wv in (up, *([gate] if gate is not None else [])))
+    int8_down = _int8_experts(fc, down, down_scheme)
+    xe = x_in if int8_in else _round_temp(fc, x_in, (t_dim, e_in), [t, K.i64(e_in)], in_scheme, "ffn_moe_in_q")
     x3 = fc.bb.emit(relax.op.reshape(xe, [t, K.i64(1), K.i64(e_in)]))
 
-    def experts(inp: Any, wv: Value, per_slot: bool, kind: str) -> Any:
+    def experts(inp: Any, wv: Value, per_slot: bool, kind: str, int8: bool) -> Any:
         qtype, (_, n, k), arrays = weight_args(fc, wv)
-        key = KK.ExpertMatmul(qtype, n_exp, n, k, a.k, per_slot)
-        y = fc.call_temp(key, lambda: Q.qmatmul_experts(qtype, n_exp, n, k, a.k, x_per_slot=per_slot),
-                         [inp, ids, *arrays], [([t, K.i64(a.k), K.i64(n)], "float32")], f"ffn_moe_{kind}")[0]
+        out = [([t, K.i64(a.k), K.i64(n)], "float32")]
+        if int8:  # the kernel rounds its input rows itself
+            ikey = KK.Int8ExpertMatmul(qtype, n_exp, n, k, a.k, per_slot)
+            y = fc.call_temp(ikey, lambda: E8.int8_experts(qtype, n_exp, n, k, a.k, per_slot, fc.mb.target),
+                             [inp, ids, *arrays], out, f"ffn_moe_{kind}")[0]
+        else:
+            key = KK.ExpertMatmul(qtype, n_exp, n, k, a.k, per_slot)
+            y = fc.call_temp(key, lambda: Q.qmatmul_experts(qtype, n_exp, n, k, a.k, x_per_slot=per_slot),
+                             [inp, ids, *arrays], out, f"ffn_moe_{kind}")[0]
         if kind in scales:
             y = _scale_by_expert(fc, y, scales[kind], ids, (t_dim, a.k, n), kind)
         return y
 
-    up_y = experts(x3, up, False, "gate_up" if a.merged_gate_up else "up")
+    up_y = experts(x3, up, False, "gate_up" if a.merged_gate_up else "up", int8_in)
     hidden = int(up.shape[1]) // (2 if a.merged_gate_up else 1)
     act_dims = (t_dim, a.k, hidden)
     act_shape = [t, K.i64(a.k), K.i64(hidden)]
@@ -236,13 +245,14 @@ def _moe_ffn(fc: FunctionContext, node: Node) -> list[Any]:
         act = _merged_gate_up_act(fc, up_y, act_dims, act_shape, a)
     elif gate is not None:
         act = _elementwise_temp(fc, act_program(a.act, a.act_limit, a.act_linear_beta),
-                                [experts(x3, gate, False, "gate"), up_y], [act_dims, act_dims], act_shape,
+                                [experts(x3, gate, False, "gate", int8_in), up_y], [act_dims, act_dims], act_shape,
                                 "ffn_moe_act")
     else:
         silu = O.FusedElementwise((("unary", O.Unary("silu"), (0,)),), 1)
         act = _elementwise_temp(fc, silu, [up_y], [act_dims], act_shape, "ffn_moe_act")
-    act = _round_temp(fc, act, act_dims, act_shape, down_scheme, "ffn_moe_act_q")
-    down_y = experts(act, down, True, "down")
+    if not int8_down:
+        act = _round_temp(fc, act, act_dims, act_shape, down_scheme, "ffn_moe_act_q")
+    down_y = experts(act, down, True, "down", int8_down)
     dims = (t_dim, a.k, e_in)
     if a.shared or a.latent:
         routed = fc.call_temp(KK.OpKernel("weighted_sum", None, (dims,)),
@@ -253,6 +263,15 @@ def _moe_ffn(fc: FunctionContext, node: Node) -> list[Any]:
         return shared_expert(fc, node, named, routed) if a.shared else [routed]
     return fc.call(KK.OpKernel("weighted_sum", None, (dims,)), lambda: K.weighted_sum(K.Symbols().shape(dims), True),
                    [down_y, w], node.outputs, node.outputs[0].name)
+
+
+def _int8_experts(fc: FunctionContext, wv: Value, scheme: str) -> bool:
+    """Whether the experts of weight `wv`, their input rounded to `scheme`, run on the target's
+    8-bit kernel (q8_K rows: the K-quants)."""
+    if scheme != "q8_K" or not fc.is_param(wv):
+        return False
+    qtype, (_, n, k), _ = weight_args(fc, wv)
+    return E8.int8_experts_supported(qtype, n, k, fc.mb.target)
 
 
 def _project(fc: FunctionContext, v: Any, w: Value, t_dim: Dim, name: str) -> tuple[Any, int]:
