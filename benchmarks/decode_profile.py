@@ -5,9 +5,10 @@ read bandwidth and share of the stream-read roofline), and the Relax VM's builti
 
 The VM's instrument hook timestamps each call before and after it, so a kernel's time excludes
 the VM's own work and the hook's Python; the step is also timed whole without the hook. Bytes are
-the sizes of the kernel's tensor arguments (weights, activations, outputs; for attention the whole
-KV cache, of which a step reads only the filled rows). The stream read (`stream_read.py`) is
-measured in the same run, after the profile.
+the sizes of the kernel's weight and activation arguments (outputs included), without the states
+(the KV cache, of which a step reads only the filled rows; so attention and cache writes show no
+bandwidth) and without tables of which a kernel reads one row (the token embedding, the rope
+table). The stream read (`stream_read.py`) is measured in the same run, after the profile.
 """
 
 from __future__ import annotations
@@ -23,21 +24,28 @@ from typing import Any
 import numpy as np
 
 KERNEL = re.compile(r"k\d{3}_")
+ROW_READ = re.compile(r"_(embed|rope)$")  # kernels reading a few rows of a big table
 
 
-def tensor_bytes(args: tuple[Any, ...]) -> int:
+def tensor_bytes(args: tuple[Any, ...], skip: set[int]) -> int:
+    """Bytes of the tensor arguments whose data pointers are not in `skip`."""
     total = 0
     for a in args:
         shape = getattr(a, "shape", None)
-        if shape is not None and hasattr(a, "dtype"):
+        if shape is not None and hasattr(a, "dtype") and data_pointer(a) not in skip:
             total += int(np.prod([int(d) for d in shape])) * np.dtype(str(a.dtype)).itemsize
     return total
+
+
+def data_pointer(a: Any) -> int:
+    return int(np.from_dlpack(a).ctypes.data)
 
 
 class StepProfile:
     """Per-kernel-call times and bytes, and builtin counts, over the steps run while installed."""
 
-    def __init__(self) -> None:
+    def __init__(self, skip: set[int]) -> None:
+        self.skip = skip
         self.times: dict[str, list[float]] = defaultdict(list)
         self.nbytes: dict[str, int] = {}
         self.builtins: Counter[str] = Counter()
@@ -46,7 +54,7 @@ class StepProfile:
     def __call__(self, func: Any, symbol: str, before: bool, ret: Any, *args: Any) -> int:
         if before:
             if KERNEL.match(symbol) and symbol not in self.nbytes:
-                self.nbytes[symbol] = tensor_bytes(args)
+                self.nbytes[symbol] = 0 if ROW_READ.search(symbol) else tensor_bytes(args, self.skip)
             self._t0 = time.perf_counter()
             return 0
         dt = time.perf_counter() - self._t0
@@ -73,7 +81,7 @@ def profile(artifact: Path, threads: int, steps: int, context: int) -> dict[str,
         t0 = time.perf_counter()
         decode(*args)
         whole.append(time.perf_counter() - t0)
-    prof = StepProfile()
+    prof = StepProfile({data_pointer(t) for t in session._state_tensors})
     vm.set_instrument(prof)
     for _ in range(steps):
         decode(*args)
@@ -109,8 +117,8 @@ def main() -> None:
     for sym, k in sorted(p["kernels"].items(), key=lambda kv: -kv[1]["ms"]):
         gb_s = k["bytes"] / (k["ms"] * 1e-3) / 1e9 if k["ms"] else 0.0
         total_ms, total_mb = total_ms + k["ms"], total_mb + k["bytes"] / 1e6
-        print(f"{sym:28s} {k['calls']:5d} {k['ms']:8.3f} {k['bytes'] / 1e6:8.1f} {gb_s:6.1f} "
-              f"{100 * gb_s / read:6.0f} %")
+        rate = f"{gb_s:6.1f} {100 * gb_s / read:6.0f} %" if k["bytes"] else f"{'-':>6s} {'-':>8s}"
+        print(f"{sym:28s} {k['calls']:5d} {k['ms']:8.3f} {k['bytes'] / 1e6:8.1f} {rate}")
     print(f"{'kernels':28s} {p['launches']:5d} {total_ms:8.3f} {total_mb:8.1f} "
           f"{total_mb / total_ms:6.1f} {100 * total_mb / total_ms / read:6.0f} %")
     print(f"outside kernels (VM, launches): {p['step_ms'] - total_ms:.3f} ms of the {p['step_ms']:.3f} ms step")
