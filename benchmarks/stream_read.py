@@ -19,7 +19,8 @@ from tvm.script import tirx as T
 
 LANES = 16  # int32 lanes of one AVX-512 load
 UNROLL = 4  # independent accumulators per task (loads in flight)
-PREFETCH_AHEAD = 1024  # bytes ahead of the loads a prefetching task asks for
+PREFETCH_AHEAD = 1024  # bytes ahead of the loads a prefetching task asks for (into all cache levels,
+# as the GEMVs' int8_parts.prefetch does)
 
 
 def read_kernel(n_words: int, tasks: int, prefetch: bool) -> tirx.PrimFunc:
@@ -41,7 +42,7 @@ def read_kernel(n_words: int, tasks: int, prefetch: bool) -> tirx.PrimFunc:
                 if prefetch:
                     T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0",
                                                   T.address_of(src[T.min(base + ahead, n_words - 1)]),
-                                                  T.int32(0), T.int32(0), T.int32(1)))
+                                                  T.int32(0), T.int32(3), T.int32(1)))
                 for u in T.unroll(UNROLL):
                     for lane in T.vectorized(LANES):
                         acc[u, lane] = T.bitwise_xor(acc[u, lane], src[base + u * LANES + lane])
