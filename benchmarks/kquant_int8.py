@@ -12,8 +12,8 @@ run: the K-quants, and Q5_0/Q5_1 (`--types Q5_0,Q5_1`; Q5_1's float path adds th
   register, `kquant_gemm(..., pairs=0)`) against the default one (token pairs on 512-bit targets);
 * the decode step of a compiled model (`--model`), the old artifact compiled with the K-quant
   integer kernels switched off;
-* a stream-read reference from the same run (bench_cpu.stream_bandwidth): the cold GEMVs' weight
-  bytes per second as a fraction of it.
+* a stream-read reference from the same run (stream_read.py: 64-byte loads over 1 GiB, one part
+  per thread): the cold GEMVs' weight bytes per second as a fraction of it.
 
 Old and new are interleaved round by round (the machine is shared); medians are reported.
 """
@@ -32,8 +32,8 @@ import numpy as np
 import tvm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_cpu import stream_bandwidth  # noqa: E402
 from quant_kernels import make_raw  # noqa: E402
+from stream_read import stream_read_gb_s  # noqa: E402
 
 from ggufc.codegen import kquant_int8 as KQ  # noqa: E402
 from ggufc.codegen import quant as Q  # noqa: E402
@@ -189,13 +189,13 @@ def main() -> None:
     print(f"target {target.attrs['mcpu']}, int8 dot {Q8.int8_dot_intrinsic(target)}, TVM threads {threads}", flush=True)
     rng = np.random.default_rng(0)
     cases = [MatrixCase(qt, n, k, args.prefill_t, target, rng) for qt in args.types.split(",") for n, k in SHAPES]
-    stream = [stream_bandwidth(threads, repeats=3)["read_gb_s"]]
+    stream = [stream_read_gb_s(threads, repeats=3)["read_gb_s"]]
     for _ in range(args.rounds):
         for c in cases:
             c.round()
-        stream.append(stream_bandwidth(threads, repeats=3)["read_gb_s"])
+        stream.append(stream_read_gb_s(threads, repeats=3)["read_gb_s"])
     read_gb_s = statistics.median(stream)
-    print(f"stream read (OpenBLAS sgemv, 256 MiB): median {read_gb_s:.1f} GB/s over {len(stream)} runs")
+    print(f"stream read (stream_read.py, 1 GiB): median {read_gb_s:.1f} GB/s over {len(stream)} runs")
     print(f"{'type':5} {'N':>5} {'K':>5} {'kernel':10} | {'old ms':>8} {'new ms':>8} {'old/new':>7} |"
           f" {'old GB/s':>8} {'new GB/s':>8} | {'new/stream':>10}")
     for c in cases:

@@ -149,12 +149,16 @@ def with_layout_function(mod: tvm.IRModule, fields: dict[str, Any]) -> tvm.IRMod
 
 def cpu_build_pipeline() -> tvm.transform.Pass:
     """Relax's default build pipeline without KillAfterLastUse: every intermediate lives in
-    statically planned storage, so the ~1300 register kills per decode step free nothing."""
+    statically planned storage, so the ~1300 register kills per decode step free nothing.
+    CanonicalizeBindings after the allocations are explicit: a kernel's result is its output
+    buffer, so `y = alloc` bindings (a VM register copy after every kernel) go, and so do the
+    tuples of multi-output kernels' buffers once their items are the buffers (DeadCodeElimination)."""
     t = relax.transform
     return tvm.transform.Sequential([
         relax.backend.DispatchSampling(), relax.backend.DispatchSortScan(), t.LegalizeOps(),
         t.RewriteDataflowReshape(), t.ToNonDataflow(), t.RemovePurityChecking(), t.CallTIRRewrite(),
-        t.StaticPlanBlockMemory(), t.LowerAllocTensor(), t.LowerRuntimeBuiltin(), t.ComputePrimValue(),
+        t.StaticPlanBlockMemory(), t.LowerAllocTensor(), t.CanonicalizeBindings(), t.DeadCodeElimination(),
+        t.LowerRuntimeBuiltin(), t.ComputePrimValue(),
         t.VMShapeLower(), t.AttachGlobalSymbol(),
     ])
 

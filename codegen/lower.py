@@ -35,6 +35,7 @@ from .lower_context import (
     POS_TENSOR_KINDS,
     FunctionContext,
     ParamLayout,
+    opaque_item,
     tensor_type,
     weight_args,
 )
@@ -91,7 +92,9 @@ class ModuleBuilder:
         tok_dim = fc.n if fc.n is not None else K.i64(fixed_tokens or 1)
         tokens = relax.Var("tokens", tensor_type([tok_dim], "int32"))
         pos = relax.Var("pos", relax.ShapeType([fc.p]))
-        states = relax.Var("states", relax.TupleType([tensor_type(s, d) for _, s, d in self.states]))
+        # CPU: the states tuple is opaque like the weights (the runtime allocates them from the manifest)
+        states = relax.Var("states", relax.ObjectType() if self.unchecked_params else
+                           relax.TupleType([tensor_type(s, d) for _, s, d in self.states]))
         params = relax.Var("params", relax.ObjectType() if self.unchecked_params else
                            relax.TupleType([tensor_type(s, d) for _, s, d in self.flat_params]))
         fc.params_var = params
@@ -107,13 +110,19 @@ class ModuleBuilder:
                 if v.name == "tokens":
                     fc.env[v.id] = token_source
             for sname, st in graph.states.items():
-                fc.env[st.value.id] = self.bb.emit(relax.TupleGetItem(states, state_index[sname]), name_hint=sname)
+                fc.env[st.value.id] = self.bb.emit(self._state_item(states, state_index[sname]), name_hint=sname)
             for node in graph.nodes:
                 outs = lower_node(fc, node)
                 for v, e in zip(node.outputs, outs, strict=True):
                     fc.env[v.id] = e
             result = [fc.value(o) for o in graph.outputs]
             self.bb.emit_func_output(result[0] if len(result) == 1 else relax.Tuple(result))
+
+    def _state_item(self, states: relax.Var, index: int) -> Any:
+        if not self.unchecked_params:
+            return relax.TupleGetItem(states, index)
+        _, shape, dtype = self.states[index]
+        return opaque_item(states, index, shape, dtype)
 
     def _in_pos_tensor_function(self) -> bool:
         return bool(getattr(self, "_building_decode", False))

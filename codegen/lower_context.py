@@ -84,6 +84,7 @@ class FunctionContext:
         self.param_arrays: dict[str, list[Any]] = {}
         self.params_var: Any = None  # the function's weights argument (set by add_function)
         self.one_token_order = False  # every row summed as a one-token call sums it (add_function)
+        self._pos_value: Any = None  # the position as one bound value (see pos())
 
     # -- dims -----------------------------------------------------------------------------------
     def dim(self, d: Dim) -> Any:
@@ -124,9 +125,7 @@ class FunctionContext:
             return relax.TupleGetItem(self.params_var, index)
         # the params argument is an opaque object: no per-call shape/dtype check of every array
         # (~750 VM checks per step on SmolLM2); the runtime checks the arrays once, at load
-        return relax.call_pure_packed("vm.builtin.tuple_getitem", self.params_var,
-                                      relax.prim_value(tirx.IntImm("int64", index)),
-                                      ty_args=[tensor_type(shape, dtype)])
+        return opaque_item(self.params_var, index, shape, dtype)
 
     def value(self, v: Value) -> Any:
         if v.id in self.param_of:
@@ -141,7 +140,15 @@ class FunctionContext:
     def pos(self) -> Any:
         if self.pos_tensor is not None:  # cuda decode: position in device memory
             return self.pos_tensor
-        return relax.prim_value(self.p)
+        if self.mb.target.kind.name != "llvm":  # GPU dispatch plans read the position expression
+            return relax.prim_value(self.p)
+        if self._pos_value is None:
+            # one opaque value per call: a value whose struct info names `p` is rebuilt from the
+            # shape heap (a VM call) at every use
+            self._pos_value = self.bb.emit(relax.call_pure_packed(
+                "vm.builtin.copy", relax.prim_value(self.p), ty_args=[tvm.ir.PrimType("int64")]),
+                name_hint="pos_value")
+        return self._pos_value
 
     # -- calls ----------------------------------------------------------------------------------
     def call(self, key: KernelKey, make: Callable[[], tirx.PrimFunc], args: Sequence[Any],
@@ -163,6 +170,12 @@ class FunctionContext:
         if len(shapes) == 1:
             return [res]
         return [self.bb.emit(relax.TupleGetItem(res, i)) for i in range(len(shapes))]
+
+
+def opaque_item(tuple_var: Any, index: int, shape: Sequence[Any], dtype: str) -> Any:
+    """Item `index` of a tuple passed as an opaque object, typed without a per-call check."""
+    return relax.call_pure_packed("vm.builtin.tuple_getitem", tuple_var, relax.prim_value(tirx.IntImm("int64", index)),
+                                  ty_args=[tensor_type(shape, dtype)])
 
 
 def param_hint(source: str, field: str) -> str:

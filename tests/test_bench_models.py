@@ -79,3 +79,22 @@ def test_decode_bytes_count_one_embedding_row_and_the_used_experts(written: Writ
 def test_missing_llama_cpp_is_one_line(tmp_path: Path) -> None:
     reason = llama_cpp_missing(str(tmp_path / "no-such-python"))
     assert reason is not None and "\n" not in reason and "llama-cpp-python" in reason
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_stream_read_kernel_reads_every_word(prefetch: bool) -> None:
+    """The stream-read roofline kernel (benchmarks/stream_read.py) xors every word of each task's part."""
+    import tvm
+    from stream_read import LANES, read_kernel
+
+    from ggufc.codegen.target import cpu_target
+    from ggufc.codegen.tvm_util import aligned_empty, to_tvm
+
+    n_words, tasks = 1 << 14, 2
+    src = aligned_empty(n_words, np.int32)
+    src[:] = np.random.default_rng(0).integers(-(2**31), 2**31 - 1, n_words, dtype=np.int32)
+    out = np.zeros((tasks, LANES), np.int32)
+    lib = tvm.compile(tvm.IRModule({"stream_read": read_kernel(n_words, tasks, prefetch)}), target=cpu_target(2))
+    lib["stream_read"](to_tvm(src), out_t := to_tvm(out))
+    want = np.bitwise_xor.reduce(src.reshape(tasks, -1, LANES), axis=1)
+    np.testing.assert_array_equal(np.from_dlpack(out_t), want)

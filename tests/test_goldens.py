@@ -115,3 +115,28 @@ def test_block_minimum_fixture_matches_llama_cpp(name: str, chunk: int | None, t
     logits = _eval(name, chunk, tmp_path, compile_cache, monkeypatch, (LOCAL, LOCAL))
     golden = np.load(LOCAL / f"{name}.npz")[MODES[chunk]]
     assert nmse(logits, golden) < 1e-10
+
+
+@needs_shared
+def test_decode_step_runs_no_per_kernel_vm_copies(compile_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU decode function's VM code (codegen/build.py's pipeline): no register copy after each
+    kernel, the position made once, no output tuples, no per-call checks of the states."""
+    import re
+    from collections import Counter
+
+    import tvm
+
+    from ggufc.driver.models import cached_artifact_dir, compiled_session, existing_session, resolve_model
+
+    monkeypatch.setenv("GGUFC_CACHE", str(compile_cache))
+    model = resolve_model(str(GOLDEN / "fixtures" / "llama-dense-Q4_K_M.gguf"))
+    (existing_session(model) or compiled_session(model)).close()
+    text = tvm.runtime.load_module(str(cached_artifact_dir(model.path, model.target, model.n_ctx) / "kernels.so"))[
+        "as_text"]()
+    decode = re.search(r"^@decode:\n(.*?)(?=^@|\Z)", text, re.M | re.S)
+    assert decode is not None
+    calls = Counter(re.findall(r"^\s*call\s+(\S+)", decode.group(1), re.M))
+    kernels = sum(n for name, n in calls.items() if re.match(r"k\d{3}_", name))
+    assert kernels >= 20  # embedding, two layers of GEMVs, rope, cache writes, attention, the output
+    assert calls["vm.builtin.copy"] <= 1 and calls["vm.builtin.make_prim_value"] <= 1
+    assert calls["vm.builtin.make_tuple"] == 0 and calls["vm.builtin.check_tensor_info"] <= 1
