@@ -22,15 +22,19 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from . import int8_parts as P
-from .kquant_int8 import FIELDS, GEMM_TOKENS, KQUANT_GEMV_TYPES, SUPER, _field_specs, _q8k_quantize, _row_steps
+from .kquant_int8 import FIELDS, GEMM_TOKENS, SUPER, _field_specs, _q8k_quantize, _row_steps
 from .quant import layout_spec
 from .quant_int8 import int8_dot_intrinsic
 from .target import UnsupportedOnTarget
 
+# the K-quants whose rows read 32-value activation sums (Q2_K reads 16-value ones; Q2_K and Q3_K
+# experts keep the float kernel)
+EXPERT_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K"})
+
 
 def int8_experts_supported(qtype: str, n: int, k: int, target: tvm.target.Target) -> bool:
     """Whether `target` has the 8-bit experts kernel for [X, n, k] weights of `qtype`."""
-    return (int8_dot_intrinsic(target) is not None and qtype in KQUANT_GEMV_TYPES and n % P.ROWS == 0
+    return (int8_dot_intrinsic(target) is not None and qtype in EXPERT_TYPES and n % P.ROWS == 0
             and k % SUPER == 0)
 
 

@@ -71,7 +71,7 @@ def _activations(rng: np.random.Generator, t: int, s: int) -> np.ndarray:
 
 
 @needs_int8_dot
-@pytest.mark.parametrize("qtype", sorted(E8.KQUANT_GEMV_TYPES))
+@pytest.mark.parametrize("qtype", sorted(E8.EXPERT_TYPES))
 @pytest.mark.parametrize(("t", "per_slot"), [(1, False), (1, True), (7, False), (6, True)])
 def test_int8_experts_match_reference_and_dense_kernel(qtype: str, t: int, per_slot: bool) -> None:
     """One token is a decode step (gate/up: one row for every slot; down: a row per slot); 6-7
