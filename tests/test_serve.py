@@ -354,10 +354,12 @@ def test_a_client_that_disconnects_frees_its_slot(server: ServerProcess) -> None
 
 
 def test_busy_past_the_queue_then_sleep_and_sigterm(artifact: Path, model: Any) -> None:
-    """One slot and no queue: a second request while the first streams is refused with 503; after a
-    second idle the slot's memory is freed and the next request reloads it with the same output; a
+    """One slot and no queue: a second request while the first streams is refused with 503; after
+    three idle seconds the slot's memory is freed and the next request reloads it with the same output; a
     SIGTERM while a stream is in flight lets it finish, then the server exits 0."""
-    proc = ServerProcess(artifact, "--parallel", "1", "--queue", "0", "--sleep-idle", "1", "--alias", "smollm2")
+    # 3 s of idleness before sleeping: the check that the request woke the server must come before
+    # it falls asleep again, also on a loaded machine
+    proc = ServerProcess(artifact, "--parallel", "1", "--queue", "0", "--sleep-idle", "3", "--alias", "smollm2")
     try:
         client = openai.OpenAI(base_url=proc.base_url, api_key="none", max_retries=0, timeout=120)
         stream = client.completions.create(model="smollm2", prompt=PROMPTS[3], max_tokens=60, temperature=0,
