@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from ggufc.codegen.tvm_util import aligned_zeros
 from ggufc.driver.models import cached_artifact_dir, compiled_session, existing_session, resolve_model
 from ggufc.runtime import Session
 
@@ -191,9 +192,10 @@ class SelectionProbe:
     def select(self, states: dict[str, np.ndarray], tokens: np.ndarray, pos: int) -> np.ndarray:
         import tvm
 
-        from ggufc.codegen.tvm_util import to_tvm
+        from ggufc.codegen.tvm_util import aligned_copy, to_tvm
 
-        tensors = [to_tvm(np.ascontiguousarray(states[n])) for n in self.state_names]
+        # copies: the state kernels update their states in place, and `states` stay the caller's
+        tensors = [to_tvm(aligned_copy(states[n])) for n in self.state_names]
         out = self.vm["prefill_all"](to_tvm(tokens.astype(np.int32)), tvm.runtime.ShapeTuple([pos]), tensors,
                                      self.params)
         return np.asarray(out[1].numpy())
@@ -248,7 +250,9 @@ def test_sparse_selections_after_truncation_equal_fresh(name: str, artifacts: di
     golden = np.load(GOLDEN / "logits" / f"{name}.npz")
     probe = selection_probe(sparse_copy(tmp_path_factory.mktemp("probe"), name))
     session = Session(artifacts[name], checkpoint_interval=INTERVAL)
-    zeros = {n: np.zeros_like(session.state(n)) for n in probe.state_names}
+    # aligned, so a probe that updated its input states in place (to_tvm does not copy aligned
+    # arrays) would dirty them for the next turn's fresh run
+    zeros = {n: aligned_zeros(session.state(n).shape, session.state(n).dtype) for n in probe.state_names}
     dropped = 0
     for i, turn in enumerate(seven_turns(golden["tokens"], session.n_vocab)):
         session.truncate(turn.keep)
