@@ -53,16 +53,6 @@ def load() -> str:
     return "load average " + " ".join(f"{v:.2f}" for v in os.getloadavg())
 
 
-def last_level_cache_bytes() -> int:
-    """The largest CPU cache (sysfs), 32 MiB where it cannot be read."""
-    sizes = []
-    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
-        text = f.read_text().strip().upper()
-        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-        sizes.append(int(text.rstrip("KMG")) * scale)
-    return max(sizes, default=32 * MIB)
-
-
 # -- read bandwidth ------------------------------------------------------------------------------
 
 
@@ -266,7 +256,7 @@ def main() -> None:
         summary = TU.tune_model(model, "llvm", args.db, time_budget_s=60.0 * args.tune_minutes, kinds=args.only,
                                 options=TU.TuneOptions.for_round(args.trials_per_round))
         print(summary.format())
-    llc = last_level_cache_bytes()
+    llc = W.last_level_cache_bytes()
     cold_bytes = 2 * llc
     bandwidth = read_bandwidth(target, max(cold_bytes, 512 * MIB))
     result.update(last_level_cache_mib=llc / MIB, read_bandwidth_gbs=bandwidth / 1e9)

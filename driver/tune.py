@@ -67,7 +67,7 @@ import traceback
 import types
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
 
@@ -116,6 +116,10 @@ class TuneOptions:
     # ggufc's own timing of default and tuned kernels: rounds of interleaved A/B measurements
     timing_rounds: int = 5
     min_repeat_ms: int = 20
+    # "cold": weight-reading kernels (timed_cold) are timed with their arguments flushed from the
+    # CPU caches before each call, as a decode step of a model bigger than the last-level cache
+    # reads them; "hot": the same cached arguments each call. tune_model resolves "auto".
+    timing: str = "hot"
 
     @staticmethod
     def for_round(trials_per_round: int, **overrides: Any) -> TuneOptions:
@@ -235,6 +239,37 @@ class Workload:
     def search(self) -> str:
         """How the workload is tuned: MetaSchedule's search, or ggufc's knob settings."""
         return "knobs" if self.knobs else "metaschedule"
+
+
+TIMINGS = ("auto", "cold", "hot")
+
+
+def reads_from_memory(w: Workload) -> bool:
+    """Whether the workload's arguments after the first are weights or KV cells, which a decode
+    step of a model bigger than the last-level cache finds in memory (its activations, the first
+    argument, it finds cached)."""
+    return isinstance(w.key, (Int8GemvGroup, WeightMatmul)) or w.kind == "attention"
+
+
+def timed_cold(w: Workload, options: TuneOptions) -> bool:
+    return options.timing == "cold" and reads_from_memory(w)
+
+
+def session_timing(requested: str, model_bytes: int, target: tvm.target.Target,
+                   remote: R.RemoteDevices | None) -> str:
+    """The timing regime of a session: `requested`, or for "auto" cold when the model is bigger
+    than this machine's last-level cache (the weights a step reads then come from memory) or is
+    measured on other devices (whose caches this machine cannot see; deployed devices have small
+    ones), hot otherwise. GPU kernels are timed hot: the flush is TVM's CPU cache flush."""
+    if requested not in TIMINGS:
+        raise TuneError(f"--timing {requested}: expected one of {', '.join(TIMINGS)}")
+    if is_gpu(target):
+        if requested == "cold":
+            raise TuneError("--timing cold flushes CPU caches; GPU kernels are timed hot (--timing hot or auto)")
+        return "hot"
+    if requested != "auto":
+        return requested
+    return "cold" if remote is not None or model_bytes > W.last_level_cache_bytes() else "hot"
 
 
 def key_text(key: KernelKey) -> str:
@@ -369,20 +404,22 @@ def _gpu_layout(target: tvm.target.Target) -> tuple[Any, ...]:
 # measuring (ggufc's own timer: default and tuned kernels on the same data, interleaved)
 
 
-def kernel_timer(args: Sequence[tuple[str, tuple[int, ...]]], target: tvm.target.Target, options: TuneOptions,
+def kernel_timer(w: Workload, target: tvm.target.Target, options: TuneOptions,
                  remote: R.RemoteDevices | None) -> KernelTimer | R.RemoteKernelTimer:
-    """ggufc's paired timer, here or on a device from the tracker."""
+    """ggufc's paired timer for a workload, here or on a device from the tracker, cold where the
+    session times the workload as a decode step reads it (timed_cold)."""
+    cold = timed_cold(w, options)
     if remote is not None:
-        return R.RemoteKernelTimer(args, target, options, remote)
-    return KernelTimer(args, target, options)
+        return R.RemoteKernelTimer(w.args, target, options, remote, cold)
+    return KernelTimer(w.args, target, options, cold)
 
 
 class KernelTimer:
     """Compiled kernels sharing one set of arguments, timed in interleaved rounds."""
 
     def __init__(self, args: Sequence[tuple[str, tuple[int, ...]]], target: tvm.target.Target,
-                 options: TuneOptions) -> None:
-        self.target, self.options = target, options
+                 options: TuneOptions, cold: bool = False) -> None:
+        self.target, self.options, self.cold = target, options, cold
         self.dev = device_of(target)
         self.device_name = R.local_device_name()
         self.args = W.timing_args(args, self.dev, KN.TIMING_POSITION)
@@ -390,19 +427,12 @@ class KernelTimer:
     def compile(self, func: tirx.PrimFunc) -> Any:
         mod = tvm.IRModule({"main": func.with_attr("global_symbol", "main")})
         ex = tvm.compile(mod, target=self.target)
-        return ex.mod.time_evaluator("main", self.dev, number=1, repeat=1,
-                                     min_repeat_ms=int(self.options.min_repeat_ms))
+        return W.paired_evaluator(ex.mod, self.dev, int(self.options.min_repeat_ms), self.cold)
 
     def times(self, *funcs: tirx.PrimFunc) -> list[float]:
         """Median seconds per call of each function, measured in interleaved rounds."""
         evaluators = [self.compile(f) for f in funcs]
-        for ev in evaluators:  # warm-up: page in code and data
-            ev(*self.args)
-        samples: list[list[float]] = [[] for _ in funcs]
-        for _ in range(self.options.timing_rounds):
-            for i, ev in enumerate(evaluators):
-                samples[i].append(float(ev(*self.args).mean))
-        return [float(np.median(s)) for s in samples]
+        return W.interleaved_times(evaluators, self.args, self.options.timing_rounds)
 
 
 # =============================================================================================
@@ -483,15 +513,33 @@ class TuningDB:
         return self._ms[h]
 
     def knob_records(self, h: str) -> list[dict[str, Any]]:
-        """The knob settings measured for a hand-written kernel, in order (KNOB_RECORDS)."""
+        """The knob settings measured for a hand-written kernel, in order (KNOB_RECORDS), in the
+        timing regime its entry is timed in now (records of the other regime stay in the file)."""
         path = self.workload_dir(h) / KNOB_RECORDS
         if not path.is_file():
             return []
+        timing = self.timing(h)
         out = []
         for line in path.read_text(encoding="utf-8").splitlines():
             with contextlib.suppress(ValueError):
-                out.append(json.loads(line))
+                record = json.loads(line)
+                if record.get("timing", "hot") == timing:
+                    out.append(record)
         return out
+
+    def timing(self, h: str) -> str:
+        """How the workload's paired default/tuned times were measured ("hot" before cold timing)."""
+        return str((self.entry(h) or {}).get("timing", "hot"))
+
+    def set_timing(self, h: str, timing: str) -> None:
+        """Time the workload in `timing` from now on: a change of regime drops the times and the
+        best knob settings measured in the other one (they are measured again)."""
+        e = self.workloads[h]
+        if e.get("timing", "hot") == timing:
+            return
+        e.update({"timing": timing, "default_us": None, "tuned_us": None, "speedup": None, "ms_best_us": None,
+                  "exhausted": False})
+        e.pop("knobs", None)
 
     def add_knob_record(self, h: str, record: dict[str, Any]) -> None:
         self.workload_dir(h).mkdir(parents=True, exist_ok=True)
@@ -501,7 +549,7 @@ class TuningDB:
     def records(self, h: str) -> list[float | None]:
         """Mean seconds of every measured candidate in commit order (None: failed)."""
         if (self.workload_dir(h) / KNOB_RECORDS).is_file():
-            return [float(r["seconds"]) for r in self.knob_records(h)]
+            return [float(r["seconds"]) for r in self.knob_records(h)]  # this regime's; MetaSchedule's: both
         path = self.workload_dir(h) / "database_tuning_record.json"
         out: list[float | None] = []
         if not path.is_file():
@@ -658,23 +706,34 @@ class _Machinery:
 
         self.ms, self.target, self.db, self.options, self.remote = ms, target, db, options, remote
 
-        self.cores = PROCESS_CPUS
+        self.cores, self.remote_workers = PROCESS_CPUS, remote_workers
         if remote is None:
             self.builder = ms.builder.LocalBuilder(timeout_sec=600, f_build=W.build, max_workers=self.cores)
-            self.runner = ms.runner.LocalRunner(
-                timeout_sec=120,
-                evaluator_config=ms.runner.EvaluatorConfig(number=1, repeat=3,
-                                                           min_repeat_ms=int(options.min_repeat_ms)),
-                f_alloc_argument=W.alloc_argument, f_run_evaluator=W.run_evaluator, initializer=W.configure_threads)
             self.device_name = R.local_device_name()
         else:  # built and linked here, measured on the tracker's devices
             self.builder = ms.builder.LocalBuilder(timeout_sec=600, f_build=W.build,
                                                    f_export=R.builder_export(target), max_workers=self.cores)
-            self.runner = R.rpc_runner(remote, remote_workers, options)
             self.device_name = f"{remote.key}@{remote.tracker}"
+        self.runners: dict[bool, Any] = {}  # cold timing or not -> runner
         self.contexts: dict[str, Any] = {}
         self.models: dict[str, Any] = {}
         self.handlers: list[tuple[logging.Logger, logging.Handler]] = []
+
+    def runner(self, cold: bool) -> Any:
+        """MetaSchedule's runner, local or through the tracker, timing candidates cold (one call
+        after each flush of the arguments) or hot."""
+        if cold not in self.runners:
+            ms = self.ms
+            config = (ms.runner.EvaluatorConfig(number=1, repeat=W.COLD_CALLS, min_repeat_ms=0,
+                                                enable_cpu_cache_flush=True) if cold else
+                      ms.runner.EvaluatorConfig(number=1, repeat=3, min_repeat_ms=int(self.options.min_repeat_ms)))
+            if self.remote is None:
+                self.runners[cold] = ms.runner.LocalRunner(
+                    timeout_sec=120, evaluator_config=config, f_alloc_argument=W.alloc_argument,
+                    f_run_evaluator=W.run_evaluator, initializer=W.configure_threads)
+            else:
+                self.runners[cold] = R.rpc_runner(self.remote, self.remote_workers, config)
+        return self.runners[cold]
 
     def context(self, w: Workload) -> tuple[Any, Any]:
         from tvm.s_tir.meta_schedule.tune_context import _normalize_mod
@@ -730,7 +789,8 @@ class _Machinery:
         ctx, model = self.context(w)
         ms.tune.tune_tasks(
             tasks=[ctx], task_weights=[1.0], work_dir=str(self.db.workload_dir(w.hash)),
-            max_trials_global=trials, num_trials_per_iter=trials, builder=self.builder, runner=self.runner,
+            max_trials_global=trials, num_trials_per_iter=trials, builder=self.builder,
+            runner=self.runner(timed_cold(w, self.options)),
             database=self.db.ms_database(w.hash), cost_model=model,
             measure_callbacks=[ms.measure_callback.AddToDatabase(), self._device_log(w),
                                ms.measure_callback.RemoveBuildArtifact(), ms.measure_callback.UpdateCostModel()],
@@ -739,23 +799,25 @@ class _Machinery:
     def knob_round(self, w: Workload, trials: int) -> None:
         """The next `trials` untried knob settings of a hand-written kernel, each timed against the
         default kernel (paired, interleaved) and committed as soon as it is measured."""
-        tried = [r["knobs"] for r in self.db.knob_records(w.hash)]
+        tried = [r["knobs"] for r in self.db.knob_records(w.hash)]  # in this session's timing regime
         todo = [k for k in w.knobs or [] if k not in tried][:trials]
         for knobs in todo:
-            timer = kernel_timer(w.args, self.target, self.options, self.remote)
+            timer = kernel_timer(w, self.target, self.options, self.remote)
             t_default, t_knobs = timer.times(w.default, knob_kernel(w.key, self.target, knobs))
             self.db.add_knob_record(w.hash, {"knobs": knobs, "seconds": t_knobs, "default_seconds": t_default,
-                                             "device": timer.device_name, "measured": _now()})
+                                             "device": timer.device_name, "measured": _now(),
+                                             "timing": "cold" if timer.cold else "hot"})
 
     def _device_log(self, w: Workload) -> Any:
         d = self.db.workload_dir(w.hash)
         return R.record_devices_callback(d / R.DEVICES_NAME, d / "database_tuning_record.json", self.device_name)
 
     def close(self) -> None:
-        pool = getattr(self.runner, "pool", None)
-        if pool is not None:
-            with contextlib.suppress(Exception):
-                pool.shutdown()
+        for runner in self.runners.values():
+            pool = getattr(runner, "pool", None)
+            if pool is not None:
+                with contextlib.suppress(Exception):
+                    pool.shutdown()
         for logger, handler in self.handlers:
             logger.removeHandler(handler)
             handler.close()
@@ -825,6 +887,7 @@ class SessionSummary:
     db: str = ""
     tuned: dict[str, dict[str, Any]] = field(default_factory=dict)  # hash -> index entry snapshot
     measured_on: dict[str, int] = field(default_factory=dict)  # device -> this session's records it measured
+    timing: str = "hot"  # how weight-reading kernels were timed (session_timing)
 
     def format(self) -> str:
         lines = [
@@ -832,6 +895,8 @@ class SessionSummary:
             f"({len(self.shared)} shared with other models in the database)",
             f"  {self.new_trials} new trials this session, {self.total_trials} in the database for this model; "
             f"{self.seconds:.0f} s; stopped: {self.stop_reason}",
+            f"  weight-reading kernels timed {self.timing}"
+            + (" (their arguments flushed from the CPU caches before each call)" if self.timing == "cold" else ""),
         ]
         if self.measured_on:
             lines.append("  measured on: " + ", ".join(f"{d} ({n})" for d, n in sorted(self.measured_on.items())))
@@ -870,15 +935,18 @@ def tune_model(
     *, trials: int | None = None, time_budget_s: float | None = None, kinds: Sequence[str] | None = None,
     options: TuneOptions | None = None, progress: ProgressBar | None = None,
     disabled_passes: frozenset[str] = frozenset(), remote: R.RemoteDevices | None = None,
+    timing: str = "auto",
 ) -> SessionSummary:
     """Tune the model's decode kernels into `db_dir` within the budget (see the module docstring);
-    with `remote`, candidates and the paired timings are measured on the tracker's devices."""
+    with `remote`, candidates and the paired timings are measured on the tracker's devices;
+    `timing` says how weight-reading kernels are timed (session_timing)."""
 
     require_tuning_packages()
-    options = options or TuneOptions()
     bar = progress or ProgressBar()
     t_start = time.perf_counter()
     tgt = tune_target(target, remote)
+    regime = session_timing(timing, os.path.getsize(model_path), tgt, remote)
+    options = replace(options or TuneOptions(), timing=regime)
     workers = 1
     if remote is not None:
         servers = R.count_servers(remote)
@@ -888,7 +956,7 @@ def tune_model(
     elif tgt.kind.name == "llvm":
         configure_cpu_threads()
     model_name = Path(model_path).name
-    bar.message(f"extracting the decode kernels of {model_name}")
+    bar.message(f"extracting the decode kernels of {model_name}; timing weight-reading kernels {regime}")
     model = load_model(model_path)
     workloads = extract_workloads(model, tgt, disabled_passes)
     if kinds:
@@ -900,6 +968,8 @@ def tune_model(
     db = TuningDB(db_dir, create=True)
     with db.locked():
         entries = {w.hash: db.register(w, tgt, model_name) for w in tunable}
+        for w in tunable:
+            db.set_timing(w.hash, "cold" if timed_cold(w, options) else "hot")
         before = {w.hash: len(db.records(w.hash)) for w in tunable}
         for w in tunable:
             entries[w.hash]["trials"] = before[w.hash]
@@ -997,7 +1067,7 @@ def tune_model(
             shared=shared, reused=reused, new_trials=sum(counts[h] - before[h] for h in counts),
             total_trials=sum(counts.values()), trial_budget=trials, time_budget_s=time_budget_s,
             seconds=time.perf_counter() - t_start, stop_reason=stop, db=str(db.root),
-            tuned={h: dict(entries[h]) for h in counts}, measured_on=measured_on)
+            tuned={h: dict(entries[h]) for h in counts}, measured_on=measured_on, timing=regime)
     return summary
 
 
@@ -1066,7 +1136,7 @@ def _measure_defaults(tunable: list[Workload], entries: dict[str, dict[str, Any]
     if todo:
         bar.message(f"timing the default schedules of {len(todo)} kernels")
     for w in todo:
-        timer = kernel_timer(w.args, target, options, remote)
+        timer = kernel_timer(w, target, options, remote)
         (t,) = timer.times(w.default)
         entries[w.hash]["default_us"] = round(t * 1e6, 3)
         entries[w.hash]["timed_on"] = timer.device_name
@@ -1082,8 +1152,8 @@ def _refresh_best(db: TuningDB, w: Workload, e: dict[str, Any], target: tvm.targ
     if e.get("ms_best_us") == ms_best and e.get("tuned_us"):
         return
     e["ms_best_us"] = ms_best
-    if w.knobs is not None:
-        best = min(db.knob_records(w.hash), key=lambda r: float(r["seconds"]))
+    if w.knobs is not None:  # the setting that beat its paired default by most (load drifts between pairs)
+        best = min(db.knob_records(w.hash), key=lambda r: float(r["seconds"]) / float(r["default_seconds"]))
         e["knobs"] = best["knobs"]
         tuned = knob_kernel(w.key, target, best["knobs"])
     else:
@@ -1091,7 +1161,7 @@ def _refresh_best(db: TuningDB, w: Workload, e: dict[str, Any], target: tvm.targ
         tuned = db.best_schedule(w.hash, w.func, target)
     if tuned is None:
         return
-    timer = kernel_timer(w.args, target, options, remote)
+    timer = kernel_timer(w, target, options, remote)
     t_default, t_tuned = timer.times(w.default, tuned)
     e["default_us"], e["tuned_us"] = round(t_default * 1e6, 3), round(t_tuned * 1e6, 3)
     e["timed_on"] = timer.device_name

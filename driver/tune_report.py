@@ -31,6 +31,7 @@ class Row:
     devices: dict[str, int]  # device -> records it measured
     timed_on: str | None  # where ggufc's paired default/tuned timing ran
     knobs: dict[str, int] | None = None  # a hand-written kernel's best knob settings
+    timing: str = "hot"  # how the paired times were measured (cold: arguments flushed from the caches)
 
     @property
     def measured_on(self) -> str:
@@ -70,7 +71,8 @@ def rows(db: TuningDB) -> list[Row]:
         out.append(Row(h, str(e.get("label", e.get("kind", "?"))),
                        f"{target.get('kind', '?')}" + (f"/{target['mcpu']}" if target.get("mcpu") else ""),
                        dict(e.get("models") or {}), len(db.records(h)), e.get("default_us"), e.get("tuned_us"),
-                       e.get("ms_best_us"), bool(e.get("exhausted")), devices, e.get("timed_on"), e.get("knobs")))
+                       e.get("ms_best_us"), bool(e.get("exhausted")), devices, e.get("timed_on"), e.get("knobs"),
+                       str(e.get("timing", "hot"))))
     return sorted(out, key=lambda r: (-(r.calls * (r.default_us or 0.0)), r.hash))
 
 
@@ -79,15 +81,15 @@ def table(db: TuningDB, min_speedup: float = 1.0) -> str:
     if not rs:
         return f"{db.root}: no workloads yet"
     header = (f"{'workload':<16}  {'kernel':<36} {'calls':>5} {'trials':>6} {'default us':>11} {'tuned us':>10} "
-              f"{'speedup':>8}  {'status':<14} measured on")
+              f"{'speedup':>8} {'timing':<6}  {'status':<14} measured on")
     lines = [header, "-" * len(header)]
     for r in rs:
         tuned = f"{r.tuned_us:10.2f}" if r.tuned_us else f"{'-':>10}"
         default = f"{r.default_us:11.2f}" if r.default_us else f"{'-':>11}"
         speed = f"{r.speedup:7.2f}x" if r.speedup else f"{'-':>8}"
         status = r.status(min_speedup) + (" (search exhausted)" if r.exhausted else "")
-        lines.append(f"{r.hash:<16}  {r.label[:36]:<36} {r.calls:>5} {r.trials:>6} {default} {tuned} {speed}  "
-                     f"{status:<14} {r.measured_on}")
+        lines.append(f"{r.hash:<16}  {r.label[:36]:<36} {r.calls:>5} {r.trials:>6} {default} {tuned} {speed} "
+                     f"{r.timing:<6}  {status:<14} {r.measured_on}")
     lines.append("")
     lines += _per_model(rs, min_speedup)
     knobbed = [r for r in rs if r.knobs]
@@ -100,7 +102,7 @@ def table(db: TuningDB, min_speedup: float = 1.0) -> str:
     lines += _per_device(rs)
     lines.append("")
     lines.append("calls: per decode step (largest over the models using the workload); times: ggufc's median of "
-                 "interleaved runs on the same data")
+                 "interleaved runs on the same data, cold: each call after its weights were flushed from the caches")
     return "\n".join(lines)
 
 

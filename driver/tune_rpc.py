@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import tvm
 from tvm import tirx
 
@@ -166,13 +165,13 @@ def check_measurable(target: tvm.target.Target, remote: RemoteDevices | None) ->
 # MetaSchedule pieces
 
 
-def rpc_runner(remote: RemoteDevices, workers: int, options: Any) -> Any:
+def rpc_runner(remote: RemoteDevices, workers: int, evaluator_config: Any) -> Any:
     """MetaSchedule's RPCRunner with ggufc's hooks (argument data, warm-up, retry elsewhere)."""
     from tvm.s_tir import meta_schedule as ms
 
     return ms.runner.RPCRunner(
         rpc_config=remote.config(),
-        evaluator_config=ms.runner.EvaluatorConfig(number=1, repeat=3, min_repeat_ms=int(options.min_repeat_ms)),
+        evaluator_config=evaluator_config,
         f_create_session=W.rpc_create_session, f_upload_module=W.rpc_upload_module,
         f_alloc_argument=W.rpc_alloc_argument, f_run_evaluator=W.rpc_run_evaluator, f_cleanup=W.rpc_cleanup,
         max_workers=workers)
@@ -252,8 +251,9 @@ class RemoteKernelTimer:
     replaced by another one."""
 
     def __init__(self, args: Sequence[tuple[str, tuple[int, ...]]], target: tvm.target.Target, options: Any,
-                 remote: RemoteDevices) -> None:
+                 remote: RemoteDevices, cold: bool = False) -> None:
         self.arg_specs, self.target, self.options, self.remote = list(args), target, options, remote
+        self.cold = cold
         self.device_name = ""
 
     def times(self, *funcs: tirx.PrimFunc) -> list[float]:
@@ -281,12 +281,6 @@ class RemoteKernelTimer:
         evaluators = []
         for lib in libs:
             session.upload(str(lib))
-            evaluators.append(session.load_module(lib.name).time_evaluator(
-                "main", dev, number=1, repeat=1, min_repeat_ms=int(self.options.min_repeat_ms)))
-        for ev in evaluators:  # warm-up
-            ev(*args)
-        samples: list[list[float]] = [[] for _ in libs]
-        for _ in range(self.options.timing_rounds):
-            for i, ev in enumerate(evaluators):
-                samples[i].append(float(ev(*args).mean))
-        return [float(np.median(s)) for s in samples]
+            evaluators.append(W.paired_evaluator(session.load_module(lib.name), dev,
+                                                 int(self.options.min_repeat_ms), self.cold))
+        return W.interleaved_times(evaluators, args, self.options.timing_rounds)

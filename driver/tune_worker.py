@@ -41,6 +41,47 @@ def configure_threads() -> None:
     tvm.get_global_func("runtime.config_threadpool")(0, n)
 
 
+# Cold timing: before each timed call, TVM flushes every argument but the first (a decode kernel's
+# input activations, which a decode step finds in the caches) out of the CPU caches.
+COLD_PREPROC = "cache_flush_cpu_non_first_arg"
+COLD_CALLS = 10  # calls per cold round, each one timed alone after its flush
+
+
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache of this machine (sysfs), 32 MiB where it cannot be read."""
+    from pathlib import Path
+
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        with contextlib.suppress(OSError, ValueError):
+            text = f.read_text().strip().upper()
+            scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+            sizes.append(int(text.rstrip("KMG")) * scale)
+    return max(sizes, default=32 << 20)
+
+
+def paired_evaluator(module: Any, device: Any, min_repeat_ms: int, cold: bool) -> Any:
+    """The time evaluator of ggufc's paired default/tuned timing: cache-hot, one call repeated for
+    `min_repeat_ms`; or cold, COLD_CALLS calls each after a flush (TVM runs the flush outside
+    the timed call)."""
+    if cold:
+        return module.time_evaluator("main", device, number=1, repeat=COLD_CALLS, min_repeat_ms=0,
+                                     f_preproc=COLD_PREPROC)
+    return module.time_evaluator("main", device, number=1, repeat=1, min_repeat_ms=min_repeat_ms)
+
+
+def interleaved_times(evaluators: list[Any], args: list[Any], rounds: int) -> list[float]:
+    """Median over `rounds` of each evaluator's mean seconds per call, the evaluators taking turns
+    within each round (after one untimed warm-up each: code and data paged in)."""
+    for ev in evaluators:
+        ev(*args)
+    samples: list[list[float]] = [[] for _ in evaluators]
+    for _ in range(rounds):
+        for i, ev in enumerate(evaluators):
+            samples[i].append(float(np.mean(ev(*args).results)))
+    return [float(np.median(s)) for s in samples]
+
+
 def fill(dtype: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
     """Plausible data for one argument: floats in [-1, 1), unsigned bytes anywhere (packed quant
     fields), signed integers 0 (ids and indices stay in bounds; int8 quant values too)."""

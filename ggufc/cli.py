@@ -318,7 +318,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     budget_s = None if args.time_budget is None else args.time_budget * 60.0
     summary = tune_model(path, args.target, args.db, trials=args.trials, time_budget_s=budget_s, kinds=args.only,
-                         options=TuneOptions.for_round(args.trials_per_round), remote=_remote_devices(args))
+                         options=TuneOptions.for_round(args.trials_per_round), remote=_remote_devices(args),
+                         timing=args.timing)
     print(summary.format())
     return 0
 
@@ -824,6 +825,10 @@ def build_parser() -> Parser:
                    help="candidates measured per round (default 16)")
     p.add_argument("--only", action="append", metavar="KIND",
                    help="tune only this kernel kind (matmul, rms_norm, elementwise, ...); repeatable")
+    p.add_argument("--timing", choices=("auto", "cold", "hot"), default="auto",
+                   help="time weight-reading kernels with their arguments flushed from the CPU caches (cold, "
+                        "as a decode step of a model bigger than the last-level cache reads them) or cached "
+                        "(hot); auto: cold for such models and on RPC devices, hot otherwise")
     p.add_argument("--rpc-tracker", metavar="HOST:PORT",
                    help="measure on the devices registered at this TVM RPC tracker (built here)")
     p.add_argument("--rpc-key", metavar="KEY", help="with --rpc-tracker: the devices' key")

@@ -10,6 +10,7 @@ the default artifact's.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -186,3 +187,65 @@ def test_compiled_with_tuned_knobs_the_decode_logits_are_identical(knob_session:
     with Session(tmp_path / "default") as s:
         default = teacher_forced_logits(s, tokens, 1)
     np.testing.assert_array_equal(tuned, default)
+
+
+@pytest.fixture(scope="module")
+def cold_session(knob_session: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A copy of the knob session's (cache-hot) database, tuned on with cold timing."""
+    db = tmp_path_factory.mktemp("cold") / "db"
+    shutil.copytree(knob_session["db"], db)
+    hot_lines = {p.parent.name: p.read_text().splitlines() for p in db.glob("workloads/*/knob_records.jsonl")}
+    summary = TU.tune_model(LLAMA_Q4, "llvm", db, trials=2, kinds=["matmul_int8"], options=SMALL, timing="cold")
+    return {"db": db, "summary": summary, "hot_lines": hot_lines}
+
+
+@needs_int8_dot
+@pytest.mark.skipif(not FIXTURES.is_dir(), reason=f"llama.cpp fixtures not found at {FIXTURES}")
+def test_a_cold_session_times_every_gemv_again_and_keeps_the_hot_records(cold_session: dict[str, Any]) -> None:
+    summary, db = cold_session["summary"], TU.TuningDB(cold_session["db"])
+    assert summary.timing == "cold" and "timed cold" in summary.format()
+    gemvs = [h for h, e in db.workloads.items() if e["kind"] == "matmul_int8"]
+    assert gemvs and all(db.timing(h) == "cold" and db.workloads[h]["default_us"] > 0 for h in gemvs)
+    # the hot settings do not count in the cold regime: its budget of 2 went to new cold measurements
+    assert summary.new_trials == 2 and sum(len(db.knob_records(h)) for h in gemvs) == 2
+    for h, lines in cold_session["hot_lines"].items():  # the hot records are kept in the file as they were
+        path = db.workload_dir(h) / TU.KNOB_RECORDS
+        assert path.read_text().splitlines()[:len(lines)] == lines
+    for h in gemvs:
+        for r in db.knob_records(h):
+            assert r["timing"] == "cold" and r["seconds"] > 0
+        if db.knob_records(h):  # the best setting is one of this regime's
+            assert db.workloads[h]["knobs"] in [r["knobs"] for r in db.knob_records(h)]
+        else:
+            assert "knobs" not in db.workloads[h] and db.workloads[h]["tuned_us"] is None
+    assert " cold " in tune_report.table(db)
+
+
+def test_auto_timing_is_cold_for_models_bigger_than_the_cache_and_on_remote_devices() -> None:
+    llc = W.last_level_cache_bytes()
+    remote = object()  # any RemoteDevices: only its presence matters
+    assert TU.session_timing("auto", llc // 2, TARGET, None) == "hot"
+    assert TU.session_timing("auto", 2 * llc, TARGET, None) == "cold"
+    assert TU.session_timing("auto", 1, TARGET, remote) == "cold"  # type: ignore[arg-type]
+    assert TU.session_timing("hot", 2 * llc, TARGET, None) == "hot"
+    cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_80"})
+    assert TU.session_timing("auto", 2 * llc, cuda, None) == "hot"
+    with pytest.raises(TU.TuneError, match="GPU kernels are timed hot"):
+        TU.session_timing("cold", 1, cuda, None)
+    with pytest.raises(TU.TuneError, match="expected one of"):
+        TU.session_timing("warm", 1, TARGET, None)
+
+
+def test_cold_timing_flushes_every_argument_but_the_first_before_each_call() -> None:
+    seen: list[dict[str, Any]] = []
+
+    class Module:
+        def time_evaluator(self, name: str, dev: Any, **kwargs: Any) -> None:
+            seen.append(kwargs)
+
+    W.paired_evaluator(Module(), tvm.cpu(), 20, cold=True)
+    W.paired_evaluator(Module(), tvm.cpu(), 20, cold=False)
+    assert seen[0] == {"number": 1, "repeat": W.COLD_CALLS, "min_repeat_ms": 0,
+                       "f_preproc": "cache_flush_cpu_non_first_arg"}
+    assert seen[1] == {"number": 1, "repeat": 1, "min_repeat_ms": 20}
+    assert tvm.get_global_func(W.COLD_PREPROC, allow_missing=True) is not None
