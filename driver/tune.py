@@ -42,6 +42,14 @@ a further round resumes their search from the database instead of starting over)
 `--time-budget` shrinks or skips rounds that would not fit (from the seconds per trial measured so
 far) and ends a round still running at the deadline, dropping its unmeasured candidates.
 
+Timing. Default and tuned kernels are timed by ggufc on the same data in interleaved rounds. For a
+model bigger than the last-level cache (and on RPC devices) the weight-reading kernels are timed
+cold: TVM's `cache_flush_cpu_non_first_arg` flushes every argument but the first (the input
+activations) out of the CPU caches before each timed call, as a decode step streams its weights
+from memory; MetaSchedule's runner measures those workloads the same way. Each index entry says
+its regime (`timing`); a session in the other regime measures the default and the knob settings
+again (knob records carry their regime; the other regime's stay in the file, unused).
+
 Compiling with a database (`TunedKernels`, the `ModuleBuilder.tuned` hook) replays a workload's
 best record onto its unscheduled PrimFunc, only where ggufc's paired timing found it at least
 `min_speedup` times faster than the default kernel, and only for the same compute definition
