@@ -5,13 +5,15 @@
 With `--tune-minutes M`, first runs a `ggufc tune` session of that budget into DIR. Then, in one
 process and one run (so machine load hits both sides alike):
 
-1. Read bandwidth: a parallel sum over a buffer larger than the last-level cache, the ceiling a
-   decode step's weight reads can reach on this machine.
+1. Read bandwidth: the stream-read roofline (`stream_read.py`: 64-byte loads over 1 GiB, one part
+   per thread, the roofline of `bench_side_by_side.py`), the ceiling a decode step's weight reads
+   can reach on this machine, and a parallel float sum over a buffer larger than the last-level
+   cache (an ordinary TVM-built reduction, for comparison).
 2. Per tuned workload of the model in DIR: its default and tuned kernels timed in interleaved
    rounds, both with the same arguments on every call (cache-hot, as `ggufc tune` times them) and
    cycling through copies of the arguments larger than the last-level cache (cold, as a decode
-   step reads its weights); the bytes a call reads and the cold default's fraction of the read
-   bandwidth (near 1: no knob can make that kernel much faster).
+   step reads its weights); the bytes a call reads and the cold default's and tuned kernel's
+   fractions of the stream-read roofline (near 1: no knob can make that kernel much faster).
 3. The decode step: the model compiled without and with `--tuning-db DIR`, decode steps of both
    artifacts timed in alternating rounds (the order flips every round), medians, the ratio, and
    whether their logits are bit-identical (they are when only knob settings were applied).
@@ -34,6 +36,7 @@ os.environ.setdefault("TVM_NUM_THREADS", str(len(os.sched_getaffinity(0))))
 
 import numpy as np  # noqa: E402
 import tvm  # noqa: E402
+from stream_read import stream_read_gb_s  # noqa: E402  (this folder, first on sys.path)
 from tvm.script import tirx as T  # noqa: E402
 
 from ggufc.codegen import kernel_knobs as KN  # noqa: E402
@@ -258,10 +261,14 @@ def main() -> None:
         print(summary.format())
     llc = W.last_level_cache_bytes()
     cold_bytes = 2 * llc
-    bandwidth = read_bandwidth(target, max(cold_bytes, 512 * MIB))
-    result.update(last_level_cache_mib=llc / MIB, read_bandwidth_gbs=bandwidth / 1e9)
-    print(f"read bandwidth: {bandwidth / 1e9:.1f} GB/s (parallel sum over {max(cold_bytes, 512 * MIB) / MIB:.0f} MiB; "
-          f"last-level cache {llc / MIB:.0f} MiB); {load()}")
+    summed = read_bandwidth(target, max(cold_bytes, 512 * MIB))
+    stream = stream_read_gb_s(result["cpus"], 1024)
+    bandwidth = 1e9 * stream["read_gb_s"]
+    result.update(last_level_cache_mib=llc / MIB, read_bandwidth_gbs=bandwidth / 1e9, stream_read=stream,
+                  parallel_sum_gbs=summed / 1e9)
+    print(f"read bandwidth: {bandwidth / 1e9:.1f} GB/s stream-read roofline (1 GiB); parallel float sum over "
+          f"{max(cold_bytes, 512 * MIB) / MIB:.0f} MiB {summed / 1e9:.1f} GB/s; last-level cache {llc / MIB:.0f} MiB; "
+          f"{load()}")
     if not args.skip_kernels:
         rows = workload_rows(model, args.db, target, bandwidth, cold_bytes, args.rounds)
         print_workloads(rows)
