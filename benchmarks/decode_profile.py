@@ -2,6 +2,10 @@
 read bandwidth and share of the stream-read roofline), and the Relax VM's builtin calls.
 
     PYTHONPATH=. python benchmarks/decode_profile.py ARTIFACT [--threads 2] [--steps 8] [--context 64]
+        [--batch P]
+
+--batch P profiles the batched decode step of `ggufc serve --parallel P` instead (`decode_batch`:
+one token of each of P slots, every slot holding the context).
 
 The VM's instrument hook timestamps each call before and after it, so a kernel's time excludes
 the VM's own work and the hook's Python; the step is also timed whole without the hook. Bytes are
@@ -65,23 +69,46 @@ class StepProfile:
         return 0
 
 
-def profile(artifact: Path, threads: int, steps: int, context: int) -> dict[str, Any]:
+def decode_call(artifact: Path, threads: int, context: int,
+                batch: int) -> tuple[Any, str, tuple[Any, ...], set[int], Any]:
+    """A VM, the name of its decode step's function, its arguments (the position stays put: every step
+    redoes the same one), the data pointers of the states, and what owns the states and weights."""
     import tvm
 
     from ggufc.runtime.session import Session
+    from ggufc.runtime.slot_group import SlotGroup
 
-    session = Session(artifact, threads=threads)
-    session.forward(np.arange(1, context + 1, dtype=np.int32) % session.n_vocab)
     vm = tvm.runtime.vm.VirtualMachine(tvm.runtime.load_module(str(artifact / "kernels.so")), tvm.cpu())
-    decode = vm["decode"]
-    args = (tvm.runtime.from_dlpack(session._token_buffer[:1]), tvm.runtime.ShapeTuple([session.n_past]),
-            session._states, session._params)  # the position stays put: every step redoes the same one
+    prompt = np.arange(1, context + 1, dtype=np.int32)
+    if not batch:
+        session = Session(artifact, threads=threads)
+        session.forward(prompt % session.n_vocab)
+        args = (tvm.runtime.from_dlpack(session._token_buffer[:1]), tvm.runtime.ShapeTuple([session.n_past]),
+                session._states, session._params)
+        return vm, "decode", args, {data_pointer(t) for t in session._state_tensors}, session
+    group = SlotGroup(artifact, batch, threads=threads)
+    if group.batch_refused is not None:
+        raise SystemExit(f"{artifact}: no batched decode ({group.batch_refused})")
+    for session in group.sessions:
+        session.forward(prompt % session.n_vocab)
+    rows = {"tokens": np.ones(batch, np.int32), "positions": np.full(batch, context, np.int32),
+            "slots": np.arange(batch, dtype=np.int32)}
+    args = (*(tvm.runtime.from_dlpack(group._rows[k][:batch]) for k in rows), group._stack.tensors(),
+            group.sessions[0]._params)
+    for name, values in rows.items():
+        group._rows[name][:batch] = values
+    return vm, "decode_batch", args, {int(a.ctypes.data) for a in group._stack.arrays or []}, group
+
+
+def profile(artifact: Path, threads: int, steps: int, context: int, batch: int = 0) -> dict[str, Any]:
+    vm, name, args, states, _owner = decode_call(artifact, threads, context, batch)
+    decode = vm[name]
     whole = []
     for _ in range(steps + 2):
         t0 = time.perf_counter()
         decode(*args)
         whole.append(time.perf_counter() - t0)
-    prof = StepProfile({data_pointer(t) for t in session._state_tensors})
+    prof = StepProfile(states)
     vm.set_instrument(prof)
     for _ in range(steps):
         decode(*args)
@@ -105,12 +132,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--context", type=int, default=64, help="tokens in the context before the profiled step")
+    ap.add_argument("--batch", type=int, default=0, help="profile the batched step of this many slots")
     args = ap.parse_args()
     from stream_read import stream_read_gb_s
 
-    p = profile(args.artifact, args.threads, args.steps, args.context)
+    p = profile(args.artifact, args.threads, args.steps, args.context, args.batch)
     read = stream_read_gb_s(args.threads, mib=1024, repeats=5)["read_gb_s"]
-    print(f"{args.artifact}: decode step {p['step_ms']:.3f} ms (median, no hook), {p['launches']} kernel calls, "
+    step = f"batched decode step of {args.batch} slots" if args.batch else "decode step"
+    print(f"{args.artifact}: {step} {p['step_ms']:.3f} ms (median, no hook), {p['launches']} kernel calls, "
           f"{sum(p['builtins'].values())} VM builtin calls; stream read {read:.1f} GB/s")
     print(f"{'kernel':28s} {'calls':>5s} {'ms/step':>8s} {'MB/step':>8s} {'GB/s':>6s} {'of read':>7s}")
     total_ms = total_mb = 0.0

@@ -46,10 +46,11 @@ def pair_tile(qtype: str, n_blocks: int, pairs: int, prefetch_groups: int) -> Ca
     are < t_len, in llama.cpp's per-block float order (see codegen/quant_int8.py).
 
     Reads xq [n_blocks, t_pad, 32] int8 (activation codes, block-major), xcq [n_blocks, t_pad, 8]
-    int32 (the integer starts of Q4_0/Q8_0), xd [t_pad, n_blocks] (activation scales) and writes
+    int32 (the integer starts of Q4_0/Q8_0), xdp [n_blocks, t_pad / 2, 16] (activation scales, a
+    pair's two tokens in the halves of one vector) and writes
     y[t, row]; Q4_1's minimum terms come from xsw [ceil(t_pad / 4), n_blocks, 16], lane 4u + r
     holding token 4i + u's q8_1 block sum (0 past the last token)."""
-    rows, tt = ROWS, 2 * pairs
+    rows = ROWS
     assert rows == 4 and pairs <= 2, "a tile's minimum sums are one 16-lane vector (4 rows x 4 tokens)"
     is_q8, has_min = qtype == "Q8_0", qtype == "Q4_1"
     n_octs = n_blocks // 8
@@ -68,15 +69,17 @@ def pair_tile(qtype: str, n_blocks: int, pairs: int, prefetch_groups: int) -> Ca
         return T.bitwise_and(T.shift_right(both, shifts), T.broadcast(T.int32(0x0F0F0F0F), 16))
 
     @T.macro
-    def block_step(wq, acc, j, r, b, scales, t, t_pad, xq, xcq):  # type: ignore[no-untyped-def]
+    def block_step(wq, acc, j, r, b, wdf, t, t_pad, xq, xdp, xcq):  # type: ignore[no-untyped-def]
         codes = T.meta_var(codes_of(wq, j, b))
+        # d_w d_a as one multiply of the pair's scale vector: the same f32 product as a per-token
+        # table, without building one per tile
+        d_w = T.meta_var(T.broadcast(wdf[r, b], 16))
         for p in T.unroll(pairs):
             dot = T.meta_var(T.call_llvm_pure_intrin(
                 "int32x16", DOT512,
                 T.broadcast(T.int32(0), 16) if has_min else xcq.vload([(b * t_pad + t + 2 * p) * 8], "int32x16"),
                 T.reinterpret("int8x64", codes), xq.vload([(b * t_pad + t + 2 * p) * 32], "int8x64")))
-            scale = T.meta_var(T.Shuffle([T.broadcast(scales[r * tt + 2 * p, b], 16),
-                                          T.broadcast(scales[r * tt + 2 * p + 1, b], 16)], [*range(8), *range(24, 32)]))
+            scale = T.meta_var(d_w * xdp.vload([(b * (t_pad // 2) + t // 2 + p) * 16], "float32x16"))
             acc[r * pairs + p, 0:16] = _fma16(scale, T.Cast("float32x16", dot),
                                               acc.vload([r * pairs + p, 0], "float32x16"))
 
@@ -91,7 +94,7 @@ def pair_tile(qtype: str, n_blocks: int, pairs: int, prefetch_groups: int) -> Ca
                             xsw.vload([((t // 4) * n_blocks + b) * 16], "float32x16"), mins.vload([0], "float32x16"))
 
     @T.macro
-    def row_group(wd, wm, wq, y, n, jo, t, t_len, t_pad, xq, xd, xcq, xsw):  # type: ignore[no-untyped-def]
+    def row_group(wd, wm, wq, y, n, jo, t, t_len, t_pad, xq, xdp, xcq, xsw):  # type: ignore[no-untyped-def]
         bytes_per_block = T.meta_var(32 if is_q8 else 16)
         mf = T.alloc_buffer((n_blocks * 4,), "float32")  # small: a stack array per task (Q4_1)
         mins = T.alloc_buffer((16,), "float32")  # small: a stack array per task (Q4_1)
@@ -102,24 +105,21 @@ def pair_tile(qtype: str, n_blocks: int, pairs: int, prefetch_groups: int) -> Ca
                     mf[b * 4 + r] = T.Cast("float32", wm[jo * rows + r, b])
         wq_flat = T.decl_buffer((n * n_blocks * bytes_per_block,), wq.dtype, data=wq.data)
         acc = T.alloc_buffer((rows * pairs, 16), "float32")  # small: a stack array per task
-        scales = T.alloc_buffer((rows * tt, n_blocks), "float32")  # small: a stack array per task
+        wdf = T.alloc_buffer((rows, n_blocks), "float32")  # small: a stack array per task
         ahead = T.meta_var(T.min(jo + prefetch_groups, n // rows - 1))
         for r in T.unroll(rows):
             for p in T.unroll(pairs):
                 acc[r * pairs + p, 0:16] = T.broadcast(T.float32(0), 16)
-            for u in T.unroll(tt):
-                for o in range(n_octs):
-                    scales[r * tt + u, o * 8:o * 8 + 8] = (
-                        T.Cast("float32x8", wd.vload([jo * rows + r, o * 8], "float16x8"))
-                        * xd.vload([t + u, o * 8], "float32x8"))
-                for b in range(n_octs * 8, n_blocks):
-                    scales[r * tt + u, b] = T.Cast("float32", wd[jo * rows + r, b]) * xd[t + u, b]
+            for o in range(n_octs):
+                wdf[r, o * 8:o * 8 + 8] = T.Cast("float32x8", wd.vload([jo * rows + r, o * 8], "float16x8"))
+            for b in range(n_octs * 8, n_blocks):
+                wdf[r, b] = T.Cast("float32", wd[jo * rows + r, b])
         for b in range(n_blocks):
             prefetch(wq_flat, (ahead * rows * n_blocks + b * rows) * bytes_per_block)
             if is_q8:
                 prefetch(wq_flat, (ahead * rows * n_blocks + b * rows) * bytes_per_block + 64)
             for r in T.unroll(rows):
-                block_step(wq, acc, jo * rows + r, r, b, scales, t, t_pad, xq, xcq)
+                block_step(wq, acc, jo * rows + r, r, b, wdf, t, t_pad, xq, xdp, xcq)
             if has_min:
                 min_step(wm, mf, mins, jo, b, t, xsw)
         for r in T.unroll(rows):

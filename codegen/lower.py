@@ -39,7 +39,7 @@ from .lower_context import (
     tensor_type,
     weight_args,
 )
-from .schedule import PRESCHEDULED, schedule_cpu
+from .schedule import PRESCHEDULED, ROW_STAGED, schedule_cpu
 from .target import UnsupportedOnTarget
 
 
@@ -75,7 +75,7 @@ class ModuleBuilder:
             if func is None:
                 func = make()
                 if self.target.kind.name == "llvm" and key.kind not in PRESCHEDULED:
-                    func = schedule_cpu(func)
+                    func = schedule_cpu(func, row_staged=key.kind in ROW_STAGED)
                 if self.target.kind.name == "llvm":
                     func = K.with_root_block(func)
             self.kernels[key] = self.bb.add_func(func.with_attr("global_symbol", name), name)

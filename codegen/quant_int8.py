@@ -665,6 +665,13 @@ def int8_pair_gemm(qtype: str, n: int, k: int, target: tvm.target.Target) -> tir
                 xcq[(b * t_pad + t) * 8:(b * t_pad + t) * 8 + 8] = xc.vload([t, b * 8], "int32x8")
 
     @T.macro
+    def pair_scales(xd, xdp, t, t_pad):  # type: ignore[no-untyped-def]
+        """Token t's scales into its half of its pair's 16-lane vector per block: xdp[b, t // 2, 16]."""
+        for b in range(n_blocks):
+            xdp[(b * (t_pad // 2) + t // 2) * 16 + t % 2 * 8:(b * (t_pad // 2) + t // 2) * 16 + t % 2 * 8 + 8] = (
+                T.broadcast(xd[t, b], 8))
+
+    @T.macro
     def zero_token(xq, xcq, xd, xss, t, t_pad):  # type: ignore[no-untyped-def]
         for b in range(n_blocks):
             xq[(b * t_pad + t) * 32:(b * t_pad + t) * 32 + 32] = T.broadcast(T.int8(0), 32)
@@ -697,6 +704,7 @@ def int8_pair_gemm(qtype: str, n: int, k: int, target: tvm.target.Target) -> tir
         xq = T.alloc_buffer((B * t_pad * 32,), "int8")
         xcq = T.alloc_buffer((B * t_pad * 8,), "int32")
         xsw = T.alloc_buffer(((t_pad + 3) // 4 * B * 16,), "float32")
+        xdp = T.alloc_buffer((B * t_pad * 8,), "float32")
         for t in T.parallel(t_pad):
             if t < t_len:
                 quantize(x, t, xb, xd, xs, xss, n_blocks)
@@ -704,19 +712,20 @@ def int8_pair_gemm(qtype: str, n: int, k: int, target: tvm.target.Target) -> tir
                 block_major(xb, xc, xq, xcq, t, t_pad)
             else:
                 zero_token(xq, xcq, xd, xss, t, t_pad)
+            pair_scales(xd, xdp, t, t_pad)
         if has_min:
             sums_by_tile(xss, xsw, t_pad)
         for jo in T.parallel(n // rows):
             for i in range(t_pad // step):
                 if is_q8:
-                    tile(wd, wm, wq8, y, n, jo, i * step, t_len, t_pad, xq, xd, xcq, xsw)
+                    tile(wd, wm, wq8, y, n, jo, i * step, t_len, t_pad, xq, xdp, xcq, xsw)
                 else:
-                    tile(wd, wm, wq4, y, n, jo, i * step, t_len, t_pad, xq, xd, xcq, xsw)
+                    tile(wd, wm, wq4, y, n, jo, i * step, t_len, t_pad, xq, xdp, xcq, xsw)
             if t_pad % step != 0:
                 if is_q8:
-                    tail(wd, wm, wq8, y, n, jo, t_pad - 2, t_len, t_pad, xq, xd, xcq, xsw)
+                    tail(wd, wm, wq8, y, n, jo, t_pad - 2, t_len, t_pad, xq, xdp, xcq, xsw)
                 else:
-                    tail(wd, wm, wq4, y, n, jo, t_pad - 2, t_len, t_pad, xq, xd, xcq, xsw)
+                    tail(wd, wm, wq4, y, n, jo, t_pad - 2, t_len, t_pad, xq, xdp, xcq, xsw)
 
     unused = {"wm", "wq4"} if is_q8 else {"wq8"} if has_min else {"wm", "wq8"}
     return without_params(gemm, unused)
