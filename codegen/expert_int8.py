@@ -18,7 +18,9 @@ Q4_K and Q6_K prompts on a target with 512-bit registers take their tokens in pa
 prompt GEMM does (kquant_int8._pair_gemm): each expert's group starts on an even row of the
 gathered rows (an odd group ends with a padding row, computed and dropped), the rows are gathered
 straight into the pair-interleaved layout, and a group goes through its row group's codes
-PAIR_TILE pairs at a time, then its last one or two pairs. Every value is still one
+PAIR_TILE pairs at a time, then its last one or two pairs. Its tasks run in bands of row groups,
+each band through every used expert, so each thread's share holds the same tokens however
+unequal the experts' groups. Every value is still one
 ggml_vec_dot_q{4,6}_K_q8_K in its order, so the result is the one-token path's bit for bit.
 """
 
@@ -80,6 +82,11 @@ def _expert_view(f: tirx.Buffer, e: tirx.PrimExpr) -> tirx.Buffer:
     return T.decl_buffer(f.shape[1:], f.dtype, data=f.data, elem_offset=e * per_expert)
 
 
+def _band(groups: int, most: int = 16) -> int:
+    """The largest divisor of `groups` up to `most`: row groups a prompt's task band takes per expert."""
+    return max(b for b in range(1, most + 1) if groups % b == 0)
+
+
 def _pair_tile(qtype: str, n_super: int, n_pairs: int) -> Callable[..., None]:
     """Macro `(v0..v4, ys, n, jo, p0, xb2, xd2, xs2, xp2)`: PAIR_ROWS rows of one expert's view
     through `n_pairs` token pairs from pair p0 (kquant_int8's pair row groups)."""
@@ -115,6 +122,7 @@ def kquant_experts(qtype: str, n_exp: int, n: int, k: int, slots: int, per_slot:
     six = qtype == "Q6_K"
     full, two, single = (_pair_tile(qtype, n_super, p) for p in (PAIR_TILE, 2, 1))
     pair_groups = n // PAIR_ROWS
+    band = _band(pair_groups)
 
     @T.macro
     def group_by_expert(ids, m, count, start, cursor, order, used, n_used):  # type: ignore[no-untyped-def]
@@ -226,9 +234,12 @@ def kquant_experts(qtype: str, n_exp: int, n: int, k: int, slots: int, per_slot:
         for p in T.parallel(pstart[n_exp]):
             gather_pair(p, porder, xb, xd, xs, xp, xb2, xd2, xs2, xp2)
         ys = T.alloc_buffer((most * 2, N), "float32")
+        # bands of row groups outermost, each through every used expert: the threads' contiguous
+        # shares of the tasks hold whole bands, so the same tokens each, however unequal the groups
         for task in T.parallel(n_used[0] * pair_groups):
-            expert_pairs(f0, f1, f2, f3, f4, used[task // pair_groups], task % pair_groups, ys, xb2, xd2, xs2,
-                         xp2, pstart)
+            in_band = T.meta_var(task % (n_used[0] * band))
+            expert_pairs(f0, f1, f2, f3, f4, used[in_band // band],
+                         task // (n_used[0] * band) * band + in_band % band, ys, xb2, xd2, xs2, xp2, pstart)
         for q in T.parallel(pstart[n_exp] * 2):
             if porder[q] >= 0:
                 for j in range(n):
