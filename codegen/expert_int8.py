@@ -9,22 +9,45 @@ dotted with its group's rows. Each output value is the dense 8-bit GEMV's dot pr
 (codegen/kquant_int8.py's row macros, ggml_vec_dot_*_K_q8_K's order), so the result is bit for
 bit the dense kernel's on the same expert rows.
 
-Work split: the parallel loop runs over (used expert, 4-row group) pairs, the used experts
+Work split: the parallel loop runs over (used expert, row group) pairs, the used experts
 listed first, so a decode step's 4 experts keep both threads busy and an unused expert costs
 nothing; a prompt's group of one expert takes its rows 4 tokens at a time (the prompt GEMM's
 tiles) through each row group's codes.
+
+Q4_K and Q6_K prompts on a target with 512-bit registers take their tokens in pairs, as the dense
+prompt GEMM does (kquant_int8._pair_gemm): each expert's group starts on an even row of the
+gathered rows (an odd group ends with a padding row, computed and dropped), the rows are gathered
+straight into the pair-interleaved layout, and a group goes through its row group's codes
+PAIR_TILE pairs at a time, then its last one or two pairs. Its tasks run in bands of row groups,
+each band through every used expert, so each thread's share holds the same tokens however
+unequal the experts' groups. Every value is still one
+ggml_vec_dot_q{4,6}_K_q8_K in its order, so the result is the one-token path's bit for bit.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
 from . import int8_parts as P
-from .kquant_int8 import FIELDS, GEMM_TOKENS, SUPER, _field_specs, _q8k_quantize, _row_steps
+from .kquant_int8 import (
+    FIELDS,
+    GEMM_TOKENS,
+    PAIR_ROWS,
+    PAIR_TILE,
+    PAIR_TYPES,
+    SUPER,
+    _field_specs,
+    _q4k_pair_rows,
+    _q6k_pair_rows,
+    _q8k_quantize,
+    _row_steps,
+)
 from .quant import layout_spec
-from .quant_int8 import int8_dot_intrinsic
+from .quant_int8 import has_512bit_dot, int8_dot_intrinsic
 from .target import UnsupportedOnTarget
 
 # the K-quants whose rows read 32-value activation sums (Q2_K reads 16-value ones; Q2_K and Q3_K
@@ -44,7 +67,8 @@ def int8_experts(qtype: str, n_exp: int, n: int, k: int, slots: int, per_slot: b
     intrin = int8_dot_intrinsic(target)
     if intrin is None or not int8_experts_supported(qtype, n, k, target):
         raise UnsupportedOnTarget(f"no 8-bit experts kernel for {qtype} {n} x {k} on {target}")
-    return kquant_experts(qtype, n_exp, n, k, slots, per_slot, intrin)
+    pairs = qtype in PAIR_TYPES and has_512bit_dot(target)
+    return kquant_experts(qtype, n_exp, n, k, slots, per_slot, intrin, pairs=pairs)
 
 
 SERIAL_ROWS = 8  # rows rounded, gathered and scattered without the thread pool (a decode step's)
@@ -58,10 +82,33 @@ def _expert_view(f: tirx.Buffer, e: tirx.PrimExpr) -> tirx.Buffer:
     return T.decl_buffer(f.shape[1:], f.dtype, data=f.data, elem_offset=e * per_expert)
 
 
+def _band(groups: int, most: int = 16) -> int:
+    """The largest divisor of `groups` up to `most`: row groups a prompt's task band takes per expert."""
+    return max(b for b in range(1, most + 1) if groups % b == 0)
+
+
+def _pair_tile(qtype: str, n_super: int, n_pairs: int) -> Callable[..., None]:
+    """Macro `(v0..v4, ys, n, jo, p0, xb2, xd2, xs2, xp2)`: PAIR_ROWS rows of one expert's view
+    through `n_pairs` token pairs from pair p0 (kquant_int8's pair row groups)."""
+    six = qtype == "Q6_K"
+    q4 = _q4k_pair_rows(PAIR_ROWS, n_pairs, n_super, P.PREFETCH_GROUPS)
+    q6 = _q6k_pair_rows(PAIR_ROWS, n_pairs, n_super, P.PREFETCH_GROUPS)
+
+    @T.macro
+    def tile(v0, v1, v2, v3, v4, ys, n, jo, p0, xb2, xd2, xs2, xp2):  # type: ignore[no-untyped-def]
+        if six:
+            q6(v0, v1, v2, v3, ys, n, jo, p0, xb2, xd2, xp2)
+        else:
+            q4(v0, v1, v2, v3, v4, ys, n, jo, p0, xb2, xd2, xs2)
+
+    return tile
+
+
 def kquant_experts(qtype: str, n_exp: int, n: int, k: int, slots: int, per_slot: bool, intrin: str,
-                   tokens: int = GEMM_TOKENS) -> tirx.PrimFunc:
+                   tokens: int = GEMM_TOKENS, pairs: bool = False) -> tirx.PrimFunc:
     """Args (x [T, S_x, K] f32, ids [T, slots] int32, *fields [X, N, ...], y [T, slots, N] f32),
-    S_x = slots when `per_slot` else 1 (qmatmul_experts' signature); ids outside [0, X) are clamped."""
+    S_x = slots when `per_slot` else 1 (qmatmul_experts' signature); ids outside [0, X) are clamped.
+    `pairs` (Q4_K, Q6_K; 512-bit registers): prompts take their tokens in pairs."""
     n_super, rows = k // SUPER, P.ROWS
     n_fields = len(layout_spec(qtype, (n, k)))
     groups = n // rows
@@ -72,6 +119,10 @@ def kquant_experts(qtype: str, n_exp: int, n: int, k: int, slots: int, per_slot:
     one = _row_steps(qtype, intrin, n_super, 1, P.PREFETCH_GROUPS)
     tile = _row_steps(qtype, intrin, n_super, tokens, P.PREFETCH_GROUPS)
     N, K, S, SX = T.int64(n), T.int64(k), T.int64(slots), T.int64(sx)
+    six = qtype == "Q6_K"
+    full, two, single = (_pair_tile(qtype, n_super, p) for p in (PAIR_TILE, 2, 1))
+    pair_groups = n // PAIR_ROWS
+    band = _band(pair_groups)
 
     @T.macro
     def group_by_expert(ids, m, count, start, cursor, order, used, n_used):  # type: ignore[no-untyped-def]
@@ -124,6 +175,101 @@ def kquant_experts(qtype: str, n_exp: int, n: int, k: int, slots: int, per_slot:
         for j in range(n):
             y[order[q] // S, order[q] % S, j] = ys[q, j]
 
+    @T.macro
+    def pad_to_pairs(count, start, order, pstart, porder):  # type: ignore[no-untyped-def]
+        """porder: the expert order with every group padded to whole pairs (-1: a padding row);
+        pstart: each group's first pair."""
+        pstart[0] = 0
+        for e in range(n_exp):
+            pstart[e + 1] = pstart[e] + (count[e] + 1) // 2
+        for q in range(pstart[n_exp] * 2):
+            porder[q] = -1
+        for e in range(n_exp):
+            for j in range(count[e]):
+                porder[pstart[e] * 2 + j] = order[start[e] + j]
+
+    @T.macro
+    def gather_pair(p, porder, xb, xd, xs, xp, xb2, xd2, xs2, xp2):  # type: ignore[no-untyped-def]
+        """Rows 2p and 2p + 1 of the padded order side by side (kquant_int8._pair_acts's layout);
+        a padding row copies input row 0, whose products are dropped."""
+        for h in T.unroll(2):
+            pq = T.meta_var(T.max(porder[p * 2 + h], 0))
+            src = T.meta_var(pq if per_slot else pq // S)
+            for q in range(n_super * 8):
+                xb2[p, q * 64 + h * 32:q * 64 + h * 32 + 32] = xb.vload([src, q * 32], "int8x32")
+                if six:
+                    xp2[p, q * 32 + h * 16:q * 32 + h * 16 + 16] = xp.vload([src, q * 16], "int16x16")
+            for i in range(n_super):
+                xd2[p, i, h * 8:h * 8 + 8] = T.broadcast(xd[src, i], 8)
+                xs2[p, i, h * 8:h * 8 + 8] = xs.vload([src, i * 8], "int16x8")
+
+    @T.macro
+    def expert_pairs(f0, f1, f2, f3, f4, e, jo, ys, xb2, xd2, xs2, xp2, pstart):  # type: ignore[no-untyped-def]
+        v0 = _expert_view(f0, e)
+        v1 = _expert_view(f1, e)
+        v2 = _expert_view(f2, e)
+        v3 = _expert_view(f3, e)
+        v4 = T.meta_var(_expert_view(f4, e) if n_fields > 4 else f4)
+        n_pairs = T.meta_var(pstart[e + 1] - pstart[e])
+        rest = T.meta_var(n_pairs % PAIR_TILE)
+        tail = T.meta_var(pstart[e] + n_pairs // PAIR_TILE * PAIR_TILE)
+        for g in range(n_pairs // PAIR_TILE):
+            full(v0, v1, v2, v3, v4, ys, n, jo, pstart[e] + g * PAIR_TILE, xb2, xd2, xs2, xp2)
+        if rest >= 2:
+            two(v0, v1, v2, v3, v4, ys, n, jo, tail, xb2, xd2, xs2, xp2)
+        if rest % 2 == 1:
+            single(v0, v1, v2, v3, v4, ys, n, jo, tail + rest // 2 * 2, xb2, xd2, xs2, xp2)
+
+    @T.macro
+    def paired_experts(f0, f1, f2, f3, f4, m, xb, xd, xs, xp, count, start, order, used, n_used, y):  # type: ignore[no-untyped-def]
+        """A prompt's experts in token pairs: gather into pairs, the pair tiles, scatter."""
+        most = T.meta_var((m + n_exp + 1) // 2)  # pairs, every group padded by at most one row
+        pstart = T.alloc_buffer((n_exp + 1,), "int32")
+        porder = T.alloc_buffer((most * 2,), "int32")
+        pad_to_pairs(count, start, order, pstart, porder)
+        xb2 = T.alloc_buffer((most, K * 2), "int8")
+        xd2 = T.alloc_buffer((most, n_super, 16), "float32")
+        xs2 = T.alloc_buffer((most, n_super, 16), "int16")
+        xp2 = T.alloc_buffer((most, K if six else 1), "int16")
+        for p in T.parallel(pstart[n_exp]):
+            gather_pair(p, porder, xb, xd, xs, xp, xb2, xd2, xs2, xp2)
+        ys = T.alloc_buffer((most * 2, N), "float32")
+        # bands of row groups outermost, each through every used expert: the threads' contiguous
+        # shares of the tasks hold whole bands, so the same tokens each, however unequal the groups
+        for task in T.parallel(n_used[0] * pair_groups):
+            in_band = T.meta_var(task % (n_used[0] * band))
+            expert_pairs(f0, f1, f2, f3, f4, used[in_band // band],
+                         task // (n_used[0] * band) * band + in_band % band, ys, xb2, xd2, xs2, xp2, pstart)
+        for q in T.parallel(pstart[n_exp] * 2):
+            if porder[q] >= 0:
+                for j in range(n):
+                    y[porder[q] // S, porder[q] % S, j] = ys[q, j]
+
+    @T.macro
+    def grouped_experts(f0, f1, f2, f3, f4, f5, m, xb, xd, xs, xp, count, start, order, used, n_used, y):  # type: ignore[no-untyped-def]
+        """The experts one token or GEMM_TOKENS tokens at a time: gather, the tiles, scatter."""
+        # each expert's rows gathered together (codes, scales, sums)
+        gb = T.alloc_buffer((m, K), "int8")
+        gd = T.alloc_buffer((m, n_super), "float32")
+        gs = T.alloc_buffer((m, n_super * 8), "int16")
+        gp = T.alloc_buffer((m, n_super * 128), "int16")
+        if m > SERIAL_ROWS:
+            for q in T.parallel(m):
+                gather(q, order, xb, xd, xs, xp, gb, gd, gs, gp)
+        else:
+            for q in range(m):
+                gather(q, order, xb, xd, xs, xp, gb, gd, gs, gp)
+        ys = T.alloc_buffer((m, N), "float32")
+        for task in T.parallel(n_used[0] * groups):
+            expert_rows(f0, f1, f2, f3, f4, f5, used[task // groups], task % groups, ys, gb, gd, gs, gp, start,
+                        count)
+        if m > SERIAL_ROWS:
+            for q in T.parallel(m):
+                scatter(q, order, ys, y)
+        else:
+            for q in range(m):
+                scatter(q, order, ys, y)
+
     @T.prim_func(private=True)
     def experts(x_h: T.handle, ids_h: T.handle, f0: T.Buffer(specs[0][0], specs[0][1]),  # type: ignore[valid-type]
                 f1: T.Buffer(specs[1][0], specs[1][1]), f2: T.Buffer(specs[2][0], specs[2][1]),  # type: ignore[valid-type]
@@ -154,26 +300,12 @@ def kquant_experts(qtype: str, n_exp: int, n: int, k: int, slots: int, per_slot:
         n_used = T.alloc_buffer((1,), "int32")
         order = T.alloc_buffer((m,), "int32")
         group_by_expert(ids, m, count, start, cursor, order, used, n_used)
-        # each expert's rows gathered together (codes, scales, sums)
-        gb = T.alloc_buffer((m, K), "int8")
-        gd = T.alloc_buffer((m, n_super), "float32")
-        gs = T.alloc_buffer((m, n_super * 8), "int16")
-        gp = T.alloc_buffer((m, n_super * 128), "int16")
-        if m > SERIAL_ROWS:
-            for q in T.parallel(m):
-                gather(q, order, xb, xd, xs, xp, gb, gd, gs, gp)
+        if pairs:
+            if m > SERIAL_ROWS:
+                paired_experts(f0, f1, f2, f3, f4, m, xb, xd, xs, xp, count, start, order, used, n_used, y)
+            else:
+                grouped_experts(f0, f1, f2, f3, f4, f5, m, xb, xd, xs, xp, count, start, order, used, n_used, y)
         else:
-            for q in range(m):
-                gather(q, order, xb, xd, xs, xp, gb, gd, gs, gp)
-        ys = T.alloc_buffer((m, N), "float32")
-        for task in T.parallel(n_used[0] * groups):
-            expert_rows(f0, f1, f2, f3, f4, f5, used[task // groups], task % groups, ys, gb, gd, gs, gp, start,
-                        count)
-        if m > SERIAL_ROWS:
-            for q in T.parallel(m):
-                scatter(q, order, ys, y)
-        else:
-            for q in range(m):
-                scatter(q, order, ys, y)
+            grouped_experts(f0, f1, f2, f3, f4, f5, m, xb, xd, xs, xp, count, start, order, used, n_used, y)
 
     return P.without_params(experts, {f"f{f}" for f in range(n_fields, FIELDS)})

@@ -72,10 +72,12 @@ def _activations(rng: np.random.Generator, t: int, s: int) -> np.ndarray:
 
 @needs_int8_dot
 @pytest.mark.parametrize("qtype", sorted(E8.EXPERT_TYPES))
-@pytest.mark.parametrize(("t", "per_slot"), [(1, False), (1, True), (7, False), (6, True)])
+@pytest.mark.parametrize(("t", "per_slot"), [(1, False), (1, True), (7, False), (6, True), (40, False), (33, True)])
 def test_int8_experts_match_reference_and_dense_kernel(qtype: str, t: int, per_slot: bool) -> None:
     """One token is a decode step (gate/up: one row for every slot; down: a row per slot); 6-7
-    tokens a prompt, grouped by expert into 4-token tiles and a tail."""
+    tokens a prompt, grouped by expert into 4-token tiles and a tail (Q4_K and Q6_K with 512-bit
+    registers: into token pairs, an odd group padded); 33-40 tokens give groups of whole pair
+    tiles with one- and two-pair tails."""
     rng = np.random.default_rng(t * 10 + per_slot)
     raws = [_k_blocks(qtype, N, K, rng) for _ in range(N_EXP)]
     x = _activations(rng, t, SLOTS if per_slot else 1)
