@@ -2,6 +2,7 @@
 read bandwidth and share of the stream-read roofline), and the Relax VM's builtin calls.
 
     PYTHONPATH=. python benchmarks/decode_profile.py ARTIFACT [--threads 2] [--steps 8] [--context 64]
+    PYTHONPATH=. python benchmarks/decode_profile.py ARTIFACT --prompt 128  # a prompt's prefill instead
 
 The VM's instrument hook timestamps each call before and after it, so a kernel's time excludes
 the VM's own work and the hook's Python; the step is also timed whole without the hook. Bytes are
@@ -9,6 +10,8 @@ the sizes of the kernel's weight and activation arguments (outputs included), wi
 (the KV cache, of which a step reads only the filled rows; so attention and cache writes show no
 bandwidth) and without tables of which a kernel reads one row (the token embedding, the rope
 table). The stream read (`stream_read.py`) is measured in the same run, after the profile.
+With --prompt N the profiled step is the `prefill` entry over N tokens at position 0 (each run
+starts from the states the last one left, which changes values, not the work done).
 """
 
 from __future__ import annotations
@@ -65,16 +68,20 @@ class StepProfile:
         return 0
 
 
-def profile(artifact: Path, threads: int, steps: int, context: int) -> dict[str, Any]:
+def profile(artifact: Path, threads: int, steps: int, context: int, prompt: int = 0) -> dict[str, Any]:
     import tvm
 
     from ggufc.runtime.session import Session
 
     session = Session(artifact, threads=threads)
-    session.forward(np.arange(1, context + 1, dtype=np.int32) % session.n_vocab)
+    if not prompt:
+        session.forward(np.arange(1, context + 1, dtype=np.int32) % session.n_vocab)
     vm = tvm.runtime.vm.VirtualMachine(tvm.runtime.load_module(str(artifact / "kernels.so")), tvm.cpu())
-    decode = vm["decode"]
-    args = (tvm.runtime.from_dlpack(session._token_buffer[:1]), tvm.runtime.ShapeTuple([session.n_past]),
+    decode = vm["prefill" if prompt else "decode"]
+    tokens = session._token_buffer[: max(prompt, 1)]
+    if prompt:
+        tokens[...] = (np.arange(prompt, dtype=np.int32) * 37 + 11) % session.n_vocab
+    args = (tvm.runtime.from_dlpack(tokens), tvm.runtime.ShapeTuple([session.n_past]),
             session._states, session._params)  # the position stays put: every step redoes the same one
     whole = []
     for _ in range(steps + 2):
@@ -105,12 +112,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--context", type=int, default=64, help="tokens in the context before the profiled step")
+    ap.add_argument("--prompt", type=int, default=0, help="profile the prefill of this many tokens instead")
     args = ap.parse_args()
     from stream_read import stream_read_gb_s
 
-    p = profile(args.artifact, args.threads, args.steps, args.context)
+    p = profile(args.artifact, args.threads, args.steps, args.context, args.prompt)
     read = stream_read_gb_s(args.threads, mib=1024, repeats=5)["read_gb_s"]
-    print(f"{args.artifact}: decode step {p['step_ms']:.3f} ms (median, no hook), {p['launches']} kernel calls, "
+    step = f"prefill of {args.prompt} tokens" if args.prompt else "decode step"
+    print(f"{args.artifact}: {step} {p['step_ms']:.3f} ms (median, no hook), {p['launches']} kernel calls, "
           f"{sum(p['builtins'].values())} VM builtin calls; stream read {read:.1f} GB/s")
     print(f"{'kernel':28s} {'calls':>5s} {'ms/step':>8s} {'MB/step':>8s} {'GB/s':>6s} {'of read':>7s}")
     total_ms = total_mb = 0.0
