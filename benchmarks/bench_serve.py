@@ -6,6 +6,10 @@ prompts), `--rounds` times, and reports per C:
 
 - decode tok/s: tokens after each stream's first one, summed, over the span from the earliest
   first token to the latest last token (prompt reading excluded);
+- all active/s: text chunks per second while every stream was generating (from the last stream's
+  first chunk to the first stream's last one): the rate of C streams batched together, which the
+  span above mixes with the stretches where streams that stopped early (greedy end of text) or
+  started late left fewer to batch; each stream's token count is listed;
 - time to first token and inter-token latency, p50 / p90 / p99 over every stream and token;
 - the ratio of C streams' decode tok/s to one stream's.
 
@@ -104,14 +108,27 @@ def run_concurrent(port: int, clients: int, tokens: int) -> list[dict[str, Any]]
     return results
 
 
+def all_active_rate(streams: list[dict[str, Any]]) -> float:
+    """Text chunks per second while every stream was generating: from the last stream's first chunk
+    to the first stream's last one (a stream that ends early, or starts late, leaves fewer streams
+    to batch; this rate is the one of all of them at once)."""
+    start = max(s["arrivals"][0] for s in streams)
+    end = min(s["arrivals"][-1] for s in streams)
+    if end <= start:
+        return float("nan")
+    return sum(sum(1 for t in s["arrivals"] if start < t <= end) for s in streams) / (end - start)
+
+
 def summarise(runs: list[list[dict[str, Any]]]) -> dict[str, Any]:
-    rates, ttft, itl = [], [], []
+    rates, active, ttft, itl, lengths = [], [], [], [], []
     for streams in runs:
         firsts = [s["arrivals"][0] for s in streams if s["arrivals"]]
         lasts = [s["arrivals"][-1] for s in streams if s["arrivals"]]
         after_first = sum(max(s["completion_tokens"] - 1, 0) for s in streams)
         span = max(lasts) - min(firsts)
         rates.append(after_first / span if span > 0 else float("nan"))
+        active.append(all_active_rate(streams) if all(s["arrivals"] for s in streams) else float("nan"))
+        lengths.append([s["completion_tokens"] for s in streams])
         for s in streams:
             if s["arrivals"]:
                 ttft.append(s["arrivals"][0] - s["sent"])
@@ -121,7 +138,8 @@ def summarise(runs: list[list[dict[str, Any]]]) -> dict[str, Any]:
         return {f"p{q}": float(np.percentile(xs, q)) * 1e3 for q in (50, 90, 99)} if xs else {}
 
     return {"decode_tok_s": float(np.median(rates)), "decode_tok_s_rounds": rates, "ttft_ms": pct(ttft),
-            "itl_ms": pct(itl)}
+            "itl_ms": pct(itl), "all_active_chunks_s": float(np.median(active)), "all_active_rounds": active,
+            "completion_tokens": lengths}
 
 
 def kernel_step_ratio(model: str | None, parallel: int, steps: int = 40) -> dict[str, Any]:
@@ -178,13 +196,16 @@ def main() -> None:
         proc.wait(60)
     report["kernel"] = kernel_step_ratio(args.model, args.parallel)
     report["load_avg_end"] = os.getloadavg()[0]
-    one = report["by_clients"].get("1", {}).get("decode_tok_s")
-    print(f"{'clients':>7} {'decode tok/s':>12} {'vs 1':>6} {'TTFT p50/p90/p99 ms':>24} {'ITL p50/p90/p99 ms':>22}")
+    one = report["by_clients"].get("1", {})
+    print(f"{'clients':>7} {'decode tok/s':>12} {'vs 1':>6} {'all active/s':>12} {'vs 1':>6} "
+          f"{'TTFT p50/p90/p99 ms':>24} {'ITL p50/p90/p99 ms':>22}  tokens per stream")
     for c, r in report["by_clients"].items():
-        ratio = f"{r['decode_tok_s'] / one:.2f}x" if one else "-"
+        ratio = f"{r['decode_tok_s'] / one['decode_tok_s']:.2f}x" if one else "-"
+        active = f"{r['all_active_chunks_s'] / one['all_active_chunks_s']:.2f}x" if one else "-"
         t, i = r["ttft_ms"], r["itl_ms"]
-        print(f"{c:>7} {r['decode_tok_s']:>12.1f} {ratio:>6} {t['p50']:>8.1f}/{t['p90']:.1f}/{t['p99']:.1f} "
-              f"{i['p50']:>8.1f}/{i['p90']:.1f}/{i['p99']:.1f}")
+        print(f"{c:>7} {r['decode_tok_s']:>12.1f} {ratio:>6} {r['all_active_chunks_s']:>12.1f} {active:>6} "
+              f"{t['p50']:>8.1f}/{t['p90']:.1f}/{t['p99']:.1f} {i['p50']:>8.1f}/{i['p90']:.1f}/{i['p99']:.1f}  "
+              f"{r['completion_tokens'][-1]}")
     k = report["kernel"]
     print(f"kernel: one batched step of {args.parallel} {k['batch_ms']:.2f} ms, one single decode step "
           f"{k['single_ms']:.2f} ms: {k['throughput_ratio']:.2f}x the tokens/s")
