@@ -147,6 +147,8 @@ def _q45k_rows(intrin: str, five: bool, rows: int, n_super: int, tt: int,
     """Row-group macro of Q4_K / Q5_K (fields d, dmin, sc, mn, [qh,] qs)."""
     zero = T.broadcast(T.int32(0), 8)
     wide = intrin.replace("vpdpbusd", "vpdpwssd")
+    decode = tt == 1  # a GEMV: its weight stream is the step's cost, so it is also prefetched into L2
+    far_groups = P.l2_ahead_groups(rows * n_super * 128, prefetch_groups)
 
     @T.macro
     def row_group(d, dmin, sc, mn, qh, qs, y, n, jo, t, xb, xd, xs):  # type: ignore[no-untyped-def]
@@ -161,6 +163,7 @@ def _q45k_rows(intrin: str, five: bool, rows: int, n_super: int, tt: int,
         ds = T.alloc_buffer((rows * tt, n_super), "float32")
         dms = T.alloc_buffer((rows * tt, n_super), "float32")
         ahead = T.meta_var(T.min(jo + prefetch_groups, n // rows - 1))
+        far = T.meta_var(T.min(jo + far_groups, n // rows - 1))
         for r in T.unroll(rows):
             for u in T.unroll(tt):
                 acc[r * tt + u, 0:8] = T.broadcast(T.float32(0), 8)
@@ -171,6 +174,9 @@ def _q45k_rows(intrin: str, five: bool, rows: int, n_super: int, tt: int,
         for i in range(n_super):
             for p in T.unroll(8):
                 P.prefetch(qs_flat, ahead * rows * n_super * 128 + i * rows * 128 + p * 64)
+            if decode:
+                for p in T.unroll(8):
+                    P.prefetch_l2(qs_flat, far * rows * n_super * 128 + i * rows * 128 + p * 64)
             P.prefetch(sc_flat, ahead * rows * n_super * 8 + i * rows * 8)
             P.prefetch(mn_flat, ahead * rows * n_super * 8 + i * rows * 8)
             for r in T.unroll(rows * tt):
@@ -410,6 +416,8 @@ def _q6k_rows(intrin: str, rows: int, n_super: int, tt: int, prefetch_groups: in
     its activation sum, so the codes' offset costs nothing in the loop."""
     halves = [*range(8), *range(16, 24)]
     wide = intrin.replace("vpdpbusd", "vpdpwssd")
+    decode = tt == 1  # a GEMV: its weight stream is also prefetched into L2, as in _q45k_rows
+    far_groups = P.l2_ahead_groups(rows * n_super * 192, prefetch_groups)
 
     def scales(sc: tirx.Buffer, row: tirx.PrimExpr, s: tirx.PrimExpr) -> tirx.PrimExpr:
         """sc[s] for values 0-15 and sc[s + 1] for 16-31 (the two 16-value sub-blocks of a run), as
@@ -431,6 +439,7 @@ def _q6k_rows(intrin: str, rows: int, n_super: int, tt: int, prefetch_groups: in
         sumi = T.alloc_buffer((rows * tt, 8), "int32")
         ds = T.alloc_buffer((rows * tt, n_super), "float32")  # d_a d_w, as in the Q4_K macro
         ahead = T.meta_var(T.min(jo + prefetch_groups, n // rows - 1))
+        far = T.meta_var(T.min(jo + far_groups, n // rows - 1))
         for r in T.unroll(rows):
             for u in T.unroll(tt):
                 acc[r * tt + u, 0:8] = T.broadcast(T.float32(0), 8)
@@ -441,6 +450,11 @@ def _q6k_rows(intrin: str, rows: int, n_super: int, tt: int, prefetch_groups: in
                 P.prefetch(ql_flat, ahead * rows * n_super * 128 + i * rows * 128 + p * 64)
             for p in T.unroll(4):
                 P.prefetch(qh_flat, ahead * rows * n_super * 64 + i * rows * 64 + p * 64)
+            if decode:
+                for p in T.unroll(8):
+                    P.prefetch_l2(ql_flat, far * rows * n_super * 128 + i * rows * 128 + p * 64)
+                for p in T.unroll(4):
+                    P.prefetch_l2(qh_flat, far * rows * n_super * 64 + i * rows * 64 + p * 64)
             P.prefetch(sc_flat, ahead * rows * n_super * 16 + i * rows * 16)
             for r in T.unroll(rows * tt):
                 sumi[r, 0:8] = T.broadcast(T.int32(0), 8)
