@@ -21,6 +21,7 @@ import pytest
 import tvm
 from sparse_probes import decode_kernel_calls
 from test_codegen_ops import MAX_TOKENS
+from test_delta_net import worst_error_over_calls
 from test_goldens import _eval
 from test_hy_v3 import interpret, nmse
 
@@ -145,16 +146,7 @@ def test_kda_chunked_kernel_equals_the_float64_recurrence(gate_form: str) -> Non
     q, k = q[:, ::2], k[:, ::2]  # two key heads, shared by value heads 2i and 2i+1
     errs = {}
     for name, fn in kernels.items():
-        s_ref, s_dev = state, tvm.runtime.tensor(state.astype(np.float32))
-        worst = 0.0
-        for t0, t1 in ((0, 70), (70, 71), (71, 74)):
-            part = [x[t0:t1] for x in (q, k, v, g, beta)]
-            s_ref, o_ref = R.gated_delta_net_ref(s_ref, *part, "interleaved", d**-0.5)
-            out = tvm.runtime.tensor(np.zeros(o_ref.shape, np.float32))
-            fn(s_dev, *(tvm.runtime.tensor(x.astype(np.float32)) for x in part), out)
-            worst = max(worst, float(np.max(np.abs(out.numpy() - o_ref)) / np.max(np.abs(o_ref))),
-                        float(np.max(np.abs(s_dev.numpy() - s_ref)) / np.max(np.abs(s_ref))))
-        errs[name] = worst
+        errs[name] = worst_error_over_calls(fn, state, (q, k, v, g, beta), "interleaved", d**-0.5)
     assert errs["chunked"] < 5e-6 and errs["sequential"] < 5e-6, errs
 
 
