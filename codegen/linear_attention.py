@@ -140,6 +140,20 @@ def gated_delta_net(hv: int, dv: int, dk: int, hk: int, head_map: str, scale: fl
     chunked = threshold > 0 and chunked_form_fits(dv, dk)
 
     @T.macro
+    def clear_sums(part):  # type: ignore[no-untyped-def]
+        for rr in T.unroll(group):
+            for ln in T.vectorized(T.int64(lanes)):
+                part[rr * lanes + ln] = T.float32(0)
+
+    @T.macro
+    def row_totals(part, tot):  # type: ignore[no-untyped-def]
+        """Each row's partial sums added up in lane order (the order of one row at a time)."""
+        for rr in T.unroll(group):
+            tot[rr] = T.float32(0)
+            for ln in range(T.int64(lanes)):
+                tot[rr] = tot[rr] + part[rr * lanes + ln]
+
+    @T.macro
     def sequential(S, Q, K, V, G, B, Out, n):  # type: ignore[no-untyped-def]
         for blk in T.parallel(T.int64(hv * (dv // rb))):
             part = T.decl_buffer((group * lanes,), "float32", scope="local")
@@ -156,9 +170,7 @@ def gated_delta_net(hv: int, dv: int, dk: int, hk: int, head_map: str, scale: fl
                         eg[j] = T.exp(G[t, h, j])
                 for rg in range(T.int64(rb // group)):
                     # decay the rows, then kv = M_i . k
-                    for rr in T.unroll(group):
-                        for ln in T.vectorized(T.int64(lanes)):
-                            part[rr * lanes + ln] = T.float32(0)
+                    clear_sums(part)
                     for jo in range(T.int64(n_outer)):
                         for rr in T.unroll(group):
                             for ln in T.vectorized(T.int64(lanes)):
@@ -167,15 +179,11 @@ def gated_delta_net(hv: int, dv: int, dk: int, hk: int, head_map: str, scale: fl
                                     eg[jo * lanes + ln] if key_decay else decay)
                                 part[rr * lanes + ln] = (part[rr * lanes + ln]
                                                          + S[h, i, jo * lanes + ln] * K[t, kh, jo * lanes + ln])
+                    row_totals(part, tot)
                     for rr in T.unroll(group):
-                        tot[rr] = T.float32(0)
-                        for ln in range(T.int64(lanes)):
-                            tot[rr] = tot[rr] + part[rr * lanes + ln]
                         dd[rr] = (V[t, h, row0 + rg * T.int64(group) + rr] - tot[rr]) * B[t, h]
                     # write d * k into the rows, then o = M_i . q
-                    for rr in T.unroll(group):
-                        for ln in T.vectorized(T.int64(lanes)):
-                            part[rr * lanes + ln] = T.float32(0)
+                    clear_sums(part)
                     for jo in range(T.int64(n_outer)):
                         for rr in T.unroll(group):
                             for ln in T.vectorized(T.int64(lanes)):
@@ -183,10 +191,8 @@ def gated_delta_net(hv: int, dv: int, dk: int, hk: int, head_map: str, scale: fl
                                 S[h, i, jo * lanes + ln] = S[h, i, jo * lanes + ln] + dd[rr] * K[t, kh, jo * lanes + ln]
                                 part[rr * lanes + ln] = (part[rr * lanes + ln]
                                                          + S[h, i, jo * lanes + ln] * Q[t, kh, jo * lanes + ln])
+                    row_totals(part, tot)
                     for rr in T.unroll(group):
-                        tot[rr] = T.float32(0)
-                        for ln in range(T.int64(lanes)):
-                            tot[rr] = tot[rr] + part[rr * lanes + ln]
                         Out[t, h, row0 + rg * T.int64(group) + rr] = tot[rr] * T.float32(scale)
 
     chunk_scan = _chunked_scan(hv, dv, dk, hk, head_map, scale, key_decay) if chunked else sequential
