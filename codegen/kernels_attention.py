@@ -11,9 +11,16 @@ CPU backend (non-flash attention, f32 cache, its x86 AVX2 build):
   (tinyBLAS: 8 accumulators, cell s into s % 8, then hsum_float_8). Cells past the visible ones
   hold probability 0 there and add nothing, so the sums stop at the last visible cell.
 No [heads, T, cache] matrix is materialised. Rows are spread over the thread pool.
+
+A row reads its KV head's cells 4 * Hkv * D bytes apart (the other KV heads' values lie between),
+a stride the hardware prefetcher follows poorly once a decode step's weights have pushed the cache
+out of L3; so in a one-token call each loop over the cells asks for the cell PREFETCH_CELLS ahead (12 heads,
+cache cold: 1.06x at 144 cells, 1.19x at 1024).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from tvm import tirx
 from tvm.script import tirx as T
@@ -22,6 +29,23 @@ from .cpu_vec import expf8
 
 LANES = 8  # float32 lanes of an AVX2 register
 STEP = 32  # values per step of ggml_vec_dot_f32 (4 registers)
+PREFETCH_CELLS = 8  # cache cells ahead of the one being read that a row asks for
+
+
+def cell_prefetcher(n_kv: int, dim: int, n_cells: int) -> Callable[..., None]:
+    """Macro asking for every cache line of cell `s` of KV head `kv` in slot `slot` of a cache
+    [n_slots, cells, n_kv, dim] (an unslotted one: slot 0 of 1)."""
+    C, HKV, D = T.int64(n_cells), T.int64(n_kv), T.int64(dim)
+
+    @T.macro
+    def prefetch_cell(cache, n_slots, slot, s, kv):  # type: ignore[no-untyped-def]
+        flat = T.decl_buffer((n_slots * C * HKV * D,), "float32", data=cache.data)
+        for j in T.unroll(-(-dim // 16)):  # 16 floats per 64-byte line
+            T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0",
+                                          T.address_of(flat[((slot * C + s) * HKV + kv) * D + j * 16]),
+                                          T.int32(0), T.int32(3), T.int32(1)))
+
+    return prefetch_cell
 
 
 def attention_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float,
@@ -45,6 +69,8 @@ def attention_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float,
     G, L = T.int64(n_head // n_kv), T.int64(LANES)
     SCALE = T.float32(scale)
     CP = T.int64(-(-n_cells // STEP) * STEP)  # scores scratch in whole 32-cell steps
+    prefetch_cell = cell_prefetcher(n_kv, dim, n_cells)
+    AHEAD = T.int64(PREFETCH_CELLS)
 
     def fma(a: tirx.PrimExpr, b: tirx.PrimExpr, c: tirx.PrimExpr) -> tirx.PrimExpr:
         return T.call_llvm_pure_intrin("float32", "llvm.fma.f32", a, b, c)
@@ -97,6 +123,8 @@ def attention_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float,
             total = T.decl_buffer((1,), "float64")
             stat[0] = T.float32(-3.0e38)
             for s in range(visible):
+                if n == T.int64(1):  # a prompt's rows read the cells it just wrote, still cached
+                    prefetch_cell(k_cache, T.int64(1), T.int64(0), T.min(s + AHEAD, visible - T.int64(1)), kv)
                 for lane in T.vectorized(STEP):
                     part[lane] = T.float32(0)
                 for d0 in range(D // STEP):
@@ -121,6 +149,8 @@ def attention_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float,
                 acc[a, d] = T.float32(0)
             if one_token_order or n == T.int64(1):  # ggml_vec_dot_f32 over the cells: cell s into acc s % 32
                 for s in range(visible):
+                    if n == T.int64(1):  # a prompt's rows read the cells it just wrote, still cached
+                        prefetch_cell(v_cache, T.int64(1), T.int64(0), T.min(s + AHEAD, visible - T.int64(1)), kv)
                     for d in T.vectorized(D):
                         acc[s % STEP, d] = fma(v_cache[s, kv, d], scores[s], acc[s % STEP, d])
                 for d in T.vectorized(D):
@@ -164,6 +194,8 @@ def attention_slot_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: f
     G, L = T.int64(n_head // n_kv), T.int64(LANES)
     SCALE = T.float32(scale)
     CP = T.int64(-(-n_cells // STEP) * STEP)
+    prefetch_cell = cell_prefetcher(n_kv, dim, n_cells)
+    AHEAD = T.int64(PREFETCH_CELLS)
 
     def fma(a: tirx.PrimExpr, b: tirx.PrimExpr, c: tirx.PrimExpr) -> tirx.PrimExpr:
         return T.call_llvm_pure_intrin("float32", "llvm.fma.f32", a, b, c)
@@ -193,6 +225,7 @@ def attention_slot_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: f
             total = T.decl_buffer((1,), "float64")
             stat[0] = T.float32(-3.0e38)
             for s in range(visible):
+                prefetch_cell(k_cache, n_slots, b, T.min(s + AHEAD, visible - T.int64(1)), kv)
                 for lane in T.vectorized(STEP):
                     part[lane] = T.float32(0)
                 for d0 in range(D // STEP):
@@ -213,6 +246,7 @@ def attention_slot_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: f
             for a, d in T.grid(STEP, D):
                 acc[a, d] = T.float32(0)
             for s in range(visible):  # the one-token order: cell s into accumulator s % 32
+                prefetch_cell(v_cache, n_slots, b, T.min(s + AHEAD, visible - T.int64(1)), kv)
                 for d in T.vectorized(D):
                     acc[s % STEP, d] = fma(v_cache[b, s, kv, d], scores[s], acc[s % STEP, d])
             for d in T.vectorized(D):
