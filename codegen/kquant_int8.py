@@ -146,7 +146,7 @@ def _q45k_rows(intrin: str, five: bool, rows: int, n_super: int, tt: int,
                prefetch_groups: int) -> Callable[..., None]:
     """Row-group macro of Q4_K / Q5_K (fields d, dmin, sc, mn, [qh,] qs)."""
     zero = T.broadcast(T.int32(0), 8)
-    wide = intrin.replace("vpdpbusd", "vpdpwssd")
+    wide = P.pair_dot_intrinsic(intrin)
     decode = tt == 1  # a GEMV: its weight stream is the step's cost, so it is also prefetched into L2
     far_groups = P.l2_ahead_groups(rows * n_super * 128, prefetch_groups)
 
@@ -415,7 +415,7 @@ def _q6k_rows(intrin: str, rows: int, n_super: int, tt: int, prefetch_groups: in
     """Row-group macro of Q6_K (fields ql, qh, sc, d): each lane's dot product starts at -32 times
     its activation sum, so the codes' offset costs nothing in the loop."""
     halves = [*range(8), *range(16, 24)]
-    wide = intrin.replace("vpdpbusd", "vpdpwssd")
+    wide = P.pair_dot_intrinsic(intrin)
     decode = tt == 1  # a GEMV: its weight stream is also prefetched into L2, as in _q45k_rows
     far_groups = P.l2_ahead_groups(rows * n_super * 192, prefetch_groups)
 

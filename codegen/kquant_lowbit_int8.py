@@ -49,7 +49,7 @@ def _to_acc(acc: tirx.Buffer, r: tirx.PrimExpr, scale: tirx.PrimExpr, lanes: tir
 
 def q2k_rows(intrin: str, rows: int, n_super: int, tt: int, prefetch_groups: int) -> Callable[..., None]:
     """Row-group macro of Q2_K (fields sc, qs, d, dmin; xs16: the code sums of 16-value runs)."""
-    wide = intrin.replace("vpdpbusd", "vpdpwssd")
+    wide = P.pair_dot_intrinsic(intrin)
 
     @T.macro
     def row_group(sc, qs, d, dmin, y, n, jo, t, xb, xd, xs16):  # type: ignore[no-untyped-def]
@@ -111,7 +111,7 @@ def _q3k_scale(scales: tirx.Buffer, row: tirx.PrimExpr, i: tirx.PrimExpr, s: int
 def q3k_rows(intrin: str, rows: int, n_super: int, tt: int, prefetch_groups: int) -> Callable[..., None]:
     """Row-group macro of Q3_K (fields hmask, qs, scales, d; xp: 32 times each pair of activation
     codes, whose eighth is the -4 offset's pair sum)."""
-    wide = intrin.replace("vpdpbusd", "vpdpwssd")
+    wide = P.pair_dot_intrinsic(intrin)
 
     @T.macro
     def row_group(hmask, qs, scales, d, y, n, jo, t, xb, xd, xp):  # type: ignore[no-untyped-def]
