@@ -176,6 +176,17 @@ def test_kquant_gemv_groups_and_residual_are_llama_cpp_bit_for_bit(qtype: str) -
     np.testing.assert_array_equal(y, res + want[0])
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "Q2_K"])
+def test_int8_gemvs_build_for_avx_vnni_without_avx512(qtype: str) -> None:
+    """A CPU with AVX-VNNI but no AVX-512 (Alder Lake and later client cores) gets the 8-bit
+    kernels in their VEX encoding: built here without running (this machine may lack AVX-VNNI)."""
+    alder = tvm.target.Target({"kind": "llvm", "mcpu": "alderlake", "num-cores": 2})
+    assert Q8.int8_dot_intrinsic(alder) is not None
+    func = Q8.int8_gemv_group(qtype, (8, 4), 512, alder).with_attr("global_symbol", "main")
+    asm = tvm.compile(tvm.IRModule({"main": func}), target=alder).mod.inspect_source("asm")
+    assert ("vpdpbusd" in asm or "vpdpwssds" in asm) and "zmm" not in asm
+
+
 @pytest.mark.parametrize(("t", "pos"), [(1, 0), (1, 37), (5, 0), (7, 20)])
 @pytest.mark.parametrize("dim", [32, 64])
 def test_attention_is_llama_cpp_bit_for_bit(t: int, pos: int, dim: int) -> None:
