@@ -50,7 +50,9 @@ from .int8_parts import (
     fma8,
     hsum8,
     input_stage,
+    l2_ahead_groups,
     prefetch,
+    prefetch_l2,
     residual_adder,
     slots,
     without_params,
@@ -330,7 +332,7 @@ def _lane(v: tirx.PrimExpr, i: tirx.PrimExpr) -> tirx.PrimExpr:
 
 
 def _q4_steps(intrin: str, has_min: bool, rows: int, n_blocks: int, tt: int = 1,
-              prefetch_groups: int = PREFETCH_GROUPS, five: bool = False) -> Callable[..., None]:
+              prefetch_groups: int = PREFETCH_GROUPS, five: bool = False, far: bool = False) -> Callable[..., None]:
     """The row-group macro of the Q4_0/Q4_1 kernels: rows [jo * rows, jo * rows + rows) of one
     matrix for tokens [t, t + tt), in llama.cpp's order (ggml_vec_dot_q4_{0,1}_q8_{0,1}, AVX2): per
     block, an 8-lane integer dot (lane j: values 4j..4j+3) converted to float and accumulated as
@@ -338,9 +340,11 @@ def _q4_steps(intrin: str, has_min: bool, rows: int, n_blocks: int, tt: int = 1,
     added block by block). A block's 16 code bytes load into both halves of a vector; one
     per-half shift (0 or 4 bits) and a mask give its 32 codes in value order, which serve the
     tile's tt tokens. `five`: Q5_0/Q5_1 (ggml_vec_dot_q5_{0,1}_q8_{0,1}, the same float steps), bit
-    v of the block's qh word the fifth bit of code v."""
+    v of the block's qh word the fifth bit of code v. `far`: a GEMV's, whose codes are also
+    prefetched into L2 far ahead (as the K-quant GEMVs', int8_parts.prefetch_l2)."""
     assert rows == 4, "the Q4_1 minimum terms of a row group are one float32x4"
     n_octs = n_blocks // 8  # 8-block runs whose weight scales load as one f16x8 vector
+    far_groups = l2_ahead_groups(rows * n_blocks * 16, prefetch_groups)
     halves = T.Shuffle([T.broadcast(T.int32(0), 8), T.broadcast(T.int32(4), 8)], [0, 1, 2, 3, 8, 9, 10, 11])
     lane_shifts = T.Shuffle([T.broadcast(T.int32(4 * k), 8) for k in range(8)], [k * 8 + k for k in range(8)])
 
@@ -408,10 +412,14 @@ def _q4_steps(intrin: str, has_min: bool, rows: int, n_blocks: int, tt: int = 1,
                         * xd.vload([t + u, o * 8], "float32x8"))
                 for b in range(n_octs * 8, n_blocks):
                     scales[r * tt + u, b] = T.Cast("float32", wd[jo * rows + r, b]) * xd[t + u, b]
+        far_ahead = T.meta_var(T.min(jo + far_groups, n // rows - 1))
         for o in range(n_octs):
             for c in T.unroll(4):
                 prefetch(wq_flat, ahead * rows * n_blocks * 16 + (o * 4 + c) * 128)
                 prefetch(wq_flat, ahead * rows * n_blocks * 16 + (o * 4 + c) * 128 + 64)
+                if far:
+                    prefetch_l2(wq_flat, far_ahead * rows * n_blocks * 16 + (o * 4 + c) * 128)
+                    prefetch_l2(wq_flat, far_ahead * rows * n_blocks * 16 + (o * 4 + c) * 128 + 64)
             prefetch(wd_flat, ahead * rows * n_blocks + o * 8)
             if five:
                 wqh_flat = T.decl_buffer((n * n_blocks,), "uint32", data=wqh.data)
@@ -433,10 +441,13 @@ def _q4_steps(intrin: str, has_min: bool, rows: int, n_blocks: int, tt: int = 1,
     return row_group
 
 
-def _q8_steps(intrin: str, rows: int, n_blocks: int, prefetch_groups: int = PREFETCH_GROUPS) -> Callable[..., None]:
+def _q8_steps(intrin: str, rows: int, n_blocks: int, prefetch_groups: int = PREFETCH_GROUPS,
+              far: bool = False) -> Callable[..., None]:
     """The row-group macro of the Q8_0 kernels, in llama.cpp's order (ggml_vec_dot_q8_0_q8_0, AVX2,
-    and tinyBLAS's Q8_0 GEMM): per block acc = fma(d_w d_a, 8-lane dot, acc), then hsum_float_8."""
+    and tinyBLAS's Q8_0 GEMM): per block acc = fma(d_w d_a, 8-lane dot, acc), then hsum_float_8.
+    `far` as in _q4_steps."""
     n_octs = n_blocks // 8  # 8-block runs whose scales d_w d_a form one vector
+    far_groups = l2_ahead_groups(rows * n_blocks * 32, prefetch_groups)
 
     @T.macro
     def block_step(wq, acc, j, r, b, scale, t, xb, xc):  # type: ignore[no-untyped-def]
@@ -455,6 +466,7 @@ def _q8_steps(intrin: str, rows: int, n_blocks: int, prefetch_groups: int = PREF
         acc = T.alloc_buffer((rows, 8), "float32")  # small: a stack array per task
         s8 = T.alloc_buffer((rows, 8), "float32")  # small: a stack array per task
         ahead = T.meta_var(T.min(jo + prefetch_groups, n // rows - 1))
+        far_ahead = T.meta_var(T.min(jo + far_groups, n // rows - 1))
         for r in T.unroll(rows):
             acc[r, 0:8] = T.broadcast(T.float32(0), 8)
         for o in range(n_octs):
@@ -465,6 +477,9 @@ def _q8_steps(intrin: str, rows: int, n_blocks: int, prefetch_groups: int = PREF
             for c in T.unroll(8):
                 prefetch(wq_flat, ahead * rows * n_blocks * 32 + (o * 8 + c) * 128)
                 prefetch(wq_flat, ahead * rows * n_blocks * 32 + (o * 8 + c) * 128 + 64)
+                if far:
+                    prefetch_l2(wq_flat, far_ahead * rows * n_blocks * 32 + (o * 8 + c) * 128)
+                    prefetch_l2(wq_flat, far_ahead * rows * n_blocks * 32 + (o * 8 + c) * 128 + 64)
                 for r in T.unroll(rows):
                     block_step(wq, acc, jo * rows + r, r, o * 8 + c, _lane(s8.vload([r, 0], "float32x8"), c), t,
                                xb, xc)
@@ -510,8 +525,9 @@ def _gemv(qtype: str, ns: tuple[int, ...], k: int, intrin: str, stage: Stage | N
     (n1, n2, n3), (g1, g2, g3) = slots(ns)
     _, prologue = _quantize_prologue(_q8_pos, stage, k)
     add_residual = residual_adder(residual)
-    q4_rows = _q4_steps(intrin, has_min, rows, n_blocks, prefetch_groups=prefetch_groups, five=qtype[:2] == "Q5")
-    q8_rows = _q8_steps(intrin, rows, n_blocks, prefetch_groups)
+    q4_rows = _q4_steps(intrin, has_min, rows, n_blocks, prefetch_groups=prefetch_groups, five=qtype[:2] == "Q5",
+                        far=True)
+    q8_rows = _q8_steps(intrin, rows, n_blocks, prefetch_groups, far=True)
     starts = _starts(n_blocks, _code_offset(qtype))
     n_groups = g1 + (g2 if group >= 2 else 0) + (g3 if group >= 3 else 0)
     split = max(1, int(groups_per_task))
