@@ -620,13 +620,11 @@ def kquant_gemv_group(qtype: str, ns: tuple[int, ...], k: int, intrin: str, prol
 
 
 def kquant_gemm(qtype: str, n: int, k: int, intrin: str, tokens: int = GEMM_TOKENS,
-                pairs: int | None = None) -> tirx.PrimFunc:
+                pairs: int = 0) -> tirx.PrimFunc:
     """quant_int8.int8_gemm for the K-quants: tokens quantised in parallel, then each task takes
-    a group of rows through every token, `tokens` tokens per pass over their codes. Q4_K and Q6_K
-    on a target with 512-bit registers take token pairs instead (_pair_gemm, `pairs` of them per
-    pass; PAIR_TILE unless given, 0 for the one-token-per-register kernel)."""
-    if pairs is None:
-        pairs = PAIR_TILE if qtype in PAIR_TYPES and intrin.startswith("llvm.x86.avx512") else 0
+    a group of rows through every token, `tokens` tokens per pass over their codes. With `pairs`
+    (Q4_K and Q6_K on a target with 512-bit registers: int8_gemm gives PAIR_TILE), token pairs
+    instead (_pair_gemm, `pairs` of them per pass)."""
     if pairs:
         return _pair_gemm(qtype, n, k, intrin, PAIR_ROWS, pairs)
     n_super, rows = k // SUPER, P.ROWS

@@ -57,7 +57,8 @@ from .int8_parts import (
     slots,
     without_params,
 )
-from .kquant_int8 import KQUANT_GEMV_TYPES, kquant_gemm, kquant_gemv_group, kquant_supported
+from .kquant_int8 import KQUANT_GEMV_TYPES, PAIR_TILE, kquant_gemm, kquant_gemv_group, kquant_supported
+from .kquant_int8 import PAIR_TYPES as KQUANT_PAIR_TYPES
 from .quant import i64, layout_spec
 
 INT8_GEMV_TYPES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"})
@@ -595,7 +596,8 @@ def int8_gemm(qtype: str, n: int, k: int, target: tvm.target.Target) -> tirx.Pri
     if intrin is None or not int8_gemv_supported(qtype, n, k, target):
         raise NotImplementedError(f"no 8-bit GEMM for {qtype} {n} x {k} on {target}")
     if qtype in KQUANT_GEMV_TYPES:
-        return kquant_gemm(qtype, n, k, intrin)
+        pairs = PAIR_TILE if qtype in KQUANT_PAIR_TYPES and has_512bit_dot(target) else 0
+        return kquant_gemm(qtype, n, k, intrin, pairs=pairs)
     if has_512bit_dot(target) and qtype in PAIR_GEMM_TYPES:
         return int8_pair_gemm(qtype, n, k, target)
     return int8_tile_gemm(qtype, n, k, intrin)

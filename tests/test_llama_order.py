@@ -136,7 +136,7 @@ def test_kquant_prompt_gemm_tilings_are_llama_cpp_bit_for_bit(qtype: str, pairs:
     """The Q4_K and Q6_K prompt GEMMs in token pairs (512-bit registers; `pairs` per pass, 0: the
     4-token kernel), with whole tiles, a tail of single tokens, and prompts shorter than one tile."""
     intrin = Q8.int8_dot_intrinsic(TARGET)
-    if pairs and not intrin.startswith("llvm.x86.avx512"):
+    if pairs and not Q8.has_512bit_dot(TARGET):
         pytest.skip(f"{TARGET.attrs.get('mcpu')} has no 512-bit registers")
     n, k = 8, 768
     rng = np.random.default_rng(pairs * 31 + t)
@@ -182,9 +182,10 @@ def test_int8_gemvs_build_for_avx_vnni_without_avx512(qtype: str) -> None:
     kernels in their VEX encoding: built here without running (this machine may lack AVX-VNNI)."""
     alder = tvm.target.Target({"kind": "llvm", "mcpu": "alderlake", "num-cores": 2})
     assert Q8.int8_dot_intrinsic(alder) is not None
-    func = Q8.int8_gemv_group(qtype, (8, 4), 512, alder).with_attr("global_symbol", "main")
-    asm = tvm.compile(tvm.IRModule({"main": func}), target=alder).mod.inspect_source("asm")
-    assert ("vpdpbusd" in asm or "vpdpwssds" in asm) and "zmm" not in asm
+    for func in (Q8.int8_gemv_group(qtype, (8, 4), 512, alder), Q8.int8_gemm(qtype, 8, 512, alder)):
+        mod = tvm.IRModule({"main": func.with_attr("global_symbol", "main")})
+        asm = tvm.compile(mod, target=alder).mod.inspect_source("asm")
+        assert ("vpdpbusd" in asm or "vpdpwssds" in asm) and "zmm" not in asm
 
 
 @pytest.mark.parametrize(("t", "pos"), [(1, 0), (1, 37), (5, 0), (7, 20)])
