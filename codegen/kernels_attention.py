@@ -26,6 +26,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from .cpu_vec import expf8
+from .int8_parts import prefetch
 
 LANES = 8  # float32 lanes of an AVX2 register
 STEP = 32  # values per step of ggml_vec_dot_f32 (4 registers)
@@ -33,17 +34,17 @@ PREFETCH_CELLS = 8  # cache cells ahead of the one being read that a row asks fo
 
 
 def cell_prefetcher(n_kv: int, dim: int, n_cells: int) -> Callable[..., None]:
-    """Macro asking for every cache line of cell `s` of KV head `kv` in slot `slot` of a cache
-    [n_slots, cells, n_kv, dim] (an unslotted one: slot 0 of 1)."""
+    """Macro asking for every cache line of the cell PREFETCH_CELLS after `s` (at most the last
+    visible one) of KV head `kv` in slot `slot` of a cache [n_slots, cells, n_kv, dim] (an
+    unslotted one: slot 0 of 1)."""
     C, HKV, D = T.int64(n_cells), T.int64(n_kv), T.int64(dim)
 
     @T.macro
-    def prefetch_cell(cache, n_slots, slot, s, kv):  # type: ignore[no-untyped-def]
+    def prefetch_cell(cache, n_slots, slot, s, visible, kv):  # type: ignore[no-untyped-def]
         flat = T.decl_buffer((n_slots * C * HKV * D,), "float32", data=cache.data)
+        cell = T.meta_var(T.min(s + T.int64(PREFETCH_CELLS), visible - T.int64(1)))
         for j in T.unroll(-(-dim // 16)):  # 16 floats per 64-byte line
-            T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0",
-                                          T.address_of(flat[((slot * C + s) * HKV + kv) * D + j * 16]),
-                                          T.int32(0), T.int32(3), T.int32(1)))
+            T.evaluate(prefetch(flat, ((slot * C + cell) * HKV + kv) * D + j * 16))
 
     return prefetch_cell
 
@@ -70,7 +71,6 @@ def attention_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float,
     SCALE = T.float32(scale)
     CP = T.int64(-(-n_cells // STEP) * STEP)  # scores scratch in whole 32-cell steps
     prefetch_cell = cell_prefetcher(n_kv, dim, n_cells)
-    AHEAD = T.int64(PREFETCH_CELLS)
 
     def fma(a: tirx.PrimExpr, b: tirx.PrimExpr, c: tirx.PrimExpr) -> tirx.PrimExpr:
         return T.call_llvm_pure_intrin("float32", "llvm.fma.f32", a, b, c)
@@ -124,7 +124,7 @@ def attention_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float,
             stat[0] = T.float32(-3.0e38)
             for s in range(visible):
                 if n == T.int64(1):  # a prompt's rows read the cells it just wrote, still cached
-                    prefetch_cell(k_cache, T.int64(1), T.int64(0), T.min(s + AHEAD, visible - T.int64(1)), kv)
+                    prefetch_cell(k_cache, T.int64(1), T.int64(0), s, visible, kv)
                 for lane in T.vectorized(STEP):
                     part[lane] = T.float32(0)
                 for d0 in range(D // STEP):
@@ -150,7 +150,7 @@ def attention_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float,
             if one_token_order or n == T.int64(1):  # ggml_vec_dot_f32 over the cells: cell s into acc s % 32
                 for s in range(visible):
                     if n == T.int64(1):  # a prompt's rows read the cells it just wrote, still cached
-                        prefetch_cell(v_cache, T.int64(1), T.int64(0), T.min(s + AHEAD, visible - T.int64(1)), kv)
+                        prefetch_cell(v_cache, T.int64(1), T.int64(0), s, visible, kv)
                     for d in T.vectorized(D):
                         acc[s % STEP, d] = fma(v_cache[s, kv, d], scores[s], acc[s % STEP, d])
                 for d in T.vectorized(D):
@@ -195,7 +195,6 @@ def attention_slot_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: f
     SCALE = T.float32(scale)
     CP = T.int64(-(-n_cells // STEP) * STEP)
     prefetch_cell = cell_prefetcher(n_kv, dim, n_cells)
-    AHEAD = T.int64(PREFETCH_CELLS)
 
     def fma(a: tirx.PrimExpr, b: tirx.PrimExpr, c: tirx.PrimExpr) -> tirx.PrimExpr:
         return T.call_llvm_pure_intrin("float32", "llvm.fma.f32", a, b, c)
@@ -225,7 +224,7 @@ def attention_slot_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: f
             total = T.decl_buffer((1,), "float64")
             stat[0] = T.float32(-3.0e38)
             for s in range(visible):
-                prefetch_cell(k_cache, n_slots, b, T.min(s + AHEAD, visible - T.int64(1)), kv)
+                prefetch_cell(k_cache, n_slots, b, s, visible, kv)
                 for lane in T.vectorized(STEP):
                     part[lane] = T.float32(0)
                 for d0 in range(D // STEP):
@@ -246,7 +245,7 @@ def attention_slot_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: f
             for a, d in T.grid(STEP, D):
                 acc[a, d] = T.float32(0)
             for s in range(visible):  # the one-token order: cell s into accumulator s % 32
-                prefetch_cell(v_cache, n_slots, b, T.min(s + AHEAD, visible - T.int64(1)), kv)
+                prefetch_cell(v_cache, n_slots, b, s, visible, kv)
                 for d in T.vectorized(D):
                     acc[s % STEP, d] = fma(v_cache[b, s, kv, d], scores[s], acc[s % STEP, d])
             for d in T.vectorized(D):
