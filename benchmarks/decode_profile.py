@@ -84,7 +84,7 @@ def decode_call(artifact: Path, threads: int, context: int,
         session = Session(artifact, threads=threads)
         session.forward(prompt % session.n_vocab)
         args = (tvm.runtime.from_dlpack(session._token_buffer[:1]), tvm.runtime.ShapeTuple([session.n_past]),
-                session._states, session._params)
+                session._states, *session._params)
         return vm, "decode", args, {data_pointer(t) for t in session._state_tensors}, session
     group = SlotGroup(artifact, batch, threads=threads)
     if group.batch_refused is not None:
@@ -94,7 +94,7 @@ def decode_call(artifact: Path, threads: int, context: int,
     rows = {"tokens": np.ones(batch, np.int32), "positions": np.full(batch, context, np.int32),
             "slots": np.arange(batch, dtype=np.int32)}
     args = (*(tvm.runtime.from_dlpack(group._rows[k][:batch]) for k in rows), group._stack.tensors(),
-            group.sessions[0]._params)
+            *group.sessions[0]._params)
     for name, values in rows.items():
         group._rows[name][:batch] = values
     return vm, "decode_batch", args, {int(a.ctypes.data) for a in group._stack.arrays or []}, group

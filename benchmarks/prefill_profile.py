@@ -62,7 +62,7 @@ class Profiled:
         tokens[...] = prompt
         # position 0 every time: each call redoes the same prompt
         self.args = (tvm.runtime.from_dlpack(tokens), tvm.runtime.ShapeTuple([0]), self.session._states,
-                     self.session._params)
+                     *self.session._params)
         self.rounds: dict[str, list[float]] = defaultdict(list)
 
     def run(self) -> None:

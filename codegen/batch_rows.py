@@ -2,7 +2,7 @@
 every weight once (the matmuls run as one GEMM over the rows, as a prompt's do).
 
     logits [B, V] = vm["decode_batch"](tokens [B] int32, positions [B] int32, slots [B] int32,
-                                       states, params)
+                                       states, *weights)
 
 Row t is the next token of the sequence held in slot `slots[t]`, at position `positions[t]`.
 Every state carries a leading slot axis (a KV cache is [S, n_ctx, heads, dim]): the runtime keeps
@@ -27,7 +27,7 @@ from . import kernel_keys as KK
 from . import kernels as K
 from . import kernels_attention as KA
 from .lower import ModuleBuilder, lower_node
-from .lower_context import FunctionContext, tensor_type
+from .lower_context import FunctionContext, entry_attrs, tensor_type, weight_params
 from .schedule import schedule_cpu
 
 DECODE_BATCH = "decode_batch"
@@ -57,12 +57,11 @@ def add_decode_batch(mb: ModuleBuilder, graph: Graph) -> None:
     positions = relax.Var("positions", tensor_type([fc.n], "int32"))
     slots = relax.Var("slots", tensor_type([fc.n], "int32"))
     states = relax.Var("states", relax.TupleType([tensor_type([n_slots, *s], d) for _, s, d in mb.states]))
-    params = relax.Var("params", relax.ObjectType() if mb.unchecked_params else
-                       relax.TupleType([tensor_type(s, d) for _, s, d in mb.flat_params]))
-    fc.params_var = params
+    weights = weight_params(fc)
     rows = RowFunction(positions, slots, n_slots)
     state_index = {n: i for i, (n, _, _) in enumerate(mb.states)}
-    with mb.bb.function(DECODE_BATCH, [tokens, positions, slots, states, params]):
+    with mb.bb.function(DECODE_BATCH, [tokens, positions, slots, states, *weights],
+                         attrs=entry_attrs(fc, 4)):
         for v in graph.inputs:
             if v.name == "tokens":
                 fc.env[v.id] = tokens

@@ -2,7 +2,8 @@
 
 The Relax VM then runs a whole forward step without Python: the host-side sequence of kernel
 calls, buffer planning and in-place state writes are compiled into the executable.
-Every entry point has the signature `(tokens [T] int32, pos Shape([P]), states tuple, params tuple)`.
+Every entry point has the signature `(tokens [T] int32, pos Shape([P]), states tuple, *weights)`:
+on the CPU each weight array is an argument of its own, on GPU targets the weights are one tuple.
 """
 
 from __future__ import annotations
@@ -35,9 +36,11 @@ from .lower_context import (
     POS_TENSOR_KINDS,
     FunctionContext,
     ParamLayout,
+    entry_attrs,
     opaque_item,
     tensor_type,
     weight_args,
+    weight_params,
 )
 from .schedule import PRESCHEDULED, ROW_STAGED, schedule_cpu
 from .target import UnsupportedOnTarget
@@ -53,8 +56,8 @@ class ModuleBuilder:
         self.states = list(states)
         self.kernels: dict[KK.KernelKey, Any] = {}
         self.kernel_names: list[str] = []
-        # CPU: the weights tuple is passed as an opaque object (see FunctionContext._param_item);
-        # GPU plans read the typed tuple
+        # CPU: the states tuple is passed as an opaque object, each weight array as an argument of
+        # its own (see weight_params); GPU plans read typed tuples
         self.unchecked_params = target.kind.name == "llvm"
 
     # `ggufc compile --tuning-db`: a codegen.tune.TunedKernels whose lookup() returns a tuned schedule
@@ -95,13 +98,11 @@ class ModuleBuilder:
         # CPU: the states tuple is opaque like the weights (the runtime allocates them from the manifest)
         states = relax.Var("states", relax.ObjectType() if self.unchecked_params else
                            relax.TupleType([tensor_type(s, d) for _, s, d in self.states]))
-        params = relax.Var("params", relax.ObjectType() if self.unchecked_params else
-                           relax.TupleType([tensor_type(s, d) for _, s, d in self.flat_params]))
-        fc.params_var = params
+        weights = weight_params(fc)
         state_index = {n: i for i, (n, _, _) in enumerate(self.states)}
         # CUDA graphs (gpu.py): a cuda decode reads its token and position from two int32 [1] states
         decode_io = self.decode_inputs if fixed_tokens == 1 else None
-        with self.bb.function(name, [tokens, pos, states, params]):
+        with self.bb.function(name, [tokens, pos, states, *weights], attrs=entry_attrs(fc, 3)):
             token_source: Any = tokens
             if decode_io is not None:
                 token_source = self.bb.emit(relax.TupleGetItem(states, decode_io[0]), name_hint="decode_token")
@@ -206,7 +207,9 @@ def _int8_matmul(fc: FunctionContext, node: Node) -> list[Any]:
         return fc.call(KK.Int8GemvGroup(qtype, (n,), k, (), False),
                        lambda: Q8.int8_gemv_group(qtype, (n,), k, fc.mb.target, (), False),
                        [fc.value(x), *arrays], node.outputs, node.outputs[0].name)
-    return fc.call(KK.Int8Gemm(qtype, n, k), lambda: Q8.int8_gemm(qtype, n, k, fc.mb.target),
+    # AMX tiles sum in another float order than a one-token call: not where rows must equal one
+    tiles = not fc.one_token_order and Q8.tile_gemm_supported(qtype, n, k, fc.mb.target)
+    return fc.call(KK.Int8Gemm(qtype, n, k, tiles), lambda: Q8.int8_gemm(qtype, n, k, fc.mb.target, tiles),
                    [fc.value(x), *arrays], node.outputs, node.outputs[0].name)
 
 

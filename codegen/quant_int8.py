@@ -57,7 +57,9 @@ from .int8_parts import (
     slots,
     without_params,
 )
-from .kquant_int8 import KQUANT_GEMV_TYPES, PAIR_TILE, kquant_gemm, kquant_gemv_group, kquant_supported
+from .kquant_amx import AMX_GEMM_TYPES, q4k_amx_gemm
+from .kquant_amx import TILE as AMX_TILE
+from .kquant_int8 import KQUANT_GEMV_TYPES, PAIR_TILE, SUPER, kquant_gemm, kquant_gemv_group, kquant_supported
 from .kquant_int8 import PAIR_TYPES as KQUANT_PAIR_TYPES
 from .quant import i64, layout_spec
 
@@ -85,6 +87,13 @@ def has_512bit_dot(target: tvm.target.Target) -> bool:
     """Whether `target` has the 512-bit u8 x s8 dot product (int8_pair_gemm's vectors)."""
     has = tvm.target.codegen.target_has_features
     return target.kind.name == "llvm" and has("avx512vnni", target) and has("avx512bw", target)
+
+
+def tile_gemm_supported(qtype: str, n: int, k: int, target: tvm.target.Target) -> bool:
+    """Whether a prompt GEMM of this weight can run on AMX tiles (codegen/kquant_amx.py)."""
+    has = tvm.target.codegen.target_has_features
+    return (target.kind.name == "llvm" and has("amx-int8", target) and has("amx-tile", target)
+            and qtype in AMX_GEMM_TYPES and n % AMX_TILE == 0 and k % SUPER == 0)
 
 
 @dataclass(frozen=True)
@@ -587,11 +596,16 @@ def _gemv(qtype: str, ns: tuple[int, ...], k: int, intrin: str, stage: Stage | N
     return gemv
 
 
-def int8_gemm(qtype: str, n: int, k: int, target: tvm.target.Target) -> tirx.PrimFunc:
+def int8_gemm(qtype: str, n: int, k: int, target: tvm.target.Target, tiles: bool = False) -> tirx.PrimFunc:
     """CPU kernel `(x [T, K] f32, *weights in layout_spec order, y [T, N] f32)`: the 8-bit GEMV's
     arithmetic for every token of a prompt (llama.cpp's batch evaluation runs the same dot products
     per token for these types). Tokens are quantised in parallel, then each task takes a group of
-    rows (their weight bytes stay in L1) through every token."""
+    rows (their weight bytes stay in L1) through every token. `tiles`: on AMX tiles instead, the
+    same integer sums with one float step per super-block (tile_gemm_supported)."""
+    if tiles:
+        if not tile_gemm_supported(qtype, n, k, target):
+            raise NotImplementedError(f"no AMX GEMM for {qtype} {n} x {k} on {target}")
+        return q4k_amx_gemm(n, k)
     intrin = int8_dot_intrinsic(target)
     if intrin is None or not int8_gemv_supported(qtype, n, k, target):
         raise NotImplementedError(f"no 8-bit GEMM for {qtype} {n} x {k} on {target}")

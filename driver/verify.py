@@ -81,7 +81,7 @@ def run_probe(model: LoadedModel, probe_graph: Graph, tokens: np.ndarray,
     params = [to_tvm(weights[weight_key(lay.source, f)]) for lay in layouts for f, _, _ in lay.arrays]
     state_arrays = [to_tvm(np.zeros(s, dtype=d)) for _, s, d in states]
     ids = to_tvm(np.asarray(tokens, dtype=np.int32))
-    compiled = vm["probe"](ids, tvm.runtime.ShapeTuple([0]), state_arrays, params)
+    compiled = vm["probe"](ids, tvm.runtime.ShapeTuple([0]), state_arrays, *params)
     if len(probe_graph.outputs) == 1:
         return [compiled.numpy()], len(mb.kernel_names)
     return [compiled[i].numpy() for i in range(len(probe_graph.outputs))], len(mb.kernel_names)

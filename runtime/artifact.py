@@ -36,7 +36,8 @@ import numpy.typing as npt
 
 from ggufc.version import __version__ as GGUFC_VERSION
 
-FORMAT_VERSION = 2  # 2: manifest digest file, layout contract compiled into the kernels
+FORMAT_VERSION = 3  # 2: manifest digest file, layout contract compiled into the kernels; 3: CPU
+# entry points take each weight array as an argument
 MANIFEST_NAME = "manifest.json"
 MANIFEST_DIGEST_NAME = "manifest.sha256"
 SEAL_FILES = (MANIFEST_NAME, MANIFEST_DIGEST_NAME)  # the files that seal an artifact, not listed in it
@@ -768,6 +769,27 @@ def host_features() -> HostFeatures:
     return HostFeatures(machine, frozenset(flags) if flags else None)
 
 
+AMX_FEATURES = ("amx-tile", "amx-int8")
+_ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA, _SYS_ARCH_PRCTL = 0x1023, 18, 158  # Linux x86_64
+
+
+@lru_cache(maxsize=1)
+def amx_usable() -> bool:
+    """Whether this process may run AMX-INT8 tile code: the CPU lists it and Linux lends the tile
+    state on request (it must be asked once per process before the first tile instruction, or that
+    instruction faults)."""
+    host = host_features()
+    if host.machine != "x86_64" or host.flags is None or not all(_normalise_flag(f) in host.flags for f in AMX_FEATURES):
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
 def _check_target(manifest: dict[str, Any], target_key: str | None, where: str) -> None:
     built_for = manifest["target_key"]
     if target_key is not None and built_for != target_key:
@@ -791,6 +813,9 @@ def _check_llvm_target_runs_here(target: dict[str, Any], where: str) -> None:
             f"{where}: compiled for CPU '{target.get('mcpu', '?')}', whose {', '.join(missing)} "
             "this CPU lacks; recompile on this machine"
         )
+    if AMX_FEATURES[1] in (_llvm_target_features(target, host.machine) or []) and not amx_usable():
+        raise ArtifactError(f"{where}: compiled for AMX tiles, which the OS does not lend this process; "
+                            "recompile on this machine")
 
 
 def features_missing_here(target: dict[str, Any]) -> list[str]:

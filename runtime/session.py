@@ -2,11 +2,12 @@
 
 Calling convention (set by codegen, recorded in the manifest):
 
-    logits = vm[fn](tokens, ShapeTuple([pos]), states, params)
+    logits = vm[fn](tokens, ShapeTuple([pos]), states, *weights)
 
 `tokens` is int32 [T], `pos` the number of tokens already in the context, `states` (KV cache,
-recurrent state, ...) and `params` are tuples built once at load; the kernels update `states` in
-place. `prefill_all` returns float32 [T, V]; `prefill` and `decode` (T == 1) return [1, V].
+recurrent state, ...) a tuple built once at load; the kernels update `states` in place. `weights`
+are built once at load too: on the CPU each weight array is an argument of its own, on a GPU
+they are one tuple. `prefill_all` returns float32 [T, V]; `prefill` and `decode` (T == 1) return [1, V].
 """
 
 from __future__ import annotations
@@ -116,20 +117,23 @@ class SharedWeights:
 
     def __init__(self, artifact: Artifact, device: Any, on_cpu: bool) -> None:
         self._artifact, self._device, self._on_cpu = artifact, device, on_cpu
-        self._loaded: tuple[dict[str, Any], Any] | None = None
+        self._loaded: tuple[dict[str, Any], tuple[Any, ...]] | None = None
         self._users: set[int] = set()
 
-    def acquire(self, user: object) -> tuple[dict[str, Any], Any]:
-        """(functions by name, the params tuple), loading them if no session holds them."""
+    def acquire(self, user: object) -> tuple[dict[str, Any], tuple[Any, ...]]:
+        """(functions by name, the weight arguments), loading them if no session holds them."""
         if self._loaded is None:
             import tvm
             import tvm_ffi
 
             functions = _vm_functions(self._artifact, self._device)
             arrays = read_weights(self._artifact.path, self._artifact.manifest)
-            params = tvm_ffi.Array([tvm.runtime.from_dlpack(a) if self._on_cpu  # zero-copy: 64-byte aligned
-                                    else tvm.runtime.tensor(a, device=self._device) for a in arrays])
-            self._loaded = functions, params
+            weights: tuple[Any, ...]
+            if self._on_cpu:  # one argument per array, zero-copy (64-byte aligned)
+                weights = tuple(tvm.runtime.from_dlpack(a) for a in arrays)
+            else:
+                weights = (tvm_ffi.Array([tvm.runtime.tensor(a, device=self._device) for a in arrays]),)
+            self._loaded = functions, weights
         self._users.add(id(user))
         return self._loaded
 
@@ -501,7 +505,7 @@ class Session:
             self._plan.release(keep_states=not evict_state)
         else:
             self._functions = dict.fromkeys(self._functions)
-            self._params = None
+            self._params = ()
             if self._weights is not None:
                 self._weights.release(self)
             if evict_state:
@@ -636,7 +640,7 @@ class Session:
             self._state_tensors[token_state].copyfrom(np.asarray(chunk[:1], dtype=np.int32))
             self._state_tensors[pos_state].copyfrom(np.asarray([self._n_past], dtype=np.int32))
         out = self._functions[fn](
-            self._to_device(buffer), self._shape_tuple([self._n_past]), self._states, self._params
+            self._to_device(buffer), self._shape_tuple([self._n_past]), self._states, *self._params
         )
         self._n_past += n
         logits = np.from_dlpack(out) if self._on_cpu else out.numpy()  # zero-copy on CPU

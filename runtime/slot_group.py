@@ -75,7 +75,7 @@ class SlotGroup:
         import tvm
 
         rows = [tvm.runtime.from_dlpack(self._rows[name][:n]) for name in ("tokens", "positions", "slots")]
-        out = loaded._functions[DECODE_BATCH](*rows, self._stack.tensors(), loaded._params)
+        out = loaded._functions[DECODE_BATCH](*rows, self._stack.tensors(), *loaded._params)
         return np.from_dlpack(out).reshape(n, self.n_vocab).astype(np.float32, copy=False)
 
     def release_device(self) -> None:

@@ -123,7 +123,7 @@ class Compiled:
         parts: list[list[np.ndarray]] = [[] for _ in range(n_out)]
         for start in range(0, len(tokens), chunk):
             out = self.vm[fn](to_tvm(tokens[start : start + chunk].astype(np.int32)),
-                              tvm.runtime.ShapeTuple([start]), states, self.params)
+                              tvm.runtime.ShapeTuple([start]), states, *self.params)
             for i in range(n_out):
                 parts[i].append((out if n_out == 1 else out[i]).numpy())
         return [np.concatenate(p) for p in parts]

@@ -108,7 +108,7 @@ def test_slots_share_one_copy_of_the_weights_and_come_back_after_a_release(llama
     before = group.decode_batch([(0, 10), (1, 11), (2, 12)])
     group.release_device()
     shared = group.sessions[0]._weights
-    assert all(s._params is None for s in group.sessions) and shared is not None and shared._loaded is None
+    assert all(s._params == () for s in group.sessions) and shared is not None and shared._loaded is None
     for session in group.sessions:
         session.truncate(session.n_past - 1)  # restores, then cuts the last token back
     group.restore_device()

@@ -1108,7 +1108,7 @@ def run_compiled(bc: BuiltCase, comp: Compiled, call: Call, tokens: np.ndarray) 
         for name, shape, dtype in comp.states
     ]
     fn = comp.vm[_fn_name(bc.case, call.decode)]
-    out = fn(to_tvm(tokens), tvm.runtime.ShapeTuple([call.p]), states, comp.params)
+    out = fn(to_tvm(tokens), tvm.runtime.ShapeTuple([call.p]), states, *comp.params)
     outs = [out] if len(bc.graph.outputs) == 1 else [out[i] for i in range(len(bc.graph.outputs))]
     return [o.numpy() for o in outs]
 

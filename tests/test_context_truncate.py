@@ -197,7 +197,7 @@ class SelectionProbe:
         # copies: the state kernels update their states in place, and `states` stay the caller's
         tensors = [to_tvm(aligned_copy(states[n])) for n in self.state_names]
         out = self.vm["prefill_all"](to_tvm(tokens.astype(np.int32)), tvm.runtime.ShapeTuple([pos]), tensors,
-                                     self.params)
+                                     *self.params)
         return np.asarray(out[1].numpy())
 
 

@@ -217,7 +217,7 @@ class Compiled:
         outs = []
         for i in range(0, len(tokens), chunk):
             toks = to_tvm(tokens[i : i + chunk].astype(np.int32))
-            outs.append(self.vm[fn](toks, tvm.runtime.ShapeTuple([i]), states, self.params).numpy())
+            outs.append(self.vm[fn](toks, tvm.runtime.ShapeTuple([i]), states, *self.params).numpy())
         return np.concatenate(outs)
 
 

@@ -56,7 +56,7 @@ class CompiledModel:
         return [to_tvm(np.zeros(shape, dtype)) for _, shape, dtype in self.built.states]
 
     def call(self, fn: str, tokens: np.ndarray, pos: int, states: list[Any]) -> np.ndarray:
-        out = self.vm[fn](to_tvm(tokens.astype(np.int32)), tvm.runtime.ShapeTuple([pos]), states, self.params)
+        out = self.vm[fn](to_tvm(tokens.astype(np.int32)), tvm.runtime.ShapeTuple([pos]), states, *self.params)
         return out.numpy()
 
 
