@@ -98,11 +98,10 @@ def toy_module() -> tvm.IRModule:
         tokens = relax.Var("tokens", relax.TensorType([n], "int32"))
         pos = relax.Var("pos", relax.ShapeType([p]))
         states = relax.Var("states", relax.TupleType([cache_ty]))
-        params = relax.Var("params", relax.TupleType(param_tys))
-        with bb.function(name, [tokens, pos, states, params]):
+        emb = relax.Var("token_embd", param_tys[0])  # on the CPU each weight is an argument
+        scale = relax.Var("scale", param_tys[1])
+        with bb.function(name, [tokens, pos, states, emb, scale], attrs={"num_input": 3}):
             with bb.dataflow():
-                emb = bb.emit(relax.TupleGetItem(params, 0))
-                scale = bb.emit(relax.TupleGetItem(params, 1))
                 cache = bb.emit(relax.TupleGetItem(states, 0))
                 cache = bb.emit(
                     relax.call_tir_inplace(g_write, [tokens, emb, relax.prim_value(p), cache], 3, cache_ty)

@@ -131,7 +131,8 @@ def test_records_are_written_per_workload(tuned: dict[str, Any]) -> None:
         assert e["default_us"] > 0
     for h in tuned_hashes:
         e = db.entry(h)
-        assert e is not None and e["kind"] == "matmul" and e["trials"] == SMALL.trials_per_round
+        # which two is a timing order (a loaded machine can rank the SwiGLU above a matmul)
+        assert e is not None and e["trials"] == SMALL.trials_per_round
         records = db.records(h)
         assert len(records) == SMALL.trials_per_round and any(r is not None for r in records)
         hist = db.history(h)
