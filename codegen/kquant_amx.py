@@ -1,30 +1,36 @@
-"""The prompt GEMM of Q4_K weights on AMX tiles (CPUs with AMX-INT8: Sapphire Rapids and later).
+"""The prompt GEMMs of Q4_K and Q6_K weights on AMX tiles (CPUs with AMX-INT8: Sapphire Rapids on).
 
-A tile dot product (`tdpbusd`) multiplies 16 rows of unsigned weight codes by 16 tokens of signed
-activation codes over 32 values in one instruction: 8,192 products, where a 512-bit VNNI
-instruction does 64. Per 256-value super-block i of a row and token, with the activations rounded
-to q8_K blocks as codegen/kquant_int8.py's kernels round them:
+A tile dot product (`tdpbusd`) multiplies 16 rows of unsigned weight bytes by 16 tokens of signed
+activation codes over 64 values in one instruction: 16,384 products, where a 512-bit VNNI
+instruction does 64. The activations are rounded to q8_K blocks as codegen/kquant_int8.py's
+kernels round them, and each super-block i of a row and token gives llama.cpp's integer sum
+exactly, from byte operands whose products the tile sums without overflow:
 
-    sumi = sum_s sc_s (q . a)_s                   one integer, exact (the tile sums 32 products)
-    msum = sum_s mn_s A_s                         A_s: the code sum of sub-block s
-    acc  = fma(d_a d_w, float(sumi), acc);  acc = fma(-d_a dmin_w, float(msum), acc)
+    Q4_K  sumi = sum_s sc_s (q . a)_s   with sc q = 8 (sc_hi q) + (sc_lo q): two operands < 106
+          msum = sum_s mn_s A_s         a third operand, mn repeated over the sub-block's values
+          acc  = fma(d_a d_w, float(sumi), acc);  acc = fma(-d_a dmin_w, float(msum), acc)
+    Q6_K  sumi = sum_s sc_s ((q - 32) . a)_s:  u = sc (q - 32) + 4096 in [32, 8192] is 128 h + l,
+          two operands (h <= 64, l < 128), and sumi = 128 (h . a) + (l . a) - 4096 A
+          acc  = fma(d_a d_w, float(sumi), acc)
 
-and y = acc. The integer sums are llama.cpp's; the float steps are one per super-block, where
-llama.cpp's AVX2 dot product keeps 8 lanes of partial sums: the result differs from it by float
-rounding only (the prompt is not bit-identical to a one-token call; the `verify` and batched decode
-entry points, which must be, keep the VNNI kernels: int8_gemm's `one_token_order`).
+and y = acc. The float steps are one per super-block, where llama.cpp's AVX2 dot product keeps 8
+lanes of partial sums: the result differs from it by float rounding only (the prompt is not
+bit-identical to a one-token call; the `verify` and batched decode entry points, which must be,
+keep the VNNI kernels: lower.py's `one_token_order`).
 
-The kernel, per prompt: the tokens are rounded (as the VNNI kernels do) and padded to a multiple of
-16 with zero tokens, then each 32-value run of 16 tokens is laid out as a tile operand (4 bytes of
-each token side by side per row, the layout `tdpbusd` reads). Each task takes 16 rows: it unpacks
-their 4-bit codes into bytes once, then takes every 16-token tile through them, one tile dot per
-32-value run, the 16 x 16 integer results stored, scaled by the row's sub-block scale and summed.
+Per prompt: the tokens are rounded and padded to a multiple of 16 with zero tokens, then each
+64-value run of 16 tokens is laid out as a tile operand (4 bytes of each token side by side per
+row, the layout `tdpbusd` reads). Each task takes 16 rows: it unpacks their codes into the byte
+operands once, then takes every 16-token tile through them.
 
 Linux lends AMX state to a process only on request (arch_prctl ARCH_REQ_XCOMP_PERM):
-runtime/cpu_features.py asks before a target with AMX is chosen or an artifact built for one runs.
+runtime/artifact.py's amx_usable asks before a target with AMX is chosen or an artifact built for
+one runs.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 from tvm import tirx
 from tvm.script import tirx as T
@@ -32,13 +38,10 @@ from tvm.script import tirx as T
 from .kquant_int8 import SUPER
 from .kquant_int8 import _q8k_quantize as q8k_quantize
 
-AMX_GEMM_TYPES = frozenset({"Q4_K"})
+AMX_GEMM_TYPES = frozenset({"Q4_K", "Q6_K"})
 TILE = 16  # rows and tokens of a tile dot product
-RUN = 32  # values per Q4_K sub-block
 GROUP = 64  # values per tile dot
-# tile registers: the three results (low and high scale bits, minimums), their weight operands,
-# the activation operand
-C_LO, C_HI, C_MIN, A_LO, A_HI, A_MIN, B_ACT = range(7)
+OPERANDS = {"Q4_K": 3, "Q6_K": 2}  # weight byte operands per value (see the module docstring)
 
 
 def _amx(name: str, *args: tirx.PrimExpr) -> tirx.PrimExpr:
@@ -49,64 +52,53 @@ def _fma(a: tirx.PrimExpr, b: tirx.PrimExpr, c: tirx.PrimExpr) -> tirx.PrimExpr:
     return T.call_llvm_pure_intrin("float32", "llvm.fma.f32", a, b, c)
 
 
-@T.macro
-def _configure_tiles(cfg):  # type: ignore[no-untyped-def]
-    """Palette 1, seven tiles of 16 rows x 64 bytes (16 int32 results, or 64 codes per row)."""
-    for b in range(64):
-        cfg[b] = T.uint8(0)
-    cfg[0] = T.uint8(1)
-    for tile in range(7):
-        cfg[16 + 2 * tile] = T.uint8(64)
-        cfg[48 + tile] = T.uint8(16)
-    T.evaluate(_amx("ldtilecfg", cfg.access_ptr("r")))
-
-
-def _scaled_codes(k: int) -> object:
-    """Macro: rows [16 jo, 16 jo + 16) as three byte operands: q sc_lo, q sc_hi (sc = 8 sc_hi +
-    sc_lo, so each product fits a byte: 15 * 7) and the sub-block minimum of every value."""
+def _configure_tiles(n_tiles: int) -> Callable[..., None]:
+    """Macro: palette 1, `n_tiles` tiles of 16 rows x 64 bytes (16 int32 results, or 64 codes a row)."""
 
     @T.macro
-    def unpack(qs, sc, mn, wlo, whi, wmn, jo):  # type: ignore[no-untyped-def]
-        for r in range(TILE):
-            for g in range(k // GROUP):
-                for h in range(2):
-                    for b in T.vectorized(32):
-                        code = T.meta_var(T.bitwise_and(T.shift_right(qs[jo * TILE + r, g, b], T.uint8(4 * h)),
-                                                        T.uint8(15)))
-                        scale = T.meta_var(sc[jo * TILE + r, g * 2 + h])
-                        wlo[r, g * 64 + h * 32 + b] = code * T.bitwise_and(scale, T.uint8(7))
-                        whi[r, g * 64 + h * 32 + b] = code * T.shift_right(scale, T.uint8(3))
-                        wmn[r, g * 64 + h * 32 + b] = mn[jo * TILE + r, g * 2 + h]
+    def configure(cfg):  # type: ignore[no-untyped-def]
+        for b in range(64):
+            cfg[b] = T.uint8(0)
+        cfg[0] = T.uint8(1)
+        for tile in range(n_tiles):
+            cfg[16 + 2 * tile] = T.uint8(64)
+            cfg[48 + tile] = T.uint8(16)
+        T.evaluate(_amx("ldtilecfg", cfg.access_ptr("r")))
 
-    return unpack
+    return configure
 
 
-def q4k_amx_gemm(n: int, k: int) -> tirx.PrimFunc:
-    """y [T, n] = x [T, k] @ W.T of Q4_K weights (fields d, dmin, sc, mn, qs of codegen/quant.py)."""
-    n_super, n_runs, n_groups = k // SUPER, k // RUN, k // GROUP
-    N, K = T.int64(n), T.int64(k)
-    quantize = q8k_quantize()
-    unpack = _scaled_codes(k)
+def _super_block_dots(ops: int, k: int, n_groups: int) -> Callable[..., None]:
+    """Macro: dots[o, 16 rows, 16 tokens] = the integer dot products of operand o of the unpacked
+    rows w [ops, 16, K] with token tile tt over super-block i. Tile registers: results 0..ops-1,
+    weight operands ops..2 ops - 1, the activations 2 ops."""
 
-    @T.prim_func(private=True)
-    def gemm(x_h: T.handle, d: T.Buffer((n, n_super), "float16"), dmin: T.Buffer((n, n_super), "float16"),  # type: ignore[valid-type]
-             sc: T.Buffer((n, n_runs), "uint8"), mn: T.Buffer((n, n_runs), "uint8"),  # type: ignore[valid-type]
-             qs: T.Buffer((n, n_groups, 32), "uint8"), y_h: T.handle):  # type: ignore[valid-type]
-        T.func_attr({"tirx.noalias": True})
-        t_len = T.int64()
-        x = T.match_buffer(x_h, (t_len, K), "float32")
-        y = T.match_buffer(y_h, (t_len, N), "float32")
-        n_tiles = T.meta_var((t_len + 15) // 16)
-        xb = T.alloc_buffer((t_len, K), "int8")
-        xd = T.alloc_buffer((t_len, n_super), "float32")
-        xs = T.alloc_buffer((t_len, n_runs), "int16")
-        xp = T.alloc_buffer((t_len, k // 2), "int16")
-        # per 16-token tile: the activation operands (4 codes of each token side by side per row)
-        # and d of each token (0 for the padding tokens)
-        xv = T.alloc_buffer((n_tiles, n_groups, 16, 64), "int8")
-        xdt = T.alloc_buffer((n_tiles, n_super, 16), "float32")
-        for t in T.parallel(t_len):
-            quantize(x, t, xb, xd, xs, xp, n_super)
+    @T.macro
+    def dots_of(w, xv, dots, tt, i):  # type: ignore[no-untyped-def]
+        for o in T.unroll(ops):
+            T.evaluate(_amx("tilezero", T.int8(o)))
+        for j in range(SUPER // GROUP):
+            at = T.meta_var(i * SUPER + j * GROUP)
+            for o in T.unroll(ops):
+                T.evaluate(_amx("tileloadd64", T.int8(ops + o), w.access_ptr("r", offset=o * TILE * k + at), T.int64(k)))
+            T.evaluate(_amx("tileloadd64", T.int8(2 * ops),
+                            xv.access_ptr("r", offset=(tt * n_groups + i * 4 + j) * 1024), T.int64(64)))
+            for o in T.unroll(ops):
+                T.evaluate(_amx("tdpbusd", T.int8(o), T.int8(ops + o), T.int8(2 * ops)))
+        for o in T.unroll(ops):
+            T.evaluate(_amx("tilestored64", T.int8(o), dots.access_ptr("w", offset=o * 256), T.int64(64)))
+
+    return dots_of
+
+
+def _activation_tiles(k: int) -> Callable[..., None]:
+    """Macro: the q8_K codes xb [T, K] as tile operands xv [tiles, K/64, 16, 64] (row r of a run
+    holds values 4r..4r+3 of the 16 tokens side by side), with d (xdt) and the code sum of each
+    super-block (xat, Q6_K's offset) per token; zero for the padding tokens."""
+    n_groups = k // GROUP
+
+    @T.macro
+    def tiles(xb, xd, xs, xv, xdt, xat, t_len, n_tiles):  # type: ignore[no-untyped-def]
         for tg in T.parallel(n_tiles * n_groups):
             tt, g = T.meta_var(tg // n_groups), T.meta_var(tg % n_groups)
             for r in range(16):
@@ -116,46 +108,162 @@ def q4k_amx_gemm(n: int, k: int) -> tirx.PrimFunc:
                             tt * 16 + c < t_len, xb[T.min(tt * 16 + c, t_len - 1), g * 64 + r * 4 + e], T.int8(0))
             if g % 4 == 0:
                 for c in range(16):
-                    xdt[tt, g // 4, c] = T.if_then_else(tt * 16 + c < t_len, xd[T.min(tt * 16 + c, t_len - 1), g // 4],
-                                                        T.float32(0))
+                    tok = T.meta_var(T.min(tt * 16 + c, t_len - 1))
+                    real = T.meta_var(tt * 16 + c < t_len)
+                    xdt[tt, g // 4, c] = T.if_then_else(real, xd[tok, g // 4], T.float32(0))
+                    total = T.alloc_buffer((1,), "int32")
+                    total[0] = 0
+                    for s in range(8):
+                        total[0] = total[0] + T.Cast("int32", xs[tok, g // 4 * 8 + s])
+                    xat[tt, g // 4, c] = T.if_then_else(real, total[0], 0)
+
+    return tiles
+
+
+def _q4k_operands(k: int) -> Callable[..., None]:
+    """Macro: rows [16 jo, 16 jo + 16) of Q4_K (fields sc, mn, qs) as three byte operands:
+    q sc_lo, q sc_hi (sc = 8 sc_hi + sc_lo, so each product fits a byte: 15 * 7) and the
+    sub-block minimum of every value."""
+
+    @T.macro
+    def unpack(sc, mn, qs, w, jo):  # type: ignore[no-untyped-def]
+        for r in range(TILE):
+            for g in range(k // GROUP):
+                for h in range(2):
+                    for b in T.vectorized(32):
+                        code = T.meta_var(T.bitwise_and(T.shift_right(qs[jo * TILE + r, g, b], T.uint8(4 * h)),
+                                                        T.uint8(15)))
+                        scale = T.meta_var(sc[jo * TILE + r, g * 2 + h])
+                        w[0, r, g * 64 + h * 32 + b] = code * T.bitwise_and(scale, T.uint8(7))
+                        w[1, r, g * 64 + h * 32 + b] = code * T.shift_right(scale, T.uint8(3))
+                        w[2, r, g * 64 + h * 32 + b] = mn[jo * TILE + r, g * 2 + h]
+
+    return unpack
+
+
+def _q6k_operands(k: int) -> Callable[..., None]:
+    """Macro: rows [16 jo, 16 jo + 16) of Q6_K (fields ql, qh, sc) as two byte operands: the low
+    7 and the high bits of u = sc (q - 32) + 4096. Value 128a + 32c + l of a super-block's half a:
+    the low nibble c // 2 of ql[32 (c % 2) + l], bits 2c, 2c + 1 of qh[l], scale sc[8a + 2c + l // 16]."""
+
+    @T.macro
+    def unpack(ql, qh, sc, w, jo):  # type: ignore[no-untyped-def]
+        for r in range(TILE):
+            for half in range(k // 128):
+                for c in range(4):
+                    for l in T.vectorized(32):
+                        row = T.meta_var(jo * TILE + r)
+                        low = T.meta_var(T.bitwise_and(T.shift_right(T.Cast("int32", ql[row, half, 32 * (c % 2) + l]),
+                                                                     4 * (c // 2)), 15))
+                        high = T.meta_var(T.bitwise_and(T.shift_right(T.Cast("int32", qh[row, half, l]), 2 * c), 3))
+                        u = T.meta_var(T.Cast("int32", sc[row, half * 8 + 2 * c + l // 16])
+                                       * (T.bitwise_or(low, T.shift_left(high, 4)) - 32) + 4096)
+                        w[0, r, half * 128 + c * 32 + l] = T.Cast("uint8", T.bitwise_and(u, 127))
+                        w[1, r, half * 128 + c * 32 + l] = T.Cast("uint8", T.shift_right(u, 7))
+
+    return unpack
+
+
+def _accumulate(qtype: str) -> Callable[..., None]:
+    """Macro: the float step of super-block i for the 16 x 16 results of one row and token tile."""
+    if qtype == "Q4_K":
+
+        @T.macro
+        def q4k(d, dmin, dots, xdt, xat, acc, jo, tt, i):  # type: ignore[no-untyped-def]
+            for r in range(TILE):
+                for c in T.vectorized(16):
+                    acc[r, c] = _fma(T.Cast("float32", d[jo * TILE + r, i]) * xdt[tt, i, c],
+                                     T.Cast("float32", dots[0, r, c] + dots[1, r, c] * 8), acc[r, c])
+                    acc[r, c] = _fma(-T.Cast("float32", dmin[jo * TILE + r, i]) * xdt[tt, i, c],
+                                     T.Cast("float32", dots[2, r, c]), acc[r, c])
+
+        return q4k
+
+    @T.macro
+    def q6k(d, dmin, dots, xdt, xat, acc, jo, tt, i):  # type: ignore[no-untyped-def]
+        for r in range(TILE):
+            for c in T.vectorized(16):
+                acc[r, c] = _fma(T.Cast("float32", d[jo * TILE + r, i]) * xdt[tt, i, c],
+                                 T.Cast("float32", dots[0, r, c] + dots[1, r, c] * 128 - xat[tt, i, c] * 4096),
+                                 acc[r, c])
+
+    return q6k
+
+
+def amx_gemm(qtype: str, n: int, k: int) -> tirx.PrimFunc:
+    """y [T, n] = x [T, k] @ W.T of Q4_K (fields d, dmin, sc, mn, qs) or Q6_K (ql, qh, sc, d)
+    weights, codegen/quant.py's layouts."""
+    N, K, n_super = T.int64(n), T.int64(k), k // SUPER
+    run = _prompt_gemm(qtype, n, k)
+    if qtype == "Q4_K":
+
+        @T.prim_func(private=True)
+        def q4k(x_h: T.handle, d: T.Buffer((n, n_super), "float16"), dmin: T.Buffer((n, n_super), "float16"),  # type: ignore[valid-type]
+                sc: T.Buffer((n, k // 32), "uint8"), mn: T.Buffer((n, k // 32), "uint8"),  # type: ignore[valid-type]
+                qs: T.Buffer((n, k // GROUP, 32), "uint8"), y_h: T.handle):  # type: ignore[valid-type]
+            T.func_attr({"tirx.noalias": True})
+            t_len = T.int64()
+            x = T.match_buffer(x_h, (t_len, K), "float32")
+            y = T.match_buffer(y_h, (t_len, N), "float32")
+            run(x, y, t_len, d, dmin, sc, mn, qs)
+
+        return q4k
+    if qtype == "Q6_K":
+
+        @T.prim_func(private=True)
+        def q6k(x_h: T.handle, ql: T.Buffer((n, k // 128, 64), "uint8"), qh: T.Buffer((n, k // 128, 32), "uint8"),  # type: ignore[valid-type]
+                sc: T.Buffer((n, k // 16), "int8"), d: T.Buffer((n, n_super), "float16"), y_h: T.handle):  # type: ignore[valid-type]
+            T.func_attr({"tirx.noalias": True})
+            t_len = T.int64()
+            x = T.match_buffer(x_h, (t_len, K), "float32")
+            y = T.match_buffer(y_h, (t_len, N), "float32")
+            run(x, y, t_len, d, d, ql, qh, sc)
+
+        return q6k
+    raise NotImplementedError(f"no AMX GEMM for {qtype}")
+
+
+def _prompt_gemm(qtype: str, n: int, k: int) -> Callable[..., None]:
+    """Macro: the GEMM's body, from the scales d, dmin (Q6_K: d twice) and the three fields
+    `unpack` reads."""
+    n_super, n_runs, n_groups, ops = k // SUPER, k // 32, k // GROUP, OPERANDS[qtype]
+    K = T.int64(k)
+    quantize, tiles = q8k_quantize(), _activation_tiles(k)
+    configure, dots_of = _configure_tiles(2 * ops + 1), _super_block_dots(ops, k, n_groups)
+    unpack = _q4k_operands(k) if qtype == "Q4_K" else _q6k_operands(k)
+    accumulate = _accumulate(qtype)
+
+    @T.macro
+    def run(x, y, t_len, d, dmin, a0, a1, a2):  # type: ignore[no-untyped-def]
+        n_tiles = T.meta_var((t_len + 15) // 16)
+        xb = T.alloc_buffer((t_len, K), "int8")
+        xd = T.alloc_buffer((t_len, n_super), "float32")
+        xs = T.alloc_buffer((t_len, n_runs), "int16")
+        xp = T.alloc_buffer((t_len, k // 2), "int16")
+        xv = T.alloc_buffer((n_tiles, n_groups, 16, 64), "int8")
+        xdt = T.alloc_buffer((n_tiles, n_super, 16), "float32")
+        xat = T.alloc_buffer((n_tiles, n_super, 16), "int32")
+        for t in T.parallel(t_len):
+            quantize(x, t, xb, xd, xs, xp, n_super)
+        tiles(xb, xd, xs, xv, xdt, xat, t_len, n_tiles)
         for jo in T.parallel(n // TILE):
-            cfg = T.alloc_buffer((64,), "uint8")  # small: a stack array per task
-            _configure_tiles(cfg)
-            wlo = T.alloc_buffer((TILE, K), "uint8")
-            whi = T.alloc_buffer((TILE, K), "uint8")
-            wmn = T.alloc_buffer((TILE, K), "uint8")
-            unpack(qs, sc, mn, wlo, whi, wmn, jo)
+            cfg = T.alloc_buffer((64,), "uint8")  # small: stack arrays per task
+            acc = T.alloc_buffer((TILE, 16), "float32")
+            dots = T.alloc_buffer((ops, TILE, 16), "int32")
+            configure(cfg)
+            w = T.alloc_buffer((ops, TILE, K), "uint8")
+            unpack(a0, a1, a2, w, jo)
             for tt in range(n_tiles):
-                acc = T.alloc_buffer((TILE, 16), "float32")  # small: stack arrays per task
-                dots = T.alloc_buffer((3, TILE, 16), "int32")
                 for r in range(TILE):
                     for c in T.vectorized(16):
                         acc[r, c] = T.float32(0)
                 for i in range(n_super):
-                    for tile in T.unroll(3):
-                        T.evaluate(_amx("tilezero", T.int8(tile)))
-                    for j in range(4):
-                        at = T.meta_var(i * 256 + j * 64)
-                        T.evaluate(_amx("tileloadd64", T.int8(A_LO), wlo.access_ptr("r", offset=at), T.int64(k)))
-                        T.evaluate(_amx("tileloadd64", T.int8(A_HI), whi.access_ptr("r", offset=at), T.int64(k)))
-                        T.evaluate(_amx("tileloadd64", T.int8(A_MIN), wmn.access_ptr("r", offset=at), T.int64(k)))
-                        T.evaluate(_amx("tileloadd64", T.int8(B_ACT),
-                                        xv.access_ptr("r", offset=(tt * n_groups + i * 4 + j) * 1024), T.int64(64)))
-                        T.evaluate(_amx("tdpbusd", T.int8(C_LO), T.int8(A_LO), T.int8(B_ACT)))
-                        T.evaluate(_amx("tdpbusd", T.int8(C_HI), T.int8(A_HI), T.int8(B_ACT)))
-                        T.evaluate(_amx("tdpbusd", T.int8(C_MIN), T.int8(A_MIN), T.int8(B_ACT)))
-                    for tile in T.unroll(3):
-                        T.evaluate(_amx("tilestored64", T.int8(tile), dots.access_ptr("w", offset=tile * 256), T.int64(64)))
-                    for r in range(TILE):
-                        for c in T.vectorized(16):
-                            acc[r, c] = _fma(T.Cast("float32", d[jo * TILE + r, i]) * xdt[tt, i, c],
-                                             T.Cast("float32", dots[0, r, c] + dots[1, r, c] * 8), acc[r, c])
-                            acc[r, c] = _fma(-T.Cast("float32", dmin[jo * TILE + r, i]) * xdt[tt, i, c],
-                                             T.Cast("float32", dots[2, r, c]), acc[r, c])
+                    dots_of(w, xv, dots, tt, i)
+                    accumulate(d, dmin, dots, xdt, xat, acc, jo, tt, i)
                 for r in range(TILE):
                     for c in range(16):
                         if tt * 16 + c < t_len:
                             y[tt * 16 + c, jo * TILE + r] = acc[r, c]
             T.evaluate(_amx("tilerelease"))
 
-    return gemm
+    return run

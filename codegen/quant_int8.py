@@ -57,7 +57,7 @@ from .int8_parts import (
     slots,
     without_params,
 )
-from .kquant_amx import AMX_GEMM_TYPES, q4k_amx_gemm
+from .kquant_amx import AMX_GEMM_TYPES, amx_gemm
 from .kquant_amx import TILE as AMX_TILE
 from .kquant_int8 import KQUANT_GEMV_TYPES, PAIR_TILE, SUPER, kquant_gemm, kquant_gemv_group, kquant_supported
 from .kquant_int8 import PAIR_TYPES as KQUANT_PAIR_TYPES
@@ -605,7 +605,7 @@ def int8_gemm(qtype: str, n: int, k: int, target: tvm.target.Target, tiles: bool
     if tiles:
         if not tile_gemm_supported(qtype, n, k, target):
             raise NotImplementedError(f"no AMX GEMM for {qtype} {n} x {k} on {target}")
-        return q4k_amx_gemm(n, k)
+        return amx_gemm(qtype, n, k)
     intrin = int8_dot_intrinsic(target)
     if intrin is None or not int8_gemv_supported(qtype, n, k, target):
         raise NotImplementedError(f"no 8-bit GEMM for {qtype} {n} x {k} on {target}")

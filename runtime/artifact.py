@@ -773,7 +773,6 @@ AMX_FEATURES = ("amx-tile", "amx-int8")
 _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA, _SYS_ARCH_PRCTL = 0x1023, 18, 158  # Linux x86_64
 
 
-@lru_cache(maxsize=1)
 def amx_usable() -> bool:
     """Whether this process may run AMX-INT8 tile code: the CPU lists it and Linux lends the tile
     state on request (it must be asked once per process before the first tile instruction, or that
@@ -781,6 +780,11 @@ def amx_usable() -> bool:
     host = host_features()
     if host.machine != "x86_64" or host.flags is None or not all(_normalise_flag(f) in host.flags for f in AMX_FEATURES):
         return False
+    return _tile_state_lent()
+
+
+@lru_cache(maxsize=1)
+def _tile_state_lent() -> bool:
     try:
         import ctypes
 

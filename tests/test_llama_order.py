@@ -19,6 +19,7 @@ import tvm
 
 from ggufc.codegen import kernels_attention as KA
 from ggufc.codegen import kquant_int8 as KQ
+from ggufc.codegen.kquant_amx import AMX_GEMM_TYPES as KA_TILE_TYPES
 from ggufc.codegen import quant as Q
 from ggufc.codegen import quant_int8 as Q8
 from ggufc.codegen.cpu_vec import swiglu
@@ -149,6 +150,32 @@ def test_kquant_prompt_gemm_tilings_are_llama_cpp_bit_for_bit(qtype: str, pairs:
     kernel = KQ.kquant_gemm(qtype, n, k, intrin, pairs=pairs)
     _build(kernel)(to_tvm(x), *(to_tvm(arrays[f]) for f, _, _ in Q.layout_spec(qtype, (n, k))), to_tvm(y))
     np.testing.assert_array_equal(y, G.matmul_k(qtype, raw, n, k, x))
+
+
+@pytest.mark.skipif(not Q8.tile_gemm_supported("Q4_K", 16, 256, TARGET),
+                    reason="this CPU (or its OS) lends no AMX-INT8 tiles")
+@pytest.mark.parametrize("qtype", sorted(KA_TILE_TYPES))
+@pytest.mark.parametrize("t", [1, 13, 16, 37])
+def test_kquant_tile_gemm_is_the_reference_up_to_float_order(qtype: str, t: int) -> None:
+    """The AMX prompt GEMM (exact integer sums per super-block, one float step each): the float64
+    product of the q8_K-rounded activations and the decoded weights, and llama.cpp's result, up to
+    float32 rounding; with a partial token tile, a zero super-block and an outlier."""
+    n, k = 48, 768
+    rng = np.random.default_rng(t * 7 + len(qtype))
+    raw = _k_blocks(qtype, n, k, rng)
+    arrays = Q.repack(qtype, raw, (n, k))
+    x = (rng.standard_normal((t, k)) * rng.uniform(0.01, 10, (t, 1))).astype(np.float32)
+    x[0, 256:512] = 0
+    x[-1, 300] = 90.0
+    y = aligned_zeros((t, n), np.float32)
+    _build(Q8.int8_gemm(qtype, n, k, TARGET, tiles=True))(
+        to_tvm(x), *(to_tvm(arrays[f]) for f, _, _ in Q.layout_spec(qtype, (n, k))), to_tvm(y))
+    w = Q.dequantize_reference(qtype, arrays, (n, k)).astype(np.float64)
+    want = quantize_act_ref(x, "q8_K").astype(np.float64) @ w.T
+    scale = np.abs(want).max(axis=1, keepdims=True)
+    assert (np.abs(y - want) / scale).max() < 1e-6
+    llama = G.matmul_k(qtype, raw, n, k, x)
+    assert (np.abs(y - llama) / scale).max() < 1e-6
 
 
 @needs_int8_dot
