@@ -21,7 +21,7 @@ keep the VNNI kernels: lower.py's `one_token_order`).
 Per prompt: the tokens are rounded and padded to a multiple of 16 with zero tokens, then each
 64-value run of 16 tokens is laid out as a tile operand (4 bytes of each token side by side per
 row, the layout `tdpbusd` reads). Each task takes 16 rows: it unpacks their codes into the byte
-operands once, then takes every 16-token tile through them.
+operands once, then takes every 16-token tile through them, super-block by super-block.
 
 Linux lends AMX state to a process only on request (arch_prctl ARCH_REQ_XCOMP_PERM):
 runtime/artifact.py's amx_usable asks before a target with AMX is chosen or an artifact built for
@@ -165,17 +165,18 @@ def _q6k_operands(k: int) -> Callable[..., None]:
 
 
 def _accumulate(qtype: str) -> Callable[..., None]:
-    """Macro: the float step of super-block i for the 16 x 16 results of one row and token tile."""
+    """Macro: the float step of super-block i for the 16 x 16 results of one row and token tile
+    (acc [tiles x 16, 16]: each token tile's sums)."""
     if qtype == "Q4_K":
 
         @T.macro
         def q4k(d, dmin, dots, xdt, xat, acc, jo, tt, i):  # type: ignore[no-untyped-def]
             for r in range(TILE):
                 for c in T.vectorized(16):
-                    acc[r, c] = _fma(T.Cast("float32", d[jo * TILE + r, i]) * xdt[tt, i, c],
-                                     T.Cast("float32", dots[0, r, c] + dots[1, r, c] * 8), acc[r, c])
-                    acc[r, c] = _fma(-T.Cast("float32", dmin[jo * TILE + r, i]) * xdt[tt, i, c],
-                                     T.Cast("float32", dots[2, r, c]), acc[r, c])
+                    acc[tt * TILE + r, c] = _fma(T.Cast("float32", d[jo * TILE + r, i]) * xdt[tt, i, c],
+                                     T.Cast("float32", dots[0, r, c] + dots[1, r, c] * 8), acc[tt * TILE + r, c])
+                    acc[tt * TILE + r, c] = _fma(-T.Cast("float32", dmin[jo * TILE + r, i]) * xdt[tt, i, c],
+                                     T.Cast("float32", dots[2, r, c]), acc[tt * TILE + r, c])
 
         return q4k
 
@@ -183,9 +184,9 @@ def _accumulate(qtype: str) -> Callable[..., None]:
     def q6k(d, dmin, dots, xdt, xat, acc, jo, tt, i):  # type: ignore[no-untyped-def]
         for r in range(TILE):
             for c in T.vectorized(16):
-                acc[r, c] = _fma(T.Cast("float32", d[jo * TILE + r, i]) * xdt[tt, i, c],
+                acc[tt * TILE + r, c] = _fma(T.Cast("float32", d[jo * TILE + r, i]) * xdt[tt, i, c],
                                  T.Cast("float32", dots[0, r, c] + dots[1, r, c] * 128 - xat[tt, i, c] * 4096),
-                                 acc[r, c])
+                                 acc[tt * TILE + r, c])
 
     return q6k
 
@@ -248,22 +249,25 @@ def _prompt_gemm(qtype: str, n: int, k: int) -> Callable[..., None]:
         tiles(xb, xd, xs, xv, xdt, xat, t_len, n_tiles)
         for jo in T.parallel(n // TILE):
             cfg = T.alloc_buffer((64,), "uint8")  # small: stack arrays per task
-            acc = T.alloc_buffer((TILE, 16), "float32")
             dots = T.alloc_buffer((ops, TILE, 16), "int32")
+            acc = T.alloc_buffer((n_tiles * TILE, 16), "float32")
             configure(cfg)
             w = T.alloc_buffer((ops, TILE, K), "uint8")
             unpack(a0, a1, a2, w, jo)
             for tt in range(n_tiles):
                 for r in range(TILE):
                     for c in T.vectorized(16):
-                        acc[r, c] = T.float32(0)
-                for i in range(n_super):
+                        acc[tt * TILE + r, c] = T.float32(0)
+            # super-block outermost: its 4 x ops weight tiles stay in L1 through every token tile
+            for i in range(n_super):
+                for tt in range(n_tiles):
                     dots_of(w, xv, dots, tt, i)
                     accumulate(d, dmin, dots, xdt, xat, acc, jo, tt, i)
+            for tt in range(n_tiles):
                 for r in range(TILE):
                     for c in range(16):
                         if tt * 16 + c < t_len:
-                            y[tt * 16 + c, jo * TILE + r] = acc[r, c]
+                            y[tt * 16 + c, jo * TILE + r] = acc[tt * TILE + r, c]
             T.evaluate(_amx("tilerelease"))
 
     return run
