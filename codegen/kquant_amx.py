@@ -30,7 +30,7 @@ one runs.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from tvm import tirx
 from tvm.script import tirx as T
@@ -80,7 +80,8 @@ def _super_block_dots(ops: int, k: int, n_groups: int) -> Callable[..., None]:
         for j in range(SUPER // GROUP):
             at = T.meta_var(i * SUPER + j * GROUP)
             for o in T.unroll(ops):
-                T.evaluate(_amx("tileloadd64", T.int8(ops + o), w.access_ptr("r", offset=o * TILE * k + at), T.int64(k)))
+                weights = T.meta_var(w.access_ptr("r", offset=o * TILE * k + at))
+                T.evaluate(_amx("tileloadd64", T.int8(ops + o), weights, T.int64(k)))
             T.evaluate(_amx("tileloadd64", T.int8(2 * ops),
                             xv.access_ptr("r", offset=(tt * n_groups + i * 4 + j) * 1024), T.int64(64)))
             for o in T.unroll(ops):
@@ -151,15 +152,15 @@ def _q6k_operands(k: int) -> Callable[..., None]:
         for r in range(TILE):
             for half in range(k // 128):
                 for c in range(4):
-                    for l in T.vectorized(32):
+                    for v in T.vectorized(32):
                         row = T.meta_var(jo * TILE + r)
-                        low = T.meta_var(T.bitwise_and(T.shift_right(T.Cast("int32", ql[row, half, 32 * (c % 2) + l]),
+                        low = T.meta_var(T.bitwise_and(T.shift_right(T.Cast("int32", ql[row, half, 32 * (c % 2) + v]),
                                                                      4 * (c // 2)), 15))
-                        high = T.meta_var(T.bitwise_and(T.shift_right(T.Cast("int32", qh[row, half, l]), 2 * c), 3))
-                        u = T.meta_var(T.Cast("int32", sc[row, half * 8 + 2 * c + l // 16])
+                        high = T.meta_var(T.bitwise_and(T.shift_right(T.Cast("int32", qh[row, half, v]), 2 * c), 3))
+                        u = T.meta_var(T.Cast("int32", sc[row, half * 8 + 2 * c + v // 16])
                                        * (T.bitwise_or(low, T.shift_left(high, 4)) - 32) + 4096)
-                        w[0, r, half * 128 + c * 32 + l] = T.Cast("uint8", T.bitwise_and(u, 127))
-                        w[1, r, half * 128 + c * 32 + l] = T.Cast("uint8", T.shift_right(u, 7))
+                        w[0, r, half * 128 + c * 32 + v] = T.Cast("uint8", T.bitwise_and(u, 127))
+                        w[1, r, half * 128 + c * 32 + v] = T.Cast("uint8", T.shift_right(u, 7))
 
     return unpack
 

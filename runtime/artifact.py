@@ -778,7 +778,8 @@ def amx_usable() -> bool:
     state on request (it must be asked once per process before the first tile instruction, or that
     instruction faults)."""
     host = host_features()
-    if host.machine != "x86_64" or host.flags is None or not all(_normalise_flag(f) in host.flags for f in AMX_FEATURES):
+    flags = host.flags or frozenset()
+    if host.machine != "x86_64" or not all(_normalise_flag(f) in flags for f in AMX_FEATURES):
         return False
     return _tile_state_lent()
 

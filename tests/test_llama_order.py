@@ -19,10 +19,10 @@ import tvm
 
 from ggufc.codegen import kernels_attention as KA
 from ggufc.codegen import kquant_int8 as KQ
-from ggufc.codegen.kquant_amx import AMX_GEMM_TYPES as KA_TILE_TYPES
 from ggufc.codegen import quant as Q
 from ggufc.codegen import quant_int8 as Q8
 from ggufc.codegen.cpu_vec import swiglu
+from ggufc.codegen.kquant_amx import AMX_GEMM_TYPES as KA_TILE_TYPES
 from ggufc.codegen.target import cpu_target
 from ggufc.codegen.tvm_util import aligned_zeros, to_tvm
 from ggufc.frontend.hparams import rope_table
