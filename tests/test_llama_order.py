@@ -140,16 +140,26 @@ def test_kquant_prompt_gemm_tilings_are_llama_cpp_bit_for_bit(qtype: str, pairs:
     if pairs and not Q8.has_512bit_dot(TARGET):
         pytest.skip(f"{TARGET.attrs.get('mcpu')} has no 512-bit registers")
     n, k = 8, 768
-    rng = np.random.default_rng(pairs * 31 + t)
+    raw, arrays, x = _prompt_case(qtype, n, k, t, pairs * 31 + t)
+    y = _run(KQ.kquant_gemm(qtype, n, k, intrin, pairs=pairs), qtype, arrays, x, n)
+    np.testing.assert_array_equal(y, G.matmul_k(qtype, raw, n, k, x))
+
+
+def _prompt_case(qtype: str, n: int, k: int, t: int, seed: int) -> tuple[np.ndarray, dict, np.ndarray]:
+    """Random K-quant blocks (raw and in kernel layout) and a prompt of t tokens of varied
+    magnitudes, with a zero super-block and an outlier."""
+    rng = np.random.default_rng(seed)
     raw = _k_blocks(qtype, n, k, rng)
-    arrays = Q.repack(qtype, raw, (n, k))
     x = (rng.standard_normal((t, k)) * rng.uniform(0.01, 10, (t, 1))).astype(np.float32)
     x[0, 256:512] = 0
     x[-1, 300] = 90.0
-    y = aligned_zeros((t, n), np.float32)
-    kernel = KQ.kquant_gemm(qtype, n, k, intrin, pairs=pairs)
-    _build(kernel)(to_tvm(x), *(to_tvm(arrays[f]) for f, _, _ in Q.layout_spec(qtype, (n, k))), to_tvm(y))
-    np.testing.assert_array_equal(y, G.matmul_k(qtype, raw, n, k, x))
+    return raw, Q.repack(qtype, raw, (n, k)), x
+
+
+def _run(kernel: tvm.tirx.PrimFunc, qtype: str, arrays: dict, x: np.ndarray, n: int) -> np.ndarray:
+    y = aligned_zeros((x.shape[0], n), np.float32)
+    _build(kernel)(to_tvm(x), *(to_tvm(arrays[f]) for f, _, _ in Q.layout_spec(qtype, (n, x.shape[1]))), to_tvm(y))
+    return y
 
 
 @pytest.mark.skipif(not Q8.tile_gemm_supported("Q4_K", 16, 256, TARGET),
@@ -161,15 +171,8 @@ def test_kquant_tile_gemm_is_the_reference_up_to_float_order(qtype: str, t: int)
     product of the q8_K-rounded activations and the decoded weights, and llama.cpp's result, up to
     float32 rounding; with a partial token tile, a zero super-block and an outlier."""
     n, k = 48, 768
-    rng = np.random.default_rng(t * 7 + len(qtype))
-    raw = _k_blocks(qtype, n, k, rng)
-    arrays = Q.repack(qtype, raw, (n, k))
-    x = (rng.standard_normal((t, k)) * rng.uniform(0.01, 10, (t, 1))).astype(np.float32)
-    x[0, 256:512] = 0
-    x[-1, 300] = 90.0
-    y = aligned_zeros((t, n), np.float32)
-    _build(Q8.int8_gemm(qtype, n, k, TARGET, tiles=True))(
-        to_tvm(x), *(to_tvm(arrays[f]) for f, _, _ in Q.layout_spec(qtype, (n, k))), to_tvm(y))
+    raw, arrays, x = _prompt_case(qtype, n, k, t, t * 7 + len(qtype))
+    y = _run(Q8.int8_gemm(qtype, n, k, TARGET, tiles=True), qtype, arrays, x, n)
     w = Q.dequantize_reference(qtype, arrays, (n, k)).astype(np.float64)
     want = quantize_act_ref(x, "q8_K").astype(np.float64) @ w.T
     scale = np.abs(want).max(axis=1, keepdims=True)
