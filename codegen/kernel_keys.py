@@ -74,7 +74,7 @@ class Int8Gemm(KernelKey):
     qtype: str
     n: int
     k: int
-    tiles: bool = False  # on AMX tiles (codegen/kquant_amx.py): float order not a one-token call's
+    tiles: bool = False  # on AMX tiles (codegen/amx_gemm.py): float order not a one-token call's
 
 
 @dataclass(frozen=True)
