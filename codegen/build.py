@@ -159,8 +159,25 @@ def cpu_build_pipeline() -> tvm.transform.Pass:
         t.RewriteDataflowReshape(), t.ToNonDataflow(), t.RemovePurityChecking(), t.CallTIRRewrite(),
         t.StaticPlanBlockMemory(), t.LowerAllocTensor(), t.CanonicalizeBindings(), t.DeadCodeElimination(),
         t.LowerRuntimeBuiltin(), t.ComputePrimValue(),
-        t.VMShapeLower(), t.AttachGlobalSymbol(),
+        t.VMShapeLower(), t.AttachGlobalSymbol(), shape_functions_first, t.NormalizeGlobalVar(),
     ])
+
+
+SHAPE_FUNCTION_PREFIX = "_"  # sorts before every kernel name (k000_...)
+
+
+@tvm.transform.module_pass(opt_level=0, name="ShapeFunctionsFirst")
+def shape_functions_first(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+    """Give the host shape functions VMShapeLower writes symbols that sort before the kernels'.
+    Measured with TVM 0.27: a kernel whose symbol sorts before a shape function's compiles to
+    code up to 3x slower (its noalias compute function is inlined into the packed wrapper and
+    the loops lose their vector form), one that sorts after does not."""
+    for gv, func in list(mod.functions.items()):
+        if isinstance(func, tvm.tirx.PrimFunc) and func.attrs is not None and "tirx.is_host_func" in func.attrs:
+            symbol = str(func.attrs["global_symbol"])
+            if not symbol.startswith(SHAPE_FUNCTION_PREFIX):
+                mod[gv] = func.with_attr("global_symbol", SHAPE_FUNCTION_PREFIX + symbol)
+    return mod
 
 
 def kernel_weights(weights: WeightSource, layouts: list[ParamLayout]) -> dict[str, np.ndarray]:
