@@ -95,7 +95,7 @@ def tile_gemm_supported(qtype: str, n: int, k: int, target: tvm.target.Target) -
     """Whether a prompt GEMM of this weight can run on AMX tiles (codegen/kquant_amx.py)."""
     has = tvm.target.codegen.target_has_features
     return (target.kind.name == "llvm" and has("amx-int8", target) and has("amx-tile", target)
-            and qtype in AMX_GEMM_TYPES and n % AMX_TILE == 0 and k % (SUPER if qtype[-1] == "K" else 32) == 0)
+            and qtype in AMX_GEMM_TYPES and n % AMX_TILE == 0 and k % SUPER == 0)
 
 
 @dataclass(frozen=True)
