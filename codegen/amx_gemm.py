@@ -234,7 +234,7 @@ def _prompt_gemm(qtype: str, n: int, k: int) -> Callable[..., None]:
     `unpack` reads."""
     n_super, n_runs, n_groups, ops = k // SUPER, k // 32, k // GROUP, KQUANT_OPERANDS[qtype]
     K = T.int64(k)
-    quantize, tiles = q8k_quantize(), _activation_tiles(k)
+    quantize, tiles = q8k_quantize(pair_offsets=False), _activation_tiles(k)  # Q6_K: offsets from xat
     configure, dots_of = _configure_tiles(ops), _super_block_dots(ops, k, n_groups)
     unpack = _q4k_operands(k) if qtype == "Q4_K" else _q6k_operands(k)
     accumulate = _accumulate(qtype)
@@ -245,7 +245,7 @@ def _prompt_gemm(qtype: str, n: int, k: int) -> Callable[..., None]:
         xb = T.alloc_buffer((t_len, K), "int8")
         xd = T.alloc_buffer((t_len, n_super), "float32")
         xs = T.alloc_buffer((t_len, n_runs), "int16")
-        xp = T.alloc_buffer((t_len, k // 2), "int16")
+        xp = T.alloc_buffer((1, 1), "int16")  # unwritten (pair_offsets=False)
         xv = T.alloc_buffer((n_tiles, n_groups, 16, 64), "int8")
         xdt = T.alloc_buffer((n_tiles, n_super, 16), "float32")
         xat = T.alloc_buffer((n_tiles, n_super, 16), "int32")

@@ -68,11 +68,12 @@ def kquant_supported(qtype: str, n: int, k: int) -> bool:
 # q8_K activations
 
 
-def _q8k_quantize(run: int = 32) -> Callable[..., None]:
+def _q8k_quantize(run: int = 32, pair_offsets: bool = True) -> Callable[..., None]:
     """Macro: token t of x [T, K] -> codes xb[t] (int8, value order), d xd[t, K/256] (f32), the
     code sums of each `run`-value run xs[t, K/run] (int16: |sum| <= 32 * 128; Q2_K's minimums take
     16-value runs, llama.cpp's bsums) and 32 times the sum of each pair of codes
-    xp[t, K/2] (int16: Q6_K's offset, as llama.cpp's maddubs(32, a))."""
+    xp[t, K/2] (int16: Q6_K's offset, as llama.cpp's maddubs(32, a); not written without
+    `pair_offsets`)."""
 
     @T.macro
     def quantize(x, t, xb, xd, xs, xp, n_super):  # type: ignore[no-untyped-def]
@@ -98,7 +99,7 @@ def _q8k_quantize(run: int = 32) -> Callable[..., None]:
                     xb[t, i * 256 + c * 8 + j] = T.Cast("int8", T.min(T.nearbyint(scale[0] * x[t, i * 256 + c * 8 + j]),
                                                                       T.float32(127)))
             xd[t, i] = T.if_then_else(amax > T.float32(0), T.float32(1) / scale[0], T.float32(0))
-        for q in range(n_super * 128):
+        for q in range(n_super * 128 if pair_offsets else 0):
             xp[t, q] = T.Cast("int16", 32 * (T.Cast("int32", xb[t, q * 2]) + T.Cast("int32", xb[t, q * 2 + 1])))
         for b in range(n_super * (SUPER // run)):
             total = T.alloc_buffer((1,), "int32")

@@ -14,7 +14,7 @@ from typing import Any
 
 import tvm
 
-from ggufc.runtime.artifact import AMX_FEATURES, amx_usable, features_missing_here
+from ggufc.runtime.artifact import AMX_FEATURES, amx_usable, features_missing_here, llvm_cpu_features
 
 
 def host_cpu_name() -> str:
@@ -35,19 +35,15 @@ def cpu_target(num_cores: int | None = None) -> tvm.target.Target:
     spec: dict[str, object] = {"kind": "llvm", "mcpu": host_cpu_name(), "num-cores": int(num_cores)}
     hidden = features_missing_here(spec)  # e.g. AMX a hypervisor hides: never generate code for it
     attrs = [f"-{f}" for f in hidden]
-    implied = all(f in cpu_features(spec) for f in AMX_FEATURES)
-    if amx_usable() and not implied:  # a guest CPU LLVM names after a model without AMX ('rocketlake')
+    implied = all(f in (llvm_cpu_features(str(spec["mcpu"])) or ()) for f in AMX_FEATURES)
+    usable = amx_usable()
+    if usable and not implied:  # a guest CPU LLVM names after a model without AMX ('rocketlake')
         attrs += [f"+{f}" for f in AMX_FEATURES]
-    elif not amx_usable() and implied:  # the OS does not lend the tile state: never use the tiles
+    elif not usable and implied:  # the OS does not lend the tile state: never use the tiles
         attrs += [f"-{f}" for f in AMX_FEATURES if f not in hidden]
     if attrs:
         spec["mattr"] = attrs
     return tvm.target.Target(spec)
-
-
-def cpu_features(spec: dict[str, object]) -> frozenset[str]:
-    """The features LLVM gives a CPU target by its mcpu."""
-    return frozenset(str(f) for f in tvm.target.codegen.llvm_get_cpu_features(tvm.target.Target(spec)))
 
 
 def resolve_target(target: str | dict | tvm.target.Target) -> tvm.target.Target:

@@ -842,7 +842,7 @@ def _llvm_target_features(target: dict[str, Any], machine: str) -> list[str] | N
     wanted = {a[1:] for a in attrs if a.startswith("+")}
     mcpu = target.get("mcpu")
     if mcpu and mcpu != "generic":
-        implied = _llvm_cpu_features(str(mcpu), str(target.get("mtriple", "")))
+        implied = llvm_cpu_features(str(mcpu), str(target.get("mtriple", "")))
         if implied is None:
             return None
         wanted |= implied
@@ -859,7 +859,8 @@ def _as_list(value: Any) -> list[str]:
 
 
 @lru_cache(maxsize=16)
-def _llvm_cpu_features(mcpu: str, mtriple: str) -> frozenset[str] | None:
+def llvm_cpu_features(mcpu: str, mtriple: str = "") -> frozenset[str] | None:
+    """The features LLVM gives a CPU by name (None without TVM)."""
     try:
         import tvm
         from tvm.target import codegen
