@@ -74,41 +74,54 @@ def _q8k_quantize(run: int = 32, pair_offsets: bool = True) -> Callable[..., Non
     16-value runs, llama.cpp's bsums) and 32 times the sum of each pair of codes
     xp[t, K/2] (int16: Q6_K's offset, as llama.cpp's maddubs(32, a); not written without
     `pair_offsets`)."""
+    one = _q8k_super_block(run, pair_offsets)
 
     @T.macro
     def quantize(x, t, xb, xd, xs, xp, n_super):  # type: ignore[no-untyped-def]
         for i in range(n_super):
-            part = T.alloc_buffer((8,), "float32")  # small: a stack array
-            first = T.alloc_buffer((1,), "int32")
-            scale = T.alloc_buffer((1,), "float32")
+            one(x, t, xb, xd, xs, xp, i)
+
+    return quantize
+
+
+def _q8k_super_block(run: int = 32, pair_offsets: bool = True) -> Callable[..., None]:
+    """_q8k_quantize's macro for super-block i alone (each one's codes, d and sums depend on its
+    256 values only, so super-blocks can be quantised by different threads)."""
+
+    @T.macro
+    def one(x, t, xb, xd, xs, xp, i):  # type: ignore[no-untyped-def]
+        part = T.alloc_buffer((8,), "float32")  # small: a stack array
+        first = T.alloc_buffer((1,), "int32")
+        scale = T.alloc_buffer((1,), "float32")
+        for lane in T.vectorized(8):
+            part[lane] = T.float32(0)
+        for c in range(32):
             for lane in T.vectorized(8):
-                part[lane] = T.float32(0)
-            for c in range(32):
-                for lane in T.vectorized(8):
-                    part[lane] = T.max(part[lane], T.fabs(x[t, i * 256 + c * 8 + lane]))
-            amax = T.meta_var(T.max(T.max(T.max(part[0], part[1]), T.max(part[2], part[3])),
-                                    T.max(T.max(part[4], part[5]), T.max(part[6], part[7]))))
-            first[0] = 0
-            for j in range(256):  # backwards, so the first value of largest magnitude is the one kept
-                if T.fabs(x[t, i * 256 + 255 - j]) == amax:
-                    first[0] = 255 - j
-            scale[0] = T.if_then_else(amax > T.float32(0), T.float32(-127) / x[t, i * 256 + first[0]],
-                                      T.float32(0))
-            for c in range(32):
-                for j in T.vectorized(8):
-                    xb[t, i * 256 + c * 8 + j] = T.Cast("int8", T.min(T.nearbyint(scale[0] * x[t, i * 256 + c * 8 + j]),
-                                                                      T.float32(127)))
-            xd[t, i] = T.if_then_else(amax > T.float32(0), T.float32(1) / scale[0], T.float32(0))
-        for q in range(n_super * 128 if pair_offsets else 0):
-            xp[t, q] = T.Cast("int16", 32 * (T.Cast("int32", xb[t, q * 2]) + T.Cast("int32", xb[t, q * 2 + 1])))
-        for b in range(n_super * (SUPER // run)):
+                part[lane] = T.max(part[lane], T.fabs(x[t, i * 256 + c * 8 + lane]))
+        amax = T.meta_var(T.max(T.max(T.max(part[0], part[1]), T.max(part[2], part[3])),
+                                T.max(T.max(part[4], part[5]), T.max(part[6], part[7]))))
+        first[0] = 0
+        for j in range(256):  # backwards, so the first value of largest magnitude is the one kept
+            if T.fabs(x[t, i * 256 + 255 - j]) == amax:
+                first[0] = 255 - j
+        scale[0] = T.if_then_else(amax > T.float32(0), T.float32(-127) / x[t, i * 256 + first[0]],
+                                  T.float32(0))
+        for c in range(32):
+            for j in T.vectorized(8):
+                xb[t, i * 256 + c * 8 + j] = T.Cast("int8", T.min(T.nearbyint(scale[0] * x[t, i * 256 + c * 8 + j]),
+                                                                  T.float32(127)))
+        xd[t, i] = T.if_then_else(amax > T.float32(0), T.float32(1) / scale[0], T.float32(0))
+        for q in range(128 if pair_offsets else 0):
+            xp[t, i * 128 + q] = T.Cast("int16", 32 * (T.Cast("int32", xb[t, i * 256 + q * 2])
+                                                       + T.Cast("int32", xb[t, i * 256 + q * 2 + 1])))
+        for b in range(SUPER // run):
             total = T.alloc_buffer((1,), "int32")
             total[0] = 0
             for j in range(run):
-                total[0] = total[0] + T.Cast("int32", xb[t, b * run + j])
-            xs[t, b] = T.Cast("int16", total[0])
+                total[0] = total[0] + T.Cast("int32", xb[t, i * 256 + b * run + j])
+            xs[t, i * (SUPER // run) + b] = T.Cast("int16", total[0])
 
-    return quantize
+    return one
 
 
 # ---------------------------------------------------------------------------------------------
@@ -549,24 +562,33 @@ def kquant_gemv_group(qtype: str, ns: tuple[int, ...], k: int, intrin: str, prol
     (n1, n2, n3), (g1, g2, g3) = P.slots(ns)
     s1, s2, s3 = (_field_specs(qtype, n, k) for n in (n1, n2, n3))
     run = _sum_run(qtype)
-    quantize = _q8k_quantize(run)
+    quantize, quantize_one = _q8k_quantize(run), _q8k_super_block(run)
     steps = _row_steps(qtype, intrin, n_super, 1, prefetch_groups)
     add_residual = P.residual_adder(residual)
     n_groups = g1 + (g2 if group >= 2 else 0) + (g3 if group >= 3 else 0)
     split = max(1, int(groups_per_task))
     parallel_stage = stage is not None and stage[2]
+    n_fields = len(layout_spec(qtype, (ns[0], k)))
 
     @T.macro
-    def prologue(x, xw, xu, xin):  # type: ignore[no-untyped-def]
-        if stage is not None:
+    def prologue(x, xw, xu, xin, xb, xd, xs, xp):  # type: ignore[no-untyped-def]
+        """xin from the stage, quantised: per super-block on the thread pool where the stage is
+        heavy (SwiGLU's exp), else serially (the quantisation of a norm's 1536 values is shorter
+        than a parallel launch)."""
+        if stage is None:
+            quantize(x, 0, xb, xd, xs, xp, n_super)
+        else:
             rstd = T.alloc_buffer((1,), "float32")
             stage[0](x, rstd)
             if parallel_stage:
-                for b in T.parallel(k // 32):
-                    stage[1](x, xw, xu, xin, rstd, b)
+                for i in T.parallel(n_super):
+                    for b in range(SUPER // 32):
+                        stage[1](x, xw, xu, xin, rstd, i * (SUPER // 32) + b)
+                    quantize_one(xin, 0, xb, xd, xs, xp, i)
             else:
                 for b in range(k // 32):
                     stage[1](x, xw, xu, xin, rstd, b)
+                quantize(xin, 0, xb, xd, xs, xp, n_super)
 
     @T.macro
     def slot_group(a0, a1, a2, a3, a4, a5, b0, b1, b2, b3, b4, b5,  # type: ignore[no-untyped-def]
@@ -593,11 +615,7 @@ def kquant_gemv_group(qtype: str, ns: tuple[int, ...], k: int, intrin: str, prol
         xd = T.alloc_buffer((1, n_super), "float32")
         xs = T.alloc_buffer((1, k // run), "int16")
         xp = T.alloc_buffer((1, n_super * 128), "int16")
-        prologue(x, xw, xu, xin)
-        if stage is None:
-            quantize(x, 0, xb, xd, xs, xp, n_super)
-        else:
-            quantize(xin, 0, xb, xd, xs, xp, n_super)
+        prologue(x, xw, xu, xin, xb, xd, xs, xp)
         if split == 1:
             for jo in T.parallel(n_groups):
                 slot_group(a0, a1, a2, a3, a4, a5, b0, b1, b2, b3, b4, b5, c0, c1, c2, c3, c4, c5, y1, y2, y3, jo,
@@ -610,7 +628,6 @@ def kquant_gemv_group(qtype: str, ns: tuple[int, ...], k: int, intrin: str, prol
                                    y1, y2, y3, task * split + part, xb, xd, xs, xp)
         add_residual(res, y1, n1)
 
-    n_fields = len(layout_spec(qtype, (ns[0], k)))
     unused = {f"{slot}{f}" for slot in "abc" for f in range(n_fields, FIELDS)}
     unused |= {f"{slot}{f}" for slot in "abc"[group:] for f in range(FIELDS)}
     unused |= {f"y{slot}" for slot in range(group + 1, P.MAX_GROUP + 1)}
