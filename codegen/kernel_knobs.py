@@ -43,6 +43,7 @@ from . import cpu_vec as CV
 from . import kernels_attention as KA
 from . import quant_int8 as Q8
 from .kernel_keys import Int8GemvGroup, KernelKey, OpKernel
+from .target import target_cores
 
 Knobs = dict[str, int]
 
@@ -138,7 +139,7 @@ def _build_swiglu(key: Any, target: tvm.target.Target, knobs: Knobs) -> tirx.Pri
 def _build_attention(key: Any, target: tvm.target.Target, knobs: Knobs) -> tirx.PrimFunc:
     attrs, one_token, heads, kv, dim, cells = _row_attention(key)  # type: ignore[misc]
     return KA.attention_rows(heads, kv, dim, cells, attrs.scale, one_token, attrs.f16_pv_below,
-                             rows_per_task=knobs["rows_per_task"])
+                             rows_per_task=knobs["rows_per_task"], threads=target_cores(target))
 
 
 _BUILDERS: dict[str, Callable[[Any, tvm.target.Target, Knobs], tirx.PrimFunc]] = {

@@ -51,7 +51,7 @@ def cell_prefetcher(n_kv: int, dim: int, n_cells: int) -> Callable[..., None]:
 
 def attention_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float,
                    one_token_order: bool = False, f16_pv_below: int = 0, *,
-                   rows_per_task: int = 1) -> tirx.PrimFunc:
+                   rows_per_task: int = 1, threads: int = 0) -> tirx.PrimFunc:
     """(q [T, H, D], k_cache [C, Hkv, D], v_cache [C, Hkv, D], pos, out [T, H, D]); D % 32 == 0
     (any D with f16_pv_below: the last D % 32 values of each dot added one by one, as llama.cpp's
     dot products add their tail).
@@ -60,6 +60,12 @@ def attention_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float,
     call computes bit for bit (speculative verification must reproduce one-token decoding).
     f16_pv_below: calls of fewer tokens take llama.cpp's one-row flash-attention steps instead
     (`f16_pv_row`, see `Attention.f16_pv_below`).
+
+    A one-token call with several query heads per KV head runs each KV head's heads together, one
+    parallel task per KV head, where there are at least `threads` KV heads (0: always): each cache
+    cell is read once for all of them and their independent sums overlap (the cells come from
+    DRAM after the step's weights have passed through the caches). Each head's float steps are
+    the row's own.
 
     Knob (`ggufc tune`, codegen/kernel_knobs.py): `rows_per_task`, consecutive (token, head) rows
     one parallel task takes (1: one task per row); a row's float steps do not depend on it."""
@@ -162,7 +168,55 @@ def attention_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float,
                 for d in T.vectorized(D):
                     o[t, h, d] = _hsum8([acc[i, d] for i in range(8)])
 
+    @T.macro
+    def head_group(q, k_cache, v_cache, pos, o, kv):  # type: ignore[no-untyped-def]
+        """one_row at one token for the G query heads of KV head kv, cell by cell together."""
+        visible = pos + T.int64(1)
+        scores = T.decl_buffer((G, CP), "float32")
+        part = T.decl_buffer((G, STEP), "float32")
+        acc = T.decl_buffer((G, STEP, D), "float32")
+        stat = T.decl_buffer((G, 2), "float32")
+        total = T.decl_buffer((G,), "float64")
+        for g in range(G):
+            stat[g, 0] = T.float32(-3.0e38)
+        for s in range(visible):
+            prefetch_cell(k_cache, T.int64(1), T.int64(0), s, visible, kv)
+            for g in T.unroll(n_head // n_kv):
+                for lane in T.vectorized(STEP):
+                    part[g, lane] = T.float32(0)
+                for d0 in range(D // STEP):
+                    for lane in T.vectorized(STEP):
+                        part[g, lane] = fma(k_cache[s, kv, d0 * STEP + lane], q[0, kv * G + g, d0 * STEP + lane],
+                                            part[g, lane])
+                scores[g, s] = _fold32([part[g, i] for i in range(STEP)])
+                for d in range(tail):
+                    scores[g, s] = scores[g, s] + k_cache[s, kv, body + d] * q[0, kv * G + g, body + d]
+                scores[g, s] = scores[g, s] * SCALE
+                stat[g, 0] = T.max(stat[g, 0], scores[g, s])
+        chunks = (visible + L - T.int64(1)) // L
+        for g in range(G):
+            for s in range(visible, chunks * L):
+                scores[g, s] = T.float32(-3.0e38)  # exp gives 0
+            total[g] = T.float64(0)
+            for c in range(chunks):
+                scores[g, c * 8:c * 8 + 8] = expf8(scores.vload([g, c * 8], "float32x8") - T.broadcast(stat[g, 0], 8))
+                total[g] = total[g] + T.Cast("float64", _hsum8([scores[g, c * 8 + i] for i in range(8)]))
+            stat[g, 1] = T.Cast("float32", T.float64(1) / total[g])
+            for s in range(visible):
+                scores[g, s] = scores[g, s] * stat[g, 1]
+            for a, d in T.grid(STEP, D):
+                acc[g, a, d] = T.float32(0)
+        for s in range(visible):  # ggml_vec_dot_f32 over the cells: cell s into acc s % 32
+            prefetch_cell(v_cache, T.int64(1), T.int64(0), s, visible, kv)
+            for g in T.unroll(n_head // n_kv):
+                for d in T.vectorized(D):
+                    acc[g, s % STEP, d] = fma(v_cache[s, kv, d], scores[g, s], acc[g, s % STEP, d])
+        for g in range(G):
+            for d in T.vectorized(D):
+                o[0, kv * G + g, d] = _fold32([acc[g, i, d] for i in range(STEP)])
+
     split = max(1, int(rows_per_task))
+    grouped = n_head > n_kv and n_kv >= threads and not f16_pv_below
 
     @T.prim_func(private=True)
     def attention(q_h: T.handle, k_cache: T.Buffer((C, HKV, D), "float32"),
@@ -171,7 +225,10 @@ def attention_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float,
         n = T.int64()
         q = T.match_buffer(q_h, (n, H, D), "float32")
         o = T.match_buffer(o_h, (n, H, D), "float32")
-        if split == 1:
+        if grouped and n == T.int64(1):
+            for kv in T.parallel(HKV):
+                head_group(q, k_cache, v_cache, pos, o, kv)
+        elif split == 1:
             for row in T.parallel(n * H):
                 one_row(q, k_cache, v_cache, pos, o, n, row)
         else:  # `split` consecutive rows per task

@@ -43,7 +43,7 @@ from .lower_context import (
     weight_params,
 )
 from .schedule import PRESCHEDULED, ROW_STAGED, schedule_cpu
-from .target import UnsupportedOnTarget
+from .target import UnsupportedOnTarget, target_cores
 
 
 class ModuleBuilder:
@@ -323,7 +323,7 @@ def _attention_kernel(fc: FunctionContext, node: Node, syms: K.Symbols) -> tirx.
     n_cells, n_kv = int(cache.shape[0]), int(cache.shape[1])
     if (dim % KA.STEP == 0 or node.attrs.f16_pv_below) and fc.mb.target.kind.name == "llvm":
         return KA.attention_rows(n_head, n_kv, dim, n_cells, node.attrs.scale, fc.one_token_order,
-                                 node.attrs.f16_pv_below)
+                                 node.attrs.f16_pv_below, threads=target_cores(fc.mb.target))
     return schedule_cpu(K.attention(_first_shape(fc, node, syms), fc.kernel_shape(cache, syms), node.attrs.scale))
 
 

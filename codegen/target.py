@@ -46,6 +46,11 @@ def cpu_target(num_cores: int | None = None) -> tvm.target.Target:
     return tvm.target.Target(spec)
 
 
+def target_cores(target: tvm.target.Target) -> int:
+    """The CPU cores a target is built for (its `num-cores`), 0 where it does not say."""
+    return int(target.attrs.get("num-cores") or 0)
+
+
 def resolve_target(target: str | dict | tvm.target.Target) -> tvm.target.Target:
     """`llvm` means this machine's CPU with its real mcpu; dicts and Targets pass through."""
     if isinstance(target, tvm.target.Target):

@@ -219,9 +219,11 @@ def test_int8_gemvs_build_for_avx_vnni_without_avx512(qtype: str) -> None:
 
 @pytest.mark.parametrize(("t", "pos"), [(1, 0), (1, 37), (5, 0), (7, 20)])
 @pytest.mark.parametrize("dim", [32, 64])
-def test_attention_is_llama_cpp_bit_for_bit(t: int, pos: int, dim: int) -> None:
+@pytest.mark.parametrize("threads", [0, 4], ids=["heads-grouped", "row-per-head"])
+def test_attention_is_llama_cpp_bit_for_bit(t: int, pos: int, dim: int, threads: int) -> None:
     """Scores, softmax and the V sums in llama.cpp's orders: a single token sums V as
-    ggml_vec_dot_f32, a batch as tinyBLAS (GQA: 6 query heads on 2 cache heads)."""
+    ggml_vec_dot_f32, a batch as tinyBLAS (GQA: 6 query heads on 2 cache heads; a single token
+    runs a KV head's 3 query heads together unless there are fewer KV heads than threads)."""
     rng = np.random.default_rng(t * 100 + pos + dim)
     n_head, n_kv, cells, scale = 6, 2, 64, 1.0 / np.sqrt(dim)
     q = rng.standard_normal((t, n_head, dim)).astype(np.float32)
@@ -230,8 +232,8 @@ def test_attention_is_llama_cpp_bit_for_bit(t: int, pos: int, dim: int) -> None:
     kc[:pos + t] = rng.standard_normal((pos + t, n_kv, dim)) * 2
     vc[:pos + t] = rng.standard_normal((pos + t, n_kv, dim))
     out = aligned_zeros((t, n_head, dim), np.float32)
-    _build(KA.attention_rows(n_head, n_kv, dim, cells, float(scale)))(to_tvm(q), to_tvm(kc), to_tvm(vc), pos,
-                                                                       to_tvm(out))
+    _build(KA.attention_rows(n_head, n_kv, dim, cells, float(scale), threads=threads))(
+        to_tvm(q), to_tvm(kc), to_tvm(vc), pos, to_tvm(out))
     np.testing.assert_array_equal(out, G.attention(q, kc, vc, pos, float(np.float32(scale))))
 
 
