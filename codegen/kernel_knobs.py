@@ -8,7 +8,9 @@ workload's own shapes (driver/tune.py, next to MetaSchedule, in the same databas
                                                      groups_per_task  row groups per parallel task
     vector SwiGLU (cpu_vec.swiglu)                   column_tasks     parallel tasks per token
     causal attention (kernels_attention.attention_rows)  rows_per_task  (token, head) rows per
-                                                                     parallel task
+                                                                     parallel task (not where a
+                                                                     one-token call runs one task
+                                                                     per KV head)
 
 Every knob keeps each output value's float operations and their order: it moves work between
 threads, or changes what is prefetched, never how a sum is split or associated. So a tuned kernel
@@ -64,7 +66,11 @@ def family(key: KernelKey, target: tvm.target.Target) -> str | None:
         return "int8_gemv"
     if isinstance(key, OpKernel) and key.op == "swiglu" and isinstance(key.attrs, int):
         return "swiglu"
-    if isinstance(key, OpKernel) and key.op == "attention" and _row_attention(key) is not None:
+    if isinstance(key, OpKernel) and key.op == "attention" and (row := _row_attention(key)) is not None:
+        attrs, _, heads, kv, _, _ = row
+        one_token = key.dims[0][0] == 1
+        if one_token and KA.heads_grouped(heads, kv, target_cores(target), attrs.f16_pv_below):
+            return None  # one task per KV head: no rows to spread
         return "attention"
     return None
 

@@ -216,7 +216,7 @@ def attention_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float,
                 o[0, kv * G + g, d] = _fold32([acc[g, i, d] for i in range(STEP)])
 
     split = max(1, int(rows_per_task))
-    grouped = n_head > n_kv and n_kv >= threads and not f16_pv_below
+    grouped = heads_grouped(n_head, n_kv, threads, f16_pv_below)
 
     @T.prim_func(private=True)
     def attention(q_h: T.handle, k_cache: T.Buffer((C, HKV, D), "float32"),
@@ -238,6 +238,11 @@ def attention_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float,
                         one_row(q, k_cache, v_cache, pos, o, n, task * T.int64(split) + part)
 
     return attention
+
+
+def heads_grouped(n_head: int, n_kv: int, threads: int, f16_pv_below: int = 0) -> bool:
+    """Whether `attention_rows` runs a one-token call one task per KV head, its query heads together."""
+    return n_head > n_kv and n_kv >= threads and not f16_pv_below
 
 
 def attention_slot_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float) -> tirx.PrimFunc:

@@ -88,9 +88,9 @@ def test_swiglu_knobs_keep_every_output_bit_for_bit() -> None:
         np.testing.assert_array_equal(got[2], want[2], err_msg=str(knobs))
 
 
-ATTENTION_KEYS = [  # 8 heads over 2 KV heads, 256 + 64 cells; the one-token-order and f16 P.V forms
-    OpKernel("attention", Attention(0.125), ((1, 8, 64), (320, 2, 64), (320, 2, 64))),
-    OpKernel("attention", (Attention(0.125), "one_token_order"), ((1, 8, 64), (320, 2, 64), (320, 2, 64))),
+ATTENTION_KEYS = [  # 8 heads on 8 KV heads, 256 + 64 cells; the one-token-order and f16 P.V forms
+    OpKernel("attention", Attention(0.125), ((1, 8, 64), (320, 8, 64), (320, 8, 64))),
+    OpKernel("attention", (Attention(0.125), "one_token_order"), ((1, 8, 64), (320, 8, 64), (320, 8, 64))),
     OpKernel("attention", Attention(0.1, f16_pv_below=4), ((1, 6, 40), (300, 3, 40), (300, 3, 40))),
 ]
 
@@ -125,8 +125,17 @@ def test_attention_without_the_row_kernel_has_no_knobs() -> None:
     batched = OpKernel("attention", (Attention(0.125), "slot_rows"), ((1, 8, 64), (320, 2, 64), (320, 2, 64)))
     for key in (masked, odd_dim, batched):
         assert KN.family(key, TARGET) is None
-    short = OpKernel("attention", Attention(0.125), ((1, 8, 64), (128, 2, 64), (128, 2, 64)))
+    short = OpKernel("attention", Attention(0.125), ((1, 8, 64), (128, 8, 64), (128, 8, 64)))
     assert KN.decode_args(short, KN.build(short, TARGET, {})) is None  # fewer cells than the timing position
+
+
+def test_one_token_attention_with_a_task_per_kv_head_has_no_knobs() -> None:
+    """8 query heads on 2 KV heads: on 2 cores a one-token call runs one task per KV head (no rows
+    to spread over tasks); on 4 cores it keeps a task per head, and its knob."""
+    gqa = OpKernel("attention", Attention(0.125), ((1, 8, 64), (320, 2, 64), (320, 2, 64)))
+    two, four = (tvm.target.Target({"kind": "llvm", "num-cores": n}) for n in (2, 4))
+    assert KN.family(gqa, two) is None
+    assert KN.family(gqa, four) == "attention"
 
 
 def test_the_space_lists_each_setting_once_defaults_excluded() -> None:
