@@ -35,12 +35,13 @@ from collections.abc import Callable
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .int8_parts import without_params
+from .int8_parts import q8_pos, quantize_prologue, without_params
 from .kquant_int8 import SUPER
 from .kquant_int8 import _q8k_quantize as q8k_quantize
 
 KQUANT_OPERANDS = {"Q4_K": 3, "Q6_K": 2}  # weight byte operands per value (see above)
-AMX_GEMM_TYPES = frozenset(KQUANT_OPERANDS)
+BLOCK_TYPES = frozenset({"Q8_0", "Q4_0", "Q4_1"})  # 32-value blocks
+AMX_GEMM_TYPES = frozenset(KQUANT_OPERANDS) | BLOCK_TYPES
 TILE = 16  # rows and tokens of a tile dot product
 GROUP = 64  # values per tile dot
 
@@ -53,9 +54,9 @@ def _fma(a: tirx.PrimExpr, b: tirx.PrimExpr, c: tirx.PrimExpr) -> tirx.PrimExpr:
     return T.call_llvm_pure_intrin("float32", "llvm.fma.f32", a, b, c)
 
 
-def _configure_tiles(ops: int) -> Callable[..., None]:
+def _configure_tiles(ops: int, depth: int = GROUP) -> Callable[..., None]:
     """Macro: palette 1 for `ops` weight operands: results 0..ops-1 (16 x 16 int32), weight tiles
-    ops..2 ops - 1 (16 rows x 64 bytes), the activations 2 ops (16 rows of 16 tokens x 4 codes)."""
+    ops..2 ops - 1 (16 rows x `depth` bytes), the activations 2 ops (depth / 4 rows x 16 tokens x 4)."""
 
     @T.macro
     def configure(cfg):  # type: ignore[no-untyped-def]
@@ -65,10 +66,10 @@ def _configure_tiles(ops: int) -> Callable[..., None]:
         for tile in range(ops):
             cfg[16 + 2 * tile] = T.uint8(64)
             cfg[48 + tile] = T.uint8(16)
-            cfg[16 + 2 * (ops + tile)] = T.uint8(64)
+            cfg[16 + 2 * (ops + tile)] = T.uint8(depth)
             cfg[48 + ops + tile] = T.uint8(16)
         cfg[16 + 4 * ops] = T.uint8(64)
-        cfg[48 + 2 * ops] = T.uint8(16)
+        cfg[48 + 2 * ops] = T.uint8(depth // 4)
         T.evaluate(_amx("ldtilecfg", cfg.access_ptr("r")))
 
     return configure
@@ -200,10 +201,12 @@ def _accumulate(qtype: str) -> Callable[..., None]:
 
 def amx_gemm(qtype: str, n: int, k: int) -> tirx.PrimFunc:
     """y [T, n] = x [T, k] @ W.T, the weights in codegen/quant.py's layout: Q4_K (fields d, dmin,
-    sc, mn, qs) or Q6_K (ql, qh, sc, d)."""
-    if qtype not in KQUANT_OPERANDS:
-        raise NotImplementedError(f"no AMX GEMM for {qtype}")
-    return _kquant_gemm(qtype, n, k)
+    sc, mn, qs), Q6_K (ql, qh, sc, d), Q8_0 (d, qs), Q4_0 (d, qs) or Q4_1 (d, m, qs)."""
+    if qtype in KQUANT_OPERANDS:
+        return _kquant_gemm(qtype, n, k)
+    if qtype in BLOCK_TYPES:
+        return _block_gemm(qtype, n, k)
+    raise NotImplementedError(f"no AMX GEMM for {qtype}")
 
 
 def _kquant_gemm(qtype: str, n: int, k: int) -> tirx.PrimFunc:
@@ -227,6 +230,110 @@ def _kquant_gemm(qtype: str, n: int, k: int) -> tirx.PrimFunc:
 
     # one body, two signatures: each format's fields in layout_spec order
     return without_params(gemm, {"ql", "qh", "sc6", "d6"} if four else {"d4", "dmin", "sc4", "mn", "qs"})
+
+
+def _block_gemm(qtype: str, n: int, k: int) -> tirx.PrimFunc:
+    """The 32-value block formats: one tile dot per block (tiles of 32 bytes a row), the block's
+    weight tile loaded once for every token tile, then per block, row and token
+    acc = fma(d_w d_a, float(dot), acc) (Q4_1: and acc = fma(m_w, s_a, acc), s_a the q8_1 block sum)."""
+    n_blocks = k // 32
+    N, K, B = T.int64(n), T.int64(k), T.int64(n_blocks)
+    quantize, _ = quantize_prologue(q8_pos, None, k)
+    configure, unpack, has_min = _configure_tiles(1, 32), _block_operand(qtype, k), qtype == "Q4_1"
+
+    @T.prim_func(private=True)
+    def gemm(x_h: T.handle, wd: T.Buffer((N, B), "float16"), wm: T.Buffer((N, B), "float16"),  # type: ignore[valid-type]
+             wq4: T.Buffer((N, B, 16), "uint8"), wq8: T.Buffer((N, B, 32), "int8"), y_h: T.handle):  # type: ignore[valid-type]
+        T.func_attr({"tirx.noalias": True})
+        t_len = T.int64()
+        x = T.match_buffer(x_h, (t_len, K), "float32")
+        y = T.match_buffer(y_h, (t_len, N), "float32")
+        n_tiles = T.meta_var((t_len + 15) // 16)
+        xb = T.alloc_buffer((t_len, K), "int8")
+        xd = T.alloc_buffer((t_len, B), "float32")
+        xs = T.alloc_buffer((t_len, B), "int32")
+        xss = T.alloc_buffer((t_len, B), "float32")
+        xv = T.alloc_buffer((n_tiles, B, 8, 64), "int8")
+        xdt = T.alloc_buffer((n_tiles, B, 16), "float32")
+        xst = T.alloc_buffer((n_tiles, B, 16), "float32")
+        for t in T.parallel(t_len):
+            quantize(x, t, xb, xd, xs, xss, n_blocks)
+        for tb in T.parallel(n_tiles * n_blocks):
+            tt, b = T.meta_var(tb // n_blocks), T.meta_var(tb % n_blocks)
+            for c in range(16):
+                real, tok = T.meta_var(tt * 16 + c < t_len), T.meta_var(T.min(tt * 16 + c, t_len - 1))
+                for r in range(8):
+                    for e in T.vectorized(4):
+                        xv[tt, b, r, c * 4 + e] = T.if_then_else(real, xb[tok, b * 32 + r * 4 + e], T.int8(0))
+                xdt[tt, b, c] = T.if_then_else(real, xd[tok, b], T.float32(0))
+                xst[tt, b, c] = T.if_then_else(real, xss[tok, b], T.float32(0))
+        for jo in T.parallel(n // TILE):
+            cfg = T.alloc_buffer((64,), "uint8")  # small: stack arrays per task
+            dots = T.alloc_buffer((TILE, 16), "int32")
+            acc = T.alloc_buffer((n_tiles * TILE, 16), "float32")
+            w = T.alloc_buffer((TILE, K), "int8")
+            configure(cfg)
+            if qtype == "Q8_0":
+                unpack(wq8, w, jo)
+            else:
+                unpack(wq4, w, jo)
+            for tt in range(n_tiles):
+                for r in range(TILE):
+                    for c in T.vectorized(16):
+                        acc[tt * TILE + r, c] = T.float32(0)
+            for b in range(n_blocks):
+                T.evaluate(_amx("tileloadd64", T.int8(1), w.access_ptr("r", offset=b * 32), T.int64(k)))
+                for tt in range(n_tiles):
+                    T.evaluate(_amx("tilezero", T.int8(0)))
+                    T.evaluate(_amx("tileloadd64", T.int8(2), xv.access_ptr("r", offset=(tt * n_blocks + b) * 512),
+                                    T.int64(64)))
+                    T.evaluate(_amx("tdpbssd", T.int8(0), T.int8(1), T.int8(2)))
+                    T.evaluate(_amx("tilestored64", T.int8(0), dots.access_ptr("w"), T.int64(64)))
+                    for r in range(TILE):
+                        for c in T.vectorized(16):
+                            acc[tt * TILE + r, c] = _fma(T.Cast("float32", wd[jo * TILE + r, b]) * xdt[tt, b, c],
+                                                         T.Cast("float32", dots[r, c]), acc[tt * TILE + r, c])
+                        if has_min:
+                            for c in T.vectorized(16):
+                                acc[tt * TILE + r, c] = _fma(T.Cast("float32", wm[jo * TILE + r, b]), xst[tt, b, c],
+                                                             acc[tt * TILE + r, c])
+            for tt in range(n_tiles):
+                for r in range(TILE):
+                    for c in range(16):
+                        if tt * 16 + c < t_len:
+                            y[tt * 16 + c, jo * TILE + r] = acc[tt * TILE + r, c]
+            T.evaluate(_amx("tilerelease"))
+
+    unused = {"wm", "wq4"} if qtype == "Q8_0" else {"wq8"} if has_min else {"wm", "wq8"}
+    return without_params(gemm, unused)
+
+
+def _block_operand(qtype: str, k: int) -> Callable[..., None]:
+    """Macro: rows [16 jo, 16 jo + 16) as signed bytes: Q8_0's codes, Q4_0's q - 8, Q4_1's q
+    (value j of a block: the low nibble of byte j, value j + 16 its high nibble)."""
+    if qtype == "Q8_0":
+
+        @T.macro
+        def copy(wq, w, jo):  # type: ignore[no-untyped-def]
+            for r in range(TILE):
+                for b in range(k // 32):
+                    for v in T.vectorized(32):
+                        w[r, b * 32 + v] = wq[jo * TILE + r, b, v]
+
+        return copy
+    offset = 8 if qtype == "Q4_0" else 0
+
+    @T.macro
+    def nibbles(wq, w, jo):  # type: ignore[no-untyped-def]
+        for r in range(TILE):
+            for b in range(k // 32):
+                for h in range(2):
+                    for j in T.vectorized(16):
+                        code = T.meta_var(T.bitwise_and(T.shift_right(wq[jo * TILE + r, b, j], T.uint8(4 * h)),
+                                                        T.uint8(15)))
+                        w[r, b * 32 + h * 16 + j] = T.Cast("int8", T.Cast("int32", code) - offset)
+
+    return nibbles
 
 
 def _prompt_gemm(qtype: str, n: int, k: int) -> Callable[..., None]:

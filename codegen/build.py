@@ -66,7 +66,7 @@ def state_plan(graph: Graph) -> list[tuple[str, tuple[int, ...], str]]:
 def build_executable(
     graphs: dict[str, Graph], target: str | dict[str, Any] | tvm.target.Target, *, n_ctx: int, n_vocab: int,
     max_chunk: int = DEFAULT_MAX_CHUNK, progress: Progress = lambda s: None, tuning: Any = None,
-    pass_stats: dict[str, int] | None = None,
+    pass_stats: dict[str, int] | None = None, prompt_tiles: str = "kquant",
 ) -> Built:
     """Lower the entry graphs (`prefill_all`, `prefill`; decode is `prefill` at one token) and compile."""
     tgt = resolve_target(target)
@@ -80,6 +80,7 @@ def build_executable(
     if tgt.kind.name == "cuda" and states[-1][0] == DECODE_IO_STATES[-1][0]:
         mb.decode_inputs = (len(states) - 2, len(states) - 1)
     mb.tuned = tuning
+    mb.prompt_tiles = prompt_tiles
     progress("generating kernels")
     mb.add_function("prefill_all", graphs["prefill_all"])
     mb.add_function("prefill", graphs["prefill"])

@@ -131,3 +131,67 @@ def scaled_pairs(wide: str, acc: tirx.PrimExpr, pairs: tirx.PrimExpr, scales: ti
 def mask32(v: tirx.PrimExpr, bits: int) -> tirx.PrimExpr:
     """The bits `bits` of each int32 lane of an int32x8."""
     return T.bitwise_and(v, T.broadcast(T.int32(bits), 8))
+
+
+def quantize_prologue(pos: Callable[..., tirx.PrimExpr], stage: Stage | None,
+                       k: int) -> tuple[Callable[..., None], Callable[..., None]]:
+    """(quantize, prologue) macros: token t of the input ((x, xw, xu) through `stage`, or x) ->
+    codes xb[t] (int8, at pos(b, i)), scales xd[t, K/32] (f16-rounded), code sums xs[t, K/32] and
+    q8_1 block sums xss[t, K/32] (f16(d * xs), d in f32); the same float32 steps as quantize_act
+    (so the codes are identical). A heavy stage spreads the prologue's blocks over the thread pool
+    (a second parallel launch)."""
+    parallel = stage is not None and stage[2]
+
+    @T.macro
+    def quantize_block(x, t, b, xb, xd, xs, xss):  # type: ignore[no-untyped-def]
+        part = T.alloc_buffer((8,), "float32")
+        for lane in T.vectorized(8):
+            part[lane] = T.float32(0)
+        for c in range(4):
+            for lane in T.vectorized(8):
+                part[lane] = T.max(part[lane], T.fabs(x[t, b * 32 + c * 8 + lane]))
+        amax = T.meta_var(T.max(T.max(T.max(part[0], part[1]), T.max(part[2], part[3])),
+                                T.max(T.max(part[4], part[5]), T.max(part[6], part[7]))))
+        d = T.meta_var(amax / T.float32(127))
+        inv = T.meta_var(T.if_then_else(amax > T.float32(0), T.float32(127) / amax, T.float32(0)))
+        for h in range(2):
+            for i in T.vectorized(16):
+                xb[t, pos(b, h * 16 + i)] = T.Cast("int8", T.nearbyint(x[t, b * 32 + h * 16 + i] * inv))
+        xd[t, b] = T.Cast("float32", T.Cast("float16", d))
+        xs[t, b] = 0
+        for i in range(32):
+            xs[t, b] = xs[t, b] + T.Cast("int32", xb[t, pos(b, i)])
+        xss[t, b] = T.Cast("float32", T.Cast("float16", d * T.Cast("float32", xs[t, b])))
+
+    @T.macro
+    def quantize(x, t, xb, xd, xs, xss, n_blocks):  # type: ignore[no-untyped-def]
+        for b in range(n_blocks):
+            quantize_block(x, t, b, xb, xd, xs, xss)
+
+    @T.macro
+    def staged_block(x, xw, xu, xin, rstd, b, xb, xd, xs, xss):  # type: ignore[no-untyped-def]
+        if stage is None:
+            quantize_block(x, 0, b, xb, xd, xs, xss)
+        else:
+            stage[1](x, xw, xu, xin, rstd, b)
+            quantize_block(xin, 0, b, xb, xd, xs, xss)
+
+    @T.macro
+    def prologue(x, xw, xu, xb, xd, xs, xss, n_blocks):  # type: ignore[no-untyped-def]
+        xin = T.alloc_buffer((1, k), "float32")
+        rstd = T.alloc_buffer((1,), "float32")
+        if stage is not None:
+            stage[0](x, rstd)
+        if parallel:
+            for b in T.parallel(n_blocks):
+                staged_block(x, xw, xu, xin, rstd, b, xb, xd, xs, xss)
+        else:
+            for b in range(n_blocks):
+                staged_block(x, xw, xu, xin, rstd, b, xb, xd, xs, xss)
+
+    return quantize, prologue
+
+
+def q8_pos(b: tirx.PrimExpr, i: tirx.PrimExpr) -> tirx.PrimExpr:
+    """Byte of value i of block b: value order."""
+    return b * 32 + i

@@ -67,6 +67,9 @@ class ModuleBuilder:
     # (token state index, pos state index) when a cuda decode reads them from device memory
     decode_inputs: tuple[int, int] | None = None
 
+    # `ggufc compile --prompt-tiles`: which weight types' prompt GEMMs take AMX tiles (quant_int8.tiles_chosen)
+    prompt_tiles: str = "kquant"
+
     def kernel(self, key: KK.KernelKey, make: Callable[[], tirx.PrimFunc]) -> Any:
         if self.decode_inputs is not None and key.kind in POS_TENSOR_KINDS and self._in_pos_tensor_function():
             key = key.reading_pos_from_memory()  # the variant reading pos from the state tensor (gpu.py)
@@ -208,7 +211,8 @@ def _int8_matmul(fc: FunctionContext, node: Node) -> list[Any]:
                        lambda: Q8.int8_gemv_group(qtype, (n,), k, fc.mb.target, (), False),
                        [fc.value(x), *arrays], node.outputs, node.outputs[0].name)
     # AMX tiles sum in another float order than a one-token call: not where rows must equal one
-    tiles = not fc.one_token_order and Q8.tile_gemm_supported(qtype, n, k, fc.mb.target)
+    tiles = (not fc.one_token_order and Q8.tiles_chosen(qtype, fc.mb.prompt_tiles)
+             and Q8.tile_gemm_supported(qtype, n, k, fc.mb.target))
     return fc.call(KK.Int8Gemm(qtype, n, k, tiles), lambda: Q8.int8_gemm(qtype, n, k, fc.mb.target, tiles),
                    [fc.value(x), *arrays], node.outputs, node.outputs[0].name)
 

@@ -66,6 +66,7 @@ class KernelModule(Protocol):
     layouts: dict[str, ParamLayout]
     flat_params: list[tuple[str, tuple[int, ...], str]]
     unchecked_params: bool
+    prompt_tiles: str  # which weight types' prompt GEMMs take AMX tiles (quant_int8.tiles_chosen)
 
     def kernel(self, key: KernelKey, make: Callable[[], tirx.PrimFunc]) -> Any: ...
 

@@ -55,6 +55,8 @@ from .int8_parts import (
     l2_ahead_groups,
     prefetch,
     prefetch_l2,
+    q8_pos,
+    quantize_prologue,
     residual_adder,
     slots,
     without_params,
@@ -89,11 +91,24 @@ def has_512bit_dot(target: tvm.target.Target) -> bool:
     return target.kind.name == "llvm" and has("avx512vnni", target) and has("avx512bw", target)
 
 
+PROMPT_TILES = ("kquant", "all")  # `ggufc compile --prompt-tiles`: whose prompt GEMMs may take AMX tiles
+
+
+def tiles_chosen(qtype: str, prompt_tiles: str) -> bool:
+    """Whether `--prompt-tiles` puts this weight type's prompt GEMMs on tiles where the CPU has
+    them: the K-quants always (their prompts were not llama.cpp's bit for bit before either);
+    the 32-value formats (Q8_0, Q4_0, Q4_1) only with "all", since one float step per block
+    instead of llama.cpp's 8 lanes gives up their bit-for-bit prompt logits."""
+    if prompt_tiles not in PROMPT_TILES:
+        raise ValueError(f"prompt tiles must be one of {', '.join(PROMPT_TILES)}, got {prompt_tiles!r}")
+    return qtype in KQUANT_GEMV_TYPES or prompt_tiles == "all"
+
+
 def tile_gemm_supported(qtype: str, n: int, k: int, target: tvm.target.Target) -> bool:
     """Whether a prompt GEMM of this weight can run on AMX tiles (codegen/amx_gemm.py)."""
     has = tvm.target.codegen.target_has_features
     return (target.kind.name == "llvm" and has("amx-int8", target) and has("amx-tile", target)
-            and qtype in AMX_GEMM_TYPES and n % AMX_TILE == 0 and k % SUPER == 0)
+            and qtype in AMX_GEMM_TYPES and n % AMX_TILE == 0 and k % (SUPER if qtype[-1] == "K" else 32) == 0)
 
 
 @dataclass(frozen=True)
@@ -270,70 +285,6 @@ def int8_gemv_group(qtype: str, ns: tuple[int, ...], k: int, target: tvm.target.
     func = without_params(func, unused)
     assert len(func.params) == 1 + (kind != "") + residual + len(ns) * (len(fields) + 1), (qtype, fields)
     return func.with_attr("tirx.noalias", True)
-
-
-def _quantize_prologue(pos: Callable[..., tirx.PrimExpr], stage: Stage | None,
-                       k: int) -> tuple[Callable[..., None], Callable[..., None]]:
-    """(quantize, prologue) macros: token t of the input ((x, xw, xu) through `stage`, or x) ->
-    codes xb[t] (int8, at pos(b, i)), scales xd[t, K/32] (f16-rounded), code sums xs[t, K/32] and
-    q8_1 block sums xss[t, K/32] (f16(d * xs), d in f32); the same float32 steps as quantize_act
-    (so the codes are identical). A heavy stage spreads the prologue's blocks over the thread pool
-    (a second parallel launch)."""
-    parallel = stage is not None and stage[2]
-
-    @T.macro
-    def quantize_block(x, t, b, xb, xd, xs, xss):  # type: ignore[no-untyped-def]
-        part = T.alloc_buffer((8,), "float32")
-        for lane in T.vectorized(8):
-            part[lane] = T.float32(0)
-        for c in range(4):
-            for lane in T.vectorized(8):
-                part[lane] = T.max(part[lane], T.fabs(x[t, b * 32 + c * 8 + lane]))
-        amax = T.meta_var(T.max(T.max(T.max(part[0], part[1]), T.max(part[2], part[3])),
-                                T.max(T.max(part[4], part[5]), T.max(part[6], part[7]))))
-        d = T.meta_var(amax / T.float32(127))
-        inv = T.meta_var(T.if_then_else(amax > T.float32(0), T.float32(127) / amax, T.float32(0)))
-        for h in range(2):
-            for i in T.vectorized(16):
-                xb[t, pos(b, h * 16 + i)] = T.Cast("int8", T.nearbyint(x[t, b * 32 + h * 16 + i] * inv))
-        xd[t, b] = T.Cast("float32", T.Cast("float16", d))
-        xs[t, b] = 0
-        for i in range(32):
-            xs[t, b] = xs[t, b] + T.Cast("int32", xb[t, pos(b, i)])
-        xss[t, b] = T.Cast("float32", T.Cast("float16", d * T.Cast("float32", xs[t, b])))
-
-    @T.macro
-    def quantize(x, t, xb, xd, xs, xss, n_blocks):  # type: ignore[no-untyped-def]
-        for b in range(n_blocks):
-            quantize_block(x, t, b, xb, xd, xs, xss)
-
-    @T.macro
-    def staged_block(x, xw, xu, xin, rstd, b, xb, xd, xs, xss):  # type: ignore[no-untyped-def]
-        if stage is None:
-            quantize_block(x, 0, b, xb, xd, xs, xss)
-        else:
-            stage[1](x, xw, xu, xin, rstd, b)
-            quantize_block(xin, 0, b, xb, xd, xs, xss)
-
-    @T.macro
-    def prologue(x, xw, xu, xb, xd, xs, xss, n_blocks):  # type: ignore[no-untyped-def]
-        xin = T.alloc_buffer((1, k), "float32")
-        rstd = T.alloc_buffer((1,), "float32")
-        if stage is not None:
-            stage[0](x, rstd)
-        if parallel:
-            for b in T.parallel(n_blocks):
-                staged_block(x, xw, xu, xin, rstd, b, xb, xd, xs, xss)
-        else:
-            for b in range(n_blocks):
-                staged_block(x, xw, xu, xin, rstd, b, xb, xd, xs, xss)
-
-    return quantize, prologue
-
-
-def _q8_pos(b: tirx.PrimExpr, i: tirx.PrimExpr) -> tirx.PrimExpr:
-    """Byte of value i of block b: value order."""
-    return b * 32 + i
 
 
 def _lane(v: tirx.PrimExpr, i: tirx.PrimExpr) -> tirx.PrimExpr:
@@ -533,7 +484,7 @@ def _gemv(qtype: str, ns: tuple[int, ...], k: int, intrin: str, stage: Stage | N
     n_blocks, rows, group, is_q8 = k // 32, ROWS, len(ns), qtype == "Q8_0"
     has_min = qtype in ("Q4_1", "Q5_1")
     (n1, n2, n3), (g1, g2, g3) = slots(ns)
-    _, prologue = _quantize_prologue(_q8_pos, stage, k)
+    _, prologue = quantize_prologue(q8_pos, stage, k)
     add_residual = residual_adder(residual)
     q4_rows = _q4_steps(intrin, has_min, rows, n_blocks, prefetch_groups=prefetch_groups, five=qtype[:2] == "Q5",
                         far=True)
@@ -622,7 +573,7 @@ def int8_tile_gemm(qtype: str, n: int, k: int, intrin: str) -> tirx.PrimFunc:
     n_blocks, rows, is_q8, five = k // 32, ROWS, qtype == "Q8_0", qtype[:2] == "Q5"
     N, K, B = T.int64(n), T.int64(k), T.int64(n_blocks)
     has_min = qtype in ("Q4_1", "Q5_1")
-    quantize, _ = _quantize_prologue(_q8_pos, None, k)
+    quantize, _ = quantize_prologue(q8_pos, None, k)
     starts = _starts(n_blocks, _code_offset(qtype))
     q8_rows = _q8_steps(intrin, rows, n_blocks)
     q4_rows = _q4_steps(intrin, has_min, rows, n_blocks, five=five)
@@ -682,7 +633,7 @@ def int8_pair_gemm(qtype: str, n: int, k: int, target: tvm.target.Target) -> tir
     (codegen/int8_pair_gemm.py); the same signature and bit-identical outputs."""
     n_blocks, rows, is_q8, has_min = k // 32, ROWS, qtype == "Q8_0", qtype == "Q4_1"
     N, K, B = T.int64(n), T.int64(k), T.int64(n_blocks)
-    quantize, _ = _quantize_prologue(_q8_pos, None, k)
+    quantize, _ = quantize_prologue(q8_pos, None, k)
     starts = _starts(n_blocks, _code_offset(qtype))
     tile = pair_tile(qtype, n_blocks, PAIRS_PER_TILE, PREFETCH_GROUPS)
     tail = pair_tile(qtype, n_blocks, 1, PREFETCH_GROUPS)

@@ -14,6 +14,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from ggufc.codegen.build import DEFAULT_MAX_CHUNK, Built, Progress, kernel_weights, layout_fields
+from ggufc.codegen.quant_int8 import PROMPT_TILES
 from ggufc.codegen.target import target_key
 from ggufc.frontend.load import LoadedModel, load_model
 from ggufc.frontend.tokenizer_build import build_tokenizer
@@ -28,14 +29,20 @@ def compile_model(
     model_path: str | os.PathLike[str], target: str = "llvm", out_dir: str | os.PathLike[str] = "out", *,
     n_ctx: int | None = None, disabled_passes: frozenset[str] = frozenset(), max_chunk: int = DEFAULT_MAX_CHUNK,
     progress: Progress = lambda s: None, tuning_db: str | os.PathLike[str] | None = None,
-    tuning_min_speedup: float = 1.0,
+    tuning_min_speedup: float = 1.0, prompt_tiles: str = "kquant",
 ) -> dict[str, Any]:
     """Compile and write the artifact atomically; returns the manifest as written.
+
+    `prompt_tiles`: "all" also puts the 32-value formats' prompt GEMMs on AMX tiles where the CPU
+    has them (faster; their prompt logits then differ from llama.cpp's by float rounding), recorded
+    in the manifest; "kquant" (default) only the K-quants' (codegen/quant_int8.tiles_chosen).
 
     `tuning_db`: a `ggufc tune` database whose tuned schedules replace the default ones where they
     measured at least `tuning_min_speedup` times faster (driver/tune.py).
     """
 
+    if prompt_tiles not in PROMPT_TILES:
+        raise ValueError(f"prompt_tiles must be one of {', '.join(PROMPT_TILES)}, got {prompt_tiles!r}")
     t0 = time.perf_counter()
     staging = staging_for(out_dir)  # before the long part: an output we may not write is refused now
     try:
@@ -43,7 +50,7 @@ def compile_model(
         progress(f"reading {os.fspath(model_path)}")
         model = load_model(model_path, n_ctx)
         built = build_model(model, target, disabled_passes=disabled_passes, max_chunk=max_chunk,
-                                 progress=progress, tuning=tuning)
+                            progress=progress, tuning=tuning, prompt_tiles=prompt_tiles)
         if tuning is not None:
             progress(f"{len(tuning.applied)} kernels use tuned schedules from {tuning_db}")
         progress("writing kernels")
@@ -53,6 +60,8 @@ def compile_model(
         save_file(weights, str(staging / A.WEIGHTS_NAME))
         tokenizer = _write_tokenizer(model, staging)
         manifest = _manifest(model, built, tokenizer, weights, time.perf_counter() - t0)
+        if prompt_tiles != "kquant":
+            manifest["prompt_tiles"] = prompt_tiles
         return A.finalize_artifact(staging, out_dir, manifest)
     finally:
         if staging.exists():

@@ -162,14 +162,17 @@ def compiler_fingerprint() -> str:
 
 def compile_gguf(
     model: Path, target: str, out_dir: Path, n_ctx: int | None, disabled_passes: frozenset[str] = frozenset(),
-    tuning_db: Path | None = None, tuning_min_speedup: float = 1.0,
+    tuning_db: Path | None = None, tuning_min_speedup: float = 1.0, prompt_tiles: str = "kquant",
 ) -> dict[str, Any]:
+    from ggufc.codegen.quant_int8 import PROMPT_TILES
     from ggufc.driver.compile import compile_model
 
     check_pass_names(disabled_passes)
+    if prompt_tiles not in PROMPT_TILES:
+        raise GgufcError(f"--prompt-tiles must be one of {', '.join(PROMPT_TILES)}, not {prompt_tiles!r}")
     return compile_model(
         model, target=target, out_dir=out_dir, n_ctx=n_ctx, disabled_passes=disabled_passes, progress=progress,
-        tuning_db=tuning_db, tuning_min_speedup=tuning_min_speedup,
+        tuning_db=tuning_db, tuning_min_speedup=tuning_min_speedup, prompt_tiles=prompt_tiles,
     )
 
 

@@ -34,15 +34,16 @@ PathLike = str | os.PathLike[str]
 
 def compile(  # noqa: A001 - `ggufc.compile` is the name a user looks for
     model: PathLike, out: PathLike, *, target: str = "llvm", n_ctx: int | None = None,
-    disabled_passes: Sequence[str] = (), tuning_db: PathLike | None = None,
+    disabled_passes: Sequence[str] = (), tuning_db: PathLike | None = None, prompt_tiles: str = "kquant",
 ) -> Path:
     """Compile `model` (.gguf) into the artifact directory `out` (written atomically; `out` must be
-    new, empty, or an earlier ggufc artifact). Returns `out`."""
+    new, empty, or an earlier ggufc artifact). Returns `out`. `prompt_tiles`: as
+    `ggufc compile --prompt-tiles` ("all": also the Q8_0/Q4_0/Q4_1 prompt GEMMs on AMX tiles)."""
     path = models.require_gguf(os.fspath(model))
     models.device_for(target)
     models.warn_beyond_training(models.precheck_gguf(path), n_ctx)
     models.compile_gguf(path, target, Path(out), n_ctx, frozenset(disabled_passes),
-                     Path(tuning_db) if tuning_db is not None else None)
+                     Path(tuning_db) if tuning_db is not None else None, prompt_tiles=prompt_tiles)
     return Path(out)
 
 

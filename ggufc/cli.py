@@ -285,7 +285,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     warn_beyond_training(precheck_gguf(path), args.ctx)  # also refuses an unsupported architecture now
     tuning_db = Path(args.tuning_db) if args.tuning_db else None
     manifest = compile_gguf(path, args.target, Path(args.out), args.ctx, frozenset(args.disable_pass),
-                            tuning_db, args.tuning_min_speedup)
+                            tuning_db, args.tuning_min_speedup, args.prompt_tiles)
     kernels = len(manifest.get("kernels", []))
     summary = f"{manifest.get('arch')} for {manifest.get('target_key')}, n_ctx {manifest.get('n_ctx')}"
     tuned = manifest.get("tuning")
@@ -809,6 +809,10 @@ def build_parser() -> Parser:
     p.add_argument("--tuning-db", metavar="DIR", help="use tuned schedules from this `ggufc tune` database")
     p.add_argument("--tuning-min-speedup", type=positive_float, default=1.0, metavar="X",
                    help="use a tuned schedule only if it timed at least X times faster than the default (1.0)")
+    p.add_argument("--prompt-tiles", default="kquant", metavar="{kquant,all}",
+                   help="which weight types' prompt GEMMs run on AMX tiles where the CPU has them: the K-quants "
+                        "(default) or all (also Q8_0/Q4_0/Q4_1: faster prompts, logits no longer llama.cpp's bit "
+                        "for bit)")
     p.set_defaults(handler=cmd_compile)
 
     p = sub.add_parser("tune", help="tune a model's decode kernels with MetaSchedule into a resumable database")

@@ -26,7 +26,7 @@ from ggufc.codegen.cpu_vec import swiglu
 from ggufc.codegen.target import cpu_target
 from ggufc.codegen.tvm_util import aligned_zeros, to_tvm
 from ggufc.frontend.hparams import rope_table
-from ggufc.ir.act_quant import quantize_act_ref
+from ggufc.ir.act_quant import ACT_SCHEME, MIN_TYPES, block_mins, q8_1_sums_ref, quantize_act_ref
 
 TARGET = cpu_target()
 needs_int8_dot = pytest.mark.skipif(Q8.int8_dot_intrinsic(TARGET) is None,
@@ -167,17 +167,23 @@ def _run(kernel: tvm.tirx.PrimFunc, qtype: str, arrays: dict, x: np.ndarray, n: 
 @pytest.mark.parametrize("qtype", sorted(KA_TILE_TYPES))
 @pytest.mark.parametrize("t", [1, 13, 16, 37])
 def test_tile_gemm_is_the_reference_up_to_float_order(qtype: str, t: int) -> None:
-    """The AMX prompt GEMM (exact integer sums per super-block, one float step each): the float64
-    product of the q8_K-rounded activations and the decoded weights, and llama.cpp's result, up to
-    float32 rounding; with a partial token tile, a zero super-block and an outlier."""
+    """The AMX prompt GEMM (exact integer sums per block or super-block, one float step each): the
+    float64 product of the rounded activations (q8_K, q8_0; Q4_1's block sums as q8_1's f16 `s`)
+    and the decoded weights, and llama.cpp's result, up to float32 rounding; with a partial token
+    tile, a zero super-block and an outlier."""
     n, k = 48, 768
     raw, arrays, x = _prompt_case(qtype, n, k, t, t * 7 + len(qtype))
     y = _run(Q8.int8_gemm(qtype, n, k, TARGET, tiles=True), qtype, arrays, x, n)
     w = Q.dequantize_reference(qtype, arrays, (n, k)).astype(np.float64)
-    want = quantize_act_ref(x, "q8_K").astype(np.float64) @ w.T
+    acts = quantize_act_ref(x, ACT_SCHEME[qtype]).astype(np.float64)
+    want = acts @ w.T
+    if qtype in MIN_TYPES:  # the minimums meet the f16-rounded block sums, not the exact ones
+        exact = acts.reshape(t, k // 32, 32).sum(axis=-1)
+        want += (q8_1_sums_ref(x) - exact) @ block_mins(qtype, raw, (n, k)).T.astype(np.float64)
     scale = np.abs(want).max(axis=1, keepdims=True)
     assert (np.abs(y - want) / scale).max() < 1e-6
-    assert (np.abs(y - G.matmul_k(qtype, raw, n, k, x)) / scale).max() < 1e-6
+    llama = G.matmul_k(qtype, raw, n, k, x) if qtype[-1] == "K" else G.matmul_q(qtype, raw, n, k, x)
+    assert (np.abs(y - llama) / scale).max() < 1e-6
 
 
 @needs_int8_dot
