@@ -199,6 +199,18 @@ def _accumulate(qtype: str) -> Callable[..., None]:
     return q6k
 
 
+@T.macro
+def store_and_release(y, acc, jo, n_tiles, t_len):  # type: ignore[no-untyped-def]
+    """A row group's results (acc: token tile x 16 rows, 16 tokens a row) into y [T, N], the tokens
+    past t_len left out; then the tile registers are released (tilerelease)."""
+    for tt in range(n_tiles):
+        for r in range(TILE):
+            for c in range(16):
+                if tt * 16 + c < t_len:
+                    y[tt * 16 + c, jo * TILE + r] = acc[tt * TILE + r, c]
+    T.evaluate(_amx("tilerelease"))
+
+
 def amx_gemm(qtype: str, n: int, k: int) -> tirx.PrimFunc:
     """y [T, n] = x [T, k] @ W.T, the weights in codegen/quant.py's layout: Q4_K (fields d, dmin,
     sc, mn, qs), Q6_K (ql, qh, sc, d), Q8_0 (d, qs), Q4_0 (d, qs) or Q4_1 (d, m, qs)."""
@@ -297,12 +309,7 @@ def _block_gemm(qtype: str, n: int, k: int) -> tirx.PrimFunc:
                             for c in T.vectorized(16):
                                 acc[tt * TILE + r, c] = _fma(T.Cast("float32", wm[jo * TILE + r, b]), xst[tt, b, c],
                                                              acc[tt * TILE + r, c])
-            for tt in range(n_tiles):
-                for r in range(TILE):
-                    for c in range(16):
-                        if tt * 16 + c < t_len:
-                            y[tt * 16 + c, jo * TILE + r] = acc[tt * TILE + r, c]
-            T.evaluate(_amx("tilerelease"))
+            store_and_release(y, acc, jo, n_tiles, t_len)
 
     unused = {"wm", "wq4"} if qtype == "Q8_0" else {"wq8"} if has_min else {"wm", "wq8"}
     return without_params(gemm, unused)
@@ -375,11 +382,6 @@ def _prompt_gemm(qtype: str, n: int, k: int) -> Callable[..., None]:
                 for tt in range(n_tiles):
                     dots_of(w, xv, dots, tt, i)
                     accumulate(d, dmin, dots, xdt, xat, acc, jo, tt, i)
-            for tt in range(n_tiles):
-                for r in range(TILE):
-                    for c in range(16):
-                        if tt * 16 + c < t_len:
-                            y[tt * 16 + c, jo * TILE + r] = acc[tt * TILE + r, c]
-            T.evaluate(_amx("tilerelease"))
+            store_and_release(y, acc, jo, n_tiles, t_len)
 
     return run

@@ -133,6 +133,22 @@ def mask32(v: tirx.PrimExpr, bits: int) -> tirx.PrimExpr:
     return T.bitwise_and(v, T.broadcast(T.int32(bits), 8))
 
 
+@T.macro
+def absmax_lanes(x, t, start, vectors, part):  # type: ignore[no-untyped-def]
+    """part[0..7] = the largest |x[t, start + 8 c + lane]| over c < vectors, lane by lane."""
+    for lane in T.vectorized(8):
+        part[lane] = T.float32(0)
+    for c in range(vectors):
+        for lane in T.vectorized(8):
+            part[lane] = T.max(part[lane], T.fabs(x[t, start + c * 8 + lane]))
+
+
+def lanes_max(part: tirx.Buffer) -> tirx.PrimExpr:
+    """The largest of absmax_lanes' 8 lanes, reduced as llama.cpp's quantizers do (pairs, then pairs)."""
+    return T.max(T.max(T.max(part[0], part[1]), T.max(part[2], part[3])),
+                 T.max(T.max(part[4], part[5]), T.max(part[6], part[7])))
+
+
 def quantize_prologue(pos: Callable[..., tirx.PrimExpr], stage: Stage | None,
                        k: int) -> tuple[Callable[..., None], Callable[..., None]]:
     """(quantize, prologue) macros: token t of the input ((x, xw, xu) through `stage`, or x) ->
@@ -145,13 +161,8 @@ def quantize_prologue(pos: Callable[..., tirx.PrimExpr], stage: Stage | None,
     @T.macro
     def quantize_block(x, t, b, xb, xd, xs, xss):  # type: ignore[no-untyped-def]
         part = T.alloc_buffer((8,), "float32")
-        for lane in T.vectorized(8):
-            part[lane] = T.float32(0)
-        for c in range(4):
-            for lane in T.vectorized(8):
-                part[lane] = T.max(part[lane], T.fabs(x[t, b * 32 + c * 8 + lane]))
-        amax = T.meta_var(T.max(T.max(T.max(part[0], part[1]), T.max(part[2], part[3])),
-                                T.max(T.max(part[4], part[5]), T.max(part[6], part[7]))))
+        absmax_lanes(x, t, b * 32, 4, part)
+        amax = T.meta_var(lanes_max(part))
         d = T.meta_var(amax / T.float32(127))
         inv = T.meta_var(T.if_then_else(amax > T.float32(0), T.float32(127) / amax, T.float32(0)))
         for h in range(2):

@@ -93,13 +93,8 @@ def _q8k_super_block(run: int = 32, pair_offsets: bool = True) -> Callable[..., 
         part = T.alloc_buffer((8,), "float32")  # small: a stack array
         first = T.alloc_buffer((1,), "int32")
         scale = T.alloc_buffer((1,), "float32")
-        for lane in T.vectorized(8):
-            part[lane] = T.float32(0)
-        for c in range(32):
-            for lane in T.vectorized(8):
-                part[lane] = T.max(part[lane], T.fabs(x[t, i * 256 + c * 8 + lane]))
-        amax = T.meta_var(T.max(T.max(T.max(part[0], part[1]), T.max(part[2], part[3])),
-                                T.max(T.max(part[4], part[5]), T.max(part[6], part[7]))))
+        P.absmax_lanes(x, t, i * 256, 32, part)
+        amax = T.meta_var(P.lanes_max(part))
         first[0] = 0
         for j in range(256):  # backwards, so the first value of largest magnitude is the one kept
             if T.fabs(x[t, i * 256 + 255 - j]) == amax:
