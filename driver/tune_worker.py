@@ -38,6 +38,9 @@ def configure_threads() -> None:
     n = int(os.environ.get(THREADS_ENV, "0") or 0)
     if n <= 0:
         n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    # TVM sizes its pool once, from TVM_NUM_THREADS (default: half the CPUs), when the first
+    # parallel kernel runs; reconfiguring can only use fewer threads than that
+    os.environ.setdefault("TVM_NUM_THREADS", str(n))
     tvm.get_global_func("runtime.config_threadpool")(0, n)
 
 

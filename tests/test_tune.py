@@ -387,3 +387,17 @@ def test_rounds_go_to_untried_heavy_kernels_first_then_by_payoff() -> None:
     assert TU._pick([a2, b], 16)[0].hash == "b"
     fast = cand("a", 60, 100.0, 16, tuned_us=10.0)  # its tuned time, not the default, is what's left
     assert TU._pick([fast, b], 16)[0].hash == "b"
+
+
+def test_a_measuring_worker_gets_a_pool_of_the_threads_it_asks_for() -> None:
+    """TVM sizes its pool once (TVM_NUM_THREADS, default half the CPUs); a worker process that
+    configures its threads before any kernel runs gets all of them, not TVM's default."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TVM_NUM_THREADS"}
+    env["GGUFC_TUNE_THREADS"] = "3"
+    code = ("import tvm; from ggufc.driver import tune_worker as W; W.configure_threads(); "
+            "print(tvm.get_global_func('runtime.NumThreads')())")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "3"
