@@ -114,6 +114,34 @@ def attention_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float,
             o[t, h, d] = acc[0, d] * (T.float32(1) / stat[1])
 
     @T.macro
+    def cell_score(q, k_cache, t, h, kv, s, part, scores, stat):  # type: ignore[no-untyped-def]
+        """scores[s] = (K[s] . q[t, h]) * scale as ggml_vec_dot_f32; stat[0] keeps the running max."""
+        for lane in T.vectorized(STEP):
+            part[lane] = T.float32(0)
+        for d0 in range(D // STEP):
+            for lane in T.vectorized(STEP):
+                part[lane] = fma(k_cache[s, kv, d0 * STEP + lane], q[t, h, d0 * STEP + lane], part[lane])
+        scores[s] = _fold32([part[i] for i in range(STEP)])
+        for d in range(tail):
+            scores[s] = scores[s] + k_cache[s, kv, body + d] * q[t, h, body + d]
+        scores[s] = scores[s] * SCALE
+        stat[0] = T.max(stat[0], scores[s])
+
+    @T.macro
+    def softmax(scores, stat, total, visible):  # type: ignore[no-untyped-def]
+        """ggml_soft_max_f32 over scores[0, visible) in place (stat[0]: their max; stat[1] = 1 / sum)."""
+        chunks = (visible + L - T.int64(1)) // L
+        for s in range(visible, chunks * L):
+            scores[s] = T.float32(-3.0e38)  # exp gives 0
+        total[0] = T.float64(0)
+        for c in range(chunks):
+            scores[c * 8:c * 8 + 8] = expf8(scores.vload([c * 8], "float32x8") - T.broadcast(stat[0], 8))
+            total[0] = total[0] + T.Cast("float64", _hsum8([scores[c * 8 + i] for i in range(8)]))
+        stat[1] = T.Cast("float32", T.float64(1) / total[0])
+        for s in range(visible):
+            scores[s] = scores[s] * stat[1]
+
+    @T.macro
     def one_row(q, k_cache, v_cache, pos, o, n, row):  # type: ignore[no-untyped-def]
         t = row // H
         h = row % H
@@ -131,26 +159,8 @@ def attention_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float,
             for s in range(visible):
                 if n == T.int64(1):  # a prompt's rows read the cells it just wrote, still cached
                     prefetch_cell(k_cache, T.int64(1), T.int64(0), s, visible, kv)
-                for lane in T.vectorized(STEP):
-                    part[lane] = T.float32(0)
-                for d0 in range(D // STEP):
-                    for lane in T.vectorized(STEP):
-                        part[lane] = fma(k_cache[s, kv, d0 * STEP + lane], q[t, h, d0 * STEP + lane], part[lane])
-                scores[s] = _fold32([part[i] for i in range(STEP)])
-                for d in range(tail):
-                    scores[s] = scores[s] + k_cache[s, kv, body + d] * q[t, h, body + d]
-                scores[s] = scores[s] * SCALE
-                stat[0] = T.max(stat[0], scores[s])
-            chunks = (visible + L - T.int64(1)) // L
-            for s in range(visible, chunks * L):
-                scores[s] = T.float32(-3.0e38)  # exp gives 0
-            total[0] = T.float64(0)
-            for c in range(chunks):
-                scores[c * 8:c * 8 + 8] = expf8(scores.vload([c * 8], "float32x8") - T.broadcast(stat[0], 8))
-                total[0] = total[0] + T.Cast("float64", _hsum8([scores[c * 8 + i] for i in range(8)]))
-            stat[1] = T.Cast("float32", T.float64(1) / total[0])
-            for s in range(visible):
-                scores[s] = scores[s] * stat[1]
+                cell_score(q, k_cache, t, h, kv, s, part, scores, stat)
+            softmax(scores, stat, total, visible)
             for a, d in T.grid(STEP, D):
                 acc[a, d] = T.float32(0)
             if one_token_order or n == T.int64(1):  # ggml_vec_dot_f32 over the cells: cell s into acc s % 32
@@ -170,50 +180,34 @@ def attention_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float,
 
     @T.macro
     def head_group(q, k_cache, v_cache, pos, o, kv):  # type: ignore[no-untyped-def]
-        """one_row at one token for the G query heads of KV head kv, cell by cell together."""
+        """one_row at one token for the G query heads of KV head kv, cell by cell together: head g
+        works in its own slices of the buffers below, with one_row's steps."""
         visible = pos + T.int64(1)
-        scores = T.decl_buffer((G, CP), "float32")
-        part = T.decl_buffer((G, STEP), "float32")
-        acc = T.decl_buffer((G, STEP, D), "float32")
-        stat = T.decl_buffer((G, 2), "float32")
+        scores = T.decl_buffer((G * CP,), "float32")
+        part = T.decl_buffer((G * STEP,), "float32")
+        acc = T.decl_buffer((G * STEP * D,), "float32")
+        stat = T.decl_buffer((G * 2,), "float32")
         total = T.decl_buffer((G,), "float64")
         for g in range(G):
-            stat[g, 0] = T.float32(-3.0e38)
+            stat[g * 2] = T.float32(-3.0e38)
         for s in range(visible):
             prefetch_cell(k_cache, T.int64(1), T.int64(0), s, visible, kv)
             for g in T.unroll(n_head // n_kv):
-                for lane in T.vectorized(STEP):
-                    part[g, lane] = T.float32(0)
-                for d0 in range(D // STEP):
-                    for lane in T.vectorized(STEP):
-                        part[g, lane] = fma(k_cache[s, kv, d0 * STEP + lane], q[0, kv * G + g, d0 * STEP + lane],
-                                            part[g, lane])
-                scores[g, s] = _fold32([part[g, i] for i in range(STEP)])
-                for d in range(tail):
-                    scores[g, s] = scores[g, s] + k_cache[s, kv, body + d] * q[0, kv * G + g, body + d]
-                scores[g, s] = scores[g, s] * SCALE
-                stat[g, 0] = T.max(stat[g, 0], scores[g, s])
-        chunks = (visible + L - T.int64(1)) // L
+                cell_score(q, k_cache, 0, kv * G + g, kv, s, head_slice(part, g, STEP), head_slice(scores, g, CP),
+                           head_slice(stat, g, 2))
         for g in range(G):
-            for s in range(visible, chunks * L):
-                scores[g, s] = T.float32(-3.0e38)  # exp gives 0
-            total[g] = T.float64(0)
-            for c in range(chunks):
-                scores[g, c * 8:c * 8 + 8] = expf8(scores.vload([g, c * 8], "float32x8") - T.broadcast(stat[g, 0], 8))
-                total[g] = total[g] + T.Cast("float64", _hsum8([scores[g, c * 8 + i] for i in range(8)]))
-            stat[g, 1] = T.Cast("float32", T.float64(1) / total[g])
-            for s in range(visible):
-                scores[g, s] = scores[g, s] * stat[g, 1]
-            for a, d in T.grid(STEP, D):
-                acc[g, a, d] = T.float32(0)
+            softmax(head_slice(scores, g, CP), head_slice(stat, g, 2), head_slice(total, g, 1), visible)
+            for a in range(STEP * D):
+                acc[g * STEP * D + a] = T.float32(0)
         for s in range(visible):  # ggml_vec_dot_f32 over the cells: cell s into acc s % 32
             prefetch_cell(v_cache, T.int64(1), T.int64(0), s, visible, kv)
             for g in T.unroll(n_head // n_kv):
                 for d in T.vectorized(D):
-                    acc[g, s % STEP, d] = fma(v_cache[s, kv, d], scores[g, s], acc[g, s % STEP, d])
+                    acc[(g * STEP + s % STEP) * D + d] = fma(v_cache[s, kv, d], scores[g * CP + s],
+                                                             acc[(g * STEP + s % STEP) * D + d])
         for g in range(G):
             for d in T.vectorized(D):
-                o[0, kv * G + g, d] = _fold32([acc[g, i, d] for i in range(STEP)])
+                o[0, kv * G + g, d] = _fold32([acc[(g * STEP + i) * D + d] for i in range(STEP)])
 
     split = max(1, int(rows_per_task))
     grouped = heads_grouped(n_head, n_kv, threads, f16_pv_below)
@@ -238,6 +232,11 @@ def attention_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float,
                         one_row(q, k_cache, v_cache, pos, o, n, task * T.int64(split) + part)
 
     return attention
+
+
+def head_slice(buf: tirx.Buffer, g: tirx.PrimExpr, size: tirx.PrimExpr) -> tirx.Buffer:
+    """Elements [g * size, (g + 1) * size) of a flat buffer, as a buffer of their own."""
+    return T.decl_buffer((size,), buf.dtype, data=buf.data, elem_offset=g * size)
 
 
 def heads_grouped(n_head: int, n_kv: int, threads: int, f16_pv_below: int = 0) -> bool:
