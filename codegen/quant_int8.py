@@ -99,9 +99,13 @@ def tiles_chosen(qtype: str, prompt_tiles: str) -> bool:
     them: the K-quants always (their prompts were not llama.cpp's bit for bit before either);
     the 32-value formats (Q8_0, Q4_0, Q4_1) only with "all", since one float step per block
     instead of llama.cpp's 8 lanes gives up their bit-for-bit prompt logits."""
+    check_prompt_tiles(prompt_tiles)
+    return qtype in KQUANT_GEMV_TYPES or prompt_tiles == "all"
+
+
+def check_prompt_tiles(prompt_tiles: str) -> None:
     if prompt_tiles not in PROMPT_TILES:
         raise ValueError(f"prompt tiles must be one of {', '.join(PROMPT_TILES)}, got {prompt_tiles!r}")
-    return qtype in KQUANT_GEMV_TYPES or prompt_tiles == "all"
 
 
 def tile_gemm_supported(qtype: str, n: int, k: int, target: tvm.target.Target) -> bool:

@@ -14,7 +14,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from ggufc.codegen.build import DEFAULT_MAX_CHUNK, Built, Progress, kernel_weights, layout_fields
-from ggufc.codegen.quant_int8 import PROMPT_TILES
+from ggufc.codegen.quant_int8 import check_prompt_tiles
 from ggufc.codegen.target import target_key
 from ggufc.frontend.load import LoadedModel, load_model
 from ggufc.frontend.tokenizer_build import build_tokenizer
@@ -41,8 +41,7 @@ def compile_model(
     measured at least `tuning_min_speedup` times faster (driver/tune.py).
     """
 
-    if prompt_tiles not in PROMPT_TILES:
-        raise ValueError(f"prompt_tiles must be one of {', '.join(PROMPT_TILES)}, got {prompt_tiles!r}")
+    check_prompt_tiles(prompt_tiles)  # before the long part
     t0 = time.perf_counter()
     staging = staging_for(out_dir)  # before the long part: an output we may not write is refused now
     try:
