@@ -128,20 +128,6 @@ def attention_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float,
         stat[0] = T.max(stat[0], scores[s])
 
     @T.macro
-    def softmax(scores, stat, total, visible):  # type: ignore[no-untyped-def]
-        """ggml_soft_max_f32 over scores[0, visible) in place (stat[0]: their max; stat[1] = 1 / sum)."""
-        chunks = (visible + L - T.int64(1)) // L
-        for s in range(visible, chunks * L):
-            scores[s] = T.float32(-3.0e38)  # exp gives 0
-        total[0] = T.float64(0)
-        for c in range(chunks):
-            scores[c * 8:c * 8 + 8] = expf8(scores.vload([c * 8], "float32x8") - T.broadcast(stat[0], 8))
-            total[0] = total[0] + T.Cast("float64", _hsum8([scores[c * 8 + i] for i in range(8)]))
-        stat[1] = T.Cast("float32", T.float64(1) / total[0])
-        for s in range(visible):
-            scores[s] = scores[s] * stat[1]
-
-    @T.macro
     def one_row(q, k_cache, v_cache, pos, o, n, row):  # type: ignore[no-untyped-def]
         t = row // H
         h = row % H
@@ -252,7 +238,7 @@ def attention_slot_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: f
     if dim % STEP:
         raise ValueError(f"attention: head dim {dim} must be a multiple of {STEP}")
     H, HKV, D, C = T.int64(n_head), T.int64(n_kv), T.int64(dim), T.int64(n_cells)
-    G, L = T.int64(n_head // n_kv), T.int64(LANES)
+    G = T.int64(n_head // n_kv)
     SCALE = T.float32(scale)
     CP = T.int64(-(-n_cells // STEP) * STEP)
     prefetch_cell = cell_prefetcher(n_kv, dim, n_cells)
@@ -293,16 +279,7 @@ def attention_slot_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: f
                         part[lane] = fma(k_cache[b, s, kv, d0 * STEP + lane], q[t, h, d0 * STEP + lane], part[lane])
                 scores[s] = _fold32([part[i] for i in range(STEP)]) * SCALE
                 stat[0] = T.max(stat[0], scores[s])
-            chunks = (visible + L - T.int64(1)) // L
-            for s in range(visible, chunks * L):
-                scores[s] = T.float32(-3.0e38)
-            total[0] = T.float64(0)
-            for c in range(chunks):
-                scores[c * 8:c * 8 + 8] = expf8(scores.vload([c * 8], "float32x8") - T.broadcast(stat[0], 8))
-                total[0] = total[0] + T.Cast("float64", _hsum8([scores[c * 8 + i] for i in range(8)]))
-            stat[1] = T.Cast("float32", T.float64(1) / total[0])
-            for s in range(visible):
-                scores[s] = scores[s] * stat[1]
+            softmax(scores, stat, total, visible)
             for a, d in T.grid(STEP, D):
                 acc[a, d] = T.float32(0)
             for s in range(visible):  # the one-token order: cell s into accumulator s % 32
@@ -326,3 +303,20 @@ def _fold32(v: list[tirx.PrimExpr]) -> tirx.PrimExpr:
     x = [(v[i] + v[16 + i]) + (v[8 + i] + v[24 + i]) for i in range(8)]
     t0 = [x[i] + x[i + 4] for i in range(4)]
     return (t0[0] + t0[1]) + (t0[2] + t0[3])
+
+
+# after _hsum8: a macro takes the module's names as they are when it is defined
+@T.macro
+def softmax(scores, stat, total, visible):  # type: ignore[no-untyped-def]
+    """ggml_soft_max_f32 over scores[0, visible) in place (stat[0]: their max; stat[1] = 1 / sum):
+    its vector exp on 8 scores at a time, each 8 summed as hsum_float_8, the sums in float64."""
+    chunks = (visible + T.int64(LANES - 1)) // T.int64(LANES)
+    for s in range(visible, chunks * LANES):
+        scores[s] = T.float32(-3.0e38)  # exp gives 0
+    total[0] = T.float64(0)
+    for c in range(chunks):
+        scores[c * 8:c * 8 + 8] = expf8(scores.vload([c * 8], "float32x8") - T.broadcast(stat[0], 8))
+        total[0] = total[0] + T.Cast("float64", _hsum8([scores[c * 8 + i] for i in range(8)]))
+    stat[1] = T.Cast("float32", T.float64(1) / total[0])
+    for s in range(visible):
+        scores[s] = scores[s] * stat[1]
