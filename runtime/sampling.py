@@ -30,11 +30,11 @@ class Sampler:
         return self.temperature == 0.0
 
     def __call__(self, logits: np.ndarray) -> int:
+        if self.greedy:  # one pass over the logits as they are (a wider copy orders them alike)
+            return _argmax(np.asarray(logits).reshape(-1))
         scores = np.asarray(logits, dtype=np.float64).reshape(-1)
         if scores.size == 0 or np.isnan(scores).any():
             raise ValueError("logits are empty or contain NaN")
-        if self.greedy:
-            return int(np.argmax(scores))
         ids, probs = self.distribution(scores)
         pick = int(np.searchsorted(np.cumsum(probs), self.rng.random() * probs.sum(), side="right"))
         return int(ids[min(pick, ids.size - 1)])
@@ -56,6 +56,17 @@ class Sampler:
             n_keep = int(np.searchsorted(np.cumsum(probs), self.top_p, side="left")) + 1
             ids, probs = ids[:n_keep], probs[:n_keep] / probs[:n_keep].sum()
         return ids, probs
+
+
+def _argmax(scores: np.ndarray) -> int:
+    """The id of the largest score, the lowest on ties; numpy's argmax stops at the first NaN, so
+    a NaN anywhere is the one it returns."""
+    if scores.size == 0:
+        raise ValueError("logits are empty or contain NaN")
+    best = int(np.argmax(scores))
+    if np.isnan(scores[best]):
+        raise ValueError("logits are empty or contain NaN")
+    return best
 
 
 def _top_ids(scores: np.ndarray, k: int) -> np.ndarray:

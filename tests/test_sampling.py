@@ -82,3 +82,21 @@ def test_bad_settings_refused(kwargs: dict) -> None:
 def test_nan_logits_refused() -> None:
     with pytest.raises(ValueError, match="NaN"):
         Sampler(temperature=1.0)(np.array([0.0, np.nan]))
+
+
+@pytest.mark.parametrize("where", [0, 7, 999])
+def test_greedy_refuses_nan_anywhere(where: int) -> None:
+    logits = np.random.default_rng(2).standard_normal(1000).astype(np.float32)
+    logits[where] = np.nan
+    with pytest.raises(ValueError, match="NaN"):
+        Sampler()(logits)
+
+
+def test_greedy_on_float32_picks_what_float64_picks() -> None:
+    """Greedy reads the float32 logits as they are: widening them keeps their order, ties included."""
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        logits = rng.integers(-3, 4, 5000).astype(np.float32)  # many ties at the maximum
+        assert Sampler()(logits) == int(np.argmax(logits.astype(np.float64)))
+    with pytest.raises(ValueError, match="empty"):
+        Sampler()(np.array([], np.float32))
