@@ -132,10 +132,13 @@ def test_kquant_model_is_the_reference_matmul_up_to_rounding(qtype: str) -> None
 
 @needs_int8_dot
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
-@pytest.mark.parametrize(("pairs", "t"), [(0, 13), (1, 1), (1, 2), (3, 5), (3, 13), (2, 8)])
+@pytest.mark.parametrize(("pairs", "t"), [(0, 13), (1, 1), (1, 2), (3, 5), (3, 13), (2, 8),
+                                          (3, 2), (3, 4), (3, 8), (3, 10), (3, 11)])
 def test_kquant_prompt_gemm_tilings_are_llama_cpp_bit_for_bit(qtype: str, pairs: int, t: int) -> None:
     """The Q4_K and Q6_K prompt GEMMs in token pairs (512-bit registers; `pairs` per pass, 0: the
-    4-token kernel), with whole tiles, a tail of single tokens, and prompts shorter than one tile."""
+    4-token kernel), with whole tiles, the whole pairs after them in one shorter pass (Q4_K from
+    one pair, Q6_K from two), a tail of single tokens, and prompts (or batched decode steps)
+    shorter than one tile."""
     intrin = Q8.int8_dot_intrinsic(TARGET)
     if pairs and not Q8.has_512bit_dot(TARGET):
         pytest.skip(f"{TARGET.attrs.get('mcpu')} has no 512-bit registers")
