@@ -16,18 +16,17 @@ the 256-bit kernel's), not per token after the dots.
 
 Tiles take PAIRS_PER_TILE pairs of tokens (4 tokens) through a row group, the tail pair one more.
 A whole tile's 16 sums of 8 lanes are added at once, level by level in hsum_float_8's order
-(_tree_sums), and each token's 4 rows stored as one vector.
+(int8_parts.half_sums), and each token's 4 rows stored as one vector.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .int8_parts import ROWS, prefetch
+from .int8_parts import ROWS, half_lane, half_sums, prefetch
 
 DOT512 = "llvm.x86.avx512.vpdpbusd.512"
 PAIRS_PER_TILE = 2
@@ -44,52 +43,11 @@ def _hsum_half(acc: tirx.Buffer, i: tirx.PrimExpr, h: int) -> tirx.PrimExpr:
             + ((acc[i, o + 1] + acc[i, o + 5]) + (acc[i, o + 3] + acc[i, o + 7])))
 
 
-# The 8 accumulators of a 2-pair tile summed at once: each level adds two vectors' lanes in the
-# order hsum_float_8 adds them, ((0+4) + (2+6)) + ((1+5) + (3+7)), for 16 (row, token) sums in one
-# vector (21 shuffles and adds, where a sum at a time takes ~12 instructions each).
-# Level 1, per pair of accumulators: a half's two 128-bit lanes added (lane j + lane j + 4).
-_LEVEL1 = ([*range(0, 4), *range(8, 12), *range(16, 20), *range(24, 28)],
-           [*range(4, 8), *range(12, 16), *range(20, 24), *range(28, 32)])
-# Level 2, per pair of level-1 vectors, in each 128-bit lane: (b0 + b2, b1 + b3) of both.
-_LEVEL2 = ([i for g in range(4) for i in (4 * g, 4 * g + 1, 16 + 4 * g, 17 + 4 * g)],
-           [i for g in range(4) for i in (4 * g + 2, 4 * g + 3, 18 + 4 * g, 19 + 4 * g)])
-# Level 3: c0 + c1 of each of the four sums in each 128-bit lane.
-_LEVEL3 = ([i for g in range(4) for i in (4 * g, 4 * g + 2, 16 + 4 * g, 18 + 4 * g)],
-           [i for g in range(4) for i in (4 * g + 1, 4 * g + 3, 17 + 4 * g, 19 + 4 * g)])
-
-
-def _tree_levels(vectors: list[Any], add: Callable[[Any, Any], Any],
-                 shuffle: Callable[[Any, Any, list[int]], Any]) -> Any:
-    """The three levels on 8 vectors (anything `add` and `shuffle` take: TIR vectors, or labels)."""
-    for first, second in (_LEVEL1, _LEVEL2, _LEVEL3):
-        pairs = zip(vectors[::2], vectors[1::2], strict=True)
-        vectors = [add(shuffle(a, b, first), shuffle(a, b, second)) for a, b in pairs]
-    return vectors[0]
-
-
-def _sum_order() -> list[int]:
-    """For lane u * 4 + r of the result (token u of the tile, row r), the lane of the tree sums
-    holding it; checked to be hsum_float_8's sum of that accumulator's 8 lanes."""
-    def label(q: int, lane: int) -> tuple[int, int, int]:  # (accumulator r * 2 + p, half, lane j)
-        return (q, lane // 8, lane % 8)
-
-    vectors = [[label(q, lane) for lane in range(16)] for q in range(ROWS * PAIRS_PER_TILE)]
-    tree = _tree_levels(vectors, lambda a, b: [(x, y) for x, y in zip(a, b, strict=True)],
-                        lambda a, b, idx: [(a + b)[i] for i in idx])
-    order = []
-    for u, r in ((u, r) for u in range(4) for r in range(ROWS)):
-        q, h = r * PAIRS_PER_TILE + u // 2, u % 2
-        want = (((q, h, 0), (q, h, 4)), ((q, h, 2), (q, h, 6))), (((q, h, 1), (q, h, 5)), ((q, h, 3), (q, h, 7)))
-        order.append(tree.index(want))
-    return order
-
-
-def _tree_sums(acc: tirx.Buffer) -> tirx.PrimExpr:
-    """hsum_float_8 of every half of the 8 accumulators of a 2-pair tile: lane u * 4 + r holds row
-    r's sum for token u of the tile."""
-    vectors = [acc.vload([q, 0], "float32x16") for q in range(ROWS * PAIRS_PER_TILE)]
-    tree = _tree_levels(vectors, lambda a, b: a + b, lambda a, b, idx: T.Shuffle([a, b], idx))
-    order = _sum_order()
+def _tile_sums(acc: tirx.Buffer) -> tirx.PrimExpr:
+    """hsum_float_8 of every half of the 8 accumulators of a 2-pair tile (int8_parts.half_sums):
+    lane u * 4 + r holds row r's sum for token u of the tile."""
+    tree = half_sums([acc.vload([q, 0], "float32x16") for q in range(ROWS * PAIRS_PER_TILE)])
+    order = [half_lane(r * PAIRS_PER_TILE + u // 2, u % 2) for u in range(2 * PAIRS_PER_TILE) for r in range(ROWS)]
     return tree if order == list(range(16)) else T.Shuffle([tree], order)
 
 
@@ -177,9 +135,9 @@ def pair_tile(qtype: str, n_blocks: int, pairs: int, prefetch_groups: int) -> Ca
         if pairs == PAIRS_PER_TILE:  # all 16 sums at once, then each token's 4 rows as one store
             sums = T.alloc_buffer((16,), "float32")  # small: a stack array per task
             if has_min:
-                sums[0:16] = _tree_sums(acc) + mins.vload([0], "float32x16")
+                sums[0:16] = _tile_sums(acc) + mins.vload([0], "float32x16")
             else:
-                sums[0:16] = _tree_sums(acc)
+                sums[0:16] = _tile_sums(acc)
             for u in T.unroll(2 * pairs):
                 if t + u < t_len:
                     y[t + u, jo * rows:jo * rows + rows] = sums.vload([u * rows], "float32x4")

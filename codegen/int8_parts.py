@@ -5,6 +5,7 @@ K-quants' integer pair sums."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -99,6 +100,56 @@ def l2_ahead_groups(group_bytes: int, prefetch_groups: int) -> int:
 def hsum8(acc: tirx.Buffer, r: tirx.PrimExpr) -> tirx.PrimExpr:
     """The 8 lanes of acc[r] summed as llama.cpp's hsum_float_8: ((0+4) + (2+6)) + ((1+5) + (3+7))."""
     return ((acc[r, 0] + acc[r, 4]) + (acc[r, 2] + acc[r, 6])) + ((acc[r, 1] + acc[r, 5]) + (acc[r, 3] + acc[r, 7]))
+
+
+# hsum_float_8 of each 8-lane half of up to 8 float32x16 accumulators at once: three levels, each
+# adding the lanes of two vectors in the order hsum_float_8 adds them, ((0+4) + (2+6)) + ((1+5) +
+# (3+7)), 16 sums in one vector from 21 shuffles and adds (one sum at a time takes ~12 instructions).
+# Level 1, per two accumulators: each half's two 128-bit lanes added (lane j + lane j + 4).
+_LEVEL1 = ([*range(0, 4), *range(8, 12), *range(16, 20), *range(24, 28)],
+           [*range(4, 8), *range(12, 16), *range(20, 24), *range(28, 32)])
+# Level 2, per two level-1 vectors, in each 128-bit lane: (b0 + b2, b1 + b3) of both.
+_LEVEL2 = ([i for g in range(4) for i in (4 * g, 4 * g + 1, 16 + 4 * g, 17 + 4 * g)],
+           [i for g in range(4) for i in (4 * g + 2, 4 * g + 3, 18 + 4 * g, 19 + 4 * g)])
+# Level 3: c0 + c1 of each of the four sums in each 128-bit lane.
+_LEVEL3 = ([i for g in range(4) for i in (4 * g, 4 * g + 2, 16 + 4 * g, 18 + 4 * g)],
+           [i for g in range(4) for i in (4 * g + 1, 4 * g + 3, 17 + 4 * g, 19 + 4 * g)])
+
+
+def _tree_levels(vectors: list[Any], add: Callable[[Any, Any], Any],
+                 shuffle: Callable[[Any, Any, list[int]], Any]) -> Any:
+    """The three levels on 8 vectors (anything `add` and `shuffle` take: TIR vectors, or labels)."""
+    for first, second in (_LEVEL1, _LEVEL2, _LEVEL3):
+        pairs = zip(vectors[::2], vectors[1::2], strict=True)
+        vectors = [add(shuffle(a, b, first), shuffle(a, b, second)) for a, b in pairs]
+    return vectors[0]
+
+
+def half_lane(i: Any, h: Any) -> Any:
+    """The lane of half_sums' result holding half h of vectors[i] (ints, or TIR expressions)."""
+    return i // 2 + 8 * (i % 2) + 4 * h
+
+
+@functools.cache
+def _check_half_lanes() -> bool:
+    """Run the levels on labels: each lane half_lane names holds hsum_float_8's sum of that half,
+    which the padding never enters."""
+    vectors = [[(i, lane // 8, lane % 8) for lane in range(16)] for i in range(8)]
+    tree = _tree_levels(vectors, lambda a, b: [(x, y) for x, y in zip(a, b, strict=True)],
+                        lambda a, b, idx: [(a + b)[k] for k in idx])
+    for i, h in ((i, h) for i in range(8) for h in range(2)):
+        want = (((i, h, 0), (i, h, 4)), ((i, h, 2), (i, h, 6))), (((i, h, 1), (i, h, 5)), ((i, h, 3), (i, h, 7)))
+        assert tree[half_lane(i, h)] == want, (i, h)
+    return True
+
+
+def half_sums(vectors: list[tirx.PrimExpr]) -> tirx.PrimExpr:
+    """hsum_float_8 of both 8-lane halves of each of up to 8 float32x16 `vectors`, as one
+    float32x16: half h of vectors[i] in lane half_lane(i, h)."""
+    assert 0 < len(vectors) <= 8 and _check_half_lanes(), "one tree takes up to 8 accumulators"
+    zero = T.broadcast(T.float32(0), 16)
+    padded = [*vectors, *[zero] * (8 - len(vectors))]
+    return _tree_levels(padded, lambda a, b: a + b, lambda a, b, idx: T.Shuffle([a, b], idx))
 
 
 def without_params(func: tirx.PrimFunc, names: set[str]) -> tirx.PrimFunc:

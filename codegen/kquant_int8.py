@@ -278,7 +278,6 @@ def _q4k_pair_rows(rows: int, n_pairs: int, n_super: int, prefetch_groups: int) 
         # the low and high nibbles' sums in two chains (so one vpdpwssds need not wait for the
         # other), added when the super-block ends: integers, the same sum
         sumi = T.alloc_buffer((tiles * 2, 16), "int32")
-        acc_tok = T.decl_buffer((tiles * 2, 8), "float32", data=acc.data)  # one token's 8 lanes per row
         ahead = T.meta_var(T.min(jo + prefetch_groups, n // rows - 1))
         for q in T.unroll(tiles):
             acc[q, 0:16] = T.broadcast(T.float32(0), 16)
@@ -323,10 +322,12 @@ def _q4k_pair_rows(rows: int, n_pairs: int, n_super: int, prefetch_groups: int) 
                         -T.Shuffle([xd], [0, 1, 2, 3, 8, 9, 10, 11])
                         * T.broadcast(T.Cast("float32", dmin[jo * rows + r, i]), 8),
                         T.Cast("float32x8", prod), accm.vload([r * n_pairs + u, 0], "float32x8"))
+        sums = T.alloc_buffer((16,), "float32")  # small: a stack array per task
+        sums[0:16] = P.half_sums([acc.vload([q, 0], "float32x16") for q in range(tiles)])
         for r in T.unroll(rows):
             for u in T.unroll(n_pairs):
                 for h in T.unroll(2):
-                    y[(p0 + u) * 2 + h, jo * rows + r] = P.hsum8(acc_tok, (r * n_pairs + u) * 2 + h) + (
+                    y[(p0 + u) * 2 + h, jo * rows + r] = sums[P.half_lane(r * n_pairs + u, h)] + (
                         (accm[r * n_pairs + u, h * 4] + accm[r * n_pairs + u, h * 4 + 2])
                         + (accm[r * n_pairs + u, h * 4 + 1] + accm[r * n_pairs + u, h * 4 + 3]))
 
@@ -409,7 +410,6 @@ def _q6k_pair_rows(rows: int, n_pairs: int, n_super: int, prefetch_groups: int) 
         sc_flat = T.decl_buffer((n * n_super * 16,), "int8", data=sc.data)
         acc = T.alloc_buffer((tiles, 16), "float32")  # small: stack arrays per task
         sumi = T.alloc_buffer((tiles * 2, 16), "int32")  # two chains, as in _q4k_pair_rows
-        acc_tok = T.decl_buffer((tiles * 2, 8), "float32", data=acc.data)
         ahead = T.meta_var(T.min(jo + prefetch_groups, n // rows - 1))
         for q in T.unroll(tiles):
             acc[q, 0:16] = T.broadcast(T.float32(0), 16)
@@ -445,10 +445,12 @@ def _q6k_pair_rows(rows: int, n_pairs: int, n_super: int, prefetch_groups: int) 
                         acc.vload([r * n_pairs + u, 0], "float32x16"))
                     sumi[(r * n_pairs + u) * 2, 0:16] = T.broadcast(T.int32(0), 16)
                     sumi[(r * n_pairs + u) * 2 + 1, 0:16] = T.broadcast(T.int32(0), 16)
+        sums = T.alloc_buffer((16,), "float32")  # small: a stack array per task
+        sums[0:16] = P.half_sums([acc.vload([q, 0], "float32x16") for q in range(tiles)])
         for r in T.unroll(rows):
             for u in T.unroll(n_pairs):
                 for h in T.unroll(2):
-                    y[(p0 + u) * 2 + h, jo * rows + r] = P.hsum8(acc_tok, (r * n_pairs + u) * 2 + h)
+                    y[(p0 + u) * 2 + h, jo * rows + r] = sums[P.half_lane(r * n_pairs + u, h)]
 
     return row_group
 
