@@ -353,7 +353,7 @@ def _pair_rest(passes: dict[int, Callable[..., None]]) -> Callable[..., None]:
     """Macro: the pass `passes[c]` over the c whole pairs (c < 4) left after the last whole tile,
     from pair p0; nothing where c has no pass (those tokens take the one-token macro)."""
     assert all(0 < c < 4 for c in passes), "PAIR_TILE is at most 4"
-    fill = [passes.get(c, next(iter(passes.values()), None)) for c in (1, 2, 3)]  # absent: never run
+    fill = [passes.get(c) for c in (1, 2, 3)]  # None only in branches the test `c in passes` drops
 
     @T.macro
     def rest(f0, f1, f2, f3, f4, y, jo, p0, c, xb2, xd2, xs2, xp2):  # type: ignore[no-untyped-def]
