@@ -15,7 +15,7 @@ tile in one 16-lane fma per block (each product is exact, so the sums keep the b
 the 256-bit kernel's), not per token after the dots.
 
 Tiles take PAIRS_PER_TILE pairs of tokens (4 tokens) through a row group, the tail pair one more.
-A whole tile's 16 sums of 8 lanes are added at once, level by level in hsum_float_8's order
+A tile's sums of 8 lanes are added at once, level by level in hsum_float_8's order
 (int8_parts.half_sums), and each token's 4 rows stored as one vector.
 """
 
@@ -36,18 +36,11 @@ def _fma16(a: tirx.PrimExpr, b: tirx.PrimExpr, c: tirx.PrimExpr) -> tirx.PrimExp
     return T.call_llvm_pure_intrin("float32x16", "llvm.fma.v16f32", a, b, c)
 
 
-def _hsum_half(acc: tirx.Buffer, i: tirx.PrimExpr, h: int) -> tirx.PrimExpr:
-    """hsum_float_8 (int8_parts.hsum8) of lanes 8h..8h+7 of acc[i]."""
-    o = 8 * h
-    return (((acc[i, o + 0] + acc[i, o + 4]) + (acc[i, o + 2] + acc[i, o + 6]))
-            + ((acc[i, o + 1] + acc[i, o + 5]) + (acc[i, o + 3] + acc[i, o + 7])))
-
-
-def _tile_sums(acc: tirx.Buffer) -> tirx.PrimExpr:
-    """hsum_float_8 of every half of the 8 accumulators of a 2-pair tile (int8_parts.half_sums):
-    lane u * 4 + r holds row r's sum for token u of the tile."""
-    tree = half_sums([acc.vload([q, 0], "float32x16") for q in range(ROWS * PAIRS_PER_TILE)])
-    order = [half_lane(r * PAIRS_PER_TILE + u // 2, u % 2) for u in range(2 * PAIRS_PER_TILE) for r in range(ROWS)]
+def _tile_sums(acc: tirx.Buffer, pairs: int) -> tirx.PrimExpr:
+    """hsum_float_8 of every half of a tile's ROWS * pairs accumulators (int8_parts.half_sums), as
+    one vector of 2 * pairs * ROWS lanes: lane u * ROWS + r holds row r's sum for token u."""
+    tree = half_sums([acc.vload([q, 0], "float32x16") for q in range(ROWS * pairs)])
+    order = [half_lane(r * pairs + u // 2, u % 2) for u in range(2 * pairs) for r in range(ROWS)]
     return tree if order == list(range(16)) else T.Shuffle([tree], order)
 
 
@@ -64,6 +57,7 @@ def pair_tile(qtype: str, n_blocks: int, pairs: int, prefetch_groups: int) -> Ca
     assert rows == 4 and pairs <= 2, "a tile's minimum sums are one 16-lane vector (4 rows x 4 tokens)"
     is_q8, has_min = qtype == "Q8_0", qtype == "Q4_1"
     n_octs = n_blocks // 8
+    n_sums = 2 * pairs * rows  # (token, row) sums of a tile
     shifts = T.Shuffle([T.broadcast(T.int32(0), 16), T.broadcast(T.int32(4), 16)],
                        [0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23])
 
@@ -132,24 +126,14 @@ def pair_tile(qtype: str, n_blocks: int, pairs: int, prefetch_groups: int) -> Ca
                 block_step(wq, acc, jo * rows + r, r, b, wdf, t, t_pad, xq, xdp, xcq)
             if has_min:
                 min_step(wm, mf, mins, jo, b, t, xsw)
-        if pairs == PAIRS_PER_TILE:  # all 16 sums at once, then each token's 4 rows as one store
-            sums = T.alloc_buffer((16,), "float32")  # small: a stack array per task
-            if has_min:
-                sums[0:16] = _tile_sums(acc) + mins.vload([0], "float32x16")
-            else:
-                sums[0:16] = _tile_sums(acc)
-            for u in T.unroll(2 * pairs):
-                if t + u < t_len:
-                    y[t + u, jo * rows:jo * rows + rows] = sums.vload([u * rows], "float32x4")
+        # all the tile's sums at once, then each token's 4 rows as one store
+        sums = T.alloc_buffer((16,), "float32")  # small: a stack array per task
+        if has_min:
+            sums[0:n_sums] = _tile_sums(acc, pairs) + mins.vload([0], f"float32x{n_sums}")
         else:
-            for r in T.unroll(rows):
-                for p in T.unroll(pairs):
-                    for h in T.unroll(2):
-                        if t + 2 * p + h < t_len:
-                            if has_min:
-                                y[t + 2 * p + h, jo * rows + r] = (_hsum_half(acc, r * pairs + p, h)
-                                                                   + mins[(2 * p + h) * 4 + r])
-                            else:
-                                y[t + 2 * p + h, jo * rows + r] = _hsum_half(acc, r * pairs + p, h)
+            sums[0:n_sums] = _tile_sums(acc, pairs)
+        for u in T.unroll(2 * pairs):
+            if t + u < t_len:
+                y[t + u, jo * rows:jo * rows + rows] = sums.vload([u * rows], "float32x4")
 
     return row_group

@@ -47,11 +47,11 @@ def _activations(rng: np.random.Generator, t: int, k: int) -> np.ndarray:
 @needs_int8_dot
 @pytest.mark.parametrize("qtype", sorted(Q8.INT8_GEMV_TYPES))
 @pytest.mark.parametrize(("n", "k"), [(4, 64), (12, 320), (40, 576)])
-@pytest.mark.parametrize("t", [1, 3, 5, 8])
+@pytest.mark.parametrize("t", [1, 2, 3, 5, 8])
 def test_int8_matmul_is_llama_cpp_bit_for_bit(qtype: str, n: int, k: int, t: int) -> None:
-    """One token: the decode GEMV; several: the prompt GEMM (and a batched decode step's: 3
-    tokens are one tile of 2 + 2, one of them padding; 5 a full tile and a padded pair). Blocks
-    past the last 8-block run (k = 64, 320, 576) take the kernels' tail path."""
+    """One token: the decode GEMV; several: the prompt GEMM (and a batched decode step's: 2
+    tokens are one tail pair, 3 one tile of 2 + 2, one of them padding; 5 a full tile and a tail
+    pair, one of them padding). Blocks past the last 8-block run (k = 64, 320, 576) take the kernels' tail path."""
     rng = np.random.default_rng(n * k + t)
     raw = gguf.quants.quantize((rng.standard_normal((n, k)) * 0.05 + 0.01).astype(np.float32),
                                gguf.GGMLQuantizationType[qtype])
