@@ -26,8 +26,6 @@ ggml_vec_dot_q{4,6}_K_q8_K in its order, so the result is the one-token path's b
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import tvm
 from tvm import tirx
 from tvm.script import tirx as T
@@ -41,10 +39,9 @@ from .kquant_int8 import (
     PAIR_TYPES,
     SUPER,
     _field_specs,
-    _q4k_pair_rows,
-    _q6k_pair_rows,
     _q8k_quantize,
     _row_steps,
+    pair_tile,
 )
 from .quant import layout_spec
 from .quant_int8 import has_512bit_dot, int8_dot_intrinsic
@@ -87,23 +84,6 @@ def _band(groups: int, most: int = 16) -> int:
     return max(b for b in range(1, most + 1) if groups % b == 0)
 
 
-def _pair_tile(qtype: str, n_super: int, n_pairs: int) -> Callable[..., None]:
-    """Macro `(v0..v4, ys, n, jo, p0, xb2, xd2, xs2, xp2)`: PAIR_ROWS rows of one expert's view
-    through `n_pairs` token pairs from pair p0 (kquant_int8's pair row groups)."""
-    six = qtype == "Q6_K"
-    q4 = _q4k_pair_rows(PAIR_ROWS, n_pairs, n_super, P.PREFETCH_GROUPS)
-    q6 = _q6k_pair_rows(PAIR_ROWS, n_pairs, n_super, P.PREFETCH_GROUPS)
-
-    @T.macro
-    def tile(v0, v1, v2, v3, v4, ys, n, jo, p0, xb2, xd2, xs2, xp2):  # type: ignore[no-untyped-def]
-        if six:
-            q6(v0, v1, v2, v3, ys, n, jo, p0, xb2, xd2, xp2)
-        else:
-            q4(v0, v1, v2, v3, v4, ys, n, jo, p0, xb2, xd2, xs2)
-
-    return tile
-
-
 def kquant_experts(qtype: str, n_exp: int, n: int, k: int, slots: int, per_slot: bool, intrin: str,
                    tokens: int = GEMM_TOKENS, pairs: bool = False) -> tirx.PrimFunc:
     """Args (x [T, S_x, K] f32, ids [T, slots] int32, *fields [X, N, ...], y [T, slots, N] f32),
@@ -120,7 +100,7 @@ def kquant_experts(qtype: str, n_exp: int, n: int, k: int, slots: int, per_slot:
     tile = _row_steps(qtype, intrin, n_super, tokens, P.PREFETCH_GROUPS)
     N, K, S, SX = T.int64(n), T.int64(k), T.int64(slots), T.int64(sx)
     six = qtype == "Q6_K"
-    full, two, single = (_pair_tile(qtype, n_super, p) for p in (PAIR_TILE, 2, 1))
+    full, two, single = (pair_tile(qtype, n_super, p) for p in (PAIR_TILE, 2, 1))
     pair_groups = n // PAIR_ROWS
     band = _band(pair_groups)
 

@@ -334,37 +334,21 @@ def _q4k_pair_rows(rows: int, n_pairs: int, n_super: int, prefetch_groups: int) 
     return row_group
 
 
-def _pair_tile(six: bool, rows: int, n_pairs: int, n_super: int, n: int) -> Callable[..., None]:
-    """Macro: the row group's pass over `n_pairs` token pairs from pair p0 (Q6_K or Q4_K)."""
-    q6 = _q6k_pair_rows(rows, n_pairs, n_super, P.PREFETCH_GROUPS)
-    q4 = _q4k_pair_rows(rows, n_pairs, n_super, P.PREFETCH_GROUPS)
+def pair_tile(qtype: str, n_super: int, n_pairs: int) -> Callable[..., None]:
+    """Macro `(f0..f4, y, n, jo, p0, xb2, xd2, xs2, xp2)`: PAIR_ROWS rows through `n_pairs` token
+    pairs from pair p0, Q4_K's or Q6_K's pair row group (the prompt GEMM's and the experts')."""
+    six = qtype == "Q6_K"
+    q4 = _q4k_pair_rows(PAIR_ROWS, n_pairs, n_super, P.PREFETCH_GROUPS)
+    q6 = _q6k_pair_rows(PAIR_ROWS, n_pairs, n_super, P.PREFETCH_GROUPS)
 
     @T.macro
-    def tile(f0, f1, f2, f3, f4, y, jo, p0, xb2, xd2, xs2, xp2):  # type: ignore[no-untyped-def]
+    def tile(f0, f1, f2, f3, f4, y, n, jo, p0, xb2, xd2, xs2, xp2):  # type: ignore[no-untyped-def]
         if six:
             q6(f0, f1, f2, f3, y, n, jo, p0, xb2, xd2, xp2)
         else:
             q4(f0, f1, f2, f3, f4, y, n, jo, p0, xb2, xd2, xs2)
 
     return tile
-
-
-def _pair_rest(passes: dict[int, Callable[..., None]]) -> Callable[..., None]:
-    """Macro: the pass `passes[c]` over the c whole pairs (c < 4) left after the last whole tile,
-    from pair p0; nothing where c has no pass (those tokens take the one-token macro)."""
-    assert all(0 < c < 4 for c in passes), "PAIR_TILE is at most 4"
-    fill = [passes.get(c) for c in (1, 2, 3)]  # None only in branches the test `c in passes` drops
-
-    @T.macro
-    def rest(f0, f1, f2, f3, f4, y, jo, p0, c, xb2, xd2, xs2, xp2):  # type: ignore[no-untyped-def]
-        if 1 in passes and c == 1:
-            fill[0](f0, f1, f2, f3, f4, y, jo, p0, xb2, xd2, xs2, xp2)
-        elif 2 in passes and c == 2:
-            fill[1](f0, f1, f2, f3, f4, y, jo, p0, xb2, xd2, xs2, xp2)
-        elif 3 in passes and c == 3:
-            fill[2](f0, f1, f2, f3, f4, y, jo, p0, xb2, xd2, xs2, xp2)
-
-    return rest
 
 
 def _pair_acts(n_super: int) -> Callable[..., None]:
@@ -674,7 +658,7 @@ def kquant_gemm(qtype: str, n: int, k: int, intrin: str, tokens: int = GEMM_TOKE
     (Q4_K and Q6_K on a target with 512-bit registers: int8_gemm gives PAIR_TILE), token pairs
     instead (_pair_gemm, `pairs` of them per pass)."""
     if pairs:
-        return _pair_gemm(qtype, n, k, intrin, PAIR_ROWS, pairs)
+        return _pair_gemm(qtype, n, k, intrin, pairs)
     n_super, rows = k // SUPER, P.ROWS
     N, K = T.int64(n), T.int64(k)
     specs = _field_specs(qtype, n, k)
@@ -707,21 +691,20 @@ def kquant_gemm(qtype: str, n: int, k: int, intrin: str, tokens: int = GEMM_TOKE
     return P.without_params(gemm, {f"f{f}" for f in range(n_fields, FIELDS)})
 
 
-def _pair_gemm(qtype: str, n: int, k: int, intrin: str, rows: int, pairs: int) -> tirx.PrimFunc:
+def _pair_gemm(qtype: str, n: int, k: int, intrin: str, pairs: int) -> tirx.PrimFunc:
     """kquant_gemm of Q4_K or Q6_K in token pairs, 2 * pairs tokens per pass over a row group's
-    codes; the whole pairs past the last whole tile take one shorter pass (so a batched decode
-    step of 2-5 rows shares its codes too), an odd last token the one-token macro."""
-    n_super, tokens, six = k // SUPER, 2 * pairs, qtype == "Q6_K"
+    codes; the whole pairs past the last whole tile take a 2-pair pass and a 1-pair pass as the
+    experts' do (so a batched decode step of 2-5 rows shares its codes too), an odd last token
+    the one-token macro. Q6_K's 1-pair pass timed slower than two one-token ones, so Q6_K leaves
+    a last single pair to the one-token macro."""
+    assert pairs <= 4, "the pairs after the whole tiles take at most a 2-pair and a 1-pair pass"
+    n_super, tokens, rows, six = k // SUPER, 2 * pairs, PAIR_ROWS, qtype == "Q6_K"
     N, K = T.int64(n), T.int64(k)
     specs = _field_specs(qtype, n, k)
     quantize = _q8k_quantize()
     pair_acts = _pair_acts(n_super)
     one = _row_steps(qtype, intrin, n_super, 1, P.PREFETCH_GROUPS, rows)
-    tile = _pair_tile(six, rows, pairs, n_super, n)
-    # shorter passes for the whole pairs left after the last whole tile; Q6_K's one-pair pass timed
-    # slower than two one-token ones (a 2-row batched step), so it starts at two pairs
-    shortest = 2 if six else 1
-    rest = _pair_rest({c: _pair_tile(six, rows, c, n_super, n) for c in range(shortest, pairs)})
+    full, two, single = (pair_tile(qtype, n_super, p) for p in (pairs, 2, 1))
 
     @T.prim_func(private=True)
     def gemm(x_h: T.handle, f0: T.Buffer(specs[0][0], specs[0][1]), f1: T.Buffer(specs[1][0], specs[1][1]),  # type: ignore[valid-type]
@@ -745,10 +728,15 @@ def _pair_gemm(qtype: str, n: int, k: int, intrin: str, rows: int, pairs: int) -
             pair_acts(xb, xd, xs, xp, xb2, xd2, xs2, xp2, p, six)
         for jo in T.parallel(n // rows):
             for g in range(t_len // tokens):
-                tile(f0, f1, f2, f3, f4, y, jo, g * pairs, xb2, xd2, xs2, xp2)
-            left = T.meta_var(t_len % tokens // 2)  # whole pairs after the whole tiles
-            rest(f0, f1, f2, f3, f4, y, jo, t_len // tokens * pairs, left, xb2, xd2, xs2, xp2)
-            for t in range(t_len // tokens * tokens + T.if_then_else(left >= shortest, left * 2, T.int64(0)), t_len):
+                full(f0, f1, f2, f3, f4, y, n, jo, g * pairs, xb2, xd2, xs2, xp2)
+            rest = T.meta_var(t_len % tokens // 2)  # whole pairs after the whole tiles
+            tail = T.meta_var(t_len // tokens * pairs)  # the first of them
+            if rest >= 2:
+                two(f0, f1, f2, f3, f4, y, n, jo, tail, xb2, xd2, xs2, xp2)
+            if not six and rest % 2 == 1:
+                single(f0, f1, f2, f3, f4, y, n, jo, tail + rest // 2 * 2, xb2, xd2, xs2, xp2)
+            paired = T.meta_var(rest // 2 * 2 + (0 if six else rest % 2))  # pairs the passes took
+            for t in range((tail + paired) * 2, t_len):
                 one(f0, f1, f2, f3, f4, f4, y, n, jo, t, xb, xd, xs, xp)  # f5: unused by Q4_K and Q6_K
 
     return P.without_params(gemm, {f"f{f}" for f in range(len(layout_spec(qtype, (n, k))), FIELDS - 1)})
