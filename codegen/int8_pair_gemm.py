@@ -40,8 +40,7 @@ def _tile_sums(acc: tirx.Buffer, pairs: int) -> tirx.PrimExpr:
     """hsum_float_8 of every half of a tile's ROWS * pairs accumulators (int8_parts.half_sums), as
     one vector of 2 * pairs * ROWS lanes: lane u * ROWS + r holds row r's sum for token u."""
     tree = half_sums([acc.vload([q, 0], "float32x16") for q in range(ROWS * pairs)])
-    order = [half_lane(r * pairs + u // 2, u % 2) for u in range(2 * pairs) for r in range(ROWS)]
-    return tree if order == list(range(16)) else T.Shuffle([tree], order)
+    return T.Shuffle([tree], [half_lane(r * pairs + u // 2, u % 2) for u in range(2 * pairs) for r in range(ROWS)])
 
 
 def pair_tile(qtype: str, n_blocks: int, pairs: int, prefetch_groups: int) -> Callable[..., None]:

@@ -62,10 +62,10 @@ def _argmax(scores: np.ndarray) -> int:
     """The id of the largest score, the lowest on ties; numpy's argmax stops at the first NaN, so
     a NaN anywhere is the one it returns."""
     if scores.size == 0:
-        raise ValueError("logits are empty or contain NaN")
+        raise ValueError("logits are empty")
     best = int(np.argmax(scores))
     if np.isnan(scores[best]):
-        raise ValueError("logits are empty or contain NaN")
+        raise ValueError("logits contain NaN")
     return best
 
 

@@ -51,7 +51,8 @@ def _activations(rng: np.random.Generator, t: int, k: int) -> np.ndarray:
 def test_int8_matmul_is_llama_cpp_bit_for_bit(qtype: str, n: int, k: int, t: int) -> None:
     """One token: the decode GEMV; several: the prompt GEMM (and a batched decode step's: 2
     tokens are one tail pair, 3 one tile of 2 + 2, one of them padding; 5 a full tile and a tail
-    pair, one of them padding). Blocks past the last 8-block run (k = 64, 320, 576) take the kernels' tail path."""
+    pair, one of them padding). Blocks past the last 8-block run (k = 64, 320, 576) take the
+    kernels' tail path."""
     rng = np.random.default_rng(n * k + t)
     raw = gguf.quants.quantize((rng.standard_normal((n, k)) * 0.05 + 0.01).astype(np.float32),
                                gguf.GGMLQuantizationType[qtype])
@@ -136,9 +137,9 @@ def test_kquant_model_is_the_reference_matmul_up_to_rounding(qtype: str) -> None
                                           (3, 2), (3, 4), (3, 8), (3, 10), (3, 11)])
 def test_kquant_prompt_gemm_tilings_are_llama_cpp_bit_for_bit(qtype: str, pairs: int, t: int) -> None:
     """The Q4_K and Q6_K prompt GEMMs in token pairs (512-bit registers; `pairs` per pass, 0: the
-    4-token kernel), with whole tiles, the whole pairs after them in one shorter pass (Q4_K from
-    one pair, Q6_K from two), a tail of single tokens, and prompts (or batched decode steps)
-    shorter than one tile."""
+    4-token kernel), with whole tiles, the whole pairs after them in a 2-pair and a 1-pair pass
+    (Q6_K: its last single pair one token at a time), a tail of single tokens, and prompts (or
+    batched decode steps) shorter than one tile."""
     intrin = Q8.int8_dot_intrinsic(TARGET)
     if pairs and not Q8.has_512bit_dot(TARGET):
         pytest.skip(f"{TARGET.attrs.get('mcpu')} has no 512-bit registers")
