@@ -6,6 +6,8 @@ workload's own shapes (driver/tune.py, next to MetaSchedule, in the same databas
 
     8-bit GEMV groups (quant_int8.int8_gemv_group)   prefetch_groups  row groups prefetched ahead
                                                      groups_per_task  row groups per parallel task
+                                                     unroll           a super-block's runs unrolled
+                                                                      (0/1; Q4_K, Q5_K, Q6_K)
     vector SwiGLU (cpu_vec.swiglu)                   column_tasks     parallel tasks per token
     causal attention (kernels_attention.attention_rows)  rows_per_task  (token, head) rows per
                                                                      parallel task (not where a
@@ -26,6 +28,11 @@ them, the SwiGLU before the down matrix and the input's rounding to 8 bits (quan
 their prologue, so they have no kernel of their own in a decode step. The attention kernel's cost
 grows with the cache position, which a workload does not fix: it is timed at TIMING_POSITION.
 
+`unroll`'s best value follows the timing regime as much as the machine: on the development VM a
+super-block's runs unrolled (alone) made Q4_K GEMVs 1.01-1.06x faster hot (weights in the caches)
+and 0.94-1.00x as fast cold (weights streamed from memory), so the default keeps the loop rolled;
+with other settings, a cold session still picked it for half of a model's GEMV groups.
+
 No knobs yet: the row-group size (4 rows: the Q4_1 minimum terms of a group are one float32x4),
 a KV block for attention (a row reads its cells once, in order; blocking them would only reorder
 loads), the prompt GEMM's token tile (no prompt kernel is tuned: a session tunes the decode step),
@@ -45,6 +52,7 @@ from . import cpu_vec as CV
 from . import kernels_attention as KA
 from . import quant_int8 as Q8
 from .kernel_keys import Int8GemvGroup, KernelKey, OpKernel
+from .kquant_int8 import UNROLLABLE
 from .target import target_cores
 
 Knobs = dict[str, int]
@@ -53,6 +61,7 @@ GEMV_KNOBS: dict[str, tuple[int, ...]] = {
     "prefetch_groups": (Q8.PREFETCH_GROUPS, 1, 2, 8, 16),
     "groups_per_task": (1, 2, 4, 8),
 }
+UNROLL_KNOB: dict[str, tuple[int, ...]] = {"unroll": (0, 1)}  # GEMVs of kquant_int8.UNROLLABLE types
 SWIGLU_KNOBS: dict[str, tuple[int, ...]] = {"column_tasks": (1, 2, 4, 8, 16)}
 ATTENTION_KNOBS: dict[str, tuple[int, ...]] = {"rows_per_task": (1, 2, 4, 8)}
 TIMING_POSITION = 255  # the cache position attention is timed at (256 visible cells)
@@ -124,7 +133,8 @@ def build(key: KernelKey, target: tvm.target.Target, knobs: Knobs) -> tirx.PrimF
 def _grid(key: KernelKey, target: tvm.target.Target) -> dict[str, tuple[int, ...]]:
     fam = family(key, target)
     if fam == "int8_gemv":
-        return GEMV_KNOBS
+        unrollable = isinstance(key, Int8GemvGroup) and key.qtype in UNROLLABLE
+        return {**GEMV_KNOBS, **UNROLL_KNOB} if unrollable else GEMV_KNOBS
     if fam == "swiglu":
         vectors = int(key.attrs) // 8  # type: ignore[attr-defined]
         return {"column_tasks": tuple(v for v in SWIGLU_KNOBS["column_tasks"] if v <= max(1, vectors))}
@@ -135,7 +145,8 @@ def _grid(key: KernelKey, target: tvm.target.Target) -> dict[str, tuple[int, ...
 
 def _build_gemv(key: Any, target: tvm.target.Target, knobs: Knobs) -> tirx.PrimFunc:
     return Q8.int8_gemv_group(key.qtype, key.ns, key.k, target, key.prologue, key.residual,
-                              prefetch_groups=knobs["prefetch_groups"], groups_per_task=knobs["groups_per_task"])
+                              prefetch_groups=knobs["prefetch_groups"], groups_per_task=knobs["groups_per_task"],
+                              unroll=bool(knobs.get("unroll", 0)))
 
 
 def _build_swiglu(key: Any, target: tvm.target.Target, knobs: Knobs) -> tirx.PrimFunc:

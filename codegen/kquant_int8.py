@@ -152,12 +152,14 @@ def _min_dot(mn: tirx.Buffer, xs: tirx.Buffer, row: tirx.PrimExpr, t: tirx.PrimE
 
 
 def _q45k_rows(intrin: str, five: bool, rows: int, n_super: int, tt: int,
-               prefetch_groups: int) -> Callable[..., None]:
-    """Row-group macro of Q4_K / Q5_K (fields d, dmin, sc, mn, [qh,] qs)."""
+               prefetch_groups: int, unroll: bool = False) -> Callable[..., None]:
+    """Row-group macro of Q4_K / Q5_K (fields d, dmin, sc, mn, [qh,] qs); `unroll`: a super-block's
+    four 64-value runs unrolled (the same sums in the same order, scheduled differently)."""
     zero = T.broadcast(T.int32(0), 8)
     wide = P.pair_dot_intrinsic(intrin)
     decode = tt == 1  # a GEMV: its weight stream is the step's cost, so it is also prefetched into L2
     far_groups = P.l2_ahead_groups(rows * n_super * 128, prefetch_groups)
+    runs = T.unroll if unroll else T.serial
 
     @T.macro
     def row_group(d, dmin, sc, mn, qh, qs, y, n, jo, t, xb, xd, xs):  # type: ignore[no-untyped-def]
@@ -190,7 +192,7 @@ def _q45k_rows(intrin: str, five: bool, rows: int, n_super: int, tt: int,
             P.prefetch(mn_flat, ahead * rows * n_super * 8 + i * rows * 8)
             for r in T.unroll(rows * tt):
                 sumi[r, 0:8] = zero
-            for g in range(4):  # rolled: an unrolled super-block spills its dot products
+            for g in runs(4):  # rolled by default: unrolled, a super-block may spill its dot products
                 for r in T.unroll(rows):
                     bits = T.meta_var(T.reinterpret("int32x8", qs.vload([jo * rows + r, i * 4 + g, 0], "uint8x32")))
                     lo = T.meta_var(_mask(bits, 0x0F0F0F0F))
@@ -439,12 +441,15 @@ def _q6k_pair_rows(rows: int, n_pairs: int, n_super: int, prefetch_groups: int) 
     return row_group
 
 
-def _q6k_rows(intrin: str, rows: int, n_super: int, tt: int, prefetch_groups: int) -> Callable[..., None]:
+def _q6k_rows(intrin: str, rows: int, n_super: int, tt: int, prefetch_groups: int,
+              unroll: bool = False) -> Callable[..., None]:
     """Row-group macro of Q6_K (fields ql, qh, sc, d): each lane's dot product starts at -32 times
-    its activation sum, so the codes' offset costs nothing in the loop."""
+    its activation sum, so the codes' offset costs nothing in the loop; `unroll` as in _q45k_rows
+    (a super-block's two halves)."""
     wide = P.pair_dot_intrinsic(intrin)
     decode = tt == 1  # a GEMV: its weight stream is also prefetched into L2, as in _q45k_rows
     far_groups = P.l2_ahead_groups(rows * n_super * 192, prefetch_groups)
+    halves = T.unroll if unroll else T.serial
 
     def scales(sc: tirx.Buffer, row: tirx.PrimExpr, first: tirx.PrimExpr, c: int) -> tirx.PrimExpr:
         """sc[first + 2c] for values 0-15 and sc[first + 2c + 1] for 16-31 (the two 16-value
@@ -488,7 +493,7 @@ def _q6k_rows(intrin: str, rows: int, n_super: int, tt: int, prefetch_groups: in
             P.prefetch(sc_flat, ahead * rows * n_super * 16 + i * rows * 16)
             for r in T.unroll(rows * tt):
                 sumi[r, 0:8] = T.broadcast(T.int32(0), 8)
-            for a in range(2):  # rolled: an unrolled super-block spills its dot products
+            for a in halves(2):  # rolled by default: unrolled, a super-block may spill its dot products
                 for r in T.unroll(rows):
                     high = T.meta_var(T.reinterpret("int32x8", qh.vload([jo * rows + r, i * 2 + a, 0], "uint8x32")))
                     for c in T.unroll(4):
@@ -510,11 +515,14 @@ def _q6k_rows(intrin: str, rows: int, n_super: int, tt: int, prefetch_groups: in
     return row_group
 
 
+UNROLLABLE = ("Q4_K", "Q5_K", "Q6_K")  # K-quants whose row macro takes `unroll`
+
+
 def _row_steps(qtype: str, intrin: str, n_super: int, tt: int, prefetch_groups: int,
-               rows: int = P.ROWS) -> Callable[..., None]:
+               rows: int = P.ROWS, unroll: bool = False) -> Callable[..., None]:
     """One macro `(f0..f5, y, n, jo, t, xb, xd, xs, xp)` for every K-quant: f0.. the weight's fields
     in layout_spec order (the ones past a type's last unused; Q2_K's xs holds 16-value runs);
-    `rows` rows per group."""
+    `rows` rows per group; `unroll`: Q4_K/Q5_K/Q6_K's super-block loop unrolled (UNROLLABLE)."""
     if qtype == "Q2_K":
         q2 = q2k_rows(intrin, rows, n_super, tt, prefetch_groups)
 
@@ -532,7 +540,7 @@ def _row_steps(qtype: str, intrin: str, n_super: int, tt: int, prefetch_groups: 
 
         return steps3
     if qtype == "Q6_K":
-        q6 = _q6k_rows(intrin, rows, n_super, tt, prefetch_groups)
+        q6 = _q6k_rows(intrin, rows, n_super, tt, prefetch_groups, unroll)
 
         @T.macro
         def steps6(f0, f1, f2, f3, f4, f5, y, n, jo, t, xb, xd, xs, xp):  # type: ignore[no-untyped-def]
@@ -540,7 +548,7 @@ def _row_steps(qtype: str, intrin: str, n_super: int, tt: int, prefetch_groups: 
 
         return steps6
     five = qtype == "Q5_K"
-    q45 = _q45k_rows(intrin, five, rows, n_super, tt, prefetch_groups)
+    q45 = _q45k_rows(intrin, five, rows, n_super, tt, prefetch_groups, unroll)
 
     @T.macro
     def steps45(f0, f1, f2, f3, f4, f5, y, n, jo, t, xb, xd, xs, xp):  # type: ignore[no-untyped-def]
@@ -568,7 +576,8 @@ def _field_specs(qtype: str, n: int, k: int) -> list[tuple[tuple[int, ...], str]
 
 
 def kquant_gemv_group(qtype: str, ns: tuple[int, ...], k: int, intrin: str, prologue_spec: tuple[Any, ...],
-                      residual: bool, prefetch_groups: int, groups_per_task: int) -> tirx.PrimFunc:
+                      residual: bool, prefetch_groups: int, groups_per_task: int,
+                      unroll: bool = False) -> tirx.PrimFunc:
     """quant_int8.int8_gemv_group for the K-quants (which checks the arguments first)."""
     kind = prologue_spec[0] if prologue_spec else ""
     stage = P.input_stage(prologue_spec, k)
@@ -577,7 +586,7 @@ def kquant_gemv_group(qtype: str, ns: tuple[int, ...], k: int, intrin: str, prol
     s1, s2, s3 = (_field_specs(qtype, n, k) for n in (n1, n2, n3))
     run = _sum_run(qtype)
     quantize, quantize_one = _q8k_quantize(run), _q8k_super_block(run)
-    steps = _row_steps(qtype, intrin, n_super, 1, prefetch_groups)
+    steps = _row_steps(qtype, intrin, n_super, 1, prefetch_groups, unroll=unroll)
     add_residual = P.residual_adder(residual)
     n_groups = g1 + (g2 if group >= 2 else 0) + (g3 if group >= 3 else 0)
     split = max(1, int(groups_per_task))

@@ -61,7 +61,15 @@ from .int8_parts import (
     slots,
     without_params,
 )
-from .kquant_int8 import KQUANT_GEMV_TYPES, PAIR_TILE, SUPER, kquant_gemm, kquant_gemv_group, kquant_supported
+from .kquant_int8 import (
+    KQUANT_GEMV_TYPES,
+    PAIR_TILE,
+    SUPER,
+    UNROLLABLE,
+    kquant_gemm,
+    kquant_gemv_group,
+    kquant_supported,
+)
 from .kquant_int8 import PAIR_TYPES as KQUANT_PAIR_TYPES
 from .quant import i64, layout_spec
 
@@ -250,7 +258,8 @@ def int8_gemv(qtype: str, n: int, k: int, target: tvm.target.Target) -> tirx.Pri
 
 def int8_gemv_group(qtype: str, ns: tuple[int, ...], k: int, target: tvm.target.Target,
                     prologue: tuple[Any, ...] = (), residual: bool = False, *,
-                    prefetch_groups: int = PREFETCH_GROUPS, groups_per_task: int = 1) -> tirx.PrimFunc:
+                    prefetch_groups: int = PREFETCH_GROUPS, groups_per_task: int = 1,
+                    unroll: bool = False) -> tirx.PrimFunc:
     """Up to MAX_GROUP GEMVs of one input (a layer's q/k/v, its gate/up) in one kernel: one
     quantisation of x, one parallel loop over the row groups of every matrix.
     `(x [1, K], *weights of matrix 1, ..., *weights of matrix G, y_1 [1, N_1], ..., y_G [1, N_G])`.
@@ -261,9 +270,10 @@ def int8_gemv_group(qtype: str, ns: tuple[int, ...], k: int, target: tvm.target.
     `residual` (one matrix only) takes `res [1, N]` after the weights: y = res + W x, the same
     float sum as a separate add.
 
-    Knobs (`ggufc tune`, codegen/kernel_knobs.py), neither changing any output's float order:
+    Knobs (`ggufc tune`, codegen/kernel_knobs.py), none changing any output's float order:
     `prefetch_groups`, how many row groups ahead a task prefetches weight bytes; `groups_per_task`,
-    consecutive row groups one parallel task takes (1: one task per row group)."""
+    consecutive row groups one parallel task takes (1: one task per row group); `unroll`, a
+    super-block's runs unrolled (the K-quants of kquant_int8.UNROLLABLE only)."""
     intrin = int8_dot_intrinsic(target)
     if intrin is None or not 1 <= len(ns) <= MAX_GROUP or not all(int8_gemv_supported(qtype, n, k, target) for n in ns):
         raise NotImplementedError(f"no 8-bit GEMV for {qtype} {list(ns)} x {k} on {target}")
@@ -272,8 +282,11 @@ def int8_gemv_group(qtype: str, ns: tuple[int, ...], k: int, target: tvm.target.
         raise ValueError(f"int8 GEMV: unknown prologue {prologue!r}")
     if residual and len(ns) != 1:
         raise ValueError("int8 GEMV: a residual add needs a single matrix")
+    if unroll and qtype not in UNROLLABLE:
+        raise ValueError(f"int8 GEMV: {qtype} has no super-block loop to unroll")
     if qtype in KQUANT_GEMV_TYPES:
-        func = kquant_gemv_group(qtype, ns, k, intrin, prologue, residual, prefetch_groups, groups_per_task)
+        func = kquant_gemv_group(qtype, ns, k, intrin, prologue, residual, prefetch_groups, groups_per_task,
+                                 unroll)
         return func.with_attr("tirx.noalias", True)
     stage = input_stage(prologue, k)
     fields = [name for name, _, _ in layout_spec(qtype, (ns[0], k))]

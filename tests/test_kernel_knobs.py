@@ -22,6 +22,7 @@ import tvm_ffi
 from ggufc.cli import teacher_forced_logits
 from ggufc.codegen import kernel_knobs as KN
 from ggufc.codegen import kernels_attention as KA
+from ggufc.codegen import kquant_int8 as KQ
 from ggufc.codegen import quant_int8 as Q8
 from ggufc.codegen.kernel_keys import Int8GemvGroup, OpKernel
 from ggufc.codegen.target import cpu_target
@@ -53,6 +54,9 @@ GEMV_KEYS = [
     Int8GemvGroup("Q4_1", (64, 32), 256, ("rms_norm", 1e-5), False),
     Int8GemvGroup("Q4_0", (96,), 128, ("swiglu",), True),
     Int8GemvGroup("Q8_0", (32, 16, 16), 128, (), False),
+    Int8GemvGroup("Q4_K", (32, 16), 512, ("rms_norm", 1e-5), False),
+    Int8GemvGroup("Q5_K", (16,), 256, (), True),
+    Int8GemvGroup("Q6_K", (48,), 512, ("swiglu",), True),
 ]
 
 
@@ -64,16 +68,30 @@ def test_gemv_knobs_keep_every_output_bit_for_bit(key: Int8GemvGroup) -> None:
     args = KN.decode_args(key, default)
     assert args is not None
     want = outputs(default, args)
-    if key.qtype == "Q4_1":  # every value of each knob on one kernel
+    if key.qtype in ("Q4_1", "Q4_K"):  # every value of each knob on one kernel
         settings = [k for k in KN.space(key, TARGET)
                     if sum(v != KN.defaults(key, TARGET)[n] for n, v in k.items()) == 1]
     else:
         settings = [{"prefetch_groups": 1, "groups_per_task": 8}]
+    if key.qtype in KQ.UNROLLABLE:  # the super-block loop unrolled: the same sums in the same order
+        assert {"unroll": 1} in [{n: v for n, v in k.items() if v != KN.defaults(key, TARGET)[n]}
+                                 for k in KN.space(key, TARGET)]
+        settings.append({"unroll": 1, "prefetch_groups": 2, "groups_per_task": 2})
     settings.append({"prefetch_groups": 16, "groups_per_task": 3})  # a split that leaves a short last task
     for knobs in settings:
         got = outputs(KN.build(key, TARGET, knobs), args)
         for g, w in zip(got, want, strict=True):
             np.testing.assert_array_equal(g, w, err_msg=str(knobs))
+
+
+def test_unroll_is_offered_only_where_a_super_block_loop_is() -> None:
+    """Q4_1 and Q8_0 GEMVs unroll their blocks already: no `unroll` knob, and asking for it is
+    refused rather than ignored."""
+    for key in GEMV_KEYS:
+        has = "unroll" in KN.defaults(key, TARGET)
+        assert has == (key.qtype in KQ.UNROLLABLE), key
+    with pytest.raises(ValueError, match="Q4_1 has no super-block loop"):
+        Q8.int8_gemv_group("Q4_1", (64,), 256, TARGET, unroll=True)
 
 
 def test_swiglu_knobs_keep_every_output_bit_for_bit() -> None:
