@@ -22,8 +22,8 @@ process and one run (so machine load hits both sides alike):
    whether their logits are bit-identical (they are when only knob settings were applied). This
    part runs in a fresh process: after the kernel timings had allocated and freed gigabytes of
    argument copies, the artifact loaded first ran 8 % slower in every round (26.7 against 24.4
-   ms, the same kernels giving 24.65 ms on both sides in a fresh process), a bias of where its
-   weights landed in memory, not of its kernels.
+   ms, the same two artifacts giving 24.65 ms each in a fresh process), a bias of that process,
+   not of its kernels.
 
 The load average is printed before and after; on a shared machine rerun it when it is quiet.
 """
