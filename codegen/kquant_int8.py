@@ -192,7 +192,7 @@ def _q45k_rows(intrin: str, five: bool, rows: int, n_super: int, tt: int,
             P.prefetch(mn_flat, ahead * rows * n_super * 8 + i * rows * 8)
             for r in T.unroll(rows * tt):
                 sumi[r, 0:8] = zero
-            for g in runs(4):  # rolled by default: unrolled, a super-block may spill its dot products
+            for g in runs(4):  # rolled unless `unroll` (unrolled, the dot products may spill)
                 for r in T.unroll(rows):
                     bits = T.meta_var(T.reinterpret("int32x8", qs.vload([jo * rows + r, i * 4 + g, 0], "uint8x32")))
                     lo = T.meta_var(_mask(bits, 0x0F0F0F0F))
@@ -493,7 +493,7 @@ def _q6k_rows(intrin: str, rows: int, n_super: int, tt: int, prefetch_groups: in
             P.prefetch(sc_flat, ahead * rows * n_super * 16 + i * rows * 16)
             for r in T.unroll(rows * tt):
                 sumi[r, 0:8] = T.broadcast(T.int32(0), 8)
-            for a in halves(2):  # rolled by default: unrolled, a super-block may spill its dot products
+            for a in halves(2):  # rolled unless `unroll` (unrolled, the dot products may spill)
                 for r in T.unroll(rows):
                     high = T.meta_var(T.reinterpret("int32x8", qh.vload([jo * rows + r, i * 2 + a, 0], "uint8x32")))
                     for c in T.unroll(4):

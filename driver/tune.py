@@ -630,6 +630,12 @@ class TuningDB:
             self._lock = None
 
 
+def settings_tried(records: list[dict[str, Any]], defaults: KN.Knobs) -> list[KN.Knobs]:
+    """The knob settings of a workload's records, each completed with the defaults: a record
+    written before a knob existed measured that knob at its default value."""
+    return [{**defaults, **r["knobs"]} for r in records]
+
+
 def _lock_owner(lock: Path) -> int | None:
     try:
         return int(lock.read_text().strip())
@@ -807,7 +813,7 @@ class _Machinery:
     def knob_round(self, w: Workload, trials: int) -> None:
         """The next `trials` untried knob settings of a hand-written kernel, each timed against the
         default kernel (paired, interleaved) and committed as soon as it is measured."""
-        tried = [r["knobs"] for r in self.db.knob_records(w.hash)]  # in this session's timing regime
+        tried = settings_tried(self.db.knob_records(w.hash), KN.defaults(w.key, self.target))  # this regime's
         todo = [k for k in w.knobs or [] if k not in tried][:trials]
         for knobs in todo:
             timer = kernel_timer(w, self.target, self.options, self.remote)

@@ -84,6 +84,18 @@ def test_gemv_knobs_keep_every_output_bit_for_bit(key: Int8GemvGroup) -> None:
             np.testing.assert_array_equal(g, w, err_msg=str(knobs))
 
 
+@needs_int8_dot
+def test_a_record_from_before_a_knob_counts_as_that_knob_at_its_default() -> None:
+    """A database written before `unroll` existed holds Q4_K settings without it: a session takes
+    them as measured with the loop rolled and does not time them again."""
+    key = GEMV_KEYS[3]
+    old = {"knobs": {"prefetch_groups": 1, "groups_per_task": 8}}
+    tried = TU.settings_tried([old], KN.defaults(key, TARGET))
+    assert tried == [{"prefetch_groups": 1, "groups_per_task": 8, "unroll": 0}]
+    assert tried[0] in KN.space(key, TARGET)
+
+
+@needs_int8_dot
 def test_unroll_is_offered_only_where_a_super_block_loop_is() -> None:
     """Q4_1 and Q8_0 GEMVs unroll their blocks already: no `unroll` knob, and asking for it is
     refused rather than ignored."""
