@@ -29,7 +29,7 @@ their prologue, so they have no kernel of their own in a decode step. The attent
 grows with the cache position, which a workload does not fix: it is timed at TIMING_POSITION.
 
 `unroll`'s best value follows the timing regime as much as the machine: on the development VM a
-super-block's runs unrolled (alone) made Q4_K GEMVs 1.01-1.06x faster hot (weights in the caches)
+super-block's runs unrolled (alone) made Q4_K GEMVs 1.00-1.06x as fast hot (weights in the caches)
 and 0.94-1.00x as fast cold (weights streamed from memory), so the default keeps the loop rolled;
 with other settings, a cold session still picked it for half of a model's GEMV groups.
 
