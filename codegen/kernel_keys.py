@@ -54,6 +54,17 @@ class WeightMatmul(KernelKey):
 
 
 @dataclass(frozen=True)
+class WeightMatmulRows(KernelKey):
+    """x @ W.T for a weight in a block format, every row summed as the one-token GEMV sums it
+    (batched decode: each row equals that sequence's own step)."""
+
+    kind: ClassVar[str] = "matmul_rows"
+    qtype: str
+    n: int
+    k: int
+
+
+@dataclass(frozen=True)
 class Int8GemvGroup(KernelKey):
     """One decode kernel for the 8-bit GEMVs that read the same rounded input (a layer's q/k/v, its
     gate/up), with the input's RMSNorm or SwiGLU in its prologue and a residual add in its epilogue."""

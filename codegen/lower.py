@@ -246,16 +246,14 @@ def _quantize_act(fc: FunctionContext, node: Node) -> list[Any]:
 def _matmul(fc: FunctionContext, node: Node) -> list[Any]:
     x, w = node.inputs[:2]
     qtype, (n, k), arrays = weight_args(fc, w)
-    gemv = fc.is_one(x.shape[0]) and len(x.shape) == 2
     if len(x.shape) != 2:
         raise NotImplementedError(f"{node.outputs[0].label}: matmul expects a 2-D activation, got {x.shape}")
-    key = KK.WeightMatmul(qtype, n, k, gemv)
+    key, make = fc.weight_matmul(qtype, n, k, x.shape[0])
     if len(node.inputs) == 2:
-        return fc.call(key, lambda: Q.qmatmul(qtype, n, k, gemv=gemv), [fc.value(x), *arrays], node.outputs,
-                       node.outputs[0].name)
+        return fc.call(key, make, [fc.value(x), *arrays], node.outputs, node.outputs[0].name)
     # q8_1 input: the float matmul, then each block's m term moved from sum(x) to the block sum s
-    y = fc.call_temp(key, lambda: Q.qmatmul(qtype, n, k, gemv=gemv), [fc.value(x), *arrays],
-                     [(fc.shape(node.outputs[0]), "float32")], node.outputs[0].name)[0]
+    y = fc.call_temp(key, make, [fc.value(x), *arrays], [(fc.shape(node.outputs[0]), "float32")],
+                     node.outputs[0].name)[0]
     mins = arrays[[name for name, _, _ in Q.layout_spec(qtype, (n, k))].index("m")]
     return fc.call(KK.BlockMinimumFix(n, k), lambda: Q8.q8_1_min_fix(n, k),
                    [y, fc.value(x), fc.value(node.inputs[2]), mins], node.outputs, node.outputs[0].name)

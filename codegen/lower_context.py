@@ -13,6 +13,7 @@ from tvm import relax, tirx
 
 from ggufc.ir.graph import Dim, Graph, Node, Param, Value
 
+from . import kernel_keys as KK
 from . import kernels as K
 from . import quant as Q
 from .kernel_keys import KernelKey
@@ -101,6 +102,14 @@ class FunctionContext:
 
     def is_one(self, d: Dim) -> bool:
         return d == 1 or (d == "T" and self.fixed_tokens == 1)
+
+    def weight_matmul(self, qtype: str, n: int, k: int, rows: Dim) -> tuple[KernelKey, Callable[[], tirx.PrimFunc]]:
+        """Key and builder of x @ W.T over `rows` activation rows for a block-format weight: the GEMV
+        at one token; the prompt GEMM, unless rows must sum as one-token calls do."""
+        gemv = self.is_one(rows)
+        if self.one_token_order and not gemv:
+            return KK.WeightMatmulRows(qtype, n, k), lambda: Q.qmatmul_rows(qtype, n, k)
+        return KK.WeightMatmul(qtype, n, k, gemv), lambda: Q.qmatmul(qtype, n, k, gemv=gemv)
 
     def kernel_key_dims(self, v: Value) -> tuple[Dim, ...]:
         """Dims as they parameterise a kernel: T becomes 1 in a decode function."""

@@ -205,9 +205,8 @@ def _moe_ffn(fc: FunctionContext, node: Node) -> list[Any]:
     t = fc.dim(x.shape[0])
     e = int(x.shape[1])
     rq, (n_exp, _), rarr = weight_args(fc, router)
-    gemv = fc.is_one(x.shape[0])
-    logits = fc.call_temp(KK.WeightMatmul(rq, n_exp, e, gemv), lambda: Q.qmatmul(rq, n_exp, e, gemv=gemv),
-                          [fc.value(x), *rarr], [([t, K.i64(n_exp)], "float32")], "ffn_moe_logits")[0]
+    logits = fc.call_temp(*fc.weight_matmul(rq, n_exp, e, x.shape[0]), [fc.value(x), *rarr],
+                          [([t, K.i64(n_exp)], "float32")], "ffn_moe_logits")[0]
     extra = [named["bias"]] if a.selection_bias else [named["hash_table"], named["tokens"]] if a.hash_routed else []
     w, ids = route(fc, logits, (t_dim, n_exp), a, extra, "ffn_moe")
     in_scheme, down_scheme = a.act_schemes
@@ -277,9 +276,8 @@ def _int8_experts(fc: FunctionContext, wv: Value, scheme: str) -> bool:
 def _project(fc: FunctionContext, v: Any, w: Value, t_dim: Dim, name: str) -> tuple[Any, int]:
     """v @ W.T with the weight's matmul kernel -> ([T, N], N)."""
     qtype, (n, k), arrays = weight_args(fc, w)
-    gemv = fc.is_one(t_dim)
-    out = fc.call_temp(KK.WeightMatmul(qtype, n, k, gemv), lambda: Q.qmatmul(qtype, n, k, gemv=gemv), [v, *arrays],
-                       [([fc.dim(t_dim), K.i64(n)], "float32")], name)[0]
+    out = fc.call_temp(*fc.weight_matmul(qtype, n, k, t_dim), [v, *arrays], [([fc.dim(t_dim), K.i64(n)], "float32")],
+                       name)[0]
     return out, n
 
 
@@ -296,9 +294,7 @@ def _latent_out(fc: FunctionContext, node: Node, named: dict[str, Any], y: Any, 
     if a.shared:
         return _project(fc, y, named["latent_up"], t_dim, "ffn_moe_latent_out")[0]
     qtype, (n, k), arrays = weight_args(fc, named["latent_up"])
-    gemv = fc.is_one(t_dim)
-    return fc.call(KK.WeightMatmul(qtype, n, k, gemv), lambda: Q.qmatmul(qtype, n, k, gemv=gemv), [y, *arrays],
-                   node.outputs, node.outputs[0].name)[0]
+    return fc.call(*fc.weight_matmul(qtype, n, k, t_dim), [y, *arrays], node.outputs, node.outputs[0].name)[0]
 
 
 def _merged_gate_up_act(fc: FunctionContext, y: Any, act_dims: tuple[Any, ...], act_shape: list[Any],
@@ -384,13 +380,12 @@ def shared_expert(fc: FunctionContext, node: Node, named: dict[str, Any], routed
     a: O.MoeFFN = node.attrs
     x = named["x"]
     t, t_dim, e = fc.dim(x.shape[0]), fc.kernel_key_dims(x)[0], int(x.shape[1])
-    gemv = fc.is_one(x.shape[0])
     scales = named["shexp_scales"]
 
     def proj(inp: Any, w: Any, name: str) -> tuple[Any, int]:
         qtype, (n, k), arrays = weight_args(fc, w)
-        out = fc.call_temp(KK.WeightMatmul(qtype, n, k, gemv), lambda: Q.qmatmul(qtype, n, k, gemv=gemv),
-                           [inp, *arrays], [([t, K.i64(n)], "float32")], name)[0]
+        out = fc.call_temp(*fc.weight_matmul(qtype, n, k, x.shape[0]), [inp, *arrays], [([t, K.i64(n)], "float32")],
+                           name)[0]
         return out, n
 
     in_scheme, down_scheme = a.shared_act_schemes

@@ -791,12 +791,14 @@ def _reduce_axes(w: _Weights) -> tuple[te.IterVar, te.IterVar, te.IterVar]:
             te.reduce_axis((i64(0), i64(geo.lanes)), name="rp"))
 
 
-def gemv_compute(qtype: str, n: int, k: int, staged: bool = True) -> tvm.tirx.PrimFunc:
-    """Unscheduled y[0, j] = sum_i x[0, i] * W[j, i] (T = 1)."""
+def gemv_compute(qtype: str, n: int, k: int, staged: bool = True, one_token: bool = True) -> tvm.tirx.PrimFunc:
+    """Unscheduled y[t, j] = sum_i x[t, i] * W[j, i], each row a dot product of its own (T = 1, or
+    symbolic where not `one_token`)."""
     w = _Weights(get_format(qtype), (), n, k, staged=staged)
-    x = te.placeholder((i64(1), i64(k)), "float32", name="x")
+    t_len = i64(1) if one_token else te.var("T", "int64")
+    x = te.placeholder((t_len, i64(k)), "float32", name="x")
     axes = _reduce_axes(w)
-    y = te.compute((i64(1), i64(n)), lambda t, j: _dot_row(w, (j,), lambda i: x[t, i], axes), name="y")
+    y = te.compute((t_len, i64(n)), lambda t, j: _dot_row(w, (j,), lambda i: x[t, i], axes), name="y")
     return te.create_prim_func([x, *w.tensors, y])
 
 
@@ -1006,6 +1008,16 @@ def qmatmul(qtype: str, n: int, k: int, *, gemv: bool, tiles: CpuTiles | None = 
     else:
         sch = tvm.s_tir.Schedule(prefill_compute(qtype, n, k, tiles.mm_tokens))
         _schedule_prefill(sch, fmt, geo, tiles)
+    return _finish(sch)
+
+
+def qmatmul_rows(qtype: str, n: int, k: int, *, tiles: CpuTiles | None = None) -> tvm.tirx.PrimFunc:
+    """CPU kernel `(x [T, K] f32, *weights, y [T, N] f32)` summing every row as qmatmul(gemv=True)
+    sums its one row (the same lanes in the same order), so a batched decode step's rows equal
+    each sequence's own step bit for bit; the prompt GEMM's token tiles sum in another order."""
+    fmt, tiles = get_format(qtype), tiles or CpuTiles.for_target()
+    sch = tvm.s_tir.Schedule(gemv_compute(qtype, n, k, one_token=False))
+    _schedule_rowdot(sch, fmt, fmt.geometry(k), tiles, n_outer=1)
     return _finish(sch)
 
 

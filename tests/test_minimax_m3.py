@@ -164,13 +164,15 @@ def test_compiled_sparse_matches_llama_cpp_sparse(compiled_sparse: Compiled, chu
 def test_compiled_modes_equal_the_interpreter(compiled_project: Compiled) -> None:
     """One-shot (float32 P.V) and chunks of 7 and decode (F16 P.V in the dense layer) against the
     float64 interpreter fed alike. A last-bit float32 difference before an F16 rounding moves the
-    value by one F16 step, hence the looser bound of the short calls (measured 6.2e-10)."""
+    value by one F16 step, hence the looser bound of the short calls. The float32 sums run in the
+    CPU's vector width: the short calls measured 6.2e-10 with 16-lane AVX-512; one-shot and short
+    calls 2.3e-10 and 5.8e-9 with 8-lane AVX2."""
     model = compiled_project.model
     tokens = project_tokens(model)
     for chunk in (64, 7, 1):
         logits = compiled_project.run(tokens, chunk)[0]
         (reference,) = interpret(model, model.graph, tokens, chunk)
-        assert nmse(logits, reference) < (1e-10 if chunk == 64 else 1e-8), f"chunks of {chunk}"
+        assert nmse(logits, reference) < (1e-9 if chunk == 64 else 3e-8), f"chunks of {chunk}"
 
 
 MARGIN = 1e-4  # block scores closer than this (relative) may order differently in f32 and f64

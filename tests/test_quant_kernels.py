@@ -49,6 +49,7 @@ def compiled(kind: str, qtype: str, *args: int) -> tvm.runtime.Executable:
     builders = {
         "gemv": lambda n, k: quant.qmatmul(qtype, n, k, gemv=True),
         "prefill": lambda n, k: quant.qmatmul(qtype, n, k, gemv=False),
+        "rows": lambda n, k: quant.qmatmul_rows(qtype, n, k),
         "embed": lambda n, k: quant.qembed(qtype, n, k),
         "experts_bcast": lambda x, n, k, s: quant.qmatmul_experts(qtype, x, n, k, s, x_per_slot=False),
         "experts_slot": lambda x, n, k, s: quant.qmatmul_experts(qtype, x, n, k, s, x_per_slot=True),
@@ -156,6 +157,22 @@ def test_prefill(qtype: str) -> None:
         y = aligned_zeros((t, n), np.float32)
         fn(to_tvm(x), *ws, to_tvm(y))
         assert_close(y, matmul_ref(x, w))
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_rows_sum_as_the_gemv_sums_each_row(qtype: str) -> None:
+    """The batched decode matmul: every row bit for bit the one-token GEMV of that row."""
+    n, k = N_ODD, k_for(qtype)
+    arrays, w = weights(qtype, (n, k))
+    ws = tvm_weights(arrays)
+    x = np.random.default_rng(6).standard_normal((5, k)).astype(np.float32)
+    y = aligned_zeros((5, n), np.float32)
+    compiled("rows", qtype, n, k)(to_tvm(x), *ws, to_tvm(y))
+    assert_close(y, matmul_ref(x, w))
+    for t in range(5):
+        alone = aligned_zeros((1, n), np.float32)
+        compiled("gemv", qtype, n, k)(to_tvm(np.ascontiguousarray(x[t:t + 1])), *ws, to_tvm(alone))
+        np.testing.assert_array_equal(y[t], alone[0], err_msg=f"row {t}")
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
