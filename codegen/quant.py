@@ -791,14 +791,12 @@ def _reduce_axes(w: _Weights) -> tuple[te.IterVar, te.IterVar, te.IterVar]:
             te.reduce_axis((i64(0), i64(geo.lanes)), name="rp"))
 
 
-def gemv_compute(qtype: str, n: int, k: int, staged: bool = True, one_token: bool = True) -> tvm.tirx.PrimFunc:
-    """Unscheduled y[t, j] = sum_i x[t, i] * W[j, i], each row a dot product of its own (T = 1, or
-    symbolic where not `one_token`)."""
+def gemv_compute(qtype: str, n: int, k: int, staged: bool = True) -> tvm.tirx.PrimFunc:
+    """Unscheduled y[0, j] = sum_i x[0, i] * W[j, i] (T = 1)."""
     w = _Weights(get_format(qtype), (), n, k, staged=staged)
-    t_len = i64(1) if one_token else te.var("T", "int64")
-    x = te.placeholder((t_len, i64(k)), "float32", name="x")
+    x = te.placeholder((i64(1), i64(k)), "float32", name="x")
     axes = _reduce_axes(w)
-    y = te.compute((t_len, i64(n)), lambda t, j: _dot_row(w, (j,), lambda i: x[t, i], axes), name="y")
+    y = te.compute((i64(1), i64(n)), lambda t, j: _dot_row(w, (j,), lambda i: x[t, i], axes), name="y")
     return te.create_prim_func([x, *w.tensors, y])
 
 
@@ -966,22 +964,32 @@ def _schedule_decode_rows(sch: tvm.s_tir.Schedule, block: str, geo: Geometry, ti
 
 
 def _schedule_prefill(sch: tvm.s_tir.Schedule, fmt: QFormat, geo: Geometry, tiles: CpuTiles,
-                      staged: bool = True) -> None:
+                      staged: bool = True, gemv_order: bool = False) -> None:
     """Per task: decode `mm_rows` rows once, then every token tile runs a register micro-kernel of
-    mm_tokens x mm_rows vector accumulators over K."""
+    mm_tokens x mm_rows vector accumulators over K. `gemv_order`: each accumulator takes the GEMV's
+    lanes in the GEMV's order (_schedule_rowdot: group, lane chunk, plane), so every token's sums
+    are the one-token call's bit for bit."""
     blk = sch.get_sblock("yt")
     a, b, j, rk = sch.get_loops(blk)
-    vec = math.gcd(int(sch.get(rk).extent), tiles.vec)  # no masked tail vector (slow to build and run)
-    ko, ki = sch.split(rk, [None, vec])
-    rf = sch.rfactor(ki, factor_axis=3)
-    a, b, j, ko, ki = sch.get_loops(rf)
+    if gemv_order:
+        vec = _lanes(geo, tiles.vec)
+        g, h, po, ki = sch.split(rk, [None, geo.planes, geo.lanes // vec, vec])
+        rf = sch.rfactor(ki, factor_axis=3)
+        a, b, j, g, h, po, ki = sch.get_loops(rf)
+        ko: list[tvm.s_tir.schedule.LoopRV] = [g, po, h]
+    else:
+        vec = math.gcd(int(sch.get(rk).extent), tiles.vec)  # no masked tail vector (slow to build and run)
+        _, ki = sch.split(rk, [None, vec])
+        rf = sch.rfactor(ki, factor_axis=3)
+        a, b, j, k_outer, ki = sch.get_loops(rf)
+        ko = [k_outer]
     jo, ji = sch.split(j, [None, tiles.mm_rows])
-    sch.reorder(jo, a, ko, b, ji, ki)
+    sch.reorder(jo, a, *ko, b, ji, ki)
     sch.parallel(jo)
     sch.unroll(b)
     sch.unroll(ji)
     sch.vectorize(ki)
-    sch.decompose_reduction(rf, ko)
+    sch.decompose_reduction(rf, ko[0])
     sch.reverse_compute_at(blk, a)
     _lanes_innermost(sch, blk, a)
     sch.reverse_compute_at(sch.get_sblock("y"), a)
@@ -1012,12 +1020,13 @@ def qmatmul(qtype: str, n: int, k: int, *, gemv: bool, tiles: CpuTiles | None = 
 
 
 def qmatmul_rows(qtype: str, n: int, k: int, *, tiles: CpuTiles | None = None) -> tvm.tirx.PrimFunc:
-    """CPU kernel `(x [T, K] f32, *weights, y [T, N] f32)` summing every row as qmatmul(gemv=True)
-    sums its one row (the same lanes in the same order), so a batched decode step's rows equal
-    each sequence's own step bit for bit; the prompt GEMM's token tiles sum in another order."""
+    """CPU kernel `(x [T, K] f32, *weights, y [T, N] f32)`: the prompt GEMM's tiles (rows decoded
+    once for every token) summing each token as qmatmul(gemv=True) sums its one row (the same lanes
+    in the same order), so a batched decode step's rows equal each sequence's own step bit for bit.
+    The prompt GEMM takes k's lanes in order, which differs where a plane spans several vectors."""
     fmt, tiles = get_format(qtype), tiles or CpuTiles.for_target()
-    sch = tvm.s_tir.Schedule(gemv_compute(qtype, n, k, one_token=False))
-    _schedule_rowdot(sch, fmt, fmt.geometry(k), tiles, n_outer=1)
+    sch = tvm.s_tir.Schedule(prefill_compute(qtype, n, k, tiles.mm_tokens))
+    _schedule_prefill(sch, fmt, fmt.geometry(k), tiles, gemv_order=True)
     return _finish(sch)
 
 

@@ -161,7 +161,8 @@ def test_prefill(qtype: str) -> None:
 
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_rows_sum_as_the_gemv_sums_each_row(qtype: str) -> None:
-    """The batched decode matmul: every row bit for bit the one-token GEMV of that row."""
+    """The batched decode matmul: every row bit for bit the one-token GEMV of that row (5 rows: a
+    whole token tile and a clamped one)."""
     n, k = N_ODD, k_for(qtype)
     arrays, w = weights(qtype, (n, k))
     ws = tvm_weights(arrays)
@@ -169,8 +170,8 @@ def test_rows_sum_as_the_gemv_sums_each_row(qtype: str) -> None:
     y = aligned_zeros((5, n), np.float32)
     compiled("rows", qtype, n, k)(to_tvm(x), *ws, to_tvm(y))
     assert_close(y, matmul_ref(x, w))
+    alone = aligned_zeros((1, n), np.float32)
     for t in range(5):
-        alone = aligned_zeros((1, n), np.float32)
         compiled("gemv", qtype, n, k)(to_tvm(np.ascontiguousarray(x[t:t + 1])), *ws, to_tvm(alone))
         np.testing.assert_array_equal(y[t], alone[0], err_msg=f"row {t}")
 
