@@ -113,7 +113,10 @@ def speculative_greedy(session: Session, prompt_ids: Sequence[int] | np.ndarray,
             history = np.append(session.tokens, current)
             draft = drafter.propose(history, room) if room > 0 else []
             base = session.n_past
-            rows = session.forward([current, *draft], all_logits=True, keep_rollback=len(draft))
+            if draft:
+                rows = session.forward([current, *draft], all_logits=True, keep_rollback=len(draft))
+            else:  # nothing to check: the decode step itself (a one-row prompt call may sum in another order)
+                rows = session.forward([current])[None]
             best = rows.argmax(axis=-1)
             accepted = 0
             while accepted < len(draft) and draft[accepted] == int(best[accepted]):
