@@ -1,8 +1,8 @@
 """ggufc against llama.cpp on the CPU, in one run: throughput, bandwidth, decode speed against context.
 
     python benchmarks/bench_cpu.py [--threads 2] [--prompt-tokens 64] [--gen-tokens 32]
-                                   [--out benchmarks/results] [--contexts 0,256,512,1024] [--readme README.md]
-    python benchmarks/bench_cpu.py --from-json benchmarks/results/bench_cpu.json --readme README.md
+                                   [--out benchmarks/results] [--contexts 0,256,512,1024] [--doc docs/performance.md]
+    python benchmarks/bench_cpu.py --from-json benchmarks/results/bench_cpu.json --doc docs/performance.md
 
 Everything is measured in the same process, interleaved (one ggufc repeat, then one llama.cpp
 repeat, three rounds, best of each kept), because timings on a shared 2-vCPU VM vary by +-30 %:
@@ -15,8 +15,8 @@ repeat, three rounds, best of each kept), because timings on a shared 2-vCPU VM 
   times decode tokens/s) and of the largest quantized matrix-vector kernel (the Q8_0 output layer of
   SmolLM2, timed alone), each as a fraction of the reference;
 * decode tokens/s against context length (a PNG plot, both engines);
-* writes `OUT/bench_cpu.json`, `OUT/decode_vs_ctx.png`, and regenerates the results table in the
-  README between `<!-- bench-cpu:begin -->` and `<!-- bench-cpu:end -->` (with `--readme`).
+* writes `OUT/bench_cpu.json`, `OUT/decode_vs_ctx.png`, and regenerates the results table in a docs
+  page between `<!-- bench-cpu:begin -->` and `<!-- bench-cpu:end -->` (with `--doc`).
 """
 
 from __future__ import annotations
@@ -237,7 +237,7 @@ def plot(path: Path, curves: dict[str, list[tuple[int, float]]], title: str) -> 
     plt.close(fig)
 
 
-def results_table(r: dict[str, Any]) -> str:
+def results_table(r: dict[str, Any], plot_link: str) -> str:
     g, ref = r["ggufc"], r.get("llama.cpp")
     lines = [
         f"Machine: {r['machine']}; {r['threads']} threads; {r['date']}; model {r['model_name']}; "
@@ -278,12 +278,17 @@ def results_table(r: dict[str, Any]) -> str:
     if c:
         lines += ["", f"Compile (llvm): {c.get('cold', float('nan')):.1f} s cold, "
                       f"{c.get('cached', float('nan')):.2f} s from cache."]
-    lines += ["", "![decode tokens/s against context length](benchmarks/results/decode_vs_ctx.png)"]
+    lines += ["", f"![decode tokens/s against context length]({plot_link})"]
     return "\n".join(lines)
 
 
-def update_readme(readme: Path, table: str) -> None:
-    text = readme.read_text(encoding="utf-8")
+def plot_link(plot: Path, doc: Path | None) -> str:
+    """The plot's path as the page that shows it links it (relative to the page's folder)."""
+    return os.path.relpath(plot.resolve(), (doc or Path.cwd() / "x").resolve().parent)
+
+
+def update_doc(doc: Path, table: str) -> None:
+    text = doc.read_text(encoding="utf-8")
     block = f"{BEGIN}\n{table}\n{END}"
     if BEGIN in text and END in text:
         head, _, rest = text.partition(BEGIN)
@@ -291,7 +296,7 @@ def update_readme(readme: Path, table: str) -> None:
         text = head + block + tail
     else:
         text = text.rstrip("\n") + "\n\n## CPU results (ggufc vs llama.cpp)\n\n" + block + "\n"
-    readme.write_text(text, encoding="utf-8")
+    doc.write_text(text, encoding="utf-8")
 
 
 def machine() -> str:
@@ -341,15 +346,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--contexts", default="0,256,512,1024", help="context lengths for the decode plot")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
-    ap.add_argument("--readme", default=None, help="README to regenerate the results table in")
+    ap.add_argument("--doc", type=Path, default=None,
+                    help="docs page to regenerate the results table in (docs/performance.md)")
     ap.add_argument("--compile-times", action="store_true", help="also time a cold and a cached compile")
-    ap.add_argument("--from-json", metavar="JSON", help="only regenerate the README table from a results JSON")
+    ap.add_argument("--from-json", metavar="JSON", help="only regenerate the docs table from a results JSON")
     args = ap.parse_args()
     if args.from_json:
-        table = results_table(json.loads(Path(args.from_json).read_text(encoding="utf-8")))
+        plot = Path(args.from_json).parent / "decode_vs_ctx.png"
+        table = results_table(json.loads(Path(args.from_json).read_text(encoding="utf-8")), plot_link(plot, args.doc))
         print(table)
-        if args.readme:
-            update_readme(Path(args.readme), table)
+        if args.doc:
+            update_doc(args.doc, table)
         return
     os.environ.setdefault("TVM_NUM_THREADS", str(args.threads))
     from ggufc.driver.models import default_model
@@ -422,10 +429,10 @@ def main() -> None:
         report["compile_seconds"] = compile_times(model, out)
     (out / "bench_cpu.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
     plot(out / "decode_vs_ctx.png", curves, f"{model.name}, {args.threads} threads")
-    table = results_table(report)
+    table = results_table(report, plot_link(out / "decode_vs_ctx.png", args.doc))
     print(table)
-    if args.readme:
-        update_readme(Path(args.readme), table)
+    if args.doc:
+        update_doc(args.doc, table)
     print(json.dumps({k: report[k] for k in ("ggufc", "llama.cpp", "ratio", "decode_gb_s", "decode_roofline_fraction",
                                              "decode_same_size_fraction") if k in report}))
 
