@@ -8,13 +8,14 @@ CPU host (their host code is the Relax VM's driver or nothing).
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Sequence
 from typing import Any
 
 import tvm
 
+from ggufc.messages import GgufcError
 from ggufc.runtime.artifact import AMX_FEATURES, amx_usable, features_missing_here, llvm_cpu_features
+from ggufc.runtime.targets import DEFAULT_CUDA_ARCHS, parse_archs, unknown_target
 
 
 def host_cpu_name() -> str:
@@ -62,10 +63,10 @@ def resolve_target(target: str | dict | tvm.target.Target) -> tvm.target.Target:
     name = str(target).partition(":")[0]
     if name in GPU_TARGETS:  # cuda:sm_80,sm_90 picks the archs
         return gpu_target(*split_target(target))
-    raise ValueError(f"unknown target '{target}' (supported: llvm, cuda[:sm_XY,...], vulkan, metal)")
+    raise unknown_target(target)
 
 
-class UnsupportedOnTarget(ValueError):
+class UnsupportedOnTarget(GgufcError, ValueError):
     """An op this target has no kernel for yet: a one-line refusal of the compile, not a bug."""
 
 
@@ -76,9 +77,6 @@ TVM_KIND = {"cuda": "cuda", "vulkan": "webgpu", "metal": "metal"}
 
 
 TARGET_KEY_OF_KIND = {"cuda": "cuda", "webgpu": "vulkan", "metal": "metal"}
-
-
-DEFAULT_CUDA_ARCHS = ("sm_80", "sm_90")
 
 
 # WebGPU guarantees 16 KiB of workgroup memory and 256 invocations; ask for no more, so a vulkan
@@ -93,19 +91,6 @@ def is_gpu(target: tvm.target.Target) -> bool:
 def target_key(target: tvm.target.Target) -> str:
     """The artifact's target key: llvm, cuda, vulkan or metal."""
     return TARGET_KEY_OF_KIND.get(target.kind.name, target.kind.name)
-
-
-def parse_archs(text: str | Sequence[str] | None) -> tuple[str, ...]:
-    """`sm_80,sm_90` (or a list) -> ('sm_80', 'sm_90'); None -> the defaults."""
-    if text is None:
-        return DEFAULT_CUDA_ARCHS
-    items = [a.strip() for a in (text.split(",") if isinstance(text, str) else text) if a.strip()]
-    if not items:
-        raise ValueError("--arch: expected one or more CUDA architectures such as sm_80,sm_90")
-    for a in items:
-        if not re.fullmatch(r"sm_\d{2,3}[a-z]?", a):
-            raise ValueError(f"--arch: {a!r} is not a CUDA architecture (expected e.g. sm_80)")
-    return tuple(dict.fromkeys(items))
 
 
 def split_target(text: Any) -> tuple[str, tuple[str, ...]]:

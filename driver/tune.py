@@ -95,6 +95,7 @@ from ggufc.codegen.lower_context import plan_params
 from ggufc.codegen.schedule import PRESCHEDULED
 from ggufc.codegen.target import PROCESS_CPUS, resolve_target
 from ggufc.frontend.load import load_model
+from ggufc.messages import GgufcError
 from ggufc.runtime.session import configure_cpu_threads
 
 from . import tune_rpc as R
@@ -107,7 +108,7 @@ FORMAT_VERSION = 1
 DEFAULT_TRIALS_PER_KERNEL = 32
 
 
-class TuneError(ValueError):
+class TuneError(GgufcError, ValueError):
     """A user-facing tuning problem (no device, bad database, ...): one line."""
 
 

@@ -34,6 +34,7 @@ from tvm import tirx
 
 from ggufc.codegen import kernel_knobs as KN
 from ggufc.codegen.target import host_cpu_name
+from ggufc.messages import GgufcError
 
 from . import tune_worker as W
 
@@ -41,7 +42,7 @@ DEVICES_NAME = "devices.jsonl"
 SESSION_TIMEOUT_S = 120  # per measurement (upload, allocation, timing) and per tracker request
 
 
-class RemoteError(ValueError):
+class RemoteError(GgufcError, ValueError):
     """A tracker, device or toolchain problem: one line."""
 
 

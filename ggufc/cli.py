@@ -19,10 +19,12 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, NoReturn
 
+from ggufc import arguments
 from ggufc.driver.models import (
     DEFAULT_MODEL_FILE,
     ModelInput,
     cached_artifact_dir,
+    check_compile_options,
     check_pass_names,
     compile_gguf,
     compiled_session,
@@ -36,7 +38,7 @@ from ggufc.driver.models import (
     trained_ctx,
     warn_beyond_training,
 )
-from ggufc.messages import GgufcError, one_line, progress
+from ggufc.messages import ArgumentError, GgufcError, one_line, progress
 from ggufc.version import __version__
 
 NPY_MAGIC = b"\x93NUMPY"
@@ -51,58 +53,18 @@ CLIError = GgufcError  # what every command raises for a user-facing problem
 # =========================================================================== small helpers
 
 
-def positive_int(text: str) -> int:
-    value = _parse(int, text, "an integer")
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
+def cli_type(check: Callable[[Any], Any], parse: Callable[[str], Any], what: str) -> Callable[[str], Any]:
+    """An argparse type: the text parsed, then the check the Python API makes (ggufc.arguments)."""
 
+    def convert(text: str) -> Any:
+        value = _parse(parse, text, what)
+        try:
+            return check(value)
+        except ArgumentError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
 
-def thread_count(text: str) -> int:
-    n = positive_int(text)
-    available = available_cpus()
-    if n > available:
-        raise argparse.ArgumentTypeError(f"{n} threads, but this process may run on {available} CPUs")
-    return n
-
-
-def available_cpus() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def non_negative_int(text: str) -> int:
-    value = _parse(int, text, "an integer")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    value = _parse(float, text, "a number")
-    if not value >= 0.0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    value = _parse(float, text, "a number")
-    if not 0.0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
-
-
-def probability(text: str) -> float:
-    value = _parse(float, text, "a number")
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return value
-
-
-def port_number(text: str) -> int:
-    value = _parse(int, text, "an integer")
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a TCP port (0 to 65535), got {text}")
-    return value
+    convert.__name__ = check.__name__
+    return convert
 
 
 def _parse(kind: Callable[[str], Any], text: str, what: str) -> Any:
@@ -110,6 +72,17 @@ def _parse(kind: Callable[[str], Any], text: str, what: str) -> Any:
         return kind(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+
+
+positive_int = cli_type(arguments.positive_int, int, "an integer")
+thread_count = cli_type(arguments.thread_count, int, "an integer")
+non_negative_int = cli_type(arguments.non_negative_int, int, "an integer")
+non_negative_float = cli_type(arguments.non_negative_float, float, "a number")
+positive_float = cli_type(arguments.positive_float, float, "a number")
+probability = cli_type(arguments.probability, float, "a number")
+port_number = cli_type(arguments.port_number, int, "an integer")
+target_name = cli_type(arguments.target, str, "a target")
+available_cpus = arguments.available_cpus
 
 
 # =========================================================================== model files
@@ -278,6 +251,7 @@ def format_inspect(report: dict[str, Any]) -> str:
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
+    check_compile_options(frozenset(args.disable_pass), args.prompt_tiles)
     path = require_gguf(args.model)
     from ggufc.runtime.artifact import check_output_dir
 
@@ -930,7 +904,8 @@ def build_parser() -> Parser:
 
     p = sub.add_parser("verify-artifact", help="check an artifact: manifest, versions, target, file hashes")
     p.add_argument("artifact", metavar="ARTIFACT", help="artifact directory or .tar archive")
-    p.add_argument("-t", "--target", default=None, metavar="TARGET", help="also require this target")
+    p.add_argument("-t", "--target", type=target_name, default=None, metavar="TARGET",
+                   help="also require this target")
     p.set_defaults(handler=cmd_verify_artifact)
     add_export_onnx_parser(sub)
     return parser
@@ -995,8 +970,8 @@ def refuse_foreign_output(out: Path) -> None:
 
 
 def _add_target(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-t", "--target", default="llvm", metavar="TARGET",
-                   help="llvm (CPU, default), cuda, vulkan (WGSL through wgpu) or metal (MSL)")
+    p.add_argument("-t", "--target", type=target_name, default="llvm", metavar="TARGET",
+                   help="llvm (CPU, default; also cpu), cuda, vulkan (WGSL through wgpu) or metal (MSL)")
     p.add_argument("--arch", default=None, metavar="SM_LIST",
                    help="cuda only: GPU architectures the artifact holds kernels for (default sm_80,sm_90)")
 
@@ -1008,7 +983,7 @@ def apply_arch(args: argparse.Namespace) -> None:
         return
     if getattr(args, "target", None) != "cuda":
         raise CLIError(f"--arch is for -t cuda, not -t {getattr(args, 'target', None)}")
-    from ggufc.codegen.target import parse_archs
+    from ggufc.runtime.targets import parse_archs
 
     try:
         args.target = "cuda:" + ",".join(parse_archs(arch))

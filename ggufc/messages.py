@@ -20,3 +20,7 @@ def one_line(exc: BaseException, limit: int = 300) -> str:
         return str(exc.args[0])  # str(KeyError) adds quotes
     lines = str(exc).strip().splitlines()
     return lines[0][:limit] if lines else type(exc).__name__
+
+
+class ArgumentError(GgufcError, ValueError):
+    """An argument's value ggufc refuses (a bad target, a context of 0 tokens): checked before any work."""

@@ -11,12 +11,14 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from ggufc.messages import GgufcError
+
 from .graph import Dim, Graph, Value
 
 _DIM_OPS = {ast.Add: "Add", ast.Mult: "Mul", ast.Sub: "Sub"}
 
 
-class OnnxError(ValueError):
+class OnnxError(GgufcError, ValueError):
     """A graph or model ggufc cannot export or import: the message says which node and why."""
 
 

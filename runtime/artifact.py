@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from ggufc.messages import GgufcError
 from ggufc.version import __version__ as GGUFC_VERSION
 
 FORMAT_VERSION = 3  # 2: manifest digest file, layout contract compiled into the kernels; 3: CPU
@@ -69,7 +70,7 @@ FIELDS_ADDED_HERE = ("format_version", "ggufc_version", "files")
 STATE_KINDS = ("per_position", "recurrent", "scratch")
 
 
-class ArtifactError(ValueError):
+class ArtifactError(GgufcError, ValueError):
     """An artifact that cannot be written or used; the message is one line naming the problem."""
 
 

@@ -36,13 +36,15 @@ from jinja2.runtime import Context, Undefined
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 from jinja2.utils import Namespace
 
+from ggufc.messages import GgufcError
+
 MAX_OUTPUT_CHARS = 1 << 20  # also the bound on any string or list built while rendering
 DEFAULT_TIMEOUT_S = 2.0
 _MAX_INT_BITS = 4096  # numbers beyond this are no chat template's business
 _TEMPLATE_FILENAME = "<template>"  # jinja2's code filename for templates made from strings
 
 
-class ChatTemplateError(ValueError):
+class ChatTemplateError(GgufcError, ValueError):
     """A chat template that cannot be rendered safely (one-line message)."""
 
 

@@ -13,8 +13,10 @@ from typing import Any
 
 import numpy as np
 
+from ggufc.messages import GgufcError
 
-class NonFiniteLogitsError(ValueError):
+
+class NonFiniteLogitsError(GgufcError, ValueError):
     """Logits with a NaN or Inf; `tokens` is the context up to and including the token whose
     logits were bad (so replaying `tokens` from an empty context reproduces them)."""
 

@@ -13,11 +13,13 @@ from __future__ import annotations
 import ast
 from collections.abc import Callable, Sequence
 
+from ggufc.messages import GgufcError
+
 _BINOPS = (ast.Add, ast.Sub, ast.Mult, ast.FloorDiv, ast.Mod)
 MAX_EXPR_CHARS = 4096
 
 
-class PlanExprError(ValueError):
+class PlanExprError(GgufcError, ValueError):
     """An expression in a plan that is not a plain integer expression."""
 
 

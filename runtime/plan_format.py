@@ -4,9 +4,11 @@ one file."""
 
 from __future__ import annotations
 
+from ggufc.messages import GgufcError
+
 PLAN_VERSION = 1
 WGSL_SEPARATOR = "// ggufc-entry: "  # starts each entry point's WGSL in kernels.wgsl: `<kernel>/<entry>`
 
 
-class BackendUnavailableError(RuntimeError):
+class BackendUnavailableError(GgufcError, RuntimeError):
     """No device for the plan here (wgpu/Vulkan driver or Metal missing); the message says what."""

@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from ggufc.messages import GgufcError
+
 from .artifact import ArtifactError, check_layout_contract, one_line
 from .metal_runtime import MetalBackend
 from .plan_expr import PlanExprError, compile_many
@@ -34,7 +36,7 @@ MAX_PLAN_BYTES = 256 << 20
 MAX_SLOT_BYTES = 1 << 40
 
 
-class PlanError(ValueError):
+class PlanError(GgufcError, ValueError):
     """A plan that cannot be run (malformed, or needing more than the device offers)."""
 
 

@@ -201,6 +201,8 @@ class Engine:
         self._cond = threading.Condition()
         self._stopping = False
         self._asleep = False
+        self.sleeps = 0  # times the slots gave their memory back, and were loaded again (/health)
+        self.wake_ups = 0
         self._last_active = time.monotonic()
         self._thread = threading.Thread(target=self._loop, name="ggufc-engine", daemon=True)
         self.tokens_generated = 0  # every sampled token of every request (/health; a freed slot stops adding)
@@ -231,7 +233,8 @@ class Engine:
     def status(self) -> dict[str, Any]:
         with self._cond:
             return {"slots": len(self.slots), "slots_busy": sum(s.busy for s in self.slots),
-                    "queued": len(self._queue), "asleep": self._asleep, "tokens_generated": self.tokens_generated,
+                    "queued": len(self._queue), "asleep": self._asleep, "sleeps": self.sleeps,
+                    "wake_ups": self.wake_ups, "tokens_generated": self.tokens_generated,
                     "batched_decode": self.batch_refused is None, "batched_steps": self.batched_steps,
                     "batched_tokens": self.batched_tokens}
 
@@ -301,12 +304,15 @@ class Engine:
         if self._group is not None:
             self._group.release_device()
         self._asleep = True
+        self.sleeps += 1
 
     def _wake_up(self) -> None:
         """Load every slot's weights and states back (engine thread, lock not held)."""
         if self._group is not None:
             self._group.restore_device()
-        self._asleep = False
+        with self._cond:
+            self._asleep = False
+            self.wake_ups += 1
 
     def _admit(self) -> bool:
         """Move queued requests into free slots (called with the lock held)."""

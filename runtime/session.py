@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from ggufc.messages import GgufcError
+
 from .artifact import (
     KERNELS_NAME,
     LAYOUT_FUNCTION,
@@ -49,19 +51,13 @@ from .cuda_runtime import provide_cuda_binary
 from .plan_format import BackendUnavailableError
 from .plan_runtime import PlanError, PlanRunner
 from .state_file import SavedState, StateFileError, read_state_file, write_state_file
+from .targets import TARGET_KEY_OF_DEVICE
 
 VERIFY = "verify"  # all logits, each row as a one-token call computes it (CPU artifacts have it)
 PLAN_DEVICES = ("vulkan", "metal")  # artifacts run from a dispatch plan, not a Relax VM executable
 
 # Session device name -> the manifest's target_key the kernels must have been built for.
-DEVICE_TARGET_KEYS = {
-    "cpu": "llvm",
-    "cuda": "cuda",
-    "metal": "metal",
-    "opencl": "opencl",
-    "vulkan": "vulkan",
-    "webgpu": "webgpu",
-}
+DEVICE_TARGET_KEYS = TARGET_KEY_OF_DEVICE
 
 
 def reserve_cpu_threads(threads: int | None = None) -> int:
@@ -183,7 +179,7 @@ class StackedStates:
             self.arrays, self._tensors = None, None
 
 
-class ContextOverflowError(ValueError):
+class ContextOverflowError(GgufcError, ValueError):
     """More tokens than the compiled context holds; nothing was run."""
 
 

@@ -19,12 +19,14 @@ from typing import Any
 
 import numpy as np
 
+from ggufc.messages import GgufcError
+
 from .artifact import one_line
 
 FORMAT = "ggufc-session-state/1"
 
 
-class StateFileError(ValueError):
+class StateFileError(GgufcError, ValueError):
     """A state file that cannot be loaded into this session (one line)."""
 
 

@@ -18,12 +18,14 @@ from typing import Any
 
 from tokenizers import Tokenizer as _HFTokenizer
 
+from ggufc.messages import GgufcError
+
 _SPM_SPACE = "\u2581"  # SentencePiece whitespace marker '▁'
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 _SUPPORTED_MODELS = ("gpt2", "llama")
 
 
-class TokenizationError(ValueError):
+class TokenizationError(GgufcError, ValueError):
     """The tokenizer cannot do what was asked (one-line message)."""
 
 

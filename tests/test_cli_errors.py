@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 from gpu_support import GOLDEN
 
+import ggufc
 from ggufc.cli import main
 
 FIXTURE = GOLDEN / "fixtures" / "llama-dense.gguf"  # ../shared beside the checkout
@@ -175,6 +177,54 @@ def test_unknown_target_refused(tmp_path: Path, capsys: pytest.CaptureFixture[st
     code, _, err = run_cli(["run", FIXTURE, "--prompt", "x", "-t", "tpu"], capsys)
     assert_clean_failure(code, err)
     assert "unknown target 'tpu'" in err
+
+
+TARGET_LIST = "(supported: llvm (the CPU; also cpu), cuda[:sm_XY,...], vulkan, metal)"
+
+
+def target_commands(model: Path, tmp_path: Path, target: str) -> list[list[str]]:
+    """Every command that takes -t, with a model that would be slow or impossible to read."""
+    np.save(tmp_path / "t.npy", np.arange(3, dtype=np.int32))
+    return [
+        ["compile", model, "-o", tmp_path / "out", "-t", target],
+        ["run", model, "--prompt", "x", "-t", target],
+        ["serve", model, "-t", target],
+        ["eval", model, "--tokens", tmp_path / "t.npy", "--out", tmp_path / "l.npy", "-t", target],
+        ["verify", model, "-t", target],
+        ["tune", model, "--db", tmp_path / "db", "-t", target],
+        ["bench", model, "-t", target],
+        ["verify-artifact", model, "-t", target],
+    ]
+
+
+@pytest.mark.parametrize("target", ["opencl", "webgpu", "tpu", "vulkan:sm_80", "cuda:sm_x"])
+def test_one_target_list_checked_first(target: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Every command and the API refuse a target ggufc cannot build with the same list, before reading
+    the model: the file here is not a GGUF, and the target is what the error names."""
+    model = write_not_gguf(tmp_path)
+    for argv in target_commands(model, tmp_path, target):
+        code, _, err = run_cli(argv, capsys)
+        assert code == 2 and len(err.strip().splitlines()) == 1, (argv, err)
+        assert f"unknown target '{target}' {TARGET_LIST}" in err, (argv, err)
+        assert "GGUF" not in err and "recompile" not in err
+    for call in (lambda: ggufc.compile(model, tmp_path / "out", target=target),
+                 lambda: ggufc.load(model, target=target)):
+        with pytest.raises(ValueError, match=re.escape(f"target: unknown target '{target}' {TARGET_LIST}")) as info:
+            call()
+        assert isinstance(info.value, ggufc.GgufcError)
+
+
+def test_bogus_target_reads_no_model(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """`compile -t bogus BIG.gguf` answers before opening the GGUF (it read 253 MB first)."""
+    import ggufc.frontend.gguf_file as gguf_file
+
+    def no_reading(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the GGUF was read before the target was checked")
+
+    monkeypatch.setattr(gguf_file, "open_gguf", no_reading)
+    code, _, err = run_cli(["compile", FIXTURE, "-o", tmp_path / "out", "-t", "bogus"], capsys)
+    assert code == 2 and "unknown target 'bogus'" in err, err
 
 
 def test_unknown_pass_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

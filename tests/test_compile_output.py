@@ -100,4 +100,4 @@ def test_artifact_is_written_into_an_empty_directory_and_replaced(
 def test_context_beyond_training_warns(model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, err = compile_to(model, tmp_path / "big", capsys, "--ctx", "1024")
     assert code == 0, err
-    assert "warning: --ctx 1024 is longer than the 256 tokens the model was trained on" in err
+    assert "warning: a context of 1024 tokens is longer than the 256 the model was trained on" in err

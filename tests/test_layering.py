@@ -17,7 +17,7 @@ ALLOWED = {
     "ir": set(),
     "frontend": {"ir"},
     "passes": {"ir"},
-    "codegen": {"ir", "runtime.artifact", "runtime.plan_expr", "runtime.plan_format"},
+    "codegen": {"ir", "runtime.artifact", "runtime.plan_expr", "runtime.plan_format", "runtime.targets"},
     "runtime": set(),
     "driver": {"frontend", "ir", "passes", "codegen", "runtime"},
 }
