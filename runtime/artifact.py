@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ggufc.messages import GgufcError
+from ggufc.messages import GgufcError, shorten
 from ggufc.version import __version__ as GGUFC_VERSION
 
 FORMAT_VERSION = 3  # 2: manifest digest file, layout contract compiled into the kernels; 3: CPU
@@ -75,9 +75,12 @@ class ArtifactError(GgufcError, ValueError):
 
 
 def one_line(exc: BaseException, limit: int = 200) -> str:
-    """The first line of an exception's message (many libraries raise multi-line ones)."""
+    """The first line of an exception's message (many libraries raise multi-line ones), shortened
+    at a word; ggufc's own errors are kept whole (their hints come last)."""
     lines = str(exc).strip().splitlines()
-    return lines[0][:limit] if lines else type(exc).__name__
+    if not lines:
+        return type(exc).__name__
+    return lines[0] if isinstance(exc, GgufcError) else shorten(lines[0], limit)
 
 
 # --------------------------------------------------------------------------- aligned buffers

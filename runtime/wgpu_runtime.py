@@ -25,12 +25,15 @@ import contextlib
 import os
 import re
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from ggufc.messages import shorten
 
 from .plan_expr import compile_many
 from .plan_format import BackendUnavailableError
@@ -98,22 +101,33 @@ def _quiet_window_system() -> None:
             os.environ["XDG_RUNTIME_DIR"] = str(private)
 
 
+ADAPTER_RETRY_DELAYS_S = (0.25, 0.5, 1.0)  # a loaded machine's driver can fail the first requests
+NO_ADAPTER_HINT = "install a Vulkan driver, e.g. Mesa's lavapipe: apt-get install mesa-vulkan-drivers libvulkan1"
+
+
+def request_adapter(wgpu: Any, power_preference: str) -> Any:
+    """The adapter, asked for again after a short wait when the request fails (it has been seen
+    to fail once and succeed minutes later); the last failure's reason comes with the install hint."""
+    reason = "none found"
+    for delay in (*ADAPTER_RETRY_DELAYS_S, None):
+        try:
+            adapter = wgpu.gpu.request_adapter_sync(power_preference=power_preference)
+        except Exception as exc:  # noqa: BLE001 - wgpu raises its own error types
+            adapter, reason = None, " ".join(str(exc).split())
+        if adapter is not None:
+            return adapter
+        if delay is not None:
+            time.sleep(delay)
+    raise WgpuUnavailableError(f"no Vulkan/Metal/D3D12 adapter ({shorten(reason, 160)}); {NO_ADAPTER_HINT}")
+
+
 class WgpuDevice:
     """One wgpu device with the limits the kernels need, plus caches of compiled pipelines."""
 
     def __init__(self, *, storage_buffers: int = 8, power_preference: str = "high-performance") -> None:
         wgpu = _wgpu()
         self.wgpu = wgpu
-        try:
-            adapter = wgpu.gpu.request_adapter_sync(power_preference=power_preference)
-        except Exception as exc:  # noqa: BLE001 - wgpu raises its own error types
-            reason = " ".join(str(exc).split())[:160]
-            raise WgpuUnavailableError(f"no Vulkan/Metal/D3D12 adapter ({reason}); install a Vulkan driver, "
-                                       "e.g. Mesa's lavapipe: apt-get install mesa-vulkan-drivers") from None
-        if adapter is None:
-            raise WgpuUnavailableError(
-                "no Vulkan/Metal/D3D12 adapter (install a Vulkan driver, e.g. Mesa's lavapipe: "
-                "apt-get install mesa-vulkan-drivers libvulkan1)")
+        adapter = request_adapter(wgpu, power_preference)
         self.adapter = adapter
         lim = adapter.limits
         if lim["max-storage-buffers-per-shader-stage"] < storage_buffers:

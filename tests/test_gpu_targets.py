@@ -245,3 +245,77 @@ def test_metal_kernels_match_the_plan(name: str, tmp_path: Path) -> None:
         shared = sum(int(n) * (2 if t == "half" else 4)
                      for t, n in re.findall(r"threadgroup (\w+) \w+\[(\d+)\];", body))
         assert shared <= 32768
+
+
+# --------------------------------------------------------------------- no adapter: retried, hint whole
+
+DRIVER_SAYS = ("Failed to create instance: the vulkan drivers/libraries could not be loaded, "
+               "ERROR_INCOMPATIBLE_DRIVER from every ICD found in /usr/share/vulkan/icd.d and the "
+               "loader's search path (check VK_ICD_FILENAMES and VK_LOADER_DEBUG=all for the reason "
+               "each candidate driver was rejected by the loader at startup time)")
+HINT = "install a Vulkan driver, e.g. Mesa's lavapipe: apt-get install mesa-vulkan-drivers libvulkan1"
+
+
+class _Reached(Exception):
+    """The fake adapter's limits were read: the request itself succeeded."""
+
+
+def _fake_wgpu(monkeypatch: pytest.MonkeyPatch, failures: int) -> list[str]:
+    """A wgpu whose adapter request fails `failures` times; returns the log of requests and waits."""
+    from types import SimpleNamespace
+
+    from ggufc.runtime import wgpu_runtime
+
+    calls: list[str] = []
+
+    class Adapter:
+        @property
+        def limits(self) -> dict:
+            raise _Reached
+
+    def request_adapter_sync(**_: object) -> Adapter:
+        calls.append("request")
+        if calls.count("request") <= failures:
+            raise RuntimeError(DRIVER_SAYS)
+        return Adapter()
+
+    monkeypatch.setattr(wgpu_runtime, "_wgpu", lambda: SimpleNamespace(gpu=SimpleNamespace(
+        request_adapter_sync=request_adapter_sync)))
+    monkeypatch.setattr(wgpu_runtime.time, "sleep", lambda seconds: calls.append(f"wait {seconds}"))
+    return calls
+
+
+def test_adapter_request_is_retried(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ggufc.runtime.wgpu_runtime import WgpuDevice
+
+    calls = _fake_wgpu(monkeypatch, failures=2)
+    with pytest.raises(_Reached):
+        WgpuDevice()
+    assert calls == ["request", "wait 0.25", "request", "wait 0.5", "request"]  # two transient failures
+
+
+def test_no_adapter_keeps_the_whole_hint(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The driver's words are shortened at a word, never the install hint, also through the
+    session's and the CLI's one-line wrapping."""
+    from ggufc.messages import one_line
+    from ggufc.runtime.artifact import one_line as runtime_one_line
+    from ggufc.runtime.wgpu_runtime import WgpuDevice, WgpuUnavailableError
+
+    calls = _fake_wgpu(monkeypatch, failures=99)
+    with pytest.raises(WgpuUnavailableError) as info:
+        WgpuDevice()
+    assert 2 < calls.count("request") < 10
+    for message in (str(info.value), f"cannot run here: {runtime_one_line(info.value)}", one_line(info.value)):
+        assert message.endswith(HINT), message
+        reason = message[message.index("(") + 1: message.rindex(")")]
+        words = reason.removesuffix(" ...").split()
+        assert words and words == DRIVER_SAYS.split()[: len(words)], message  # whole words, from the start
+
+
+def test_one_line_never_cuts_a_word() -> None:
+    from ggufc.messages import one_line
+
+    text = " ".join(f"word{i}" for i in range(200))
+    short = one_line(RuntimeError(text))
+    assert len(short) <= 300 and short.endswith(" ...")
+    assert all(w in text.split() for w in short.removesuffix(" ...").split())
