@@ -35,11 +35,15 @@ PathLike = str | os.PathLike[str]
 def compile(  # noqa: A001 - `ggufc.compile` is the name a user looks for
     model: PathLike, out: PathLike, *, target: str = "llvm", n_ctx: int | None = None,
     disabled_passes: Sequence[str] = (), tuning_db: PathLike | None = None, prompt_tiles: str = "kquant",
+    cpu: str | None = None,
 ) -> Path:
     """Compile `model` (.gguf) into the artifact directory `out` (written atomically; `out` must be
     new, empty, or an earlier ggufc artifact). Returns `out`. `prompt_tiles`: as
-    `ggufc compile --prompt-tiles` ("all": also the Q8_0/Q4_0/Q4_1 prompt GEMMs on AMX tiles)."""
+    `ggufc compile --prompt-tiles` ("all": also the Q8_0/Q4_0/Q4_1 prompt GEMMs on AMX tiles).
+    `cpu`: as `ggufc compile --cpu`, the CPU to build for by LLVM name ("haswell", "x86-64-v3", ...;
+    default this machine's)."""
     path = models.require_gguf(os.fspath(model))
+    target = _with_cpu(target, cpu)
     models.device_for(target)
     models.warn_beyond_training(models.precheck_gguf(path), n_ctx)
     models.compile_gguf(path, target, Path(out), n_ctx, frozenset(disabled_passes),
@@ -48,9 +52,11 @@ def compile(  # noqa: A001 - `ggufc.compile` is the name a user looks for
 
 
 def load(model: PathLike | None = None, *, target: str = "llvm", n_ctx: int | None = None,
-         threads: int | None = None) -> Model:
-    """A runnable model from an artifact, a `.gguf` (compiled once, cached) or the default model."""
-    source = models.resolve_model(os.fspath(model) if model is not None else None, target, n_ctx)
+         threads: int | None = None, cpu: str | None = None) -> Model:
+    """A runnable model from an artifact, a `.gguf` (compiled once, cached) or the default model.
+    `cpu`: a .gguf is compiled for this CPU (as `--cpu`; it must be one this machine can run), an
+    artifact must have been compiled for it."""
+    source = models.resolve_model(os.fspath(model) if model is not None else None, _with_cpu(target, cpu), n_ctx)
     if threads is not None:
         reserve_cpu_threads(threads)
     session = models.existing_session(source)
@@ -61,6 +67,15 @@ def load(model: PathLike | None = None, *, target: str = "llvm", n_ctx: int | No
     except BaseException:
         session.close()
         raise
+
+
+def _with_cpu(target: str, cpu: str | None) -> str:
+    """`target` with the CPU `cpu` names (codegen.target.with_cpu), checked before any work."""
+    if cpu is None and not str(target).startswith(("llvm:", "cpu:")):
+        return target  # nothing named: no TVM to load for the check
+    from ggufc.codegen.target import with_cpu
+
+    return with_cpu(target, cpu)
 
 
 class Model:
