@@ -266,4 +266,7 @@ def test_load_refused_where_the_cpu_lacks_a_feature(haswell: dict[str, Any], tmp
         assert "this CPU lacks" in err, err
         assert (feature in err) if name == "recorded" else (f"compiled for CPU '{cpu}'" in err)
     assert not (tmp_path / "l.npy").exists()
+    write_manifest(art, json.dumps({**manifest, "cpu_features": "avx2"}))
+    with pytest.raises(A.ArtifactError, match="'cpu_features' is not a list of strings"):
+        A.load_manifest(art)
 
