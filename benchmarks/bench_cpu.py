@@ -42,14 +42,15 @@ BEGIN, END = "<!-- bench-cpu:begin -->", "<!-- bench-cpu:end -->"
 class GgufcEngine:
     name = "ggufc"
 
-    def __init__(self, model: Path, threads: int, artifact: Path | None = None) -> None:
-        """`artifact`: an already compiled one (default: the compile cache's, compiled if missing)."""
+    def __init__(self, model: Path, threads: int, artifact: Path | None = None, target: str = "llvm") -> None:
+        """`artifact`: an already compiled one (default: the compile cache's, compiled if missing);
+        `target`: what the cache's is compiled for (`llvm:haswell`: `--cpu haswell`)."""
         from ggufc.cli import cached_artifact_dir, compile_gguf
         from ggufc.runtime.session import Session
 
-        self.artifact = artifact or cached_artifact_dir(model, "llvm", None)
+        self.artifact = artifact or cached_artifact_dir(model, target, None)
         if not (self.artifact / "manifest.json").is_file():
-            compile_gguf(model, "llvm", self.artifact, None)
+            compile_gguf(model, target, self.artifact, None)
         self.session = Session(self.artifact, threads=threads)
         self.n_vocab = self.session.n_vocab
         self.n_ctx = self.session.n_ctx

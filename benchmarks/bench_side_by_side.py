@@ -2,7 +2,7 @@
 
     python benchmarks/bench_side_by_side.py [--models-dir /work/bench-models] [--llama-python PY]
         [--threads 2] [--prompt-tokens 128] [--gen-tokens 32] [--repeats 3] [--cold-compile dense]
-        [--out benchmarks/results]
+        [--cpu NAME] [--out benchmarks/results]
 
 Models: SmolLM2-135M Q4_1 (the default model) and the random-weight ~1 B models that
 `make_bench_model.py` writes (dense llama, qwen3moe MoE, qwen35 hybrid, Q4_K_M); a missing one is
@@ -22,6 +22,8 @@ comparison: it reads slower), and a copy; and the decode roofline of each model:
 weights one decode token must read (every tensor once; of the token embedding one row unless it is
 also the output layer; of the routed experts the used fraction) / the best stream read of the run.
 The dense model's compile time is measured cold (a fresh, empty GGUFC_CACHE, in a subprocess).
+`--cpu NAME` measures ggufc's artifacts for that CPU (`ggufc compile --cpu`, e.g. haswell on an
+AVX-512 machine against llama.cpp's AVX2 build); the report names the CPU.
 
 Writes `OUT/bench_side_by_side.json` and `OUT/bench_side_by_side.md`.
 """
@@ -107,20 +109,21 @@ import sys, time
 t0 = time.perf_counter()
 from pathlib import Path
 from ggufc.cli import cached_artifact_dir, compile_gguf
-model = Path(sys.argv[1])
-artifact = cached_artifact_dir(model, "llvm", None)
+model, target = Path(sys.argv[1]), sys.argv[2]
+artifact = cached_artifact_dir(model, target, None)
 t1 = time.perf_counter()
-compile_gguf(model, "llvm", artifact, None)
+compile_gguf(model, target, artifact, None)
 t2 = time.perf_counter()
 print(f"{t2 - t1} {t2 - t0} {artifact}")
 """
 
 
-def compile_cold(model: Path, cache: Path) -> tuple[Path, dict[str, float]]:
+def compile_cold(model: Path, cache: Path, target: str) -> tuple[Path, dict[str, float]]:
     """Compile into the empty cache `cache` in a fresh process: (artifact, seconds)."""
     env = dict(os.environ, GGUFC_CACHE=str(cache))
     t0 = time.perf_counter()
-    p = subprocess.run([sys.executable, "-c", COMPILE_CODE, str(model)], env=env, capture_output=True, text=True)
+    p = subprocess.run([sys.executable, "-c", COMPILE_CODE, str(model), target], env=env, capture_output=True,
+                       text=True)
     wall = time.perf_counter() - t0
     if p.returncode != 0:
         raise SystemExit(f"compiling {model} failed: {(p.stderr.strip().splitlines() or ['?'])[-1]}")
@@ -148,7 +151,7 @@ def agreement(a: list[int], b: list[int]) -> dict[str, int]:
 
 def measure_model(m: BenchModel, args: argparse.Namespace, worker: LlamaCppWorker | None,
                   artifact: Path | None) -> dict[str, Any]:
-    ggufc = GgufcEngine(m.path, args.threads, artifact)
+    ggufc = GgufcEngine(m.path, args.threads, artifact, args.target)
     n_vocab = ggufc.n_vocab
     if worker:
         n_vocab = min(n_vocab, worker.ask(cmd="load", model=str(m.path), threads=args.threads,
@@ -205,7 +208,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"{report['load_avg_1min'][0]:.1f} at the start, {report['load_avg_1min'][1]:.1f} at the end: other jobs "
         "shared the machine, so absolute figures move between runs; the ratios come from interleaved repeats.",
         "",
-        f"llama.cpp: {report['llama_cpp']['build']}.",
+        f"llama.cpp: {report['llama_cpp']['build']}. ggufc's artifacts: for CPU {report.get('ggufc_cpu', 'native')}"
+        " (`--cpu`).",
         "",
         "| model | MiB | prefill ggufc | prefill llama.cpp | ratio | decode ggufc | decode llama.cpp | ratio "
         "| decode roofline | ggufc | llama.cpp |",
@@ -276,8 +280,16 @@ def main() -> None:
     ap.add_argument("--gen-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cold-compile", default="dense", help="models compiled cold and timed (comma-separated)")
+    ap.add_argument("--cpu", default=None, metavar="NAME", help="ggufc's artifacts for this CPU (ggufc compile --cpu)")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = ap.parse_args()
+    from ggufc.codegen.target import UnknownCpu, check_runs_here, with_cpu
+
+    try:
+        args.target = with_cpu("llvm", args.cpu)
+        check_runs_here(args.target, "the benchmark")
+    except UnknownCpu as exc:
+        raise SystemExit(str(exc)) from None
     os.environ.setdefault("TVM_NUM_THREADS", str(args.threads))
     models = bench_models(args.models_dir, args.qtype)
     if args.only:
@@ -289,7 +301,7 @@ def main() -> None:
     worker = None if missing else LlamaCppWorker(python)
     load_before = os.getloadavg()[0]
     report: dict[str, Any] = {
-        "machine": machine(), "threads": args.threads,
+        "machine": machine(), "threads": args.threads, "ggufc_cpu": args.cpu or "native",
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens, "repeats": args.repeats,
         "llama_cpp": llama_build(worker, python, missing), "models": {}, "compile_cold": {}, "complete": False,
@@ -303,7 +315,7 @@ def main() -> None:
                 continue
             artifact = None
             if m.key in args.cold_compile.split(","):
-                artifact, report["compile_cold"][m.key] = compile_cold(m.path, Path(cold_root) / m.key)
+                artifact, report["compile_cold"][m.key] = compile_cold(m.path, Path(cold_root) / m.key, args.target)
                 print(f"{m.key}: cold compile {report['compile_cold'][m.key]}", flush=True)
             report["models"][m.key] = measure_model(m, args, worker, artifact)
             figures = {k: v for k, v in report["models"][m.key].items() if k in ("ggufc", "llama.cpp", "ratio")}

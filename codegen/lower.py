@@ -59,6 +59,8 @@ class ModuleBuilder:
         # CPU: the states tuple is passed as an opaque object, each weight array as an argument of
         # its own (see weight_params); GPU plans read typed tuples
         self.unchecked_params = target.kind.name == "llvm"
+        # the float kernels' vector tiles for this target, not this machine's (quant.tiles_of_build)
+        self.cpu_tiles = Q.CpuTiles.for_target(target) if target.kind.name == "llvm" else None
 
     # `ggufc compile --tuning-db`: a codegen.tune.TunedKernels whose lookup() returns a tuned schedule
     # for a kernel key, or None to keep the default one
@@ -75,18 +77,23 @@ class ModuleBuilder:
             key = key.reading_pos_from_memory()  # the variant reading pos from the state tensor (gpu.py)
         if key not in self.kernels:
             name = _kernel_name(key, len(self.kernels))
-            func = self.tuned.lookup(key, make, name) if self.tuned is not None else None
-            if func is None and self.target.kind.name in GPU_KINDS:
-                func = gpu_kernel(key, make, self.target)
-            if func is None:
-                func = make()
-                if self.target.kind.name == "llvm" and key.kind not in PRESCHEDULED:
-                    func = schedule_cpu(func, row_staged=key.kind in ROW_STAGED)
-                if self.target.kind.name == "llvm":
-                    func = K.with_root_block(func)
+            with Q.tiles_of_build(self.cpu_tiles):
+                func = self._make_kernel(key, make, name)
             self.kernels[key] = self.bb.add_func(func.with_attr("global_symbol", name), name)
             self.kernel_names.append(name)
         return self.kernels[key]
+
+    def _make_kernel(self, key: KK.KernelKey, make: Callable[[], tirx.PrimFunc], name: str) -> tirx.PrimFunc:
+        func = self.tuned.lookup(key, make, name) if self.tuned is not None else None
+        if func is None and self.target.kind.name in GPU_KINDS:
+            func = gpu_kernel(key, make, self.target)
+        if func is None:
+            func = make()
+            if self.target.kind.name == "llvm" and key.kind not in PRESCHEDULED:
+                func = schedule_cpu(func, row_staged=key.kind in ROW_STAGED)
+            if self.target.kind.name == "llvm":
+                func = K.with_root_block(func)
+        return func
 
     def add_function(self, name: str, graph: Graph, fixed_tokens: int | None = None,
                      one_token_order: bool = False) -> None:

@@ -27,9 +27,11 @@ is decoded from bytes indexed by `p`, so a vector over `p` reads contiguous byte
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeAlias
 
@@ -870,9 +872,10 @@ class CpuTiles:
     def for_target(target: tvm.target.Target | None = None) -> CpuTiles:
         """AVX-512: 16-lane vectors; AVX2: 8 lanes. Both use a 4x3 (tokens x rows) prefill tile
         (12 accumulators, fits AVX2's 16 registers; on AVX2 3x4 measured 25 % slower, on AVX-512
-        4x4, 5x4, 6x4 and 8x3 were within noise of 4x3). None means this machine."""
+        4x4, 5x4, 6x4 and 8x3 were within noise of 4x3). None means the target being built
+        (tiles_of_build), else this machine."""
         if target is None:
-            return _host_tiles()
+            return _BUILD_TILES.get() or _host_tiles()
         if tvm.target.codegen.target_has_features("avx512f", target):
             return CpuTiles(vec=16)
         return CpuTiles()
@@ -881,6 +884,21 @@ class CpuTiles:
 @functools.cache
 def _host_tiles() -> CpuTiles:
     return CpuTiles.for_target(cpu_target())
+
+
+_BUILD_TILES: contextvars.ContextVar[CpuTiles | None] = contextvars.ContextVar("ggufc_build_tiles", default=None)
+
+
+@contextlib.contextmanager
+def tiles_of_build(tiles: CpuTiles | None) -> Iterator[None]:
+    """Kernels made inside that are given no tiles take these (ModuleBuilder: its target's), so an
+    artifact for another CPU (`--cpu haswell` built on an AVX-512 machine) sums in that CPU's
+    vectors, as a build there would. None: this machine's."""
+    token = _BUILD_TILES.set(tiles)
+    try:
+        yield
+    finally:
+        _BUILD_TILES.reset(token)
 
 
 def _lanes(geo: Geometry, vec: int) -> int:

@@ -15,7 +15,7 @@ from safetensors.numpy import save_file
 
 from ggufc.codegen.build import DEFAULT_MAX_CHUNK, Built, Progress, kernel_weights, layout_fields
 from ggufc.codegen.quant_int8 import check_prompt_tiles
-from ggufc.codegen.target import target_key
+from ggufc.codegen.target import cpu_manifest, target_key
 from ggufc.frontend.load import LoadedModel, load_model
 from ggufc.frontend.tokenizer_build import build_tokenizer
 from ggufc.ir.state_kinds import SCRATCH, state_kinds
@@ -110,6 +110,7 @@ def _manifest(model: LoadedModel, built: Built, tokenizer: dict[str, Any], weigh
         "states": with_state_kinds(layout["states"], built),
         "target": _jsonable(plain_target(target)),
         "target_key": target_key(built.target),
+        **cpu_manifest(built.target, _jsonable(plain_target(target))),
         "functions": {name: {"tokens": 1 if name == "decode" else "T"} for name in built.functions},
         "tokenizer": tokenizer,
         "source": {"file": os.path.basename(model.gguf.path), "sha256": A.sha256_file(model.gguf.path)},

@@ -132,8 +132,18 @@ def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
 def cached_artifact_dir(model: Path, target: str, n_ctx: int | None) -> Path:
     digest = cached_sha256(model)
     ctx = "default" if n_ctx is None else str(n_ctx)
-    name = f"{model.stem}-{digest[:16]}-{target}-ctx{ctx}-ggufc{__version__}-{compiler_fingerprint()}"
+    name = f"{model.stem}-{digest[:16]}-{cache_target(target)}-ctx{ctx}-ggufc{__version__}-{compiler_fingerprint()}"
     return cache_root() / "artifacts" / name
+
+
+def cache_target(target: str) -> str:
+    """The target as the cache names it, with the CPU: `llvm:haswell` as given, and this machine's
+    own CPU for `llvm` (a cache shared by machines with other CPUs keeps one entry for each)."""
+    if target not in ("llvm", "cpu"):
+        return target
+    from ggufc.codegen.target import host_cpu_name
+
+    return f"llvm:host-{host_cpu_name()}"
 
 
 def compiler_fingerprint() -> str:
@@ -202,6 +212,10 @@ def resolve_model(model_arg: str | None, target: str = "llvm", n_ctx: int | None
     """The model to use (the default one when none is given); cheap checks only."""
     device_for(target)
     kind, path = model_kind(model_arg) if model_arg else ("gguf", default_model())
+    if kind == "gguf" and target.startswith(("llvm:", "cpu:")):  # --cpu NAME: refused before compiling
+        from ggufc.codegen.target import check_runs_here
+
+        check_runs_here(target)
     return ModelInput(kind, path, target, n_ctx)
 
 
@@ -243,6 +257,7 @@ def existing_session(model: ModelInput) -> Any | None:
             session.close()
             raise GgufcError(f"{model.path} was compiled with n_ctx {session.n_ctx}, not the n_ctx {model.n_ctx} "
                              "asked for (an artifact's context is fixed when it is compiled)")
+        check_artifact_cpu(model, session)
         return session
     out = cached_artifact_dir(model.path, model.target, model.n_ctx)
     if not out.is_dir():
@@ -252,6 +267,15 @@ def existing_session(model: ModelInput) -> Any | None:
     except ArtifactError as exc:
         progress(f"cached artifact unusable ({one_line(exc)}); recompiling")
         return None
+
+
+def check_artifact_cpu(model: ModelInput, session: Any) -> None:
+    """`--cpu NAME` with an artifact: it must be the one compiled for NAME."""
+    name, _, cpu = model.target.partition(":")
+    built_for = session.manifest.get("cpu")
+    if name in ("llvm", "cpu") and cpu and cpu != built_for:
+        session.close()
+        raise GgufcError(f"--cpu {cpu} given, but {model.path} was compiled for CPU '{built_for}'")
 
 
 def compiled_session(model: ModelInput) -> Any:

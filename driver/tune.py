@@ -93,7 +93,7 @@ from ggufc.codegen.kernel_keys import Int8GemvGroup, KernelKey, OpKernel, Weight
 from ggufc.codegen.lower import ModuleBuilder
 from ggufc.codegen.lower_context import plan_params
 from ggufc.codegen.schedule import PRESCHEDULED
-from ggufc.codegen.target import PROCESS_CPUS, resolve_target
+from ggufc.codegen.target import CPU_TARGETS, PROCESS_CPUS, lacking_here, resolve_target
 from ggufc.frontend.load import load_model
 from ggufc.messages import GgufcError
 from ggufc.runtime.session import configure_cpu_threads
@@ -157,7 +157,8 @@ def tune_target(target: str | dict[str, Any] | tvm.target.Target,
     if isinstance(target, str) and target.startswith("llvm "):
         target = R.parse_llvm_target(target)
     if remote is not None:
-        tgt = resolve_target(target) if not isinstance(target, str) or target in ("llvm", "cpu") else None
+        cpu_text = isinstance(target, str) and target.partition(":")[0] in CPU_TARGETS  # llvm, llvm:haswell
+        tgt = resolve_target(target) if not isinstance(target, str) or cpu_text else None
         if tgt is None or tgt.kind.name != "llvm":
             raise TuneError(f"--rpc-tracker measures CPU (llvm) targets; tune -t {target} on a machine with the "
                             "device itself")
@@ -176,7 +177,18 @@ def tune_target(target: str | dict[str, Any] | tvm.target.Target,
     if tgt.kind.name != "llvm":
         require_device(tgt.kind.name)
     R.check_measurable(tgt, None)
+    if tgt.kind.name == "llvm" and R.cross_triple(tgt) is None:
+        check_cpu_here(tgt)
     return tgt
+
+
+def check_cpu_here(target: tvm.target.Target) -> None:
+    """A CPU target measured here (`--cpu NAME` without --rpc-tracker) needs this CPU to run its code."""
+    missing = lacking_here(target_identity(target))
+    if missing:
+        raise TuneError(f"cannot tune for CPU '{target.attrs.get('mcpu')}' here: this CPU lacks its "
+                        f"{', '.join(missing)}, and tuning runs every candidate kernel; tune on such a machine, "
+                        "or measure there with --rpc-tracker")
 
 
 def require_device(kind: str) -> tvm.runtime.Device:

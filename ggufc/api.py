@@ -53,11 +53,15 @@ def user_errors(function: F) -> F:
 def compile(  # noqa: A001 - `ggufc.compile` is the name a user looks for
     model: PathLike, out: PathLike, *, target: str = "llvm", n_ctx: int | None = None,
     disabled_passes: Sequence[str] = (), tuning_db: PathLike | None = None, prompt_tiles: str = "kquant",
+    cpu: str | None = None,
 ) -> Path:
     """Compile `model` (.gguf) into the artifact directory `out` (written atomically; `out` must be
     new, empty, or an earlier ggufc artifact). Returns `out`. `prompt_tiles`: as
-    `ggufc compile --prompt-tiles` ("all": also the Q8_0/Q4_0/Q4_1 prompt GEMMs on AMX tiles)."""
+    `ggufc compile --prompt-tiles` ("all": also the Q8_0/Q4_0/Q4_1 prompt GEMMs on AMX tiles).
+    `cpu`: as `ggufc compile --cpu`, the CPU to build for by LLVM name ("haswell", "x86-64-v3", ...;
+    default this machine's)."""
     arguments.target(target, "target")
+    target = _with_cpu(target, cpu)
     arguments.optional(arguments.positive_int, n_ctx, "n_ctx")
     models.check_compile_options(frozenset(disabled_passes), prompt_tiles, "prompt_tiles")
     from ggufc.runtime.artifact import check_output_dir
@@ -72,15 +76,17 @@ def compile(  # noqa: A001 - `ggufc.compile` is the name a user looks for
 
 @user_errors
 def load(model: PathLike | None = None, *, target: str = "llvm", n_ctx: int | None = None,
-         threads: int | None = None) -> Model:
+         threads: int | None = None, cpu: str | None = None) -> Model:
     """A runnable model from an artifact, a `.gguf` (compiled once, cached) or the default model.
+    `cpu`: a .gguf is compiled for this CPU (as `--cpu`; it must be one this machine can run), an
+    artifact must have been compiled for it.
 
     An artifact without a text tokenizer loads too: `eval` takes token ids; the text methods
     raise a GgufcError saying so."""
     arguments.target(target, "target")
     arguments.optional(arguments.positive_int, n_ctx, "n_ctx")
     arguments.optional(arguments.thread_count, threads, "threads")
-    source = models.resolve_model(os.fspath(model) if model is not None else None, target, n_ctx)
+    source = models.resolve_model(os.fspath(model) if model is not None else None, _with_cpu(target, cpu), n_ctx)
     if threads is not None:
         reserve_cpu_threads(threads)
     session = models.existing_session(source)
@@ -91,6 +97,15 @@ def load(model: PathLike | None = None, *, target: str = "llvm", n_ctx: int | No
     except BaseException:
         session.close()
         raise
+
+
+def _with_cpu(target: str, cpu: str | None) -> str:
+    """`target` with the CPU `cpu` names (codegen.target.with_cpu), checked before any work."""
+    if cpu is None and not str(target).startswith(("llvm:", "cpu:")):
+        return target  # nothing named: no TVM to load for the check
+    from ggufc.codegen.target import with_cpu
+
+    return with_cpu(target, cpu)
 
 
 class Model:

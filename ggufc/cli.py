@@ -25,6 +25,7 @@ from ggufc.driver.models import (
     ModelInput,
     cached_artifact_dir,
     check_compile_options,
+    check_artifact_cpu,
     check_pass_names,
     compile_gguf,
     compiled_session,
@@ -261,7 +262,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
     manifest = compile_gguf(path, args.target, Path(args.out), args.ctx, frozenset(args.disable_pass),
                             tuning_db, args.tuning_min_speedup, args.prompt_tiles)
     kernels = len(manifest.get("kernels", []))
-    summary = f"{manifest.get('arch')} for {manifest.get('target_key')}, n_ctx {manifest.get('n_ctx')}"
+    cpu = f" (CPU {manifest['cpu']}, {manifest['isa']})" if manifest.get("cpu") and manifest.get("isa") else ""
+    summary = f"{manifest.get('arch')} for {manifest.get('target_key')}{cpu}, n_ctx {manifest.get('n_ctx')}"
     tuned = manifest.get("tuning")
     if tuned is not None:
         summary += f", {len(tuned['kernels'])} with tuned schedules from {tuned['database']}"
@@ -627,6 +629,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             progress(f"compiling {model.path.name} for {model.target} (first use; cached in {artifact})")
             compile_gguf(model.path, model.target, artifact, None)
     with Session(artifact, device=device_for(model.target), threads=args.threads) as session:
+        if model.kind == "artifact":
+            check_artifact_cpu(model, session)
         check_fits(args.prompt_tokens + args.gen_tokens, session.n_ctx, "prompt + generated tokens",
                    "lower --prompt-tokens/--gen-tokens")
         r = bench_session(session, prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens, repeats=3)
@@ -690,6 +694,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     check_pass_names(frozenset(args.disable_pass))
     if device_for(args.target) != "cpu":
         return verify_gpu_kernels(path, tokens, args)
+    from ggufc.codegen.target import check_runs_here
+
+    check_runs_here(args.target, "verify")
     from ggufc.driver.verify import verify_model
 
     progress(f"verifying {path.name}: compiled kernels against the numpy interpreter")
@@ -974,6 +981,23 @@ def _add_target(p: argparse.ArgumentParser) -> None:
                    help="llvm (CPU, default; also cpu), cuda, vulkan (WGSL through wgpu) or metal (MSL)")
     p.add_argument("--arch", default=None, metavar="SM_LIST",
                    help="cuda only: GPU architectures the artifact holds kernels for (default sm_80,sm_90)")
+    p.add_argument("--cpu", default=None, metavar="NAME",
+                   help="llvm only: the CPU to build for, by LLVM name (haswell, znver2, x86-64-v3, "
+                        "sapphirerapids, ...; default native: this machine's)")
+
+
+def apply_cpu(args: argparse.Namespace) -> None:
+    """`-t llvm --cpu haswell` -> target `llvm:haswell` (the compile cache keys on it), checked
+    before any work; `--cpu native` is this machine, as without --cpu."""
+    target, cpu = getattr(args, "target", None), getattr(args, "cpu", None)
+    if target is None or (cpu is None and not str(target).startswith(("llvm:", "cpu:"))):
+        return  # nothing named: no TVM to load for the check
+    from ggufc.codegen.target import with_cpu
+
+    try:
+        args.target = with_cpu(target, cpu)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
 
 
 def apply_arch(args: argparse.Namespace) -> None:
@@ -1015,6 +1039,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         reserve_cpu_threads(getattr(args, "threads", None))
         apply_arch(args)
+        apply_cpu(args)
         return int(args.handler(args))
     except KeyboardInterrupt:
         print("ggufc: interrupted", file=sys.stderr)

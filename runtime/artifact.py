@@ -25,7 +25,7 @@ import platform
 import shutil
 import tarfile
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -687,6 +687,7 @@ def _check(name: str, run: Any, ok_detail: str, where: str) -> Check:
 def _target_summary(manifest: dict[str, Any], target_key: str | None) -> str:
     target = manifest.get("target") if isinstance(manifest.get("target"), dict) else {}
     cpu = f", CPU {target['mcpu']}" if isinstance(target, dict) and target.get("mcpu") else ""
+    cpu += f" ({manifest['isa']})" if cpu and isinstance(manifest.get("isa"), str) else ""
     wanted = f", as asked ({target_key})" if target_key else ""
     return f"{manifest.get('target_key')}{cpu}{wanted}; runs on this machine"
 
@@ -735,6 +736,7 @@ _CPUINFO_ALIASES = {
     "neon": "asimd",
     "dotprod": "asimddp",
     "fullfp16": "asimdhp",
+    "egpr": "apx",
 }
 # Instruction-set extensions whose absence makes generated code crash (SIGILL). Tuning flags
 # that LLVM also reports ("fast-lzcnt", ...) are not checked.
@@ -742,7 +744,11 @@ _CHECKED_FEATURES = {
     "x86_64": (
         "sse3 ssse3 sse4.1 sse4.2 avx avx2 fma f16c bmi bmi2 avxvnni avx512f avx512cd avx512bw "
         "avx512dq avx512vl avx512vnni avx512bf16 avx512fp16 avx512ifma avx512vbmi avx512vbmi2 "
-        "avx512bitalg avx512vpopcntdq amx-tile amx-int8 amx-bf16"
+        "avx512bitalg avx512vpopcntdq amx-tile amx-int8 amx-bf16 "
+        # named in /proc/cpuinfo too: AMD's older extensions, Xeon Phi's, and newer Intel ones a
+        # `--cpu graniterapids`/`diamondrapids` build may use (egpr: APX's 32 registers)
+        "sse4a fma4 xop tbm avx512er avx512pf avx5124fmaps avx5124vnniw avx512vp2intersect avxifma cmpccxadd "
+        "amx-fp16 egpr"
     ).split(),
     "aarch64": "neon sve sve2 dotprod i8mm fullfp16 bf16".split(),
 }
@@ -806,21 +812,29 @@ def _check_target(manifest: dict[str, Any], target_key: str | None, where: str) 
             f"{where}: compiled for target '{built_for}', not '{target_key}'; recompile with -t {target_key}"
         )
     if built_for == "llvm":
-        _check_llvm_target_runs_here(manifest["target"], where)
+        _check_llvm_target_runs_here(manifest["target"], where, _recorded_features(manifest, where))
 
 
-def _check_llvm_target_runs_here(target: dict[str, Any], where: str) -> None:
+def _recorded_features(manifest: dict[str, Any], where: str) -> list[str]:
+    """The CPU extensions the manifest says the code needs (`cpu_features`; older artifacts have none)."""
+    recorded = manifest.get("cpu_features", [])
+    if not isinstance(recorded, list) or not all(isinstance(f, str) for f in recorded):
+        raise ArtifactError(f"{where}: manifest field 'cpu_features' is not a list of strings")
+    return recorded
+
+
+def _check_llvm_target_runs_here(target: dict[str, Any], where: str, recorded: Sequence[str] = ()) -> None:
     host = host_features()
     triple = str(target.get("mtriple", ""))
     if triple:
         target_machine = _normalise_machine(triple.split("-", 1)[0])
         if target_machine != host.machine:
             raise ArtifactError(f"{where}: compiled for {target_machine}, this machine is {host.machine}")
-    missing = features_missing_here(target)
+    missing = list(dict.fromkeys([*features_missing_here(target), *_flags_missing_here(recorded)]))
     if missing:
         raise ArtifactError(
             f"{where}: compiled for CPU '{target.get('mcpu', '?')}', whose {', '.join(missing)} "
-            "this CPU lacks; recompile on this machine"
+            "this CPU lacks; recompile on this machine (no --cpu) or for a CPU it has (--cpu NAME)"
         )
     if AMX_FEATURES[1] in (_llvm_target_features(target, host.machine) or []) and not amx_usable():
         raise ArtifactError(f"{where}: compiled for AMX tiles, which the OS does not lend this process; "
@@ -832,11 +846,22 @@ def features_missing_here(target: dict[str, Any]) -> list[str]:
     list in /proc/cpuinfo. A CPU model can lack what its name implies: a hypervisor may hide AMX
     from a guest whose CPU LLVM still calls 'emeraldrapids'. Empty when it cannot tell (no LLVM,
     no /proc/cpuinfo): the kernels may still run."""
-    host = host_features()
-    needed = _llvm_target_features(target, host.machine)
-    if needed is None or host.flags is None:
+    needed = _llvm_target_features(target, host_features().machine)
+    return [] if needed is None else _flags_missing_here(needed)
+
+
+def _flags_missing_here(features: Iterable[str]) -> list[str]:
+    """The LLVM-named extensions this CPU does not list in /proc/cpuinfo (none when it cannot tell)."""
+    flags = host_features().flags
+    if flags is None:
         return []
-    return [f for f in needed if _normalise_flag(_CPUINFO_ALIASES.get(f, f)) not in host.flags]
+    return [f for f in features if _normalise_flag(_CPUINFO_ALIASES.get(f, f)) not in flags]
+
+
+def target_cpu_features(target: dict[str, Any]) -> list[str] | None:
+    """The checked ISA extensions code for an LLVM target (this machine's architecture) needs, as
+    the manifest records them (`cpu_features`); None when LLVM is unavailable."""
+    return _llvm_target_features(target, host_features().machine)
 
 
 def _llvm_target_features(target: dict[str, Any], machine: str) -> list[str] | None:

@@ -12,7 +12,7 @@ from ggufc.messages import ArgumentError
 DEVICE_OF_TARGET = {"llvm": "cpu", "cpu": "cpu", "cuda": "cuda", "vulkan": "vulkan", "metal": "metal"}
 # device -> the manifest's target_key its kernels must have been built for
 TARGET_KEY_OF_DEVICE = {"cpu": "llvm", "cuda": "cuda", "vulkan": "vulkan", "metal": "metal"}
-TARGET_LIST = "llvm (the CPU; also cpu), cuda[:sm_XY,...], vulkan, metal"
+TARGET_LIST = "llvm[:CPU] (the CPU; also cpu), cuda[:sm_XY,...], vulkan, metal"
 DEFAULT_CUDA_ARCHS = ("sm_80", "sm_90")
 
 
@@ -21,15 +21,16 @@ def unknown_target(target: object) -> ArgumentError:
 
 
 def device_for(target: str) -> str:
-    """The device a target's artifacts run on; any other name (or an architecture list on a target
-    other than cuda) is refused with the list of targets."""
-    name, colon, archs = str(target).partition(":")
+    """The device a target's artifacts run on; any other name (or a suffix on a target other than
+    cuda's architectures and the CPU's LLVM name) is refused with the list of targets. A CPU name
+    (`llvm:haswell`, as `--cpu` spells it) is checked against LLVM's list by codegen.target."""
+    name, colon, rest = str(target).partition(":")
     device = DEVICE_OF_TARGET.get(name)
-    if device is None or (colon and name != "cuda"):
+    if device is None or (colon and device not in ("cuda", "cpu")) or (colon and not rest):
         raise unknown_target(target)
-    if colon:
+    if colon and device == "cuda":
         try:
-            parse_archs(archs)
+            parse_archs(rest)
         except ValueError:
             raise unknown_target(target) from None
     return device

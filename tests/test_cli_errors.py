@@ -179,7 +179,7 @@ def test_unknown_target_refused(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert "unknown target 'tpu'" in err
 
 
-TARGET_LIST = "(supported: llvm (the CPU; also cpu), cuda[:sm_XY,...], vulkan, metal)"
+TARGET_LIST = "(supported: llvm[:CPU] (the CPU; also cpu), cuda[:sm_XY,...], vulkan, metal)"
 
 
 def target_commands(model: Path, tmp_path: Path, target: str) -> list[list[str]]:
