@@ -10,6 +10,7 @@ their default, so clients that send defaults work.
 from __future__ import annotations
 
 import dataclasses
+import decimal
 import json
 import math
 from collections.abc import Mapping
@@ -58,12 +59,22 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+def _json_number(literal: str) -> int | float:
+    """A JSON number written with a fraction or an exponent. An integral one is an int, as JSON
+    Schema counts 2.0 among the integers (token ids, limits, seeds), and exactly: 18446744073709551615.0
+    is the largest seed, where a float would round it to 2**64. Beyond 20 digits, a float."""
+    value = decimal.Decimal(literal)
+    if value.is_finite() and value == value.to_integral_value() and value.adjusted() <= 20:
+        return int(value)
+    return float(literal)
+
+
 def parse_json(raw: bytes) -> dict[str, Any]:
     """The body as a JSON object (strict JSON: no NaN or Infinity), or a 400."""
     if len(raw) > MAX_BODY_BYTES:
         raise RequestError(413, f"the request body is over {MAX_BODY_BYTES} bytes", code="request_too_large")
     try:
-        body = json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant)
+        body = json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant, parse_float=_json_number)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         reason = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
         raise RequestError(400, f"the request body is not valid JSON ({reason})", code="invalid_json") from None

@@ -35,6 +35,7 @@ from .prompting import encode_prompt, render_messages, stop_ids
 from .sampling import Sampler
 from .serve_engine import Engine, Event, Generation, ServerBusyError, Slots, Ticket
 from .serve_requests import MAX_BODY_BYTES, ApiRequest, RequestError, parse_json, parse_request
+from .serve_schema import COMPLETION_RESPONSES, ERROR_RESPONSES, request_body, request_models
 from .tokenizer import TokenizationError
 
 GRACEFUL_SHUTDOWN_S = 30
@@ -57,7 +58,9 @@ def create_app(engine: Engine, tokenizer: Any, info: Mapping[str, Any], *, model
         finally:
             await anyio.to_thread.run_sync(engine.stop)
 
-    app = FastAPI(title="ggufc", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
+    # /openapi.json describes the requests (serve_schema.py); the handlers check bodies themselves
+    app = FastAPI(title="ggufc", lifespan=lifespan, docs_url=None, redoc_url=None)
+    completion_request, chat_request = request_models(model_id, engine.n_ctx, n_vocab)
     created = int(time.time())
     context = _Context(engine, tokenizer, info, model_id, n_vocab, api_key)
 
@@ -81,17 +84,17 @@ def create_app(engine: Engine, tokenizer: Any, info: Mapping[str, Any], *, model
     async def health() -> dict[str, Any]:
         return {"status": "ok", **engine.status()}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=ERROR_RESPONSES)
     async def models(request: Request) -> dict[str, Any]:
         context.check_key(request)
         return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created,
                                             "owned_by": "ggufc", "context_length": engine.n_ctx}]}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=request_body(completion_request), responses=COMPLETION_RESPONSES)
     async def completions(request: Request) -> Response:
         return await context.answer(request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=request_body(chat_request), responses=COMPLETION_RESPONSES)
     async def chat_completions(request: Request) -> Response:
         return await context.answer(request, chat=True)
 

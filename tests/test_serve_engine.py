@@ -60,6 +60,22 @@ def test_requests_are_checked_field_by_field() -> None:
     assert info.value.status == 400
 
 
+def test_integral_numbers_are_integers_whatever_their_spelling() -> None:
+    """JSON Schema's integers include 2.0 (schemathesis sends them): token ids, limits and seeds
+    written with a fraction are accepted as the integers they are, exactly at the range's end."""
+    body = parse_json(b'{"model": "m", "prompt": [1, 2.0, 3e0], "max_tokens": 4.0, "n": 1.0, "logprobs": 0.0,'
+                      b' "seed": 18446744073709551615.0, "temperature": 0.5}')
+    req = parse_request(body, chat=False, model_id="m", n_ctx=32, n_vocab=N_VOCAB)
+    assert (req.prompt_ids, req.max_tokens, req.seed, req.temperature) == ((1, 2, 3), 4, 2**64 - 1, 0.5)
+    assert parse_json(b'{"a": 1e400, "b": 1e-400, "c": 1e99999999}') == {"a": float("inf"), "b": 0.0, "c": float("inf")}
+    for bad, param in [(b'"prompt": [1.5]', "prompt"), (b'"seed": 18446744073709551616.0', "seed"),
+                       (b'"max_tokens": 1e400', "max_tokens")]:
+        with pytest.raises(RequestError) as info:
+            parse_request(parse_json(b'{"model": "m", ' + bad + b"}"), chat=False, model_id="m", n_ctx=32,
+                          n_vocab=N_VOCAB)
+        assert info.value.status == 400 and info.value.param == param
+
+
 class ScriptedRunner:
     """Greedy picks (sum of the context's ids + 1) mod 15: EOS (15) is never picked, so only
     max_tokens and stop strings end a generation; records every forward call's length."""

@@ -1,0 +1,109 @@
+"""The OpenAPI description of `ggufc serve`'s requests and errors (published at /openapi.json).
+
+The server checks bodies itself, field by field (serve_requests.py), so that every refusal is
+OpenAI's error body naming the field; these pydantic models only describe what it accepts, with
+the limits of the model being served (its name, context and vocabulary), so that clients and API
+testers (tests/test_serve_schemathesis.py) know the valid requests.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, conlist, create_model
+
+from .serve_requests import CHAT_ROLES, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_TEMPERATURE, SEED_RANGE
+
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    """OpenAI's error body, sent with every 4xx and 5xx status."""
+
+    error: ErrorDetail
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(title="ChatMessage")
+    role: Literal[CHAT_ROLES]  # type: ignore[valid-type]
+    content: str | list[TextPart] = Field(description="text, or text parts; null is accepted from the assistant")
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool | None = None
+
+
+class _Sampling(BaseModel):
+    """The fields both endpoints share (the server-specific bounds are set by `request_models`)."""
+
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(None, ge=0.0, le=MAX_TEMPERATURE)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    n: int | None = Field(None, ge=1, le=1, description="one choice per request")
+
+
+def request_models(model_id: str, n_ctx: int, n_vocab: int) -> tuple[type[BaseModel], type[BaseModel]]:
+    """(completion request, chat request) models with this server's model name and limits."""
+    limits: dict[str, Any] = {
+        "model": (str, Field(json_schema_extra={"enum": [model_id]})),
+        "max_tokens": (int | None, Field(None, ge=1, le=n_ctx)),
+        "top_k": (int | None, Field(None, ge=0, le=n_vocab, description="0: no top-k cut")),
+    }
+    token_id: Any = Annotated[int, Field(ge=0, lt=n_vocab)]
+    one_prompt: Any = Annotated[str, Field(min_length=1)] | conlist(token_id, min_length=1)
+    prompt: Any = one_prompt | conlist(one_prompt, min_length=1, max_length=1)
+    completion = create_model("CompletionRequest", __base__=_Sampling, **limits,
+                              prompt=(prompt, Field(description="text or token ids (or a list holding one of those)")))
+    chat = create_model("ChatCompletionRequest", __base__=_Sampling, **limits,
+                        max_completion_tokens=(int | None, Field(None, ge=1, le=n_ctx)),
+                        messages=(conlist(ChatMessage, min_length=1), ...))
+    return completion, chat
+
+
+def request_body(model: type[BaseModel]) -> dict[str, Any]:
+    """`openapi_extra` for a route that reads its body itself: the model's schema, inlined."""
+    schema = model.model_json_schema()
+    definitions = schema.pop("$defs", {})
+    content = {"application/json": {"schema": _inline(schema, definitions)}}
+    return {"requestBody": {"required": True, "content": content}}
+
+
+def _inline(node: Any, definitions: dict[str, Any]) -> Any:
+    """The schema with its local `#/$defs/...` references replaced by what they name."""
+    if isinstance(node, dict):
+        ref = node.get("$ref", "")
+        if ref.startswith("#/$defs/"):
+            return _inline(definitions[ref.removeprefix("#/$defs/")], definitions)
+        return {key: _inline(value, definitions) for key, value in node.items()}
+    if isinstance(node, list):
+        return [_inline(value, definitions) for value in node]
+    return node
+
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorBody, "description": what}
+    for status, what in [(400, "a bad request (the field at fault in error.param)"),
+                         (401, "a missing or wrong API key"), (404, "an unknown model or route"),
+                         (413, "a body over 1 MiB"), (500, "an internal error"),
+                         (503, "every slot busy and the queue full (Retry-After)")]
+}
+COMPLETION_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"description": "the completion (JSON), or its chunks as server-sent events when streamed",
+          "content": {"application/json": {}, "text/event-stream": {}}},
+    **ERROR_RESPONSES,
+}
