@@ -17,7 +17,7 @@ build), `ValueError` for bad arguments and refused outputs or artifacts.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from ggufc.driver import models
 from ggufc.runtime.generate import generate
 from ggufc.runtime.sampling import Sampler
 from ggufc.runtime.session import Session, reserve_cpu_threads
+from ggufc.runtime.token_choice import Decoding
 
 PathLike = str | os.PathLike[str]
 
@@ -102,18 +103,22 @@ class Model:
 
     def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None, chat: bool = False,
-                 keep_context: bool = False) -> Iterator[str]:
+                 keep_context: bool = False, logit_bias: Mapping[int, float] | None = None,
+                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0) -> Iterator[str]:
         """Stream the continuation of `prompt` (text, or token ids) as text pieces; greedy by default.
 
         Stops at the model's end-of-turn tokens, after `max_tokens`, or when the context is full.
-        A fresh context each call unless `keep_context`.
+        A fresh context each call unless `keep_context`. `logit_bias` ({token id: -100..100}) and
+        the penalties (-2..2, over the generated tokens' counts) are OpenAI's.
         """
         ids = self.tokenize(prompt, chat=chat) if isinstance(prompt, str) else [int(t) for t in prompt]
         sampler = Sampler(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        decoding = Decoding(logit_bias=dict(logit_bias or {}), presence_penalty=presence_penalty,
+                            frequency_penalty=frequency_penalty)
         if not keep_context:
             self.session.reset()
         yield from generate(self.session, self.tokenizer, ids, max_new_tokens=max_tokens, sampler=sampler,
-                            stop_ids=cli.stop_ids(self._info))
+                            stop_ids=cli.stop_ids(self._info), decoding=decoding)
 
     def complete(self, prompt: str | Sequence[int], **options: Any) -> str:
         """The whole continuation as one string (`generate`'s options)."""

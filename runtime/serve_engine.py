@@ -31,6 +31,7 @@ import numpy as np
 from .artifact import one_line
 from .generate import TextStream, text_stream
 from .sampling import Sampler
+from .token_choice import Decoding, TokenChooser, TokenLogprob
 
 FINISH_STOP = "stop"  # an end-of-generation token or a stop string
 FINISH_LENGTH = "length"  # max_tokens, or the context is full
@@ -86,6 +87,7 @@ class Generation:
     max_tokens: int
     sampler: Sampler
     stop_strings: tuple[str, ...] = ()
+    decoding: Decoding = Decoding()  # logit bias, penalties, grammar, log-probabilities
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +98,7 @@ class Event:
     text: str = ""
     finish_reason: str | None = None
     usage: dict[str, int] | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()  # the tokens sampled since the last event (when asked)
 
 
 class Ticket:
@@ -154,6 +157,12 @@ class Slot:
         self.cached = 0
         self.decoder: TextStream | None = None
         self.stops = StopStringFilter(())
+        self.chooser: TokenChooser | None = None
+        self.logprobs: list[TokenLogprob] = []  # sampled, not yet sent with an event
+
+    def take_logprobs(self) -> tuple[TokenLogprob, ...]:
+        taken, self.logprobs = tuple(self.logprobs), []
+        return taken
 
     @property
     def busy(self) -> bool:
@@ -346,6 +355,7 @@ class Engine:
         slot.logits, slot.produced = None, 0
         slot.decoder = text_stream(self._tokenizer)
         slot.stops = StopStringFilter(ticket.generation.stop_strings)
+        slot.chooser, slot.logprobs = TokenChooser(ticket.generation.sampler, ticket.generation.decoding), []
 
     def _step(self) -> None:
         """One chunk of every slot reading a prompt, then one token of every generating slot."""
@@ -407,16 +417,19 @@ class Engine:
         """Sample the next token as `runtime.generate` does and send its text; the token to feed
         next, or None when the generation ended."""
         assert slot.ticket is not None and slot.logits is not None and slot.decoder is not None
+        assert slot.chooser is not None
         generation = slot.ticket.generation
-        token = generation.sampler(slot.logits)
+        token, logprob = slot.chooser.choose(slot.logits)
         if token in self._stop_ids:
             self._finish(slot, FINISH_STOP)
             return None
+        if logprob is not None:
+            slot.logprobs.append(logprob)
         slot.produced += 1
         self.tokens_generated += 1
         text, stopped = slot.stops.feed(slot.decoder.feed(token))
         if text:
-            slot.ticket.deliver(Event("text", text=text))
+            slot.ticket.deliver(Event("text", text=text, logprobs=slot.take_logprobs()))
         if stopped:
             self._finish(slot, FINISH_STOP, flush=False)
         elif slot.produced >= generation.max_tokens or len(slot.context) >= self.n_ctx:
@@ -432,12 +445,12 @@ class Engine:
             text += "" if stopped else slot.stops.finish()
             reason = FINISH_STOP if stopped else reason
             if text:
-                slot.ticket.deliver(Event("text", text=text))
+                slot.ticket.deliver(Event("text", text=text, logprobs=slot.take_logprobs()))
         prompt = len(slot.ticket.generation.prompt_ids)
         usage = {"prompt_tokens": prompt, "completion_tokens": slot.produced,
                  "total_tokens": prompt + slot.produced, "cached_tokens": slot.cached}
         slot.ticket.finished = True
-        slot.ticket.deliver(Event("done", finish_reason=reason, usage=usage))
+        slot.ticket.deliver(Event("done", finish_reason=reason, usage=usage, logprobs=slot.take_logprobs()))
         self._release(slot)
 
     def _fail(self, slot: Slot, message: str) -> None:
@@ -450,4 +463,4 @@ class Engine:
         """The slot serves nothing; the ids it fed stay in its context for a later prefix match."""
         if slot.ticket is not None:
             slot.ticket.finished = True
-        slot.ticket, slot.pending, slot.logits, slot.decoder = None, [], None, None
+        slot.ticket, slot.pending, slot.logits, slot.decoder, slot.chooser = None, [], None, None, None

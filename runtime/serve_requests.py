@@ -3,8 +3,8 @@
 A request is untrusted input: every field the server reads is checked for its type and range,
 and whatever is wrong is answered with a `RequestError` (an HTTP status and a one-line message,
 sent as OpenAI's error body) naming the field. Fields ggufc does not implement are refused when
-they ask for something (`n` > 1, `logprobs`, penalties, tools, ...) and ignored when they carry
-their default, so clients that send defaults work.
+they ask for something (`best_of`, `echo`, tools, ...) and ignored when they carry their default,
+so clients that send defaults work.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import json
 import math
 from collections.abc import Mapping
 from typing import Any
+
+from .token_choice import LOGIT_BIAS_RANGE, MAX_TOP_LOGPROBS, PENALTY_RANGE, Decoding
 
 MAX_BODY_BYTES = 1 << 20
 MAX_STOP_STRINGS = 4
@@ -49,6 +51,8 @@ class ApiRequest:
     top_k: int
     seed: int | None
     stop: tuple[str, ...]
+    n: int = 1  # choices
+    decoding: Decoding = Decoding()  # logit bias, penalties, log-probabilities
     messages: tuple[dict[str, str], ...] = ()  # chat
     prompt_text: str | None = None  # completions: text ...
     prompt_ids: tuple[int, ...] | None = None  # ... or token ids
@@ -72,7 +76,9 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def parse_request(body: Mapping[str, Any], *, chat: bool, model_id: str, n_ctx: int, n_vocab: int) -> ApiRequest:
+def parse_request(body: Mapping[str, Any], *, chat: bool, model_id: str, n_ctx: int, n_vocab: int,
+                  max_n: int = 1) -> ApiRequest:
+    """The checked request; `max_n`: the most choices one request may ask for (the server's slots)."""
     _check_model(body, model_id)
     _refuse_unsupported(body, chat)
     stream = _optional_bool(body, "stream", False)
@@ -88,6 +94,7 @@ def parse_request(body: Mapping[str, Any], *, chat: bool, model_id: str, n_ctx: 
         temperature=_number(body, "temperature", 1.0, 0.0, MAX_TEMPERATURE),
         top_p=_top_p(body), top_k=_int(body, "top_k", 0, 0, n_vocab),
         seed=_optional_int(body, "seed", *SEED_RANGE), stop=_stop(body),
+        n=_choices(body, max_n), decoding=_decoding(body, chat, n_vocab),
     )
     if chat:
         return ApiRequest(**common, messages=_messages(body))
@@ -109,14 +116,8 @@ def _check_model(body: Mapping[str, Any], model_id: str) -> None:
 
 # field -> (the values that ask for nothing, what the field would ask for)
 _DEFAULTS: dict[str, tuple[tuple[Any, ...], str]] = {
-    "n": ((None, 1), "n > 1 (one choice per request)"),
     "best_of": ((None, 1), "best_of > 1"),
     "echo": ((None, False), "echo"),
-    "logprobs": ((None, False, 0), "logprobs"),
-    "top_logprobs": ((None, 0), "top_logprobs"),
-    "presence_penalty": ((None, 0, 0.0), "presence_penalty"),
-    "frequency_penalty": ((None, 0, 0.0), "frequency_penalty"),
-    "logit_bias": ((None,), "logit_bias"),
     "suffix": ((None, ""), "suffix"),
     "tools": ((None,), "tools"),
     "functions": ((None,), "functions"),
@@ -130,8 +131,6 @@ def _refuse_unsupported(body: Mapping[str, Any], chat: bool) -> None:
         value = body.get(name)
         if _is_default(value, defaults):
             continue
-        if name == "n" and not (isinstance(value, int) and not isinstance(value, bool)):
-            raise RequestError(400, f"n must be an integer, got {_json_type(value)}", param="n")
         raise RequestError(400, f"{what} is not supported by this server", param=name, code="unsupported")
 
 
@@ -179,6 +178,58 @@ def _number(body: Mapping[str, Any], name: str, default: float, lo: float, hi: f
     if not (math.isfinite(value) and lo <= value <= hi):
         raise RequestError(400, f"{name} must be between {lo:g} and {hi:g}, got {_short(value)}", param=name)
     return float(value)
+
+
+def _choices(body: Mapping[str, Any], max_n: int) -> int:
+    n = _int(body, "n", 1, 1, 1 << 31)
+    if n > max_n:
+        raise RequestError(400, f"n must be at most {max_n} (the server's slots; start it with --parallel N "
+                                f"for more), got {n}", param="n")
+    return n
+
+
+def _decoding(body: Mapping[str, Any], chat: bool, n_vocab: int) -> Decoding:
+    return Decoding(logit_bias=_logit_bias(body, n_vocab),
+                    presence_penalty=_number(body, "presence_penalty", 0.0, *PENALTY_RANGE),
+                    frequency_penalty=_number(body, "frequency_penalty", 0.0, *PENALTY_RANGE),
+                    top_logprobs=_chat_logprobs(body) if chat else _completion_logprobs(body))
+
+
+def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
+    """Chat: `logprobs: true` asks for the chosen tokens', `top_logprobs: k` for k more each."""
+    wanted = _optional_bool(body, "logprobs", False)
+    top = _optional_int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if top is not None and top > 0 and not wanted:
+        raise RequestError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def _completion_logprobs(body: Mapping[str, Any]) -> int | None:
+    """Completions: `logprobs: k` (0 included) asks for the chosen tokens' and the k most likely."""
+    if isinstance(body.get("logprobs"), bool):
+        raise RequestError(400, f"logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}", param="logprobs")
+    return _optional_int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
+
+
+def _logit_bias(body: Mapping[str, Any], n_vocab: int) -> dict[int, float]:
+    """{"token id": bias} with biases in [-100, 100], added to those tokens' logits."""
+    value = body.get("logit_bias")
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise RequestError(400, "logit_bias must be an object of token id -> bias", param="logit_bias")
+    lo, hi = LOGIT_BIAS_RANGE
+    bias: dict[int, float] = {}
+    for key, amount in value.items():
+        token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) < 12 else -1
+        if not 0 <= token < n_vocab:
+            raise RequestError(400, f"logit_bias key {_short(key)} is not a token id in [0, {n_vocab})",
+                               param="logit_bias")
+        if not isinstance(amount, (int, float)) or isinstance(amount, bool) or not lo <= amount <= hi:
+            raise RequestError(400, f"logit_bias values must be numbers from {lo:g} to {hi:g}, got {_short(amount)}",
+                               param="logit_bias")
+        bias[token] = float(amount)
+    return bias
 
 
 def _top_p(body: Mapping[str, Any]) -> float:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import signal
@@ -20,7 +21,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -34,6 +35,7 @@ from .chat import ChatTemplateError
 from .prompting import encode_prompt, render_messages, stop_ids
 from .sampling import Sampler
 from .serve_engine import Engine, Event, Generation, ServerBusyError, Slots, Ticket
+from .serve_logprobs import LogprobWriter, merge
 from .serve_requests import MAX_BODY_BYTES, ApiRequest, RequestError, parse_json, parse_request
 from .tokenizer import TokenizationError
 
@@ -118,20 +120,29 @@ class _Context:
         self.check_key(request)
         body = parse_json(await _read_body(request))
         parsed = parse_request(body, chat=chat, model_id=self.model_id, n_ctx=self.engine.n_ctx,
-                               n_vocab=self.n_vocab)
+                               n_vocab=self.n_vocab, max_n=len(self.engine.slots))
         ids = await anyio.to_thread.run_sync(self._prompt_ids, parsed)
-        sampler = Sampler(temperature=parsed.temperature, top_k=parsed.top_k, top_p=parsed.top_p,
-                          seed=None if parsed.seed is None else parsed.seed % (1 << 64))
-        generation = Generation(tuple(ids), parsed.max_tokens, sampler, parsed.stop)
-        events: asyncio.Queue[Event] = asyncio.Queue()
-        try:
-            ticket = self.engine.submit(generation, _deliverer(asyncio.get_running_loop(), events))
-        except ServerBusyError as exc:
-            raise RequestError(503, str(exc), code="server_busy", kind="server_error") from None
-        reply = _Reply(chat, self.model_id, parsed)
+        events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+        tickets = self._submit(parsed, ids, asyncio.get_running_loop(), events)
+        reply = _Reply(chat, self.model_id, parsed, self.tokenizer)
         if parsed.stream:
-            return _EventStream(reply.stream(events), ticket)
-        return await _whole_answer(request, reply, events, ticket)
+            return _EventStream(reply.stream(events), tickets)
+        return await _whole_answer(request, reply, events, tickets)
+
+    def _submit(self, parsed: ApiRequest, ids: list[int], loop: asyncio.AbstractEventLoop,
+                events: asyncio.Queue[tuple[int, Event]]) -> _Tickets:
+        """One generation per choice, each with its own sampler (choice i seeded with seed + i)."""
+        tickets = _Tickets()
+        for index in range(parsed.n):
+            seed = None if parsed.seed is None else (parsed.seed + index) % (1 << 64)
+            sampler = Sampler(temperature=parsed.temperature, top_k=parsed.top_k, top_p=parsed.top_p, seed=seed)
+            generation = Generation(tuple(ids), parsed.max_tokens, sampler, parsed.stop, parsed.decoding)
+            try:
+                tickets.append(self.engine.submit(generation, _deliverer(loop, events, index)))
+            except ServerBusyError as exc:
+                tickets.cancel()
+                raise RequestError(503, str(exc), code="server_busy", kind="server_error") from None
+        return tickets
 
     def _prompt_ids(self, parsed: ApiRequest) -> list[int]:
         """Token ids of the prompt (chat: through the model's template, in jinja2's sandbox)."""
@@ -169,44 +180,66 @@ async def _read_body(request: Request) -> bytes:
     return b"".join(chunks)
 
 
-def _deliverer(loop: asyncio.AbstractEventLoop, events: asyncio.Queue[Event]) -> Callable[[Event], None]:
-    """Hand the engine thread's events to the request's queue on the event loop."""
+def _deliverer(loop: asyncio.AbstractEventLoop, events: asyncio.Queue[tuple[int, Event]],
+               index: int) -> Callable[[Event], None]:
+    """Hand the engine thread's events of choice `index` to the request's queue on the event loop."""
 
     def deliver(event: Event) -> None:
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening any more
-            loop.call_soon_threadsafe(events.put_nowait, event)
+            loop.call_soon_threadsafe(events.put_nowait, (index, event))
 
     return deliver
 
 
-class _Reply:
-    """OpenAI's response objects for one request: whole, or as server-sent event chunks."""
+class _Tickets(list[Ticket]):
+    """The generations of one request's choices, cancelled together."""
 
-    def __init__(self, chat: bool, model_id: str, parsed: ApiRequest) -> None:
+    def cancel(self) -> None:
+        for ticket in self:
+            ticket.cancel()
+
+
+class _Reply:
+    """OpenAI's response objects for one request's choices: whole, or as server-sent event chunks."""
+
+    def __init__(self, chat: bool, model_id: str, parsed: ApiRequest, tokenizer: Any) -> None:
         self.chat, self.model_id, self.parsed = chat, model_id, parsed
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
+        wanted = parsed.decoding.top_logprobs is not None
+        self.logprobs = [LogprobWriter(tokenizer, chat=chat) for _ in range(parsed.n)] if wanted else None
 
     def _envelope(self, chunk: bool) -> dict[str, Any]:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model_id}
 
     @staticmethod
-    def usage(raw: Mapping[str, int]) -> dict[str, Any]:
-        return {"prompt_tokens": raw["prompt_tokens"], "completion_tokens": raw["completion_tokens"],
-                "total_tokens": raw["total_tokens"],
-                "prompt_tokens_details": {"cached_tokens": raw["cached_tokens"]}}
+    def usage(raw: Sequence[Mapping[str, int]]) -> dict[str, Any]:
+        """One request's usage: the prompt once, the completions of every choice."""
+        prompt, completion = raw[0]["prompt_tokens"], sum(u["completion_tokens"] for u in raw)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": raw[0]["cached_tokens"]}}
 
-    def whole(self, text: str, finish_reason: str | None, usage: Mapping[str, int]) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        return {**self._envelope(False), "choices": [choice], "usage": self.usage(usage)}
+    def _logprobs(self, index: int, event: Event) -> dict[str, Any] | None:
+        return None if self.logprobs is None else self.logprobs[index].render(event.logprobs)
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, *, role: bool = False) -> bytes:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+    def whole(self, finals: Sequence[_Collected]) -> dict[str, Any]:
+        choices = []
+        for index, final in enumerate(finals):
+            choice: dict[str, Any] = {"index": index, "finish_reason": final.finish_reason, "logprobs": None}
+            if self.logprobs is not None:
+                choice["logprobs"] = merge(final.logprobs, chat=self.chat)
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": final.text}
+            else:
+                choice["text"] = final.text
+            choices.append(choice)
+        usage = self.usage([f.usage for f in finals])
+        return {**self._envelope(False), "choices": choices, "usage": usage}
+
+    def chunk(self, index: int, text: str | None, finish_reason: str | None = None, *, role: bool = False,
+              logprobs: dict[str, Any] | None = None) -> bytes:
+        choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason, "logprobs": logprobs}
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
@@ -216,38 +249,64 @@ class _Reply:
             choice["text"] = text or ""
         return _sse({**self._envelope(True), "choices": [choice]})
 
-    async def stream(self, events: asyncio.Queue[Event]) -> AsyncIterator[bytes]:
+    async def stream(self, events: asyncio.Queue[tuple[int, Event]]) -> AsyncIterator[bytes]:
         if self.chat:
-            yield self.chunk("", role=True)
-        while True:
-            event = await events.get()
+            for index in range(self.parsed.n):
+                yield self.chunk(index, "", role=True)
+        usages: dict[int, Mapping[str, int]] = {}
+        while len(usages) < self.parsed.n:
+            index, event = await events.get()
             if event.kind == "text":
-                yield self.chunk(event.text)
+                yield self.chunk(index, event.text, logprobs=self._logprobs(index, event))
                 continue
-            if event.kind == "done":
-                yield self.chunk(None, event.finish_reason)
-                if self.parsed.include_usage and event.usage is not None:
-                    yield _sse({**self._envelope(True), "choices": [], "usage": self.usage(event.usage)})
-            else:
+            if event.kind == "error":
                 yield _sse(RequestError(500, event.text, kind="server_error").body())
-            yield b"data: [DONE]\n\n"
-            return
+                yield b"data: [DONE]\n\n"
+                return
+            final_logprobs = self._logprobs(index, event) if event.logprobs else None
+            yield self.chunk(index, None, event.finish_reason, logprobs=final_logprobs)
+            assert event.usage is not None
+            usages[index] = event.usage
+        if self.parsed.include_usage:
+            usage = self.usage([usages[i] for i in sorted(usages)])
+            yield _sse({**self._envelope(True), "choices": [], "usage": usage})
+        yield b"data: [DONE]\n\n"
 
 
 def _sse(payload: Mapping[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, ensure_ascii=False).encode("utf-8") + b"\n\n"
 
 
-async def _whole_answer(request: Request, reply: _Reply, events: asyncio.Queue[Event], ticket: Ticket) -> Response:
-    """Collect the generation; a client that disconnects meanwhile cancels it."""
+@dataclasses.dataclass
+class _Collected:
+    """One choice's whole answer, as its events brought it."""
 
-    async def collect() -> Event:
-        pieces: list[str] = []
-        while True:
-            event = await events.get()
-            if event.kind != "text":
-                return _with_text(event, "".join(pieces))
-            pieces.append(event.text)
+    text: str = ""
+    finish_reason: str | None = None
+    usage: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    logprobs: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+
+async def _whole_answer(request: Request, reply: _Reply, events: asyncio.Queue[tuple[int, Event]],
+                        tickets: _Tickets) -> Response:
+    """Collect every choice's generation; a client that disconnects meanwhile cancels them."""
+
+    async def collect() -> list[_Collected] | Event:
+        finals = [_Collected() for _ in range(reply.parsed.n)]
+        done = 0
+        while done < len(finals):
+            index, event = await events.get()
+            if event.kind == "error":
+                return event
+            final = finals[index]
+            final.text += event.text
+            if reply.logprobs is not None and event.logprobs:
+                final.logprobs.append(reply.logprobs[index].render(event.logprobs))
+            if event.kind == "done":
+                assert event.usage is not None
+                final.finish_reason, final.usage = event.finish_reason, event.usage
+                done += 1
+        return finals
 
     collecting = asyncio.ensure_future(collect())
     watching = asyncio.ensure_future(_disconnected(request.receive))
@@ -257,22 +316,15 @@ async def _whole_answer(request: Request, reply: _Reply, events: asyncio.Queue[E
         watching.cancel()
         if not collecting.done():
             collecting.cancel()
-            ticket.cancel()
+            tickets.cancel()
     if not collecting.done() or collecting.cancelled():
         return Response(status_code=499)  # nobody is there to read it
-    final = collecting.result()
-    if final.kind == "error":
-        status = 503 if "shutting down" in final.text else 500
-        return JSONResponse(RequestError(status, final.text, kind="server_error").body(), status_code=status)
-    assert final.usage is not None
-    return JSONResponse(reply.whole(final.text, final.finish_reason, final.usage))
-
-
-def _with_text(event: Event, text: str) -> Event:
-    """The final event carrying the whole text (errors keep their message)."""
-    if event.kind == "error":
-        return event
-    return Event(event.kind, text=text, finish_reason=event.finish_reason, usage=event.usage)
+    result = collecting.result()
+    if isinstance(result, Event):
+        tickets.cancel()  # the other choices' answers are of no use now
+        status = 503 if "shutting down" in result.text else 500
+        return JSONResponse(RequestError(status, result.text, kind="server_error").body(), status_code=status)
+    return JSONResponse(reply.whole(result))
 
 
 async def _disconnected(receive: Receive) -> None:
@@ -284,10 +336,10 @@ class _EventStream(StreamingResponse):
     """Server-sent events that stop, and cancel their request, as soon as the client goes away
     (also under ASGI 2.4 servers, where a plain StreamingResponse only notices at its next write)."""
 
-    def __init__(self, content: AsyncIterator[bytes], ticket: Ticket) -> None:
+    def __init__(self, content: AsyncIterator[bytes], tickets: _Tickets) -> None:
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._ticket = ticket
+        self._tickets = tickets
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -302,7 +354,7 @@ class _EventStream(StreamingResponse):
                 await _disconnected(receive)
                 group.cancel_scope.cancel()
         finally:
-            self._ticket.cancel()  # no-op when the generation already finished
+            self._tickets.cancel()  # no-op for the generations already finished
 
 
 # --------------------------------------------------------------------- running
