@@ -28,6 +28,7 @@ from ggufc.driver import models
 from ggufc.runtime.generate import generate
 from ggufc.runtime.sampling import Sampler
 from ggufc.runtime.session import Session, reserve_cpu_threads
+from ggufc.runtime.structured_output import Grammars
 from ggufc.runtime.token_choice import Decoding
 
 PathLike = str | os.PathLike[str]
@@ -74,6 +75,7 @@ class Model:
     def __init__(self, session: Session) -> None:
         self.session = session
         self.tokenizer, self._info = cli.tokenizer_from_session(session)
+        self._grammar_compiler: Grammars | None = None  # built on the first json_schema
 
     @property
     def arch(self) -> str:
@@ -104,21 +106,29 @@ class Model:
     def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None, chat: bool = False,
                  keep_context: bool = False, logit_bias: Mapping[int, float] | None = None,
-                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0) -> Iterator[str]:
+                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                 json_schema: Mapping[str, Any] | bool | None = None) -> Iterator[str]:
         """Stream the continuation of `prompt` (text, or token ids) as text pieces; greedy by default.
 
         Stops at the model's end-of-turn tokens, after `max_tokens`, or when the context is full.
         A fresh context each call unless `keep_context`. `logit_bias` ({token id: -100..100}) and
-        the penalties (-2..2, over the generated tokens' counts) are OpenAI's.
+        the penalties (-2..2, over the generated tokens' counts) are OpenAI's. `json_schema`
+        constrains the text to JSON valid against it (properties it does not name are not generated).
         """
         ids = self.tokenize(prompt, chat=chat) if isinstance(prompt, str) else [int(t) for t in prompt]
         sampler = Sampler(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        grammar = None if json_schema is None else self._grammars().json_schema(json_schema)
         decoding = Decoding(logit_bias=dict(logit_bias or {}), presence_penalty=presence_penalty,
-                            frequency_penalty=frequency_penalty)
+                            frequency_penalty=frequency_penalty, constraint=grammar)
         if not keep_context:
             self.session.reset()
         yield from generate(self.session, self.tokenizer, ids, max_new_tokens=max_tokens, sampler=sampler,
                             stop_ids=cli.stop_ids(self._info), decoding=decoding)
+
+    def _grammars(self) -> Grammars:
+        if self._grammar_compiler is None:
+            self._grammar_compiler = Grammars(self.tokenizer, self.n_vocab, cli.stop_ids(self._info))
+        return self._grammar_compiler
 
     def complete(self, prompt: str | Sequence[int], **options: Any) -> str:
         """The whole continuation as one string (`generate`'s options)."""

@@ -39,6 +39,14 @@ class RequestError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
+class ResponseFormat:
+    """`response_format`: a JSON object, or JSON valid against `schema`."""
+
+    kind: str  # "json_object" | "json_schema"
+    schema: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
 class ApiRequest:
     """A checked completion or chat request."""
 
@@ -52,6 +60,7 @@ class ApiRequest:
     seed: int | None
     stop: tuple[str, ...]
     n: int = 1  # choices
+    response_format: ResponseFormat | None = None  # a grammar the text must follow
     decoding: Decoding = Decoding()  # logit bias, penalties, log-probabilities
     messages: tuple[dict[str, str], ...] = ()  # chat
     prompt_text: str | None = None  # completions: text ...
@@ -94,7 +103,7 @@ def parse_request(body: Mapping[str, Any], *, chat: bool, model_id: str, n_ctx: 
         temperature=_number(body, "temperature", 1.0, 0.0, MAX_TEMPERATURE),
         top_p=_top_p(body), top_k=_int(body, "top_k", 0, 0, n_vocab),
         seed=_optional_int(body, "seed", *SEED_RANGE), stop=_stop(body),
-        n=_choices(body, max_n), decoding=_decoding(body, chat, n_vocab),
+        n=_choices(body, max_n), decoding=_decoding(body, chat, n_vocab), response_format=_response_format(body),
     )
     if chat:
         return ApiRequest(**common, messages=_messages(body))
@@ -122,7 +131,6 @@ _DEFAULTS: dict[str, tuple[tuple[Any, ...], str]] = {
     "tools": ((None,), "tools"),
     "functions": ((None,), "functions"),
     "tool_choice": ((None, "none", "auto"), "tool_choice"),
-    "response_format": ((None,), "response_format"),
 }
 
 
@@ -178,6 +186,32 @@ def _number(body: Mapping[str, Any], name: str, default: float, lo: float, hi: f
     if not (math.isfinite(value) and lo <= value <= hi):
         raise RequestError(400, f"{name} must be between {lo:g} and {hi:g}, got {_short(value)}", param=name)
     return float(value)
+
+
+def _response_format(body: Mapping[str, Any]) -> ResponseFormat | None:
+    """{"type": "text" | "json_object"} or {"type": "json_schema", "json_schema": {name, schema, strict}}."""
+    value = body.get("response_format")
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ResponseFormat("json_object")
+    if kind != "json_schema":
+        raise RequestError(400, "response_format.type must be 'text', 'json_object' or 'json_schema'",
+                           param="response_format")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name", ""), str):
+        raise RequestError(400, "response_format.json_schema must be an object {name, schema, strict}",
+                           param="response_format.json_schema")
+    schema = spec.get("schema", {})
+    if not isinstance(schema, (dict, bool)):
+        raise RequestError(400, f"response_format.json_schema.schema must be an object, got {_json_type(schema)}",
+                           param="response_format.json_schema.schema")
+    # strict or not, the grammar holds every answer to the schema
+    _optional_bool(spec, "strict", False, param="response_format.json_schema.strict")
+    return ResponseFormat("json_schema", schema)
 
 
 def _choices(body: Mapping[str, Any], max_n: int) -> int:

@@ -37,6 +37,7 @@ from .sampling import Sampler
 from .serve_engine import Engine, Event, Generation, ServerBusyError, Slots, Ticket
 from .serve_logprobs import LogprobWriter, merge
 from .serve_requests import MAX_BODY_BYTES, ApiRequest, RequestError, parse_json, parse_request
+from .structured_output import GrammarError, Grammars
 from .tokenizer import TokenizationError
 
 GRACEFUL_SHUTDOWN_S = 30
@@ -107,6 +108,7 @@ class _Context:
                  api_key: str | None) -> None:
         self.engine, self.tokenizer, self.info = engine, tokenizer, info
         self.model_id, self.n_vocab, self.api_key = model_id, n_vocab, api_key
+        self.grammars = Grammars(tokenizer, n_vocab, stop_ids(info))
 
     def check_key(self, request: Request) -> None:
         if self.api_key is None:
@@ -122,6 +124,8 @@ class _Context:
         parsed = parse_request(body, chat=chat, model_id=self.model_id, n_ctx=self.engine.n_ctx,
                                n_vocab=self.n_vocab, max_n=len(self.engine.slots))
         ids = await anyio.to_thread.run_sync(self._prompt_ids, parsed)
+        if parsed.response_format is not None:
+            parsed = await anyio.to_thread.run_sync(self._constrained, parsed)
         events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
         tickets = self._submit(parsed, ids, asyncio.get_running_loop(), events)
         reply = _Reply(chat, self.model_id, parsed, self.tokenizer)
@@ -143,6 +147,20 @@ class _Context:
                 tickets.cancel()
                 raise RequestError(503, str(exc), code="server_busy", kind="server_error") from None
         return tickets
+
+    def _constrained(self, parsed: ApiRequest) -> ApiRequest:
+        """The request with its response_format's grammar (compiled once per schema)."""
+        spec = parsed.response_format
+        assert spec is not None
+        try:
+            if spec.kind == "json_object":
+                grammar = self.grammars.json_object()
+            else:
+                grammar = self.grammars.json_schema(spec.schema)
+        except GrammarError as exc:
+            param = "response_format" if spec.kind == "json_object" else "response_format.json_schema.schema"
+            raise RequestError(400, str(exc), param=param) from None
+        return dataclasses.replace(parsed, decoding=dataclasses.replace(parsed.decoding, constraint=grammar))
 
     def _prompt_ids(self, parsed: ApiRequest) -> list[int]:
         """Token ids of the prompt (chat: through the model's template, in jinja2's sandbox)."""

@@ -1,17 +1,20 @@
 """`ggufc serve` on SmolLM2-135M-Instruct Q4_1 with the real `openai` client: the parts of OpenAI's
 API beyond plain completions: log-probabilities (equal to log_softmax of the teacher-forced
 logits), several choices with a seed, logit_bias, presence / frequency penalties, and their
-refusals."""
+refusals; structured outputs (20 JSON schemas, identical to `ggufc run --json-schema`)."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from serve_support import ServerProcess
+from serve_support import ROOT, ServerProcess, cli_env
 
 openai = pytest.importorskip("openai")
 
@@ -191,9 +194,128 @@ BAD = [
 @pytest.mark.parametrize(("what", "path", "fields", "param"), BAD, ids=[b[0] for b in BAD])
 def test_bad_options_get_a_400_naming_the_field(server: ServerProcess, what: str, path: str, fields: dict[str, Any],
                                                 param: str) -> None:
-    import json
-
     body = json.dumps({"model": NAME, "max_tokens": 2, **fields}).encode()
     status, reply = server.request("POST", path, body, {"Content-Type": "application/json"})
     assert status == 400, reply
     assert reply["error"]["param"] == param and "\n" not in reply["error"]["message"]
+
+
+# --------------------------------------------------------------------- structured outputs
+
+SCHEMAS: list[tuple[str, dict[str, Any]]] = [
+    ("a person", {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+                  "required": ["name", "age"]}),
+    ("an address", {"type": "object", "properties": {
+        "street": {"type": "string"}, "city": {"type": "string"},
+        "zip": {"type": "string", "pattern": "^[0-9]{5}$"}}, "required": ["street", "city", "zip"]}),
+    ("a shopping list", {"type": "object", "properties": {"items": {
+        "type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 3}}, "required": ["items"]}),
+    ("a colour", {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]}},
+                  "required": ["colour"]}),
+    ("a probability", {"type": "object", "properties": {"p": {"type": "number", "minimum": 0, "maximum": 1}},
+                       "required": ["p"]}),
+    ("a dice roll", {"type": "object", "properties": {
+        "roll": {"type": "integer", "exclusiveMinimum": 0, "exclusiveMaximum": 7}}, "required": ["roll"]}),
+    ("a light switch", {"type": "object", "properties": {"on": {"type": "boolean"}}, "required": ["on"]}),
+    ("a book, subtitle optional", {"type": "object", "properties": {
+        "title": {"type": "string"}, "subtitle": {"type": "string"}}, "required": ["title"]}),
+    ("tagged ids", {"type": "object", "properties": {"entries": {"type": "array", "maxItems": 3, "items": {
+        "type": "object", "properties": {"id": {"type": "integer"}, "tag": {"type": "string", "maxLength": 20}},
+        "required": ["id", "tag"]}}}, "required": ["entries"]}),
+    ("a flight code", {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{3}$"}},
+                       "required": ["code"]}),
+    ("a 2x2 matrix", {"type": "object", "properties": {"rows": {"type": "array", "minItems": 2, "maxItems": 2,
+                      "items": {"type": "array", "minItems": 2, "maxItems": 2, "items": {"type": "integer"}}}},
+                      "required": ["rows"]}),
+    ("a versioned record", {"type": "object", "properties": {"version": {"const": 2}, "body": {"type": "string"}},
+                            "required": ["version", "body"]}),
+    ("an id of either type", {"type": "object", "properties": {"id": {"anyOf": [{"type": "string", "maxLength": 20},
+                                                                                 {"type": "integer"}]}},
+                              "required": ["id"]}),
+    ("a nickname or null", {"type": "object", "properties": {"nickname": {"type": ["string", "null"]}},
+                            "required": ["nickname"]}),
+    ("three numbers", {"type": "array", "items": {"type": "number"}, "minItems": 3, "maxItems": 3}),
+    ("a closed point", {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"},
+                        "z": {"type": "integer"}}, "required": ["x", "y", "z"], "additionalProperties": False}),
+    ("a date", {"type": "object", "properties": {"date": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"}},
+                "required": ["date"]}),
+    ("a short word", {"type": "object", "properties": {"word": {"type": "string", "minLength": 3, "maxLength": 8}},
+                      "required": ["word"]}),
+    ("a pizza order", {"type": "object", "properties": {
+        "size": {"enum": ["small", "medium", "large"]},
+        "toppings": {"type": "array", "maxItems": 3, "items": {"enum": ["cheese", "ham", "olives"]}}},
+        "required": ["size", "toppings"]}),
+    ("a team with references", {"type": "object", "$defs": {"member": {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 30}, "role": {"enum": ["lead", "dev"]}}, "required": ["name", "role"]}},
+        "properties": {"lead": {"$ref": "#/$defs/member"}, "others": {"type": "array", "maxItems": 2,
+                                                                      "items": {"$ref": "#/$defs/member"}}},
+        "required": ["lead", "others"]}),
+]
+
+
+def _json_messages(what: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": "You answer with JSON only."},
+            {"role": "user", "content": f"Give an example of {what} as JSON."}]
+
+
+def _schema_format(name: str, schema: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema}}
+
+
+def test_twenty_schemas_each_answer_validates(client: Any) -> None:
+    import jsonschema
+
+    valid = []
+    for i, (what, schema) in enumerate(SCHEMAS):
+        response = client.chat.completions.create(model=NAME, messages=_json_messages(what), max_tokens=160,
+                                                  temperature=0, response_format=_schema_format(f"s{i}", schema))
+        answer = json.loads(response.choices[0].message.content)
+        jsonschema.validate(answer, schema)
+        assert response.choices[0].finish_reason == "stop", (what, answer)
+        valid.append(what)
+    assert len(valid) == len(SCHEMAS) == 20
+
+
+def test_a_schema_answer_equals_ggufc_run_json_schema(client: Any, artifact: Path, tmp_path: Path) -> None:
+    import jsonschema
+
+    what, schema = SCHEMAS[8]
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    prompt = f"Give an example of {what} as JSON."
+    result = subprocess.run([sys.executable, "-m", "ggufc.cli", "run", str(artifact), "--chat", "--prompt", prompt,
+                             "-n", "100", "--json-schema", str(path)], capture_output=True, text=True, env=cli_env(),
+                            cwd=ROOT, timeout=600, check=True, stdin=subprocess.DEVNULL)
+    response = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": prompt}],
+                                              max_tokens=100, temperature=0,
+                                              response_format=_schema_format("entries", schema))
+    content = response.choices[0].message.content
+    assert result.stdout == content + "\n"
+    jsonschema.validate(json.loads(content), schema)
+
+
+def test_json_object_streamed_and_in_batched_choices(client: Any) -> None:
+    import jsonschema
+
+    messages = _json_messages("a person with a name and an age")
+    stream = client.chat.completions.create(model=NAME, messages=messages, max_tokens=120, temperature=0,
+                                            response_format={"type": "json_object"}, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert isinstance(json.loads(text), dict)
+    what, schema = SCHEMAS[18]
+    response = client.chat.completions.create(model=NAME, messages=_json_messages(what), max_tokens=120,
+                                              temperature=1.0, seed=3, n=SLOTS,  # sampled rows decoded together
+                                              response_format=_schema_format("pizza", schema))
+    assert len(response.choices) == SLOTS
+    for choice in response.choices:
+        jsonschema.validate(json.loads(choice.message.content), schema)
+
+
+@pytest.mark.parametrize("schema", [{"type": "foo"}, {"type": "object", "properties": 5}, {"minimum": "x"}])
+def test_an_invalid_schema_is_a_one_line_400(server: ServerProcess, schema: dict[str, Any]) -> None:
+    body = json.dumps({"model": NAME, "messages": [{"role": "user", "content": "x"}],
+                       "response_format": _schema_format("bad", schema)}).encode()
+    status, reply = server.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    assert status == 400, reply
+    assert reply["error"]["param"] == "response_format.json_schema.schema"
+    assert "not a valid JSON schema" in reply["error"]["message"] and "\n" not in reply["error"]["message"]
