@@ -438,6 +438,8 @@ def grammar_decoding(schema: Any, tokenizer: Any, n_vocab: int, stops: set[int])
 def cmd_serve(args: argparse.Namespace) -> int:
     from ggufc.runtime.server import listen
 
+    if args.alias and args.served_model_name:
+        raise CLIError("give either --alias NAME or --served-model-name NAME..., not both")
     model = resolve_model(args.model, args.target, args.ctx)
     with listen(args.host, args.port) as sock:  # before loading: a taken port is refused at once
         serve_model(args, model, sock)
@@ -461,10 +463,10 @@ def serve_model(args: argparse.Namespace, model: ModelInput, sock: Any) -> None:
     def open_slots(n: int) -> SlotGroup:  # one copy of the weights for every slot
         return SlotGroup(path, n, device=device)
 
-    model_id = args.alias or (model.path.stem if model.kind == "gguf" else model.path.name)
-    serve(open_slots, tokenizer, info, model_id=model_id, n_vocab=n_vocab, sock=sock,
+    names = args.served_model_name or [args.alias or (model.path.stem if model.kind == "gguf" else model.path.name)]
+    serve(open_slots, tokenizer, info, model_id=names[0], n_vocab=n_vocab, sock=sock,
           parallel=args.parallel, max_queue=args.queue, sleep_idle_s=args.sleep_idle, api_key=args.api_key,
-          announce=progress)
+          other_names=names[1:], announce=progress)
 
 
 def read_user_message() -> str | None:
@@ -934,6 +936,8 @@ def build_parser() -> Parser:
                    help="free the slots' memory after this long without requests; reloaded on the next one")
     p.add_argument("--api-key", default=None, metavar="KEY", help="require 'Authorization: Bearer KEY'")
     p.add_argument("--alias", default=None, metavar="NAME", help="the model name clients use (default: file name)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model names clients may use (vLLM's flag); responses carry the first")
     _add_target(p)
     p.set_defaults(handler=cmd_serve)
 

@@ -215,6 +215,10 @@ class Engine:
         self.tokens_generated = 0  # every sampled token of every request (/health; a freed slot stops adding)
         self.batched_steps = 0  # decode_batch calls, and the tokens they fed (/health)
         self.batched_tokens = 0
+        self.prompt_tokens = 0  # of every admitted request, and those a slot's context already held (/metrics)
+        self.cached_tokens = 0
+        self.step_sizes: collections.Counter[int] = collections.Counter()  # tokens decoded per step -> steps
+        self.finish_reasons: collections.Counter[str] = collections.Counter()  # finish reason (or "error") -> requests
 
     # ------------------------------------------------------------ HTTP side
 
@@ -351,6 +355,8 @@ class Engine:
             ticket.deliver(Event("error", text=f"generation failed: {one_line(exc)}"))
             return
         slot.context = slot.context[:reused]
+        self.prompt_tokens += len(prompt)
+        self.cached_tokens += reused
         slot.ticket, slot.pending, slot.cached = ticket, list(prompt[reused:]), reused
         slot.logits, slot.produced = None, 0
         slot.decoder = text_stream(self._tokenizer)
@@ -375,6 +381,8 @@ class Engine:
                         sampled.append((slot, token))
             except Exception as exc:  # a failing model call ends this request, not the server
                 self._fail_model_call(slot, exc)
+        if sampled:
+            self.step_sizes[len(sampled)] += 1
         if len(sampled) > 1 and self.batch_refused is None:
             self._feed_batch(sampled)
         else:
@@ -450,12 +458,14 @@ class Engine:
         usage = {"prompt_tokens": prompt, "completion_tokens": slot.produced,
                  "total_tokens": prompt + slot.produced, "cached_tokens": slot.cached}
         slot.ticket.finished = True
+        self.finish_reasons[reason] += 1
         slot.ticket.deliver(Event("done", finish_reason=reason, usage=usage, logprobs=slot.take_logprobs()))
         self._release(slot)
 
     def _fail(self, slot: Slot, message: str) -> None:
         assert slot.ticket is not None
         slot.ticket.finished = True
+        self.finish_reasons["error"] += 1
         slot.ticket.deliver(Event("error", text=message))
         self._release(slot)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from .token_choice import LOGIT_BIAS_RANGE, MAX_TOP_LOGPROBS, PENALTY_RANGE, Decoding
@@ -86,9 +86,10 @@ def parse_json(raw: bytes) -> dict[str, Any]:
 
 
 def parse_request(body: Mapping[str, Any], *, chat: bool, model_id: str, n_ctx: int, n_vocab: int,
-                  max_n: int = 1) -> ApiRequest:
-    """The checked request; `max_n`: the most choices one request may ask for (the server's slots)."""
-    _check_model(body, model_id)
+                  max_n: int = 1, other_names: Collection[str] = ()) -> ApiRequest:
+    """The checked request; `max_n`: the most choices one request may ask for (the server's slots);
+    `other_names`: names the model also answers to (`--served-model-name`)."""
+    _check_model(body, model_id, other_names)
     _refuse_unsupported(body, chat)
     stream = _optional_bool(body, "stream", False)
     options = body.get("stream_options")
@@ -114,11 +115,11 @@ def parse_request(body: Mapping[str, Any], *, chat: bool, model_id: str, n_ctx: 
 # --------------------------------------------------------------------- fields
 
 
-def _check_model(body: Mapping[str, Any], model_id: str) -> None:
+def _check_model(body: Mapping[str, Any], model_id: str, other_names: Collection[str]) -> None:
     model = body.get("model")
     if not isinstance(model, str):
         raise RequestError(400, f"model must be a string naming the model ('{model_id}')", param="model")
-    if model != model_id:
+    if model != model_id and model not in other_names:
         raise RequestError(404, f"the model '{model[:100]}' does not exist; this server serves '{model_id}'",
                            param="model", code="model_not_found")
 

@@ -1,8 +1,8 @@
 """`ggufc serve`: an OpenAI-compatible HTTP server (FastAPI on uvicorn, server-sent events for
 streaming) in front of the generation engine (serve_engine.py).
 
-Endpoints: POST /v1/completions and /v1/chat/completions (streamed or not), GET /v1/models and
-GET /health. Bad requests get OpenAI's error body with a 4xx status (serve_requests.py); a
+Endpoints: POST /v1/completions and /v1/chat/completions (streamed or not), GET /v1/models,
+GET /health and GET /metrics (Prometheus). Bad requests get OpenAI's error body with a 4xx status (serve_requests.py); a
 request that finds every slot busy and the queue full gets 503. A client that goes away (a
 closed stream, or a dropped connection while it waits for a whole answer) cancels its request,
 which frees its slot at the engine's next step. On SIGTERM uvicorn stops accepting connections,
@@ -29,18 +29,21 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .chat import ChatTemplateError
 from .prompting import encode_prompt, render_messages, stop_ids
 from .sampling import Sampler
 from .serve_engine import Engine, Event, Generation, ServerBusyError, Slots, Ticket
 from .serve_logprobs import LogprobWriter, merge
+from .serve_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from .serve_metrics import ServerMetrics
 from .serve_requests import MAX_BODY_BYTES, ApiRequest, RequestError, parse_json, parse_request
 from .structured_output import GrammarError, Grammars
 from .tokenizer import TokenizationError
 
 GRACEFUL_SHUTDOWN_S = 30
+_COUNTED = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models"})
 RETRY_AFTER_S = 1
 
 
@@ -49,8 +52,9 @@ class ServeError(OSError):
 
 
 def create_app(engine: Engine, tokenizer: Any, info: Mapping[str, Any], *, model_id: str, n_vocab: int,
-               api_key: str | None = None) -> FastAPI:
-    """The ASGI app; it starts the engine with the app and stops it on shutdown."""
+               api_key: str | None = None, other_names: Sequence[str] = ()) -> FastAPI:
+    """The ASGI app; it starts the engine with the app and stops it on shutdown. The model answers
+    to `model_id` (the name in responses) and to `other_names`."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -62,7 +66,13 @@ def create_app(engine: Engine, tokenizer: Any, info: Mapping[str, Any], *, model
 
     app = FastAPI(title="ggufc", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
     created = int(time.time())
-    context = _Context(engine, tokenizer, info, model_id, n_vocab, api_key)
+    context = _Context(engine, tokenizer, info, model_id, n_vocab, api_key, tuple(other_names))
+    metrics = ServerMetrics(engine)
+    app.add_middleware(_RequestCounter, metrics=metrics)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     @app.exception_handler(RequestError)
     async def request_error(_: Request, exc: RequestError) -> JSONResponse:
@@ -87,8 +97,8 @@ def create_app(engine: Engine, tokenizer: Any, info: Mapping[str, Any], *, model
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         context.check_key(request)
-        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created,
-                                            "owned_by": "ggufc", "context_length": engine.n_ctx}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "ggufc",
+                                            "context_length": engine.n_ctx} for name in (model_id, *other_names)]}
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -101,12 +111,32 @@ def create_app(engine: Engine, tokenizer: Any, info: Mapping[str, Any], *, model
     return app
 
 
+class _RequestCounter:
+    """Counts the API's responses by path and status for /metrics (plain ASGI: streamed answers and
+    their disconnect handling pass through untouched)."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] not in _COUNTED:
+            await self.app(scope, receive, send)
+            return
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.count_request(scope["path"], int(message["status"]))
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
 class _Context:
     """What the request handlers share: the engine, the tokenizer and the server's settings."""
 
     def __init__(self, engine: Engine, tokenizer: Any, info: Mapping[str, Any], model_id: str, n_vocab: int,
-                 api_key: str | None) -> None:
-        self.engine, self.tokenizer, self.info = engine, tokenizer, info
+                 api_key: str | None, other_names: tuple[str, ...]) -> None:
+        self.engine, self.tokenizer, self.info, self.other_names = engine, tokenizer, info, other_names
         self.model_id, self.n_vocab, self.api_key = model_id, n_vocab, api_key
         self.grammars = Grammars(tokenizer, n_vocab, stop_ids(info))
 
@@ -122,7 +152,7 @@ class _Context:
         self.check_key(request)
         body = parse_json(await _read_body(request))
         parsed = parse_request(body, chat=chat, model_id=self.model_id, n_ctx=self.engine.n_ctx,
-                               n_vocab=self.n_vocab, max_n=len(self.engine.slots))
+                               n_vocab=self.n_vocab, max_n=len(self.engine.slots), other_names=self.other_names)
         ids = await anyio.to_thread.run_sync(self._prompt_ids, parsed)
         if parsed.response_format is not None:
             parsed = await anyio.to_thread.run_sync(self._constrained, parsed)
@@ -380,7 +410,7 @@ class _EventStream(StreamingResponse):
 
 def serve(open_slots: Callable[[int], Slots], tokenizer: Any, info: Mapping[str, Any], *, model_id: str,
           n_vocab: int, sock: socket.socket, parallel: int = 1, max_queue: int = 16,
-          sleep_idle_s: float | None = None, api_key: str | None = None,
+          sleep_idle_s: float | None = None, api_key: str | None = None, other_names: Sequence[str] = (),
           announce: Callable[[str], None] = print) -> None:
     """Load `parallel` slots (`open_slots(parallel)`) and serve on `sock` (from `listen`) until
     SIGINT/SIGTERM."""
@@ -388,7 +418,8 @@ def serve(open_slots: Callable[[int], Slots], tokenizer: Any, info: Mapping[str,
                     sleep_idle_s=sleep_idle_s)
     if parallel > 1 and engine.batch_refused is not None:
         announce(f"slots decode one call each (no batched decode: {engine.batch_refused})")
-    app = create_app(engine, tokenizer, info, model_id=model_id, n_vocab=n_vocab, api_key=api_key)
+    app = create_app(engine, tokenizer, info, model_id=model_id, n_vocab=n_vocab, api_key=api_key,
+                     other_names=other_names)
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
                             lifespan="on")
     bound_host, bound_port = sock.getsockname()[:2]

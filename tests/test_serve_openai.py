@@ -5,6 +5,7 @@ refusals; structured outputs (20 JSON schemas, identical to `ggufc run --json-sc
 
 from __future__ import annotations
 
+import collections
 import json
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from ggufc.driver.models import DEFAULT_MODEL_FILE  # noqa: E402
 N_CTX = 512
 SLOTS = 3
 NAME = "smollm2"
+OTHER_NAME = "gpt-4o-mini"  # what a client configured for another server sends
 
 
 def _default_model() -> Path | None:
@@ -59,7 +61,7 @@ def model(artifact: Path) -> Iterator[Any]:
 
 @pytest.fixture(scope="module")
 def server(artifact: Path) -> Iterator[ServerProcess]:
-    proc = ServerProcess(artifact, "--parallel", str(SLOTS), "--alias", NAME)
+    proc = ServerProcess(artifact, "--parallel", str(SLOTS), "--served-model-name", NAME, OTHER_NAME)
     try:
         yield proc
     finally:
@@ -319,3 +321,49 @@ def test_an_invalid_schema_is_a_one_line_400(server: ServerProcess, schema: dict
     assert status == 400, reply
     assert reply["error"]["param"] == "response_format.json_schema.schema"
     assert "not a valid JSON schema" in reply["error"]["message"] and "\n" not in reply["error"]["message"]
+
+
+# --------------------------------------------------------------------- names, metrics (last: counts the above)
+
+
+def test_served_model_names(client: Any, server: ServerProcess) -> None:
+    assert [m.id for m in client.models.list().data] == [NAME, OTHER_NAME]
+    response = client.completions.create(model=OTHER_NAME, prompt="Hello", max_tokens=2, temperature=0)
+    assert response.model == NAME and response.choices[0].text
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="smollm3", prompt="Hello", max_tokens=2)
+
+
+def _metrics(server: ServerProcess) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    status, text = server.request("GET", "/metrics")
+    assert status == 200 and isinstance(text, str)
+    return collections.defaultdict(float, {(s.name, tuple(sorted(s.labels.items()))): s.value
+                                           for family in text_string_to_metric_families(text) for s in family.samples})
+
+
+def test_metrics_in_prometheus_format(server: ServerProcess, client: Any, model: Any) -> None:
+    before = _metrics(server)
+    client.completions.create(model=NAME, prompt="Once upon a time", max_tokens=10, temperature=1.0, seed=1, n=3)
+    client.completions.create(model=NAME, prompt="Hello", max_tokens=4, temperature=0)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="smollm3", prompt="Hello", max_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=NAME, messages=[], max_tokens=2)
+    after = _metrics(server)
+
+    def grew(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after[key] - before[key]
+
+    assert grew("ggufc_requests_total", endpoint="/v1/completions", status="200") == 2
+    assert grew("ggufc_requests_total", endpoint="/v1/completions", status="404") == 1
+    assert grew("ggufc_requests_total", endpoint="/v1/chat/completions", status="400") == 1
+    assert grew("ggufc_generation_tokens_total") == 3 * 10 + 4
+    assert grew("ggufc_generations_finished_total", reason="length") == 4
+    prompts = 3 * len(model.tokenize("Once upon a time")) + len(model.tokenize("Hello"))
+    assert grew("ggufc_prompt_tokens_total") == prompts
+    assert after[("ggufc_queue_length", ())] == 0 and after[("ggufc_slots", ())] == SLOTS
+    several = grew("ggufc_decode_batch_size_count") - grew("ggufc_decode_batch_size_bucket", le="1.0")
+    assert several >= 5  # the three choices decoded together, a row each
