@@ -458,6 +458,8 @@ def serve_model(args: argparse.Namespace, model: ModelInput, sock: Any) -> None:
         n_vocab = first.n_vocab
     finally:
         first.close()
+    if args.chat_template_file:
+        info["chat_template"] = read_chat_template(Path(args.chat_template_file))
     device = device_for(model.target)
 
     def open_slots(n: int) -> SlotGroup:  # one copy of the weights for every slot
@@ -467,6 +469,17 @@ def serve_model(args: argparse.Namespace, model: ModelInput, sock: Any) -> None:
     serve(open_slots, tokenizer, info, model_id=names[0], n_vocab=n_vocab, sock=sock,
           parallel=args.parallel, max_queue=args.queue, sleep_idle_s=args.sleep_idle, api_key=args.api_key,
           other_names=names[1:], announce=progress)
+
+
+def read_chat_template(path: Path) -> str:
+    """A jinja chat template that replaces the model's own (llama.cpp's --chat-template-file)."""
+    try:
+        template = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CLIError(f"{path}: cannot read the chat template ({one_line(exc)})") from None
+    if not template.strip():
+        raise CLIError(f"{path}: the chat template is empty")
+    return template
 
 
 def read_user_message() -> str | None:
@@ -936,6 +949,8 @@ def build_parser() -> Parser:
                    help="free the slots' memory after this long without requests; reloaded on the next one")
     p.add_argument("--api-key", default=None, metavar="KEY", help="require 'Authorization: Bearer KEY'")
     p.add_argument("--alias", default=None, metavar="NAME", help="the model name clients use (default: file name)")
+    p.add_argument("--chat-template-file", metavar="FILE", help="a jinja chat template in place of the model's "
+                   "(its tool-call format, when it has one, is the one parsed)")
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the model names clients may use (vLLM's flag); responses carry the first")
     _add_target(p)

@@ -12,10 +12,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from collections.abc import Collection, Mapping
 from typing import Any
 
+from .structured_output import GrammarError, check_json_schema
 from .token_choice import LOGIT_BIAS_RANGE, MAX_TOP_LOGPROBS, PENALTY_RANGE, Decoding
+from .tool_calls import Tool
 
 MAX_BODY_BYTES = 1 << 20
 MAX_STOP_STRINGS = 4
@@ -61,8 +64,10 @@ class ApiRequest:
     stop: tuple[str, ...]
     n: int = 1  # choices
     response_format: ResponseFormat | None = None  # a grammar the text must follow
+    tools: tuple[Tool, ...] = ()
+    tool_choice: str = "auto"  # "none" | "auto" | "required" | a function's name (forced)
     decoding: Decoding = Decoding()  # logit bias, penalties, log-probabilities
-    messages: tuple[dict[str, str], ...] = ()  # chat
+    messages: tuple[dict[str, Any], ...] = ()  # chat
     prompt_text: str | None = None  # completions: text ...
     prompt_ids: tuple[int, ...] | None = None  # ... or token ids
 
@@ -107,7 +112,12 @@ def parse_request(body: Mapping[str, Any], *, chat: bool, model_id: str, n_ctx: 
         n=_choices(body, max_n), decoding=_decoding(body, chat, n_vocab), response_format=_response_format(body),
     )
     if chat:
-        return ApiRequest(**common, messages=_messages(body))
+        tools = _tools(body)
+        tool_choice = _tool_choice(body, tools)
+        if tool_choice not in ("none", "auto") and common["response_format"] is not None:
+            raise RequestError(400, "a required tool call and response_format cannot be combined",
+                               param="tool_choice")
+        return ApiRequest(**common, messages=_messages(body), tools=tools, tool_choice=tool_choice)
     text, ids = _prompt(body, n_vocab)
     return ApiRequest(**common, prompt_text=text, prompt_ids=ids)
 
@@ -129,9 +139,7 @@ _DEFAULTS: dict[str, tuple[tuple[Any, ...], str]] = {
     "best_of": ((None, 1), "best_of > 1"),
     "echo": ((None, False), "echo"),
     "suffix": ((None, ""), "suffix"),
-    "tools": ((None,), "tools"),
-    "functions": ((None,), "functions"),
-    "tool_choice": ((None, "none", "auto"), "tool_choice"),
+    "functions": ((None,), "functions (send tools)"),
 }
 
 
@@ -288,14 +296,63 @@ def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _messages(body: Mapping[str, Any]) -> tuple[dict[str, str], ...]:
+def _tools(body: Mapping[str, Any]) -> tuple[Tool, ...]:
+    """`tools`: [{"type": "function", "function": {name, description?, parameters?}}], each
+    parameters a JSON schema."""
+    value = body.get("tools")
+    if value is None or value == []:
+        return ()
+    if not isinstance(value, list):
+        raise RequestError(400, "tools must be a list of {type: 'function', function: {...}} objects", param="tools")
+    tools = []
+    for i, tool in enumerate(value):
+        where = f"tools[{i}]"
+        function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+        if not isinstance(function, dict):
+            raise RequestError(400, f"{where} must be {{type: 'function', function: {{name, parameters}}}}",
+                               param=where)
+        name, description = function.get("name"), function.get("description", "")
+        if not (isinstance(name, str) and re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name)):
+            raise RequestError(400, f"{where}.function.name must be 1 to 64 letters, digits, '_', '.' or '-'",
+                               param=f"{where}.function.name")
+        if not isinstance(description, str):
+            raise RequestError(400, f"{where}.function.description must be a string",
+                               param=f"{where}.function.description")
+        parameters = function.get("parameters", {"type": "object", "properties": {}})
+        try:
+            check_json_schema(parameters, f"{where}.function.parameters")
+        except GrammarError as exc:
+            raise RequestError(400, str(exc), param=f"{where}.function.parameters") from None
+        tools.append(Tool(name, description, parameters))
+    return tuple(tools)
+
+
+def _tool_choice(body: Mapping[str, Any], tools: tuple[Tool, ...]) -> str:
+    value = body.get("tool_choice")
+    if value is None:
+        return "auto"
+    if value in ("none", "auto", "required"):
+        if value == "required" and not tools:
+            raise RequestError(400, "tool_choice 'required' needs tools", param="tool_choice")
+        return str(value)
+    function = value.get("function") if isinstance(value, dict) and value.get("type") == "function" else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str):
+        raise RequestError(400, "tool_choice must be 'none', 'auto', 'required' or {type: 'function', "
+                                "function: {name}}", param="tool_choice")
+    if name not in {t.name for t in tools}:
+        raise RequestError(400, f"tool_choice names '{name[:64]}', which is not among the tools", param="tool_choice")
+    return name
+
+
+def _messages(body: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError(400, "messages must be a non-empty list of {role, content} objects", param="messages")
     return tuple(_message(m, i) for i, m in enumerate(messages))
 
 
-def _message(message: Any, i: int) -> dict[str, str]:
+def _message(message: Any, i: int) -> dict[str, Any]:
     where = f"messages[{i}]"
     if not isinstance(message, dict):
         raise RequestError(400, f"{where} must be an object, got {_json_type(message)}", param=where)
@@ -314,7 +371,35 @@ def _message(message: Any, i: int) -> dict[str, str]:
     if not isinstance(content, str):
         raise RequestError(400, f"{where}.content must be a string, got {_json_type(content)}",
                            param=f"{where}.content")
-    return {"role": str(role), "content": content}
+    checked: dict[str, Any] = {"role": str(role), "content": content}
+    if role == "assistant" and message.get("tool_calls"):
+        checked["tool_calls"] = _message_tool_calls(message["tool_calls"], where)
+    if role == "tool":
+        for key in ("tool_call_id", "name"):
+            if isinstance(message.get(key), str):
+                checked[key] = message[key]
+    return checked
+
+
+def _message_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant turn's earlier calls, arguments as objects where they parse (what chat
+    templates render with `tojson`)."""
+    if not isinstance(calls, list):
+        raise RequestError(400, f"{where}.tool_calls must be a list", param=f"{where}.tool_calls")
+    checked = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(function, dict) and isinstance(function.get("name"), str)
+                and isinstance(function.get("arguments", ""), str)):
+            raise RequestError(400, f"{where}.tool_calls entries must be {{id, type, function: {{name, arguments}}}}",
+                               param=f"{where}.tool_calls")
+        try:
+            arguments: Any = json.loads(function.get("arguments") or "{}")
+        except ValueError:
+            arguments = function.get("arguments")
+        checked.append({"id": str(call.get("id", "")), "type": "function",
+                        "function": {"name": function["name"], "arguments": arguments}})
+    return checked
 
 
 def _prompt(body: Mapping[str, Any], n_vocab: int) -> tuple[str | None, tuple[int, ...] | None]:

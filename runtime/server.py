@@ -41,6 +41,7 @@ from .serve_metrics import ServerMetrics
 from .serve_requests import MAX_BODY_BYTES, ApiRequest, RequestError, parse_json, parse_request
 from .structured_output import GrammarError, Grammars
 from .tokenizer import TokenizationError
+from .tool_calls import ToolFormat, detect_format
 
 GRACEFUL_SHUTDOWN_S = 30
 _COUNTED = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models"})
@@ -139,6 +140,7 @@ class _Context:
         self.engine, self.tokenizer, self.info, self.other_names = engine, tokenizer, info, other_names
         self.model_id, self.n_vocab, self.api_key = model_id, n_vocab, api_key
         self.grammars = Grammars(tokenizer, n_vocab, stop_ids(info))
+        self.tool_format = detect_format(str(info.get("chat_template") or ""))
 
     def check_key(self, request: Request) -> None:
         if self.api_key is None:
@@ -156,9 +158,12 @@ class _Context:
         ids = await anyio.to_thread.run_sync(self._prompt_ids, parsed)
         if parsed.response_format is not None:
             parsed = await anyio.to_thread.run_sync(self._constrained, parsed)
+        if parsed.tool_choice not in ("none", "auto"):
+            parsed = await anyio.to_thread.run_sync(self._call_required, parsed)
         events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
         tickets = self._submit(parsed, ids, asyncio.get_running_loop(), events)
-        reply = _Reply(chat, self.model_id, parsed, self.tokenizer)
+        calls = self.tool_format if parsed.tools and parsed.tool_choice != "none" else None
+        reply = _Reply(chat, self.model_id, parsed, self.tokenizer, calls)
         if parsed.stream:
             return _EventStream(reply.stream(events), tickets)
         return await _whole_answer(request, reply, events, tickets)
@@ -192,6 +197,20 @@ class _Context:
             raise RequestError(400, str(exc), param=param) from None
         return dataclasses.replace(parsed, decoding=dataclasses.replace(parsed.decoding, constraint=grammar))
 
+    def _call_required(self, parsed: ApiRequest) -> ApiRequest:
+        """The request with a grammar that writes one call (of the named tool, or of any) in the
+        family's format."""
+        if self.tool_format is None:
+            raise RequestError(400, "this model's chat template has no tool-call format ggufc knows (hermes, "
+                                    "llama3, mistral); a call cannot be required", param="tool_choice")
+        tools = [t for t in parsed.tools if parsed.tool_choice in ("required", t.name)]
+        fmt = self.tool_format
+        try:
+            grammar = self.grammars.wrapped_json(fmt.prefix, fmt.call_schema(tools), fmt.suffix)
+        except GrammarError as exc:
+            raise RequestError(400, str(exc), param="tools") from None
+        return dataclasses.replace(parsed, decoding=dataclasses.replace(parsed.decoding, constraint=grammar))
+
     def _prompt_ids(self, parsed: ApiRequest) -> list[int]:
         """Token ids of the prompt (chat: through the model's template, in jinja2's sandbox)."""
         if parsed.prompt_ids is not None:
@@ -199,7 +218,8 @@ class _Context:
         else:
             try:
                 if parsed.chat:
-                    text = render_messages(self.tokenizer, self.info, parsed.messages)
+                    tools = [t.as_openai() for t in parsed.tools]
+                    text = render_messages(self.tokenizer, self.info, parsed.messages, tools)
                 else:
                     text = parsed.prompt_text or ""
                 ids = encode_prompt(self.tokenizer, self.info, text, templated=parsed.chat)
@@ -250,8 +270,10 @@ class _Tickets(list[Ticket]):
 class _Reply:
     """OpenAI's response objects for one request's choices: whole, or as server-sent event chunks."""
 
-    def __init__(self, chat: bool, model_id: str, parsed: ApiRequest, tokenizer: Any) -> None:
+    def __init__(self, chat: bool, model_id: str, parsed: ApiRequest, tokenizer: Any,
+                 calls: ToolFormat | None = None) -> None:
         self.chat, self.model_id, self.parsed = chat, model_id, parsed
+        self.calls = calls  # the format tool calls are parsed from (None: the text is the answer)
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         wanted = parsed.decoding.top_logprobs is not None
@@ -278,12 +300,33 @@ class _Reply:
             if self.logprobs is not None:
                 choice["logprobs"] = merge(final.logprobs, chat=self.chat)
             if self.chat:
-                choice["message"] = {"role": "assistant", "content": final.text}
+                choice["message"], called = self._message(final.text)
+                choice["finish_reason"] = "tool_calls" if called else final.finish_reason
             else:
                 choice["text"] = final.text
             choices.append(choice)
         usage = self.usage([f.usage for f in finals])
         return {**self._envelope(False), "choices": choices, "usage": usage}
+
+    def _message(self, text: str) -> tuple[dict[str, Any], bool]:
+        """The assistant's message, with `tool_calls` when the text holds calls in the family's format."""
+        if self.calls is None:
+            return {"role": "assistant", "content": text}, False
+        content, calls = self.calls.parse(text)
+        if not calls:
+            return {"role": "assistant", "content": text}, False
+        return {"role": "assistant", "content": content, "tool_calls": [c.as_openai() for c in calls]}, True
+
+    def _final_deltas(self, index: int, text: str, finish_reason: str | None) -> Iterator[bytes]:
+        """A held-back answer (tools in play) as deltas: its content, or one delta per call."""
+        message, called = self._message(text)
+        if message.get("content"):
+            yield self.chunk(index, message["content"])
+        for i, call in enumerate(message.get("tool_calls", [])):
+            delta = {"tool_calls": [{"index": i, **call}]}
+            yield _sse({**self._envelope(True), "choices": [{"index": index, "delta": delta, "finish_reason": None,
+                                                             "logprobs": None}]})
+        yield self.chunk(index, None, "tool_calls" if called else finish_reason)
 
     def chunk(self, index: int, text: str | None, finish_reason: str | None = None, *, role: bool = False,
               logprobs: dict[str, Any] | None = None) -> bytes:
@@ -302,8 +345,12 @@ class _Reply:
             for index in range(self.parsed.n):
                 yield self.chunk(index, "", role=True)
         usages: dict[int, Mapping[str, int]] = {}
+        held = [""] * self.parsed.n  # with tools in play, the answer is parsed once it is whole
         while len(usages) < self.parsed.n:
             index, event = await events.get()
+            if event.kind == "text" and self.calls is not None and self.chat:
+                held[index] += event.text
+                continue
             if event.kind == "text":
                 yield self.chunk(index, event.text, logprobs=self._logprobs(index, event))
                 continue
@@ -311,8 +358,12 @@ class _Reply:
                 yield _sse(RequestError(500, event.text, kind="server_error").body())
                 yield b"data: [DONE]\n\n"
                 return
-            final_logprobs = self._logprobs(index, event) if event.logprobs else None
-            yield self.chunk(index, None, event.finish_reason, logprobs=final_logprobs)
+            if self.calls is not None and self.chat:
+                for delta in self._final_deltas(index, held[index], event.finish_reason):
+                    yield delta
+            else:
+                final_logprobs = self._logprobs(index, event) if event.logprobs else None
+                yield self.chunk(index, None, event.finish_reason, logprobs=final_logprobs)
             assert event.usage is not None
             usages[index] = event.usage
         if self.parsed.include_usage:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import re
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -81,13 +81,23 @@ class Grammars:
         return self._json({"type": "object"}, strict=False)
 
     def _json(self, schema: Any, *, strict: bool) -> Callable[[], Constraint]:
-        text = json.dumps(schema, sort_keys=True)
+        text = json.dumps(schema)  # the schema's property order is the answer's
         return self._compiled(lambda c: c.compile_json_schema(text, any_whitespace=False, strict_mode=strict))
 
-    def structural_tag(self, tag: Mapping[str, Any]) -> Callable[[], Constraint]:
-        """Free text with JSON parts where xgrammar's structural tag says (tool calls)."""
-        text = json.dumps(tag)
-        return self._compiled(lambda c: c.compile_structural_tag(text))
+    def wrapped_json(self, prefix: str, schema: Any, suffix: str) -> Callable[[], Constraint]:
+        """`prefix`, JSON valid against `schema`, `suffix` (a tool call in its family's markers)."""
+        check_json_schema(schema)
+
+        def compile_one(compiler: Any) -> Any:
+            xgr = _xgrammar()
+            parts = [xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)]
+            if prefix:
+                parts.insert(0, xgr.Grammar.from_ebnf(f"root ::= {json.dumps(prefix)}"))
+            if suffix:
+                parts.append(xgr.Grammar.from_ebnf(f"root ::= {json.dumps(suffix)}"))
+            return compiler.compile_grammar(xgr.Grammar.concat(*parts) if len(parts) > 1 else parts[0])
+
+        return self._compiled(compile_one)
 
     def _compiled(self, compile_one: Callable[[Any], Any]) -> Callable[[], Constraint]:
         compiler = self._get_compiler()

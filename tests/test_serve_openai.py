@@ -367,3 +367,74 @@ def test_metrics_in_prometheus_format(server: ServerProcess, client: Any, model:
     assert after[("ggufc_queue_length", ())] == 0 and after[("ggufc_slots", ())] == SLOTS
     several = grew("ggufc_decode_batch_size_count") - grew("ggufc_decode_batch_size_bucket", le="1.0")
     assert several >= 5  # the three choices decoded together, a row each
+
+
+# --------------------------------------------------------------------- tool calls
+
+TEMPLATE = Path(__file__).parent / "data" / "hermes_tools_template.jinja"  # Qwen 3's format, SmolLM2's turns
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city now",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "description": "The time in a time zone",
+                                         "parameters": {"type": "object", "properties": {
+                                             "zone": {"type": "string", "maxLength": 20}}, "required": ["zone"]}}}
+
+
+@pytest.fixture(scope="module")
+def tool_client(artifact: Path) -> Iterator[Any]:
+    proc = ServerProcess(artifact, "--chat-template-file", str(TEMPLATE), "--alias", NAME)
+    try:
+        yield openai.OpenAI(base_url=proc.base_url, api_key="none", max_retries=0, timeout=300)
+    finally:
+        proc.kill()
+
+
+def test_a_required_tool_call_round_trip(tool_client: Any) -> None:
+    import jsonschema
+
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "What is the weather in Paris?"}]
+    first = tool_client.chat.completions.create(model=NAME, messages=messages, tools=[WEATHER, TIME],
+                                                tool_choice="required", max_tokens=80, temperature=0)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    schema = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]["function"]["parameters"]
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+
+    result = "18 degrees and sunny"
+    messages += [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                 {"role": "tool", "tool_call_id": call.id, "content": result}]
+    final = tool_client.chat.completions.create(model=NAME, messages=messages, tools=[WEATHER, TIME],
+                                                tool_choice="none", max_tokens=30, temperature=0)
+    answer = final.choices[0]
+    assert answer.message.tool_calls is None and answer.message.content
+    assert answer.finish_reason in ("stop", "length")
+    # the call and its result were rendered into the second prompt
+    assert final.usage.prompt_tokens > first.usage.prompt_tokens + len(call.function.arguments) // 8 + 5
+
+
+def test_a_named_tool_is_the_one_called_also_streamed(tool_client: Any) -> None:
+    options = dict(model=NAME, messages=[{"role": "user", "content": "Weather in Rome?"}], tools=[WEATHER, TIME],
+                   tool_choice={"type": "function", "function": {"name": "get_time"}}, max_tokens=60, temperature=0)
+    whole = tool_client.chat.completions.create(**options)
+    (call,) = whole.choices[0].message.tool_calls
+    assert call.function.name == "get_time" and "zone" in json.loads(call.function.arguments)
+    deltas, finish = [], None
+    for chunk in tool_client.chat.completions.create(**options, stream=True):
+        for c in chunk.choices:
+            deltas.extend(c.delta.tool_calls or [])
+            finish = c.finish_reason or finish
+    assert finish == "tool_calls" and len(deltas) == 1
+    assert (deltas[0].function.name, deltas[0].function.arguments) == (call.function.name, call.function.arguments)
+
+
+def test_a_tool_whose_parameters_are_not_a_schema_is_a_400(tool_client: Any) -> None:
+    broken = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": 3}}}
+    with pytest.raises(openai.BadRequestError) as info:
+        tool_client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}], tools=[broken],
+                                            max_tokens=2)
+    assert info.value.body["param"] == "tools[0].function.parameters"
+    assert "not a valid JSON schema" in info.value.body["message"]
