@@ -10,6 +10,10 @@ every weight read once for all of them, each row bit-identical to that slot's ow
 where the artifact has no batched entry point (`batch_refused` says why) each slot feeds its token
 in its own `decode` call. The slots share one copy of the weights either way.
 
+Several choices of one request (`n`) read the prompt once: the first slot feeds it, the others
+wait, then copy that slot's context and logits (`Session.copy_context`) before each samples its own
+continuation.
+
 Prefix reuse: a request goes to the free slot whose context shares the longest prefix with its
 prompt; the slot's context is cut back to that prefix (`Session.truncate`) and only the rest of
 the prompt is fed (a follow-up turn of a chat, or prompts sharing a system message).
@@ -59,6 +63,8 @@ class Runner(Protocol):
 
     def close(self) -> None: ...
 
+    def copy_context(self, source: Any) -> None: ...
+
 
 class Slots(Protocol):
     """What the engine needs of a runtime.SlotGroup: one runner per slot, and their batched step."""
@@ -88,6 +94,7 @@ class Generation:
     sampler: Sampler
     stop_strings: tuple[str, ...] = ()
     decoding: Decoding = Decoding()  # logit bias, penalties, grammar, log-probabilities
+    group: object | None = None  # the choices of one request share it: one slot reads the prompt for all
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,6 +166,7 @@ class Slot:
         self.stops = StopStringFilter(())
         self.chooser: TokenChooser | None = None
         self.logprobs: list[TokenLogprob] = []  # sampled, not yet sent with an event
+        self.leader: Slot | None = None  # the slot reading this request's prompt, whose context this one copies
 
     def take_logprobs(self) -> tuple[TokenLogprob, ...]:
         taken, self.logprobs = tuple(self.logprobs), []
@@ -217,6 +225,7 @@ class Engine:
         self.batched_tokens = 0
         self.prompt_tokens = 0  # of every admitted request, and those a slot's context already held (/metrics)
         self.cached_tokens = 0
+        self.prefills_shared = 0  # choices that copied another choice's context instead of reading the prompt
         self.step_sizes: collections.Counter[int] = collections.Counter()  # tokens decoded per step -> steps
         self.finish_reasons: collections.Counter[str] = collections.Counter()  # finish reason (or "error") -> requests
 
@@ -246,7 +255,7 @@ class Engine:
             return {"slots": len(self.slots), "slots_busy": sum(s.busy for s in self.slots),
                     "queued": len(self._queue), "asleep": self._asleep, "tokens_generated": self.tokens_generated,
                     "batched_decode": self.batch_refused is None, "batched_steps": self.batched_steps,
-                    "batched_tokens": self.batched_tokens}
+                    "batched_tokens": self.batched_tokens, "prefills_shared": self.prefills_shared}
 
     def stop(self) -> None:
         """Refuse new requests, end the ones in flight with an error, join the thread, free the slots."""
@@ -339,7 +348,14 @@ class Engine:
         return admitted
 
     def _assign(self, ticket: Ticket, free: list[Slot]) -> None:
-        """The free slot holding the longest prefix of the prompt, else the one holding least."""
+        """The free slot holding the longest prefix of the prompt, else the one holding least. A
+        choice whose request has a slot still reading the prompt waits for it and copies its context."""
+        leader = self._leader_for(ticket.generation)
+        if leader is not None:
+            slot = min(free, key=lambda s: len(s.context))
+            self._start(slot, ticket, pending=[], cached=0)
+            slot.leader = leader
+            return
         prompt = ticket.generation.prompt_ids
         slot = max(free, key=lambda s: (s.reusable_prefix(prompt), -len(s.context)))
         reused = slot.reusable_prefix(prompt)
@@ -355,23 +371,62 @@ class Engine:
             ticket.deliver(Event("error", text=f"generation failed: {one_line(exc)}"))
             return
         slot.context = slot.context[:reused]
-        self.prompt_tokens += len(prompt)
-        self.cached_tokens += reused
-        slot.ticket, slot.pending, slot.cached = ticket, list(prompt[reused:]), reused
+        self._start(slot, ticket, pending=list(prompt[reused:]), cached=reused)
+
+    def _start(self, slot: Slot, ticket: Ticket, *, pending: list[int], cached: int) -> None:
+        self.prompt_tokens += len(ticket.generation.prompt_ids)
+        self.cached_tokens += cached
+        slot.ticket, slot.pending, slot.cached, slot.leader = ticket, pending, cached, None
         slot.logits, slot.produced = None, 0
         slot.decoder = text_stream(self._tokenizer)
         slot.stops = StopStringFilter(ticket.generation.stop_strings)
         slot.chooser, slot.logprobs = TokenChooser(ticket.generation.sampler, ticket.generation.decoding), []
 
+    def _leader_for(self, generation: Generation) -> Slot | None:
+        """A busy slot of the same request that has not sampled yet (it reads, or has read, the prompt)."""
+        if generation.group is None:
+            return None
+        return next((s for s in self.slots if s.ticket is not None and s.leader is None and s.produced == 0
+                     and s.ticket.generation.group is generation.group), None)
+
+    def _follow_leaders(self) -> None:
+        """Followers whose leader has read the whole prompt take its context and logits; those
+        whose leader went away read the prompt themselves."""
+        for slot in self.slots:
+            leader = slot.leader
+            if leader is None or slot.ticket is None:
+                continue
+            group = slot.ticket.generation.group
+            if leader.ticket is None or leader.ticket.generation.group is not group or leader.produced > 0:
+                slot.leader = None  # gone (or already sampling): read the prompt from scratch
+                slot.context, slot.pending = [], list(slot.ticket.generation.prompt_ids)
+                assert slot.runner is not None
+                slot.runner.reset()
+                continue
+            if leader.pending or leader.logits is None:
+                continue  # still reading
+            assert slot.runner is not None and leader.runner is not None
+            try:
+                slot.runner.copy_context(leader.runner)
+            except Exception as exc:
+                slot.leader = None
+                self._fail_model_call(slot, exc)
+                continue
+            slot.context, slot.logits, slot.leader = list(leader.context), leader.logits.copy(), None
+            self.prefills_shared += 1
+
     def _step(self) -> None:
         """One chunk of every slot reading a prompt, then one token of every generating slot."""
         sampled: list[tuple[Slot, int]] = []
+        self._follow_leaders()
         for slot in self.slots:
             if slot.ticket is None:
                 continue
             if slot.ticket.cancelled.is_set():
                 self._release(slot)
                 continue
+            if slot.leader is not None:
+                continue  # waits for its leader's prompt
             try:
                 if slot.pending:
                     self._prefill_chunk(slot)
@@ -474,3 +529,4 @@ class Engine:
         if slot.ticket is not None:
             slot.ticket.finished = True
         slot.ticket, slot.pending, slot.logits, slot.decoder, slot.chooser = None, [], None, None, None
+        slot.leader = None

@@ -172,10 +172,11 @@ class _Context:
                 events: asyncio.Queue[tuple[int, Event]]) -> _Tickets:
         """One generation per choice, each with its own sampler (choice i seeded with seed + i)."""
         tickets = _Tickets()
+        group = object() if parsed.n > 1 else None  # the choices read the prompt once
         for index in range(parsed.n):
             seed = None if parsed.seed is None else (parsed.seed + index) % (1 << 64)
             sampler = Sampler(temperature=parsed.temperature, top_k=parsed.top_k, top_p=parsed.top_p, seed=seed)
-            generation = Generation(tuple(ids), parsed.max_tokens, sampler, parsed.stop, parsed.decoding)
+            generation = Generation(tuple(ids), parsed.max_tokens, sampler, parsed.stop, parsed.decoding, group)
             try:
                 tickets.append(self.engine.submit(generation, _deliverer(loop, events, index)))
             except ServerBusyError as exc:

@@ -127,10 +127,12 @@ def test_chat_logprobs_whole_and_streamed(client: Any) -> None:
 # --------------------------------------------------------------------- choices, seed, bias, penalties
 
 
-def test_three_seeded_choices_are_reproducible(client: Any, model: Any) -> None:
+def test_three_seeded_choices_are_reproducible(client: Any, model: Any, server: ServerProcess) -> None:
     options = dict(model=NAME, prompt="Once upon a time", max_tokens=12, temperature=1.0, seed=99, n=3)
+    shared = server.health()["prefills_shared"]
     first = client.completions.create(**options)
     again = client.completions.create(**options)
+    assert server.health()["prefills_shared"] - shared == 2 * 2  # choices 1 and 2 copied choice 0's context
     texts = [c.text for c in sorted(first.choices, key=lambda c: c.index)]
     assert [c.index for c in sorted(first.choices, key=lambda c: c.index)] == [0, 1, 2]
     assert texts == [c.text for c in sorted(again.choices, key=lambda c: c.index)]
