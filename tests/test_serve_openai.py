@@ -280,7 +280,8 @@ def test_twenty_schemas_each_answer_validates(client: Any) -> None:
     assert len(valid) == len(SCHEMAS) == 20
 
 
-def test_a_schema_answer_equals_ggufc_run_json_schema(client: Any, artifact: Path, tmp_path: Path) -> None:
+def test_a_schema_answer_equals_ggufc_run_json_schema(client: Any, artifact: Path, model: Any,
+                                                      tmp_path: Path) -> None:
     import jsonschema
 
     what, schema = SCHEMAS[8]
@@ -296,6 +297,14 @@ def test_a_schema_answer_equals_ggufc_run_json_schema(client: Any, artifact: Pat
     content = response.choices[0].message.content
     assert result.stdout == content + "\n"
     jsonschema.validate(json.loads(content), schema)
+    assert model.complete(prompt, chat=True, max_tokens=100, json_schema=schema) == content  # the Python API
+
+    path.write_text(json.dumps({"type": "object", "required": "name"}))
+    bad = subprocess.run([sys.executable, "-m", "ggufc.cli", "run", str(artifact), "--prompt", "x",
+                          "--json-schema", str(path)], capture_output=True, text=True, env=cli_env(), cwd=ROOT,
+                         timeout=600)
+    assert bad.returncode == 1 and len(bad.stderr.splitlines()) == 1
+    assert "is not a valid JSON schema" in bad.stderr
 
 
 def test_json_object_streamed_and_in_batched_choices(client: Any) -> None:
