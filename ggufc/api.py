@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -30,6 +30,8 @@ from ggufc.messages import ArgumentError, GgufcError, one_line
 from ggufc.runtime.generate import generate
 from ggufc.runtime.sampling import Sampler
 from ggufc.runtime.session import Session, reserve_cpu_threads
+from ggufc.runtime.structured_output import Grammars
+from ggufc.runtime.token_choice import Decoding
 
 PathLike = str | os.PathLike[str]
 F = TypeVar("F", bound=Callable[..., Any])
@@ -121,6 +123,7 @@ class Model:
         self._info: dict[str, Any] = {}
         if session.tokenizer_path is not None:
             self.tokenizer, self._info = cli.tokenizer_from_session(session)
+        self._grammar_compiler: Grammars | None = None  # built on the first json_schema
 
     @property
     def arch(self) -> str:
@@ -157,12 +160,16 @@ class Model:
 
     def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None, chat: bool = False,
-                 keep_context: bool = False) -> Iterator[str]:
+                 keep_context: bool = False, logit_bias: Mapping[int, float] | None = None,
+                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                 json_schema: Mapping[str, Any] | bool | None = None) -> Iterator[str]:
         """Stream the continuation of `prompt` (text, or token ids) as text pieces; greedy by default.
 
         Stops at the model's end-of-turn tokens, after `max_tokens`, or when the context is full.
-        A fresh context each call unless `keep_context`. Bad arguments are refused by this call,
-        before the first piece is asked for.
+        A fresh context each call unless `keep_context`. `logit_bias` ({token id: -100..100}) and
+        the penalties (-2..2, over the generated tokens' counts) are OpenAI's. `json_schema`
+        constrains the text to JSON valid against it (properties it does not name are not generated).
+        Bad arguments are refused by this call, before the first piece is asked for.
         """
         arguments.non_negative_int(max_tokens, "max_tokens")
         sampler = Sampler(temperature=arguments.non_negative_float(temperature, "temperature"),
@@ -173,10 +180,18 @@ class Model:
         ids = self.tokenize(prompt, chat=chat) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not ids:
             raise ArgumentError("prompt: needs at least one token")
+        grammar = None if json_schema is None else self._grammars().json_schema(json_schema)
+        decoding = Decoding(logit_bias=dict(logit_bias or {}), presence_penalty=presence_penalty,
+                            frequency_penalty=frequency_penalty, constraint=grammar)
         if not keep_context:
             self.session.reset()
         return generate(self.session, tokenizer, ids, max_new_tokens=max_tokens, sampler=sampler,
-                        stop_ids=cli.stop_ids(self._info))
+                        stop_ids=cli.stop_ids(self._info), decoding=decoding)
+
+    def _grammars(self) -> Grammars:
+        if self._grammar_compiler is None:
+            self._grammar_compiler = Grammars(self._text_tokenizer(), self.n_vocab, cli.stop_ids(self._info))
+        return self._grammar_compiler
 
     def complete(self, prompt: str | Sequence[int], **options: Any) -> str:
         """The whole continuation as one string (`generate`'s options)."""

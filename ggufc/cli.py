@@ -328,6 +328,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise CLIError("--chat decodes plainly: drop --speculate/--draft")
     if speculative and args.check_numerics:
         raise CLIError("--check-numerics runs plain decoding: drop --speculate/--draft")
+    schema = read_json_schema(args)
+    if speculative and schema is not None:
+        raise CLIError("--json-schema/--json-object decode plainly: drop --speculate/--draft")
     model = resolve_model(args.model, args.target, args.ctx)
     with ExitStack() as stack:
         session = existing_session(model)
@@ -347,14 +350,16 @@ def cmd_run(args: argparse.Namespace) -> int:
         if session is None:
             session = stack.enter_context(compiled_session(model))
         stops = stop_ids(info)
+        decoding = grammar_decoding(schema, tokenizer, session.n_vocab, stops)
         if args.chat:
-            return chat_loop(args, session, tokenizer, info, sampler, first, stops)
+            return chat_loop(args, session, tokenizer, info, sampler, first, stops, decoding)
         runner = numerics_guard(session) if args.check_numerics else session
         with explained_non_finite(model, session):
             if speculative:
                 pieces = speculative_pieces(args, session, stack, tokenizer, ids, stops)
             else:
-                pieces = generate(runner, tokenizer, ids, max_new_tokens=args.n, sampler=sampler, stop_ids=stops)
+                pieces = generate(runner, tokenizer, ids, max_new_tokens=args.n, sampler=sampler, stop_ids=stops,
+                                  decoding=decoding)
             for piece in pieces:
                 sys.stdout.write(piece)
                 sys.stdout.flush()
@@ -364,9 +369,53 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+JSON_OBJECT: dict[str, Any] = {"type": "object"}  # --json-object: any JSON object
+
+
+def read_json_schema(args: argparse.Namespace) -> Any:
+    """The schema of --json-schema FILE ({"type": "object"} for --json-object; None without
+    either), checked against its meta-schema: a one-line error otherwise."""
+    from ggufc.runtime.structured_output import GrammarError, check_json_schema
+
+    if args.json_schema is not None and args.json_object:
+        raise CLIError("give either --json-schema FILE or --json-object, not both")
+    if args.json_object:
+        return JSON_OBJECT
+    if args.json_schema is None:
+        return None
+    path = Path(args.json_schema)
+    try:
+        schema = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise CLIError(f"{path}: {exc.strerror or exc}") from None
+    except (ValueError, RecursionError) as exc:
+        raise CLIError(f"{path}: not valid JSON ({one_line(exc)})") from None
+    try:
+        check_json_schema(schema, f"{path}")
+    except GrammarError as exc:
+        raise CLIError(str(exc)) from None
+    return schema
+
+
+def grammar_decoding(schema: Any, tokenizer: Any, n_vocab: int, stops: set[int]) -> Any:
+    """The Decoding that keeps generated text valid against `schema` (None: unconstrained)."""
+    from ggufc.runtime.structured_output import GrammarError, Grammars
+    from ggufc.runtime.token_choice import Decoding
+
+    if schema is None:
+        return None
+    try:
+        grammars = Grammars(tokenizer, n_vocab, stops)
+        return Decoding(constraint=grammars.json_object() if schema is JSON_OBJECT else grammars.json_schema(schema))
+    except GrammarError as exc:
+        raise CLIError(str(exc)) from None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from ggufc.runtime.server import listen
 
+    if args.alias and args.served_model_name:
+        raise CLIError("give either --alias NAME or --served-model-name NAME..., not both")
     model = resolve_model(args.model, args.target, args.ctx)
     with listen(args.host, args.port) as sock:  # before loading: a taken port is refused at once
         serve_model(args, model, sock)
@@ -385,15 +434,28 @@ def serve_model(args: argparse.Namespace, model: ModelInput, sock: Any) -> None:
         n_vocab = first.n_vocab
     finally:
         first.close()
+    if args.chat_template_file:
+        info["chat_template"] = read_chat_template(Path(args.chat_template_file))
     device = device_for(model.target)
 
     def open_slots(n: int) -> SlotGroup:  # one copy of the weights for every slot
         return SlotGroup(path, n, device=device)
 
-    model_id = args.alias or (model.path.stem if model.kind == "gguf" else model.path.name)
-    serve(open_slots, tokenizer, info, model_id=model_id, n_vocab=n_vocab, sock=sock,
+    names = args.served_model_name or [args.alias or (model.path.stem if model.kind == "gguf" else model.path.name)]
+    serve(open_slots, tokenizer, info, model_id=names[0], n_vocab=n_vocab, sock=sock,
           parallel=args.parallel, max_queue=args.queue, sleep_idle_s=args.sleep_idle, api_key=args.api_key,
-          announce=progress)
+          other_names=names[1:], announce=progress)
+
+
+def read_chat_template(path: Path) -> str:
+    """A jinja chat template that replaces the model's own (llama.cpp's --chat-template-file)."""
+    try:
+        template = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CLIError(f"{path}: cannot read the chat template ({one_line(exc)})") from None
+    if not template.strip():
+        raise CLIError(f"{path}: the chat template is empty")
+    return template
 
 
 def read_user_message() -> str | None:
@@ -413,7 +475,7 @@ def read_user_message() -> str | None:
 
 
 def chat_loop(args: argparse.Namespace, session: Any, tokenizer: Any, info: dict[str, Any], sampler: Any,
-              first: str, stops: set[int]) -> int:
+              first: str, stops: set[int], decoding: Any = None) -> int:
     """Interactive chat: each turn re-renders the whole conversation through the chat template,
     keeps the context's common prefix with it and recomputes only the rest."""
     from ggufc.runtime.generate import generate
@@ -431,7 +493,7 @@ def chat_loop(args: argparse.Namespace, session: Any, tokenizer: Any, info: dict
         reply = []
         try:
             for piece in generate(session, tokenizer, ids[kept:], max_new_tokens=args.n, sampler=sampler,
-                                  stop_ids=stops):
+                                  stop_ids=stops, decoding=decoding):
                 reply.append(piece)
                 sys.stdout.write(piece)
                 sys.stdout.flush()
@@ -846,6 +908,9 @@ def build_parser() -> Parser:
                    "with the same vocabulary (a .gguf or an artifact)")
     p.add_argument("--draft-tokens", type=positive_int, default=4, metavar="K",
                    help="tokens drafted per verify step (default 4)")
+    p.add_argument("--json-schema", metavar="FILE", help="constrain the answer to JSON valid against this JSON "
+                   "schema (xgrammar; compact JSON)")
+    p.add_argument("--json-object", action="store_true", help="constrain the answer to a JSON object")
     p.add_argument("--ctx", type=positive_int, metavar="N", help="context length when compiling")
     _add_target(p)
     _add_check_numerics(p)
@@ -865,6 +930,10 @@ def build_parser() -> Parser:
                    help="free the slots' memory after this long without requests; reloaded on the next one")
     p.add_argument("--api-key", default=None, metavar="KEY", help="require 'Authorization: Bearer KEY'")
     p.add_argument("--alias", default=None, metavar="NAME", help="the model name clients use (default: file name)")
+    p.add_argument("--chat-template-file", metavar="FILE", help="a jinja chat template in place of the model's "
+                   "(its tool-call format, when it has one, is the one parsed)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model names clients may use (vLLM's flag); responses carry the first")
     _add_target(p)
     p.set_defaults(handler=cmd_serve)
 

@@ -14,6 +14,7 @@ import numpy as np
 
 from .sampling import Sampler
 from .session import ContextOverflowError, Session
+from .token_choice import Decoding, TokenChooser
 
 
 class TextStream(Protocol):
@@ -76,8 +77,10 @@ def generate(
     max_new_tokens: int,
     sampler: Sampler,
     stop_ids: Iterable[int] = (),
+    decoding: Decoding | None = None,
 ) -> Iterator[str]:
-    """Feed `prompt_ids` after whatever is in the session, then sample and stream text pieces.
+    """Feed `prompt_ids` after whatever is in the session, then sample and stream text pieces
+    (`decoding`: logit bias, penalties or a grammar, as the server applies them).
 
     Raises ContextOverflowError up front when the prompt alone does not fit. The session keeps
     every fed token, so a chat can continue with the next prompt.
@@ -93,9 +96,10 @@ def generate(
         return
     stops = {int(s) for s in stop_ids}
     decoder = text_stream(tokenizer)
+    chooser = TokenChooser(sampler, decoding or Decoding())
     logits = session.forward(prompt)
     for produced in range(1, max_new_tokens + 1):
-        token = sampler(logits)
+        token, _ = chooser.choose(logits)
         if token in stops:
             break
         piece = decoder.feed(token)

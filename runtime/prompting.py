@@ -26,8 +26,10 @@ def stop_ids(info: Mapping[str, Any]) -> set[int]:
     return ids
 
 
-def render_messages(tokenizer: Any, info: Mapping[str, Any], messages: Sequence[Mapping[str, Any]]) -> str:
-    """`messages` through the model's chat template, ending with the assistant's turn opened."""
+def render_messages(tokenizer: Any, info: Mapping[str, Any], messages: Sequence[Mapping[str, Any]],
+                    tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+    """`messages` through the model's chat template, ending with the assistant's turn opened
+    (`tools`: OpenAI's tool definitions, for templates that render them)."""
     template = info.get("chat_template")
     if not template:
         raise ChatTemplateError("this model has no chat template")
@@ -37,6 +39,7 @@ def render_messages(tokenizer: Any, info: Mapping[str, Any], messages: Sequence[
         add_generation_prompt=True,
         bos_token=special_text(tokenizer, info, "bos"),
         eos_token=special_text(tokenizer, info, "eos"),
+        tools=list(tools) if tools else None,
     )
 
 

@@ -10,6 +10,10 @@ every weight read once for all of them, each row bit-identical to that slot's ow
 where the artifact has no batched entry point (`batch_refused` says why) each slot feeds its token
 in its own `decode` call. The slots share one copy of the weights either way.
 
+Several choices of one request (`n`) read the prompt once: the first slot feeds it, the others
+wait, then copy that slot's context and logits (`Session.copy_context`) before each samples its own
+continuation.
+
 Prefix reuse: a request goes to the free slot whose context shares the longest prefix with its
 prompt; the slot's context is cut back to that prefix (`Session.truncate`) and only the rest of
 the prompt is fed (a follow-up turn of a chat, or prompts sharing a system message).
@@ -31,6 +35,7 @@ import numpy as np
 from .artifact import one_line
 from .generate import TextStream, text_stream
 from .sampling import Sampler
+from .token_choice import Decoding, TokenChooser, TokenLogprob
 
 FINISH_STOP = "stop"  # an end-of-generation token or a stop string
 FINISH_LENGTH = "length"  # max_tokens, or the context is full
@@ -57,6 +62,8 @@ class Runner(Protocol):
     def restore_device(self) -> None: ...
 
     def close(self) -> None: ...
+
+    def copy_context(self, source: Any) -> None: ...
 
 
 class Slots(Protocol):
@@ -86,6 +93,8 @@ class Generation:
     max_tokens: int
     sampler: Sampler
     stop_strings: tuple[str, ...] = ()
+    decoding: Decoding = Decoding()  # logit bias, penalties, grammar, log-probabilities
+    group: object | None = None  # the choices of one request share it: one slot reads the prompt for all
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +105,7 @@ class Event:
     text: str = ""
     finish_reason: str | None = None
     usage: dict[str, int] | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()  # the tokens sampled since the last event (when asked)
 
 
 class Ticket:
@@ -154,6 +164,13 @@ class Slot:
         self.cached = 0
         self.decoder: TextStream | None = None
         self.stops = StopStringFilter(())
+        self.chooser: TokenChooser | None = None
+        self.logprobs: list[TokenLogprob] = []  # sampled, not yet sent with an event
+        self.leader: Slot | None = None  # the slot reading this request's prompt, whose context this one copies
+
+    def take_logprobs(self) -> tuple[TokenLogprob, ...]:
+        taken, self.logprobs = tuple(self.logprobs), []
+        return taken
 
     @property
     def busy(self) -> bool:
@@ -208,6 +225,11 @@ class Engine:
         self.tokens_generated = 0  # every sampled token of every request (/health; a freed slot stops adding)
         self.batched_steps = 0  # decode_batch calls, and the tokens they fed (/health)
         self.batched_tokens = 0
+        self.prompt_tokens = 0  # of every admitted request, and those a slot's context already held (/metrics)
+        self.cached_tokens = 0
+        self.prefills_shared = 0  # choices that copied another choice's context instead of reading the prompt
+        self.step_sizes: collections.Counter[int] = collections.Counter()  # tokens decoded per step -> steps
+        self.finish_reasons: collections.Counter[str] = collections.Counter()  # finish reason (or "error") -> requests
 
     # ------------------------------------------------------------ HTTP side
 
@@ -236,7 +258,7 @@ class Engine:
                     "queued": len(self._queue), "asleep": self._asleep, "sleeps": self.sleeps,
                     "wake_ups": self.wake_ups, "tokens_generated": self.tokens_generated,
                     "batched_decode": self.batch_refused is None, "batched_steps": self.batched_steps,
-                    "batched_tokens": self.batched_tokens}
+                    "batched_tokens": self.batched_tokens, "prefills_shared": self.prefills_shared}
 
     def stop(self) -> None:
         """Refuse new requests, end the ones in flight with an error, join the thread, free the slots."""
@@ -332,7 +354,14 @@ class Engine:
         return admitted
 
     def _assign(self, ticket: Ticket, free: list[Slot]) -> None:
-        """The free slot holding the longest prefix of the prompt, else the one holding least."""
+        """The free slot holding the longest prefix of the prompt, else the one holding least. A
+        choice whose request has a slot still reading the prompt waits for it and copies its context."""
+        leader = self._leader_for(ticket.generation)
+        if leader is not None:
+            slot = min(free, key=lambda s: len(s.context))
+            self._start(slot, ticket, pending=[], cached=0)
+            slot.leader = leader
+            return
         prompt = ticket.generation.prompt_ids
         slot = max(free, key=lambda s: (s.reusable_prefix(prompt), -len(s.context)))
         reused = slot.reusable_prefix(prompt)
@@ -348,20 +377,62 @@ class Engine:
             ticket.deliver(Event("error", text=f"generation failed: {one_line(exc)}"))
             return
         slot.context = slot.context[:reused]
-        slot.ticket, slot.pending, slot.cached = ticket, list(prompt[reused:]), reused
+        self._start(slot, ticket, pending=list(prompt[reused:]), cached=reused)
+
+    def _start(self, slot: Slot, ticket: Ticket, *, pending: list[int], cached: int) -> None:
+        self.prompt_tokens += len(ticket.generation.prompt_ids)
+        self.cached_tokens += cached
+        slot.ticket, slot.pending, slot.cached, slot.leader = ticket, pending, cached, None
         slot.logits, slot.produced = None, 0
         slot.decoder = text_stream(self._tokenizer)
         slot.stops = StopStringFilter(ticket.generation.stop_strings)
+        slot.chooser, slot.logprobs = TokenChooser(ticket.generation.sampler, ticket.generation.decoding), []
+
+    def _leader_for(self, generation: Generation) -> Slot | None:
+        """A busy slot of the same request that has not sampled yet (it reads, or has read, the prompt)."""
+        if generation.group is None:
+            return None
+        return next((s for s in self.slots if s.ticket is not None and s.leader is None and s.produced == 0
+                     and s.ticket.generation.group is generation.group), None)
+
+    def _follow_leaders(self) -> None:
+        """Followers whose leader has read the whole prompt take its context and logits; those
+        whose leader went away read the prompt themselves."""
+        for slot in self.slots:
+            leader = slot.leader
+            if leader is None or slot.ticket is None:
+                continue
+            group = slot.ticket.generation.group
+            if leader.ticket is None or leader.ticket.generation.group is not group or leader.produced > 0:
+                slot.leader = None  # gone (or already sampling): read the prompt from scratch
+                slot.context, slot.pending = [], list(slot.ticket.generation.prompt_ids)
+                assert slot.runner is not None
+                slot.runner.reset()
+                continue
+            if leader.pending or leader.logits is None:
+                continue  # still reading
+            assert slot.runner is not None and leader.runner is not None
+            try:
+                slot.runner.copy_context(leader.runner)
+            except Exception as exc:
+                slot.leader = None
+                self._fail_model_call(slot, exc)
+                continue
+            slot.context, slot.logits, slot.leader = list(leader.context), leader.logits.copy(), None
+            self.prefills_shared += 1
 
     def _step(self) -> None:
         """One chunk of every slot reading a prompt, then one token of every generating slot."""
         sampled: list[tuple[Slot, int]] = []
+        self._follow_leaders()
         for slot in self.slots:
             if slot.ticket is None:
                 continue
             if slot.ticket.cancelled.is_set():
                 self._release(slot)
                 continue
+            if slot.leader is not None:
+                continue  # waits for its leader's prompt
             try:
                 if slot.pending:
                     self._prefill_chunk(slot)
@@ -371,6 +442,8 @@ class Engine:
                         sampled.append((slot, token))
             except Exception as exc:  # a failing model call ends this request, not the server
                 self._fail_model_call(slot, exc)
+        if sampled:
+            self.step_sizes[len(sampled)] += 1
         if len(sampled) > 1 and self.batch_refused is None:
             self._feed_batch(sampled)
         else:
@@ -413,16 +486,19 @@ class Engine:
         """Sample the next token as `runtime.generate` does and send its text; the token to feed
         next, or None when the generation ended."""
         assert slot.ticket is not None and slot.logits is not None and slot.decoder is not None
+        assert slot.chooser is not None
         generation = slot.ticket.generation
-        token = generation.sampler(slot.logits)
+        token, logprob = slot.chooser.choose(slot.logits)
         if token in self._stop_ids:
             self._finish(slot, FINISH_STOP)
             return None
+        if logprob is not None:
+            slot.logprobs.append(logprob)
         slot.produced += 1
         self.tokens_generated += 1
         text, stopped = slot.stops.feed(slot.decoder.feed(token))
         if text:
-            slot.ticket.deliver(Event("text", text=text))
+            slot.ticket.deliver(Event("text", text=text, logprobs=slot.take_logprobs()))
         if stopped:
             self._finish(slot, FINISH_STOP, flush=False)
         elif slot.produced >= generation.max_tokens or len(slot.context) >= self.n_ctx:
@@ -438,17 +514,19 @@ class Engine:
             text += "" if stopped else slot.stops.finish()
             reason = FINISH_STOP if stopped else reason
             if text:
-                slot.ticket.deliver(Event("text", text=text))
+                slot.ticket.deliver(Event("text", text=text, logprobs=slot.take_logprobs()))
         prompt = len(slot.ticket.generation.prompt_ids)
         usage = {"prompt_tokens": prompt, "completion_tokens": slot.produced,
                  "total_tokens": prompt + slot.produced, "cached_tokens": slot.cached}
         slot.ticket.finished = True
-        slot.ticket.deliver(Event("done", finish_reason=reason, usage=usage))
+        self.finish_reasons[reason] += 1
+        slot.ticket.deliver(Event("done", finish_reason=reason, usage=usage, logprobs=slot.take_logprobs()))
         self._release(slot)
 
     def _fail(self, slot: Slot, message: str) -> None:
         assert slot.ticket is not None
         slot.ticket.finished = True
+        self.finish_reasons["error"] += 1
         slot.ticket.deliver(Event("error", text=message))
         self._release(slot)
 
@@ -456,4 +534,5 @@ class Engine:
         """The slot serves nothing; the ids it fed stay in its context for a later prefix match."""
         if slot.ticket is not None:
             slot.ticket.finished = True
-        slot.ticket, slot.pending, slot.logits, slot.decoder = None, [], None, None
+        slot.ticket, slot.pending, slot.logits, slot.decoder, slot.chooser = None, [], None, None, None
+        slot.leader = None

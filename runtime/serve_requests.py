@@ -3,8 +3,8 @@
 A request is untrusted input: every field the server reads is checked for its type and range,
 and whatever is wrong is answered with a `RequestError` (an HTTP status and a one-line message,
 sent as OpenAI's error body) naming the field. Fields ggufc does not implement are refused when
-they ask for something (`n` > 1, `logprobs`, penalties, tools, ...) and ignored when they carry
-their default, so clients that send defaults work.
+they ask for something (`best_of`, `echo`, tools, ...) and ignored when they carry their default,
+so clients that send defaults work.
 """
 
 from __future__ import annotations
@@ -13,8 +13,13 @@ import dataclasses
 import decimal
 import json
 import math
-from collections.abc import Mapping
+import re
+from collections.abc import Collection, Mapping
 from typing import Any
+
+from .structured_output import GrammarError, check_json_schema
+from .token_choice import LOGIT_BIAS_RANGE, MAX_TOP_LOGPROBS, PENALTY_RANGE, Decoding
+from .tool_calls import Tool
 
 MAX_BODY_BYTES = 1 << 20
 MAX_STOP_STRINGS = 4
@@ -38,6 +43,14 @@ class RequestError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
+class ResponseFormat:
+    """`response_format`: a JSON object, or JSON valid against `schema`."""
+
+    kind: str  # "json_object" | "json_schema"
+    schema: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
 class ApiRequest:
     """A checked completion or chat request."""
 
@@ -50,7 +63,12 @@ class ApiRequest:
     top_k: int
     seed: int | None
     stop: tuple[str, ...]
-    messages: tuple[dict[str, str], ...] = ()  # chat
+    n: int = 1  # choices
+    response_format: ResponseFormat | None = None  # a grammar the text must follow
+    tools: tuple[Tool, ...] = ()
+    tool_choice: str = "auto"  # "none" | "auto" | "required" | a function's name (forced)
+    decoding: Decoding = Decoding()  # logit bias, penalties, log-probabilities
+    messages: tuple[dict[str, Any], ...] = ()  # chat
     prompt_text: str | None = None  # completions: text ...
     prompt_ids: tuple[int, ...] | None = None  # ... or token ids
 
@@ -83,8 +101,11 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def parse_request(body: Mapping[str, Any], *, chat: bool, model_id: str, n_ctx: int, n_vocab: int) -> ApiRequest:
-    _check_model(body, model_id)
+def parse_request(body: Mapping[str, Any], *, chat: bool, model_id: str, n_ctx: int, n_vocab: int,
+                  max_n: int = 1, other_names: Collection[str] = ()) -> ApiRequest:
+    """The checked request; `max_n`: the most choices one request may ask for (the server's slots);
+    `other_names`: names the model also answers to (`--served-model-name`)."""
+    _check_model(body, model_id, other_names)
     _refuse_unsupported(body, chat)
     stream = _optional_bool(body, "stream", False)
     options = body.get("stream_options")
@@ -99,9 +120,15 @@ def parse_request(body: Mapping[str, Any], *, chat: bool, model_id: str, n_ctx: 
         temperature=_number(body, "temperature", 1.0, 0.0, MAX_TEMPERATURE),
         top_p=_top_p(body), top_k=_int(body, "top_k", 0, 0, n_vocab),
         seed=_optional_int(body, "seed", *SEED_RANGE), stop=_stop(body),
+        n=_choices(body, max_n), decoding=_decoding(body, chat, n_vocab), response_format=_response_format(body),
     )
     if chat:
-        return ApiRequest(**common, messages=_messages(body))
+        tools = _tools(body)
+        tool_choice = _tool_choice(body, tools)
+        if tool_choice not in ("none", "auto") and common["response_format"] is not None:
+            raise RequestError(400, "a required tool call and response_format cannot be combined",
+                               param="tool_choice")
+        return ApiRequest(**common, messages=_messages(body), tools=tools, tool_choice=tool_choice)
     text, ids = _prompt(body, n_vocab)
     return ApiRequest(**common, prompt_text=text, prompt_ids=ids)
 
@@ -109,30 +136,21 @@ def parse_request(body: Mapping[str, Any], *, chat: bool, model_id: str, n_ctx: 
 # --------------------------------------------------------------------- fields
 
 
-def _check_model(body: Mapping[str, Any], model_id: str) -> None:
+def _check_model(body: Mapping[str, Any], model_id: str, other_names: Collection[str]) -> None:
     model = body.get("model")
     if not isinstance(model, str):
         raise RequestError(400, f"model must be a string naming the model ('{model_id}')", param="model")
-    if model != model_id:
+    if model != model_id and model not in other_names:
         raise RequestError(404, f"the model '{model[:100]}' does not exist; this server serves '{model_id}'",
                            param="model", code="model_not_found")
 
 
 # field -> (the values that ask for nothing, what the field would ask for)
 _DEFAULTS: dict[str, tuple[tuple[Any, ...], str]] = {
-    "n": ((None, 1), "n > 1 (one choice per request)"),
     "best_of": ((None, 1), "best_of > 1"),
     "echo": ((None, False), "echo"),
-    "logprobs": ((None, False, 0), "logprobs"),
-    "top_logprobs": ((None, 0), "top_logprobs"),
-    "presence_penalty": ((None, 0, 0.0), "presence_penalty"),
-    "frequency_penalty": ((None, 0, 0.0), "frequency_penalty"),
-    "logit_bias": ((None,), "logit_bias"),
     "suffix": ((None, ""), "suffix"),
-    "tools": ((None,), "tools"),
-    "functions": ((None,), "functions"),
-    "tool_choice": ((None, "none", "auto"), "tool_choice"),
-    "response_format": ((None,), "response_format"),
+    "functions": ((None,), "functions (send tools)"),
 }
 
 
@@ -141,8 +159,6 @@ def _refuse_unsupported(body: Mapping[str, Any], chat: bool) -> None:
         value = body.get(name)
         if _is_default(value, defaults):
             continue
-        if name == "n" and not (isinstance(value, int) and not isinstance(value, bool)):
-            raise RequestError(400, f"n must be an integer, got {_json_type(value)}", param="n")
         raise RequestError(400, f"{what} is not supported by this server", param=name, code="unsupported")
 
 
@@ -192,6 +208,84 @@ def _number(body: Mapping[str, Any], name: str, default: float, lo: float, hi: f
     return float(value)
 
 
+def _response_format(body: Mapping[str, Any]) -> ResponseFormat | None:
+    """{"type": "text" | "json_object"} or {"type": "json_schema", "json_schema": {name, schema, strict}}."""
+    value = body.get("response_format")
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ResponseFormat("json_object")
+    if kind != "json_schema":
+        raise RequestError(400, "response_format.type must be 'text', 'json_object' or 'json_schema'",
+                           param="response_format")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name", ""), str):
+        raise RequestError(400, "response_format.json_schema must be an object {name, schema, strict}",
+                           param="response_format.json_schema")
+    schema = spec.get("schema", {})
+    if not isinstance(schema, (dict, bool)):
+        raise RequestError(400, f"response_format.json_schema.schema must be an object, got {_json_type(schema)}",
+                           param="response_format.json_schema.schema")
+    # strict or not, the grammar holds every answer to the schema
+    _optional_bool(spec, "strict", False, param="response_format.json_schema.strict")
+    return ResponseFormat("json_schema", schema)
+
+
+def _choices(body: Mapping[str, Any], max_n: int) -> int:
+    n = _int(body, "n", 1, 1, 1 << 31)
+    if n > max_n:
+        raise RequestError(400, f"n must be at most {max_n} (the server's slots; start it with --parallel N "
+                                f"for more), got {n}", param="n")
+    return n
+
+
+def _decoding(body: Mapping[str, Any], chat: bool, n_vocab: int) -> Decoding:
+    return Decoding(logit_bias=_logit_bias(body, n_vocab),
+                    presence_penalty=_number(body, "presence_penalty", 0.0, *PENALTY_RANGE),
+                    frequency_penalty=_number(body, "frequency_penalty", 0.0, *PENALTY_RANGE),
+                    top_logprobs=_chat_logprobs(body) if chat else _completion_logprobs(body))
+
+
+def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
+    """Chat: `logprobs: true` asks for the chosen tokens', `top_logprobs: k` for k more each."""
+    wanted = _optional_bool(body, "logprobs", False)
+    top = _optional_int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if top is not None and top > 0 and not wanted:
+        raise RequestError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def _completion_logprobs(body: Mapping[str, Any]) -> int | None:
+    """Completions: `logprobs: k` (0 included) asks for the chosen tokens' and the k most likely."""
+    if isinstance(body.get("logprobs"), bool):
+        raise RequestError(400, f"logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}", param="logprobs")
+    return _optional_int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
+
+
+def _logit_bias(body: Mapping[str, Any], n_vocab: int) -> dict[int, float]:
+    """{"token id": bias} with biases in [-100, 100], added to those tokens' logits."""
+    value = body.get("logit_bias")
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise RequestError(400, "logit_bias must be an object of token id -> bias", param="logit_bias")
+    lo, hi = LOGIT_BIAS_RANGE
+    bias: dict[int, float] = {}
+    for key, amount in value.items():
+        token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) < 12 else -1
+        if not 0 <= token < n_vocab:
+            raise RequestError(400, f"logit_bias key {_short(key)} is not a token id in [0, {n_vocab})",
+                               param="logit_bias")
+        if not isinstance(amount, (int, float)) or isinstance(amount, bool) or not lo <= amount <= hi:
+            raise RequestError(400, f"logit_bias values must be numbers from {lo:g} to {hi:g}, got {_short(amount)}",
+                               param="logit_bias")
+        bias[token] = float(amount)
+    return bias
+
+
 def _top_p(body: Mapping[str, Any]) -> float:
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
     if top_p == 0.0:
@@ -213,14 +307,63 @@ def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _messages(body: Mapping[str, Any]) -> tuple[dict[str, str], ...]:
+def _tools(body: Mapping[str, Any]) -> tuple[Tool, ...]:
+    """`tools`: [{"type": "function", "function": {name, description?, parameters?}}], each
+    parameters a JSON schema."""
+    value = body.get("tools")
+    if value is None or value == []:
+        return ()
+    if not isinstance(value, list):
+        raise RequestError(400, "tools must be a list of {type: 'function', function: {...}} objects", param="tools")
+    tools = []
+    for i, tool in enumerate(value):
+        where = f"tools[{i}]"
+        function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+        if not isinstance(function, dict):
+            raise RequestError(400, f"{where} must be {{type: 'function', function: {{name, parameters}}}}",
+                               param=where)
+        name, description = function.get("name"), function.get("description", "")
+        if not (isinstance(name, str) and re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name)):
+            raise RequestError(400, f"{where}.function.name must be 1 to 64 letters, digits, '_', '.' or '-'",
+                               param=f"{where}.function.name")
+        if not isinstance(description, str):
+            raise RequestError(400, f"{where}.function.description must be a string",
+                               param=f"{where}.function.description")
+        parameters = function.get("parameters", {"type": "object", "properties": {}})
+        try:
+            check_json_schema(parameters, f"{where}.function.parameters")
+        except GrammarError as exc:
+            raise RequestError(400, str(exc), param=f"{where}.function.parameters") from None
+        tools.append(Tool(name, description, parameters))
+    return tuple(tools)
+
+
+def _tool_choice(body: Mapping[str, Any], tools: tuple[Tool, ...]) -> str:
+    value = body.get("tool_choice")
+    if value is None:
+        return "auto"
+    if value in ("none", "auto", "required"):
+        if value == "required" and not tools:
+            raise RequestError(400, "tool_choice 'required' needs tools", param="tool_choice")
+        return str(value)
+    function = value.get("function") if isinstance(value, dict) and value.get("type") == "function" else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str):
+        raise RequestError(400, "tool_choice must be 'none', 'auto', 'required' or {type: 'function', "
+                                "function: {name}}", param="tool_choice")
+    if name not in {t.name for t in tools}:
+        raise RequestError(400, f"tool_choice names '{name[:64]}', which is not among the tools", param="tool_choice")
+    return name
+
+
+def _messages(body: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError(400, "messages must be a non-empty list of {role, content} objects", param="messages")
     return tuple(_message(m, i) for i, m in enumerate(messages))
 
 
-def _message(message: Any, i: int) -> dict[str, str]:
+def _message(message: Any, i: int) -> dict[str, Any]:
     where = f"messages[{i}]"
     if not isinstance(message, dict):
         raise RequestError(400, f"{where} must be an object, got {_json_type(message)}", param=where)
@@ -239,7 +382,35 @@ def _message(message: Any, i: int) -> dict[str, str]:
     if not isinstance(content, str):
         raise RequestError(400, f"{where}.content must be a string, got {_json_type(content)}",
                            param=f"{where}.content")
-    return {"role": str(role), "content": content}
+    checked: dict[str, Any] = {"role": str(role), "content": content}
+    if role == "assistant" and message.get("tool_calls"):
+        checked["tool_calls"] = _message_tool_calls(message["tool_calls"], where)
+    if role == "tool":
+        for key in ("tool_call_id", "name"):
+            if isinstance(message.get(key), str):
+                checked[key] = message[key]
+    return checked
+
+
+def _message_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant turn's earlier calls, arguments as objects where they parse (what chat
+    templates render with `tojson`)."""
+    if not isinstance(calls, list):
+        raise RequestError(400, f"{where}.tool_calls must be a list", param=f"{where}.tool_calls")
+    checked = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(function, dict) and isinstance(function.get("name"), str)
+                and isinstance(function.get("arguments", ""), str)):
+            raise RequestError(400, f"{where}.tool_calls entries must be {{id, type, function: {{name, arguments}}}}",
+                               param=f"{where}.tool_calls")
+        try:
+            arguments: Any = json.loads(function.get("arguments") or "{}")
+        except ValueError:
+            arguments = function.get("arguments")
+        checked.append({"id": str(call.get("id", "")), "type": "function",
+                        "function": {"name": function["name"], "arguments": arguments}})
+    return checked
 
 
 def _prompt(body: Mapping[str, Any], n_vocab: int) -> tuple[str | None, tuple[int, ...] | None]:

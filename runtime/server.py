@@ -1,8 +1,8 @@
 """`ggufc serve`: an OpenAI-compatible HTTP server (FastAPI on uvicorn, server-sent events for
 streaming) in front of the generation engine (serve_engine.py).
 
-Endpoints: POST /v1/completions and /v1/chat/completions (streamed or not), GET /v1/models and
-GET /health. Bad requests get OpenAI's error body with a 4xx status (serve_requests.py); a
+Endpoints: POST /v1/completions and /v1/chat/completions (streamed or not), GET /v1/models,
+GET /health and GET /metrics (Prometheus). Bad requests get OpenAI's error body with a 4xx status (serve_requests.py); a
 request that finds every slot busy and the queue full gets 503. A client that goes away (a
 closed stream, or a dropped connection while it waits for a whole answer) cancels its request,
 which frees its slot at the engine's next step. On SIGTERM uvicorn stops accepting connections,
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import signal
@@ -20,7 +21,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -28,17 +29,23 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .chat import ChatTemplateError
 from .prompting import encode_prompt, render_messages, stop_ids
 from .sampling import Sampler
 from .serve_engine import Engine, Event, Generation, ServerBusyError, Slots, Ticket
+from .serve_logprobs import LogprobWriter, merge
+from .serve_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from .serve_metrics import ServerMetrics
 from .serve_requests import MAX_BODY_BYTES, ApiRequest, RequestError, parse_json, parse_request
 from .serve_schema import COMPLETION_RESPONSES, ERROR_RESPONSES, request_body, request_models
+from .structured_output import GrammarError, Grammars
 from .tokenizer import TokenizationError
+from .tool_calls import ToolFormat, detect_format
 
 GRACEFUL_SHUTDOWN_S = 30
+_COUNTED = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models"})
 RETRY_AFTER_S = 1
 
 
@@ -47,8 +54,9 @@ class ServeError(OSError):
 
 
 def create_app(engine: Engine, tokenizer: Any, info: Mapping[str, Any], *, model_id: str, n_vocab: int,
-               api_key: str | None = None) -> FastAPI:
-    """The ASGI app; it starts the engine with the app and stops it on shutdown."""
+               api_key: str | None = None, other_names: Sequence[str] = ()) -> FastAPI:
+    """The ASGI app; it starts the engine with the app and stops it on shutdown. The model answers
+    to `model_id` (the name in responses) and to `other_names`."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -62,7 +70,13 @@ def create_app(engine: Engine, tokenizer: Any, info: Mapping[str, Any], *, model
     app = FastAPI(title="ggufc", lifespan=lifespan, docs_url=None, redoc_url=None)
     completion_request, chat_request = request_models(model_id, engine.n_ctx, n_vocab)
     created = int(time.time())
-    context = _Context(engine, tokenizer, info, model_id, n_vocab, api_key)
+    context = _Context(engine, tokenizer, info, model_id, n_vocab, api_key, tuple(other_names))
+    metrics = ServerMetrics(engine)
+    app.add_middleware(_RequestCounter, metrics=metrics)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     @app.exception_handler(RequestError)
     async def request_error(_: Request, exc: RequestError) -> JSONResponse:
@@ -87,8 +101,8 @@ def create_app(engine: Engine, tokenizer: Any, info: Mapping[str, Any], *, model
     @app.get("/v1/models", responses=ERROR_RESPONSES)
     async def models(request: Request) -> dict[str, Any]:
         context.check_key(request)
-        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created,
-                                            "owned_by": "ggufc", "context_length": engine.n_ctx}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "ggufc",
+                                            "context_length": engine.n_ctx} for name in (model_id, *other_names)]}
 
     @app.post("/v1/completions", openapi_extra=request_body(completion_request), responses=COMPLETION_RESPONSES)
     async def completions(request: Request) -> Response:
@@ -101,13 +115,35 @@ def create_app(engine: Engine, tokenizer: Any, info: Mapping[str, Any], *, model
     return app
 
 
+class _RequestCounter:
+    """Counts the API's responses by path and status for /metrics (plain ASGI: streamed answers and
+    their disconnect handling pass through untouched)."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] not in _COUNTED:
+            await self.app(scope, receive, send)
+            return
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.count_request(scope["path"], int(message["status"]))
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
 class _Context:
     """What the request handlers share: the engine, the tokenizer and the server's settings."""
 
     def __init__(self, engine: Engine, tokenizer: Any, info: Mapping[str, Any], model_id: str, n_vocab: int,
-                 api_key: str | None) -> None:
-        self.engine, self.tokenizer, self.info = engine, tokenizer, info
+                 api_key: str | None, other_names: tuple[str, ...]) -> None:
+        self.engine, self.tokenizer, self.info, self.other_names = engine, tokenizer, info, other_names
         self.model_id, self.n_vocab, self.api_key = model_id, n_vocab, api_key
+        self.grammars = Grammars(tokenizer, n_vocab, stop_ids(info))
+        self.tool_format = detect_format(str(info.get("chat_template") or ""))
 
     def check_key(self, request: Request) -> None:
         if self.api_key is None:
@@ -121,20 +157,63 @@ class _Context:
         self.check_key(request)
         body = parse_json(await _read_body(request))
         parsed = parse_request(body, chat=chat, model_id=self.model_id, n_ctx=self.engine.n_ctx,
-                               n_vocab=self.n_vocab)
+                               n_vocab=self.n_vocab, max_n=len(self.engine.slots), other_names=self.other_names)
         ids = await anyio.to_thread.run_sync(self._prompt_ids, parsed)
-        sampler = Sampler(temperature=parsed.temperature, top_k=parsed.top_k, top_p=parsed.top_p,
-                          seed=None if parsed.seed is None else parsed.seed % (1 << 64))
-        generation = Generation(tuple(ids), parsed.max_tokens, sampler, parsed.stop)
-        events: asyncio.Queue[Event] = asyncio.Queue()
-        try:
-            ticket = self.engine.submit(generation, _deliverer(asyncio.get_running_loop(), events))
-        except ServerBusyError as exc:
-            raise RequestError(503, str(exc), code="server_busy", kind="server_error") from None
-        reply = _Reply(chat, self.model_id, parsed)
+        if parsed.response_format is not None:
+            parsed = await anyio.to_thread.run_sync(self._constrained, parsed)
+        if parsed.tool_choice not in ("none", "auto"):
+            parsed = await anyio.to_thread.run_sync(self._call_required, parsed)
+        events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+        tickets = self._submit(parsed, ids, asyncio.get_running_loop(), events)
+        calls = self.tool_format if parsed.tools and parsed.tool_choice != "none" else None
+        reply = _Reply(chat, self.model_id, parsed, self.tokenizer, calls)
         if parsed.stream:
-            return _EventStream(reply.stream(events), ticket)
-        return await _whole_answer(request, reply, events, ticket)
+            return _EventStream(reply.stream(events), tickets)
+        return await _whole_answer(request, reply, events, tickets)
+
+    def _submit(self, parsed: ApiRequest, ids: list[int], loop: asyncio.AbstractEventLoop,
+                events: asyncio.Queue[tuple[int, Event]]) -> _Tickets:
+        """One generation per choice, each with its own sampler (choice i seeded with seed + i)."""
+        tickets = _Tickets()
+        group = object() if parsed.n > 1 else None  # the choices read the prompt once
+        for index in range(parsed.n):
+            seed = None if parsed.seed is None else (parsed.seed + index) % (1 << 64)
+            sampler = Sampler(temperature=parsed.temperature, top_k=parsed.top_k, top_p=parsed.top_p, seed=seed)
+            generation = Generation(tuple(ids), parsed.max_tokens, sampler, parsed.stop, parsed.decoding, group)
+            try:
+                tickets.append(self.engine.submit(generation, _deliverer(loop, events, index)))
+            except ServerBusyError as exc:
+                tickets.cancel()
+                raise RequestError(503, str(exc), code="server_busy", kind="server_error") from None
+        return tickets
+
+    def _constrained(self, parsed: ApiRequest) -> ApiRequest:
+        """The request with its response_format's grammar (compiled once per schema)."""
+        spec = parsed.response_format
+        assert spec is not None
+        try:
+            if spec.kind == "json_object":
+                grammar = self.grammars.json_object()
+            else:
+                grammar = self.grammars.json_schema(spec.schema)
+        except GrammarError as exc:
+            param = "response_format" if spec.kind == "json_object" else "response_format.json_schema.schema"
+            raise RequestError(400, str(exc), param=param) from None
+        return dataclasses.replace(parsed, decoding=dataclasses.replace(parsed.decoding, constraint=grammar))
+
+    def _call_required(self, parsed: ApiRequest) -> ApiRequest:
+        """The request with a grammar that writes one call (of the named tool, or of any) in the
+        family's format."""
+        if self.tool_format is None:
+            raise RequestError(400, "this model's chat template has no tool-call format ggufc knows (hermes, "
+                                    "llama3, mistral); a call cannot be required", param="tool_choice")
+        tools = [t for t in parsed.tools if parsed.tool_choice in ("required", t.name)]
+        fmt = self.tool_format
+        try:
+            grammar = self.grammars.wrapped_json(fmt.prefix, fmt.call_schema(tools), fmt.suffix)
+        except GrammarError as exc:
+            raise RequestError(400, str(exc), param="tools") from None
+        return dataclasses.replace(parsed, decoding=dataclasses.replace(parsed.decoding, constraint=grammar))
 
     def _prompt_ids(self, parsed: ApiRequest) -> list[int]:
         """Token ids of the prompt (chat: through the model's template, in jinja2's sandbox)."""
@@ -143,7 +222,8 @@ class _Context:
         else:
             try:
                 if parsed.chat:
-                    text = render_messages(self.tokenizer, self.info, parsed.messages)
+                    tools = [t.as_openai() for t in parsed.tools]
+                    text = render_messages(self.tokenizer, self.info, parsed.messages, tools)
                 else:
                     text = parsed.prompt_text or ""
                 ids = encode_prompt(self.tokenizer, self.info, text, templated=parsed.chat)
@@ -172,44 +252,89 @@ async def _read_body(request: Request) -> bytes:
     return b"".join(chunks)
 
 
-def _deliverer(loop: asyncio.AbstractEventLoop, events: asyncio.Queue[Event]) -> Callable[[Event], None]:
-    """Hand the engine thread's events to the request's queue on the event loop."""
+def _deliverer(loop: asyncio.AbstractEventLoop, events: asyncio.Queue[tuple[int, Event]],
+               index: int) -> Callable[[Event], None]:
+    """Hand the engine thread's events of choice `index` to the request's queue on the event loop."""
 
     def deliver(event: Event) -> None:
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening any more
-            loop.call_soon_threadsafe(events.put_nowait, event)
+            loop.call_soon_threadsafe(events.put_nowait, (index, event))
 
     return deliver
 
 
-class _Reply:
-    """OpenAI's response objects for one request: whole, or as server-sent event chunks."""
+class _Tickets(list[Ticket]):
+    """The generations of one request's choices, cancelled together."""
 
-    def __init__(self, chat: bool, model_id: str, parsed: ApiRequest) -> None:
+    def cancel(self) -> None:
+        for ticket in self:
+            ticket.cancel()
+
+
+class _Reply:
+    """OpenAI's response objects for one request's choices: whole, or as server-sent event chunks."""
+
+    def __init__(self, chat: bool, model_id: str, parsed: ApiRequest, tokenizer: Any,
+                 calls: ToolFormat | None = None) -> None:
         self.chat, self.model_id, self.parsed = chat, model_id, parsed
+        self.calls = calls  # the format tool calls are parsed from (None: the text is the answer)
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
+        wanted = parsed.decoding.top_logprobs is not None
+        self.logprobs = [LogprobWriter(tokenizer, chat=chat) for _ in range(parsed.n)] if wanted else None
 
     def _envelope(self, chunk: bool) -> dict[str, Any]:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model_id}
 
     @staticmethod
-    def usage(raw: Mapping[str, int]) -> dict[str, Any]:
-        return {"prompt_tokens": raw["prompt_tokens"], "completion_tokens": raw["completion_tokens"],
-                "total_tokens": raw["total_tokens"],
-                "prompt_tokens_details": {"cached_tokens": raw["cached_tokens"]}}
+    def usage(raw: Sequence[Mapping[str, int]]) -> dict[str, Any]:
+        """One request's usage: the prompt once, the completions of every choice."""
+        prompt, completion = raw[0]["prompt_tokens"], sum(u["completion_tokens"] for u in raw)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": raw[0]["cached_tokens"]}}
 
-    def whole(self, text: str, finish_reason: str | None, usage: Mapping[str, int]) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        return {**self._envelope(False), "choices": [choice], "usage": self.usage(usage)}
+    def _logprobs(self, index: int, event: Event) -> dict[str, Any] | None:
+        return None if self.logprobs is None else self.logprobs[index].render(event.logprobs)
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, *, role: bool = False) -> bytes:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+    def whole(self, finals: Sequence[_Collected]) -> dict[str, Any]:
+        choices = []
+        for index, final in enumerate(finals):
+            choice: dict[str, Any] = {"index": index, "finish_reason": final.finish_reason, "logprobs": None}
+            if self.logprobs is not None:
+                choice["logprobs"] = merge(final.logprobs, chat=self.chat)
+            if self.chat:
+                choice["message"], called = self._message(final.text)
+                choice["finish_reason"] = "tool_calls" if called else final.finish_reason
+            else:
+                choice["text"] = final.text
+            choices.append(choice)
+        usage = self.usage([f.usage for f in finals])
+        return {**self._envelope(False), "choices": choices, "usage": usage}
+
+    def _message(self, text: str) -> tuple[dict[str, Any], bool]:
+        """The assistant's message, with `tool_calls` when the text holds calls in the family's format."""
+        if self.calls is None:
+            return {"role": "assistant", "content": text}, False
+        content, calls = self.calls.parse(text)
+        if not calls:
+            return {"role": "assistant", "content": text}, False
+        return {"role": "assistant", "content": content, "tool_calls": [c.as_openai() for c in calls]}, True
+
+    def _final_deltas(self, index: int, text: str, finish_reason: str | None) -> Iterator[bytes]:
+        """A held-back answer (tools in play) as deltas: its content, or one delta per call."""
+        message, called = self._message(text)
+        if message.get("content"):
+            yield self.chunk(index, message["content"])
+        for i, call in enumerate(message.get("tool_calls", [])):
+            delta = {"tool_calls": [{"index": i, **call}]}
+            yield _sse({**self._envelope(True), "choices": [{"index": index, "delta": delta, "finish_reason": None,
+                                                             "logprobs": None}]})
+        yield self.chunk(index, None, "tool_calls" if called else finish_reason)
+
+    def chunk(self, index: int, text: str | None, finish_reason: str | None = None, *, role: bool = False,
+              logprobs: dict[str, Any] | None = None) -> bytes:
+        choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason, "logprobs": logprobs}
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
@@ -219,38 +344,72 @@ class _Reply:
             choice["text"] = text or ""
         return _sse({**self._envelope(True), "choices": [choice]})
 
-    async def stream(self, events: asyncio.Queue[Event]) -> AsyncIterator[bytes]:
+    async def stream(self, events: asyncio.Queue[tuple[int, Event]]) -> AsyncIterator[bytes]:
         if self.chat:
-            yield self.chunk("", role=True)
-        while True:
-            event = await events.get()
-            if event.kind == "text":
-                yield self.chunk(event.text)
+            for index in range(self.parsed.n):
+                yield self.chunk(index, "", role=True)
+        usages: dict[int, Mapping[str, int]] = {}
+        held = [""] * self.parsed.n  # with tools in play, the answer is parsed once it is whole
+        while len(usages) < self.parsed.n:
+            index, event = await events.get()
+            if event.kind == "text" and self.calls is not None and self.chat:
+                held[index] += event.text
                 continue
-            if event.kind == "done":
-                yield self.chunk(None, event.finish_reason)
-                if self.parsed.include_usage and event.usage is not None:
-                    yield _sse({**self._envelope(True), "choices": [], "usage": self.usage(event.usage)})
-            else:
+            if event.kind == "text":
+                yield self.chunk(index, event.text, logprobs=self._logprobs(index, event))
+                continue
+            if event.kind == "error":
                 yield _sse(RequestError(500, event.text, kind="server_error").body())
-            yield b"data: [DONE]\n\n"
-            return
+                yield b"data: [DONE]\n\n"
+                return
+            if self.calls is not None and self.chat:
+                for delta in self._final_deltas(index, held[index], event.finish_reason):
+                    yield delta
+            else:
+                final_logprobs = self._logprobs(index, event) if event.logprobs else None
+                yield self.chunk(index, None, event.finish_reason, logprobs=final_logprobs)
+            assert event.usage is not None
+            usages[index] = event.usage
+        if self.parsed.include_usage:
+            usage = self.usage([usages[i] for i in sorted(usages)])
+            yield _sse({**self._envelope(True), "choices": [], "usage": usage})
+        yield b"data: [DONE]\n\n"
 
 
 def _sse(payload: Mapping[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, ensure_ascii=False).encode("utf-8") + b"\n\n"
 
 
-async def _whole_answer(request: Request, reply: _Reply, events: asyncio.Queue[Event], ticket: Ticket) -> Response:
-    """Collect the generation; a client that disconnects meanwhile cancels it."""
+@dataclasses.dataclass
+class _Collected:
+    """One choice's whole answer, as its events brought it."""
 
-    async def collect() -> Event:
-        pieces: list[str] = []
-        while True:
-            event = await events.get()
-            if event.kind != "text":
-                return _with_text(event, "".join(pieces))
-            pieces.append(event.text)
+    text: str = ""
+    finish_reason: str | None = None
+    usage: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    logprobs: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+
+async def _whole_answer(request: Request, reply: _Reply, events: asyncio.Queue[tuple[int, Event]],
+                        tickets: _Tickets) -> Response:
+    """Collect every choice's generation; a client that disconnects meanwhile cancels them."""
+
+    async def collect() -> list[_Collected] | Event:
+        finals = [_Collected() for _ in range(reply.parsed.n)]
+        done = 0
+        while done < len(finals):
+            index, event = await events.get()
+            if event.kind == "error":
+                return event
+            final = finals[index]
+            final.text += event.text
+            if reply.logprobs is not None and event.logprobs:
+                final.logprobs.append(reply.logprobs[index].render(event.logprobs))
+            if event.kind == "done":
+                assert event.usage is not None
+                final.finish_reason, final.usage = event.finish_reason, event.usage
+                done += 1
+        return finals
 
     collecting = asyncio.ensure_future(collect())
     watching = asyncio.ensure_future(_disconnected(request.receive))
@@ -260,22 +419,15 @@ async def _whole_answer(request: Request, reply: _Reply, events: asyncio.Queue[E
         watching.cancel()
         if not collecting.done():
             collecting.cancel()
-            ticket.cancel()
+            tickets.cancel()
     if not collecting.done() or collecting.cancelled():
         return Response(status_code=499)  # nobody is there to read it
-    final = collecting.result()
-    if final.kind == "error":
-        status = 503 if "shutting down" in final.text else 500
-        return JSONResponse(RequestError(status, final.text, kind="server_error").body(), status_code=status)
-    assert final.usage is not None
-    return JSONResponse(reply.whole(final.text, final.finish_reason, final.usage))
-
-
-def _with_text(event: Event, text: str) -> Event:
-    """The final event carrying the whole text (errors keep their message)."""
-    if event.kind == "error":
-        return event
-    return Event(event.kind, text=text, finish_reason=event.finish_reason, usage=event.usage)
+    result = collecting.result()
+    if isinstance(result, Event):
+        tickets.cancel()  # the other choices' answers are of no use now
+        status = 503 if "shutting down" in result.text else 500
+        return JSONResponse(RequestError(status, result.text, kind="server_error").body(), status_code=status)
+    return JSONResponse(reply.whole(result))
 
 
 async def _disconnected(receive: Receive) -> None:
@@ -287,10 +439,10 @@ class _EventStream(StreamingResponse):
     """Server-sent events that stop, and cancel their request, as soon as the client goes away
     (also under ASGI 2.4 servers, where a plain StreamingResponse only notices at its next write)."""
 
-    def __init__(self, content: AsyncIterator[bytes], ticket: Ticket) -> None:
+    def __init__(self, content: AsyncIterator[bytes], tickets: _Tickets) -> None:
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._ticket = ticket
+        self._tickets = tickets
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -305,7 +457,7 @@ class _EventStream(StreamingResponse):
                 await _disconnected(receive)
                 group.cancel_scope.cancel()
         finally:
-            self._ticket.cancel()  # no-op when the generation already finished
+            self._tickets.cancel()  # no-op for the generations already finished
 
 
 # --------------------------------------------------------------------- running
@@ -313,7 +465,7 @@ class _EventStream(StreamingResponse):
 
 def serve(open_slots: Callable[[int], Slots], tokenizer: Any, info: Mapping[str, Any], *, model_id: str,
           n_vocab: int, sock: socket.socket, parallel: int = 1, max_queue: int = 16,
-          sleep_idle_s: float | None = None, api_key: str | None = None,
+          sleep_idle_s: float | None = None, api_key: str | None = None, other_names: Sequence[str] = (),
           announce: Callable[[str], None] = print) -> None:
     """Load `parallel` slots (`open_slots(parallel)`) and serve on `sock` (from `listen`) until
     SIGINT/SIGTERM."""
@@ -321,7 +473,8 @@ def serve(open_slots: Callable[[int], Slots], tokenizer: Any, info: Mapping[str,
                     sleep_idle_s=sleep_idle_s)
     if parallel > 1 and engine.batch_refused is not None:
         announce(f"slots decode one call each (no batched decode: {engine.batch_refused})")
-    app = create_app(engine, tokenizer, info, model_id=model_id, n_vocab=n_vocab, api_key=api_key)
+    app = create_app(engine, tokenizer, info, model_id=model_id, n_vocab=n_vocab, api_key=api_key,
+                     other_names=other_names)
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
                             lifespan="on")
     bound_host, bound_port = sock.getsockname()[:2]

@@ -12,6 +12,7 @@ they are one tuple. `prefill_all` returns float32 [T, V]; `prefill` and `decode`
 
 from __future__ import annotations
 
+import copy
 import gc
 import os
 from dataclasses import dataclass
@@ -453,6 +454,24 @@ class Session:
         ctx.tokens[:n] = saved.tokens
         ctx.checkpoints.update({p: c for p, c in saved.checkpoints.items() if p <= n})
         ctx.rollback.update({p: c for p, c in saved.rollback.items() if p <= n})
+        self._n_past = n
+
+    def copy_context(self, source: Session) -> None:
+        """Replace the context with `source`'s (a session of this same artifact), as `load_state`
+        of its saved state would, without the file: several answers to one prompt read it once."""
+        if source._manifest_sha256() != self._manifest_sha256():
+            raise ValueError("copy_context needs a session of the same artifact")
+        source._ensure_device()
+        states = source._live_states()
+        n = source.n_past
+        self._ensure_device()
+        self.reset()
+        for i, value in states.items():
+            self._write_live_state(i, value)
+        ctx, theirs = self._context, source._context
+        ctx.tokens[:n] = theirs.tokens[:n]
+        ctx.checkpoints.update(copy.deepcopy(dict(theirs.checkpoints)))
+        ctx.rollback.update(copy.deepcopy(dict(theirs.rollback)))
         self._n_past = n
 
     def _check_saved_shapes(self, saved: SavedState, where: str) -> None:

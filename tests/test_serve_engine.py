@@ -115,6 +115,10 @@ class ScriptedRunner:
     def close(self) -> None:
         pass
 
+    def copy_context(self, source: ScriptedRunner) -> None:
+        self.calls.append((self.index, "copy"))
+        self.context = list(source.context)
+
     released = False
 
 
@@ -269,5 +273,41 @@ def test_idle_slots_sleep_and_wake_for_the_next_request() -> None:
         text, done = _finish(_collect(engine, [5, 6, 7, 8], 3))  # the context survived the sleep
         assert text == _expected([5, 6, 7, 8], 3) and done.usage is not None and done.usage["cached_tokens"] == 2
         assert not engine.status()["asleep"] and not any(r.released for r in runners)
+    finally:
+        engine.stop()
+
+
+def test_choices_of_one_request_read_the_prompt_once() -> None:
+    """Three choices of one request: one slot feeds the prompt, the two others copy its context;
+    each answers as a lone request would. A first choice cancelled before it starts leaves the
+    next to read the prompt itself."""
+    engine, runners, calls = _engine(parallel=3, batched=True)
+    prompt, group = [1, 2, 3, 4, 5, 6, 7, 8, 9], object()
+    streams = []
+    for _ in range(3):
+        events: queue.Queue[Event] = queue.Queue()
+        engine.submit(Generation(tuple(prompt), 5, Sampler(), group=group), events.put)
+        streams.append(events)
+    engine.start()
+    try:
+        for events in streams:
+            text, done = _finish(events)
+            assert text == _expected(prompt, 5) and done.finish_reason == "length"
+        alone = [c for c in calls if c[0] != "batch"]  # then the three decode together
+        assert alone == [(0, 4), (0, 4), (0, 1), (1, "copy"), (2, "copy")]
+        assert engine.status()["prefills_shared"] == 2
+    finally:
+        engine.stop()
+
+    engine, runners, calls = _engine(parallel=2)
+    first: queue.Queue[Event] = queue.Queue()
+    second: queue.Queue[Event] = queue.Queue()
+    leader = engine.submit(Generation(tuple(prompt), 5, Sampler(), group=group), first.put)
+    engine.submit(Generation(tuple(prompt), 5, Sampler(), group=group), second.put)
+    leader.cancel()
+    engine.start()
+    try:
+        assert _finish(second)[0] == _expected(prompt, 5)
+        assert engine.status()["prefills_shared"] == 0
     finally:
         engine.stop()
