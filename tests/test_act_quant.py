@@ -31,8 +31,8 @@ from ggufc.passes.quantize_acts import quantize_activations
 from ggufc.runtime.session import Session
 
 TARGET = cpu_target()
-HAS_INT8_DOT = Q8.int8_dot_intrinsic(TARGET) is not None
-needs_int8_dot = pytest.mark.skipif(not HAS_INT8_DOT, reason=f"{TARGET.attrs.get('mcpu')} has no VNNI dot product")
+HAS_INT8_DOT = Q8.int8_isa(TARGET) is not None
+needs_int8_dot = pytest.mark.skipif(not HAS_INT8_DOT, reason=f"{TARGET.attrs.get('mcpu')} has no AVX2 + FMA")
 
 
 def _build(func: tvm.tirx.PrimFunc) -> tvm.runtime.Function:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from ggufc.cli import main
-from ggufc.codegen.quant_int8 import int8_dot_intrinsic
+from ggufc.codegen.int8_isa import int8_isa
 from ggufc.codegen.target import cpu_target
 
 GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
@@ -37,7 +37,7 @@ MIN_FIXTURES = ["llama-dense-Q4_1", "llama-dense-Q5_1"]
 # every matrix of this one is Q8_0 (with f32 biases and `.scale` multipliers): on a CPU with 8-bit
 # dot products its logits are llama.cpp's bit for bit in all three modes
 EXACT_FIXTURES = ["llama-dense-Q8_0"]
-HAS_INT8_DOT = int8_dot_intrinsic(cpu_target()) is not None
+HAS_INT8_DOT = int8_isa(cpu_target()) is not None
 
 
 def nmse(a: np.ndarray, b: np.ndarray) -> float:
