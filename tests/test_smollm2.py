@@ -4,10 +4,11 @@ The goldens are llama.cpp's batch evaluation with an f32 KV cache (llama-cpp-pyt
 x86 AVX2 build; it reproduces them to 0 NMSE with type_k/type_v f32) and its greedy decoding.
 On a CPU with AVX2 and FMA (every instruction set of codegen/int8_isa.py) ggufc's CPU kernels
 run llama.cpp's arithmetic in its float order (8-bit activation blocks, per-block lane sums
-accumulated by fma, its reductions, its vector exp, libm's cos/sin/pow for rope, its attention orders for batches and single tokens), so
-the logits are bit-identical: every teacher-forced top-64 logit equals llama.cpp's and every
-greedy continuation is llama.cpp's to its last token. The model is compiled for this CPU and for
-haswell (the AVX2 form, which any x86 CPU with AVX-512 also runs).
+accumulated by fma, its reductions, its vector exp, libm's cos/sin/pow for rope, its attention
+orders for batches and single tokens), so the logits are bit-identical: every teacher-forced
+top-64 logit equals llama.cpp's and every greedy continuation is llama.cpp's to its last token.
+The model is compiled for this CPU and for haswell (the AVX2 form, which any x86 CPU with
+AVX-512 also runs).
 
 Elsewhere (float kernels) the 8-bit rounding of every layer turns float32 order differences into
 whole 8-bit steps that compound over 30 layers; llama.cpp's own decode-vs-batch difference on this
