@@ -33,8 +33,16 @@ def isa_targets() -> list[tvm.target.Target]:
 
 
 def isa_params() -> list:
-    """isa_targets as pytest parameters named by their instruction set."""
-    return [pytest.param(t, id=int8_isa(t).name) for t in isa_targets()]  # type: ignore[union-attr]
+    """isa_targets as pytest parameters named by their instruction set. On a CPU with AVX-512 VNNI
+    the AVX-VNNI form's tests are in the slow tier: its dot products are the same instruction in
+    its VEX encoding, and its 256-bit GEMM tiles are tested on this CPU's own form too."""
+    host = int8_isa(HOST)
+    wide_host = host is not None and host.wide
+
+    def marks(target: tvm.target.Target) -> list:
+        return [pytest.mark.slow] if wide_host and isa_name(target) == "avx-vnni" else []
+
+    return [pytest.param(t, id=isa_name(t), marks=marks(t)) for t in isa_targets()]
 
 
 def other_isa_params() -> list:

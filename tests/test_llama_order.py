@@ -41,9 +41,9 @@ def _build(func: tvm.tirx.PrimFunc, target: tvm.target.Target = TARGET) -> tvm.r
 def _cases(full: list[tuple], reduced: list[tuple]) -> list:
     """The instruction sets' parameters: every case on this CPU's own form, `reduced` on the
     other forms it runs (AVX2 everywhere, AVX-VNNI where present)."""
-    own = [pytest.param(*case, p.values[0], id=f"{p.id}-{'-'.join(map(str, case))}")
+    own = [pytest.param(*case, p.values[0], id=f"{p.id}-{'-'.join(map(str, case))}", marks=p.marks)
            for p in I.isa_params() if p not in I.other_isa_params() for case in full]
-    return own + [pytest.param(*case, p.values[0], id=f"{p.id}-{'-'.join(map(str, case))}")
+    return own + [pytest.param(*case, p.values[0], id=f"{p.id}-{'-'.join(map(str, case))}", marks=p.marks)
                   for p in I.other_isa_params() for case in reduced]
 
 
@@ -249,7 +249,7 @@ def test_tile_gemm_is_the_reference_up_to_float_order(qtype: str, t: int) -> Non
 
 @pytest.mark.parametrize("qtype", sorted(Q8.KQUANT_GEMV_TYPES))
 @pytest.mark.parametrize("target", [*(p for p in I.isa_params() if p not in I.other_isa_params()),
-                                    *(pytest.param(*p.values, id=p.id, marks=pytest.mark.slow)
+                                    *(pytest.param(*p.values, id=p.id, marks=[*p.marks, pytest.mark.slow])
                                       for p in I.other_isa_params())])
 def test_kquant_gemv_groups_and_residual_are_llama_cpp_bit_for_bit(qtype: str, target: tvm.target.Target) -> None:
     """q/k/v-like groups (1-3 matrices of different heights, one input) and the residual
