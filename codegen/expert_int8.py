@@ -1,5 +1,5 @@
 """The routed experts' matmuls (`matmul_id`, the experts of `moe_ffn`) on 8-bit integer dot
-products for the K-quants (Q4_K, Q5_K, Q6_K), on the CPU (VNNI), in llama.cpp's order.
+products for the K-quants (Q4_K, Q5_K, Q6_K), on the CPU (AVX2 and up), in llama.cpp's order.
 
     y[t, s] = x[t, s or 0] @ W[ids[t, s]].T          x [T, S_x, K] f32, W [X, N, K], y [T, S, N]
 

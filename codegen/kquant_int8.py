@@ -1,11 +1,12 @@
-"""8-bit integer matmuls for the K-quants (Q2_K..Q6_K) on the CPU (VNNI), in llama.cpp's order.
+"""8-bit integer matmuls for the K-quants (Q2_K..Q6_K) on x86 CPUs (AVX2 and up), in llama.cpp's order.
 Q2_K and Q3_K's row groups are codegen/kquant_lowbit_int8.py's; the kernels around them are these.
 
 The activations are rounded to q8_K blocks (256 values, as `quantize_row_q8_K`: the value of
 largest magnitude, the first one on ties, sets iscale = -127 / max; codes min(127, rint(iscale x)),
 d = 1 / iscale in f32), weight codes times activation codes summed in pairs (`vpmaddubsw`, u8 x s8
 -> i16) and the pairs times their sub-block scales in `vpdpwssd` (i16 x i16 -> i32, two pairs per
-lane: llama.cpp's maddubs/madd products, the add fused), and the scales applied as llama.cpp's x86
+lane: llama.cpp's maddubs/madd products, the add fused; AVX2: `vpmaddwd` and an add,
+Int8Isa.pair_dot), and the scales applied as llama.cpp's x86
 AVX2 dot products do (ggml_vec_dot_q{4,5,6}_K_q8_K). Per 256-value super-block i of a row, with
 lane j holding values 4j..4j+3 of each 32-value run:
 
