@@ -87,7 +87,7 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,128")
     args = ap.parse_args()
     target = cpu_target()
-    if Q8.int8_dot_intrinsic(target) is None:
+    if Q8.int8_isa(target) is None:
         sys.exit(f"error: {target.attrs.get('mcpu')} has no 8-bit dot product; nothing to compare")
     rng = np.random.default_rng(0)
     for tokens in (int(t) for t in args.tokens.split(",")):

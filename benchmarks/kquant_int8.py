@@ -71,7 +71,7 @@ class MatrixCase:
             Q.qmatmul(qtype, n, k, gemv=False), target)
         int8_gemv, int8_gemm = _build(Q8.int8_gemv(qtype, n, k, target), target), _build(
             Q8.int8_gemm(qtype, n, k, target), target)
-        tile4_gemm = _build(KQ.kquant_gemm(qtype, n, k, str(Q8.int8_dot_intrinsic(target)), pairs=0), target)
+        tile4_gemm = _build(KQ.kquant_gemm(qtype, n, k, Q8.int8_isa(target), pairs=0), target)
         old_matmul = _old_matmul(qtype, n, k, target, fields)
 
         def old_gemv(w: list[tvm.runtime.Tensor]) -> None:
@@ -186,7 +186,9 @@ def main() -> None:
     args = ap.parse_args()
     target = cpu_target()
     threads = tvm.get_global_func("runtime.NumThreads")()
-    print(f"target {target.attrs['mcpu']}, int8 dot {Q8.int8_dot_intrinsic(target)}, TVM threads {threads}", flush=True)
+    isa = Q8.int8_isa(target)
+    print(f"target {target.attrs['mcpu']}, 8-bit instruction set {isa.name if isa else None}, TVM threads {threads}",
+          flush=True)
     rng = np.random.default_rng(0)
     cases = [MatrixCase(qt, n, k, args.prefill_t, target, rng) for qt in args.types.split(",") for n, k in SHAPES]
     stream = [stream_read_gb_s(threads, repeats=3)["read_gb_s"]]

@@ -1,5 +1,5 @@
 """The routed experts' matmuls (`matmul_id`, the experts of `moe_ffn`) on 8-bit integer dot
-products for the K-quants (Q4_K, Q5_K, Q6_K), on the CPU (VNNI), in llama.cpp's order.
+products for the K-quants (Q4_K, Q5_K, Q6_K), on the CPU (AVX2 and up), in llama.cpp's order.
 
     y[t, s] = x[t, s or 0] @ W[ids[t, s]].T          x [T, S_x, K] f32, W [X, N, K], y [T, S, N]
 
@@ -31,6 +31,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from . import int8_parts as P
+from .int8_isa import Int8Isa, int8_isa
 from .kquant_int8 import (
     FIELDS,
     GEMM_TOKENS,
@@ -44,7 +45,6 @@ from .kquant_int8 import (
     pair_tile,
 )
 from .quant import layout_spec
-from .quant_int8 import has_512bit_dot, int8_dot_intrinsic
 from .target import UnsupportedOnTarget
 
 # the K-quants whose rows read 32-value activation sums (Q2_K reads 16-value ones; Q2_K and Q3_K
@@ -54,18 +54,18 @@ EXPERT_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K"})
 
 def int8_experts_supported(qtype: str, n: int, k: int, target: tvm.target.Target) -> bool:
     """Whether `target` has the 8-bit experts kernel for [X, n, k] weights of `qtype`."""
-    return (int8_dot_intrinsic(target) is not None and qtype in EXPERT_TYPES and n % P.ROWS == 0
+    return (int8_isa(target) is not None and qtype in EXPERT_TYPES and n % P.ROWS == 0
             and k % SUPER == 0)
 
 
 def int8_experts(qtype: str, n_exp: int, n: int, k: int, slots: int, per_slot: bool,
                  target: tvm.target.Target) -> tirx.PrimFunc:
     """The 8-bit experts kernel for `target` (kquant_experts); raises where there is none."""
-    intrin = int8_dot_intrinsic(target)
-    if intrin is None or not int8_experts_supported(qtype, n, k, target):
+    isa = int8_isa(target)
+    if isa is None or not int8_experts_supported(qtype, n, k, target):
         raise UnsupportedOnTarget(f"no 8-bit experts kernel for {qtype} {n} x {k} on {target}")
-    pairs = qtype in PAIR_TYPES and has_512bit_dot(target)
-    return kquant_experts(qtype, n_exp, n, k, slots, per_slot, intrin, pairs=pairs)
+    pairs = qtype in PAIR_TYPES and isa.wide
+    return kquant_experts(qtype, n_exp, n, k, slots, per_slot, isa, pairs=pairs)
 
 
 SERIAL_ROWS = 8  # rows rounded, gathered and scattered without the thread pool (a decode step's)
@@ -84,7 +84,7 @@ def _band(groups: int, most: int = 16) -> int:
     return max(b for b in range(1, most + 1) if groups % b == 0)
 
 
-def kquant_experts(qtype: str, n_exp: int, n: int, k: int, slots: int, per_slot: bool, intrin: str,
+def kquant_experts(qtype: str, n_exp: int, n: int, k: int, slots: int, per_slot: bool, isa: Int8Isa,
                    tokens: int = GEMM_TOKENS, pairs: bool = False) -> tirx.PrimFunc:
     """Args (x [T, S_x, K] f32, ids [T, slots] int32, *fields [X, N, ...], y [T, slots, N] f32),
     S_x = slots when `per_slot` else 1 (qmatmul_experts' signature); ids outside [0, X) are clamped.
@@ -96,8 +96,8 @@ def kquant_experts(qtype: str, n_exp: int, n: int, k: int, slots: int, per_slot:
     specs = [((n_exp, *shape), dtype) if f < n_fields else (shape, dtype)
              for f, (shape, dtype) in enumerate(_field_specs(qtype, n, k))]
     quantize = _q8k_quantize()
-    one = _row_steps(qtype, intrin, n_super, 1, P.PREFETCH_GROUPS)
-    tile = _row_steps(qtype, intrin, n_super, tokens, P.PREFETCH_GROUPS)
+    one = _row_steps(qtype, isa, n_super, 1, P.PREFETCH_GROUPS)
+    tile = _row_steps(qtype, isa, n_super, tokens, P.PREFETCH_GROUPS)
     N, K, S, SX = T.int64(n), T.int64(k), T.int64(slots), T.int64(sx)
     six = qtype == "Q6_K"
     full, two, single = (pair_tile(qtype, n_super, p) for p in (PAIR_TILE, 2, 1))

@@ -13,6 +13,8 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from .cpu_vec import silu_mul8
+from .int8_isa import Int8Isa
+from .int8_isa import pairs16 as pairs16
 
 ROWS = 4  # rows per parallel task: independent accumulator chains, activation loads shared
 MAX_GROUP = 3  # matrices one grouped GEMV kernel takes
@@ -158,25 +160,10 @@ def without_params(func: tirx.PrimFunc, names: set[str]) -> tirx.PrimFunc:
     return tirx.PrimFunc(keep, func.body, func.ret_type, func.attrs)
 
 
-def pairs16(codes: tirx.PrimExpr, acts: tirx.PrimExpr) -> tirx.PrimExpr:
-    """u8 codes x s8 activations, adjacent products summed: int16x16 (vpmaddubsw; no sum of the
-    K-quants' codes reaches int16's limits: 2 * 63 * 127)."""
-    return T.call_llvm_pure_intrin("int16x16", "llvm.x86.avx2.pmadd.ub.sw", T.reinterpret("int8x32", codes), acts)
-
-
-def pair_dot_intrinsic(intrin: str) -> str:
-    """The int16-pair form of a u8 x s8 dot intrinsic (vpdpbusd -> vpdpwssds), saturating: no sum
-    of these kernels comes near int32's limits, so the values are the plain form's, and LLVM keeps
-    it one instruction where its machine combiner splits the plain vpdpwssd of an accumulator
-    chain into vpmaddwd + vpaddd (one more instruction per 32 codes: Q4_K GEMV 1.08-1.19x hot,
-    1.04-1.05x cold with the saturating form)."""
-    return intrin.replace("vpdpbusd", "vpdpwssds")
-
-
-def scaled_pairs(wide: str, acc: tirx.PrimExpr, pairs: tirx.PrimExpr, scales: tirx.PrimExpr) -> tirx.PrimExpr:
-    """acc + the int16 pair sums times their sub-block scales, adjacent pairs summed (vpdpwssd):
-    lane j gains scale (a . q over values 4j..4j+3), exactly."""
-    return T.call_llvm_pure_intrin("int32x8", wide, acc, pairs, scales)
+def scaled_pairs(isa: Int8Isa, acc: tirx.PrimExpr, pairs: tirx.PrimExpr, scales: tirx.PrimExpr) -> tirx.PrimExpr:
+    """acc + the int16 pair sums times their sub-block scales, adjacent pairs summed (vpdpwssds,
+    or vpmaddwd and an add): lane j gains scale (a . q over values 4j..4j+3), exactly."""
+    return isa.pair_dot(acc, pairs, scales)
 
 
 def mask32(v: tirx.PrimExpr, bits: int) -> tirx.PrimExpr:

@@ -51,6 +51,7 @@ from tvm import tirx
 from . import cpu_vec as CV
 from . import kernels_attention as KA
 from . import quant_int8 as Q8
+from .int8_isa import int8_isa
 from .kernel_keys import Int8GemvGroup, KernelKey, OpKernel
 from .kquant_int8 import UNROLLABLE
 from .target import target_cores
@@ -71,7 +72,7 @@ def family(key: KernelKey, target: tvm.target.Target) -> str | None:
     """The knob family of a kernel key on a target ('int8_gemv', 'swiglu', 'attention'), or None."""
     if target.kind.name != "llvm":
         return None
-    if isinstance(key, Int8GemvGroup) and Q8.int8_dot_intrinsic(target) is not None:
+    if isinstance(key, Int8GemvGroup) and int8_isa(target) is not None:
         return "int8_gemv"
     if isinstance(key, OpKernel) and key.op == "swiglu" and isinstance(key.attrs, int):
         return "swiglu"

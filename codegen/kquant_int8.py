@@ -1,11 +1,12 @@
-"""8-bit integer matmuls for the K-quants (Q2_K..Q6_K) on the CPU (VNNI), in llama.cpp's order.
+"""8-bit integer matmuls for the K-quants (Q2_K..Q6_K) on x86 CPUs (AVX2 and up), in llama.cpp's order.
 Q2_K and Q3_K's row groups are codegen/kquant_lowbit_int8.py's; the kernels around them are these.
 
 The activations are rounded to q8_K blocks (256 values, as `quantize_row_q8_K`: the value of
 largest magnitude, the first one on ties, sets iscale = -127 / max; codes min(127, rint(iscale x)),
 d = 1 / iscale in f32), weight codes times activation codes summed in pairs (`vpmaddubsw`, u8 x s8
 -> i16) and the pairs times their sub-block scales in `vpdpwssd` (i16 x i16 -> i32, two pairs per
-lane: llama.cpp's maddubs/madd products, the add fused), and the scales applied as llama.cpp's x86
+lane: llama.cpp's maddubs/madd products, the add fused; AVX2: `vpmaddwd` and an add,
+Int8Isa.pair_dot), and the scales applied as llama.cpp's x86
 AVX2 dot products do (ggml_vec_dot_q{4,5,6}_K_q8_K). Per 256-value super-block i of a row, with
 lane j holding values 4j..4j+3 of each 32-value run:
 
@@ -45,6 +46,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from . import int8_parts as P
+from .int8_isa import Int8Isa
 from .int8_parts import mask32 as _mask
 from .int8_parts import pairs16 as _pairs
 from .int8_parts import scaled_pairs as _scaled
@@ -151,12 +153,12 @@ def _min_dot(mn: tirx.Buffer, xs: tirx.Buffer, row: tirx.PrimExpr, t: tirx.PrimE
     return total
 
 
-def _q45k_rows(intrin: str, five: bool, rows: int, n_super: int, tt: int,
+def _q45k_rows(isa: Int8Isa, five: bool, rows: int, n_super: int, tt: int,
                prefetch_groups: int, unroll: bool = False) -> Callable[..., None]:
     """Row-group macro of Q4_K / Q5_K (fields d, dmin, sc, mn, [qh,] qs); `unroll`: a super-block's
     four 64-value runs unrolled (the same sums in the same order, scheduled differently)."""
     zero = T.broadcast(T.int32(0), 8)
-    wide = P.pair_dot_intrinsic(intrin)
+    wide = isa
     decode = tt == 1  # a GEMV: its weight stream is the step's cost, so it is also prefetched into L2
     far_groups = P.l2_ahead_groups(rows * n_super * 128, prefetch_groups)
     runs = T.unroll if unroll else T.serial
@@ -441,12 +443,12 @@ def _q6k_pair_rows(rows: int, n_pairs: int, n_super: int, prefetch_groups: int) 
     return row_group
 
 
-def _q6k_rows(intrin: str, rows: int, n_super: int, tt: int, prefetch_groups: int,
+def _q6k_rows(isa: Int8Isa, rows: int, n_super: int, tt: int, prefetch_groups: int,
               unroll: bool = False) -> Callable[..., None]:
     """Row-group macro of Q6_K (fields ql, qh, sc, d): each lane's dot product starts at -32 times
     its activation sum, so the codes' offset costs nothing in the loop; `unroll` as in _q45k_rows
     (a super-block's two halves)."""
-    wide = P.pair_dot_intrinsic(intrin)
+    wide = isa
     decode = tt == 1  # a GEMV: its weight stream is also prefetched into L2, as in _q45k_rows
     far_groups = P.l2_ahead_groups(rows * n_super * 192, prefetch_groups)
     halves = T.unroll if unroll else T.serial
@@ -518,13 +520,13 @@ def _q6k_rows(intrin: str, rows: int, n_super: int, tt: int, prefetch_groups: in
 UNROLLABLE = ("Q4_K", "Q5_K", "Q6_K")  # K-quants whose row macro takes `unroll`
 
 
-def _row_steps(qtype: str, intrin: str, n_super: int, tt: int, prefetch_groups: int,
+def _row_steps(qtype: str, isa: Int8Isa, n_super: int, tt: int, prefetch_groups: int,
                rows: int = P.ROWS, unroll: bool = False) -> Callable[..., None]:
     """One macro `(f0..f5, y, n, jo, t, xb, xd, xs, xp)` for every K-quant: f0.. the weight's fields
     in layout_spec order (the ones past a type's last unused; Q2_K's xs holds 16-value runs);
     `rows` rows per group; `unroll`: Q4_K/Q5_K/Q6_K's super-block loop unrolled (UNROLLABLE)."""
     if qtype == "Q2_K":
-        q2 = q2k_rows(intrin, rows, n_super, tt, prefetch_groups)
+        q2 = q2k_rows(isa, rows, n_super, tt, prefetch_groups)
 
         @T.macro
         def steps2(f0, f1, f2, f3, f4, f5, y, n, jo, t, xb, xd, xs, xp):  # type: ignore[no-untyped-def]
@@ -532,7 +534,7 @@ def _row_steps(qtype: str, intrin: str, n_super: int, tt: int, prefetch_groups: 
 
         return steps2
     if qtype == "Q3_K":
-        q3 = q3k_rows(intrin, rows, n_super, tt, prefetch_groups)
+        q3 = q3k_rows(isa, rows, n_super, tt, prefetch_groups)
 
         @T.macro
         def steps3(f0, f1, f2, f3, f4, f5, y, n, jo, t, xb, xd, xs, xp):  # type: ignore[no-untyped-def]
@@ -540,7 +542,7 @@ def _row_steps(qtype: str, intrin: str, n_super: int, tt: int, prefetch_groups: 
 
         return steps3
     if qtype == "Q6_K":
-        q6 = _q6k_rows(intrin, rows, n_super, tt, prefetch_groups, unroll)
+        q6 = _q6k_rows(isa, rows, n_super, tt, prefetch_groups, unroll)
 
         @T.macro
         def steps6(f0, f1, f2, f3, f4, f5, y, n, jo, t, xb, xd, xs, xp):  # type: ignore[no-untyped-def]
@@ -548,7 +550,7 @@ def _row_steps(qtype: str, intrin: str, n_super: int, tt: int, prefetch_groups: 
 
         return steps6
     five = qtype == "Q5_K"
-    q45 = _q45k_rows(intrin, five, rows, n_super, tt, prefetch_groups, unroll)
+    q45 = _q45k_rows(isa, five, rows, n_super, tt, prefetch_groups, unroll)
 
     @T.macro
     def steps45(f0, f1, f2, f3, f4, f5, y, n, jo, t, xb, xd, xs, xp):  # type: ignore[no-untyped-def]
@@ -575,7 +577,7 @@ def _field_specs(qtype: str, n: int, k: int) -> list[tuple[tuple[int, ...], str]
 # the kernels
 
 
-def kquant_gemv_group(qtype: str, ns: tuple[int, ...], k: int, intrin: str, prologue_spec: tuple[Any, ...],
+def kquant_gemv_group(qtype: str, ns: tuple[int, ...], k: int, isa: Int8Isa, prologue_spec: tuple[Any, ...],
                       residual: bool, prefetch_groups: int, groups_per_task: int,
                       unroll: bool = False) -> tirx.PrimFunc:
     """quant_int8.int8_gemv_group for the K-quants (which checks the arguments first)."""
@@ -586,7 +588,7 @@ def kquant_gemv_group(qtype: str, ns: tuple[int, ...], k: int, intrin: str, prol
     s1, s2, s3 = (_field_specs(qtype, n, k) for n in (n1, n2, n3))
     run = _sum_run(qtype)
     quantize, quantize_one = _q8k_quantize(run), _q8k_super_block(run)
-    steps = _row_steps(qtype, intrin, n_super, 1, prefetch_groups, unroll=unroll)
+    steps = _row_steps(qtype, isa, n_super, 1, prefetch_groups, unroll=unroll)
     add_residual = P.residual_adder(residual)
     n_groups = g1 + (g2 if group >= 2 else 0) + (g3 if group >= 3 else 0)
     split = max(1, int(groups_per_task))
@@ -660,21 +662,21 @@ def kquant_gemv_group(qtype: str, ns: tuple[int, ...], k: int, intrin: str, prol
     return P.without_params(gemv, unused)
 
 
-def kquant_gemm(qtype: str, n: int, k: int, intrin: str, tokens: int = GEMM_TOKENS,
+def kquant_gemm(qtype: str, n: int, k: int, isa: Int8Isa, tokens: int = GEMM_TOKENS,
                 pairs: int = 0) -> tirx.PrimFunc:
     """quant_int8.int8_gemm for the K-quants: tokens quantised in parallel, then each task takes
     a group of rows through every token, `tokens` tokens per pass over their codes. With `pairs`
     (Q4_K and Q6_K on a target with 512-bit registers: int8_gemm gives PAIR_TILE), token pairs
     instead (_pair_gemm, `pairs` of them per pass)."""
     if pairs:
-        return _pair_gemm(qtype, n, k, intrin, pairs)
+        return _pair_gemm(qtype, n, k, isa, pairs)
     n_super, rows = k // SUPER, P.ROWS
     N, K = T.int64(n), T.int64(k)
     specs = _field_specs(qtype, n, k)
     run = _sum_run(qtype)
     quantize = _q8k_quantize(run)
-    one = _row_steps(qtype, intrin, n_super, 1, P.PREFETCH_GROUPS)
-    tile = _row_steps(qtype, intrin, n_super, tokens, P.PREFETCH_GROUPS)
+    one = _row_steps(qtype, isa, n_super, 1, P.PREFETCH_GROUPS)
+    tile = _row_steps(qtype, isa, n_super, tokens, P.PREFETCH_GROUPS)
 
     @T.prim_func(private=True)
     def gemm(x_h: T.handle, f0: T.Buffer(specs[0][0], specs[0][1]), f1: T.Buffer(specs[1][0], specs[1][1]),  # type: ignore[valid-type]
@@ -700,7 +702,7 @@ def kquant_gemm(qtype: str, n: int, k: int, intrin: str, tokens: int = GEMM_TOKE
     return P.without_params(gemm, {f"f{f}" for f in range(n_fields, FIELDS)})
 
 
-def _pair_gemm(qtype: str, n: int, k: int, intrin: str, pairs: int) -> tirx.PrimFunc:
+def _pair_gemm(qtype: str, n: int, k: int, isa: Int8Isa, pairs: int) -> tirx.PrimFunc:
     """kquant_gemm of Q4_K or Q6_K in token pairs, 2 * pairs tokens per pass over a row group's
     codes; the whole pairs past the last whole tile take a 2-pair pass and a 1-pair pass as the
     experts' do (so a batched decode step of 2-5 rows shares its codes too), an odd last token
@@ -712,7 +714,7 @@ def _pair_gemm(qtype: str, n: int, k: int, intrin: str, pairs: int) -> tirx.Prim
     specs = _field_specs(qtype, n, k)
     quantize = _q8k_quantize()
     pair_acts = _pair_acts(n_super)
-    one = _row_steps(qtype, intrin, n_super, 1, P.PREFETCH_GROUPS, rows)
+    one = _row_steps(qtype, isa, n_super, 1, P.PREFETCH_GROUPS, rows)
     full, two, single = (pair_tile(qtype, n_super, p) for p in (pairs, 2, 1))
 
     @T.prim_func(private=True)

@@ -25,6 +25,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from . import int8_parts as P
+from .int8_isa import Int8Isa
 from .int8_parts import mask32 as _mask
 from .int8_parts import pairs16 as _pairs
 from .int8_parts import scaled_pairs as _scaled
@@ -47,9 +48,9 @@ def _to_acc(acc: tirx.Buffer, r: tirx.PrimExpr, scale: tirx.PrimExpr, lanes: tir
     return P.fma8(T.broadcast(scale, 8), T.Cast("float32x8", lanes), acc.vload([r, 0], "float32x8"))
 
 
-def q2k_rows(intrin: str, rows: int, n_super: int, tt: int, prefetch_groups: int) -> Callable[..., None]:
+def q2k_rows(isa: Int8Isa, rows: int, n_super: int, tt: int, prefetch_groups: int) -> Callable[..., None]:
     """Row-group macro of Q2_K (fields sc, qs, d, dmin; xs16: the code sums of 16-value runs)."""
-    wide = P.pair_dot_intrinsic(intrin)
+    wide = isa
 
     @T.macro
     def row_group(sc, qs, d, dmin, y, n, jo, t, xb, xd, xs16):  # type: ignore[no-untyped-def]
@@ -108,10 +109,10 @@ def _q3k_scale(scales: tirx.Buffer, row: tirx.PrimExpr, i: tirx.PrimExpr, s: int
     return T.bitwise_or(low, T.shift_left(top, 4)) - 32
 
 
-def q3k_rows(intrin: str, rows: int, n_super: int, tt: int, prefetch_groups: int) -> Callable[..., None]:
+def q3k_rows(isa: Int8Isa, rows: int, n_super: int, tt: int, prefetch_groups: int) -> Callable[..., None]:
     """Row-group macro of Q3_K (fields hmask, qs, scales, d; xp: 32 times each pair of activation
     codes, whose eighth is the -4 offset's pair sum)."""
-    wide = P.pair_dot_intrinsic(intrin)
+    wide = isa
 
     @T.macro
     def row_group(hmask, qs, scales, d, y, n, jo, t, xb, xd, xp):  # type: ignore[no-untyped-def]

@@ -1,10 +1,12 @@
-"""8-bit activation kernels for the CPU: `quantize_act`, and integer dot-product matmuls (VNNI).
+"""8-bit activation kernels for the CPU: `quantize_act`, and integer dot-product matmuls (AVX2,
+AVX-VNNI, AVX-512 VNNI, AMX: the steps that differ are codegen/int8_isa.py's table).
 
 A matmul with a 32-block weight (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) reads its input as 8-bit blocks
 (ir/act_quant.py). The kernels here quantise `x` themselves (the q8_0 op is idempotent, so they
 may be handed `x` or `quantize_act(x)`; the q8_1 block sums of Q4_1/Q5_1 need the unrounded `x`) and
-multiply weight codes with activation codes in `vpdpbusd` (u8 x s8 -> i32, four products per
-lane), in llama.cpp's float order (ggml_vec_dot_*_q8_* on x86 AVX2, and tinyBLAS for its
+multiply weight codes with activation codes (u8 x s8 -> i32, four products per lane: `vpdpbusd`,
+or AVX2's `vpmaddubsw` + `vpmaddwd`, Int8Isa.dot4), in llama.cpp's float order
+(ggml_vec_dot_*_q8_* on x86 AVX2, and tinyBLAS for its
 batches): per block, lane j (values 4j..4j+3) converted to float and accumulated as
 acc_j = fma(d_w d_a, dot_j, acc_j); then hsum_float_8 of the 8 lanes, + sum_b m_w s_b for Q4_1/Q5_1.
 The results are bit-identical to llama.cpp's (tests/test_llama_order.py).
@@ -15,7 +17,8 @@ Per 32-value block b of a row, with weight codes q, activation codes a and block
     Q4_0   d_w d_a (q . a - 8 A)                   q = nibble
     Q5_1   as Q4_1                                 q = nibble | fifth bit << 4 (0..31)
     Q5_0   d_w d_a (q . a - 16 A)                  q as Q5_1
-    Q8_0   d_w d_a (q' . a - 128 A)                q' = q + 128 (the byte with its sign bit flipped)
+    Q8_0   d_w d_a (q' . a - 128 A)                q' = q + 128 (the byte with its sign bit flipped;
+                                                   AVX2: |q| . sign(a, q), Int8Isa.q8_dot)
 
 The "- c A" corrections start the integer accumulator (one lane per four values), so the loop
 body has no extra work. Nibble weights keep GGUF's split layout (byte j holds values j and j+16):
@@ -43,6 +46,7 @@ from ggufc.ir.act_quant import ACT_BLOCK, SCHEME_BLOCK
 
 from .amx_gemm import AMX_GEMM_TYPES, amx_gemm
 from .amx_gemm import TILE as AMX_TILE
+from .int8_isa import Int8Isa, int8_isa
 from .int8_pair_gemm import PAIRS_PER_TILE, pair_tile
 from .int8_parts import (
     MAX_GROUP,
@@ -81,22 +85,10 @@ PROMPT_ON_FLOAT = frozenset({"Q3_K", "Q5_0", "Q5_1"})
 PAIR_GEMM_TYPES = frozenset({"Q4_0", "Q4_1", "Q8_0"})
 
 
-def int8_dot_intrinsic(target: tvm.target.Target) -> str | None:
-    """The LLVM intrinsic for a 256-bit u8 x s8 dot product on `target`, or None without one."""
-    if target.kind.name != "llvm":
-        return None
-    has = tvm.target.codegen.target_has_features
-    # one intrinsic for both: LLVM encodes it as AVX-VNNI (VEX) where AVX512-VNNI is missing, as
-    # clang's _mm256_dpbusd_avx_epi32 does (LLVM has no llvm.x86.avxvnni.* intrinsics)
-    if (has("avx512vnni", target) and has("avx512vl", target)) or has("avxvnni", target):
-        return "llvm.x86.avx512.vpdpbusd.256"
-    return None
-
-
 def has_512bit_dot(target: tvm.target.Target) -> bool:
     """Whether `target` has the 512-bit u8 x s8 dot product (int8_pair_gemm's vectors)."""
-    has = tvm.target.codegen.target_has_features
-    return target.kind.name == "llvm" and has("avx512vnni", target) and has("avx512bw", target)
+    isa = int8_isa(target)
+    return isa is not None and isa.wide
 
 
 PROMPT_TILES = ("kquant", "all")  # `ggufc compile --prompt-tiles`: whose prompt GEMMs may take AMX tiles
@@ -118,8 +110,8 @@ def check_prompt_tiles(prompt_tiles: str) -> None:
 
 def tile_gemm_supported(qtype: str, n: int, k: int, target: tvm.target.Target) -> bool:
     """Whether a prompt GEMM of this weight can run on AMX tiles (codegen/amx_gemm.py)."""
-    has = tvm.target.codegen.target_has_features
-    return (target.kind.name == "llvm" and has("amx-int8", target) and has("amx-tile", target)
+    isa = int8_isa(target)
+    return (isa is not None and isa.tiles
             and qtype in AMX_GEMM_TYPES and n % AMX_TILE == 0 and k % (SUPER if qtype[-1] == "K" else 32) == 0)
 
 
@@ -145,11 +137,11 @@ class Int8Kernels:
 
 def int8_kernels(target: tvm.target.Target) -> Int8Kernels | None:
     """The 8-bit kernels of a target with 8-bit dot products; None for the others."""
-    return Int8Kernels(target) if int8_dot_intrinsic(target) is not None else None
+    return Int8Kernels(target) if int8_isa(target) is not None else None
 
 
 def int8_gemv_supported(qtype: str, n: int, k: int, target: tvm.target.Target) -> bool:
-    if int8_dot_intrinsic(target) is None:
+    if int8_isa(target) is None:
         return False
     if kquant_supported(qtype, n, k):
         return True
@@ -274,8 +266,8 @@ def int8_gemv_group(qtype: str, ns: tuple[int, ...], k: int, target: tvm.target.
     `prefetch_groups`, how many row groups ahead a task prefetches weight bytes; `groups_per_task`,
     consecutive row groups one parallel task takes (1: one task per row group); `unroll`, a
     super-block's runs unrolled (the K-quants of kquant_int8.UNROLLABLE only)."""
-    intrin = int8_dot_intrinsic(target)
-    if intrin is None or not 1 <= len(ns) <= MAX_GROUP or not all(int8_gemv_supported(qtype, n, k, target) for n in ns):
+    isa = int8_isa(target)
+    if isa is None or not 1 <= len(ns) <= MAX_GROUP or not all(int8_gemv_supported(qtype, n, k, target) for n in ns):
         raise NotImplementedError(f"no 8-bit GEMV for {qtype} {list(ns)} x {k} on {target}")
     kind = prologue[0] if prologue else ""
     if kind not in ("", "rms_norm", "swiglu"):
@@ -285,12 +277,12 @@ def int8_gemv_group(qtype: str, ns: tuple[int, ...], k: int, target: tvm.target.
     if unroll and qtype not in UNROLLABLE:
         raise ValueError(f"int8 GEMV: {qtype} has no super-block loop to unroll")
     if qtype in KQUANT_GEMV_TYPES:
-        func = kquant_gemv_group(qtype, ns, k, intrin, prologue, residual, prefetch_groups, groups_per_task,
+        func = kquant_gemv_group(qtype, ns, k, isa, prologue, residual, prefetch_groups, groups_per_task,
                                  unroll)
         return func.with_attr("tirx.noalias", True)
     stage = input_stage(prologue, k)
     fields = [name for name, _, _ in layout_spec(qtype, (ns[0], k))]
-    func = _gemv(qtype, ns, k, intrin, stage, residual, prefetch_groups, groups_per_task)
+    func = _gemv(qtype, ns, k, isa, stage, residual, prefetch_groups, groups_per_task)
     unused = {f"{name}{slot}" for slot in range(len(ns) + 1, MAX_GROUP + 1)
               for name in ("wd", "wm", "wqh", "wq4", "wq8", "y")}
     absent = {"Q8_0": ("wm", "wqh", "wq4"), "Q4_0": ("wm", "wqh", "wq8"), "Q4_1": ("wqh", "wq8"),
@@ -309,7 +301,7 @@ def _lane(v: tirx.PrimExpr, i: tirx.PrimExpr) -> tirx.PrimExpr:
     return T.call_llvm_pure_intrin("float32x8", "llvm.x86.avx2.permps", v, T.broadcast(T.Cast("int32", i), 8))
 
 
-def _q4_steps(intrin: str, has_min: bool, rows: int, n_blocks: int, tt: int = 1,
+def _q4_steps(isa: Int8Isa, has_min: bool, rows: int, n_blocks: int, tt: int = 1,
               prefetch_groups: int = PREFETCH_GROUPS, five: bool = False, far: bool = False) -> Callable[..., None]:
     """The row-group macro of the Q4_0/Q4_1 kernels: rows [jo * rows, jo * rows + rows) of one
     matrix for tokens [t, t + tt), in llama.cpp's order (ggml_vec_dot_q4_{0,1}_q8_{0,1}, AVX2): per
@@ -346,9 +338,9 @@ def _q4_steps(intrin: str, has_min: bool, rows: int, n_blocks: int, tt: int = 1,
     def block_step(wq, wqh, acc, j, r, b, scales, t, xb, xc):  # type: ignore[no-untyped-def]
         codes = T.meta_var(codes5(wq, wqh, j, b))
         for u in T.unroll(tt):
-            dot = T.meta_var(T.call_llvm_pure_intrin(
-                "int32x8", intrin, T.broadcast(T.int32(0), 8) if has_min else xc.vload([t + u, b * 8], "int32x8"),
-                T.reinterpret("int8x32", codes), xb.vload([t + u, b * 32], "int8x32")))
+            dot = T.meta_var(isa.dot4(
+                T.broadcast(T.int32(0), 8) if has_min else xc.vload([t + u, b * 8], "int32x8"),
+                codes, xb.vload([t + u, b * 32], "int8x32")))
             acc[r * tt + u, 0:8] = fma8(T.broadcast(scales[r * tt + u, b], 8), T.Cast("float32x8", dot),
                                          acc.vload([r * tt + u, 0], "float32x8"))
 
@@ -419,22 +411,21 @@ def _q4_steps(intrin: str, has_min: bool, rows: int, n_blocks: int, tt: int = 1,
     return row_group
 
 
-def _q8_steps(intrin: str, rows: int, n_blocks: int, prefetch_groups: int = PREFETCH_GROUPS,
+def _q8_steps(isa: Int8Isa, rows: int, n_blocks: int, prefetch_groups: int = PREFETCH_GROUPS,
               far: bool = False) -> Callable[..., None]:
     """The row-group macro of the Q8_0 kernels, in llama.cpp's order (ggml_vec_dot_q8_0_q8_0, AVX2,
     and tinyBLAS's Q8_0 GEMM): per block acc = fma(d_w d_a, 8-lane dot, acc), then hsum_float_8.
     `far` as in _q4_steps."""
     n_octs = n_blocks // 8  # 8-block runs whose scales d_w d_a form one vector
     far_groups = l2_ahead_groups(rows * n_blocks * 32, prefetch_groups)
+    offset = isa.q8_offset > 0  # whether xc holds the lane starts
 
     @T.macro
     def block_step(wq, acc, j, r, b, scale, t, xb, xc):  # type: ignore[no-untyped-def]
-        """acc[r] = fma(d_w d_a, q' . a per lane - 128 A, acc[r]) for block b of row j."""
-        word = T.meta_var(T.bitwise_xor(T.reinterpret("int32x8", wq.vload([j, b, 0], "int8x32")),
-                                        T.broadcast(T.int32(-2139062144), 8)))  # 0x80808080
-        dot = T.meta_var(T.call_llvm_pure_intrin(
-            "int32x8", intrin, xc.vload([t, b * 8], "int32x8"), T.reinterpret("int8x32", word),
-            xb.vload([t, b * 32], "int8x32")))
+        """acc[r] = fma(d_w d_a, q . a per lane, acc[r]) for block b of row j (xc: the lane starts
+        Int8Isa.q8_dot needs)."""
+        dot = T.meta_var(isa.q8_dot(xc.vload([t, b * 8], "int32x8") if offset else T.broadcast(T.int32(0), 8),
+                                    wq.vload([j, b, 0], "int8x32"), xb.vload([t, b * 32], "int8x32")))
         acc[r, 0:8] = fma8(scale, T.Cast("float32x8", dot), acc.vload([r, 0], "float32x8"))
 
     @T.macro
@@ -473,10 +464,11 @@ def _q8_steps(intrin: str, rows: int, n_blocks: int, prefetch_groups: int = PREF
     return row_group
 
 
-def _code_offset(qtype: str) -> int:
-    """What the unsigned weight codes stand above their values: Q8_0's sign-bit flip, Q4_0's and
-    Q5_0's centre; none where a block minimum shifts the values instead."""
-    return {"Q8_0": 128, "Q4_0": 8, "Q5_0": 16}.get(qtype, 0)
+def _code_offset(qtype: str, isa: Int8Isa) -> int:
+    """What the unsigned weight codes stand above their values: Q8_0's sign-bit flip (VNNI; none
+    with AVX2's sign trick), Q4_0's and Q5_0's centre; none where a block minimum shifts the
+    values instead."""
+    return {"Q8_0": isa.q8_offset, "Q4_0": 8, "Q5_0": 16}.get(qtype, 0)
 
 
 def _starts(n_blocks: int, offset: int) -> Callable[..., None]:
@@ -494,7 +486,7 @@ def _starts(n_blocks: int, offset: int) -> Callable[..., None]:
     return starts
 
 
-def _gemv(qtype: str, ns: tuple[int, ...], k: int, intrin: str, stage: Stage | None,
+def _gemv(qtype: str, ns: tuple[int, ...], k: int, isa: Int8Isa, stage: Stage | None,
           residual: bool, prefetch_groups: int = PREFETCH_GROUPS, groups_per_task: int = 1) -> tirx.PrimFunc:
     """The grouped GEMV body for every weight type: per slot the fields of Q4 (`wd`, `wm`, `wq4`)
     and Q8 (`wd`, `wq8`) weights; int8_gemv_group drops the parameters a type or group leaves unused."""
@@ -503,10 +495,10 @@ def _gemv(qtype: str, ns: tuple[int, ...], k: int, intrin: str, stage: Stage | N
     (n1, n2, n3), (g1, g2, g3) = slots(ns)
     _, prologue = quantize_prologue(q8_pos, stage, k)
     add_residual = residual_adder(residual)
-    q4_rows = _q4_steps(intrin, has_min, rows, n_blocks, prefetch_groups=prefetch_groups, five=qtype[:2] == "Q5",
+    q4_rows = _q4_steps(isa, has_min, rows, n_blocks, prefetch_groups=prefetch_groups, five=qtype[:2] == "Q5",
                         far=True)
-    q8_rows = _q8_steps(intrin, rows, n_blocks, prefetch_groups, far=True)
-    starts = _starts(n_blocks, _code_offset(qtype))
+    q8_rows = _q8_steps(isa, rows, n_blocks, prefetch_groups, far=True)
+    starts = _starts(n_blocks, _code_offset(qtype, isa))
     n_groups = g1 + (g2 if group >= 2 else 0) + (g3 if group >= 3 else 0)
     split = max(1, int(groups_per_task))
 
@@ -574,27 +566,27 @@ def int8_gemm(qtype: str, n: int, k: int, target: tvm.target.Target, tiles: bool
         if not tile_gemm_supported(qtype, n, k, target):
             raise NotImplementedError(f"no AMX GEMM for {qtype} {n} x {k} on {target}")
         return amx_gemm(qtype, n, k)
-    intrin = int8_dot_intrinsic(target)
-    if intrin is None or not int8_gemv_supported(qtype, n, k, target):
+    isa = int8_isa(target)
+    if isa is None or not int8_gemv_supported(qtype, n, k, target):
         raise NotImplementedError(f"no 8-bit GEMM for {qtype} {n} x {k} on {target}")
     if qtype in KQUANT_GEMV_TYPES:
-        pairs = PAIR_TILE if qtype in KQUANT_PAIR_TYPES and has_512bit_dot(target) else 0
-        return kquant_gemm(qtype, n, k, intrin, pairs=pairs)
-    if has_512bit_dot(target) and qtype in PAIR_GEMM_TYPES:
+        pairs = PAIR_TILE if qtype in KQUANT_PAIR_TYPES and isa.wide else 0
+        return kquant_gemm(qtype, n, k, isa, pairs=pairs)
+    if isa.wide and qtype in PAIR_GEMM_TYPES:
         return int8_pair_gemm(qtype, n, k, target)
-    return int8_tile_gemm(qtype, n, k, intrin)
+    return int8_tile_gemm(qtype, n, k, isa)
 
 
-def int8_tile_gemm(qtype: str, n: int, k: int, intrin: str) -> tirx.PrimFunc:
+def int8_tile_gemm(qtype: str, n: int, k: int, isa: Int8Isa) -> tirx.PrimFunc:
     """int8_gemm in 256-bit vectors: Q4/Q5 tiles of GEMM_TOKENS tokens share their unpacked codes."""
     n_blocks, rows, is_q8, five = k // 32, ROWS, qtype == "Q8_0", qtype[:2] == "Q5"
     N, K, B = T.int64(n), T.int64(k), T.int64(n_blocks)
     has_min = qtype in ("Q4_1", "Q5_1")
     quantize, _ = quantize_prologue(q8_pos, None, k)
-    starts = _starts(n_blocks, _code_offset(qtype))
-    q8_rows = _q8_steps(intrin, rows, n_blocks)
-    q4_rows = _q4_steps(intrin, has_min, rows, n_blocks, five=five)
-    q4_tile = _q4_steps(intrin, has_min, rows, n_blocks, GEMM_TOKENS, five=five)
+    starts = _starts(n_blocks, _code_offset(qtype, isa))
+    q8_rows = _q8_steps(isa, rows, n_blocks)
+    q4_rows = _q4_steps(isa, has_min, rows, n_blocks, five=five)
+    q4_tile = _q4_steps(isa, has_min, rows, n_blocks, GEMM_TOKENS, five=five)
 
     @T.prim_func(private=True)
     def gemm(x_h: T.handle, wd: T.Buffer((N, B), "float16"), wm: T.Buffer((N, B), "float16"),
@@ -648,10 +640,13 @@ def _sum_in_order(start: tirx.PrimExpr, terms: list[tirx.PrimExpr]) -> tirx.Prim
 def int8_pair_gemm(qtype: str, n: int, k: int, target: tvm.target.Target) -> tirx.PrimFunc:
     """int8_gemm for Q4_0, Q4_1 and Q8_0 in 512-bit vectors, two tokens per vector
     (codegen/int8_pair_gemm.py); the same signature and bit-identical outputs."""
+    isa = int8_isa(target)
+    if isa is None or not isa.wide:
+        raise NotImplementedError(f"no 512-bit 8-bit dot product on {target}")
     n_blocks, rows, is_q8, has_min = k // 32, ROWS, qtype == "Q8_0", qtype == "Q4_1"
     N, K, B = T.int64(n), T.int64(k), T.int64(n_blocks)
     quantize, _ = quantize_prologue(q8_pos, None, k)
-    starts = _starts(n_blocks, _code_offset(qtype))
+    starts = _starts(n_blocks, _code_offset(qtype, isa))  # pair_tile's Q8_0 codes: the sign bit flipped
     tile = pair_tile(qtype, n_blocks, PAIRS_PER_TILE, PREFETCH_GROUPS)
     tail = pair_tile(qtype, n_blocks, 1, PREFETCH_GROUPS)
     step = 2 * PAIRS_PER_TILE

@@ -1,4 +1,4 @@
-"""8-bit matmul kernels, for targets with 8-bit dot products (the CPU's VNNI): the rounding of a
+"""8-bit matmul kernels, for targets with 8-bit dot products (x86 CPUs with AVX2): the rounding of a
 matmul's input (`quantize_act`, from `quantize_activations`) moves into the matmul's kernel, and a
 decode step's matmuls take their neighbours in.
 

@@ -45,7 +45,7 @@ def _assembly(module: tvm.runtime.Module) -> str:
     return ""
 
 
-@pytest.mark.skipif(Q8.int8_dot_intrinsic(TARGET) is None, reason="no 8-bit dot product on this CPU")
+@pytest.mark.skipif(Q8.int8_isa(TARGET) is None, reason="no 8-bit dot product on this CPU")
 def test_shape_functions_sort_before_the_kernels_and_leave_them_uninlined() -> None:
     with TARGET:
         lowered = cpu_build_pipeline()(_module())

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import ggml_x86 as G
 import gguf
+import int8_isas as I
 import numpy as np
 import pytest
 import tvm
@@ -23,14 +24,14 @@ from ggufc.ir.act_quant import quantize_act_ref
 from ggufc.ir.moe_routing import matmul_id_ref
 
 TARGET = cpu_target()
-needs_int8_dot = pytest.mark.skipif(Q8.int8_dot_intrinsic(TARGET) is None,
-                                    reason=f"{TARGET.attrs.get('mcpu')} has no VNNI dot product")
+needs_int8_dot = pytest.mark.skipif(Q8.int8_isa(TARGET) is None,
+                                    reason=f"{TARGET.attrs.get('mcpu')} has no AVX2 8-bit dot product")
 N_EXP, N, K, SLOTS = 6, 8, 512, 3
 MOE_FIXTURE = Path(__file__).resolve().parents[1].parent / "shared" / "golden" / "fixtures" / "qwen3moe-moe-Q4_K_M.gguf"
 
 
-def _build(func: tvm.tirx.PrimFunc) -> tvm.runtime.Function:
-    return tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=TARGET)["main"]
+def _build(func: tvm.tirx.PrimFunc, target: tvm.target.Target = TARGET) -> tvm.runtime.Function:
+    return tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=target)["main"]
 
 
 def _k_blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
@@ -53,11 +54,12 @@ def _ids(rng: np.random.Generator, t: int) -> np.ndarray:
     return ids
 
 
-def _run(qtype: str, raws: list[np.ndarray], x: np.ndarray, ids: np.ndarray, per_slot: bool) -> np.ndarray:
+def _run(qtype: str, raws: list[np.ndarray], x: np.ndarray, ids: np.ndarray, per_slot: bool,
+         target: tvm.target.Target = TARGET) -> np.ndarray:
     arrays = Q.repack(qtype, np.concatenate(raws), (N_EXP * N, K))
     spec = Q.layout_spec(qtype, (N_EXP, N, K))
     y = aligned_zeros((x.shape[0], SLOTS, N), np.float32)
-    kernel = _build(E8.int8_experts(qtype, N_EXP, N, K, SLOTS, per_slot, TARGET))
+    kernel = _build(E8.int8_experts(qtype, N_EXP, N, K, SLOTS, per_slot, target), target)
     kernel(to_tvm(x), to_tvm(ids), *(to_tvm(np.ascontiguousarray(arrays[f].reshape(s))) for f, s, _ in spec),
            to_tvm(y))
     return y
@@ -98,15 +100,17 @@ def test_int8_experts_match_reference_and_dense_kernel(qtype: str, t: int, per_s
             np.testing.assert_array_equal(y[i, s], row[0])
 
 
-@needs_int8_dot
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
-def test_int8_experts_are_llama_cpp_bit_for_bit(qtype: str) -> None:
-    """ggml_vec_dot_*_K_q8_K (AVX2) per selected (token, slot), as llama.cpp's mul_mat_id."""
+@pytest.mark.parametrize("target", I.isa_params())
+def test_int8_experts_are_llama_cpp_bit_for_bit(qtype: str, target: tvm.target.Target) -> None:
+    """ggml_vec_dot_*_K_q8_K (AVX2) per selected (token, slot), as llama.cpp's mul_mat_id, in
+    every instruction set this CPU runs (int8_isas): 5 tokens group into 4-token tiles and
+    single-token tails (token pairs with 512-bit registers)."""
     rng = np.random.default_rng(3)
     raws = [_k_blocks(qtype, N, K, rng) for _ in range(N_EXP)]
     x = _activations(rng, 5, SLOTS)
     ids = _ids(rng, 5)
-    y = _run(qtype, raws, x, ids, True)
+    y = _run(qtype, raws, x, ids, True, target)
     for i in range(5):
         for s in range(SLOTS):
             np.testing.assert_array_equal(y[i, s], G.matmul_k(qtype, raws[ids[i, s]], N, K, x[i, s][None])[0])

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from ggufc.cli import main
-from ggufc.codegen.quant_int8 import int8_dot_intrinsic
+from ggufc.codegen.int8_isa import int8_isa
 from ggufc.codegen.target import cpu_target
 
 GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
@@ -37,7 +37,7 @@ MIN_FIXTURES = ["llama-dense-Q4_1", "llama-dense-Q5_1"]
 # every matrix of this one is Q8_0 (with f32 biases and `.scale` multipliers): on a CPU with 8-bit
 # dot products its logits are llama.cpp's bit for bit in all three modes
 EXACT_FIXTURES = ["llama-dense-Q8_0"]
-HAS_INT8_DOT = int8_dot_intrinsic(cpu_target()) is not None
+HAS_INT8_DOT = int8_isa(cpu_target()) is not None
 
 
 def nmse(a: np.ndarray, b: np.ndarray) -> float:
@@ -115,6 +115,46 @@ def test_block_minimum_fixture_matches_llama_cpp(name: str, chunk: int | None, t
     logits = _eval(name, chunk, tmp_path, compile_cache, monkeypatch, (LOCAL, LOCAL))
     golden = np.load(LOCAL / f"{name}.npz")[MODES[chunk]]
     assert nmse(logits, golden) < 1e-10
+
+
+HASWELL = {"kind": "llvm", "mcpu": "haswell", "num-cores": 2}  # AVX2 + FMA: runs on every x86 CPU with AVX-512 too
+
+
+@pytest.fixture(scope="module")
+def avx2_artifacts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Fixtures compiled for haswell (the 8-bit kernels' AVX2 form), once per name."""
+    return {}
+
+
+def _eval_artifact(art: Path, golden: np.lib.npyio.NpzFile, chunk: int | None, tmp: Path) -> np.ndarray:
+    tokens, out = tmp / "tokens.npy", tmp / "logits.npy"
+    np.save(tokens, golden["tokens"].astype(np.int32))
+    argv = ["eval", str(art), "--tokens", str(tokens), "--out", str(out)] + (["--chunk", str(chunk)] if chunk else [])
+    assert main(argv) == 0
+    return np.load(out)
+
+
+@pytest.mark.slow
+@needs_shared
+@pytest.mark.parametrize("chunk", list(MODES))
+@pytest.mark.parametrize("name", QUANT_FIXTURES + BLOCK_FORMAT_FIXTURES)
+def test_quantized_fixture_compiled_for_avx2_matches_llama_cpp(name: str, chunk: int | None, tmp_path: Path,
+                                                                avx2_artifacts: dict[str, Path]) -> None:
+    """Compiled for haswell (AVX2 + FMA, no AVX-512 or VNNI), the goldens' own instruction set:
+    measured 5e-15..2.2e-14 overall, every position under 1.6e-13; the all-Q8_0 fixture and the
+    MXFP4 experts bit for bit."""
+    from ggufc.driver.compile import compile_model
+
+    if name not in avx2_artifacts:
+        avx2_artifacts[name] = tmp_path / "art"
+        compile_model(GOLDEN / "fixtures" / f"{name}.gguf", HASWELL, avx2_artifacts[name])  # type: ignore[arg-type]
+    golden = np.load(GOLDEN / "logits" / f"{name}.npz")
+    logits = _eval_artifact(avx2_artifacts[name], golden, chunk, tmp_path)
+    want = golden[MODES[chunk]]
+    per_position = np.mean((logits - want) ** 2, axis=1) / np.mean(want**2)
+    assert np.all(per_position < 1e-10), per_position
+    if name in (*EXACT_FIXTURES, "qwen3moe-moe-MXFP4_MOE"):
+        np.testing.assert_array_equal(logits, want)
 
 
 @needs_shared

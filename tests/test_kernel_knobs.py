@@ -37,7 +37,7 @@ GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
 FIXTURES = GOLDEN / "fixtures"
 LLAMA_Q4 = FIXTURES / "llama-dense-Q4_0.gguf"
 TARGET = cpu_target()
-needs_int8_dot = pytest.mark.skipif(Q8.int8_dot_intrinsic(TARGET) is None, reason="no 8-bit dot product on this CPU")
+needs_int8_dot = pytest.mark.skipif(Q8.int8_isa(TARGET) is None, reason="no 8-bit dot product on this CPU")
 # for the tests that build kernels without running them: a CPU with the 8-bit dot product, whatever this one has
 VNNI_TARGET = tvm.target.Target({"kind": "llvm", "mcpu": "sapphirerapids", "num-cores": 2})
 SMALL = TU.TuneOptions.for_round(2, timing_rounds=2, min_repeat_ms=2)

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import re
 
 import ggml_x86 as G
 import gguf
+import int8_isas as I
 import numpy as np
 import pytest
 import tvm
@@ -23,18 +25,26 @@ from ggufc.codegen import quant as Q
 from ggufc.codegen import quant_int8 as Q8
 from ggufc.codegen.amx_gemm import AMX_GEMM_TYPES as KA_TILE_TYPES
 from ggufc.codegen.cpu_vec import swiglu
+from ggufc.codegen.int8_isa import int8_isa
 from ggufc.codegen.target import cpu_target
 from ggufc.codegen.tvm_util import aligned_zeros, to_tvm
 from ggufc.frontend.hparams import rope_table
 from ggufc.ir.act_quant import ACT_SCHEME, MIN_TYPES, block_mins, q8_1_sums_ref, quantize_act_ref
 
 TARGET = cpu_target()
-needs_int8_dot = pytest.mark.skipif(Q8.int8_dot_intrinsic(TARGET) is None,
-                                    reason=f"{TARGET.attrs.get('mcpu')} has no VNNI dot product")
 
 
-def _build(func: tvm.tirx.PrimFunc) -> tvm.runtime.Function:
-    return tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=TARGET)["main"]
+def _build(func: tvm.tirx.PrimFunc, target: tvm.target.Target = TARGET) -> tvm.runtime.Function:
+    return tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=target)["main"]
+
+
+def _cases(full: list[tuple], reduced: list[tuple]) -> list:
+    """The instruction sets' parameters: every case on this CPU's own form, `reduced` on the
+    other forms it runs (AVX2 everywhere, AVX-VNNI where present)."""
+    own = [pytest.param(*case, p.values[0], id=f"{p.id}-{'-'.join(map(str, case))}", marks=p.marks)
+           for p in I.isa_params() if p not in I.other_isa_params() for case in full]
+    return own + [pytest.param(*case, p.values[0], id=f"{p.id}-{'-'.join(map(str, case))}", marks=p.marks)
+                  for p in I.other_isa_params() for case in reduced]
 
 
 def _activations(rng: np.random.Generator, t: int, k: int) -> np.ndarray:
@@ -44,31 +54,72 @@ def _activations(rng: np.random.Generator, t: int, k: int) -> np.ndarray:
     return x
 
 
-@needs_int8_dot
 @pytest.mark.parametrize("qtype", sorted(Q8.INT8_GEMV_TYPES))
-@pytest.mark.parametrize(("n", "k"), [(4, 64), (12, 320), (40, 576)])
-@pytest.mark.parametrize("t", [1, 2, 3, 5, 8])
-def test_int8_matmul_is_llama_cpp_bit_for_bit(qtype: str, n: int, k: int, t: int) -> None:
+@pytest.mark.parametrize(("n", "k", "t", "target"),
+                         _cases([(n, k, t) for n, k in [(4, 64), (12, 320), (40, 576)] for t in [1, 2, 3, 5, 8]],
+                                [(12, 320, 1), (4, 64, 3), (40, 576, 5)]))
+def test_int8_matmul_is_llama_cpp_bit_for_bit(qtype: str, n: int, k: int, t: int, target: tvm.target.Target) -> None:
     """One token: the decode GEMV; several: the prompt GEMM (and a batched decode step's: 2
     tokens are one tail pair, 3 one tile of 2 + 2, one of them padding; 5 a full tile and a tail
-    pair, one of them padding). Blocks past the last 8-block run (k = 64, 320, 576) take the
-    kernels' tail path."""
+    pair, one of them padding; 256-bit tiles of 4 tokens and single-token tails without 512-bit
+    VNNI). Blocks past the last 8-block run (k = 64, 320, 576) take the kernels' tail path. In
+    every instruction set (int8_isas): the integer lane sums are exact, so all give llama.cpp's
+    AVX2 result."""
     rng = np.random.default_rng(n * k + t)
     raw = gguf.quants.quantize((rng.standard_normal((n, k)) * 0.05 + 0.01).astype(np.float32),
                                gguf.GGMLQuantizationType[qtype])
     arrays = Q.repack(qtype, raw, (n, k))
     x = _activations(rng, t, k)
     y = aligned_zeros((t, n), np.float32)
-    kernel = Q8.int8_gemv(qtype, n, k, TARGET) if t == 1 else Q8.int8_gemm(qtype, n, k, TARGET)
-    _build(kernel)(to_tvm(x), *(to_tvm(arrays[f]) for f, _, _ in Q.layout_spec(qtype, (n, k))), to_tvm(y))
+    kernel = Q8.int8_gemv(qtype, n, k, target) if t == 1 else Q8.int8_gemm(qtype, n, k, target)
+    _build(kernel, target)(to_tvm(x), *(to_tvm(arrays[f]) for f, _, _ in Q.layout_spec(qtype, (n, k))), to_tvm(y))
     np.testing.assert_array_equal(y, G.matmul_q(qtype, raw, n, k, x))
 
 
-@needs_int8_dot
 @pytest.mark.parametrize("qtype", sorted(Q8.INT8_GEMV_TYPES))
-def test_int8_tile_gemm_256_bit_is_llama_cpp_bit_for_bit(qtype: str) -> None:
-    """The 256-bit GEMM (targets with VNNI but no 512-bit vectors), built here directly: a
-    4-token tile and the single-token tail."""
+@pytest.mark.parametrize("target", I.isa_params())
+def test_extreme_codes_do_not_saturate(qtype: str, target: tvm.target.Target) -> None:
+    """The codes of largest magnitude against activations of +-127: AVX2's vpmaddubsw sums two
+    u8 x s8 products into int16 with saturation, which Q8_0's offset codes (q + 128) would reach
+    (2 * 255 * 127); its sign trick keeps every pair within 2 * 128 * 127 = 32512, and the
+    nibble formats' within 2 * 31 * 127. Weights of one extreme code per row (Q8_0: -128, 127;
+    the nibble formats: 0 and 15, Q5's 31), activations alternating or constant in sign."""
+    n, k, t = 8, 64, 5
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+    raw = np.zeros((n, k // block, size), np.uint8)
+    raw[..., 0:2] = np.array([0.01], np.float16).view(np.uint8)
+    if qtype in ("Q4_1", "Q5_1"):
+        raw[..., 2:4] = np.array([-0.05], np.float16).view(np.uint8)
+    codes = raw[..., -32:] if qtype == "Q8_0" else raw[..., -16:]
+    high = raw[..., size - 20:size - 16] if qtype in ("Q5_0", "Q5_1") else None
+    for row in range(n):
+        low = row % 2 == 0
+        codes[row] = (0x80 if low else 0x7F) if qtype == "Q8_0" else (0x00 if low else 0xFF)
+        if high is not None:
+            high[row] = 0 if low else 0xFF
+    raw = raw.reshape(n, -1)
+    arrays = Q.repack(qtype, raw, (n, k))
+    x = np.ones((t, k), np.float32)
+    x[1, ::2] = -1  # alternating signs
+    x[2] = -1
+    x[3, 1::2] = -1
+    x[4, :32] = 0  # one block of zeros
+    y = aligned_zeros((t, n), np.float32)
+    for tokens in (1, t):  # the GEMV, then the GEMM
+        kernel = Q8.int8_gemv(qtype, n, k, target) if tokens == 1 else Q8.int8_gemm(qtype, n, k, target)
+        _build(kernel, target)(to_tvm(x[:tokens]), *(to_tvm(arrays[f]) for f, _, _ in Q.layout_spec(qtype, (n, k))),
+                               to_tvm(y[:tokens]))
+        want = G.matmul_q(qtype, raw, n, k, x[:tokens])
+        np.testing.assert_array_equal(y[:tokens], want)
+    extremes = {"Q8_0": (-128, 127), "Q4_0": (-8, 7), "Q4_1": (0, 15), "Q5_0": (-16, 15), "Q5_1": (0, 31)}[qtype]
+    assert (G.weight_blocks(qtype, raw, n, k)[2].min(), G.weight_blocks(qtype, raw, n, k)[2].max()) == extremes
+
+
+@pytest.mark.parametrize("qtype", sorted(Q8.INT8_GEMV_TYPES))
+@pytest.mark.parametrize("target", I.isa_params())
+def test_int8_tile_gemm_256_bit_is_llama_cpp_bit_for_bit(qtype: str, target: tvm.target.Target) -> None:
+    """The 256-bit GEMM (targets without 512-bit VNNI), built here directly: a 4-token tile and
+    the single-token tail."""
     n, k, t = 12, 320, 5
     rng = np.random.default_rng(7)
     raw = gguf.quants.quantize((rng.standard_normal((n, k)) * 0.05 + 0.01).astype(np.float32),
@@ -76,8 +127,10 @@ def test_int8_tile_gemm_256_bit_is_llama_cpp_bit_for_bit(qtype: str) -> None:
     arrays = Q.repack(qtype, raw, (n, k))
     x = _activations(rng, t, k)
     y = aligned_zeros((t, n), np.float32)
-    kernel = Q8.int8_tile_gemm(qtype, n, k, Q8.int8_dot_intrinsic(TARGET))
-    _build(kernel)(to_tvm(x), *(to_tvm(arrays[f]) for f, _, _ in Q.layout_spec(qtype, (n, k))), to_tvm(y))
+    isa = int8_isa(target)
+    assert isa is not None
+    kernel = Q8.int8_tile_gemm(qtype, n, k, isa)
+    _build(kernel, target)(to_tvm(x), *(to_tvm(arrays[f]) for f, _, _ in Q.layout_spec(qtype, (n, k))), to_tvm(y))
     np.testing.assert_array_equal(y, G.matmul_q(qtype, raw, n, k, x))
 
 
@@ -95,10 +148,11 @@ def _k_blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> np.ndarra
     return raw.reshape(n, -1)
 
 
-@needs_int8_dot
 @pytest.mark.parametrize("qtype", sorted(Q8.KQUANT_GEMV_TYPES))
-@pytest.mark.parametrize(("n", "k", "t"), [(4, 256, 1), (12, 768, 1), (8, 512, 6), (4, 256, 9)])
-def test_kquant_int8_matmul_is_llama_cpp_bit_for_bit(qtype: str, n: int, k: int, t: int) -> None:
+@pytest.mark.parametrize(("n", "k", "t", "target"), _cases([(4, 256, 1), (12, 768, 1), (8, 512, 6), (4, 256, 9)],
+                                                           [(12, 768, 1), (8, 512, 6)]))
+def test_kquant_int8_matmul_is_llama_cpp_bit_for_bit(qtype: str, n: int, k: int, t: int,
+                                                     target: tvm.target.Target) -> None:
     """q8_K activations, integer sub-block sums and llama.cpp's float steps (ggml_vec_dot_*_K_q8_K,
     AVX2): one token is the decode GEMV; 6 and 9 tokens the prompt GEMM's 4-token tiles and tail.
     The activations have a zero super-block, an outlier and a magnitude tie of opposite signs (the
@@ -111,8 +165,8 @@ def test_kquant_int8_matmul_is_llama_cpp_bit_for_bit(qtype: str, n: int, k: int,
     x[-1, 300 % k] = 90.0
     x[t // 2, 5], x[t // 2, 9] = -40.0, 40.0
     y = aligned_zeros((t, n), np.float32)
-    kernel = Q8.int8_gemv(qtype, n, k, TARGET) if t == 1 else Q8.int8_gemm(qtype, n, k, TARGET)
-    _build(kernel)(to_tvm(x), *(to_tvm(arrays[f]) for f, _, _ in Q.layout_spec(qtype, (n, k))), to_tvm(y))
+    kernel = Q8.int8_gemv(qtype, n, k, target) if t == 1 else Q8.int8_gemm(qtype, n, k, target)
+    _build(kernel, target)(to_tvm(x), *(to_tvm(arrays[f]) for f, _, _ in Q.layout_spec(qtype, (n, k))), to_tvm(y))
     np.testing.assert_array_equal(y, G.matmul_k(qtype, raw, n, k, x))
 
 
@@ -131,21 +185,22 @@ def test_kquant_model_is_the_reference_matmul_up_to_rounding(qtype: str) -> None
     assert err < 1e-6, f"{qtype}: relative error {err:.2e}"
 
 
-@needs_int8_dot
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
-@pytest.mark.parametrize(("pairs", "t"), [(0, 13), (1, 1), (1, 2), (3, 5), (3, 13), (2, 8),
-                                          (3, 2), (3, 4), (3, 8), (3, 10), (3, 11)])
-def test_kquant_prompt_gemm_tilings_are_llama_cpp_bit_for_bit(qtype: str, pairs: int, t: int) -> None:
+@pytest.mark.parametrize(("pairs", "t", "target"), _cases([(0, 13), (1, 1), (1, 2), (3, 5), (3, 13), (2, 8),
+                                                           (3, 2), (3, 4), (3, 8), (3, 10), (3, 11)], [(0, 13)]))
+def test_kquant_prompt_gemm_tilings_are_llama_cpp_bit_for_bit(qtype: str, pairs: int, t: int,
+                                                              target: tvm.target.Target) -> None:
     """The Q4_K and Q6_K prompt GEMMs in token pairs (512-bit registers; `pairs` per pass, 0: the
     4-token kernel), with whole tiles, the whole pairs after them in a 2-pair and a 1-pair pass
     (Q6_K: its last single pair one token at a time), a tail of single tokens, and prompts (or
     batched decode steps) shorter than one tile."""
-    intrin = Q8.int8_dot_intrinsic(TARGET)
-    if pairs and not Q8.has_512bit_dot(TARGET):
-        pytest.skip(f"{TARGET.attrs.get('mcpu')} has no 512-bit registers")
+    isa = int8_isa(target)
+    assert isa is not None
+    if pairs and not isa.wide:
+        pytest.skip(f"{target.attrs.get('mcpu')} has no 512-bit registers (the 4-token kernel, pairs=0, runs)")
     n, k = 8, 768
     raw, arrays, x = _prompt_case(qtype, n, k, t, pairs * 31 + t)
-    y = _run(KQ.kquant_gemm(qtype, n, k, intrin, pairs=pairs), qtype, arrays, x, n)
+    y = _run(KQ.kquant_gemm(qtype, n, k, isa, pairs=pairs), qtype, arrays, x, n, target)
     np.testing.assert_array_equal(y, G.matmul_k(qtype, raw, n, k, x))
 
 
@@ -160,9 +215,11 @@ def _prompt_case(qtype: str, n: int, k: int, t: int, seed: int) -> tuple[np.ndar
     return raw, Q.repack(qtype, raw, (n, k)), x
 
 
-def _run(kernel: tvm.tirx.PrimFunc, qtype: str, arrays: dict, x: np.ndarray, n: int) -> np.ndarray:
+def _run(kernel: tvm.tirx.PrimFunc, qtype: str, arrays: dict, x: np.ndarray, n: int,
+         target: tvm.target.Target = TARGET) -> np.ndarray:
     y = aligned_zeros((x.shape[0], n), np.float32)
-    _build(kernel)(to_tvm(x), *(to_tvm(arrays[f]) for f, _, _ in Q.layout_spec(qtype, (n, x.shape[1]))), to_tvm(y))
+    fields = (to_tvm(arrays[f]) for f, _, _ in Q.layout_spec(qtype, (n, x.shape[1])))
+    _build(kernel, target)(to_tvm(x), *fields, to_tvm(y))
     return y
 
 
@@ -190,9 +247,11 @@ def test_tile_gemm_is_the_reference_up_to_float_order(qtype: str, t: int) -> Non
     assert (np.abs(y - llama) / scale).max() < 1e-6
 
 
-@needs_int8_dot
 @pytest.mark.parametrize("qtype", sorted(Q8.KQUANT_GEMV_TYPES))
-def test_kquant_gemv_groups_and_residual_are_llama_cpp_bit_for_bit(qtype: str) -> None:
+@pytest.mark.parametrize("target", [*(p for p in I.isa_params() if p not in I.other_isa_params()),
+                                    *(pytest.param(*p.values, id=p.id, marks=[*p.marks, pytest.mark.slow])
+                                      for p in I.other_isa_params())])
+def test_kquant_gemv_groups_and_residual_are_llama_cpp_bit_for_bit(qtype: str, target: tvm.target.Target) -> None:
     """q/k/v-like groups (1-3 matrices of different heights, one input) and the residual
     epilogue: each matrix's output is ggml_vec_dot's, the residual added after it."""
     rng = np.random.default_rng(11)
@@ -204,14 +263,14 @@ def test_kquant_gemv_groups_and_residual_are_llama_cpp_bit_for_bit(qtype: str) -
     want = [G.matmul_k(qtype, raw, n, k, x) for n, raw in zip(heights, raws, strict=True)]
     for size in (1, 2, 3):
         ys = [aligned_zeros((1, n), np.float32) for n in heights[:size]]
-        kernel = _build(Q8.int8_gemv_group(qtype, heights[:size], k, TARGET))
+        kernel = _build(Q8.int8_gemv_group(qtype, heights[:size], k, target), target)
         kernel(to_tvm(x), *(to_tvm(a) for fields in mats[:size] for a in fields), *map(to_tvm, ys))
         for got, expected in zip(ys, want, strict=False):
             np.testing.assert_array_equal(got, expected)
     res = rng.standard_normal((1, heights[0])).astype(np.float32)
     y = aligned_zeros((1, heights[0]), np.float32)
-    _build(Q8.int8_gemv_group(qtype, heights[:1], k, TARGET, (), True))(to_tvm(x), *map(to_tvm, mats[0]),
-                                                                         to_tvm(res), to_tvm(y))
+    _build(Q8.int8_gemv_group(qtype, heights[:1], k, target, (), True), target)(
+        to_tvm(x), *map(to_tvm, mats[0]), to_tvm(res), to_tvm(y))
     np.testing.assert_array_equal(y, res + want[0])
 
 
@@ -219,12 +278,43 @@ def test_kquant_gemv_groups_and_residual_are_llama_cpp_bit_for_bit(qtype: str) -
 def test_int8_gemvs_build_for_avx_vnni_without_avx512(qtype: str) -> None:
     """A CPU with AVX-VNNI but no AVX-512 (Alder Lake and later client cores) gets the 8-bit
     kernels in their VEX encoding: built here without running (this machine may lack AVX-VNNI)."""
-    alder = tvm.target.Target({"kind": "llvm", "mcpu": "alderlake", "num-cores": 2})
-    assert Q8.int8_dot_intrinsic(alder) is not None
+    alder = I.ALDERLAKE
+    assert int8_isa(alder) is not None and int8_isa(alder).name == "avx-vnni"  # type: ignore[union-attr]
     for func in (Q8.int8_gemv_group(qtype, (8, 4), 512, alder), Q8.int8_gemm(qtype, 8, 512, alder)):
-        mod = tvm.IRModule({"main": func.with_attr("global_symbol", "main")})
-        asm = tvm.compile(mod, target=alder).mod.inspect_source("asm")
-        assert ("vpdpbusd" in asm or "vpdpwssds" in asm) and "zmm" not in asm
+        asm = _asm(func, alder)
+        assert ("vpdpbusd" in asm or "vpdpwssds" in asm) and not _EVEX.findall(asm)
+
+
+# what only AVX-512's EVEX encoding has: zmm registers, the upper 16 xmm/ymm registers, mask
+# registers, embedded broadcasts, and instructions without a VEX form
+_EVEX = re.compile(r"zmm|[xy]mm(?:1[6-9]|2\d|3[01])\b|%k[1-7]|\{1to\d+\}|\{evex\}|vpternlog|vperm[it]2|"
+                   r"vpmov(?:[dqw][bwd]|m2|.2m)\b|vcvt\w*2u|vrndscale|vfixupimm|vpcompress|vpexpand|vscalef")
+
+
+def _asm(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> str:
+    mod = tvm.IRModule({"main": func.with_attr("global_symbol", "main")})
+    return str(tvm.compile(mod, target=target).mod.inspect_source("asm"))
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+def test_int8_kernels_for_avx2_have_no_avx512_or_vnni_instruction(qtype: str) -> None:
+    """The AVX2 form (haswell: AVX2 + FMA + F16C) must run on a CPU with nothing more (Zen 1-3,
+    Intel client up to the 10th generation): vpmaddubsw and vpmaddwd for the dot products, and no
+    instruction of AVX-512 (EVEX) or VNNI anywhere, or such a CPU faults on it."""
+    assert int8_isa(I.HASWELL) is not None and int8_isa(I.HASWELL).name == "avx2"  # type: ignore[union-attr]
+    for func in (Q8.int8_gemv_group(qtype, (8, 4), 512, I.HASWELL, ("rms_norm", 1e-5)),
+                 Q8.int8_gemm(qtype, 8, 512, I.HASWELL)):
+        asm = _asm(func, I.HASWELL)
+        assert "vpmaddubsw" in asm and "vpmaddwd" in asm, qtype
+        assert not _EVEX.findall(asm), (qtype, sorted(set(_EVEX.findall(asm))))
+        assert "vpdp" not in asm, qtype  # the VNNI dot products: AVX-VNNI or AVX-512 VNNI only
+
+
+def test_evex_pattern_finds_avx512_code() -> None:
+    """The pattern above does find the host's AVX-512 kernels' EVEX instructions (so its
+    silence on haswell's means something)."""
+    wide = tvm.target.Target({"kind": "llvm", "mcpu": "sapphirerapids", "num-cores": 2})
+    assert _EVEX.findall(_asm(Q8.int8_gemm("Q4_K", 8, 512, wide), wide))
 
 
 @pytest.mark.parametrize(("t", "pos"), [(1, 0), (1, 37), (5, 0), (7, 20)])

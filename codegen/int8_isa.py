@@ -1,0 +1,116 @@
+"""The x86 instruction sets of the 8-bit kernels: one table row each, holding the steps that differ.
+
+Every 8-bit kernel (codegen/quant_int8.py, kquant_int8.py, kquant_lowbit_int8.py, expert_int8.py)
+is written once; what changes with the CPU is
+
+  - how a u8 x s8 dot product of four values reaches an int32 lane (`dot4`): `vpdpbusd` with VNNI
+    (AVX512-VNNI+VL, or AVX-VNNI's VEX form: LLVM encodes the same intrinsic as AVX-VNNI where
+    AVX-512 is missing, as clang's _mm256_dpbusd_avx_epi32), else AVX2's `vpmaddubsw` (adjacent
+    products summed to int16, SATURATING) and `vpmaddwd` by ones, as llama.cpp's
+    mul_sum_us8_pairs_float;
+  - how int16 pairs times int16 scales reach an int32 lane (`pair_dot`): `vpdpwssds`, or `vpmaddwd`
+    and an add;
+  - Q8_0's signed weights (`q8_dot`): with VNNI, the byte's sign bit flipped (q + 128, unsigned)
+    and -128 times the lane's activation sum as the lane's start; on AVX2, llama.cpp's sign trick
+    (|q| unsigned, the activation's sign flipped where q < 0), since q + 128 would saturate
+    vpmaddubsw (2 * 255 * 127 > 32767);
+  - whether 512-bit token-pair GEMMs exist (`wide`), and AMX tiles (`tiles`).
+
+The integer lane sums are exact in every row of the table, so the float steps after them, and
+the results, are the same bit for bit: llama.cpp's AVX2 order, as in its AVX2, AVX-VNNI and
+AVX512-VNNI builds of mul_sum_i8_pairs_float.
+
+vpmaddubsw cannot saturate here: an int16 pair is c0 a0 + c1 a1 with activation codes |a| <= 127
+(q8_0/q8_1: rint(127 x / amax); q8_K: rint(-127 x / x_max), capped at 127) and weight codes
+c <= 31 (Q4/Q5 nibbles with their fifth bit, the K-quants' codes <= 63: 2 * 63 * 127 = 16002), or
+Q8_0's |q| <= 128 by the sign trick: 2 * 128 * 127 = 32512 <= 32767.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import tvm
+from tvm import tirx
+from tvm.script import tirx as T
+
+VPDPBUSD = "llvm.x86.avx512.vpdpbusd.256"
+# the saturating form: no sum of these kernels comes near int32's limits, so its values are the
+# plain one's, and LLVM keeps it one instruction where its machine combiner splits the plain
+# vpdpwssd of an accumulator chain into vpmaddwd + vpaddd (Q4_K GEMV 1.08-1.19x hot)
+VPDPWSSDS = "llvm.x86.avx512.vpdpwssds.256"
+PMADDUBSW = "llvm.x86.avx2.pmadd.ub.sw"
+PMADDWD = "llvm.x86.avx2.pmadd.wd"
+PSIGNB = "llvm.x86.avx2.psign.b"
+
+
+def _bytes(v: tirx.PrimExpr) -> tirx.PrimExpr:
+    """A 256-bit vector as int8x32 (the intrinsics' operand type; an int8x32 stays itself)."""
+    return T.reinterpret("int8x32", v)
+
+
+def pairs16(codes: tirx.PrimExpr, acts: tirx.PrimExpr) -> tirx.PrimExpr:
+    """u8 codes x s8 activations, adjacent products summed to int16x16 (vpmaddubsw, saturating:
+    the callers' codes keep every sum inside int16, module docstring)."""
+    return T.call_llvm_pure_intrin("int16x16", PMADDUBSW, _bytes(codes), _bytes(acts))
+
+
+@dataclass(frozen=True)
+class Int8Isa:
+    """One instruction set's row of the table (module docstring)."""
+
+    name: str
+    vnni: bool  # 256-bit vpdpbusd / vpdpwssds
+    wide: bool  # 512-bit vectors with VNNI: the token-pair prompt GEMMs
+    tiles: bool  # AMX-INT8 tiles for prompt GEMMs
+
+    def dot4(self, acc: tirx.PrimExpr, codes: tirx.PrimExpr, acts: tirx.PrimExpr) -> tirx.PrimExpr:
+        """acc (int32x8) + in lane j the sum of products 4j..4j+3 of u8 `codes` and s8 `acts`."""
+        if self.vnni:
+            return T.call_llvm_pure_intrin("int32x8", VPDPBUSD, acc, _bytes(codes), _bytes(acts))
+        return acc + T.call_llvm_pure_intrin("int32x8", PMADDWD, pairs16(codes, acts),
+                                             T.broadcast(T.int16(1), 16))
+
+    def pair_dot(self, acc: tirx.PrimExpr, pairs: tirx.PrimExpr, scales: tirx.PrimExpr) -> tirx.PrimExpr:
+        """acc (int32x8) + in lane j pairs[2j] scales[2j] + pairs[2j+1] scales[2j+1] (int16 operands)."""
+        if self.vnni:
+            return T.call_llvm_pure_intrin("int32x8", VPDPWSSDS, acc, pairs, scales)
+        return acc + T.call_llvm_pure_intrin("int32x8", PMADDWD, pairs, scales)
+
+    @property
+    def q8_offset(self) -> int:
+        """What q8_dot's lane start must hold, times minus the lane's activation sum."""
+        return 128 if self.vnni else 0
+
+    def q8_dot(self, start: tirx.PrimExpr, weights: tirx.PrimExpr, acts: tirx.PrimExpr) -> tirx.PrimExpr:
+        """Q8_0: start + in lane j the sum of products 4j..4j+3 of s8 `weights` and s8 `acts`,
+        where start holds -q8_offset times the lane's activation sum."""
+        w = weights
+        if self.vnni:  # q + 128: the byte's sign bit flipped
+            flipped = T.bitwise_xor(T.reinterpret("int32x8", w), T.broadcast(T.int32(-2139062144), 8))  # 0x80808080
+            return self.dot4(start, flipped, acts)
+        # llama.cpp's sign trick: |q| (-128 wraps to 0x80, i.e. 128 unsigned) times sign(q) a
+        magnitude = T.max(w, T.broadcast(T.int8(0), 32) - w)
+        return self.dot4(start, magnitude, T.call_llvm_pure_intrin("int8x32", PSIGNB, _bytes(acts), w))
+
+
+AVX2 = Int8Isa("avx2", vnni=False, wide=False, tiles=False)  # Haswell .. Zen 3, Intel client up to 11th gen
+AVX_VNNI = Int8Isa("avx-vnni", vnni=True, wide=False, tiles=False)  # Alder Lake and later client cores
+AVX512_VNNI = Int8Isa("avx512-vnni", vnni=True, wide=True, tiles=False)  # Cascade Lake, Ice Lake, Zen 4/5
+AMX = Int8Isa("amx", vnni=True, wide=True, tiles=True)  # Sapphire Rapids and later
+ISAS = (AVX2, AVX_VNNI, AVX512_VNNI, AMX)
+
+
+def int8_isa(target: tvm.target.Target) -> Int8Isa | None:
+    """The table row of `target`'s CPU; None where it has no AVX2 and FMA (no 8-bit kernels)."""
+    if target.kind.name != "llvm":
+        return None
+    has = lambda feature: bool(tvm.target.codegen.target_has_features(feature, target))  # noqa: E731
+    if not (has("avx2") and has("fma")):
+        return None
+    wide = has("avx512vnni") and has("avx512bw") and has("avx512vl")
+    if wide and has("amx-int8") and has("amx-tile"):
+        return AMX
+    if wide:
+        return AVX512_VNNI
+    return AVX_VNNI if has("avxvnni") or (has("avx512vnni") and has("avx512vl")) else AVX2
