@@ -28,6 +28,8 @@ from ggufc.runtime.artifact import (
 )
 from ggufc.runtime.targets import DEFAULT_CUDA_ARCHS, parse_archs, unknown_target
 
+from .int8_isa import AVX2, int8_isa
+
 
 def host_cpu_name() -> str:
     """LLVM's name for the CPU we run on (e.g. 'znver3', 'emeraldrapids')."""
@@ -178,18 +180,19 @@ def lacking_here(spec: dict[str, Any]) -> list[str]:
 
 
 def kernel_isa(target: tvm.target.Target) -> str | None:
-    """The widest x86 instruction set the kernels of an LLVM target may use: amx, avx512-vnni,
-    avx-vnni, avx512, avx2, avx or sse (None for other targets). The 8-bit dot-product kernels need
-    avx-vnni or more (codegen/quant_int8.py); below that the matmuls are float kernels."""
+    """The x86 instruction set an LLVM target's kernels use (None for other targets): the 8-bit
+    kernels' row where it is beyond plain AVX2 (amx, avx512-vnni, avx-vnni: codegen/int8_isa.py),
+    else the widest vectors the float kernels take (avx512, avx2, avx, sse)."""
     if target.kind.name != "llvm" or host_features().machine != "x86_64":
         return None
+    row = int8_isa(target)
+    if row is not None and row is not AVX2:
+        return row.name
 
     def has(*features: str) -> bool:
         return all(tvm.target.codegen.target_has_features(f, target) for f in features)
 
-    levels = (("amx", ("amx-tile", "amx-int8")), ("avx512-vnni", ("avx512vnni", "avx512bw", "avx512vl")),
-              ("avx-vnni", ("avxvnni",)), ("avx-vnni", ("avx512vnni", "avx512vl")), ("avx512", ("avx512f",)),
-              ("avx2", ("avx2", "fma")), ("avx", ("avx",)))
+    levels = (("avx512", ("avx512f",)), ("avx2", ("avx2", "fma")), ("avx", ("avx",)))
     return next((isa for isa, features in levels if has(*features)), "sse")
 
 
