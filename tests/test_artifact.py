@@ -430,7 +430,7 @@ def test_verify_report_flags_unlisted_files_and_unusable_manifests(artifact: Pat
     write_manifest(artifact, "[]")
     not_an_object = f"{artifact / 'manifest.json'}: manifest is not a JSON object"
     assert report(artifact) == {"manifest": (False, not_an_object)}
-    assert report(tmp_path / "nowhere") == {"artifact": (False, "no such directory or .tar archive")}
+    assert report(tmp_path / "nowhere") == {"artifact": (False, "no such file or directory")}
 
 
 def test_verify_report_of_an_archive_extracts_nothing_outside(artifact: Path, tmp_path: Path) -> None:
