@@ -276,7 +276,7 @@ def test_archive_with_symlink_refused(tmp_path: Path) -> None:
 def test_not_an_archive_refused(tmp_path: Path) -> None:
     junk = tmp_path / "junk.tar"
     junk.write_bytes(b"no tar here" * 100)
-    refused(junk, "unreadable artifact archive")
+    refused(junk, "not an artifact directory or a .tar archive of one")
 
 
 # --------------------------------------------------------------------------- writing
