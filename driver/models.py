@@ -41,7 +41,7 @@ def is_gguf_file(path: Path) -> bool:
 def require_gguf(path_text: str) -> Path:
     path = Path(path_text)
     if not path.exists():
-        raise GgufcError(f"{path}: no such file")
+        raise GgufcError(f"{path}: no such file or directory")
     if not path.is_file():
         raise GgufcError(f"{path}: not a file (expected a .gguf model)")
     if not is_gguf_file(path):

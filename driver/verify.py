@@ -97,7 +97,8 @@ def verify_model(path: str | os.PathLike[str], tokens: np.ndarray | None = None,
     graphs, _ = optimise({"prefill_all": model.graphs["prefill_all"]}, passes_off_for(tgt, disabled_passes), tgt)
     graph = graphs["prefill_all"]
     probes = _probes(graph)
-    probe_graph = graph.replace(outputs=[*graph.outputs, *probes])
+    listed = {id(v) for v in probes}  # the logits are a probe too: each value is compared and listed once
+    probe_graph = graph.replace(outputs=[*probes, *(o for o in graph.outputs if id(o) not in listed)])
     compiled, n_kernels = run_probe(model, probe_graph, tokens, target)
     ref = run_graph(probe_graph, {"tokens": tokens, "pos": np.int64(0)}, model.param_loader(),
                     init_state(probe_graph, {}))

@@ -39,7 +39,16 @@ from ggufc.driver.models import (
     trained_ctx,
     warn_beyond_training,
 )
-from ggufc.messages import ArgumentError, GgufcError, one_line, progress
+from ggufc.messages import (
+    ArgumentError,
+    GgufcError,
+    end_output_line,
+    one_line,
+    progress,
+    reset_output,
+    status_line,
+    write_output,
+)
 from ggufc.version import __version__
 
 NPY_MAGIC = b"\x93NUMPY"
@@ -331,6 +340,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     schema = read_json_schema(args)
     if speculative and schema is not None:
         raise CLIError("--json-schema/--json-object decode plainly: drop --speculate/--draft")
+    if args.compare_plain and not speculative:
+        raise CLIError("--compare-plain goes with --speculate or --draft")
     model = resolve_model(args.model, args.target, args.ctx)
     with ExitStack() as stack:
         session = existing_session(model)
@@ -344,7 +355,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             n_ctx = planned_ctx(model)
         first = args.prompt if args.prompt is not None else read_user_message()  # --chat: from stdin
         if first is None:
-            return 0
+            raise CLIError("--chat: no message on stdin (type one, or give --prompt)")
         ids = prompt_ids(tokenizer, info, first, chat=args.chat)
         check_fits(len(ids), n_ctx, "the prompt", "shorten it or raise --ctx")
         if session is None:
@@ -361,9 +372,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                 pieces = generate(runner, tokenizer, ids, max_new_tokens=args.n, sampler=sampler, stop_ids=stops,
                                   decoding=decoding)
             for piece in pieces:
-                sys.stdout.write(piece)
-                sys.stdout.flush()
-        sys.stdout.write("\n")
+                write_output(piece)
+        end_output_line()
         if args.check_numerics:
             progress("--check-numerics: every logit was finite")
     return 0
@@ -495,12 +505,10 @@ def chat_loop(args: argparse.Namespace, session: Any, tokenizer: Any, info: dict
             for piece in generate(session, tokenizer, ids[kept:], max_new_tokens=args.n, sampler=sampler,
                                   stop_ids=stops, decoding=decoding):
                 reply.append(piece)
-                sys.stdout.write(piece)
-                sys.stdout.flush()
+                write_output(piece)
         except ContextOverflowError as exc:
             raise CLIError(str(exc)) from None
-        sys.stdout.write("\n")
-        sys.stdout.flush()
+        end_output_line()
         messages.append({"role": "assistant", "content": "".join(reply)})
         message = read_user_message()
     return 0
@@ -533,12 +541,14 @@ def speculative_pieces(args: argparse.Namespace, session: Any, stack: ExitStack,
     tail = decoder.flush()
     if tail:
         yield tail
-    progress(speculative_report(session, stats, len(ids), produced))
+    progress(speculative_report(session, stats, len(ids), produced, compare_plain=args.compare_plain))
 
 
-def speculative_report(session: Any, stats: Any, n_prompt: int, produced: list[int]) -> str:
-    """The acceptance rate, and the speed-up over plain greedy timed on the same tokens (a decode
-    call per token from the end of the prompt, run after the speculative pass)."""
+def speculative_report(session: Any, stats: Any, n_prompt: int, produced: list[int], *,
+                       compare_plain: bool = False) -> str:
+    """The acceptance rate; with `compare_plain`, also the speed-up over plain greedy timed on the
+    same tokens (a decode call per token, at most 32, from the end of the prompt, run after the
+    speculative pass: a second decoding the user asks for)."""
     import time
 
     line = (f"speculative: {stats.accepted}/{stats.drafted} drafted tokens accepted ({100 * stats.acceptance:.0f}%), "
@@ -546,7 +556,7 @@ def speculative_report(session: Any, stats: Any, n_prompt: int, produced: list[i
             f"rejections cut back {session.stats.truncations} times ({session.stats.rollback_copies} by copying "
             f"recurrent state, {session.stats.replayed_tokens} tokens replayed)")
     timed = produced[: min(len(produced), 32)]
-    if len(timed) < 2 or stats.seconds <= 0:
+    if not compare_plain or len(timed) < 2 or stats.seconds <= 0:
         return line
     session.truncate(n_prompt)
     t0 = time.perf_counter()
@@ -587,8 +597,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def load_tokens(path: Path) -> Any:
     import numpy as np
 
+    if not path.exists():
+        raise CLIError(f"{path}: no such file or directory")
     if not path.is_file():
-        raise CLIError(f"{path}: no such file")
+        raise CLIError(f"{path}: not a file (expected a .npy of token ids)")
     with open(path, "rb") as fh:
         if fh.read(6) != NPY_MAGIC:
             raise CLIError(f"{path}: not a .npy file (write the token ids with numpy.save, as int32 or int64)")
@@ -911,6 +923,8 @@ def build_parser() -> Parser:
     p.add_argument("--json-schema", metavar="FILE", help="constrain the answer to JSON valid against this JSON "
                    "schema (xgrammar; compact JSON)")
     p.add_argument("--json-object", action="store_true", help="constrain the answer to a JSON object")
+    p.add_argument("--compare-plain", action="store_true",
+                   help="with --speculate/--draft: also decode the answer plainly to report the speed-up")
     p.add_argument("--ctx", type=positive_int, metavar="N", help="context length when compiling")
     _add_target(p)
     _add_check_numerics(p)
@@ -1103,6 +1117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error("the following arguments are required: --prompt (or --chat, to read messages from stdin)")
     except SystemExit as exc:  # --help, --version, usage errors
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    reset_output()
     try:
         from ggufc.runtime.session import reserve_cpu_threads
 
@@ -1111,7 +1126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         apply_cpu(args)
         return int(args.handler(args))
     except KeyboardInterrupt:
-        print("ggufc: interrupted", file=sys.stderr)
+        status_line("ggufc: interrupted")
         return EXIT_INTERRUPTED
     except BrokenPipeError:
         _silence_stdout()  # output piped into e.g. `head`: stop quietly
@@ -1128,7 +1143,7 @@ def report_error(exc: BaseException) -> None:
         message = one_line(exc)
     else:  # a bug or a library failure we did not anticipate
         message = f"internal error ({type(exc).__name__}: {one_line(exc)}); set GGUFC_DEBUG=1 for a traceback"
-    print(f"ggufc: error: {message}", file=sys.stderr)
+    status_line(f"ggufc: error: {message}")
 
 
 def _silence_stdout() -> None:

@@ -615,7 +615,7 @@ def verify_report(path: str | os.PathLike[str], *, target_key: str | None = None
                 return [Check("archive", False, _without_prefix(exc, p))]
             return [Check("archive", True, "safe to extract"), *_directory_report(root, target_key)]
     if not p.is_dir():
-        return [Check("artifact", False, "no such directory or .tar archive")]
+        return [Check("artifact", False, "no such file or directory")]
     return _directory_report(p, target_key)
 
 
@@ -909,6 +909,8 @@ def llvm_cpu_features(mcpu: str, mtriple: str = "") -> frozenset[str] | None:
 
 def _extract_archive(archive: Path, dest: Path) -> Path:
     """Extract a `.tar` of an artifact into `dest`; return the directory holding manifest.json."""
+    if not tarfile.is_tarfile(archive):  # tarfile's own message ends in a colon before a list of modes
+        raise ArtifactError(f"{archive}: not an artifact directory or a .tar archive of one")
     try:
         with tarfile.open(archive) as tar:
             members = tar.getmembers()

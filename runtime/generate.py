@@ -6,11 +6,12 @@ the last case writes one line to stderr so a truncated answer is never silent.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Protocol, cast
 
 import numpy as np
+
+from ggufc.messages import progress
 
 from .sampling import Sampler
 from .session import ContextOverflowError, Session
@@ -108,7 +109,7 @@ def generate(
         if produced == max_new_tokens:
             break
         if session.n_free == 0:
-            print(f"ggufc: context full ({session.n_ctx} tokens); stopping generation", file=sys.stderr)
+            progress(f"context full ({session.n_ctx} tokens); stopping generation")
             break
         logits = session.forward([token])
     tail = decoder.flush()

@@ -13,13 +13,14 @@ session kept on the same tokens by truncating to the common prefix).
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
+
+from ggufc.messages import progress
 
 from .session import ContextOverflowError, Session
 
@@ -108,7 +109,7 @@ def speculative_greedy(session: Session, prompt_ids: Sequence[int] | np.ndarray,
             yield current
             room = min(draft_tokens, max_new_tokens - produced, session.n_free - 1)
             if room < 0:
-                print(f"ggufc: context full ({session.n_ctx} tokens); stopping generation", file=sys.stderr)
+                progress(f"context full ({session.n_ctx} tokens); stopping generation")
                 return
             history = np.append(session.tokens, current)
             draft = drafter.propose(history, room) if room > 0 else []

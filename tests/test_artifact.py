@@ -276,7 +276,7 @@ def test_archive_with_symlink_refused(tmp_path: Path) -> None:
 def test_not_an_archive_refused(tmp_path: Path) -> None:
     junk = tmp_path / "junk.tar"
     junk.write_bytes(b"no tar here" * 100)
-    refused(junk, "unreadable artifact archive")
+    refused(junk, "not an artifact directory or a .tar archive of one")
 
 
 # --------------------------------------------------------------------------- writing
@@ -430,7 +430,7 @@ def test_verify_report_flags_unlisted_files_and_unusable_manifests(artifact: Pat
     write_manifest(artifact, "[]")
     not_an_object = f"{artifact / 'manifest.json'}: manifest is not a JSON object"
     assert report(artifact) == {"manifest": (False, not_an_object)}
-    assert report(tmp_path / "nowhere") == {"artifact": (False, "no such directory or .tar archive")}
+    assert report(tmp_path / "nowhere") == {"artifact": (False, "no such file or directory")}
 
 
 def test_verify_report_of_an_archive_extracts_nothing_outside(artifact: Path, tmp_path: Path) -> None:

@@ -78,6 +78,8 @@ def test_verify_runs_with_8bit_block_sums(capsys: pytest.CaptureFixture[str]) ->
     code, out, err = run_cli(["verify", Q4_1_FIXTURE, "--tokens", "3,1,4,1,5"], capsys)
     assert code == 0, err
     assert "worst:" in out
+    rows = [tuple(line.split()[:2]) for line in out.split("\n\n")[0].splitlines()[1:]]
+    assert ("-", "result_output") in rows and len(rows) == len(set(rows)), out  # each value listed once
     code, out, err = run_cli(["verify", Q4_1_FIXTURE, "--tokens", "3,1,4,1,5", "--disable-pass", "fuse_int8_matmul"],
                              capsys)
     assert code == 0, err

@@ -356,7 +356,7 @@ def test_console_script_reports_one_line(tmp_path: Path) -> None:
         timeout=120,
     )
     assert done.returncode == 1
-    assert done.stderr.strip() == f"ggufc: error: {tmp_path / 'missing.gguf'}: no such file"
+    assert done.stderr.strip() == f"ggufc: error: {tmp_path / 'missing.gguf'}: no such file or directory"
     assert done.stdout == ""
 
 
@@ -467,3 +467,18 @@ def test_cache_key_follows_the_compiler_sources(tmp_path: Path, monkeypatch: pyt
     assert first.name.endswith(cli.compiler_fingerprint())
     monkeypatch.setattr(cli, "compiler_fingerprint", lambda: "0123456789")
     assert cli.cached_artifact_dir(model, "llvm", None) != first
+
+
+def test_verify_artifact_of_a_plain_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(["verify-artifact", write_not_gguf(tmp_path)], capsys)
+    assert_clean_failure(code, err)
+    assert "not an artifact directory or a .tar archive of one" in err
+    assert ":)" not in err + out and not err.rstrip().endswith(":")  # no dangling colon from tarfile
+
+
+@pytest.mark.parametrize("command", ["inspect", "compile", "run", "eval", "tokenize", "verify"])
+def test_missing_file_worded_alike(command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argvs = {" ".join(str(a) for a in argv[:1]): argv for argv in commands_for(tmp_path / "missing.gguf", tmp_path)}
+    code, _, err = run_cli(argvs[command], capsys)
+    assert_clean_failure(code, err)
+    assert err.strip().endswith("missing.gguf: no such file or directory"), err

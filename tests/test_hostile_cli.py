@@ -339,7 +339,7 @@ def test_verify_artifact_archive(
 
 def test_verify_artifact_missing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run_cli(["verify-artifact", tmp_path / "nowhere"], capsys)
-    assert_clean_failure(code, err, "no such directory or .tar archive")
+    assert_clean_failure(code, err, "no such file or directory")
 
 
 # =========================================================================== chat templates

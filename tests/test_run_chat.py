@@ -67,3 +67,32 @@ def test_chat_through_a_pipe(toy_chat_artifact: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert len(done.stdout.splitlines()) == 2
     assert len(re.findall(r"chat: turn \d+, \d+ of \d+ prompt tokens reused", done.stderr)) == 2
+
+
+@pytest.mark.parametrize("stdin", ["", "\n  \n"])
+def test_chat_without_any_message_says_so(stdin: str, toy_chat_artifact: Path, capsys: pytest.CaptureFixture[str],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """`ggufc run --chat < /dev/null` is an error a user sees, not a silent success."""
+    monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
+    assert main(["run", str(toy_chat_artifact), "--chat", "-n", "2"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.strip() == "ggufc: error: --chat: no message on stdin (type one, or give --prompt)"
+
+
+def test_status_lines_start_their_own_line(toy_chat_artifact: Path) -> None:
+    """stdout and stderr on one pipe (as on a terminal): a status after generated text that did not
+    end its line starts a line of its own instead of being glued to the text."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-m", "ggufc.cli", "run", str(toy_chat_artifact), "--prompt", "dbe",
+                           "-n", "100"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300,
+                          env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stdout
+    lines = done.stdout.splitlines()
+    status = [line for line in lines if "ggufc:" in line]
+    assert status and all(line.startswith("ggufc: ") for line in status), done.stdout
+    assert any("context full (24 tokens)" in line for line in status)
+    assert lines[0] and "" not in lines, done.stdout  # the text on its line, no blank line added

@@ -269,10 +269,13 @@ def test_idle_slots_sleep_and_wake_for_the_next_request() -> None:
         deadline = time.monotonic() + 10
         while not engine.status()["asleep"] and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert engine.status()["asleep"] and all(r.released for r in runners)
+        status = engine.status()
+        assert status["asleep"] and (status["sleeps"], status["wake_ups"]) == (1, 0)
+        assert all(r.released for r in runners)
         text, done = _finish(_collect(engine, [5, 6, 7, 8], 3))  # the context survived the sleep
         assert text == _expected([5, 6, 7, 8], 3) and done.usage is not None and done.usage["cached_tokens"] == 2
-        assert not engine.status()["asleep"] and not any(r.released for r in runners)
+        # counted, not read from "asleep": after 0.2 idle seconds it may sleep again on a loaded machine
+        assert engine.status()["wake_ups"] == 1
     finally:
         engine.stop()
 

@@ -100,6 +100,28 @@ def test_speculative_options_refused_in_one_line(capsys: pytest.CaptureFixture[s
         assert err.startswith("ggufc: error:") and len(err.splitlines()) == 1, err
 
 
+@pytest.fixture(scope="module")
+def toy_text_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from test_session import build_toy_artifact
+
+    return build_toy_artifact(tmp_path_factory.mktemp("toyspec") / "artifact", with_tokenizer=True)
+
+
+def test_run_speculate_compares_with_plain_only_when_asked(toy_text_artifact: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """The speed-up needs the answer decoded a second time, plainly: only with --compare-plain."""
+    argv = ["run", str(toy_text_artifact), "--prompt", "dbedbedbe", "-n", "8", "--speculate", "ngram"]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert "drafted tokens accepted" in err and "plain greedy" not in err and "speed-up" not in err, err
+    assert main([*argv, "--compare-plain"]) == 0
+    again, err = capsys.readouterr()
+    assert again == out and "plain greedy" in err and "speed-up" in err, err
+    assert main(["run", str(toy_text_artifact), "--prompt", "x", "--compare-plain"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == "ggufc: error: --compare-plain goes with --speculate or --draft", err
+
+
 # ---------------------------------------------------------------------------------------------
 # SmolLM2 (slow)
 
@@ -167,7 +189,7 @@ def test_run_speculate_prints_acceptance_and_speedup(smollm2: Path, capsys: pyte
     argv = ["run", str(smollm2), "--prompt", "List the days of the week: Monday, Tuesday,", "-n", "24"]
     assert main(argv) == 0
     plain = capsys.readouterr().out
-    for extra in (["--speculate", "ngram"], ["--draft", str(smollm2)]):
+    for extra in (["--speculate", "ngram", "--compare-plain"], ["--draft", str(smollm2), "--compare-plain"]):
         assert main(argv + extra) == 0
         out, err = capsys.readouterr()
         assert out == plain, extra
