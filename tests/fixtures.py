@@ -67,6 +67,7 @@ class ArchRecipe:
 
 RECIPES: dict[str, ArchRecipe] = {
     "llama": ArchRecipe(moe="optional", expert_gate_optional=True),
+    "qwen2": ArchRecipe(moe="never"),
     "qwen3": ArchRecipe(moe="never"),
     "qwen3moe": ArchRecipe(moe="always", expert_ff_key=True),
     "qwen35": ArchRecipe(moe="never", hybrid=True),

@@ -31,7 +31,7 @@ pytestmark = pytest.mark.skipif(not GOLDEN.is_dir(), reason=f"llama.cpp goldens 
 SPARSE = {"qwen4exp-moe-sparse": ("qwen4exp", 4), "glm-dsa-moe-F16-sparse": ("glm-dsa", 8),
           "deepseek32-moe-F16-sparse": ("deepseek32", 8), "minimax-m3-moe-sparse": ("minimax-m3", 2),
           "deepseek4-moe-F16-sparse": ("deepseek4", 4)}
-FIXTURES = ["llama-dense", "qwen3-dense", "qwen3moe-moe", "qwen35-dense", "qwen3next-moe", "qwen4exp-moe",
+FIXTURES = ["llama-dense", "qwen2-dense", "qwen3-dense", "qwen3moe-moe", "qwen35-dense", "qwen3next-moe", "qwen4exp-moe",
             "hy_v3-moe", "glm-dsa-moe-F16", "deepseek32-moe-F16", "minimax-m3-moe", "deepseek4-moe-F16", "kimi-k3-moe",
             *SPARSE]
 SELECTION_OPS = ("indexer_topk", "token_topk", "block_topk")  # and a top-k over compressed-row scores

@@ -18,7 +18,7 @@ from ggufc.codegen.target import cpu_target
 GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
 needs_shared = pytest.mark.skipif(not GOLDEN.is_dir(), reason=f"llama.cpp goldens not found at {GOLDEN}")
 
-F32_FIXTURES = ["llama-dense", "qwen3-dense", "qwen3moe-moe", "qwen35-dense", "qwen3next-moe", "qwen4exp-moe",
+F32_FIXTURES = ["llama-dense", "qwen2-dense", "qwen3-dense", "qwen3moe-moe", "qwen35-dense", "qwen3next-moe", "qwen4exp-moe",
                 "minimax-m3-moe"]
 # F16 weights: the CPU target rounds a matmul's activations to F16 as llama.cpp's CPU backend does
 # (measured 1.0e-9..3.0e-9 in the three modes; float32 activations: ~5e-8)
