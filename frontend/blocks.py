@@ -147,17 +147,19 @@ def kv_cache(b: GraphBuilder, layer: int, n_ctx: int, n_kv_head: int, head_dim: 
 def attention(
     b: GraphBuilder, q: Value, k: Value, v: Value, pos: Value, caches: tuple[Value, Value], scale: float,
     new_state: dict[str, Value], layer: int, mask: Value | None = None, f16_pv_below: int = 0,
+    window: int = 0, softcap: float = 0.0,
 ) -> Value:
     """Write this call's K/V into the cache, then attend causally over everything cached
-    (`mask`: an extra additive [T, P+T] mask, e.g. the QSA indexer's selection; `f16_pv_below`:
-    see `Attention`, for the causal form)."""
+    (`mask`: an extra additive [T, P+T] mask, e.g. the QSA indexer's selection; `f16_pv_below`,
+    `window` (a sliding window of that many cells), `softcap`: see `Attention`, for the causal form)."""
     kc = b.emit("cache_write", [caches[0], k, pos], O.NoAttrs(), f"cache_k.{layer}")
     vc = b.emit("cache_write", [caches[1], v, pos], O.NoAttrs(), f"cache_v.{layer}")
     new_state[f"cache_k.{layer}"] = kc
     new_state[f"cache_v.{layer}"] = vc
     if mask is not None:
         return b.emit("attention", [q, kc, vc, pos, mask], O.Attention(scale, "additive"), "attn")
-    return b.emit("attention", [q, kc, vc, pos], O.Attention(scale, f16_pv_below=f16_pv_below), "attn")
+    attrs = O.Attention(scale, f16_pv_below=f16_pv_below, window=window, softcap=softcap)
+    return b.emit("attention", [q, kc, vc, pos], attrs, "attn")
 
 
 def swiglu_ffn(
@@ -176,6 +178,22 @@ def scaled_swiglu_ffn(w: Weights, p: str, h: Value, n_embd: int, n_ff: int) -> V
     mats = {k: w.need(f"{p}.ffn_{k}.weight", s) for k, s in parts.items()}
     scales = {k: w.get(f"{p}.ffn_{k}.scale", (1,), required=False) for k in parts}
     return swiglu_ffn(w.b, h, mats["gate"], mats["up"], mats["down"], biases={}, scales=scales)
+
+
+def gelu_mul(b: GraphBuilder, g: Value, u: Value, name: str) -> Value:
+    """GEGLU's product gelu(g) * u, the GELU as llama.cpp's CPU computes it (its F16 table)."""
+    return b.mul(b.unary("gelu_tanh_f16", g, f"{name}.gelu"), u, name)
+
+
+def geglu_ffn(w: Weights, p: str, h: Value, n_embd: int, n_ff: int) -> Value:
+    """The dense FFN down(gelu(gate x) * up x) (llama.cpp's LLM_FFN_GELU + LLM_FFN_PAR), without
+    biases; the `.scale`s a file may carry are accepted and not applied (gemma passes none)."""
+    b = w.b
+    parts = {"gate": (n_ff, n_embd), "up": (n_ff, n_embd), "down": (n_embd, n_ff)}
+    mats = {k: w.need(f"{p}.ffn_{k}.weight", s) for k, s in parts.items()}
+    w.ignore(*(f"{p}.ffn_{k}.scale" for k in parts))
+    act = gelu_mul(b, b.matmul(h, mats["gate"], "ffn_gate"), b.matmul(h, mats["up"], "ffn_up"), "ffn_geglu")
+    return b.matmul(act, mats["down"], "ffn_down")
 
 
 def unscaled_swiglu_ffn(w: Weights, p: str, h: Value, n_embd: int, n_ff: int) -> Value:

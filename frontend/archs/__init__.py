@@ -5,6 +5,8 @@ from types import ModuleType
 from . import (
     deepseek4,
     deepseek32,
+    gemma2,
+    gemma3,
     glm_dsa,
     hy_v3,
     kimi_k3,
@@ -21,6 +23,8 @@ from . import (
 ARCHITECTURES: dict[str, ModuleType] = {
     "deepseek32": deepseek32,
     "deepseek4": deepseek4,
+    "gemma2": gemma2,
+    "gemma3": gemma3,
     "glm-dsa": glm_dsa,
     "hy_v3": hy_v3,
     "kimi-k3": kimi_k3,
