@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 from tvm import tirx
 from tvm.script import tirx as T
 
@@ -33,15 +34,23 @@ def attention_threads(dim: int) -> int:
     return p
 
 
-def _online_softmax(n_head: int, n_kv: int, dim: int, scale: float, block: int = 0, group_mask: bool = False) -> Any:
+def _online_softmax(n_head: int, n_kv: int, dim: int, scale: float, block: int = 0, group_mask: bool = False,
+                    window: int = 0, softcap: float = 0.0) -> Any:
     """The attention body shared by every variant: a macro over (q, caches, out, pos, sel, mask).
     Causal attention walks cells [0, pos + t]; with `sel` ([T, W] cell ids) it walks the selected
     cells instead, or with `block` ([T, Hkv, K] block ids per KV group) the K * block cells of the
     selected blocks; with `mask` ([T, P+T], or [Hkv, T, P+T] with `group_mask`, additive) masked-out
-    cells (<= NEG) are skipped."""
+    cells (<= NEG) are skipped. Causal attention with `window` skips the cells before the query's
+    window; `softcap` caps each score c * tanh(s / c) before the scale (then q is scaled after the dot)."""
     nt = attention_threads(dim)
     H, D, G, NT, DT = T.int64(n_head), T.int64(dim), T.int64(n_head // n_kv), T.int64(nt), T.int64(-(-dim // nt))
     SCALE, NEG_INF, B = T.float32(scale), T.float32(NEG), T.int64(max(block, 1))
+    Q_SCALE = T.float32(1.0) if softcap else SCALE  # with a softcap the scale follows the cap
+    cap = np.float32(softcap) if softcap else np.float32(1.0)
+    CAP, INV_CAP = T.float32(float(cap)), T.float32(float(np.float32(1.0) / cap))
+
+    def capped(x: Any) -> Any:
+        return T.tanh(x * INV_CAP) * CAP * SCALE if softcap else x
 
     def n_slots(sel: Any, pos: Any, t: Any) -> Any:  # uniform per workgroup, so barriers stay legal
         if sel is None:
@@ -67,6 +76,8 @@ def _online_softmax(n_head: int, n_kv: int, dim: int, scale: float, block: int =
             return T.And(s < n_slots(sel, pos, t), T.And(c >= T.int64(0), at <= pos + t))
         if mask is not None:
             return T.And(s < pos + t + T.int64(1), bias(mask, t, kv, T.min(s, pos + t)) > NEG_INF)
+        if window:
+            return T.And(s < pos + t + T.int64(1), s + T.int64(window) > pos + t)
         return s < pos + t + T.int64(1)
 
     def bias(mask: Any, t: Any, kv: Any, s: Any) -> Any:
@@ -87,7 +98,7 @@ def _online_softmax(n_head: int, n_kv: int, dim: int, scale: float, block: int =
         kv = T.meta_var(row % H // G)
         for d0 in range(DT):
             if d0 * NT + tx < D:
-                qs[d0 * NT + tx] = q[t, h, d0 * NT + tx] * SCALE
+                qs[d0 * NT + tx] = q[t, h, d0 * NT + tx] * Q_SCALE
             acc[d0] = T.float32(0)
         stat[0] = NEG_INF
         stat[1] = T.float32(0)
@@ -97,7 +108,7 @@ def _online_softmax(n_head: int, n_kv: int, dim: int, scale: float, block: int =
             if ok(sel, mask, pos, t, kv, tile * NT + tx):
                 for d in range(D):
                     stat[2] = stat[2] + qs[d] * k_cache[cell(sel, t, kv, tile * NT + tx), kv, d]
-                ps[tx] = stat[2] + bias(mask, t, kv, tile * NT + tx)
+                ps[tx] = capped(stat[2]) + bias(mask, t, kv, tile * NT + tx)
             else:
                 ps[tx] = NEG_INF
             T.tvm_storage_sync("shared")
@@ -124,10 +135,12 @@ def _online_softmax(n_head: int, n_kv: int, dim: int, scale: float, block: int =
     return attend
 
 
-def attention(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float) -> tirx.PrimFunc:
-    """(q [T, H, D], k_cache [C, Hkv, D], v_cache [C, Hkv, D], pos, out [T, H, D]), f32."""
+def attention(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float, window: int = 0,
+              softcap: float = 0.0) -> tirx.PrimFunc:
+    """(q [T, H, D], k_cache [C, Hkv, D], v_cache [C, Hkv, D], pos, out [T, H, D]), f32; `window`,
+    `softcap`: see `Attention`."""
     H, HKV, D, C = T.int64(n_head), T.int64(n_kv), T.int64(dim), T.int64(n_cells)
-    attend = _online_softmax(n_head, n_kv, dim, scale)
+    attend = _online_softmax(n_head, n_kv, dim, scale, window=window, softcap=softcap)
 
     @T.prim_func(private=True)
     def attention_gpu(q_h: T.handle, k_cache: T.Buffer((C, HKV, D), "float32"),
@@ -233,10 +246,11 @@ def cache_write(cache_shape: tuple[int, ...], row_shape: tuple[int, ...], dtype:
 # that the session writes before each step; these variants read the position from there.
 
 
-def attention_pos_tensor(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float) -> tirx.PrimFunc:
+def attention_pos_tensor(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float, window: int = 0,
+                         softcap: float = 0.0) -> tirx.PrimFunc:
     """As `attention`, with `pos` read from an int32 [1] tensor."""
     H, HKV, D, C = T.int64(n_head), T.int64(n_kv), T.int64(dim), T.int64(n_cells)
-    attend = _online_softmax(n_head, n_kv, dim, scale)
+    attend = _online_softmax(n_head, n_kv, dim, scale, window=window, softcap=softcap)
 
     @T.prim_func(private=True)
     def attention_gpu_pos(q_h: T.handle, k_cache: T.Buffer((C, HKV, D), "float32"),

@@ -106,10 +106,12 @@ def _attention(fc: FunctionContext, rows: RowFunction, node: Node) -> list[Any]:
     key = KK.OpKernel("attention", (node.attrs, "slot_rows"), (fc.kernel_key_dims(q), cache_dims))
 
     def make() -> tirx.PrimFunc:
+        a = node.attrs
         if dim % KA.STEP == 0 and fc.mb.target.kind.name == "llvm":
-            return KA.attention_slot_rows(n_head, cache_dims[1], dim, cache_dims[0], node.attrs.scale)
+            return KA.attention_slot_rows(n_head, cache_dims[1], dim, cache_dims[0], a.scale, a.window, a.softcap)
         syms = K.Symbols()
-        return schedule_cpu(K.attention_slot_rows(fc.kernel_shape(q, syms), syms.shape(cache_dims), node.attrs.scale))
+        return schedule_cpu(K.attention_slot_rows(fc.kernel_shape(q, syms), syms.shape(cache_dims), a.scale, a.window,
+                                                  a.softcap))
 
     args = [fc.value(q), fc.value(k_cache), fc.value(v_cache), rows.slots, rows.positions]
     return fc.call(key, make, args, node.outputs, node.outputs[0].name)

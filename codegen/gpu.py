@@ -196,7 +196,8 @@ def _attention_sizes(key: Any) -> tuple[int, int, int, int]:
 
 
 def _attention(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
-    return _mark(AG.attention(*_attention_sizes(key), key.attrs.scale), "ggufc.attention_online_softmax")
+    a = key.attrs
+    return _mark(AG.attention(*_attention_sizes(key), a.scale, a.window, a.softcap), "ggufc.attention_online_softmax")
 
 
 def _sparse_attention(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
@@ -311,7 +312,9 @@ def _hc_post(key: Any, target: tvm.target.Target) -> tirx.PrimFunc | None:
 
 
 def _attention_pos_tensor(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
-    return _mark(AG.attention_pos_tensor(*_attention_sizes(key), key.attrs.scale), "ggufc.attention_online_softmax")
+    a = key.attrs
+    return _mark(AG.attention_pos_tensor(*_attention_sizes(key), a.scale, a.window, a.softcap),
+                 "ggufc.attention_online_softmax")
 
 
 def _rope_pos_tensor(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:

@@ -157,7 +157,8 @@ def _build_swiglu(key: Any, target: tvm.target.Target, knobs: Knobs) -> tirx.Pri
 def _build_attention(key: Any, target: tvm.target.Target, knobs: Knobs) -> tirx.PrimFunc:
     attrs, one_token, heads, kv, dim, cells = _row_attention(key)  # type: ignore[misc]
     return KA.attention_rows(heads, kv, dim, cells, attrs.scale, one_token, attrs.f16_pv_below,
-                             rows_per_task=knobs["rows_per_task"], threads=target_cores(target))
+                             rows_per_task=knobs["rows_per_task"], threads=target_cores(target),
+                             window=attrs.window, softcap=attrs.softcap)
 
 
 _BUILDERS: dict[str, Callable[[Any, tvm.target.Target, Knobs], tirx.PrimFunc]] = {

@@ -12,6 +12,7 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import tvm
 from tvm import te, tirx
 from tvm.tirx import Expr as PrimExpr
@@ -111,6 +112,15 @@ def round_to_f16(x: PrimExpr) -> PrimExpr:
     return tirx.reinterpret("float32", rounded | sign)
 
 
+def gelu_tanh_f16(x: PrimExpr) -> PrimExpr:
+    """ir.ops.gelu_tanh_f16_ref: GELU's tanh form of the input rounded to F16, rounded to F16 (llama.cpp's
+    CPU table), 0 for x <= -10 and x for x >= 10."""
+    h = round_to_f16(x)
+    inner = f32(0.79788456) * h * (f32(1.0) + f32(0.044715) * h * h)
+    g = round_to_f16(f32(0.5) * h * (f32(1.0) + te.tanh(inner)))
+    return tirx.Select(x <= f32(-10.0), f32(0.0), tirx.Select(x >= f32(10.0), x, g))
+
+
 UNARY: dict[str, Callable[[PrimExpr], PrimExpr]] = {
     "silu": lambda x: x * sigmoid(x),
     "sigmoid": sigmoid,
@@ -126,6 +136,7 @@ UNARY: dict[str, Callable[[PrimExpr], PrimExpr]] = {
     "sign": lambda x: tirx.Select(x > f32(0.0), f32(1.0), tirx.Select(x < f32(0.0), f32(-1.0), f32(0.0))),
     "abs": te.abs,
     "round_f16": lambda x: round_to_f16(x),
+    "gelu_tanh_f16": lambda x: gelu_tanh_f16(x),
 }
 
 BINARY: dict[str, Callable[[PrimExpr, PrimExpr], PrimExpr]] = {
@@ -385,8 +396,10 @@ def func_with_scalar(args: Sequence[Any]) -> tirx.PrimFunc:
     return func(args)
 
 
-def attention(q_shape: PShape, cache_shape: PShape, scale: float) -> tirx.PrimFunc:
-    """Causal attention of this call's queries over cache rows [0, pos+T) with GQA head sharing."""
+def attention(q_shape: PShape, cache_shape: PShape, scale: float, window: int = 0, softcap: float = 0.0
+              ) -> tirx.PrimFunc:
+    """Causal attention of this call's queries over cache rows [0, pos+T) with GQA head sharing
+    (`window`, `softcap`: see `Attention`)."""
     n_tok, n_head, dim = q_shape
     n_kv = cache_shape[1]
     group = tirx.floordiv(n_head, n_kv)
@@ -399,16 +412,24 @@ def attention(q_shape: PShape, cache_shape: PShape, scale: float) -> tirx.PrimFu
     qk = te.compute(
         (n_head, n_tok, n_ctx), lambda h, t, s: te.sum(q[t, h, rd] * kc[s, h // group, rd], axis=rd), name="qk"
     )
+    cap = np.float32(softcap or 1.0)
+
+    def capped(v: PrimExpr) -> PrimExpr:
+        return te.tanh(v * f32(float(np.float32(1.0) / cap))) * f32(float(cap)) if softcap else v
+
+    def seen(t: PrimExpr, s: PrimExpr) -> PrimExpr:
+        return tirx.all(s <= pos + t, s + i64(window) > pos + t) if window else s <= pos + t
+
     score = te.compute(
         (n_head, n_tok, n_ctx),
-        lambda h, t, s: tirx.if_then_else(s <= pos + t, qk[h, t, s] * f32(scale), f32(-3.4e38)),
+        lambda h, t, s: tirx.if_then_else(seen(t, s), capped(qk[h, t, s]) * f32(scale), f32(-3.4e38)),
         name="score",
     )
     rs1 = te.reduce_axis((i64(0), n_ctx), name="rs1")
     mx = te.compute((n_head, n_tok), lambda h, t: te.max(score[h, t, rs1], axis=rs1), name="mx")
     ex = te.compute(
         (n_head, n_tok, n_ctx),
-        lambda h, t, s: tirx.if_then_else(s <= pos + t, te.exp(score[h, t, s] - mx[h, t]), f32(0.0)),
+        lambda h, t, s: tirx.if_then_else(seen(t, s), te.exp(score[h, t, s] - mx[h, t]), f32(0.0)),
         name="ex",
     )
     rs2 = te.reduce_axis((i64(0), n_ctx), name="rs2")
@@ -421,7 +442,8 @@ def attention(q_shape: PShape, cache_shape: PShape, scale: float) -> tirx.PrimFu
     return func([q, kc, vc, pos, out])
 
 
-def attention_slot_rows(q_shape: PShape, cache_shape: PShape, scale: float) -> tirx.PrimFunc:
+def attention_slot_rows(q_shape: PShape, cache_shape: PShape, scale: float, window: int = 0, softcap: float = 0.0
+                        ) -> tirx.PrimFunc:
     """`attention` for the rows of a batched decode step, each one token of its own sequence:
     (q [B, H, D], k_cache [S, C, Hkv, D], v_cache, slots [B] int32, positions [B] int32, out);
     row t attends over cells [0, positions[t]] of slot slots[t]'s caches."""
@@ -435,8 +457,14 @@ def attention_slot_rows(q_shape: PShape, cache_shape: PShape, scale: float) -> t
     slots = te.placeholder((n_tok,), "int32", name="slots")
     positions = te.placeholder((n_tok,), "int32", name="positions")
 
+    cap = np.float32(softcap or 1.0)
+
     def seen(t: PrimExpr, s: PrimExpr) -> PrimExpr:
-        return s <= positions[t].astype("int64")
+        last = positions[t].astype("int64")
+        return tirx.all(s <= last, s + i64(window) > last) if window else s <= last
+
+    def capped(v: PrimExpr) -> PrimExpr:
+        return te.tanh(v * f32(float(np.float32(1.0) / cap))) * f32(float(cap)) if softcap else v
 
     def slot(t: PrimExpr) -> PrimExpr:
         return slots[t].astype("int64")
@@ -445,7 +473,7 @@ def attention_slot_rows(q_shape: PShape, cache_shape: PShape, scale: float) -> t
     qk = te.compute((n_head, n_tok, n_cells),
                     lambda h, t, s: te.sum(q[t, h, rd] * kc[slot(t), s, h // group, rd], axis=rd), name="qk")
     score = te.compute((n_head, n_tok, n_cells),
-                       lambda h, t, s: tirx.if_then_else(seen(t, s), qk[h, t, s] * f32(scale), f32(-3.4e38)),
+                       lambda h, t, s: tirx.if_then_else(seen(t, s), capped(qk[h, t, s]) * f32(scale), f32(-3.4e38)),
                        name="score")
     rs1 = te.reduce_axis((i64(0), n_cells), name="rs1")
     mx = te.compute((n_head, n_tok), lambda h, t: te.max(score[h, t, rs1], axis=rs1), name="mx")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 from tvm import tirx
 from tvm.script import tirx as T
 
@@ -51,7 +52,7 @@ def cell_prefetcher(n_kv: int, dim: int, n_cells: int) -> Callable[..., None]:
 
 def attention_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float,
                    one_token_order: bool = False, f16_pv_below: int = 0, *,
-                   rows_per_task: int = 1, threads: int = 0) -> tirx.PrimFunc:
+                   rows_per_task: int = 1, threads: int = 0, window: int = 0, softcap: float = 0.0) -> tirx.PrimFunc:
     """(q [T, H, D], k_cache [C, Hkv, D], v_cache [C, Hkv, D], pos, out [T, H, D]); D % 32 == 0
     (any D with f16_pv_below: the last D % 32 values of each dot added one by one, as llama.cpp's
     dot products add their tail).
@@ -60,6 +61,9 @@ def attention_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float,
     call computes bit for bit (speculative verification must reproduce one-token decoding).
     f16_pv_below: calls of fewer tokens take llama.cpp's one-row flash-attention steps instead
     (`f16_pv_row`, see `Attention.f16_pv_below`).
+    window, softcap: `Attention.window` and `.softcap`. A row scores only the cells of its window;
+    the cells before it hold probability 0 (as llama.cpp's -inf mask gives them), so every sum
+    keeps its order.
 
     A one-token call with several query heads per KV head runs each KV head's heads together, one
     parallel task per KV head, where there are at least `threads` KV heads (0: always): each cache
@@ -71,7 +75,10 @@ def attention_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float,
     one parallel task takes (1: one task per row); a row's float steps do not depend on it."""
     if dim % STEP and not f16_pv_below:
         raise ValueError(f"attention: head dim {dim} must be a multiple of {STEP}")
+    if (window or softcap) and f16_pv_below:
+        raise ValueError("attention: a window or softcap has no flash-attention form here")
     body, tail = dim // STEP * STEP, dim % STEP  # the 32-value steps of a dot and its tail
+    capped = score_cap(softcap)
     H, HKV, D, C = T.int64(n_head), T.int64(n_kv), T.int64(dim), T.int64(n_cells)
     G, L = T.int64(n_head // n_kv), T.int64(LANES)
     SCALE = T.float32(scale)
@@ -124,7 +131,7 @@ def attention_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float,
         scores[s] = _fold32([part[i] for i in range(STEP)])
         for d in range(tail):
             scores[s] = scores[s] + k_cache[s, kv, body + d] * q[t, h, body + d]
-        scores[s] = scores[s] * SCALE
+        scores[s] = capped(scores[s]) * SCALE
         stat[0] = T.max(stat[0], scores[s])
 
     @T.macro
@@ -133,6 +140,7 @@ def attention_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float,
         h = row % H
         kv = h // G
         visible = pos + t + T.int64(1)
+        first = T.meta_var(first_cell(visible, window))
         scores = T.decl_buffer((CP,), "float32")
         part = T.decl_buffer((STEP,), "float32")
         acc = T.decl_buffer((STEP, D), "float32")  # lane accumulators of the KQV sums
@@ -142,7 +150,9 @@ def attention_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float,
         else:
             total = T.decl_buffer((1,), "float64")
             stat[0] = T.float32(-3.0e38)
-            for s in range(visible):
+            for s in range(first):  # before the window: probability 0
+                scores[s] = T.float32(-3.0e38)
+            for s in range(first, visible):
                 if n == T.int64(1):  # a prompt's rows read the cells it just wrote, still cached
                     prefetch_cell(k_cache, T.int64(1), T.int64(0), s, visible, kv)
                 cell_score(q, k_cache, t, h, kv, s, part, scores, stat)
@@ -150,7 +160,7 @@ def attention_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float,
             for a, d in T.grid(STEP, D):
                 acc[a, d] = T.float32(0)
             if one_token_order or n == T.int64(1):  # ggml_vec_dot_f32 over the cells: cell s into acc s % 32
-                for s in range(visible):
+                for s in range(first, visible):
                     if n == T.int64(1):  # a prompt's rows read the cells it just wrote, still cached
                         prefetch_cell(v_cache, T.int64(1), T.int64(0), s, visible, kv)
                     for d in T.vectorized(D):
@@ -158,7 +168,7 @@ def attention_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float,
                 for d in T.vectorized(D):
                     o[t, h, d] = _fold32([acc[i, d] for i in range(STEP)])
             else:  # tinyBLAS: cell s into accumulator s % 8, then hsum_float_8
-                for s in range(visible):
+                for s in range(first, visible):
                     for d in T.vectorized(D):
                         acc[s % L, d] = fma(v_cache[s, kv, d], scores[s], acc[s % L, d])
                 for d in T.vectorized(D):
@@ -169,6 +179,7 @@ def attention_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float,
         """one_row at one token for the G query heads of KV head kv, cell by cell together: head g
         works in its own slices of the buffers below, with one_row's steps."""
         visible = pos + T.int64(1)
+        first = T.meta_var(first_cell(visible, window))
         scores = T.decl_buffer((G * CP,), "float32")
         part = T.decl_buffer((G * STEP,), "float32")
         acc = T.decl_buffer((G * STEP * D,), "float32")
@@ -176,7 +187,9 @@ def attention_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float,
         total = T.decl_buffer((G,), "float64")
         for g in range(G):
             stat[g * 2] = T.float32(-3.0e38)
-        for s in range(visible):
+            for s in range(first):  # before the window: probability 0
+                scores[g * CP + s] = T.float32(-3.0e38)
+        for s in range(first, visible):
             prefetch_cell(k_cache, T.int64(1), T.int64(0), s, visible, kv)
             for g in T.unroll(n_head // n_kv):
                 cell_score(q, k_cache, 0, kv * G + g, kv, s, head_slice(part, g, STEP), head_slice(scores, g, CP),
@@ -185,7 +198,7 @@ def attention_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float,
             softmax(head_slice(scores, g, CP), head_slice(stat, g, 2), head_slice(total, g, 1), visible)
             for a in range(STEP * D):
                 acc[g * STEP * D + a] = T.float32(0)
-        for s in range(visible):  # ggml_vec_dot_f32 over the cells: cell s into acc s % 32
+        for s in range(first, visible):  # ggml_vec_dot_f32 over the cells: cell s into acc s % 32
             prefetch_cell(v_cache, T.int64(1), T.int64(0), s, visible, kv)
             for g in T.unroll(n_head // n_kv):
                 for d in T.vectorized(D):
@@ -220,6 +233,22 @@ def attention_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float,
     return attention
 
 
+def first_cell(visible: tirx.PrimExpr, window: int) -> tirx.PrimExpr:
+    """The first cell a row of `visible` cells sees through a sliding window of `window` (0: none)."""
+    if not window:
+        return T.int64(0)
+    return T.max(visible - T.int64(window), T.int64(0))
+
+
+def score_cap(softcap: float) -> Callable[[tirx.PrimExpr], tirx.PrimExpr]:
+    """The score's tanh softcap c * tanh(s * (1/c)) in float32 (identity without one)."""
+    if not softcap:
+        return lambda x: x
+    cap = np.float32(softcap)
+    inv, c = T.float32(float(np.float32(1.0) / cap)), T.float32(float(cap))
+    return lambda x: T.tanh(x * inv) * c
+
+
 def head_slice(buf: tirx.Buffer, g: tirx.PrimExpr, size: tirx.PrimExpr) -> tirx.Buffer:
     """Elements [g * size, (g + 1) * size) of a flat buffer, as a buffer of their own."""
     return T.decl_buffer((size,), buf.dtype, data=buf.data, elem_offset=g * size)
@@ -230,7 +259,8 @@ def heads_grouped(n_head: int, n_kv: int, threads: int, f16_pv_below: int = 0) -
     return n_head > n_kv and n_kv >= threads and not f16_pv_below
 
 
-def attention_slot_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float) -> tirx.PrimFunc:
+def attention_slot_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float, window: int = 0,
+                        softcap: float = 0.0) -> tirx.PrimFunc:
     """`attention_rows` for the rows of a batched decode step, each one token of its own sequence:
     (q [B, H, D], k_cache [S, C, Hkv, D], v_cache, slots [B] int32, positions [B] int32, out);
     row t reads cells [0, positions[t]] of slot slots[t]. The float steps are attention_rows' at one
@@ -242,6 +272,7 @@ def attention_slot_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: f
     SCALE = T.float32(scale)
     CP = T.int64(-(-n_cells // STEP) * STEP)
     prefetch_cell = cell_prefetcher(n_kv, dim, n_cells)
+    capped = score_cap(softcap)
 
     def fma(a: tirx.PrimExpr, b: tirx.PrimExpr, c: tirx.PrimExpr) -> tirx.PrimExpr:
         return T.call_llvm_pure_intrin("float32", "llvm.fma.f32", a, b, c)
@@ -264,25 +295,28 @@ def attention_slot_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: f
             kv = h // G
             b = T.Cast("int64", slots[t])
             visible = T.Cast("int64", positions[t]) + T.int64(1)
+            first = T.meta_var(first_cell(visible, window))
             scores = T.decl_buffer((CP,), "float32")
             part = T.decl_buffer((STEP,), "float32")
             acc = T.decl_buffer((STEP, D), "float32")
             stat = T.decl_buffer((2,), "float32")
             total = T.decl_buffer((1,), "float64")
             stat[0] = T.float32(-3.0e38)
-            for s in range(visible):
+            for s in range(first):  # before the window: probability 0
+                scores[s] = T.float32(-3.0e38)
+            for s in range(first, visible):
                 prefetch_cell(k_cache, n_slots, b, s, visible, kv)
                 for lane in T.vectorized(STEP):
                     part[lane] = T.float32(0)
                 for d0 in range(D // STEP):
                     for lane in T.vectorized(STEP):
                         part[lane] = fma(k_cache[b, s, kv, d0 * STEP + lane], q[t, h, d0 * STEP + lane], part[lane])
-                scores[s] = _fold32([part[i] for i in range(STEP)]) * SCALE
+                scores[s] = capped(_fold32([part[i] for i in range(STEP)])) * SCALE
                 stat[0] = T.max(stat[0], scores[s])
             softmax(scores, stat, total, visible)
             for a, d in T.grid(STEP, D):
                 acc[a, d] = T.float32(0)
-            for s in range(visible):  # the one-token order: cell s into accumulator s % 32
+            for s in range(first, visible):  # the one-token order: cell s into accumulator s % 32
                 prefetch_cell(v_cache, n_slots, b, s, visible, kv)
                 for d in T.vectorized(D):
                     acc[s % STEP, d] = fma(v_cache[b, s, kv, d], scores[s], acc[s % STEP, d])

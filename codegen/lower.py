@@ -330,10 +330,12 @@ def _attention_kernel(fc: FunctionContext, node: Node, syms: K.Symbols) -> tirx.
     q, cache = node.inputs[0], node.inputs[1]
     n_head, dim = int(q.shape[1]), int(q.shape[2])
     n_cells, n_kv = int(cache.shape[0]), int(cache.shape[1])
-    if (dim % KA.STEP == 0 or node.attrs.f16_pv_below) and fc.mb.target.kind.name == "llvm":
-        return KA.attention_rows(n_head, n_kv, dim, n_cells, node.attrs.scale, fc.one_token_order,
-                                 node.attrs.f16_pv_below, threads=target_cores(fc.mb.target))
-    return schedule_cpu(K.attention(_first_shape(fc, node, syms), fc.kernel_shape(cache, syms), node.attrs.scale))
+    a = node.attrs
+    if (dim % KA.STEP == 0 or a.f16_pv_below) and fc.mb.target.kind.name == "llvm":
+        return KA.attention_rows(n_head, n_kv, dim, n_cells, a.scale, fc.one_token_order, a.f16_pv_below,
+                                 threads=target_cores(fc.mb.target), window=a.window, softcap=a.softcap)
+    return schedule_cpu(K.attention(_first_shape(fc, node, syms), fc.kernel_shape(cache, syms), a.scale, a.window,
+                                    a.softcap))
 
 
 def _first_shape(fc: FunctionContext, node: Node, syms: K.Symbols) -> K.PShape:

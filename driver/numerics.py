@@ -28,7 +28,7 @@ from .verify import run_probe
 ENGINES = ("kernels", "interpreter")
 # Ops through which a mask's -inf flows unchanged into the scores (softmax ends the chain).
 _MASK_CARRYING_OPS = frozenset(
-    {"causal_mask", "binary", "scalar", "reshape", "transpose", "slice", "concat", "reduce"}
+    {"causal_mask", "window_mask", "binary", "scalar", "reshape", "transpose", "slice", "concat", "reduce"}
 )
 
 
@@ -117,7 +117,7 @@ def _mask_carriers(graph: Graph) -> set[int]:
     """Ids of values that carry the causal mask's intentional -inf."""
     carriers: set[int] = set()
     for node in graph.nodes:
-        if node.op == "causal_mask" or (
+        if node.op in ("causal_mask", "window_mask") or (
             node.op in _MASK_CARRYING_OPS and any(v.id in carriers for v in node.inputs)
         ):
             carriers.update(o.id for o in node.outputs)

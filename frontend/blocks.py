@@ -72,6 +72,11 @@ class Weights:
         self.used.add(name)
         return np.asarray(info.data).view(np.int32).reshape(info.shape)
 
+    def ignore(self, *names: str) -> None:
+        """Accept tensors llama.cpp creates for this architecture but its graph never reads (e.g.
+        the FFN `.scale`s gemma and qwen2 do not pass): marked used where present, never read."""
+        self.used.update(n for n in names if n in self.model.tensors)
+
     def add_derived(self, name: str, array: np.ndarray) -> Value:
         """A constant computed at compile time (rope tables); stored with the weights."""
         self.derived[name] = np.ascontiguousarray(array, dtype=np.float32)
@@ -113,6 +118,13 @@ def linear(
     return y
 
 
+def tanh_softcap(b: GraphBuilder, x: Value, cap: float, name: str) -> Value:
+    """llama.cpp's softcap: (x * (1/c)) -> tanh -> * c, each step in float32."""
+    inv = float(np.float32(1.0) / np.float32(cap))
+    t = b.unary("tanh", b.scalar("mul", x, inv, f"{name}.scaled"), f"{name}.tanh")
+    return b.scalar("mul", t, float(np.float32(cap)), name)
+
+
 def silu_mul(b: GraphBuilder, g: Value, u: Value, name: str) -> Value:
     return b.mul(b.unary("silu", g, f"{name}.silu"), u, name)
 
@@ -135,17 +147,19 @@ def kv_cache(b: GraphBuilder, layer: int, n_ctx: int, n_kv_head: int, head_dim: 
 def attention(
     b: GraphBuilder, q: Value, k: Value, v: Value, pos: Value, caches: tuple[Value, Value], scale: float,
     new_state: dict[str, Value], layer: int, mask: Value | None = None, f16_pv_below: int = 0,
+    window: int = 0, softcap: float = 0.0,
 ) -> Value:
     """Write this call's K/V into the cache, then attend causally over everything cached
-    (`mask`: an extra additive [T, P+T] mask, e.g. the QSA indexer's selection; `f16_pv_below`:
-    see `Attention`, for the causal form)."""
+    (`mask`: an extra additive [T, P+T] mask, e.g. the QSA indexer's selection; `f16_pv_below`,
+    `window` (a sliding window of that many cells), `softcap`: see `Attention`, for the causal form)."""
     kc = b.emit("cache_write", [caches[0], k, pos], O.NoAttrs(), f"cache_k.{layer}")
     vc = b.emit("cache_write", [caches[1], v, pos], O.NoAttrs(), f"cache_v.{layer}")
     new_state[f"cache_k.{layer}"] = kc
     new_state[f"cache_v.{layer}"] = vc
     if mask is not None:
         return b.emit("attention", [q, kc, vc, pos, mask], O.Attention(scale, "additive"), "attn")
-    return b.emit("attention", [q, kc, vc, pos], O.Attention(scale, f16_pv_below=f16_pv_below), "attn")
+    attrs = O.Attention(scale, f16_pv_below=f16_pv_below, window=window, softcap=softcap)
+    return b.emit("attention", [q, kc, vc, pos], attrs, "attn")
 
 
 def swiglu_ffn(
@@ -164,6 +178,31 @@ def scaled_swiglu_ffn(w: Weights, p: str, h: Value, n_embd: int, n_ff: int) -> V
     mats = {k: w.need(f"{p}.ffn_{k}.weight", s) for k, s in parts.items()}
     scales = {k: w.get(f"{p}.ffn_{k}.scale", (1,), required=False) for k in parts}
     return swiglu_ffn(w.b, h, mats["gate"], mats["up"], mats["down"], biases={}, scales=scales)
+
+
+def gelu_mul(b: GraphBuilder, g: Value, u: Value, name: str) -> Value:
+    """GEGLU's product gelu(g) * u, the GELU as llama.cpp's CPU computes it (its F16 table)."""
+    return b.mul(b.unary("gelu_tanh_f16", g, f"{name}.gelu"), u, name)
+
+
+def geglu_ffn(w: Weights, p: str, h: Value, n_embd: int, n_ff: int) -> Value:
+    """The dense FFN down(gelu(gate x) * up x) (llama.cpp's LLM_FFN_GELU + LLM_FFN_PAR), without
+    biases; the `.scale`s a file may carry are accepted and not applied (gemma passes none)."""
+    b = w.b
+    parts = {"gate": (n_ff, n_embd), "up": (n_ff, n_embd), "down": (n_embd, n_ff)}
+    mats = {k: w.need(f"{p}.ffn_{k}.weight", s) for k, s in parts.items()}
+    w.ignore(*(f"{p}.ffn_{k}.scale" for k in parts))
+    act = gelu_mul(b, b.matmul(h, mats["gate"], "ffn_gate"), b.matmul(h, mats["up"], "ffn_up"), "ffn_geglu")
+    return b.matmul(act, mats["down"], "ffn_down")
+
+
+def unscaled_swiglu_ffn(w: Weights, p: str, h: Value, n_embd: int, n_ff: int) -> Value:
+    """The dense FFN `{p}.ffn_{gate,up,down}` as llama.cpp builds it without scales or biases: the
+    `.scale`s a file may carry are accepted and not applied (qwen2, smollm3, lfm2 pass none)."""
+    parts = {"gate": (n_ff, n_embd), "up": (n_ff, n_embd), "down": (n_embd, n_ff)}
+    mats = {k: w.need(f"{p}.ffn_{k}.weight", s) for k, s in parts.items()}
+    w.ignore(*(f"{p}.ffn_{k}.scale" for k in parts))
+    return swiglu_ffn(w.b, h, mats["gate"], mats["up"], mats["down"], biases={}, scales={})
 
 
 def expert_gate_up(w: Weights, p: str, n_expert: int, n_ff: int, n_embd: int) -> tuple[Value, Value]:
@@ -282,10 +321,12 @@ def layers(b: GraphBuilder, n_layer: int, x: Value, layer: Callable[[int, Value]
 
 
 def output_head(w: Weights, inputs: DecoderInputs, x: Value, all_logits: bool, new_state: dict[str, Value],
-                norm: Callable[[Value], Value], *, output_scale: bool = False) -> Graph:
+                norm: Callable[[Value], Value], *, output_scale: bool = False, output_bias: bool = False,
+                softcap: float = 0.0) -> Graph:
     """The last token (unless every position's logits are asked for), the final norm, the output
-    matrix (output.weight, else the tied embedding) and the finished graph; every tensor must have
-    been read."""
+    matrix (output.weight, else the tied embedding; `output_bias`: plus the optional output.bias),
+    the optional final logit softcap c * tanh(logits / c), and the finished graph; every tensor
+    must have been read."""
     b = w.b
     n_vocab, n_embd = (int(d) for d in inputs.embd.shape)
     if not all_logits:
@@ -293,7 +334,10 @@ def output_head(w: Weights, inputs: DecoderInputs, x: Value, all_logits: bool, n
     h = norm(x)
     out_w = w.get("output.weight", (n_vocab, n_embd), required=False) or inputs.embd
     scale = w.get("output.scale", (1,), required=False) if output_scale else None
-    logits = linear(b, h, out_w, "result_output", scale=scale)
+    bias = w.get("output.bias", (n_vocab,), required=False) if output_bias else None
+    logits = linear(b, h, out_w, "result_output" if not softcap else "result_output_raw", scale=scale, bias=bias)
+    if softcap:
+        logits = tanh_softcap(b, logits, softcap, "result_output")
     w.check_all_used()
     return b.finish([logits], new_state)
 

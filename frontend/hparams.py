@@ -74,6 +74,22 @@ class Keys:
         return [int(v)] * n_layer
 
 
+def swa_layers(keys: Keys, n_layer: int, default_period: int) -> list[bool]:
+    """llama.cpp's load_swa_pattern: which layers attend through the sliding window, from
+    `attention.sliding_window_pattern` as a per-layer array (1 = window) or a scalar period n
+    (layer il is windowed iff il % n < n - 1, so every n-th layer is full; 0: every layer)."""
+    raw = keys.raw("attention.sliding_window_pattern", default_period)
+    if isinstance(raw, list):
+        if len(raw) != n_layer:
+            raise ModelError(f"key {keys._full('attention.sliding_window_pattern')} has {len(raw)} entries, "
+                             f"expected {n_layer} (one per layer)")
+        return [bool(v) for v in raw]
+    period = keys.int("attention.sliding_window_pattern", default_period)
+    if period < 0:
+        raise ModelError(f"key {keys._full('attention.sliding_window_pattern')} must be >= 0, got {period}")
+    return [period == 0 or il % period < period - 1 for il in range(n_layer)]
+
+
 def rope_freq_scale(keys: Keys) -> float:
     """ggml's freq_scale: 1/rope.scaling.factor unless the factor is absent/zero or scaling is none."""
     if keys.raw("rope.scaling.type", "linear") == "none":

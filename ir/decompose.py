@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 
+import numpy as np
+
 from . import ops as O
 from .builder import GraphBuilder
 from .graph import Graph, Node, Value, mul_dim
@@ -114,9 +116,16 @@ def _attention(b: GraphBuilder, n: Node) -> list[Value]:
     qg = b.transpose(b.reshape(q, (t, hkv, g, d), f"{name}.q4"), (1, 2, 0, 3), f"{name}.qg")
     q3 = b.reshape(qg, (hkv, gt, d), f"{name}.q3")
     qk = b.emit("bmm_nt", [q3, k], O.NoAttrs(), f"{name}.qk")
+    if n.attrs.softcap:  # c * tanh(s * (1/c)) before the scale, as ggml_scale, ggml_tanh, ggml_scale
+        cap = np.float32(n.attrs.softcap)
+        qk = b.scalar("mul", qk, float(np.float32(1.0) / cap), f"{name}.capped_in")
+        qk = b.scalar("mul", b.unary("tanh", qk, f"{name}.capped_tanh"), float(cap), f"{name}.capped")
     scores = b.scalar("mul", qk, n.attrs.scale, f"{name}.scaled")
     s_len = scores.shape[2]
     mask = b.emit("causal_mask", [pos], O.Tokens(t), f"{name}.mask")
+    if n.attrs.window:
+        window = b.emit("window_mask", [pos], O.WindowMask(n.attrs.window, t), f"{name}.window_mask")
+        mask = b.add(mask, window, f"{name}.mask_window")
     if n.attrs.mask != "causal":  # the selected cells as an additive mask (the sparse form's meaning)
         sel = _selection_mask(b, n, pos, name)
         if len(sel.shape) == 3:  # one mask per KV group: [Hkv, 1, T, P+T] against the grouped scores

@@ -227,11 +227,41 @@ def _export_unary(e: _Exporter, node: Node) -> None:
     elif fn == "square":
         e.emit("Mul", [x, x], [out])
     elif fn == "round_f16" and e.standard:  # for running; the ggufc export keeps the op (it reads back)
-        half = e.fresh(f"{out}/f16")
-        e.emit("Cast", [x], [half], to=TensorProto.FLOAT16)
-        e.emit("Cast", [half], [out], to=TensorProto.FLOAT)
+        _round_half(e, x, out)
+    elif fn == "gelu_tanh_f16" and e.standard:
+        _spell_gelu_tanh_f16(e, x, out)
     else:
         _export_custom(e, node)
+
+
+def _round_half(e: _Exporter, x: str, out: str) -> None:
+    half = e.fresh(f"{out}/f16")
+    e.emit("Cast", [x], [half], to=TensorProto.FLOAT16)
+    e.emit("Cast", [half], [out], to=TensorProto.FLOAT)
+
+
+def _spell_gelu_tanh_f16(e: _Exporter, x: str, out: str) -> None:
+    """ir.ops.gelu_tanh_f16_ref in standard ops: the input rounded to F16, GELU's tanh form, the
+    result rounded to F16; 0 for x <= -10, x for x >= 10."""
+    def const(tag: str, v: float) -> str:
+        return e.const(f"{out}/{tag}", np.asarray(v, np.float32))
+
+    def op(kind: str, args: list[str], tag: str) -> str:
+        name = e.fresh(f"{out}/{tag}")
+        e.emit(kind, args, [name])
+        return name
+
+    h = e.fresh(f"{out}/h")
+    _round_half(e, x, h)
+    h2 = op("Mul", [op("Mul", [const("a", 0.044715), h], "ah"), h], "ahh")
+    inner = op("Mul", [op("Mul", [const("s", 0.79788456), h], "sh"), op("Add", [const("one", 1.0), h2], "poly")],
+               "inner")
+    g = op("Mul", [op("Mul", [const("half", 0.5), h], "hh"), op("Add", [const("one_t", 1.0),
+                                                                        op("Tanh", [inner], "tanh")], "t1")], "g")
+    g16 = e.fresh(f"{out}/g16")
+    _round_half(e, g, g16)
+    high = op("Where", [op("GreaterOrEqual", [x, const("ten", 10.0)], "is_high"), x, g16], "high")
+    e.emit("Where", [op("LessOrEqual", [x, const("minus_ten", -10.0)], "is_low"), const("zero", 0.0), high], [out])
 
 
 def _export_binary(e: _Exporter, node: Node) -> None:

@@ -76,6 +76,19 @@ def spell_causal_mask(e: OnnxWriter, node: Node) -> None:
     e.emit("Where", [seen, zero, ninf], [out])
 
 
+def spell_window_mask(e: OnnxWriter, node: Node) -> None:
+    """[T, P+T]: -inf where cell j <= P + i - window, 0 elsewhere."""
+    out = e.name(node.outputs[0])
+    s = e.symbols
+    cells = _range(e, e.const(f"{out}/zero", np.asarray(0, np.int64)), s.scalar("P+T"), f"{out}/cells")
+    rows = _unsqueeze(e, _range(e, s.scalar("P"), s.scalar("P+T"), f"{out}/rows"), [1], f"{out}/rows_col")
+    back, seen = e.fresh(f"{out}/back"), e.fresh(f"{out}/seen")
+    e.emit("Sub", [rows, cells], [back])
+    e.emit("Less", [back, e.const(f"{out}/window", np.asarray(node.attrs.window, np.int64))], [seen])
+    zero, ninf = (e.const(f"{out}/{k}", np.asarray(v, np.float32)) for k, v in (("zero_f", 0.0), ("ninf", -np.inf)))
+    e.emit("Where", [seen, zero, ninf], [out])
+
+
 def spell_cache_write(e: OnnxWriter, node: Node) -> None:
     """cache[:P] ++ x ++ cache[P+T:] (the cache's length is static, so the result keeps it)."""
     cache, x, _ = (e.name(v) for v in node.inputs)
@@ -452,6 +465,7 @@ def _compressed_columns(e: OnnxWriter, node: Node, out: str, q: str, scale: str,
 SPELLED: dict[str, Callable[[OnnxWriter, Node], None]] = {
     "positions": spell_positions,
     "causal_mask": spell_causal_mask,
+    "window_mask": spell_window_mask,
     "cache_write": spell_cache_write,
     "cache_read": spell_cache_read,
     "matmul_id": spell_matmul_id,

@@ -48,7 +48,7 @@ class NoAttrs:
 
 @dataclass(frozen=True)
 class Unary:
-    fn: str  # silu sigmoid exp neg sqrt rsqrt relu softplus square tanh recip sign abs round_f16
+    fn: str  # silu sigmoid exp neg sqrt rsqrt relu softplus square tanh recip sign abs round_f16 gelu_tanh_f16
 
 
 @dataclass(frozen=True)
@@ -101,6 +101,15 @@ class Concat:
 @dataclass(frozen=True)
 class TopK:
     k: int
+
+
+@dataclass(frozen=True)
+class WindowMask:
+    """The sliding window's additive mask [T, P+T]: -inf where a token sees a cell `window` or
+    more positions back (see `Attention.window`)."""
+
+    window: int
+    n: Dim = "T"
 
 
 @dataclass(frozen=True)
@@ -172,6 +181,12 @@ class Attention:
     # P.V accumulated in an f16 vector (`attention_f16_pv_ref`); 0: never. Causal mask only; the
     # CPU target rounds so, GPU targets accumulate in f32.
     f16_pv_below: int = 0
+    # a sliding window (causal form): a query at position p sees cells p - window < j <= p
+    # (llama.cpp's STANDARD SWA mask: `window` keys, itself included); 0: every earlier cell
+    window: int = 0
+    # a tanh softcap on the scores before the scale, c * tanh(s * (1/c)) in float32 (llama.cpp's
+    # attn_soft_cap, applied to K.q before soft_max_ext's scale and mask); 0: none
+    softcap: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -425,6 +440,28 @@ def _round_f16(x: np.ndarray) -> np.ndarray:
         return np.asarray(x).astype(np.float16).astype(np.asarray(x).dtype)
 
 
+GELU_COEF_A = np.float32(0.044715)
+SQRT_2_OVER_PI = np.float32(0.79788456)
+
+
+def gelu_tanh_f32(x: np.ndarray) -> np.ndarray:
+    """ggml_gelu_f32: 0.5x (1 + tanh(sqrt(2/pi) x (1 + 0.044715 x^2))), every step in float32."""
+    x = np.asarray(x, np.float32)
+    inner = SQRT_2_OVER_PI * x * (np.float32(1.0) + GELU_COEF_A * x * x)
+    return (np.float32(0.5) * x * (np.float32(1.0) + np.tanh(inner))).astype(np.float32)
+
+
+def gelu_tanh_f16_ref(x: np.ndarray) -> np.ndarray:
+    """GELU (tanh form) as llama.cpp's CPU backend computes it (ggml_vec_gelu_f32 with
+    GGML_GELU_FP16): 0 for x <= -10, x for x >= 10, else the input rounded to F16 looked up in a
+    table of F16(gelu_f32(h)) for every F16 value h."""
+    xf = np.asarray(x)
+    with np.errstate(over="ignore"):
+        half = xf.astype(np.float16).astype(np.float32)
+        table = gelu_tanh_f32(half).astype(np.float16).astype(xf.dtype)
+    return np.where(xf <= -10.0, 0.0, np.where(xf >= 10.0, xf, table)).astype(xf.dtype)
+
+
 UNARY_FNS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "silu": lambda x: x * _sigmoid(x),
     "sigmoid": _sigmoid,
@@ -442,6 +479,7 @@ UNARY_FNS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     # to half precision and back (round to nearest even, inf beyond f16's range): llama.cpp's
     # flash attention reads K and V as F16
     "round_f16": lambda x: _round_f16(x),
+    "gelu_tanh_f16": gelu_tanh_f16_ref,
 }
 
 BINARY_FNS: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
@@ -501,11 +539,27 @@ def causal_mask_ref(t: int, p: int, dtype: Any) -> np.ndarray:
     return np.where(j <= i, 0.0, -np.inf).astype(dtype)
 
 
+def window_mask_ref(t: int, p: int, window: int, dtype: Any) -> np.ndarray:
+    """[T, P+T]: token i (absolute P+i) does not see cells j <= P+i - window (0: sees all)."""
+    if not window:
+        return np.zeros((t, p + t), dtype)
+    j = np.arange(p + t)[None, :]
+    i = (p + np.arange(t))[:, None]
+    return np.where(i - j >= window, -np.inf, 0.0).astype(dtype)
+
+
+def tanh_softcap_ref(x: np.ndarray, cap: float) -> np.ndarray:
+    """c * tanh(x * (1/c)) with float32 constants, as ggml_scale, ggml_tanh, ggml_scale."""
+    dt = x.dtype.type
+    return (np.tanh(x * dt(np.float32(1.0) / np.float32(cap))) * dt(np.float32(cap))).astype(x.dtype)
+
+
 def attention_ref(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, pos0: int, scale: float,
                   mask: str = "causal", extra: np.ndarray | None = None, block: int = 0,
-                  f16_pv_below: int = 0) -> np.ndarray:
+                  f16_pv_below: int = 0, window: int = 0, softcap: float = 0.0) -> np.ndarray:
     """q [T,H,D]; caches [C,Hkv,D] already holding this call's keys. Returns [T,H,D].
-    `extra`: the additive [T, P+T] mask, or the [T, W] selected cell ids (see `Attention.mask`)."""
+    `extra`: the additive [T, P+T] mask, or the [T, W] selected cell ids (see `Attention.mask`);
+    `window`, `softcap`: see `Attention`."""
     if q.shape[0] < f16_pv_below:
         return attention_f16_pv_ref(q, kc, vc, pos0, scale)
     t, h, d = q.shape
@@ -513,7 +567,12 @@ def attention_ref(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, pos0: int, scal
     s_len = pos0 + t
     k = np.repeat(kc[:s_len], h // hkv, axis=1)
     v = np.repeat(vc[:s_len], h // hkv, axis=1)
-    s = np.einsum("thd,shd->hts", q, k) * q.dtype.type(scale) + causal_mask_ref(t, pos0, q.dtype)[None]
+    s = np.einsum("thd,shd->hts", q, k)
+    if softcap:
+        s = tanh_softcap_ref(s, softcap)
+    s = s * q.dtype.type(scale) + causal_mask_ref(t, pos0, q.dtype)[None]
+    if window:
+        s = s + window_mask_ref(t, pos0, window, q.dtype)[None]
     if mask in ("additive", "indices", "blocks"):
         if extra is None:
             raise ValueError(f"attention mask {mask!r} needs `extra`")
@@ -851,6 +910,10 @@ def _attention_shape(ins: Sequence[ShapeDtype], a: Attention) -> list[ShapeDtype
         raise ValueError(f"attention: selected blocks {ins[4]} must be int32 [T, Hkv, K] with a block size > 0")
     if a.f16_pv_below and a.mask != "causal":
         raise ValueError(f"attention: f16 P.V accumulation is defined for the causal mask, not {a.mask!r}")
+    if (a.window or a.softcap) and (a.mask != "causal" or a.f16_pv_below):
+        raise ValueError("attention: a window or softcap is defined for the causal float32 form only")
+    if a.window < 0 or a.softcap < 0:
+        raise ValueError(f"attention: window {a.window} and softcap {a.softcap} must be >= 0")
     return [ins[0]]
 
 
@@ -1077,6 +1140,8 @@ OPS: dict[str, OpDef] = {
               _one(lambda i, a, c: (int(i[0]) + np.arange(c["T"])).astype(np.int32))),
         OpDef("causal_mask", Tokens, _mask_shape,
               _one(lambda i, a, c: causal_mask_ref(c["T"], int(i[0]), np.float32))),
+        OpDef("window_mask", WindowMask, _mask_shape,
+              _one(lambda i, a, c: window_mask_ref(c["T"], int(i[0]), a.window, np.float32))),
         OpDef("last_token", NoAttrs, _last_token_shape, _one(lambda i, a, c: i[0][-1:])),
         OpDef("cache_write", NoAttrs, _same, _one(lambda i, a, c: _ref_cache_write(i[0], i[1], i[2])),
               effects=True),
@@ -1133,7 +1198,8 @@ OPS: dict[str, OpDef] = {
         OpDef("rope", Rope, _same, _one(lambda i, a, c: rope_ref(i[0], int(i[1]), i[2], a)), fused=True),
         OpDef("attention", Attention, _attention_shape,
               _one(lambda i, a, c: attention_ref(i[0], i[1], i[2], int(i[3]), a.scale, a.mask,
-                                                 i[4] if len(i) > 4 else None, a.block, a.f16_pv_below)),
+                                                 i[4] if len(i) > 4 else None, a.block, a.f16_pv_below,
+                                                 a.window, a.softcap)),
               fused=True),
         OpDef("swiglu", NoAttrs, _same, _one(lambda i, a, c: i[0] * _sigmoid(i[0]) * i[1]), fused=True),
         OpDef("moe_route", MoeRoute, _route_shape,

@@ -63,10 +63,17 @@ class ArchRecipe:
     biased_moe: bool = False
     msa: bool = False  # minimax-m3: leading dense block, MoE blocks with MSA (fixtures_msa.py)
     kimi: bool = False  # KDA + rope-less MLA, residual attention, latent MoE (fixtures_kimi.py)
+    # a sliding window of this many cells on every other layer (layer 0 windowed), so that a
+    # dozen tokens already reach past it
+    window: int = 0
+    softcaps: tuple[float, float] | None = None  # attention-score and final-logit softcaps small enough to bite
 
 
 RECIPES: dict[str, ArchRecipe] = {
     "llama": ArchRecipe(moe="optional", expert_gate_optional=True),
+    "gemma2": ArchRecipe(moe="never", window=4, softcaps=(0.5, 2.0)),
+    "gemma3": ArchRecipe(moe="never", window=4),
+    "qwen2": ArchRecipe(moe="never"),
     "qwen3": ArchRecipe(moe="never"),
     "qwen3moe": ArchRecipe(moe="always", expert_ff_key=True),
     "qwen35": ArchRecipe(moe="never", hybrid=True),
@@ -499,7 +506,22 @@ def _write_hparams(w: gguf.GGUFWriter, arch: str, s: FixtureSize, opts: FixtureO
         hyperconnected.write_hparams(w, s)
     if RECIPES[arch].msa:
         msa.write_hparams(w, s)
+    _write_window(w, arch)
     w.add_vocab_size(s.vocab)
+
+
+def _write_window(w: gguf.GGUFWriter, arch: str) -> None:
+    recipe = RECIPES[arch]
+    if recipe.window:
+        w.add_sliding_window(recipe.window)
+        w.add_array(f"{arch}.attention.sliding_window_pattern", [il % 2 == 0 for il in range(w_layers(w, arch))])
+    if recipe.softcaps is not None:
+        w.add_float32(f"{arch}.attn_logit_softcapping", recipe.softcaps[0])
+        w.add_float32(f"{arch}.final_logit_softcapping", recipe.softcaps[1])
+
+
+def w_layers(w: gguf.GGUFWriter, arch: str) -> int:
+    return int(_keys(w)[f"{arch}.block_count"])
 
 
 def _write_tokenizer(w: gguf.GGUFWriter, opts: FixtureOptions, vocab: BpeVocab | None) -> None:

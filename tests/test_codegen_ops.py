@@ -206,6 +206,7 @@ UNARY_DOMAINS = {
     "recip": POSITIVE,
     "softplus": (-30.0, 30.0),
     "exp": (-4.0, 4.0),
+    "gelu_tanh_f16": (-12.0, 12.0),  # past +-10 too, where llama.cpp's table is not read
 }
 FUSED_PROGRAM = O.FusedElementwise(
     (
@@ -356,21 +357,24 @@ def _cache_write(cg: CaseGraph, tag: str, n_kv: int, dim: int) -> Value:
     return cg.emit("cache_write", [cache, cg.rows((n_kv, dim)), cg.pos], O.NoAttrs())[0]
 
 
-def _attention_case(n_head: int, n_kv: int, dim: int, f16_pv_below: int = 0) -> Case:
+def _attention_case(n_head: int, n_kv: int, dim: int, f16_pv_below: int = 0, window: int = 0,
+                    softcap: float = 0.0) -> Case:
     """f16_pv_below: the CPU target's rounding of llama.cpp's one-row flash attention for calls
-    shorter than that (here the 1- to 4-token calls; the 5-token one keeps float32)."""
+    shorter than that (here the 1- to 4-token calls; the 5-token one keeps float32). `window`,
+    `softcap`: a sliding window, a tanh softcap on the scores."""
 
     def build(cg: CaseGraph) -> Graph:
         q = cg.rows((n_head, dim))
         kc, vc = _cache_write(cg, "k", n_kv, dim), _cache_write(cg, "v", n_kv, dim)
-        attrs = O.Attention(1.0 / math.sqrt(dim), f16_pv_below=f16_pv_below)
+        attrs = O.Attention(1.0 / math.sqrt(dim), f16_pv_below=f16_pv_below, window=window, softcap=softcap)
         out = cg.emit("attention", [q, kc, vc, cg.pos], attrs)[0]
         return cg.finish([out], {f"{cg.name}.k": kc, f"{cg.name}.v": vc})
 
     if f16_pv_below:
         return Case(f"attention-h{n_head}-kv{n_kv}-d{dim}-f16pv", "attention", build, group="cpu_rounding",
                     calls=STATEFUL)
-    return Case(f"attention-h{n_head}-kv{n_kv}-d{dim}", "attention", build, calls=STATEFUL)
+    extra = (f"-w{window}" if window else "") + (f"-cap{softcap}" if softcap else "")
+    return Case(f"attention-h{n_head}-kv{n_kv}-d{dim}{extra}", "attention", build, calls=STATEFUL)
 
 
 def _cache_write_case(cg: CaseGraph) -> Graph:
@@ -389,6 +393,9 @@ def position_cases() -> list[Case]:
         _attention_case(2, 2, 4),
         _attention_case(4, 2, 32, f16_pv_below=5),
         _attention_case(3, 1, 16, f16_pv_below=5),
+        _attention_case(4, 2, 32, window=4),  # the row kernel: windows shorter than the calls' reach
+        _attention_case(4, 1, 32, window=3, softcap=0.3),  # one KV head: decode runs the head group
+        _attention_case(2, 2, 32, softcap=0.3),
         Case("cache_write", "cache_write", _cache_write_case, calls=STATEFUL),
     ]
 

