@@ -87,6 +87,21 @@ def _truncated_gguf(tmp: Path) -> Path:
     return path
 
 
+def _unsupported_architecture(tmp: Path) -> Path:
+    """A well-formed GGUF of an architecture no release will support (a real one may be added)."""
+    import gguf
+
+    path = tmp / "unknown-arch.gguf"
+    writer = gguf.GGUFWriter(str(path), "no-such-arch")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 def _tampered_artifact(tmp: Path, artifact: Path) -> Path:
     copy = tmp / "tampered"
     shutil.copytree(artifact, copy)
@@ -97,7 +112,7 @@ def _tampered_artifact(tmp: Path, artifact: Path) -> Path:
 
 
 BAD_INPUTS = {
-    "unsupported-arch": lambda tmp, _: GOLDEN / "fixtures" / "gemma3-dense.gguf",
+    "unsupported-arch": lambda tmp, _: _unsupported_architecture(tmp),
     "missing": lambda tmp, _: tmp / "missing.gguf",
     "truncated": lambda tmp, _: _truncated_gguf(tmp),
     "not-an-artifact": lambda tmp, _: tmp,
