@@ -85,6 +85,7 @@ def _cases() -> list[Case]:
     cases += _both_t("topk", O.TopK(3), (X,))
     cases += _both_t("positions", O.Tokens(), (POS,), p=4)
     cases += _both_t("causal_mask", O.Tokens(), (POS,), p=3)
+    cases += _both_t("window_mask", O.WindowMask(window=2), (POS,), p=3)
     cases += _both_t("last_token", O.NoAttrs(), (X,))
     cache_state = In("cache", (CACHE, 2, 3), "state")
     cases += _both_t("cache_write", O.NoAttrs(), (cache_state, In("x", ("T", 2, 3)), POS), p=4)
