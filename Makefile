@@ -31,8 +31,9 @@ TEST_JOBS ?= $(shell $(BOOT_PYTHON) -c "import os; print(min(4, len(os.sched_get
 test: setup
 	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile
 
+# the slow tier's modules are spread over the CPUs too: its whole-model checks are independent files
 test-slow: setup
-	$(PY) -m pytest -q -m slow; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
+	$(PY) -m pytest -q -m slow -n $(TEST_JOBS) --dist loadfile; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
 
 lint: setup
 	ruff check .
