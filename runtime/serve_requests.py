@@ -222,10 +222,10 @@ def _response_format(body: Mapping[str, Any]) -> ResponseFormat | None:
         raise RequestError(400, "response_format.type must be 'text', 'json_object' or 'json_schema'",
                            param="response_format")
     spec = value.get("json_schema")
-    if not isinstance(spec, dict) or not isinstance(spec.get("name", ""), str):
+    if not isinstance(spec, dict) or not isinstance(spec.get("name") or "", str):
         raise RequestError(400, "response_format.json_schema must be an object {name, schema, strict}",
                            param="response_format.json_schema")
-    schema = spec.get("schema", {})
+    schema = {} if spec.get("schema") is None else spec["schema"]  # no schema: any JSON value
     if not isinstance(schema, (dict, bool)):
         raise RequestError(400, f"response_format.json_schema.schema must be an object, got {_json_type(schema)}",
                            param="response_format.json_schema.schema")

@@ -39,7 +39,7 @@ from .serve_logprobs import LogprobWriter, merge
 from .serve_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .serve_metrics import ServerMetrics
 from .serve_requests import MAX_BODY_BYTES, ApiRequest, RequestError, parse_json, parse_request
-from .serve_schema import COMPLETION_RESPONSES, ERROR_RESPONSES, request_body, request_models
+from .serve_schema import COMPLETION_RESPONSES, ERROR_RESPONSES, METRICS_RESPONSES, request_body, request_models
 from .structured_output import GrammarError, Grammars
 from .tokenizer import TokenizationError
 from .tool_calls import ToolFormat, detect_format
@@ -68,13 +68,14 @@ def create_app(engine: Engine, tokenizer: Any, info: Mapping[str, Any], *, model
 
     # /openapi.json describes the requests (serve_schema.py); the handlers check bodies themselves
     app = FastAPI(title="ggufc", lifespan=lifespan, docs_url=None, redoc_url=None)
-    completion_request, chat_request = request_models(model_id, engine.n_ctx, n_vocab)
+    completion_request, chat_request = request_models(model_id, engine.n_ctx, n_vocab, max_n=len(engine.slots),
+                                                      model_names=tuple(other_names))
     created = int(time.time())
     context = _Context(engine, tokenizer, info, model_id, n_vocab, api_key, tuple(other_names))
     metrics = ServerMetrics(engine)
     app.add_middleware(_RequestCounter, metrics=metrics)
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses=METRICS_RESPONSES)
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
 

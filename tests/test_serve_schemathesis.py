@@ -80,12 +80,17 @@ def _operations(schema: Any) -> list[Any]:
 def test_schema_describes_every_route_and_request_body(schema: Any) -> None:
     """The schema is what the fuzzer generates from: every route, with typed request bodies."""
     labels = {op.label for op in _operations(schema)}
-    assert labels == {"GET /health", "GET /v1/models", "POST /v1/completions", "POST /v1/chat/completions"}
+    assert labels == {"GET /health", "GET /metrics", "GET /v1/models", "POST /v1/completions",
+                      "POST /v1/chat/completions"}
     for path, field in [("/v1/completions", "prompt"), ("/v1/chat/completions", "messages")]:
         body = schema.raw_schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
         assert {"model", field} <= set(body["required"])
         assert body["properties"]["model"]["enum"] == ["smollm2"]
         assert body["properties"]["max_tokens"]["anyOf"][0]["maximum"] == N_CTX
+        assert body["properties"]["n"]["anyOf"][0]["maximum"] == 2  # the slots
+        assert {"logit_bias", "response_format", "presence_penalty", "logprobs"} <= body["properties"].keys()
+    chat = schema.raw_schema["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]
+    assert {"tools", "tool_choice", "top_logprobs"} <= chat["schema"]["properties"].keys()
 
 
 def _check_answer(case: Any, response: Any) -> None:
