@@ -8,6 +8,7 @@ stdout. The compiler (frontend, passes, codegen) is imported only by the command
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import dataclasses
 import json
@@ -1138,6 +1139,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_ERROR
 
 
+def entry() -> NoReturn:
+    """The `ggufc` command: `main()`, then Python's exit handlers, then the process ends without
+    native libraries' exit-time teardown. TVM's CPU thread pool joins its workers there, and a worker
+    spins TVM_THREAD_POOL_SPIN_COUNT (300000) yields before it sees the exit; with every core busy
+    each yield gives up a scheduler slice, so a finished `ggufc` would wait minutes to exit."""
+    code = main()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
 def report_error(exc: BaseException) -> None:
     if isinstance(exc, (CLIError, ValueError, OSError)):
         message = one_line(exc)
@@ -1155,4 +1171,4 @@ def _silence_stdout() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -125,3 +125,17 @@ def test_two_processes_compile_a_model_once(tmp_path: Path) -> None:
     assert [proc.returncode for proc in runs] == [0, 0], errors
     assert sum("first use" in err for err in errors) == 1, errors
     np.testing.assert_array_equal(np.load(tmp_path / "logits0.npy"), np.load(tmp_path / "logits1.npy"))
+
+
+def test_exits_without_waiting_for_spinning_kernel_threads(tmp_path: Path) -> None:
+    """A finished command exits at once: TVM's CPU pool workers spin TVM_THREAD_POOL_SPIN_COUNT
+    yields before they notice the exit, which takes minutes when every core is busy; here the spin
+    is made that long on an idle machine (before `entry`, this eval had not exited after 120 s)."""
+    tokens = tmp_path / "tokens.npy"
+    np.save(tokens, np.array([1, 2, 3], dtype=np.int32))
+    env = {**os.environ, "TVM_THREAD_POOL_SPIN_COUNT": "2000000000", "TVM_NUM_THREADS": "2"}
+    proc = subprocess.run([sys.executable, "-m", "ggufc.cli", "eval", str(Q4_1_FIXTURE), "--tokens", str(tokens),
+                           "--out", str(tmp_path / "logits.npy")], env=env, capture_output=True, text=True,
+                          timeout=300)  # compiling on first use included; the spin alone would take far longer
+    assert proc.returncode == 0, proc.stderr
+    assert np.load(tmp_path / "logits.npy").shape == (3, 128)
