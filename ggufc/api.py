@@ -27,6 +27,7 @@ import numpy as np
 from ggufc import arguments, cli
 from ggufc.driver import models
 from ggufc.messages import ArgumentError, GgufcError, one_line
+from ggufc.runtime.embeddings import DEFAULT_POOLING, POOLINGS, embed_ids
 from ggufc.runtime.generate import generate
 from ggufc.runtime.sampling import Sampler
 from ggufc.runtime.session import Session, reserve_cpu_threads
@@ -207,6 +208,25 @@ class Model:
         if tokens.ndim != 1 or tokens.size == 0:
             raise ArgumentError(f"eval needs a non-empty 1-D sequence of token ids, got shape {tokens.shape}")
         return np.asarray(cli.teacher_forced_logits(self.session, tokens, chunk or tokens.size))
+
+    def embed(self, text_or_ids: str | Sequence[int], *, pooling: str = DEFAULT_POOLING,
+              normalize: bool = True) -> np.ndarray:
+        """The embedding of one input (text, or token ids), float32 [n_embd]: the final hidden
+        states (the final norm's output) pooled as llama.cpp's `--pooling` does, `last` (the last
+        token's) or `mean` (over the input's tokens), scaled to unit length unless `normalize`
+        is off. Runs from an empty context."""
+        if pooling not in POOLINGS:
+            raise ArgumentError(f"pooling must be one of {', '.join(POOLINGS)}, got {pooling!r:.40}")
+        if isinstance(text_or_ids, str):
+            ids = self.tokenize(text_or_ids)
+        else:
+            ids = [int(t) for t in text_or_ids]
+        if not ids:
+            raise ArgumentError("embed needs at least one token")
+        if len(ids) > self.n_ctx or not all(0 <= t < self.n_vocab for t in ids):
+            raise ArgumentError(f"embed needs at most {self.n_ctx} token ids in [0, {self.n_vocab}), "
+                                f"got {len(ids)} ids in [{min(ids)}, {max(ids)}]")
+        return embed_ids(self.session, ids, pooling, normalize)
 
     # ----------------------------------------------------------------- lifetime
 
