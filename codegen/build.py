@@ -31,6 +31,7 @@ Progress = Callable[[str], None]
 
 DEFAULT_MAX_CHUNK = 512
 VERIFY_FUNCTION = "verify"
+EMBED_FUNCTION = "embed"  # the final hidden states [T, n_embd] (frontend/load.hidden_states_graph)
 
 
 @dataclass
@@ -89,6 +90,9 @@ def build_executable(
     if not gpu_target:  # speculative verification: all logits, each row as a one-token call computes it
         mb.add_function(VERIFY_FUNCTION, graphs["prefill_all"], one_token_order=True)
         functions.append(VERIFY_FUNCTION)
+    if EMBED_FUNCTION in graphs:  # the all-logits graph less its output matrix: no kernel of its own
+        mb.add_function(EMBED_FUNCTION, graphs[EMBED_FUNCTION])
+        functions.append(EMBED_FUNCTION)
     batch_refused = decode_batch_refusal(graphs["prefill_all"], tgt)
     if batch_refused is None:  # one token of each of several sequences (codegen/batch_rows.py)
         add_decode_batch(mb, graphs["prefill_all"])

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import save_file
 
-from ggufc.codegen.build import DEFAULT_MAX_CHUNK, Built, Progress, kernel_weights, layout_fields
+from ggufc.codegen.build import DEFAULT_MAX_CHUNK, EMBED_FUNCTION, Built, Progress, kernel_weights, layout_fields
 from ggufc.codegen.quant_int8 import check_prompt_tiles
 from ggufc.codegen.target import cpu_manifest, target_key
 from ggufc.frontend.load import LoadedModel, load_model
@@ -111,7 +111,7 @@ def _manifest(model: LoadedModel, built: Built, tokenizer: dict[str, Any], weigh
         "target": _jsonable(plain_target(target)),
         "target_key": target_key(built.target),
         **cpu_manifest(built.target, _jsonable(plain_target(target))),
-        "functions": {name: {"tokens": 1 if name == "decode" else "T"} for name in built.functions},
+        "functions": {name: function_entry(name, built) for name in built.functions},
         "tokenizer": tokenizer,
         "source": {"file": os.path.basename(model.gguf.path), "sha256": A.sha256_file(model.gguf.path)},
         "passes": built.pass_stats,
@@ -124,6 +124,14 @@ def _manifest(model: LoadedModel, built: Built, tokenizer: dict[str, Any], weigh
         **({"tuning": built.tuning.manifest()} if built.tuning is not None else {}),
         **gpu_manifest(built),
     }
+
+
+def function_entry(name: str, built: Built) -> dict[str, Any]:
+    """A function's token count, and for the hidden-state output its row width (n_embd)."""
+    entry: dict[str, Any] = {"tokens": 1 if name == "decode" else "T"}
+    if name == EMBED_FUNCTION:
+        entry["width"] = int(built.graphs[name].outputs[0].shape[-1])
+    return entry
 
 
 def with_state_kinds(states: list[dict[str, Any]], built: Built) -> list[dict[str, Any]]:

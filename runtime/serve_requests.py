@@ -440,3 +440,68 @@ def _json_type(value: Any) -> str:
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+# --------------------------------------------------------------------- /v1/embeddings
+
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on the inputs of one request
+EMBEDDING_ENCODINGS = ("float", "base64")
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbeddingApiRequest:
+    """A checked embeddings request: texts, or token id lists (one of the two)."""
+
+    texts: tuple[str, ...] | None
+    ids: tuple[tuple[int, ...], ...] | None
+    encoding_format: str
+
+
+def parse_embedding_request(body: Mapping[str, Any], *, model_id: str, n_embd: int, n_vocab: int,
+                            other_names: Collection[str] = ()) -> EmbeddingApiRequest:
+    """`input`: a string, a list of strings, a list of token ids or a list of such lists;
+    `dimensions`, when given, must be the model's width (no truncated embeddings)."""
+    _check_model(body, model_id, other_names)
+    encoding = body.get("encoding_format")
+    if encoding is not None and encoding not in EMBEDDING_ENCODINGS:
+        raise RequestError(400, f"encoding_format must be 'float' or 'base64', got {_short(encoding)}",
+                           param="encoding_format")
+    dimensions = body.get("dimensions")
+    if dimensions is not None and (type(dimensions) is not int or dimensions != n_embd):
+        raise RequestError(400, f"dimensions must be this model's embedding width {n_embd} (or left out), "
+                                f"got {_short(dimensions)}", param="dimensions", code="unsupported")
+    texts, ids = _embedding_inputs(body.get("input"), n_vocab)
+    return EmbeddingApiRequest(texts, ids, encoding or "float")
+
+
+def _embedding_inputs(value: Any, n_vocab: int) -> tuple[tuple[str, ...] | None, tuple[tuple[int, ...], ...] | None]:
+    what = "input must be a string, a list of strings, a list of token ids or a list of token id lists"
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not value:
+        raise RequestError(400, f"{what}, not empty; got {_json_type(value)}", param="input")
+    if len(value) > MAX_EMBEDDING_INPUTS:
+        raise RequestError(400, f"input holds {len(value)} items, at most {MAX_EMBEDDING_INPUTS}", param="input")
+    if all(isinstance(v, str) for v in value):
+        if not all(value):
+            raise RequestError(400, "input: an empty string has no tokens to embed", param="input")
+        return tuple(value), None
+    if all(_is_int(v) for v in value):
+        return None, (_token_ids(value, n_vocab),)
+    if all(isinstance(v, list) for v in value):
+        return None, tuple(_token_ids(v, n_vocab) for v in value)
+    raise RequestError(400, f"{what}; got a list of mixed items", param="input")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _token_ids(values: list[Any], n_vocab: int) -> tuple[int, ...]:
+    if not values:
+        raise RequestError(400, "input: an empty token id list has nothing to embed", param="input")
+    for v in values:
+        if not _is_int(v) or not 0 <= v < n_vocab:
+            raise RequestError(400, f"input: token ids must be integers in [0, {n_vocab}), got {_short(v)}",
+                               param="input")
+    return tuple(values)

@@ -13,7 +13,15 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, conlist, create_model
 
 from .serve_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from .serve_requests import CHAT_ROLES, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_TEMPERATURE, SEED_RANGE
+from .serve_requests import (
+    CHAT_ROLES,
+    EMBEDDING_ENCODINGS,
+    MAX_EMBEDDING_INPUTS,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_TEMPERATURE,
+    SEED_RANGE,
+)
 from .token_choice import LOGIT_BIAS_RANGE, MAX_TOP_LOGPROBS, PENALTY_RANGE
 
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
@@ -151,6 +159,27 @@ def request_models(model_id: str, n_ctx: int, n_vocab: int, *, max_n: int = 1,
     return completion, chat
 
 
+def embedding_request_model(model_id: str, n_ctx: int, n_vocab: int, n_embd: int, *,
+                            model_names: tuple[str, ...] = ()) -> type[BaseModel]:
+    """The /v1/embeddings request with this server's model names and limits."""
+    token_id: Any = Annotated[int, Field(ge=0, lt=n_vocab)]
+    ids: Any = conlist(token_id, min_length=1, max_length=n_ctx)
+    text: Any = Annotated[str, Field(min_length=1)]
+    many: Any = conlist(text, min_length=1, max_length=MAX_EMBEDDING_INPUTS) | conlist(
+        ids, min_length=1, max_length=MAX_EMBEDDING_INPUTS)
+    dimensions: Any = Literal[n_embd] if n_embd > 0 else None  # type: ignore[valid-type]
+    encoding: Any = Literal[EMBEDDING_ENCODINGS]  # type: ignore[valid-type]
+    return create_model(
+        "EmbeddingRequest",
+        model=(str, Field(json_schema_extra={"enum": [model_id, *model_names]})),
+        input=(text | ids | many, Field(description="text, token ids, or a list of either (one embedding each); "
+                                                     "each at most the context's tokens")),
+        encoding_format=(encoding | None, Field(None, description="float (default) or base64 (float32 little-endian)")),
+        dimensions=(dimensions | None, Field(None, description="only the model's own width")),
+        user=(str | None, None),
+    )
+
+
 def request_body(model: type[BaseModel]) -> dict[str, Any]:
     """`openapi_extra` for a route that reads its body itself: the model's schema, inlined."""
     schema = model.model_json_schema()
@@ -184,5 +213,10 @@ METRICS_RESPONSES: dict[int | str, dict[str, Any]] = {
 COMPLETION_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {"description": "the completion (JSON), or its chunks as server-sent events when streamed",
           "content": {"application/json": {}, "text/event-stream": {}}},
+    **ERROR_RESPONSES,
+}
+EMBEDDING_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"description": "one unit-length embedding per input, pooled as the server's --pooling says",
+          "content": {"application/json": {}}},
     **ERROR_RESPONSES,
 }

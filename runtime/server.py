@@ -1,7 +1,8 @@
 """`ggufc serve`: an OpenAI-compatible HTTP server (FastAPI on uvicorn, server-sent events for
 streaming) in front of the generation engine (serve_engine.py).
 
-Endpoints: POST /v1/completions and /v1/chat/completions (streamed or not), GET /v1/models,
+Endpoints: POST /v1/completions and /v1/chat/completions (streamed or not), POST /v1/embeddings
+(the final hidden states pooled `last` or `mean`, unit length, as llama-server's), GET /v1/models,
 GET /health and GET /metrics (Prometheus). Bad requests get OpenAI's error body with a 4xx status (serve_requests.py); a
 request that finds every slot busy and the queue full gets 503. A client that goes away (a
 closed stream, or a dropped connection while it waits for a whole answer) cancels its request,
@@ -12,6 +13,7 @@ lets the requests in flight finish (up to `GRACEFUL_SHUTDOWN_S`), then the engin
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import dataclasses
 import hmac
@@ -32,20 +34,37 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .chat import ChatTemplateError
+from .embeddings import DEFAULT_POOLING, check_pooling
 from .prompting import encode_prompt, render_messages, stop_ids
 from .sampling import Sampler
-from .serve_engine import Engine, Event, Generation, ServerBusyError, Slots, Ticket
+from .serve_engine import EmbeddingRequest, Engine, Event, Generation, ServerBusyError, Slots, Ticket
 from .serve_logprobs import LogprobWriter, merge
 from .serve_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .serve_metrics import ServerMetrics
-from .serve_requests import MAX_BODY_BYTES, ApiRequest, RequestError, parse_json, parse_request
-from .serve_schema import COMPLETION_RESPONSES, ERROR_RESPONSES, METRICS_RESPONSES, request_body, request_models
+from .serve_requests import (
+    MAX_BODY_BYTES,
+    ApiRequest,
+    EmbeddingApiRequest,
+    RequestError,
+    parse_embedding_request,
+    parse_json,
+    parse_request,
+)
+from .serve_schema import (
+    COMPLETION_RESPONSES,
+    EMBEDDING_RESPONSES,
+    ERROR_RESPONSES,
+    METRICS_RESPONSES,
+    embedding_request_model,
+    request_body,
+    request_models,
+)
 from .structured_output import GrammarError, Grammars
 from .tokenizer import TokenizationError
 from .tool_calls import ToolFormat, detect_format
 
 GRACEFUL_SHUTDOWN_S = 30
-_COUNTED = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models"})
+_COUNTED = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/models"})
 RETRY_AFTER_S = 1
 
 
@@ -54,9 +73,12 @@ class ServeError(OSError):
 
 
 def create_app(engine: Engine, tokenizer: Any, info: Mapping[str, Any], *, model_id: str, n_vocab: int,
-               api_key: str | None = None, other_names: Sequence[str] = ()) -> FastAPI:
+               api_key: str | None = None, other_names: Sequence[str] = (), embedding_width: int = 0,
+               pooling: str = DEFAULT_POOLING) -> FastAPI:
     """The ASGI app; it starts the engine with the app and stops it on shutdown. The model answers
-    to `model_id` (the name in responses) and to `other_names`."""
+    to `model_id` (the name in responses) and to `other_names`. `embedding_width`: the artifact's
+    hidden-state width (0: it has no `embed` function, and /v1/embeddings says so); `pooling`:
+    how /v1/embeddings pools an input's hidden states."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -72,6 +94,9 @@ def create_app(engine: Engine, tokenizer: Any, info: Mapping[str, Any], *, model
                                                       model_names=tuple(other_names))
     created = int(time.time())
     context = _Context(engine, tokenizer, info, model_id, n_vocab, api_key, tuple(other_names))
+    context.embedding_width, context.pooling = embedding_width, check_pooling(pooling)
+    embedding_request = embedding_request_model(model_id, engine.n_ctx, n_vocab, embedding_width,
+                                                model_names=tuple(other_names))
     metrics = ServerMetrics(engine)
     app.add_middleware(_RequestCounter, metrics=metrics)
 
@@ -113,6 +138,10 @@ def create_app(engine: Engine, tokenizer: Any, info: Mapping[str, Any], *, model
     async def chat_completions(request: Request) -> Response:
         return await context.answer(request, chat=True)
 
+    @app.post("/v1/embeddings", openapi_extra=request_body(embedding_request), responses=EMBEDDING_RESPONSES)
+    async def embeddings(request: Request) -> Response:
+        return await context.embed(request)
+
     return app
 
 
@@ -145,6 +174,7 @@ class _Context:
         self.model_id, self.n_vocab, self.api_key = model_id, n_vocab, api_key
         self.grammars = Grammars(tokenizer, n_vocab, stop_ids(info))
         self.tool_format = detect_format(str(info.get("chat_template") or ""))
+        self.embedding_width, self.pooling = 0, DEFAULT_POOLING  # set by create_app
 
     def check_key(self, request: Request) -> None:
         if self.api_key is None:
@@ -171,6 +201,68 @@ class _Context:
         if parsed.stream:
             return _EventStream(reply.stream(events), tickets)
         return await _whole_answer(request, reply, events, tickets)
+
+    async def embed(self, request: Request) -> Response:
+        self.check_key(request)
+        body = parse_json(await _read_body(request))
+        if self.embedding_width <= 0:
+            raise RequestError(400, "this artifact has no hidden-state output to embed (compiled by an older ggufc "
+                                    "or for a GPU target); recompile it for the CPU", code="unsupported")
+        parsed = parse_embedding_request(body, model_id=self.model_id, n_embd=self.embedding_width,
+                                         n_vocab=self.n_vocab, other_names=self.other_names)
+        inputs = await anyio.to_thread.run_sync(self._embedding_ids, parsed)
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[list[Any] | str] = loop.create_future()
+
+        def settle(result: list[Any] | str) -> None:
+            if not done.done():
+                done.set_result(result)
+
+        def deliver(result: list[Any] | str) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening any more
+                loop.call_soon_threadsafe(settle, result)
+
+        try:
+            job = self.engine.submit_embedding(EmbeddingRequest(inputs, self.pooling), deliver)
+        except ServerBusyError as exc:
+            raise RequestError(503, str(exc), code="server_busy", kind="server_error") from None
+        watching: asyncio.Future[Any] = asyncio.ensure_future(_disconnected(request.receive))
+        try:
+            await asyncio.wait([done, watching], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watching.cancel()
+            if not done.done():
+                job.cancel()
+        if not done.done():
+            return Response(status_code=499)  # nobody is there to read it
+        result = done.result()
+        if isinstance(result, str):
+            status = 503 if "shutting down" in result else 500
+            return JSONResponse(RequestError(status, result, kind="server_error").body(), status_code=status)
+        n_tokens = sum(len(ids) for ids in inputs)
+        data = [{"object": "embedding", "index": i, "embedding": _encoded(v, parsed.encoding_format)}
+                for i, v in enumerate(result)]
+        return JSONResponse({"object": "list", "data": data, "model": self.model_id,
+                             "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}})
+
+    def _embedding_ids(self, parsed: EmbeddingApiRequest) -> tuple[tuple[int, ...], ...]:
+        """Each input's token ids (texts tokenized as completion prompts are), each fitting the context."""
+        if parsed.ids is not None:
+            inputs = parsed.ids
+        else:
+            assert parsed.texts is not None
+            try:
+                inputs = tuple(tuple(encode_prompt(self.tokenizer, self.info, text, templated=False))
+                               for text in parsed.texts)
+            except TokenizationError as exc:
+                raise RequestError(400, str(exc), param="input") from None
+        for i, ids in enumerate(inputs):
+            if not ids:
+                raise RequestError(400, f"input {i} has no tokens", param="input")
+            if len(ids) > self.engine.n_ctx:
+                raise RequestError(400, f"input {i} has {len(ids)} tokens, more than the context holds "
+                                        f"({self.engine.n_ctx} tokens)", param="input", code="context_length_exceeded")
+        return inputs
 
     def _submit(self, parsed: ApiRequest, ids: list[int], loop: asyncio.AbstractEventLoop,
                 events: asyncio.Queue[tuple[int, Event]]) -> _Tickets:
@@ -377,6 +469,13 @@ class _Reply:
         yield b"data: [DONE]\n\n"
 
 
+def _encoded(vector: Any, encoding_format: str) -> list[float] | str:
+    """An embedding as JSON numbers, or (base64) its float32 little-endian bytes as OpenAI sends them."""
+    if encoding_format == "base64":
+        return base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
+    return [float(x) for x in vector]
+
+
 def _sse(payload: Mapping[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, ensure_ascii=False).encode("utf-8") + b"\n\n"
 
@@ -467,7 +566,7 @@ class _EventStream(StreamingResponse):
 def serve(open_slots: Callable[[int], Slots], tokenizer: Any, info: Mapping[str, Any], *, model_id: str,
           n_vocab: int, sock: socket.socket, parallel: int = 1, max_queue: int = 16,
           sleep_idle_s: float | None = None, api_key: str | None = None, other_names: Sequence[str] = (),
-          announce: Callable[[str], None] = print) -> None:
+          embedding_width: int = 0, pooling: str = DEFAULT_POOLING, announce: Callable[[str], None] = print) -> None:
     """Load `parallel` slots (`open_slots(parallel)`) and serve on `sock` (from `listen`) until
     SIGINT/SIGTERM."""
     engine = Engine(open_slots, tokenizer, stop_ids(info), parallel=parallel, max_queue=max_queue,
@@ -475,7 +574,7 @@ def serve(open_slots: Callable[[int], Slots], tokenizer: Any, info: Mapping[str,
     if parallel > 1 and engine.batch_refused is not None:
         announce(f"slots decode one call each (no batched decode: {engine.batch_refused})")
     app = create_app(engine, tokenizer, info, model_id=model_id, n_vocab=n_vocab, api_key=api_key,
-                     other_names=other_names)
+                     other_names=other_names, embedding_width=embedding_width, pooling=pooling)
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
                             lifespan="on")
     bound_host, bound_port = sock.getsockname()[:2]

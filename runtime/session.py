@@ -55,6 +55,7 @@ from .state_file import SavedState, StateFileError, read_state_file, write_state
 from .targets import TARGET_KEY_OF_DEVICE
 
 VERIFY = "verify"  # all logits, each row as a one-token call computes it (CPU artifacts have it)
+EMBED = "embed"  # the final hidden states [T, n_embd], the output matrix's input (CPU artifacts have it)
 PLAN_DEVICES = ("vulkan", "metal")  # artifacts run from a dispatch plan, not a Relax VM executable
 
 # Session device name -> the manifest's target_key the kernels must have been built for.
@@ -220,6 +221,7 @@ class Session:
         self.manifest: dict[str, Any] = manifest
         self.n_ctx = int(manifest["n_ctx"])
         self.n_vocab = int(manifest["n_vocab"])
+        self.n_embd = _hidden_width(manifest)
         self.max_chunk = int(manifest["max_chunk"])
         self._device = tvm.device(device)
         self._on_cpu = device == "cpu"
@@ -581,8 +583,22 @@ class Session:
         self._context.rollback.clear()  # copies from an earlier step are not kept
         return self._feed(ids, all_logits=all_logits, keep_rollback=keep_rollback)
 
-    def _feed(self, ids: np.ndarray, *, all_logits: bool, keep_rollback: int) -> np.ndarray:
-        """Run `ids` in chunks ending at checkpoint positions, copying recurrent state there."""
+    def hidden_states(self, tokens: np.ndarray | list[int]) -> np.ndarray:
+        """Append `tokens` to the context and return float32 [len(tokens), n_embd]: each token's
+        final hidden state (after the final norm, before the output matrix), as llama.cpp embeds.
+        Long inputs run in chunks as `forward` runs them."""
+        if EMBED not in self._functions or self.n_embd <= 0:
+            raise ArtifactError("this artifact has no hidden-state output (compiled by an older ggufc, or for a GPU "
+                                "target, which has none yet); recompile it for the CPU to embed")
+        ids = self._checked_tokens(tokens)
+        self._ensure_device()
+        self._context.rollback.clear()
+        return self._feed(ids, all_logits=True, keep_rollback=0, function=EMBED)
+
+    def _feed(self, ids: np.ndarray, *, all_logits: bool, keep_rollback: int,
+              function: str | None = None) -> np.ndarray:
+        """Run `ids` in chunks ending at checkpoint positions, copying recurrent state there
+        (`function`: the entry point of every chunk, which returns all rows)."""
         ctx, start = self._context, self._n_past
         recurrent = bool(self._recurrent)
         end = start + ids.size
@@ -595,7 +611,9 @@ class Session:
         for i, stop in enumerate(ends):
             chunk = ids[prev - start : stop - start]
             last = i == len(ends) - 1
-            if all_logits:
+            if function is not None:
+                fn = function
+            elif all_logits:
                 fn = VERIFY if keep_rollback and VERIFY in self._functions else "prefill_all"
             elif last and chunk.size == 1 and "decode" in self._functions:
                 fn = "decode"
@@ -644,12 +662,13 @@ class Session:
 
     def _call(self, fn: str, chunk: np.ndarray) -> np.ndarray:
         n = chunk.size
+        width = self.n_embd if fn == EMBED else self.n_vocab
         buffer = self._token_buffer[:n]  # prefix of an aligned buffer: still aligned
         buffer[...] = chunk
         if self._plan is not None:
             rows = self._plan.call(fn, buffer, self._n_past)
             self._n_past += n
-            return rows.reshape(-1, self.n_vocab).astype(np.float32, copy=False)
+            return rows.reshape(-1, width).astype(np.float32, copy=False)
         if fn == "decode" and self._decode_inputs is not None:  # cuda: token and position in device memory
             token_state, pos_state = self._decode_inputs
             self._state_tensors[token_state].copyfrom(np.asarray(chunk[:1], dtype=np.int32))
@@ -659,7 +678,7 @@ class Session:
         )
         self._n_past += n
         logits = np.from_dlpack(out) if self._on_cpu else out.numpy()  # zero-copy on CPU
-        return logits.reshape(-1, self.n_vocab).astype(np.float32, copy=False)
+        return logits.reshape(-1, width).astype(np.float32, copy=False)
 
     # ----------------------------------------------------------------- lifetime
 
@@ -696,6 +715,13 @@ def _vm_functions(artifact: Artifact, device: Any) -> dict[str, Any]:
     # Before any kernel touches a buffer sized from the manifest: the kernels say what they expect.
     check_layout_contract(artifact.manifest, functions.pop(LAYOUT_FUNCTION)(), artifact.path)
     return functions
+
+
+def _hidden_width(manifest: dict[str, Any]) -> int:
+    """The width of the `embed` function's rows (0: the artifact has no such function)."""
+    entry = manifest["functions"].get(EMBED) if isinstance(manifest["functions"], dict) else None
+    width = entry.get("width") if isinstance(entry, dict) else None
+    return width if isinstance(width, int) and not isinstance(width, bool) and width > 0 else 0
 
 
 def _decode_inputs(manifest: dict[str, Any], n_states: int, where: Path) -> tuple[int, int] | None:

@@ -31,6 +31,8 @@ class SlotGroup:
         if n_slots < 1:
             raise ValueError(f"a slot group needs at least one slot, got {n_slots}")
         self._stack = StackedStates(n_slots)
+        self._artifact, self._device, self._threads = artifact, device, threads
+        self._embedder: Session | None = None
         first = Session(artifact, device=device, threads=threads, stack=(self._stack, 0))
         self.sessions = [first]
         try:
@@ -78,18 +80,29 @@ class SlotGroup:
         out = loaded._functions[DECODE_BATCH](*rows, self._stack.tensors(), *loaded._params)
         return np.from_dlpack(out).reshape(n, self.n_vocab).astype(np.float32, copy=False)
 
+    def embedder(self) -> Session:
+        """A session of its own for embeddings (its states apart from every slot's, the weights
+        shared), opened on first use."""
+        if self._embedder is None:
+            self._embedder = Session(self._artifact, device=self._device, threads=self._threads,
+                                     weights=self.sessions[0]._weights)
+        return self._embedder
+
+    def _all_sessions(self) -> list[Session]:
+        return [*self.sessions, *([self._embedder] if self._embedder is not None else [])]
+
     def release_device(self) -> None:
         """Every slot gives its memory back (the weights go when the last one does)."""
-        for session in self.sessions:
+        for session in self._all_sessions():
             session.release_device()
 
     def restore_device(self) -> None:
-        for session in self.sessions:
+        for session in self._all_sessions():
             session.restore_device()
 
     def memory(self) -> dict[str, int]:
         return self.sessions[0].memory()
 
     def close(self) -> None:
-        for session in self.sessions:
+        for session in self._all_sessions():
             session.close()

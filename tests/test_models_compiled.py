@@ -17,7 +17,7 @@ from ggufc.codegen.build import Built, kernel_weights, weight_key
 from ggufc.codegen.tvm_util import to_tvm
 from ggufc.driver.stages import build_model
 from ggufc.frontend.archs import ARCHITECTURES
-from ggufc.frontend.load import LoadedModel, load_model
+from ggufc.frontend.load import LoadedModel, hidden_states_graph, load_model
 from ggufc.ir.interp import init_state, run_graph
 
 N_TOKENS = 10
@@ -80,9 +80,9 @@ def compiled_decode(cm: CompiledModel, tokens: np.ndarray) -> np.ndarray:
     return np.concatenate([cm.call("decode", tokens[i : i + 1], i, states) for i in range(len(tokens))])
 
 
-def interpreted(model: LoadedModel, tokens: np.ndarray) -> np.ndarray:
-    """The spec: one-shot all-token logits from the float64 interpreter."""
-    graph = model.graphs["prefill_all"]
+def interpreted(model: LoadedModel, tokens: np.ndarray, hidden: bool = False) -> np.ndarray:
+    """The spec: one-shot all-token logits (`hidden`: final hidden states) from the float64 interpreter."""
+    graph = hidden_states_graph(model.graphs["prefill_all"]) if hidden else model.graphs["prefill_all"]
     res = run_graph(
         graph,
         {"tokens": tokens, "pos": np.int64(0)},
@@ -133,3 +133,13 @@ def test_last_token_prefill_after_a_chunk(variant: dict[str, Any]) -> None:
     last = cm.call("prefill", tokens[4:], 4, states)
     assert last.shape == (1, cm.model.hparams.n_vocab)
     assert nmse(last, variant["ref"][-1:]) <= variant["bound"]
+
+
+def test_hidden_states_match_interpreter(variant: dict[str, Any]) -> None:
+    """`embed` (the final norm's output, for embeddings), chunked, against the interpreter."""
+    cm, tokens = variant["cm"], variant["tokens"]
+    states = cm.fresh_states()
+    got = np.concatenate([cm.call("embed", tokens[i : i + CHUNK], i, states) for i in range(0, len(tokens), CHUNK)])
+    ref = interpreted(cm.model, tokens, hidden=True)
+    assert got.shape == ref.shape == (len(tokens), cm.model.hparams.n_embd)
+    assert nmse(got, ref) <= variant["bound"]

@@ -11,9 +11,10 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
+from ggufc.runtime.embeddings import pool
 from ggufc.runtime.sampling import Sampler
-from ggufc.runtime.serve_engine import Engine, Event, Generation, ServerBusyError, StopStringFilter
-from ggufc.runtime.serve_requests import RequestError, parse_json, parse_request
+from ggufc.runtime.serve_engine import EmbeddingRequest, Engine, Event, Generation, ServerBusyError, StopStringFilter
+from ggufc.runtime.serve_requests import RequestError, parse_embedding_request, parse_json, parse_request
 
 N_VOCAB = 16
 EOS = 15
@@ -122,6 +123,29 @@ class ScriptedRunner:
     released = False
 
 
+class ScriptedEmbedder:
+    """Hidden state of a token: [id, position, 1]; records its calls as ("embed", length)."""
+
+    max_chunk = 4
+
+    def __init__(self, calls: list[tuple[object, object]]) -> None:
+        self.calls, self.n_past = calls, 0
+
+    def reset(self) -> None:
+        self.n_past = 0
+
+    def hidden_states(self, tokens: Sequence[int]) -> np.ndarray:
+        assert 0 < len(tokens) <= self.max_chunk
+        self.calls.append(("embed", len(tokens)))
+        rows = np.array([[t, self.n_past + i, 1] for i, t in enumerate(tokens)], np.float32)
+        self.n_past += len(tokens)
+        return rows
+
+
+def scripted_hidden_states(ids: Sequence[int]) -> np.ndarray:
+    return np.array([[t, i, 1] for i, t in enumerate(ids)], np.float32)
+
+
 class ScriptedSlots:
     """Scripted runners as a slot group; `batched`: its decode_batch steps several at once
     (recorded as ("batch", slots)), else it refuses batching as a recurrent artifact would."""
@@ -135,6 +159,11 @@ class ScriptedSlots:
         assert self.batch_refused is None and len({s for s, _ in steps}) == len(steps)
         self.calls.append(("batch", tuple(s for s, _ in steps)))
         return np.stack([self.sessions[s].append([t]) for s, t in steps])
+
+    def embedder(self) -> ScriptedEmbedder:
+        if not hasattr(self, "_embedder"):
+            self._embedder = ScriptedEmbedder(self.calls)
+        return self._embedder
 
     def release_device(self) -> None:
         for r in self.sessions:
@@ -314,3 +343,47 @@ def test_choices_of_one_request_read_the_prompt_once() -> None:
         assert engine.status()["prefills_shared"] == 0
     finally:
         engine.stop()
+
+
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+def test_embeddings_run_in_chunks_between_steps_and_leave_slots_alone(pooling: str) -> None:
+    engine, runners, calls = _engine(parallel=1)
+    events = _collect(engine, [1, 2, 3, 4, 5, 6, 7, 8, 9], 3)
+    inputs = ((3, 1, 4, 1, 5, 9, 2, 6, 5), (7,), (2, 7, 1, 8, 2))
+    results: queue.Queue[object] = queue.Queue()
+    engine.submit_embedding(EmbeddingRequest(inputs, pooling), results.put)
+    engine.start()
+    try:
+        vectors = results.get(timeout=10)
+        text, done = _finish(events)
+    finally:
+        engine.stop()
+    assert isinstance(vectors, list) and len(vectors) == 3
+    for got, ids in zip(vectors, inputs, strict=True):
+        np.testing.assert_allclose(got, pool(scripted_hidden_states(ids), pooling), rtol=1e-6)
+    assert text == _expected([1, 2, 3, 4, 5, 6, 7, 8, 9], 3) and done.kind == "done"
+    assert runners[0].context[:9] == [1, 2, 3, 4, 5, 6, 7, 8, 9]  # the slot's context is its own
+    embeds = [n for who, n in calls if who == "embed"]
+    assert embeds == [4, 4, 1, 1, 4, 1]  # chunks of max_chunk, each input from an empty context
+    first_embed = calls.index(("embed", 4))
+    assert any(who == 0 for who, _ in calls[first_embed:])  # the slot kept stepping between chunks
+    assert (engine.embedded_inputs, engine.embedded_tokens) == (3, 15)
+
+
+def test_embedding_requests_are_checked_field_by_field() -> None:
+    def parse(**body: object) -> object:
+        return parse_embedding_request({"model": "m", **body}, model_id="m", n_embd=8, n_vocab=N_VOCAB)
+
+    assert parse(input="a b").texts == ("a b",)  # type: ignore[attr-defined]
+    assert parse(input=[1, 2], dimensions=8).ids == ((1, 2),)  # type: ignore[attr-defined]
+    assert parse(input=[[1], [2, 3]], encoding_format="base64").ids == ((1,), (2, 3))  # type: ignore[attr-defined]
+    for bad, param in [({"input": ""}, "input"), ({"input": []}, "input"), ({"input": [[]]}, "input"),
+                       ({"input": [N_VOCAB]}, "input"), ({"input": [1, "a"]}, "input"), ({"input": None}, "input"),
+                       ({"input": [False]}, "input"), ({"input": "a", "dimensions": 4}, "dimensions"),
+                       ({"input": "a", "encoding_format": "hex"}, "encoding_format")]:
+        with pytest.raises(RequestError) as info:
+            parse(**bad)
+        assert info.value.status == 400 and info.value.param == param
+    with pytest.raises(RequestError) as info:
+        parse_embedding_request({"model": "x", "input": "a"}, model_id="m", n_embd=8, n_vocab=N_VOCAB)
+    assert info.value.status == 404

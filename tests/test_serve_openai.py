@@ -449,3 +449,107 @@ def test_a_tool_whose_parameters_are_not_a_schema_is_a_400(tool_client: Any) -> 
                                             max_tokens=2)
     assert info.value.body["param"] == "tools[0].function.parameters"
     assert "not a valid JSON schema" in info.value.body["message"]
+
+
+# --------------------------------------------------------------------- embeddings
+
+TEXTS = ["The capital of France is", "Embeddings map text to vectors.", "a"]
+
+
+def test_embeddings_equal_the_python_api_as_float_and_base64(client: Any, model: Any) -> None:
+    """The openai client asks for base64 by default and decodes it; float gives the same numbers."""
+    packed = client.embeddings.create(model=NAME, input=TEXTS[0])
+    plain = client.embeddings.create(model=OTHER_NAME, input=TEXTS[0], encoding_format="float")
+    want = model.embed(TEXTS[0], pooling="last")
+    assert packed.model == plain.model == NAME and len(packed.data) == 1 and packed.data[0].index == 0
+    np.testing.assert_array_equal(np.asarray(packed.data[0].embedding, np.float32),
+                                  np.asarray(plain.data[0].embedding, np.float32))
+    np.testing.assert_allclose(np.asarray(plain.data[0].embedding), want, rtol=0, atol=1e-6)
+    assert abs(float(np.linalg.norm(want)) - 1.0) < 1e-5 and want.shape == (576,)
+    n = len(model.tokenize(TEXTS[0]))
+    assert (plain.usage.prompt_tokens, plain.usage.total_tokens) == (n, n)
+
+
+def test_a_batch_of_inputs_equals_one_by_one(client: Any, model: Any) -> None:
+    batch = client.embeddings.create(model=NAME, input=TEXTS, encoding_format="float")
+    assert [d.index for d in batch.data] == [0, 1, 2]
+    singles = [client.embeddings.create(model=NAME, input=t, encoding_format="float").data[0].embedding
+               for t in TEXTS]
+    np.testing.assert_array_equal(np.asarray([d.embedding for d in batch.data]), np.asarray(singles))
+    ids = [model.tokenize(t) for t in TEXTS]
+    by_ids = client.embeddings.create(model=NAME, input=ids, encoding_format="float")
+    np.testing.assert_array_equal(np.asarray([d.embedding for d in by_ids.data]), np.asarray(singles))
+    one = client.embeddings.create(model=NAME, input=ids[1], encoding_format="float")
+    np.testing.assert_array_equal(np.asarray(one.data[0].embedding), np.asarray(singles[1]))
+    assert batch.usage.prompt_tokens == sum(len(i) for i in ids)
+    assert not np.allclose(singles[0], singles[1])  # different texts, different vectors
+
+
+def test_embeddings_leave_the_slots_context_alone(client: Any, server: ServerProcess) -> None:
+    prompt = "Write one sentence about the sea and the sky over it."
+    first = client.completions.create(model=NAME, prompt=prompt, max_tokens=6, temperature=0)
+    client.embeddings.create(model=NAME, input=[prompt * 3, "other"])
+    again = client.completions.create(model=NAME, prompt=prompt, max_tokens=6, temperature=0)
+    assert again.choices[0].text == first.choices[0].text
+    assert again.usage.prompt_tokens_details.cached_tokens > 0  # a slot still held the prompt
+
+
+def test_embedding_metrics(client: Any, server: ServerProcess, model: Any) -> None:
+    before = _metrics(server)
+    client.embeddings.create(model=NAME, input=TEXTS[:2])
+    with pytest.raises(openai.BadRequestError):
+        client.embeddings.create(model=NAME, input="")
+    after = _metrics(server)
+    assert after[("ggufc_requests_total", (("endpoint", "/v1/embeddings"), ("status", "200")))] - \
+        before[("ggufc_requests_total", (("endpoint", "/v1/embeddings"), ("status", "200")))] == 1
+    assert after[("ggufc_requests_total", (("endpoint", "/v1/embeddings"), ("status", "400")))] - \
+        before[("ggufc_requests_total", (("endpoint", "/v1/embeddings"), ("status", "400")))] == 1
+    assert after[("ggufc_embedding_inputs_total", ())] - before[("ggufc_embedding_inputs_total", ())] == 2
+    tokens = sum(len(model.tokenize(t)) for t in TEXTS[:2])
+    assert after[("ggufc_embedding_tokens_total", ())] - before[("ggufc_embedding_tokens_total", ())] == tokens
+
+
+BAD_EMBEDDINGS = [
+    ("empty string", {"input": ""}, 400),
+    ("empty list", {"input": []}, 400),
+    ("empty id list", {"input": [[]]}, 400),
+    ("too long for the context", {"input": [1] * (N_CTX + 1)}, 400),
+    ("a number", {"input": 5}, 400),
+    ("mixed items", {"input": ["a", 1]}, 400),
+    ("id outside the vocabulary", {"input": [49152]}, 400),
+    ("boolean id", {"input": [True]}, 400),
+    ("other dimensions", {"input": "a", "dimensions": 64}, 400),
+    ("unknown encoding", {"input": "a", "encoding_format": "int8"}, 400),
+    ("unknown model", {"input": "a", "model": "text-embedding-3-small"}, 404),
+]
+
+
+@pytest.mark.parametrize(("what", "fields", "status"), BAD_EMBEDDINGS, ids=[b[0] for b in BAD_EMBEDDINGS])
+def test_bad_embedding_requests_get_a_one_line_4xx(server: ServerProcess, what: str, fields: dict[str, Any],
+                                                   status: int) -> None:
+    body = json.dumps({"model": NAME, **fields}).encode()
+    code, answer = server.request("POST", "/v1/embeddings", body, {"Content-Type": "application/json"})
+    assert code == status, answer
+    error = answer["error"]
+    assert error["param"] == ("model" if status == 404 else what.startswith("other") and "dimensions"
+                              or what.startswith("unknown enc") and "encoding_format" or "input")
+    assert error["message"] and "\n" not in error["message"] and error["type"] == "invalid_request_error"
+
+
+@pytest.fixture(scope="module")
+def mean_server(artifact: Path) -> Iterator[ServerProcess]:
+    proc = ServerProcess(artifact, "--pooling", "mean", "--api-key", "sesame", "--served-model-name", NAME)
+    try:
+        yield proc
+    finally:
+        proc.kill()
+
+
+def test_mean_pooling_and_the_api_key(mean_server: ServerProcess, model: Any) -> None:
+    keyed = openai.OpenAI(base_url=mean_server.base_url, api_key="sesame", max_retries=0, timeout=300)
+    got = keyed.embeddings.create(model=NAME, input=TEXTS[1]).data[0].embedding
+    np.testing.assert_allclose(np.asarray(got), model.embed(TEXTS[1], pooling="mean"), rtol=0, atol=1e-6)
+    assert not np.allclose(got, model.embed(TEXTS[1], pooling="last"), atol=1e-3)
+    wrong = openai.OpenAI(base_url=mean_server.base_url, api_key="guess", max_retries=0, timeout=300)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.embeddings.create(model=NAME, input=TEXTS[1])

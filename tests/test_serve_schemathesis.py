@@ -81,7 +81,7 @@ def test_schema_describes_every_route_and_request_body(schema: Any) -> None:
     """The schema is what the fuzzer generates from: every route, with typed request bodies."""
     labels = {op.label for op in _operations(schema)}
     assert labels == {"GET /health", "GET /metrics", "GET /v1/models", "POST /v1/completions",
-                      "POST /v1/chat/completions"}
+                      "POST /v1/chat/completions", "POST /v1/embeddings"}
     for path, field in [("/v1/completions", "prompt"), ("/v1/chat/completions", "messages")]:
         body = schema.raw_schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
         assert {"model", field} <= set(body["required"])
@@ -112,7 +112,7 @@ def _check_answer(case: Any, response: Any) -> None:
         for event in events[:-1]:
             assert "error" not in json.loads(event), f"{where}: error inside the stream: {event:.300}"
     else:
-        assert response.json()["choices"], where
+        assert response.json()["data" if case.path == "/v1/embeddings" else "choices"], where
 
 
 def _fuzz(operation: Any, mode: GenerationMode, server: ServerProcess,
