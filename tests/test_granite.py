@@ -1,6 +1,6 @@
 """granite's keys as llama.cpp reads them, on copies of llama.cpp's fixtures with one key changed:
-`rope.scaling.finetuned` false makes granite NoPE on every layer; the logit scale is a multiply by
-its float32 reciprocal and may not be 0.
+`rope.scaling.finetuned` false makes granite NoPE on every layer and is ignored by granitemoe; the
+logit scale is a multiply by its float32 reciprocal and may not be 0.
 
 The goldens in all three feeding modes: tests/test_goldens.py; compiled against the interpreter on
 the project's fixture with every multiplier set: tests/test_models_compiled.py."""
@@ -42,6 +42,12 @@ def test_granite_not_finetuned_ropes_no_layer(tmp_path: Path) -> None:
     assert nope.gguf.metadata["granite.rope.scaling.finetuned"] is False and not nope.hparams.rope
     assert _rope_ops(roped) == 2 * roped.hparams.n_layer
     assert _rope_ops(nope) == 0
+
+
+def test_granitemoe_ignores_finetuned() -> None:
+    model = load_model(GOLDEN / "fixtures" / "granitemoe-moe.gguf")  # llama.cpp wrote finetuned = false
+    assert model.gguf.metadata["granitemoe.rope.scaling.finetuned"] is False
+    assert _rope_ops(model) == 2 * model.hparams.n_layer
 
 
 def test_logit_scale_is_a_float32_reciprocal_multiply(tmp_path: Path) -> None:
