@@ -322,10 +322,11 @@ def layers(b: GraphBuilder, n_layer: int, x: Value, layer: Callable[[int, Value]
 
 def output_head(w: Weights, inputs: DecoderInputs, x: Value, all_logits: bool, new_state: dict[str, Value],
                 norm: Callable[[Value], Value], *, output_scale: bool = False, output_bias: bool = False,
-                softcap: float = 0.0) -> Graph:
+                softcap: float = 0.0, logit_multiplier: float = 0.0) -> Graph:
     """The last token (unless every position's logits are asked for), the final norm, the output
     matrix (output.weight, else the tied embedding; `output_bias`: plus the optional output.bias),
-    the optional final logit softcap c * tanh(logits / c), and the finished graph; every tensor
+    the optional final logit softcap c * tanh(logits / c) or `logit_multiplier` (a float32 multiply),
+    and the finished graph; every tensor
     must have been read."""
     b = w.b
     n_vocab, n_embd = (int(d) for d in inputs.embd.shape)
@@ -335,9 +336,12 @@ def output_head(w: Weights, inputs: DecoderInputs, x: Value, all_logits: bool, n
     out_w = w.get("output.weight", (n_vocab, n_embd), required=False) or inputs.embd
     scale = w.get("output.scale", (1,), required=False) if output_scale else None
     bias = w.get("output.bias", (n_vocab,), required=False) if output_bias else None
-    logits = linear(b, h, out_w, "result_output" if not softcap else "result_output_raw", scale=scale, bias=bias)
+    raw = softcap or logit_multiplier
+    logits = linear(b, h, out_w, "result_output" if not raw else "result_output_raw", scale=scale, bias=bias)
     if softcap:
         logits = tanh_softcap(b, logits, softcap, "result_output")
+    elif logit_multiplier:
+        logits = b.scalar("mul", logits, logit_multiplier, "result_output")
     w.check_all_used()
     return b.finish([logits], new_state)
 

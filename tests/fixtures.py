@@ -67,6 +67,7 @@ class ArchRecipe:
     # dozen tokens already reach past it
     window: int = 0
     softcaps: tuple[float, float] | None = None  # attention-score and final-logit softcaps small enough to bite
+    granite: bool = False  # embedding, attention, residual and logit multipliers; MoE with a shared expert
 
 
 RECIPES: dict[str, ArchRecipe] = {
@@ -82,10 +83,13 @@ RECIPES: dict[str, ArchRecipe] = {
     "deepseek4": ArchRecipe(moe="always", compressed=True),
     "deepseek32": ArchRecipe(moe="always", latent=True),
     "glm-dsa": ArchRecipe(moe="always", latent=True),
+    "granite": ArchRecipe(moe="optional", granite=True),
+    "granitemoe": ArchRecipe(moe="always", granite=True),
     "hy_v3": ArchRecipe(moe="always", expert_ff_key=True, biased_moe=True),
     "minimax-m3": ArchRecipe(moe="always", msa=True),
     "kimi-k3": ArchRecipe(moe="always", kimi=True),
 }
+GRANITE_MULTIPLIERS = (1.5, 0.1, 0.5, 3.0)  # embedding, attention, residual, logit (divides)
 BIASED_MOE_WEIGHTS_SCALE = 2.5  # hy_v3 fixtures: expert_weights_scale (with expert_weights_norm true)
 
 
@@ -507,7 +511,19 @@ def _write_hparams(w: gguf.GGUFWriter, arch: str, s: FixtureSize, opts: FixtureO
     if RECIPES[arch].msa:
         msa.write_hparams(w, s)
     _write_window(w, arch)
+    if RECIPES[arch].granite:
+        _write_granite_multipliers(w, arch, s, moe=moe)
     w.add_vocab_size(s.vocab)
+
+
+def _write_granite_multipliers(w: gguf.GGUFWriter, arch: str, s: FixtureSize, *, moe: bool) -> None:
+    """Every multiplier away from 1 (and from llama.cpp's 1/sqrt(D)) so that each one shows."""
+    w.add_float32(f"{arch}.embedding_scale", GRANITE_MULTIPLIERS[0])
+    w.add_float32(f"{arch}.attention.scale", GRANITE_MULTIPLIERS[1])
+    w.add_float32(f"{arch}.residual_scale", GRANITE_MULTIPLIERS[2])
+    w.add_float32(f"{arch}.logit_scale", GRANITE_MULTIPLIERS[3])
+    if moe:
+        w.add_uint32(f"{arch}.expert_shared_feed_forward_length", s.n_ff // 2)
 
 
 def _write_window(w: gguf.GGUFWriter, arch: str) -> None:

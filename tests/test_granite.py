@@ -1,0 +1,63 @@
+"""granite's keys as llama.cpp reads them, on copies of llama.cpp's fixtures with one key changed:
+`rope.scaling.finetuned` false makes granite NoPE on every layer and is ignored by granitemoe; the
+logit scale is a multiply by its float32 reciprocal and may not be 0.
+
+The goldens in all three feeding modes: tests/test_goldens.py; compiled against the interpreter on
+the project's fixture with every multiplier set: tests/test_models_compiled.py."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ggufc.frontend.hparams import ModelError
+from ggufc.frontend.load import LoadedModel, load_model
+
+GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
+pytestmark = pytest.mark.skipif(not GOLDEN.is_dir(), reason=f"llama.cpp goldens not found at {GOLDEN}")
+
+
+def _copy_with(tmp: Path, name: str, key: str, value: str) -> Path:
+    path = tmp / f"{name}.gguf"
+    shutil.copyfile(GOLDEN / "fixtures" / f"{name}.gguf", path)
+    path.chmod(0o644)
+    subprocess.run([sys.executable, "-m", "gguf.scripts.gguf_set_metadata", str(path), key, value, "--force"],
+                   check=True, capture_output=True)
+    return path
+
+
+def _rope_ops(model: LoadedModel) -> int:
+    return sum(node.op == "rope" for node in model.graph.nodes)
+
+
+def test_granite_not_finetuned_ropes_no_layer(tmp_path: Path) -> None:
+    roped = load_model(GOLDEN / "fixtures" / "granite-dense.gguf")
+    # gguf_set_metadata makes a bool of the string: only the empty one is false
+    nope = load_model(_copy_with(tmp_path, "granite-dense", "granite.rope.scaling.finetuned", ""))
+    assert nope.gguf.metadata["granite.rope.scaling.finetuned"] is False and not nope.hparams.rope
+    assert _rope_ops(roped) == 2 * roped.hparams.n_layer
+    assert _rope_ops(nope) == 0
+
+
+def test_granitemoe_ignores_finetuned() -> None:
+    model = load_model(GOLDEN / "fixtures" / "granitemoe-moe.gguf")  # llama.cpp wrote finetuned = false
+    assert model.gguf.metadata["granitemoe.rope.scaling.finetuned"] is False
+    assert _rope_ops(model) == 2 * model.hparams.n_layer
+
+
+def test_logit_scale_is_a_float32_reciprocal_multiply(tmp_path: Path) -> None:
+    model = load_model(_copy_with(tmp_path, "granite-dense", "granite.logit_scale", "3"))
+    assert model.hparams.logit_multiplier == float(np.float32(1) / np.float32(3))
+    last = model.graph.nodes[-1]
+    assert (last.op, last.attrs.fn, last.attrs.c) == ("scalar", "mul", model.hparams.logit_multiplier)
+    assert [v.name for v in last.outputs] == [v.name for v in model.graph.outputs] == ["result_output"]
+
+
+def test_zero_logit_scale_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ModelError, match="logit_scale must not be 0"):
+        load_model(_copy_with(tmp_path, "granite-dense", "granite.logit_scale", "0"))
