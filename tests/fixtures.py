@@ -85,6 +85,7 @@ RECIPES: dict[str, ArchRecipe] = {
     "glm-dsa": ArchRecipe(moe="always", latent=True),
     "granite": ArchRecipe(moe="optional", granite=True),
     "granitemoe": ArchRecipe(moe="always", granite=True),
+    "exaone4": ArchRecipe(moe="never"),
     "hy_v3": ArchRecipe(moe="always", expert_ff_key=True, biased_moe=True),
     "minimax-m3": ArchRecipe(moe="always", msa=True),
     "kimi-k3": ArchRecipe(moe="always", kimi=True),

@@ -5,6 +5,7 @@ from types import ModuleType
 from . import (
     deepseek4,
     deepseek32,
+    exaone4,
     gemma2,
     gemma3,
     glm_dsa,
@@ -25,6 +26,7 @@ from . import (
 ARCHITECTURES: dict[str, ModuleType] = {
     "deepseek32": deepseek32,
     "deepseek4": deepseek4,
+    "exaone4": exaone4,
     "gemma2": gemma2,
     "gemma3": gemma3,
     "glm-dsa": glm_dsa,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from ggufc.ir.builder import GraphBuilder
 from ggufc.ir.graph import Graph, Value
@@ -148,7 +149,14 @@ def build_hybrid(
     return B.output_head(w, inp, x, all_logits, new_state, B.final_rms_norm(w, E, hp.eps), output_scale=True)
 
 
-def skip_mtp_layers(w: B.Weights, hp: HParams) -> None:
+class HasMtpLayers(Protocol):
+    @property
+    def n_layer(self) -> int: ...
+    @property
+    def n_layer_all(self) -> int: ...
+
+
+def skip_mtp_layers(w: B.Weights, hp: HasMtpLayers) -> None:
     """MTP (nextn) blocks are loaded by llama.cpp but not run in the main pass."""
     prefixes = tuple(f"blk.{il}." for il in range(hp.n_layer, hp.n_layer_all))
     if prefixes:
