@@ -325,7 +325,7 @@ def output_head(w: Weights, inputs: DecoderInputs, x: Value, all_logits: bool, n
                 softcap: float = 0.0, logit_multiplier: float = 0.0) -> Graph:
     """The last token (unless every position's logits are asked for), the final norm, the output
     matrix (output.weight, else the tied embedding; `output_bias`: plus the optional output.bias),
-    the optional final logit softcap c * tanh(logits / c) or `logit_multiplier` (a float32 multiply),
+    the optional `logit_multiplier` (a float32 multiply) and then final logit softcap c * tanh(logits / c),
     and the finished graph; every tensor
     must have been read."""
     b = w.b
@@ -338,10 +338,10 @@ def output_head(w: Weights, inputs: DecoderInputs, x: Value, all_logits: bool, n
     bias = w.get("output.bias", (n_vocab,), required=False) if output_bias else None
     raw = softcap or logit_multiplier
     logits = linear(b, h, out_w, "result_output" if not raw else "result_output_raw", scale=scale, bias=bias)
+    if logit_multiplier:
+        logits = b.scalar("mul", logits, logit_multiplier, "result_output_scaled" if softcap else "result_output")
     if softcap:
         logits = tanh_softcap(b, logits, softcap, "result_output")
-    elif logit_multiplier:
-        logits = b.scalar("mul", logits, logit_multiplier, "result_output")
     w.check_all_used()
     return b.finish([logits], new_state)
 

@@ -68,6 +68,7 @@ class ArchRecipe:
     window: int = 0
     softcaps: tuple[float, float] | None = None  # attention-score and final-logit softcaps small enough to bite
     granite: bool = False  # embedding, attention, residual and logit multipliers; MoE with a shared expert
+    logit_scale: float = 0.0  # written as {arch}.logit_scale when set (muse-glimmer multiplies by it)
 
 
 RECIPES: dict[str, ArchRecipe] = {
@@ -86,6 +87,7 @@ RECIPES: dict[str, ArchRecipe] = {
     "granite": ArchRecipe(moe="optional", granite=True),
     "granitemoe": ArchRecipe(moe="always", granite=True),
     "exaone4": ArchRecipe(moe="never"),
+    "muse-glimmer": ArchRecipe(moe="never", window=4, logit_scale=1.5),
     "hy_v3": ArchRecipe(moe="always", expert_ff_key=True, biased_moe=True),
     "minimax-m3": ArchRecipe(moe="always", msa=True),
     "kimi-k3": ArchRecipe(moe="always", kimi=True),
@@ -512,6 +514,8 @@ def _write_hparams(w: gguf.GGUFWriter, arch: str, s: FixtureSize, opts: FixtureO
     if RECIPES[arch].msa:
         msa.write_hparams(w, s)
     _write_window(w, arch)
+    if RECIPES[arch].logit_scale:
+        w.add_float32(f"{arch}.logit_scale", RECIPES[arch].logit_scale)
     if RECIPES[arch].granite:
         _write_granite_multipliers(w, arch, s, moe=moe)
     w.add_vocab_size(s.vocab)

@@ -23,7 +23,8 @@ needs_shared = pytest.mark.skipif(not GOLDEN.is_dir(), reason=f"llama.cpp golden
 # where the other f32 fixtures reach 1e-14
 GELU_FIXTURES = ["gemma2-dense", "gemma3-dense"]
 F32_FIXTURES = ["llama-dense", "qwen2-dense", "qwen3-dense", "qwen3moe-moe", "qwen35-dense", "qwen3next-moe",
-                "qwen4exp-moe", "minimax-m3-moe", "granite-dense", "granitemoe-moe", "exaone4-dense", *GELU_FIXTURES]
+                "qwen4exp-moe", "minimax-m3-moe", "granite-dense", "granitemoe-moe", "exaone4-dense",
+                "muse-glimmer-dense", *GELU_FIXTURES]
 # F16 weights: the CPU target rounds a matmul's activations to F16 as llama.cpp's CPU backend does
 # (measured 1.0e-9..3.0e-9 in the three modes; float32 activations: ~5e-8)
 F16_FIXTURES = ["glm-dsa-moe-F16", "deepseek32-moe-F16"]
