@@ -90,6 +90,12 @@ def swa_layers(keys: Keys, n_layer: int, default_period: int) -> list[bool]:
     return [period == 0 or il % period < period - 1 for il in range(n_layer)]
 
 
+def rope_free_layers(n_layer: int, period: int) -> list[bool]:
+    """Which layers skip rope when every `period`-th one does (NoPE: layer il iff (il + 1) % period
+    == 0, so layers period-1, 2*period-1, ... attend with unrotated q and k)."""
+    return [(il + 1) % period == 0 for il in range(n_layer)]
+
+
 def rope_freq_scale(keys: Keys) -> float:
     """ggml's freq_scale: 1/rope.scaling.factor unless the factor is absent/zero or scaling is none."""
     if keys.raw("rope.scaling.type", "linear") == "none":

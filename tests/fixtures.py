@@ -74,6 +74,7 @@ RECIPES: dict[str, ArchRecipe] = {
     "gemma2": ArchRecipe(moe="never", window=4, softcaps=(0.5, 2.0)),
     "gemma3": ArchRecipe(moe="never", window=4),
     "qwen2": ArchRecipe(moe="never"),
+    "smollm3": ArchRecipe(moe="never"),
     "qwen3": ArchRecipe(moe="never"),
     "qwen3moe": ArchRecipe(moe="always", expert_ff_key=True),
     "qwen35": ArchRecipe(moe="never", hybrid=True),

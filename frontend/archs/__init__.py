@@ -18,6 +18,7 @@ from . import (
     qwen3next,
     qwen4exp,
     qwen35,
+    smollm3,
 )
 
 ARCHITECTURES: dict[str, ModuleType] = {
@@ -36,4 +37,5 @@ ARCHITECTURES: dict[str, ModuleType] = {
     "qwen3moe": qwen3moe,
     "qwen3next": qwen3next,
     "qwen4exp": qwen4exp,
+    "smollm3": smollm3,
 }
