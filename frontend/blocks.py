@@ -344,3 +344,11 @@ def output_head(w: Weights, inputs: DecoderInputs, x: Value, all_logits: bool, n
 
 def final_rms_norm(w: Weights, n_embd: int, eps: float) -> Callable[[Value], Value]:
     return lambda x: rms_norm(w.b, x, w.need("output_norm.weight", (n_embd,)), eps, "result_norm")
+
+
+def position_scale(b: GraphBuilder, x: Value, pos: Value, table: Value, name: str) -> Value:
+    """x [T, H, D] times a per-position factor (hparams.position_scale_table): a rope of one pair
+    per head-dim pair whose angle is 0, so each element is multiplied by its row's factor exactly."""
+    t, h, d = x.shape
+    pairs = b.reshape(x, (t, int(h) * int(d) // 2, 2), f"{name}.pairs")
+    return b.reshape(rope(b, pairs, pos, table, "norm", 2, f"{name}.scaled"), (t, h, d), name)

@@ -67,6 +67,10 @@ class ArchRecipe:
     # dozen tokens already reach past it
     window: int = 0
     softcaps: tuple[float, float] | None = None  # attention-score and final-logit softcaps small enough to bite
+    # YaRN (factor, original context, yarn_log_multiplier) and the query temperature β, with an
+    # original context short enough that a dozen tokens pass the first temperature step
+    yarn: tuple[float, int, float] | None = None
+    temperature: float = 0.0
 
 
 RECIPES: dict[str, ArchRecipe] = {
@@ -75,6 +79,7 @@ RECIPES: dict[str, ArchRecipe] = {
     "gemma3": ArchRecipe(moe="never", window=4),
     "qwen2": ArchRecipe(moe="never"),
     "smollm3": ArchRecipe(moe="never"),
+    "mistral3": ArchRecipe(moe="optional", yarn=(4.0, 8, 1.0), temperature=0.5),
     "qwen3": ArchRecipe(moe="never"),
     "qwen3moe": ArchRecipe(moe="always", expert_ff_key=True),
     "qwen35": ArchRecipe(moe="never", hybrid=True),
@@ -519,6 +524,13 @@ def _write_window(w: gguf.GGUFWriter, arch: str) -> None:
     if recipe.softcaps is not None:
         w.add_float32(f"{arch}.attn_logit_softcapping", recipe.softcaps[0])
         w.add_float32(f"{arch}.final_logit_softcapping", recipe.softcaps[1])
+    if recipe.yarn is not None and f"{arch}.rope.scaling.type" not in _keys(w):  # unless linear was asked for
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(recipe.yarn[0])
+        w.add_rope_scaling_orig_ctx_len(recipe.yarn[1])
+        w.add_float32(f"{arch}.rope.scaling.yarn_log_multiplier", recipe.yarn[2])
+    if recipe.temperature:
+        w.add_float32(f"{arch}.attention.temperature_scale", recipe.temperature)
 
 
 def w_layers(w: gguf.GGUFWriter, arch: str) -> int:
