@@ -71,6 +71,10 @@ class ArchRecipe:
     # original context short enough that a dozen tokens pass the first temperature step
     yarn: tuple[float, int, float] | None = None
     temperature: float = 0.0
+    # LongRoPE: the original context (below the fixture's, so the long factors apply) and the
+    # rope.scaling.attn_factor magnitude; rope over 3/4 of the head dim (Phi-4-mini's partial rotary)
+    longrope: tuple[int, float] | None = None
+    partial_rope: bool = False
 
 
 RECIPES: dict[str, ArchRecipe] = {
@@ -80,6 +84,7 @@ RECIPES: dict[str, ArchRecipe] = {
     "qwen2": ArchRecipe(moe="never"),
     "smollm3": ArchRecipe(moe="never"),
     "mistral3": ArchRecipe(moe="optional", yarn=(4.0, 8, 1.0), temperature=0.5),
+    "phi3": ArchRecipe(moe="never", longrope=(32, 1.19), partial_rope=True),
     "qwen3": ArchRecipe(moe="never"),
     "qwen3moe": ArchRecipe(moe="always", expert_ff_key=True),
     "qwen35": ArchRecipe(moe="never", hybrid=True),
@@ -172,7 +177,7 @@ def value_kind(arch: str, d: Declared) -> str:
     if short in KIND_OVERRIDES.get(arch, {}):
         return KIND_OVERRIDES[arch][short]
     stem = short.removesuffix(".weight")
-    if short == "rope_freqs.weight":
+    if short in ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"):
         return "rope_freqs"
     if short == "ssm_a":
         return "ssm_a"
@@ -488,7 +493,7 @@ def _write_hparams(w: gguf.GGUFWriter, arch: str, s: FixtureSize, opts: FixtureO
     elif RECIPES[arch].msa:
         w.add_rope_dimension_count(msa.rope_dimension_count(s))
     else:
-        w.add_rope_dimension_count(s.head_dim)
+        w.add_rope_dimension_count(s.head_dim * 3 // 4 if RECIPES[arch].partial_rope else s.head_dim)
     w.add_layer_norm_rms_eps(opts.rms_eps)
     w.add_rope_freq_base(opts.rope_base)
     if opts.rope_scaling is not None:
@@ -529,6 +534,9 @@ def _write_window(w: gguf.GGUFWriter, arch: str) -> None:
         w.add_rope_scaling_factor(recipe.yarn[0])
         w.add_rope_scaling_orig_ctx_len(recipe.yarn[1])
         w.add_float32(f"{arch}.rope.scaling.yarn_log_multiplier", recipe.yarn[2])
+    if recipe.longrope is not None:
+        w.add_rope_scaling_orig_ctx_len(recipe.longrope[0])
+        w.add_rope_scaling_attn_factors(recipe.longrope[1])
     if recipe.temperature:
         w.add_float32(f"{arch}.attention.temperature_scale", recipe.temperature)
 

@@ -9,12 +9,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 from fixture_spec import FixtureSize
-from fixtures import full_options
+from fixtures import full_options, write_fixture
 from test_models_compiled import compile_fixture, compiled_decode, compiled_prefill, interpreted, nmse
 
 from ggufc.frontend.archs.mistral3 import temperatures
 from ggufc.frontend.hparams import RopeScaling, scaled_rope_table
+from ggufc.frontend.load import load_model
 from ggufc.ir.graph import Graph
 
 N_TOKENS = 12
@@ -71,3 +73,28 @@ def test_query_temperature_steps_at_the_original_context() -> None:
     t = temperatures(24, 0.5, 8)
     assert np.all(t[:8] == 1.0)
     assert np.allclose(t[8:16], 1 + 0.5 * np.log(2.0)) and np.allclose(t[16:], 1 + 0.5 * np.log(3.0))
+
+
+def test_phi3_fused_qkv_partial_rope_long_factors(tmp_path: Path) -> None:
+    """Real Phi-3 files fuse q/k/v into attn_qkv and gate|up into ffn_up; Phi-4-mini ropes 3/4 of
+    the head: the kernels agree with the spec on such a file (llama.cpp's fixture has neither)."""
+    graph = check_compiled_against_interpreter(tmp_path, {"arch": "phi3", **full_options("phi3")})
+    sources = {p.source for p in graph.params.values()}
+    assert "blk.0.attn_qkv.weight" in sources and "blk.0.attn_q.weight" not in sources
+    assert {n.attrs.n_rot for n in graph.nodes if n.op == "rope"} == {12}  # head dim 16
+
+
+def test_phi3_longrope_factors_follow_the_compiled_context(tmp_path: Path) -> None:
+    """The long factors past the original context (32 here), the short ones within it, each table
+    with the rope.scaling.attn_factor magnitude."""
+    path = write_fixture("phi3", tmp_path / "phi3.gguf", seed=0)
+    model = load_model(path)
+    rs = model.hparams.rope
+    assert (model.n_ctx, rs.n_orig, rs.attn_factor) == (64, 32, pytest.approx(1.19))
+    for n_ctx, kind in ((64, "long"), (32, "short")):
+        loaded = load_model(path, n_ctx=n_ctx)
+        factors = np.asarray(loaded.gguf.tensors[f"rope_factors_{kind}.weight"].data)
+        expected = scaled_rope_table(n_ctx, 12, 10000.0, rs, factors)
+        assert np.array_equal(loaded.derived["rope_table"], expected)
+    short = load_model(path, n_ctx=64).derived["rope_table"][:32]
+    assert not np.allclose(short, load_model(path, n_ctx=32).derived["rope_table"])

@@ -23,7 +23,7 @@ needs_shared = pytest.mark.skipif(not GOLDEN.is_dir(), reason=f"llama.cpp golden
 # where the other f32 fixtures reach 1e-14
 GELU_FIXTURES = ["gemma2-dense", "gemma3-dense"]
 # held to 1e-10 as well (measured 1.8e-14..3.9e-14 in the three modes)
-POPULAR_FIXTURES = ["smollm3-dense", "mistral3-dense"]
+POPULAR_FIXTURES = ["smollm3-dense", "mistral3-dense", "phi3-dense"]
 F32_FIXTURES = ["llama-dense", "qwen2-dense", "qwen3-dense", "qwen3moe-moe", "qwen35-dense", "qwen3next-moe",
                 "qwen4exp-moe", "minimax-m3-moe", *GELU_FIXTURES, *POPULAR_FIXTURES]
 # F16 weights: the CPU target rounds a matmul's activations to F16 as llama.cpp's CPU backend does
