@@ -1,25 +1,31 @@
 """Features of the popular architectures that llama.cpp's random fixtures cannot show (their
 2-layer or separate-q/k/v files never reach them, or random weights leave the scores near zero):
-project-written fixtures that reach each one, compiled kernels against the numpy interpreter,
-and the graph checked for the structure the feature implies.
+project-written fixtures that reach each one (tests/feature_fixtures.py): compiled kernels
+against the numpy interpreter, the graph checked for the structure the feature implies, and
+`ggufc eval` against llama.cpp's logits for the same files (tests/goldens, written by
+make_feature_goldens.py).
 """
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import numpy as np
 import pytest
-from fixture_spec import FixtureSize
+from feature_fixtures import FEATURE_FIXTURES, write_feature_fixture
 from fixtures import full_options, write_fixture
 from test_models_compiled import compile_fixture, compiled_decode, compiled_prefill, interpreted, nmse
 
+from ggufc.cli import main
 from ggufc.frontend.archs.mistral3 import temperatures
 from ggufc.frontend.hparams import RopeScaling, scaled_rope_table
 from ggufc.frontend.load import load_model
 from ggufc.ir.graph import Graph
 
 N_TOKENS = 12
+LOCAL = Path(__file__).resolve().parent / "goldens"
+MODES = {None: "logits_prefill", 1: "logits_decode", 7: "logits_chunk7"}
 
 
 def rope_layers(graph: Graph) -> set[int | None]:
@@ -39,14 +45,15 @@ def check_compiled_against_interpreter(tmp: Path, opts: dict, bound: float = 1e-
 def test_smollm3_every_fourth_layer_is_unroped(tmp_path: Path) -> None:
     """Layers 3 and 7 of an 8-layer smollm3 attend without rope; the kernels agree with the spec."""
     graph = check_compiled_against_interpreter(
-        tmp_path, {"arch": "smollm3", "size": FixtureSize(n_layer=8), "biases": True, "scales": True})
+        tmp_path, {"arch": "smollm3", **FEATURE_FIXTURES["smollm3-nope"][1], **full_options("smollm3")})
     assert rope_layers(graph) == {0, 1, 2, 4, 5, 6}
 
 
 def test_mistral3_yarn_and_query_temperature(tmp_path: Path) -> None:
     """YaRN factor 4 over an original context of 8 with log multiplier 1 and the query temperature
-    0.5 from position 8 on: the kernels agree with the spec, every layer scales its queries."""
-    graph = check_compiled_against_interpreter(tmp_path, {"arch": "mistral3", **full_options("mistral3")})
+    0.5 from position 8 on (mistral3's default fixture, which test_models_compiled compiles against
+    the interpreter): every layer scales its queries after rope."""
+    graph = load_model(write_feature_fixture("mistral3-yarn-temperature", tmp_path)).graphs["prefill_all"]
     temps = [n for n in graph.nodes if n.op == "rope" and n.outputs[0].name.startswith("Qtemp")]
     assert sorted(n.outputs[0].layer for n in temps) == [0, 1]
 
@@ -77,8 +84,9 @@ def test_query_temperature_steps_at_the_original_context() -> None:
 
 def test_phi3_fused_qkv_partial_rope_long_factors(tmp_path: Path) -> None:
     """Real Phi-3 files fuse q/k/v into attn_qkv and gate|up into ffn_up; Phi-4-mini ropes 3/4 of
-    the head: the kernels agree with the spec on such a file (llama.cpp's fixture has neither)."""
-    graph = check_compiled_against_interpreter(tmp_path, {"arch": "phi3", **full_options("phi3")})
+    the head (phi3's default fixture, which test_models_compiled compiles against the interpreter;
+    llama.cpp's fixture has neither): one fused projection, rope on 12 of 16 dims."""
+    graph = load_model(write_feature_fixture("phi3-fused-longrope", tmp_path)).graphs["prefill_all"]
     sources = {p.source for p in graph.params.values()}
     assert "blk.0.attn_qkv.weight" in sources and "blk.0.attn_q.weight" not in sources
     assert {n.attrs.n_rot for n in graph.nodes if n.op == "rope"} == {12}  # head dim 16
@@ -98,3 +106,23 @@ def test_phi3_longrope_factors_follow_the_compiled_context(tmp_path: Path) -> No
         assert np.array_equal(loaded.derived["rope_table"], expected)
     short = load_model(path, n_ctx=64).derived["rope_table"][:32]
     assert not np.allclose(short, load_model(path, n_ctx=32).derived["rope_table"])
+
+
+@pytest.mark.parametrize("name", list(FEATURE_FIXTURES))
+def test_feature_fixture_matches_llama_cpp(name: str, tmp_path: Path, compile_cache: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama.cpp's logits on the same file in all three feeding modes (measured 1.5e-13..5.7e-13;
+    dropping the feature moves them by 7e-3 (NoPE) to 0.14 (short factors))."""
+    golden = np.load(LOCAL / f"{name}.npz")
+    path = write_feature_fixture(name, tmp_path)
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == str(golden["sha256"]), \
+        f"the fixture writer changed {name}: rerun tests/goldens/make_feature_goldens.py"
+    monkeypatch.setenv("GGUFC_CACHE", str(compile_cache))
+    np.save(tmp_path / "tokens.npy", golden["tokens"])
+    for chunk, key in MODES.items():
+        out = tmp_path / f"logits-{chunk}.npy"
+        argv = ["eval", str(path), "--tokens", str(tmp_path / "tokens.npy"), "--out", str(out)]
+        assert main(argv + (["--chunk", str(chunk)] if chunk else [])) == 0
+        logits = np.load(out)
+        assert logits.shape == golden[key].shape
+        assert nmse(logits, golden[key]) < 1e-10

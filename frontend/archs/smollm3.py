@@ -36,9 +36,9 @@ def build(w: B.Weights, hp: HParams, n_ctx: int, all_logits: bool) -> Graph:
     return B.output_head(w, inp, x, all_logits, new_state, B.final_rms_norm(w, hp.n_embd, hp.eps))
 
 
-def _proj(w: B.Weights, b: GraphBuilder, x: Value, name: str, n_out: int, n_in: int) -> Value:
+def _proj(w: B.Weights, b: GraphBuilder, x: Value, name: str, n_out: int, n_in: int, biased: bool = True) -> Value:
     weight = w.need(f"{name}.weight", (n_out, n_in))
-    bias = w.get(f"{name}.bias", (n_out,), required=False)
+    bias = w.get(f"{name}.bias", (n_out,), required=False) if biased else None
     scale = w.get(f"{name}.scale", (1,), required=False)
     return B.linear(b, x, weight, name.split(".")[-1], bias=bias, scale=scale)
 
@@ -57,7 +57,7 @@ def _layer(b: GraphBuilder, w: B.Weights, hp: HParams, il: int, x: Value, pos: V
         k = B.rope(b, k, pos, table, "norm", hp.n_rot, "Krope")
     caches = B.kv_cache(b, il, n_ctx, Hkv, D)
     a = B.attention(b, q, k, v, pos, caches, 1.0 / math.sqrt(D), new_state, il)
-    o = _proj(w, b, B.flatten_heads(b, a, "attn_flat"), f"{p}.attn_output", E, H * D)
+    o = _proj(w, b, B.flatten_heads(b, a, "attn_flat"), f"{p}.attn_output", E, H * D, biased=False)  # llama.cpp creates no output bias
     x = b.add(x, o, "ffn_inp")
     h = B.rms_norm(b, x, w.need(f"{p}.ffn_norm.weight", (E,)), hp.eps, "ffn_norm")
     return b.add(x, B.unscaled_swiglu_ffn(w, p, h, E, hp.n_ff), "l_out")
