@@ -94,7 +94,8 @@ def _layer(b: GraphBuilder, w: B.Weights, hp: HParams, il: int, x: Value, pos: V
     q = b.scalar("mul", q, float(np.float32(1.0) / np.sqrt(np.float32(D))), "Qcur_scaled")
     caches = B.kv_cache(b, il, n_ctx, Hkv, D)
     a = B.attention(b, q, k, v, pos, caches, 1.0, new_state, il)
-    o = _proj(w, b, B.flatten_heads(b, a, "attn_flat"), f"{p}.attn_output", E, H * D, biased=False)  # llama.cpp creates no output bias
+    # llama.cpp creates no attn_output.bias for this architecture
+    o = _proj(w, b, B.flatten_heads(b, a, "attn_flat"), f"{p}.attn_output", E, H * D, biased=False)
     x = b.add(x, o, "ffn_inp")
     h = B.rms_norm(b, x, w.need(f"{p}.ffn_norm.weight", (E,)), hp.eps, "ffn_norm")
     up = b.matmul(h, w.need(f"{p}.ffn_up.weight", (2 * F, E)), "ffn_up")
