@@ -16,6 +16,7 @@ FEATURE_FIXTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "smollm3-nope": ("smollm3", {"size": FixtureSize(n_layer=8)}),
     "mistral3-yarn-temperature": ("mistral3", {}),
     "phi3-fused-longrope": ("phi3", {}),
+    "gpt-oss-yarn-window": ("gpt-oss", {}),
 }
 
 

@@ -85,6 +85,8 @@ RECIPES: dict[str, ArchRecipe] = {
     "smollm3": ArchRecipe(moe="never"),
     "mistral3": ArchRecipe(moe="optional", yarn=(4.0, 8, 1.0), temperature=0.5),
     "phi3": ArchRecipe(moe="never", longrope=(32, 1.19), partial_rope=True),
+    # YaRN 32 over 8 positions with its magnitude kept (no yarn_log_multiplier): 1 + 0.1 ln 32 on q and k
+    "gpt-oss": ArchRecipe(moe="always", expert_ff_key=True, window=4, yarn=(32.0, 8, 0.0)),
     "qwen3": ArchRecipe(moe="never"),
     "qwen3moe": ArchRecipe(moe="always", expert_ff_key=True),
     "qwen35": ArchRecipe(moe="never", hybrid=True),

@@ -2,10 +2,13 @@
 fixtures cannot (optional oracle, not run by the tests): an 8-layer smollm3 (NoPE layers 3 and 7),
 a mistral3 with YaRN (factor 4 over an original context of 8, log multiplier 1) and the query
 temperature 0.5, a phi3 with fused attn_qkv, rope over 3/4 of the head and the long LongRoPE
-factors with attn_factor 1.19. The fixtures are written by `tests/fixtures.py` (deterministic: the
-sha256 is kept with the logits, and the test refuses a fixture that differs); the logits are
-llama.cpp's on 48 tokens in the three feeding modes, f32 KV cache, 2 threads, as ../shared/golden.
-Needs `llama-cpp-python` (0.3.36 wrote the files here): `python tests/goldens/make_feature_goldens.py`.
+factors with attn_factor 1.19, a gpt-oss with YaRN 32 over an original context of 8 keeping its
+magnitude (1 + 0.1 ln 32 on q and k) and a 4-cell window on even layers. The fixtures are written
+by `tests/fixtures.py` (deterministic: the sha256 is kept with the logits, and the test refuses a
+fixture that differs); the logits are llama.cpp's on 48 tokens in the three feeding modes, f32 KV
+cache, 2 threads, as ../shared/golden.
+Needs `llama-cpp-python` (0.3.36 wrote the files here): `python tests/goldens/make_feature_goldens.py
+[NAME ...]` (default: every one).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ def logits(model: Path, tokens: list[int], chunk: int) -> np.ndarray:
 def main() -> None:
     tokens = feature_tokens()
     with tempfile.TemporaryDirectory() as tmp:
-        for name in FEATURE_FIXTURES:
+        for name in sys.argv[1:] or FEATURE_FIXTURES:
             path = write_feature_fixture(name, Path(tmp))
             modes = {"logits_prefill": len(tokens), "logits_decode": 1, "logits_chunk7": 7}
             np.savez_compressed(HERE / f"{name}.npz", tokens=tokens,
