@@ -191,7 +191,8 @@ def _weight_embed(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
 
 def _no_sinks(a: Any) -> None:
     if a.sinks:
-        raise NotImplementedError("attention sinks (gpt-oss) are compiled for the CPU only, not for GPU targets yet")
+        raise ValueError("attention sinks (gpt-oss) are compiled for the CPU only, not for GPU targets yet: "
+                         "use --target llvm")
 
 
 def _attention_sizes(key: Any) -> tuple[int, int, int, int]:
