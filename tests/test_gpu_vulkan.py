@@ -301,12 +301,13 @@ def test_vulkan_artifact_is_verified_before_use(artifacts: dict, tmp_path: Path,
         Session(bad, device="vulkan")
 
 
-@pytest.mark.slow  # lavapipe: about 10 s a fixture, 31 s for the three
-@pytest.mark.parametrize("name", ["smollm3-nope", "mistral3-yarn-temperature", "phi3-fused-longrope"])
+@pytest.mark.slow  # lavapipe: about 10 s a fixture
+@pytest.mark.parametrize("name", ["smollm3-nope", "mistral3-yarn-temperature", "phi3-fused-longrope",
+                                  "gpt-oss-yarn-window"])
 def test_vulkan_feature_fixture_matches_llama_cpp(name: str, dev: object, tmp_path: Path) -> None:
     """The project fixtures with NoPE layers, YaRN and the query temperature (a per-position scale
-    run as a one-pair rope), fused q/k/v and LongRoPE, against llama.cpp's logits (measured
-    1.4e-13..8.2e-13 in the three modes)."""
+    run as a one-pair rope), fused q/k/v and LongRoPE, gpt-oss's sinks, window and YaRN magnitude,
+    against llama.cpp's logits (measured 1.4e-13..8.2e-13 in the three modes)."""
     from feature_fixtures import write_feature_fixture
 
     from ggufc.cli import main
