@@ -75,6 +75,8 @@ class ArchRecipe:
     # rope.scaling.attn_factor magnitude; rope over 3/4 of the head dim (Phi-4-mini's partial rotary)
     longrope: tuple[int, float] | None = None
     partial_rope: bool = False
+    # lfm2: odd layers are gated short convolutions of this kernel (head_count_kv 0 there)
+    short_conv: int = 0
 
 
 RECIPES: dict[str, ArchRecipe] = {
@@ -85,6 +87,7 @@ RECIPES: dict[str, ArchRecipe] = {
     "smollm3": ArchRecipe(moe="never"),
     "mistral3": ArchRecipe(moe="optional", yarn=(4.0, 8, 1.0), temperature=0.5),
     "phi3": ArchRecipe(moe="never", longrope=(32, 1.19), partial_rope=True),
+    "lfm2": ArchRecipe(moe="never", window=4, short_conv=3),
     # YaRN 32 over 8 positions with its magnitude kept (no yarn_log_multiplier): 1 + 0.1 ln 32 on q and k
     "gpt-oss": ArchRecipe(moe="always", expert_ff_key=True, window=4, yarn=(32.0, 8, 0.0)),
     "qwen3": ArchRecipe(moe="never"),
@@ -486,7 +489,11 @@ def _write_hparams(w: gguf.GGUFWriter, arch: str, s: FixtureSize, opts: FixtureO
         return
     w.add_feed_forward_length(s.n_ff)
     w.add_head_count(s.n_head)
-    w.add_head_count_kv(s.n_head_kv)
+    if RECIPES[arch].short_conv:
+        w.add_array(f"{arch}.attention.head_count_kv", [0 if il % 2 else s.n_head_kv for il in range(s.n_layer)])
+        w.add_uint32(f"{arch}.shortconv.l_cache", RECIPES[arch].short_conv)
+    else:
+        w.add_head_count_kv(s.n_head_kv)
     w.add_key_length(s.head_dim)
     w.add_value_length(s.head_dim)
     if RECIPES[arch].hybrid:

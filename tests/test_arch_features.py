@@ -122,6 +122,17 @@ def test_gpt_oss_sinks_window_layers_and_yarn_magnitude(tmp_path: Path) -> None:
     assert np.allclose(np.hypot(table[..., 0], table[..., 1]), 1 + 0.1 * np.log(32.0), atol=1e-6)
 
 
+def test_lfm2_short_conv_layers_follow_head_count_kv(tmp_path: Path) -> None:
+    """Layers with head_count_kv 0 are gated short convolutions whose recurrent state is the last
+    L-1 = 2 products b∘x per channel; the others attend through the window (lfm2's default
+    fixture, which test_models_compiled compiles against the interpreter)."""
+    model = load_model(write_fixture("lfm2", tmp_path / "lfm2.gguf", seed=0, **full_options("lfm2")))
+    graph = model.graphs["prefill_all"]
+    assert [n.outputs[0].layer for n in graph.nodes if n.op == "ssm_conv"] == [1]
+    assert [(n.outputs[0].layer, n.attrs.window) for n in graph.nodes if n.op == "attention"] == [(0, 4)]
+    assert tuple(graph.states["conv_state.1"].value.shape) == (model.hparams.n_embd, 2)
+
+
 def traced(path: Path, tokens: np.ndarray) -> dict[tuple[str, int | None], np.ndarray]:
     """Every value the interpreter computes for one prefill of `tokens`, by (name, layer)."""
     model = load_model(path)
