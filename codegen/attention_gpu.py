@@ -80,13 +80,19 @@ def _online_softmax(n_head: int, n_kv: int, dim: int, scale: float, block: int =
             return T.And(s < pos + t + T.int64(1), s + T.int64(window) > pos + t)
         return s < pos + t + T.int64(1)
 
+    def start_max(sinks: Any, h: Any) -> Any:  # a sink starts the online softmax as one more logit
+        return sinks[h] if sinks is not None else NEG_INF
+
+    def start_sum(sinks: Any) -> Any:  # exp(sink - sink): the sink's share, with no value
+        return T.float32(1) if sinks is not None else T.float32(0)
+
     def bias(mask: Any, t: Any, kv: Any, s: Any) -> Any:
         if mask is None:
             return T.float32(0)
         return mask[kv, t, s] if group_mask else mask[t, s]
 
     @T.macro
-    def attend(q: Any, k_cache: Any, v_cache: Any, o: Any, n: Any, pos: Any, sel: Any, mask: Any) -> None:
+    def attend(q: Any, k_cache: Any, v_cache: Any, o: Any, n: Any, pos: Any, sel: Any, mask: Any, sinks: Any) -> None:
         row = T.launch_thread("blockIdx.x", n * H)
         qs = T.alloc_shared((D,), "float32")
         ps = T.alloc_shared((NT,), "float32")
@@ -100,8 +106,8 @@ def _online_softmax(n_head: int, n_kv: int, dim: int, scale: float, block: int =
             if d0 * NT + tx < D:
                 qs[d0 * NT + tx] = q[t, h, d0 * NT + tx] * Q_SCALE
             acc[d0] = T.float32(0)
-        stat[0] = NEG_INF
-        stat[1] = T.float32(0)
+        stat[0] = start_max(sinks, h)
+        stat[1] = start_sum(sinks)
         T.tvm_storage_sync("shared")
         for tile in range((n_slots(sel, pos, t) + NT - T.int64(1)) // NT):
             stat[2] = T.float32(0)
@@ -136,11 +142,13 @@ def _online_softmax(n_head: int, n_kv: int, dim: int, scale: float, block: int =
 
 
 def attention(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float, window: int = 0,
-              softcap: float = 0.0) -> tirx.PrimFunc:
-    """(q [T, H, D], k_cache [C, Hkv, D], v_cache [C, Hkv, D], pos, out [T, H, D]), f32; `window`,
-    `softcap`: see `Attention`."""
+              softcap: float = 0.0, sinks: bool = False) -> tirx.PrimFunc:
+    """(q [T, H, D], k_cache [C, Hkv, D], v_cache [C, Hkv, D], pos, [sinks [H],] out [T, H, D]), f32;
+    `window`, `softcap`, `sinks`: see `Attention`."""
     H, HKV, D, C = T.int64(n_head), T.int64(n_kv), T.int64(dim), T.int64(n_cells)
     attend = _online_softmax(n_head, n_kv, dim, scale, window=window, softcap=softcap)
+    if sinks:
+        return _attention_with_sinks((n_head, n_kv, dim, n_cells), attend)
 
     @T.prim_func(private=True)
     def attention_gpu(q_h: T.handle, k_cache: T.Buffer((C, HKV, D), "float32"),
@@ -149,9 +157,26 @@ def attention(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float, wind
         n = T.int64()
         q = T.match_buffer(q_h, (n, H, D), "float32")
         o = T.match_buffer(o_h, (n, H, D), "float32")
-        attend(q, k_cache, v_cache, o, n, pos, None, None)
+        attend(q, k_cache, v_cache, o, n, pos, None, None, None)
 
     return attention_gpu
+
+
+def _attention_with_sinks(sizes: tuple[int, int, int, int], attend: Any) -> tirx.PrimFunc:
+    """`attention` with the sinks [H] input after pos."""
+    H, HKV, D, C = (T.int64(v) for v in sizes)
+
+    @T.prim_func(private=True)
+    def attention_gpu_sinks(q_h: T.handle, k_cache: T.Buffer((C, HKV, D), "float32"),
+                            v_cache: T.Buffer((C, HKV, D), "float32"), pos: T.int64,
+                            sinks: T.Buffer((H,), "float32"), o_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        n = T.int64()
+        q = T.match_buffer(q_h, (n, H, D), "float32")
+        o = T.match_buffer(o_h, (n, H, D), "float32")
+        attend(q, k_cache, v_cache, o, n, pos, None, None, sinks)
+
+    return attention_gpu_sinks
 
 
 def sparse_attention(n_head: int, n_kv: int, dim: int, n_cells: int, width: int, scale: float) -> tirx.PrimFunc:
@@ -197,7 +222,7 @@ def _attention_with(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float
         q = T.match_buffer(q_h, (n, H, D), "float32")
         extra = T.match_buffer(extra_h, _extra_dims(extra_shape, n, pos, sparse), "int32" if sparse else "float32")
         o = T.match_buffer(o_h, (n, H, D), "float32")
-        attend(q, k_cache, v_cache, o, n, pos, extra if sparse else None, None if sparse else extra)
+        attend(q, k_cache, v_cache, o, n, pos, extra if sparse else None, None if sparse else extra, None)
 
     return attention_with_gpu
 
@@ -259,7 +284,7 @@ def attention_pos_tensor(n_head: int, n_kv: int, dim: int, n_cells: int, scale: 
         n = T.int64()
         q = T.match_buffer(q_h, (n, H, D), "float32")
         o = T.match_buffer(o_h, (n, H, D), "float32")
-        attend(q, k_cache, v_cache, o, n, T.Cast("int64", pos_buf[0]), None, None)
+        attend(q, k_cache, v_cache, o, n, T.Cast("int64", pos_buf[0]), None, None, None)
 
     return attention_gpu_pos
 

@@ -189,6 +189,12 @@ def _weight_embed(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
     return _schedule(QG.embed_compute(key.qtype, key.rows, key.k), target, key)
 
 
+def _no_sinks(a: Any) -> None:
+    if a.sinks:
+        raise ValueError("attention sinks (gpt-oss) are not compiled for the position-in-memory (CUDA graph) "
+                         "decode step yet")
+
+
 def _attention_sizes(key: Any) -> tuple[int, int, int, int]:
     """(heads, kv heads, head dim, cache cells) of an attention key's q and k-cache dims."""
     q_dims, cache_dims = key.dims[:2]
@@ -197,7 +203,8 @@ def _attention_sizes(key: Any) -> tuple[int, int, int, int]:
 
 def _attention(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
     a = key.attrs
-    return _mark(AG.attention(*_attention_sizes(key), a.scale, a.window, a.softcap), "ggufc.attention_online_softmax")
+    return _mark(AG.attention(*_attention_sizes(key), a.scale, a.window, a.softcap, a.sinks),
+                 "ggufc.attention_online_softmax")
 
 
 def _sparse_attention(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
@@ -313,6 +320,7 @@ def _hc_post(key: Any, target: tvm.target.Target) -> tirx.PrimFunc | None:
 
 def _attention_pos_tensor(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
     a = key.attrs
+    _no_sinks(a)
     return _mark(AG.attention_pos_tensor(*_attention_sizes(key), a.scale, a.window, a.softcap),
                  "ggufc.attention_online_softmax")
 

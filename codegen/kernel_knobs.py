@@ -79,7 +79,7 @@ def family(key: KernelKey, target: tvm.target.Target) -> str | None:
     if isinstance(key, OpKernel) and key.op == "attention" and (row := _row_attention(key)) is not None:
         attrs, _, heads, kv, _, _ = row
         one_token = key.dims[0][0] == 1
-        if one_token and KA.heads_grouped(heads, kv, target_cores(target), attrs.f16_pv_below):
+        if one_token and KA.heads_grouped(heads, kv, target_cores(target), attrs.f16_pv_below) and not attrs.sinks:
             return None  # one task per KV head: no rows to spread
         return "attention"
     return None
@@ -158,7 +158,7 @@ def _build_attention(key: Any, target: tvm.target.Target, knobs: Knobs) -> tirx.
     attrs, one_token, heads, kv, dim, cells = _row_attention(key)  # type: ignore[misc]
     return KA.attention_rows(heads, kv, dim, cells, attrs.scale, one_token, attrs.f16_pv_below,
                              rows_per_task=knobs["rows_per_task"], threads=target_cores(target),
-                             window=attrs.window, softcap=attrs.softcap)
+                             window=attrs.window, softcap=attrs.softcap, sinks=attrs.sinks)
 
 
 _BUILDERS: dict[str, Callable[[Any, tvm.target.Target, Knobs], tirx.PrimFunc]] = {

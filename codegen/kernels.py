@@ -396,10 +396,10 @@ def func_with_scalar(args: Sequence[Any]) -> tirx.PrimFunc:
     return func(args)
 
 
-def attention(q_shape: PShape, cache_shape: PShape, scale: float, window: int = 0, softcap: float = 0.0
-              ) -> tirx.PrimFunc:
+def attention(q_shape: PShape, cache_shape: PShape, scale: float, window: int = 0, softcap: float = 0.0,
+              sinks: bool = False) -> tirx.PrimFunc:
     """Causal attention of this call's queries over cache rows [0, pos+T) with GQA head sharing
-    (`window`, `softcap`: see `Attention`)."""
+    (`window`, `softcap`, `sinks` (a fifth input [H] after pos): see `Attention`)."""
     n_tok, n_head, dim = q_shape
     n_kv = cache_shape[1]
     group = tirx.floordiv(n_head, n_kv)
@@ -426,7 +426,9 @@ def attention(q_shape: PShape, cache_shape: PShape, scale: float, window: int = 
         name="score",
     )
     rs1 = te.reduce_axis((i64(0), n_ctx), name="rs1")
-    mx = te.compute((n_head, n_tok), lambda h, t: te.max(score[h, t, rs1], axis=rs1), name="mx")
+    row_max = te.compute((n_head, n_tok), lambda h, t: te.max(score[h, t, rs1], axis=rs1), name="row_max")
+    sink = te.placeholder((n_head,), "float32", name="sinks")
+    mx = te.compute((n_head, n_tok), lambda h, t: te.max(row_max[h, t], sink[h]), name="mx") if sinks else row_max
     ex = te.compute(
         (n_head, n_tok, n_ctx),
         lambda h, t, s: tirx.if_then_else(seen(t, s), te.exp(score[h, t, s] - mx[h, t]), f32(0.0)),
@@ -434,12 +436,14 @@ def attention(q_shape: PShape, cache_shape: PShape, scale: float, window: int = 
     )
     rs2 = te.reduce_axis((i64(0), n_ctx), name="rs2")
     sm = te.compute((n_head, n_tok), lambda h, t: te.sum(ex[h, t, rs2], axis=rs2), name="sm")
+    if sinks:  # the sink joins the denominator and carries no value
+        sm = te.compute((n_head, n_tok), lambda h, t: sm[h, t] + te.exp(sink[h] - mx[h, t]), name="sm_sink")
     rs3 = te.reduce_axis((i64(0), n_ctx), name="rs3")
     pv = te.compute(
         (n_tok, n_head, dim), lambda t, h, d: te.sum(ex[h, t, rs3] * vc[rs3, h // group, d], axis=rs3), name="pv"
     )
     out = te.compute((n_tok, n_head, dim), lambda t, h, d: pv[t, h, d] / sm[h, t], name="out")
-    return func([q, kc, vc, pos, out])
+    return func([q, kc, vc, pos, *([sink] if sinks else []), out])
 
 
 def attention_slot_rows(q_shape: PShape, cache_shape: PShape, scale: float, window: int = 0, softcap: float = 0.0

@@ -52,8 +52,9 @@ def cell_prefetcher(n_kv: int, dim: int, n_cells: int) -> Callable[..., None]:
 
 def attention_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float,
                    one_token_order: bool = False, f16_pv_below: int = 0, *,
-                   rows_per_task: int = 1, threads: int = 0, window: int = 0, softcap: float = 0.0) -> tirx.PrimFunc:
-    """(q [T, H, D], k_cache [C, Hkv, D], v_cache [C, Hkv, D], pos, out [T, H, D]); D % 32 == 0
+                   rows_per_task: int = 1, threads: int = 0, window: int = 0, softcap: float = 0.0,
+                   sinks: bool = False) -> tirx.PrimFunc:
+    """(q [T, H, D], k_cache [C, Hkv, D], v_cache [C, Hkv, D], pos, [sinks [H],] out [T, H, D]); D % 32 == 0
     (any D with f16_pv_below: the last D % 32 values of each dot added one by one, as llama.cpp's
     dot products add their tail).
 
@@ -64,6 +65,8 @@ def attention_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float,
     window, softcap: `Attention.window` and `.softcap`. A row scores only the cells of its window;
     the cells before it hold probability 0 (as llama.cpp's -inf mask gives them), so every sum
     keeps its order.
+    sinks: `Attention.sinks`: head h's sink starts the row's max and its float64 sum starts at
+    exp(sink - max), as ggml_soft_max_f32 adds it; one-token calls then run row by row too.
 
     A one-token call with several query heads per KV head runs each KV head's heads together, one
     parallel task per KV head, where there are at least `threads` KV heads (0: always): each cache
@@ -75,8 +78,8 @@ def attention_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float,
     one parallel task takes (1: one task per row); a row's float steps do not depend on it."""
     if dim % STEP and not f16_pv_below:
         raise ValueError(f"attention: head dim {dim} must be a multiple of {STEP}")
-    if (window or softcap) and f16_pv_below:
-        raise ValueError("attention: a window or softcap has no flash-attention form here")
+    if (window or softcap or sinks) and f16_pv_below:
+        raise ValueError("attention: a window, softcap or sinks have no flash-attention form here")
     body, tail = dim // STEP * STEP, dim % STEP  # the 32-value steps of a dot and its tail
     capped = score_cap(softcap)
     H, HKV, D, C = T.int64(n_head), T.int64(n_kv), T.int64(dim), T.int64(n_cells)
@@ -135,7 +138,7 @@ def attention_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float,
         stat[0] = T.max(stat[0], scores[s])
 
     @T.macro
-    def one_row(q, k_cache, v_cache, pos, o, n, row):  # type: ignore[no-untyped-def]
+    def one_row(q, k_cache, v_cache, pos, sink_buf, o, n, row):  # type: ignore[no-untyped-def]
         t = row // H
         h = row % H
         kv = h // G
@@ -149,14 +152,14 @@ def attention_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float,
             f16_pv_row(q, k_cache, v_cache, o, t, h, kv, visible, part, acc, stat)
         else:
             total = T.decl_buffer((1,), "float64")
-            stat[0] = T.float32(-3.0e38)
+            stat[0] = first_max(sink_buf, h)
             for s in range(first):  # before the window: probability 0
                 scores[s] = T.float32(-3.0e38)
             for s in range(first, visible):
                 if n == T.int64(1):  # a prompt's rows read the cells it just wrote, still cached
                     prefetch_cell(k_cache, T.int64(1), T.int64(0), s, visible, kv)
                 cell_score(q, k_cache, t, h, kv, s, part, scores, stat)
-            softmax(scores, stat, total, visible)
+            softmax(scores, stat, total, visible, sum_start(sink_buf, h, stat))
             for a, d in T.grid(STEP, D):
                 acc[a, d] = T.float32(0)
             if one_token_order or n == T.int64(1):  # ggml_vec_dot_f32 over the cells: cell s into acc s % 32
@@ -195,7 +198,8 @@ def attention_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float,
                 cell_score(q, k_cache, 0, kv * G + g, kv, s, head_slice(part, g, STEP), head_slice(scores, g, CP),
                            head_slice(stat, g, 2))
         for g in range(G):
-            softmax(head_slice(scores, g, CP), head_slice(stat, g, 2), head_slice(total, g, 1), visible)
+            softmax(head_slice(scores, g, CP), head_slice(stat, g, 2), head_slice(total, g, 1), visible,
+                    T.float64(0))
             for a in range(STEP * D):
                 acc[g * STEP * D + a] = T.float32(0)
         for s in range(first, visible):  # ggml_vec_dot_f32 over the cells: cell s into acc s % 32
@@ -209,7 +213,9 @@ def attention_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float,
                 o[0, kv * G + g, d] = _fold32([acc[(g * STEP + i) * D + d] for i in range(STEP)])
 
     split = max(1, int(rows_per_task))
-    grouped = heads_grouped(n_head, n_kv, threads, f16_pv_below)
+    grouped = heads_grouped(n_head, n_kv, threads, f16_pv_below) and not sinks
+    if sinks:
+        return _rows_with_sinks((n_head, n_kv, dim, n_cells), one_row, split)
 
     @T.prim_func(private=True)
     def attention(q_h: T.handle, k_cache: T.Buffer((C, HKV, D), "float32"),
@@ -223,14 +229,45 @@ def attention_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float,
                 head_group(q, k_cache, v_cache, pos, o, kv)
         elif split == 1:
             for row in T.parallel(n * H):
-                one_row(q, k_cache, v_cache, pos, o, n, row)
+                one_row(q, k_cache, v_cache, pos, None, o, n, row)
         else:  # `split` consecutive rows per task
             for task in T.parallel((n * H + T.int64(split - 1)) // T.int64(split)):
                 for part in range(T.int64(split)):
                     if task * T.int64(split) + part < n * H:
-                        one_row(q, k_cache, v_cache, pos, o, n, task * T.int64(split) + part)
+                        one_row(q, k_cache, v_cache, pos, None, o, n, task * T.int64(split) + part)
 
     return attention
+
+
+def _rows_with_sinks(sizes: tuple[int, int, int, int], one_row: Callable[..., None], split: int) -> tirx.PrimFunc:
+    """attention_rows' row loop for attention with sinks, `sizes` = (heads, kv heads, head dim,
+    cells): (q, k_cache, v_cache, pos, sinks [H], out)."""
+    H, HKV, D, C = (T.int64(v) for v in sizes)
+
+    @T.prim_func(private=True)
+    def attention(q_h: T.handle, k_cache: T.Buffer((C, HKV, D), "float32"),
+                  v_cache: T.Buffer((C, HKV, D), "float32"), pos: T.int64, sinks: T.Buffer((H,), "float32"),
+                  o_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        n = T.int64()
+        q = T.match_buffer(q_h, (n, H, D), "float32")
+        o = T.match_buffer(o_h, (n, H, D), "float32")
+        for task in T.parallel((n * H + T.int64(split - 1)) // T.int64(split)):
+            for part in range(T.int64(split)):
+                if task * T.int64(split) + part < n * H:
+                    one_row(q, k_cache, v_cache, pos, sinks, o, n, task * T.int64(split) + part)
+
+    return attention
+
+
+def first_max(sinks: tirx.Buffer | None, h: tirx.PrimExpr) -> tirx.PrimExpr:
+    """A row's running max before its scores: head h's sink, or below every score."""
+    return sinks[h] if sinks is not None else T.float32(-3.0e38)
+
+
+def sum_start(sinks: tirx.Buffer | None, h: tirx.PrimExpr, stat: tirx.Buffer) -> tirx.PrimExpr:
+    """A row's softmax sum before its scores' exps: the sink's exp(sink - max), or 0."""
+    return T.Cast("float64", T.exp(sinks[h] - stat[0])) if sinks is not None else T.float64(0)
 
 
 def first_cell(visible: tirx.PrimExpr, window: int) -> tirx.PrimExpr:
@@ -313,7 +350,7 @@ def attention_slot_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: f
                         part[lane] = fma(k_cache[b, s, kv, d0 * STEP + lane], q[t, h, d0 * STEP + lane], part[lane])
                 scores[s] = capped(_fold32([part[i] for i in range(STEP)])) * SCALE
                 stat[0] = T.max(stat[0], scores[s])
-            softmax(scores, stat, total, visible)
+            softmax(scores, stat, total, visible, T.float64(0))
             for a, d in T.grid(STEP, D):
                 acc[a, d] = T.float32(0)
             for s in range(first, visible):  # the one-token order: cell s into accumulator s % 32
@@ -341,13 +378,14 @@ def _fold32(v: list[tirx.PrimExpr]) -> tirx.PrimExpr:
 
 # after _hsum8: a macro takes the module's names as they are when it is defined
 @T.macro
-def softmax(scores, stat, total, visible):  # type: ignore[no-untyped-def]
+def softmax(scores, stat, total, visible, start):  # type: ignore[no-untyped-def]
     """ggml_soft_max_f32 over scores[0, visible) in place (stat[0]: their max; stat[1] = 1 / sum):
-    its vector exp on 8 scores at a time, each 8 summed as hsum_float_8, the sums in float64."""
+    its vector exp on 8 scores at a time, each 8 summed as hsum_float_8, the sums in float64 from
+    `start` (0, or a sink's exp(sink - max))."""
     chunks = (visible + T.int64(LANES - 1)) // T.int64(LANES)
     for s in range(visible, chunks * LANES):
         scores[s] = T.float32(-3.0e38)  # exp gives 0
-    total[0] = T.float64(0)
+    total[0] = start
     for c in range(chunks):
         scores[c * 8:c * 8 + 8] = expf8(scores.vload([c * 8], "float32x8") - T.broadcast(stat[0], 8))
         total[0] = total[0] + T.Cast("float64", _hsum8([scores[c * 8 + i] for i in range(8)]))

@@ -333,9 +333,10 @@ def _attention_kernel(fc: FunctionContext, node: Node, syms: K.Symbols) -> tirx.
     a = node.attrs
     if (dim % KA.STEP == 0 or a.f16_pv_below) and fc.mb.target.kind.name == "llvm":
         return KA.attention_rows(n_head, n_kv, dim, n_cells, a.scale, fc.one_token_order, a.f16_pv_below,
-                                 threads=target_cores(fc.mb.target), window=a.window, softcap=a.softcap)
+                                 threads=target_cores(fc.mb.target), window=a.window, softcap=a.softcap,
+                                 sinks=a.sinks)
     return schedule_cpu(K.attention(_first_shape(fc, node, syms), fc.kernel_shape(cache, syms), a.scale, a.window,
-                                    a.softcap))
+                                    a.softcap, a.sinks))
 
 
 def _first_shape(fc: FunctionContext, node: Node, syms: K.Symbols) -> K.PShape:

@@ -147,19 +147,20 @@ def kv_cache(b: GraphBuilder, layer: int, n_ctx: int, n_kv_head: int, head_dim: 
 def attention(
     b: GraphBuilder, q: Value, k: Value, v: Value, pos: Value, caches: tuple[Value, Value], scale: float,
     new_state: dict[str, Value], layer: int, mask: Value | None = None, f16_pv_below: int = 0,
-    window: int = 0, softcap: float = 0.0,
+    window: int = 0, softcap: float = 0.0, sinks: Value | None = None,
 ) -> Value:
     """Write this call's K/V into the cache, then attend causally over everything cached
     (`mask`: an extra additive [T, P+T] mask, e.g. the QSA indexer's selection; `f16_pv_below`,
-    `window` (a sliding window of that many cells), `softcap`: see `Attention`, for the causal form)."""
+    `window` (a sliding window of that many cells), `softcap`, `sinks` [H]: see `Attention`, for the
+    causal form)."""
     kc = b.emit("cache_write", [caches[0], k, pos], O.NoAttrs(), f"cache_k.{layer}")
     vc = b.emit("cache_write", [caches[1], v, pos], O.NoAttrs(), f"cache_v.{layer}")
     new_state[f"cache_k.{layer}"] = kc
     new_state[f"cache_v.{layer}"] = vc
     if mask is not None:
         return b.emit("attention", [q, kc, vc, pos, mask], O.Attention(scale, "additive"), "attn")
-    attrs = O.Attention(scale, f16_pv_below=f16_pv_below, window=window, softcap=softcap)
-    return b.emit("attention", [q, kc, vc, pos], attrs, "attn")
+    attrs = O.Attention(scale, f16_pv_below=f16_pv_below, window=window, softcap=softcap, sinks=sinks is not None)
+    return b.emit("attention", [q, kc, vc, pos, *([sinks] if sinks is not None else [])], attrs, "attn")
 
 
 def swiglu_ffn(
@@ -348,3 +349,11 @@ def output_head(w: Weights, inputs: DecoderInputs, x: Value, all_logits: bool, n
 
 def final_rms_norm(w: Weights, n_embd: int, eps: float) -> Callable[[Value], Value]:
     return lambda x: rms_norm(w.b, x, w.need("output_norm.weight", (n_embd,)), eps, "result_norm")
+
+
+def position_scale(b: GraphBuilder, x: Value, pos: Value, table: Value, name: str) -> Value:
+    """x [T, H, D] times a per-position factor (hparams.position_scale_table): a rope of one pair
+    per head-dim pair whose angle is 0, so each element is multiplied by its row's factor exactly."""
+    t, h, d = x.shape
+    pairs = b.reshape(x, (t, int(h) * int(d) // 2, 2), f"{name}.pairs")
+    return b.reshape(rope(b, pairs, pos, table, "norm", 2, f"{name}.scaled"), (t, h, d), name)

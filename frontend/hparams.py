@@ -6,6 +6,7 @@ import builtins
 import ctypes
 import ctypes.util
 import functools
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -90,6 +91,12 @@ def swa_layers(keys: Keys, n_layer: int, default_period: int) -> list[bool]:
     return [period == 0 or il % period < period - 1 for il in range(n_layer)]
 
 
+def rope_free_layers(n_layer: int, period: int) -> list[bool]:
+    """Which layers skip rope when every `period`-th one does (NoPE: layer il iff (il + 1) % period
+    == 0, so layers period-1, 2*period-1, ... attend with unrotated q and k)."""
+    return [(il + 1) % period == 0 for il in range(n_layer)]
+
+
 def rope_freq_scale(keys: Keys) -> float:
     """ggml's freq_scale: 1/rope.scaling.factor unless the factor is absent/zero or scaling is none."""
     if keys.raw("rope.scaling.type", "linear") == "none":
@@ -148,6 +155,105 @@ def rope_table(n_ctx: int, n_rot: int, base: float, freq_scale: float, freq_fact
     return table
 
 
+@dataclass(frozen=True)
+class RopeScaling:
+    """The rope op's scaling parameters as llama.cpp's context sets them (llama-context.cpp):
+    `freq_scale` 1/rope.scaling.factor, `ext_factor` 1 for YaRN, the YaRN ramp's original context
+    and betas, and `attn_factor`, the magnitude the op multiplies cos/sin by (with YaRN, before its
+    own 1 + 0.1 ln(1/freq_scale))."""
+
+    freq_scale: float = 1.0
+    ext_factor: float = 0.0
+    n_orig: int = 0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attn_factor: float = 1.0
+
+
+def read_rope_scaling(keys: Keys, *, read_betas: bool = False) -> RopeScaling:
+    """`rope.scaling.*` as llama.cpp's context reads them. With YaRN the context's magnitude is
+    mscale(F, 1) / mscale(F, log_mul) (just mscale(F, 1) without `yarn_log_multiplier`) times
+    1 / (1 + 0.1 ln F), all in float32; every model then multiplies it by `rope.scaling.attn_factor`.
+    `read_betas`: the architecture reads `yarn_beta_fast/slow` (else ggml's 32 and 1)."""
+    f32 = np.float32
+    fs = rope_freq_scale(keys)
+    n_orig = keys.int("rope.scaling.original_context_length", 0) or keys.int("context_length")
+    attn = f32(1.0)
+    yarn = keys.raw("rope.scaling.type", "linear") == "yarn"
+    if yarn:
+        factor = f32(1.0) / f32(fs)
+        log_mul = f32(keys.float("rope.scaling.yarn_log_multiplier", 0.0))
+        attn = _yarn_mscale(factor, f32(1.0))
+        if log_mul != 0:
+            attn = f32(attn / _yarn_mscale(factor, log_mul))
+        attn = f32(attn * (f32(1.0) / (f32(1.0) + f32(0.1) * logf(factor))))
+    attn = f32(attn * f32(keys.float("rope.scaling.attn_factor", 1.0)))
+    betas = (keys.float("rope.scaling.yarn_beta_fast", 32.0), keys.float("rope.scaling.yarn_beta_slow", 1.0)) \
+        if read_betas else (32.0, 1.0)
+    return RopeScaling(fs, 1.0 if yarn else 0.0, n_orig, betas[0], betas[1], float(attn))
+
+
+def _yarn_mscale(factor: np.float32, mscale: np.float32) -> np.float32:
+    f32 = np.float32
+    return f32(1.0) if factor <= 1 else f32(f32(f32(0.1) * mscale) * logf(factor) + f32(1.0))
+
+
+def scaled_rope_table(n_ctx: int, n_rot: int, base: float, rs: RopeScaling,
+                      freq_factors: np.ndarray | None) -> np.ndarray:
+    """cos/sin as ggml's rope_yarn computes them in float32 (ggml_rope_cache_init): per pair the
+    extrapolated angle theta / ff, the interpolated one freq_scale times that, mixed by the YaRN
+    ramp over the correction dims when `ext_factor` is set (which also scales the magnitude by
+    1 + 0.1 ln(1/freq_scale)), and cos/sin times `attn_factor`. Without YaRN and with magnitude 1
+    it is `rope_table`'s exactly."""
+    f32 = np.float32
+    theta_scale = powf(f32(base), f32(-2.0) / f32(n_rot))
+    theta = np.arange(n_ctx, dtype=np.float32)
+    half = n_rot // 2
+    low, high = _yarn_corr_dims(n_rot, rs.n_orig, base, rs.beta_fast, rs.beta_slow)
+    fs, ext = f32(rs.freq_scale), f32(rs.ext_factor)
+    mscale = f32(rs.attn_factor)
+    if ext != 0:
+        mscale = f32(mscale * (f32(1.0) + f32(0.1) * logf(f32(1.0) / fs)))
+    angles = np.empty((n_ctx, half), dtype=np.float32)
+    for i in range(half):
+        ff = f32(freq_factors[i]) if freq_factors is not None else f32(1.0)
+        extrap = (theta / ff).astype(np.float32)
+        interp = (fs * extrap).astype(np.float32)
+        if ext != 0:
+            y = f32(f32(i) - low) / max(f32(0.001), f32(high - low))
+            mix = f32(f32(1.0) - min(f32(1.0), max(f32(0.0), y))) * ext
+            interp = (interp * (f32(1.0) - mix) + extrap * mix).astype(np.float32)
+        angles[:, i] = interp
+        theta = (theta * theta_scale).astype(np.float32)
+    table = np.empty((n_ctx, half, 2), dtype=np.float32)
+    cos, sin = _cos_sin_f32(angles)
+    table[..., 0], table[..., 1] = cos * mscale, sin * mscale
+    return table
+
+
+def _yarn_corr_dims(n_rot: int, n_orig: int, base: float, beta_fast: float,
+                    beta_slow: float) -> tuple[np.float32, np.float32]:
+    """ggml_rope_yarn_corr_dims in float32: the pair range over which the ramp goes from
+    extrapolation to interpolation."""
+    f32 = np.float32
+    if n_orig <= 0:
+        return f32(0.0), f32(0.0)
+
+    def dim(beta: float) -> np.float32:
+        ratio = f32(f32(n_orig) / f32(f32(f32(beta) * f32(2)) * f32(np.pi)))
+        return f32(f32(f32(n_rot) * logf(ratio)) / f32(f32(2) * logf(f32(base))))
+
+    return f32(max(0.0, np.floor(dim(beta_fast)))), f32(min(n_rot - 1.0, np.ceil(dim(beta_slow))))
+
+
+def position_scale_table(n_ctx: int, scale: np.ndarray) -> np.ndarray:
+    """A one-pair rope table [n_ctx, 1, 2] whose angle is 0 and magnitude `scale[p]`: rope with it
+    multiplies every pair of a row by its position's factor, exactly (x·s − y·0)."""
+    table = np.zeros((n_ctx, 1, 2), dtype=np.float32)
+    table[:, 0, 0] = scale.astype(np.float32)
+    return table
+
+
 @functools.cache
 def _libm() -> ctypes.CDLL | None:
     name = ctypes.util.find_library("m")
@@ -159,7 +265,16 @@ def _libm() -> ctypes.CDLL | None:
         for fn in (lib.cosf, lib.sinf):
             fn.restype, fn.argtypes = ctypes.c_float, [ctypes.c_float]
         lib.powf.restype, lib.powf.argtypes = ctypes.c_float, [ctypes.c_float, ctypes.c_float]
+        lib.logf.restype, lib.logf.argtypes = ctypes.c_float, [ctypes.c_float]
     return lib
+
+
+def logf(x: np.float32) -> np.float32:
+    """The C library's logf, as llama.cpp calls it (without a C library, the float64 log rounded)."""
+    lib = _libm()
+    if lib is None:
+        return np.float32(np.log(np.float64(x)))
+    return np.float32(lib.logf(float(x)))
 
 
 def powf(x: np.float32, y: np.float32) -> np.float32:

@@ -34,6 +34,16 @@ def softmax_spelled(b: GraphBuilder, x: Value, axis: int, name: str) -> Value:
     return b.binary("div", e, b.reduce("sum", e, f"{name}.sum", axis=axis), name)
 
 
+def softmax_with_sinks_spelled(b: GraphBuilder, x: Value, sinks: Value, name: str) -> Value:
+    """Softmax over the last axis with the per-row extra logit `sinks` (broadcast against x, last
+    dim 1) in the max and the denominator: ggml_soft_max_ext with sinks."""
+    m = b.binary("max", b.reduce("max", x, f"{name}.rowmax", axis=-1), sinks, f"{name}.max")
+    e = b.unary("exp", b.binary("sub", x, m, f"{name}.shift"), f"{name}.exp")
+    sink_e = b.unary("exp", b.binary("sub", sinks, m, f"{name}.sink_shift"), f"{name}.sink_exp")
+    total = b.add(b.reduce("sum", e, f"{name}.rowsum", axis=-1), sink_e, f"{name}.sum")
+    return b.binary("div", e, total, name)
+
+
 def rms_norm_spelled(b: GraphBuilder, x: Value, w: Value | None, eps: float, name: str) -> Value:
     sq = b.unary("square", x, f"{name}.sq")
     ms = b.reduce("mean", sq, f"{name}.ms")
@@ -132,7 +142,11 @@ def _attention(b: GraphBuilder, n: Node) -> list[Value]:
             sel = b.reshape(sel, (hkv, 1, t, sel.shape[2]), f"{name}.sel_mask4")
         mask = b.add(mask, sel, f"{name}.mask_sel")
     masked = b.add(b.reshape(scores, (hkv, g, t, s_len), f"{name}.s4"), mask, f"{name}.masked")
-    probs = softmax_spelled(b, masked, -1, f"{name}.probs")
+    if n.attrs.sinks:
+        probs = softmax_with_sinks_spelled(b, masked, b.reshape(extra[0], (hkv, g, 1, 1), f"{name}.sinks4"),
+                                           f"{name}.probs")
+    else:
+        probs = softmax_spelled(b, masked, -1, f"{name}.probs")
     out = b.emit("bmm_nn", [b.reshape(probs, (hkv, gt, s_len), f"{name}.p3"), v], O.NoAttrs(), f"{name}.pv")
     heads = b.transpose(b.reshape(out, (hkv, g, t, d), f"{name}.o4"), (2, 0, 1, 3), f"{name}.ot")
     return [b.reshape(heads, (t, h, d), name)]

@@ -187,6 +187,9 @@ class Attention:
     # a tanh softcap on the scores before the scale, c * tanh(s * (1/c)) in float32 (llama.cpp's
     # attn_soft_cap, applied to K.q before soft_max_ext's scale and mask); 0: none
     softcap: float = 0.0
+    # a fifth input sinks [H] (causal form): one more logit per query head that joins the softmax's
+    # max and denominator and carries no value (ggml_soft_max_ext with sinks; gpt-oss)
+    sinks: bool = False
 
 
 @dataclass(frozen=True)
@@ -556,10 +559,11 @@ def tanh_softcap_ref(x: np.ndarray, cap: float) -> np.ndarray:
 
 def attention_ref(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, pos0: int, scale: float,
                   mask: str = "causal", extra: np.ndarray | None = None, block: int = 0,
-                  f16_pv_below: int = 0, window: int = 0, softcap: float = 0.0) -> np.ndarray:
+                  f16_pv_below: int = 0, window: int = 0, softcap: float = 0.0,
+                  sinks: np.ndarray | None = None) -> np.ndarray:
     """q [T,H,D]; caches [C,Hkv,D] already holding this call's keys. Returns [T,H,D].
     `extra`: the additive [T, P+T] mask, or the [T, W] selected cell ids (see `Attention.mask`);
-    `window`, `softcap`: see `Attention`."""
+    `window`, `softcap`, `sinks` [H]: see `Attention`."""
     if q.shape[0] < f16_pv_below:
         return attention_f16_pv_ref(q, kc, vc, pos0, scale)
     t, h, d = q.shape
@@ -582,7 +586,17 @@ def attention_ref(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, pos0: int, scal
             extra = index_mask_ref(extra, pos0)
         per_head = np.repeat(extra, h // hkv, axis=0) if extra.ndim == 3 else extra[None]
         s = s + per_head.astype(q.dtype)
-    return np.einsum("hts,shd->thd", softmax_ref(s, -1), v)
+    probs = softmax_ref(s, -1) if sinks is None else softmax_with_sinks_ref(s, sinks.astype(q.dtype))
+    return np.einsum("hts,shd->thd", probs, v)
+
+
+def softmax_with_sinks_ref(s: np.ndarray, sinks: np.ndarray) -> np.ndarray:
+    """Softmax over the last axis of s [H, T, S] with one more logit sinks[h] per row of head h
+    that takes part in the max and the denominator and gets no output column."""
+    sink = sinks[:, None, None]
+    m = np.maximum(s.max(axis=-1, keepdims=True), sink)
+    e = np.exp(s - m)
+    return e / (e.sum(axis=-1, keepdims=True) + np.exp(sink - m))
 
 
 def attention_f16_pv_ref(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, pos0: int, scale: float) -> np.ndarray:
@@ -900,9 +914,11 @@ def _gated_delta_net_shape(ins: Sequence[ShapeDtype], a: GatedDeltaNet) -> list[
 
 
 def _attention_shape(ins: Sequence[ShapeDtype], a: Attention) -> list[ShapeDtype]:
-    n_in = 4 if a.mask == "causal" else 5
+    n_in = 4 if a.mask == "causal" and not a.sinks else 5
     if len(ins) != n_in or a.mask not in ("causal", "additive", "indices", "blocks"):
         raise ValueError(f"attention with mask {a.mask!r} takes {n_in} inputs, got {len(ins)}")
+    if a.sinks and (a.mask != "causal" or a.f16_pv_below or tuple(ins[4][0]) != (ins[0][0][1],)):
+        raise ValueError(f"attention: sinks {ins[4]} must be [H] and need the causal float32 form")
     if a.mask == "indices" and (ins[4][1] != "int32" or ins[4][0][0] != ins[0][0][0]):
         raise ValueError(f"attention: selected cells {ins[4]} must be int32 [T, W]")
     n_kv = ins[1][0][1]
@@ -1198,8 +1214,8 @@ OPS: dict[str, OpDef] = {
         OpDef("rope", Rope, _same, _one(lambda i, a, c: rope_ref(i[0], int(i[1]), i[2], a)), fused=True),
         OpDef("attention", Attention, _attention_shape,
               _one(lambda i, a, c: attention_ref(i[0], i[1], i[2], int(i[3]), a.scale, a.mask,
-                                                 i[4] if len(i) > 4 else None, a.block, a.f16_pv_below,
-                                                 a.window, a.softcap)),
+                                                 i[4] if len(i) > 4 and not a.sinks else None, a.block,
+                                                 a.f16_pv_below, a.window, a.softcap, i[4] if a.sinks else None)),
               fused=True),
         OpDef("swiglu", NoAttrs, _same, _one(lambda i, a, c: i[0] * _sigmoid(i[0]) * i[1]), fused=True),
         OpDef("moe_route", MoeRoute, _route_shape,

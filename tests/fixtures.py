@@ -69,6 +69,16 @@ class ArchRecipe:
     softcaps: tuple[float, float] | None = None  # attention-score and final-logit softcaps small enough to bite
     granite: bool = False  # embedding, attention, residual and logit multipliers; MoE with a shared expert
     logit_scale: float = 0.0  # written as {arch}.logit_scale when set (muse-glimmer multiplies by it)
+    # YaRN (factor, original context, yarn_log_multiplier) and the query temperature β, with an
+    # original context short enough that a dozen tokens pass the first temperature step
+    yarn: tuple[float, int, float] | None = None
+    temperature: float = 0.0
+    # LongRoPE: the original context (below the fixture's, so the long factors apply) and the
+    # rope.scaling.attn_factor magnitude; rope over 3/4 of the head dim (Phi-4-mini's partial rotary)
+    longrope: tuple[int, float] | None = None
+    partial_rope: bool = False
+    # lfm2: odd layers are gated short convolutions of this kernel (head_count_kv 0 there)
+    short_conv: int = 0
 
 
 RECIPES: dict[str, ArchRecipe] = {
@@ -76,6 +86,12 @@ RECIPES: dict[str, ArchRecipe] = {
     "gemma2": ArchRecipe(moe="never", window=4, softcaps=(0.5, 2.0)),
     "gemma3": ArchRecipe(moe="never", window=4),
     "qwen2": ArchRecipe(moe="never"),
+    "smollm3": ArchRecipe(moe="never"),
+    "mistral3": ArchRecipe(moe="optional", yarn=(4.0, 8, 1.0), temperature=0.5),
+    "phi3": ArchRecipe(moe="never", longrope=(32, 1.19), partial_rope=True),
+    "lfm2": ArchRecipe(moe="never", window=4, short_conv=3),
+    # YaRN 32 over 8 positions with its magnitude kept (no yarn_log_multiplier): 1 + 0.1 ln 32 on q and k
+    "gpt-oss": ArchRecipe(moe="always", expert_ff_key=True, window=4, yarn=(32.0, 8, 0.0)),
     "qwen3": ArchRecipe(moe="never"),
     "qwen3moe": ArchRecipe(moe="always", expert_ff_key=True),
     "qwen35": ArchRecipe(moe="never", hybrid=True),
@@ -173,7 +189,7 @@ def value_kind(arch: str, d: Declared) -> str:
     if short in KIND_OVERRIDES.get(arch, {}):
         return KIND_OVERRIDES[arch][short]
     stem = short.removesuffix(".weight")
-    if short == "rope_freqs.weight":
+    if short in ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"):
         return "rope_freqs"
     if short == "ssm_a":
         return "ssm_a"
@@ -480,7 +496,11 @@ def _write_hparams(w: gguf.GGUFWriter, arch: str, s: FixtureSize, opts: FixtureO
         return
     w.add_feed_forward_length(s.n_ff)
     w.add_head_count(s.n_head)
-    w.add_head_count_kv(s.n_head_kv)
+    if RECIPES[arch].short_conv:
+        w.add_array(f"{arch}.attention.head_count_kv", [0 if il % 2 else s.n_head_kv for il in range(s.n_layer)])
+        w.add_uint32(f"{arch}.shortconv.l_cache", RECIPES[arch].short_conv)
+    else:
+        w.add_head_count_kv(s.n_head_kv)
     w.add_key_length(s.head_dim)
     w.add_value_length(s.head_dim)
     if RECIPES[arch].hybrid:
@@ -489,7 +509,7 @@ def _write_hparams(w: gguf.GGUFWriter, arch: str, s: FixtureSize, opts: FixtureO
     elif RECIPES[arch].msa:
         w.add_rope_dimension_count(msa.rope_dimension_count(s))
     else:
-        w.add_rope_dimension_count(s.head_dim)
+        w.add_rope_dimension_count(s.head_dim * 3 // 4 if RECIPES[arch].partial_rope else s.head_dim)
     w.add_layer_norm_rms_eps(opts.rms_eps)
     w.add_rope_freq_base(opts.rope_base)
     if opts.rope_scaling is not None:
@@ -539,6 +559,16 @@ def _write_window(w: gguf.GGUFWriter, arch: str) -> None:
     if recipe.softcaps is not None:
         w.add_float32(f"{arch}.attn_logit_softcapping", recipe.softcaps[0])
         w.add_float32(f"{arch}.final_logit_softcapping", recipe.softcaps[1])
+    if recipe.yarn is not None and f"{arch}.rope.scaling.type" not in _keys(w):  # unless linear was asked for
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(recipe.yarn[0])
+        w.add_rope_scaling_orig_ctx_len(recipe.yarn[1])
+        w.add_float32(f"{arch}.rope.scaling.yarn_log_multiplier", recipe.yarn[2])
+    if recipe.longrope is not None:
+        w.add_rope_scaling_orig_ctx_len(recipe.longrope[0])
+        w.add_rope_scaling_attn_factors(recipe.longrope[1])
+    if recipe.temperature:
+        w.add_float32(f"{arch}.attention.temperature_scale", recipe.temperature)
 
 
 def w_layers(w: gguf.GGUFWriter, arch: str) -> int:

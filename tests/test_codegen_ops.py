@@ -358,22 +358,25 @@ def _cache_write(cg: CaseGraph, tag: str, n_kv: int, dim: int) -> Value:
 
 
 def _attention_case(n_head: int, n_kv: int, dim: int, f16_pv_below: int = 0, window: int = 0,
-                    softcap: float = 0.0) -> Case:
+                    softcap: float = 0.0, sinks: bool = False) -> Case:
     """f16_pv_below: the CPU target's rounding of llama.cpp's one-row flash attention for calls
     shorter than that (here the 1- to 4-token calls; the 5-token one keeps float32). `window`,
-    `softcap`: a sliding window, a tanh softcap on the scores."""
+    `softcap`, `sinks`: a sliding window, a tanh softcap on the scores, a sink logit per head
+    (drawn large enough, uniform in [-1, 3], to take a good share of each row)."""
 
     def build(cg: CaseGraph) -> Graph:
         q = cg.rows((n_head, dim))
         kc, vc = _cache_write(cg, "k", n_kv, dim), _cache_write(cg, "v", n_kv, dim)
-        attrs = O.Attention(1.0 / math.sqrt(dim), f16_pv_below=f16_pv_below, window=window, softcap=softcap)
-        out = cg.emit("attention", [q, kc, vc, cg.pos], attrs)[0]
+        attrs = O.Attention(1.0 / math.sqrt(dim), f16_pv_below=f16_pv_below, window=window, softcap=softcap,
+                            sinks=sinks)
+        extra = [cg.weight((n_head,), domain=(-1.0, 3.0))] if sinks else []
+        out = cg.emit("attention", [q, kc, vc, cg.pos, *extra], attrs)[0]
         return cg.finish([out], {f"{cg.name}.k": kc, f"{cg.name}.v": vc})
 
     if f16_pv_below:
         return Case(f"attention-h{n_head}-kv{n_kv}-d{dim}-f16pv", "attention", build, group="cpu_rounding",
                     calls=STATEFUL)
-    extra = (f"-w{window}" if window else "") + (f"-cap{softcap}" if softcap else "")
+    extra = (f"-w{window}" if window else "") + (f"-cap{softcap}" if softcap else "") + ("-sinks" if sinks else "")
     return Case(f"attention-h{n_head}-kv{n_kv}-d{dim}{extra}", "attention", build, calls=STATEFUL)
 
 
@@ -396,6 +399,8 @@ def position_cases() -> list[Case]:
         _attention_case(4, 2, 32, window=4),  # the row kernel: windows shorter than the calls' reach
         _attention_case(4, 1, 32, window=3, softcap=0.3),  # one KV head: decode runs the head group
         _attention_case(2, 2, 32, softcap=0.3),
+        _attention_case(4, 1, 32, window=3, sinks=True),  # gpt-oss: sinks, window layers, grouped heads
+        _attention_case(2, 2, 32, sinks=True),
         Case("cache_write", "cache_write", _cache_write_case, calls=STATEFUL),
     ]
 

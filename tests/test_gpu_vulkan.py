@@ -299,3 +299,22 @@ def test_vulkan_artifact_is_verified_before_use(artifacts: dict, tmp_path: Path,
     write_manifest(bad, json.dumps(manifest))
     with pytest.raises(ArtifactError, match=r"plan expression .* only min\(\)/max\(\) calls"):
         Session(bad, device="vulkan")
+
+
+@pytest.mark.slow  # lavapipe: about 10 s a fixture
+@pytest.mark.parametrize("name", ["smollm3-nope", "mistral3-yarn-temperature", "phi3-fused-longrope",
+                                  "gpt-oss-yarn-window"])
+def test_vulkan_feature_fixture_matches_llama_cpp(name: str, dev: object, tmp_path: Path) -> None:
+    """The project fixtures with NoPE layers, YaRN and the query temperature (a per-position scale
+    run as a one-pair rope), fused q/k/v and LongRoPE, gpt-oss's sinks, window and YaRN magnitude,
+    against llama.cpp's logits (measured 1.4e-13..8.2e-13 in the three modes)."""
+    from feature_fixtures import write_feature_fixture
+
+    from ggufc.cli import main
+
+    golden = np.load(Path(__file__).resolve().parent / "goldens" / f"{name}.npz")
+    art = tmp_path / "artifact"
+    assert main(["compile", str(write_feature_fixture(name, tmp_path)), "-t", "vulkan", "-o", str(art)]) == 0
+    for chunk, key in MODES.items():
+        logits = _eval(art, "vulkan", golden["tokens"], chunk, tmp_path)
+        assert nmse(logits, golden[key]) < 1e-6

@@ -229,6 +229,10 @@ def _fused_cases() -> list[Case]:
     for window, softcap in ((3, 0.0), (1, 0.0), (0, 0.4), (4, 0.4)):  # a sliding window, a score softcap
         q, kc, vc = In("q", ("T", 4, 5)), In("kc", (CACHE, 2, 5)), In("vc", (CACHE, 2, 5))
         cases += _both_t("attention", O.Attention(0.37, window=window, softcap=softcap), (q, kc, vc, POS), p=4)
+    for window in (0, 3):  # gpt-oss: a sink logit per query head, with and without a window
+        q, kc, vc = In("q", ("T", 4, 5)), In("kc", (CACHE, 2, 5)), In("vc", (CACHE, 2, 5))
+        cases += _both_t("attention", O.Attention(0.37, window=window, sinks=True), (q, kc, vc, POS, In("s", (4,))),
+                         p=4)
     cases += _both_t("rope", O.Rope("imrope", 6, (1, 1, 0, 1)), (In("x", ("T", 3, 8)), POS, ROPE_TABLE), p=2)
     cases += _both_t("swiglu", O.NoAttrs(), (X, In("u", ("T", 7))))
     cases += _both_t("l2_norm", O.L2Norm(1e-6), (In("x", ("T", 3, 7)),))

@@ -97,11 +97,12 @@ def _layer(
     o = _proj(w, b, B.flatten_heads(b, a, "attn_flat"), f"{p}.attn_output", E, H * D, False)
     x = b.add(x, o, "ffn_inp")
     h = B.rms_norm(b, x, w.need(f"{p}.ffn_norm.weight", (E,)), hp.eps, "ffn_norm")
-    y = _moe(b, w, hp, p, h) if hp.n_expert else _dense_ffn(w, b, hp, p, h)
+    y = moe_ffn(b, w, hp, p, h) if hp.n_expert else dense_ffn(w, b, hp, p, h)
     return b.add(x, y, "l_out")
 
 
-def _dense_ffn(w: B.Weights, b: GraphBuilder, hp: HParams, p: str, h: Value) -> Value:
+def dense_ffn(w: B.Weights, b: GraphBuilder, hp: HParams, p: str, h: Value) -> Value:
+    """SwiGLU with optional biases and `.scale`s, each bias added before its scale (llama, mistral3)."""
     E, F = hp.n_embd, hp.n_ff
     parts = {"gate": (F, E), "up": (F, E), "down": (E, F)}
     mats = {k: w.need(f"{p}.ffn_{k}.weight", s) for k, s in parts.items()}
@@ -110,7 +111,8 @@ def _dense_ffn(w: B.Weights, b: GraphBuilder, hp: HParams, p: str, h: Value) -> 
     return B.swiglu_ffn(b, h, mats["gate"], mats["up"], mats["down"], biases=biases, scales=scales)
 
 
-def _moe(b: GraphBuilder, w: B.Weights, hp: HParams, p: str, h: Value) -> Value:
+def moe_ffn(b: GraphBuilder, w: B.Weights, hp: HParams, p: str, h: Value) -> Value:
+    """Softmax-routed experts, optional gate, per-expert `.scale`s (llama, mistral3)."""
     E, F, X = hp.n_embd, hp.n_ff, hp.n_expert
     router = w.need(f"{p}.ffn_gate_inp.weight", (X, E))
     gate = w.get(f"{p}.ffn_gate_exps.weight", (X, F, E), required=False)
