@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ggufc.frontend.hparams import ModelError
+from ggufc.frontend.archs import granite_swa
+from ggufc.frontend.hparams import Keys, ModelError
 from ggufc.frontend.load import LoadedModel, load_model
 
 GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
@@ -77,3 +78,13 @@ def test_granite_swa_windows_and_sinks_follow_the_pattern() -> None:
 def test_granite_swa_scalar_rope_pattern_0_ropes_no_layer(tmp_path: Path) -> None:
     model = load_model(_copy_with(tmp_path, "granite_swa-dense", "granite_swa.attention.rope_pattern", "0"))
     assert model.hparams.roped == (False, False) and _rope_ops(model) == 0
+
+
+@pytest.mark.parametrize(("pattern", "message"), [
+    (None, "as a per-layer array"), (2, "as a per-layer array"), ([1, 0, 1], "has 3 entries, expected 2"),
+])
+def test_granite_swa_window_pattern_must_be_a_per_layer_array(pattern: object, message: str) -> None:
+    key = "granite_swa.attention.sliding_window_pattern"
+    keys = Keys({} if pattern is None else {key: pattern}, "granite_swa")
+    with pytest.raises(ModelError, match=message):
+        granite_swa._per_layer(keys, "attention.sliding_window_pattern", 2, None)
