@@ -102,6 +102,7 @@ RECIPES: dict[str, ArchRecipe] = {
     "glm-dsa": ArchRecipe(moe="always", latent=True),
     "granite": ArchRecipe(moe="optional", granite=True),
     "granitemoe": ArchRecipe(moe="always", granite=True),
+    "granite_swa": ArchRecipe(moe="optional", granite=True, window=4),
     "exaone4": ArchRecipe(moe="never"),
     "muse-glimmer": ArchRecipe(moe="never", window=4, logit_scale=1.5),
     "hy_v3": ArchRecipe(moe="always", expert_ff_key=True, biased_moe=True),
@@ -549,6 +550,8 @@ def _write_granite_multipliers(w: gguf.GGUFWriter, arch: str, s: FixtureSize, *,
     w.add_float32(f"{arch}.logit_scale", GRANITE_MULTIPLIERS[3])
     if moe:
         w.add_uint32(f"{arch}.expert_shared_feed_forward_length", s.n_ff // 2)
+    if arch == "granite_swa":  # NoPE on the odd (full-attention) layers
+        w.add_array(f"{arch}.attention.rope_pattern", [il % 2 == 0 for il in range(s.n_layer)])
 
 
 def _write_window(w: gguf.GGUFWriter, arch: str) -> None:

@@ -169,8 +169,8 @@ def test_plan_is_what_the_architecture_file_reads() -> None:
     merged = names("qwen3next", scales=True)
     assert "blk.0.ffn_gate_up_exps.weight" in merged and "blk.0.ffn_down_exps.scale" in merged
     assert not {"blk.0.ffn_gate_exps.scale", "blk.0.ffn_up_exps.scale"} & merged
-    assert [a for a in ARCHS if full_options(a).get("rope_freqs")] == ["exaone4", "granite", "granitemoe", "llama",
-                                                                       "mistral3"]
+    assert [a for a in ARCHS if full_options(a).get("rope_freqs")] == [
+        "exaone4", "granite", "granite_swa", "granitemoe", "llama", "mistral3"]
 
 
 @pytest.mark.parametrize(

@@ -26,7 +26,7 @@ GELU_FIXTURES = ["gemma2-dense", "gemma3-dense"]
 POPULAR_FIXTURES = ["smollm3-dense", "mistral3-dense", "phi3-dense", "gpt-oss-moe", "lfm2-dense"]
 F32_FIXTURES = ["llama-dense", "qwen2-dense", "qwen3-dense", "qwen3moe-moe", "qwen35-dense", "qwen3next-moe",
                 "qwen4exp-moe", "minimax-m3-moe", "granite-dense", "granitemoe-moe", "exaone4-dense",
-                "muse-glimmer-dense", *GELU_FIXTURES, *POPULAR_FIXTURES]
+                "granite_swa-dense", "muse-glimmer-dense", *GELU_FIXTURES, *POPULAR_FIXTURES]
 # F16 weights: the CPU target rounds a matmul's activations to F16 as llama.cpp's CPU backend does
 # (measured 1.0e-9..3.0e-9 in the three modes; float32 activations: ~5e-8)
 F16_FIXTURES = ["glm-dsa-moe-F16", "deepseek32-moe-F16"]

@@ -23,6 +23,7 @@ from ggufc.ir.interp import init_state, run_graph
 N_TOKENS = 10
 CHUNK = 3
 QUANT_OF = {"llama": "Q4_0", "qwen3": "Q8_0", "qwen3moe": "Q4_0"}  # one quantized fixture per arch
+MOE_VARIANT = ("granite_swa",)  # optional-MoE archs whose MoE branch has no llama.cpp fixture
 
 
 def model_variants() -> list[tuple[str, dict[str, Any], float]]:
@@ -33,6 +34,8 @@ def model_variants() -> list[tuple[str, dict[str, Any], float]]:
         out.append((f"{arch}-f32-full", full, 1e-6))
         qtype = QUANT_OF.get(arch, "Q8_0")
         out.append((f"{arch}-{qtype}", {"arch": arch, "qtype": qtype}, 1e-5))
+        if arch in MOE_VARIANT:
+            out.append((f"{arch}-moe-f32-full", {**full, "moe": True}, 1e-6))
         if RECIPES[arch].expert_gate_optional:  # the gate-less MoE path exists only where MoE is optional
             out.append((f"{arch}-moe-gateless", {**full, "moe": True, "expert_gate": False}, 1e-6))
     return out

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,7 +61,29 @@ def read_granite_hparams(keys: Keys, n_vocab: int, *, finetuned_key: bool) -> HP
     )
 
 
+@dataclass(frozen=True)
+class LayerAttention:
+    """What differs per layer in granite_swa: rope or NoPE, a sliding window (0: none), sinks."""
+
+    roped: bool
+    window: int = 0
+    sinks: bool = False
+
+
+Ffn = Callable[[B.Weights, HParams, str, Value], Value]
+
+
 def build(w: B.Weights, hp: HParams, n_ctx: int, all_logits: bool) -> Graph:
+    return build_granite(w, hp, n_ctx, all_logits, lambda il: LayerAttention(roped=hp.rope), ffn)
+
+
+def ffn(w: B.Weights, hp: HParams, p: str, h: Value) -> Value:
+    return _moe(w, hp, p, h) if hp.n_expert else dense_ffn(w, hp, p, h)
+
+
+def build_granite(w: B.Weights, hp: HParams, n_ctx: int, all_logits: bool,
+                  attention: Callable[[int], LayerAttention], layer_ffn: Ffn) -> Graph:
+    """granite's graph with each layer's attention and the FFN chosen by the caller."""
     def rope() -> Value:
         freqs = w.get("rope_freqs.weight", (hp.n_rot // 2,), required=False, f32=True)
         freq_factors = w.model.tensors["rope_freqs.weight"].data if freqs is not None else None
@@ -71,7 +94,8 @@ def build(w: B.Weights, hp: HParams, n_ctx: int, all_logits: bool) -> Graph:
         inp = dataclasses.replace(inp, x=_scaled(w.b, inp.x, hp.embedding_scale, "inp_scaled"))
     new_state: dict[str, Value] = {}
     x = B.layers(w.b, hp.n_layer, inp.x,
-                 lambda il, x: _layer(w.b, w, hp, il, x, inp.pos, inp.table, n_ctx, new_state))
+                 lambda il, x: _layer(w.b, w, hp, il, x, inp.pos, inp.table, n_ctx, new_state,
+                                        attention(il), layer_ffn))
     return B.output_head(w, inp, x, all_logits, new_state, B.final_rms_norm(w, hp.n_embd, hp.eps),
                          logit_multiplier=hp.logit_multiplier)
 
@@ -87,27 +111,28 @@ def _residual(b: GraphBuilder, hp: HParams, x: Value, branch: Value, name: str) 
 
 
 def _layer(b: GraphBuilder, w: B.Weights, hp: HParams, il: int, x: Value, pos: Value, table: Value, n_ctx: int,
-           new_state: dict[str, Value]) -> Value:
+           new_state: dict[str, Value], attn: LayerAttention, layer_ffn: Ffn) -> Value:
     E, D, H, Hkv = hp.n_embd, hp.head_dim, hp.n_head, hp.n_head_kv
     p = f"blk.{il}"
     h = B.rms_norm(b, x, w.need(f"{p}.attn_norm.weight", (E,)), hp.eps, "attn_norm")
     q = B.heads(b, llama._proj(w, b, h, f"{p}.attn_q", H * D, E, False), H, D, "Qcur")
     k = B.heads(b, llama._proj(w, b, h, f"{p}.attn_k", Hkv * D, E, False), Hkv, D, "Kcur")
     v = B.heads(b, llama._proj(w, b, h, f"{p}.attn_v", Hkv * D, E, False), Hkv, D, "Vcur")
-    if hp.rope:
+    if attn.roped:
         q = B.rope(b, q, pos, table, "norm", hp.n_rot, "Qrope")
         k = B.rope(b, k, pos, table, "norm", hp.n_rot, "Krope")
     caches = B.kv_cache(b, il, n_ctx, Hkv, D)
     kq_scale = hp.attention_scale or 1.0 / math.sqrt(D)
-    a = B.attention(b, q, k, v, pos, caches, kq_scale, new_state, il)
+    sinks = w.need(f"{p}.attn_sinks.weight", (H,)) if attn.sinks else None
+    a = B.attention(b, q, k, v, pos, caches, kq_scale, new_state, il, window=attn.window, sinks=sinks)
     o = llama._proj(w, b, B.flatten_heads(b, a, "attn_flat"), f"{p}.attn_output", E, H * D, False)
     x = _residual(b, hp, x, o, "ffn_inp")
     h = B.rms_norm(b, x, w.need(f"{p}.ffn_norm.weight", (E,)), hp.eps, "ffn_norm")
-    y = _moe(w, hp, p, h) if hp.n_expert else _dense_ffn(w, hp, p, h)
+    y = layer_ffn(w, hp, p, h)
     return _residual(b, hp, x, y, "l_out")
 
 
-def _dense_ffn(w: B.Weights, hp: HParams, p: str, h: Value) -> Value:
+def dense_ffn(w: B.Weights, hp: HParams, p: str, h: Value) -> Value:
     E, F = hp.n_embd, hp.n_ff
     parts = {"gate": (F, E), "up": (F, E), "down": (E, F)}
     mats = {k: w.need(f"{p}.ffn_{k}.weight", s) for k, s in parts.items()}
