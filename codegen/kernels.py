@@ -91,23 +91,41 @@ def sigmoid(x: PrimExpr) -> PrimExpr:
     return f32(1.0) / (f32(1.0) + te.exp(-x))
 
 
+def shared(name: str, value: PrimExpr, body: Callable[[PrimExpr], PrimExpr], dtype: str = "float32") -> PrimExpr:
+    """`body(v)` with `v` bound once to `value` (a Let): an expression used several times stays one
+    node instead of a copy per use, which nested roundings would multiply into a tree of 10^5 nodes
+    (minutes of compile time for one GELU)."""
+    var = tirx.Var(name, dtype)
+    return tirx.Let(var, value, body(var))
+
+
 def round_to_f16(x: PrimExpr) -> PrimExpr:
     """x rounded to the nearest half-precision value (ties to even; inf beyond f16's range), in
     32-bit integer arithmetic on x's bits, so targets without f16 types (WGSL) compute it too."""
     u32 = lambda v: tirx.const(v, "uint32")  # noqa: E731
     bits = tirx.reinterpret("uint32", x)
-    sign, mag = bits & u32(0x80000000), bits & u32(0x7FFFFFFF)
+    return shared("f16_sign", bits & u32(0x80000000), lambda sign: shared(
+        "f16_mag", bits & u32(0x7FFFFFFF), lambda mag: _round_magnitude_to_f16(mag, sign), "uint32"), "uint32")
+
+
+def _round_magnitude_to_f16(mag: PrimExpr, sign: PrimExpr) -> PrimExpr:
+    u32 = lambda v: tirx.const(v, "uint32")  # noqa: E731
     # normal f16 range: drop 13 mantissa bits, rounding to nearest even (a carry may raise the exponent)
     normal = (mag + u32(0x0FFF) + ((mag >> u32(13)) & u32(1))) & u32(0xFFFFE000)
     normal = tirx.Select(normal >= u32(0x47800000), u32(0x7F800000), normal)  # past 65504: inf
     # f16 subnormals: multiples of 2^-24; the f32 mantissa shifted right by 126 - exponent, rounded to even
-    shift = te.min(u32(126) - te.min(mag >> u32(23), u32(112)), u32(31))
-    mant = (mag & u32(0x7FFFFF)) | u32(0x800000)
-    kept, rest = mant >> shift, mant & ((u32(1) << shift) - u32(1))
-    half = u32(1) << (shift - u32(1))
-    up = tirx.Select(tirx.any(rest > half, tirx.all(rest == half, (kept & u32(1)) == u32(1))), u32(1), u32(0))
-    steps = kept + up  # the value in units of 2^-24: scale by lowering the exponent (no float constant to print)
-    tiny = tirx.Select(steps == u32(0), u32(0), tirx.reinterpret("uint32", steps.astype("float32")) - u32(24 << 23))
+    shift_value = te.min(u32(126) - te.min(mag >> u32(23), u32(112)), u32(31))
+
+    def subnormal(shift: PrimExpr) -> PrimExpr:
+        mant = (mag & u32(0x7FFFFF)) | u32(0x800000)
+        kept, rest = mant >> shift, mant & ((u32(1) << shift) - u32(1))
+        half = u32(1) << (shift - u32(1))
+        up = tirx.Select(tirx.any(rest > half, tirx.all(rest == half, (kept & u32(1)) == u32(1))), u32(1), u32(0))
+        # the value in units of 2^-24: scale by lowering the exponent (no float constant to print)
+        return shared("f16_steps", kept + up, lambda steps: tirx.Select(
+            steps == u32(0), u32(0), tirx.reinterpret("uint32", steps.astype("float32")) - u32(24 << 23)), "uint32")
+
+    tiny = shared("f16_shift", shift_value, subnormal, "uint32")
     rounded = tirx.Select(mag > u32(0x7F800000), mag, tirx.Select(mag < u32(0x38800000), tiny, normal))
     return tirx.reinterpret("float32", rounded | sign)
 
@@ -115,10 +133,13 @@ def round_to_f16(x: PrimExpr) -> PrimExpr:
 def gelu_tanh_f16(x: PrimExpr) -> PrimExpr:
     """ir.ops.gelu_tanh_f16_ref: GELU's tanh form of the input rounded to F16, rounded to F16 (llama.cpp's
     CPU table), 0 for x <= -10 and x for x >= 10."""
-    h = round_to_f16(x)
-    inner = f32(0.79788456) * h * (f32(1.0) + f32(0.044715) * h * h)
-    g = round_to_f16(f32(0.5) * h * (f32(1.0) + te.tanh(inner)))
-    return tirx.Select(x <= f32(-10.0), f32(0.0), tirx.Select(x >= f32(10.0), x, g))
+
+    def gelu(h: PrimExpr) -> PrimExpr:
+        inner = f32(0.79788456) * h * (f32(1.0) + f32(0.044715) * h * h)
+        return round_to_f16(f32(0.5) * h * (f32(1.0) + te.tanh(inner)))
+
+    return shared("gelu_x", x, lambda v: tirx.Select(
+        v <= f32(-10.0), f32(0.0), tirx.Select(v >= f32(10.0), v, shared("gelu_h", round_to_f16(v), gelu))))
 
 
 UNARY: dict[str, Callable[[PrimExpr], PrimExpr]] = {
