@@ -3,7 +3,7 @@ one-token step: the batched step's 8-bit GEMMs timed with their weights cache-re
 
 `ggufc serve` decodes the tokens of its busy slots in one call (`decode_batch`) whose rows equal
 one-token steps bit for bit, so each (row, token, 32-value block) still pays the one-token
-kernel's float steps (an 8-lane integer dot, its conversion, an fma; codegen/int8_pair_gemm.py):
+kernel's float steps (an 8-lane integer dot, its conversion, an fma; codegen/cpu_int8/pair_gemm.py):
 batching shares the weight reads, not that arithmetic. With the weights already in the caches, a
 GEMM's time is that arithmetic alone, so the sum over one step's GEMMs at P rows is a floor under
 the batched step, and P * (one-token step) / floor bounds what batching P streams can gain.
@@ -26,8 +26,8 @@ from pathlib import Path
 import numpy as np
 import tvm
 
-from ggufc.codegen import quant
-from ggufc.codegen import quant_int8 as Q8
+from ggufc.codegen.cpu_int8 import block32 as Q8
+from ggufc.codegen.formats import block_formats as quant
 from ggufc.codegen.target import cpu_target
 from ggufc.driver.tune_worker import configure_threads
 

@@ -167,7 +167,8 @@ def output_gemv_bandwidth(artifact: Path, repeats: int = 5) -> dict[str, Any]:
     """The largest quantized matrix-vector kernel of the model (by weight bytes), timed alone."""
     import tvm
 
-    from ggufc.codegen import quant, quant_int8
+    from ggufc.codegen.cpu_int8 import block32
+    from ggufc.codegen.formats import block_formats as quant
     from ggufc.codegen.target import cpu_target
     from ggufc.codegen.tvm_util import aligned_zeros, to_tvm
     from ggufc.runtime.artifact import load_manifest, read_weights
@@ -188,9 +189,9 @@ def output_gemv_bandwidth(artifact: Path, repeats: int = 5) -> dict[str, Any]:
     fmt = quant.get_format(param["qtype"])
     n, k = int(shape[0]), int(shape[1]) * fmt.block
     target = cpu_target()
-    int8 = quant_int8.int8_gemv_supported(param["qtype"], n, k, target)  # the kernel decode runs
+    int8 = block32.int8_gemv_supported(param["qtype"], n, k, target)  # the kernel decode runs
     qtype = param["qtype"]
-    func = quant_int8.int8_gemv(qtype, n, k, target) if int8 else quant.qmatmul(qtype, n, k, gemv=True)
+    func = block32.int8_gemv(qtype, n, k, target) if int8 else quant.qmatmul(qtype, n, k, gemv=True)
     ex = tvm.compile(func, target=target)
     x = aligned_zeros((1, k), np.float32)
     x[:] = 0.01

@@ -24,7 +24,7 @@ os.environ.setdefault("TVM_NUM_THREADS", str(len(os.sched_getaffinity(0))))
 import numpy as np  # noqa: E402
 import tvm  # noqa: E402
 
-from ggufc.codegen import linear_attention as LA  # noqa: E402
+from ggufc.codegen.families import linear_attention as LA
 from ggufc.codegen.target import resolve_target  # noqa: E402
 from ggufc.ir import linear_attention as R  # noqa: E402
 

@@ -48,7 +48,7 @@ import tvm  # noqa: E402
 from stream_read import LANES, UNROLL, read_kernel, stream_read_gb_s  # noqa: E402  (this folder, first on sys.path)
 from tvm.script import tirx as T  # noqa: E402
 
-from ggufc.codegen import kernel_knobs as KN  # noqa: E402
+from ggufc.codegen import kernel_knobs as KN
 from ggufc.codegen.kernel_keys import OpKernel  # noqa: E402
 from ggufc.driver import tune as TU  # noqa: E402
 from ggufc.driver import tune_worker as W  # noqa: E402

@@ -1,5 +1,5 @@
-"""Routed experts' matmuls: the float kernels (a `quantize_act` q8_K kernel, then codegen/quant.py's
-`qmatmul_experts`) against the 8-bit integer kernel (codegen/expert_int8.py), in one run.
+"""Routed experts' matmuls: the float kernels (a `quantize_act` q8_K kernel, then codegen/formats/block_formats.py's
+`qmatmul_experts`) against the 8-bit integer kernel (codegen/cpu_int8/experts.py), in one run.
 
     TVM_NUM_THREADS=2 python benchmarks/expert_int8.py [--rounds 7] [--tokens 1,128]
 
@@ -25,9 +25,9 @@ import tvm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quant_kernels import make_raw  # noqa: E402
 
-from ggufc.codegen import expert_int8 as E8  # noqa: E402
-from ggufc.codegen import quant as Q  # noqa: E402
-from ggufc.codegen import quant_int8 as Q8  # noqa: E402
+from ggufc.codegen.cpu_int8 import block32 as Q8
+from ggufc.codegen.cpu_int8 import experts as E8
+from ggufc.codegen.formats import block_formats as Q
 from ggufc.codegen.target import cpu_target  # noqa: E402
 from ggufc.codegen.tvm_util import aligned_zeros, to_tvm  # noqa: E402
 

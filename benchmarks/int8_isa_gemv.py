@@ -20,9 +20,9 @@ from pathlib import Path
 import numpy as np
 import tvm
 
-from ggufc.codegen import quant
-from ggufc.codegen import quant_int8 as Q8
-from ggufc.codegen.int8_isa import int8_isa
+from ggufc.codegen.cpu_int8 import block32 as Q8
+from ggufc.codegen.cpu_int8.isa import int8_isa
+from ggufc.codegen.formats import block_formats as quant
 from ggufc.codegen.tvm_util import aligned_copy, aligned_zeros, to_tvm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

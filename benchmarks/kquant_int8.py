@@ -1,5 +1,5 @@
-"""Block-format matmuls: the float kernels (a `quantize_act` kernel, then codegen/quant.py's float
-matmul) against the 8-bit integer kernels (codegen/quant_int8.py, codegen/kquant_int8.py), in one
+"""Block-format matmuls: the float kernels (a `quantize_act` kernel, then codegen/formats/block_formats.py's float
+matmul) against the 8-bit integer kernels (codegen/cpu_int8/block32.py, codegen/cpu_int8/kquant.py), in one
 run: the K-quants, and Q5_0/Q5_1 (`--types Q5_0,Q5_1`; Q5_1's float path adds the q8_1 minimum fix).
 
     TVM_NUM_THREADS=2 python benchmarks/kquant_int8.py [--rounds 7] [--types Q4_K,Q6_K]
@@ -35,9 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quant_kernels import make_raw  # noqa: E402
 from stream_read import stream_read_gb_s  # noqa: E402
 
-from ggufc.codegen import kquant_int8 as KQ  # noqa: E402
-from ggufc.codegen import quant as Q  # noqa: E402
-from ggufc.codegen import quant_int8 as Q8  # noqa: E402
+from ggufc.codegen.cpu_int8 import block32 as Q8
+from ggufc.codegen.cpu_int8 import kquant as KQ
+from ggufc.codegen.formats import block_formats as Q
 from ggufc.codegen.target import cpu_target  # noqa: E402
 from ggufc.codegen.tvm_util import aligned_zeros, to_tvm  # noqa: E402
 from ggufc.ir.act_quant import ACT_SCHEME, MIN_TYPES  # noqa: E402

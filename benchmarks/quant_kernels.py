@@ -1,4 +1,4 @@
-"""Quantised matmul kernels (codegen/quant.py) against numpy on pre-dequantised f32 weights.
+"""Quantised matmul kernels (codegen/formats/block_formats.py) against numpy on pre-dequantised f32 weights.
 
     python benchmarks/quant_kernels.py [--types Q4_1,Q8_0] [--rounds 3] [--prefill-t 64]
 
@@ -23,7 +23,7 @@ import gguf
 import numpy as np
 import tvm
 
-from ggufc.codegen import quant
+from ggufc.codegen.formats import block_formats as quant
 from ggufc.codegen.target import cpu_target
 from ggufc.codegen.tvm_util import aligned_copy, aligned_zeros, to_tvm
 

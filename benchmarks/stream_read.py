@@ -21,7 +21,7 @@ from tvm.script import tirx as T
 LANES = 16  # int32 lanes of one AVX-512 load
 UNROLL = 4  # independent accumulators per task (loads in flight)
 PREFETCH_AHEAD = 1024  # bytes ahead of the loads a prefetching task asks for (into all cache levels,
-# as the GEMVs' int8_parts.prefetch does)
+# as the GEMVs' parts.prefetch does)
 
 
 def read_kernel(n_words: int, tasks: int, prefetch: bool) -> tirx.PrimFunc:

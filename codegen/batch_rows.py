@@ -20,15 +20,14 @@ from typing import Any
 import tvm
 from tvm import relax, tirx
 
+from ggufc.codegen import kernel_keys as KK
+from ggufc.codegen.kernels import attention as KA
+from ggufc.codegen.kernels import generic as K
+from ggufc.codegen.lower import ModuleBuilder, lower_node
+from ggufc.codegen.lower_context import FunctionContext, entry_attrs, tensor_type, weight_params
+from ggufc.codegen.schedule import schedule_cpu
 from ggufc.ir.batch_rows import batch_refusal
 from ggufc.ir.graph import Graph, Node
-
-from . import kernel_keys as KK
-from . import kernels as K
-from . import kernels_attention as KA
-from .lower import ModuleBuilder, lower_node
-from .lower_context import FunctionContext, entry_attrs, tensor_type, weight_params
-from .schedule import schedule_cpu
 
 DECODE_BATCH = "decode_batch"
 

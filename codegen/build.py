@@ -15,17 +15,16 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from ggufc.codegen.batch_rows import DECODE_BATCH, add_decode_batch, decode_batch_refusal
+from ggufc.codegen.formats import block_formats as Q
+from ggufc.codegen.gpu import block_formats as QG
+from ggufc.codegen.gpu.build import compile_gpu, seal_plan_layout
+from ggufc.codegen.gpu.schedules import DECODE_IO_STATES, decode_io_supported
+from ggufc.codegen.lower import ModuleBuilder
+from ggufc.codegen.lower_context import ParamLayout, plan_params
+from ggufc.codegen.target import is_gpu, resolve_target, target_key
 from ggufc.ir.graph import Graph
 from ggufc.runtime.artifact import LAYOUT_FUNCTION, layout_contract
-
-from . import quant as Q
-from . import quant_gpu as QG
-from .batch_rows import DECODE_BATCH, add_decode_batch, decode_batch_refusal
-from .build_gpu import compile_gpu, seal_plan_layout
-from .gpu import DECODE_IO_STATES, decode_io_supported
-from .lower import ModuleBuilder
-from .lower_context import ParamLayout, plan_params
-from .target import is_gpu, resolve_target, target_key
 
 Progress = Callable[[str], None]
 
@@ -104,7 +103,7 @@ def build_executable(
         mod[gv] = mod[gv].with_attr("tir_var_upper_bound", bounds)
     t1 = time.perf_counter()
     progress(f"compiling {len(mb.kernel_names)} kernels for {target_key(tgt)}")
-    if gpu_target:  # cuda: Relax VM + fatbin; vulkan/metal: WGSL/MSL + dispatch plan (build_gpu.py)
+    if gpu_target:  # cuda: Relax VM + fatbin; vulkan/metal: WGSL/MSL + dispatch plan (codegen/gpu/build.py)
         if tgt.kind.name == "cuda":
             mod = with_layout_function(mod, layout_fields(n_ctx, n_vocab, max_chunk, layouts, states))
         ex = compile_gpu(mod, tgt, mb.kernel_names, target, n_params=len(mb.flat_params), n_states=len(states),

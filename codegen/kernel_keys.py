@@ -85,7 +85,7 @@ class Int8Gemm(KernelKey):
     qtype: str
     n: int
     k: int
-    tiles: bool = False  # on AMX tiles (codegen/amx_gemm.py): float order not a one-token call's
+    tiles: bool = False  # on AMX tiles (codegen/cpu_int8/amx_gemm.py): float order not a one-token call's
 
 
 @dataclass(frozen=True)

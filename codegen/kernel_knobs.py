@@ -4,12 +4,12 @@ MetaSchedule cannot search these kernels (they are written loop by loop in TVMSc
 intrinsics), so each kernel family exposes a few parameters whose values `ggufc tune` times on the
 workload's own shapes (driver/tune.py, next to MetaSchedule, in the same database):
 
-    8-bit GEMV groups (quant_int8.int8_gemv_group)   prefetch_groups  row groups prefetched ahead
+    8-bit GEMV groups (block32.int8_gemv_group)   prefetch_groups  row groups prefetched ahead
                                                      groups_per_task  row groups per parallel task
                                                      unroll           a super-block's runs unrolled
                                                                       (0/1; Q4_K, Q5_K, Q6_K)
-    vector SwiGLU (cpu_vec.swiglu)                   column_tasks     parallel tasks per token
-    causal attention (kernels_attention.attention_rows)  rows_per_task  (token, head) rows per
+    vector SwiGLU (cpu_vector_math.swiglu)                   column_tasks     parallel tasks per token
+    causal attention (attention.attention_rows)  rows_per_task  (token, head) rows per
                                                                      parallel task (not where a
                                                                      one-token call runs one task
                                                                      per KV head)
@@ -48,13 +48,13 @@ from typing import Any
 import tvm
 from tvm import tirx
 
-from . import cpu_vec as CV
-from . import kernels_attention as KA
-from . import quant_int8 as Q8
-from .int8_isa import int8_isa
-from .kernel_keys import Int8GemvGroup, KernelKey, OpKernel
-from .kquant_int8 import UNROLLABLE
-from .target import target_cores
+from ggufc.codegen.cpu_int8 import block32 as Q8
+from ggufc.codegen.cpu_int8.isa import int8_isa
+from ggufc.codegen.cpu_int8.kquant import UNROLLABLE
+from ggufc.codegen.kernel_keys import Int8GemvGroup, KernelKey, OpKernel
+from ggufc.codegen.kernels import attention as KA
+from ggufc.codegen.kernels import cpu_vector_math as CV
+from ggufc.codegen.target import target_cores
 
 Knobs = dict[str, int]
 
@@ -62,7 +62,7 @@ GEMV_KNOBS: dict[str, tuple[int, ...]] = {
     "prefetch_groups": (Q8.PREFETCH_GROUPS, 1, 2, 8, 16),
     "groups_per_task": (1, 2, 4, 8),
 }
-UNROLL_KNOB: dict[str, tuple[int, ...]] = {"unroll": (0, 1)}  # GEMVs of kquant_int8.UNROLLABLE types
+UNROLL_KNOB: dict[str, tuple[int, ...]] = {"unroll": (0, 1)}  # GEMVs of kquant.UNROLLABLE types
 SWIGLU_KNOBS: dict[str, tuple[int, ...]] = {"column_tasks": (1, 2, 4, 8, 16)}
 ATTENTION_KNOBS: dict[str, tuple[int, ...]] = {"rows_per_task": (1, 2, 4, 8)}
 TIMING_POSITION = 255  # the cache position attention is timed at (256 visible cells)

@@ -15,23 +15,20 @@ import numpy as np
 import tvm
 from tvm import relax, tirx
 
-from ggufc.ir import ops as O
-from ggufc.ir.graph import Graph, Node
-
-from . import cpu_vec as CV
-from . import hyper_connections as HC
-from . import kernel_keys as KK
-from . import kernels as K
-from . import kernels_attention as KA
-from . import latent_attention as MLA
-from . import linear_attention as LA
-from . import moe_routing as MR
-from . import ngram_embedding as NG
-from . import quant as Q
-from . import quant_int8 as Q8
-from . import sparse_indexers as SI
-from .gpu import gpu_kernel
-from .lower_context import (
+from ggufc.codegen import kernel_keys as KK
+from ggufc.codegen.cpu_int8 import block32 as Q8
+from ggufc.codegen.families import hyper_connections as HC
+from ggufc.codegen.families import latent_attention as MLA
+from ggufc.codegen.families import linear_attention as LA
+from ggufc.codegen.families import moe_routing as MR
+from ggufc.codegen.families import ngram_embedding as NG
+from ggufc.codegen.families import sparse_indexers as SI
+from ggufc.codegen.formats import block_formats as Q
+from ggufc.codegen.gpu import schedules as GPU
+from ggufc.codegen.kernels import attention as KA
+from ggufc.codegen.kernels import cpu_vector_math as CV
+from ggufc.codegen.kernels import generic as K
+from ggufc.codegen.lower_context import (
     GPU_KINDS,
     POS_TENSOR_KINDS,
     FunctionContext,
@@ -42,8 +39,10 @@ from .lower_context import (
     weight_args,
     weight_params,
 )
-from .schedule import PRESCHEDULED, ROW_STAGED, schedule_cpu
-from .target import UnsupportedOnTarget, target_cores
+from ggufc.codegen.schedule import PRESCHEDULED, ROW_STAGED, schedule_cpu
+from ggufc.codegen.target import UnsupportedOnTarget, target_cores
+from ggufc.ir import ops as O
+from ggufc.ir.graph import Graph, Node
 
 
 class ModuleBuilder:
@@ -69,7 +68,7 @@ class ModuleBuilder:
     # (token state index, pos state index) when a cuda decode reads them from device memory
     decode_inputs: tuple[int, int] | None = None
 
-    # `ggufc compile --prompt-tiles`: which weight types' prompt GEMMs take AMX tiles (quant_int8.tiles_chosen)
+    # `ggufc compile --prompt-tiles`: which weight types' prompt GEMMs take AMX tiles (block32.tiles_chosen)
     prompt_tiles: str = "kquant"
 
     def kernel(self, key: KK.KernelKey, make: Callable[[], tirx.PrimFunc]) -> Any:
@@ -86,7 +85,7 @@ class ModuleBuilder:
     def _make_kernel(self, key: KK.KernelKey, make: Callable[[], tirx.PrimFunc], name: str) -> tirx.PrimFunc:
         func = self.tuned.lookup(key, make, name) if self.tuned is not None else None
         if func is None and self.target.kind.name in GPU_KINDS:
-            func = gpu_kernel(key, make, self.target)
+            func = GPU.gpu_kernel(key, make, self.target, GPU_KERNELS)
         if func is None:
             func = make()
             if self.target.kind.name == "llvm" and key.kind not in PRESCHEDULED:
@@ -173,7 +172,7 @@ def _lower_swiglu(fc: FunctionContext, node: Node) -> list[Any]:
     g, u = node.inputs
     k = g.shape[-1]
     if fc.mb.target.kind.name == "llvm" and len(g.shape) == 2 and g.shape == u.shape and isinstance(k, int) \
-            and k % 8 == 0:  # llama.cpp's vector SiLU (cpu_vec.py)
+            and k % 8 == 0:  # llama.cpp's vector SiLU (codegen/kernels/cpu_vector_math.py)
         return fc.call(KK.OpKernel("swiglu", k, ()), lambda: CV.swiglu(k), [fc.value(g), fc.value(u)], node.outputs,
                        node.outputs[0].name)
     prog = O.FusedElementwise((("unary", O.Unary("silu"), (0,)), ("binary", O.Binary("mul"), (2, 1))), 2)
@@ -378,6 +377,8 @@ LOWERING: dict[str, Callable[[FunctionContext, Node], list[Any]]] = {
     **MR.MOE_LOWERING,
     **NG.NGRAM_LOWERING,
 }
+# the GPU targets' own kernels by key kind: the generic ones and each op family's
+GPU_KERNELS = {**GPU.GPU_KERNELS, **LA.GPU_KERNELS, **HC.GPU_KERNELS, **SI.GPU_KERNELS, **NG.GPU_KERNELS}
 
 
 def lower_node(fc: FunctionContext, node: Node) -> list[Any]:

@@ -11,13 +11,12 @@ from typing import Any, Protocol
 import tvm
 from tvm import relax, tirx
 
+from ggufc.codegen import kernel_keys as KK
+from ggufc.codegen.formats import block_formats as Q
+from ggufc.codegen.kernel_keys import KernelKey
+from ggufc.codegen.kernels import generic as K
+from ggufc.codegen.target import TARGET_KEY_OF_KIND
 from ggufc.ir.graph import Dim, Graph, Node, Param, Value
-
-from . import kernel_keys as KK
-from . import kernels as K
-from . import quant as Q
-from .kernel_keys import KernelKey
-from .target import TARGET_KEY_OF_KIND
 
 
 @dataclass(frozen=True)
@@ -39,7 +38,7 @@ POS_TENSOR_KINDS = frozenset({"rope", "attention", "cache_write"})  # kernels ta
 
 def plan_params(graphs: Sequence[Graph], layout_spec: Callable[..., Any] = Q.layout_spec) -> list[ParamLayout]:
     """Every param used by any graph, in a stable order, with its kernel layout (GPU targets pass
-    `quant_gpu.layout_spec`)."""
+    `block_formats.layout_spec`)."""
     seen: dict[str, Param] = {}
     for g in graphs:
         for src, p in g.params.items():
@@ -67,7 +66,7 @@ class KernelModule(Protocol):
     layouts: dict[str, ParamLayout]
     flat_params: list[tuple[str, tuple[int, ...], str]]
     unchecked_params: bool
-    prompt_tiles: str  # which weight types' prompt GEMMs take AMX tiles (quant_int8.tiles_chosen)
+    prompt_tiles: str  # which weight types' prompt GEMMs take AMX tiles (block32.tiles_chosen)
 
     def kernel(self, key: KernelKey, make: Callable[[], tirx.PrimFunc]) -> Any: ...
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import tvm
 
+from ggufc.codegen.cpu_int8.isa import AVX2, int8_isa
 from ggufc.messages import GgufcError
 from ggufc.runtime.artifact import (
     AMX_FEATURES,
@@ -27,8 +28,6 @@ from ggufc.runtime.artifact import (
     target_cpu_features,
 )
 from ggufc.runtime.targets import DEFAULT_CUDA_ARCHS, parse_archs, unknown_target
-
-from .int8_isa import AVX2, int8_isa
 
 
 def host_cpu_name() -> str:
@@ -181,7 +180,7 @@ def lacking_here(spec: dict[str, Any]) -> list[str]:
 
 def kernel_isa(target: tvm.target.Target) -> str | None:
     """The x86 instruction set an LLVM target's kernels use (None for other targets): the 8-bit
-    kernels' row where it is beyond plain AVX2 (amx, avx512-vnni, avx-vnni: codegen/int8_isa.py),
+    kernels' row where it is beyond plain AVX2 (amx, avx512-vnni, avx-vnni: codegen/cpu_int8/isa.py),
     else the widest vectors the float kernels take (avx512, avx2, avx, sse)."""
     if target.kind.name != "llvm" or host_features().machine != "x86_64":
         return None

@@ -14,7 +14,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from ggufc.codegen.build import DEFAULT_MAX_CHUNK, EMBED_FUNCTION, Built, Progress, kernel_weights, layout_fields
-from ggufc.codegen.quant_int8 import check_prompt_tiles
+from ggufc.codegen.cpu_int8.block32 import check_prompt_tiles
 from ggufc.codegen.target import cpu_manifest, target_key
 from ggufc.frontend.load import LoadedModel, load_model
 from ggufc.frontend.tokenizer_build import build_tokenizer
@@ -142,7 +142,7 @@ def with_state_kinds(states: list[dict[str, Any]], built: Built) -> list[dict[st
 
 
 def gpu_manifest(built: Built) -> dict[str, Any]:
-    """GPU targets: the kernel files, how to run them, each kernel's schedule (build_gpu.py)."""
+    """GPU targets: the kernel files, how to run them, each kernel's schedule (codegen/gpu/build.py)."""
     exe = built.executable
     if not hasattr(exe, "kernel_files"):
         return {}

@@ -25,10 +25,10 @@ from tvm import relax
 
 from ggufc.codegen import lower as L
 from ggufc.codegen.build import kernel_weights, state_plan, weight_key
-from ggufc.codegen.device_info import DeviceKernel, _Names, compile_kernel, expr_str
+from ggufc.codegen.gpu.block_formats import layout_spec as gpu_layout_spec
+from ggufc.codegen.gpu.device_info import DeviceKernel, _Names, compile_kernel, expr_str
+from ggufc.codegen.gpu.plan import PlanError
 from ggufc.codegen.lower_context import plan_params
-from ggufc.codegen.plan import PlanError
-from ggufc.codegen.quant_gpu import layout_spec as gpu_layout_spec
 from ggufc.codegen.target import is_gpu, resolve_target
 from ggufc.frontend.load import LoadedModel
 from ggufc.ir.graph import Graph

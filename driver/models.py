@@ -174,7 +174,7 @@ def compile_gguf(
 def check_compile_options(disabled_passes: frozenset[str], prompt_tiles: str,
                           tiles_name: str = "--prompt-tiles") -> None:
     """The pass names and the prompt-tiles choice, before any model is read."""
-    from ggufc.codegen.quant_int8 import PROMPT_TILES
+    from ggufc.codegen.cpu_int8.block32 import PROMPT_TILES
 
     check_pass_names(disabled_passes)
     if prompt_tiles not in PROMPT_TILES:

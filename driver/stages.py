@@ -9,7 +9,7 @@ from typing import Any
 import tvm
 
 from ggufc.codegen.build import DEFAULT_MAX_CHUNK, EMBED_FUNCTION, Built, Progress, build_executable
-from ggufc.codegen.quant_int8 import int8_kernels
+from ggufc.codegen.cpu_int8.block32 import int8_kernels
 from ggufc.codegen.target import is_gpu, resolve_target
 from ggufc.frontend.load import LoadedModel, hidden_states_graph
 from ggufc.ir.graph import Graph
@@ -44,7 +44,7 @@ def optimise(graphs: dict[str, Graph], disabled: frozenset[str],
 
 def passes_off_for(target: tvm.target.Target, disabled: frozenset[str]) -> frozenset[str]:
     """The passes to skip for `target`: 8-bit activation rounding is a CPU kernel strategy
-    (codegen/quant_int8.py); GPU targets keep float32 activations."""
+    (codegen/cpu_int8/block32.py); GPU targets keep float32 activations."""
     return disabled | {"quantize_activations"} if is_gpu(target) else disabled
 
 

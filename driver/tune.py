@@ -85,11 +85,11 @@ import tvm_ffi
 from tvm import tirx
 
 from ggufc.codegen import kernel_knobs as KN
-from ggufc.codegen import kernels as K
-from ggufc.codegen import quant as Q
-from ggufc.codegen import quant_gpu as QG
 from ggufc.codegen.build import state_plan
+from ggufc.codegen.formats import block_formats as Q
+from ggufc.codegen.gpu import block_formats as QG
 from ggufc.codegen.kernel_keys import Int8GemvGroup, KernelKey, OpKernel, WeightMatmul
+from ggufc.codegen.kernels import generic as K
 from ggufc.codegen.lower import ModuleBuilder
 from ggufc.codegen.lower_context import plan_params
 from ggufc.codegen.schedule import PRESCHEDULED

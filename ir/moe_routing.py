@@ -17,7 +17,7 @@ A latent MoE (kimi-k3) runs the experts in L dims: r = x @ routed_down.T, the ro
 routed sum either gated (`* sigmoid(x . gate_inp_shexp)`) or always active (ungated).
 
 The op records (`MoeRoute`, `MoeFFN`) are in `ops.py`; the spellings in primitives in
-`moe_routing_spelled.py`; the kernels in `codegen/moe_routing.py`; the fusion in
+`moe_routing_spelled.py`; the kernels in `codegen/families/moe_routing.py`; the fusion in
 `passes/fuse_moe.py`.
 """
 

@@ -1,4 +1,4 @@
-"""What the GPU plan artifacts' writer (codegen/build_gpu.py, codegen/plan.py) and their runtime
+"""What the GPU plan artifacts' writer (codegen/gpu/build.py, codegen/gpu/plan.py) and their runtime
 (plan_runtime.py) agree on: the plan's version and how the kernel sources of several kernels share
 one file."""
 

@@ -1,6 +1,6 @@
 """Run a vulkan or metal artifact: its dispatch plan on a GPU through a small backend.
 
-The plan (`plan.json`, written by `ggufc.codegen.plan`) lists, for each entry point, every
+The plan (`plan.json`, written by `ggufc.codegen.gpu.plan`) lists, for each entry point, every
 device dispatch of a step: kernel entry, buffers (param / state / token / intermediate slot /
 constant), POD arguments and grid size as expressions over `n` (tokens in the call) and `p`
 (tokens already in the context). At load everything static is done once: weights uploaded,

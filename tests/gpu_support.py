@@ -35,7 +35,7 @@ def need_vulkan() -> object:
 
 
 def need_nvcc() -> str:
-    from ggufc.codegen.build_gpu import find_nvcc
+    from ggufc.codegen.gpu.build import find_nvcc
 
     path = find_nvcc()
     if path is None:

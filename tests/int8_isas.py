@@ -1,4 +1,4 @@
-"""The targets the 8-bit kernels' tests build for: one per instruction set of codegen/int8_isa.py
+"""The targets the 8-bit kernels' tests build for: one per instruction set of codegen/cpu_int8/isa.py
 that this CPU runs. Every x86-64 CPU with AVX-512 also runs AVX2 code, so the AVX2 form (built for
 haswell) runs on every CI machine; AVX-VNNI's (alderlake) where the CPU has it; the host's own
 form (AVX-512 VNNI, AMX) where it is another."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import tvm
 
-from ggufc.codegen.int8_isa import int8_isa
+from ggufc.codegen.cpu_int8.isa import int8_isa
 from ggufc.codegen.target import cpu_target
 from ggufc.runtime.artifact import features_missing_here
 

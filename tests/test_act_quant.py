@@ -16,8 +16,8 @@ import tvm
 from fixture_spec import FixtureSize
 from fixtures import write_fixture
 
-from ggufc.codegen import quant as Q
-from ggufc.codegen import quant_int8 as Q8
+from ggufc.codegen.cpu_int8 import block32 as Q8
+from ggufc.codegen.formats import block_formats as Q
 from ggufc.codegen.target import cpu_target
 from ggufc.codegen.tvm_util import aligned_zeros, to_tvm
 from ggufc.driver.compile import compile_model

@@ -10,9 +10,9 @@ import pytest
 import tvm
 from tvm import relax, tirx
 
-from ggufc.codegen import quant as Q
-from ggufc.codegen import quant_int8 as Q8
 from ggufc.codegen.build import SHAPE_FUNCTION_PREFIX, cpu_build_pipeline
+from ggufc.codegen.cpu_int8 import block32 as Q8
+from ggufc.codegen.formats import block_formats as Q
 from ggufc.codegen.target import cpu_target
 from ggufc.codegen.tvm_util import to_tvm
 

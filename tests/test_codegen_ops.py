@@ -23,12 +23,12 @@ import tvm
 from fixtures import TensorSpec, encode_tensor
 from tvm import relax
 
-from ggufc.codegen import kernels as K
-from ggufc.codegen import quant as Q
 from ggufc.codegen.build import state_plan
+from ggufc.codegen.cpu_int8.block32 import int8_kernels
+from ggufc.codegen.formats import block_formats as Q
+from ggufc.codegen.kernels import generic as K
 from ggufc.codegen.lower import LOWERING, ModuleBuilder
 from ggufc.codegen.lower_context import plan_params
-from ggufc.codegen.quant_int8 import int8_kernels
 from ggufc.codegen.target import resolve_target
 from ggufc.codegen.tvm_util import to_tvm
 from ggufc.frontend.hparams import rope_table
@@ -522,7 +522,7 @@ def _act8_rows(k: int, scheme: str) -> Callable[[CaseGraph], Value]:
 
 
 def _act8_matmul_case(qtype: str, n: int, k: int, decode: bool) -> Case:
-    """On a CPU with integer dot products a decode row runs the 8-bit GEMV (quant_int8.py), which
+    """On a CPU with integer dot products a decode row runs the 8-bit GEMV (codegen/cpu_int8/block32.py), which
     rounds the activations itself; prefill runs quantize_act then the float kernel. Weights with
     block minimums read q8_1 activations: matmul(xq, W, block sums)."""
     kind = "gemv" if decode else "prefill"
@@ -554,7 +554,7 @@ def act8_cases() -> list[Case]:
     return cases
 
 
-# the weights the 8-bit kernels take (codegen/quant_int8.py; the K-quants codegen/kquant_int8.py)
+# the weights the 8-bit kernels take (codegen/cpu_int8/block32.py; the K-quants codegen/cpu_int8/kquant.py)
 INT8_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 KQUANT_INT8_TYPES = ("Q4_K", "Q5_K", "Q6_K")
 HAS_INT8 = int8_kernels(resolve_target("llvm")) is not None

@@ -17,8 +17,8 @@ from fixtures import write_fixture
 
 import ggufc
 from ggufc.cli import main
-from ggufc.codegen import quant as Q
 from ggufc.codegen import target as T
+from ggufc.codegen.formats import block_formats as Q
 from ggufc.codegen.kernel_keys import WeightMatmul
 from ggufc.codegen.lower import ModuleBuilder
 from ggufc.driver import models

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 import tvm
 
-from ggufc.codegen import linear_attention as LA
 from ggufc.codegen.build import Built, kernel_weights, weight_key
+from ggufc.codegen.families import linear_attention as LA
 from ggufc.codegen.target import resolve_target
 from ggufc.codegen.tvm_util import to_tvm
 from ggufc.driver.stages import build_model

@@ -1,4 +1,4 @@
-"""The routed experts' 8-bit kernel (codegen/expert_int8.py) against the numpy reference (matmul_id
+"""The routed experts' 8-bit kernel (codegen/cpu_int8/experts.py) against the numpy reference (matmul_id
 of the dequantized experts on q8_K-rounded rows), bit for bit against a numpy model of llama.cpp's
 ggml_vec_dot_*_K_q8_K (tests/ggml_x86.py) and against the dense 8-bit kernel on the same rows."""
 
@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import tvm
 
-from ggufc.codegen import expert_int8 as E8
-from ggufc.codegen import quant as Q
-from ggufc.codegen import quant_int8 as Q8
+from ggufc.codegen.cpu_int8 import block32 as Q8
+from ggufc.codegen.cpu_int8 import experts as E8
+from ggufc.codegen.formats import block_formats as Q
 from ggufc.codegen.target import UnsupportedOnTarget, cpu_target
 from ggufc.codegen.tvm_util import aligned_zeros, to_tvm
 from ggufc.driver.models import cached_artifact_dir, compile_gguf

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from ggufc.cli import main
-from ggufc.codegen.int8_isa import int8_isa
+from ggufc.codegen.cpu_int8.isa import int8_isa
 from ggufc.codegen.target import cpu_target
 
 GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"

@@ -20,8 +20,8 @@ import test_gpu_targets as TGT
 from gpu_support import golden_fixture, golden_logits, need_vulkan, nmse
 from test_gpu_qwen4exp import VulkanModel, _compile, _eval_modes
 
-from ggufc.codegen import device_info as DI
-from ggufc.codegen import hyper_connections as HCK
+from ggufc.codegen.families import hyper_connections as HCK
+from ggufc.codegen.gpu import device_info as DI
 from ggufc.codegen.target import gpu_target
 from ggufc.driver.stages import optimise
 from ggufc.frontend.load import LoadedModel

@@ -45,7 +45,7 @@ def test_vulkan_eval_matches_llama_cpp(chunk: int | None, compile_cache: Path, t
 @needs_golden
 def test_every_cuda_kernel_compiles_to_ptx() -> None:
     need_nvcc()
-    from ggufc.codegen.build_gpu import nvcc_compile
+    from ggufc.codegen.gpu.build import nvcc_compile
 
     os.environ["GGUFC_CUDA_BINARY"] = "0"  # the test compiles the source itself
     try:

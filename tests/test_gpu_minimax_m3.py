@@ -16,10 +16,10 @@ from gpu_support import golden_fixture, golden_logits, need_vulkan, nmse
 from test_gpu_qwen4exp import VulkanModel, _compile, _eval_modes
 from tvm import te
 
-from ggufc.codegen import device_info as DI
-from ggufc.codegen import gpu as GPU
-from ggufc.codegen import kernels as K
-from ggufc.codegen import sparse_indexers as SIK
+from ggufc.codegen.families import sparse_indexers as SIK
+from ggufc.codegen.gpu import device_info as DI
+from ggufc.codegen.gpu import schedules as GPU
+from ggufc.codegen.kernels import generic as K
 from ggufc.codegen.target import gpu_target
 from ggufc.driver.stages import optimise
 from ggufc.ir import ops as O

@@ -16,11 +16,11 @@ import pytest
 import test_codegen_ops as C
 from gpu_support import need_vulkan
 
-from ggufc.codegen import quant as Q
-from ggufc.codegen import quant_gpu as QG
 from ggufc.codegen.build import state_plan
-from ggufc.codegen.build_gpu import compile_plan_target, wgsl_bundle
-from ggufc.codegen.gpu import GpuScheduleError
+from ggufc.codegen.formats import block_formats as Q
+from ggufc.codegen.gpu import block_formats as QG
+from ggufc.codegen.gpu.build import compile_plan_target, wgsl_bundle
+from ggufc.codegen.gpu.schedules import GpuScheduleError
 from ggufc.codegen.lower import ModuleBuilder
 from ggufc.codegen.lower_context import plan_params
 from ggufc.codegen.target import gpu_target
@@ -106,8 +106,8 @@ def test_gpu_op_matches_reference(case: C.Case, compiled: dict[str, Any]) -> Non
 
 def test_cpu_only_kernel_fails_clearly_on_gpu() -> None:
     """A hand-written CPU kernel (parallel loops, no blocks) reaching the GPU scheduler is named."""
-    from ggufc.codegen import linear_attention as LA
-    from ggufc.codegen.gpu import _schedule
+    from ggufc.codegen.families import linear_attention as LA
+    from ggufc.codegen.gpu.schedules import _schedule
     from ggufc.codegen.kernel_keys import CausalConv
 
     with pytest.raises(GpuScheduleError, match="kernel 'ssm_conv' is a hand-written CPU kernel"):

@@ -12,12 +12,12 @@ import pytest
 import test_qwen4exp as TQ
 from gpu_support import golden_fixture, golden_logits, need_vulkan, nmse
 
-from ggufc.codegen import device_info as DI
-from ggufc.codegen import ngram_embedding as NGK
-from ggufc.codegen import quant_gpu as QG
-from ggufc.codegen import sparse_indexers as SIK
 from ggufc.codegen.build import kernel_weights, state_plan
-from ggufc.codegen.build_gpu import compile_plan_target, wgsl_bundle
+from ggufc.codegen.families import ngram_embedding as NGK
+from ggufc.codegen.families import sparse_indexers as SIK
+from ggufc.codegen.gpu import block_formats as QG
+from ggufc.codegen.gpu import device_info as DI
+from ggufc.codegen.gpu.build import compile_plan_target, wgsl_bundle
 from ggufc.codegen.lower import ModuleBuilder
 from ggufc.codegen.lower_context import plan_params
 from ggufc.codegen.target import gpu_target

@@ -49,7 +49,7 @@ def test_smollm2_on_vulkan_matches_llama_cpp(model: Path, tmp_path: Path) -> Non
 
 def test_every_smollm2_cuda_kernel_compiles_to_ptx(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     need_nvcc()
-    from ggufc.codegen.build_gpu import nvcc_compile
+    from ggufc.codegen.gpu.build import nvcc_compile
     from ggufc.driver.stages import build_model
     from ggufc.frontend.load import load_model
 

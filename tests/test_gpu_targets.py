@@ -23,8 +23,8 @@ from gpu_support import golden_fixture, need_nvcc
 from random_weights import K_QUANTS, make_raw
 
 from ggufc.cli import main
-from ggufc.codegen import quant as Q
-from ggufc.codegen import quant_gpu as QG
+from ggufc.codegen.formats import block_formats as Q
+from ggufc.codegen.gpu import block_formats as QG
 from ggufc.codegen.target import parse_archs, resolve_target, split_target
 from ggufc.runtime.plan_expr import PlanExprError, compile_many
 from ggufc.runtime.plan_runtime import PlanError, prepare_functions
@@ -137,7 +137,7 @@ def _build(name: str, target: str) -> object:
 @pytest.mark.parametrize("name", FIXTURES)
 def test_every_cuda_kernel_compiles_to_ptx(name: str) -> None:
     need_nvcc()
-    from ggufc.codegen.build_gpu import nvcc_compile
+    from ggufc.codegen.gpu.build import nvcc_compile
 
     built = _build(name, "cuda")
     ptx = nvcc_compile(built.executable.cuda_source, "ptx", ("sm_80",)).decode()

@@ -23,12 +23,12 @@ from artifact_edits import write_manifest
 from gpu_support import golden_fixture, golden_logits, need_vulkan, nmse, rel_err, smollm2_path
 from random_weights import K_QUANTS, make_raw
 
-from ggufc.codegen import attention_gpu as AG
-from ggufc.codegen import device_info as DI
 from ggufc.codegen import kernel_keys as KK
-from ggufc.codegen import quant as Q
-from ggufc.codegen import quant_gpu as QG
-from ggufc.codegen.gpu import gpu_kernel
+from ggufc.codegen.formats import block_formats as Q
+from ggufc.codegen.gpu import attention as AG
+from ggufc.codegen.gpu import block_formats as QG
+from ggufc.codegen.gpu import device_info as DI
+from ggufc.codegen.gpu.schedules import gpu_kernel
 from ggufc.codegen.target import gpu_target
 from ggufc.runtime.wgpu_runtime import run_kernel
 
@@ -138,7 +138,7 @@ def test_attention_and_cache_write_on_vulkan(heads: int, kv: int, dim: int, cell
 
 
 def test_rope_position_tensor_matches_scalar_rope(dev: object, target: tvm.target.Target) -> None:
-    from ggufc.codegen import kernels as K
+    from ggufc.codegen.kernels import generic as K
     from ggufc.ir import ops as O
 
     rng = np.random.default_rng(3)

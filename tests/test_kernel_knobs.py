@@ -21,10 +21,10 @@ import tvm_ffi
 
 from ggufc.cli import teacher_forced_logits
 from ggufc.codegen import kernel_knobs as KN
-from ggufc.codegen import kernels_attention as KA
-from ggufc.codegen import kquant_int8 as KQ
-from ggufc.codegen import quant_int8 as Q8
+from ggufc.codegen.cpu_int8 import block32 as Q8
+from ggufc.codegen.cpu_int8 import kquant as KQ
 from ggufc.codegen.kernel_keys import Int8GemvGroup, OpKernel
+from ggufc.codegen.kernels import attention as KA
 from ggufc.codegen.target import cpu_target
 from ggufc.driver import tune as TU
 from ggufc.driver import tune_report

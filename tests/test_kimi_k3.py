@@ -26,7 +26,7 @@ from test_goldens import _eval
 from test_hy_v3 import interpret, nmse
 
 from ggufc.cli import main
-from ggufc.codegen import linear_attention as LA
+from ggufc.codegen.families import linear_attention as LA
 from ggufc.codegen.target import resolve_target
 from ggufc.frontend.blocks_hc import residual_attention_mix
 from ggufc.frontend.load import LoadedModel, load_model

@@ -22,6 +22,20 @@ ALLOWED = {
     "driver": {"frontend", "ir", "passes", "codegen", "runtime"},
 }
 LEAVES = {"ggufc.version", "ggufc.messages"}  # importable from anywhere
+# codegen's modules and subpackages from the bottom up: each imports only its own layer and those
+# below it (the instruction-set table is a leaf the target description reads)
+CODEGEN_LAYERS = (
+    ("target", "tvm_util", "kernel_keys", "schedule", "cpu_int8.isa"),
+    ("kernels",),  # the generic kernels
+    ("formats",),  # weight block formats
+    ("cpu_int8",),  # the CPU's 8-bit matmuls
+    ("gpu",),  # GPU schedules, kernels, layout, plan, build
+    ("lower_context", "kernel_knobs"),
+    ("families",),  # each op family's kernels (CPU and GPU) and lowering
+    ("lower",),
+    ("batch_rows",),
+    ("build",),
+)
 
 
 def _modules() -> dict[str, Path]:
@@ -79,6 +93,32 @@ def test_a_stage_imports_only_the_stages_before_it(stage: str) -> None:
             if not any(rest == a or rest.startswith(a + ".") for a in ALLOWED[stage]):
                 bad.append(f"{module} -> {target}")
     assert not bad, bad
+
+
+def _codegen_layer(module: str) -> int:
+    """The index in CODEGEN_LAYERS of a codegen module (the longest matching entry)."""
+    rest = module.removeprefix("ggufc.codegen.")
+    matches = [(len(name), i) for i, names in enumerate(CODEGEN_LAYERS) for name in names
+               if rest == name or rest.startswith(name + ".")]
+    assert matches, f"{module} is in no layer of CODEGEN_LAYERS"
+    return max(matches)[1]
+
+
+def test_codegen_subpackages_import_only_the_layers_below() -> None:
+    codegen = [m for m in GRAPH if m.startswith("ggufc.codegen.")]
+    assert {"ggufc.codegen.kernels.generic", "ggufc.codegen.cpu_int8.block32",
+            "ggufc.codegen.families.moe_routing", "ggufc.codegen.gpu.schedules"} <= set(codegen)
+    bad = [f"{m} -> {t}" for m in codegen for t in GRAPH[m]
+           if t.startswith("ggufc.codegen.") and _codegen_layer(t) > _codegen_layer(m)]
+    assert not bad, bad
+
+
+def test_op_families_share_one_stem() -> None:
+    """An op family's codegen file and its IR file (records, shape rules, references) bear one name."""
+    families = sorted(p.stem for p in (ROOT / "codegen" / "families").glob("*.py") if p.stem != "__init__")
+    assert families
+    missing = [f"ir/{stem}.py" for stem in families if not (ROOT / "ir" / f"{stem}.py").exists()]
+    assert not missing, missing
 
 
 def test_no_import_cycle() -> None:

@@ -19,13 +19,13 @@ import numpy as np
 import pytest
 import tvm
 
-from ggufc.codegen import kernels_attention as KA
-from ggufc.codegen import kquant_int8 as KQ
-from ggufc.codegen import quant as Q
-from ggufc.codegen import quant_int8 as Q8
-from ggufc.codegen.amx_gemm import AMX_GEMM_TYPES as KA_TILE_TYPES
-from ggufc.codegen.cpu_vec import swiglu
-from ggufc.codegen.int8_isa import int8_isa
+from ggufc.codegen.cpu_int8 import block32 as Q8
+from ggufc.codegen.cpu_int8 import kquant as KQ
+from ggufc.codegen.cpu_int8.amx_gemm import AMX_GEMM_TYPES as KA_TILE_TYPES
+from ggufc.codegen.cpu_int8.isa import int8_isa
+from ggufc.codegen.formats import block_formats as Q
+from ggufc.codegen.kernels import attention as KA
+from ggufc.codegen.kernels.cpu_vector_math import swiglu
 from ggufc.codegen.target import cpu_target
 from ggufc.codegen.tvm_util import aligned_zeros, to_tvm
 from ggufc.frontend.hparams import rope_table

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from ggufc.cli import main, teacher_forced_logits
-from ggufc.codegen import quant_int8 as Q8
+from ggufc.codegen.cpu_int8 import block32 as Q8
 from ggufc.codegen.target import cpu_target
 from ggufc.driver.compile import compile_model
 from ggufc.runtime.session import Session

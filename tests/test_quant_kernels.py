@@ -1,4 +1,4 @@
-"""Quantised weight layouts and CPU kernels (codegen/quant.py) against gguf-py and numpy."""
+"""Quantised weight layouts and CPU kernels (codegen/formats/block_formats.py) against gguf-py and numpy."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import tvm
 from random_weights import K_QUANTS, make_raw
 
-from ggufc.codegen import quant
+from ggufc.codegen.formats import block_formats as quant
 from ggufc.codegen.target import cpu_target
 from ggufc.codegen.tvm_util import aligned_empty, aligned_zeros, is_aligned, to_tvm
 

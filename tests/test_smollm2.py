@@ -2,7 +2,7 @@
 
 The goldens are llama.cpp's batch evaluation with an f32 KV cache (llama-cpp-python 0.3.36, an
 x86 AVX2 build; it reproduces them to 0 NMSE with type_k/type_v f32) and its greedy decoding.
-On a CPU with AVX2 and FMA (every instruction set of codegen/int8_isa.py) ggufc's CPU kernels
+On a CPU with AVX2 and FMA (every instruction set of codegen/cpu_int8/isa.py) ggufc's CPU kernels
 run llama.cpp's arithmetic in its float order (8-bit activation blocks, per-block lane sums
 accumulated by fma, its reductions, its vector exp, libm's cos/sin/pow for rope, its attention
 orders for batches and single tokens), so the logits are bit-identical: every teacher-forced
@@ -34,7 +34,7 @@ TARGETS = {"host": "llvm", "haswell": {"kind": "llvm", "mcpu": "haswell", "num-c
 
 def _exact_kernels(target: str | dict) -> bool:
     """Whether the target runs the 8-bit kernels that follow llama.cpp's arithmetic bit for bit."""
-    from ggufc.codegen.int8_isa import int8_isa
+    from ggufc.codegen.cpu_int8.isa import int8_isa
     from ggufc.codegen.target import resolve_target
 
     return int8_isa(resolve_target(target)) is not None

@@ -122,7 +122,8 @@ def test_records_are_written_per_workload(tuned: dict[str, Any]) -> None:
     tuned_hashes = [h for h, n in tuned["after_a"].items() if n]
     assert len(tuned_hashes) == 2  # warm-up order: the two heaviest decode kernels, one round each
     llama = {h: e for h, e in db.workloads.items() if "llama-dense.gguf" in e["models"]}
-    # 10 MetaSchedule workloads and the hand-written vector SwiGLU (cpu_vec.py), tuned through its knobs
+    # 10 MetaSchedule workloads and the hand-written vector SwiGLU (codegen/kernels/cpu_vector_math.py),
+    # tuned through its knobs
     assert len(llama) == tuned["resumed"].tunable == 11
     assert sorted(e["search"] for e in llama.values()).count("knobs") == 1
     for e in llama.values():

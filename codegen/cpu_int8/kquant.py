@@ -1,5 +1,5 @@
 """8-bit integer matmuls for the K-quants (Q2_K..Q6_K) on x86 CPUs (AVX2 and up), in llama.cpp's order.
-Q2_K and Q3_K's row groups are codegen/kquant_lowbit_int8.py's; the kernels around them are these.
+Q2_K and Q3_K's row groups are codegen/cpu_int8/kquant_lowbit.py's; the kernels around them are these.
 
 The activations are rounded to q8_K blocks (256 values, as `quantize_row_q8_K`: the value of
 largest magnitude, the first one on ties, sets iscale = -127 / max; codes min(127, rint(iscale x)),
@@ -19,7 +19,7 @@ lane j holding values 4j..4j+3 of each 32-value run:
                 acc_j  = fma(d_a d_w, float(sumi_j), acc_j)
 
 then y = hsum_float_8(acc) (+ (m_0 + m_2) + (m_1 + m_3) for Q4_K, + m for Q5_K). The layouts are
-codegen/quant.py's: Q4_K's 32 bytes of a 64-value group hold sub-block 2g in their low nibbles
+codegen/formats/block_formats.py's: Q4_K's 32 bytes of a 64-value group hold sub-block 2g in their low nibbles
 and 2g+1 in their high ones, so one load gives 64 codes in value order; Q6_K's 128-value half
 takes two 32-byte runs of low nibbles and one of high bit pairs.
 
@@ -45,13 +45,13 @@ from typing import Any
 from tvm import tirx
 from tvm.script import tirx as T
 
-from . import int8_parts as P
-from .int8_isa import Int8Isa
-from .int8_parts import mask32 as _mask
-from .int8_parts import pairs16 as _pairs
-from .int8_parts import scaled_pairs as _scaled
-from .kquant_lowbit_int8 import q2k_rows, q3k_rows
-from .quant import layout_spec
+from ggufc.codegen.cpu_int8 import parts as P
+from ggufc.codegen.cpu_int8.isa import Int8Isa
+from ggufc.codegen.cpu_int8.kquant_lowbit import q2k_rows, q3k_rows
+from ggufc.codegen.cpu_int8.parts import mask32 as _mask
+from ggufc.codegen.cpu_int8.parts import pairs16 as _pairs
+from ggufc.codegen.cpu_int8.parts import scaled_pairs as _scaled
+from ggufc.codegen.formats.block_formats import layout_spec
 
 KQUANT_GEMV_TYPES = frozenset({"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"})  # the weights with integer kernels here
 SUPER = 256  # values per super-block (and per q8_K activation block)
@@ -580,7 +580,7 @@ def _field_specs(qtype: str, n: int, k: int) -> list[tuple[tuple[int, ...], str]
 def kquant_gemv_group(qtype: str, ns: tuple[int, ...], k: int, isa: Int8Isa, prologue_spec: tuple[Any, ...],
                       residual: bool, prefetch_groups: int, groups_per_task: int,
                       unroll: bool = False) -> tirx.PrimFunc:
-    """quant_int8.int8_gemv_group for the K-quants (which checks the arguments first)."""
+    """block32.int8_gemv_group for the K-quants (which checks the arguments first)."""
     kind = prologue_spec[0] if prologue_spec else ""
     stage = P.input_stage(prologue_spec, k)
     n_super, group = k // SUPER, len(ns)
@@ -664,7 +664,7 @@ def kquant_gemv_group(qtype: str, ns: tuple[int, ...], k: int, isa: Int8Isa, pro
 
 def kquant_gemm(qtype: str, n: int, k: int, isa: Int8Isa, tokens: int = GEMM_TOKENS,
                 pairs: int = 0) -> tirx.PrimFunc:
-    """quant_int8.int8_gemm for the K-quants: tokens quantised in parallel, then each task takes
+    """block32.int8_gemm for the K-quants: tokens quantised in parallel, then each task takes
     a group of rows through every token, `tokens` tokens per pass over their codes. With `pairs`
     (Q4_K and Q6_K on a target with 512-bit registers: int8_gemm gives PAIR_TILE), token pairs
     instead (_pair_gemm, `pairs` of them per pass)."""

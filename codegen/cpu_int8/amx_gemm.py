@@ -2,7 +2,7 @@
 
 A tile dot product (`tdpbusd`) multiplies 16 rows of unsigned weight bytes by 16 tokens of signed
 activation codes over 64 values in one instruction: 16,384 products, where a 512-bit VNNI
-instruction does 64. The activations are rounded to q8_K blocks as codegen/kquant_int8.py's
+instruction does 64. The activations are rounded to q8_K blocks as codegen/cpu_int8/kquant.py's
 kernels round them, and each super-block i of a row and token gives llama.cpp's integer sum
 exactly, from byte operands whose products the tile sums without overflow:
 
@@ -35,9 +35,9 @@ from collections.abc import Callable
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .int8_parts import q8_pos, quantize_prologue, without_params
-from .kquant_int8 import SUPER
-from .kquant_int8 import _q8k_quantize as q8k_quantize
+from ggufc.codegen.cpu_int8.kquant import SUPER
+from ggufc.codegen.cpu_int8.kquant import _q8k_quantize as q8k_quantize
+from ggufc.codegen.cpu_int8.parts import q8_pos, quantize_prologue, without_params
 
 KQUANT_OPERANDS = {"Q4_K": 3, "Q6_K": 2}  # weight byte operands per value (see above)
 BLOCK_TYPES = frozenset({"Q8_0", "Q4_0", "Q4_1"})  # 32-value blocks
@@ -212,7 +212,7 @@ def store_and_release(y, acc, jo, n_tiles, t_len):  # type: ignore[no-untyped-de
 
 
 def amx_gemm(qtype: str, n: int, k: int) -> tirx.PrimFunc:
-    """y [T, n] = x [T, k] @ W.T, the weights in codegen/quant.py's layout: Q4_K (fields d, dmin,
+    """y [T, n] = x [T, k] @ W.T, the weights in codegen/formats/block_formats.py's layout: Q4_K (fields d, dmin,
     sc, mn, qs), Q6_K (ql, qh, sc, d), Q8_0 (d, qs), Q4_0 (d, qs) or Q4_1 (d, m, qs)."""
     if qtype in KQUANT_OPERANDS:
         return _kquant_gemm(qtype, n, k)

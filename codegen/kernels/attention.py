@@ -26,8 +26,7 @@ import numpy as np
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .cpu_vec import expf8
-from .int8_parts import prefetch
+from ggufc.codegen.kernels.cpu_vector_math import expf8, prefetch
 
 LANES = 8  # float32 lanes of an AVX2 register
 STEP = 32  # values per step of ggml_vec_dot_f32 (4 registers)

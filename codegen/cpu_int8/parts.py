@@ -1,5 +1,5 @@
-"""The parts the 8-bit matmul kernels share (codegen/quant_int8.py for 32-value blocks,
-codegen/kquant_int8.py and codegen/kquant_lowbit_int8.py for the K-quants): row grouping, the GEMV
+"""The parts the 8-bit matmul kernels share (codegen/cpu_int8/block32.py for 32-value blocks,
+codegen/cpu_int8/kquant.py and codegen/cpu_int8/kquant_lowbit.py for the K-quants): row grouping, the GEMV
 prologues and residual epilogue, prefetch, llama.cpp's horizontal sum, parameter pruning, and the
 K-quants' integer pair sums."""
 
@@ -12,9 +12,11 @@ from typing import Any
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .cpu_vec import silu_mul8
-from .int8_isa import Int8Isa
-from .int8_isa import pairs16 as pairs16
+from ggufc.codegen.cpu_int8.isa import Int8Isa
+from ggufc.codegen.cpu_int8.isa import pairs16 as pairs16
+from ggufc.codegen.kernels.cpu_vector_math import prefetch as prefetch
+from ggufc.codegen.kernels.cpu_vector_math import prefetch_l2 as prefetch_l2
+from ggufc.codegen.kernels.cpu_vector_math import silu_mul8
 
 ROWS = 4  # rows per parallel task: independent accumulator chains, activation loads shared
 MAX_GROUP = 3  # matrices one grouped GEMV kernel takes
@@ -76,21 +78,6 @@ def residual_adder(residual: bool) -> Callable[..., None]:
                 y[0, j] = res[0, j] + y[0, j]
 
     return add_residual
-
-
-def prefetch(flat: tirx.Buffer, index: tirx.PrimExpr) -> tirx.PrimExpr:
-    """Ask for the cache line holding flat[index] (read, keep in all levels): the row groups a
-    task reads next, so the stream from L3/DRAM overlaps the arithmetic (~1.7x here)."""
-    return T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(flat[index]), T.int32(0), T.int32(3),
-                              T.int32(1))
-
-
-def prefetch_l2(flat: tirx.Buffer, index: tirx.PrimExpr) -> tirx.PrimExpr:
-    """Ask for the cache line holding flat[index] into L2, not L1 (prefetcht1), far ahead of the
-    `prefetch` stream: a cold weight stream then reaches L1 from L2 rather than DRAM, so fewer of
-    the core's L1 misses wait on DRAM (cold Q4_K GEMV ~1.1x here; distance alone changed nothing)."""
-    return T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(flat[index]), T.int32(0), T.int32(2),
-                              T.int32(1))
 
 
 def l2_ahead_groups(group_bytes: int, prefetch_groups: int) -> int:

@@ -6,7 +6,7 @@ products for the K-quants (Q4_K, Q5_K, Q6_K), on the CPU (AVX2 and up), in llama
 As llama.cpp's mul_mat_id: every input row is rounded to q8_K once (a decode step's one row
 serves all its slots), the (token, slot) pairs are grouped by expert, and each expert's rows are
 dotted with its group's rows. Each output value is the dense 8-bit GEMV's dot product
-(codegen/kquant_int8.py's row macros, ggml_vec_dot_*_K_q8_K's order), so the result is bit for
+(codegen/cpu_int8/kquant.py's row macros, ggml_vec_dot_*_K_q8_K's order), so the result is bit for
 bit the dense kernel's on the same expert rows.
 
 Work split: the parallel loop runs over (used expert, row group) pairs, the used experts
@@ -15,7 +15,7 @@ nothing; a prompt's group of one expert takes its rows 4 tokens at a time (the p
 tiles) through each row group's codes.
 
 Q4_K and Q6_K prompts on a target with 512-bit registers take their tokens in pairs, as the dense
-prompt GEMM does (kquant_int8._pair_gemm): each expert's group starts on an even row of the
+prompt GEMM does (kquant._pair_gemm): each expert's group starts on an even row of the
 gathered rows (an odd group ends with a padding row, computed and dropped), the rows are gathered
 straight into the pair-interleaved layout, and a group goes through its row group's codes
 PAIR_TILE pairs at a time, then its last one or two pairs. Its tasks run in bands of row groups,
@@ -30,9 +30,9 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
-from . import int8_parts as P
-from .int8_isa import Int8Isa, int8_isa
-from .kquant_int8 import (
+from ggufc.codegen.cpu_int8 import parts as P
+from ggufc.codegen.cpu_int8.isa import Int8Isa, int8_isa
+from ggufc.codegen.cpu_int8.kquant import (
     FIELDS,
     GEMM_TOKENS,
     PAIR_ROWS,
@@ -44,8 +44,8 @@ from .kquant_int8 import (
     _row_steps,
     pair_tile,
 )
-from .quant import layout_spec
-from .target import UnsupportedOnTarget
+from ggufc.codegen.formats.block_formats import layout_spec
+from ggufc.codegen.target import UnsupportedOnTarget
 
 # the K-quants whose rows read 32-value activation sums (Q2_K reads 16-value ones; Q2_K and Q3_K
 # experts keep the float kernel)
@@ -170,7 +170,7 @@ def kquant_experts(qtype: str, n_exp: int, n: int, k: int, slots: int, per_slot:
 
     @T.macro
     def gather_pair(p, porder, xb, xd, xs, xp, xb2, xd2, xs2, xp2):  # type: ignore[no-untyped-def]
-        """Rows 2p and 2p + 1 of the padded order side by side (kquant_int8._pair_acts's layout);
+        """Rows 2p and 2p + 1 of the padded order side by side (kquant._pair_acts's layout);
         a padding row copies input row 0, whose products are dropped."""
         for h in T.unroll(2):
             pq = T.meta_var(T.max(porder[p * 2 + h], 0))

@@ -40,8 +40,8 @@ import tvm
 from tvm import te
 from tvm.tirx import Expr as PrimExpr
 
-from .target import cpu_target
-from .tvm_util import aligned_empty
+from ggufc.codegen.target import cpu_target
+from ggufc.codegen.tvm_util import aligned_empty
 
 PlaneIdx: TypeAlias = int | PrimExpr
 

@@ -1,6 +1,6 @@
 """The 8-bit GEMM of 32-block weights (Q4_0, Q4_1, Q8_0) in 512-bit vectors: two tokens per vector.
 
-codegen/quant_int8.py keeps llama.cpp's float order per output value, so every (row, token) pair
+codegen/cpu_int8/block32.py keeps llama.cpp's float order per output value, so every (row, token) pair
 repeats the GEMV's per-block float work (an 8-lane integer dot, its conversion, one fma); only the
 unpacked weight codes are shared by the tokens of a tile. Here one 16-lane vector holds the 8 lanes
 of two tokens (lanes 0-7: token u, 8-15: token u + 1), so each of those steps is one 512-bit
@@ -16,7 +16,7 @@ the 256-bit kernel's), not per token after the dots.
 
 Tiles take PAIRS_PER_TILE pairs of tokens (4 tokens) through a row group, the tail pair one more.
 A tile's sums of 8 lanes are added at once, level by level in hsum_float_8's order
-(int8_parts.half_sums), and each token's 4 rows stored as one vector.
+(parts.half_sums), and each token's 4 rows stored as one vector.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from collections.abc import Callable
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .int8_parts import ROWS, half_lane, half_sums, prefetch
+from ggufc.codegen.cpu_int8.parts import ROWS, half_lane, half_sums, prefetch
 
 DOT512 = "llvm.x86.avx512.vpdpbusd.512"
 PAIRS_PER_TILE = 2
@@ -37,7 +37,7 @@ def _fma16(a: tirx.PrimExpr, b: tirx.PrimExpr, c: tirx.PrimExpr) -> tirx.PrimExp
 
 
 def _tile_sums(acc: tirx.Buffer, pairs: int) -> tirx.PrimExpr:
-    """hsum_float_8 of every half of a tile's ROWS * pairs accumulators (int8_parts.half_sums), as
+    """hsum_float_8 of every half of a tile's ROWS * pairs accumulators (parts.half_sums), as
     one vector of 2 * pairs * ROWS lanes: lane u * ROWS + r holds row r's sum for token u."""
     tree = half_sums([acc.vload([q, 0], "float32x16") for q in range(ROWS * pairs)])
     return T.Shuffle([tree], [half_lane(r * pairs + u // 2, u % 2) for u in range(2 * pairs) for r in range(ROWS)])
@@ -45,7 +45,7 @@ def _tile_sums(acc: tirx.Buffer, pairs: int) -> tirx.PrimExpr:
 
 def pair_tile(qtype: str, n_blocks: int, pairs: int, prefetch_groups: int) -> Callable[..., None]:
     """Row-group macro: rows [jo * ROWS, jo * ROWS + ROWS) for the tokens [t, t + 2 pairs) that
-    are < t_len, in llama.cpp's per-block float order (see codegen/quant_int8.py).
+    are < t_len, in llama.cpp's per-block float order (see codegen/cpu_int8/block32.py).
 
     Reads xq [n_blocks, t_pad, 32] int8 (activation codes, block-major), xcq [n_blocks, t_pad, 8]
     int32 (the integer starts of Q4_0/Q8_0), xdp [n_blocks, t_pad / 2, 16] (activation scales, a

@@ -15,12 +15,11 @@ from typing import Any
 
 from tvm import te, tirx
 
+from ggufc.codegen import kernel_keys as KK
+from ggufc.codegen.formats import block_formats as Q
+from ggufc.codegen.kernels import generic as K
+from ggufc.codegen.lower_context import FunctionContext, weight_args
 from ggufc.ir.graph import Node
-
-from . import kernel_keys as KK
-from . import kernels as K
-from . import quant as Q
-from .lower_context import FunctionContext, weight_args
 
 
 def head_ids(n_head: int) -> tirx.PrimFunc:

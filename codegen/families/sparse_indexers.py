@@ -33,18 +33,19 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import tvm
 from tvm import te, tirx
 from tvm.script import tirx as T
 
+from ggufc.codegen import kernel_keys as KK
+from ggufc.codegen.gpu import attention as AG
+from ggufc.codegen.gpu.schedules import GpuKernel, dlight_schedule, mark_schedule
+from ggufc.codegen.kernels import generic as K
+from ggufc.codegen.kernels.generic import PShape, Symbols, f32, func, i64, with_root_block
+from ggufc.codegen.lower_context import FunctionContext, call_args, tensor_dims
 from ggufc.ir import ops as O
 from ggufc.ir.graph import Node
 from ggufc.ir.sparse_indexers import POOL_NEG
-
-from . import attention_gpu as AG
-from . import kernel_keys as KK
-from . import kernels as K
-from .kernels import PShape, f32, func, i64, with_root_block
-from .lower_context import FunctionContext, call_args, tensor_dims
 
 THREADS = 64  # GPU threads per workgroup
 I32_MAX = (1 << 31) - 1
@@ -975,7 +976,7 @@ def _compressed_online_softmax(n_head: int, dim: int, n_cells: int, a: O.Compres
     """The body of `compressed_attention_gpu`, a macro over (q, cache, sinks, rows, sel, out, n, pos):
     one workgroup per (token, head) walks its slots in tiles of NT (the raw cells of its window,
     then the compressed rows: all, or the selected ones) with the online softmax of
-    `attention_gpu.py`; the running max and sum start at the sink (max = sink, sum = exp(0)), so
+    `codegen/gpu/attention.py`; the running max and sum start at the sink (max = sink, sum = exp(0)), so
     the sink joins max and denominator as in the CPU kernel. Tile counts depend on the workgroup
     id and `pos` only, so the barriers stay in uniform control flow."""
     nt = AG.attention_threads(dim)
@@ -1063,7 +1064,7 @@ def _compressed_online_softmax(n_head: int, dim: int, n_cells: int, a: O.Compres
 
 def compressed_attention_gpu(n_head: int, dim: int, n_cells: int, a: O.CompressedAttention, n_rows: int = 0,
                              n_sel: int = 0) -> tirx.PrimFunc:
-    """As `compressed_attention` (same arguments), in the online-softmax form of `attention_gpu.py`:
+    """As `compressed_attention` (same arguments), in the online-softmax form of `codegen/gpu/attention.py`:
     no [T, H, P+T] score matrix, and only the window's raw cells are read."""
     H, D, C, NR, K_ = T.int64(n_head), T.int64(dim), T.int64(n_cells), T.int64(max(n_rows, 1)), T.int64(max(n_sel, 1))
     attend = _compressed_online_softmax(n_head, dim, n_cells, a, n_rows, n_sel)
@@ -1135,4 +1136,77 @@ INDEXER_LOWERING: dict[str, Callable[[FunctionContext, Node], list[Any]]] = {
     "compressor_pool": _compressor_pool,
     "block_topk": _block_topk,
     "block_mask": _block_mask,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU kernels by key kind (merged into the GPU targets' table by lower.py)
+
+
+def _index_mask_gpu_kernel(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
+    neg_inf = tirx.reinterpret("float32", tirx.const(0xFF800000, "uint32"))  # WGSL has no infinity literal
+    return dlight_schedule(index_mask(Symbols().shape(key.dims[0]), neg_inf), target, key)
+
+
+def _block_mask_gpu_kernel(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
+    neg_inf = tirx.reinterpret("float32", tirx.const(0xFF800000, "uint32"))  # WGSL has no infinity literal
+    return dlight_schedule(block_mask(Symbols().shape(key.dims[0]), key.attrs.block, neg_inf), target, key)
+
+
+def _block_score_gpu_kernel(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
+    q_dims, cache_dims = key.dims[:2]
+    return mark_schedule(block_score_gpu(int(q_dims[1]), int(q_dims[2]), int(cache_dims[0]), key.attrs.block),
+                 "ggufc.max_dot_per_block")
+
+
+def _compressor_pool_gpu_kernel(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
+    n_cells, wide = key.dims[0]
+    return mark_schedule(compressor_pool_gpu(int(n_cells), int(wide), key.attrs.ratio, key.attrs.overlap),
+                 "ggufc.pool_per_channel")
+
+
+def _block_topk_gpu_kernel(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
+    a = key.attrs
+    _, n_groups, nb = key.dims[0]
+    return mark_schedule(block_topk_gpu(int(n_groups), int(nb), a.block, a.top_k, a.local), "ggufc.select_per_row")
+
+
+def _indexer_topk_gpu_kernel(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
+    a = key.attrs
+    return mark_schedule(indexer_topk_gpu(key.blocks, a.ratio, a.width, key.cells), "ggufc.heap_select_per_row")
+
+
+def _token_score_gpu_kernel(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
+    (_, n_head, dim), (n_cells, _) = key.dims[:2]
+    return mark_schedule(token_score_gpu(int(n_head), int(dim), int(n_cells)), "ggufc.dot_per_cell")
+
+
+def _token_topk_gpu_kernel(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
+    return mark_schedule(token_topk_gpu(key.attrs.width), "ggufc.heap_select_per_row")
+
+
+def _compressed_score_gpu_kernel(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
+    a, n_rows = key.attrs
+    _, n_head, dim = key.dims[0]  # dims of (q, w, rows)
+    return mark_schedule(compressed_score_gpu(int(n_head), int(dim), n_rows, a.ratio), "ggufc.dot_per_row")
+
+
+def _compressed_attention_gpu_kernel(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
+    a, n_cells, n_rows, n_sel = key.attrs
+    _, n_head, dim = key.dims[0]  # dims of (q, cache, sinks[, rows[, sel]])
+    return mark_schedule(compressed_attention_gpu(int(n_head), int(dim), n_cells, a, n_rows, n_sel),
+                 "ggufc.attention_online_softmax")
+
+
+GPU_KERNELS: dict[str, GpuKernel] = {
+    "index_mask": _index_mask_gpu_kernel,
+    KK.IndexerTopK.kind: _indexer_topk_gpu_kernel,
+    "token_score": _token_score_gpu_kernel,
+    "token_topk": _token_topk_gpu_kernel,
+    "block_mask": _block_mask_gpu_kernel,
+    "indexer_block_score": _block_score_gpu_kernel,
+    "compressor_pool": _compressor_pool_gpu_kernel,
+    "block_topk": _block_topk_gpu_kernel,
+    "compressed_score": _compressed_score_gpu_kernel,
+    "compressed_attention": _compressed_attention_gpu_kernel,
 }

@@ -31,16 +31,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import tvm
 from tvm import relax, te, tirx
 from tvm.script import tirx as T
 
+from ggufc.codegen import kernel_keys as KK
+from ggufc.codegen.gpu.schedules import GpuKernel, mark_schedule
+from ggufc.codegen.kernels.cpu_vector_math import expf8
+from ggufc.codegen.kernels.generic import PShape, Symbols, f32, func, i64
+from ggufc.codegen.lower_context import FunctionContext, tensor_dims, tensor_type
 from ggufc.ir import ops as O
 from ggufc.ir.graph import Node
-
-from . import kernel_keys as KK
-from .cpu_vec import expf8
-from .kernels import PShape, Symbols, f32, func, i64
-from .lower_context import FunctionContext, tensor_dims, tensor_type
 
 LANES = 8  # partial sums per dot product (one AVX2 register of f32)
 ROW_BLOCK = 32  # state rows per parallel task of gated_delta_net
@@ -530,4 +531,24 @@ LINEAR_ATTENTION_LOWERING: dict[str, Callable[[FunctionContext, Node], list[Any]
     "gated_delta_net": _gated_delta_net,
     "l2_norm": _norm("l2_norm", lambda shape, a: l2_norm(shape, a.eps)),
     "rms_norm_gated": _norm("rms_norm_gated", lambda shape, a: rms_norm_gated(shape, a.eps, a.act)),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU kernels by key kind (merged into the GPU targets' table by lower.py)
+
+
+def _causal_conv_gpu_kernel(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
+    return mark_schedule(ssm_conv_gpu(key.channels, key.width, key.dilation), "ggufc.scan_per_channel")
+
+
+def _delta_net_scan_gpu_kernel(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
+    return mark_schedule(gated_delta_net_gpu(key.hv, key.dv, key.dk, key.hk, key.attrs.head_map, key.attrs.scale,
+                                        key.attrs.key_decay),
+                 "ggufc.scan_per_row")
+
+
+GPU_KERNELS: dict[str, GpuKernel] = {
+    KK.CausalConv.kind: _causal_conv_gpu_kernel,
+    KK.DeltaNetScan.kind: _delta_net_scan_gpu_kernel,
 }

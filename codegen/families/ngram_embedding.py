@@ -19,14 +19,15 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import tvm
 from tvm import te, tirx
 
+from ggufc.codegen import kernel_keys as KK
+from ggufc.codegen.gpu.schedules import GpuKernel, mark_schedule
+from ggufc.codegen.kernels.generic import i64
+from ggufc.codegen.lower_context import FunctionContext, call_args
 from ggufc.ir import ops as O
 from ggufc.ir.graph import Node
-
-from . import kernel_keys as KK
-from .kernels import i64
-from .lower_context import FunctionContext, call_args
 
 THREADS = 64  # GPU threads per workgroup
 U32 = "uint32"
@@ -174,4 +175,29 @@ def _ple_hash(fc: FunctionContext, node: Node) -> list[Any]:
 
 NGRAM_LOWERING: dict[str, Callable[[FunctionContext, Node], list[Any]]] = {
     "ple_hash": _ple_hash,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU kernels by key kind (merged into the GPU targets' table by lower.py)
+
+
+def _ngram_hash_gpu_kernel(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
+    a = key.attrs
+    return mark_schedule(ple_hash_gpu(key.cells, a.ngram, a.heads_per_ngram, a.multipliers, a.offsets, a.sizes, a.eos),
+                 "ggufc.hash_per_token")
+
+
+
+
+
+
+
+
+
+
+
+
+GPU_KERNELS: dict[str, GpuKernel] = {
+    KK.NgramHash.kind: _ngram_hash_gpu_kernel,
 }

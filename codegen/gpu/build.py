@@ -6,7 +6,7 @@
   through NVRTC where only that exists). The runtime hands that fatbin to TVM's CUDA module
   loader, so the GPU host compiles nothing (`runtime/cuda_runtime.py`).
 * vulkan / metal: no TVM runtime exists for them here, so each kernel is lowered to WGSL or MSL
-  (`device_info.py`) and the step becomes a dispatch plan (`plan.py`); the files are `plan.json`
+  (`codegen/gpu/device_info.py`) and the step becomes a dispatch plan (`plan.py`); the files are `plan.json`
   and `kernels.wgsl` (one shader per entry point) or `kernels.metal` (one library).
 """
 
@@ -28,13 +28,12 @@ from typing import Any
 import tvm
 from tvm import relax
 
+from ggufc.codegen.gpu import device_info as DI
+from ggufc.codegen.gpu.plan import ENTRY_POINTS, build_plan
+from ggufc.codegen.gpu.schedules import schedule_table
+from ggufc.codegen.target import split_target, target_key
 from ggufc.runtime.artifact import KERNELS_NAME
 from ggufc.runtime.plan_format import WGSL_SEPARATOR
-
-from . import device_info as DI
-from .gpu import schedule_table
-from .plan import ENTRY_POINTS, build_plan
-from .target import split_target, target_key
 
 PLAN_NAME = "plan.json"
 WGSL_NAME = "kernels.wgsl"

@@ -31,8 +31,8 @@ import tvm
 from tvm import te, tirx
 from tvm.tirx import Expr as PrimExpr
 
-from . import quant as Q
-from .quant import Geometry, QFormat, get_format
+from ggufc.codegen.formats import block_formats as Q
+from ggufc.codegen.formats.block_formats import Geometry, QFormat, get_format
 
 WORD = "uint32"
 LayoutSpec = list[tuple[str, tuple[int, ...], str]]

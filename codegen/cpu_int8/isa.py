@@ -1,7 +1,7 @@
 """The x86 instruction sets of the 8-bit kernels: one table row each, holding the steps that differ.
 
-Every 8-bit kernel (codegen/quant_int8.py, kquant_int8.py, kquant_lowbit_int8.py, expert_int8.py)
-is written once; what changes with the CPU is
+Every 8-bit kernel of this package (block32.py, kquant.py, kquant_lowbit.py, experts.py) is written
+once; what changes with the CPU is
 
   - how a u8 x s8 dot product of four values reaches an int32 lane (`dot4`): `vpdpbusd` with VNNI
     (AVX512-VNNI+VL, or AVX-VNNI's VEX form: LLVM encodes the same intrinsic as AVX-VNNI where

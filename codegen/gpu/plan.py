@@ -10,7 +10,7 @@ each entry point into a flat list of device dispatches:
   their input's storage;
 * intermediates are packed into reusable slots by liveness (a slot is sized for the largest
   value it ever holds, at n = max_chunk tokens and p = n_ctx), shared by all entry points;
-* each `call_tir` expands into the device launches of its kernel (`device_info.py`), with the
+* each `call_tir` expands into the device launches of its kernel (`codegen/gpu/device_info.py`), with the
   kernel's symbolic variables replaced by the call's shapes, so every grid size and POD argument
   is an expression over the step's `n` (tokens in this call) and `p` (tokens already cached).
 
@@ -30,10 +30,9 @@ import numpy as np
 import tvm
 from tvm import relax, tirx
 
+from ggufc.codegen.gpu.device_info import DeviceKernel, _Names, expr_str
 from ggufc.runtime.plan_expr import evaluate
 from ggufc.runtime.plan_format import PLAN_VERSION
-
-from .device_info import DeviceKernel, _Names, expr_str
 
 SYMBOLS = ("n", "p")
 

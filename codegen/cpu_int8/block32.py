@@ -1,5 +1,5 @@
 """8-bit activation kernels for the CPU: `quantize_act`, and integer dot-product matmuls (AVX2,
-AVX-VNNI, AVX-512 VNNI, AMX: the steps that differ are codegen/int8_isa.py's table).
+AVX-VNNI, AVX-512 VNNI, AMX: the steps that differ are codegen/cpu_int8/isa.py's table).
 
 A matmul with a 32-block weight (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) reads its input as 8-bit blocks
 (ir/act_quant.py). The kernels here quantise `x` themselves (the q8_0 op is idempotent, so they
@@ -25,11 +25,11 @@ body has no extra work. Nibble weights keep GGUF's split layout (byte j holds va
 a block's 16 bytes load into both halves of a vector, shifted by 0 and 4 bits, so its codes come
 out in value order. A decode step runs GEMVs (grouped, with an RMSNorm or SwiGLU prologue and a
 residual epilogue); a prompt, or a batched decode step's B rows, runs the same per-token
-arithmetic as a GEMM (`int8_gemm`: with 512-bit VNNI two tokens per vector, codegen/int8_pair_gemm.py;
+arithmetic as a GEMM (`int8_gemm`: with 512-bit VNNI two tokens per vector, codegen/cpu_int8/pair_gemm.py;
 else 256-bit tiles of GEMM_TOKENS tokens sharing their unpacked codes). Which
 matmuls run here is decided by the rules of passes/fuse_int8.py (`Int8Kernels` tells them).
 Q2_K, Q3_K, Q4_K, Q5_K and Q6_K weights (q8_K activations) take the same entry points, built by
-codegen/kquant_int8.py.
+codegen/cpu_int8/kquant.py.
 """
 
 from __future__ import annotations
@@ -42,13 +42,21 @@ import tvm
 from tvm import te, tirx
 from tvm.script import tirx as T
 
-from ggufc.ir.act_quant import ACT_BLOCK, SCHEME_BLOCK
-
-from .amx_gemm import AMX_GEMM_TYPES, amx_gemm
-from .amx_gemm import TILE as AMX_TILE
-from .int8_isa import Int8Isa, int8_isa
-from .int8_pair_gemm import PAIRS_PER_TILE, pair_tile
-from .int8_parts import (
+from ggufc.codegen.cpu_int8.amx_gemm import AMX_GEMM_TYPES, amx_gemm
+from ggufc.codegen.cpu_int8.amx_gemm import TILE as AMX_TILE
+from ggufc.codegen.cpu_int8.isa import Int8Isa, int8_isa
+from ggufc.codegen.cpu_int8.kquant import (
+    KQUANT_GEMV_TYPES,
+    PAIR_TILE,
+    SUPER,
+    UNROLLABLE,
+    kquant_gemm,
+    kquant_gemv_group,
+    kquant_supported,
+)
+from ggufc.codegen.cpu_int8.kquant import PAIR_TYPES as KQUANT_PAIR_TYPES
+from ggufc.codegen.cpu_int8.pair_gemm import PAIRS_PER_TILE, pair_tile
+from ggufc.codegen.cpu_int8.parts import (
     MAX_GROUP,
     PREFETCH_GROUPS,
     ROWS,
@@ -65,17 +73,8 @@ from .int8_parts import (
     slots,
     without_params,
 )
-from .kquant_int8 import (
-    KQUANT_GEMV_TYPES,
-    PAIR_TILE,
-    SUPER,
-    UNROLLABLE,
-    kquant_gemm,
-    kquant_gemv_group,
-    kquant_supported,
-)
-from .kquant_int8 import PAIR_TYPES as KQUANT_PAIR_TYPES
-from .quant import i64, layout_spec
+from ggufc.codegen.formats.block_formats import i64, layout_spec
+from ggufc.ir.act_quant import ACT_BLOCK, SCHEME_BLOCK
 
 INT8_GEMV_TYPES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"})
 GEMM_TOKENS = 4  # tokens a prompt GEMM's row group takes per pass over its weight codes
@@ -109,7 +108,7 @@ def check_prompt_tiles(prompt_tiles: str) -> None:
 
 
 def tile_gemm_supported(qtype: str, n: int, k: int, target: tvm.target.Target) -> bool:
-    """Whether a prompt GEMM of this weight can run on AMX tiles (codegen/amx_gemm.py)."""
+    """Whether a prompt GEMM of this weight can run on AMX tiles (codegen/cpu_int8/amx_gemm.py)."""
     isa = int8_isa(target)
     return (isa is not None and isa.tiles
             and qtype in AMX_GEMM_TYPES and n % AMX_TILE == 0 and k % (SUPER if qtype[-1] == "K" else 32) == 0)
@@ -258,14 +257,14 @@ def int8_gemv_group(qtype: str, ns: tuple[int, ...], k: int, target: tvm.target.
 
     `prologue` computes the input from the op before it (a decode step then has no kernel for it):
     ("rms_norm", eps) takes `(x, w [K], ...)` and normalises x; ("swiglu",) takes `(gate, up [1, K],
-    ...)` and computes silu(gate) * up, with llama.cpp's vector exp (cpu_vec.expf8).
+    ...)` and computes silu(gate) * up, with llama.cpp's vector exp (cpu_vector_math.expf8).
     `residual` (one matrix only) takes `res [1, N]` after the weights: y = res + W x, the same
     float sum as a separate add.
 
     Knobs (`ggufc tune`, codegen/kernel_knobs.py), none changing any output's float order:
     `prefetch_groups`, how many row groups ahead a task prefetches weight bytes; `groups_per_task`,
     consecutive row groups one parallel task takes (1: one task per row group); `unroll`, a
-    super-block's runs unrolled (the K-quants of kquant_int8.UNROLLABLE only)."""
+    super-block's runs unrolled (the K-quants of kquant.UNROLLABLE only)."""
     isa = int8_isa(target)
     if isa is None or not 1 <= len(ns) <= MAX_GROUP or not all(int8_gemv_supported(qtype, n, k, target) for n in ns):
         raise NotImplementedError(f"no 8-bit GEMV for {qtype} {list(ns)} x {k} on {target}")
@@ -311,7 +310,7 @@ def _q4_steps(isa: Int8Isa, has_min: bool, rows: int, n_blocks: int, tt: int = 1
     per-half shift (0 or 4 bits) and a mask give its 32 codes in value order, which serve the
     tile's tt tokens. `five`: Q5_0/Q5_1 (ggml_vec_dot_q5_{0,1}_q8_{0,1}, the same float steps), bit
     v of the block's qh word the fifth bit of code v. `far`: a GEMV's, whose codes are also
-    prefetched into L2 far ahead (as the K-quant GEMVs', int8_parts.prefetch_l2)."""
+    prefetched into L2 far ahead (as the K-quant GEMVs', parts.prefetch_l2)."""
     assert rows == 4, "the Q4_1 minimum terms of a row group are one float32x4"
     n_octs = n_blocks // 8  # 8-block runs whose weight scales load as one f16x8 vector
     far_groups = l2_ahead_groups(rows * n_blocks * 16, prefetch_groups)
@@ -639,7 +638,7 @@ def _sum_in_order(start: tirx.PrimExpr, terms: list[tirx.PrimExpr]) -> tirx.Prim
 
 def int8_pair_gemm(qtype: str, n: int, k: int, target: tvm.target.Target) -> tirx.PrimFunc:
     """int8_gemm for Q4_0, Q4_1 and Q8_0 in 512-bit vectors, two tokens per vector
-    (codegen/int8_pair_gemm.py); the same signature and bit-identical outputs."""
+    (codegen/cpu_int8/pair_gemm.py); the same signature and bit-identical outputs."""
     isa = int8_isa(target)
     if isa is None or not isa.wide:
         raise NotImplementedError(f"no 512-bit 8-bit dot product on {target}")

@@ -1,5 +1,5 @@
 """8-bit integer row groups for the 2- and 3-bit K-quants (Q2_K, Q3_K), in llama.cpp's order
-(ggml_vec_dot_q{2,3}_K_q8_K, AVX2). codegen/kquant_int8.py builds the kernels around them (q8_K
+(ggml_vec_dot_q{2,3}_K_q8_K, AVX2). codegen/cpu_int8/kquant.py builds the kernels around them (q8_K
 activations, grouping, prologues, residual epilogue, prompt GEMM).
 
 Both types cut a super-block into two halves of 128 values: value 128a + 32c + l takes bits
@@ -24,11 +24,11 @@ from collections.abc import Callable
 from tvm import tirx
 from tvm.script import tirx as T
 
-from . import int8_parts as P
-from .int8_isa import Int8Isa
-from .int8_parts import mask32 as _mask
-from .int8_parts import pairs16 as _pairs
-from .int8_parts import scaled_pairs as _scaled
+from ggufc.codegen.cpu_int8 import parts as P
+from ggufc.codegen.cpu_int8.isa import Int8Isa
+from ggufc.codegen.cpu_int8.parts import mask32 as _mask
+from ggufc.codegen.cpu_int8.parts import pairs16 as _pairs
+from ggufc.codegen.cpu_int8.parts import scaled_pairs as _scaled
 
 LOW_BIT_TYPES = frozenset({"Q2_K", "Q3_K"})
 HALVES = [*range(8), *range(16, 24)]  # lanes of the first broadcast for values 0-15, the second's for 16-31

@@ -20,17 +20,16 @@ from typing import Any
 
 from tvm import relax, te, tirx
 
+from ggufc.codegen import kernel_keys as KK
+from ggufc.codegen.cpu_int8 import block32 as Q8
+from ggufc.codegen.cpu_int8 import experts as E8
+from ggufc.codegen.formats import block_formats as Q
+from ggufc.codegen.kernels import generic as K
+from ggufc.codegen.kernels.generic import PShape, func, i64
+from ggufc.codegen.lower_context import GPU_KINDS, FunctionContext, weight_args
 from ggufc.ir import moe_routing as MRef
 from ggufc.ir import ops as O
 from ggufc.ir.graph import Dim, Node, Value
-
-from . import expert_int8 as E8
-from . import kernel_keys as KK
-from . import kernels as K
-from . import quant as Q
-from . import quant_int8 as Q8
-from .kernels import PShape, func, i64
-from .lower_context import GPU_KINDS, FunctionContext, weight_args
 
 Step = tuple[str, Any, tuple[int, ...]]
 MUL = O.Binary("mul")

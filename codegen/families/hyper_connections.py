@@ -17,16 +17,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import tvm
 from tvm import te, tirx
 from tvm.script import tirx as T
 
+from ggufc.codegen import kernel_keys as KK
+from ggufc.codegen.gpu.schedules import GpuKernel, mark_schedule
+from ggufc.codegen.kernels import generic as K
+from ggufc.codegen.kernels.generic import PShape, f32, func, i64
+from ggufc.codegen.lower_context import FunctionContext, call_args, tensor_dims
 from ggufc.ir import ops as O
 from ggufc.ir.graph import Node
-
-from . import kernel_keys as KK
-from . import kernels as K
-from .kernels import PShape, f32, func, i64
-from .lower_context import FunctionContext, call_args, tensor_dims
 
 NEG = -3.0e38  # a finite -inf: WGSL has no infinity literal
 
@@ -356,4 +357,30 @@ HC_LOWERING: dict[str, Callable[[FunctionContext, Node], list[Any]]] = {
     "hc_pre": _hc_pre,
     "hc_post": _hc_post,
     "res_mix": _res_mix,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU kernels by key kind (merged into the GPU targets' table by lower.py)
+
+
+def _hc_pre_gpu_kernel(key: Any, target: tvm.target.Target) -> tirx.PrimFunc | None:
+    """The Sinkhorn mix's own kernel (None: the low-rank rule, its TE definition scheduled by dlight)."""
+    if key.attrs.rule != "sinkhorn":
+        return None
+    _, n_hc, e = key.dims[0]  # dims of (R, fn, scale, base)
+    return mark_schedule(hc_pre_sinkhorn_gpu(int(n_hc), int(e), key.attrs), "ggufc.mix_per_token")
+
+
+def _hc_post_gpu_kernel(key: Any, target: tvm.target.Target) -> tirx.PrimFunc | None:
+    """The comb-mixed scatter's own kernel (None: the plain scatter, dlight's)."""
+    if not key.attrs:
+        return None
+    _, n_hc, e = key.dims[0]  # dims of (R, y, post, comb)
+    return mark_schedule(hc_post_comb_gpu(int(n_hc), int(e)), "ggufc.mix_per_element")
+
+
+GPU_KERNELS: dict[str, GpuKernel] = {
+    "hc_pre": _hc_pre_gpu_kernel,
+    "hc_post": _hc_post_gpu_kernel,
 }
