@@ -96,6 +96,11 @@ class Weights:
 # blocks
 
 
+def float_weight(w: Weights, v: Value, name: str) -> Value:
+    """A weight as float32: itself, or dequantized where it is stored in a block format."""
+    return v if v.dtype == "float32" else w.b.dequantize(v, f"{name}.w")
+
+
 def rms_norm(b: GraphBuilder, x: Value, w: Value | None, eps: float, name: str) -> Value:
     sq = b.unary("square", x, f"{name}.sq")
     ms = b.reduce("mean", sq, f"{name}.ms")

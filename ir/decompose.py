@@ -153,7 +153,7 @@ def _attention(b: GraphBuilder, n: Node) -> list[Value]:
 
 
 def l2_norm_spelled(b: GraphBuilder, x: Value, eps: float, name: str) -> Value:
-    """x * rsqrt(sum(x^2) + eps) over the last axis (frontend/delta_net.py spells it this way)."""
+    """x * rsqrt(sum(x^2) + eps) over the last axis (frontend/linear_attention.py spells it this way)."""
     ss = b.reduce("sum", b.unary("square", x, f"{name}.sq"), f"{name}.ss")
     r = b.unary("rsqrt", b.scalar("add", ss, eps, f"{name}.ss_eps"), f"{name}.rnorm")
     return b.mul(x, r, name)

@@ -18,7 +18,7 @@ routed sum either gated (`* sigmoid(x . gate_inp_shexp)`) or always active (unga
 
 The op records (`MoeRoute`, `MoeFFN`) are in `ops.py`; the spellings in primitives in
 `moe_routing_spelled.py`; the kernels in `codegen/families/moe_routing.py`; the fusion in
-`passes/fuse_moe.py`.
+`passes/fuse_moe_routing.py`.
 """
 
 from __future__ import annotations

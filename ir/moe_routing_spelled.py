@@ -2,7 +2,7 @@
 `moe_routing.py`).
 
 They are both the decompositions of the fused ops and the unfused builders the frontend's MoE
-block calls, so `passes/fuse_moe.py` matches exactly what a decomposition emits.
+block calls, so `passes/fuse_moe_routing.py` matches exactly what a decomposition emits.
 """
 
 from __future__ import annotations

@@ -17,10 +17,8 @@ from ggufc.ir.verify import verify
 from .constant_fold import constant_fold
 from .dce import dce
 from .fold_dequantize import fold_dequantize
-from .fuse_compressor import fuse_compressor_pool
 from .fuse_elementwise import fuse_elementwise
-from .fuse_hc import fuse_hc
-from .fuse_indexer import fuse_indexer
+from .fuse_hyper_connections import fuse_hc
 from .fuse_int8 import (
     Int8Kernels,
     fuse_int8_matmul,
@@ -29,7 +27,8 @@ from .fuse_int8 import (
     group_int8_gemvs,
 )
 from .fuse_linear_attention import fuse_gated_norm, fuse_l2_norm
-from .fuse_moe import fuse_moe
+from .fuse_moe_routing import fuse_moe
+from .fuse_sparse_indexers import fuse_compressor_pool, fuse_indexer
 from .fusions import fuse_rms_norm, fuse_softmax, fuse_swiglu
 from .quantize_acts import quantize_activations
 from .stats import hits_of

@@ -28,7 +28,7 @@ from test_hy_v3 import interpret, nmse
 from ggufc.cli import main
 from ggufc.codegen.families import linear_attention as LA
 from ggufc.codegen.target import resolve_target
-from ggufc.frontend.blocks_hc import residual_attention_mix
+from ggufc.frontend.hyper_connections import residual_attention_mix
 from ggufc.frontend.load import LoadedModel, load_model
 from ggufc.ir import linear_attention as R
 from ggufc.ir.builder import GraphBuilder
@@ -300,7 +300,7 @@ def test_decode_kernel_count(golden: LoadedModel) -> None:
 
 @pytest.mark.parametrize("lower_bound", [None, -5.0])
 def test_kda_gate_forms(lower_bound: float | None) -> None:
-    from ggufc.frontend.delta_net import KdaDims, kda_gate
+    from ggufc.frontend.linear_attention import KdaDims, kda_gate
 
     rng = np.random.default_rng(3)
     g, a = rng.normal(size=(4, 2, 3)) * 3, -np.exp(rng.normal(size=(2, 1)))

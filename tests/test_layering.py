@@ -113,12 +113,32 @@ def test_codegen_subpackages_import_only_the_layers_below() -> None:
     assert not bad, bad
 
 
+# modules of frontend/ and passes/ that belong to no op family (shared blocks, formats, generic fusions)
+NOT_A_FAMILY = {
+    "frontend": {"blocks", "blocks_gemma", "gguf_file", "gguf_validate", "hparams", "load", "tokenizer_build",
+                 "archs"},
+    "passes": {"constant_fold", "dce", "fold_dequantize", "fuse_elementwise", "fuse_int8", "fusions", "matcher",
+               "pipeline", "quantize_acts", "stats"},
+}
+
+
+def _stems(folder: Path) -> set[str]:
+    """The module and subpackage names of a folder."""
+    return {p.stem for p in folder.iterdir() if p.suffix == ".py" and p.stem != "__init__"} | {
+        p.name for p in folder.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+
+
 def test_op_families_share_one_stem() -> None:
-    """An op family's codegen file and its IR file (records, shape rules, references) bear one name."""
-    families = sorted(p.stem for p in (ROOT / "codegen" / "families").glob("*.py") if p.stem != "__init__")
-    assert families
-    missing = [f"ir/{stem}.py" for stem in families if not (ROOT / "ir" / f"{stem}.py").exists()]
+    """An op family bears one name in every stage: its codegen file and its IR file (records, shape
+    rules, references), its frontend blocks (`frontend/<family>`) and its fusion (`passes/fuse_<family>`)."""
+    families = _stems(ROOT / "codegen" / "families")
+    assert {"hyper_connections", "linear_attention", "moe_routing", "sparse_indexers"} <= families
+    missing = [f"ir/{stem}.py" for stem in sorted(families) if not (ROOT / "ir" / f"{stem}.py").exists()]
     assert not missing, missing
+    stray = [f"frontend/{m}" for m in sorted(_stems(ROOT / "frontend") - NOT_A_FAMILY["frontend"] - families)]
+    stray += [f"passes/{m}" for m in sorted(_stems(ROOT / "passes") - NOT_A_FAMILY["passes"])
+              if m.removeprefix("fuse_") not in families]
+    assert not stray, f"modules named after no op family (rename to the family's stem): {stray}"
 
 
 def test_no_import_cycle() -> None:

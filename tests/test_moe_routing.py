@@ -21,7 +21,7 @@ from ggufc.ir.interp import run_graph
 from ggufc.ir.verify import verify
 from ggufc.passes.constant_fold import with_constants
 from ggufc.passes.dce import dce
-from ggufc.passes.fuse_moe import fuse_moe
+from ggufc.passes.fuse_moe_routing import fuse_moe
 from ggufc.passes.fusions import fuse_rms_norm, fuse_softmax, fuse_swiglu
 from ggufc.passes.stats import hits_of
 

@@ -24,9 +24,9 @@ from ggufc.ir.sparse_indexers_spelled import compressor_pool_spelled
 from ggufc.ir.verify import verify
 from ggufc.passes.constant_fold import CONSTANTS_KEY, constant_fold, with_constants
 from ggufc.passes.dce import dce
-from ggufc.passes.fuse_compressor import fuse_compressor_pool
 from ggufc.passes.fuse_elementwise import fuse_elementwise
-from ggufc.passes.fuse_moe import fuse_moe
+from ggufc.passes.fuse_moe_routing import fuse_moe
+from ggufc.passes.fuse_sparse_indexers import fuse_compressor_pool
 from ggufc.passes.fusions import fuse_rms_norm, fuse_softmax, fuse_swiglu
 from ggufc.passes.pipeline import DEFAULT_ORDER, PASSES, run_pipeline
 from ggufc.passes.stats import hits_of

@@ -1,7 +1,7 @@
 """deepseek32 (llama.cpp `src/models/deepseek32.cpp`, DeepSeek-V3.2; docs/arch/deepseek-glm-minimax-kimi-hy.md §2).
 
-MLA attention in the absorbed form over a latent cache (frontend/blocks_mla.py), the lightning
-indexer on every layer choosing each query's top `indexer.top_k` tokens (frontend/blocks_dsa.py;
+MLA attention in the absorbed form over a latent cache (frontend/latent_attention.py), the lightning
+indexer on every layer choosing each query's top `indexer.top_k` tokens (frontend/sparse_indexers/dsa.py;
 NEOX indexer rope, key LayerNorm eps 1e-6), leading dense SwiGLU blocks, then a sigmoid-routed MoE
 with selection bias `exp_probs_b` and an ungated shared expert. glm-dsa is this block with its own
 indexer facts and full/shared indexer layers (archs/glm_dsa.py).
@@ -16,9 +16,9 @@ from ggufc.ir.builder import GraphBuilder
 from ggufc.ir.graph import Graph, Value
 
 from .. import blocks as B
-from ..blocks_dsa import LightningIndexerDims, lightning_indexer
-from ..blocks_mla import MlaDims, check_dims, low_rank_q, mla_attention
 from ..hparams import Keys, ModelError, rope_freq_scale, rope_table
+from ..latent_attention import MlaDims, check_dims, low_rank_q, mla_attention
+from ..sparse_indexers.dsa import LightningIndexerDims, lightning_indexer
 
 ARCH = "deepseek32"
 SIGMOID = 2  # expert_gating_func

@@ -31,9 +31,9 @@ from ggufc.ir.builder import GraphBuilder, rms_norm_plain
 from ggufc.ir.graph import Graph, Value
 
 from .. import blocks as B
-from .. import blocks_compressed as C
-from .. import blocks_hc as HC
+from .. import hyper_connections as HC
 from ..hparams import Keys, ModelError, rope_freq_scale
+from ..sparse_indexers import compressed_rows as C
 
 ARCH = "deepseek4"
 

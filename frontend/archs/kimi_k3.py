@@ -1,11 +1,11 @@
 """kimi-k3 (llama.cpp `src/models/kimi-k3.cpp`; docs/arch/deepseek-glm-minimax-kimi-hy.md §5).
 
 A hybrid of KDA linear-attention layers (`head_count_kv` 0 for the layer: the delta rule with a
-decay per key index, frontend/delta_net.py `kda`) and MLA layers without any rope, their heads'
-output times sigmoid(normed input @ attn_gate) (frontend/blocks_mla.py). Cross-layer residual
+decay per key index, frontend/linear_attention.py `kda`) and MLA layers without any rope, their heads'
+output times sigmoid(normed input @ attn_gate) (frontend/latent_attention.py). Cross-layer residual
 attention (`attn_res.block_size` bs > 0): every bs-th layer banks its raw input and restarts the
 residual from its attention output; before the attention, the FFN and the output norm the stream
-is replaced by a softmax mix of the bank and itself (frontend/blocks_hc.py). Leading dense blocks
+is replaced by a softmax mix of the bank and itself (frontend/hyper_connections.py). Leading dense blocks
 are situ FFNs, the others a latent MoE (router on the full width, experts in
 `expert_latent_length` dims between `ffn_routed_down` and `ffn_routed_up`, optional routed norm,
 sigmoid gating with selection bias) plus a situ shared expert. llama.cpp reads none of the
@@ -24,10 +24,10 @@ from ggufc.ir.builder import GraphBuilder
 from ggufc.ir.graph import Graph, Value
 
 from .. import blocks as B
-from ..blocks_hc import residual_attention_mix
-from ..blocks_mla import MlaDims, check_dims, low_rank_q, mla_attention
-from ..delta_net import KdaDims, KdaWeights, kda
 from ..hparams import Keys, ModelError
+from ..hyper_connections import residual_attention_mix
+from ..latent_attention import MlaDims, check_dims, low_rank_q, mla_attention
+from ..linear_attention import KdaDims, KdaWeights, kda
 
 ARCH = "kimi-k3"
 SIGMOID = 2  # expert_gating_func

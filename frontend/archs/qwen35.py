@@ -20,7 +20,7 @@ from ggufc.ir.builder import GraphBuilder
 from ggufc.ir.graph import Graph, Value
 
 from .. import blocks as B
-from .. import delta_net as DN
+from .. import linear_attention as DN
 from ..hparams import Keys, ModelError, rope_freq_scale, rope_table
 
 ARCH = "qwen35"

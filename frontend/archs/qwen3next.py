@@ -16,7 +16,7 @@ from ggufc.ir.builder import GraphBuilder
 from ggufc.ir.graph import Graph, Value
 
 from .. import blocks as B
-from .. import delta_net as DN
+from .. import linear_attention as DN
 from ..hparams import Keys, ModelError
 from . import qwen35
 

@@ -24,9 +24,11 @@ from ggufc.ir.builder import GraphBuilder
 from ggufc.ir.graph import Graph, Value
 
 from .. import blocks as B
-from .. import blocks_hc as HC
-from .. import delta_net as DN
+from .. import hyper_connections as HC
+from .. import linear_attention as DN
+from .. import ngram_embedding as NG
 from ..hparams import Keys, ModelError, rope_table
+from ..sparse_indexers import qsa as QSA
 from . import qwen3next, qwen35
 
 ARCH = "qwen4exp"
@@ -39,9 +41,9 @@ FACTS = qwen35.HybridFacts(head_map="tiled", rope_mode="imrope", ba_layout="spli
 class HParams(qwen35.HParams):
     n_hc: int = 0  # hyper_connection.count
     hc_rank: int = 0  # hyper_connection.low_rank
-    indexer: HC.IndexerDims | None = None
+    indexer: QSA.IndexerDims | None = None
     compress_ratios: tuple[int, ...] = ()  # per layer; 0 = dense attention
-    ple: HC.PleParams | None = None
+    ple: NG.PleParams | None = None
 
 
 def read_hparams(keys: Keys, n_vocab: int) -> HParams:
@@ -57,7 +59,7 @@ def read_hparams(keys: Keys, n_vocab: int) -> HParams:
     n_hc, rank = keys.int("hyper_connection.count"), keys.int("hyper_connection.low_rank")
     if n_hc <= 1 or rank <= 0:
         raise ModelError(f"qwen4exp: hyper_connection.count must be > 1 ({n_hc}) and low_rank > 0 ({rank})")
-    idx = HC.IndexerDims(keys.int("attention.indexer.head_count"), keys.int("attention.indexer.key_length"),
+    idx = QSA.IndexerDims(keys.int("attention.indexer.head_count"), keys.int("attention.indexer.key_length"),
                          keys.int("attention.indexer.top_k"), common["n_rot"], sections_t)
     if min(idx.n_head, idx.head_dim, idx.top_k) <= 0 or idx.head_dim < common["n_rot"]:
         raise ModelError(f"qwen4exp: indexer head_count/key_length/top_k must be positive, key_length >= n_rot "
@@ -74,7 +76,7 @@ def read_hparams(keys: Keys, n_vocab: int) -> HParams:
                    n_hc=n_hc, hc_rank=rank, indexer=idx, compress_ratios=ratios, ple=ple)
 
 
-def _read_ple(keys: Keys, common: dict) -> HC.PleParams | None:
+def _read_ple(keys: Keys, common: dict) -> NG.PleParams | None:
     layers = keys.raw("ple.layers")
     if layers is None or layers == []:
         return None
@@ -95,7 +97,7 @@ def _read_ple(keys: Keys, common: dict) -> HC.PleParams | None:
             raise ModelError(f"key qwen4exp.{name} needs at least {n_min} entries")
         return tuple(int(v) for v in raw)
 
-    pp = HC.PleParams(il, ngram, per, keys.int("embedding_length_per_layer_input"), keys.int("ple.conv_kernel"),
+    pp = NG.PleParams(il, ngram, per, keys.int("embedding_length_per_layer_input"), keys.int("ple.conv_kernel"),
                       keys.int("ple.eos_token_id"), u64s("ple.layer_multipliers", ngram),
                       u64s("ple.head_offsets", n_heads), u64s("ple.head_vocab_sizes", n_heads))
     if pp.head_dim <= 0 or pp.conv_kernel <= 0 or pp.head_dim * n_heads != common["n_embd"]:
@@ -114,12 +116,12 @@ def build(w: B.Weights, hp: HParams, n_ctx: int, all_logits: bool) -> Graph:
     streams = HC.hc_expand(b, inp.x, hc)
     new_state: dict[str, Value] = {}
     ple = hp.ple
-    ple_emb = HC.ple_embedding(b, w, ple, inp.tokens, inp.pos, n_ctx, new_state) if ple is not None else None
+    ple_emb = NG.ple_embedding(b, w, ple, inp.tokens, inp.pos, n_ctx, new_state) if ple is not None else None
 
     def layer(il: int, streams: Value) -> Value:
         p = f"blk.{il}"
         if ple is not None and ple_emb is not None and il == ple.layer:
-            streams = HC.ple_block(b, w, ple, streams, ple_emb, hc, hp.eps, new_state)
+            streams = NG.ple_block(b, w, ple, streams, ple_emb, hc, hp.eps, new_state)
         m, post = HC.hc_pre(b, streams, HC.hc_weights(w, f"{p}.hc_attn", hc, E, hp.hc_rank), hc, hp.eps,
                             "hc_attn_mix")
         if hp.recurrent[il]:
@@ -157,8 +159,8 @@ def _full_attention(b: GraphBuilder, w: B.Weights, hp: HParams, il: int, m: Valu
     mask = None
     if ratio > 0:
         block_table = w.add_derived(f"qsa_block_rope.r{ratio}",
-                                    HC.block_rope_table(n_ctx, ratio, hp.n_rot, hp.rope_base, hp.freq_scale))
-        mask = HC.qsa_mask(b, w, idx, il, m, pos, table, block_table, ratio, hp.eps, n_ctx, new_state)
+                                    QSA.block_rope_table(n_ctx, ratio, hp.n_rot, hp.rope_base, hp.freq_scale))
+        mask = QSA.qsa_mask(b, w, idx, il, m, pos, table, block_table, ratio, hp.eps, n_ctx, new_state)
     else:  # no ratio: dense attention; the indexer tensors are loaded and unused (as in llama.cpp)
         for name in ("q_proj", "k_proj", "q_norm", "k_norm"):
             if not w.has(f"{p}.indexer.{name}.weight"):

@@ -14,11 +14,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ggufc.frontend import blocks as B
 from ggufc.ir import ops as O
 from ggufc.ir.builder import GraphBuilder
 from ggufc.ir.graph import Value
-
-from . import blocks as B
 
 
 @dataclass(frozen=True)

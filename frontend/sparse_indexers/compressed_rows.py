@@ -15,13 +15,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ggufc.frontend import blocks as B
+from ggufc.frontend.hparams import ModelError, powf, rope_table
 from ggufc.ir import ops as O
 from ggufc.ir.builder import GraphBuilder
 from ggufc.ir.graph import Value
 from ggufc.ir.sparse_indexers_spelled import compressor_pool_spelled
-
-from . import blocks as B
-from .hparams import ModelError, powf, rope_table
 
 # ---------------------------------------------------------------------------------------------
 # rope
@@ -135,14 +134,10 @@ def compressed_rows(b: GraphBuilder, w: B.Weights, cp: Compressor, x: Value, pos
         st = f"{cp.state}_{kind}"
         written.append(b.emit("cache_write", [b.state(st, (cp.n_cells, wide)), v, pos], O.NoAttrs(), st))
         new_state[st] = written[-1]
-    ape = _f32(w, w.need(f"{cp.prefix}_ape.weight", (r, wide)), f"{cp.prefix}_ape")
+    ape = B.float_weight(w, w.need(f"{cp.prefix}_ape.weight", (r, wide)), f"{cp.prefix}_ape")
     pooled = compressor_pool_spelled(b, written[0], written[1], ape, r, cp.overlap, f"{cp.state}_pooled")
     normed = B.rms_norm(b, pooled, w.need(f"{cp.prefix}_norm.weight", (d,)), eps, f"{cp.state}_normed")
     return rope_rows(b, w, normed, block_rope, f"{cp.state}_rope", f"{cp.state}_rows")
-
-
-def _f32(w: B.Weights, v: Value, name: str) -> Value:
-    return v if v.dtype == "float32" else w.b.dequantize(v, f"{name}.w")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Hyper-connection fusion: the spelled HC mix and combine of `frontend/blocks_hc.py` (the
+"""Hyper-connection fusion: the spelled HC mix and combine of `frontend/hyper_connections.py` (the
 spellings of `ir/hyper_connections_spelled.py`) into `hc_pre` and `hc_post` nodes.
 
     xf    = reshape(rms(R) * norm, [T, hc*E])                   rms fused or spelled, no weight
