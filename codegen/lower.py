@@ -23,6 +23,7 @@ from ggufc.codegen.families import linear_attention as LA
 from ggufc.codegen.families import moe_routing as MR
 from ggufc.codegen.families import ngram_embedding as NG
 from ggufc.codegen.families import sparse_indexers as SI
+from ggufc.codegen.families.sparse_indexers import selection as SEL
 from ggufc.codegen.formats import block_formats as Q
 from ggufc.codegen.gpu import schedules as GPU
 from ggufc.codegen.kernels import attention as KA
@@ -321,7 +322,7 @@ def _causal_attention(fc: FunctionContext, node: Node) -> list[Any]:
 def _attention(fc: FunctionContext, node: Node) -> list[Any]:
     if node.attrs.mask == "causal":
         return _causal_attention(fc, node)
-    return SI.lower_selected_attention(fc, node)  # an indexer's selection (sparse or masked)
+    return SEL.lower_selected_attention(fc, node)  # an indexer's selection (sparse or masked)
 
 
 def _attention_kernel(fc: FunctionContext, node: Node, syms: K.Symbols) -> tirx.PrimFunc:

@@ -9,7 +9,7 @@ softmax, top-k, renormalisation, expert matmuls, SwiGLU, weighted sum) run as a 
 on device, and the node's outputs are compared. A group whose kernels were all checked already
 is skipped, so a model with many identical layers costs little more than one layer.
 
-Used by the tests (tests/test_gpu_kernels.py) and by `benchmarks/gpu_check.sh`.
+Used by the tests (tests/test_gpu_vulkan.py) and by `benchmarks/gpu_check.sh`.
 """
 
 from __future__ import annotations

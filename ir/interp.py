@@ -89,14 +89,3 @@ def _mins_reader(graph: Graph, load: MinsLoader | None) -> Callable[[Value], np.
 
     return mins_of
 
-
-def value_index(graph: Graph) -> dict[int, Value]:
-    vals: dict[int, Value] = {v.id: v for v in graph.inputs}
-    for p in graph.params.values():
-        vals[p.value.id] = p.value
-    for s in graph.states.values():
-        vals[s.value.id] = s.value
-    for n in graph.nodes:
-        for o in n.outputs:
-            vals[o.id] = o
-    return vals

@@ -16,7 +16,7 @@ from gpu_support import golden_fixture, golden_logits, need_vulkan, nmse
 from test_gpu_qwen4exp import VulkanModel, _compile, _eval_modes
 from tvm import te
 
-from ggufc.codegen.families import sparse_indexers as SIK
+from ggufc.codegen.families.sparse_indexers import msa as MSA
 from ggufc.codegen.gpu import device_info as DI
 from ggufc.codegen.gpu import schedules as GPU
 from ggufc.codegen.kernels import generic as K
@@ -34,7 +34,7 @@ def dev() -> object:
 
 def test_block_score_equals_reference(dev: object) -> None:
     groups, di, cells, block = 2, 16, 24, 4
-    kernel = DI.compile_kernel(SIK.block_score_gpu(groups, di, cells, block), gpu_target("vulkan"), "block_score")
+    kernel = DI.compile_kernel(MSA.block_score_gpu(groups, di, cells, block), gpu_target("vulkan"), "block_score")
     rng = np.random.default_rng(2)
     cache = rng.standard_normal((cells, di)).astype(np.float32)
     for n in (5, 1):
@@ -50,7 +50,7 @@ def test_block_topk_equals_reference_order(block: int, top_k: int, local: int, d
     lower block); few distinct scores, so many ties."""
     groups, nb = 2, 32
     width = min(top_k, nb)
-    kernel = DI.compile_kernel(SIK.block_topk_gpu(groups, nb, block, top_k, local), gpu_target("vulkan"), "topk")
+    kernel = DI.compile_kernel(MSA.block_topk_gpu(groups, nb, block, top_k, local), gpu_target("vulkan"), "topk")
     rng = np.random.default_rng(block * 10 + top_k)
     for n, pos in ((12, 0), (1, 0), (5, 30), (1, nb * block - 1)):
         scores = rng.integers(0, 4, (n, groups, nb)).astype(np.float32)

@@ -14,7 +14,7 @@ from gpu_support import golden_fixture, golden_logits, need_vulkan, nmse
 
 from ggufc.codegen.build import kernel_weights, state_plan
 from ggufc.codegen.families import ngram_embedding as NGK
-from ggufc.codegen.families import sparse_indexers as SIK
+from ggufc.codegen.families.sparse_indexers import qsa as QSA
 from ggufc.codegen.gpu import block_formats as QG
 from ggufc.codegen.gpu import device_info as DI
 from ggufc.codegen.gpu.build import compile_plan_target, wgsl_bundle
@@ -65,7 +65,7 @@ def test_indexer_topk_equals_reference_heap_order(ratio: int, width: int, dev: o
     cells = 96
     nb1 = cells // ratio + 1
     rng = np.random.default_rng(ratio * 100 + width)
-    kernel = DI.compile_kernel(SIK.indexer_topk_gpu(nb1, ratio, width, nb1 * ratio), gpu_target("vulkan"), "topk")
+    kernel = DI.compile_kernel(QSA.indexer_topk_gpu(nb1, ratio, width, nb1 * ratio), gpu_target("vulkan"), "topk")
     for n, pos in ((12, 0), (1, 0), (5, 30), (1, 80)):
         scores = rng.integers(0, 4, (n, nb1)).astype(np.float32)  # few distinct values: many ties
         got = run_kernel(dev, kernel.to_json(), kernel.entry_sources, [scores, pos, np.zeros((n, width), np.int32)])[2]

@@ -199,9 +199,6 @@ def elementwise(in_shapes: Sequence[PShape], program: O.FusedElementwise, dtype:
     return func([*ins, out])
 
 
-def single_elementwise(op: str, attrs: Any, in_shapes: Sequence[PShape]) -> tirx.PrimFunc:
-    operands = tuple(range(len(in_shapes)))
-    return elementwise(in_shapes, O.FusedElementwise(((op, attrs, operands),), len(in_shapes)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -326,22 +323,6 @@ def concat(shapes: Sequence[PShape], axis: int, dtype: str) -> tirx.PrimFunc:
     return func([*ins, out])
 
 
-def copy_reshape(in_shape: PShape, out_shape: PShape, dtype: str) -> tirx.PrimFunc:
-    """Row-major reshape as a copy (used where a zero-copy view is not available)."""
-    x = te.placeholder(in_shape, dtype, name="x")
-
-    def body(*idx: PrimExpr) -> PrimExpr:
-        flat = i64(0)
-        for d, i in zip(out_shape, idx, strict=True):
-            flat = flat * d + i
-        src = []
-        for d in reversed(in_shape):
-            src.append(tirx.floormod(flat, d))
-            flat = tirx.floordiv(flat, d)
-        return x(*reversed(src))
-
-    out = te.compute(out_shape, body, name="out")
-    return func([x, out])
 
 
 def gather_f32(table_shape: PShape, ids_shape: PShape, dtype: str = "float32") -> tirx.PrimFunc:
