@@ -128,6 +128,16 @@ def _stems(folder: Path) -> set[str]:
         p.name for p in folder.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
 
 
+def test_pyproject_lists_every_package() -> None:
+    """setuptools installs only the packages pyproject names: a folder left out is missing from a
+    fresh install (an editable one too) while the source tree still imports."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    on_disk = {"ggufc"} | {".".join(["ggufc", *p.parent.relative_to(ROOT).parts])
+                           for stage in STAGES for p in (ROOT / stage).rglob("__init__.py")}
+    assert listed == on_disk, f"missing: {sorted(on_disk - listed)}; not a package: {sorted(listed - on_disk)}"
+
+
 def test_op_families_share_one_stem() -> None:
     """An op family bears one name in every stage: its codegen file and its IR file (records, shape
     rules, references), its frontend blocks (`frontend/<family>`) and its fusion (`passes/fuse_<family>`)."""
