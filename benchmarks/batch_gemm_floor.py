@@ -29,7 +29,7 @@ import tvm
 from ggufc.codegen import quant
 from ggufc.codegen import quant_int8 as Q8
 from ggufc.codegen.target import cpu_target
-from ggufc.driver.tune_worker import configure_threads
+from ggufc.driver.tune.worker import configure_threads
 
 
 def step_gemms(artifact: Path) -> Counter[tuple[str, int, int]]:

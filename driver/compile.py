@@ -22,7 +22,7 @@ from ggufc.ir.state_kinds import SCRATCH, state_kinds
 from ggufc.runtime import artifact as A
 
 from .stages import build_model
-from .tune import open_tuning
+from .tune.apply import open_tuning
 
 
 def compile_model(
@@ -38,7 +38,7 @@ def compile_model(
     in the manifest; "kquant" (default) only the K-quants' (codegen/quant_int8.tiles_chosen).
 
     `tuning_db`: a `ggufc tune` database whose tuned schedules replace the default ones where they
-    measured at least `tuning_min_speedup` times faster (driver/tune.py).
+    measured at least `tuning_min_speedup` times faster (driver/tune/).
     """
 
     check_prompt_tiles(prompt_tiles)  # before the long part

@@ -286,7 +286,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if args.report:
         if args.model or args.db:
             raise CLIError("--report DIR describes a database: give no MODEL and no --db with it")
-        from ggufc.driver.tune_report import report
+        from ggufc.driver.tune.report import report
 
         text, png = report(args.report, args.plot, args.min_speedup)
         print(text)
@@ -300,7 +300,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
         raise CLIError("--plot goes with --report")
     path = require_gguf(args.model)
     precheck_gguf(path)
-    from ggufc.driver.tune import TuneOptions, tune_model  # tune_target checks the target and its device
+    from ggufc.driver.tune.options import TuneOptions
+    from ggufc.driver.tune.session import tune_model  # tune_target checks the target and its device
 
     budget_s = None if args.time_budget is None else args.time_budget * 60.0
     summary = tune_model(path, args.target, args.db, trials=args.trials, time_budget_s=budget_s, kinds=args.only,
@@ -311,14 +312,14 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def _remote_devices(args: argparse.Namespace) -> Any:
-    """--rpc-tracker/--rpc-key/--rpc-workers as a tune_rpc.RemoteDevices (None: measure here)."""
+    """--rpc-tracker/--rpc-key/--rpc-workers as a tune.rpc.RemoteDevices (None: measure here)."""
     if args.rpc_tracker is None:
         if args.rpc_key is not None or args.rpc_workers is not None:
             raise CLIError("--rpc-key and --rpc-workers go with --rpc-tracker HOST:PORT")
         return None
     if not args.rpc_key:
         raise CLIError("--rpc-tracker needs --rpc-key KEY: the key the devices' RPC servers registered under")
-    from ggufc.driver.tune_rpc import RemoteDevices, parse_tracker
+    from ggufc.driver.tune.rpc import RemoteDevices, parse_tracker
 
     host, port = parse_tracker(args.rpc_tracker)
     return RemoteDevices(host, port, args.rpc_key, args.rpc_workers)

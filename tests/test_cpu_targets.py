@@ -23,7 +23,8 @@ from ggufc.codegen.kernel_keys import WeightMatmul
 from ggufc.codegen.lower import ModuleBuilder
 from ggufc.driver import models
 from ggufc.driver.stages import optimise
-from ggufc.driver.tune import TuneError, tune_target
+from ggufc.driver.tune.options import TuneError
+from ggufc.driver.tune.targets import tune_target
 from ggufc.frontend.load import load_model
 from ggufc.ir.interp import init_state, run_graph
 from ggufc.runtime import artifact as A
