@@ -19,7 +19,6 @@ import pytest
 import tvm
 import tvm_ffi
 
-from ggufc.cli import teacher_forced_logits
 from ggufc.codegen import kernel_knobs as KN
 from ggufc.codegen import kernels_attention as KA
 from ggufc.codegen import kquant_int8 as KQ
@@ -35,6 +34,7 @@ from ggufc.driver.tune.session import tune_model
 from ggufc.driver.tune.workloads import session_timing
 from ggufc.ir.ops import Attention
 from ggufc.runtime.session import Session
+from ggufc.runtime.teacher_forcing import teacher_forced_logits
 
 GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
 FIXTURES = GOLDEN / "fixtures"

@@ -120,3 +120,17 @@ def test_only_architecture_files_are_named_after_architectures() -> None:
     named = [p.relative_to(ROOT).as_posix() for stage in STAGES for p in (ROOT / stage).rglob("*.py")
              if "archs" not in p.parts and any(arch in p.stem for arch in ARCHITECTURES)]
     assert not named, named
+
+
+def test_the_api_imports_no_cli_code() -> None:
+    """`ggufc.api` reaches `ggufc.cli` through no chain of imports (those inside functions included):
+    the CLI parses and prints; what both need lives in the stages."""
+    seen: set[str] = set()
+    todo = ["ggufc.api"]
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo += GRAPH[module]
+    assert "ggufc.cli" in GRAPH and "ggufc.driver.models" in seen
+    assert "ggufc.cli" not in seen

@@ -21,7 +21,7 @@ import pytest
 import tvm
 import tvm_ffi
 
-from ggufc.cli import main, teacher_forced_logits
+from ggufc.cli import main
 from ggufc.codegen import kernel_knobs as KN
 from ggufc.driver.compile import compile_model
 from ggufc.driver.tune import database as tune_database
@@ -35,6 +35,7 @@ from ggufc.driver.tune.workloads import Workload, extract_workloads, knob_kernel
 from ggufc.frontend.load import load_model
 from ggufc.ir.interp import init_state, run_graph
 from ggufc.runtime.session import Session
+from ggufc.runtime.teacher_forcing import teacher_forced_logits
 
 GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
 FIXTURES = GOLDEN / "fixtures"
