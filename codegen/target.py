@@ -18,7 +18,7 @@ from typing import Any
 import tvm
 
 from ggufc.messages import GgufcError
-from ggufc.runtime.artifact import (
+from ggufc.runtime.host import (
     AMX_FEATURES,
     amx_usable,
     features_missing_here,

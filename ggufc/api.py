@@ -70,7 +70,7 @@ def compile(  # noqa: A001 - `ggufc.compile` is the name a user looks for
     target = _with_cpu(target, cpu)
     arguments.optional(arguments.positive_int, n_ctx, "n_ctx")
     models.check_compile_options(frozenset(disabled_passes), prompt_tiles, "prompt_tiles")
-    from ggufc.runtime.artifact import check_output_dir
+    from ggufc.runtime.artifact_writer import check_output_dir
 
     check_output_dir(out)
     path = models.require_gguf(os.fspath(model))

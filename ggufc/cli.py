@@ -139,7 +139,7 @@ def format_inspect(report: dict[str, Any]) -> str:
 def cmd_compile(args: argparse.Namespace) -> int:
     check_compile_options(frozenset(args.disable_pass), args.prompt_tiles)
     path = require_gguf(args.model)
-    from ggufc.runtime.artifact import check_output_dir
+    from ggufc.runtime.artifact_writer import check_output_dir
 
     check_output_dir(args.out)  # before any work: refuse an output that is not ggufc's to replace
     warn_beyond_training(precheck_gguf(path), args.ctx)  # also refuses an unsupported architecture now
@@ -584,7 +584,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_verify_artifact(args: argparse.Namespace) -> int:
-    from ggufc.runtime.artifact import verify_report
+    from ggufc.runtime.artifact_reader import verify_report
     from ggufc.runtime.session import DEVICE_TARGET_KEYS
 
     target_key = DEVICE_TARGET_KEYS[device_for(args.target)] if args.target else None

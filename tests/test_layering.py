@@ -12,12 +12,14 @@ from ggufc.frontend.archs import ARCHITECTURES
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("frontend", "ir", "passes", "codegen", "runtime", "driver")
-# what each stage may import besides itself (the artifact format is runtime's, shared with codegen)
+# what each stage may import besides itself (the artifact format and the host CPU's features are
+# runtime's, shared with codegen)
 ALLOWED = {
     "ir": set(),
     "frontend": {"ir"},
     "passes": {"ir"},
-    "codegen": {"ir", "runtime.artifact", "runtime.plan_expr", "runtime.plan_format", "runtime.targets"},
+    "codegen": {"ir", "runtime.artifact", "runtime.host", "runtime.plan_expr", "runtime.plan_format",
+                "runtime.targets"},
     "runtime": set(),
     "driver": {"frontend", "ir", "passes", "codegen", "runtime"},
 }
