@@ -29,7 +29,7 @@ import tvm
 from ggufc.codegen.cpu_int8 import block32 as Q8
 from ggufc.codegen.formats import block_formats as quant
 from ggufc.codegen.target import cpu_target
-from ggufc.driver.tune_worker import configure_threads
+from ggufc.driver.tune.worker import configure_threads
 
 
 def step_gemms(artifact: Path) -> Counter[tuple[str, int, int]]:

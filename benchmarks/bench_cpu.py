@@ -171,7 +171,7 @@ def output_gemv_bandwidth(artifact: Path, repeats: int = 5) -> dict[str, Any]:
     from ggufc.codegen.formats import block_formats as quant
     from ggufc.codegen.target import cpu_target
     from ggufc.codegen.tvm_util import aligned_zeros, to_tvm
-    from ggufc.runtime.artifact import load_manifest, read_weights
+    from ggufc.runtime.artifact_reader import load_manifest, read_weights
 
     manifest = load_manifest(artifact)
     weights = read_weights(artifact, manifest)
@@ -401,7 +401,7 @@ def main() -> None:
         e.close()
 
     gguf_engine = engines[0]
-    from ggufc.runtime.artifact import load_manifest
+    from ggufc.runtime.artifact_reader import load_manifest
 
     manifest = load_manifest(gguf_engine.artifact)
     n_past = args.prompt_tokens + args.gen_tokens // 2

@@ -50,10 +50,14 @@ from tvm.script import tirx as T  # noqa: E402
 
 from ggufc.codegen import kernel_knobs as KN
 from ggufc.codegen.kernel_keys import OpKernel  # noqa: E402
-from ggufc.driver import tune as TU  # noqa: E402
-from ggufc.driver import tune_worker as W  # noqa: E402
 from ggufc.driver.compile import compile_model  # noqa: E402
 from ggufc.driver.models import default_model  # noqa: E402
+from ggufc.driver.tune import worker as W  # noqa: E402
+from ggufc.driver.tune.database import TuningDB  # noqa: E402
+from ggufc.driver.tune.options import TuneOptions  # noqa: E402
+from ggufc.driver.tune.session import tune_model  # noqa: E402
+from ggufc.driver.tune.targets import tune_target  # noqa: E402
+from ggufc.driver.tune.workloads import Workload, extract_workloads, knob_kernel, reads_from_memory  # noqa: E402
 from ggufc.frontend.load import load_model  # noqa: E402
 from ggufc.runtime.session import Session  # noqa: E402
 
@@ -101,7 +105,7 @@ def read_bandwidth(target: tvm.target.Target, nbytes: int, repeats: int = 7) -> 
 # -- per-workload kernels -----------------------------------------------------------------------
 
 
-def bytes_read(w: TU.Workload) -> int:
+def bytes_read(w: Workload) -> int:
     """Bytes one call reads and writes: every tensor argument, the KV cache only up to the timing
     position for attention (a decode step reads the visible cells)."""
     total = 0
@@ -158,9 +162,9 @@ def read_floor_seconds(nbytes: int, target: tvm.target.Target, cold_bytes: int, 
     return min(time_kernels(funcs, sets, rounds)) * nbytes / (4 * n_words)
 
 
-def tuned_kernel(db: TU.TuningDB, w: TU.Workload, e: dict[str, Any], target: tvm.target.Target) -> Any:
+def tuned_kernel(db: TuningDB, w: Workload, e: dict[str, Any], target: tvm.target.Target) -> Any:
     if e.get("search") == "knobs":  # no knobs recorded: the default setting timed best
-        return TU.knob_kernel(w.key, target, e["knobs"]) if e.get("knobs") else w.default
+        return knob_kernel(w.key, target, e["knobs"]) if e.get("knobs") else w.default
     assert w.func is not None
     return db.best_schedule(w.hash, w.func, target)
 
@@ -171,9 +175,9 @@ def compiled(func: Any, target: tvm.target.Target) -> Callable[..., Any]:
 
 def workload_rows(model: Path, db_dir: str, target: tvm.target.Target, bandwidth: float, cold_bytes: int,
                   rounds: int) -> list[dict[str, Any]]:
-    db = TU.TuningDB(db_dir)
+    db = TuningDB(db_dir)
     rows = []
-    for w in TU.extract_workloads(load_model(model), target):
+    for w in extract_workloads(load_model(model), target):
         e = db.entry(w.hash)
         if e is None or not e.get("tuned_us"):
             continue
@@ -185,7 +189,7 @@ def workload_rows(model: Path, db_dir: str, target: tvm.target.Target, bandwidth
         hot = time_kernels(funcs, argument_copies(w.args, 1), rounds)
         copies = min(MAX_COPIES, max(2, -(-cold_bytes // max(nbytes, 1))))
         cold = time_kernels(funcs, argument_copies(w.args, copies), rounds)
-        floor = read_floor_seconds(nbytes, target, cold_bytes, rounds) if TU.reads_from_memory(w) else None
+        floor = read_floor_seconds(nbytes, target, cold_bytes, rounds) if reads_from_memory(w) else None
         rows.append({"label": w.label, "calls": w.calls, "search": w.search, "knobs": e.get("knobs"),
                      "trials": e.get("trials"), "db_speedup": e.get("speedup"), "bytes": nbytes,
                      "hot_default_us": 1e6 * hot[0], "hot_tuned_us": 1e6 * hot[1],
@@ -289,13 +293,13 @@ def main() -> None:
     args = ap.parse_args()
     model = Path(args.model) if args.model else default_model()
     root = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="bench-tuning-"))
-    target = TU.tune_target("llvm")
+    target = tune_target("llvm")
     result: dict[str, Any] = {"model": model.name, "db": args.db, "cpus": len(os.sched_getaffinity(0)),
                               "load_before": os.getloadavg()}
     print(f"{model.name}, {result['cpus']} CPUs, {load()}")
     if args.tune_minutes:
-        summary = TU.tune_model(model, "llvm", args.db, time_budget_s=60.0 * args.tune_minutes, kinds=args.only,
-                                options=TU.TuneOptions.for_round(args.trials_per_round))
+        summary = tune_model(model, "llvm", args.db, time_budget_s=60.0 * args.tune_minutes, kinds=args.only,
+                                options=TuneOptions.for_round(args.trials_per_round))
         print(summary.format())
     llc = W.last_level_cache_bytes()
     cold_bytes = 2 * llc

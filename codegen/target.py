@@ -19,7 +19,7 @@ import tvm
 
 from ggufc.codegen.cpu_int8.isa import AVX2, int8_isa
 from ggufc.messages import GgufcError
-from ggufc.runtime.artifact import (
+from ggufc.runtime.host import (
     AMX_FEATURES,
     amx_usable,
     features_missing_here,

@@ -20,9 +20,10 @@ from ggufc.frontend.load import LoadedModel, load_model
 from ggufc.frontend.tokenizer_build import build_tokenizer
 from ggufc.ir.state_kinds import SCRATCH, state_kinds
 from ggufc.runtime import artifact as A
+from ggufc.runtime import artifact_writer as AW
 
 from .stages import build_model
-from .tune import open_tuning
+from .tune.apply import open_tuning
 
 
 def compile_model(
@@ -38,7 +39,7 @@ def compile_model(
     in the manifest; "kquant" (default) only the K-quants' (codegen/quant_int8.tiles_chosen).
 
     `tuning_db`: a `ggufc tune` database whose tuned schedules replace the default ones where they
-    measured at least `tuning_min_speedup` times faster (driver/tune.py).
+    measured at least `tuning_min_speedup` times faster (driver/tune/).
     """
 
     check_prompt_tiles(prompt_tiles)  # before the long part
@@ -61,7 +62,7 @@ def compile_model(
         manifest = _manifest(model, built, tokenizer, weights, time.perf_counter() - t0)
         if prompt_tiles != "kquant":
             manifest["prompt_tiles"] = prompt_tiles
-        return A.finalize_artifact(staging, out_dir, manifest)
+        return AW.finalize_artifact(staging, out_dir, manifest)
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
@@ -69,9 +70,9 @@ def compile_model(
 
 def staging_for(out_dir: str | os.PathLike[str]) -> Path:
     """Check that `out_dir` may become an artifact and make the staging directory beside it."""
-    A.check_output_dir(out_dir)
+    AW.check_output_dir(out_dir)
     try:
-        return A.make_staging_dir(out_dir)
+        return AW.make_staging_dir(out_dir)
     except OSError as exc:
         raise A.ArtifactError(f"{os.fspath(out_dir)}: cannot write there ({exc.strerror or exc})") from None
 

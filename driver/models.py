@@ -308,3 +308,13 @@ def compile_lock(out: Path) -> Iterator[None]:
         yield
 
 
+def tokenizer_from_gguf(gguf: Any) -> tuple[Any, dict[str, Any]]:
+    """The tokenizer a GGUF's vocabulary builds, and its facts (BOS/EOS, template, ...)."""
+    from ggufc.frontend.tokenizer_build import build_tokenizer
+    from ggufc.runtime.tokenizer import Tokenizer
+
+    spec = build_tokenizer(gguf.metadata)
+    if not spec.available:
+        raise GgufcError(f"{gguf.path}: no text tokenizer ({spec.unavailable_reason})")
+    info = spec.to_dict()
+    return Tokenizer.from_dict(info), info

@@ -1,6 +1,6 @@
 """The compile pipeline's stages in order: a loaded model's graphs through the passes, then lowered
 and compiled for a target. `compile.py` writes the result as an artifact; `verify.py`,
-`numerics.py`, `gpu_verify.py` and `tune.py` run the same stages and look at what they make."""
+`numerics.py`, `gpu_verify.py` and `tune/` run the same stages and look at what they make."""
 
 from __future__ import annotations
 

@@ -25,14 +25,16 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ggufc import arguments, cli
+from ggufc import arguments
 from ggufc.driver import models
 from ggufc.messages import ArgumentError, GgufcError, one_line
 from ggufc.runtime.embeddings import DEFAULT_POOLING, POOLINGS, embed_ids
 from ggufc.runtime.generate import generate
+from ggufc.runtime.prompting import prompt_ids, stop_ids, tokenizer_from_session
 from ggufc.runtime.sampling import Sampler
 from ggufc.runtime.session import Session, reserve_cpu_threads
 from ggufc.runtime.structured_output import Grammars
+from ggufc.runtime.teacher_forcing import teacher_forced_logits
 from ggufc.runtime.token_choice import Decoding
 
 PathLike = str | os.PathLike[str]
@@ -68,7 +70,7 @@ def compile(  # noqa: A001 - `ggufc.compile` is the name a user looks for
     target = _with_cpu(target, cpu)
     arguments.optional(arguments.positive_int, n_ctx, "n_ctx")
     models.check_compile_options(frozenset(disabled_passes), prompt_tiles, "prompt_tiles")
-    from ggufc.runtime.artifact import check_output_dir
+    from ggufc.runtime.artifact_writer import check_output_dir
 
     check_output_dir(out)
     path = models.require_gguf(os.fspath(model))
@@ -124,7 +126,7 @@ class Model:
         self.tokenizer: Any = None
         self._info: dict[str, Any] = {}
         if session.tokenizer_path is not None:
-            self.tokenizer, self._info = cli.tokenizer_from_session(session)
+            self.tokenizer, self._info = tokenizer_from_session(session)
         self._grammar_compiler: Grammars | None = None  # built on the first json_schema
 
     @property
@@ -154,7 +156,7 @@ class Model:
         if add_bos is None and not chat:
             add_bos = bool(self._info.get("add_bos"))
         if chat:
-            return cli.prompt_ids(tokenizer, self._info, text, chat=True)
+            return prompt_ids(tokenizer, self._info, text, chat=True)
         return [int(t) for t in tokenizer.encode(text, add_bos=bool(add_bos), parse_special=True)]
 
     def detokenize(self, ids: Sequence[int]) -> str:
@@ -188,11 +190,11 @@ class Model:
         if not keep_context:
             self.session.reset()
         return generate(self.session, tokenizer, ids, max_new_tokens=max_tokens, sampler=sampler,
-                        stop_ids=cli.stop_ids(self._info), decoding=decoding)
+                        stop_ids=stop_ids(self._info), decoding=decoding)
 
     def _grammars(self) -> Grammars:
         if self._grammar_compiler is None:
-            self._grammar_compiler = Grammars(self._text_tokenizer(), self.n_vocab, cli.stop_ids(self._info))
+            self._grammar_compiler = Grammars(self._text_tokenizer(), self.n_vocab, stop_ids(self._info))
         return self._grammar_compiler
 
     def complete(self, prompt: str | Sequence[int], **options: Any) -> str:
@@ -208,7 +210,7 @@ class Model:
         tokens = np.asarray(ids, dtype=np.int64)
         if tokens.ndim != 1 or tokens.size == 0:
             raise ArgumentError(f"eval needs a non-empty 1-D sequence of token ids, got shape {tokens.shape}")
-        return np.asarray(cli.teacher_forced_logits(self.session, tokens, chunk or tokens.size))
+        return np.asarray(teacher_forced_logits(self.session, tokens, chunk or tokens.size))
 
     def embed(self, text_or_ids: str | Sequence[int], *, pooling: str = DEFAULT_POOLING,
               normalize: bool = True) -> np.ndarray:

@@ -10,10 +10,8 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
-import dataclasses
 import json
 import os
-import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
@@ -37,6 +35,7 @@ from ggufc.driver.models import (
     precheck_gguf,
     require_gguf,
     resolve_model,
+    tokenizer_from_gguf,
     trained_ctx,
     warn_beyond_training,
 )
@@ -50,6 +49,7 @@ from ggufc.messages import (
     status_line,
     write_output,
 )
+from ggufc.runtime.prompting import check_fits, prompt_ids, stop_ids, tokenizer_from_session
 from ggufc.version import __version__
 
 NPY_MAGIC = b"\x93NUMPY"
@@ -96,72 +96,12 @@ target_name = cli_type(arguments.target, str, "a target")
 available_cpus = arguments.available_cpus
 
 
-# =========================================================================== model files
-
-
-# =========================================================================== compile cache
-
-
-# =========================================================================== tokenizers
-
-
-def tokenizer_from_session(session: Any) -> tuple[Any, dict[str, Any]]:
-    """The artifact's tokenizer and its manifest facts (BOS/EOS, template, ...)."""
-    from ggufc.runtime.tokenizer import Tokenizer
-
-    info = dict(session.manifest.get("tokenizer") or {})
-    path = session.tokenizer_path
-    if path is None:
-        raise CLIError("this model has no text tokenizer (its GGUF vocabulary has no text form)")
-    info["tokenizer_json"] = path.read_text(encoding="utf-8")
-    return Tokenizer.from_dict(info), info
-
-
-def tokenizer_from_gguf(gguf: Any) -> tuple[Any, dict[str, Any]]:
-    from ggufc.frontend.tokenizer_build import build_tokenizer
-    from ggufc.runtime.tokenizer import Tokenizer
-
-    spec = build_tokenizer(gguf.metadata)
-    if not spec.available:
-        raise CLIError(f"{gguf.path}: no text tokenizer ({spec.unavailable_reason})")
-    info = spec.to_dict()
-    return Tokenizer.from_dict(info), info
-
-
-def prompt_ids(tokenizer: Any, info: dict[str, Any], prompt: str | list[dict[str, str]], *,
-               chat: bool) -> list[int]:
-    """Token ids of the prompt (special tokens parsed), through the chat template when asked (a
-    list of messages is a conversation)."""
-    from ggufc.runtime.prompting import encode_prompt
-
-    text = chat_prompt(tokenizer, info, prompt) if chat else str(prompt)
-    return encode_prompt(tokenizer, info, text, templated=chat)
-
-
-def chat_prompt(tokenizer: Any, info: dict[str, Any], prompt: str | list[dict[str, str]]) -> str:
-    from ggufc.runtime.prompting import render_messages
-
-    if not info.get("chat_template"):
-        raise CLIError("--chat: this model has no chat template")
-    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    return render_messages(tokenizer, info, messages)
-
-
-def stop_ids(info: dict[str, Any]) -> set[int]:
-    from ggufc.runtime import prompting
-
-    return prompting.stop_ids(info)
-
-
-def check_fits(n_tokens: int, n_ctx: int, what: str, hint: str) -> None:
-    if n_tokens > n_ctx:
-        raise CLIError(f"{what} has {n_tokens} tokens, longer than the context ({n_ctx} tokens); {hint}")
-
-
 # =========================================================================== commands
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    from ggufc.driver.inspect_model import inspect_report
+
     path = require_gguf(args.model)
     report = inspect_report(path)
     if args.json:
@@ -171,71 +111,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if not report["supported"]:
         raise CLIError(f"{path}: not supported: {report['missing']}")
     return 0
-
-
-def inspect_report(path: Path) -> dict[str, Any]:
-    """What the file holds and whether ggufc can compile it (the GGUF is parsed once)."""
-    from ggufc.frontend.gguf_file import open_gguf
-    from ggufc.frontend.hparams import ModelError
-    from ggufc.frontend.load import load_model
-
-    try:
-        model = load_model(path)
-    except ModelError as exc:
-        gguf = open_gguf(path)
-        report = _file_report(path, gguf, missing=one_line(exc))
-        report["hparams"] = raw_hparams(gguf) or None
-        return report
-    report = _file_report(path, model.gguf, missing=None)
-    report.update(hparams=_plain(model.hparams), n_ctx=model.n_ctx)
-    report["fusions"] = fusion_hits(model.graphs)
-    return report
-
-
-def _file_report(path: Path, gguf: Any, missing: str | None) -> dict[str, Any]:
-    return {
-        "file": str(path),
-        "architecture": gguf.architecture or None,
-        "supported": missing is None,
-        "missing": missing,
-        "hparams": None,
-        "n_ctx": None,
-        "metadata": {k: v for k, v in gguf.metadata.items() if not isinstance(v, list)},
-        "tensors": [
-            {"name": t.name, "type": t.qtype, "shape": list(t.shape)}
-            for t in sorted(gguf.tensors.values(), key=lambda t: natural_key(t.name))
-        ],
-        "fusions": None,
-    }
-
-
-def natural_key(name: str) -> list[Any]:
-    """blk.2 before blk.10: digit runs compare as numbers."""
-    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
-
-
-def raw_hparams(gguf: Any) -> dict[str, Any]:
-    """The architecture's own keys as the file states them (for architectures ggufc cannot build)."""
-    prefix = f"{gguf.architecture}."
-    return {k[len(prefix):]: v for k, v in gguf.metadata.items() if k.startswith(prefix) and not isinstance(v, list)}
-
-
-def fusion_hits(graphs: dict[str, Any]) -> dict[str, int] | str:
-    """Hits per rule when compiling for this CPU: the pipeline's on the all-logits graph, and the
-    target's own rules (those marked "(decode)" on the decode step's graph)."""
-    try:
-        from ggufc.codegen.target import cpu_target
-        from ggufc.driver.stages import optimise
-    except ImportError as exc:
-        return f"passes unavailable ({one_line(exc)})"
-    _, hits = optimise(dict(graphs), frozenset(), cpu_target())
-    return dict(hits)
-
-
-def _plain(obj: Any) -> Any:
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {k: _plain(v) for k, v in dataclasses.asdict(obj).items()}
-    return obj
 
 
 def format_inspect(report: dict[str, Any]) -> str:
@@ -264,7 +139,7 @@ def format_inspect(report: dict[str, Any]) -> str:
 def cmd_compile(args: argparse.Namespace) -> int:
     check_compile_options(frozenset(args.disable_pass), args.prompt_tiles)
     path = require_gguf(args.model)
-    from ggufc.runtime.artifact import check_output_dir
+    from ggufc.runtime.artifact_writer import check_output_dir
 
     check_output_dir(args.out)  # before any work: refuse an output that is not ggufc's to replace
     warn_beyond_training(precheck_gguf(path), args.ctx)  # also refuses an unsupported architecture now
@@ -286,7 +161,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if args.report:
         if args.model or args.db:
             raise CLIError("--report DIR describes a database: give no MODEL and no --db with it")
-        from ggufc.driver.tune_report import report
+        from ggufc.driver.tune.report import report
 
         text, png = report(args.report, args.plot, args.min_speedup)
         print(text)
@@ -300,7 +175,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
         raise CLIError("--plot goes with --report")
     path = require_gguf(args.model)
     precheck_gguf(path)
-    from ggufc.driver.tune import TuneOptions, tune_model  # tune_target checks the target and its device
+    from ggufc.driver.tune.options import TuneOptions
+    from ggufc.driver.tune.session import tune_model  # tune_target checks the target and its device
 
     budget_s = None if args.time_budget is None else args.time_budget * 60.0
     summary = tune_model(path, args.target, args.db, trials=args.trials, time_budget_s=budget_s, kinds=args.only,
@@ -311,14 +187,14 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def _remote_devices(args: argparse.Namespace) -> Any:
-    """--rpc-tracker/--rpc-key/--rpc-workers as a tune_rpc.RemoteDevices (None: measure here)."""
+    """--rpc-tracker/--rpc-key/--rpc-workers as a tune.rpc.RemoteDevices (None: measure here)."""
     if args.rpc_tracker is None:
         if args.rpc_key is not None or args.rpc_workers is not None:
             raise CLIError("--rpc-key and --rpc-workers go with --rpc-tracker HOST:PORT")
         return None
     if not args.rpc_key:
         raise CLIError("--rpc-tracker needs --rpc-key KEY: the key the devices' RPC servers registered under")
-    from ggufc.driver.tune_rpc import RemoteDevices, parse_tracker
+    from ggufc.driver.tune.rpc import RemoteDevices, parse_tracker
 
     host, port = parse_tracker(args.rpc_tracker)
     return RemoteDevices(host, port, args.rpc_key, args.rpc_workers)
@@ -570,6 +446,8 @@ def speculative_report(session: Any, stats: Any, n_prompt: int, produced: list[i
 def cmd_eval(args: argparse.Namespace) -> int:
     import numpy as np
 
+    from ggufc.runtime.teacher_forcing import teacher_forced_logits
+
     model = resolve_model(args.model, args.target)
     tokens = load_tokens(Path(args.tokens))
     out = Path(args.out)
@@ -618,24 +496,6 @@ def load_tokens(path: Path) -> Any:
     if tokens.max() > np.iinfo(np.int32).max:  # would wrap around into a valid id
         raise CLIError(f"{path}: token id {int(tokens.max())} is beyond int32")
     return np.array(tokens, dtype=np.int32)
-
-
-def teacher_forced_logits(session: Any, tokens: Any, chunk: int) -> Any:
-    """Logits at every position from an empty context, fed `chunk` tokens per call.
-
-    chunk 1 goes through "decode", the path generation uses; larger chunks through "prefill_all".
-    """
-    import numpy as np
-
-    session.reset()
-    rows = []
-    for start in range(0, tokens.size, chunk):
-        piece = tokens[start : start + chunk]
-        if chunk == 1:
-            rows.append(session.forward(piece)[None, :])
-        else:
-            rows.append(session.forward(piece, all_logits=True))
-    return np.concatenate(rows)
 
 
 def save_npy_atomic(path: Path, array: Any) -> None:
@@ -724,7 +584,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_verify_artifact(args: argparse.Namespace) -> int:
-    from ggufc.runtime.artifact import verify_report
+    from ggufc.runtime.artifact_reader import verify_report
     from ggufc.runtime.session import DEVICE_TARGET_KEYS
 
     target_key = DEVICE_TARGET_KEYS[device_for(args.target)] if args.target else None
@@ -1023,44 +883,13 @@ def cmd_export_onnx(args: argparse.Namespace) -> int:
     path, out = require_gguf(args.model), Path(args.out)
     if args.fused and args.standard:
         raise CLIError("--fused and --standard exclude each other (standard ONNX decomposes fused ops)")
-    refuse_foreign_output(out)
-    precheck_gguf(path)
-    from ggufc.frontend.load import load_model
-    from ggufc.ir.onnx_export import to_onnx
+    from ggufc.driver.export_onnx import export_onnx
 
-    graph = load_model(path, args.ctx).graphs["prefill_all"]
-    if args.fused:
-        from ggufc.passes.pipeline import run_pipeline
-
-        graph = run_pipeline(graph)[0]
-    model = to_onnx(graph, standard=args.standard)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_bytes(model.SerializeToString())
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
+    done = export_onnx(path, out, args.ctx, fused=args.fused, standard=args.standard)
     kind = "standard ops" if args.standard else "fused" if args.fused else "as traced"
-    print(f"{out}: {graph.meta.get('arch')} graph ({kind}), {len(model.graph.node)} ONNX nodes, "
-          f"{len(graph.params)} params and {len(graph.states)} states as inputs")
+    print(f"{out}: {done.arch} graph ({kind}), {done.nodes} ONNX nodes, "
+          f"{done.params} params and {done.states} states as inputs")
     return 0
-
-
-def refuse_foreign_output(out: Path) -> None:
-    """Overwrite nothing but an ONNX model ggufc wrote; the folder must exist."""
-    if out.is_dir():
-        raise CLIError(f"{out}: is a directory (expected a .onnx file path)")
-    if not out.parent.is_dir():
-        raise CLIError(f"{out.parent}: no such directory")
-    if out.exists():
-        import onnx
-
-        try:
-            producer = onnx.load(os.fspath(out), load_external_data=False).producer_name
-        except Exception:  # noqa: BLE001 - protobuf raises several kinds on foreign bytes
-            producer = None
-        if producer != "ggufc":
-            raise CLIError(f"{out}: exists and is not an ONNX model ggufc wrote; not overwriting it")
 
 
 def _add_target(p: argparse.ArgumentParser) -> None:

@@ -27,17 +27,15 @@ from .artifact import (
     KERNELS_NAME,
     LAYOUT_FUNCTION,
     MANIFEST_NAME,
-    Artifact,
     ArtifactError,
     aligned_empty,
     aligned_zeros,
     array_layout,
     check_layout_contract,
     one_line,
-    open_artifact,
-    read_weights,
     sha256_file,
 )
+from .artifact_reader import Artifact, open_artifact, read_weights
 from .context import (
     PER_POSITION,
     RECURRENT,

@@ -10,7 +10,7 @@ import tvm
 
 from ggufc.codegen.cpu_int8.isa import int8_isa
 from ggufc.codegen.target import cpu_target
-from ggufc.runtime.artifact import features_missing_here
+from ggufc.runtime.host import features_missing_here
 
 HOST = cpu_target()
 HASWELL = tvm.target.Target({"kind": "llvm", "mcpu": "haswell", "num-cores": 2})  # AVX2 + FMA + F16C

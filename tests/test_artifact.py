@@ -16,7 +16,12 @@ from safetensors.numpy import save_file
 from ggufc import __version__
 from ggufc.driver.compile import plain_target
 from ggufc.runtime import artifact as A
-from ggufc.runtime.artifact import ArtifactError, finalize_artifact, load_manifest, read_weights
+from ggufc.runtime import artifact_reader as AR
+from ggufc.runtime import artifact_writer as AW
+from ggufc.runtime import host as H
+from ggufc.runtime.artifact import ArtifactError
+from ggufc.runtime.artifact_reader import load_manifest, read_weights
+from ggufc.runtime.artifact_writer import finalize_artifact
 
 WEIGHTS = {
     "a.qs": np.arange(6 * 35, dtype=np.uint8).reshape(6, 35),  # odd size: the next array must realign
@@ -65,7 +70,7 @@ def manifest_fields(**overrides: object) -> dict:
 
 
 def stage(tmp_path: Path, out_name: str = "art") -> Path:
-    staging = A.make_staging_dir(tmp_path / out_name)
+    staging = AW.make_staging_dir(tmp_path / out_name)
     (staging / "kernels.so").write_bytes(b"\x7fELF not really a library" * 100)
     save_file(WEIGHTS, str(staging / "weights.safetensors"))
     (staging / "tokenizer.json").write_text('{"model": {}}', encoding="utf-8")
@@ -106,8 +111,8 @@ def test_archive_round_trip(artifact: Path, tmp_path: Path) -> None:
     archive = tmp_path / "art.tar"
     with tarfile.open(archive, "w") as tar:
         tar.add(artifact, arcname=".")
-    assert A.is_artifact(archive)
-    with A.open_artifact(archive) as opened:
+    assert AR.is_artifact(archive)
+    with AR.open_artifact(archive) as opened:
         root = opened.path
         assert opened.manifest["arch"] == "llama"
         np.testing.assert_array_equal(read_weights(root, opened.manifest)[2], WEIGHTS["norm"])
@@ -177,16 +182,16 @@ def test_wrong_target_key_refused(artifact: Path) -> None:
 
 
 def test_other_cpu_architecture_refused(artifact: Path) -> None:
-    other = "aarch64" if A.host_features().machine != "aarch64" else "x86_64"
+    other = "aarch64" if H.host_features().machine != "aarch64" else "x86_64"
     edit_manifest(artifact, target={"kind": "llvm", "mtriple": f"{other}-linux-gnu"})
     refused(artifact, f"compiled for {other}, this machine is")
 
 
 def test_missing_cpu_features_refused(artifact: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("tvm")
-    if A.host_features().machine != "x86_64":
+    if H.host_features().machine != "x86_64":
         pytest.skip("x86 CPU names")
-    monkeypatch.setattr(A, "host_features", lambda: A.HostFeatures("x86_64", frozenset({"sse", "sse2"})))
+    monkeypatch.setattr(H, "host_features", lambda: H.HostFeatures("x86_64", frozenset({"sse", "sse2"})))
     edit_manifest(artifact, target={"kind": "llvm", "mcpu": "haswell"})
     refused(artifact, "compiled for CPU 'haswell', whose .*avx2.* this CPU lacks")
 
@@ -198,7 +203,7 @@ def test_host_cpu_target_accepted(artifact: Path) -> None:
     edit_manifest(artifact, target=plain_target(dict(cpu_target(2).export())))
     load_manifest(artifact, target_key="llvm")
     host_cpu = str(tvm.target.codegen.llvm_get_system_cpu())
-    hidden = A.features_missing_here({"kind": "llvm", "mcpu": host_cpu})
+    hidden = H.features_missing_here({"kind": "llvm", "mcpu": host_cpu})
     if hidden:  # a CPU whose model name implies more than it has (a hypervisor hiding AMX): refused
         edit_manifest(artifact, target={"kind": "llvm", "mcpu": host_cpu, "num-cores": 2})
         refused(artifact, f"whose {hidden[0]}.* this CPU lacks")
@@ -212,11 +217,11 @@ def test_target_switches_off_what_the_cpu_lacks(monkeypatch: pytest.MonkeyPatch)
 
     flags = frozenset("sse3 ssse3 sse41 sse42 avx avx2 fma f16c bmi1 bmi2".split())
     monkeypatch.setattr(T, "host_cpu_name", lambda: "skylake-avx512")
-    monkeypatch.setattr(A, "host_features", lambda: A.HostFeatures("x86_64", flags))
+    monkeypatch.setattr(H, "host_features", lambda: H.HostFeatures("x86_64", flags))
     spec = dict(T.cpu_target(2).export())
     assert {"-avx512f", "-avx512bw", "-avx512vl"} <= set(map(str, spec["mattr"]))
-    assert A.features_missing_here(plain_target(spec)) == []
-    assert "avx512f" in A.features_missing_here({"kind": "llvm", "mcpu": "skylake-avx512"})
+    assert H.features_missing_here(plain_target(spec)) == []
+    assert "avx512f" in H.features_missing_here({"kind": "llvm", "mcpu": "skylake-avx512"})
 
 
 def test_garbled_manifest_refused(artifact: Path) -> None:
@@ -302,7 +307,7 @@ def test_failure_mid_write_leaves_no_artifact(tmp_path: Path, monkeypatch: pytes
         (directory / "manifest.json.tmp").write_text("{")
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(A, "_write_manifest", disk_full)
+    monkeypatch.setattr(AW, "_write_manifest", disk_full)
     with pytest.raises(OSError):
         finalize_artifact(stage(tmp_path), tmp_path / "art", manifest_fields())
     assert not (tmp_path / "art").exists()
@@ -331,7 +336,7 @@ def test_replacing_keeps_old_artifact_until_new_one_is_complete(
 
 def test_staging_on_another_filesystem_is_copied(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     staging = stage(tmp_path)
-    monkeypatch.setattr(A, "_same_filesystem", lambda a, b: Path(a) != staging)
+    monkeypatch.setattr(AW, "_same_filesystem", lambda a, b: Path(a) != staging)
     finalize_artifact(staging, tmp_path / "art", manifest_fields())
     monkeypatch.undo()
     assert not staging.exists()
@@ -342,7 +347,7 @@ def test_staging_on_another_filesystem_is_copied(tmp_path: Path, monkeypatch: py
 
 
 def test_huge_manifest_refused_before_parsing(artifact: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(A, "MAX_MANIFEST_BYTES", 100)
+    monkeypatch.setattr(AR, "MAX_MANIFEST_BYTES", 100)
     refused(artifact, r"manifest is \d+ bytes \(limit 100\)")
 
 
@@ -386,7 +391,7 @@ def test_nul_in_listed_path_refused(artifact: Path) -> None:
 
 
 def report(path: Path, **kw: object) -> dict[str, tuple[bool, str]]:
-    return {c.name: (c.ok, c.detail) for c in A.verify_report(path, **kw)}  # type: ignore[arg-type]
+    return {c.name: (c.ok, c.detail) for c in AR.verify_report(path, **kw)}  # type: ignore[arg-type]
 
 
 def test_verify_report_of_a_good_artifact(artifact: Path) -> None:
@@ -447,6 +452,6 @@ def test_verify_report_keeps_hostile_strings_on_one_line(artifact: Path) -> None
     manifest = json.loads((artifact / "manifest.json").read_text())
     manifest["files"]["evil\nname"] = "0" * 64
     write_manifest(artifact, json.dumps(manifest))
-    checks = A.verify_report(artifact)
+    checks = AR.verify_report(artifact)
     assert all("\n" not in c.name + c.detail and "\x1b" not in c.detail for c in checks)
     assert ("evil\\nname", False, "is missing") in [(c.name, c.ok, c.detail) for c in checks]

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from gpu_support import golden_fixture, need_vulkan
 
-from ggufc.cli import main, natural_key
+from ggufc.cli import main
+from ggufc.driver.inspect_model import natural_key
 
 Q4_1_FIXTURE = Path(__file__).parent / "goldens" / "llama-dense-Q4_1.gguf"
 

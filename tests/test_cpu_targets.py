@@ -23,12 +23,15 @@ from ggufc.codegen.kernel_keys import WeightMatmul
 from ggufc.codegen.lower import ModuleBuilder
 from ggufc.driver import models
 from ggufc.driver.stages import optimise
-from ggufc.driver.tune import TuneError, tune_target
+from ggufc.driver.tune.options import TuneError
+from ggufc.driver.tune.targets import tune_target
 from ggufc.frontend.load import load_model
 from ggufc.ir.interp import init_state, run_graph
 from ggufc.runtime import artifact as A
+from ggufc.runtime import artifact_reader as AR
+from ggufc.runtime import host as H
 
-pytestmark = pytest.mark.skipif(A.host_features().machine != "x86_64", reason="x86-64 CPU names")
+pytestmark = pytest.mark.skipif(H.host_features().machine != "x86_64", reason="x86-64 CPU names")
 
 N_TOKENS = 12
 # compiled against the float64 interpreter of the same optimised graph; measured 5.4e-15 (prompt) and
@@ -44,14 +47,14 @@ def lacking_cpu() -> str:
     """An x86-64 CPU LLVM knows whose checked features this CPU lacks (every CPU lacks some: Intel
     CPUs AMD's sse4a, AMD CPUs before Zen 4 AVX-512, none of today's APX)."""
     return next(n for n in ("skylake-avx512", "znver2", "graniterapids", "diamondrapids")
-                if A.features_missing_here({"kind": "llvm", "mcpu": n}))
+                if H.features_missing_here({"kind": "llvm", "mcpu": n}))
 
 
 def lacking_feature() -> str:
     """A checked x86 extension this CPU does not list."""
-    flags = A.host_features().flags or frozenset()
-    return next(f for f in A._CHECKED_FEATURES["x86_64"]
-                if A._normalise_flag(A._CPUINFO_ALIASES.get(f, f)) not in flags)
+    flags = H.host_features().flags or frozenset()
+    return next(f for f in H._CHECKED_FEATURES["x86_64"]
+                if H._normalise_flag(H._CPUINFO_ALIASES.get(f, f)) not in flags)
 
 
 def one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
@@ -113,8 +116,8 @@ def test_named_cpu_target_has_none_of_this_machines_adjustments(monkeypatch: pyt
     """The host target switches off what the hypervisor hides and AMX the OS keeps; a named CPU is
     built as LLVM describes it, whatever this machine is."""
     flags = frozenset("pni ssse3 sse41 sse42 avx avx2 fma f16c bmi1 bmi2".split())  # /proc/cpuinfo's names
-    monkeypatch.setattr(A, "host_features", lambda: A.HostFeatures("x86_64", flags))
-    monkeypatch.setattr(T, "host_features", lambda: A.HostFeatures("x86_64", flags))
+    monkeypatch.setattr(H, "host_features", lambda: H.HostFeatures("x86_64", flags))
+    monkeypatch.setattr(T, "host_features", lambda: H.HostFeatures("x86_64", flags))
     monkeypatch.setattr(T, "host_cpu_name", lambda: "sapphirerapids")
     monkeypatch.setattr(T, "amx_usable", lambda: False)
     host = T.cpu_target(2)
@@ -268,5 +271,5 @@ def test_load_refused_where_the_cpu_lacks_a_feature(haswell: dict[str, Any], tmp
     assert not (tmp_path / "l.npy").exists()
     write_manifest(art, json.dumps({**manifest, "cpu_features": "avx2"}))
     with pytest.raises(A.ArtifactError, match="'cpu_features' is not a list of strings"):
-        A.load_manifest(art)
+        AR.load_manifest(art)
 

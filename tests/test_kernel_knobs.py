@@ -19,19 +19,22 @@ import pytest
 import tvm
 import tvm_ffi
 
-from ggufc.cli import teacher_forced_logits
 from ggufc.codegen import kernel_knobs as KN
 from ggufc.codegen.cpu_int8 import block32 as Q8
 from ggufc.codegen.cpu_int8 import kquant as KQ
 from ggufc.codegen.kernel_keys import Int8GemvGroup, OpKernel
 from ggufc.codegen.kernels import attention as KA
 from ggufc.codegen.target import cpu_target
-from ggufc.driver import tune as TU
-from ggufc.driver import tune_report
-from ggufc.driver import tune_worker as W
 from ggufc.driver.compile import compile_model
+from ggufc.driver.tune import report as tune_report
+from ggufc.driver.tune import worker as W
+from ggufc.driver.tune.database import KNOB_RECORDS, TuningDB, settings_tried
+from ggufc.driver.tune.options import TuneError, TuneOptions
+from ggufc.driver.tune.session import tune_model
+from ggufc.driver.tune.workloads import session_timing
 from ggufc.ir.ops import Attention
 from ggufc.runtime.session import Session
+from ggufc.runtime.teacher_forcing import teacher_forced_logits
 
 GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
 FIXTURES = GOLDEN / "fixtures"
@@ -40,7 +43,7 @@ TARGET = cpu_target()
 needs_int8_dot = pytest.mark.skipif(Q8.int8_isa(TARGET) is None, reason="no 8-bit dot product on this CPU")
 # for the tests that build kernels without running them: a CPU with the 8-bit dot product, whatever this one has
 VNNI_TARGET = tvm.target.Target({"kind": "llvm", "mcpu": "sapphirerapids", "num-cores": 2})
-SMALL = TU.TuneOptions.for_round(2, timing_rounds=2, min_repeat_ms=2)
+SMALL = TuneOptions.for_round(2, timing_rounds=2, min_repeat_ms=2)
 
 
 def outputs(func: tvm.tirx.PrimFunc, args: list[tuple[str, tuple[int, ...]]]) -> list[np.ndarray]:
@@ -91,7 +94,7 @@ def test_a_record_from_before_a_knob_counts_as_that_knob_at_its_default() -> Non
     them as measured with the loop rolled and does not time them again."""
     key = GEMV_KEYS[3]
     old = {"knobs": {"prefetch_groups": 1, "groups_per_task": 8}}
-    tried = TU.settings_tried([old], KN.defaults(key, VNNI_TARGET))
+    tried = settings_tried([old], KN.defaults(key, VNNI_TARGET))
     assert tried == [{"prefetch_groups": 1, "groups_per_task": 8, "unroll": 0}]
     assert tried[0] in KN.space(key, VNNI_TARGET)
 
@@ -180,10 +183,10 @@ def test_the_space_lists_each_setting_once_defaults_excluded() -> None:
 @pytest.fixture(scope="module")
 def knob_session(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     db = tmp_path_factory.mktemp("knobs") / "db"
-    first = TU.tune_model(LLAMA_Q4, "llvm", db, trials=2, kinds=["matmul_int8"], options=SMALL)
-    tdb = TU.TuningDB(db)
+    first = tune_model(LLAMA_Q4, "llvm", db, trials=2, kinds=["matmul_int8"], options=SMALL)
+    tdb = TuningDB(db)
     after_first = {h: [json.dumps(r, sort_keys=True) for r in tdb.knob_records(h)] for h in tdb.workloads}
-    again = TU.tune_model(LLAMA_Q4, "llvm", db, trials=4, kinds=["matmul_int8"], options=SMALL)
+    again = tune_model(LLAMA_Q4, "llvm", db, trials=4, kinds=["matmul_int8"], options=SMALL)
     return {"db": db, "first": first, "again": again, "after_first": after_first}
 
 
@@ -192,7 +195,7 @@ def knob_session(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def test_a_session_measures_knob_settings_and_resumes(knob_session: dict[str, Any]) -> None:
     first, again = knob_session["first"], knob_session["again"]
     assert first.new_trials == 2 and again.new_trials == 2 and again.total_trials == 4
-    db = TU.TuningDB(knob_session["db"])
+    db = TuningDB(knob_session["db"])
     knob_workloads = [h for h, e in db.workloads.items() if e["search"] == "knobs"]
     assert knob_workloads and all(db.workloads[h]["kind"] == "matmul_int8" for h in knob_workloads)
     assert sum(len(db.knob_records(h)) for h in knob_workloads) == 4
@@ -234,21 +237,21 @@ def cold_session(knob_session: dict[str, Any], tmp_path_factory: pytest.TempPath
     db = tmp_path_factory.mktemp("cold") / "db"
     shutil.copytree(knob_session["db"], db)
     hot_lines = {p.parent.name: p.read_text().splitlines() for p in db.glob("workloads/*/knob_records.jsonl")}
-    summary = TU.tune_model(LLAMA_Q4, "llvm", db, trials=2, kinds=["matmul_int8"], options=SMALL, timing="cold")
+    summary = tune_model(LLAMA_Q4, "llvm", db, trials=2, kinds=["matmul_int8"], options=SMALL, timing="cold")
     return {"db": db, "summary": summary, "hot_lines": hot_lines}
 
 
 @needs_int8_dot
 @pytest.mark.skipif(not FIXTURES.is_dir(), reason=f"llama.cpp fixtures not found at {FIXTURES}")
 def test_a_cold_session_times_every_gemv_again_and_keeps_the_hot_records(cold_session: dict[str, Any]) -> None:
-    summary, db = cold_session["summary"], TU.TuningDB(cold_session["db"])
+    summary, db = cold_session["summary"], TuningDB(cold_session["db"])
     assert summary.timing == "cold" and "timed cold" in summary.format()
     gemvs = [h for h, e in db.workloads.items() if e["kind"] == "matmul_int8"]
     assert gemvs and all(db.timing(h) == "cold" and db.workloads[h]["default_us"] > 0 for h in gemvs)
     # the hot settings do not count in the cold regime: its budget of 2 went to new cold measurements
     assert summary.new_trials == 2 and sum(len(db.knob_records(h)) for h in gemvs) == 2
     for h, lines in cold_session["hot_lines"].items():  # the hot records are kept in the file as they were
-        path = db.workload_dir(h) / TU.KNOB_RECORDS
+        path = db.workload_dir(h) / KNOB_RECORDS
         assert path.read_text().splitlines()[:len(lines)] == lines
     for h in gemvs:
         for r in db.knob_records(h):
@@ -263,16 +266,16 @@ def test_a_cold_session_times_every_gemv_again_and_keeps_the_hot_records(cold_se
 def test_auto_timing_is_cold_for_models_bigger_than_the_cache_and_on_remote_devices() -> None:
     llc = W.last_level_cache_bytes()
     remote = object()  # any RemoteDevices: only its presence matters
-    assert TU.session_timing("auto", llc // 2, TARGET, None) == "hot"
-    assert TU.session_timing("auto", 2 * llc, TARGET, None) == "cold"
-    assert TU.session_timing("auto", 1, TARGET, remote) == "cold"  # type: ignore[arg-type]
-    assert TU.session_timing("hot", 2 * llc, TARGET, None) == "hot"
+    assert session_timing("auto", llc // 2, TARGET, None) == "hot"
+    assert session_timing("auto", 2 * llc, TARGET, None) == "cold"
+    assert session_timing("auto", 1, TARGET, remote) == "cold"  # type: ignore[arg-type]
+    assert session_timing("hot", 2 * llc, TARGET, None) == "hot"
     cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_80"})
-    assert TU.session_timing("auto", 2 * llc, cuda, None) == "hot"
-    with pytest.raises(TU.TuneError, match="GPU kernels are timed hot"):
-        TU.session_timing("cold", 1, cuda, None)
-    with pytest.raises(TU.TuneError, match="expected one of"):
-        TU.session_timing("warm", 1, TARGET, None)
+    assert session_timing("auto", 2 * llc, cuda, None) == "hot"
+    with pytest.raises(TuneError, match="GPU kernels are timed hot"):
+        session_timing("cold", 1, cuda, None)
+    with pytest.raises(TuneError, match="expected one of"):
+        session_timing("warm", 1, TARGET, None)
 
 
 def test_cold_timing_flushes_every_argument_but_the_first_before_each_call() -> None:

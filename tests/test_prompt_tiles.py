@@ -14,11 +14,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ggufc.cli import main, teacher_forced_logits
+from ggufc.cli import main
 from ggufc.codegen.cpu_int8 import block32 as Q8
 from ggufc.codegen.target import cpu_target
 from ggufc.driver.compile import compile_model
 from ggufc.runtime.session import Session
+from ggufc.runtime.teacher_forcing import teacher_forced_logits
 
 GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
 LLAMA_Q4 = GOLDEN / "fixtures" / "llama-dense-Q4_0.gguf"

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from ggufc.runtime.artifact import ArtifactError, finalize_artifact, make_staging_dir
+from ggufc.runtime.artifact import ArtifactError
+from ggufc.runtime.artifact_writer import finalize_artifact, make_staging_dir
 from ggufc.runtime.session import ContextOverflowError, Session, reserve_cpu_threads
 
 tvm = pytest.importorskip("tvm")

@@ -21,13 +21,21 @@ import pytest
 import tvm
 import tvm_ffi
 
-from ggufc.cli import main, teacher_forced_logits
+from ggufc.cli import main
 from ggufc.codegen import kernel_knobs as KN
-from ggufc.driver import tune as TU
 from ggufc.driver.compile import compile_model
+from ggufc.driver.tune import database as tune_database
+from ggufc.driver.tune import session as tune_session
+from ggufc.driver.tune.database import TuningDB
+from ggufc.driver.tune.metaschedule import Machinery
+from ggufc.driver.tune.options import TuneError, TuneOptions
+from ggufc.driver.tune.session import SessionSummary, tune_model
+from ggufc.driver.tune.targets import target_identity, tune_target
+from ggufc.driver.tune.workloads import Workload, extract_workloads, knob_kernel
 from ggufc.frontend.load import load_model
 from ggufc.ir.interp import init_state, run_graph
 from ggufc.runtime.session import Session
+from ggufc.runtime.teacher_forcing import teacher_forced_logits
 
 GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
 FIXTURES = GOLDEN / "fixtures"
@@ -36,7 +44,7 @@ pytestmark = pytest.mark.skipif(not FIXTURES.is_dir(), reason=f"llama.cpp fixtur
 LLAMA = FIXTURES / "llama-dense.gguf"
 QWEN3 = FIXTURES / "qwen3-dense.gguf"
 LLAMA_Q4 = FIXTURES / "llama-dense-Q4_0.gguf"
-SMALL = TU.TuneOptions.for_round(4, genetic_iters=1, timing_rounds=3, min_repeat_ms=5)
+SMALL = TuneOptions.for_round(4, genetic_iters=1, timing_rounds=3, min_repeat_ms=5)
 BUDGET = 8  # two rounds of 4
 
 
@@ -50,7 +58,7 @@ def same_kernel(a: Any, b: Any) -> bool:
 
 
 def record_counts(db_dir: Path) -> dict[str, int]:
-    db = TU.TuningDB(db_dir)
+    db = TuningDB(db_dir)
     return {h: len(db.records(h)) for h in db.workloads}
 
 
@@ -62,7 +70,7 @@ def interrupt_second_round(real: Any) -> Any:
     """Stands in for Ctrl-C: the second tuning round raises KeyboardInterrupt."""
     calls = []
 
-    def round_(machinery: Any, w: TU.Workload, trials: int) -> None:
+    def round_(machinery: Any, w: Workload, trials: int) -> None:
         calls.append(w.hash)
         if len(calls) == 2:
             raise KeyboardInterrupt
@@ -90,13 +98,13 @@ def tuned(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """llama-dense tuned for BUDGET trials, in a session interrupted after its first round."""
     db = tmp_path_factory.mktemp("tune") / "db"
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(TU._Machinery, "round", interrupt_second_round(TU._Machinery.round))
+        mp.setattr(Machinery, "round", interrupt_second_round(Machinery.round))
         with pytest.raises(KeyboardInterrupt):
-            TU.tune_model(LLAMA, "llvm", db, trials=BUDGET, options=SMALL)
+            tune_model(LLAMA, "llvm", db, trials=BUDGET, options=SMALL)
     after_interrupt = record_counts(db)
     bytes_after_interrupt = record_bytes(db)
     lock_left = (db / ".lock").exists()
-    resumed = TU.tune_model(LLAMA, "llvm", db, trials=BUDGET, options=SMALL)
+    resumed = tune_model(LLAMA, "llvm", db, trials=BUDGET, options=SMALL)
     return {"db": db, "after_interrupt": after_interrupt, "bytes_after_interrupt": bytes_after_interrupt,
             "lock_left": lock_left, "resumed": resumed, "after_a": record_counts(db)}
 
@@ -108,7 +116,7 @@ def tuned(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def test_interrupted_session_keeps_its_records_and_the_rerun_continues(tuned: dict[str, Any]) -> None:
     assert sum(tuned["after_interrupt"].values()) == SMALL.trials_per_round  # the first round, saved
     assert not tuned["lock_left"]
-    resumed: TU.SessionSummary = tuned["resumed"]
+    resumed: SessionSummary = tuned["resumed"]
     assert resumed.new_trials == BUDGET - SMALL.trials_per_round
     assert resumed.total_trials == BUDGET
     # the resumed session appended to the first round's records instead of starting over
@@ -117,8 +125,8 @@ def test_interrupted_session_keeps_its_records_and_the_rerun_continues(tuned: di
 
 
 def test_records_are_written_per_workload(tuned: dict[str, Any]) -> None:
-    db = TU.TuningDB(tuned["db"])
-    target = TU.target_identity(TU.tune_target("llvm"))
+    db = TuningDB(tuned["db"])
+    target = target_identity(tune_target("llvm"))
     tuned_hashes = [h for h, n in tuned["after_a"].items() if n]
     assert len(tuned_hashes) == 2  # warm-up order: the two heaviest decode kernels, one round each
     llama = {h: e for h, e in db.workloads.items() if "llama-dense.gguf" in e["models"]}
@@ -157,8 +165,8 @@ def test_rerun_with_the_same_budget_tunes_nothing_new(tuned: dict[str, Any],
 def test_a_second_model_reuses_the_workloads_it_shares(tuned: dict[str, Any],
                                                        capsys: pytest.CaptureFixture[str]) -> None:
     db_dir = tuned["db"]
-    db = TU.TuningDB(db_dir)
-    qwen = {w.hash for w in TU.extract_workloads(load_model(QWEN3), TU.tune_target("llvm")) if w.tunable}
+    db = TuningDB(db_dir)
+    qwen = {w.hash for w in extract_workloads(load_model(QWEN3), tune_target("llvm")) if w.tunable}
     shared = qwen & set(db.workloads)
     assert len(shared) == 8  # the llama and qwen3 fixtures have the same hidden/FFN sizes
     before = record_counts(db_dir)
@@ -174,7 +182,7 @@ def test_a_second_model_reuses_the_workloads_it_shares(tuned: dict[str, Any],
     new = {h: after[h] - before.get(h, 0) for h in after if after[h] != before.get(h, 0)}
     assert sum(new.values()) == 4 and len(new) == 1
     assert "4 new trials" in out.out and "reused records of 2 workloads" in out.out
-    models = TU.TuningDB(db_dir).workloads
+    models = TuningDB(db_dir).workloads
     assert all(set(models[h]["models"]) == {"llama-dense.gguf", "qwen3-dense.gguf"} for h in shared)
 
 
@@ -193,7 +201,7 @@ def artifacts(tuned: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -
 
 def test_compile_with_the_database_uses_different_kernels_for_tuned_workloads(
         tuned: dict[str, Any], artifacts: dict[str, Any]) -> None:
-    db = TU.TuningDB(tuned["db"])
+    db = TuningDB(tuned["db"])
     tuning = artifacts["tuned"]["tuning"]
     assert "tuning" not in artifacts["default"]
     assert tuning["database"] == str(tuned["db"].resolve()) and tuning["database_id"] == db.id
@@ -203,12 +211,12 @@ def test_compile_with_the_database_uses_different_kernels_for_tuned_workloads(
     assert artifacts["tuned"]["kernels"] == artifacts["default"]["kernels"]  # same kernels, other schedules
     assert artifacts["tuned"]["files"]["kernels.so"] != artifacts["default"]["files"]["kernels.so"]
     # the tuned PrimFuncs are not the default schedules (while two extractions of a default agree)
-    target = TU.tune_target("llvm")
-    first, again = ({w.hash: w for w in TU.extract_workloads(load_model(LLAMA), target)} for _ in range(2))
+    target = tune_target("llvm")
+    first, again = ({w.hash: w for w in extract_workloads(load_model(LLAMA), target)} for _ in range(2))
     for h in tuned_llama:
         w = first[h]
         if w.knobs:  # a hand-written kernel that won with other knob settings (kernel_knobs.py)
-            best = TU.knob_kernel(w.key, target, db.workloads[h]["knobs"])
+            best = knob_kernel(w.key, target, db.workloads[h]["knobs"])
         else:
             assert w.func is not None
             best = db.best_schedule(h, w.func, target)
@@ -244,7 +252,7 @@ def test_tuned_artifact_matches_the_interpreter_and_the_goldens(artifacts: dict[
 
 def test_by_default_only_faster_tuned_schedules_are_used(tuned: dict[str, Any], tmp_path: Path) -> None:
     manifest = compile_model(LLAMA, "llvm", tmp_path / "a", tuning_db=tuned["db"])
-    db = TU.TuningDB(tuned["db"])
+    db = TuningDB(tuned["db"])
     faster = {h for h, e in db.workloads.items()
               if "llama-dense.gguf" in e["models"] and e.get("tuned_us") and e["default_us"] >= e["tuned_us"]}
     tuning = manifest["tuning"]
@@ -261,7 +269,7 @@ def test_quantized_matmul_tuning_keeps_the_numerics(tmp_path: Path) -> None:
     8-bit dot products they, and the Q6_K output layer, are hand-written 8-bit GEMVs, tuned
     through knobs instead)."""
     off = frozenset({"fuse_int8_matmul", "group_int8_gemvs", "gemv_norm_prologue", "gemv_residual_epilogue"})
-    summary = TU.tune_model(LLAMA_Q4, "llvm", tmp_path / "db", trials=4, kinds=["matmul"], options=SMALL,
+    summary = tune_model(LLAMA_Q4, "llvm", tmp_path / "db", trials=4, kinds=["matmul"], options=SMALL,
                             disabled_passes=off)
     assert summary.new_trials == 4
     default = compile_model(LLAMA_Q4, "llvm", tmp_path / "default", disabled_passes=off)
@@ -287,7 +295,7 @@ def test_report_prints_a_table_and_writes_a_plot(tuned: dict[str, Any], tmp_path
     rc = main(["tune", "--report", str(tuned["db"]), "--plot", str(png)])
     out = capsys.readouterr()
     assert rc == 0, out.err
-    db = TU.TuningDB(tuned["db"])
+    db = TuningDB(tuned["db"])
     assert "default us" in out.out and "speedup" in out.out
     for h, e in db.workloads.items():
         line = next(ln for ln in out.out.splitlines() if ln.startswith(h))
@@ -307,8 +315,8 @@ def test_gpu_targets_need_a_device_to_measure_on(tmp_path: Path, capsys: pytest.
     assert rc == 1
     assert "no cuda device on this machine" in err and "measures every candidate" in err
     assert not (tmp_path / "db").exists()
-    with pytest.raises(TU.TuneError, match="no vulkan device runtime"):
-        TU.tune_target("vulkan")
+    with pytest.raises(TuneError, match="no vulkan device runtime"):
+        tune_target("vulkan")
 
 
 def test_cli_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -330,20 +338,20 @@ def test_a_time_budget_ends_a_round_that_runs_past_it(tmp_path: Path, monkeypatc
         def __init__(self, *args: Any) -> None:
             pass
 
-        def round(self, w: TU.Workload, trials: int) -> None:
+        def round(self, w: Workload, trials: int) -> None:
             time.sleep(600)
 
         def close(self) -> None:
             pass
 
-    def no_timing(tunable: list[TU.Workload], entries: dict[str, Any], *args: Any) -> None:
+    def no_timing(tunable: list[Workload], entries: dict[str, Any], *args: Any) -> None:
         for w in tunable:
             entries[w.hash]["default_us"] = 1.0
 
-    monkeypatch.setattr(TU, "_Machinery", EndlessRounds)
-    monkeypatch.setattr(TU, "_measure_defaults", no_timing)
+    monkeypatch.setattr(tune_session, "Machinery", EndlessRounds)
+    monkeypatch.setattr(tune_session, "_measure_defaults", no_timing)
     t0 = time.perf_counter()
-    summary = TU.tune_model(LLAMA, "llvm", tmp_path / "db", time_budget_s=10.0, kinds=["rms_norm"], options=SMALL)
+    summary = tune_model(LLAMA, "llvm", tmp_path / "db", time_budget_s=10.0, kinds=["rms_norm"], options=SMALL)
     spent = time.perf_counter() - t0
     assert "time budget reached during a round of rms_norm" in summary.stop_reason
     assert 10.0 <= spent < 30.0 and summary.seconds == pytest.approx(spent, abs=1.0)
@@ -351,23 +359,23 @@ def test_a_time_budget_ends_a_round_that_runs_past_it(tmp_path: Path, monkeypatc
 
 
 def test_only_unknown_kind_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(TU.TuneError, match="no such decode kernel"):
-        TU.tune_model(LLAMA, "llvm", tmp_path / "db", trials=4, kinds=["conv2d"], options=SMALL)
+    with pytest.raises(TuneError, match="no such decode kernel"):
+        tune_model(LLAMA, "llvm", tmp_path / "db", trials=4, kinds=["conv2d"], options=SMALL)
 
 
 def test_a_torn_last_record_is_dropped(tmp_path: Path) -> None:
     path = tmp_path / "database_tuning_record.json"
     good = [json.dumps([0, [[], [1e-5], {}, []]]), json.dumps([0, [[], [2e-5], {}, []]])]
     path.write_text("\n".join(good) + "\n" + '[0, [[["GetSBlock", [], ["y"', encoding="utf-8")
-    TU._repair_json_lines(path)
+    tune_database._repair_json_lines(path)
     assert path.read_text(encoding="utf-8").splitlines() == good
 
 
 def test_one_session_per_database(tmp_path: Path) -> None:
-    db = TU.TuningDB(tmp_path / "db", create=True)
+    db = TuningDB(tmp_path / "db", create=True)
     (tmp_path / "db").mkdir()
     (tmp_path / "db" / ".lock").write_text(str(os.getppid()))  # a live process holds it
-    with pytest.raises(TU.TuneError, match="in use by another ggufc tune"), db.locked():
+    with pytest.raises(TuneError, match="in use by another ggufc tune"), db.locked():
         pass
     (tmp_path / "db" / ".lock").write_text("999999999")  # its owner is gone: stale
     with db.locked():
@@ -377,17 +385,17 @@ def test_one_session_per_database(tmp_path: Path) -> None:
 
 def test_rounds_go_to_untried_heavy_kernels_first_then_by_payoff() -> None:
     def cand(name: str, calls: int, default_us: float, trials: int, tuned_us: float | None = None) -> Any:
-        w = TU.Workload(("k", name), name, name, calls, None, None)  # type: ignore[arg-type]
+        w = Workload(("k", name), name, name, calls, None, None)  # type: ignore[arg-type]
         return (w, {"default_us": default_us, "tuned_us": tuned_us}, trials)
 
     heavy, light = cand("heavy", 60, 100.0, 16), cand("light", 1, 10.0, 0)
-    assert TU._pick([heavy, light], 16)[0].hash == "light"  # every kernel gets one round first
+    assert tune_session._pick([heavy, light], 16)[0].hash == "light"  # every kernel gets one round first
     a, b = cand("a", 60, 100.0, 16), cand("b", 30, 100.0, 0 + 16)
-    assert TU._pick([a, b], 16)[0].hash == "a"  # 60 calls x 100 us outweighs 30 x 100 us
+    assert tune_session._pick([a, b], 16)[0].hash == "a"  # 60 calls x 100 us outweighs 30 x 100 us
     a2 = cand("a", 60, 100.0, 64)  # after many rounds the discount lets the lighter kernel go next
-    assert TU._pick([a2, b], 16)[0].hash == "b"
+    assert tune_session._pick([a2, b], 16)[0].hash == "b"
     fast = cand("a", 60, 100.0, 16, tuned_us=10.0)  # its tuned time, not the default, is what's left
-    assert TU._pick([fast, b], 16)[0].hash == "b"
+    assert tune_session._pick([fast, b], 16)[0].hash == "b"
 
 
 def test_a_measuring_worker_gets_a_pool_of_the_threads_it_asks_for() -> None:
@@ -398,7 +406,7 @@ def test_a_measuring_worker_gets_a_pool_of_the_threads_it_asks_for() -> None:
 
     env = {k: v for k, v in os.environ.items() if k != "TVM_NUM_THREADS"}
     env["GGUFC_TUNE_THREADS"] = "3"
-    code = ("import tvm; from ggufc.driver import tune_worker as W; W.configure_threads(); "
+    code = ("import tvm; from ggufc.driver.tune import worker as W; W.configure_threads(); "
             "print(tvm.get_global_func('runtime.NumThreads')())")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip().splitlines()[-1] == "3"

@@ -26,15 +26,20 @@ from typing import Any
 import pytest
 
 from ggufc.cli import main
-from ggufc.driver import tune as TU
-from ggufc.driver import tune_report
-from ggufc.driver import tune_rpc as R
+from ggufc.driver.tune import report as tune_report
+from ggufc.driver.tune import rpc as R
+from ggufc.driver.tune.database import TuningDB
+from ggufc.driver.tune.metaschedule import Machinery
+from ggufc.driver.tune.options import TuneOptions
+from ggufc.driver.tune.session import tune_model
+from ggufc.driver.tune.targets import tune_target
+from ggufc.driver.tune.workloads import Workload
 
 GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
 FIXTURES = GOLDEN / "fixtures"
 LLAMA = FIXTURES / "llama-dense.gguf"
 KEY = "ggufc-test"
-SMALL = TU.TuneOptions.for_round(4, genetic_iters=1, timing_rounds=3, min_repeat_ms=5)
+SMALL = TuneOptions.for_round(4, genetic_iters=1, timing_rounds=3, min_repeat_ms=5)
 START_TIMEOUT_S = 120  # importing TVM in three processes on a busy 2-core machine
 
 
@@ -132,20 +137,20 @@ def test_a_session_through_the_tracker_survives_losing_a_device(loopback: Loopba
     db = tmp_path / "db"
     remote = R.RemoteDevices("127.0.0.1", loopback.tracker_port, KEY, workers=2)
     before_second: dict[str, Any] = {}
-    real_round = TU._Machinery.round
+    real_round = Machinery.round
 
-    def round_(machinery: Any, w: TU.Workload, trials: int) -> None:
+    def round_(machinery: Any, w: Workload, trials: int) -> None:
         if not before_second and any(_records(db).values()):  # the second round starts: lose server A
             before_second.update(records=_records(db), log=_device_log(db))
             loopback.signal("a", signal.SIGKILL)
         real_round(machinery, w, trials)
 
-    monkeypatch.setattr(TU._Machinery, "round", round_)
-    summary = TU.tune_model(LLAMA, "llvm", db, trials=8, kinds=["rms_norm"], options=SMALL, remote=remote)
+    monkeypatch.setattr(Machinery, "round", round_)
+    summary = tune_model(LLAMA, "llvm", db, trials=8, kinds=["rms_norm"], options=SMALL, remote=remote)
 
     assert summary.new_trials == 8 and summary.stop_reason.startswith("trial budget reached")
     assert loopback.servers["a"][0].wait(timeout=30) is not None  # A is gone
-    tdb = TU.TuningDB(db)
+    tdb = TuningDB(db)
     for h in tdb.workloads:  # every candidate was measured: no failed record
         assert all(s is not None for s in tdb.records(h)), h
     for h, data in before_second["records"].items():  # the first round's records are untouched
@@ -168,11 +173,11 @@ def test_a_session_through_the_tracker_survives_losing_a_device(loopback: Loopba
 def test_cross_targets_need_a_tracker_and_their_toolchain(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cross = "llvm -mtriple=riscv64-linux-gnu"
     with pytest.raises(ValueError, match="cannot measure riscv64-linux-gnu kernels on this .* machine"):
-        TU.tune_target(cross)
+        tune_target(cross)
     monkeypatch.setenv("PATH", str(tmp_path))  # no cross compiler anywhere
     remote = R.RemoteDevices("127.0.0.1", 1, KEY)
     with pytest.raises(ValueError, match=r"needs riscv64-linux-gnu-g\+\+ on PATH"):
-        TU.tune_target(cross, remote)
+        tune_target(cross, remote)
     target = R.parse_llvm_target("llvm -mtriple=aarch64-linux-gnu -mcpu=cortex-a76 -num-cores=4")
     assert target.attrs["mtriple"] == "aarch64-linux-gnu" and int(target.attrs["num-cores"]) == 4
     with pytest.raises(ValueError, match="cannot read '-O3'"):

@@ -12,7 +12,7 @@ one device from the tracker too. Every record of a workload's MetaSchedule datab
 `workloads/<hash>/devices.jsonl` naming the device that measured it (`KEY@host:port`, or
 `local@hostname` without a tracker); `ggufc tune --report` counts them.
 
-A device lost mid-measurement costs no record: the runner's hooks (tune_worker.rpc_*) measure the
+A device lost mid-measurement costs no record: the runner's hooks (worker.rpc_*) measure the
 candidate again on another device the tracker hands out.
 """
 
@@ -36,7 +36,7 @@ from ggufc.codegen import kernel_knobs as KN
 from ggufc.codegen.target import host_cpu_name
 from ggufc.messages import GgufcError
 
-from . import tune_worker as W
+from . import worker as W
 
 DEVICES_NAME = "devices.jsonl"
 SESSION_TIMEOUT_S = 120  # per measurement (upload, allocation, timing) and per tracker request
@@ -247,7 +247,7 @@ def read_devices(path: Path) -> dict[int, str]:
 
 
 class RemoteKernelTimer:
-    """`tune.KernelTimer` on a device from the tracker: kernels built and linked here, uploaded,
+    """`timing.KernelTimer` on a device from the tracker: kernels built and linked here, uploaded,
     and timed there in interleaved rounds on the same arguments. A device lost while timing is
     replaced by another one."""
 

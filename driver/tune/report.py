@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .tune import TuneError, TuningDB
+from .database import TuningDB
+from .options import TuneError
 
 
 @dataclass(frozen=True)
