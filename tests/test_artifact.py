@@ -10,13 +10,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from artifact_edits import write_manifest
 from safetensors.numpy import save_file
 
 from ggufc import __version__
 from ggufc.driver.compile import plain_target
 from ggufc.runtime import artifact as A
 from ggufc.runtime.artifact import ArtifactError, finalize_artifact, load_manifest, read_weights
+from tests.support.artifact_edits import write_manifest
 
 WEIGHTS = {
     "a.qs": np.arange(6 * 35, dtype=np.uint8).reshape(6, 35),  # odd size: the next array must realign

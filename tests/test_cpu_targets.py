@@ -12,8 +12,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from artifact_edits import write_manifest
-from fixtures import write_fixture
 
 import ggufc
 from ggufc.cli import main
@@ -27,6 +25,8 @@ from ggufc.driver.tune import TuneError, tune_target
 from ggufc.frontend.load import load_model
 from ggufc.ir.interp import init_state, run_graph
 from ggufc.runtime import artifact as A
+from tests.support.artifact_edits import write_manifest
+from tests.support.fixtures import write_fixture
 
 pytestmark = pytest.mark.skipif(A.host_features().machine != "x86_64", reason="x86-64 CPU names")
 

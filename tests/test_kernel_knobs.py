@@ -32,8 +32,8 @@ from ggufc.driver import tune_worker as W
 from ggufc.driver.compile import compile_model
 from ggufc.ir.ops import Attention
 from ggufc.runtime.session import Session
+from tests.support.goldens import GOLDEN
 
-GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
 FIXTURES = GOLDEN / "fixtures"
 LLAMA_Q4 = FIXTURES / "llama-dense-Q4_0.gguf"
 TARGET = cpu_target()

@@ -29,8 +29,8 @@ from ggufc.cli import main
 from ggufc.driver import tune as TU
 from ggufc.driver import tune_report
 from ggufc.driver import tune_rpc as R
+from tests.support.goldens import GOLDEN
 
-GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
 FIXTURES = GOLDEN / "fixtures"
 LLAMA = FIXTURES / "llama-dense.gguf"
 KEY = "ggufc-test"
