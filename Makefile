@@ -40,7 +40,7 @@ lint: setup
 	mypy -p ggufc  # through the ggufc/<stage> links, so types reach across folders
 
 bench: setup
-	$(PY) benchmarks/bench_smollm2.py
+	$(PY) -m benchmarks.bench_smollm2
 
 # The vulkan target's tests run on Mesa's software Vulkan driver (lavapipe) where no GPU is present
 vulkan-driver:

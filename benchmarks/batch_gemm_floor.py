@@ -8,7 +8,7 @@ batching shares the weight reads, not that arithmetic. With the weights already 
 GEMM's time is that arithmetic alone, so the sum over one step's GEMMs at P rows is a floor under
 the batched step, and P * (one-token step) / floor bounds what batching P streams can gain.
 
-    PYTHONPATH=. python benchmarks/batch_gemm_floor.py ARTIFACT [--rows 2,4,8] [--steps 40]
+    python -m benchmarks.batch_gemm_floor ARTIFACT [--rows 2,4,8] [--steps 40]
 
 Every 2-D 8-bit weight of the artifact is one GEMM per step (the tied token embedding counts once,
 as the output layer). The one-token step is timed on the artifact itself (Session.forward), after

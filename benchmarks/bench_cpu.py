@@ -1,8 +1,8 @@
 """ggufc against llama.cpp on the CPU, in one run: throughput, bandwidth, decode speed against context.
 
-    python benchmarks/bench_cpu.py [--threads 2] [--prompt-tokens 64] [--gen-tokens 32]
+    python -m benchmarks.bench_cpu [--threads 2] [--prompt-tokens 64] [--gen-tokens 32]
                                    [--out benchmarks/results] [--contexts 0,256,512,1024] [--doc docs/performance.md]
-    python benchmarks/bench_cpu.py --from-json benchmarks/results/bench_cpu.json --doc docs/performance.md
+    python -m benchmarks.bench_cpu --from-json benchmarks/results/bench_cpu.json --doc docs/performance.md
 
 Everything is measured in the same process, interleaved (one ggufc repeat, then one llama.cpp
 repeat, three rounds, best of each kept), because timings on a shared 2-vCPU VM vary by +-30 %:
@@ -244,7 +244,7 @@ def results_table(r: dict[str, Any], plot_link: str) -> str:
     lines = [
         f"Machine: {r['machine']}; {r['threads']} threads; {r['date']}; model {r['model_name']}; "
         f"prompt {r['prompt_tokens']} tokens, {r['gen_tokens']} generated, best of {r['repeats']} "
-        f"(`python benchmarks/bench_cpu.py`)."
+        f"(`python -m benchmarks.bench_cpu`)."
         + (f" 1-minute load average {r['load_avg_1min'][0]:.1f} at the start, {r['load_avg_1min'][1]:.1f} at the end "
            f"(other jobs on the machine: above {r['threads']} the engines share cores and both slow down, "
            "llama.cpp's spinning OpenMP pool far more)." if "load_avg_1min" in r else ""),

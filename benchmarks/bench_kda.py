@@ -9,7 +9,7 @@ best and median milliseconds of each in alternating rounds (machine load hits bo
 ratio, and each form's error against the float64 sequential reference (max abs of o and of the new
 state over the reference's largest value).
 
-    python benchmarks/bench_kda.py [--gate key|head] [--heads 32] [--dim 128] [--tokens 1 8 16 64 512] [--rounds 5]
+    python -m benchmarks.bench_kda [--gate key|head] [--heads 32] [--dim 128] [--tokens 1 8 16 64 512] [--rounds 5]
 """
 
 from __future__ import annotations

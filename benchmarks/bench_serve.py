@@ -18,7 +18,7 @@ during the run weighs on both figures alike. Then, in this process, the kernel-l
 batched decode step of P slots (`SlotGroup.decode_batch`) against one single-sequence decode
 step, timed alternately, and the throughput ratio P * t_single / t_batch.
 
-    python benchmarks/bench_serve.py [MODEL.gguf|ARTIFACT] [--parallel 4] [--clients 1,4] [--tokens 64]
+    python -m benchmarks.bench_serve [MODEL.gguf|ARTIFACT] [--parallel 4] [--clients 1,4] [--tokens 64]
         [--rounds 3] [--json OUT.json]
 
 The server feeds the tokens of all generating slots in one batched decode call (every weight read
@@ -145,7 +145,6 @@ def summarise(runs: list[list[dict[str, Any]]]) -> dict[str, Any]:
 def kernel_step_ratio(model: str | None, parallel: int, steps: int = 40) -> dict[str, Any]:
     """Median times of one `decode_batch` call over `parallel` slots and of one single-sequence
     decode call, alternated, on the artifact the server ran (slots at different positions)."""
-    sys.path.insert(0, str(ROOT))
     from ggufc.driver.models import cached_artifact_dir, resolve_model
     from ggufc.runtime.slot_group import SlotGroup
 

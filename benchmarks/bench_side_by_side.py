@@ -1,6 +1,6 @@
 """ggufc against llama.cpp on several models, in one run: prefill, decode, the decode roofline.
 
-    python benchmarks/bench_side_by_side.py [--models-dir /work/bench-models] [--llama-python PY]
+    python -m benchmarks.bench_side_by_side [--models-dir /work/bench-models] [--llama-python PY]
         [--threads 2] [--prompt-tokens 128] [--gen-tokens 32] [--repeats 3] [--cold-compile dense]
         [--cpu NAME] [--out benchmarks/results]
 
@@ -43,10 +43,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from bench_cpu import GgufcEngine, machine, settle, sgemv_read, stream_bandwidth, time_once
-from llama_cpp_side import LlamaCppWorker, llama_cpp_missing, llama_python
-from make_bench_model import DEFAULT_OUT, model_path
-from stream_read import stream_read_gb_s
+
+from benchmarks.bench_cpu import GgufcEngine, machine, settle, sgemv_read, stream_bandwidth, time_once
+from benchmarks.llama_cpp_side import LlamaCppWorker, llama_cpp_missing, llama_python
+from benchmarks.make_bench_model import DEFAULT_OUT, model_path
+from benchmarks.stream_read import stream_read_gb_s
 
 
 @dataclass(frozen=True)
@@ -204,7 +205,7 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         f"Machine: {report['machine']}; {report['threads']} threads; {report['date']}; prompt "
         f"{report['prompt_tokens']} tokens, {report['gen_tokens']} generated, best of {report['repeats']} "
-        f"interleaved repeats (`python benchmarks/bench_side_by_side.py`). 1-minute load average "
+        f"interleaved repeats (`python -m benchmarks.bench_side_by_side`). 1-minute load average "
         f"{report['load_avg_1min'][0]:.1f} at the start, {report['load_avg_1min'][1]:.1f} at the end: other jobs "
         "shared the machine, so absolute figures move between runs; the ratios come from interleaved repeats.",
         "",
@@ -310,7 +311,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="ggufc-cold-") as cold_root:
         for m in models:
             if not m.path.is_file():
-                report["models"][m.key] = {"skipped": f"{m.path} missing (benchmarks/make_bench_model.py {m.key})"}
+                hint = f"python -m benchmarks.make_bench_model {m.key}"
+                report["models"][m.key] = {"skipped": f"{m.path} missing ({hint})"}
                 print(report["models"][m.key]["skipped"])
                 continue
             artifact = None

@@ -1,7 +1,7 @@
 """SmolLM2-135M-Instruct Q4_1 side by side: ggufc and llama.cpp (when `llama_cpp` is importable).
 
 Prefill tokens/s for a P-token prompt and decode tokens/s for G tokens, best of 3, 2 threads,
-measured in one run so the ratios compare like with like. Run: python benchmarks/bench_smollm2.py
+measured in one run so the ratios compare like with like. Run: python -m benchmarks.bench_smollm2
 """
 
 from __future__ import annotations

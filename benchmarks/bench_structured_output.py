@@ -2,7 +2,7 @@
 bitmask fill, its unpacking onto the logits (numpy) and the matcher's advance, against the plain
 decode step (one `Session.forward` of one token), over the greedy tokens of a JSON-schema answer.
 
-Run: python benchmarks/bench_structured_output.py [--tokens N]
+Run: python -m benchmarks.bench_structured_output [--tokens N]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A model's decode step with default kernels vs with a `ggufc tune` database, in one run.
 
-    python benchmarks/bench_tuning.py --db DIR [MODEL.gguf] [--tune-minutes 30] [--rounds 9] [--json OUT]
+    python -m benchmarks.bench_tuning --db DIR [MODEL.gguf] [--tune-minutes 30] [--rounds 9] [--json OUT]
 
 With `--tune-minutes M`, first runs a `ggufc tune` session of that budget into DIR. Then, in one
 process and one run (so machine load hits both sides alike):
@@ -45,9 +45,9 @@ os.environ.setdefault("TVM_NUM_THREADS", str(len(os.sched_getaffinity(0))))
 
 import numpy as np  # noqa: E402
 import tvm  # noqa: E402
-from stream_read import LANES, UNROLL, read_kernel, stream_read_gb_s  # noqa: E402  (this folder, first on sys.path)
 from tvm.script import tirx as T  # noqa: E402
 
+from benchmarks.stream_read import LANES, UNROLL, read_kernel, stream_read_gb_s
 from ggufc.codegen import kernel_knobs as KN
 from ggufc.codegen.kernel_keys import OpKernel  # noqa: E402
 from ggufc.driver.compile import compile_model  # noqa: E402

@@ -1,7 +1,7 @@
 """Where a decode step's time goes: each kernel's time and the bytes its arguments span (so its
 read bandwidth and share of the stream-read roofline), and the Relax VM's builtin calls.
 
-    PYTHONPATH=. python benchmarks/decode_profile.py ARTIFACT [--threads 2] [--steps 8] [--context 64]
+    python -m benchmarks.decode_profile ARTIFACT [--threads 2] [--steps 8] [--context 64]
         [--batch P]
 
 --batch P profiles the batched decode step of `ggufc serve --parallel P` instead (`decode_batch`:
@@ -134,7 +134,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=64, help="tokens in the context before the profiled step")
     ap.add_argument("--batch", type=int, default=0, help="profile the batched step of this many slots")
     args = ap.parse_args()
-    from stream_read import stream_read_gb_s
+    from benchmarks.stream_read import stream_read_gb_s
 
     p = profile(args.artifact, args.threads, args.steps, args.context, args.batch)
     read = stream_read_gb_s(args.threads, mib=1024, repeats=5)["read_gb_s"]

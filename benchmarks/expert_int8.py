@@ -1,7 +1,7 @@
 """Routed experts' matmuls: the float kernels (a `quantize_act` q8_K kernel, then codegen/formats/block_formats.py's
 `qmatmul_experts`) against the 8-bit integer kernel (codegen/cpu_int8/experts.py), in one run.
 
-    TVM_NUM_THREADS=2 python benchmarks/expert_int8.py [--rounds 7] [--tokens 1,128]
+    TVM_NUM_THREADS=2 python -m benchmarks.expert_int8 [--rounds 7] [--tokens 1,128]
 
 Shapes of the MoE benchmark model (make_bench_model.py moe: 32 experts, 4 used, n_embd 1024,
 expert FFN 768): gate/up [32, 768, 1024] Q4_K reading one row per token, down [32, 1024, 768]
@@ -17,19 +17,16 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import tvm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quant_kernels import make_raw  # noqa: E402
-
+from benchmarks.quant_kernels import make_raw
 from ggufc.codegen.cpu_int8 import block32 as Q8
 from ggufc.codegen.cpu_int8 import experts as E8
 from ggufc.codegen.formats import block_formats as Q
-from ggufc.codegen.target import cpu_target  # noqa: E402
-from ggufc.codegen.tvm_util import aligned_zeros, to_tvm  # noqa: E402
+from ggufc.codegen.target import cpu_target
+from ggufc.codegen.tvm_util import aligned_zeros, to_tvm
 
 N_EXP, SLOTS = 32, 4
 CASES = [("gate/up", "Q4_K", 768, 1024, False), ("down", "Q4_K", 1024, 768, True), ("down", "Q6_K", 1024, 768, True)]

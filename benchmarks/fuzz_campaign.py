@@ -1,9 +1,9 @@
 """A long fuzz campaign against the GGUF reader (validator + gguf.GGUFReader via open_gguf).
 
-    python benchmarks/fuzz_campaign.py --engine atheris --seconds 600   # coverage-guided (libFuzzer)
-    python benchmarks/fuzz_campaign.py --engine mutate --seconds 600    # structure-aware, pure Python
+    python -m benchmarks.fuzz_campaign --engine atheris --seconds 600   # coverage-guided (libFuzzer)
+    python -m benchmarks.fuzz_campaign --engine mutate --seconds 600    # structure-aware, pure Python
 
-The property is `check_input` from tests/gguf_corpus.py: GGUFError or a clean open, nothing else.
+The property is `check_input` from tests/support/gguf_corpus.py: GGUFError or a clean open, nothing else.
 Seeds are the fuzz suite's corpus (a synthetic file with every value type and several tensor
 types, and the smallest project fixture). `atheris` (pip install atheris) instruments ggufc and
 the gguf package and lets libFuzzer steer mutations by coverage, half of them through the
@@ -24,12 +24,9 @@ import time
 import traceback
 from pathlib import Path
 
-TESTS = Path(__file__).resolve().parents[1] / "tests"
-sys.path.insert(0, str(TESTS))
-
 
 def seeds(scratch: Path) -> list[bytes]:
-    from gguf_corpus import build_gguf, fixture_bytes
+    from tests.support.gguf_corpus import build_gguf, fixture_bytes
 
     return [build_gguf().data, fixture_bytes(scratch)]
 
@@ -38,7 +35,7 @@ def seeds(scratch: Path) -> list[bytes]:
 
 
 def run_mutate(seconds: float, out: Path, seed: int) -> dict[str, object]:
-    from gguf_corpus import build_gguf, check_input, mutate
+    from tests.support.gguf_corpus import build_gguf, check_input, mutate
 
     scratch = Path(tempfile.mkdtemp(prefix="ggufc-fuzz-"))
     synthetic = build_gguf()
@@ -67,7 +64,7 @@ def run_atheris(seconds: float, out: Path, seed: int) -> None:
     import atheris
 
     with atheris.instrument_imports(include=["ggufc", "gguf"]):
-        from gguf_corpus import check_input, mutate
+        from tests.support.gguf_corpus import check_input, mutate
 
     scratch = Path(tempfile.mkdtemp(prefix="ggufc-fuzz-"))
     corpus = Path(tempfile.mkdtemp(prefix="ggufc-fuzz-corpus-"))

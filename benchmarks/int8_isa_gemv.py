@@ -1,7 +1,7 @@
 """Decode GEMVs built for another x86 CPU: the 8-bit integer kernel against the float kernel it
 replaces (codegen/quant.qmatmul, which dequantizes the weights as it goes), both for one target.
 
-    python benchmarks/int8_isa_gemv.py [--cpu haswell] [--types Q4_0,Q8_0,Q4_K,Q6_K] [--rounds 3]
+    python -m benchmarks.int8_isa_gemv [--cpu haswell] [--types Q4_0,Q8_0,Q4_K,Q6_K] [--rounds 3]
 
 The default target is haswell (AVX2 + FMA, the 8-bit kernels' AVX2 form: vpmaddubsw + vpmaddwd),
 which runs on any x86 CPU with AVX-512 too, so the AVX2 kernels can be timed on such a machine.
@@ -13,20 +13,16 @@ interleaved and the best time of each kept (a shared machine varies by +-30 %).
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import tvm
 
+from benchmarks.quant_kernels import make_raw, tvm_timer
 from ggufc.codegen.cpu_int8 import block32 as Q8
 from ggufc.codegen.cpu_int8.isa import int8_isa
 from ggufc.codegen.formats import block_formats as quant
 from ggufc.codegen.tvm_util import aligned_copy, aligned_zeros, to_tvm
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quant_kernels import make_raw, tvm_timer  # noqa: E402  (this folder's benchmark helpers)
 
 SHAPES = [(2048, 2048), (5632, 2048), (2048, 5632)]  # a 1.1B llama's q/o, gate/up, down
 

@@ -2,7 +2,7 @@
 matmul) against the 8-bit integer kernels (codegen/cpu_int8/block32.py, codegen/cpu_int8/kquant.py), in one
 run: the K-quants, and Q5_0/Q5_1 (`--types Q5_0,Q5_1`; Q5_1's float path adds the q8_1 minimum fix).
 
-    TVM_NUM_THREADS=2 python benchmarks/kquant_int8.py [--rounds 7] [--types Q4_K,Q6_K]
+    TVM_NUM_THREADS=2 python -m benchmarks.kquant_int8 [--rounds 7] [--types Q4_K,Q6_K]
                                                        [--model ../shared/golden/fixtures/llama-dense-Q4_K_M.gguf]
 
 * GEMV (decode) on realistic matrices (1536 x 6144 and 6144 x 1536): `cold` cycles through enough
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -31,16 +30,14 @@ from pathlib import Path
 import numpy as np
 import tvm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quant_kernels import make_raw  # noqa: E402
-from stream_read import stream_read_gb_s  # noqa: E402
-
+from benchmarks.quant_kernels import make_raw
+from benchmarks.stream_read import stream_read_gb_s
 from ggufc.codegen.cpu_int8 import block32 as Q8
 from ggufc.codegen.cpu_int8 import kquant as KQ
 from ggufc.codegen.formats import block_formats as Q
-from ggufc.codegen.target import cpu_target  # noqa: E402
-from ggufc.codegen.tvm_util import aligned_zeros, to_tvm  # noqa: E402
-from ggufc.ir.act_quant import ACT_SCHEME, MIN_TYPES  # noqa: E402
+from ggufc.codegen.target import cpu_target
+from ggufc.codegen.tvm_util import aligned_zeros, to_tvm
+from ggufc.ir.act_quant import ACT_SCHEME, MIN_TYPES
 
 SHAPES = [(1536, 6144), (6144, 1536)]
 LLC_BYTES = 300 << 20  # this machine's L3: cold copies must exceed it

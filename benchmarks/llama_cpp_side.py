@@ -3,8 +3,8 @@
 llama.cpp is often best built into its own virtual environment (e.g. with AVX-512 switched on),
 apart from ggufc's, so the benchmark scripts run this file with that environment's interpreter:
 
-    PY benchmarks/llama_cpp_side.py quantize SRC.gguf DST.gguf Q4_K_M [--threads 2]
-    PY benchmarks/llama_cpp_side.py serve     # JSON lines on stdin/stdout, see `serve`
+    PY -m benchmarks.llama_cpp_side quantize SRC.gguf DST.gguf Q4_K_M [--threads 2]
+    PY -m benchmarks.llama_cpp_side serve     # JSON lines on stdin/stdout, see `serve`
 
 `llama_python()` says which interpreter that is: `--llama-python`, else `$GGUFC_LLAMA_PYTHON`,
 else the running one.
@@ -62,10 +62,16 @@ def quantize(src: Path, dst: Path, qtype: str, threads: int) -> None:
     tmp.replace(dst)
 
 
+def repo_on_path() -> dict[str, str]:
+    """The environment for this file under another interpreter: the repository root importable (for
+    `benchmarks.bench_cpu`), as it is from the root with `python -m`."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
+
+
 def quantize_with(python: str, src: Path, dst: Path, qtype: str, threads: int) -> None:
     """Run `quantize` under `python` (the interpreter that has llama_cpp)."""
-    subprocess.run([python, str(Path(__file__).resolve()), "quantize", str(src), str(dst), qtype,
-                    "--threads", str(threads)], check=True)
+    subprocess.run([python, "-m", "benchmarks.llama_cpp_side", "quantize", str(src), str(dst), qtype,
+                    "--threads", str(threads)], check=True, env=repo_on_path())
 
 
 # ------------------------------------------------------------------------------------------ serve
@@ -86,8 +92,7 @@ def serve() -> None:
     {"cmd": "greedy", "prompt", "gen_tokens"} -> {"tokens", "finite"} (the greedy continuation,
     whether the prompt's logits are all finite);
     {"cmd": "close"} -> {}."""
-    sys.path.insert(0, str(HERE))
-    from bench_cpu import LlamaCppEngine, time_once
+    from benchmarks.bench_cpu import LlamaCppEngine, time_once
 
     engine: Any = None
     out = sys.stdout
@@ -133,8 +138,8 @@ class LlamaCppWorker:
     name = "llama.cpp"
 
     def __init__(self, python: str) -> None:
-        self.proc = subprocess.Popen([python, str(Path(__file__).resolve()), "serve"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, bufsize=1)
+        self.proc = subprocess.Popen([python, "-m", "benchmarks.llama_cpp_side", "serve"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, bufsize=1, env=repo_on_path())
 
     def ask(self, **req: Any) -> dict[str, Any]:
         assert self.proc.stdin is not None and self.proc.stdout is not None

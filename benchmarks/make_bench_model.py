@@ -1,6 +1,6 @@
 """Random-weight benchmark models of about a billion parameters, with SmolLM2's real tokenizer.
 
-    python benchmarks/make_bench_model.py dense|moe|hybrid [--quant Q4_K_M[,Q5_K_M,Q6_K,Q8_0]]
+    python -m benchmarks.make_bench_model dense|moe|hybrid [--quant Q4_K_M[,Q5_K_M,Q6_K,Q8_0]]
                                           [--out /work/bench-models] [--llama-python PY] [--seed 0]
 
 Writes `OUT/bench-<shape>.F16.gguf` with the `gguf` package, then quantizes it with llama.cpp's own
@@ -12,7 +12,7 @@ The shapes (`SHAPES`): `dense` is llama-shaped (n_embd 1536, 28 layers, FFN 6144
 heads, 1.1 B parameters); `moe` is qwen3moe-shaped (n_embd 1024, 16 layers, 32 experts of FFN 768,
 4 used, 1.3 B parameters in all); `hybrid` is qwen35-shaped (the dense model's sizes, gated
 delta-net layers alternating with gated full attention). The tensor lists and hyper-parameters come
-from the test-fixture writer (`tests/fixtures.py`), so they are exactly what the architecture files
+from the test-fixture writer (`tests/support/fixtures.py`), so they are exactly what the architecture files
 read; only the sizes, the values and the tokenizer are the benchmark's.
 
 Values: every weight matrix is N(0, 1/fan_in), so a projection keeps its input's size and the
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import sys
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,10 +32,9 @@ from typing import Any
 import gguf
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from fixture_spec import FixtureOptions, FixtureSize, TensorSpec  # noqa: E402
-from fixtures import _write_hparams, plan_tensors, tensor_values  # noqa: E402
-from llama_cpp_side import QUANT_TYPES, llama_cpp_missing, llama_python, quantize_with  # noqa: E402
+from benchmarks.llama_cpp_side import QUANT_TYPES, llama_cpp_missing, llama_python, quantize_with
+from tests.support.fixture_spec import FixtureOptions, FixtureSize, TensorSpec
+from tests.support.fixtures import _write_hparams, plan_tensors, tensor_values
 
 DEFAULT_OUT = Path("/work/bench-models")
 N_CTX = 2048  # the trained context written into the file: what ggufc and llama.cpp both allocate

@@ -1,6 +1,6 @@
 """Prompt (prefill) speed of two compiled artifacts of one model, interleaved in one run.
 
-    python benchmarks/prefill_ab.py OLD_ARTIFACT NEW_ARTIFACT [--tokens 128] [--rounds 5] [--threads 2]
+    python -m benchmarks.prefill_ab OLD_ARTIFACT NEW_ARTIFACT [--tokens 128] [--rounds 5] [--threads 2]
         [--decode N]
 
 Both artifacts are loaded side by side and prefill the same prompt in turn, round by round (the

@@ -1,7 +1,7 @@
 """Where a prompt's time goes: each kernel family's time in one prefill call, for one or more
 compiled artifacts of a model, their calls interleaved round by round.
 
-    PYTHONPATH=. python benchmarks/prefill_profile.py ARTIFACT [ARTIFACT ...] [--tokens 128] [--rounds 8]
+    python -m benchmarks.prefill_profile ARTIFACT [ARTIFACT ...] [--tokens 128] [--rounds 8]
 
 As decode_profile.py, the VM's instrument hook timestamps each call before and after it, so a
 kernel's time excludes the VM's own work; a family is a kernel's name without its kXXX_ prefix

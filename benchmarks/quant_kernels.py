@@ -1,6 +1,6 @@
 """Quantised matmul kernels (codegen/formats/block_formats.py) against numpy on pre-dequantised f32 weights.
 
-    python benchmarks/quant_kernels.py [--types Q4_1,Q8_0] [--rounds 3] [--prefill-t 64]
+    python -m benchmarks.quant_kernels [--types Q4_1,Q8_0] [--rounds 3] [--prefill-t 64]
 
 Shapes are SmolLM2-135M's (hidden 576, ffn 1536, vocab 49152). For each case one row: kernel time,
 GB/s of weight bytes read (kernel layout, = GGUF size +0-3 %), GFLOP/s, numpy time and the ratio

@@ -3,7 +3,7 @@ each streaming its half of a 1 GiB buffer in 64-byte (AVX-512) loads into xor ac
 and without software prefetch. Every byte is read once per call and nothing is written, so the
 best time over a few calls is the stream-read roofline of a memory-bound decode step.
 
-    PYTHONPATH=. python benchmarks/stream_read.py [--threads 2] [--mib 1024]
+    python -m benchmarks.stream_read [--threads 2] [--mib 1024]
 """
 
 from __future__ import annotations

@@ -13,8 +13,6 @@ import gguf
 import numpy as np
 import pytest
 import tvm
-from fixture_spec import FixtureSize
-from fixtures import write_fixture
 
 from ggufc.codegen.cpu_int8 import block32 as Q8
 from ggufc.codegen.formats import block_formats as Q
@@ -29,6 +27,8 @@ from ggufc.ir.ops import matmul_ref
 from ggufc.passes.pipeline import run_pipeline
 from ggufc.passes.quantize_acts import quantize_activations
 from ggufc.runtime.session import Session
+from tests.support.fixture_spec import FixtureSize
+from tests.support.fixtures import write_fixture
 
 TARGET = cpu_target()
 HAS_INT8_DOT = Q8.int8_isa(TARGET) is not None

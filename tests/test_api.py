@@ -9,10 +9,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from fixtures import write_fixture
-from gpu_support import GOLDEN
 
 import ggufc
+from tests.support.fixtures import write_fixture
+from tests.support.goldens import GOLDEN
 
 TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}<|assistant|>"
 
@@ -201,7 +201,7 @@ def test_context_mismatch_speaks_of_n_ctx(artifact: Path) -> None:
 
 @pytest.fixture(scope="module")
 def artifact_without_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from test_session import build_toy_artifact
+    from tests.support.toy_artifact import build_toy_artifact
 
     return build_toy_artifact(tmp_path_factory.mktemp("notok") / "artifact")
 

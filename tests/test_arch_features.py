@@ -1,6 +1,6 @@
 """Features of the popular architectures that llama.cpp's random fixtures cannot show (their
 2-layer or separate-q/k/v files never reach them, or random weights leave the scores near zero):
-project-written fixtures that reach each one (tests/feature_fixtures.py): compiled kernels
+project-written fixtures that reach each one (tests/support/feature_fixtures.py): compiled kernels
 against the numpy interpreter, the graph checked for the structure the feature implies, and
 `ggufc eval` against llama.cpp's logits for the same files (tests/goldens, written by
 make_feature_goldens.py).
@@ -13,9 +13,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from feature_fixtures import FEATURE_FIXTURES, write_feature_fixture
-from fixtures import full_options, write_fixture
-from test_models_compiled import compile_fixture, compiled_decode, compiled_prefill, interpreted, nmse
 
 from ggufc.cli import main
 from ggufc.frontend.archs.mistral3 import temperatures
@@ -23,10 +20,13 @@ from ggufc.frontend.hparams import RopeScaling, scaled_rope_table
 from ggufc.frontend.load import load_model
 from ggufc.ir.graph import Graph
 from ggufc.ir.interp import init_state, run_graph
+from tests.support.compiled_models import compile_fixture, compiled_decode, compiled_prefill, interpreted, nmse
+from tests.support.feature_fixtures import FEATURE_FIXTURES, write_feature_fixture
+from tests.support.fixtures import full_options, write_fixture
+from tests.support.goldens import GOLDEN, with_metadata
 
 N_TOKENS = 12
 LOCAL = Path(__file__).resolve().parent / "goldens"
-GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
 MODES = {None: "logits_prefill", 1: "logits_decode", 7: "logits_chunk7"}
 
 
@@ -148,15 +148,8 @@ def test_gpt_oss_top1_selects_the_largest_biased_router_logit(tmp_path: Path) ->
     arg-max of W_r h + b_r on the raw logits, compared as sets of indices against an independent
     float64 computation from the traced FFN input (layer 0 picks expert 0 for all 64 tokens,
     layer 1 expert 1 for 12 of them)."""
-    import shutil
-    import subprocess
-    import sys
-
-    path = tmp_path / "gpt-oss-moe-top1.gguf"
-    shutil.copyfile(GOLDEN / "fixtures" / "gpt-oss-moe.gguf", path)
-    path.chmod(0o644)
-    subprocess.run([sys.executable, "-m", "gguf.scripts.gguf_set_metadata", str(path), "gpt-oss.expert_used_count",
-                    "1", "--force"], check=True, capture_output=True)
+    path = with_metadata(GOLDEN / "fixtures" / "gpt-oss-moe.gguf", tmp_path / "gpt-oss-moe-top1.gguf",
+                         {"gpt-oss.expert_used_count": "1"})
     tokens = np.load(GOLDEN / "logits" / "gpt-oss-moe-top1.npz")["tokens"].astype(np.int32)
     values = traced(path, tokens)
     tensors = load_model(path).gguf.tensors

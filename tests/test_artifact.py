@@ -10,7 +10,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from artifact_edits import write_manifest
 from safetensors.numpy import save_file
 
 from ggufc import __version__
@@ -22,6 +21,7 @@ from ggufc.runtime import host as H
 from ggufc.runtime.artifact import ArtifactError
 from ggufc.runtime.artifact_reader import load_manifest, read_weights
 from ggufc.runtime.artifact_writer import finalize_artifact
+from tests.support.artifact_edits import write_manifest
 
 WEIGHTS = {
     "a.qs": np.arange(6 * 35, dtype=np.uint8).reshape(6, 35),  # odd size: the next array must realign

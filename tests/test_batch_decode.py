@@ -9,8 +9,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from fixture_spec import FixtureSize
-from fixtures import write_fixture
 
 from ggufc.codegen.batch_rows import decode_batch_refusal
 from ggufc.codegen.target import resolve_target
@@ -19,6 +17,8 @@ from ggufc.frontend.load import load_model
 from ggufc.ir.batch_rows import batch_refusal
 from ggufc.runtime.session import ContextOverflowError, Session
 from ggufc.runtime.slot_group import SlotGroup
+from tests.support.fixture_spec import FixtureSize
+from tests.support.fixtures import write_fixture
 
 # head dim 32: attention runs the row-streaming kernel real models use (dims of 16 take the TE one)
 SIZE = FixtureSize(n_head=2, n_head_kv=1, head_dim=32, n_ctx=64)

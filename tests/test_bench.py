@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
-from test_session import build_toy_artifact
 
 from ggufc import cli
+from tests.support.toy_artifact import build_toy_artifact
 
 
 @pytest.fixture(scope="module")

@@ -4,19 +4,17 @@ count (benchmarks/bench_side_by_side.py), on narrow variants of the benchmark sh
 from __future__ import annotations
 
 import dataclasses
-import sys
 from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
-from fixture_spec import FixtureOptions
-from fixtures import plan_tensors
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import make_bench_model as gen  # noqa: E402
-from bench_side_by_side import decode_weight_bytes  # noqa: E402
-from llama_cpp_side import llama_cpp_missing  # noqa: E402
+from benchmarks import make_bench_model as gen
+from benchmarks.bench_side_by_side import decode_weight_bytes
+from benchmarks.llama_cpp_side import llama_cpp_missing
+from tests.support.fixture_spec import FixtureOptions
+from tests.support.fixtures import plan_tensors
 
 Written = dict[str, tuple[Path, gguf.GGUFReader]]
 
@@ -85,8 +83,8 @@ def test_missing_llama_cpp_is_one_line(tmp_path: Path) -> None:
 def test_stream_read_kernel_reads_every_word(prefetch: bool) -> None:
     """The stream-read roofline kernel (benchmarks/stream_read.py) xors every word of each task's part."""
     import tvm
-    from stream_read import LANES, read_kernel
 
+    from benchmarks.stream_read import LANES, read_kernel
     from ggufc.codegen.target import cpu_target
     from ggufc.codegen.tvm_util import aligned_empty, to_tvm
 

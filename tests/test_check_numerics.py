@@ -14,11 +14,11 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-from fixtures import write_fixture
 
 from ggufc.cli import cached_artifact_dir, main
 from ggufc.driver.numerics import _first_non_finite, _probes, locate_non_finite
 from ggufc.runtime.numerics import NonFiniteLogitsError, NumericsGuard
+from tests.support.fixtures import write_fixture
 
 POISONED_ROW = 7  # the token whose embedding row holds an Inf
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gpu_support import golden_fixture, need_vulkan
 
 from ggufc.cli import main
 from ggufc.driver.inspect_model import natural_key
+from tests.support.gpu_support import golden_fixture, need_vulkan
 
 Q4_1_FIXTURE = Path(__file__).parent / "goldens" / "llama-dense-Q4_1.gguf"
 

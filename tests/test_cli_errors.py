@@ -11,10 +11,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gpu_support import GOLDEN
 
 import ggufc
 from ggufc.cli import main
+from tests.support.goldens import GOLDEN
 
 FIXTURE = GOLDEN / "fixtures" / "llama-dense.gguf"  # ../shared beside the checkout
 
@@ -248,7 +248,7 @@ def test_missing_default_model(monkeypatch: pytest.MonkeyPatch, capsys: pytest.C
 @pytest.fixture(scope="module")
 def toy_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("tvm")
-    from test_session import build_toy_artifact
+    from tests.support.toy_artifact import build_toy_artifact
 
     return build_toy_artifact(tmp_path_factory.mktemp("toy") / "artifact")
 
@@ -257,7 +257,7 @@ def toy_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_eval_writes_teacher_forced_logits(
     chunk: int | None, toy_artifact: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from test_session import TOKENS, reference_logits
+    from tests.support.toy_artifact import TOKENS, reference_logits
 
     np.save(tmp_path / "t.npy", TOKENS.astype(np.int64))
     argv = ["eval", toy_artifact, "--tokens", tmp_path / "t.npy", "--out", tmp_path / "l.npy"]
@@ -366,7 +366,7 @@ def test_console_script_reports_one_line(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def toy_artifact_with_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("tvm")
-    from test_session import build_toy_artifact
+    from tests.support.toy_artifact import build_toy_artifact
 
     return build_toy_artifact(tmp_path_factory.mktemp("toytok") / "artifact", with_tokenizer=True)
 
@@ -374,7 +374,7 @@ def toy_artifact_with_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Pat
 def test_run_streams_greedy_text(
     toy_artifact_with_tokenizer: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from test_session import TOY_LETTERS, greedy_reference
+    from tests.support.toy_artifact import TOY_LETTERS, greedy_reference
 
     code, out, err = run_cli(["run", toy_artifact_with_tokenizer, "--prompt", "dbe", "-n", "5"], capsys)
     assert code == 0, err
@@ -385,7 +385,7 @@ def test_run_streams_greedy_text(
 def test_run_chat_uses_template(
     toy_artifact_with_tokenizer: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from test_session import TOY_LETTERS, greedy_reference
+    from tests.support.toy_artifact import TOY_LETTERS, greedy_reference
 
     code, out, err = run_cli(
         ["run", toy_artifact_with_tokenizer, "--prompt", "dbe", "-n", "4", "--chat"], capsys

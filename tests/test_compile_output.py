@@ -8,9 +8,9 @@ import stat
 from pathlib import Path
 
 import pytest
-from gpu_support import golden_fixture
 
 from ggufc.cli import main
+from tests.support.gpu_support import golden_fixture
 
 
 @pytest.fixture(autouse=True)

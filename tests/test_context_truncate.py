@@ -10,9 +10,6 @@ from the truncated context equal those of the fresh run, compared as sets.
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,9 +20,9 @@ import pytest
 from ggufc.codegen.tvm_util import aligned_zeros
 from ggufc.driver.models import cached_artifact_dir, compiled_session, existing_session, resolve_model
 from ggufc.runtime import Session
+from tests.support.goldens import GOLDEN, skip_without_goldens, with_metadata
 
-GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
-pytestmark = pytest.mark.skipif(not GOLDEN.is_dir(), reason=f"llama.cpp goldens not found at {GOLDEN}")
+pytestmark = skip_without_goldens()
 
 # sparse variants: the key and value their goldens were made with (../shared/golden/README.md)
 SPARSE = {"qwen4exp-moe-sparse": ("qwen4exp", 4), "glm-dsa-moe-F16-sparse": ("glm-dsa", 8),
@@ -55,12 +52,8 @@ def nmse(a: np.ndarray, b: np.ndarray) -> float:
 def sparse_copy(tmp: Path, name: str) -> Path:
     """The dense fixture with its indexer.top_k lowered, made as the golden README says."""
     arch, top_k = SPARSE[name]
-    path = tmp / f"{name}.gguf"
-    shutil.copyfile(GOLDEN / "fixtures" / f"{name.removesuffix('-sparse')}.gguf", path)
-    path.chmod(0o644)
-    subprocess.run([sys.executable, "-m", "gguf.scripts.gguf_set_metadata", str(path),
-                    f"{arch}.attention.indexer.top_k", str(top_k), "--force"], check=True, capture_output=True)
-    return path
+    return with_metadata(GOLDEN / "fixtures" / f"{name.removesuffix('-sparse')}.gguf", tmp / f"{name}.gguf",
+                         {f"{arch}.attention.indexer.top_k": str(top_k)})
 
 
 class CompiledOnce(dict[str, Path]):

@@ -12,8 +12,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from artifact_edits import write_manifest
-from fixtures import write_fixture
 
 import ggufc
 from ggufc.cli import main
@@ -30,6 +28,8 @@ from ggufc.ir.interp import init_state, run_graph
 from ggufc.runtime import artifact as A
 from ggufc.runtime import artifact_reader as AR
 from ggufc.runtime import host as H
+from tests.support.artifact_edits import write_manifest
+from tests.support.fixtures import write_fixture
 
 pytestmark = pytest.mark.skipif(H.host_features().machine != "x86_64", reason="x86-64 CPU names")
 

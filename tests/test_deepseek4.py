@@ -10,13 +10,9 @@ from __future__ import annotations
 import json
 from collections import Counter
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
-from fixture_spec import FixtureSize
-from fixtures import full_options, write_fixture
-from sparse_probes import Compiled, compile_probed, decode_kernel_calls, nmse, with_metadata
 
 from ggufc.cli import main
 from ggufc.codegen.target import cpu_target
@@ -25,32 +21,20 @@ from ggufc.frontend.load import LoadedModel, load_model
 from ggufc.ir.decompose import decompose
 from ggufc.ir.graph import Graph, Value
 from ggufc.ir.hyper_connections import hc_pre_ref
-from ggufc.ir.interp import init_state, run_graph
-from ggufc.passes.constant_fold import with_constants
 from ggufc.passes.pipeline import run_pipeline
+from tests.support.arch_models import (
+    DEEPSEEK4_TOKENS,
+    deepseek4_project,
+    deepseek4_tokens,
+    interpret_traced,
+    visible_rows,
+)
+from tests.support.goldens import GOLDEN, skip_without_goldens, with_metadata
+from tests.support.sparse_probes import Compiled, compile_probed, decode_kernel_calls, nmse
 
-GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
 DENSE = GOLDEN / "fixtures" / "deepseek4-moe-F16.gguf"
-needs_golden = pytest.mark.skipif(not DENSE.exists(), reason=f"llama.cpp goldens not found at {GOLDEN}")
+needs_golden = skip_without_goldens(DENSE)
 MODES = {None: "logits_prefill", 1: "logits_decode", 7: "logits_chunk7"}
-
-
-def interpret(model: LoadedModel, graph: Graph, tokens: np.ndarray, chunk: int, dtype: Any = np.float32,
-              traced: tuple[str, ...] = ()) -> tuple[np.ndarray, dict[str, list[np.ndarray]]]:
-    """Logits of `graph` for `tokens` fed `chunk` at a time from an empty context, and the traced
-    values (by name) of every call."""
-    state = init_state(graph, {}, dtype)
-    load = with_constants(graph, model.param_loader())
-    ids = {o.label: o.id for n in graph.nodes for o in n.outputs}
-    parts, seen = [], {name: [] for name in traced}  # type: ignore[var-annotated]
-    for start in range(0, len(tokens), chunk):
-        res = run_graph(graph, {"tokens": tokens[start : start + chunk], "pos": np.int64(start)}, load, state,
-                        dtype=dtype, trace=bool(traced))
-        state = res.state
-        parts.append(res.outputs[0])
-        for name in traced:
-            seen[name].append(res.trace[ids[name]])
-    return np.concatenate(parts), seen
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +43,7 @@ def sparse_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if not DENSE.exists():
         pytest.skip("llama.cpp goldens absent")
     return with_metadata(DENSE, tmp_path_factory.mktemp("sparse") / "deepseek4-moe-F16-sparse.gguf",
-                         "deepseek4.attention.indexer.top_k", "4")
+                         {"deepseek4.attention.indexer.top_k": "4"})
 
 
 def _eval(path: Path, tokens: np.ndarray, chunk: int | None, tmp: Path, compile_cache: Path,
@@ -111,7 +95,7 @@ def test_interpreter_matches_both_goldens(sparse_path: Path) -> None:
     for path, name in ((DENSE, "deepseek4-moe-F16"), (sparse_path, "deepseek4-moe-F16-sparse")):
         golden = np.load(GOLDEN / "logits" / f"{name}.npz")
         model = load_model(path, 64)
-        logits, _ = interpret(model, model.graphs["prefill_all"], golden["tokens"].astype(np.int32), 64)
+        logits, _ = interpret_traced(model, model.graphs["prefill_all"], golden["tokens"].astype(np.int32), 64)
         assert nmse(logits, golden["logits_prefill"]) < 1e-6, name
 
 
@@ -119,25 +103,15 @@ def test_interpreter_matches_both_goldens(sparse_path: Path) -> None:
 # the project's fixture: CSA (with hash routing), sliding window, HCA; 140 tokens complete an HCA block
 
 
-FIXTURE_SIZE = FixtureSize(n_layer=3, n_ctx=160)
-N_TOKENS = 140
-
-
 @pytest.fixture(scope="module")
 def project(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    path = write_fixture("deepseek4", tmp_path_factory.mktemp("ds4") / "deepseek4.gguf", size=FIXTURE_SIZE,
-                         **full_options("deepseek4"))
-    return load_model(path, FIXTURE_SIZE.n_ctx)
-
-
-def project_tokens(model: LoadedModel) -> np.ndarray:
-    return np.random.default_rng(7).integers(0, model.hparams.n_vocab, N_TOKENS).astype(np.int32)
+    return deepseek4_project(tmp_path_factory.mktemp("ds4"))
 
 
 def test_fixture_has_every_layer_kind(project: LoadedModel) -> None:
     hp = project.hparams
-    assert hp.ratios == (4, 0, 128) and hp.hash_layers == 1 and hp.window < N_TOKENS
-    assert hp.idx_top_k < N_TOKENS // 4 and hp.yarn is not None and hp.yarn.ext_factor == 1.0
+    assert hp.ratios == (4, 0, 128) and hp.hash_layers == 1 and hp.window < DEEPSEEK4_TOKENS
+    assert hp.idx_top_k < DEEPSEEK4_TOKENS // 4 and hp.yarn is not None and hp.yarn.ext_factor == 1.0
     ops = {n.op for n in project.graphs["prefill_all"].nodes}
     assert {"compressed_score", "compressed_attention", "topk"} <= ops
 
@@ -146,21 +120,16 @@ def test_chunks_of_every_size_equal_one_shot(project: LoadedModel) -> None:
     """Chunks of 1..7 tokens (every offset of a compressor block of 4 and its window of 8, and of
     HCA's block of 128): the compressor states carry the incomplete blocks, so logits and the CSA
     selection (as sets per query) are the one-shot ones (float64 interpreter)."""
-    tokens = project_tokens(project)
+    tokens = deepseek4_tokens(project)
     graph = project.graphs["prefill_all"]
-    one_shot, seen = interpret(project, graph, tokens, N_TOKENS, np.float64, ("lid_top_k@0",))
+    one_shot, seen = interpret_traced(project, graph, tokens, DEEPSEEK4_TOKENS, np.float64, ("lid_top_k@0",))
     want = seen["lid_top_k@0"][0]
     for chunk in range(1, 8):
-        logits, got = interpret(project, graph, tokens, chunk, np.float64, ("lid_top_k@0",))
+        logits, got = interpret_traced(project, graph, tokens, chunk, np.float64, ("lid_top_k@0",))
         assert nmse(logits, one_shot) < 1e-20, f"chunks of {chunk}"
         sel = np.concatenate(got["lid_top_k@0"])
-        for t in range(N_TOKENS):
-            assert _visible(sel[t], t) == _visible(want[t], t), f"chunks of {chunk}, query {t}"
-
-
-def _visible(row: np.ndarray, t: int, ratio: int = 4) -> set[int]:
-    """The selected compressed rows a query at position t can see (complete blocks)."""
-    return {int(j) for j in row if 0 <= j and (j + 1) * ratio <= t + 1}
+        for t in range(DEEPSEEK4_TOKENS):
+            assert visible_rows(sel[t], t) == visible_rows(want[t], t), f"chunks of {chunk}, query {t}"
 
 
 @pytest.fixture(scope="module")
@@ -171,13 +140,13 @@ def compiled(project: LoadedModel) -> Compiled:
         topk = next(n for n in graph.nodes if n.op == "topk" and n.outputs[1].name == "lid_top_k")
         return [topk.outputs[1], next(n for n in graph.nodes if n.op == "compressed_score").outputs[0]]
 
-    return compile_probed(project, csa_selection, max_tokens=N_TOKENS, target=cpu_target())
+    return compile_probed(project, csa_selection, max_tokens=DEEPSEEK4_TOKENS, target=cpu_target())
 
 
 def test_compiled_matches_reference_in_every_chunking(compiled: Compiled) -> None:
-    tokens = project_tokens(compiled.model)
-    one_shot = compiled.run(tokens, N_TOKENS)[0]
-    reference, _ = interpret(compiled.model, compiled.graph, tokens, N_TOKENS, np.float64)
+    tokens = deepseek4_tokens(compiled.model)
+    one_shot = compiled.run(tokens, DEEPSEEK4_TOKENS)[0]
+    reference, _ = interpret_traced(compiled.model, compiled.graph, tokens, DEEPSEEK4_TOKENS, np.float64)
     assert nmse(one_shot, reference) < 1e-9
     for chunk in range(1, 8):
         assert nmse(compiled.run(tokens, chunk)[0], one_shot) < 1e-9, f"chunks of {chunk}"
@@ -188,29 +157,30 @@ def test_compiled_selection_equals_reference(compiled: Compiled) -> None:
     visible rows per query), one-shot, in chunks of 7 and in decode. Clear margins: at every query
     that drops rows, the kept and the best dropped score are apart by more than float32 noise."""
     model = compiled.model
-    tokens = project_tokens(model)
+    tokens = deepseek4_tokens(model)
     k = model.hparams.idx_top_k
-    _, seen = interpret(model, compiled.graph, tokens, N_TOKENS, np.float64, ("lid_score@0", "lid_top_k@0"))
+    _, seen = interpret_traced(model, compiled.graph, tokens, DEEPSEEK4_TOKENS, np.float64,
+                               ("lid_score@0", "lid_top_k@0"))
     scores, want = seen["lid_score@0"][0], seen["lid_top_k@0"][0]
     dropping = 0
-    for t in range(N_TOKENS):
+    for t in range(DEEPSEEK4_TOKENS):
         visible = np.sort(scores[t][np.isfinite(scores[t])])[::-1]
         if len(visible) > k:
             dropping += 1
             assert visible[k - 1] - visible[k] > 1e-4 * max(abs(visible[k - 1]), 1e-3), f"near tie at query {t}"
     assert dropping >= 100  # queries whose complete rows exceed the budget
-    for chunk in (N_TOKENS, 7, 1):
+    for chunk in (DEEPSEEK4_TOKENS, 7, 1):
         got = compiled.run(tokens, chunk)[1]
-        for t in range(N_TOKENS):
-            assert _visible(got[t], t) == _visible(want[t], t), f"chunks of {chunk}, query {t}"
+        for t in range(DEEPSEEK4_TOKENS):
+            assert visible_rows(got[t], t) == visible_rows(want[t], t), f"chunks of {chunk}, query {t}"
 
 
 def test_hash_layer_routes_by_token(project: LoadedModel) -> None:
     """Layer 0 picks the experts ffn_gate_tid2eid lists for each token (whatever the scores say),
     its weights are the normalised, scaled sqrt-softplus scores of those experts."""
-    tokens = project_tokens(project)[:16]
+    tokens = deepseek4_tokens(project)[:16]
     graph = project.graphs["prefill_all"]
-    _, seen = interpret(project, graph, tokens, 16, np.float64,
+    _, seen = interpret_traced(project, graph, tokens, 16, np.float64,
                         ("ffn_moe_ids@0", "ffn_moe_logits@0", "ffn_moe_weights_scaled@0", "ffn_moe_ids@1"))
     table = np.asarray(project.gguf.tensors["blk.0.ffn_gate_tid2eid.weight"].data).view(np.int32)
     table = table.reshape(project.hparams.n_vocab, -1)
@@ -269,10 +239,10 @@ def test_fusions_hit_and_compute_the_unfused_graph(project: LoadedModel) -> None
                               ("fuse_compressor_pool", {"compressor_pool"})):
         off, off_stats = run_pipeline(graph, disabled=frozenset({off_pass}))
         assert off_pass not in off_stats and not off_ops & set(_ops(off))
-    tokens = project_tokens(project)[:20]
-    want, _ = interpret(project, graph, tokens, 20, np.float64)
+    tokens = deepseek4_tokens(project)[:20]
+    want, _ = interpret_traced(project, graph, tokens, 20, np.float64)
     for g in (fused, decompose(fused)):
-        got, _ = interpret(project, g, tokens, 20, np.float64)
+        got, _ = interpret_traced(project, g, tokens, 20, np.float64)
         assert nmse(got, want) < 1e-24
 
 

@@ -33,11 +33,12 @@ from ggufc.ir.graph import Graph
 from ggufc.ir.interp import init_state, run_graph
 from ggufc.ir.verify import verify
 from ggufc.passes.pipeline import run_pipeline
+from tests.support.goldens import GOLDEN, skip_without_goldens
+from tests.support.linear_attention import worst_error_over_calls
 
-GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
 FIXTURES = ["qwen35-dense", "qwen3next-moe"]
 MODES = {64: "logits_prefill", 1: "logits_decode", 7: "logits_chunk7"}
-needs_goldens = pytest.mark.skipif(not GOLDEN.is_dir(), reason=f"llama.cpp goldens not found at {GOLDEN}")
+needs_goldens = skip_without_goldens()
 
 
 def nmse(a: np.ndarray, b: np.ndarray) -> float:
@@ -92,22 +93,6 @@ def test_recurrence_state_carries_across_calls() -> None:
         parts.append(o)
     np.testing.assert_allclose(np.concatenate(parts), o_all, rtol=1e-13, atol=1e-14)
     np.testing.assert_allclose(s, s_all, rtol=1e-13, atol=1e-14)
-
-
-def worst_error_over_calls(fn: Any, state: np.ndarray, inputs: tuple[np.ndarray, ...], head_map: str,
-                           scale: float) -> float:
-    """Largest relative error of a compiled delta-net kernel's outputs and carried state against the
-    float64 sequential reference, over calls of 70, 1 and 3 tokens on the carried state."""
-    s_ref, s_dev = state, tvm.runtime.tensor(state.astype(np.float32))
-    worst = 0.0
-    for t0, t1 in ((0, 70), (70, 71), (71, 74)):
-        part = [x[t0:t1] for x in inputs]
-        s_ref, o_ref = R.gated_delta_net_ref(s_ref, *part, head_map, scale)
-        out = tvm.runtime.tensor(np.zeros(o_ref.shape, np.float32))
-        fn(s_dev, *(tvm.runtime.tensor(x.astype(np.float32)) for x in part), out)
-        worst = max(worst, float(np.max(np.abs(out.numpy() - o_ref)) / np.max(np.abs(o_ref))),
-                    float(np.max(np.abs(s_dev.numpy() - s_ref)) / np.max(np.abs(s_ref))))
-    return worst
 
 
 @pytest.mark.parametrize("head_map", R.HEAD_MAPS)
@@ -327,7 +312,7 @@ def test_interpreter_fused_unfused_and_decomposed_agree(name: str) -> None:
 
 def _write_variant(path: Path, arrays: dict[str, np.ndarray]) -> Path:
     """A tiny qwen3next model with these exact tensors (keys as the fixture writer writes them)."""
-    import fixtures as FX
+    from tests.support import fixtures as FX
 
     fs, opts = FX.resolve_size("tiny"), FX.FixtureOptions()
     writer = gguf.GGUFWriter(str(path), "qwen3next")
@@ -343,7 +328,7 @@ def _write_variant(path: Path, arrays: dict[str, np.ndarray]) -> Path:
 
 
 def _fixture_arrays() -> dict[str, np.ndarray]:
-    import fixtures as FX
+    from tests.support import fixtures as FX
 
     specs = FX.plan_tensors("qwen3next", FX.resolve_size("tiny"), FX.FixtureOptions())
     return {s.name: FX.tensor_values(s, 0) for s in specs}
@@ -406,8 +391,8 @@ def test_qwen3next_alternative_layouts_compute_the_same(tmp_path: Path, variant:
 
 def test_arch_facts_reach_the_graph(tmp_path: Path) -> None:
     """qwen3next shares q/k heads interleaved and rotates NEOX; qwen35 tiled with IMROPE sections."""
-    from fixtures import write_fixture
-    from fixtures_hybrid import IMROPE_SECTIONS
+    from tests.support.fixtures import write_fixture
+    from tests.support.fixtures_hybrid import IMROPE_SECTIONS
 
     for arch, head_map, rope_mode in (("qwen3next", "interleaved", "neox"), ("qwen35", "tiled", "imrope")):
         model = load_model(write_fixture(arch, tmp_path / f"{arch}.gguf"))

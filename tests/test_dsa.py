@@ -18,9 +18,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from fixtures import write_fixture
-from fixtures_latent import INDEXER_TOP_K
-from sparse_probes import Compiled, compile_probed, decode_kernel_calls, interpret, nmse, with_metadata
 
 from ggufc.cli import main
 from ggufc.codegen.build import state_plan
@@ -28,30 +25,25 @@ from ggufc.frontend.archs import deepseek32, glm_dsa
 from ggufc.frontend.hparams import Keys, ModelError
 from ggufc.frontend.load import LoadedModel, load_model
 from ggufc.passes.pipeline import run_pipeline
+from tests.support.arch_models import DSA_DENSE, DSA_SPARSE_TOP_K, dsa_sparse_copy
+from tests.support.fixtures import write_fixture
+from tests.support.fixtures_latent import INDEXER_TOP_K
+from tests.support.goldens import GOLDEN
+from tests.support.sparse_probes import Compiled, compile_probed, decode_kernel_calls, interpret, nmse
 
-GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
-DENSE = ["glm-dsa-moe-F16", "deepseek32-moe-F16"]
-needs_golden = pytest.mark.skipif(not (GOLDEN / "fixtures" / f"{DENSE[0]}.gguf").exists(),
+needs_golden = pytest.mark.skipif(not (GOLDEN / "fixtures" / f"{DSA_DENSE[0]}.gguf").exists(),
                                   reason=f"llama.cpp goldens not found at {GOLDEN}")
 MODES = {64: "logits_prefill", 7: "logits_chunk7", 1: "logits_decode"}
-SPARSE_TOP_K = 8
 ROUNDING = ("fold_dequantize", "quantize_activations")  # the passes that change numerics (F16 activations)
-
-
-def sparse_copy(name: str, folder: Path) -> Path:
-    """The dense fixture with indexer.top_k = 8."""
-    arch = name.split("-moe")[0]
-    return with_metadata(GOLDEN / "fixtures" / f"{name}.gguf", folder / f"{name}-sparse.gguf",
-                         f"{arch}.attention.indexer.top_k", str(SPARSE_TOP_K))
 
 
 @pytest.fixture(scope="module")
 def golden_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    if not (GOLDEN / "fixtures" / f"{DENSE[0]}.gguf").exists():
+    if not (GOLDEN / "fixtures" / f"{DSA_DENSE[0]}.gguf").exists():
         pytest.skip("llama.cpp goldens absent")
     folder = tmp_path_factory.mktemp("dsa-sparse")
-    paths = {n: GOLDEN / "fixtures" / f"{n}.gguf" for n in DENSE}
-    paths.update({f"{n}-sparse": sparse_copy(n, folder) for n in DENSE})
+    paths = {n: GOLDEN / "fixtures" / f"{n}.gguf" for n in DSA_DENSE}
+    paths.update({f"{n}-sparse": dsa_sparse_copy(n, folder) for n in DSA_DENSE})
     return paths
 
 
@@ -73,12 +65,12 @@ def test_hparams_of_the_llama_cpp_fixtures(golden_models: dict[str, LoadedModel]
         assert hp.indexer_full == (True, True) and hp.n_lead_dense == 1 and hp.indexer.top_k == 131072
     assert (glm.indexer.rope_mode, glm.indexer.key_eps, ds.indexer.rope_mode, ds.indexer.key_eps) == (
         "norm", 0.0, "neox", 1e-6)
-    assert golden_models["glm-dsa-moe-F16-sparse"].hparams.indexer.top_k == SPARSE_TOP_K
+    assert golden_models["glm-dsa-moe-F16-sparse"].hparams.indexer.top_k == DSA_SPARSE_TOP_K
 
 
 @needs_golden
 @pytest.mark.parametrize("chunk", list(MODES))
-@pytest.mark.parametrize("name", [*DENSE, *(f"{n}-sparse" for n in DENSE)])
+@pytest.mark.parametrize("name", [*DSA_DENSE, *(f"{n}-sparse" for n in DSA_DENSE)])
 def test_interpreter_matches_llama_cpp(golden_models: dict[str, LoadedModel], name: str, chunk: int) -> None:
     """The spelled graph with llama.cpp's F16 activation rounding: measured 1e-9..6e-9 NMSE
     (float32 activations: ~5e-8; llama.cpp's own prefill vs decode: ~3e-9)."""
@@ -91,7 +83,7 @@ def test_interpreter_matches_llama_cpp(golden_models: dict[str, LoadedModel], na
 
 @needs_golden
 @pytest.mark.parametrize("chunk", list(MODES))
-@pytest.mark.parametrize("name", DENSE)
+@pytest.mark.parametrize("name", DSA_DENSE)
 def test_compiled_sparse_matches_llama_cpp_sparse(golden_paths: dict[str, Path], name: str, chunk: int,
                                                   tmp_path: Path, compile_cache: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:

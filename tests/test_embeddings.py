@@ -8,13 +8,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-from fixtures import write_fixture
 
 import ggufc
 from ggufc.frontend.load import hidden_states_graph, load_model
 from ggufc.ir.interp import init_state, run_graph
 from ggufc.runtime.embeddings import Pooler, pool, unit_length
 from ggufc.runtime.session import Session
+from tests.support.fixtures import write_fixture
 
 N_CTX, MAX_CHUNK = 64, 8
 # measured on this float32 fixture (compiled with the passes against the float64 interpreter): a

@@ -17,8 +17,8 @@ import pytest
 from ggufc.frontend.archs import exaone4
 from ggufc.frontend.hparams import Keys, ModelError
 from ggufc.frontend.load import load_model
+from tests.support.goldens import GOLDEN
 
-GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
 FIXTURE = GOLDEN / "fixtures" / "exaone4-dense.gguf"
 
 

@@ -1,15 +1,13 @@
 """The routed experts' 8-bit kernel (codegen/cpu_int8/experts.py) against the numpy reference (matmul_id
 of the dequantized experts on q8_K-rounded rows), bit for bit against a numpy model of llama.cpp's
-ggml_vec_dot_*_K_q8_K (tests/ggml_x86.py) and against the dense 8-bit kernel on the same rows."""
+ggml_vec_dot_*_K_q8_K (tests/support/ggml_x86.py) and against the dense 8-bit kernel on the same rows."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-import ggml_x86 as G
 import gguf
-import int8_isas as I
 import numpy as np
 import pytest
 import tvm
@@ -22,6 +20,8 @@ from ggufc.codegen.tvm_util import aligned_zeros, to_tvm
 from ggufc.driver.models import cached_artifact_dir, compile_gguf
 from ggufc.ir.act_quant import quantize_act_ref
 from ggufc.ir.moe_routing import matmul_id_ref
+from tests.support import ggml_x86 as G
+from tests.support import int8_isas as I
 
 TARGET = cpu_target()
 needs_int8_dot = pytest.mark.skipif(Q8.int8_isa(TARGET) is None,

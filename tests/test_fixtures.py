@@ -8,8 +8,12 @@ from typing import Any
 import gguf
 import numpy as np
 import pytest
-from fixture_spec import SIZES
-from fixtures import (
+
+from ggufc.frontend.archs import ARCHITECTURES
+from ggufc.frontend.load import LoadedModel, dequantize_tensor, load_model
+from ggufc.ir.interp import init_state, run_graph
+from tests.support.fixture_spec import SIZES
+from tests.support.fixtures import (
     RECIPES,
     SYNTHESISED,
     FixtureOptions,
@@ -18,10 +22,6 @@ from fixtures import (
     plan_tensors,
     write_fixture,
 )
-
-from ggufc.frontend.archs import ARCHITECTURES
-from ggufc.frontend.load import LoadedModel, dequantize_tensor, load_model
-from ggufc.ir.interp import init_state, run_graph
 
 ARCHS = sorted(ARCHITECTURES)
 N_TOKENS = 7

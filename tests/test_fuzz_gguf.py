@@ -19,7 +19,12 @@ from typing import Any
 import gguf
 import numpy as np
 import pytest
-from gguf_corpus import (
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ggufc.frontend.gguf_file import GGUFError, open_gguf
+from ggufc.frontend.gguf_validate import MAX_ARRAY_ITEMS, validate_gguf, validate_gguf_bytes
+from tests.support.gguf_corpus import (
     DEFAULT_KVS,
     DEFAULT_TENSORS,
     GGUFImage,
@@ -31,12 +36,7 @@ from gguf_corpus import (
     mutate,
     with_kv,
 )
-from gpu_support import GOLDEN as SHARED_GOLDEN
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
-from ggufc.frontend.gguf_file import GGUFError, open_gguf
-from ggufc.frontend.gguf_validate import MAX_ARRAY_ITEMS, validate_gguf, validate_gguf_bytes
+from tests.support.goldens import GOLDEN as SHARED_GOLDEN
 
 V = gguf.GGUFValueType
 Q = gguf.GGMLQuantizationType

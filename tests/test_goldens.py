@@ -14,8 +14,8 @@ import pytest
 from ggufc.cli import main
 from ggufc.codegen.cpu_int8.isa import int8_isa
 from ggufc.codegen.target import cpu_target
+from tests.support.goldens import GOLDEN, eval_golden, with_metadata
 
-GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
 needs_shared = pytest.mark.skipif(not GOLDEN.is_dir(), reason=f"llama.cpp goldens not found at {GOLDEN}")
 
 # Gemma's GELU reads llama.cpp's F16 table: an input one float32 ulp from llama.cpp's can round to
@@ -58,18 +58,6 @@ def nmse(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.mean((a - b) ** 2) / np.mean(b**2))
 
 
-def _eval(name: str, chunk: int | None, tmp: Path, compile_cache: Path, monkeypatch: pytest.MonkeyPatch,
-          where: tuple[Path, Path] = (GOLDEN / "fixtures", GOLDEN / "logits")) -> np.ndarray:
-    monkeypatch.setenv("GGUFC_CACHE", str(compile_cache))
-    golden = np.load(where[1] / f"{name}.npz")
-    tokens = tmp / "tokens.npy"
-    out = tmp / "logits.npy"
-    np.save(tokens, golden["tokens"].astype(np.int32))
-    argv = ["eval", str(where[0] / f"{name}.gguf"), "--tokens", str(tokens), "--out", str(out)]
-    if chunk is not None:
-        argv += ["--chunk", str(chunk)]
-    assert main(argv) == 0
-    return np.load(out)
 
 
 @needs_shared
@@ -77,7 +65,7 @@ def _eval(name: str, chunk: int | None, tmp: Path, compile_cache: Path, monkeypa
 @pytest.mark.parametrize("name", F32_FIXTURES + F16_FIXTURES)
 def test_f32_fixture_matches_llama_cpp(name: str, chunk: int | None, tmp_path: Path, compile_cache: Path,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    logits = _eval(name, chunk, tmp_path, compile_cache, monkeypatch)
+    logits = eval_golden(name, chunk, tmp_path, compile_cache, monkeypatch)
     golden = np.load(GOLDEN / "logits" / f"{name}.npz")[MODES[chunk]]
     assert logits.shape == golden.shape and logits.dtype == np.float32
     assert nmse(logits, golden) < 1e-6
@@ -88,18 +76,9 @@ def test_f32_fixture_matches_llama_cpp(name: str, chunk: int | None, tmp_path: P
 @pytest.fixture(scope="module")
 def variant_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Every metadata variant, written once per run as `<variant>.gguf`."""
-    import shutil
-    import subprocess
-    import sys
-
     folder = tmp_path_factory.mktemp("variants")
     for name, (base, keys) in METADATA_VARIANTS.items():
-        path = folder / f"{name}.gguf"
-        shutil.copyfile(GOLDEN / "fixtures" / f"{base}.gguf", path)
-        path.chmod(0o644)
-        for key, value in keys.items():
-            subprocess.run([sys.executable, "-m", "gguf.scripts.gguf_set_metadata", str(path), key, value, "--force"],
-                           check=True, capture_output=True)
+        with_metadata(GOLDEN / "fixtures" / f"{base}.gguf", folder / f"{name}.gguf", keys)
     return folder
 
 
@@ -109,7 +88,7 @@ def variant_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_metadata_variant_matches_llama_cpp(name: str, chunk: int | None, tmp_path: Path, compile_cache: Path,
                                             monkeypatch: pytest.MonkeyPatch, variant_dir: Path) -> None:
     """Keys the random fixtures are blind to at their defaults (scores near 0 hide a softcap of 50)."""
-    logits = _eval(name, chunk, tmp_path, compile_cache, monkeypatch, (variant_dir, GOLDEN / "logits"))
+    logits = eval_golden(name, chunk, tmp_path, compile_cache, monkeypatch, (variant_dir, GOLDEN / "logits"))
     golden = np.load(GOLDEN / "logits" / f"{name}.npz")[MODES[chunk]]
     assert logits.shape == golden.shape
     assert nmse(logits, golden) < 1e-10
@@ -120,7 +99,7 @@ def test_metadata_variant_matches_llama_cpp(name: str, chunk: int | None, tmp_pa
 @pytest.mark.parametrize("name", QUANT_FIXTURES)
 def test_quantized_fixture_matches_llama_cpp(name: str, chunk: int | None, tmp_path: Path, compile_cache: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    logits = _eval(name, chunk, tmp_path, compile_cache, monkeypatch)
+    logits = eval_golden(name, chunk, tmp_path, compile_cache, monkeypatch)
     golden = np.load(GOLDEN / "logits" / f"{name}.npz")[MODES[chunk]]
     assert nmse(logits, golden) < 5e-3
     # with llama.cpp's 8-bit activation rounding (quantize_activations, MoE experts included) the
@@ -145,7 +124,7 @@ def test_block_format_fixture_matches_llama_cpp(name: str, chunk: int | None, tm
     """Weights decoded in registers from their blocks, activations rounded as llama.cpp rounds them:
     measured 1.4e-14..2.9e-14 (every position under 8.4e-14); the MXFP4 MoE fixture 0 on a CPU with
     8-bit dot products (its experts' products and block sums are exact in f32)."""
-    logits = _eval(name, chunk, tmp_path, compile_cache, monkeypatch)
+    logits = eval_golden(name, chunk, tmp_path, compile_cache, monkeypatch)
     golden = np.load(GOLDEN / "logits" / f"{name}.npz")[MODES[chunk]]
     assert logits.shape == golden.shape and logits.dtype == np.float32
     per_position = np.mean((logits - golden) ** 2, axis=1) / np.mean(golden**2)
@@ -158,7 +137,7 @@ def test_block_minimum_fixture_matches_llama_cpp(name: str, chunk: int | None, t
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Q4_1/Q5_1 weights read q8_1 activations: the m term uses the f16 block sums s (with the
     q8_0 reading of the same input: 1.4e-6 (Q4_1) and 2.1e-6 (Q5_1); measured now 3e-14..7e-14)."""
-    logits = _eval(name, chunk, tmp_path, compile_cache, monkeypatch, (LOCAL, LOCAL))
+    logits = eval_golden(name, chunk, tmp_path, compile_cache, monkeypatch, (LOCAL, LOCAL))
     golden = np.load(LOCAL / f"{name}.npz")[MODES[chunk]]
     assert nmse(logits, golden) < 1e-10
 

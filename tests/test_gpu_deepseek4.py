@@ -1,8 +1,8 @@
 """deepseek4 on the GPU targets: the Sinkhorn mix kernel against the float64 reference, the CSA
 selection of the project's fixture against the numpy interpreter (as sets of visible compressed
-rows per query, one-shot, chunked and decode), llama.cpp's goldens through `ggufc eval --target
-vulkan` (dense here, top_k 4 in the slow tier), and both compiled to metal source and (slow tier)
-cuda PTX.
+rows per query, one-shot, chunked and decode). llama.cpp's goldens through `ggufc eval --target
+vulkan` (dense, and top_k 4 in the slow tier) are rows of tests/test_gpu_vulkan.py, the sparse golden
+compiled to metal source and (slow tier) cuda PTX rows of tests/test_gpu_targets.py.
 
 GPU targets keep float32 activations (llama.cpp's CPU rounds F16-matmul inputs to F16): measured
 3.52e-7 NMSE dense and 3.56e-7..3.57e-7 sparse in all three modes, against the bar of 1e-6.
@@ -11,14 +11,8 @@ per compressor."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
-import test_deepseek4 as TD
-import test_gpu_targets as TGT
-from gpu_support import golden_fixture, golden_logits, need_vulkan, nmse
-from test_gpu_qwen4exp import VulkanModel, _compile, _eval_modes
 
 from ggufc.codegen.families import hyper_connections as HCK
 from ggufc.codegen.gpu import device_info as DI
@@ -28,8 +22,20 @@ from ggufc.frontend.load import LoadedModel
 from ggufc.ir import ops as O
 from ggufc.ir.hyper_connections import sinkhorn_pre_ref
 from ggufc.runtime.wgpu_runtime import run_kernel
+from tests.support.arch_models import (
+    DEEPSEEK4_TOKENS,
+    deepseek4_project,
+    deepseek4_tokens,
+    interpret_traced,
+    visible_rows,
+)
+from tests.support.gpu_support import need_vulkan, nmse
+from tests.support.vulkan_models import VulkanModel
 
-project = TD.project  # the project's deepseek4 fixture (hash layer, CSA, window, HCA), module-scoped
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    return deepseek4_project(tmp_path_factory.mktemp("ds4"))
 
 
 @pytest.fixture(scope="module")
@@ -71,70 +77,13 @@ def test_vulkan_selection_equals_reference_as_sets(project: LoadedModel, dev: ob
     graph = optimise({"prefill_all": project.graphs["prefill_all"]}, frozenset(), target)[0]["prefill_all"]
     topk = next(n for n in graph.nodes if n.op == "topk" and n.outputs[1].name == "lid_top_k")
     graph = graph.replace(outputs=[graph.outputs[0], topk.outputs[1]])
-    tokens = TD.project_tokens(project)
-    reference, seen = TD.interpret(project, graph, tokens, TD.N_TOKENS, np.float64, ("lid_top_k@0",))
+    tokens = deepseek4_tokens(project)
+    reference, seen = interpret_traced(project, graph, tokens, DEEPSEEK4_TOKENS, np.float64, ("lid_top_k@0",))
     want = seen["lid_top_k@0"][0]
-    compiled = VulkanModel(project, graph, max_chunk=TD.N_TOKENS)
-    for chunk in (TD.N_TOKENS, 7, 1):
+    compiled = VulkanModel(project, graph, max_chunk=DEEPSEEK4_TOKENS)
+    for chunk in (DEEPSEEK4_TOKENS, 7, 1):
         logits, got = compiled.run(tokens, chunk)
         assert nmse(logits, reference) < 1e-9, chunk
         assert got.shape == want.shape
-        for t in range(TD.N_TOKENS):
-            assert TD._visible(got[t], t) == TD._visible(want[t], t), f"chunks of {chunk}, query {t}"
-
-
-def test_deepseek4_vulkan_eval_matches_llama_cpp(tmp_path: Path, dev: object) -> None:
-    golden = golden_logits("deepseek4-moe-F16")
-    got = _eval_modes(_compile(golden_fixture("deepseek4-moe-F16"), tmp_path), golden["tokens"], tmp_path)
-    for key, logits in got.items():
-        assert logits.shape == golden[key].shape and nmse(logits, golden[key]) < 1e-6, (key, nmse(logits, golden[key]))
-
-
-def _sparse_copy(folder: Path) -> Path:
-    """The dense golden fixture with indexer.top_k = 4 (llama.cpp's sparse golden)."""
-    import shutil
-    import subprocess
-    import sys
-
-    path = folder / "deepseek4-moe-F16-sparse.gguf"
-    shutil.copyfile(golden_fixture("deepseek4-moe-F16"), path)
-    path.chmod(0o644)
-    subprocess.run([sys.executable, "-m", "gguf.scripts.gguf_set_metadata", str(path),
-                    "deepseek4.attention.indexer.top_k", "4", "--force"], check=True, capture_output=True)
-    return path
-
-
-@pytest.mark.slow
-def test_deepseek4_sparse_vulkan_eval_matches_llama_cpp_sparse(tmp_path: Path, dev: object) -> None:
-    """top_k = 4 compressed rows: closer to llama.cpp's sparse logits than its dense logits are, by >= 1000x."""
-    dense, sparse = golden_logits("deepseek4-moe-F16"), golden_logits("deepseek4-moe-F16-sparse")
-    got = _eval_modes(_compile(_sparse_copy(tmp_path), tmp_path), sparse["tokens"], tmp_path)
-    for key, logits in got.items():
-        err, gap = nmse(logits, sparse[key]), nmse(dense[key], sparse[key])
-        assert err < 1e-6 and gap / err >= 1000, (key, err, gap)
-
-
-# ---------------------------------------------------------------------------------------------
-# cuda and metal without a GPU: the sparse golden fixture (CSA with selection, window, HCA layers)
-# through test_gpu_targets.py's checks
-
-
-@pytest.fixture
-def sparse_fixture(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
-    """`golden_fixture` of test_gpu_targets.py answering the sparse variant by name."""
-    path = _sparse_copy(tmp_path)
-    monkeypatch.setattr(TGT, "golden_fixture", lambda name: path)
-    # the compressed-row kernels take the position as a scalar (no variant reading it from device
-    # memory): the decode step's CUDA graph is split around them
-    monkeypatch.setitem(TGT.SPLIT_DECODE_GRAPH, "deepseek4-moe-F16-sparse",
-                        {"compressed_attention", "compressed_score"})
-    return "deepseek4-moe-F16-sparse"
-
-
-@pytest.mark.slow
-def test_sparse_cuda_kernels_compile_to_ptx(sparse_fixture: str) -> None:
-    TGT.test_every_cuda_kernel_compiles_to_ptx(sparse_fixture)
-
-
-def test_sparse_metal_kernels_match_the_plan(sparse_fixture: str, tmp_path: Path) -> None:
-    TGT.test_metal_kernels_match_the_plan(sparse_fixture, tmp_path)
+        for t in range(DEEPSEEK4_TOKENS):
+            assert visible_rows(got[t], t) == visible_rows(want[t], t), f"chunks of {chunk}, query {t}"

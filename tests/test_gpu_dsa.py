@@ -12,40 +12,42 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import test_dsa as TD
-from gpu_support import need_nvcc, need_vulkan
 
 from ggufc.cli import main
 from ggufc.driver.stages import build_model
 from ggufc.frontend.load import load_model
+from tests.support.arch_models import DSA_DENSE, dsa_sparse_copy
+from tests.support.goldens import GOLDEN
+from tests.support.gpu_support import need_nvcc, need_vulkan
+from tests.support.sparse_probes import nmse
 
 MODES = {None: "logits_prefill", 7: "logits_chunk7"}
 
 
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    if not (TD.GOLDEN / "fixtures" / f"{TD.DENSE[0]}.gguf").exists():
+    if not (GOLDEN / "fixtures" / f"{DSA_DENSE[0]}.gguf").exists():
         pytest.skip("llama.cpp goldens absent")
     folder = tmp_path_factory.mktemp("dsa-gpu")
-    out = {n: TD.GOLDEN / "fixtures" / f"{n}.gguf" for n in TD.DENSE}
-    out.update({f"{n}-sparse": TD.sparse_copy(n, folder) for n in TD.DENSE})
+    out = {n: GOLDEN / "fixtures" / f"{n}.gguf" for n in DSA_DENSE}
+    out.update({f"{n}-sparse": dsa_sparse_copy(n, folder) for n in DSA_DENSE})
     return out
 
 
 @pytest.mark.parametrize("chunk", list(MODES))
-@pytest.mark.parametrize("name", ["glm-dsa-moe-F16-sparse", "deepseek32-moe-F16-sparse", *TD.DENSE])
+@pytest.mark.parametrize("name", ["glm-dsa-moe-F16-sparse", "deepseek32-moe-F16-sparse", *DSA_DENSE])
 def test_vulkan_eval_matches_llama_cpp(name: str, chunk: int | None, paths: dict[str, Path], compile_cache: Path,
                                        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Measured 4.7e-8..5.2e-8 NMSE: float32 activations where llama.cpp's CPU rounds them to F16
     (the CPU target: 1e-9..4e-9); the selection is the CPU kernel's heap select."""
     need_vulkan()
     monkeypatch.setenv("GGUFC_CACHE", str(compile_cache))
-    gold = np.load(TD.GOLDEN / "logits" / f"{name}.npz")
+    gold = np.load(GOLDEN / "logits" / f"{name}.npz")
     tokens, out = tmp_path / "tokens.npy", tmp_path / "logits.npy"
     np.save(tokens, gold["tokens"].astype(np.int32))
     argv = ["eval", str(paths[name]), "--tokens", str(tokens), "--out", str(out), "--target", "vulkan"]
     assert main(argv + (["--chunk", str(chunk)] if chunk else [])) == 0
-    assert TD.nmse(np.load(out), gold[MODES[chunk]]) < 2e-7
+    assert nmse(np.load(out), gold[MODES[chunk]]) < 2e-7
 
 
 def test_every_cuda_kernel_compiles_to_ptx(paths: dict[str, Path]) -> None:

@@ -1,7 +1,7 @@
 """hy_v3 on the GPU targets: every kernel of llama.cpp's fixture against the numpy interpreter on
 vulkan (lavapipe in CI), `ggufc eval --target vulkan` against llama.cpp's logits in all three
-feeding modes and against the CPU target's logits; cuda kernels compile to PTX and the metal
-source carries every kernel of the plan (the checks of test_gpu_targets.py, on this fixture).
+feeding modes and against the CPU target's logits (cuda PTX and metal source: hy_v3-moe in
+tests/test_gpu_targets.py's FIXTURES).
 The routing family's kernels one by one: the `moe_routing` rows of tests/test_gpu_ops.py."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import test_gpu_targets as TT
-import test_gpu_vulkan as TV
-from gpu_support import golden_fixture, golden_logits, need_vulkan, nmse
+
+from tests.support import vulkan_models as TV
+from tests.support.gpu_support import golden_fixture, golden_logits, need_vulkan, nmse
 
 NAME = "hy_v3-moe"
 
@@ -32,7 +32,7 @@ def test_every_kernel_matches_reference_on_vulkan(dev: object) -> None:
     from ggufc.frontend.load import load_model
 
     model = load_model(golden_fixture(NAME))
-    TV._check_kernels(model, golden_logits(NAME)["tokens"][:5].astype(np.int32), 1e-5)
+    TV.check_kernels(model, golden_logits(NAME)["tokens"][:5].astype(np.int32), 1e-5)
 
 
 def test_vulkan_eval_matches_llama_cpp_and_cpu(dev: object, artifacts: dict, tmp_path: Path,
@@ -41,19 +41,11 @@ def test_vulkan_eval_matches_llama_cpp_and_cpu(dev: object, artifacts: dict, tmp
     llama.cpp; the CPU target's logits within 1e-13 of these."""
     golden = golden_logits(NAME)
     tokens = golden["tokens"].astype(np.int32)
-    gpu_art = TV._artifact(NAME, "vulkan", artifacts, tmp_path_factory)
+    gpu_art = TV.cached_artifact(NAME, "vulkan", artifacts, tmp_path_factory)
     for chunk, key in TV.MODES.items():
-        logits = TV._eval(gpu_art, "vulkan", tokens, chunk, tmp_path)
+        logits = TV.eval_logits(gpu_art, "vulkan", tokens, chunk, tmp_path)
         assert logits.shape == golden[key].shape and logits.dtype == np.float32
         assert nmse(logits, golden[key]) < 1e-10, (chunk, nmse(logits, golden[key]))
-    cpu = TV._eval(TV._artifact(NAME, "llvm", artifacts, tmp_path_factory), "llvm", tokens, 7, tmp_path)
-    gpu = TV._eval(gpu_art, "vulkan", tokens, 7, tmp_path)
+    cpu = TV.eval_logits(TV.cached_artifact(NAME, "llvm", artifacts, tmp_path_factory), "llvm", tokens, 7, tmp_path)
+    gpu = TV.eval_logits(gpu_art, "vulkan", tokens, 7, tmp_path)
     assert nmse(gpu, cpu) < 1e-10
-
-
-def test_every_cuda_kernel_compiles_to_ptx() -> None:
-    TT.test_every_cuda_kernel_compiles_to_ptx(NAME)
-
-
-def test_metal_kernels_match_the_plan(tmp_path: Path) -> None:
-    TT.test_metal_kernels_match_the_plan(NAME, tmp_path)

@@ -12,19 +12,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gpu_support import need_nvcc, need_vulkan
-from test_kimi_k3 import FIXTURE, GOLDEN, needs_golden
 
 from ggufc.cli import main
 from ggufc.driver.stages import build_model
 from ggufc.frontend.load import load_model
+from tests.support.goldens import GOLDEN, skip_without_goldens
+from tests.support.gpu_support import need_nvcc, need_vulkan, nmse
 
+FIXTURE = GOLDEN / "fixtures" / "kimi-k3-moe.gguf"
+needs_golden = skip_without_goldens(FIXTURE)
 MODES = {None: "logits_prefill", 1: "logits_decode", 7: "logits_chunk7"}
-
-
-def nmse(a: np.ndarray, b: np.ndarray) -> float:
-    a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.mean((a64 - b64) ** 2) / np.mean(b64**2))
 
 
 @needs_golden

@@ -1,8 +1,9 @@
 """minimax-m3 on the vulkan target: the MSA kernels (block scores, block selection in the
 reference's order, half-precision rounding in integer arithmetic) against their references, the
 MSA selection of a whole model against the numpy interpreter (as sets, per query and group,
-one-shot, chunked and decode), and llama.cpp's goldens through `ggufc eval --target vulkan`
-(dense here, sparse in the slow tier)."""
+one-shot, chunked and decode). llama.cpp's goldens through `ggufc eval --target vulkan` (dense, and
+sparse in the slow tier) are rows of tests/test_gpu_vulkan.py; cuda and metal rows of
+tests/test_gpu_targets.py."""
 
 from __future__ import annotations
 
@@ -10,10 +11,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import test_gpu_targets as TGT
-import test_minimax_m3 as TM
-from gpu_support import golden_fixture, golden_logits, need_vulkan, nmse
-from test_gpu_qwen4exp import VulkanModel, _compile, _eval_modes
 from tvm import te
 
 from ggufc.codegen.families.sparse_indexers import msa as MSA
@@ -22,9 +19,15 @@ from ggufc.codegen.gpu import schedules as GPU
 from ggufc.codegen.kernels import generic as K
 from ggufc.codegen.target import gpu_target
 from ggufc.driver.stages import optimise
+from ggufc.frontend.load import load_model
 from ggufc.ir import ops as O
 from ggufc.ir import sparse_indexers as SI
 from ggufc.runtime.wgpu_runtime import run_kernel
+from tests.support.arch_models import minimax_m3_tokens
+from tests.support.fixtures import write_fixture
+from tests.support.gpu_support import need_vulkan, nmse
+from tests.support.sparse_probes import interpret
+from tests.support.vulkan_models import VulkanModel
 
 
 @pytest.fixture(scope="module")
@@ -85,12 +88,12 @@ def test_round_to_half_precision_in_integer_arithmetic(dev: object) -> None:
 def test_vulkan_selection_equals_reference_as_sets(tmp_path: Path, dev: object) -> None:
     """Per query and group, the compiled MSA selection is the interpreter's set, one-shot, in
     chunks of 7 and in decode; the logits agree."""
-    model = TM.load_model(TM.write_fixture("minimax-m3", tmp_path / "m.gguf", seed=0, biases=True, scales=True))
+    model = load_model(write_fixture("minimax-m3", tmp_path / "m.gguf", seed=0, biases=True, scales=True))
     graph = optimise({"prefill_all": model.graphs["prefill_all"]}, frozenset())[0]["prefill_all"]
     topk = next(n for n in graph.nodes if n.op == "block_topk")
     graph = graph.replace(outputs=[graph.outputs[0], topk.outputs[0]])
-    tokens = TM.project_tokens(model)
-    logits_ref, want = TM.interpret(model, graph, tokens, 64, outputs=2)
+    tokens = minimax_m3_tokens(model)
+    logits_ref, want = interpret(model, graph, tokens, 64, outputs=2)
     compiled = VulkanModel(model, graph)
     for chunk in (64, 7, 1):
         logits, got = compiled.run(tokens, chunk)
@@ -99,48 +102,3 @@ def test_vulkan_selection_equals_reference_as_sets(tmp_path: Path, dev: object) 
         for t in range(len(tokens)):
             for g in range(want.shape[1]):
                 assert set(got[t, g].tolist()) == set(want[t, g].tolist()), f"chunks of {chunk}, query {t}"
-
-
-def test_minimax_m3_vulkan_eval_matches_llama_cpp(tmp_path: Path, dev: object) -> None:
-    golden = golden_logits("minimax-m3-moe")
-    got = _eval_modes(_compile(golden_fixture("minimax-m3-moe"), tmp_path), golden["tokens"], tmp_path)
-    for key, logits in got.items():
-        assert logits.shape == golden[key].shape and nmse(logits, golden[key]) < 1e-6, (key, nmse(logits, golden[key]))
-
-
-@pytest.mark.slow
-def test_minimax_m3_sparse_vulkan_eval_matches_llama_cpp_sparse(tmp_path: Path, dev: object) -> None:
-    """top_k = 2 blocks: closer to llama.cpp's sparse logits than its dense logits are, by >= 100x."""
-    dense, sparse = golden_logits("minimax-m3-moe"), golden_logits("minimax-m3-moe-sparse")
-    path = TM.with_metadata(golden_fixture("minimax-m3-moe"), tmp_path / "sparse.gguf",
-                            "minimax-m3.attention.indexer.top_k", str(TM.SPARSE_TOP_K))
-    got = _eval_modes(_compile(path, tmp_path), sparse["tokens"], tmp_path)
-    for key, logits in got.items():
-        err, gap = nmse(logits, sparse[key]), nmse(dense[key], sparse[key])
-        assert err < 1e-6 and gap / err >= 100, (key, err, gap)
-
-
-# ---------------------------------------------------------------------------------------------
-# cuda and metal without a GPU: the MSA kernels of the sparse golden fixture (the dense one fuses
-# to plain causal attention) through test_gpu_targets.py's checks
-
-
-@pytest.fixture
-def sparse_fixture(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
-    """`golden_fixture` of test_gpu_targets.py answering the sparse variant (top_k 2) by name."""
-    path = TM.with_metadata(golden_fixture("minimax-m3-moe"), tmp_path / "minimax-m3-moe-sparse.gguf",
-                            "minimax-m3.attention.indexer.top_k", str(TM.SPARSE_TOP_K))
-    monkeypatch.setattr(TGT, "golden_fixture", lambda name: path)
-    # block_topk takes the position as a scalar (no variant reading it from device memory): the
-    # decode step's CUDA graph is split around it, as qwen4exp's around its PLE hash
-    monkeypatch.setitem(TGT.SPLIT_DECODE_GRAPH, "minimax-m3-moe-sparse", {"block_topk"})
-    return "minimax-m3-moe-sparse"
-
-
-@pytest.mark.slow
-def test_sparse_cuda_kernels_compile_to_ptx(sparse_fixture: str) -> None:
-    TGT.test_every_cuda_kernel_compiles_to_ptx(sparse_fixture)
-
-
-def test_sparse_metal_kernels_match_the_plan(sparse_fixture: str, tmp_path: Path) -> None:
-    TGT.test_metal_kernels_match_the_plan(sparse_fixture, tmp_path)

@@ -1,4 +1,4 @@
-"""The per-op case table of `test_codegen_ops.py` (every lowered op at odd sizes, decode variants,
+"""The per-op case table (tests/support/op_cases.py: every lowered op at odd sizes, decode variants,
 stateful rows), compiled for the vulkan target and run on wgpu against the numpy reference.
 
 Rows compile as one GPU module per group (WGSL + dispatch plan, exactly as `ggufc compile -t
@@ -13,8 +13,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-import test_codegen_ops as C
-from gpu_support import need_vulkan
 
 from ggufc.codegen.build import state_plan
 from ggufc.codegen.formats import block_formats as Q
@@ -25,6 +23,8 @@ from ggufc.codegen.lower import ModuleBuilder
 from ggufc.codegen.lower_context import plan_params
 from ggufc.codegen.target import gpu_target
 from ggufc.runtime.plan_runtime import PlanRunner
+from tests.support import op_cases as C
+from tests.support.gpu_support import need_vulkan
 
 # 8-bit activation rounding is a CPU kernel strategy: GPU targets compile without the pass that
 # inserts it (driver/stages.py) and without the 8-bit matmul rules, and lowering it for a GPU is an
@@ -42,11 +42,11 @@ class GpuCompiled:
         mb = ModuleBuilder(tgt, layouts, self.states)
         functions: list[tuple[str, int | None]] = []
         for bc in built:
-            mb.add_function(C._fn_name(bc.case, False), bc.graph)
-            functions.append((C._fn_name(bc.case, False), None))
+            mb.add_function(C.fn_name(bc.case, False), bc.graph)
+            functions.append((C.fn_name(bc.case, False), None))
             if bc.case.decode:
-                mb.add_function(C._fn_name(bc.case, True), bc.graph, fixed_tokens=1)
-                functions.append((C._fn_name(bc.case, True), 1))
+                mb.add_function(C.fn_name(bc.case, True), bc.graph, fixed_tokens=1)
+                functions.append((C.fn_name(bc.case, True), 1))
         mod = mb.module()
         exe = compile_plan_target(mod, tgt, mb.kernel_names, n_params=len(mb.flat_params), n_states=len(self.states),
                                   max_chunk=C.MAX_TOKENS, n_ctx=C.N_CTX, functions=tuple(functions))
@@ -62,7 +62,7 @@ class GpuCompiled:
     def run(self, bc: C.BuiltCase, call: C.Call, tokens: np.ndarray) -> list[np.ndarray]:
         for buf, init in zip(self.runner.buffers["state"], self.initial, strict=True):
             self.runner.backend.write(buf, init)  # every call starts from the row's prefilled states
-        return self.runner.call_all(C._fn_name(bc.case, call.decode), tokens, call.p)
+        return self.runner.call_all(C.fn_name(bc.case, call.decode), tokens, call.p)
 
 
 @pytest.fixture(scope="module")

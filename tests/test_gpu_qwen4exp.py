@@ -1,7 +1,8 @@
 """qwen4exp on the vulkan target: the PLE hash in 32-bit words against the uint64 reference, the
 indexer's heap select against the reference heap (order included), the QSA selection of a whole
-model against the numpy interpreter (as sets, per query, one-shot, chunked and decode), and
-llama.cpp's goldens through `ggufc eval --target vulkan` (the sparse golden in the slow tier)."""
+model against the numpy interpreter (as sets, per query, one-shot, chunked and decode).
+llama.cpp's goldens through `ggufc eval --target vulkan` (the sparse golden in the slow tier) are
+rows of tests/test_gpu_vulkan.py."""
 
 from __future__ import annotations
 
@@ -9,23 +10,21 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import test_qwen4exp as TQ
-from gpu_support import golden_fixture, golden_logits, need_vulkan, nmse
 
-from ggufc.codegen.build import kernel_weights, state_plan
 from ggufc.codegen.families import ngram_embedding as NGK
 from ggufc.codegen.families.sparse_indexers import qsa as QSA
-from ggufc.codegen.gpu import block_formats as QG
 from ggufc.codegen.gpu import device_info as DI
-from ggufc.codegen.gpu.build import compile_plan_target, wgsl_bundle
-from ggufc.codegen.lower import ModuleBuilder
-from ggufc.codegen.lower_context import plan_params
 from ggufc.codegen.target import gpu_target
 from ggufc.driver.stages import optimise
+from ggufc.frontend.load import load_model
 from ggufc.ir import ngram_embedding as NG
 from ggufc.ir import sparse_indexers as SI
-from ggufc.runtime.plan_runtime import PlanRunner
 from ggufc.runtime.wgpu_runtime import run_kernel
+from tests.support.arch_models import qwen4exp_tokens
+from tests.support.fixtures import write_fixture
+from tests.support.gpu_support import need_vulkan, nmse
+from tests.support.sparse_probes import interpret
+from tests.support.vulkan_models import VulkanModel
 
 
 @pytest.fixture(scope="module")
@@ -72,49 +71,15 @@ def test_indexer_topk_equals_reference_heap_order(ratio: int, width: int, dev: o
         np.testing.assert_array_equal(got, SI.indexer_topk_ref(scores, pos, ratio, width), err_msg=f"n={n} pos={pos}")
 
 
-class VulkanModel:
-    """The project's qwen4exp fixture compiled for vulkan with the first QSA selection exposed."""
-
-    def __init__(self, model: object, graph: object, max_chunk: int = 64) -> None:
-        target = gpu_target("vulkan")
-        layouts = plan_params([graph], QG.layout_spec)
-        self.states = state_plan(graph)
-        mb = ModuleBuilder(target, layouts, self.states)
-        mb.add_function("prefill_all", graph)
-        mb.add_function("decode", graph, fixed_tokens=1)
-        exe = compile_plan_target(mb.module(), target, mb.kernel_names, n_params=len(mb.flat_params),
-                                  n_states=len(self.states), max_chunk=max_chunk, n_ctx=model.n_ctx,
-                                  functions=(("prefill_all", None), ("decode", 1)))
-        weights = kernel_weights(model, layouts)
-        from ggufc.codegen.build import weight_key
-
-        params = [weights[weight_key(lay.source, f)] for lay in layouts for f, _, _ in lay.arrays]
-        self.runner = PlanRunner.from_parts(exe.plan, wgsl_bundle(exe.kernels), params,
-                                            [(s, d) for _, s, d in self.states], max_chunk, model.n_ctx,
-                                            "vulkan")
-
-    def run(self, tokens: np.ndarray, chunk: int) -> list[np.ndarray]:
-        for buf, (_, shape, dtype) in zip(self.runner.buffers["state"], self.states, strict=True):
-            self.runner.backend.write(buf, np.zeros(shape, dtype))
-        fn = "decode" if chunk == 1 else "prefill_all"
-        parts: list[list[np.ndarray]] = []
-        for start in range(0, len(tokens), chunk):
-            outs = self.runner.call_all(fn, tokens[start:start + chunk].astype(np.int32), start)
-            parts = parts or [[] for _ in outs]
-            for i, out in enumerate(outs):
-                parts[i].append(out)
-        return [np.concatenate(p) for p in parts]
-
-
 def test_vulkan_selection_equals_reference_as_sets(tmp_path: Path, dev: object) -> None:
     """Per query, the compiled QSA selection is the interpreter's set, one-shot, in chunks of 7 and
     in decode; the logits agree; the budget really drops cells (W < context)."""
-    model = TQ.load_model(TQ.write_fixture("qwen4exp", tmp_path / "m.gguf", seed=0, scales=True))
+    model = load_model(write_fixture("qwen4exp", tmp_path / "m.gguf", seed=0, scales=True))
     graph = optimise({"prefill_all": model.graphs["prefill_all"]}, frozenset())[0]["prefill_all"]
     topk = next(n for n in graph.nodes if n.op == "indexer_topk")
     graph = graph.replace(outputs=[graph.outputs[0], topk.outputs[0]])
-    tokens = TQ.project_tokens(model)
-    logits_ref, want = TQ.interpret(model, graph, tokens, 64, outputs=2)
+    tokens = qwen4exp_tokens(model)
+    logits_ref, want = interpret(model, graph, tokens, 64, outputs=2)
     compiled = VulkanModel(model, graph)
     dropped = 0
     for chunk in (64, 7, 1):
@@ -125,52 +90,3 @@ def test_vulkan_selection_equals_reference_as_sets(tmp_path: Path, dev: object) 
             assert set(g.tolist()) == set(w.tolist()), f"chunks of {chunk}, query {t}"
             dropped += chunk == 64 and (t + 1) > topk.attrs.width
     assert dropped >= 40
-
-
-MODES = {None: "logits_prefill", 1: "logits_decode", 7: "logits_chunk7"}
-
-
-def _eval_modes(artifact: Path, tokens: np.ndarray, tmp: Path) -> dict[str, np.ndarray]:
-    from ggufc.cli import main
-
-    np.save(tmp / "tokens.npy", tokens.astype(np.int32))
-    out = {}
-    for chunk, key in MODES.items():
-        argv = ["eval", str(artifact), "--target", "vulkan", "--tokens", str(tmp / "tokens.npy"),
-                "--out", str(tmp / "l.npy")] + (["--chunk", str(chunk)] if chunk else [])
-        assert main(argv) == 0
-        out[key] = np.load(tmp / "l.npy")
-    return out
-
-
-def _compile(model: Path, tmp: Path) -> Path:
-    from ggufc.cli import main
-
-    assert main(["compile", str(model), "-t", "vulkan", "-o", str(tmp / "art")]) == 0
-    return tmp / "art"
-
-
-def test_qwen4exp_vulkan_eval_matches_llama_cpp(tmp_path: Path, dev: object) -> None:
-    golden = golden_logits("qwen4exp-moe")
-    got = _eval_modes(_compile(golden_fixture("qwen4exp-moe"), tmp_path), golden["tokens"], tmp_path)
-    for key, logits in got.items():
-        assert logits.shape == golden[key].shape and nmse(logits, golden[key]) < 1e-6, (key, nmse(logits, golden[key]))
-
-
-@pytest.mark.slow
-def test_qwen4exp_sparse_vulkan_eval_matches_llama_cpp_sparse(tmp_path: Path, dev: object) -> None:
-    """top_k = 4: closer to llama.cpp's sparse logits than its dense logits are, by >= 10x."""
-    import shutil
-    import subprocess
-    import sys
-
-    dense, sparse = golden_logits("qwen4exp-moe"), golden_logits("qwen4exp-moe-sparse")
-    path = tmp_path / "sparse.gguf"
-    shutil.copyfile(golden_fixture("qwen4exp-moe"), path)
-    path.chmod(0o644)
-    subprocess.run([sys.executable, "-m", "gguf.scripts.gguf_set_metadata", str(path),
-                    "qwen4exp.attention.indexer.top_k", "4", "--force"], check=True, capture_output=True)
-    got = _eval_modes(_compile(path, tmp_path), sparse["tokens"], tmp_path)
-    for key, logits in got.items():
-        err, gap = nmse(logits, sparse[key]), nmse(dense[key], sparse[key])
-        assert err < 1e-6 and gap / err >= 10, (key, err, gap)

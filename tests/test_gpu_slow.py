@@ -9,7 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gpu_support import golden_file, need_nvcc, need_vulkan, smollm2_path
+
+from tests.support.gpu_support import golden_file, need_nvcc, need_vulkan, smollm2_path
 
 pytestmark = [pytest.mark.slow]
 TIE_MARGIN = 0.25  # as tests/test_smollm2.py

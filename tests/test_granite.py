@@ -8,9 +8,6 @@ the project's fixture with every multiplier set: tests/test_models_compiled.py."
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,18 +16,13 @@ import pytest
 from ggufc.frontend.archs import granite_swa
 from ggufc.frontend.hparams import Keys, ModelError
 from ggufc.frontend.load import LoadedModel, load_model
+from tests.support.goldens import GOLDEN, skip_without_goldens, with_metadata
 
-GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
-pytestmark = pytest.mark.skipif(not GOLDEN.is_dir(), reason=f"llama.cpp goldens not found at {GOLDEN}")
+pytestmark = skip_without_goldens()
 
 
 def _copy_with(tmp: Path, name: str, key: str, value: str) -> Path:
-    path = tmp / f"{name}.gguf"
-    shutil.copyfile(GOLDEN / "fixtures" / f"{name}.gguf", path)
-    path.chmod(0o644)
-    subprocess.run([sys.executable, "-m", "gguf.scripts.gguf_set_metadata", str(path), key, value, "--force"],
-                   check=True, capture_output=True)
-    return path
+    return with_metadata(GOLDEN / "fixtures" / f"{name}.gguf", tmp / f"{name}.gguf", {key: value})
 
 
 def _rope_ops(model: LoadedModel) -> int:

@@ -1,8 +1,8 @@
 """Every `ggufc` command against hostile inputs: a non-zero exit, at most three lines on stderr
 ending in `ggufc: error: ...`, never a traceback.
 
-Hostile GGUFs come from tests/gguf_corpus.py (absurd claims, overlaps, wrong key types, ...);
-hostile artifacts are copies of the toy artifact (tests/test_session.py) with one thing broken
+Hostile GGUFs come from tests/support/gguf_corpus.py (absurd claims, overlaps, wrong key types, ...);
+hostile artifacts are copies of the toy artifact (tests/support/toy_artifact.py) with one thing broken
 each; a chat template from the model file that reaches for Python internals or never ends.
 Most cases run `main(argv)` in-process; a few go through the installed console script.
 """
@@ -21,11 +21,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from artifact_edits import write_manifest
 from gguf.constants import GGUFValueType as V
-from gguf_corpus import DEFAULT_KVS, TensorSpec, build_gguf, fixture_bytes, with_kv
 
 from ggufc.cli import main
+from tests.support.artifact_edits import write_manifest
+from tests.support.gguf_corpus import DEFAULT_KVS, TensorSpec, build_gguf, fixture_bytes, with_kv
 
 COMMANDS: dict[str, Callable[[Path, Path], list[object]]] = {
     "inspect": lambda model, tmp: ["inspect", model],
@@ -147,7 +147,7 @@ def test_hostile_gguf_given_to_verify_artifact(
 @pytest.fixture(scope="module")
 def toy_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("tvm")
-    from test_session import build_toy_artifact
+    from tests.support.toy_artifact import build_toy_artifact
 
     return build_toy_artifact(tmp_path_factory.mktemp("toy") / "artifact", with_tokenizer=True)
 
@@ -347,7 +347,7 @@ def test_verify_artifact_missing(tmp_path: Path, capsys: pytest.CaptureFixture[s
 
 @pytest.fixture(scope="module")
 def template_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from fixtures import write_fixture
+    from tests.support.fixtures import write_fixture
 
     folder = tmp_path_factory.mktemp("templates")
     templates = {

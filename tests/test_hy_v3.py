@@ -17,9 +17,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from fixtures import BIASED_MOE_WEIGHTS_SCALE, write_fixture
-from sparse_probes import decode_kernel_calls
-from test_goldens import _eval
 
 from ggufc.cli import main
 from ggufc.frontend.archs import hy_v3
@@ -28,33 +25,16 @@ from ggufc.frontend.load import LoadedModel, load_model
 from ggufc.ir import ops as O
 from ggufc.ir.decompose import decompose
 from ggufc.ir.graph import Graph
-from ggufc.ir.interp import init_state, run_graph
 from ggufc.ir.verify import verify
-from ggufc.passes.constant_fold import with_constants
 from ggufc.passes.pipeline import run_pipeline
+from tests.support.arch_models import interpret_float64
+from tests.support.fixtures import BIASED_MOE_WEIGHTS_SCALE, write_fixture
+from tests.support.goldens import GOLDEN, eval_golden, skip_without_goldens
+from tests.support.sparse_probes import decode_kernel_calls, nmse
 
-GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
 FIXTURE = GOLDEN / "fixtures" / "hy_v3-moe.gguf"
-needs_golden = pytest.mark.skipif(not FIXTURE.exists(), reason=f"llama.cpp goldens not found at {GOLDEN}")
+needs_golden = skip_without_goldens(FIXTURE)
 MODES = {64: "logits_prefill", 1: "logits_decode", 7: "logits_chunk7"}
-
-
-def nmse(a: np.ndarray, b: np.ndarray) -> float:
-    a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.mean((a64 - b64) ** 2) / np.mean(b64**2))
-
-
-def interpret(model: LoadedModel, graph: Graph, tokens: np.ndarray, chunk: int, load: Any = None) -> np.ndarray:
-    """float64 logits of `tokens` fed `chunk` at a time from an empty context."""
-    state = init_state(graph, {}, np.float64)
-    load = with_constants(graph, load or model.param_loader())
-    parts = []
-    for start in range(0, len(tokens), chunk):
-        res = run_graph(graph, {"tokens": tokens[start : start + chunk], "pos": np.int64(start)}, load, state,
-                        dtype=np.float64)
-        state = res.state
-        parts.append(res.outputs[0])
-    return np.concatenate(parts)
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +70,7 @@ def test_hparams_of_the_llama_cpp_fixture(golden: LoadedModel) -> None:
 def test_interpreter_matches_llama_cpp(golden: LoadedModel, chunk: int) -> None:
     """Measured: 1.9e-14 (llama.cpp's own runs disagree by about 1e-13)."""
     gold = np.load(GOLDEN / "logits" / "hy_v3-moe.npz")
-    assert nmse(interpret(golden, golden.graph, gold["tokens"], chunk), gold[MODES[chunk]]) < 1e-10
+    assert nmse(interpret_float64(golden, golden.graph, gold["tokens"], chunk), gold[MODES[chunk]]) < 1e-10
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +83,7 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_compiled_matches_llama_cpp(chunk: int | None, tmp_path: Path, cache: Path,
                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """`ggufc eval` on the CPU: measured 2.5e-14 (prefill), 1.9e-14 (decode), 2.5e-14 (chunks of 7)."""
-    logits = _eval("hy_v3-moe", chunk, tmp_path, cache, monkeypatch)
+    logits = eval_golden("hy_v3-moe", chunk, tmp_path, cache, monkeypatch)
     gold = np.load(GOLDEN / "logits" / "hy_v3-moe.npz")[MODES[chunk or 64]]
     assert logits.shape == gold.shape and nmse(logits, gold) < 1e-10
 
@@ -160,15 +140,15 @@ def test_golden_every_layer_is_moe(golden: LoadedModel) -> None:
 
 def test_fused_decomposed_and_switched_off_match_unfused(project: LoadedModel) -> None:
     tokens = project_tokens(project)
-    reference = interpret(project, project.graph, tokens, 24)
+    reference = interpret_float64(project, project.graph, tokens, 24)
     fused, _ = run_pipeline(project.graph)
-    assert nmse(interpret(project, fused, tokens, 24), reference) < 1e-20
+    assert nmse(interpret_float64(project, fused, tokens, 24), reference) < 1e-20
     decomposed = decompose(fused)
     verify(decomposed, {"T": 5, "P": 3})
-    assert nmse(interpret(project, decomposed, tokens, 24), reference) < 1e-20
+    assert nmse(interpret_float64(project, decomposed, tokens, 24), reference) < 1e-20
     off, stats = run_pipeline(project.graph, disabled={"fuse_moe"}, check=True)
     assert "fuse_moe" not in stats and not _moe_nodes(off)
-    assert nmse(interpret(project, off, tokens, 24), reference) < 1e-20
+    assert nmse(interpret_float64(project, off, tokens, 24), reference) < 1e-20
 
 
 def test_fusion_recognises_the_decomposition(project: LoadedModel) -> None:
@@ -180,9 +160,9 @@ def test_fusion_recognises_the_decomposition(project: LoadedModel) -> None:
 
 def test_chunked_and_decode_equal_one_shot(project: LoadedModel) -> None:
     tokens = project_tokens(project)
-    one_shot = interpret(project, project.graph, tokens, 24)
+    one_shot = interpret_float64(project, project.graph, tokens, 24)
     for chunk in (1, 7):
-        assert nmse(interpret(project, project.graph, tokens, chunk), one_shot) < 1e-20
+        assert nmse(interpret_float64(project, project.graph, tokens, chunk), one_shot) < 1e-20
 
 
 def test_the_selection_bias_changes_the_experts(project: LoadedModel) -> None:
@@ -195,8 +175,8 @@ def test_the_selection_bias_changes_the_experts(project: LoadedModel) -> None:
         arr = np.asarray(base(p))
         return np.zeros_like(arr) if p.source.endswith("exp_probs_b") else arr
 
-    biased = interpret(project, project.graph, tokens, 24)
-    assert nmse(interpret(project, project.graph, tokens, 24, unbiased), biased) > 1e-4
+    biased = interpret_float64(project, project.graph, tokens, 24)
+    assert nmse(interpret_float64(project, project.graph, tokens, 24, unbiased), biased) > 1e-4
 
 
 # ---------------------------------------------------------------------------------------------

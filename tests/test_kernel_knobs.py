@@ -35,8 +35,8 @@ from ggufc.driver.tune.workloads import session_timing
 from ggufc.ir.ops import Attention
 from ggufc.runtime.session import Session
 from ggufc.runtime.teacher_forcing import teacher_forced_logits
+from tests.support.goldens import GOLDEN
 
-GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
 FIXTURES = GOLDEN / "fixtures"
 LLAMA_Q4 = FIXTURES / "llama-dense-Q4_0.gguf"
 TARGET = cpu_target()

@@ -19,11 +19,6 @@ from typing import Any
 import numpy as np
 import pytest
 import tvm
-from sparse_probes import decode_kernel_calls
-from test_codegen_ops import MAX_TOKENS
-from test_delta_net import worst_error_over_calls
-from test_goldens import _eval
-from test_hy_v3 import interpret, nmse
 
 from ggufc.cli import main
 from ggufc.codegen.families import linear_attention as LA
@@ -37,10 +32,14 @@ from ggufc.ir.interp import run_graph
 from ggufc.ir.ref_math import rms_plain
 from ggufc.ir.verify import verify
 from ggufc.passes.pipeline import run_pipeline
+from tests.support.arch_models import interpret_float64
+from tests.support.goldens import GOLDEN, eval_golden, skip_without_goldens
+from tests.support.linear_attention import worst_error_over_calls
+from tests.support.op_cases import MAX_TOKENS
+from tests.support.sparse_probes import decode_kernel_calls, nmse
 
-GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
 FIXTURE = GOLDEN / "fixtures" / "kimi-k3-moe.gguf"
-needs_golden = pytest.mark.skipif(not FIXTURE.exists(), reason=f"llama.cpp goldens not found at {GOLDEN}")
+needs_golden = skip_without_goldens(FIXTURE)
 MODES = {64: "logits_prefill", 1: "logits_decode", 7: "logits_chunk7"}
 
 
@@ -68,7 +67,7 @@ def test_hparams_of_the_llama_cpp_fixture(golden: LoadedModel) -> None:
 def test_interpreter_matches_llama_cpp(golden: LoadedModel, chunk: int) -> None:
     """Measured: 7.4e-14 (prefill, chunks of 7), 5.6e-14 (decode); llama.cpp's own runs ~1e-13."""
     gold = np.load(GOLDEN / "logits" / "kimi-k3-moe.npz")
-    assert nmse(interpret(golden, golden.graph, gold["tokens"], chunk), gold[MODES[chunk]]) < 1e-10
+    assert nmse(interpret_float64(golden, golden.graph, gold["tokens"], chunk), gold[MODES[chunk]]) < 1e-10
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +81,7 @@ def test_compiled_matches_llama_cpp(chunk: int | None, tmp_path: Path, cache: Pa
                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """`ggufc eval` on the CPU: measured 1.9e-12 (prefill: the chunked KDA form), 1.8e-12 (decode), 1.8e-12
     (chunks of 7)."""
-    logits = _eval("kimi-k3-moe", chunk, tmp_path, cache, monkeypatch)
+    logits = eval_golden("kimi-k3-moe", chunk, tmp_path, cache, monkeypatch)
     gold = np.load(GOLDEN / "logits" / "kimi-k3-moe.npz")[MODES[chunk or 64]]
     assert logits.shape == gold.shape and nmse(logits, gold) < 1e-10
 
@@ -212,7 +211,7 @@ def test_every_layer_banked_compiled_matches_interpreter(chunk: int | None, tmp_
     model = load_model(path)
     assert model.hparams.res_block == 1
     tokens = np.load(GOLDEN / "logits" / "kimi-k3-moe.npz")["tokens"][:24].astype(np.int32)
-    ref = interpret(model, model.graph, tokens, 24)
+    ref = interpret_float64(model, model.graph, tokens, 24)
     gold = np.load(GOLDEN / "logits" / "kimi-k3-moe.npz")["logits_prefill"][:24]
     assert nmse(ref, gold) > 1e-3  # the banks change the model
     monkeypatch.setenv("GGUFC_CACHE", str(cache))
@@ -238,33 +237,33 @@ def test_inspect_lists_the_fusions(capsys: pytest.CaptureFixture[str]) -> None:
 @needs_golden
 def test_fused_decomposed_and_switched_off_match_unfused(golden: LoadedModel) -> None:
     tokens = np.load(GOLDEN / "logits" / "kimi-k3-moe.npz")["tokens"][:16]
-    reference = interpret(golden, golden.graph, tokens, 16)
+    reference = interpret_float64(golden, golden.graph, tokens, 16)
     fused, stats = run_pipeline(golden.graph, check=True)
     assert stats["fuse_hc"] == 4 and sum(n.op == "res_mix" for n in fused.nodes) == 4
     (moe,) = [n for n in fused.nodes if n.op == "moe_ffn"]
     assert (moe.attrs.latent, moe.attrs.latent_norm, moe.attrs.act, moe.attrs.shared_act) == (True, True, "situ",
                                                                                                 "situ")
-    assert nmse(interpret(golden, fused, tokens, 16), reference) < 1e-20
+    assert nmse(interpret_float64(golden, fused, tokens, 16), reference) < 1e-20
     decomposed = decompose(fused)
     verify(decomposed, {"T": 5, "P": 3})
-    assert nmse(interpret(golden, decomposed, tokens, 16), reference) < 1e-20
+    assert nmse(interpret_float64(golden, decomposed, tokens, 16), reference) < 1e-20
     refused, _ = run_pipeline(decompose(fused, only={"res_mix"}))
     assert Counter(n.op for n in refused.nodes) == Counter(n.op for n in fused.nodes)
     off, stats = run_pipeline(golden.graph, disabled={"fuse_hc"}, check=True)
     assert "fuse_hc" not in stats and not any(n.op == "res_mix" for n in off.nodes)
-    assert nmse(interpret(golden, off, tokens, 16), reference) < 1e-20
+    assert nmse(interpret_float64(golden, off, tokens, 16), reference) < 1e-20
 
 
 @needs_golden
 def test_onnxruntime_runs_kimi_k3_like_the_interpreter(golden: LoadedModel, tmp_path: Path) -> None:
     """Standard-ONNX export (the KDA scan decays along the key axis, res_mix spelled in primitives)."""
-    import test_onnx as TO
-
     from ggufc.ir.onnx_export import to_onnx
+    from tests.support import onnx_runs as TO
 
-    graph, load, tokens = golden.graphs["prefill_all"], golden.param_loader(), TO._tokens(golden)
+    graph, load, tokens = golden.graphs["prefill_all"], golden.param_loader(), TO.prompt_tokens(golden)
     to_onnx(graph, tmp_path / "std.onnx", standard=True)
-    want, got = TO._interpret(graph, load, tokens), TO._onnxruntime(tmp_path / "std.onnx", graph, load, tokens)
+    want = TO.interpret_outputs(graph, load, tokens)
+    got = TO.onnxruntime_outputs(tmp_path / "std.onnx", graph, load, tokens)
     for call_want, call_got in zip(want, got, strict=True):
         for w, g in zip(call_want, call_got, strict=True):
             assert float(np.max(np.abs(g - w))) <= TO.ORT_TOLERANCE * (float(np.max(np.abs(w))) or 1.0)
@@ -447,8 +446,8 @@ def test_wide_model_compiled_matches_interpreter(chunk: int | None, tmp_path_fac
     model = load_model(path)
     assert model.hparams.kda.gate_lower_bound is None and model.hparams.kda_layers == (False, True, True)
     tokens = np.random.default_rng(1).integers(0, 96, 20).astype(np.int32)
-    ref = interpret(model, model.graph, tokens, 20)
-    assert nmse(interpret(model, model.graph, tokens, 3), ref) < 1e-20 and float(np.std(ref)) > 0.05
+    ref = interpret_float64(model, model.graph, tokens, 20)
+    assert nmse(interpret_float64(model, model.graph, tokens, 3), ref) < 1e-20 and float(np.std(ref)) > 0.05
     monkeypatch.setenv("GGUFC_CACHE", str(cache))
     np.save(tmp_path / "t.npy", tokens)
     argv = ["eval", str(path), "--tokens", str(tmp_path / "t.npy"), "--out", str(tmp_path / "o.npy")]

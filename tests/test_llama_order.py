@@ -1,5 +1,5 @@
 """The CPU kernels that follow llama.cpp's float order, bit for bit against a numpy model of it
-(tests/ggml_x86.py: its x86 AVX2 build, the one the goldens come from).
+(tests/support/ggml_x86.py: its x86 AVX2 build, the one the goldens come from).
 
 Equal float order is what makes ggufc's CPU logits identical to llama.cpp's on a real model
 (tests/test_smollm2.py): with 8-bit activations, a one-ulp difference anywhere flips a rounding
@@ -12,9 +12,7 @@ import ctypes
 import ctypes.util
 import re
 
-import ggml_x86 as G
 import gguf
-import int8_isas as I
 import numpy as np
 import pytest
 import tvm
@@ -30,6 +28,8 @@ from ggufc.codegen.target import cpu_target
 from ggufc.codegen.tvm_util import aligned_zeros, to_tvm
 from ggufc.frontend.hparams import rope_table
 from ggufc.ir.act_quant import ACT_SCHEME, MIN_TYPES, block_mins, q8_1_sums_ref, quantize_act_ref
+from tests.support import ggml_x86 as G
+from tests.support import int8_isas as I
 
 TARGET = cpu_target()
 

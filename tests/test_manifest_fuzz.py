@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gpu_support import golden_fixture
+
+from tests.support.gpu_support import golden_fixture
 
 ODD_VALUES: list[Any] = [None, True, -1, 0, 1, 3, 2**63, 1e308, "x", "../../etc/passwd", [], [1, "a"], {}, {"a": 1}]
 DTYPES = ["float16", "float64", "int8", "uint8", "int64", "O", "<U4", "V8", "complex64", "bogus"]

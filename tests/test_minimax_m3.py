@@ -24,10 +24,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import sparse_probes as SP
-from fixtures import write_fixture
-from fixtures_msa import MSA_BLOCK, MSA_LOCAL, MSA_TOP_K
-from sparse_probes import Compiled, compile_probed, decode_kernel_calls, interpret, nmse, with_metadata
 
 from ggufc.cli import main
 from ggufc.frontend.hparams import ModelError
@@ -37,12 +33,16 @@ from ggufc.ir.graph import Graph, Node, Value
 from ggufc.ir.interp import init_state, run_graph
 from ggufc.passes.constant_fold import with_constants
 from ggufc.passes.pipeline import run_pipeline
+from tests.support import sparse_probes as SP
+from tests.support.arch_models import MINIMAX_M3_SPARSE_TOP_K, minimax_m3_tokens
+from tests.support.fixtures import write_fixture
+from tests.support.fixtures_msa import MSA_BLOCK, MSA_LOCAL, MSA_TOP_K
+from tests.support.goldens import GOLDEN, skip_without_goldens, with_metadata
+from tests.support.sparse_probes import Compiled, compile_probed, decode_kernel_calls, interpret, nmse
 
-GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
 DENSE = GOLDEN / "fixtures" / "minimax-m3-moe.gguf"
-needs_golden = pytest.mark.skipif(not DENSE.exists(), reason=f"llama.cpp goldens not found at {GOLDEN}")
+needs_golden = skip_without_goldens(DENSE)
 MODES = {64: "logits_prefill", 1: "logits_decode", 7: "logits_chunk7"}
-SPARSE_TOP_K = 2
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def sparse_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if not DENSE.exists():
         pytest.skip("llama.cpp goldens absent")
     return with_metadata(DENSE, tmp_path_factory.mktemp("sparse") / "minimax-m3-moe-sparse.gguf",
-                         "minimax-m3.attention.indexer.top_k", str(SPARSE_TOP_K))
+                         {"minimax-m3.attention.indexer.top_k": str(MINIMAX_M3_SPARSE_TOP_K)})
 
 
 @pytest.fixture(scope="module")
@@ -66,10 +66,6 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
                                     scales=True))
 
 
-def project_tokens(model: LoadedModel, n: int = 64) -> np.ndarray:
-    return np.random.default_rng(5).integers(0, model.hparams.n_vocab, n).astype(np.int32)
-
-
 # ---------------------------------------------------------------------------------------------
 # the spec (float64 interpreter) against llama.cpp
 
@@ -79,7 +75,7 @@ def test_hparams_of_the_llama_cpp_fixture(golden_models: dict[str, LoadedModel])
     hp = golden_models["minimax-m3-moe"].hparams
     assert (hp.n_dense_lead, hp.n_rot, hp.head_dim, hp.gating, hp.weights_norm) == (1, 64, 128, "sigmoid", False)
     assert (hp.msa.n_head, hp.msa.block, hp.msa.local, hp.msa.top_k) == (2, 4, 1, 131072)
-    assert golden_models["minimax-m3-moe-sparse"].hparams.msa.top_k == SPARSE_TOP_K
+    assert golden_models["minimax-m3-moe-sparse"].hparams.msa.top_k == MINIMAX_M3_SPARSE_TOP_K
 
 
 @needs_golden
@@ -100,7 +96,7 @@ def test_chunked_interpreter_equals_one_token_calls(project: LoadedModel) -> Non
     """Chunks of 1, 7 and 13 tokens (KV and indexer-key caches carried) agree exactly: every call is
     shorter than the flash-attention tile, so each row is computed alike; one-shot prefill (float32
     accumulation) differs by the F16 rounding alone, as llama.cpp's own modes do."""
-    tokens = project_tokens(project)
+    tokens = minimax_m3_tokens(project)
     (one_token,) = interpret(project, project.graph, tokens, 1)
     for chunk in (7, 13):
         (chunked,) = interpret(project, project.graph, tokens, chunk)
@@ -114,7 +110,7 @@ def test_chunked_interpreter_equals_one_token_calls(project: LoadedModel) -> Non
 def test_k_and_v_are_cached_at_half_precision(project: LoadedModel) -> None:
     """What llama.cpp's flash attention reads: every cached K/V value is an F16 value."""
     state = init_state(project.graph, {}, np.float64)
-    res = run_graph(project.graph, {"tokens": project_tokens(project, 9), "pos": np.int64(0)},
+    res = run_graph(project.graph, {"tokens": minimax_m3_tokens(project, 9), "pos": np.int64(0)},
                     with_constants(project.graph, project.param_loader()), state, dtype=np.float64)
     for name in ("cache_k.0", "cache_v.0", "cache_k.1", "cache_v.1"):
         cached = res.state[name][:9]
@@ -168,7 +164,7 @@ def test_compiled_modes_equal_the_interpreter(compiled_project: Compiled) -> Non
     CPU's vector width: the short calls measured 6.2e-10 with 16-lane AVX-512; one-shot and short
     calls 2.3e-10 and 5.8e-9 with 8-lane AVX2."""
     model = compiled_project.model
-    tokens = project_tokens(model)
+    tokens = minimax_m3_tokens(model)
     for chunk in (64, 7, 1):
         logits = compiled_project.run(tokens, chunk)[0]
         (reference,) = interpret(model, model.graph, tokens, chunk)
@@ -193,7 +189,7 @@ def test_compiled_selection_equals_reference(compiled_project: Compiled) -> None
     budget really drops blocks once the context exceeds it. Rows whose boundary blocks score
     closer than MARGIN would be exempt: this fixture has none (asserted)."""
     model, graph = compiled_project.model, compiled_project.graph
-    tokens = project_tokens(model)
+    tokens = minimax_m3_tokens(model)
     _, want, scores = interpret(model, graph, tokens, 64, outputs=3)
     n_groups = model.hparams.n_head_kv
     assert want.shape == (len(tokens), n_groups, MSA_TOP_K)
@@ -247,7 +243,7 @@ def case(request: pytest.FixtureRequest, project: LoadedModel) -> tuple[str, Loa
 
 def _tokens(name: str, model: LoadedModel) -> np.ndarray:
     if name == "project":
-        return project_tokens(model, 24)
+        return minimax_m3_tokens(model, 24)
     return np.load(GOLDEN / "logits" / f"{name}.npz")["tokens"][:24]
 
 
@@ -303,7 +299,7 @@ def test_inspect_lists_the_fusions(sparse_path: Path, capsys: pytest.CaptureFixt
 ])
 def test_unsupported_msa_settings_are_refused(tmp_path: Path, key: str, value: str, says: str) -> None:
     path = write_fixture("minimax-m3", tmp_path / "m.gguf", seed=0)
-    bad = with_metadata(path, tmp_path / "bad.gguf", key, value)
+    bad = with_metadata(path, tmp_path / "bad.gguf", {key: value})
     with pytest.raises(ModelError, match=says):
         load_model(bad)
 

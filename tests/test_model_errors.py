@@ -9,10 +9,10 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-from fixtures import write_fixture
 
 from ggufc.cli import main
 from ggufc.frontend.gguf_file import open_gguf
+from tests.support.fixtures import write_fixture
 
 TARGET = "blk.0.attn_q.weight"
 UNSUPPORTED = gguf.GGMLQuantizationType.IQ2_XS  # a 256-element block type ggufc does not read

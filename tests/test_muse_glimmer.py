@@ -7,9 +7,6 @@ the project's fixture (logit_scale 1.5, windows of 4): tests/test_models_compile
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +16,8 @@ import pytest
 from ggufc.frontend.archs import muse_glimmer
 from ggufc.frontend.hparams import Keys, ModelError
 from ggufc.frontend.load import load_model
+from tests.support.goldens import GOLDEN, with_metadata
 
-GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
 FIXTURE = GOLDEN / "fixtures" / "muse-glimmer-dense.gguf"
 
 
@@ -54,12 +51,7 @@ def test_required_keys(key: str, message: str) -> None:
 
 
 def _copy_with(tmp: Path, key: str, value: str) -> Path:
-    path = tmp / "muse-glimmer-dense.gguf"
-    shutil.copyfile(FIXTURE, path)
-    path.chmod(0o644)
-    subprocess.run([sys.executable, "-m", "gguf.scripts.gguf_set_metadata", str(path), key, value, "--force"],
-                   check=True, capture_output=True)
-    return path
+    return with_metadata(FIXTURE, tmp / "muse-glimmer-dense.gguf", {key: value})
 
 
 @pytest.mark.skipif(not FIXTURE.is_file(), reason=f"llama.cpp goldens not found at {GOLDEN}")

@@ -6,9 +6,6 @@ on its fixtures, the one-line errors, and `ggufc export-onnx`."""
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +13,6 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from fixtures import full_options, write_fixture
 
 from ggufc.cli import main
 from ggufc.frontend import blocks as B
@@ -31,8 +27,9 @@ from ggufc.ir.onnx_import import constant_loader, import_onnx
 from ggufc.ir.printer import dump
 from ggufc.ir.verify import verify
 from ggufc.passes.pipeline import run_pipeline
-
-GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
+from tests.support.fixtures import full_options, write_fixture
+from tests.support.goldens import GOLDEN, with_metadata
+from tests.support.onnx_runs import ORT_TOLERANCE, interpret_outputs, onnxruntime_outputs, prompt_tokens
 
 
 def _primitive_graph() -> tuple[Graph, dict[str, np.ndarray]]:
@@ -164,10 +161,6 @@ def test_onnxruntime_matches_interpreter(tmp_path: Path) -> None:
 # every architecture: the project's fixtures with every optional tensor
 
 ARCHS = sorted(ARCHITECTURES)
-# a prompt, then a continuation at P = 9 (caches and recurrent state carried); past 11 cells
-# qwen4exp's QSA budget (top_k 8 + ratio 4 - 1) no longer covers the context: sparse selection
-CALLS = ((0, 9), (9, 14))
-ORT_TOLERANCE = 2e-5  # largest |ort - interp| over the largest |interp|, per output and state
 # graphs that round to half precision (minimax-m3's K/V, as llama.cpp's flash attention reads them;
 # Gemma's GELU, read from llama.cpp's F16 table):
 # a last-bit float32 difference before the rounding moves a value by one f16 step (2^-11 relative)
@@ -181,50 +174,16 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, LoadedModel]:
             for arch in ARCHS}
 
 
-def _tokens(model: LoadedModel) -> np.ndarray:
-    return np.random.default_rng(1).integers(0, model.hparams.n_vocab, CALLS[-1][1]).astype(np.int32)
-
-
-def _interpret(graph: Graph, load: Any, tokens: np.ndarray) -> list[list[np.ndarray]]:
-    """Per call: the outputs then the new states (in state_out order)."""
-    state, results = init_state(graph, {}), []
-    for start, stop in CALLS:
-        res = run_graph(graph, {"tokens": tokens[start:stop], "pos": np.int64(start)}, load, state)
-        state = res.state
-        results.append([*res.outputs, *(state[k] for k in graph.state_out)])
-    return results
-
-
-def _onnxruntime(path: Path, graph: Graph, load: Any, tokens: np.ndarray) -> list[list[np.ndarray]]:
-    """The same calls through onnxruntime; params fed dequantized, states fed back between calls."""
-    model = onnx.load(str(path))
-    props = {p.key: json.loads(p.value) for p in model.metadata_props}
-    params = {name: np.asarray(load(graph.params[spec["source"]]), np.float32)
-              for name, spec in props["ggufc.params"].items()}
-    state_inputs = {s["input"]: key for key, s in props["ggufc.states"].items()}
-    state = init_state(graph, {})
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    names = [o.name for o in session.get_outputs()]
-    results = []
-    for start, stop in CALLS:
-        feeds = {"tokens": tokens[start:stop], "pos": np.array(start, np.int64), **params}
-        feeds.update({name: state[key] for name, key in state_inputs.items()})
-        got = dict(zip(names, session.run(None, feeds), strict=True))
-        state.update({key: got[name] for key, name in props["ggufc.state_out"].items()})
-        results.append([got[n] for n in names])
-    return results
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_onnxruntime_runs_every_architecture_like_the_interpreter(
     tmp_path: Path, models: dict[str, LoadedModel], arch: str
 ) -> None:
     model = models[arch]
-    graph, load, tokens = model.graphs["prefill_all"], model.param_loader(), _tokens(model)
+    graph, load, tokens = model.graphs["prefill_all"], model.param_loader(), prompt_tokens(model)
     exported = to_onnx(graph, tmp_path / "std.onnx", standard=True)
     onnx.checker.check_model(exported)
     assert {n.domain for n in exported.graph.node} == {""}
-    want, got = _interpret(graph, load, tokens), _onnxruntime(tmp_path / "std.onnx", graph, load, tokens)
+    want, got = interpret_outputs(graph, load, tokens), onnxruntime_outputs(tmp_path / "std.onnx", graph, load, tokens)
     rounds = any(n.op == "unary" and n.attrs.fn in ("round_f16", "gelu_tanh_f16") for n in graph.nodes)
     for call_want, call_got in zip(want, got, strict=True):
         for w, g in zip(call_want, call_got, strict=True):
@@ -247,8 +206,9 @@ def test_round_trip_of_every_architecture_runs_equal(
     back = import_onnx(tmp_path / "m.onnx")
     verify(back, {"T": 5, "P": 9})
     assert dump(back) == dump(graph)
-    load, tokens = model.param_loader(), _tokens(model)
-    for call_want, call_got in zip(_interpret(graph, load, tokens), _interpret(back, load, tokens), strict=True):
+    load, tokens = model.param_loader(), prompt_tokens(model)
+    want, got = interpret_outputs(graph, load, tokens), interpret_outputs(back, load, tokens)
+    for call_want, call_got in zip(want, got, strict=True):
         for w, g in zip(call_want, call_got, strict=True):
             np.testing.assert_array_equal(g, w)
 
@@ -385,14 +345,9 @@ def _golden_model(name: str, tmp_path: Path) -> Path:
     """The fixture file; a sparse variant is the dense one with indexer.top_k = 4."""
     if not name.endswith("-sparse"):
         return GOLDEN / "fixtures" / f"{name}.gguf"
-    path = tmp_path / f"{name}.gguf"
-    shutil.copyfile(GOLDEN / "fixtures" / f"{name.removesuffix('-sparse')}.gguf", path)
-    path.chmod(0o644)
     arch = name.split("-")[0]
-    cmd = [sys.executable, "-m", "gguf.scripts.gguf_set_metadata", str(path), f"{arch}.attention.indexer.top_k",
-           "4", "--force"]
-    subprocess.run(cmd, check=True, capture_output=True)
-    return path
+    return with_metadata(GOLDEN / "fixtures" / f"{name.removesuffix('-sparse')}.gguf", tmp_path / f"{name}.gguf",
+                         {f"{arch}.attention.indexer.top_k": "4"})
 
 
 @pytest.mark.parametrize("name", GOLDEN_NAMES)

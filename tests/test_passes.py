@@ -30,8 +30,8 @@ from ggufc.passes.fuse_sparse_indexers import fuse_compressor_pool
 from ggufc.passes.fusions import fuse_rms_norm, fuse_softmax, fuse_swiglu
 from ggufc.passes.pipeline import DEFAULT_ORDER, PASSES, run_pipeline
 from ggufc.passes.stats import hits_of
+from tests.support.goldens import GOLDEN
 
-GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
 NMSE_TOL = 1e-5
 ENV = {"T": 5, "P": 3}
 

@@ -20,8 +20,8 @@ from ggufc.codegen.target import cpu_target
 from ggufc.driver.compile import compile_model
 from ggufc.runtime.session import Session
 from ggufc.runtime.teacher_forcing import teacher_forced_logits
+from tests.support.goldens import GOLDEN
 
-GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
 LLAMA_Q4 = GOLDEN / "fixtures" / "llama-dense-Q4_0.gguf"
 needs_fixture = pytest.mark.skipif(not LLAMA_Q4.is_file(), reason=f"llama.cpp fixture not found at {LLAMA_Q4}")
 

@@ -9,11 +9,11 @@ import gguf
 import numpy as np
 import pytest
 import tvm
-from random_weights import K_QUANTS, make_raw
 
 from ggufc.codegen.formats import block_formats as quant
 from ggufc.codegen.target import cpu_target
 from ggufc.codegen.tvm_util import aligned_empty, aligned_zeros, is_aligned, to_tvm
+from tests.support.random_weights import K_QUANTS, make_raw
 
 QTYPES = quant.QTYPES
 RTOL = 1e-5  # of the output norm; f32 accumulation over K <= 512

@@ -13,20 +13,21 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import sparse_probes as SP
-from fixtures import write_fixture
-from fixtures_hyperconnected import INDEXER_TOP_K
-from sparse_probes import Compiled, compile_probed, decode_kernel_calls, interpret, nmse, with_metadata
 
 from ggufc.cli import main
 from ggufc.frontend.load import LoadedModel, load_model
 from ggufc.ir import ngram_embedding as NG
 from ggufc.ir import sparse_indexers as SI
 from ggufc.passes.pipeline import run_pipeline
+from tests.support import sparse_probes as SP
+from tests.support.arch_models import qwen4exp_tokens
+from tests.support.fixtures import write_fixture
+from tests.support.fixtures_hyperconnected import INDEXER_TOP_K
+from tests.support.goldens import GOLDEN, skip_without_goldens, with_metadata
+from tests.support.sparse_probes import Compiled, compile_probed, decode_kernel_calls, interpret, nmse
 
-GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
 DENSE = GOLDEN / "fixtures" / "qwen4exp-moe.gguf"
-needs_golden = pytest.mark.skipif(not DENSE.exists(), reason=f"llama.cpp goldens not found at {GOLDEN}")
+needs_golden = skip_without_goldens(DENSE)
 MODES = {64: "logits_prefill", 1: "logits_decode", 7: "logits_chunk7"}
 
 
@@ -36,7 +37,7 @@ def sparse_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if not DENSE.exists():
         pytest.skip("llama.cpp goldens absent")
     return with_metadata(DENSE, tmp_path_factory.mktemp("sparse") / "qwen4exp-moe-sparse.gguf",
-                         "qwen4exp.attention.indexer.top_k", "4")
+                         {"qwen4exp.attention.indexer.top_k": "4"})
 
 
 @pytest.fixture(scope="module")
@@ -48,12 +49,6 @@ def golden_models(sparse_path: Path) -> dict[str, LoadedModel]:
 def project(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
     """The project's fixture: QSA budget 8 tokens (W = 11 cells) in a 64-cell context, PLE, scales."""
     return load_model(write_fixture("qwen4exp", tmp_path_factory.mktemp("q4") / "m.gguf", seed=0, scales=True))
-
-
-def project_tokens(model: LoadedModel, n: int = 64) -> np.ndarray:
-    toks = np.random.default_rng(11).integers(0, model.hparams.n_vocab, n).astype(np.int32)
-    toks[[i for i in (9, 15, 30, 31) if i < n]] = model.hparams.ple.eos  # EOS in the stream: the n-grams reset
-    return toks
 
 
 # ---------------------------------------------------------------------------------------------
@@ -80,7 +75,7 @@ def test_interpreter_matches_llama_cpp(golden_models: dict[str, LoadedModel], na
 
 def test_chunked_interpreter_equals_one_shot(project: LoadedModel) -> None:
     """Chunks of 1, 7 and 64 tokens: KV, indexer-key, conv, recurrent and PLE states carried."""
-    tokens = project_tokens(project)
+    tokens = qwen4exp_tokens(project)
     (one_shot,) = interpret(project, project.graph, tokens, 64)
     for chunk in (1, 7):
         (chunked,) = interpret(project, project.graph, tokens, chunk)
@@ -123,7 +118,7 @@ def test_compiled_sparse_matches_llama_cpp_sparse(compiled_sparse: Compiled, chu
 
 
 def test_compiled_chunks_and_decode_equal_one_shot(compiled_project: Compiled) -> None:
-    tokens = project_tokens(compiled_project.model)
+    tokens = qwen4exp_tokens(compiled_project.model)
     one_shot, _ = compiled_project.run(tokens, 64)
     (reference,) = interpret(compiled_project.model, compiled_project.model.graph, tokens, 64)
     assert nmse(one_shot, reference) < 1e-6
@@ -140,7 +135,7 @@ def test_compiled_selection_equals_reference(compiled_project: Compiled) -> None
     reference) and float32 (the kernels); rows whose boundary blocks are that close would be
     exempt, and this fixture has none (asserted)."""
     model, graph = compiled_project.model, compiled_project.graph
-    tokens = project_tokens(model)
+    tokens = qwen4exp_tokens(model)
     topk = next(n for n in graph.nodes if n.op == "indexer_topk")
     assert topk.attrs.width == INDEXER_TOP_K + topk.attrs.ratio - 1 < model.n_ctx
     _, want = interpret(model, graph, tokens, 64, outputs=2)
@@ -185,7 +180,7 @@ def case(request: pytest.FixtureRequest, project: LoadedModel) -> tuple[str, Loa
 
 def _tokens(name: str, model: LoadedModel) -> np.ndarray:
     if name == "project":
-        return project_tokens(model, 24)
+        return qwen4exp_tokens(model, 24)
     return np.load(GOLDEN / "logits" / f"{name}.npz")["tokens"][:24]
 
 

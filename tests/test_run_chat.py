@@ -18,14 +18,14 @@ pytest.importorskip("tvm")
 
 @pytest.fixture(scope="module")
 def toy_chat_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from test_session import build_toy_artifact
+    from tests.support.toy_artifact import build_toy_artifact
 
     return build_toy_artifact(tmp_path_factory.mktemp("toychat") / "artifact", with_tokenizer=True)
 
 
 def test_chat_turns_from_stdin_reuse_the_prefix(toy_chat_artifact: Path, capsys: pytest.CaptureFixture[str],
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    from test_session import TOY_LETTERS, greedy_reference
+    from tests.support.toy_artifact import TOY_LETTERS, greedy_reference
 
     monkeypatch.setattr("sys.stdin", io.StringIO("ca\n\nfa\n"))  # a blank line is skipped
     code = main(["run", str(toy_chat_artifact), "--chat", "--prompt", "dbe", "-n", "3"])

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from serve_support import ROOT, ServerProcess, cli_env, wait_until
+
+from tests.support.serve_support import ROOT, ServerProcess, cli_env, wait_until
 
 openai = pytest.importorskip("openai")
 

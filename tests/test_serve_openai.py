@@ -15,7 +15,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from serve_support import ROOT, ServerProcess, cli_env
+
+from tests.support.serve_support import ROOT, ServerProcess, cli_env
 
 openai = pytest.importorskip("openai")
 

@@ -19,9 +19,9 @@ from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import content_type_conformance, status_code_conformance
-from serve_support import ServerProcess
 
 from ggufc.driver.models import DEFAULT_MODEL_FILE
+from tests.support.serve_support import ServerProcess
 
 KEY = "fuzz-key"
 N_CTX = 64

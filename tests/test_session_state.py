@@ -11,14 +11,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from artifact_edits import write_manifest
-from gpu_support import need_vulkan
 
 import ggufc
 from ggufc.runtime import Session
+from tests.support.artifact_edits import write_manifest
+from tests.support.goldens import GOLDEN, skip_without_goldens
+from tests.support.gpu_support import need_vulkan
 
-GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
-pytestmark = pytest.mark.skipif(not GOLDEN.is_dir(), reason=f"llama.cpp goldens not found at {GOLDEN}")
+pytestmark = skip_without_goldens()
 FIXTURE = GOLDEN / "fixtures" / "qwen35-dense.gguf"
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
+from tests.support.goldens import GOLDEN
+
 TIE_MARGIN = 0.5  # logits; above the 99th percentile of llama.cpp's own decode-vs-batch gap changes (0.43)
 
 

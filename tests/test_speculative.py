@@ -18,9 +18,9 @@ import ggufc
 from ggufc.cli import main
 from ggufc.runtime import Session
 from ggufc.runtime.speculative import ModelDrafter, NgramDrafter, SpeculativeStats, speculative_greedy
+from tests.support.goldens import GOLDEN, skip_without_goldens
 
-GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
-needs_golden = pytest.mark.skipif(not GOLDEN.is_dir(), reason=f"llama.cpp goldens not found at {GOLDEN}")
+needs_golden = skip_without_goldens()
 
 
 def plain_greedy(session: Session, prompt: np.ndarray, n: int) -> list[int]:
@@ -102,7 +102,7 @@ def test_speculative_options_refused_in_one_line(capsys: pytest.CaptureFixture[s
 
 @pytest.fixture(scope="module")
 def toy_text_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from test_session import build_toy_artifact
+    from tests.support.toy_artifact import build_toy_artifact
 
     return build_toy_artifact(tmp_path_factory.mktemp("toyspec") / "artifact", with_tokenizer=True)
 

@@ -38,8 +38,8 @@ from ggufc.frontend.tokenizer_build import (
 )
 from ggufc.runtime.chat import render_chat
 from ggufc.runtime.tokenizer import TokenizationError, Tokenizer
+from tests.support.goldens import GOLDEN
 
-GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
 SMOLLM_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 

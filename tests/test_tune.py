@@ -36,8 +36,8 @@ from ggufc.frontend.load import load_model
 from ggufc.ir.interp import init_state, run_graph
 from ggufc.runtime.session import Session
 from ggufc.runtime.teacher_forcing import teacher_forced_logits
+from tests.support.goldens import GOLDEN
 
-GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
 FIXTURES = GOLDEN / "fixtures"
 pytestmark = pytest.mark.skipif(not FIXTURES.is_dir(), reason=f"llama.cpp fixtures not found at {FIXTURES}")
 

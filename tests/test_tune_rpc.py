@@ -34,8 +34,8 @@ from ggufc.driver.tune.options import TuneOptions
 from ggufc.driver.tune.session import tune_model
 from ggufc.driver.tune.targets import tune_target
 from ggufc.driver.tune.workloads import Workload
+from tests.support.goldens import GOLDEN
 
-GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
 FIXTURES = GOLDEN / "fixtures"
 LLAMA = FIXTURES / "llama-dense.gguf"
 KEY = "ggufc-test"

@@ -4,11 +4,11 @@ a mistral3 with YaRN (factor 4 over an original context of 8, log multiplier 1) 
 temperature 0.5, a phi3 with fused attn_qkv, rope over 3/4 of the head and the long LongRoPE
 factors with attn_factor 1.19, a gpt-oss with YaRN 32 over an original context of 8 keeping its
 magnitude (1 + 0.1 ln 32 on q and k) and a 4-cell window on even layers. The fixtures are written
-by `tests/fixtures.py` (deterministic: the sha256 is kept with the logits, and the test refuses a
+by `tests/support/fixtures.py` (deterministic: the sha256 is kept with the logits, and the test refuses a
 fixture that differs); the logits are llama.cpp's on 48 tokens in the three feeding modes, f32 KV
 cache, 2 threads, as ../shared/golden.
-Needs `llama-cpp-python` (0.3.36 wrote the files here): `python tests/goldens/make_feature_goldens.py
-[NAME ...]` (default: every one).
+Needs `llama-cpp-python` (0.3.36 wrote the files here): `python -m
+tests.goldens.make_feature_goldens [NAME ...]` from the repository root (default: every one).
 """
 
 from __future__ import annotations
@@ -20,10 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+from tests.support.feature_fixtures import FEATURE_FIXTURES, feature_tokens, write_feature_fixture
 
-from feature_fixtures import FEATURE_FIXTURES, feature_tokens, write_feature_fixture  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 
 def logits(model: Path, tokens: list[int], chunk: int) -> np.ndarray:

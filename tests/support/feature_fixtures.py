@@ -9,8 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from fixture_spec import FixtureSize
-from fixtures import full_options, write_fixture
+
+from tests.support.fixture_spec import FixtureSize
+from tests.support.fixtures import full_options, write_fixture
 
 FEATURE_FIXTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "smollm3-nope": ("smollm3", {"size": FixtureSize(n_layer=8)}),

@@ -14,7 +14,8 @@ uint64 multipliers above 2^63, so the hash's wrap-around arithmetic is exercised
 from __future__ import annotations
 
 import gguf
-from fixture_spec import FixtureSize
+
+from tests.support.fixture_spec import FixtureSize
 
 HC, HC_RANK = 2, 4
 CONV_KERNEL = 4

@@ -14,7 +14,8 @@ reads them (its own fixture, tests/test_kimi_k3.py, carries them).
 from __future__ import annotations
 
 import gguf
-from fixture_spec import FixtureSize
+
+from tests.support.fixture_spec import FixtureSize
 
 N_LEAD_DENSE = 1
 CONV_KERNEL = 4

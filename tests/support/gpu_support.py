@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"  # ../shared beside the checkout
+from tests.support.goldens import GOLDEN
+
 # CI sets these so a missing driver or compiler fails the run instead of skipping
 REQUIRE_VULKAN = os.environ.get("GGUFC_REQUIRE_VULKAN") == "1"
 REQUIRE_NVCC = os.environ.get("GGUFC_REQUIRE_NVCC") == "1"

@@ -5,13 +5,9 @@ fusion of theirs passes, and a golden copy with one key changed."""
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import sys
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -97,13 +93,6 @@ def check_fusions_recognise_decompositions(model: LoadedModel, ops: set[str]) ->
     assert Counter(n.op for n in refused.nodes) == Counter(n.op for n in fused.nodes)
 
 
-def with_metadata(src: Path, dst: Path, key: str, value: str) -> Path:
-    """A copy of `src` with one key changed by the gguf package's gguf-set-metadata."""
-    shutil.copyfile(src, dst)
-    dst.chmod(0o644)
-    subprocess.run([sys.executable, "-m", "gguf.scripts.gguf_set_metadata", str(dst), key, value, "--force"],
-                   check=True, capture_output=True)
-    return dst
 
 
 @dataclass

@@ -13,7 +13,8 @@ rotates only half of each head (partial NEOX) and stores its experts' gate and u
 from __future__ import annotations
 
 import gguf
-from fixture_spec import FixtureSize
+
+from tests.support.fixture_spec import FixtureSize
 
 CONV_KERNEL = 4
 FULL_ATTENTION_INTERVAL = 2

@@ -29,18 +29,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import fixtures_compressed as compressed
-import fixtures_hyperconnected as hyperconnected
-import fixtures_kimi as kimi
-import fixtures_latent as latent
-import fixtures_msa as msa
 import gguf
 import numpy as np
-from declared_tensors import Declared, Presence, declared_tensors
-from fixture_spec import FixtureOptions, FixtureSize, TensorSpec, resolve_size
-from fixtures_hybrid import rope_dimension_count, write_hybrid_hparams
 
 from ggufc.frontend.blocks import SUPPORTED_QTYPES
+from tests.support import fixtures_compressed as compressed
+from tests.support import fixtures_hyperconnected as hyperconnected
+from tests.support import fixtures_kimi as kimi
+from tests.support import fixtures_latent as latent
+from tests.support import fixtures_msa as msa
+from tests.support.declared_tensors import Declared, Presence, declared_tensors
+from tests.support.fixture_spec import FixtureOptions, FixtureSize, TensorSpec, resolve_size
+from tests.support.fixtures_hybrid import rope_dimension_count, write_hybrid_hparams
 
 # ---------------------------------------------------------------------------------------------
 # architectures

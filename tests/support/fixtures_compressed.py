@@ -18,7 +18,8 @@ import zlib
 
 import gguf
 import numpy as np
-from fixture_spec import FixtureOptions, FixtureSize, TensorSpec
+
+from tests.support.fixture_spec import FixtureOptions, FixtureSize, TensorSpec
 
 HC, SINKHORN_ITERS, HC_EPS = 4, 3, 1e-6
 Q_RANK, OUT_RANK = 32, 16

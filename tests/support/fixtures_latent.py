@@ -14,7 +14,8 @@ drops cells. glm-dsa's `indexer.types` makes every second layer after the first 
 from __future__ import annotations
 
 import gguf
-from fixture_spec import FixtureSize
+
+from tests.support.fixture_spec import FixtureSize
 
 INDEXER_HEADS = 2
 INDEXER_TOP_K = 8

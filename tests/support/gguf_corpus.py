@@ -331,7 +331,7 @@ def _set_field(out: bytearray, f: Field, rng: random.Random) -> None:
 
 def fixture_bytes(directory: Path) -> bytes:
     """The smallest fixture the project's writer makes: a 1-layer Q4_0 llama (a few KB)."""
-    from fixtures import FixtureSize, write_fixture
+    from tests.support.fixtures import FixtureSize, write_fixture
 
     size = FixtureSize(vocab=32, n_embd=32, n_layer=1, n_head=2, n_head_kv=1, head_dim=16, n_ff=32, n_ctx=16)
     path = write_fixture("llama", directory / "tiny-q4_0.gguf", size=size, qtype="Q4_0")

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 180.0
 _ANNOUNCE = re.compile(r"serving .* on http://127\.0\.0\.1:(\d+) ")
 

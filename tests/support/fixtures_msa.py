@@ -14,7 +14,8 @@ with every scale, is the golden test's).
 from __future__ import annotations
 
 import gguf
-from fixture_spec import FixtureSize
+
+from tests.support.fixture_spec import FixtureSize
 
 MSA_BLOCK, MSA_TOP_K, MSA_LOCAL = 4, 3, 1
 N_DENSE_LEAD = 1

@@ -1,0 +1,1 @@
+"""Speed measurements; run each as `python -m benchmarks.NAME` from the repo root."""

@@ -1,0 +1,1 @@
+"""The test suite (a package, so tests import helpers as `tests.support.X`)."""

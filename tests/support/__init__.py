@@ -1,0 +1,1 @@
+"""Helpers and fixture writers shared by the tests and benchmarks."""
