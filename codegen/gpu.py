@@ -241,6 +241,11 @@ def _delta_net_scan(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
                  "ggufc.scan_per_row")
 
 
+def _lightning_scan(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
+    return _mark(LA.lightning_attention_gpu(key.h, key.dk, key.dv, key.attrs.slopes, key.attrs.layer_scale),
+                 "ggufc.scan_per_column")
+
+
 def _index_mask(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
     neg_inf = tirx.reinterpret("float32", tirx.const(0xFF800000, "uint32"))  # WGSL has no infinity literal
     return _schedule(SI.index_mask(Symbols().shape(key.dims[0]), neg_inf), target, key)
@@ -346,6 +351,7 @@ GPU_KERNELS: dict[str, GpuKernel] = {
     KK.CacheWrite.kind: _cache_write,
     KK.CausalConv.kind: _causal_conv,
     KK.DeltaNetScan.kind: _delta_net_scan,
+    KK.LightningScan.kind: _lightning_scan,
     "index_mask": _index_mask,
     KK.NgramHash.kind: _ngram_hash,
     KK.IndexerTopK.kind: _indexer_topk,
