@@ -623,7 +623,9 @@ def lightning_attention_gpu(h: int, dk: int, dv: int, slopes: tuple[float, ...],
                     acc[1] = T.float32(0)
                     for u in range(t + T.int64(1)):
                         acc[2] = T.float32(0)
-                        for d in range(DK):
+                        # unrolled: llvmpipe (lavapipe) stops a loop after 65535 iterations counted over
+                        # all its entries, which this one (Dk per query-key pair) passes after 512 pairs
+                        for d in T.unroll(DK):
                             acc[2] = acc[2] + Q[t, hh, d] * K[u, hh, d]
                         acc[1] = acc[1] + acc[2] * T.exp(-slope * T.Cast("float32", t - u) * scale) * V[u, hh, j]
                     Out[t, hh, j] = acc[0] + acc[1]
