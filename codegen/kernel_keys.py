@@ -168,6 +168,17 @@ class DeltaNetScan(KernelKey):
 
 
 @dataclass(frozen=True)
+class LightningScan(KernelKey):
+    """Lightning attention over a call's tokens (one block), per head, carrying the state."""
+
+    kind: ClassVar[str] = "lightning_attention"
+    h: int
+    dk: int
+    dv: int
+    attrs: Any
+
+
+@dataclass(frozen=True)
 class IndexerTopK(KernelKey):
     """The indexer's top-k cells per query (`blocks`: score columns, `cells`: selectable cells)."""
 

@@ -1,13 +1,14 @@
 """Blocks of the hybrid gated delta-net decoders (qwen3next, qwen35, qwen4exp): the linear-attention
 layer (causal conv with carried state, L2-normalised q/k, decay and write gates, the gated delta
 rule with recurrent state, gated RMSNorm), the full-attention layer whose q projection also holds a
-sigmoid output gate, and the sigmoid-gated shared expert.
+sigmoid output gate, and the sigmoid-gated shared expert; KDA (kimi-k3) and lightning attention
+(minimax-01: fixed per-head decays, no delta rule).
 
 Architecture files pass in the projections they computed (each arch honours its own `.scale` and
 bias tensors) and get back the value before the output projection, so the blocks hold only the
 maths the family shares. Spelled in primitives where a fusion pass recognises the spelling
-(`l2_norm`, `rms_norm_gated`, `rms_norm`); the two stateful ops (`ssm_conv`, `gated_delta_net`)
-are emitted directly, with their states threaded through `new_state`.
+(`l2_norm`, `rms_norm_gated`, `rms_norm`); the stateful ops (`ssm_conv`, `gated_delta_net`,
+`lightning_attention`) are emitted directly, with their states threaded through `new_state`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from ggufc.ir import ops as O
 from ggufc.ir.builder import GraphBuilder
 from ggufc.ir.decompose import l2_norm_spelled, rms_norm_gated_spelled
 from ggufc.ir.graph import Value
+from ggufc.ir.linear_attention import lightning_layer_scale, lightning_slopes
 
 from . import blocks as B
 from .hparams import Keys, ModelError
@@ -71,9 +73,10 @@ def read_delta_net_dims(keys: Keys) -> DeltaNetDims:
     return DeltaNetDims(n_group, dt_rank, d_state, d_inner // dt_rank, d_conv)
 
 
-def recurrent_layers(keys: Keys, n_layer_all: int, n_layer: int) -> tuple[bool, ...]:
+def recurrent_layers(keys: Keys, n_layer_all: int, n_layer: int, default_interval: int = 4) -> tuple[bool, ...]:
     """Which layers are linear attention: `attention.recurrent_layers` if present, otherwise every
-    layer but each `full_attention_interval`-th (default 4). MTP layers (>= n_layer) never are."""
+    layer but each `full_attention_interval`-th (default 4; minimax-01: 8). MTP layers (>= n_layer)
+    never are."""
     raw = keys.raw("attention.recurrent_layers")
     if raw is not None:
         flags = raw if isinstance(raw, list) else [raw] * n_layer_all
@@ -83,7 +86,7 @@ def recurrent_layers(keys: Keys, n_layer_all: int, n_layer: int) -> tuple[bool, 
                 f"expected {n_layer_all} (one per layer)"
             )
         return tuple(bool(f) and i < n_layer for i, f in enumerate(flags))
-    interval = keys.int("full_attention_interval", 4)
+    interval = keys.int("full_attention_interval", default_interval)
     if interval <= 0:
         raise ModelError(f"key {keys.arch}.full_attention_interval must be positive, got {interval}")
     return tuple(i < n_layer and (i + 1) % interval != 0 for i in range(n_layer_all))
@@ -266,6 +269,23 @@ def shared_expert_gate(b: GraphBuilder, h: Value, w_gate: Value) -> Value:
     """sigmoid(h @ w) with w [E] (`ffn_gate_inp_shexp`): one gate per token, [T, 1]."""
     logit = b.reduce("sum", b.mul(h, w_gate, "shared_expert_gate_prod"), "shared_expert_gate")
     return b.unary("sigmoid", logit, "shared_expert_gate_sigmoid")
+
+
+# ---------------------------------------------------------------------------------------------
+# lightning attention (minimax-01, llama.cpp `src/models/minimax-01.cpp`)
+
+
+def lightning_attention(b: GraphBuilder, layer: int, n_layer: int, q: Value, k: Value, v: Value,
+                        new_state: dict[str, Value]) -> Value:
+    """Linear attention with llama.cpp's fixed per-head decays (ALiBi-like slopes scaled down
+    with depth) over q, k, v [T, H, D], carrying S [H, Dk, Dv] (`lightning_state.{layer}`); a
+    call's tokens are one block, as llama.cpp's ubatch is. Returns o [T, H, Dv]."""
+    h, dk, dv = int(q.shape[1]), int(q.shape[2]), int(v.shape[2])
+    attrs = O.LightningAttention(lightning_slopes(h), lightning_layer_scale(layer, n_layer))
+    state = b.state(f"lightning_state.{layer}", (h, dk, dv))
+    new, o = b.emit_multi("lightning_attention", [state, q, k, v], attrs, [f"lightning_state.{layer}", "qkv"])
+    new_state[f"lightning_state.{layer}"] = new
+    return o
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,6 +11,11 @@ The op records in `ops.py` call these. Shapes (numpy order, one sequence):
 `gated_delta_net_ref` is the sequential recurrence (llama.cpp's fused CPU op, the default path);
 `gated_delta_net_chunked_ref` is the chunked WY/UT form of the same maths (llama.cpp's non-fused
 path), kept as a second spelling that tests hold equal to the first.
+
+Lightning attention (minimax-01, llama.cpp `src/models/minimax-01.cpp`) is linear attention with a
+fixed per-head decay and no delta rule: state `[H, Dk, Dv]` (S[h] = sum of decayed k v^T), q, k, v
+`[T, H, D]`. llama.cpp runs one call's tokens as one block (`lightning_attention_ref`); the decays
+are made in float32 in its order (`lightning_decays`).
 """
 
 from __future__ import annotations
@@ -148,3 +153,60 @@ def gated_delta_net_chunked_ref(
             o[c0:c1, h] = dt.type(scale) * ((qh * np.exp(gc)) @ s[h] + psi @ vn)
             s[h] = s[h] * np.exp(gc[-1])[:, None] + (kh * np.exp(gc[-1] - gc)).T @ vn
     return np.ascontiguousarray(np.swapaxes(s, 1, 2)), o
+
+
+# ---------------------------------------------------------------------------------------------
+# lightning attention (minimax-01)
+
+
+def lightning_slopes(n_head: int) -> tuple[float, ...]:
+    """The per-head decay rates as llama.cpp's host input makes them (powf/log2f in float32):
+    start = ratio = 2^(-2^(-(log2 H - 3))), slope[h] = start * ratio^h."""
+    f = np.float32
+    start = f(2) ** -(f(2) ** -(np.log2(f(n_head)) - f(3)))
+    return tuple(float(f(start) * f(start) ** f(h)) for h in range(n_head))
+
+
+def lightning_layer_scale(layer: int, n_layer: int) -> float:
+    """The decay multiplier of layer `layer`: 1 - il/(n_layer - 1) + 1e-5 in double, passed as float."""
+    return float(np.float32(1.0 - 1.0 * layer / (n_layer - 1) + 1e-5))
+
+
+def lightning_decays(slopes: tuple[float, ...], layer_scale: float, n: int) -> dict[str, np.ndarray]:
+    """A block of n tokens' decay factors, float32 in llama.cpp's order (exponent = slope * count on
+    the host, times the layer scale in the graph, then exp): q [n, H] = e^(-s*slope*(i+1)),
+    k [n, H] = e^(-s*slope*(n-1-i)), diag [n(query), n(key), H] = e^(-s*slope*(j-i)) for i <= j else
+    0, block [H] = e^((s*slope) * -n)."""
+    f = np.float32
+    sl, s = np.asarray(slopes, f), f(layer_scale)
+    i = np.arange(n, dtype=f)[:, None]
+    rel = np.arange(n)[:, None] - np.arange(n)[None, :]
+    diag_exp = np.where(rel[:, :, None] >= 0, (-sl) * rel[:, :, None].astype(f), f(-np.inf))
+    return {
+        "q": np.exp(((-sl) * (i + f(1))) * s),
+        "k": np.exp(((-sl) * (f(n) - i - f(1))) * s),
+        "diag": np.exp(diag_exp * s).astype(f),
+        "block": np.exp((sl * s) * f(-n)),
+    }
+
+
+def lightning_attention_ref(
+    state: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, slopes: tuple[float, ...], layer_scale: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """One block of lightning attention over a call's T tokens; returns (new_state, o [T, H, Dv]).
+
+    T = 1 (llama.cpp's decode path): S' = S e^(-s*slope) + k v^T, o = q S'.
+    T > 1: o = (q * q_decay) S + ((q k^T) * diag) v (the two sums made apart, then added),
+    S' = S * block_decay + (k * k_decay)^T v."""
+    dt = v.dtype
+    n = q.shape[0]
+    d = {key: val.astype(dt) for key, val in lightning_decays(slopes, layer_scale, n).items()}
+    s_old = state.astype(dt)
+    kv = np.einsum("thi,thj->hij", k * d["k"][:, :, None], v) if n > 1 else k[0][:, :, None] * v[0][:, None, :]
+    s_new = s_old * d["block"][:, None, None] + kv
+    if n == 1:
+        return s_new, np.einsum("thi,hij->thj", q, s_new)
+    inter = np.einsum("thi,hij->thj", q * d["q"][:, :, None], s_old)
+    scores = np.einsum("thd,uhd->htu", q, k) * np.moveaxis(d["diag"], 2, 0)
+    intra = np.einsum("htu,uhj->thj", scores, v)
+    return s_new, (inter + intra).astype(dt)

@@ -3,7 +3,8 @@
 With `to_onnx(..., standard=True)` every node is a standard ONNX op, so onnxruntime runs the
 graph as it is: positions and masks from `Range`, cache reads and writes as `Slice` + `Concat`
 at the dynamic position, MoE expert matmuls as a `Gather` of expert rows under a batched
-`MatMul`, the causal conv as a grouped `Conv`, the gated delta rule as a `Scan` over tokens,
+`MatMul`, the causal conv as a grouped `Conv`, the gated delta rule and lightning attention as a
+`Scan` over tokens,
 qwen4exp's PLE n-gram hash in uint64 arithmetic, its QSA cell values, heap selection
 (`onnx_heap`) and index mask, minimax-m3's MSA block selection (`TopK` over values that put the
 local blocks first) and per-group block mask, deepseek4's compressed-row scores and attention
@@ -175,6 +176,37 @@ def _delta_step(scale: float, key_decay: bool = False) -> GraphProto:
     ins = [helper.make_tensor_value_info(f"step.{x}", f, None) for x in ("m", "q", "k", "v", "g", "beta")]
     outs = [helper.make_tensor_value_info(f"step.{x}", f, None) for x in ("m_next", "o")]
     return helper.make_graph(nodes, "gated_delta_step", ins, outs, inits)
+
+
+def spell_lightning_attention(e: OnnxWriter, node: Node) -> None:
+    """A Scan over tokens carrying S [H, Dk, Dv]: the recurrence the block form computes,
+    S = e^(-s*slope) S + k v^T, o = q S (lightning_attention_ref up to rounding)."""
+    state, q, k, v = (e.name(i) for i in node.inputs)
+    new_state, out = (e.name(o) for o in node.outputs)
+    a: O.LightningAttention = node.attrs
+    lam = np.exp(-np.asarray(a.slopes, np.float64) * a.layer_scale).astype(np.float32)
+    e.emit("Scan", [state, q, k, v], [new_state, out], body=_lightning_step(lam), num_scan_inputs=3)
+
+
+def _lightning_step(decay: np.ndarray) -> GraphProto:
+    """Scan body: (s [H,Dk,Dv], q [H,Dk], k [H,Dk], v [H,Dv]) -> (s', o [H,Dv])."""
+
+    def n(op: str, ins: list[str], outs: list[str]) -> NodeProto:
+        return helper.make_node(op, [f"lstep.{i}" for i in ins], [f"lstep.{o}" for o in outs])
+
+    axes = {"ax1": [1], "ax2": [2]}
+    inits = [numpy_helper.from_array(np.asarray(v, np.int64), f"lstep.{k}") for k, v in axes.items()]
+    inits.append(numpy_helper.from_array(decay.reshape(-1, 1, 1), "lstep.decay"))
+    nodes = [
+        n("Mul", ["s", "decay"], ["s1"]), n("Unsqueeze", ["k", "ax2"], ["kcol"]),
+        n("Unsqueeze", ["v", "ax1"], ["vrow"]), n("Mul", ["kcol", "vrow"], ["outer"]),
+        n("Add", ["s1", "outer"], ["s_next"]), n("Unsqueeze", ["q", "ax1"], ["qrow"]),
+        n("MatMul", ["qrow", "s_next"], ["o3"]), n("Squeeze", ["o3", "ax1"], ["o"]),
+    ]
+    f = TensorProto.FLOAT
+    ins = [helper.make_tensor_value_info(f"lstep.{x}", f, None) for x in ("s", "q", "k", "v")]
+    outs = [helper.make_tensor_value_info(f"lstep.{x}", f, None) for x in ("s_next", "o")]
+    return helper.make_graph(nodes, "lightning_step", ins, outs, inits)
 
 
 def _cells(e: OnnxWriter, out: str) -> tuple[str, str]:
@@ -471,6 +503,7 @@ SPELLED: dict[str, Callable[[OnnxWriter, Node], None]] = {
     "matmul_id": spell_matmul_id,
     "ssm_conv": spell_ssm_conv,
     "gated_delta_net": spell_gated_delta_net,
+    "lightning_attention": spell_lightning_attention,
     "indexer_topk": spell_indexer_topk,
     "token_topk": spell_token_topk,
     "head_matmul": spell_head_matmul,

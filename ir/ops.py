@@ -20,7 +20,13 @@ from .act_quant import ACT_BLOCK, q8_1_sums_ref, quantize_act_ref
 from .graph import Dim, Shape, eval_shape
 from .hyper_connections import hc_post_ref, hc_pre_ref, res_mix_ref
 from .latent_attention import head_matmul_ref
-from .linear_attention import gated_delta_net_ref, l2_norm_ref, rms_norm_gated_ref, ssm_conv_ref
+from .linear_attention import (
+    gated_delta_net_ref,
+    l2_norm_ref,
+    lightning_attention_ref,
+    rms_norm_gated_ref,
+    ssm_conv_ref,
+)
 from .moe_routing import check_routing, matmul_id_ref, moe_ffn_node_ref, moe_inputs, moe_route_ref
 from .ngram_embedding import ple_hash_ref
 from .sparse_indexers import (
@@ -273,6 +279,15 @@ class GatedDeltaNet:
     head_map: str  # which q/k head value head h reads: "tiled" h % Hk or "interleaved" h // (Hv/Hk)
     scale: float  # output scale, 1/sqrt(Dk)
     key_decay: bool = False  # g [T, Hv, Dk]: one decay per key index (KDA) instead of one per head
+
+
+@dataclass(frozen=True)
+class LightningAttention:
+    """Linear attention with a fixed decay per head (minimax-01), the call's tokens one block;
+    inputs (state [H, Dk, Dv], q [T, H, Dk], k [T, H, Dk], v [T, H, Dv]), outputs (new_state, o [T, H, Dv])."""
+
+    slopes: tuple[float, ...]  # the per-head decay rates (float32 values)
+    layer_scale: float  # this layer's multiplier of the rates (a float32 value)
 
 
 # -- hyper-connections, sparse-attention indexers, n-gram embedding hash (references in -------
@@ -1107,6 +1122,17 @@ def _ref_gather(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
     return table[ids.astype(np.int64)]
 
 
+def _lightning_attention_shape(ins: Sequence[ShapeDtype], a: LightningAttention) -> list[ShapeDtype]:
+    (ss, sdt), (qs, _), (ks, _), (vs, _) = ins
+    h, dk, dv = ss
+    t = qs[0]
+    ok = (tuple(qs) == (t, h, dk) and tuple(ks) == tuple(qs) and tuple(vs) == (t, h, dv)
+          and len(a.slopes) == h)
+    if not ok:
+        raise ValueError(f"lightning_attention: state {ss}, q {qs}, k {ks}, v {vs}, {len(a.slopes)} slopes disagree")
+    return [(ss, sdt), (vs, "float32")]
+
+
 def _ref_gated_delta_net(ins: Sequence[np.ndarray], a: GatedDeltaNet) -> list[np.ndarray]:
     state, q, k, v, g, beta = ins
     return list(gated_delta_net_ref(state, q, k, v, g, beta, a.head_map, a.scale))
@@ -1167,6 +1193,9 @@ OPS: dict[str, OpDef] = {
               lambda i, a, c: list(ssm_conv_ref(i[0], i[1], i[2], a.dilation)), effects=True),
         OpDef("gated_delta_net", GatedDeltaNet, _gated_delta_net_shape,
               lambda i, a, c: _ref_gated_delta_net(i, a), effects=True),
+        OpDef("lightning_attention", LightningAttention, _lightning_attention_shape,
+              lambda i, a, c: list(lightning_attention_ref(i[0], i[1], i[2], i[3], a.slopes, a.layer_scale)),
+              effects=True),
         # qwen4exp: the hyper-connection mix, the QSA indexer, the PLE n-gram hash
         OpDef("indexer_topk", IndexerTopK, _indexer_topk_shape,
               _one(lambda i, a, c: indexer_topk_ref(i[0], int(i[1]), a.ratio, a.width))),

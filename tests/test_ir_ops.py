@@ -204,6 +204,8 @@ def _recurrent_cases() -> list[Case]:
     kda_in = (In("ssm", (2, 3, 5), "state"), In("q", ("T", 2, 5)), In("k", ("T", 2, 5)), In("v", ("T", 2, 3)),
               In("g", ("T", 2, 5)), In("beta", ("T", 2), "pos"))  # KDA: one decay per key index
     cases += _both_t("gated_delta_net", O.GatedDeltaNet("tiled", 0.45, key_decay=True), kda_in)
+    lightning_in = (In("s", (2, 5, 3), "state"), In("q", ("T", 2, 5)), In("k", ("T", 2, 5)), In("v", ("T", 2, 3)))
+    cases += _both_t("lightning_attention", O.LightningAttention((0.0625, 0.00390625), 0.5), lightning_in)
     return cases
 
 

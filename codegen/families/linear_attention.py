@@ -14,6 +14,11 @@ their state in place: Relax calls them through `call_tir_inplace`) and the two n
   value head, chunks of `CHUNK` tokens, the maths of `gated_delta_net_chunked_ref`, either decay);
   shorter calls, decode among them, keep the recurrence. Lowering picks the chunked form for KDA
   (a decay per key index) only; the per-head-decay delta-net runs the recurrence (`_gated_delta_net`).
+* `lightning_attention`: minimax-01's linear attention with a fixed decay per head, a call's tokens
+  one block as llama.cpp makes them: a parallel task per head runs the block's outputs
+  (q_decay-scaled q times the old state, plus the decayed causal q k^T times v, the two sums kept
+  apart until the end), then decays the state and adds the k_decay-scaled k^T v; one token takes
+  llama.cpp's decode form (update the state, then read it with q).
 * `l2_norm`, `rms_norm_gated`: one reduction and one elementwise stage, like `kernels.rms_norm`.
 
 Every kernel takes the token count as a symbolic extent, so one compiled function serves every
@@ -23,7 +28,8 @@ GPU counterparts (`*_gpu`, same arguments and the same in-place contract, state 
 `ssm_conv_gpu` runs one thread per channel over [history | x], then shifts its history row in
 place; `gated_delta_net_gpu` runs one thread per state row of a value head (the delta rule updates
 each row on its own): for every token, decay the row, kv = row . k, add (v - kv) * beta * k,
-o = row . q.
+o = row . q; `lightning_attention_gpu` runs one thread per state column (h, j), which owns that
+column of S[h] and output column j of head h.
 """
 
 from __future__ import annotations
@@ -486,6 +492,154 @@ def gated_delta_net_gpu(hv: int, dv: int, dk: int, hk: int, head_map: str, scale
     return gated_delta_net_gpu
 
 
+def _per_head(h: Any, values: tuple[float, ...]) -> Any:
+    """values[h] as a float32 expression of the int64 head index h (a select chain over the constants)."""
+    out = tirx.const(values[-1], "float32")
+    for i in range(len(values) - 2, -1, -1):
+        out = tirx.Select(h == tirx.const(i, "int64"), tirx.const(values[i], "float32"), out)
+    return out
+
+
+def lightning_attention(h: int, dk: int, dv: int, slopes: tuple[float, ...], layer_scale: float) -> tirx.PrimFunc:
+    """Args (state [H, Dk, Dv] in place, q [T, H, Dk], k [T, H, Dk], v [T, H, Dv], o [T, H, Dv]):
+    the maths of `lightning_attention_ref`, every decay exp(f32(-slope * count) * layer_scale) made
+    in the reference's (llama.cpp's) float32 order.
+
+    One parallel task per head: for each token, `inter` = (q q_decay) . S and `intra` = sum over
+    the earlier keys u of (q . k_u) diag(t - u) v_u, written as their sum; then each state row
+    S[i] = S[i] * block_decay + sum_t (k[t, i] k_decay[t]) v_t. The Dv columns go LANES at a time
+    (contiguous rows of S and v)."""
+    lanes = LANES if dv % LANES == 0 else 1
+    n_outer = dv // lanes
+    dl = LANES if dk % LANES == 0 else 1
+    scale = T.float32(layer_scale)
+
+    @T.macro
+    def axpy(acc, a, B, i0, i1):  # type: ignore[no-untyped-def]
+        """acc[j] += a * B[i0, i1, j] over the Dv columns."""
+        for jo in range(T.int64(n_outer)):
+            for ln in T.vectorized(T.int64(lanes)):
+                acc[jo * lanes + ln] = acc[jo * lanes + ln] + a * B[i0, i1, jo * lanes + ln]
+
+    @T.macro
+    def clear(acc):  # type: ignore[no-untyped-def]
+        for jo in range(T.int64(n_outer)):
+            for ln in T.vectorized(T.int64(lanes)):
+                acc[jo * lanes + ln] = T.float32(0)
+
+    @T.prim_func
+    def kernel(s_h: T.handle, q_h: T.handle, k_h: T.handle, v_h: T.handle, o_h: T.handle) -> None:
+        T.func_attr({"tirx.noalias": True})
+        n = T.int64()
+        S = T.match_buffer(s_h, (h, dk, dv), "float32")
+        Q = T.match_buffer(q_h, (n, h, dk), "float32")
+        K = T.match_buffer(k_h, (n, h, dk), "float32")
+        V = T.match_buffer(v_h, (n, h, dv), "float32")
+        Out = T.match_buffer(o_h, (n, h, dv), "float32")
+        for hh in T.parallel(T.int64(h)):
+            inter = T.decl_buffer((dv,), "float32")
+            intra = T.decl_buffer((dv,), "float32")
+            part = T.decl_buffer((dl,), "float32", scope="local")
+            w = T.decl_buffer((2,), "float32", scope="local")
+            slope = T.meta_var(_per_head(hh, slopes))
+            w[1] = T.exp(slope * scale * T.Cast("float32", T.int64(0) - n))  # the block's state decay
+            if n == T.int64(1):
+                for i in range(T.int64(dk)):
+                    for jo in range(T.int64(n_outer)):
+                        for ln in T.vectorized(T.int64(lanes)):
+                            S[hh, i, jo * lanes + ln] = (S[hh, i, jo * lanes + ln] * w[1]
+                                                         + K[0, hh, i] * V[0, hh, jo * lanes + ln])
+                clear(inter)
+                for i in range(T.int64(dk)):
+                    axpy(inter, Q[0, hh, i], S, hh, i)
+                for j in range(T.int64(dv)):
+                    Out[0, hh, j] = inter[j]
+            else:
+                for t in range(n):
+                    clear(inter)
+                    clear(intra)
+                    w[0] = T.exp(-slope * T.Cast("float32", t + T.int64(1)) * scale)
+                    for i in range(T.int64(dk)):
+                        axpy(inter, Q[t, hh, i] * w[0], S, hh, i)
+                    for u in range(t + T.int64(1)):
+                        for ln in T.vectorized(T.int64(dl)):
+                            part[ln] = T.float32(0)
+                        for do in range(T.int64(dk // dl)):
+                            for ln in T.vectorized(T.int64(dl)):
+                                part[ln] = part[ln] + Q[t, hh, do * dl + ln] * K[u, hh, do * dl + ln]
+                        w[0] = T.float32(0)
+                        for ln in range(T.int64(dl)):
+                            w[0] = w[0] + part[ln]
+                        w[0] = w[0] * T.exp(-slope * T.Cast("float32", t - u) * scale)
+                        axpy(intra, w[0], V, u, hh)
+                    for j in range(T.int64(dv)):
+                        Out[t, hh, j] = inter[j] + intra[j]
+                for i in range(T.int64(dk)):
+                    clear(inter)
+                    for t in range(n):
+                        axpy(inter, K[t, hh, i] * T.exp(-slope * T.Cast("float32", n - t - T.int64(1)) * scale),
+                             V, t, hh)
+                    for jo in range(T.int64(n_outer)):
+                        for ln in T.vectorized(T.int64(lanes)):
+                            S[hh, i, jo * lanes + ln] = S[hh, i, jo * lanes + ln] * w[1] + inter[jo * lanes + ln]
+
+    return kernel
+
+
+def lightning_attention_gpu(h: int, dk: int, dv: int, slopes: tuple[float, ...], layer_scale: float) -> tirx.PrimFunc:
+    """(state [H, Dk, Dv] in place, q [T, H, Dk], k [T, H, Dk], v [T, H, Dv], o [T, H, Dv]): one
+    thread per state column (h, j), the CPU kernel's order of operations within the column."""
+    H, DK, DV, NT = T.int64(h), T.int64(dk), T.int64(dv), T.int64(THREADS)
+    scale = T.float32(layer_scale)
+
+    @T.prim_func(private=True)
+    def lightning_attention_gpu(s_h: T.handle, q_h: T.handle, k_h: T.handle, v_h: T.handle, o_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        n = T.int64()
+        S = T.match_buffer(s_h, (H, DK, DV), "float32")
+        Q = T.match_buffer(q_h, (n, H, DK), "float32")
+        K = T.match_buffer(k_h, (n, H, DK), "float32")
+        V = T.match_buffer(v_h, (n, H, DV), "float32")
+        Out = T.match_buffer(o_h, (n, H, DV), "float32")
+        bx = T.launch_thread("blockIdx.x", (H * DV + NT - T.int64(1)) // NT)
+        acc = T.alloc_local((4,), "float32")
+        tx = T.launch_thread("threadIdx.x", NT)
+        hh = T.meta_var((bx * NT + tx) // DV)
+        j = T.meta_var((bx * NT + tx) % DV)
+        slope = T.meta_var(_per_head((bx * NT + tx) // DV, slopes))
+        if bx * NT + tx < H * DV:
+            acc[3] = T.exp(slope * scale * T.Cast("float32", T.int64(0) - n))
+            if n == T.int64(1):
+                acc[0] = T.float32(0)
+                for i in range(DK):
+                    S[hh, i, j] = S[hh, i, j] * acc[3] + K[0, hh, i] * V[0, hh, j]
+                    acc[0] = acc[0] + Q[0, hh, i] * S[hh, i, j]
+                Out[0, hh, j] = acc[0]
+            else:
+                for t in range(n):
+                    acc[0] = T.float32(0)
+                    for i in range(DK):
+                        qd = T.meta_var(T.exp(-slope * T.Cast("float32", t + T.int64(1)) * scale))
+                        acc[0] = acc[0] + Q[t, hh, i] * qd * S[hh, i, j]
+                    acc[1] = T.float32(0)
+                    for u in range(t + T.int64(1)):
+                        acc[2] = T.float32(0)
+                        # unrolled: llvmpipe (lavapipe) stops a loop after 65535 iterations counted over
+                        # all its entries, which this one (Dk per query-key pair) passes after 512 pairs
+                        for d in T.unroll(DK):
+                            acc[2] = acc[2] + Q[t, hh, d] * K[u, hh, d]
+                        acc[1] = acc[1] + acc[2] * T.exp(-slope * T.Cast("float32", t - u) * scale) * V[u, hh, j]
+                    Out[t, hh, j] = acc[0] + acc[1]
+                for i in range(DK):
+                    acc[0] = T.float32(0)
+                    for t in range(n):
+                        kd = T.meta_var(T.exp(-slope * T.Cast("float32", n - t - T.int64(1)) * scale))
+                        acc[0] = acc[0] + K[t, hh, i] * kd * V[t, hh, j]
+                    S[hh, i, j] = S[hh, i, j] * acc[3] + acc[0]
+
+    return lightning_attention_gpu
+
+
 # -- lowering -----------------------------------------------------------------------------------
 def _state_scan(fc: FunctionContext, node: Node, key: KK.KernelKey, make: Callable[[], tirx.PrimFunc]) -> list[Any]:
     """A kernel that updates its state (input 0) in place and makes one fresh output: outputs
@@ -516,6 +670,13 @@ def _gated_delta_net(fc: FunctionContext, node: Node) -> list[Any]:
                        lambda: gated_delta_net(hv, dv, dk, hk, a.head_map, a.scale, a.key_decay, chunked_from))
 
 
+def _lightning_attention(fc: FunctionContext, node: Node) -> list[Any]:
+    h, dk, dv = (int(d) for d in node.inputs[0].shape)
+    a: O.LightningAttention = node.attrs
+    return _state_scan(fc, node, KK.LightningScan(h, dk, dv, a),
+                       lambda: lightning_attention(h, dk, dv, a.slopes, a.layer_scale))
+
+
 def _norm(kind: str, build: Callable[[PShape, Any], tirx.PrimFunc]) -> Callable[[FunctionContext, Node], list[Any]]:
     def lower(fc: FunctionContext, node: Node) -> list[Any]:
         x = node.inputs[0]
@@ -529,6 +690,7 @@ def _norm(kind: str, build: Callable[[PShape, Any], tirx.PrimFunc]) -> Callable[
 LINEAR_ATTENTION_LOWERING: dict[str, Callable[[FunctionContext, Node], list[Any]]] = {
     "ssm_conv": _ssm_conv,
     "gated_delta_net": _gated_delta_net,
+    "lightning_attention": _lightning_attention,
     "l2_norm": _norm("l2_norm", lambda shape, a: l2_norm(shape, a.eps)),
     "rms_norm_gated": _norm("rms_norm_gated", lambda shape, a: rms_norm_gated(shape, a.eps, a.act)),
 }
@@ -548,7 +710,13 @@ def _delta_net_scan_gpu_kernel(key: Any, target: tvm.target.Target) -> tirx.Prim
                  "ggufc.scan_per_row")
 
 
+def _lightning_scan_gpu_kernel(key: Any, target: tvm.target.Target) -> tirx.PrimFunc:
+    return mark_schedule(lightning_attention_gpu(key.h, key.dk, key.dv, key.attrs.slopes, key.attrs.layer_scale),
+                         "ggufc.scan_per_column")
+
+
 GPU_KERNELS: dict[str, GpuKernel] = {
     KK.CausalConv.kind: _causal_conv_gpu_kernel,
     KK.DeltaNetScan.kind: _delta_net_scan_gpu_kernel,
+    KK.LightningScan.kind: _lightning_scan_gpu_kernel,
 }

@@ -63,6 +63,9 @@ class ArchRecipe:
     biased_moe: bool = False
     msa: bool = False  # minimax-m3: leading dense block, MoE blocks with MSA (fixtures_msa.py)
     kimi: bool = False  # KDA + rope-less MLA, residual attention, latent MoE (fixtures_kimi.py)
+    # minimax-01: lightning-attention layers between softmax layers (every other layer, layer 0
+    # lightning), post-norm residuals times this residual_scale
+    lightning_residual_scale: float = 0.0
     # a sliding window of this many cells on every other layer (layer 0 windowed), so that a
     # dozen tokens already reach past it
     window: int = 0
@@ -108,6 +111,7 @@ RECIPES: dict[str, ArchRecipe] = {
     "hy_v3": ArchRecipe(moe="always", expert_ff_key=True, biased_moe=True),
     "minimax-m3": ArchRecipe(moe="always", msa=True),
     "kimi-k3": ArchRecipe(moe="always", kimi=True),
+    "minimax-01": ArchRecipe(moe="always", partial_rope=True, lightning_residual_scale=1.75),
 }
 GRANITE_MULTIPLIERS = (1.5, 0.1, 0.5, 3.0)  # embedding, attention, residual, logit (divides)
 BIASED_MOE_WEIGHTS_SCALE = 2.5  # hy_v3 fixtures: expert_weights_scale (with expert_weights_norm true)
@@ -539,6 +543,10 @@ def _write_hparams(w: gguf.GGUFWriter, arch: str, s: FixtureSize, opts: FixtureO
         w.add_float32(f"{arch}.logit_scale", RECIPES[arch].logit_scale)
     if RECIPES[arch].granite:
         _write_granite_multipliers(w, arch, s, moe=moe)
+    if RECIPES[arch].lightning_residual_scale:
+        w.add_float32(f"{arch}.residual_scale", RECIPES[arch].lightning_residual_scale)
+        # one layer: softmax (a lone lightning layer's decay scale divides by n_layer - 1 = 0)
+        w.add_full_attention_interval(2 if s.n_layer > 1 else 1)
     w.add_vocab_size(s.vocab)
 
 

@@ -642,6 +642,21 @@ def _gated_delta_net_case(head_map: str, hv: int, hk: int, dk: int, key_decay: b
                 calls=calls)
 
 
+def _lightning_attention_case(h: int, dk: int, dv: int, calls: tuple[Call, ...] = STATEFUL) -> Case:
+    """minimax-01's slopes for h heads, the decay scale of the first of three layers."""
+    from ggufc.ir.linear_attention import lightning_layer_scale, lightning_slopes
+
+    def build(cg: CaseGraph) -> Graph:
+        st = cg.state((h, dk, dv), "s")
+        attrs = O.LightningAttention(lightning_slopes(h), lightning_layer_scale(0, 3))
+        new, o = cg.emit("lightning_attention", [st, cg.rows((h, dk)), cg.rows((h, dk)), cg.rows((h, dv))], attrs, 2)
+        return cg.finish([o, new], {st.name: new})
+
+    kind = "-long" if calls is CHUNKED else ""
+    return Case(f"lightning_attention{kind}-{h}-d{dk}x{dv}", "lightning_attention", build, group="recurrent",
+                calls=calls)
+
+
 def recurrent_cases() -> list[Case]:
     """The gated delta-net family: stateful scans (outputs and new state) and the two norms."""
     return [
@@ -653,6 +668,9 @@ def recurrent_cases() -> list[Case]:
         _gated_delta_net_case("tiled", 3, 3, 12, key_decay=True),
         _gated_delta_net_case("tiled", 4, 2, 16, calls=CHUNKED),
         _gated_delta_net_case("interleaved", 4, 2, 16, key_decay=True, calls=CHUNKED),
+        _lightning_attention_case(2, 16, 16),
+        _lightning_attention_case(3, 12, 5),
+        _lightning_attention_case(4, 16, 8, calls=CHUNKED),
         op_case("l2_norm", "l2_norm", O.L2Norm(1e-6), rows(3, 7), group="recurrent", calls=BOTH),
         *[
             op_case(f"rms_norm_gated-{act}", "rms_norm_gated", O.RMSNormGated(1e-5, act), rows(3, 8), weight(8),
