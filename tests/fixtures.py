@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import fixtures_bailing as bailing
 import fixtures_compressed as compressed
 import fixtures_hyperconnected as hyperconnected
 import fixtures_kimi as kimi
@@ -63,6 +64,7 @@ class ArchRecipe:
     biased_moe: bool = False
     msa: bool = False  # minimax-m3: leading dense block, MoE blocks with MSA (fixtures_msa.py)
     kimi: bool = False  # KDA + rope-less MLA, residual attention, latent MoE (fixtures_kimi.py)
+    bailing: bool = False  # KDA + MLA without Q-LoRA, SwiGLU clamped after the SiLU (fixtures_bailing.py)
     # a sliding window of this many cells on every other layer (layer 0 windowed), so that a
     # dozen tokens already reach past it
     window: int = 0
@@ -108,6 +110,7 @@ RECIPES: dict[str, ArchRecipe] = {
     "hy_v3": ArchRecipe(moe="always", expert_ff_key=True, biased_moe=True),
     "minimax-m3": ArchRecipe(moe="always", msa=True),
     "kimi-k3": ArchRecipe(moe="always", kimi=True),
+    "bailingmoe3": ArchRecipe(moe="always", bailing=True),
 }
 GRANITE_MULTIPLIERS = (1.5, 0.1, 0.5, 3.0)  # embedding, attention, residual, logit (divides)
 BIASED_MOE_WEIGHTS_SCALE = 2.5  # hy_v3 fixtures: expert_weights_scale (with expert_weights_norm true)
@@ -211,7 +214,7 @@ def value_kind(arch: str, d: Declared) -> str:
     return "matrix"
 
 
-KIND_OVERRIDES: dict[str, dict[str, str]] = {"kimi-k3": kimi.VALUE_KINDS}
+KIND_OVERRIDES: dict[str, dict[str, str]] = {"kimi-k3": kimi.VALUE_KINDS, "bailingmoe3": bailing.VALUE_KINDS}
 
 FILE_HEAD = ("token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight")
 
@@ -483,6 +486,16 @@ def _write_hparams(w: gguf.GGUFWriter, arch: str, s: FixtureSize, opts: FixtureO
         w.add_head_count(s.n_head)
         w.add_layer_norm_rms_eps(opts.rms_eps)
         kimi.write_hparams(w, s)
+        w.add_vocab_size(s.vocab)
+        return
+    if RECIPES[arch].bailing:  # per-layer kv heads (0: KDA), MLA's lengths, KDA, clamps
+        w.add_head_count(s.n_head)
+        w.add_layer_norm_rms_eps(opts.rms_eps)
+        w.add_rope_freq_base(opts.rope_base)
+        if opts.rope_scaling is not None:
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(opts.rope_scaling)
+        bailing.write_hparams(w, s)
         w.add_vocab_size(s.vocab)
         return
     if RECIPES[arch].latent:  # MLA's own key/value lengths and rope part
