@@ -26,6 +26,8 @@ def nmse(a: np.ndarray, b: np.ndarray) -> float:
 @pytest.mark.parametrize("chunk", list(MODES))
 def test_vulkan_eval_matches_llama_cpp(chunk: int | None, compile_cache: Path, tmp_path: Path,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Measured 8.5e-14 / 2.3e-14 / 8.5e-14 (prefill / decode / chunks of 7); slow tier: the vulkan
+    compile and lavapipe take about 2 minutes."""
     need_vulkan()
     monkeypatch.setenv("GGUFC_CACHE", str(compile_cache))
     gold = np.load(GOLDEN / "logits" / "bailingmoe3-moe.npz")
