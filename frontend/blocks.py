@@ -286,6 +286,14 @@ def heads(b: GraphBuilder, x: Value, n_head: int, head_dim: int, name: str) -> V
     return b.reshape(x, (x.shape[0], n_head, head_dim), name)
 
 
+def per_head_rows(w: Weights, name: str, n_head: int, n_embd: int) -> Value:
+    """A projection to one value per head, [H, E]; with one head the file holds the 1-D [E] row."""
+    info = w.model.tensors.get(name)
+    if n_head == 1 and info is not None and len(info.shape) == 1:
+        return w.b.reshape(w.need(name, (n_embd,)), (1, n_embd), f"{name}.2d")
+    return w.need(name, (n_head, n_embd))
+
+
 def flatten_heads(b: GraphBuilder, x: Value, name: str) -> Value:
     return b.reshape(x, (x.shape[0], int(x.shape[1]) * int(x.shape[2])), name)
 

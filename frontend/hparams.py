@@ -132,19 +132,30 @@ def imrope_components(sections: tuple[int, ...] | list[int], n_rot: int) -> list
     return out
 
 
+def mrope_components(sections: tuple[int, ...] | list[int], n_rot: int) -> list[str]:
+    """Which position component each rotary pair of (non-interleaved) M-RoPE reads: the sections
+    t, h, w, e one after another, repeating every sum(sections) pairs (ggml_mrope_cache_init)."""
+    if len(sections) != 4 or sum(sections) <= 0 or any(s < 0 for s in sections):
+        raise ModelError(f"rope.dimension_sections must be 4 sizes >= 0 with a positive sum, got {list(sections)}")
+    bounds = np.cumsum([int(v) for v in sections])
+    return ["thwe"[int(np.searchsorted(bounds, i % int(bounds[-1]), side="right"))] for i in range(n_rot // 2)]
+
+
 def rope_table(n_ctx: int, n_rot: int, base: float, freq_scale: float, freq_factors: np.ndarray | None,
-               sections: tuple[int, ...] | list[int] | None = None) -> np.ndarray:
+               sections: tuple[int, ...] | list[int] | None = None, interleaved: bool = True) -> np.ndarray:
     """cos/sin for every position and rotary pair, computed the float32 way ggml does.
 
     ggml builds theta by repeated float32 multiplication (theta *= theta_scale per pair), divides
     by the optional per-pair factor, then applies freq_scale; matching that keeps the goldens tight.
     With IMROPE `sections`, row p holds the angles of a text token at (t, h, w, e) = (p, p, p, 0):
     pairs that read the "e" component get angle 0 (cos 1, sin 0), i.e. are not rotated.
+    `interleaved` False: the sections are M-RoPE's consecutive ones (mrope_components).
     """
     theta_scale = powf(np.float32(base), np.float32(-2.0) / np.float32(n_rot))
     theta = np.arange(n_ctx, dtype=np.float32)
     half = n_rot // 2
-    comps = imrope_components(sections, n_rot) if sections is not None else ["t"] * half
+    comps = ((imrope_components if interleaved else mrope_components)(sections, n_rot) if sections is not None
+             else ["t"] * half)
     angles = np.empty((n_ctx, half), dtype=np.float32)
     for i in range(half):
         ff = np.float32(freq_factors[i]) if freq_factors is not None else np.float32(1.0)

@@ -63,14 +63,16 @@ def head_linear(b: GraphBuilder, w: B.Weights, name: str, x: Value, n_out: int, 
 def mla_attention(
     b: GraphBuilder, w: B.Weights, p: str, layer: int, h: Value, qr: Value, dims: MlaDims, eps: float, pos: Value,
     table: Value | None, n_ctx: int, scale: float, new_state: dict[str, Value], select: Value | None,
-    out_gate: Value | None = None, output_scale: bool = True,
+    out_gate: Value | None = None, output_scale: bool = True, rope_mode: str = "norm", head_gate: Value | None = None,
 ) -> Value:
     """The attention block's output [T, E] (before the residual); `select`: the indexer's selected
     cells [T, W] (attention reads only them), None for dense causal attention. `table` None: no
     rope anywhere (the `k_pe`/`q_pe` parts enter as they are, kimi-k3); `qr` is then the layer
     input itself when there is no q_lora (`attn_q`). `out_gate` [T, H*Dv]: the heads' output is
-    multiplied by sigmoid(out_gate) before the output projection; `output_scale` False: an
-    `attn_output.scale` tensor is not applied (the caller's architecture never reads it)."""
+    multiplied by sigmoid(out_gate) before the output projection; `head_gate` [T, H]: one such gate
+    per head (bailingmoe3); `output_scale` False: an `attn_output.scale` tensor is not applied (the
+    caller's architecture never reads it); `rope_mode`: how q_pe/k_pe pair their dims ("norm" for the
+    deepseek family, "neox" for M-RoPE text positions, whose sections live in the table)."""
     E = int(h.shape[1])
     H, R, KVL = dims.n_head, dims.n_rot, dims.kv_lora
     t = h.shape[0]
@@ -82,8 +84,8 @@ def mla_attention(
     kv = B.linear(b, h, w.need(f"{p}.attn_kv_a_mqa.weight", (KVL + R, E)), "kv_cmpr_pe")
     k_pe = b.reshape(b.slice(kv, 1, KVL, KVL + R, "k_pe_raw2"), (t, 1, R), "k_pe_raw")
     if table is not None:
-        q_pe = B.rope(b, q_pe, pos, table, "norm", R, "q_pe")
-        k_pe = B.rope(b, k_pe, pos, table, "norm", R, "k_pe")
+        q_pe = B.rope(b, q_pe, pos, table, rope_mode, R, "q_pe")
+        k_pe = B.rope(b, k_pe, pos, table, rope_mode, R, "k_pe")
     latent = B.rms_norm(b, b.slice(kv, 1, 0, KVL, "kv_cmpr_raw"), w.need(f"{p}.attn_kv_a_norm.weight", (KVL,)),
                         eps, "kv_cmpr")
     q_abs = head_linear(b, w, f"{p}.attn_k_b.weight", q_nope, KVL, "q_nope_absorbed")
@@ -98,7 +100,11 @@ def mla_attention(
         mask = b.emit("index_mask", [select, pos], O.NoAttrs(), "kq_mask_top_k")
         a = b.emit("attention", [q_full, kc, kc, pos, mask], O.Attention(scale, "additive"), "kqv_latent_row")
     o_latent = b.slice(a, 2, 0, KVL, "kqv_latent")  # the values are the rows' first kv_lora columns
-    o = B.flatten_heads(b, head_linear(b, w, f"{p}.attn_v_b.weight", o_latent, dims.v_head, "kqv_out"), "kqv_flat")
+    o_heads = head_linear(b, w, f"{p}.attn_v_b.weight", o_latent, dims.v_head, "kqv_out")
+    if head_gate is not None:
+        sig = b.reshape(b.unary("sigmoid", head_gate, "mla_head_gate_sigmoid"), (t, H, 1), "mla_head_gate3")
+        o_heads = b.mul(o_heads, sig, "mla_head_gated")
+    o = B.flatten_heads(b, o_heads, "kqv_flat")
     if out_gate is not None:
         o = b.mul(o, b.unary("sigmoid", out_gate, "mla_gate_sigmoid"), "mla_gated")
     wo = w.need(f"{p}.attn_output.weight", (E, H * dims.v_head))

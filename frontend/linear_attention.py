@@ -310,10 +310,10 @@ class KdaWeights:
     k: Value
     v: Value
     conv: tuple[Value, Value, Value]  # q/k/v depthwise kernels [d_inner, d_conv]
-    f_a: Value  # [dh, E]
-    f_b: Value  # [d_inner, dh]
+    f_a: Value  # [dh, E] (low rank, then f_b), or [d_inner, E] with no f_b (bailingmoe3's full rank)
+    f_b: Value | None  # [d_inner, dh]
     dt_bias: Value  # [d_inner]
-    ssm_a: Value  # [H, 1]: -exp(A_log) per head
+    ssm_a: Value  # [H, 1]: -exp(A_log) per head (kimi-k3's sign)
     beta: Value  # [H, E]
     out_gate: Value  # [d_inner, E]
     norm: Value  # [dh]
@@ -332,8 +332,9 @@ def kda(b: GraphBuilder, dims: KdaDims, layer: int, h: Value, wt: KdaWeights, ep
         new_state: dict[str, Value]) -> Value:
     """From the normed layer input h [T, E] to the gated, normalised heads [T, d_inner] that the
     output projection reads: q/k/v each through its own causal conv (state `conv_state_{q,k,v}`)
-    and SiLU, L2-normalised q/k, the per-key decay gate, beta = sigmoid(h @ beta.T), the delta
-    rule over the state [H, dh(v), dh(k)], the RMSNorm of each head times sigmoid(h @ out_gate.T)."""
+    and SiLU, L2-normalised q/k, the per-key decay gate (of f_b(f_a(h)), or f_a(h) at full rank),
+    beta = sigmoid(h @ beta.T), the delta rule over the state [H, dh(v), dh(k)], the RMSNorm of each
+    head times sigmoid(h @ out_gate.T)."""
     t = h.shape[0]
     H, D = dims.n_head, dims.head_dim
 
@@ -347,7 +348,8 @@ def kda(b: GraphBuilder, dims: KdaDims, layer: int, h: Value, wt: KdaWeights, ep
     q = l2_norm(b, conv("q", wt.q, wt.conv[0]), eps, "kda_q_normed")
     k = l2_norm(b, conv("k", wt.k, wt.conv[1]), eps, "kda_k_normed")
     v = conv("v", wt.v, wt.conv[2])
-    g = b.add(B.linear(b, B.linear(b, h, wt.f_a, "kda_f_a"), wt.f_b, "kda_f_b"), wt.dt_bias, "kda_g_biased")
+    f = B.linear(b, h, wt.f_a, "kda_f_a")
+    g = b.add(B.linear(b, f, wt.f_b, "kda_f_b") if wt.f_b is not None else f, wt.dt_bias, "kda_g_biased")
     g = kda_gate(b, dims, B.heads(b, g, H, D, "kda_g_heads"), wt.ssm_a)
     beta = b.unary("sigmoid", B.linear(b, h, wt.beta, "kda_beta_logits"), "kda_beta")
     ssm_state = b.state(f"ssm_state.{layer}", (H, D, D))
@@ -358,3 +360,11 @@ def kda(b: GraphBuilder, dims: KdaDims, layer: int, h: Value, wt: KdaWeights, ep
     z = B.heads(b, B.linear(b, h, wt.out_gate, "kda_g2"), H, D, "kda_g2_heads")
     normed = rms_norm_gated(b, o, wt.norm, z, eps, "sigmoid", "kda_gated")
     return b.reshape(normed, (t, dims.inner), "kda_gated_flat")
+
+
+def kda_conv_kernel(w: B.Weights, name: str, d: KdaDims) -> Value:
+    """A KDA depthwise kernel as [d_inner, d_conv], stored 4-D (1, d_inner, 1, d_conv) or 3-D."""
+    info = w.model.tensors.get(name)
+    shape = (1, d.inner, 1, d.conv_kernel) if info is not None and len(info.shape) == 4 else (d.inner, 1,
+                                                                                               d.conv_kernel)
+    return w.b.reshape(w.need(name, shape), (d.inner, d.conv_kernel), f"{name}.2d")

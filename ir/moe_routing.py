@@ -9,7 +9,9 @@
     y      = sum_k w[k] * down[ids[k]](act(gate[ids[k]] x, up[ids[k]] x))
 
 Expert activations `act(g, u)`: "swiglu" silu(g) * u; "swiglu_clamp" silu(min(g, L)) *
-clip(u, -L, L) (`swiglu_clamp_exp`); "swiglu_oai" with x = min(g, 7), y = clip(u, -7, 7):
+clip(u, -L, L) (ggml_swiglu_clamp: deepseek4's `swiglu_clamp_exp`); "swiglu_clamp_after" min(silu(g), L) *
+clip(u, -L, L) (the clamp after the SiLU, no lower bound: llama.cpp's build_ffn / build_moe_ffn path
+that bailingmoe3 takes); "swiglu_oai" with x = min(g, 7), y = clip(u, -7, 7):
 x * sigmoid(1.702 x) * (y + 1) (ggml_swiglu_oai's constants); "situ" (kimi-k3) with beta b and
 linear beta lb: b * tanh(g / b) * sigmoid(g) * (lb * tanh(u / lb) if lb > 0 else u).
 A latent MoE (kimi-k3) runs the experts in L dims: r = x @ routed_down.T, the routed sum
@@ -32,7 +34,7 @@ from .act_quant import quantize_act_ref
 from .ref_math import sigmoid
 
 GATINGS = ("softmax", "sigmoid", "sqrt_softplus")
-ACTS = ("swiglu", "swiglu_clamp", "swiglu_oai", "situ")
+ACTS = ("swiglu", "swiglu_clamp", "swiglu_clamp_after", "swiglu_oai", "situ")
 OAI_ALPHA, OAI_LIMIT = 1.702, 7.0  # hard-coded in llama.cpp's build_moe_ffn / build_ffn
 
 
@@ -65,6 +67,8 @@ def expert_act_ref(g: np.ndarray, u: np.ndarray, act: str, limit: float, linear_
     if act == "swiglu_clamp":
         gc = np.minimum(g, dt(limit))
         return gc * sigmoid(gc) * np.maximum(np.minimum(u, dt(limit)), dt(-limit))
+    if act == "swiglu_clamp_after":
+        return np.minimum(g * sigmoid(g), dt(limit)) * np.maximum(np.minimum(u, dt(limit)), dt(-limit))
     if act == "swiglu_oai":
         xc = np.minimum(g, dt(OAI_LIMIT))
         yc = np.maximum(np.minimum(u, dt(OAI_LIMIT)), dt(-OAI_LIMIT))

@@ -60,7 +60,7 @@ def _clip(b: GraphBuilder, u: Value, limit: float, name: str) -> Value:
 
 def expert_act_spelled(b: GraphBuilder, g: Value, u: Value, act: str, limit: float, name: str,
                        linear_beta: float = 0.0) -> Value:
-    """act(g, u): SwiGLU, clamped SwiGLU, swiglu_oai or situ (moe_routing.py)."""
+    """act(g, u): SwiGLU, clamped SwiGLU (before or after the SiLU), swiglu_oai or situ (moe_routing.py)."""
     if act == "situ":  # beta * tanh(g / beta) * sigmoid(g) * (lb * tanh(u / lb) if lb > 0 else u)
         soft = b.unary("tanh", b.scalar("div", g, limit, f"{name}.g_beta"), f"{name}.g_tanh")
         gated = b.mul(b.scalar("mul", soft, limit, f"{name}.g_soft"), b.unary("sigmoid", g, f"{name}.sig"),
@@ -74,6 +74,9 @@ def expert_act_spelled(b: GraphBuilder, g: Value, u: Value, act: str, limit: flo
     if act == "swiglu_clamp":
         gc = b.scalar("min", g, limit, f"{name}.g_clamped")
         return b.mul(b.unary("silu", gc, f"{name}.silu"), _clip(b, u, limit, f"{name}.u_clipped"), name)
+    if act == "swiglu_clamp_after":
+        sc = b.scalar("min", b.unary("silu", g, f"{name}.silu"), limit, f"{name}.silu_clamped")
+        return b.mul(sc, _clip(b, u, limit, f"{name}.u_clipped"), name)
     if act == "swiglu_oai":
         xc = b.scalar("min", g, OAI_LIMIT, f"{name}.g_clamped")
         gate = b.unary("sigmoid", b.scalar("mul", xc, OAI_ALPHA, f"{name}.g_alpha"), f"{name}.sig")

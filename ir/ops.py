@@ -233,7 +233,7 @@ class MoeFFN:
     gating: str = "softmax"
     selection_bias: bool = False
     weights_scale: float = 1.0
-    # routed experts: "swiglu", "swiglu_clamp" (limit act_limit), "swiglu_oai" or "situ" (beta
+    # routed experts: "swiglu", "swiglu_clamp" / "swiglu_clamp_after" (limit act_limit), "swiglu_oai" or "situ" (beta
     # act_limit, linear beta act_linear_beta)
     act: str = "swiglu"
     act_limit: float = 0.0

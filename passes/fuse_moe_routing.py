@@ -26,10 +26,10 @@ a softmax, a sigmoid or sqrt(softplus); the top-k may rank probs + bias (a selec
 while returning the unbiased probs (topk's payload input), or hash routing replaces it (ids =
 gather(tid2eid, tokens), weights = take_along(probs, ids)); the weights may be scaled by a
 constant after the renormalisation; the experts' activation is SwiGLU, clamped SwiGLU
-(silu(min(g, L)) * clip(u, -L, L)) or swiglu_oai; and a shared expert may be added ungated
-(`moe_ffn_shared_ungated`, llama.cpp's always-active shared expert), its activation one of the same
-(or situ); a latent MoE (`moe_ffn_latent*`, kimi-k3) runs the experts on x @ routed_down.T and
-maps their sum back with [rmsnorm(., routed_norm)] @ routed_up.T.
+(silu(min(g, L)) * clip(u, -L, L), or min(silu(g), L) * clip(u, -L, L)) or swiglu_oai; and a
+shared expert may be added ungated (`moe_ffn_shared_ungated`, llama.cpp's always-active shared
+expert), its activation one of the same (or situ); a latent MoE (`moe_ffn_latent*`, kimi-k3) runs
+the experts on x @ routed_down.T and maps their sum back with [rmsnorm(., routed_norm)] @ routed_up.T.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from ggufc.ir import ops as O
 from ggufc.ir.graph import Graph, Value
 from ggufc.ir.verify import shapes_equal
 
-from .fusions import MUL, normed_pat, silu_mul_pat, softmax_axis, softmax_last_axis_pat
+from .fusions import MUL, normed_pat, silu_mul_pat, silu_pat, softmax_axis, softmax_last_axis_pat
 from .matcher import GraphView, Match, P, Pat, Rewrite, Rule, V, any_of, rewrite_graph, where_attrs
 
 KINDS = ("gate", "up", "down")
@@ -84,12 +84,14 @@ def act_pat(g: Pat, u: Pat, prefix: str) -> Pat:
     (the clamped forms' nodes named `<prefix>clamp_g`, `<prefix>oai_g`, ...)."""
     clamp_g = P("scalar", g, where=where_attrs(fn="min"), name=f"{prefix}clamp_g")
     clamped = silu_mul_pat(clamp_g, _clip_pat(u, f"{prefix}clamp_u"))
+    after_g = P("scalar", silu_pat(g), where=where_attrs(fn="min"), name=f"{prefix}after_g")
+    clamped_after = P("binary", after_g, _clip_pat(u, f"{prefix}after_u"), attrs=MUL, commute=True)
     oai_g = P("scalar", g, where=where_attrs(fn="min"), name=f"{prefix}oai_g")
     glu = P("binary", oai_g, P("unary", P("scalar", oai_g, where=where_attrs(fn="mul"), name=f"{prefix}oai_alpha"),
                                attrs=O.Unary("sigmoid")), attrs=MUL, commute=True)
     y1 = P("scalar", _clip_pat(u, f"{prefix}oai_u"), where=where_attrs(fn="add", c=1.0))
     oai = P("binary", glu, y1, attrs=MUL, commute=True)
-    return any_of(silu_mul_pat(g, u), clamped, oai, _situ_pat(g, u, prefix))
+    return any_of(silu_mul_pat(g, u), clamped, clamped_after, oai, _situ_pat(g, u, prefix))
 
 
 def _soft_cap_pat(v: Pat, name: str) -> Pat:
@@ -113,6 +115,10 @@ def act_of(m: Match, prefix: str) -> tuple[str, float, float] | None:
         limit = c[f"{prefix}clamp_g"]
         bounds = (c[f"{prefix}clamp_u_hi"], c[f"{prefix}clamp_u_lo"])
         return ("swiglu_clamp", limit, 0.0) if limit > 0 and bounds == (limit, -limit) else None
+    if f"{prefix}after_g" in c:
+        limit = c[f"{prefix}after_g"]
+        bounds = (c[f"{prefix}after_u_hi"], c[f"{prefix}after_u_lo"])
+        return ("swiglu_clamp_after", limit, 0.0) if limit > 0 and bounds == (limit, -limit) else None
     if f"{prefix}oai_g" in c:
         consts = (c[f"{prefix}oai_g"], c[f"{prefix}oai_alpha"], c[f"{prefix}oai_u_hi"], c[f"{prefix}oai_u_lo"])
         ok = consts == (MR.OAI_LIMIT, MR.OAI_ALPHA, MR.OAI_LIMIT, -MR.OAI_LIMIT)

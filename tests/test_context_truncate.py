@@ -32,7 +32,7 @@ FIXTURES = ["llama-dense", "qwen2-dense", "qwen3-dense", "qwen3moe-moe", "qwen35
             "qwen4exp-moe", "hy_v3-moe", "glm-dsa-moe-F16", "deepseek32-moe-F16", "minimax-m3-moe", "deepseek4-moe-F16",
             "kimi-k3-moe", "gemma2-dense", "gemma3-dense", "granite-dense", "granitemoe-moe", "exaone4-dense",
             "granite_swa-dense", "muse-glimmer-dense", "smollm3-dense", "mistral3-dense", "phi3-dense", "gpt-oss-moe",
-            "lfm2-dense", "minimax-01-moe", *SPARSE]
+            "lfm2-dense", "minimax-01-moe", "bailingmoe3-moe", *SPARSE]
 SELECTION_OPS = ("indexer_topk", "token_topk", "block_topk")  # and a top-k over compressed-row scores
 INTERVAL = 16  # checkpoint spacing in these tests: turns cross several boundaries
 NMSE_FRESH = 1e-10  # truncated-and-continued vs fresh one-shot (measured 0 to 1e-15: chunking only)

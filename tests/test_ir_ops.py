@@ -288,6 +288,10 @@ def _moe_routing_cases() -> list[Case]:
     cases += _both_t("moe_ffn", ungated, (*merged, *shared, one, one, one))
     clamp_shared = O.MoeFFN(2, shared=True, shared_gated=False, shared_act="swiglu_clamp", shared_act_limit=0.5)
     cases += _both_t("moe_ffn", clamp_shared, (X, router, gate, up, down, *shared))
+    clamp_after = O.MoeFFN(2, normalize=False, gating="sigmoid", selection_bias=True, act="swiglu_clamp_after",
+                           act_limit=0.3, shared=True, shared_gated=False, shared_act="swiglu_clamp_after",
+                           shared_act_limit=0.25)
+    cases += _both_t("moe_ffn", clamp_after, (X, router, bias, gate, up, down, *shared))
     oai_shared = O.MoeFFN(2, act="swiglu_oai", shared=True, shared_act="swiglu_oai", shared_scales=("up",))
     cases += _both_t("moe_ffn", oai_shared, (X, router, gate, up, down, In("sh_gate_inp", (7,)), *shared, one))
     cases += _both_t("take_along", O.NoAttrs(), (X, In("ids", ("T", 3), "ids:7", "int32")))

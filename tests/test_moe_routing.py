@@ -71,6 +71,10 @@ def test_activations() -> None:
     np.testing.assert_allclose(MR.expert_act_ref(g, u, "swiglu", 0.0), silu(g) * u)
     np.testing.assert_allclose(MR.expert_act_ref(g, u, "swiglu_clamp", 1.0),
                                silu(np.minimum(g, 1.0)) * np.clip(u, -1.0, 1.0))
+    # the clamp after the SiLU (bailingmoe3): no lower bound on silu(g); differs from clamping g first
+    after = MR.expert_act_ref(g, u, "swiglu_clamp_after", 1.0)
+    np.testing.assert_allclose(after, np.minimum(silu(g), 1.0) * np.clip(u, -1.0, 1.0))
+    assert not np.allclose(after, MR.expert_act_ref(g, u, "swiglu_clamp", 1.0))
     x, y = np.minimum(g, 7.0), np.clip(u, -7.0, 7.0)
     np.testing.assert_allclose(MR.expert_act_ref(g, u, "swiglu_oai", 0.0), x / (1 + np.exp(-1.702 * x)) * (y + 1))
 
@@ -113,6 +117,10 @@ VARIANTS: dict[str, O.MoeFFN] = {
                                       shared_scales=("gate", "up", "down")),
     "ungated-shared-clamp": O.MoeFFN(2, shared=True, shared_gated=False, shared_act="swiglu_clamp",
                                      shared_act_limit=0.4),
+    "sigmoid-clamp_after-ungated-clamp_after": O.MoeFFN(2, gating="sigmoid", selection_bias=True,
+                                                        act="swiglu_clamp_after", act_limit=0.3, shared=True,
+                                                        shared_gated=False, shared_act="swiglu_clamp_after",
+                                                        shared_act_limit=0.25),
     "gated-shared-oai": O.MoeFFN(2, act="swiglu_oai", shared=True, shared_act="swiglu_oai", shared_scales=("up",)),
     "gated-shared-plain": O.MoeFFN(2, shared=True),
     "latent-norm-situ-shared": O.MoeFFN(2, gating="sigmoid", selection_bias=True, latent=True, latent_norm=True,

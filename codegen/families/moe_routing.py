@@ -56,6 +56,9 @@ def act_steps(act: str, limit: float, g: int, u: int, n_before: int, linear_beta
     elif act == "swiglu_clamp":
         gc = emit("scalar", O.Scalar("min", limit), g)
         emit("binary", MUL, emit("unary", O.Unary("silu"), gc), clip(u, limit))
+    elif act == "swiglu_clamp_after":
+        sc = emit("scalar", O.Scalar("min", limit), emit("unary", O.Unary("silu"), g))
+        emit("binary", MUL, sc, clip(u, limit))
     elif act == "situ":  # beta * tanh(g / beta) * sigmoid(g) * (lb * tanh(u / lb) or u)
         def soft_cap(v: int, c: float) -> int:
             return emit("scalar", O.Scalar("mul", c), emit("unary", O.Unary("tanh"), emit("scalar", O.Scalar("div", c),

@@ -3,6 +3,7 @@
 from types import ModuleType
 
 from . import (
+    bailingmoe3,
     deepseek4,
     deepseek32,
     exaone4,
@@ -32,6 +33,7 @@ from . import (
 )
 
 ARCHITECTURES: dict[str, ModuleType] = {
+    "bailingmoe3": bailingmoe3,
     "deepseek32": deepseek32,
     "deepseek4": deepseek4,
     "exaone4": exaone4,

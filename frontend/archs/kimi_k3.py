@@ -27,7 +27,7 @@ from .. import blocks as B
 from ..hparams import Keys, ModelError
 from ..hyper_connections import residual_attention_mix
 from ..latent_attention import MlaDims, check_dims, low_rank_q, mla_attention
-from ..linear_attention import KdaDims, KdaWeights, kda
+from ..linear_attention import KdaDims, KdaWeights, kda, kda_conv_kernel
 
 ARCH = "kimi-k3"
 SIGMOID = 2  # expert_gating_func
@@ -152,31 +152,15 @@ def _kda_layer(b: GraphBuilder, w: B.Weights, hp: HParams, il: int, h: Value, ne
     wt = KdaWeights(
         q=w.need(f"{p}.attn_q.weight", (inner, E)), k=w.need(f"{p}.attn_k.weight", (inner, E)),
         v=w.need(f"{p}.attn_v.weight", (inner, E)),
-        conv=(_conv_kernel(w, f"{p}.ssm_conv1d_q.weight", d), _conv_kernel(w, f"{p}.ssm_conv1d_k.weight", d),
-              _conv_kernel(w, f"{p}.ssm_conv1d_v.weight", d)),
+        conv=(kda_conv_kernel(w, f"{p}.ssm_conv1d_q.weight", d), kda_conv_kernel(w, f"{p}.ssm_conv1d_k.weight", d),
+              kda_conv_kernel(w, f"{p}.ssm_conv1d_v.weight", d)),
         f_a=w.need(f"{p}.ssm_f_a.weight", (D, E)), f_b=w.need(f"{p}.ssm_f_b.weight", (inner, D)),
         dt_bias=w.need(f"{p}.ssm_dt.bias", (inner,)),
         ssm_a=b.reshape(w.need(f"{p}.ssm_a", (H,)), (H, 1), "ssm_a_heads"),
-        beta=_per_head_rows(w, f"{p}.ssm_beta.weight", H, E),
+        beta=B.per_head_rows(w, f"{p}.ssm_beta.weight", H, E),
         out_gate=w.need(f"{p}.ssm_g.weight", (inner, E)), norm=w.need(f"{p}.ssm_norm.weight", (D,)))
     o = kda(b, d, il, h, wt, hp.eps, new_state)
     return B.linear(b, o, w.need(f"{p}.attn_output.weight", (E, inner)), "kda_out")
-
-
-def _conv_kernel(w: B.Weights, name: str, d: KdaDims) -> Value:
-    """The depthwise kernel [d_inner, d_conv], stored 4-D (1, d_inner, 1, d_conv) or 3-D."""
-    info = w.model.tensors.get(name)
-    shape = (1, d.inner, 1, d.conv_kernel) if info is not None and len(info.shape) == 4 else (d.inner, 1,
-                                                                                               d.conv_kernel)
-    return w.b.reshape(w.need(name, shape), (d.inner, d.conv_kernel), f"{name}.2d")
-
-
-def _per_head_rows(w: B.Weights, name: str, n_head: int, n_embd: int) -> Value:
-    """[H, E]; with one head the file holds the 1-D [E] row."""
-    info = w.model.tensors.get(name)
-    if n_head == 1 and info is not None and len(info.shape) == 1:
-        return w.b.reshape(w.need(name, (n_embd,)), (1, n_embd), f"{name}.2d")
-    return w.need(name, (n_head, n_embd))
 
 
 def _mla_layer(b: GraphBuilder, w: B.Weights, hp: HParams, il: int, h: Value, pos: Value, n_ctx: int,

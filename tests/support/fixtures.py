@@ -33,6 +33,7 @@ import gguf
 import numpy as np
 
 from ggufc.frontend.blocks import SUPPORTED_QTYPES
+from tests.support import fixtures_bailing as bailing
 from tests.support import fixtures_compressed as compressed
 from tests.support import fixtures_hyperconnected as hyperconnected
 from tests.support import fixtures_kimi as kimi
@@ -66,6 +67,7 @@ class ArchRecipe:
     # minimax-01: lightning-attention layers between softmax layers (every other layer, layer 0
     # lightning), post-norm residuals times this residual_scale
     lightning_residual_scale: float = 0.0
+    bailing: bool = False  # KDA + MLA without Q-LoRA, SwiGLU clamped after the SiLU (fixtures_bailing.py)
     # a sliding window of this many cells on every other layer (layer 0 windowed), so that a
     # dozen tokens already reach past it
     window: int = 0
@@ -112,6 +114,7 @@ RECIPES: dict[str, ArchRecipe] = {
     "minimax-m3": ArchRecipe(moe="always", msa=True),
     "kimi-k3": ArchRecipe(moe="always", kimi=True),
     "minimax-01": ArchRecipe(moe="always", partial_rope=True, lightning_residual_scale=1.75),
+    "bailingmoe3": ArchRecipe(moe="always", bailing=True),
 }
 GRANITE_MULTIPLIERS = (1.5, 0.1, 0.5, 3.0)  # embedding, attention, residual, logit (divides)
 BIASED_MOE_WEIGHTS_SCALE = 2.5  # hy_v3 fixtures: expert_weights_scale (with expert_weights_norm true)
@@ -215,7 +218,7 @@ def value_kind(arch: str, d: Declared) -> str:
     return "matrix"
 
 
-KIND_OVERRIDES: dict[str, dict[str, str]] = {"kimi-k3": kimi.VALUE_KINDS}
+KIND_OVERRIDES: dict[str, dict[str, str]] = {"kimi-k3": kimi.VALUE_KINDS, "bailingmoe3": bailing.VALUE_KINDS}
 
 FILE_HEAD = ("token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight")
 
@@ -487,6 +490,16 @@ def _write_hparams(w: gguf.GGUFWriter, arch: str, s: FixtureSize, opts: FixtureO
         w.add_head_count(s.n_head)
         w.add_layer_norm_rms_eps(opts.rms_eps)
         kimi.write_hparams(w, s)
+        w.add_vocab_size(s.vocab)
+        return
+    if RECIPES[arch].bailing:  # per-layer kv heads (0: KDA), MLA's lengths, KDA, clamps
+        w.add_head_count(s.n_head)
+        w.add_layer_norm_rms_eps(opts.rms_eps)
+        w.add_rope_freq_base(opts.rope_base)
+        if opts.rope_scaling is not None:
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(opts.rope_scaling)
+        bailing.write_hparams(w, s)
         w.add_vocab_size(s.vocab)
         return
     if RECIPES[arch].latent:  # MLA's own key/value lengths and rope part

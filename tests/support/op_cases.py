@@ -990,6 +990,9 @@ def moe_routing_cases() -> list[Case]:
         _routing_ffn_case("moe_ffn-merged-clamp-ungated-clamp", O.MoeFFN(
             k=2, merged_gate_up=True, act="swiglu_clamp", act_limit=0.5, shared=True, shared_gated=False,
             shared_act="swiglu_clamp", shared_act_limit=0.4)),
+        _routing_ffn_case("moe_ffn-sigmoid-bias-clamp_after-ungated-clamp_after", O.MoeFFN(
+            k=2, gating="sigmoid", selection_bias=True, weights_scale=2.5, act="swiglu_clamp_after", act_limit=0.3,
+            shared=True, shared_gated=False, shared_act="swiglu_clamp_after", shared_act_limit=0.25)),
         _routing_ffn_case("moe_ffn-oai-gated-shared-oai", O.MoeFFN(
             k=2, act="swiglu_oai", shared=True, shared_act="swiglu_oai", shared_scales=("up",))),
         op_case("take_along", "take_along", O.NoAttrs(), rows(9),
