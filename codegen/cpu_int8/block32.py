@@ -570,7 +570,7 @@ def int8_gemm(qtype: str, n: int, k: int, target: tvm.target.Target, tiles: bool
         raise NotImplementedError(f"no 8-bit GEMM for {qtype} {n} x {k} on {target}")
     if qtype in KQUANT_GEMV_TYPES:
         pairs = PAIR_TILE if qtype in KQUANT_PAIR_TYPES and isa.wide else 0
-        return kquant_gemm(qtype, n, k, isa, pairs=pairs)
+        return kquant_gemm(qtype, n, k, isa, pairs=pairs, unpacked=isa.unpacked)
     if isa.wide and qtype in PAIR_GEMM_TYPES:
         return int8_pair_gemm(qtype, n, k, target)
     return int8_tile_gemm(qtype, n, k, isa)

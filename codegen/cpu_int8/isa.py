@@ -14,7 +14,11 @@ once; what changes with the CPU is
     and -128 times the lane's activation sum as the lane's start; on AVX2, llama.cpp's sign trick
     (|q| unsigned, the activation's sign flipped where q < 0), since q + 128 would saturate
     vpmaddubsw (2 * 255 * 127 > 32767);
-  - whether 512-bit token-pair GEMMs exist (`wide`), and AMX tiles (`tiles`).
+  - whether 512-bit token-pair GEMMs exist (`wide`), and AMX tiles (`tiles`);
+  - whether the 256-bit Q4_K/Q6_K prompt GEMMs unpack a row group's codes and scales once, before
+    its token tiles (`unpacked`): without VNNI every 32-value product costs three vector
+    instructions (vpmaddubsw, vpmaddwd, vpaddd) on 16 registers, and the nibble masks, shifts and
+    scale broadcasts each tile redid came on top (benchmarks/kquant_int8.py).
 
 The integer lane sums are exact in every row of the table, so the float steps after them, and
 the results, are the same bit for bit: llama.cpp's AVX2 order, as in its AVX2, AVX-VNNI and
@@ -63,6 +67,7 @@ class Int8Isa:
     vnni: bool  # 256-bit vpdpbusd / vpdpwssds
     wide: bool  # 512-bit vectors with VNNI: the token-pair prompt GEMMs
     tiles: bool  # AMX-INT8 tiles for prompt GEMMs
+    unpacked: bool = False  # 256-bit K-quant prompt GEMMs read codes unpacked once per row group
 
     def dot4(self, acc: tirx.PrimExpr, codes: tirx.PrimExpr, acts: tirx.PrimExpr) -> tirx.PrimExpr:
         """acc (int32x8) + in lane j the sum of products 4j..4j+3 of u8 `codes` and s8 `acts`."""
@@ -94,7 +99,7 @@ class Int8Isa:
         return self.dot4(start, magnitude, T.call_llvm_pure_intrin("int8x32", PSIGNB, _bytes(acts), w))
 
 
-AVX2 = Int8Isa("avx2", vnni=False, wide=False, tiles=False)  # Haswell .. Zen 3, Intel client up to 11th gen
+AVX2 = Int8Isa("avx2", vnni=False, wide=False, tiles=False, unpacked=True)  # Haswell .. Zen 3, client to 11th gen
 AVX_VNNI = Int8Isa("avx-vnni", vnni=True, wide=False, tiles=False)  # Alder Lake and later client cores
 AVX512_VNNI = Int8Isa("avx512-vnni", vnni=True, wide=True, tiles=False)  # Cascade Lake, Ice Lake, Zen 4/5
 AMX = Int8Isa("amx", vnni=True, wide=True, tiles=True)  # Sapphire Rapids and later

@@ -29,6 +29,12 @@ as a GEMM, each task taking a group of rows through every token, GEMM_TOKENS at 
 a type's prompts use it is Int8Kernels.supports_prompt's to say). The super-block loop stays
 rolled: unrolled, LLVM schedules all its products first and spills them.
 
+Without VNNI (Int8Isa.unpacked: AVX2), a Q4_K or Q6_K prompt GEMM's task first unpacks its row
+group's codes (one byte per value, in value order) and scales (as the int16 multipliers of the
+pair sums) into a buffer of its own, and its token tiles read them from there: each 32-value
+product is then vpmaddubsw, vpmaddwd and vpaddd and no more (the nibble masks, shifts and scale
+broadcasts were redone per tile). The sums and float steps are the same.
+
 Q4_K and Q6_K prompts on a target with 512-bit registers take two tokens per register instead:
 the activations of tokens 2p and 2p + 1 are laid side by side once per prompt, so one 32-code
 run, unpacked once, feeds both halves of a `vpmaddubsw`, and the per-super-block float steps
@@ -60,6 +66,11 @@ GEMM_TOKENS = 4  # tokens a prompt GEMM's row group takes per pass over its weig
 PAIR_TYPES = frozenset({"Q4_K", "Q6_K"})  # the K-quants whose prompt GEMMs take token pairs
 PAIR_TILE = 3  # token pairs a Q4_K prompt GEMM's row group takes per pass (512-bit registers)
 PAIR_ROWS = 2  # rows per task of that GEMM: 3 accumulator registers per row and pair
+# bytes per weight value of a row group's unpacked codes and scales (_unpack_q4k, _unpack_q6k),
+# and the most a task unpacks: they must stay in L1 beside the activations' stream (at K = 6144
+# the 4-row buffers, 27 and 48 KiB, timed 0.82-0.87x the packed codes; at K = 1536 1.18-1.31x)
+UNPACKED_ROW_BYTES = {"Q4_K": 1.125, "Q6_K": 2.0}
+UNPACKED_BYTES = 16 * 1024
 
 
 def kquant_supported(qtype: str, n: int, k: int) -> bool:
@@ -129,6 +140,32 @@ def _scale16(v: tirx.PrimExpr) -> tirx.PrimExpr:
     return T.broadcast(T.Cast("int16", v), 16)
 
 
+def _scale_pair(word: tirx.PrimExpr) -> tirx.PrimExpr:
+    """A sub-block scale stored twice in an int32 (_unpack_q4k), as the int16x16 multiplier of its
+    pair sums: a broadcast load, no shuffle."""
+    return T.reinterpret("int16x16", T.broadcast(word, 8))
+
+
+def _unpack_q4k(rows: int, n_super: int) -> Callable[..., None]:
+    """Macro: the codes of Q4_K rows jo * rows .. + rows - 1 in value order, one byte each
+    (un [rows, K]), and each sub-block scale twice in an int32 (scw [rows, K/32]): done once per
+    row group, where each token tile would otherwise unpack them again."""
+
+    @T.macro
+    def unpack(sc, qs, jo, un, scw):  # type: ignore[no-untyped-def]
+        for r in range(rows):
+            for i in range(n_super):
+                for g in T.unroll(4):
+                    bits = T.meta_var(T.reinterpret("int32x8", qs.vload([jo * rows + r, i * 4 + g, 0], "uint8x32")))
+                    un[r, i * 256 + g * 64:i * 256 + g * 64 + 32] = T.reinterpret("uint8x32", _mask(bits, 0x0F0F0F0F))
+                    un[r, i * 256 + g * 64 + 32:i * 256 + g * 64 + 64] = T.reinterpret(
+                        "uint8x32", _mask(T.shift_right(bits, T.broadcast(T.int32(4), 8)), 0x0F0F0F0F))
+                for s in range(8):
+                    scw[r, i * 8 + s] = T.Cast("int32", sc[jo * rows + r, i * 8 + s]) * 65537
+
+    return unpack
+
+
 def _fma4(a: tirx.PrimExpr, b: tirx.PrimExpr, c: tirx.PrimExpr) -> tirx.PrimExpr:
     return T.call_llvm_pure_intrin("float32x4", "llvm.fma.v4f32", a, b, c)
 
@@ -154,9 +191,11 @@ def _min_dot(mn: tirx.Buffer, xs: tirx.Buffer, row: tirx.PrimExpr, t: tirx.PrimE
 
 
 def _q45k_rows(isa: Int8Isa, five: bool, rows: int, n_super: int, tt: int,
-               prefetch_groups: int, unroll: bool = False) -> Callable[..., None]:
+               prefetch_groups: int, unroll: bool = False, unpacked: bool = False) -> Callable[..., None]:
     """Row-group macro of Q4_K / Q5_K (fields d, dmin, sc, mn, [qh,] qs); `unroll`: a super-block's
-    four 64-value runs unrolled (the same sums in the same order, scheduled differently)."""
+    four 64-value runs unrolled (the same sums in the same order, scheduled differently);
+    `unpacked` (Q4_K): the codes and scales read from _unpack_q4k's buffers (un, scw) instead of
+    the weight's fields, so a prompt's token tiles do not unpack them again."""
     zero = T.broadcast(T.int32(0), 8)
     wide = isa
     decode = tt == 1  # a GEMV: its weight stream is the step's cost, so it is also prefetched into L2
@@ -164,7 +203,7 @@ def _q45k_rows(isa: Int8Isa, five: bool, rows: int, n_super: int, tt: int,
     runs = T.unroll if unroll else T.serial
 
     @T.macro
-    def row_group(d, dmin, sc, mn, qh, qs, y, n, jo, t, xb, xd, xs):  # type: ignore[no-untyped-def]
+    def row_group(d, dmin, sc, mn, qh, qs, y, n, jo, t, xb, xd, xs, un=None, scw=None):  # type: ignore[no-untyped-def]
         qs_flat = T.decl_buffer((n * n_super * 128,), "uint8", data=qs.data, elem_offset=qs.elem_offset)
         sc_flat = T.decl_buffer((n * n_super * 8,), "uint8", data=sc.data, elem_offset=sc.elem_offset)
         mn_flat = T.decl_buffer((n * n_super * 8,), "uint8", data=mn.data, elem_offset=mn.elem_offset)
@@ -210,6 +249,16 @@ def _q45k_rows(isa: Int8Isa, five: bool, rows: int, n_super: int, tt: int,
                                 _scale16(sc[jo * rows + r, i * 8 + 2 * g])),
                                 _pairs(hi5, xb.vload([t + u, i * 256 + g * 64 + 32], "int8x32")),
                                 _scale16(sc[jo * rows + r, i * 8 + 2 * g + 1]))
+                    elif unpacked:
+                        for u in T.unroll(tt):
+                            sumi[r * tt + u, 0:8] = _scaled(wide, _scaled(
+                                wide, sumi.vload([r * tt + u, 0], "int32x8"),
+                                _pairs(un.vload([r, i * 256 + g * 64], "uint8x32"),
+                                       xb.vload([t + u, i * 256 + g * 64], "int8x32")),
+                                _scale_pair(scw[r, i * 8 + 2 * g])),
+                                _pairs(un.vload([r, i * 256 + g * 64 + 32], "uint8x32"),
+                                       xb.vload([t + u, i * 256 + g * 64 + 32], "int8x32")),
+                                _scale_pair(scw[r, i * 8 + 2 * g + 1]))
                     else:
                         for u in T.unroll(tt):
                             sumi[r * tt + u, 0:8] = _scaled(wide, _scaled(
@@ -443,32 +492,56 @@ def _q6k_pair_rows(rows: int, n_pairs: int, n_super: int, prefetch_groups: int) 
     return row_group
 
 
+def _q6k_scales(sc: tirx.Buffer, row: tirx.PrimExpr, first: tirx.PrimExpr, c: int) -> tirx.PrimExpr:
+    """sc[first + 2c] for values 0-15 and sc[first + 2c + 1] for 16-31 (the two 16-value
+    sub-blocks of run c of a Q6_K half), as the int16 multipliers of their pair sums: shuffled out
+    of the half's 8 scales, loaded and widened once (one scalar load and broadcast per scale cost
+    more than the products: hot GEMVs 1.16-1.46x)."""
+    eight = T.Cast("int16x8", sc.vload([row, first], "int8x8"))
+    return T.Shuffle([eight, eight], [2 * c] * 8 + [2 * c + 1] * 8)
+
+
+def _q6k_code(low: tirx.PrimExpr, high: tirx.PrimExpr, c: tirx.PrimExpr) -> tirx.PrimExpr:
+    """Q6_K codes of run c (0..3) of a half: its low nibbles and bits 2c, 2c + 1 of the high pairs."""
+    nib = _mask(T.shift_right(low, T.broadcast(T.Cast("int32", 4 * (c // 2)), 8)), 0x0F0F0F0F)
+    top = _mask(T.shift_right(high, T.broadcast(T.Cast("int32", 2 * c), 8)), 0x03030303)
+    return T.bitwise_or(nib, T.shift_left(top, T.broadcast(T.int32(4), 8)))
+
+
+def _unpack_q6k(rows: int, n_super: int) -> Callable[..., None]:
+    """Macro: the codes of Q6_K rows jo * rows .. + rows - 1 in value order, one byte each
+    (un [rows, K]), and each 32-value run's scales as its int16 multipliers (scv [rows, K / 2]),
+    once per row group, as _unpack_q4k."""
+
+    @T.macro
+    def unpack(ql, qh, sc, jo, un, scv):  # type: ignore[no-untyped-def]
+        for r in range(rows):
+            for i in range(n_super):
+                for a in T.unroll(2):
+                    high = T.meta_var(T.reinterpret("int32x8", qh.vload([jo * rows + r, i * 2 + a, 0], "uint8x32")))
+                    for c in T.unroll(4):
+                        low = T.meta_var(T.reinterpret("int32x8", ql.vload([jo * rows + r, i * 2 + a, 32 * (c % 2)],
+                                                                           "uint8x32")))
+                        run = T.meta_var(i * 8 + a * 4 + c)
+                        un[r, run * 32:run * 32 + 32] = T.reinterpret("uint8x32", _q6k_code(low, high, c))
+                        scv[r, run * 16:run * 16 + 16] = _q6k_scales(sc, jo * rows + r, i * 16 + a * 8, c)
+
+    return unpack
+
+
 def _q6k_rows(isa: Int8Isa, rows: int, n_super: int, tt: int, prefetch_groups: int,
-              unroll: bool = False) -> Callable[..., None]:
+              unroll: bool = False, unpacked: bool = False) -> Callable[..., None]:
     """Row-group macro of Q6_K (fields ql, qh, sc, d): each lane's dot product starts at -32 times
     its activation sum, so the codes' offset costs nothing in the loop; `unroll` as in _q45k_rows
-    (a super-block's two halves)."""
+    (a super-block's two halves); `unpacked`: codes and scales from _unpack_q6k's buffers."""
     wide = isa
     decode = tt == 1  # a GEMV: its weight stream is also prefetched into L2, as in _q45k_rows
     far_groups = P.l2_ahead_groups(rows * n_super * 192, prefetch_groups)
     halves = T.unroll if unroll else T.serial
-
-    def scales(sc: tirx.Buffer, row: tirx.PrimExpr, first: tirx.PrimExpr, c: int) -> tirx.PrimExpr:
-        """sc[first + 2c] for values 0-15 and sc[first + 2c + 1] for 16-31 (the two 16-value
-        sub-blocks of run c), as the int16 multipliers of their pair sums: shuffled out of the
-        half's 8 scales, loaded and widened once (one scalar load and broadcast per scale cost
-        more than the products: hot GEMVs 1.16-1.46x)."""
-        eight = T.Cast("int16x8", sc.vload([row, first], "int8x8"))
-        return T.Shuffle([eight, eight], [2 * c] * 8 + [2 * c + 1] * 8)
-
-    def code(low: tirx.PrimExpr, high: tirx.PrimExpr, c: tirx.PrimExpr) -> tirx.PrimExpr:
-        """Codes of run c (0..3) of a half: its low nibbles and bits 2c, 2c + 1 of the high pairs."""
-        nib = _mask(T.shift_right(low, T.broadcast(T.Cast("int32", 4 * (c // 2)), 8)), 0x0F0F0F0F)
-        top = _mask(T.shift_right(high, T.broadcast(T.Cast("int32", 2 * c), 8)), 0x03030303)
-        return T.bitwise_or(nib, T.shift_left(top, T.broadcast(T.int32(4), 8)))
+    scales, code = _q6k_scales, _q6k_code
 
     @T.macro
-    def row_group(ql, qh, sc, d, y, n, jo, t, xb, xd, xp):  # type: ignore[no-untyped-def]
+    def row_group(ql, qh, sc, d, y, n, jo, t, xb, xd, xp, un=None, scv=None):  # type: ignore[no-untyped-def]
         ql_flat = T.decl_buffer((n * n_super * 128,), "uint8", data=ql.data, elem_offset=ql.elem_offset)
         qh_flat = T.decl_buffer((n * n_super * 64,), "uint8", data=qh.data, elem_offset=qh.elem_offset)
         sc_flat = T.decl_buffer((n * n_super * 16,), "int8", data=sc.data, elem_offset=sc.elem_offset)
@@ -496,17 +569,28 @@ def _q6k_rows(isa: Int8Isa, rows: int, n_super: int, tt: int, prefetch_groups: i
             for r in T.unroll(rows * tt):
                 sumi[r, 0:8] = T.broadcast(T.int32(0), 8)
             for a in halves(2):  # rolled unless `unroll` (unrolled, the dot products may spill)
-                for r in T.unroll(rows):
-                    high = T.meta_var(T.reinterpret("int32x8", qh.vload([jo * rows + r, i * 2 + a, 0], "uint8x32")))
-                    for c in T.unroll(4):
-                        low = T.meta_var(T.reinterpret("int32x8", ql.vload([jo * rows + r, i * 2 + a, 32 * (c % 2)],
-                                                                           "uint8x32")))
-                        for u in T.unroll(tt):
-                            run = T.meta_var(i * 8 + a * 4 + c)  # 32-value run of the row
-                            pairs = T.meta_var(_pairs(code(low, high, c), xb.vload([t + u, run * 32], "int8x32"))
-                                               - xp.vload([t + u, run * 16], "int16x16"))
-                            sumi[r * tt + u, 0:8] = _scaled(wide, sumi.vload([r * tt + u, 0], "int32x8"), pairs,
-                                                            scales(sc, jo * rows + r, i * 16 + a * 8, c))
+                if unpacked:
+                    for r in T.unroll(rows):
+                        for c in T.unroll(4):
+                            for u in T.unroll(tt):
+                                run = T.meta_var(i * 8 + a * 4 + c)
+                                pairs = T.meta_var(_pairs(un.vload([r, run * 32], "uint8x32"),
+                                                          xb.vload([t + u, run * 32], "int8x32"))
+                                                   - xp.vload([t + u, run * 16], "int16x16"))
+                                sumi[r * tt + u, 0:8] = _scaled(wide, sumi.vload([r * tt + u, 0], "int32x8"), pairs,
+                                                                scv.vload([r, run * 16], "int16x16"))
+                else:
+                    for r in T.unroll(rows):
+                        high = T.meta_var(T.reinterpret("int32x8", qh.vload([jo * rows + r, i * 2 + a, 0], "uint8x32")))
+                        for c in T.unroll(4):
+                            low = T.meta_var(T.reinterpret("int32x8", ql.vload([jo * rows + r, i * 2 + a, 32 * (c % 2)],
+                                                                               "uint8x32")))
+                            for u in T.unroll(tt):
+                                run = T.meta_var(i * 8 + a * 4 + c)  # 32-value run of the row
+                                pairs = T.meta_var(_pairs(code(low, high, c), xb.vload([t + u, run * 32], "int8x32"))
+                                                   - xp.vload([t + u, run * 16], "int16x16"))
+                                sumi[r * tt + u, 0:8] = _scaled(wide, sumi.vload([r * tt + u, 0], "int32x8"), pairs,
+                                                                scales(sc, jo * rows + r, i * 16 + a * 8, c))
             for r in T.unroll(rows):
                 for u in T.unroll(tt):
                     acc[r * tt + u, 0:8] = _scaled_sum(acc, sumi, r * tt + u, ds[r * tt + u, i])
@@ -663,20 +747,24 @@ def kquant_gemv_group(qtype: str, ns: tuple[int, ...], k: int, isa: Int8Isa, pro
 
 
 def kquant_gemm(qtype: str, n: int, k: int, isa: Int8Isa, tokens: int = GEMM_TOKENS,
-                pairs: int = 0) -> tirx.PrimFunc:
+                pairs: int = 0, rows: int = P.ROWS, unpacked: bool = False) -> tirx.PrimFunc:
     """block32.int8_gemm for the K-quants: tokens quantised in parallel, then each task takes
     a group of rows through every token, `tokens` tokens per pass over their codes. With `pairs`
     (Q4_K and Q6_K on a target with 512-bit registers: int8_gemm gives PAIR_TILE), token pairs
-    instead (_pair_gemm, `pairs` of them per pass)."""
+    instead (_pair_gemm, `pairs` of them per pass); with `unpacked` (Int8Isa.unpacked), Q4_K and
+    Q6_K read codes their task unpacked once, where they fit UNPACKED_BYTES."""
     if pairs:
         return _pair_gemm(qtype, n, k, isa, pairs)
-    n_super, rows = k // SUPER, P.ROWS
+    if unpacked and qtype in UNPACKED_ROW_BYTES and rows * k * UNPACKED_ROW_BYTES[qtype] <= UNPACKED_BYTES:
+        make = _unpacked_q4k_gemm if qtype == "Q4_K" else _unpacked_q6k_gemm
+        return make(n, k, isa, tokens, rows)
+    n_super = k // SUPER
     N, K = T.int64(n), T.int64(k)
     specs = _field_specs(qtype, n, k)
     run = _sum_run(qtype)
     quantize = _q8k_quantize(run)
-    one = _row_steps(qtype, isa, n_super, 1, P.PREFETCH_GROUPS)
-    tile = _row_steps(qtype, isa, n_super, tokens, P.PREFETCH_GROUPS)
+    one = _row_steps(qtype, isa, n_super, 1, P.PREFETCH_GROUPS, rows)
+    tile = _row_steps(qtype, isa, n_super, tokens, P.PREFETCH_GROUPS, rows)
 
     @T.prim_func(private=True)
     def gemm(x_h: T.handle, f0: T.Buffer(specs[0][0], specs[0][1]), f1: T.Buffer(specs[1][0], specs[1][1]),  # type: ignore[valid-type]
@@ -700,6 +788,78 @@ def kquant_gemm(qtype: str, n: int, k: int, isa: Int8Isa, tokens: int = GEMM_TOK
 
     n_fields = len(layout_spec(qtype, (n, k)))
     return P.without_params(gemm, {f"f{f}" for f in range(n_fields, FIELDS)})
+
+
+def _unpacked_q4k_gemm(n: int, k: int, isa: Int8Isa, tokens: int, rows: int) -> tirx.PrimFunc:
+    """kquant_gemm of Q4_K with each row group's codes and scales unpacked once (_unpack_q4k),
+    its token tiles reading them from there: the same sums and float steps."""
+    n_super = k // SUPER
+    N, K = T.int64(n), T.int64(k)
+    specs = _field_specs("Q4_K", n, k)
+    quantize = _q8k_quantize(32)
+    unpack = _unpack_q4k(rows, n_super)
+    one = _row_steps("Q4_K", isa, n_super, 1, P.PREFETCH_GROUPS, rows)
+    tile = _q45k_rows(isa, False, rows, n_super, tokens, P.PREFETCH_GROUPS, unpacked=True)
+
+    @T.prim_func(private=True)
+    def gemm(x_h: T.handle, f0: T.Buffer(specs[0][0], specs[0][1]), f1: T.Buffer(specs[1][0], specs[1][1]),  # type: ignore[valid-type]
+             f2: T.Buffer(specs[2][0], specs[2][1]), f3: T.Buffer(specs[3][0], specs[3][1]),  # type: ignore[valid-type]
+             f4: T.Buffer(specs[4][0], specs[4][1]), y_h: T.handle):  # type: ignore[valid-type]
+        T.func_attr({"tirx.noalias": True})
+        t_len = T.int64()
+        x = T.match_buffer(x_h, (t_len, K), "float32")
+        y = T.match_buffer(y_h, (t_len, N), "float32")
+        xb = T.alloc_buffer((t_len, K), "int8")
+        xd = T.alloc_buffer((t_len, n_super), "float32")
+        xs = T.alloc_buffer((t_len, K // 32), "int16")
+        xp = T.alloc_buffer((t_len, n_super * 128), "int16")
+        for t in T.parallel(t_len):
+            quantize(x, t, xb, xd, xs, xp, n_super)
+        for jo in T.parallel(n // rows):
+            un = T.alloc_buffer((rows, K), "uint8")
+            scw = T.alloc_buffer((rows, n_super * 8), "int32")
+            unpack(f2, f4, jo, un, scw)
+            for g in range(t_len // tokens):
+                tile(f0, f1, f2, f3, f0, f4, y, n, jo, g * tokens, xb, xd, xs, un, scw)
+            for t in range(t_len // tokens * tokens, t_len):
+                one(f0, f1, f2, f3, f4, f4, y, n, jo, t, xb, xd, xs, xp)
+
+    return gemm
+
+
+def _unpacked_q6k_gemm(n: int, k: int, isa: Int8Isa, tokens: int, rows: int) -> tirx.PrimFunc:
+    """kquant_gemm of Q6_K with each row group's codes and scales unpacked once (_unpack_q6k)."""
+    n_super = k // SUPER
+    N, K = T.int64(n), T.int64(k)
+    specs = _field_specs("Q6_K", n, k)
+    quantize = _q8k_quantize(32)
+    unpack = _unpack_q6k(rows, n_super)
+    one = _row_steps("Q6_K", isa, n_super, 1, P.PREFETCH_GROUPS, rows)
+    tile = _q6k_rows(isa, rows, n_super, tokens, P.PREFETCH_GROUPS, unpacked=True)
+
+    @T.prim_func(private=True)
+    def gemm(x_h: T.handle, f0: T.Buffer(specs[0][0], specs[0][1]), f1: T.Buffer(specs[1][0], specs[1][1]),  # type: ignore[valid-type]
+             f2: T.Buffer(specs[2][0], specs[2][1]), f3: T.Buffer(specs[3][0], specs[3][1]), y_h: T.handle):  # type: ignore[valid-type]
+        T.func_attr({"tirx.noalias": True})
+        t_len = T.int64()
+        x = T.match_buffer(x_h, (t_len, K), "float32")
+        y = T.match_buffer(y_h, (t_len, N), "float32")
+        xb = T.alloc_buffer((t_len, K), "int8")
+        xd = T.alloc_buffer((t_len, n_super), "float32")
+        xs = T.alloc_buffer((t_len, K // 32), "int16")
+        xp = T.alloc_buffer((t_len, n_super * 128), "int16")
+        for t in T.parallel(t_len):
+            quantize(x, t, xb, xd, xs, xp, n_super)
+        for jo in T.parallel(n // rows):
+            un = T.alloc_buffer((rows, K), "uint8")
+            scv = T.alloc_buffer((rows, K // 2), "int16")
+            unpack(f0, f1, f2, jo, un, scv)
+            for g in range(t_len // tokens):
+                tile(f0, f1, f2, f3, y, n, jo, g * tokens, xb, xd, xp, un, scv)
+            for t in range(t_len // tokens * tokens, t_len):
+                one(f0, f1, f2, f3, f3, f3, y, n, jo, t, xb, xd, xs, xp)
+
+    return gemm
 
 
 def _pair_gemm(qtype: str, n: int, k: int, isa: Int8Isa, pairs: int) -> tirx.PrimFunc:
