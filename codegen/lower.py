@@ -41,7 +41,7 @@ from ggufc.codegen.lower_context import (
     weight_params,
 )
 from ggufc.codegen.schedule import PRESCHEDULED, ROW_STAGED, schedule_cpu
-from ggufc.codegen.target import UnsupportedOnTarget, target_cores
+from ggufc.codegen.target import UnsupportedOnTarget, native_f16_rounding, target_cores
 from ggufc.ir import ops as O
 from ggufc.ir.graph import Graph, Node
 
@@ -61,6 +61,7 @@ class ModuleBuilder:
         self.unchecked_params = target.kind.name == "llvm"
         # the float kernels' vector tiles for this target, not this machine's (quant.tiles_of_build)
         self.cpu_tiles = Q.CpuTiles.for_target(target) if target.kind.name == "llvm" else None
+        self.native_f16 = native_f16_rounding(target)  # F16 roundings by the target's own conversion
 
     # `ggufc compile --tuning-db`: a codegen.tune.TunedKernels whose lookup() returns a tuned schedule
     # for a kernel key, or None to keep the default one
@@ -151,11 +152,14 @@ def _kernel_name(key: KK.KernelKey, index: int) -> str:
 
 
 def _ew(fc: FunctionContext, node: Node, program: O.FusedElementwise, name: str) -> list[Any]:
-    key = KK.OpKernel("elementwise", program, tuple(fc.kernel_key_dims(v) for v in node.inputs))
+    native = fc.mb.native_f16 and K.rounds_to_f16(program)
+    # the key says which F16 rounding the kernel has: equal keys share one kernel
+    key = KK.OpKernel("elementwise", (program, "native_f16") if native else program,
+                      tuple(fc.kernel_key_dims(v) for v in node.inputs))
 
     def make() -> tirx.PrimFunc:
         syms = K.Symbols()
-        return K.elementwise([fc.kernel_shape(v, syms) for v in node.inputs], program)
+        return K.elementwise([fc.kernel_shape(v, syms) for v in node.inputs], program, native_f16=native)
 
     return fc.call(key, make, [fc.value(v) for v in node.inputs], node.outputs, name)
 

@@ -67,6 +67,7 @@ class KernelModule(Protocol):
     flat_params: list[tuple[str, tuple[int, ...], str]]
     unchecked_params: bool
     prompt_tiles: str  # which weight types' prompt GEMMs take AMX tiles (block32.tiles_chosen)
+    native_f16: bool  # F16 roundings by the target's own conversion (target.native_f16_rounding)
 
     def kernel(self, key: KernelKey, make: Callable[[], tirx.PrimFunc]) -> Any: ...
 

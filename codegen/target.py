@@ -195,6 +195,17 @@ def kernel_isa(target: tvm.target.Target) -> str | None:
     return next((isa for isa, features in levels if has(*features)), "sse")
 
 
+def native_f16_rounding(target: tvm.target.Target) -> bool:
+    """Whether the target's own float32 -> float16 conversion rounds as ggml's FP32->FP16 (to nearest
+    even, inf past 65504, subnormals kept): CUDA and Metal, and LLVM CPUs with F16C (vcvtps2ph, which
+    ggml itself uses there). WGSL has no f16 type and a CPU without F16C would call a runtime library
+    function: those take the integer form (kernels/generic.py round_to_f16)."""
+    kind = target.kind.name
+    if kind in ("cuda", "metal"):
+        return True
+    return kind == "llvm" and bool(tvm.target.codegen.target_has_features("f16c", target))
+
+
 def cpu_manifest(target: tvm.target.Target, spec: dict[str, Any]) -> dict[str, Any]:
     """The manifest's record of the CPU an LLVM artifact is for: its LLVM name, the instruction set
     its kernels use, and the checked extensions its code needs (the loader refuses a CPU without

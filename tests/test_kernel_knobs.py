@@ -214,6 +214,7 @@ def test_a_session_measures_knob_settings_and_resumes(knob_session: dict[str, An
     assert "best knob settings of the hand-written kernels" in tune_report.table(db)
 
 
+@pytest.mark.slow  # two whole-model compiles; every knob's kernels are checked bit for bit above
 @needs_int8_dot
 @pytest.mark.skipif(not FIXTURES.is_dir(), reason=f"llama.cpp fixtures not found at {FIXTURES}")
 def test_compiled_with_tuned_knobs_the_decode_logits_are_identical(knob_session: dict[str, Any],

@@ -35,9 +35,16 @@ def model_variants() -> list[tuple[str, dict[str, Any], float]]:
 
 
 VARIANTS = model_variants()
+# quantized twins of architectures whose f32 fixture stays in the default tier (their Q8_0 matmuls are
+# the other architectures'), each a whole-model compile of 100+ s: the slow tier runs them
+SLOW_VARIANTS = frozenset({"gemma2-Q8_0", "gemma3-Q8_0", "glm-dsa-Q8_0", "hy_v3-Q8_0"})
 
 
-@pytest.fixture(scope="module", params=VARIANTS, ids=[v[0] for v in VARIANTS])
+def variant_params() -> list[Any]:
+    return [pytest.param(v, id=v[0], marks=[pytest.mark.slow] if v[0] in SLOW_VARIANTS else []) for v in VARIANTS]
+
+
+@pytest.fixture(scope="module", params=variant_params())
 def variant(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     name, opts, bound = request.param
     cm = compile_fixture(tmp_path_factory.mktemp(name), opts)

@@ -130,16 +130,23 @@ def _round_magnitude_to_f16(mag: PrimExpr, sign: PrimExpr) -> PrimExpr:
     return tirx.reinterpret("float32", rounded | sign)
 
 
-def gelu_tanh_f16(x: PrimExpr) -> PrimExpr:
+def cast_to_f16(x: PrimExpr) -> PrimExpr:
+    """x rounded to half precision by the target's own conversion (F16C's vcvtps2ph, CUDA's and
+    Metal's cvt): to nearest even like round_to_f16, as one instruction instead of ~40 integer
+    operations (a GELU kernel built from those takes TVM ~30 s to lower)."""
+    return x.astype("float16").astype("float32")
+
+
+def gelu_tanh_f16(x: PrimExpr, to_f16: Callable[[PrimExpr], PrimExpr] = round_to_f16) -> PrimExpr:
     """ir.ops.gelu_tanh_f16_ref: GELU's tanh form of the input rounded to F16, rounded to F16 (llama.cpp's
-    CPU table), 0 for x <= -10 and x for x >= 10."""
+    CPU table), 0 for x <= -10 and x for x >= 10. `to_f16`: round_to_f16 or cast_to_f16."""
 
     def gelu(h: PrimExpr) -> PrimExpr:
         inner = f32(0.79788456) * h * (f32(1.0) + f32(0.044715) * h * h)
-        return round_to_f16(f32(0.5) * h * (f32(1.0) + te.tanh(inner)))
+        return to_f16(f32(0.5) * h * (f32(1.0) + te.tanh(inner)))
 
     return shared("gelu_x", x, lambda v: tirx.Select(
-        v <= f32(-10.0), f32(0.0), tirx.Select(v >= f32(10.0), v, shared("gelu_h", round_to_f16(v), gelu))))
+        v <= f32(-10.0), f32(0.0), tirx.Select(v >= f32(10.0), v, shared("gelu_h", to_f16(v), gelu))))
 
 
 UNARY: dict[str, Callable[[PrimExpr], PrimExpr]] = {
@@ -160,6 +167,18 @@ UNARY: dict[str, Callable[[PrimExpr], PrimExpr]] = {
     "gelu_tanh_f16": lambda x: gelu_tanh_f16(x),
 }
 
+# the F16 roundings by the target's own conversion, for targets where it rounds as ggml does
+# (codegen.target.native_f16_rounding); WGSL and CPUs without F16C keep the integer form
+NATIVE_F16_UNARY: dict[str, Callable[[PrimExpr], PrimExpr]] = {
+    "round_f16": cast_to_f16,
+    "gelu_tanh_f16": lambda x: gelu_tanh_f16(x, cast_to_f16),
+}
+
+
+def rounds_to_f16(program: O.FusedElementwise) -> bool:
+    """Whether an elementwise program has a step that NATIVE_F16_UNARY replaces."""
+    return any(op == "unary" and attrs.fn in NATIVE_F16_UNARY for op, attrs, _ in program.program)
+
 BINARY: dict[str, Callable[[PrimExpr, PrimExpr], PrimExpr]] = {
     "add": lambda a, b: a + b,
     "sub": lambda a, b: a - b,
@@ -173,9 +192,10 @@ BINARY: dict[str, Callable[[PrimExpr, PrimExpr], PrimExpr]] = {
 SCALAR: dict[str, Callable[[PrimExpr, PrimExpr], PrimExpr]] = {**BINARY, "pow": te.power}
 
 
-def _step(op: str, attrs: Any, args: list[PrimExpr]) -> PrimExpr:
+def _step(op: str, attrs: Any, args: list[PrimExpr], native_f16: bool = False) -> PrimExpr:
     if op == "unary":
-        return UNARY[attrs.fn](args[0])
+        table = NATIVE_F16_UNARY if native_f16 and attrs.fn in NATIVE_F16_UNARY else UNARY
+        return table[attrs.fn](args[0])
     if op == "binary":
         return BINARY[attrs.fn](args[0], args[1])
     if op == "scalar":
@@ -183,8 +203,10 @@ def _step(op: str, attrs: Any, args: list[PrimExpr]) -> PrimExpr:
     raise NotImplementedError(f"elementwise step {op}")
 
 
-def elementwise(in_shapes: Sequence[PShape], program: O.FusedElementwise, dtype: str = "float32") -> tirx.PrimFunc:
-    """One kernel for a chain of elementwise ops with numpy broadcasting."""
+def elementwise(in_shapes: Sequence[PShape], program: O.FusedElementwise, dtype: str = "float32",
+                native_f16: bool = False) -> tirx.PrimFunc:
+    """One kernel for a chain of elementwise ops with numpy broadcasting; `native_f16`: F16 roundings
+    by the target's conversion (NATIVE_F16_UNARY)."""
     ins = [te.placeholder(s, dtype, name=f"in{i}") for i, s in enumerate(in_shapes)]
     out_shape = _broadcast_shape(in_shapes)
     nd = len(out_shape)
@@ -192,7 +214,7 @@ def elementwise(in_shapes: Sequence[PShape], program: O.FusedElementwise, dtype:
     def body(*idx: PrimExpr) -> PrimExpr:
         vals = [t(*_bcast_index(s, idx, nd)) for t, s in zip(ins, in_shapes, strict=True)]
         for op, attrs, operands in program.program:
-            vals.append(_step(op, attrs, [vals[i] for i in operands]))
+            vals.append(_step(op, attrs, [vals[i] for i in operands], native_f16))
         return vals[-1]
 
     out = te.compute(out_shape, body, name="out")

@@ -99,6 +99,11 @@ def workload_hash(key: KernelKey, target: tvm.target.Target) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def _program_of(key: OpKernel) -> Any:
+    """An elementwise key's program (its attrs, or their first item: (program, "native_f16"))."""
+    return key.attrs[0] if isinstance(key.attrs, tuple) else key.attrs
+
+
 def workload_label(key: KernelKey, func: tirx.PrimFunc | None) -> str:
     kind = key.kind
     if isinstance(key, Int8GemvGroup):
@@ -111,8 +116,8 @@ def workload_label(key: KernelKey, func: tirx.PrimFunc | None) -> str:
         return f"attention {t}x{heads}x{dim} kv {kv}x{cells} at pos {KN.TIMING_POSITION}"
     if isinstance(key, WeightMatmul):
         return f"matmul {key.qtype} {key.n}x{key.k}"
-    if isinstance(key, OpKernel) and kind == "elementwise" and hasattr(key.attrs, "program"):
-        ops = "+".join(getattr(step[1], "fn", str(step[0])) for step in key.attrs.program)
+    if isinstance(key, OpKernel) and kind == "elementwise" and hasattr(program := _program_of(key), "program"):
+        ops = "+".join(getattr(step[1], "fn", str(step[0])) for step in program.program)
         shapes = " ".join("x".join(str(d) for d in s) for s in key.dims)
         return f"elementwise {ops} {shapes}".strip()
     args = static_args(func) if func is not None else None
