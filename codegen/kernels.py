@@ -186,7 +186,7 @@ BINARY: dict[str, Callable[[PrimExpr, PrimExpr], PrimExpr]] = {
 SCALAR: dict[str, Callable[[PrimExpr, PrimExpr], PrimExpr]] = {**BINARY, "pow": te.power}
 
 
-def _step(op: str, attrs: Any, args: list[PrimExpr], cpu: bool) -> PrimExpr:
+def _step(op: str, attrs: Any, args: list[PrimExpr], cpu: bool = False) -> PrimExpr:
     if op == "unary" and attrs.fn == "gelu_tanh_f16":
         return gelu_tanh_f16(args[0], exact_tanh=cpu)
     if op == "unary":
