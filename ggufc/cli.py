@@ -219,6 +219,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise CLIError("--json-schema/--json-object decode plainly: drop --speculate/--draft")
     if args.compare_plain and not speculative:
         raise CLIError("--compare-plain goes with --speculate or --draft")
+    if args.chat_template_file and not args.chat:
+        raise CLIError("--chat-template-file goes with --chat")
     model = resolve_model(args.model, args.target, args.ctx)
     with ExitStack() as stack:
         session = existing_session(model)
@@ -230,6 +232,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             tokenizer, info = tokenizer_from_gguf(model.gguf())
             warn_beyond_training(model.gguf(), model.n_ctx)
             n_ctx = planned_ctx(model)
+        if args.chat_template_file:
+            info["chat_template"] = read_chat_template(Path(args.chat_template_file))
         first = args.prompt if args.prompt is not None else read_user_message()  # --chat: from stdin
         if first is None:
             raise CLIError("--chat: no message on stdin (type one, or give --prompt)")
@@ -776,6 +780,8 @@ def build_parser() -> Parser:
     p.add_argument("--seed", type=non_negative_int, default=None, metavar="S")
     p.add_argument("--chat", action="store_true", help="interactive multi-turn chat through the model's chat "
                    "template, reusing the cached prefix of each turn")
+    p.add_argument("--chat-template-file", metavar="FILE", help="with --chat: a jinja chat template in place of "
+                   "the model's (for a file that carries none)")
     p.add_argument("--speculate", choices=["ngram"], help="greedy speculative decoding with prompt-lookup drafts")
     p.add_argument("--draft", metavar="DRAFT.gguf", help="greedy speculative decoding drafted by a smaller model "
                    "with the same vocabulary (a .gguf or an artifact)")

@@ -137,16 +137,34 @@ def cast_to_f16(x: PrimExpr) -> PrimExpr:
     return x.astype("float16").astype("float32")
 
 
-def gelu_tanh_f16(x: PrimExpr, to_f16: Callable[[PrimExpr], PrimExpr] = round_to_f16) -> PrimExpr:
+def gelu_tanh_f16(x: PrimExpr, to_f16: Callable[[PrimExpr], PrimExpr] = round_to_f16,
+                  exact_tanh: bool = False) -> PrimExpr:
     """ir.ops.gelu_tanh_f16_ref: GELU's tanh form of the input rounded to F16, rounded to F16 (llama.cpp's
-    CPU table), 0 for x <= -10 and x for x >= 10. `to_f16`: round_to_f16 or cast_to_f16."""
+    CPU table), 0 for x <= -10 and x for x >= 10. `to_f16`: round_to_f16 or cast_to_f16. `exact_tanh`
+    (CPU targets): the table entry as ggml_gelu_f32 computes it, bit for bit over every F16 input
+    (ir.ops.gelu_tanh_f32)."""
 
     def gelu(h: PrimExpr) -> PrimExpr:
-        inner = f32(0.79788456) * h * (f32(1.0) + f32(0.044715) * h * h)
-        return to_f16(f32(0.5) * h * (f32(1.0) + te.tanh(inner)))
+        return to_f16((_gelu_f32_exact if exact_tanh else _gelu_f32_plain)(h))
 
     return shared("gelu_x", x, lambda v: tirx.Select(
         v <= f32(-10.0), f32(0.0), tirx.Select(v >= f32(10.0), v, shared("gelu_h", to_f16(v), gelu))))
+
+
+def _gelu_f32_plain(h: PrimExpr) -> PrimExpr:
+    inner = f32(0.79788456) * h * (f32(1.0) + f32(0.044715) * h * h)
+    return f32(0.5) * h * (f32(1.0) + te.tanh(inner))
+
+
+def _gelu_f32_exact(h: PrimExpr) -> PrimExpr:
+    """ggml_gelu_f32 as llama.cpp's FMA builds compile it (ir.ops.gelu_tanh_f32): 1 + (a h) h fused,
+    tanh rounded to float32 from float64. Where 1 + tanh cancels (h < -1.8) the F16 entry keeps
+    tanh's last float32 bits, which a float32 tanh approximation misses."""
+    ah = tirx.Cast("float64", f32(0.044715) * h)
+    poly = tirx.Cast("float32", ah * tirx.Cast("float64", h) + tirx.const(1.0, "float64"))  # exact product
+    inner = f32(0.79788456) * h * poly
+    tanh = tirx.Cast("float32", te.tanh(tirx.Cast("float64", inner)))
+    return f32(0.5) * h * (f32(1.0) + tanh)
 
 
 UNARY: dict[str, Callable[[PrimExpr], PrimExpr]] = {
@@ -192,7 +210,9 @@ BINARY: dict[str, Callable[[PrimExpr, PrimExpr], PrimExpr]] = {
 SCALAR: dict[str, Callable[[PrimExpr, PrimExpr], PrimExpr]] = {**BINARY, "pow": te.power}
 
 
-def _step(op: str, attrs: Any, args: list[PrimExpr], native_f16: bool = False) -> PrimExpr:
+def _step(op: str, attrs: Any, args: list[PrimExpr], native_f16: bool = False, cpu: bool = False) -> PrimExpr:
+    if op == "unary" and attrs.fn == "gelu_tanh_f16":
+        return gelu_tanh_f16(args[0], cast_to_f16 if native_f16 else round_to_f16, exact_tanh=cpu)
     if op == "unary":
         table = NATIVE_F16_UNARY if native_f16 and attrs.fn in NATIVE_F16_UNARY else UNARY
         return table[attrs.fn](args[0])
@@ -204,9 +224,10 @@ def _step(op: str, attrs: Any, args: list[PrimExpr], native_f16: bool = False) -
 
 
 def elementwise(in_shapes: Sequence[PShape], program: O.FusedElementwise, dtype: str = "float32",
-                native_f16: bool = False) -> tirx.PrimFunc:
+                native_f16: bool = False, cpu: bool = False) -> tirx.PrimFunc:
     """One kernel for a chain of elementwise ops with numpy broadcasting; `native_f16`: F16 roundings
-    by the target's conversion (NATIVE_F16_UNARY)."""
+    by the target's conversion (NATIVE_F16_UNARY); `cpu`: for a CPU target (float64 inside the GELU,
+    which GPU shading languages may lack)."""
     ins = [te.placeholder(s, dtype, name=f"in{i}") for i, s in enumerate(in_shapes)]
     out_shape = _broadcast_shape(in_shapes)
     nd = len(out_shape)
@@ -214,7 +235,7 @@ def elementwise(in_shapes: Sequence[PShape], program: O.FusedElementwise, dtype:
     def body(*idx: PrimExpr) -> PrimExpr:
         vals = [t(*_bcast_index(s, idx, nd)) for t, s in zip(ins, in_shapes, strict=True)]
         for op, attrs, operands in program.program:
-            vals.append(_step(op, attrs, [vals[i] for i in operands], native_f16))
+            vals.append(_step(op, attrs, [vals[i] for i in operands], native_f16, cpu))
         return vals[-1]
 
     out = te.compute(out_shape, body, name="out")

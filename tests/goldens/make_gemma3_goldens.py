@@ -8,6 +8,10 @@ continuation, one token per call, up to 48 tokens or the end of turn), `p{i}_top
 `p{i}_detok`. f32 KV cache, no flash attention, 2 threads, like SmolLM2's goldens.
 Needs `llama-cpp-python` (0.3.36 wrote the file here) and the model package:
 `python tests/goldens/make_gemma3_goldens.py [MODEL.gguf]`.
+
+Also writes `ggml-gelu-f16.npz`: `table`, the 65536 F16 values of llama.cpp's CPU GELU table
+(ggml_table_gelu_f16, filled by ggml_cpu_init from ggml_gelu_f32), read from the same build's
+libggml-cpu.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "gemma3-270m.npz"
+GELU_OUT = HERE / "ggml-gelu-f16.npz"
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):\n",
@@ -28,6 +33,20 @@ PROMPTS = [
 ]
 N_NEW = 48
 TOP = 64
+
+
+def write_gelu_table() -> None:
+    """ggml_table_gelu_f16 as llama-cpp-python's libggml-cpu fills it."""
+    import ctypes
+
+    import llama_cpp
+
+    lib = Path(llama_cpp.__file__).parent / "lib"
+    ctypes.CDLL(str(lib / "libggml-base.so"), mode=ctypes.RTLD_GLOBAL)
+    cpu = ctypes.CDLL(str(lib / "libggml-cpu.so"), mode=ctypes.RTLD_GLOBAL)
+    cpu.ggml_cpu_init()
+    table = np.ctypeslib.as_array((ctypes.c_uint16 * (1 << 16)).in_dll(cpu, "ggml_table_gelu_f16")).copy()
+    np.savez_compressed(GELU_OUT, table=table)
 
 
 def main() -> None:
@@ -69,6 +88,7 @@ def main() -> None:
         print(i, repr(text), "->", repr(str(out[f"p{i}_detok"])))
     llm.close()
     np.savez_compressed(OUT, **out)
+    write_gelu_table()
 
 
 if __name__ == "__main__":
