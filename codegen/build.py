@@ -23,13 +23,16 @@ from ggufc.codegen.gpu.schedules import DECODE_IO_STATES, decode_io_supported
 from ggufc.codegen.lower import ModuleBuilder
 from ggufc.codegen.lower_context import ParamLayout, plan_params
 from ggufc.codegen.target import is_gpu, resolve_target, target_key
+from ggufc.codegen.window_cache import plan_window_caches, window_state_shapes
 from ggufc.ir.graph import Graph
-from ggufc.runtime.artifact import LAYOUT_FUNCTION, layout_contract
+from ggufc.runtime.artifact import LAYOUT_FUNCTION, WindowCells, layout_contract
 
 Progress = Callable[[str], None]
 
 DEFAULT_MAX_CHUNK = 512
 VERIFY_FUNCTION = "verify"
+# the batched decode's rows take positions from a tensor, not the cell positions window caches need
+WINDOW_BATCH_REFUSAL = "batched decode keeps full caches; this artifact's sliding-window layers keep a window of cells"
 EMBED_FUNCTION = "embed"  # the final hidden states [T, n_embd] (frontend/load.hidden_states_graph)
 
 
@@ -47,6 +50,7 @@ class Built:
     tuning: Any = None  # codegen.tune.TunedKernels that supplied tuned schedules (compile --tuning-db)
     functions: list[str] = field(default_factory=lambda: ["prefill_all", "prefill", "decode"])
     decode_batch_refused: str | None = None  # why there is no `decode_batch` function (None: there is)
+    window_caches: dict[str, WindowCells] = field(default_factory=dict)  # states kept as a window of cells
 
 
 class WeightSource(Protocol):
@@ -66,14 +70,17 @@ def state_plan(graph: Graph) -> list[tuple[str, tuple[int, ...], str]]:
 def build_executable(
     graphs: dict[str, Graph], target: str | dict[str, Any] | tvm.target.Target, *, n_ctx: int, n_vocab: int,
     max_chunk: int = DEFAULT_MAX_CHUNK, progress: Progress = lambda s: None, tuning: Any = None,
-    pass_stats: dict[str, int] | None = None, prompt_tiles: str = "kquant",
+    pass_stats: dict[str, int] | None = None, prompt_tiles: str = "kquant", window_caches: bool = True,
 ) -> Built:
-    """Lower the entry graphs (`prefill_all`, `prefill`; decode is `prefill` at one token) and compile."""
+    """Lower the entry graphs (`prefill_all`, `prefill`; decode is `prefill` at one token) and compile.
+    `window_caches` (CPU): sliding-window layers keep a window of cells, not n_ctx (window_cache.py);
+    GPU targets keep full caches."""
     tgt = resolve_target(target)
     t0 = time.perf_counter()
     gpu_target = is_gpu(tgt)
     layouts = plan_params(list(graphs.values()), QG.layout_spec if gpu_target else Q.layout_spec)
-    states = state_plan(graphs["prefill_all"])
+    windows = plan_window_caches(graphs.values(), n_ctx, max_chunk) if window_caches and not gpu_target else {}
+    states = window_state_shapes(state_plan(graphs["prefill_all"]), windows, max_chunk)
     if tgt.kind.name == "cuda" and decode_io_supported(graphs["prefill"]):  # whole decode in one CUDA graph
         states = [*states, *DECODE_IO_STATES]
     mb = ModuleBuilder(tgt, layouts, states)
@@ -81,6 +88,7 @@ def build_executable(
         mb.decode_inputs = (len(states) - 2, len(states) - 1)
     mb.tuned = tuning
     mb.prompt_tiles = prompt_tiles
+    mb.window_caches = windows
     progress("generating kernels")
     mb.add_function("prefill_all", graphs["prefill_all"])
     mb.add_function("prefill", graphs["prefill"])
@@ -92,7 +100,7 @@ def build_executable(
     if EMBED_FUNCTION in graphs:  # the all-logits graph less its output matrix: no kernel of its own
         mb.add_function(EMBED_FUNCTION, graphs[EMBED_FUNCTION])
         functions.append(EMBED_FUNCTION)
-    batch_refused = decode_batch_refusal(graphs["prefill_all"], tgt)
+    batch_refused = WINDOW_BATCH_REFUSAL if windows else decode_batch_refusal(graphs["prefill_all"], tgt)
     if batch_refused is None:  # one token of each of several sequences (codegen/batch_rows.py)
         add_decode_batch(mb, graphs["prefill_all"])
         functions.append(DECODE_BATCH)
@@ -114,18 +122,21 @@ def build_executable(
         if mb.decode_inputs is not None:  # the session writes the token and position there before decode
             ex.manifest["decode_inputs"] = {"token": mb.decode_inputs[0], "pos": mb.decode_inputs[1]}
     else:
-        mod = with_layout_function(mod, layout_fields(n_ctx, n_vocab, max_chunk, layouts, states))
+        mod = with_layout_function(mod, layout_fields(n_ctx, n_vocab, max_chunk, layouts, states, windows))
         # reshapes inside dataflow blocks become views (RewriteDataflowReshape), not copy kernels
         mod = relax.transform.ConvertToDataflow()(mod)
         ex = tvm.compile(mod, target=tgt, relax_pipeline=cpu_build_pipeline())
     t2 = time.perf_counter()
     return Built(ex, layouts, states, graphs, mb.kernel_names, tgt, max_chunk, dict(pass_stats or {}),
-                 {"lower_s": t1 - t0, "tvm_compile_s": t2 - t1}, tuning, functions, batch_refused)
+                 {"lower_s": t1 - t0, "tvm_compile_s": t2 - t1}, tuning, functions, batch_refused, windows)
 
 
 def layout_fields(n_ctx: int, n_vocab: int, max_chunk: int, layouts: list[ParamLayout],
-                  states: list[tuple[str, tuple[int, ...], str]]) -> dict[str, Any]:
-    """The manifest fields that size what the kernels touch (see runtime.artifact.layout_contract)."""
+                  states: list[tuple[str, tuple[int, ...], str]],
+                  windows: Mapping[str, WindowCells] | None = None) -> dict[str, Any]:
+    """The manifest fields that size what the kernels touch (see runtime.artifact.layout_contract);
+    a window cache's window too, since its kernels compute their cells from it."""
+    windows = windows or {}
     return {
         "n_ctx": n_ctx,
         "n_vocab": n_vocab,
@@ -138,7 +149,8 @@ def layout_fields(n_ctx: int, n_vocab: int, max_chunk: int, layouts: list[ParamL
             }
             for lay in layouts
         ],
-        "states": [{"name": n, "shape": list(s), "dtype": d} for n, s, d in states],
+        "states": [{"name": n, "shape": list(s), "dtype": d,
+                    **({"window": windows[n].as_json()} if n in windows else {})} for n, s, d in states],
     }
 
 

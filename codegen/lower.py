@@ -16,6 +16,7 @@ import tvm
 from tvm import relax, tirx
 
 from ggufc.codegen import kernel_keys as KK
+from ggufc.codegen import window_cache as WC
 from ggufc.codegen.cpu_int8 import block32 as Q8
 from ggufc.codegen.families import hyper_connections as HC
 from ggufc.codegen.families import latent_attention as MLA
@@ -62,6 +63,8 @@ class ModuleBuilder:
         # the float kernels' vector tiles for this target, not this machine's (quant.tiles_of_build)
         self.cpu_tiles = Q.CpuTiles.for_target(target) if target.kind.name == "llvm" else None
         self.native_f16 = native_f16_rounding(target)  # F16 roundings by the target's own conversion
+        # state name -> WindowCells: sliding-window caches kept as a window of cells (window_cache.py)
+        self.window_caches: dict[str, Any] = {}
 
     # `ggufc compile --tuning-db`: a codegen.tune.TunedKernels whose lookup() returns a tuned schedule
     # for a kernel key, or None to keep the default one
@@ -102,6 +105,7 @@ class ModuleBuilder:
         order for every row, so each row equals a one-token call bit for bit (the `verify` function)."""
         fc = FunctionContext(self, graph, fixed_tokens)
         fc.one_token_order = one_token_order
+        fc.window_of = WC.window_values(graph, self.window_caches, self.states)
         self._building_decode = fixed_tokens == 1 and self.decode_inputs is not None
         tok_dim = fc.n if fc.n is not None else K.i64(fixed_tokens or 1)
         tokens = relax.Var("tokens", tensor_type([tok_dim], "int32"))
@@ -205,11 +209,11 @@ def _reshape(fc: FunctionContext, node: Node) -> list[Any]:
 
 def _cache_write(fc: FunctionContext, node: Node) -> list[Any]:
     cache, x = node.inputs[0], node.inputs[1]
-    cshape = tuple(int(d) for d in cache.shape)
+    cshape = WC.cache_shape(fc, cache)
     key = KK.CacheWrite(cshape, fc.kernel_key_dims(x), cache.dtype)
     gv = fc.mb.kernel(key, lambda: K.cache_write(K.Symbols().shape(cshape), K.Symbols().shape(x.shape), cache.dtype))
-    call = relax.call_tir_inplace(gv, [fc.value(cache), fc.value(x), fc.pos()], [0],
-                                  tensor_type(fc.shape(cache), cache.dtype))
+    call = relax.call_tir_inplace(gv, [fc.value(cache), fc.value(x), WC.cell_position(fc, cache)], [0],
+                                  tensor_type([K.i64(d) for d in cshape], cache.dtype))
     return [fc.bb.emit(call, name_hint=node.outputs[0].name)]
 
 
@@ -320,8 +324,13 @@ def _topk(fc: FunctionContext, node: Node) -> list[Any]:
 
 
 def _causal_attention(fc: FunctionContext, node: Node) -> list[Any]:
-    key = (lambda n: (n.attrs, "one_token_order")) if fc.one_token_order else (lambda n: n.attrs)
-    return _simple("attention", _attention_kernel, key)(fc, node)
+    """The position a window cache's kernel takes is its cell's (window_cache.py)."""
+    attrs = (node.attrs, "one_token_order") if fc.one_token_order else node.attrs
+    dims = [WC.cache_shape(fc, v) if i in (1, 2) else fc.kernel_key_dims(v) for i, v in enumerate(node.inputs)]
+    key = KK.OpKernel("attention", attrs, tuple(d for d, v in zip(dims, node.inputs, strict=True) if v.shape != ()))
+    position = WC.cell_position(fc, node.inputs[1])
+    args = [position if v.shape == () else fc.value(v) for v in node.inputs]
+    return fc.call(key, lambda: _attention_kernel(fc, node, K.Symbols()), args, node.outputs, node.outputs[0].name)
 
 
 def _attention(fc: FunctionContext, node: Node) -> list[Any]:
@@ -334,7 +343,7 @@ def _attention_kernel(fc: FunctionContext, node: Node, syms: K.Symbols) -> tirx.
     """The row-streaming kernel where the head dim allows, the TE definition otherwise."""
     q, cache = node.inputs[0], node.inputs[1]
     n_head, dim = int(q.shape[1]), int(q.shape[2])
-    n_cells, n_kv = int(cache.shape[0]), int(cache.shape[1])
+    n_cells, n_kv = WC.cache_shape(fc, cache)[:2]
     a = node.attrs
     if (dim % KA.STEP == 0 or a.f16_pv_below) and fc.mb.target.kind.name == "llvm":
         return KA.attention_rows(n_head, n_kv, dim, n_cells, a.scale, fc.one_token_order, a.f16_pv_below,

@@ -89,6 +89,8 @@ class FunctionContext:
         self.weight_vars: list[Any] | None = None  # or its weight arrays, one argument each (CPU)
         self.one_token_order = False  # every row summed as a one-token call sums it (add_function)
         self._pos_value: Any = None  # the position as one bound value (see pos())
+        self.window_of: dict[int, Any] = {}  # value id -> WindowCells of a window cache (window_cache.py)
+        self.cell_positions: dict[Any, Any] = {}  # WindowCells -> the call's cell position, bound once
 
     # -- dims -----------------------------------------------------------------------------------
     def dim(self, d: Dim) -> Any:

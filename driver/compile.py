@@ -30,7 +30,7 @@ def compile_model(
     model_path: str | os.PathLike[str], target: str = "llvm", out_dir: str | os.PathLike[str] = "out", *,
     n_ctx: int | None = None, disabled_passes: frozenset[str] = frozenset(), max_chunk: int = DEFAULT_MAX_CHUNK,
     progress: Progress = lambda s: None, tuning_db: str | os.PathLike[str] | None = None,
-    tuning_min_speedup: float = 1.0, prompt_tiles: str = "kquant",
+    tuning_min_speedup: float = 1.0, prompt_tiles: str = "kquant", window_caches: bool = True,
 ) -> dict[str, Any]:
     """Compile and write the artifact atomically; returns the manifest as written.
 
@@ -40,6 +40,8 @@ def compile_model(
 
     `tuning_db`: a `ggufc tune` database whose tuned schedules replace the default ones where they
     measured at least `tuning_min_speedup` times faster (driver/tune/).
+
+    `window_caches` off: sliding-window layers keep full caches on the CPU too (codegen/window_cache.py).
     """
 
     check_prompt_tiles(prompt_tiles)  # before the long part
@@ -50,7 +52,8 @@ def compile_model(
         progress(f"reading {os.fspath(model_path)}")
         model = load_model(model_path, n_ctx)
         built = build_model(model, target, disabled_passes=disabled_passes, max_chunk=max_chunk,
-                            progress=progress, tuning=tuning, prompt_tiles=prompt_tiles)
+                            progress=progress, tuning=tuning, prompt_tiles=prompt_tiles,
+                            window_caches=window_caches)
         if tuning is not None:
             progress(f"{len(tuning.applied)} kernels use tuned schedules from {tuning_db}")
         progress("writing kernels")
@@ -103,7 +106,8 @@ def _jsonable(obj: Any) -> Any:
 def _manifest(model: LoadedModel, built: Built, tokenizer: dict[str, Any], weights: dict[str, np.ndarray],
               seconds: float) -> dict[str, Any]:
     target = dict(built.target.export()) if hasattr(built.target, "export") else {"kind": built.target.kind.name}
-    layout = layout_fields(model.n_ctx, int(model.hparams.n_vocab), built.max_chunk, built.layouts, built.states)
+    layout = layout_fields(model.n_ctx, int(model.hparams.n_vocab), built.max_chunk, built.layouts, built.states,
+                           built.window_caches)
     return {
         "arch": model.arch,
         "hparams": _jsonable(model.hparams),
@@ -139,7 +143,7 @@ def with_state_kinds(states: list[dict[str, Any]], built: Built) -> list[dict[st
     """Each state with its kind (ir/state_kinds.py), which tells the runtime how to truncate it;
     states the graphs do not carry (a step's own inputs on cuda) are rewritten by every call."""
     kinds = state_kinds(built.graphs["prefill_all"])
-    return [{**s, "kind": kinds.get(s["name"], SCRATCH)} for s in states]
+    return [{**s, "kind": A.WINDOW_KIND if "window" in s else kinds.get(s["name"], SCRATCH)} for s in states]
 
 
 def gpu_manifest(built: Built) -> dict[str, Any]:

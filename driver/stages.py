@@ -51,7 +51,7 @@ def passes_off_for(target: tvm.target.Target, disabled: frozenset[str]) -> froze
 def build_model(
     model: LoadedModel, target: str | dict[str, Any] = "llvm", *, disabled_passes: frozenset[str] = frozenset(),
     max_chunk: int = DEFAULT_MAX_CHUNK, progress: Progress = lambda s: None, run_passes: bool = True,
-    tuning: Any = None, prompt_tiles: str = "kquant",
+    tuning: Any = None, prompt_tiles: str = "kquant", window_caches: bool = True,
 ) -> Built:
     """The model's graphs optimised (unless `run_passes` is off), lowered and compiled for `target`
     (`prompt_tiles`: codegen/quant_int8.tiles_chosen)."""
@@ -64,4 +64,4 @@ def build_model(
         graphs, stats = optimise(graphs, passes_off_for(tgt, disabled_passes), tgt)
     return build_executable(graphs, target, n_ctx=model.n_ctx, n_vocab=int(model.hparams.n_vocab),
                             max_chunk=max_chunk, progress=progress, tuning=tuning, pass_stats=stats,
-                            prompt_tiles=prompt_tiles)
+                            prompt_tiles=prompt_tiles, window_caches=window_caches)

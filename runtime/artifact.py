@@ -21,6 +21,7 @@ import hashlib
 import json
 import math
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -58,6 +59,61 @@ FIELDS_ADDED_HERE = ("format_version", "ggufc_version", "files")
 
 # How the runtime truncates each state (runtime/context.py); absent means recurrent.
 STATE_KINDS = ("per_position", "recurrent", "scratch")
+WINDOW_KIND = "window"  # a sliding-window layer's K/V cache of a few cells (WindowCells)
+KNOWN_STATE_KINDS = (*STATE_KINDS, WINDOW_KIND)
+WINDOW_STEP_QUANTUM = 32  # the CPU attention kernel's accumulators take cell s into s % 32
+
+
+@dataclass(frozen=True)
+class WindowCells:
+    """How a sliding-window layer's K/V cache keeps only the cells its window can still read.
+
+    A query at position p sees positions p - size < j <= p. The cache holds position j at cell
+    j - shift(p) during a call at position p, where shift(p) is the largest multiple of `step`
+    at or below p - (size - 1) - margin (0 before that): the window's cells plus `margin` more
+    (a cut back by up to `margin` tokens is a move of cells, no compute). The kernels compute
+    shift(p) themselves from the call's position; after a call the runtime moves the cells to
+    shift(n_past), the layout the next call expects. `step` is a multiple of 32 so that every
+    cell keeps its place in the kernel's 32 accumulators: the sums, and so the logits, are those
+    of a full cache bit for bit. `cells()` is enough for a chunk of max_chunk tokens at any p.
+    """
+
+    size: int
+    margin: int
+    step: int
+
+    @classmethod
+    def for_window(cls, size: int) -> WindowCells:
+        """Margin and step half the window, in whole 32-cell steps: cells move once every step
+        tokens (size + margin of them), about 3 cells per token."""
+        half = -(-size // (2 * WINDOW_STEP_QUANTUM)) * WINDOW_STEP_QUANTUM
+        return cls(size, half, half)
+
+    def shift(self, pos: int) -> int:
+        """The position cell 0 holds during a call at `pos` (and after a context of `pos` tokens)."""
+        return max(0, (pos - (self.size - 1) - self.margin) // self.step * self.step)
+
+    def cells(self, max_chunk: int) -> int:
+        """Cells a call of up to max_chunk tokens at any position writes or reads."""
+        return self.size - 1 + self.margin + self.step + max_chunk - 1
+
+    def as_json(self) -> dict[str, int]:
+        return {"size": self.size, "margin": self.margin, "step": self.step}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any], max_chunk: int, where: str) -> WindowCells:
+        """A manifest state's window, checked against its shape (an ArtifactError otherwise)."""
+        raw: Any = state.get("window")
+        name = str(state.get("name"))[:40]
+        try:
+            window = cls(int(raw["size"]), int(raw["margin"]), int(raw["step"]))
+        except (KeyError, TypeError, ValueError):
+            raise ArtifactError(f"{where}: window state {name!r} has no valid 'window' field") from None
+        ok = window.size > 0 and window.margin >= 0 and window.step > 0 and window.step % WINDOW_STEP_QUANTUM == 0
+        shape = state.get("shape")
+        if not ok or not isinstance(shape, list) or not shape or shape[0] < window.cells(max_chunk):
+            raise ArtifactError(f"{where}: window state {name!r} has an invalid window {raw!r:.80} for its shape")
+        return window
 
 
 class ArtifactError(GgufcError, ValueError):
@@ -110,7 +166,8 @@ def layout_contract(manifest: dict[str, Any]) -> tuple[int, ...]:
         "n_ctx": manifest.get("n_ctx"),
         "n_vocab": manifest.get("n_vocab"),
         "max_chunk": manifest.get("max_chunk"),
-        "states": [[s.get("shape"), s.get("dtype")] for s in manifest.get("states", []) if isinstance(s, dict)],
+        "states": [[s.get("shape"), s.get("dtype"), *([s["window"]] if "window" in s else [])]
+                   for s in manifest.get("states", []) if isinstance(s, dict)],
         "params": [
             [[a.get("shape"), a.get("dtype")] for a in p.get("arrays", []) if isinstance(a, dict)]
             for p in manifest.get("params", [])
@@ -158,9 +215,11 @@ def check_fields(manifest: dict[str, Any], where: str) -> None:
         if not isinstance(state, dict):
             raise ArtifactError(f"{where}: manifest state {state!r:.80} is not an object")
         array_layout(state)
-        if state.get("kind", STATE_KINDS[1]) not in STATE_KINDS:
+        if state.get("kind", STATE_KINDS[1]) not in KNOWN_STATE_KINDS:
             raise ArtifactError(f"{where}: manifest state {str(state.get('name'))!r:.40} has unknown kind "
-                                f"{state.get('kind')!r:.40} (known: {', '.join(STATE_KINDS)})")
+                                f"{state.get('kind')!r:.40} (known: {', '.join(KNOWN_STATE_KINDS)})")
+        if state.get("kind") == WINDOW_KIND:
+            WindowCells.from_state(state, manifest["max_chunk"], where)
 
 
 def _kind_name(kind: type | tuple[type, ...]) -> str:

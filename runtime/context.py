@@ -14,6 +14,11 @@ Each manifest state has a kind (written by the compiler from how the graph write
   c <= n, and replays tokens [c, n): at most `interval - 1` tokens, in chunks. The checkpoints
   cost `n_past / interval` copies of the recurrent states (`checkpoint_bytes`).
 - `scratch`: rewritten by every call (a step's own inputs); never copied.
+- `window`: a sliding-window layer's K/V cache of a few cells (artifact.WindowCells): the last
+  `size - 1 + margin` positions or more, which the session moves to the next call's layout after
+  each call. A cut back by up to `margin` tokens keeps what the window needs (a move of cells);
+  a deeper one cannot regrow the cells dropped before, so the session replays the context from
+  its start (llama.cpp re-processes the prompt likewise where it keeps no SWA checkpoint).
 
 Artifacts from before kinds were recorded treat every state as recurrent (correct, costlier).
 """
@@ -53,6 +58,7 @@ class ContextStats:
     checkpoint_restores: int = 0  # restored from a periodic checkpoint, then replayed
     replayed_tokens: int = 0
     checkpoints_taken: int = 0
+    window_replays: int = 0  # cut a window cache below the cells it keeps: replayed from the start
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)

@@ -27,7 +27,9 @@ from .artifact import (
     KERNELS_NAME,
     LAYOUT_FUNCTION,
     MANIFEST_NAME,
+    WINDOW_KIND,
     ArtifactError,
+    WindowCells,
     aligned_empty,
     aligned_zeros,
     array_layout,
@@ -229,6 +231,9 @@ class Session:
         self._state_specs = [array_layout(s) for s in manifest["states"]]
         self._recurrent = [i for i, k in enumerate(self._kinds) if k == RECURRENT]
         self._per_position = [i for i, k in enumerate(self._kinds) if k == PER_POSITION]
+        self._windows = {i: WindowCells.from_state(s, self.max_chunk, str(artifact.path))
+                         for i, s in enumerate(manifest["states"]) if self._kinds[i] == WINDOW_KIND}
+        self._window_from = dict.fromkeys(self._windows, 0)  # the first position each window cache holds
         interval = self._checkpoint_interval or default_interval(self.n_ctx)
         self._context = ContextHistory(self.n_ctx, interval)
         if device in PLAN_DEVICES:  # vulkan / metal: dispatch plan on wgpu or Metal (plan_runtime.py)
@@ -319,6 +324,7 @@ class Session:
     def reset(self) -> None:
         """Empty the context: zero every state (recurrent states start from zero)."""
         self._context.clear()
+        self._window_from = dict.fromkeys(self._windows, 0)
         if self._released is not None and self._released.states is not None:
             self._released.states = {}  # evicted: the restore brings back zeros
         if self._plan is not None:
@@ -340,7 +346,9 @@ class Session:
 
         Per-position caches are cut (cells [n, n_past) cleared); recurrent states come from the
         copy kept at n by a forward with `keep_rollback`, or from the nearest checkpoint <= n and
-        a replay of at most `checkpoint_interval - 1` tokens.
+        a replay of at most `checkpoint_interval - 1` tokens. Window caches move their cells when
+        they still hold the window before that point; otherwise the context replays from its
+        start (runtime/context.py).
         """
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= self._n_past:
             raise ValueError(f"truncate needs a token count in [0, {self._n_past}], got {n!r}")
@@ -351,15 +359,22 @@ class Session:
         ctx, stats = self._context, self._context.stats
         stats.truncations += 1
         start, copy, from_rollback = ctx.nearest(n) if self._recurrent else (n, None, False)
+        window_replay = not self._windows_hold(start)
+        if window_replay:
+            start, copy, from_rollback = 0, None, False
         for i in self._per_position:
             self._clear_cells(i, start, self._n_past)
+        for i, cells in self._windows.items():
+            self._relay_window(i, cells.shift(self._n_past), start)
         for j, i in enumerate(self._recurrent):
             if copy is None:
                 self._clear_cells(i, 0, None)
             else:
                 self._write_state(i, copy[j])
         ctx.forget_after(n)
-        if not self._recurrent or start == n and not from_rollback:
+        if window_replay:
+            stats.window_replays += 1
+        elif start == n and not from_rollback:
             stats.cuts += 1
         elif from_rollback:
             stats.rollback_copies += 1
@@ -418,6 +433,33 @@ class Session:
     def _copy_recurrent(self) -> list[np.ndarray]:
         return [self._read_state(i) for i in self._recurrent]
 
+    def _windows_hold(self, n: int) -> bool:
+        """Whether every window cache holds the positions a call at n reads before n."""
+        return n == 0 or all(max(0, n - cells.size + 1) >= self._window_from[i] for i, cells in self._windows.items())
+
+    def _slide_windows(self, before: int) -> None:
+        """After a call from position `before`: each window cache into the next call's layout (the
+        window layers of a model share one window: one test per step)."""
+        moved = {cells for cells in set(self._windows.values()) if cells.shift(before) != cells.shift(self._n_past)}
+        for i, cells in self._windows.items():
+            if cells in moved:
+                self._relay_window(i, cells.shift(before), self._n_past)
+
+    def _relay_window(self, i: int, old_shift: int, n: int) -> None:
+        """Window cache i, laid out from position `old_shift`, holding the positions [from, n) it
+        holds of them at cells position - shift(n) and zeros elsewhere (n at most the context)."""
+        new_shift = self._windows[i].shift(n)
+        keep = min(max(self._window_from[i], new_shift), n)
+        live = self._on_cpu and self._plan is None
+        cells = self._state_arrays[i] if live else self._read_state(i)
+        if keep < n:  # numpy copies overlapping ranges as memmove does
+            cells[keep - new_shift : n - new_shift] = cells[keep - old_shift : n - old_shift]
+        cells[: keep - new_shift] = 0
+        cells[n - new_shift :] = 0
+        if not live:
+            self._write_state(i, cells)
+        self._window_from[i] = keep
+
     def _ensure_device(self) -> None:
         """A session whose device memory was released gets it back before it runs or reads."""
         if self._released is not None:
@@ -436,7 +478,7 @@ class Session:
         ctx = self._context
         states = self._live_states()
         write_state_file(path, SavedState(self._manifest_sha256(), self.tokens, states, dict(ctx.checkpoints),
-                                          dict(ctx.rollback)))
+                                          dict(ctx.rollback), dict(self._window_from)))
 
     def load_state(self, path: str | os.PathLike[str]) -> None:
         """Replace the context with the one saved in `path` (by a session of this same artifact)."""
@@ -446,6 +488,7 @@ class Session:
         if n > self.n_ctx or (n and (int(saved.tokens.min()) < 0 or int(saved.tokens.max()) >= self.n_vocab)):
             raise StateFileError(f"{where}: its tokens do not fit this artifact")
         self._check_saved_shapes(saved, where)
+        window_from = self._saved_window_from(saved.window_from, n, where)
         self._ensure_device()
         self.reset()
         for i, value in saved.states.items():
@@ -454,7 +497,20 @@ class Session:
         ctx.tokens[:n] = saved.tokens
         ctx.checkpoints.update({p: c for p, c in saved.checkpoints.items() if p <= n})
         ctx.rollback.update({p: c for p, c in saved.rollback.items() if p <= n})
+        self._window_from = window_from
         self._n_past = n
+
+    def _saved_window_from(self, saved: dict[int, int], n: int, where: str) -> dict[int, int]:
+        """The first position each window cache of a loaded context holds: as saved, which must lie
+        between the layout's first cell and the window of position n (files without it: the window)."""
+        out = {}
+        for i, cells in self._windows.items():
+            last = max(0, n - cells.size + 1)
+            out[i] = saved.get(i, last)
+            if not cells.shift(n) <= out[i] <= last:
+                raise StateFileError(f"{where}: window state {i} holds positions from {out[i]}, "
+                                     f"outside [{cells.shift(n)}, {last}] for {n} tokens")
+        return out
 
     def copy_context(self, source: Session) -> None:
         """Replace the context with `source`'s (a session of this same artifact), as `load_state`
@@ -472,11 +528,12 @@ class Session:
         ctx.tokens[:n] = theirs.tokens[:n]
         ctx.checkpoints.update(copy.deepcopy(dict(theirs.checkpoints)))
         ctx.rollback.update(copy.deepcopy(dict(theirs.rollback)))
+        self._window_from = dict(source._window_from)
         self._n_past = n
 
     def _check_saved_shapes(self, saved: SavedState, where: str) -> None:
         n = int(saved.tokens.size)
-        wanted = set(self._per_position) | set(self._recurrent)
+        wanted = set(self._per_position) | set(self._recurrent) | set(self._windows)
         if set(saved.states) != wanted:
             raise StateFileError(f"{where}: holds states {sorted(saved.states)}, this artifact has {sorted(wanted)}")
         for i, value in saved.states.items():
@@ -493,7 +550,7 @@ class Session:
     def _live_states(self) -> dict[int, np.ndarray]:
         """Per-position caches' cells in use and whole recurrent states (scratch left out)."""
         out = {i: self._read_state(i)[: self._n_past] for i in self._per_position}
-        out.update({i: self._read_state(i) for i in self._recurrent})
+        out.update({i: self._read_state(i) for i in (*self._recurrent, *self._windows)})
         return out
 
     def _write_live_state(self, i: int, value: np.ndarray) -> None:
@@ -663,7 +720,7 @@ class Session:
         width = self.n_embd if fn == EMBED else self.n_vocab
         buffer = self._token_buffer[:n]  # prefix of an aligned buffer: still aligned
         buffer[...] = chunk
-        if self._plan is not None:
+        if self._plan is not None:  # GPU plans keep full window caches (codegen/window_cache.py)
             rows = self._plan.call(fn, buffer, self._n_past)
             self._n_past += n
             return rows.reshape(-1, width).astype(np.float32, copy=False)
@@ -675,6 +732,8 @@ class Session:
             self._to_device(buffer), self._shape_tuple([self._n_past]), self._states, *self._params
         )
         self._n_past += n
+        if self._windows:
+            self._slide_windows(self._n_past - n)
         logits = np.from_dlpack(out) if self._on_cpu else out.numpy()  # zero-copy on CPU
         return logits.reshape(-1, width).astype(np.float32, copy=False)
 

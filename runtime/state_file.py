@@ -13,7 +13,7 @@ import json
 import os
 import tempfile
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,13 +37,14 @@ class SavedState:
     states: dict[int, np.ndarray]  # state index -> cells [0, n) or the whole recurrent state
     checkpoints: dict[int, list[np.ndarray]]
     rollback: dict[int, list[np.ndarray]]
+    window_from: dict[int, int] = field(default_factory=dict)  # window state -> first position it holds
 
 
 def write_state_file(path: str | os.PathLike[str], saved: SavedState) -> None:
     """Write atomically (a temporary file beside `path`, then renamed)."""
     meta = {"format": FORMAT, "artifact": saved.artifact, "n_past": int(saved.tokens.size),
             "states": sorted(saved.states), "checkpoints": sorted(saved.checkpoints),
-            "rollback": sorted(saved.rollback)}
+            "rollback": sorted(saved.rollback), "window_from": {str(i): v for i, v in saved.window_from.items()}}
     arrays: dict[str, np.ndarray] = {"meta": np.frombuffer(json.dumps(meta).encode(), np.uint8),
                                      "tokens": saved.tokens.astype(np.int32)}
     arrays.update({f"state.{i}": a for i, a in saved.states.items()})
@@ -81,11 +82,12 @@ def read_state_file(path: str | os.PathLike[str], artifact: str, n_recurrent: in
         checkpoints = {int(p): [members[f"checkpoint.{int(p)}.{j}"] for j in range(n_recurrent)]
                        for p in meta["checkpoints"]}
         rollback = {int(p): [members[f"rollback.{int(p)}.{j}"] for j in range(n_recurrent)] for p in meta["rollback"]}
+        window_from = {int(i): int(v) for i, v in dict(meta.get("window_from", {})).items()}
     except (KeyError, TypeError, ValueError) as exc:
-        raise StateFileError(f"{where}: incomplete state file (missing {one_line(exc)})") from None
+        raise StateFileError(f"{where}: incomplete state file (missing or malformed {one_line(exc)})") from None
     if tokens.ndim != 1 or tokens.dtype != np.int32 or tokens.size != meta.get("n_past"):
         raise StateFileError(f"{where}: malformed token list")
-    return SavedState(artifact, tokens, states, checkpoints, rollback)
+    return SavedState(artifact, tokens, states, checkpoints, rollback, window_from)
 
 
 def _meta(members: dict[str, np.ndarray], where: str) -> dict[str, Any]:

@@ -33,6 +33,7 @@ CODEGEN_LAYERS = (
     ("cpu_int8",),  # the CPU's 8-bit matmuls
     ("gpu",),  # GPU schedules, kernels, layout, plan, build
     ("lower_context", "kernel_knobs"),
+    ("window_cache",),  # sliding-window layers' caches of a few cells
     ("families",),  # each op family's kernels (CPU and GPU) and lowering
     ("lower",),
     ("batch_rows",),
