@@ -18,11 +18,9 @@ from tvm import relax, tirx
 from ggufc.codegen import kernel_keys as KK
 from ggufc.codegen import window_cache as WC
 from ggufc.codegen.cpu_int8 import block32 as Q8
-from ggufc.codegen.families import hyper_connections as HC
+from ggufc.codegen.families import hyper_connections, moe_routing, ngram_embedding
 from ggufc.codegen.families import latent_attention as MLA
 from ggufc.codegen.families import linear_attention as LA
-from ggufc.codegen.families import moe_routing as MR
-from ggufc.codegen.families import ngram_embedding as NG
 from ggufc.codegen.families import sparse_indexers as SI
 from ggufc.codegen.families.sparse_indexers import selection as SEL
 from ggufc.codegen.formats import block_formats as Q
@@ -386,14 +384,15 @@ LOWERING: dict[str, Callable[[FunctionContext, Node], list[Any]]] = {
     "attention": _attention,
     "cache_write": _cache_write,
     **LA.LINEAR_ATTENTION_LOWERING,
-    **HC.HC_LOWERING,
+    **hyper_connections.HC_LOWERING,
     **SI.INDEXER_LOWERING,
     **MLA.LATENT_LOWERING,
-    **MR.MOE_LOWERING,
-    **NG.NGRAM_LOWERING,
+    **moe_routing.MOE_LOWERING,
+    **ngram_embedding.NGRAM_LOWERING,
 }
 # the GPU targets' own kernels by key kind: the generic ones and each op family's
-GPU_KERNELS = {**GPU.GPU_KERNELS, **LA.GPU_KERNELS, **HC.GPU_KERNELS, **SI.GPU_KERNELS, **NG.GPU_KERNELS}
+GPU_KERNELS = {**GPU.GPU_KERNELS, **LA.GPU_KERNELS, **hyper_connections.GPU_KERNELS, **SI.GPU_KERNELS,
+               **ngram_embedding.GPU_KERNELS}
 
 
 def lower_node(fc: FunctionContext, node: Node) -> list[Any]:

@@ -154,6 +154,31 @@ def test_op_families_share_one_stem() -> None:
     assert not stray, f"modules named after no op family (rename to the family's stem): {stray}"
 
 
+def _short_aliases(path: Path, module: str) -> dict[str, str]:
+    """Upper-case aliases of up to three letters a file gives ggufc modules: alias -> module."""
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    out = {}
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            target = ".".join(base + ([node.module] if node.module else [])) if node.level else node.module or ""
+            out.update({a.asname: f"{target}.{a.name}" for a in node.names
+                        if a.asname and a.asname.isupper() and len(a.asname) <= 3})
+    return out
+
+
+def test_a_short_alias_names_one_module() -> None:
+    """`HC` or `MR` means the same module in every file that uses it (a reader moving between
+    frontend and codegen must not meet two meanings)."""
+    meanings: dict[str, set[str]] = {}
+    for module, path in MODULES.items():
+        for alias, target in _short_aliases(path, module).items():
+            meanings.setdefault(alias, set()).add(target)
+    assert "K" in meanings
+    clashes = {alias: sorted(targets) for alias, targets in meanings.items() if len(targets) > 1}
+    assert not clashes, clashes
+
+
 def test_no_import_cycle() -> None:
     """Tarjan's strongly connected components over every import, those inside functions included."""
     index: dict[str, int] = {}
