@@ -107,8 +107,8 @@ def test_gpu_op_matches_reference(case: C.Case, compiled: dict[str, Any]) -> Non
 def test_cpu_only_kernel_fails_clearly_on_gpu() -> None:
     """A hand-written CPU kernel (parallel loops, no blocks) reaching the GPU scheduler is named."""
     from ggufc.codegen.families import linear_attention as LA
-    from ggufc.codegen.gpu.schedules import _schedule
+    from ggufc.codegen.gpu.schedules import dlight_schedule
     from ggufc.codegen.kernel_keys import CausalConv
 
     with pytest.raises(GpuScheduleError, match="kernel 'ssm_conv' is a hand-written CPU kernel"):
-        _schedule(LA.ssm_conv(8, 4), gpu_target("vulkan"), CausalConv(8, 4, 1))
+        dlight_schedule(LA.ssm_conv(8, 4), gpu_target("vulkan"), CausalConv(8, 4, 1))

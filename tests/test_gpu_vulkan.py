@@ -196,7 +196,19 @@ EVAL_FIXTURES = {"llama-dense": 1e-6, "qwen3moe-moe": 1e-6, "llama-dense-Q4_K_M"
                  # sliding window, score and logit softcaps, GELU from the F16 table (measured 1.6e-11..1.9e-11)
                  "gemma2-dense": 1e-6,
                  # sparse attention with dense budgets: QSA with PLE; CSA/HCA with hyper-connections; MSA
-                 "qwen4exp-moe": 1e-6, "deepseek4-moe-F16": 1e-6, "minimax-m3-moe": 1e-6}
+                 "qwen4exp-moe": 1e-6, "deepseek4-moe-F16": 1e-6, "minimax-m3-moe": 1e-6,
+                 # granite's multipliers, MoE, per-layer windows with sinks; exaone4's post-norms; muse-glimmer's
+                 # gate and softcap (measured 1.3e-13..1.7e-11)
+                 "granite-dense": 1e-6, "granitemoe-moe": 1e-6, "granite_swa-dense": 1e-6, "exaone4-dense": 1e-6,
+                 "muse-glimmer-dense": 1e-6,
+                 # biases, fused qkv with LongRoPE, YaRN with temperature, NoPE layers (measured 1.7e-14..1.5e-13)
+                 "qwen2-dense": 1e-6, "phi3-dense": 1e-6, "mistral3-dense": 1e-6, "smollm3-dense": 1e-6,
+                 # gated short convolutions with carried state between attention layers (1.4e-13)
+                 "lfm2-dense": 1e-6,
+                 # sinks, YaRN, biased top-k-then-softmax experts (1.5e-13; a slow WGSL compile)
+                 "gpt-oss-moe": 1e-6,
+                 # gemma2's block with q/k norms and window layers' own rope base (1.9e-12)
+                 "gemma3-dense": 1e-6}
 # the sparse variants of llama.cpp's goldens (the dense file with the indexer's top_k lowered): the
 # logits must be closer to llama.cpp's sparse logits than its dense logits are, by this factor
 SPARSE_EVAL = {
@@ -211,8 +223,9 @@ def artifacts(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str],
     return {}
 
 
-# gemma2's integer-form GELU takes TVM minutes to lower for WGSL (the per-op rows of test_gpu_ops check it)
-SLOW_EVAL = frozenset({"gemma2-dense"})
+# gemma2's integer-form GELU takes TVM minutes to lower for WGSL (the per-op rows of test_gpu_ops check it);
+# gpt-oss's experts likewise
+SLOW_EVAL = frozenset({"gemma2-dense", "gemma3-dense", "gpt-oss-moe"})
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n in SLOW_EVAL else [])
@@ -237,6 +250,25 @@ def test_sparse_vulkan_eval_matches_llama_cpp_sparse(name: str, dev: object, tmp
     for key, logits in got.items():
         err, gap = nmse(logits, sparse[key]), nmse(dense[key], sparse[key])
         assert err < 1e-6 and gap / err >= closer, (key, err, gap)
+
+
+# metadata variants of llama.cpp's goldens (no fixture file of their own): name -> (base fixture, keys)
+VARIANT_EVAL = {
+    "gpt-oss-moe-top1": ("gpt-oss-moe", {"gpt-oss.expert_used_count": "1"}),  # measured 1.5e-13
+    "gemma2-dense-softcap": ("gemma2-dense", {"gemma2.attn_logit_softcapping": "0.02",
+                                              "gemma2.final_logit_softcapping": "0.5"}),  # 8.5e-13
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(VARIANT_EVAL))
+def test_vulkan_eval_of_metadata_variants(name: str, dev: object, tmp_path: Path) -> None:
+    base, changes = VARIANT_EVAL[name]
+    golden = golden_logits(name)
+    path = with_metadata(golden_fixture(base), tmp_path / f"{name}.gguf", changes)
+    got = eval_modes(compile_vulkan(path, tmp_path), golden["tokens"], tmp_path)
+    for key, logits in got.items():
+        assert nmse(logits, golden[key]) < 1e-6, (key, nmse(logits, golden[key]))
 
 
 @pytest.mark.parametrize("name", ["llama-dense", "qwen3moe-moe"])
