@@ -208,7 +208,10 @@ EVAL_FIXTURES = {"llama-dense": 1e-6, "qwen3moe-moe": 1e-6, "llama-dense-Q4_K_M"
                  # sinks, YaRN, biased top-k-then-softmax experts (1.5e-13; a slow WGSL compile)
                  "gpt-oss-moe": 1e-6,
                  # gemma2's block with q/k norms and window layers' own rope base (1.9e-12)
-                 "gemma3-dense": 1e-6}
+                 "gemma3-dense": 1e-6,
+                 # lightning attention (1.2e-13 / 7.0e-14 / 1.2e-13); KDA + MLA with clamped experts (8.5e-14 /
+                 # 2.3e-14 / 8.5e-14)
+                 "minimax-01-moe": 1e-10, "bailingmoe3-moe": 1e-10}
 # the sparse variants of llama.cpp's goldens (the dense file with the indexer's top_k lowered): the
 # logits must be closer to llama.cpp's sparse logits than its dense logits are, by this factor
 SPARSE_EVAL = {
@@ -224,8 +227,8 @@ def artifacts(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str],
 
 
 # gemma2's integer-form GELU takes TVM minutes to lower for WGSL (the per-op rows of test_gpu_ops check it);
-# gpt-oss's experts likewise
-SLOW_EVAL = frozenset({"gemma2-dense", "gemma3-dense", "gpt-oss-moe"})
+# gpt-oss's experts and bailingmoe3 likewise
+SLOW_EVAL = frozenset({"gemma2-dense", "gemma3-dense", "gpt-oss-moe", "bailingmoe3-moe"})
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n in SLOW_EVAL else [])
