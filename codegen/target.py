@@ -22,6 +22,7 @@ from ggufc.messages import GgufcError
 from ggufc.runtime.host import (
     AMX_FEATURES,
     amx_usable,
+    emulated_cpu,
     features_missing_here,
     host_features,
     llvm_cpu_features,
@@ -31,8 +32,9 @@ from ggufc.runtime.targets import DEFAULT_CUDA_ARCHS, parse_archs, unknown_targe
 
 
 def host_cpu_name() -> str:
-    """LLVM's name for the CPU we run on (e.g. 'znver3', 'emeraldrapids')."""
-    return str(tvm.target.codegen.llvm_get_system_cpu())
+    """LLVM's name for the CPU we run on (e.g. 'znver3', 'emeraldrapids'), or the one GGUFC_HOST_CPU
+    names."""
+    return emulated_cpu() or str(tvm.target.codegen.llvm_get_system_cpu())
 
 
 # The CPUs this process may run on, read once at import: TVM's thread pool pins the calling thread

@@ -7,6 +7,7 @@ The artifact reader refuses code this CPU cannot run; codegen builds only code i
 
 from __future__ import annotations
 
+import os
 import platform
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -60,8 +61,24 @@ def normalise_machine(name: str) -> str:
     return _MACHINE_ALIASES.get(name, name)
 
 
+# Makes this process behave as the LLVM CPU it names: its default target and the features it checks
+# are that CPU's, so a newer machine runs the tests an older one (an AVX2-only CPU) would.
+HOST_CPU_ENV = "GGUFC_HOST_CPU"
+
+
+def emulated_cpu() -> str | None:
+    """The LLVM CPU name GGUFC_HOST_CPU sets, or None."""
+    return os.environ.get(HOST_CPU_ENV) or None
+
+
 @lru_cache(maxsize=1)
 def host_features() -> HostFeatures:
+    real = _cpuinfo_features()
+    name = emulated_cpu()
+    return real if name is None else _emulated_features(name, real)
+
+
+def _cpuinfo_features() -> HostFeatures:
     machine = normalise_machine(platform.machine())
     try:
         text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
@@ -73,6 +90,21 @@ def host_features() -> HostFeatures:
         if key.strip().lower() in ("flags", "features"):
             flags.update(_normalise_flag(f) for f in value.split())
     return HostFeatures(machine, frozenset(flags) if flags else None)
+
+
+def _emulated_features(name: str, real: HostFeatures) -> HostFeatures:
+    """The flags /proc/cpuinfo would list on CPU `name`, refused unless this CPU has them all."""
+    try:
+        implied = llvm_cpu_features(name)
+    except ArtifactError:
+        raise ArtifactError(f"{HOST_CPU_ENV}={name}: LLVM knows no CPU of that name") from None
+    if implied is None:
+        raise ArtifactError(f"{HOST_CPU_ENV}={name}: LLVM is needed to know that CPU's features")
+    checked = [f for f in _CHECKED_FEATURES.get(real.machine, []) if f in implied]
+    lacking = [f for f in checked if real.flags is not None and _cpuinfo_name(f) not in real.flags]
+    if lacking:
+        raise ArtifactError(f"{HOST_CPU_ENV}={name}: this CPU lacks its {', '.join(lacking)}")
+    return HostFeatures(real.machine, frozenset(_cpuinfo_name(f) for f in implied))
 
 
 AMX_FEATURES = ("amx-tile", "amx-int8")
@@ -115,7 +147,11 @@ def flags_missing_here(features: Iterable[str]) -> list[str]:
     flags = host_features().flags
     if flags is None:
         return []
-    return [f for f in features if _normalise_flag(_CPUINFO_ALIASES.get(f, f)) not in flags]
+    return [f for f in features if _cpuinfo_name(f) not in flags]
+
+
+def _cpuinfo_name(llvm_feature: str) -> str:
+    return _normalise_flag(_CPUINFO_ALIASES.get(llvm_feature, llvm_feature))
 
 
 def target_cpu_features(target: dict[str, Any]) -> list[str] | None:

@@ -127,6 +127,40 @@ def test_named_cpu_target_has_none_of_this_machines_adjustments(monkeypatch: pyt
     assert T.kernel_isa(named) == "amx" and T.kernel_isa(host) == "avx2"
 
 
+@pytest.fixture
+def emulate_cpu(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Sets GGUFC_HOST_CPU for one test, with the host's features read afresh before and after."""
+    def set_cpu(name: str) -> None:
+        monkeypatch.setenv(H.HOST_CPU_ENV, name)
+        H.host_features.cache_clear()
+
+    yield set_cpu
+    monkeypatch.delenv(H.HOST_CPU_ENV, raising=False)
+    H.host_features.cache_clear()
+
+
+def test_host_cpu_env_makes_this_machine_an_older_cpu(emulate_cpu: Any) -> None:
+    """GGUFC_HOST_CPU=haswell: the default target, its kernels and the loader's checks are those of an
+    AVX2-only CPU, so this machine runs what such a CPU would."""
+    emulate_cpu("haswell")
+    assert T.host_cpu_name() == "haswell"
+    host = T.cpu_target(2)
+    assert str(host.attrs["mcpu"]) == "haswell" and T.kernel_isa(host) == "avx2"
+    flags = H.host_features().flags or frozenset()
+    assert "avx2" in flags and "avx512f" not in flags and not H.amx_usable()
+    assert "avx512f" in H.features_missing_here({"kind": "llvm", "mcpu": "skylake-avx512"})
+
+
+def test_host_cpu_env_refuses_what_this_cpu_cannot_be(emulate_cpu: Any) -> None:
+    beyond_this_cpu = lacking_cpu()
+    emulate_cpu("no-such-cpu")
+    with pytest.raises(A.ArtifactError, match="GGUFC_HOST_CPU=no-such-cpu: LLVM knows no CPU of that name"):
+        H.host_features()
+    emulate_cpu(beyond_this_cpu)
+    with pytest.raises(A.ArtifactError, match=f"GGUFC_HOST_CPU={beyond_this_cpu}: this CPU lacks its "):
+        H.host_features()
+
+
 @pytest.mark.parametrize(("cpu", "isa"), [
     ("x86-64", "sse"), ("sandybridge", "avx"), ("haswell", "avx2"), ("x86-64-v3", "avx2"), ("znver2", "avx2"),
     ("skylake-avx512", "avx512"), ("alderlake", "avx-vnni"), ("icelake-server", "avx512-vnni"),
