@@ -1,10 +1,9 @@
-"""minimax-01 end to end: llama.cpp's golden through the float64 interpreter and through `ggufc eval`
-(compiled kernels, tests/test_goldens.py) in all three feeding modes; lightning attention's block
-form against the token-by-token recurrence it computes (whatever the block split), llama.cpp's
-slopes and decay scales; the compiled lightning kernel against its reference over carried state
-(and the `lightning_attention` rows of tests/test_codegen_ops.py); the decode step's kernels
-fused and unfused; the layer pattern and what is refused.
-"""
+"""minimax-01 end to end: llama.cpp's golden through the float64 interpreter
+(tests/test_interpreter_goldens.py) and `ggufc eval` (tests/test_goldens.py) in all three feeding modes;
+lightning attention's block form against the token-by-token recurrence it computes (whatever the block
+split), llama.cpp's slopes and decay scales; the compiled lightning kernel against its reference over
+carried state (and the `lightning_attention` rows of tests/test_codegen_ops.py); the decode step's
+kernels fused and unfused; the layer pattern and what is refused."""
 
 from __future__ import annotations
 
@@ -18,13 +17,11 @@ from ggufc.frontend.hparams import Keys, ModelError
 from ggufc.frontend.load import LoadedModel, load_model
 from ggufc.ir import linear_attention as R
 from ggufc.passes.pipeline import run_pipeline
-from tests.support.arch_models import interpret_float64
 from tests.support.goldens import GOLDEN
-from tests.support.sparse_probes import decode_kernel_calls, nmse
+from tests.support.sparse_probes import decode_kernel_calls
 
 FIXTURE = GOLDEN / "fixtures" / "minimax-01-moe.gguf"
 needs_golden = pytest.mark.skipif(not FIXTURE.exists(), reason=f"llama.cpp goldens not found at {GOLDEN}")
-MODES = {64: "logits_prefill", 1: "logits_decode", 7: "logits_chunk7"}
 
 
 @pytest.fixture(scope="module")
@@ -44,14 +41,6 @@ def test_hparams_of_the_llama_cpp_fixture(golden: LoadedModel) -> None:
     assert hp.linear == (True, False) and (hp.n_head, hp.head_dim, hp.n_rot) == (2, 128, 128)
     assert (hp.n_expert, hp.n_expert_used, hp.n_ff) == (2, 2, 384)
     assert hp.residual_scale == pytest.approx(3.5565588, rel=1e-7)
-
-
-@needs_golden
-@pytest.mark.parametrize("chunk", [64, 7, 1])
-def test_interpreter_matches_llama_cpp(golden: LoadedModel, chunk: int) -> None:
-    """float64 interpreter, each call one lightning block as llama.cpp's ubatch."""
-    gold = np.load(GOLDEN / "logits" / "minimax-01-moe.npz")
-    assert nmse(interpret_float64(golden, golden.graph, gold["tokens"], chunk), gold[MODES[chunk]]) < 1e-10
 
 
 @needs_golden

@@ -1,8 +1,8 @@
-"""minimax-m3 end to end: llama.cpp's goldens (dense and MSA-sparse) through the interpreter and the
-compiled kernels, chunked prefill and decode equal to one-shot prefill, the MSA block selection of
-the compiled kernels against the numpy reference (as sets of blocks, local blocks always kept),
-the named fusions (hit counts, fused = unfused = decomposed, each switchable off), `ggufc inspect`,
-and the one-line refusals of files MSA cannot run.
+"""minimax-m3 end to end: llama.cpp's goldens (dense and MSA-sparse) through the compiled kernels (the
+interpreter's rows: tests/test_interpreter_goldens.py), chunked prefill and decode equal to one-shot
+prefill, the MSA block selection of the compiled kernels against the numpy reference (as sets of blocks,
+local blocks always kept), the named fusions (hit counts, fused = unfused = decomposed, each switchable
+off), `ggufc inspect`, and the one-line refusals of files MSA cannot run.
 
 The dense golden in all three feeding modes through `ggufc eval` is in test_goldens.py.
 
@@ -76,20 +76,6 @@ def test_hparams_of_the_llama_cpp_fixture(golden_models: dict[str, LoadedModel])
     assert (hp.n_dense_lead, hp.n_rot, hp.head_dim, hp.gating, hp.weights_norm) == (1, 64, 128, "sigmoid", False)
     assert (hp.msa.n_head, hp.msa.block, hp.msa.local, hp.msa.top_k) == (2, 4, 1, 131072)
     assert golden_models["minimax-m3-moe-sparse"].hparams.msa.top_k == MINIMAX_M3_SPARSE_TOP_K
-
-
-@needs_golden
-@pytest.mark.parametrize(("name", "chunk"), [("minimax-m3-moe", 64), ("minimax-m3-moe", 7), ("minimax-m3-moe", 1),
-                                             ("minimax-m3-moe-sparse", 64), ("minimax-m3-moe-sparse", 7),
-                                             ("minimax-m3-moe-sparse", 1)])
-def test_interpreter_matches_llama_cpp(golden_models: dict[str, LoadedModel], name: str, chunk: int) -> None:
-    """Measured: 2.1e-11 (dense prefill), 2.2e-11 (dense, chunks of 7 and decode), 4.7e-11 (sparse
-    prefill), 4.8e-11 (sparse, chunks of 7 and decode); without the F16 P.V accumulation of short
-    calls 3.6e-9 in chunks of 7 and decode. The sparse-vs-dense gap is 5.6e-6."""
-    model = golden_models[name]
-    gold = np.load(GOLDEN / "logits" / f"{name}.npz")
-    (logits,) = interpret(model, model.graph, gold["tokens"], chunk)
-    assert nmse(logits, gold[MODES[chunk]]) < 1e-10
 
 
 def test_chunked_interpreter_equals_one_token_calls(project: LoadedModel) -> None:

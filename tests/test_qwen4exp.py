@@ -1,7 +1,8 @@
-"""qwen4exp end to end: llama.cpp's goldens (dense and QSA-sparse) through the interpreter and the
-compiled kernels, chunked prefill and decode equal to one-shot prefill, the QSA selection of the
-compiled kernels against the numpy reference (as sets of cells), the three named fusions (hit
-counts, fused = unfused = decomposed, each switchable off), the PLE hash rules, `ggufc inspect`.
+"""qwen4exp end to end: llama.cpp's goldens (dense and QSA-sparse) through the compiled kernels (the
+interpreter's rows: tests/test_interpreter_goldens.py), chunked prefill and decode equal to one-shot
+prefill, the QSA selection of the compiled kernels against the numpy reference (as sets of cells), the
+three named fusions (hit counts, fused = unfused = decomposed, each switchable off), the PLE hash rules,
+`ggufc inspect`.
 
 The dense golden in all three feeding modes through `ggufc eval` is in test_goldens.py.
 """
@@ -61,16 +62,6 @@ def test_hparams_of_the_llama_cpp_fixture(golden_models: dict[str, LoadedModel])
     assert (hp.n_hc, hp.hc_rank, hp.compress_ratios, hp.recurrent) == (4, 8, (4, 4), (True, False))
     assert hp.indexer.top_k == 131072 and golden_models["qwen4exp-moe-sparse"].hparams.indexer.top_k == 4
     assert hp.ple is not None and (hp.ple.layer, hp.ple.ngram, hp.ple.n_heads, hp.ple.eos) == (0, 3, 4, 0)
-
-
-@needs_golden
-@pytest.mark.parametrize(("name", "chunk"), [("qwen4exp-moe", 64), ("qwen4exp-moe", 7), ("qwen4exp-moe-sparse", 64),
-                                             ("qwen4exp-moe-sparse", 7), ("qwen4exp-moe-sparse", 1)])
-def test_interpreter_matches_llama_cpp(golden_models: dict[str, LoadedModel], name: str, chunk: int) -> None:
-    model = golden_models[name]
-    gold = np.load(GOLDEN / "logits" / f"{name}.npz")
-    (logits,) = interpret(model, model.graph, gold["tokens"], chunk)
-    assert nmse(logits, gold[MODES[chunk]]) < 1e-10
 
 
 def test_chunked_interpreter_equals_one_shot(project: LoadedModel) -> None:
