@@ -21,9 +21,12 @@ Their spellings in primitives are in `hyper_connections_spelled.py`.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
+from .op_def import OpDef, ShapeDtype
+from .op_def import one_output as _one
 from .ref_math import rms_plain, sigmoid, silu
 
 
@@ -89,3 +92,100 @@ def res_mix_ref(src: np.ndarray, cur: np.ndarray, w: np.ndarray, eps: float) -> 
     p = e / e.sum(1, keepdims=True)
     n = src.shape[1]
     return np.einsum("tc,tce->te", p[:, :n], src) + p[:, n:] * cur
+
+
+# ----------------------------------------------------------------------------------------------
+# the family's ops: records (attributes), shape rules and OpDefs, merged into ir/ops.py's OPS
+
+
+@dataclass(frozen=True)
+class HcPre:
+    """Hyper-connection pre-mix of the [T, hc, E] streams into a layer input [T, E].
+
+    rule "sigmoid_mean" (qwen4exp): inputs (R, norm [hc,E], down [lr,hc*E], up [hc*E,lr]
+    [, inject [hc,hc*E]]); outputs (mixed [T,E][, post [T,hc] = 2*sigmoid(inject(xf)/hc)]).
+    rule "sinkhorn" (deepseek4's full-rank mix): inputs (R, fn [(2+hc)*hc, hc*E] (post) or
+    [hc, hc*E] (collapse), scale [3] or [1], base like fn's rows); outputs (mixed[, post [T,hc],
+    comb [T,hc(src),hc(dst)]]) for an `hc_post` with comb=True.
+    """
+
+    n_hc: int
+    eps: float
+    rule: str = "sigmoid_mean"
+    post: bool = True  # False: the final collapse (no inject, no post weights)
+    hc_eps: float = 0.0  # "sinkhorn": added to the pre weights and in every normalisation
+    n_iter: int = 0  # "sinkhorn": Sinkhorn rounds (the first is the column normalisation alone)
+
+
+@dataclass(frozen=True)
+class HcPost:
+    """R [T,hc,E] + post [T,hc] * y [T,E] per stream (comb=True: R mixed by a [T,hc(src),hc(dst)] comb)."""
+
+    comb: bool = False
+
+
+@dataclass(frozen=True)
+class ResMix:
+    """Cross-layer residual attention: (src [T,n,E] banked inputs, cur [T,E], score weight [E]) ->
+    softmax-of-(sum(rms(x) * w)) mix of the raw src rows and cur [T,E]."""
+
+    eps: float
+
+
+def _hc_pre_sinkhorn_shape(ins: Sequence[ShapeDtype], a: HcPre) -> list[ShapeDtype]:
+    (rs, dt), (fs, _), (ss, _), (bs, _) = ins
+    t, hc, e = rs
+    n_mix = (2 + a.n_hc) * a.n_hc if a.post else a.n_hc
+    ok = hc == a.n_hc and tuple(fs) == (n_mix, hc * e) and tuple(ss) == ((3,) if a.post else (1,))
+    if not ok or tuple(bs) != (n_mix,) or (a.post and a.n_iter < 1):
+        raise ValueError(f"hc_pre {a}: streams {rs}, weights {[s for s, _ in ins[1:]]} disagree")
+    if not a.post:
+        return [((t, e), dt)]
+    return [((t, e), dt), ((t, hc), dt), ((t, hc, hc), dt)]
+
+
+def _hc_pre_shape(ins: Sequence[ShapeDtype], a: HcPre) -> list[ShapeDtype]:
+    if a.rule == "sinkhorn":
+        return _hc_pre_sinkhorn_shape(ins, a)
+    (rs, dt), (ns, _), (ds, _), (us, _), *rest = ins
+    t, hc, e = rs
+    ok = hc == a.n_hc and tuple(ns) == (hc, e) and ds[1] == hc * e and tuple(us) == (hc * e, ds[0])
+    ok = ok and len(rest) == (1 if a.post else 0) and a.rule == "sigmoid_mean"
+    if ok and a.post:
+        ok = tuple(rest[0][0]) == (a.n_hc, a.n_hc * e)  # hc == a.n_hc here
+    if not ok:
+        raise ValueError(f"hc_pre {a}: streams {rs}, weights {[s for s, _ in ins[1:]]} disagree")
+    outs: list[ShapeDtype] = [((t, e), dt)]
+    if a.post:
+        outs.append(((t, hc), dt))
+    return outs
+
+
+def _res_mix_shape(ins: Sequence[ShapeDtype], a: ResMix) -> list[ShapeDtype]:
+    (ss, _), (cs, dt), (ws, _) = ins
+    if len(ss) != 3 or len(cs) != 2 or cs[0] != ss[0] or cs[1] != ss[2] or tuple(ws) != (ss[2],):
+        raise ValueError(f"res_mix: bank {ss}, stream {cs} and score weight {ws} disagree")
+    return [(cs, dt)]
+
+
+def _hc_post_shape(ins: Sequence[ShapeDtype], a: HcPost) -> list[ShapeDtype]:
+    (rs, dt), (ys, _), (ps, _), *rest = ins
+    t, hc, e = rs
+    ok = tuple(ys) == (t, e) and tuple(ps) == (t, hc) and len(rest) == int(a.comb)
+    if not ok or (a.comb and tuple(rest[0][0]) != (t, hc, hc)):
+        raise ValueError(f"hc_post: streams {rs}, y {ys}, post {ps} disagree")
+    return [(rs, dt)]
+
+
+HC_OPS: dict[str, OpDef] = {
+    op.name: op
+    for op in [
+        OpDef("hc_pre", HcPre, _hc_pre_shape, lambda i, a, c: hc_pre_ref(i, a.n_hc, a.eps, a.rule, a.post,
+                                                                          a.hc_eps, a.n_iter),
+              fused=True),
+        OpDef("hc_post", HcPost, _hc_post_shape,
+              _one(lambda i, a, c: hc_post_ref(i[0], i[1], i[2], i[3] if a.comb else None)), fused=True),
+        OpDef("res_mix", ResMix, _res_mix_shape, _one(lambda i, a, c: res_mix_ref(i[0], i[1], i[2], a.eps)),
+              fused=True),
+    ]
+}
