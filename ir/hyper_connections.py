@@ -3,11 +3,12 @@ and the spellings in primitives of the `hc_pre` and `hc_post` ops.
 
 Hyper-connections keep `hc` residual streams R [T, hc, E]:
 
-* `hc_pre` (rule "sigmoid_mean", qwen4exp): per-stream RMSNorm times a [hc, E] gamma, flattened
-  stream-major to xf [T, hc*E]; gate = silu((xf @ down.T) / hc) @ up.T; the layer input is
+* `hc_pre` (qwen4exp): per-stream RMSNorm times a [hc, E] gamma, flattened stream-major to
+  xf [T, hc*E]; gate = silu((xf @ down.T) / hc) @ up.T; the layer input is
   mean_c(xf * sigmoid(gate)) [T, E]; the per-stream post weights are 2*sigmoid((xf @ inject.T) / hc).
-  The final collapse (no inject) has no post weights. deepseek4's Sinkhorn-normalised full-rank
-  mix is rule "sinkhorn" of the same op (outputs mixed, post and a [T, hc, hc] comb matrix).
+  The final collapse (no inject) has no post weights.
+* `hc_sinkhorn` (deepseek4): the Sinkhorn-normalised full-rank mix (outputs mixed, post and a
+  [T, hc, hc] comb matrix; the final collapse: mixed only).
 * `hc_post`: R + post[:, :, None] * y[:, None, :]; with a comb matrix [T, src, dst] (deepseek4)
   post * y + sum over src of comb[t, src, dst] * R[t, src].
 
@@ -30,14 +31,8 @@ from .op_def import one_output as _one
 from .ref_math import rms_plain, sigmoid, silu
 
 
-def hc_pre_ref(ins: Sequence[np.ndarray], n_hc: int, eps: float, rule: str, post: bool, hc_eps: float = 0.0,
-               n_iter: int = 0) -> list[np.ndarray]:
-    """Inputs (R [T,hc,E], norm [hc,E], down [lr,hc*E], up [hc*E,lr][, inject [hc,hc*E]]), or for
-    rule "sinkhorn" (R, fn, scale, base)."""
-    if rule == "sinkhorn":
-        return sinkhorn_pre_ref(*ins, n_hc=n_hc, eps=eps, hc_eps=hc_eps, n_iter=n_iter, post=post)
-    if rule != "sigmoid_mean":
-        raise NotImplementedError(f"hc_pre rule {rule!r} has no reference (known: sigmoid_mean, sinkhorn)")
+def hc_pre_ref(ins: Sequence[np.ndarray], n_hc: int, eps: float, post: bool) -> list[np.ndarray]:
+    """Inputs (R [T,hc,E], norm [hc,E], down [lr,hc*E], up [hc*E,lr][, inject [hc,hc*E]])."""
     r, norm, down, up, *rest = ins
     t, hc, e = r.shape
     dt = r.dtype.type
@@ -52,8 +47,8 @@ def hc_pre_ref(ins: Sequence[np.ndarray], n_hc: int, eps: float, rule: str, post
     return [mixed, w]
 
 
-def sinkhorn_pre_ref(r: np.ndarray, fn: np.ndarray, scale: np.ndarray, base: np.ndarray, *, n_hc: int, eps: float,
-                     hc_eps: float, n_iter: int, post: bool) -> list[np.ndarray]:
+def hc_sinkhorn_ref(r: np.ndarray, fn: np.ndarray, scale: np.ndarray, base: np.ndarray, *, n_hc: int, eps: float,
+                    hc_eps: float, n_iter: int, post: bool) -> list[np.ndarray]:
     """deepseek4's mix (llama.cpp ggml_dsv4_hc_pre / hc_comb): mixes = rms(flat R) @ fn.T; pre =
     sigmoid(mixes[:hc] * scale[0] + base) + hc_eps mixes the streams; post = 2 * sigmoid(...);
     comb [T, src, dst] = softmax over dst + hc_eps, then column (src) sums + hc_eps divide, then
@@ -100,21 +95,28 @@ def res_mix_ref(src: np.ndarray, cur: np.ndarray, w: np.ndarray, eps: float) -> 
 
 @dataclass(frozen=True)
 class HcPre:
-    """Hyper-connection pre-mix of the [T, hc, E] streams into a layer input [T, E].
-
-    rule "sigmoid_mean" (qwen4exp): inputs (R, norm [hc,E], down [lr,hc*E], up [hc*E,lr]
+    """Hyper-connection pre-mix of the [T, hc, E] streams into a layer input [T, E] (qwen4exp's
+    low-rank sigmoid-gated mean): inputs (R, norm [hc,E], down [lr,hc*E], up [hc*E,lr]
     [, inject [hc,hc*E]]); outputs (mixed [T,E][, post [T,hc] = 2*sigmoid(inject(xf)/hc)]).
-    rule "sinkhorn" (deepseek4's full-rank mix): inputs (R, fn [(2+hc)*hc, hc*E] (post) or
-    [hc, hc*E] (collapse), scale [3] or [1], base like fn's rows); outputs (mixed[, post [T,hc],
-    comb [T,hc(src),hc(dst)]]) for an `hc_post` with comb=True.
     """
 
     n_hc: int
     eps: float
-    rule: str = "sigmoid_mean"
     post: bool = True  # False: the final collapse (no inject, no post weights)
-    hc_eps: float = 0.0  # "sinkhorn": added to the pre weights and in every normalisation
-    n_iter: int = 0  # "sinkhorn": Sinkhorn rounds (the first is the column normalisation alone)
+
+
+@dataclass(frozen=True)
+class HcSinkhorn:
+    """deepseek4's full-rank hyper-connection mix: inputs (R [T,hc,E], fn [(2+hc)*hc, hc*E] (post)
+    or [hc, hc*E] (collapse), scale [3] or [1], base like fn's rows); outputs (mixed [T,E][, post
+    [T,hc], comb [T,hc(src),hc(dst)]]), the comb Sinkhorn-normalised for an `hc_post` with comb=True.
+    """
+
+    n_hc: int
+    eps: float
+    hc_eps: float  # added to the pre weights and in every normalisation
+    n_iter: int = 0  # Sinkhorn rounds (the first is the column normalisation alone); 0 for the collapse
+    post: bool = True  # False: the final collapse (pre weights only)
 
 
 @dataclass(frozen=True)
@@ -132,25 +134,23 @@ class ResMix:
     eps: float
 
 
-def _hc_pre_sinkhorn_shape(ins: Sequence[ShapeDtype], a: HcPre) -> list[ShapeDtype]:
+def _hc_sinkhorn_shape(ins: Sequence[ShapeDtype], a: HcSinkhorn) -> list[ShapeDtype]:
     (rs, dt), (fs, _), (ss, _), (bs, _) = ins
     t, hc, e = rs
     n_mix = (2 + a.n_hc) * a.n_hc if a.post else a.n_hc
     ok = hc == a.n_hc and tuple(fs) == (n_mix, hc * e) and tuple(ss) == ((3,) if a.post else (1,))
     if not ok or tuple(bs) != (n_mix,) or (a.post and a.n_iter < 1):
-        raise ValueError(f"hc_pre {a}: streams {rs}, weights {[s for s, _ in ins[1:]]} disagree")
+        raise ValueError(f"hc_sinkhorn {a}: streams {rs}, weights {[s for s, _ in ins[1:]]} disagree")
     if not a.post:
         return [((t, e), dt)]
     return [((t, e), dt), ((t, hc), dt), ((t, hc, hc), dt)]
 
 
 def _hc_pre_shape(ins: Sequence[ShapeDtype], a: HcPre) -> list[ShapeDtype]:
-    if a.rule == "sinkhorn":
-        return _hc_pre_sinkhorn_shape(ins, a)
     (rs, dt), (ns, _), (ds, _), (us, _), *rest = ins
     t, hc, e = rs
     ok = hc == a.n_hc and tuple(ns) == (hc, e) and ds[1] == hc * e and tuple(us) == (hc * e, ds[0])
-    ok = ok and len(rest) == (1 if a.post else 0) and a.rule == "sigmoid_mean"
+    ok = ok and len(rest) == (1 if a.post else 0)
     if ok and a.post:
         ok = tuple(rest[0][0]) == (a.n_hc, a.n_hc * e)  # hc == a.n_hc here
     if not ok:
@@ -180,8 +180,10 @@ def _hc_post_shape(ins: Sequence[ShapeDtype], a: HcPost) -> list[ShapeDtype]:
 HC_OPS: dict[str, OpDef] = {
     op.name: op
     for op in [
-        OpDef("hc_pre", HcPre, _hc_pre_shape, lambda i, a, c: hc_pre_ref(i, a.n_hc, a.eps, a.rule, a.post,
-                                                                          a.hc_eps, a.n_iter),
+        OpDef("hc_pre", HcPre, _hc_pre_shape, lambda i, a, c: hc_pre_ref(i, a.n_hc, a.eps, a.post), fused=True),
+        OpDef("hc_sinkhorn", HcSinkhorn, _hc_sinkhorn_shape,
+              lambda i, a, c: hc_sinkhorn_ref(*i, n_hc=a.n_hc, eps=a.eps, hc_eps=a.hc_eps, n_iter=a.n_iter,
+                                              post=a.post),
               fused=True),
         OpDef("hc_post", HcPost, _hc_post_shape,
               _one(lambda i, a, c: hc_post_ref(i[0], i[1], i[2], i[3] if a.comb else None)), fused=True),

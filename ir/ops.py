@@ -27,6 +27,7 @@ from .act_quant import ACT_BLOCK, q8_1_sums_ref, quantize_act_ref
 from .graph import Dim, Shape, eval_shape
 from .hyper_connections import HcPost as HcPost
 from .hyper_connections import HcPre as HcPre
+from .hyper_connections import HcSinkhorn as HcSinkhorn
 from .hyper_connections import ResMix as ResMix
 from .linear_attention import GatedDeltaNet as GatedDeltaNet
 from .linear_attention import L2Norm as L2Norm

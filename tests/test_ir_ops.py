@@ -127,9 +127,9 @@ def _qwen4exp_cases() -> list[Case]:
     cases += _both_t("hc_pre", O.HcPre(3, 1e-5), (streams, *hc_w, In("inject", (3, 15))))
     cases += _both_t("hc_pre", O.HcPre(3, 1e-6, post=False), (streams, *hc_w))
     cases += _both_t("hc_post", O.HcPost(), (streams, In("y", ("T", 5)), In("post", ("T", 3), "pos")))
-    sink = O.HcPre(3, 1e-5, "sinkhorn", hc_eps=1e-3, n_iter=3)
-    cases += _both_t("hc_pre", sink, (streams, In("fn", (15, 15)), In("scale", (3,)), In("base", (15,))))
-    cases += _both_t("hc_pre", O.HcPre(3, 1e-5, "sinkhorn", post=False, hc_eps=1e-3),
+    sink = O.HcSinkhorn(3, 1e-5, hc_eps=1e-3, n_iter=3)
+    cases += _both_t("hc_sinkhorn", sink, (streams, In("fn", (15, 15)), In("scale", (3,)), In("base", (15,))))
+    cases += _both_t("hc_sinkhorn", O.HcSinkhorn(3, 1e-5, hc_eps=1e-3, post=False),
                      (streams, In("fn", (3, 15)), In("scale", (1,)), In("base", (3,))))
     cases += _both_t("hc_post", O.HcPost(comb=True),
                      (streams, In("y", ("T", 5)), In("post", ("T", 3), "pos"), In("comb", ("T", 3, 3), "pos")))
