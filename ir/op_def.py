@@ -7,6 +7,7 @@ ir/<family>.py defines its ops' records, shape rules and OpDefs); both build on 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,8 +38,14 @@ class OpDef:
 
 
 def one_output(f: Callable[..., np.ndarray]) -> Callable[..., list[np.ndarray]]:
-    """A reference of one output as the (inputs, attrs, ctx) -> list of outputs an OpDef holds."""
-    return lambda ins, a, ctx: [f(ins, a, ctx)]
+    """A reference of one output as the (inputs, attrs, ctx) -> list of outputs an OpDef holds
+    (wrapped: it keeps f's module, where tests/test_layering.py looks for the op's family)."""
+
+    @functools.wraps(f)
+    def ref(ins: Sequence[np.ndarray], a: Any, ctx: Any) -> list[np.ndarray]:
+        return [f(ins, a, ctx)]
+
+    return ref
 
 
 def same_shape(ins: Sequence[ShapeDtype], a: Any) -> list[ShapeDtype]:
