@@ -11,6 +11,7 @@ from __future__ import annotations
 from . import ops as O
 from .builder import GraphBuilder, rms_norm_plain
 from .graph import Node, Value, mul_dim
+from .hyper_connections import HcSinkhorn
 
 
 def hc_pre_spelled(
@@ -127,7 +128,7 @@ def _hc_pre(b: GraphBuilder, n: Node) -> list[Value]:
 
 
 def _hc_sinkhorn(b: GraphBuilder, n: Node) -> list[Value]:
-    a: O.HcSinkhorn = n.attrs
+    a: HcSinkhorn = n.attrs
     r, fn, scale, base = n.inputs
     return hc_sinkhorn_spelled(b, r, fn, scale, base, a.hc_eps, a.n_iter, a.eps, n.outputs[0].name, post=a.post)
 

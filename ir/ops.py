@@ -3,8 +3,9 @@
 This module defines the generic ops and merges the op families' tables into `OPS`: each family
 (hyper_connections, latent_attention, linear_attention, moe_routing, ngram_embedding,
 sparse_indexers) defines its ops' records, shape rules and OpDefs in its own ir/<family>.py, as
-its decompositions and lowerings live in its own files (`OpDef` itself: ir/op_def.py). The families'
-records (and `moe_inputs`) are re-exported here: `O.HcPre` is `hyper_connections.HcPre`.
+its decompositions and lowerings live in its own files (`OpDef` itself: ir/op_def.py). The records
+that lived here before (and `moe_inputs`) are re-exported for their callers (`O.HcPre` is
+`hyper_connections.HcPre`); a new family op's record is imported from its family's module.
 
 Primitive ops are the small vocabulary every model is spelled in. Fused ops are named
 compositions that passes form and codegen lowers to dedicated kernels; each has a decomposition
@@ -27,7 +28,6 @@ from .act_quant import ACT_BLOCK, q8_1_sums_ref, quantize_act_ref
 from .graph import Dim, Shape, eval_shape
 from .hyper_connections import HcPost as HcPost
 from .hyper_connections import HcPre as HcPre
-from .hyper_connections import HcSinkhorn as HcSinkhorn
 from .hyper_connections import ResMix as ResMix
 from .linear_attention import GatedDeltaNet as GatedDeltaNet
 from .linear_attention import L2Norm as L2Norm

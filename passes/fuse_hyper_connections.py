@@ -33,6 +33,7 @@ import math
 
 from ggufc.ir import ops as O
 from ggufc.ir.graph import Graph, Node, Value, static_shape
+from ggufc.ir.hyper_connections import HcSinkhorn
 from ggufc.ir.verify import shapes_equal
 from ggufc.ir.walk import defined_before, inner_values_escape
 
@@ -285,7 +286,7 @@ def _fuse_sinkhorn(graph: Graph) -> tuple[Graph, int]:
             users_after = all(index[id(u)] > at for o in outs for u in view.users.get(o.id, []))
             if inner_values_escape(body, roots, view.users, view.escaping) or not users_after:
                 break
-            attrs = O.HcSinkhorn(hc, cand[4], hc_eps=cand[5], n_iter=n_iter, post=post)
+            attrs = HcSinkhorn(hc, cand[4], hc_eps=cand[5], n_iter=n_iter, post=post)
             placed[at] = Node("hc_sinkhorn", tuple(cand[:4]), attrs, tuple(outs))
             removed.update(id(n) for n in body)
             break

@@ -19,8 +19,7 @@ from ggufc.codegen.gpu import device_info as DI
 from ggufc.codegen.target import gpu_target
 from ggufc.driver.stages import optimise
 from ggufc.frontend.load import LoadedModel
-from ggufc.ir import ops as O
-from ggufc.ir.hyper_connections import hc_sinkhorn_ref
+from ggufc.ir.hyper_connections import HcSinkhorn, hc_sinkhorn_ref
 from ggufc.runtime.wgpu_runtime import run_kernel
 from tests.support.arch_models import (
     DEEPSEEK4_TOKENS,
@@ -48,7 +47,7 @@ def test_sinkhorn_mix_equals_float64_reference(post: bool, dev: object) -> None:
     """Pre-mixed row, post weights and comb against the float64 reference; the comb's columns sum
     to 1 up to the hc_eps rule and its rows to 1 after the Sinkhorn rounds."""
     n_hc, e = 4, 40
-    attrs = O.HcSinkhorn(n_hc, 1e-6, hc_eps=1e-6, n_iter=20, post=post)
+    attrs = HcSinkhorn(n_hc, 1e-6, hc_eps=1e-6, n_iter=20, post=post)
     n_mix = (2 + n_hc) * n_hc if post else n_hc
     kernel = DI.compile_kernel(HCK.hc_sinkhorn_gpu(n_hc, e, attrs), gpu_target("vulkan"), "hc_sinkhorn")
     rng = np.random.default_rng(4)

@@ -31,6 +31,7 @@ from ggufc.codegen.kernels.generic import PShape, f32, func, i64
 from ggufc.codegen.lower_context import FunctionContext, call_args, tensor_dims
 from ggufc.ir import ops as O
 from ggufc.ir.graph import Node
+from ggufc.ir.hyper_connections import HcSinkhorn
 
 NEG = -3.0e38  # a finite -inf: WGSL has no infinity literal
 
@@ -85,7 +86,7 @@ def hc_post(streams: PShape, comb: bool = False) -> tirx.PrimFunc:
     return func([r, y, post, cm, out])
 
 
-def hc_sinkhorn(streams: PShape, a: O.HcSinkhorn) -> tirx.PrimFunc:
+def hc_sinkhorn(streams: PShape, a: HcSinkhorn) -> tirx.PrimFunc:
     """Args (R [T,hc,E], fn [M, hc*E], scale [3|1], base [M], mixed [T,E][, post [T,hc], comb
     [T,hc(src),hc(dst)]]): deepseek4's mix in one kernel (ir/hyper_connections.py hc_sinkhorn_ref);
     the Sinkhorn rounds are unrolled (a.n_iter is static)."""
@@ -146,7 +147,7 @@ HC_THREADS = 64  # GPU threads per workgroup of the Sinkhorn mix (fewer when its
 HC_SHARED_FLOATS = 2048  # partial sums in workgroup memory: 8 KiB of WebGPU's guaranteed 16
 
 
-def hc_sinkhorn_gpu(n_hc: int, e: int, a: O.HcSinkhorn) -> tirx.PrimFunc:
+def hc_sinkhorn_gpu(n_hc: int, e: int, a: HcSinkhorn) -> tirx.PrimFunc:
     """As `hc_sinkhorn` (same arguments), one workgroup per token: one pass over the token's
     hc-wide stream sums its squares and every mix's dot product (rms(x) . fn = rstd * (x . fn)),
     each thread a strided slice, the partial sums reduced in workgroup memory; every thread then
@@ -345,7 +346,7 @@ def _hc_pre(fc: FunctionContext, node: Node) -> list[Any]:
 
 
 def _hc_sinkhorn(fc: FunctionContext, node: Node) -> list[Any]:
-    a: O.HcSinkhorn = node.attrs
+    a: HcSinkhorn = node.attrs
     key = KK.OpKernel("hc_sinkhorn", a, tensor_dims(fc, node))
     return fc.call(key, lambda: hc_sinkhorn(fc.kernel_shape(node.inputs[0], K.Symbols()), a),
                    call_args(fc, node), node.outputs, node.outputs[0].name)
