@@ -19,8 +19,8 @@ from ggufc.ir.hyper_connections_spelled import (
     hc_post_comb_spelled,
     hc_post_spelled,
     hc_pre_spelled,
+    hc_sinkhorn_spelled,
     res_mix_spelled,
-    sinkhorn_mix_spelled,
 )
 
 from . import blocks as B
@@ -108,13 +108,13 @@ def sinkhorn_weights(w: B.Weights, prefix: str, n_hc: int, n_embd: int, hc_eps: 
 def sinkhorn_pre(b: GraphBuilder, streams: Value, mix: SinkhornMix, eps: float, name: str
                  ) -> tuple[Value, Value, Value]:
     """The block input [T, E], the post weights [T, hc] and the comb matrix [T, hc(src), hc(dst)]."""
-    mixed, post, comb = sinkhorn_mix_spelled(b, streams, mix.fn, mix.scale, mix.base, mix.hc_eps, mix.n_iter, eps,
+    mixed, post, comb = hc_sinkhorn_spelled(b, streams, mix.fn, mix.scale, mix.base, mix.hc_eps, mix.n_iter, eps,
                                              name)
     return mixed, post, comb
 
 
 def sinkhorn_collapse(b: GraphBuilder, streams: Value, mix: SinkhornMix, eps: float, name: str) -> Value:
-    return sinkhorn_mix_spelled(b, streams, mix.fn, mix.scale, mix.base, mix.hc_eps, 0, eps, name, post=False)[0]
+    return hc_sinkhorn_spelled(b, streams, mix.fn, mix.scale, mix.base, mix.hc_eps, 0, eps, name, post=False)[0]
 
 
 def hc_post_comb(b: GraphBuilder, streams: Value, y: Value, post: Value, comb: Value, name: str) -> Value:

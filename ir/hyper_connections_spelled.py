@@ -1,4 +1,4 @@
-"""The hyper-connection ops `hc_pre` and `hc_post` spelled in primitives (references in
+"""The hyper-connection ops `hc_pre`, `hc_sinkhorn`, `hc_post` and `res_mix` spelled in primitives (references in
 `hyper_connections.py`).
 
 They are both the decompositions of the fused ops and the unfused builders the frontend blocks
@@ -11,13 +11,14 @@ from __future__ import annotations
 from . import ops as O
 from .builder import GraphBuilder, rms_norm_plain
 from .graph import Node, Value, mul_dim
+from .hyper_connections import HcSinkhorn
 
 
 def hc_pre_spelled(
     b: GraphBuilder, streams: Value, norm: Value, down: Value, up: Value, inject: Value | None, n_hc: int,
     eps: float, name: str,
 ) -> tuple[Value, Value | None]:
-    """qwen4exp's HC mix (rule "sigmoid_mean"): (layer input [T,E], post weights [T,hc] or None)."""
+    """qwen4exp's HC mix: (layer input [T,E], post weights [T,hc] or None)."""
     t, hc, e = streams.shape
     xn = b.mul(rms_norm_plain(b, streams, eps, f"{name}.rms"), norm, f"{name}.normed")
     xf = b.reshape(xn, (t, mul_dim(int(hc), e)), f"{name}.flat")
@@ -40,11 +41,11 @@ def hc_post_spelled(b: GraphBuilder, streams: Value, y: Value, post: Value, name
     return b.add(streams, b.mul(y3, p3, f"{name}.scattered"), name)
 
 
-def sinkhorn_mix_spelled(
+def hc_sinkhorn_spelled(
     b: GraphBuilder, streams: Value, fn: Value, scale: Value, base: Value, hc_eps: float, n_iter: int, eps: float,
     name: str, *, post: bool = True,
 ) -> list[Value]:
-    """deepseek4's full-rank HC mix (rule "sinkhorn"): mixes = rms(flat streams) @ fn.T; pre weights
+    """deepseek4's full-rank HC mix (`hc_sinkhorn`): mixes = rms(flat streams) @ fn.T; pre weights
     sigmoid(mixes[:hc]*scale[0] + base) + hc_eps mix the streams into the layer input; with `post`
     also 2*sigmoid(...) post weights [T,hc] and the comb matrix [T,hc(src),hc(dst)]: softmax over
     dst + hc_eps, then divided by its column sums over src (+hc_eps), then `n_iter - 1` rounds of
@@ -120,14 +121,16 @@ def _res_mix(b: GraphBuilder, n: Node) -> list[Value]:
 
 def _hc_pre(b: GraphBuilder, n: Node) -> list[Value]:
     a: O.HcPre = n.attrs
-    if a.rule == "sinkhorn":
-        r, fn, scale, base = n.inputs
-        return sinkhorn_mix_spelled(b, r, fn, scale, base, a.hc_eps, a.n_iter, a.eps, n.outputs[0].name,
-                                    post=a.post)
     r, norm, down, up, *rest = n.inputs
     mixed, post = hc_pre_spelled(b, r, norm, down, up, rest[0] if a.post else None, a.n_hc, a.eps,
                                  n.outputs[0].name)
     return [mixed] if post is None else [mixed, post]
+
+
+def _hc_sinkhorn(b: GraphBuilder, n: Node) -> list[Value]:
+    a: HcSinkhorn = n.attrs
+    r, fn, scale, base = n.inputs
+    return hc_sinkhorn_spelled(b, r, fn, scale, base, a.hc_eps, a.n_iter, a.eps, n.outputs[0].name, post=a.post)
 
 
 def _hc_post(b: GraphBuilder, n: Node) -> list[Value]:
@@ -139,6 +142,7 @@ def _hc_post(b: GraphBuilder, n: Node) -> list[Value]:
 
 HC_DECOMPOSITIONS = {
     "hc_pre": _hc_pre,
+    "hc_sinkhorn": _hc_sinkhorn,
     "hc_post": _hc_post,
     "res_mix": _res_mix,
 }

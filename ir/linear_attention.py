@@ -20,7 +20,14 @@ are made in float32 in its order (`lightning_decays`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import numpy as np
+
+from .op_def import OpDef, ShapeDtype
+from .op_def import one_output as _one
+from .op_def import same_shape as _same
 
 HEAD_MAPS = ("tiled", "interleaved")
 GATE_ACTS = ("silu", "sigmoid")
@@ -210,3 +217,115 @@ def lightning_attention_ref(
     scores = np.einsum("thd,uhd->htu", q, k) * np.moveaxis(d["diag"], 2, 0)
     intra = np.einsum("htu,uhj->thj", scores, v)
     return s_new, (inter + intra).astype(dt)
+
+
+# ----------------------------------------------------------------------------------------------
+# the family's ops: records (attributes), shape rules and OpDefs, merged into ir/ops.py's OPS
+
+
+@dataclass(frozen=True)
+class L2Norm:
+    """x / sqrt(sum(x^2) + eps) over the last axis (the gated delta-net's q/k norm)."""
+
+    eps: float
+
+
+@dataclass(frozen=True)
+class RMSNormGated:
+    """rms_norm(x, eps) * w * act(z): the gated RMSNorm on the delta-net output."""
+
+    eps: float
+    act: str = "silu"  # "silu" (qwen3next, qwen35) or "sigmoid" (qwen4exp)
+
+
+@dataclass(frozen=True)
+class SsmConv:
+    """Causal depthwise conv with its input history as state; outputs (new_state, y)."""
+
+    dilation: int = 1
+
+
+@dataclass(frozen=True)
+class GatedDeltaNet:
+    """The gated delta rule with state [Hv, Dv, Dk]; outputs (new_state, o [T, Hv, Dv])."""
+
+    head_map: str  # which q/k head value head h reads: "tiled" h % Hk or "interleaved" h // (Hv/Hk)
+    scale: float  # output scale, 1/sqrt(Dk)
+    key_decay: bool = False  # g [T, Hv, Dk]: one decay per key index (KDA) instead of one per head
+
+
+@dataclass(frozen=True)
+class LightningAttention:
+    """Linear attention with a fixed decay per head (minimax-01), the call's tokens one block;
+    inputs (state [H, Dk, Dv], q [T, H, Dk], k [T, H, Dk], v [T, H, Dv]), outputs (new_state, o [T, H, Dv])."""
+
+    slopes: tuple[float, ...]  # the per-head decay rates (float32 values)
+    layer_scale: float  # this layer's multiplier of the rates (a float32 value)
+
+
+def _ssm_conv_shape(ins: Sequence[ShapeDtype], a: SsmConv) -> list[ShapeDtype]:
+    """(state [C, (K-1)*dilation], x [T, C], w [C, K]) -> (new state, y [T, C])."""
+    (ss, sdt), (xs, _), (ws, _) = ins
+    n_ch, k = ws
+    if len(xs) != 2 or xs[1] != n_ch or tuple(ss) != (n_ch, (int(k) - 1) * a.dilation):
+        raise ValueError(f"ssm_conv: state {ss}, x {xs} and kernel {ws} disagree (dilation {a.dilation})")
+    return [(ss, sdt), ((xs[0], n_ch), "float32")]
+
+
+def _gated_delta_net_shape(ins: Sequence[ShapeDtype], a: GatedDeltaNet) -> list[ShapeDtype]:
+    """(state [Hv,Dv,Dk], q [T,Hk,Dk], k [T,Hk,Dk], v [T,Hv,Dv], g [T,Hv] (key_decay: [T,Hv,Dk]),
+    beta [T,Hv]) -> (state, o)."""
+    (ss, sdt), (qs, _), (ks, _), (vs, _), (gs, _), (bs, _) = ins
+    hv, dv, dk = ss
+    t, hk = qs[0], qs[1]
+    ok = (
+        tuple(qs) == (t, hk, dk) and tuple(ks) == tuple(qs) and tuple(vs) == (t, hv, dv)
+        and tuple(gs) == ((t, hv, dk) if a.key_decay else (t, hv)) and tuple(bs) == (t, hv)
+        and isinstance(hk, int) and hv % hk == 0
+        and a.head_map in ("tiled", "interleaved")
+    )
+    if not ok:
+        raise ValueError(f"gated_delta_net: state {ss}, q {qs}, k {ks}, v {vs}, g {gs}, beta {bs} disagree")
+    return [(ss, sdt), (vs, "float32")]
+
+
+def _ref_gated_delta_net(ins: Sequence[np.ndarray], a: GatedDeltaNet) -> list[np.ndarray]:
+    state, q, k, v, g, beta = ins
+    return list(gated_delta_net_ref(state, q, k, v, g, beta, a.head_map, a.scale))
+
+
+def _lightning_attention_shape(ins: Sequence[ShapeDtype], a: LightningAttention) -> list[ShapeDtype]:
+    (ss, sdt), (qs, _), (ks, _), (vs, _) = ins
+    h, dk, dv = ss
+    t = qs[0]
+    ok = (tuple(qs) == (t, h, dk) and tuple(ks) == tuple(qs) and tuple(vs) == (t, h, dv)
+          and len(a.slopes) == h)
+    if not ok:
+        raise ValueError(f"lightning_attention: state {ss}, q {qs}, k {ks}, v {vs}, {len(a.slopes)} slopes disagree")
+    return [(ss, sdt), (vs, "float32")]
+
+
+def _rms_norm_gated_shape(ins: Sequence[ShapeDtype], a: RMSNormGated) -> list[ShapeDtype]:
+    (xs, dt), (ws, _), (zs, _) = ins
+    if tuple(ws) != (xs[-1],) or len(zs) != len(xs) or any(p != q for p, q in zip(xs, zs, strict=True)):
+        raise ValueError(f"rms_norm_gated: x {xs}, weight {ws} and gate {zs} disagree")
+    return [(xs, dt)]
+
+
+LINEAR_ATTENTION_OPS: dict[str, OpDef] = {
+    op.name: op
+    for op in [
+        # recurrent state: inputs[0] is the state, outputs[0] its new version
+        OpDef("ssm_conv", SsmConv, _ssm_conv_shape,
+              lambda i, a, c: list(ssm_conv_ref(i[0], i[1], i[2], a.dilation)), effects=True),
+        OpDef("gated_delta_net", GatedDeltaNet, _gated_delta_net_shape,
+              lambda i, a, c: _ref_gated_delta_net(i, a), effects=True),
+        OpDef("lightning_attention", LightningAttention, _lightning_attention_shape,
+              lambda i, a, c: list(lightning_attention_ref(i[0], i[1], i[2], i[3], a.slopes, a.layer_scale)),
+              effects=True),
+        OpDef("l2_norm", L2Norm, _same, _one(lambda i, a, c: l2_norm_ref(i[0], a.eps)), fused=True),
+        # rms_norm_gated: inputs (x, weight, gate)
+        OpDef("rms_norm_gated", RMSNormGated, _rms_norm_gated_shape,
+              _one(lambda i, a, c: rms_norm_gated_ref(i[0], i[1], i[2], a.eps, a.act)), fused=True),
+    ]
+}

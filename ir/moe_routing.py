@@ -26,11 +26,14 @@ The op records (`MoeRoute`, `MoeFFN`) are in `ops.py`; the spellings in primitiv
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from .act_quant import quantize_act_ref
+from .op_def import NoAttrs, OpDef, ShapeDtype
+from .op_def import one_output as _one
 from .ref_math import sigmoid
 
 GATINGS = ("softmax", "sigmoid", "sqrt_softplus")
@@ -218,3 +221,97 @@ def moe_ffn_node_ref(ins: Sequence[np.ndarray], a: Any) -> np.ndarray:
     n = moe_inputs(ins, a)
     y = routed_experts_ref(n, a)
     return y + shared_expert_ref(n, a) if a.shared else y
+
+
+# ----------------------------------------------------------------------------------------------
+# the family's ops: records (attributes), shape rules and OpDefs, merged into ir/ops.py's OPS
+
+
+@dataclass(frozen=True)
+class MoeRoute:
+    """Router probabilities -> (weights [T,k], expert ids [T,k]); inputs (logits[, bias [X]])
+    (references and the routing family: moe_routing.py)."""
+
+    k: int
+    norm_clamp: float = 6.103515625e-5  # ggml clamps the renormalisation denominator
+    normalize: bool = True
+    gating: str = "softmax"  # "softmax", "sigmoid" or "sqrt_softplus" (llama.cpp expert_gating_func)
+    selection_bias: bool = False  # a second input [X] added to the probabilities to pick the experts only
+    weights_scale: float = 1.0  # expert_weights_scale, applied after the normalisation
+    # hash routing: the experts are table[token] (inputs table [V, k] int32, tokens [T] int32), not a top-k
+    hash_routed: bool = False
+
+
+@dataclass(frozen=True)
+class MoeFFN:
+    """Fused MoE: route + selected experts' SwiGLU FFN + weighted combine."""
+
+    k: int
+    normalize: bool = True
+    norm_clamp: float = 6.103515625e-5
+    has_gate: bool = True
+    expert_scales: tuple[str, ...] = ()  # which of ("gate", "up", "down") carry a per-expert scale
+    merged_gate_up: bool = False  # one [X, 2F, E] experts tensor in place of gate and up: rows [0,F) gate, [F,2F) up
+    shared: bool = False  # + a shared SwiGLU expert scaled by sigmoid(x . gate_inp_shexp) (qwen3next, qwen4exp)
+    shared_scales: tuple[str, ...] = ()  # which of the shared expert's ("gate", "up", "down") carry a [1] scale
+    # llama.cpp's 8-bit rounding (ir/act_quant.py) of the routed experts' inputs: (gate/up, down);
+    # "" keeps float32 (set by the quantize_activations pass)
+    act_schemes: tuple[str, str] = ("", "")
+    shared_act_schemes: tuple[str, str] = ("", "")  # the same for the shared expert's inputs
+    # the routing family (moe_routing.py): gating, selection bias input, weights scale, activations
+    gating: str = "softmax"
+    selection_bias: bool = False
+    weights_scale: float = 1.0
+    # routed experts: "swiglu", "swiglu_clamp" / "swiglu_clamp_after" (limit act_limit), "swiglu_oai" or "situ" (beta
+    # act_limit, linear beta act_linear_beta)
+    act: str = "swiglu"
+    act_limit: float = 0.0
+    shared_gated: bool = True  # False: the shared expert is always active (no gate_inp_shexp input)
+    shared_act: str = "swiglu"
+    shared_act_limit: float = 0.0
+    # latent MoE (kimi-k3): the experts run in L dims between routed_down [L, E] and routed_up [E, L]
+    # (an RMSNorm [L] of the routed sum between them when latent_norm); the router reads x
+    latent: bool = False
+    latent_norm: bool = False
+    latent_norm_eps: float = 0.0
+    act_linear_beta: float = 0.0
+    shared_act_linear_beta: float = 0.0
+    hash_routed: bool = False  # experts = tid2eid[token] (inputs table [V, k] int32, tokens [T] int32)
+
+
+def _take_along_shape(ins: Sequence[ShapeDtype], a: Any) -> list[ShapeDtype]:
+    """x [..., X], ids [..., k] int32 -> [..., k]: x's values at the ids along the last axis."""
+    (xs, dt), (ids, it) = ins
+    lead_ok = all(p == q for p, q in zip(xs[:-1], ids[:-1], strict=False) if isinstance(p, int) and isinstance(q, int))
+    if len(xs) != len(ids) or it != "int32" or not lead_ok:
+        raise ValueError(f"take_along: ids {it}{list(ids)} do not index the last axis of {list(xs)}")
+    return [(ids, dt)]
+
+
+def _route_shape(ins: Sequence[ShapeDtype], a: MoeRoute) -> list[ShapeDtype]:
+    check_routing(a, ins[0][0][-1], *(s for s, _ in ins[1:]))
+    shape = ins[0][0][:-1] + (a.k,)
+    return [(shape, "float32"), (shape, "int32")]
+
+
+def _moe_ffn_shape(ins: Sequence[ShapeDtype], a: MoeFFN) -> list[ShapeDtype]:
+    n = moe_inputs([s for s, _ in ins], a)
+    check_routing(a, n["router"][0], *((n["hash_table"], n["tokens"]) if a.hash_routed else
+                                       (n["bias"],) if a.selection_bias else ()))
+    if a.merged_gate_up and (not a.has_gate or {"gate", "up"} & set(a.expert_scales)):
+        raise ValueError("moe_ffn: a merged gate_up tensor has a gate and no gate/up scales")
+    if a.merged_gate_up and n["gate_up"][1] != 2 * n["down"][2]:
+        raise ValueError(f"moe_ffn: merged gate_up {n['gate_up']} is not twice the down's hidden {n['down']}")
+    return [ins[0]]
+
+
+MOE_OPS: dict[str, OpDef] = {
+    op.name: op
+    for op in [
+        OpDef("take_along", NoAttrs, _take_along_shape,
+              _one(lambda i, a, c: np.take_along_axis(i[0], i[1].astype(np.int64), -1))),
+        OpDef("moe_route", MoeRoute, _route_shape,
+              lambda i, a, c: list(moe_route_ref(i[0], a, *i[1:])), fused=True),
+        OpDef("moe_ffn", MoeFFN, _moe_ffn_shape, _one(lambda i, a, c: moe_ffn_node_ref(i, a)), fused=True),
+    ]
+}

@@ -12,8 +12,12 @@ by position, written before the hash reads it, so chunked prefill and decode has
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
+
+from .op_def import OpDef, ShapeDtype
+from .op_def import one_output as _one
 
 U64 = (1 << 64) - 1
 
@@ -48,3 +52,37 @@ def ple_hash_ref(hist: np.ndarray, tokens: np.ndarray, p0: int, ngram: int, head
                 h = (g - 2) * heads_per_ngram + k
                 rows[i, h] = mixed % int(sizes[h]) + int(offsets[h])
     return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# the family's ops: records (attributes), shape rules and OpDefs, merged into ir/ops.py's OPS
+
+
+@dataclass(frozen=True)
+class PleHash:
+    """PLE n-gram rows: (token history [C] int32, tokens [T], pos) -> [T, (n-1)*heads] int32."""
+
+    ngram: int
+    heads_per_ngram: int
+    multipliers: tuple[int, ...]
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    eos: int
+
+
+def _ple_hash_shape(ins: Sequence[ShapeDtype], a: PleHash) -> list[ShapeDtype]:
+    (hs, hdt), (ts, _), _pos = ins
+    n_heads = (a.ngram - 1) * a.heads_per_ngram
+    if hdt != "int32" or len(hs) != 1 or len(a.offsets) < n_heads or len(a.sizes) < n_heads:
+        raise ValueError(f"ple_hash: history {hdt}{list(hs)} or head tables do not fit {n_heads} heads")
+    return [((ts[0], n_heads), "int32")]
+
+
+NGRAM_OPS: dict[str, OpDef] = {
+    op.name: op
+    for op in [
+        OpDef("ple_hash", PleHash, _ple_hash_shape,
+              _one(lambda i, a, c: ple_hash_ref(i[0], i[1], int(i[2]), a.ngram, a.heads_per_ngram, a.multipliers,
+                                                a.offsets, a.sizes, a.eos))),
+    ]
+}

@@ -65,9 +65,13 @@ def _encode(x: Any) -> Any:
     return x
 
 
+# every op's record by class name: the generic ops' and each family's (merged into O.OPS)
+RECORDS: dict[str, type] = {op.attrs.__name__: op.attrs for op in O.OPS.values()}
+
+
 def _decode(x: Any) -> Any:
     if isinstance(x, dict):
-        cls = getattr(O, x["__attrs__"])
+        cls = RECORDS[x["__attrs__"]]
         return cls(**{k: _decode(v) for k, v in x.items() if k != "__attrs__"})
     if isinstance(x, list):
         return tuple(_decode(e) for e in x)

@@ -1,5 +1,12 @@
 """The closed op set: one record per op (attributes, shape rule, numpy reference, effects).
 
+This module defines the generic ops and merges the op families' tables into `OPS`: each family
+(hyper_connections, latent_attention, linear_attention, moe_routing, ngram_embedding,
+sparse_indexers) defines its ops' records, shape rules and OpDefs in its own ir/<family>.py, as
+its decompositions and lowerings live in its own files (`OpDef` itself: ir/op_def.py). The records
+that lived here before (and `moe_inputs`) are re-exported for their callers (`O.HcPre` is
+`hyper_connections.HcPre`); a new family op's record is imported from its family's module.
+
 Primitive ops are the small vocabulary every model is spelled in. Fused ops are named
 compositions that passes form and codegen lowers to dedicated kernels; each has a decomposition
 into primitives (see `ir/decompose.py`), so the decomposed and fused graphs can be compared.
@@ -16,40 +23,38 @@ from typing import Any
 
 import numpy as np
 
+from . import hyper_connections, latent_attention, linear_attention, moe_routing, ngram_embedding, sparse_indexers
 from .act_quant import ACT_BLOCK, q8_1_sums_ref, quantize_act_ref
 from .graph import Dim, Shape, eval_shape
-from .hyper_connections import hc_post_ref, hc_pre_ref, res_mix_ref
-from .latent_attention import head_matmul_ref
-from .linear_attention import (
-    gated_delta_net_ref,
-    l2_norm_ref,
-    lightning_attention_ref,
-    rms_norm_gated_ref,
-    ssm_conv_ref,
-)
-from .moe_routing import check_routing, matmul_id_ref, moe_ffn_node_ref, moe_inputs, moe_route_ref
-from .ngram_embedding import ple_hash_ref
-from .sparse_indexers import (
-    block_mask_ref,
-    block_score_ref,
-    block_topk_ref,
-    compressed_attention_ref,
-    compressed_score_ref,
-    compressor_pool_ref,
-    index_mask_ref,
-    indexer_score_ref,
-    indexer_topk_ref,
-    token_score_ref,
-    token_topk_ref,
-)
+from .hyper_connections import HcPost as HcPost
+from .hyper_connections import HcPre as HcPre
+from .hyper_connections import ResMix as ResMix
+from .linear_attention import GatedDeltaNet as GatedDeltaNet
+from .linear_attention import L2Norm as L2Norm
+from .linear_attention import LightningAttention as LightningAttention
+from .linear_attention import RMSNormGated as RMSNormGated
+from .linear_attention import SsmConv as SsmConv
+from .moe_routing import MoeFFN as MoeFFN
+from .moe_routing import MoeRoute as MoeRoute
+from .moe_routing import matmul_id_ref
+from .moe_routing import moe_inputs as moe_inputs
+from .ngram_embedding import PleHash as PleHash
+from .op_def import NoAttrs, OpDef, ShapeDtype
+from .op_def import one_output as _one
+from .op_def import same_shape as _same
+from .sparse_indexers import BlockMask as BlockMask
+from .sparse_indexers import BlockTopK as BlockTopK
+from .sparse_indexers import CompressedAttention as CompressedAttention
+from .sparse_indexers import CompressedScore as CompressedScore
+from .sparse_indexers import CompressorPool as CompressorPool
+from .sparse_indexers import IndexerBlockScore as IndexerBlockScore
+from .sparse_indexers import IndexerScore as IndexerScore
+from .sparse_indexers import IndexerTopK as IndexerTopK
+from .sparse_indexers import TokenTopK as TokenTopK
+from .sparse_indexers import block_mask_ref, index_mask_ref
 
 # ----------------------------------------------------------------------------------------------
 # attributes (frozen, typed)
-
-
-@dataclass(frozen=True)
-class NoAttrs:
-    pass
 
 
 @dataclass(frozen=True)
@@ -196,234 +201,6 @@ class Attention:
     # a fifth input sinks [H] (causal form): one more logit per query head that joins the softmax's
     # max and denominator and carries no value (ggml_soft_max_ext with sinks; gpt-oss)
     sinks: bool = False
-
-
-@dataclass(frozen=True)
-class MoeRoute:
-    """Router probabilities -> (weights [T,k], expert ids [T,k]); inputs (logits[, bias [X]])
-    (references and the routing family: moe_routing.py)."""
-
-    k: int
-    norm_clamp: float = 6.103515625e-5  # ggml clamps the renormalisation denominator
-    normalize: bool = True
-    gating: str = "softmax"  # "softmax", "sigmoid" or "sqrt_softplus" (llama.cpp expert_gating_func)
-    selection_bias: bool = False  # a second input [X] added to the probabilities to pick the experts only
-    weights_scale: float = 1.0  # expert_weights_scale, applied after the normalisation
-    # hash routing: the experts are table[token] (inputs table [V, k] int32, tokens [T] int32), not a top-k
-    hash_routed: bool = False
-
-
-@dataclass(frozen=True)
-class MoeFFN:
-    """Fused MoE: route + selected experts' SwiGLU FFN + weighted combine."""
-
-    k: int
-    normalize: bool = True
-    norm_clamp: float = 6.103515625e-5
-    has_gate: bool = True
-    expert_scales: tuple[str, ...] = ()  # which of ("gate", "up", "down") carry a per-expert scale
-    merged_gate_up: bool = False  # one [X, 2F, E] experts tensor in place of gate and up: rows [0,F) gate, [F,2F) up
-    shared: bool = False  # + a shared SwiGLU expert scaled by sigmoid(x . gate_inp_shexp) (qwen3next, qwen4exp)
-    shared_scales: tuple[str, ...] = ()  # which of the shared expert's ("gate", "up", "down") carry a [1] scale
-    # llama.cpp's 8-bit rounding (ir/act_quant.py) of the routed experts' inputs: (gate/up, down);
-    # "" keeps float32 (set by the quantize_activations pass)
-    act_schemes: tuple[str, str] = ("", "")
-    shared_act_schemes: tuple[str, str] = ("", "")  # the same for the shared expert's inputs
-    # the routing family (moe_routing.py): gating, selection bias input, weights scale, activations
-    gating: str = "softmax"
-    selection_bias: bool = False
-    weights_scale: float = 1.0
-    # routed experts: "swiglu", "swiglu_clamp" / "swiglu_clamp_after" (limit act_limit), "swiglu_oai" or "situ" (beta
-    # act_limit, linear beta act_linear_beta)
-    act: str = "swiglu"
-    act_limit: float = 0.0
-    shared_gated: bool = True  # False: the shared expert is always active (no gate_inp_shexp input)
-    shared_act: str = "swiglu"
-    shared_act_limit: float = 0.0
-    # latent MoE (kimi-k3): the experts run in L dims between routed_down [L, E] and routed_up [E, L]
-    # (an RMSNorm [L] of the routed sum between them when latent_norm); the router reads x
-    latent: bool = False
-    latent_norm: bool = False
-    latent_norm_eps: float = 0.0
-    act_linear_beta: float = 0.0
-    shared_act_linear_beta: float = 0.0
-    hash_routed: bool = False  # experts = tid2eid[token] (inputs table [V, k] int32, tokens [T] int32)
-
-
-@dataclass(frozen=True)
-class L2Norm:
-    """x / sqrt(sum(x^2) + eps) over the last axis (the gated delta-net's q/k norm)."""
-
-    eps: float
-
-
-@dataclass(frozen=True)
-class RMSNormGated:
-    """rms_norm(x, eps) * w * act(z): the gated RMSNorm on the delta-net output."""
-
-    eps: float
-    act: str = "silu"  # "silu" (qwen3next, qwen35) or "sigmoid" (qwen4exp)
-
-
-@dataclass(frozen=True)
-class SsmConv:
-    """Causal depthwise conv with its input history as state; outputs (new_state, y)."""
-
-    dilation: int = 1
-
-
-@dataclass(frozen=True)
-class GatedDeltaNet:
-    """The gated delta rule with state [Hv, Dv, Dk]; outputs (new_state, o [T, Hv, Dv])."""
-
-    head_map: str  # which q/k head value head h reads: "tiled" h % Hk or "interleaved" h // (Hv/Hk)
-    scale: float  # output scale, 1/sqrt(Dk)
-    key_decay: bool = False  # g [T, Hv, Dk]: one decay per key index (KDA) instead of one per head
-
-
-@dataclass(frozen=True)
-class LightningAttention:
-    """Linear attention with a fixed decay per head (minimax-01), the call's tokens one block;
-    inputs (state [H, Dk, Dv], q [T, H, Dk], k [T, H, Dk], v [T, H, Dv]), outputs (new_state, o [T, H, Dv])."""
-
-    slopes: tuple[float, ...]  # the per-head decay rates (float32 values)
-    layer_scale: float  # this layer's multiplier of the rates (a float32 value)
-
-
-# -- hyper-connections, sparse-attention indexers, n-gram embedding hash (references in -------
-# hyper_connections.py, sparse_indexers.py, ngram_embedding.py)
-
-
-@dataclass(frozen=True)
-class HcPre:
-    """Hyper-connection pre-mix of the [T, hc, E] streams into a layer input [T, E].
-
-    rule "sigmoid_mean" (qwen4exp): inputs (R, norm [hc,E], down [lr,hc*E], up [hc*E,lr]
-    [, inject [hc,hc*E]]); outputs (mixed [T,E][, post [T,hc] = 2*sigmoid(inject(xf)/hc)]).
-    rule "sinkhorn" (deepseek4's full-rank mix): inputs (R, fn [(2+hc)*hc, hc*E] (post) or
-    [hc, hc*E] (collapse), scale [3] or [1], base like fn's rows); outputs (mixed[, post [T,hc],
-    comb [T,hc(src),hc(dst)]]) for an `hc_post` with comb=True.
-    """
-
-    n_hc: int
-    eps: float
-    rule: str = "sigmoid_mean"
-    post: bool = True  # False: the final collapse (no inject, no post weights)
-    hc_eps: float = 0.0  # "sinkhorn": added to the pre weights and in every normalisation
-    n_iter: int = 0  # "sinkhorn": Sinkhorn rounds (the first is the column normalisation alone)
-
-
-@dataclass(frozen=True)
-class HcPost:
-    """R [T,hc,E] + post [T,hc] * y [T,E] per stream (comb=True: R mixed by a [T,hc(src),hc(dst)] comb)."""
-
-    comb: bool = False
-
-
-@dataclass(frozen=True)
-class ResMix:
-    """Cross-layer residual attention: (src [T,n,E] banked inputs, cur [T,E], score weight [E]) ->
-    softmax-of-(sum(rms(x) * w)) mix of the raw src rows and cur [T,E]."""
-
-    eps: float
-
-
-@dataclass(frozen=True)
-class IndexerScore:
-    """QSA block scores: inputs (q [T,Hi,Di] normed+roped, raw key cache [C,Di], k-norm [Di], block
-    rope table [C//r + 1, n_rot/2, 2]) -> [T, C//r + 1] (last column: the spare block)."""
-
-    ratio: int
-    eps: float
-    n_rot: int
-
-
-@dataclass(frozen=True)
-class IndexerTopK:
-    """QSA selection: (block scores [T, NB+1], pos) -> [T, width] selected cell ids (-1: none);
-    width = top_k + ratio - 1 (clamped to the context); the tail is always kept."""
-
-    ratio: int
-    width: int
-
-
-@dataclass(frozen=True)
-class CompressedScore:
-    """Lightning-indexer scores over compressed rows: (q [T,Hi,Di], head weights [T,Hi], rows
-    [NB,Di], pos) -> [T, NB], -inf at rows whose block of `ratio` positions is not complete."""
-
-    ratio: int
-
-
-@dataclass(frozen=True)
-class CompressedAttention:
-    """Attention of q [T,H,D] over one shared K = V head: the raw cells of a cache [C, D] within a
-    sliding window, plus (ratio > 0) the complete rows [NB, D] of a compressed cache (all, or
-    `selected`: those listed in a [T, k] int32 input), with per-head sink logits [H].
-    Inputs (q, cache, sinks, pos[, rows[, sel]])."""
-
-    scale: float
-    window: int
-    ratio: int = 0  # 0: raw cells only
-    selected: bool = False
-
-
-@dataclass(frozen=True)
-class TokenTopK:
-    """DSA selection: (token scores [T, P+T], pos) -> [T, width] cell ids, the `width` largest visible
-    cells (j <= P+t) of each query by llama.cpp's CPU top-k (heap select); -1 where a slot holds no
-    visible cell."""
-
-    width: int
-
-
-@dataclass(frozen=True)
-class IndexerBlockScore:
-    """MSA block scores: (q [T,G,Di] normed+roped, roped key cache [C,Di]) -> [T, G, C//block],
-    the largest q . key of each block of `block` cells."""
-
-    block: int
-
-
-@dataclass(frozen=True)
-class CompressorPool:
-    """Compressed rows: (kv states [C, wide], score states [C, wide], ape [r, wide]) -> [C/r, d], per
-    block and channel the kv of the block window weighted by the softmax of score + ape over it.
-    `overlap`: wide = 2d and the window is 2r (block j-1's first d channels, then block j's last d);
-    otherwise wide = d and the window is the block."""
-
-    ratio: int
-    overlap: bool
-
-
-@dataclass(frozen=True)
-class BlockTopK:
-    """MSA selection: (block scores [T,G,NB], pos) -> [T, G, min(top_k, NB)] block ids (-1: none);
-    the `local` blocks ending at the query's block first, then the best earlier ones."""
-
-    block: int
-    top_k: int
-    local: int
-
-
-@dataclass(frozen=True)
-class BlockMask:
-    """(selected blocks [T,G,K], pos) -> additive [G, T, P+T] mask: 0 at cells of selected blocks up
-    to the query, -inf elsewhere."""
-
-    block: int
-
-
-@dataclass(frozen=True)
-class PleHash:
-    """PLE n-gram rows: (token history [C] int32, tokens [T], pos) -> [T, (n-1)*heads] int32."""
-
-    ngram: int
-    heads_per_ngram: int
-    multipliers: tuple[int, ...]
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    eos: int
 
 
 @dataclass(frozen=True)
@@ -690,13 +467,6 @@ def _norm_axis(axis: int, nd: int) -> int:
     return axis if axis >= 0 else nd + axis
 
 
-ShapeDtype = tuple[Shape, str]
-
-
-def _same(ins: Sequence[ShapeDtype], a: Any) -> list[ShapeDtype]:
-    return [ins[0]]
-
-
 def _binary_shape(ins: Sequence[ShapeDtype], a: Any) -> list[ShapeDtype]:
     return [(_broadcast(ins[0][0], ins[1][0]), ins[0][1])]
 
@@ -847,21 +617,6 @@ def _topk_shape(ins: Sequence[ShapeDtype], a: TopK) -> list[ShapeDtype]:
     return [(shape, ins[-1][1]), (shape, "int32")]
 
 
-def _take_along_shape(ins: Sequence[ShapeDtype], a: Any) -> list[ShapeDtype]:
-    """x [..., X], ids [..., k] int32 -> [..., k]: x's values at the ids along the last axis."""
-    (xs, dt), (ids, it) = ins
-    lead_ok = all(p == q for p, q in zip(xs[:-1], ids[:-1], strict=False) if isinstance(p, int) and isinstance(q, int))
-    if len(xs) != len(ids) or it != "int32" or not lead_ok:
-        raise ValueError(f"take_along: ids {it}{list(ids)} do not index the last axis of {list(xs)}")
-    return [(ids, dt)]
-
-
-def _route_shape(ins: Sequence[ShapeDtype], a: MoeRoute) -> list[ShapeDtype]:
-    check_routing(a, ins[0][0][-1], *(s for s, _ in ins[1:]))
-    shape = ins[0][0][:-1] + (a.k,)
-    return [(shape, "float32"), (shape, "int32")]
-
-
 def _cache_read_shape(ins: Sequence[ShapeDtype], a: Tokens) -> list[ShapeDtype]:
     return [(("P+T",) + ins[0][0][1:], ins[0][1])]
 
@@ -890,50 +645,6 @@ def _elementwise_shape(ins: Sequence[ShapeDtype], a: FusedElementwise) -> list[S
     return [(_broadcast(*[s for s, _ in ins]), ins[0][1])]
 
 
-def _moe_ffn_shape(ins: Sequence[ShapeDtype], a: MoeFFN) -> list[ShapeDtype]:
-    n = moe_inputs([s for s, _ in ins], a)
-    check_routing(a, n["router"][0], *((n["hash_table"], n["tokens"]) if a.hash_routed else
-                                       (n["bias"],) if a.selection_bias else ()))
-    if a.merged_gate_up and (not a.has_gate or {"gate", "up"} & set(a.expert_scales)):
-        raise ValueError("moe_ffn: a merged gate_up tensor has a gate and no gate/up scales")
-    if a.merged_gate_up and n["gate_up"][1] != 2 * n["down"][2]:
-        raise ValueError(f"moe_ffn: merged gate_up {n['gate_up']} is not twice the down's hidden {n['down']}")
-    return [ins[0]]
-
-
-def _rms_norm_gated_shape(ins: Sequence[ShapeDtype], a: RMSNormGated) -> list[ShapeDtype]:
-    (xs, dt), (ws, _), (zs, _) = ins
-    if tuple(ws) != (xs[-1],) or len(zs) != len(xs) or any(p != q for p, q in zip(xs, zs, strict=True)):
-        raise ValueError(f"rms_norm_gated: x {xs}, weight {ws} and gate {zs} disagree")
-    return [(xs, dt)]
-
-
-def _ssm_conv_shape(ins: Sequence[ShapeDtype], a: SsmConv) -> list[ShapeDtype]:
-    """(state [C, (K-1)*dilation], x [T, C], w [C, K]) -> (new state, y [T, C])."""
-    (ss, sdt), (xs, _), (ws, _) = ins
-    n_ch, k = ws
-    if len(xs) != 2 or xs[1] != n_ch or tuple(ss) != (n_ch, (int(k) - 1) * a.dilation):
-        raise ValueError(f"ssm_conv: state {ss}, x {xs} and kernel {ws} disagree (dilation {a.dilation})")
-    return [(ss, sdt), ((xs[0], n_ch), "float32")]
-
-
-def _gated_delta_net_shape(ins: Sequence[ShapeDtype], a: GatedDeltaNet) -> list[ShapeDtype]:
-    """(state [Hv,Dv,Dk], q [T,Hk,Dk], k [T,Hk,Dk], v [T,Hv,Dv], g [T,Hv] (key_decay: [T,Hv,Dk]),
-    beta [T,Hv]) -> (state, o)."""
-    (ss, sdt), (qs, _), (ks, _), (vs, _), (gs, _), (bs, _) = ins
-    hv, dv, dk = ss
-    t, hk = qs[0], qs[1]
-    ok = (
-        tuple(qs) == (t, hk, dk) and tuple(ks) == tuple(qs) and tuple(vs) == (t, hv, dv)
-        and tuple(gs) == ((t, hv, dk) if a.key_decay else (t, hv)) and tuple(bs) == (t, hv)
-        and isinstance(hk, int) and hv % hk == 0
-        and a.head_map in ("tiled", "interleaved")
-    )
-    if not ok:
-        raise ValueError(f"gated_delta_net: state {ss}, q {qs}, k {ks}, v {vs}, g {gs}, beta {bs} disagree")
-    return [(ss, sdt), (vs, "float32")]
-
-
 def _attention_shape(ins: Sequence[ShapeDtype], a: Attention) -> list[ShapeDtype]:
     n_in = 4 if a.mask == "causal" and not a.sinks else 5
     if len(ins) != n_in or a.mask not in ("causal", "additive", "indices", "blocks"):
@@ -952,153 +663,6 @@ def _attention_shape(ins: Sequence[ShapeDtype], a: Attention) -> list[ShapeDtype
     if a.window < 0 or a.softcap < 0:
         raise ValueError(f"attention: window {a.window} and softcap {a.softcap} must be >= 0")
     return [ins[0]]
-
-
-def _hc_pre_sinkhorn_shape(ins: Sequence[ShapeDtype], a: HcPre) -> list[ShapeDtype]:
-    (rs, dt), (fs, _), (ss, _), (bs, _) = ins
-    t, hc, e = rs
-    n_mix = (2 + a.n_hc) * a.n_hc if a.post else a.n_hc
-    ok = hc == a.n_hc and tuple(fs) == (n_mix, hc * e) and tuple(ss) == ((3,) if a.post else (1,))
-    if not ok or tuple(bs) != (n_mix,) or (a.post and a.n_iter < 1):
-        raise ValueError(f"hc_pre {a}: streams {rs}, weights {[s for s, _ in ins[1:]]} disagree")
-    if not a.post:
-        return [((t, e), dt)]
-    return [((t, e), dt), ((t, hc), dt), ((t, hc, hc), dt)]
-
-
-def _hc_pre_shape(ins: Sequence[ShapeDtype], a: HcPre) -> list[ShapeDtype]:
-    if a.rule == "sinkhorn":
-        return _hc_pre_sinkhorn_shape(ins, a)
-    (rs, dt), (ns, _), (ds, _), (us, _), *rest = ins
-    t, hc, e = rs
-    ok = hc == a.n_hc and tuple(ns) == (hc, e) and ds[1] == hc * e and tuple(us) == (hc * e, ds[0])
-    ok = ok and len(rest) == (1 if a.post else 0) and a.rule == "sigmoid_mean"
-    if ok and a.post:
-        ok = tuple(rest[0][0]) == (a.n_hc, a.n_hc * e)  # hc == a.n_hc here
-    if not ok:
-        raise ValueError(f"hc_pre {a}: streams {rs}, weights {[s for s, _ in ins[1:]]} disagree")
-    outs: list[ShapeDtype] = [((t, e), dt)]
-    if a.post:
-        outs.append(((t, hc), dt))
-    return outs
-
-
-def _res_mix_shape(ins: Sequence[ShapeDtype], a: ResMix) -> list[ShapeDtype]:
-    (ss, _), (cs, dt), (ws, _) = ins
-    if len(ss) != 3 or len(cs) != 2 or cs[0] != ss[0] or cs[1] != ss[2] or tuple(ws) != (ss[2],):
-        raise ValueError(f"res_mix: bank {ss}, stream {cs} and score weight {ws} disagree")
-    return [(cs, dt)]
-
-
-def _hc_post_shape(ins: Sequence[ShapeDtype], a: HcPost) -> list[ShapeDtype]:
-    (rs, dt), (ys, _), (ps, _), *rest = ins
-    t, hc, e = rs
-    ok = tuple(ys) == (t, e) and tuple(ps) == (t, hc) and len(rest) == int(a.comb)
-    if not ok or (a.comb and tuple(rest[0][0]) != (t, hc, hc)):
-        raise ValueError(f"hc_post: streams {rs}, y {ys}, post {ps} disagree")
-    return [(rs, dt)]
-
-
-def _indexer_score_shape(ins: Sequence[ShapeDtype], a: IndexerScore) -> list[ShapeDtype]:
-    (qs, dt), (cs, _), (ns, _), (tabs, _) = ins
-    n_cells, di = cs
-    nb1 = int(n_cells) // a.ratio + 1
-    if len(qs) != 3 or qs[2] != di or tuple(ns) != (di,) or tuple(tabs) != (nb1, a.n_rot // 2, 2):
-        raise ValueError(f"indexer_score: q {qs}, cache {cs}, norm {ns}, table {tabs} disagree")
-    return [((qs[0], nb1), "float32")]
-
-
-def _indexer_topk_shape(ins: Sequence[ShapeDtype], a: IndexerTopK) -> list[ShapeDtype]:
-    (ss, _), _pos = ins
-    return [((ss[0], a.width), "int32")]
-
-
-def _index_mask_shape(ins: Sequence[ShapeDtype], a: Any) -> list[ShapeDtype]:
-    (ss, dt), _pos = ins
-    if dt != "int32" or len(ss) != 2:
-        raise ValueError(f"index_mask takes [T, W] int32 cell ids, got {dt}{list(ss)}")
-    return [((ss[0], "P+T"), "float32")]
-
-
-def _compressed_score_shape(ins: Sequence[ShapeDtype], a: CompressedScore) -> list[ShapeDtype]:
-    (qs, dt), (ws, _), (rs, _), _pos = ins
-    if len(qs) != 3 or tuple(ws) != (qs[0], qs[1]) or len(rs) != 2 or rs[1] != qs[2]:
-        raise ValueError(f"compressed_score: q {qs}, weights {ws}, rows {rs} disagree")
-    return [((qs[0], rs[0]), dt)]
-
-
-def _compressed_attention_shape(ins: Sequence[ShapeDtype], a: CompressedAttention) -> list[ShapeDtype]:
-    n_in = 4 + (a.ratio > 0) + a.selected
-    if len(ins) != n_in or (a.selected and a.ratio <= 0):
-        raise ValueError(f"compressed_attention {a} takes {n_in} inputs, got {len(ins)}")
-    (qs, dt), (cs, _), (ss, _) = ins[:3]
-    ok = len(qs) == 3 and len(cs) == 2 and cs[1] == qs[2] and tuple(ss) == (qs[1],)
-    if a.ratio > 0:
-        ok = ok and len(ins[4][0]) == 2 and ins[4][0][1] == qs[2]
-    if a.selected:
-        ok = ok and ins[5][1] == "int32" and len(ins[5][0]) == 2 and ins[5][0][0] == qs[0]
-    if not ok:
-        raise ValueError(f"compressed_attention: inputs {[s for s, _ in ins]} disagree")
-    return [(qs, dt)]
-
-def _token_score_shape(ins: Sequence[ShapeDtype], a: Any) -> list[ShapeDtype]:
-    (qs, _), (cs, _), (ws, _), _pos = ins
-    if len(qs) != 3 or len(cs) != 2 or qs[2] != cs[1] or tuple(ws) != tuple(qs[:2]):
-        raise ValueError(f"token_score: q {qs}, key cache {cs}, head weights {ws} disagree")
-    return [((qs[0], "P+T"), "float32")]
-
-
-def _token_topk_shape(ins: Sequence[ShapeDtype], a: TokenTopK) -> list[ShapeDtype]:
-    (ss, _), _pos = ins
-    if len(ss) != 2 or a.width <= 0:
-        raise ValueError(f"token_topk: scores {ss} must be [T, P+T] and width positive ({a.width})")
-    return [((ss[0], a.width), "int32")]
-
-
-def _head_matmul_shape(ins: Sequence[ShapeDtype], a: Any) -> list[ShapeDtype]:
-    (xs, _), (ws, _) = ins
-    if len(xs) != 3 or len(ws) != 3 or xs[1] != ws[0] or xs[2] != ws[2]:
-        raise ValueError(f"head_matmul: x {xs} [T, H, K] and weight {ws} [H, N, K] disagree")
-    return [((xs[0], xs[1], ws[1]), "float32")]
-
-
-def _block_score_shape(ins: Sequence[ShapeDtype], a: IndexerBlockScore) -> list[ShapeDtype]:
-    (qs, _), (cs, _) = ins
-    if len(qs) != 3 or len(cs) != 2 or qs[2] != cs[1] or a.block <= 0:
-        raise ValueError(f"indexer_block_score: q {qs} and key cache {cs} disagree (block {a.block})")
-    return [((qs[0], qs[1], int(cs[0]) // a.block), "float32")]
-
-
-def _compressor_pool_shape(ins: Sequence[ShapeDtype], a: CompressorPool) -> list[ShapeDtype]:
-    (ks, _), (ss, _), (ap, _) = ins
-    wide = ks[1] if len(ks) == 2 else 0
-    if (len(ks) != 2 or tuple(ss) != tuple(ks) or tuple(ap) != (a.ratio, wide) or a.ratio <= 0
-            or int(ks[0]) % a.ratio or (a.overlap and int(wide) % 2)):
-        raise ValueError(f"compressor_pool {a}: kv {ks}, score {ss} [C, wide] (C whole blocks) and ape {ap} "
-                         f"[r, wide] disagree")
-    return [((int(ks[0]) // a.ratio, int(wide) // 2 if a.overlap else wide), "float32")]
-
-
-def _block_topk_shape(ins: Sequence[ShapeDtype], a: BlockTopK) -> list[ShapeDtype]:
-    (ss, _), _pos = ins
-    if len(ss) != 3 or min(a.block, a.top_k, a.local) <= 0:
-        raise ValueError(f"block_topk: scores {ss} must be [T, G, NB]; block, top_k and local must be positive")
-    return [((ss[0], ss[1], min(a.top_k, int(ss[2]))), "int32")]
-
-
-def _block_mask_shape(ins: Sequence[ShapeDtype], a: BlockMask) -> list[ShapeDtype]:
-    (ss, dt), _pos = ins
-    if dt != "int32" or len(ss) != 3:
-        raise ValueError(f"block_mask takes [T, G, K] int32 block ids, got {dt}{list(ss)}")
-    return [((ss[1], ss[0], "P+T"), "float32")]
-
-
-def _ple_hash_shape(ins: Sequence[ShapeDtype], a: PleHash) -> list[ShapeDtype]:
-    (hs, hdt), (ts, _), _pos = ins
-    n_heads = (a.ngram - 1) * a.heads_per_ngram
-    if hdt != "int32" or len(hs) != 1 or len(a.offsets) < n_heads or len(a.sizes) < n_heads:
-        raise ValueError(f"ple_hash: history {hdt}{list(hs)} or head tables do not fit {n_heads} heads")
-    return [((ts[0], n_heads), "int32")]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1128,40 +692,7 @@ def _ref_gather(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
     return table[ids.astype(np.int64)]
 
 
-def _lightning_attention_shape(ins: Sequence[ShapeDtype], a: LightningAttention) -> list[ShapeDtype]:
-    (ss, sdt), (qs, _), (ks, _), (vs, _) = ins
-    h, dk, dv = ss
-    t = qs[0]
-    ok = (tuple(qs) == (t, h, dk) and tuple(ks) == tuple(qs) and tuple(vs) == (t, h, dv)
-          and len(a.slopes) == h)
-    if not ok:
-        raise ValueError(f"lightning_attention: state {ss}, q {qs}, k {ks}, v {vs}, {len(a.slopes)} slopes disagree")
-    return [(ss, sdt), (vs, "float32")]
-
-
-def _ref_gated_delta_net(ins: Sequence[np.ndarray], a: GatedDeltaNet) -> list[np.ndarray]:
-    state, q, k, v, g, beta = ins
-    return list(gated_delta_net_ref(state, q, k, v, g, beta, a.head_map, a.scale))
-
-
-@dataclass(frozen=True)
-class OpDef:
-    name: str
-    attrs: type
-    infer: Callable[[Sequence[ShapeDtype], Any], list[ShapeDtype]]
-    ref: Callable[..., Any]  # (inputs, attrs, ctx) -> list of outputs
-    fused: bool = False
-    effects: bool = False
-    # input positions (given the input count) whose weight's block minimums the reference reads;
-    # the interpreter appends them to the inputs (ir/interp.py)
-    block_mins: Callable[[int, Any], tuple[int, ...]] = lambda n_inputs, attrs: ()
-
-
-def _one(f: Callable[..., np.ndarray]) -> Callable[..., list[np.ndarray]]:
-    return lambda ins, a, ctx: [f(ins, a, ctx)]
-
-
-OPS: dict[str, OpDef] = {
+GENERIC_OPS: dict[str, OpDef] = {
     op.name: op
     for op in [
         # primitives
@@ -1181,8 +712,6 @@ OPS: dict[str, OpDef] = {
         OpDef("bmm_nt", NoAttrs, _bmm_shape, _one(lambda i, a, c: i[0] @ np.swapaxes(i[1], 1, 2))),
         OpDef("bmm_nn", NoAttrs, _bmm_nn_shape, _one(lambda i, a, c: i[0] @ i[1])),
         OpDef("matmul_id", NoAttrs, _matmul_id_shape, _one(lambda i, a, c: matmul_id_ref(i[0], i[1], i[2]))),
-        OpDef("take_along", NoAttrs, _take_along_shape,
-              _one(lambda i, a, c: np.take_along_axis(i[0], i[1].astype(np.int64), -1))),
         OpDef("topk", TopK, _topk_shape, lambda i, a, c: list(topk_ref(i[0], a.k, i[1] if len(i) > 1 else None))),
         OpDef("positions", Tokens, _positions_shape,
               _one(lambda i, a, c: (int(i[0]) + np.arange(c["T"])).astype(np.int32))),
@@ -1194,53 +723,6 @@ OPS: dict[str, OpDef] = {
         OpDef("cache_write", NoAttrs, _same, _one(lambda i, a, c: _ref_cache_write(i[0], i[1], i[2])),
               effects=True),
         OpDef("cache_read", Tokens, _cache_read_shape, _one(lambda i, a, c: _ref_cache_read(i[0], i[1], c))),
-        # recurrent state (gated delta-net family): inputs[0] is the state, outputs[0] its new version
-        OpDef("ssm_conv", SsmConv, _ssm_conv_shape,
-              lambda i, a, c: list(ssm_conv_ref(i[0], i[1], i[2], a.dilation)), effects=True),
-        OpDef("gated_delta_net", GatedDeltaNet, _gated_delta_net_shape,
-              lambda i, a, c: _ref_gated_delta_net(i, a), effects=True),
-        OpDef("lightning_attention", LightningAttention, _lightning_attention_shape,
-              lambda i, a, c: list(lightning_attention_ref(i[0], i[1], i[2], i[3], a.slopes, a.layer_scale)),
-              effects=True),
-        # qwen4exp: the hyper-connection mix, the QSA indexer, the PLE n-gram hash
-        OpDef("indexer_topk", IndexerTopK, _indexer_topk_shape,
-              _one(lambda i, a, c: indexer_topk_ref(i[0], int(i[1]), a.ratio, a.width))),
-        OpDef("index_mask", NoAttrs, _index_mask_shape, _one(lambda i, a, c: index_mask_ref(i[0], int(i[1])))),
-        # compressed rows (deepseek4's CSA/HCA): the lightning indexer's scores, attention with sinks
-        OpDef("compressed_score", CompressedScore, _compressed_score_shape,
-              _one(lambda i, a, c: compressed_score_ref(i[0], i[1], i[2], int(i[3]), a.ratio))),
-        OpDef("compressed_attention", CompressedAttention, _compressed_attention_shape,
-              _one(lambda i, a, c: compressed_attention_ref(
-                  i[0], i[1], i[2], int(i[3]), a.scale, a.window, a.ratio, i[4] if a.ratio > 0 else None,
-                  i[5] if a.selected else None))),
-        # DSA (token-level indexer): the lightning indexer's scores and its top-k
-        OpDef("token_topk", TokenTopK, _token_topk_shape, _one(lambda i, a, c: token_topk_ref(i[0], int(i[1]),
-                                                                                              a.width))),
-        OpDef("token_score", NoAttrs, _token_score_shape,
-              _one(lambda i, a, c: token_score_ref(i[0], i[1], i[2], int(i[3]))), fused=True),
-        # MLA: the absorbed per-head projections (attn_k_b into q, attn_v_b on the latent output)
-        OpDef("head_matmul", NoAttrs, _head_matmul_shape, _one(lambda i, a, c: head_matmul_ref(i[0], i[1]))),
-        # minimax-m3: MSA block selection
-        OpDef("block_topk", BlockTopK, _block_topk_shape,
-              _one(lambda i, a, c: block_topk_ref(i[0], int(i[1]), a.block, a.top_k, a.local))),
-        OpDef("block_mask", BlockMask, _block_mask_shape,
-              _one(lambda i, a, c: block_mask_ref(i[0], int(i[1]), a.block))),
-        OpDef("ple_hash", PleHash, _ple_hash_shape,
-              _one(lambda i, a, c: ple_hash_ref(i[0], i[1], int(i[2]), a.ngram, a.heads_per_ngram, a.multipliers,
-                                                a.offsets, a.sizes, a.eos))),
-        OpDef("hc_pre", HcPre, _hc_pre_shape, lambda i, a, c: hc_pre_ref(i, a.n_hc, a.eps, a.rule, a.post,
-                                                                          a.hc_eps, a.n_iter),
-              fused=True),
-        OpDef("hc_post", HcPost, _hc_post_shape,
-              _one(lambda i, a, c: hc_post_ref(i[0], i[1], i[2], i[3] if a.comb else None)), fused=True),
-        OpDef("res_mix", ResMix, _res_mix_shape, _one(lambda i, a, c: res_mix_ref(i[0], i[1], i[2], a.eps)),
-              fused=True),
-        OpDef("indexer_score", IndexerScore, _indexer_score_shape,
-              _one(lambda i, a, c: indexer_score_ref(i[0], i[1], i[2], i[3], a.ratio, a.eps, a.n_rot)), fused=True),
-        OpDef("indexer_block_score", IndexerBlockScore, _block_score_shape,
-              _one(lambda i, a, c: block_score_ref(i[0], i[1], a.block)), fused=True),
-        OpDef("compressor_pool", CompressorPool, _compressor_pool_shape,
-              _one(lambda i, a, c: compressor_pool_ref(i[0], i[1], i[2], a.ratio, a.overlap)), fused=True),
         # fused
         OpDef("softmax", Softmax, _same, _one(lambda i, a, c: softmax_ref(i[0], a.axis)), fused=True),
         # rms_norm: inputs (x,) or (x, weight)
@@ -1253,20 +735,18 @@ OPS: dict[str, OpDef] = {
                                                  a.f16_pv_below, a.window, a.softcap, i[4] if a.sinks else None)),
               fused=True),
         OpDef("swiglu", NoAttrs, _same, _one(lambda i, a, c: i[0] * _sigmoid(i[0]) * i[1]), fused=True),
-        OpDef("moe_route", MoeRoute, _route_shape,
-              lambda i, a, c: list(moe_route_ref(i[0], a, *i[1:])), fused=True),
-        OpDef("moe_ffn", MoeFFN, _moe_ffn_shape, _one(lambda i, a, c: moe_ffn_node_ref(i, a)), fused=True),
         OpDef("fused_elementwise", FusedElementwise, _elementwise_shape,
               _one(lambda i, a, c: fused_elementwise_ref(i, a)), fused=True),
-        OpDef("l2_norm", L2Norm, _same, _one(lambda i, a, c: l2_norm_ref(i[0], a.eps)), fused=True),
         OpDef("int8_matmul", Int8Matmul, _int8_matmul_shape, _int8_matmul_ref, fused=True,
               block_mins=_int8_matmul_mins),
         OpDef("int8_gemv_group", GemvGroup, _gemv_group_shape, _gemv_group_ref, fused=True,
               block_mins=_gemv_group_mins),
-        # rms_norm_gated: inputs (x, weight, gate)
-        OpDef("rms_norm_gated", RMSNormGated, _rms_norm_gated_shape,
-              _one(lambda i, a, c: rms_norm_gated_ref(i[0], i[1], i[2], a.eps, a.act)), fused=True),
     ]
 }
+
+# every op: the generic ones and each op family's (ir/<family>.py), as decompositions and lowerings are merged
+FAMILY_OPS = (hyper_connections.HC_OPS, latent_attention.LATENT_OPS, linear_attention.LINEAR_ATTENTION_OPS,
+              moe_routing.MOE_OPS, ngram_embedding.NGRAM_OPS, sparse_indexers.INDEXER_OPS)
+OPS: dict[str, OpDef] = {**GENERIC_OPS, **{name: op for table in FAMILY_OPS for name, op in table.items()}}
 
 ELEMENTWISE_OPS = frozenset({"unary", "binary", "scalar"})

@@ -54,9 +54,13 @@ Their spellings in primitives are in `sparse_indexers_spelled.py`.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
+from .op_def import NoAttrs, OpDef, ShapeDtype
+from .op_def import one_output as _one
 from .ref_math import rms_plain
 
 TAIL_BIAS = np.float32(1e9)  # llama.cpp's per-block bias of the tail (finite, so never a NaN)
@@ -310,3 +314,215 @@ def block_mask_ref(sel: np.ndarray, p0: int, block: int) -> np.ndarray:
                 if b >= 0:
                     mask[h, i, b * block : min((b + 1) * block, p0 + i + 1)] = 0.0
     return mask
+
+
+# ----------------------------------------------------------------------------------------------
+# the family's ops: records (attributes), shape rules and OpDefs, merged into ir/ops.py's OPS
+
+
+@dataclass(frozen=True)
+class IndexerScore:
+    """QSA block scores: inputs (q [T,Hi,Di] normed+roped, raw key cache [C,Di], k-norm [Di], block
+    rope table [C//r + 1, n_rot/2, 2]) -> [T, C//r + 1] (last column: the spare block)."""
+
+    ratio: int
+    eps: float
+    n_rot: int
+
+
+@dataclass(frozen=True)
+class IndexerTopK:
+    """QSA selection: (block scores [T, NB+1], pos) -> [T, width] selected cell ids (-1: none);
+    width = top_k + ratio - 1 (clamped to the context); the tail is always kept."""
+
+    ratio: int
+    width: int
+
+
+@dataclass(frozen=True)
+class CompressedScore:
+    """Lightning-indexer scores over compressed rows: (q [T,Hi,Di], head weights [T,Hi], rows
+    [NB,Di], pos) -> [T, NB], -inf at rows whose block of `ratio` positions is not complete."""
+
+    ratio: int
+
+
+@dataclass(frozen=True)
+class CompressedAttention:
+    """Attention of q [T,H,D] over one shared K = V head: the raw cells of a cache [C, D] within a
+    sliding window, plus (ratio > 0) the complete rows [NB, D] of a compressed cache (all, or
+    `selected`: those listed in a [T, k] int32 input), with per-head sink logits [H].
+    Inputs (q, cache, sinks, pos[, rows[, sel]])."""
+
+    scale: float
+    window: int
+    ratio: int = 0  # 0: raw cells only
+    selected: bool = False
+
+
+@dataclass(frozen=True)
+class TokenTopK:
+    """DSA selection: (token scores [T, P+T], pos) -> [T, width] cell ids, the `width` largest visible
+    cells (j <= P+t) of each query by llama.cpp's CPU top-k (heap select); -1 where a slot holds no
+    visible cell."""
+
+    width: int
+
+
+@dataclass(frozen=True)
+class IndexerBlockScore:
+    """MSA block scores: (q [T,G,Di] normed+roped, roped key cache [C,Di]) -> [T, G, C//block],
+    the largest q . key of each block of `block` cells."""
+
+    block: int
+
+
+@dataclass(frozen=True)
+class CompressorPool:
+    """Compressed rows: (kv states [C, wide], score states [C, wide], ape [r, wide]) -> [C/r, d], per
+    block and channel the kv of the block window weighted by the softmax of score + ape over it.
+    `overlap`: wide = 2d and the window is 2r (block j-1's first d channels, then block j's last d);
+    otherwise wide = d and the window is the block."""
+
+    ratio: int
+    overlap: bool
+
+
+@dataclass(frozen=True)
+class BlockTopK:
+    """MSA selection: (block scores [T,G,NB], pos) -> [T, G, min(top_k, NB)] block ids (-1: none);
+    the `local` blocks ending at the query's block first, then the best earlier ones."""
+
+    block: int
+    top_k: int
+    local: int
+
+
+@dataclass(frozen=True)
+class BlockMask:
+    """(selected blocks [T,G,K], pos) -> additive [G, T, P+T] mask: 0 at cells of selected blocks up
+    to the query, -inf elsewhere."""
+
+    block: int
+
+
+def _indexer_score_shape(ins: Sequence[ShapeDtype], a: IndexerScore) -> list[ShapeDtype]:
+    (qs, dt), (cs, _), (ns, _), (tabs, _) = ins
+    n_cells, di = cs
+    nb1 = int(n_cells) // a.ratio + 1
+    if len(qs) != 3 or qs[2] != di or tuple(ns) != (di,) or tuple(tabs) != (nb1, a.n_rot // 2, 2):
+        raise ValueError(f"indexer_score: q {qs}, cache {cs}, norm {ns}, table {tabs} disagree")
+    return [((qs[0], nb1), "float32")]
+
+
+def _indexer_topk_shape(ins: Sequence[ShapeDtype], a: IndexerTopK) -> list[ShapeDtype]:
+    (ss, _), _pos = ins
+    return [((ss[0], a.width), "int32")]
+
+
+def _index_mask_shape(ins: Sequence[ShapeDtype], a: Any) -> list[ShapeDtype]:
+    (ss, dt), _pos = ins
+    if dt != "int32" or len(ss) != 2:
+        raise ValueError(f"index_mask takes [T, W] int32 cell ids, got {dt}{list(ss)}")
+    return [((ss[0], "P+T"), "float32")]
+
+
+def _compressed_score_shape(ins: Sequence[ShapeDtype], a: CompressedScore) -> list[ShapeDtype]:
+    (qs, dt), (ws, _), (rs, _), _pos = ins
+    if len(qs) != 3 or tuple(ws) != (qs[0], qs[1]) or len(rs) != 2 or rs[1] != qs[2]:
+        raise ValueError(f"compressed_score: q {qs}, weights {ws}, rows {rs} disagree")
+    return [((qs[0], rs[0]), dt)]
+
+
+def _compressed_attention_shape(ins: Sequence[ShapeDtype], a: CompressedAttention) -> list[ShapeDtype]:
+    n_in = 4 + (a.ratio > 0) + a.selected
+    if len(ins) != n_in or (a.selected and a.ratio <= 0):
+        raise ValueError(f"compressed_attention {a} takes {n_in} inputs, got {len(ins)}")
+    (qs, dt), (cs, _), (ss, _) = ins[:3]
+    ok = len(qs) == 3 and len(cs) == 2 and cs[1] == qs[2] and tuple(ss) == (qs[1],)
+    if a.ratio > 0:
+        ok = ok and len(ins[4][0]) == 2 and ins[4][0][1] == qs[2]
+    if a.selected:
+        ok = ok and ins[5][1] == "int32" and len(ins[5][0]) == 2 and ins[5][0][0] == qs[0]
+    if not ok:
+        raise ValueError(f"compressed_attention: inputs {[s for s, _ in ins]} disagree")
+    return [(qs, dt)]
+
+
+def _token_score_shape(ins: Sequence[ShapeDtype], a: Any) -> list[ShapeDtype]:
+    (qs, _), (cs, _), (ws, _), _pos = ins
+    if len(qs) != 3 or len(cs) != 2 or qs[2] != cs[1] or tuple(ws) != tuple(qs[:2]):
+        raise ValueError(f"token_score: q {qs}, key cache {cs}, head weights {ws} disagree")
+    return [((qs[0], "P+T"), "float32")]
+
+
+def _token_topk_shape(ins: Sequence[ShapeDtype], a: TokenTopK) -> list[ShapeDtype]:
+    (ss, _), _pos = ins
+    if len(ss) != 2 or a.width <= 0:
+        raise ValueError(f"token_topk: scores {ss} must be [T, P+T] and width positive ({a.width})")
+    return [((ss[0], a.width), "int32")]
+
+
+def _block_score_shape(ins: Sequence[ShapeDtype], a: IndexerBlockScore) -> list[ShapeDtype]:
+    (qs, _), (cs, _) = ins
+    if len(qs) != 3 or len(cs) != 2 or qs[2] != cs[1] or a.block <= 0:
+        raise ValueError(f"indexer_block_score: q {qs} and key cache {cs} disagree (block {a.block})")
+    return [((qs[0], qs[1], int(cs[0]) // a.block), "float32")]
+
+
+def _compressor_pool_shape(ins: Sequence[ShapeDtype], a: CompressorPool) -> list[ShapeDtype]:
+    (ks, _), (ss, _), (ap, _) = ins
+    wide = ks[1] if len(ks) == 2 else 0
+    if (len(ks) != 2 or tuple(ss) != tuple(ks) or tuple(ap) != (a.ratio, wide) or a.ratio <= 0
+            or int(ks[0]) % a.ratio or (a.overlap and int(wide) % 2)):
+        raise ValueError(f"compressor_pool {a}: kv {ks}, score {ss} [C, wide] (C whole blocks) and ape {ap} "
+                         f"[r, wide] disagree")
+    return [((int(ks[0]) // a.ratio, int(wide) // 2 if a.overlap else wide), "float32")]
+
+
+def _block_topk_shape(ins: Sequence[ShapeDtype], a: BlockTopK) -> list[ShapeDtype]:
+    (ss, _), _pos = ins
+    if len(ss) != 3 or min(a.block, a.top_k, a.local) <= 0:
+        raise ValueError(f"block_topk: scores {ss} must be [T, G, NB]; block, top_k and local must be positive")
+    return [((ss[0], ss[1], min(a.top_k, int(ss[2]))), "int32")]
+
+
+def _block_mask_shape(ins: Sequence[ShapeDtype], a: BlockMask) -> list[ShapeDtype]:
+    (ss, dt), _pos = ins
+    if dt != "int32" or len(ss) != 3:
+        raise ValueError(f"block_mask takes [T, G, K] int32 block ids, got {dt}{list(ss)}")
+    return [((ss[1], ss[0], "P+T"), "float32")]
+
+
+INDEXER_OPS: dict[str, OpDef] = {
+    op.name: op
+    for op in [
+        # qwen4exp: the QSA indexer
+        OpDef("indexer_topk", IndexerTopK, _indexer_topk_shape,
+              _one(lambda i, a, c: indexer_topk_ref(i[0], int(i[1]), a.ratio, a.width))),
+        OpDef("index_mask", NoAttrs, _index_mask_shape, _one(lambda i, a, c: index_mask_ref(i[0], int(i[1])))),
+        # compressed rows (deepseek4's CSA/HCA): the lightning indexer's scores, attention with sinks
+        OpDef("compressed_score", CompressedScore, _compressed_score_shape,
+              _one(lambda i, a, c: compressed_score_ref(i[0], i[1], i[2], int(i[3]), a.ratio))),
+        OpDef("compressed_attention", CompressedAttention, _compressed_attention_shape,
+              _one(lambda i, a, c: compressed_attention_ref(
+                  i[0], i[1], i[2], int(i[3]), a.scale, a.window, a.ratio, i[4] if a.ratio > 0 else None,
+                  i[5] if a.selected else None))),
+        # DSA (token-level indexer): the lightning indexer's scores and its top-k
+        OpDef("token_topk", TokenTopK, _token_topk_shape, _one(lambda i, a, c: token_topk_ref(i[0], int(i[1]),
+                                                                                              a.width))),
+        OpDef("token_score", NoAttrs, _token_score_shape,
+              _one(lambda i, a, c: token_score_ref(i[0], i[1], i[2], int(i[3]))), fused=True),
+        # minimax-m3: MSA block selection
+        OpDef("block_topk", BlockTopK, _block_topk_shape,
+              _one(lambda i, a, c: block_topk_ref(i[0], int(i[1]), a.block, a.top_k, a.local))),
+        OpDef("block_mask", BlockMask, _block_mask_shape,
+              _one(lambda i, a, c: block_mask_ref(i[0], int(i[1]), a.block))),
+        OpDef("indexer_score", IndexerScore, _indexer_score_shape,
+              _one(lambda i, a, c: indexer_score_ref(i[0], i[1], i[2], i[3], a.ratio, a.eps, a.n_rot)), fused=True),
+        OpDef("indexer_block_score", IndexerBlockScore, _block_score_shape,
+              _one(lambda i, a, c: block_score_ref(i[0], i[1], a.block)), fused=True),
+        OpDef("compressor_pool", CompressorPool, _compressor_pool_shape,
+              _one(lambda i, a, c: compressor_pool_ref(i[0], i[1], i[2], a.ratio, a.overlap)), fused=True),
+    ]
+}

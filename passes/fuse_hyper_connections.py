@@ -1,5 +1,5 @@
 """Hyper-connection fusion: the spelled HC mix and combine of `frontend/hyper_connections.py` (the
-spellings of `ir/hyper_connections_spelled.py`) into `hc_pre` and `hc_post` nodes.
+spellings of `ir/hyper_connections_spelled.py`) into `hc_pre`, `hc_sinkhorn`, `hc_post` and `res_mix` nodes.
 
     xf    = reshape(rms(R) * norm, [T, hc*E])                   rms fused or spelled, no weight
     mixed = mean(reshape(xf * sigmoid(silu((xf @ down.T) * c) @ up.T), [T, hc, E]), axis=1)
@@ -14,7 +14,7 @@ only inside; `xf` only by the down, gate and inject products). Preconditions che
 and the inject scale are both 1/hc, the post scale is 2, and the mean is over the stream axis.
 `hc_post` is a plain closed rule; with a comb matrix (deepseek4, R' = post * y + sum over src of
 comb[t, src, dst] * R[t, src], spelled as a broadcast product summed over the source axis) it is
-tried first. deepseek4's Sinkhorn mix (rule "sinkhorn": rms of the flattened streams, the
+tried first. deepseek4's Sinkhorn mix (`hc_sinkhorn`: rms of the flattened streams, the
 full-rank `fn` product, pre/post weights and the Sinkhorn-normalised comb matrix, or the final
 pre-only collapse) is matched by rebuilding its spelling for the candidate's inputs and constants
 (epsilons read from the graph, the number of rounds tried) and comparing node for node.
@@ -33,6 +33,7 @@ import math
 
 from ggufc.ir import ops as O
 from ggufc.ir.graph import Graph, Node, Value, static_shape
+from ggufc.ir.hyper_connections import HcSinkhorn
 from ggufc.ir.verify import shapes_equal
 from ggufc.ir.walk import defined_before, inner_values_escape
 
@@ -87,7 +88,7 @@ def _attrs_of(m: Match, has_post: bool, post_m: Match | None) -> O.HcPre | None:
         return None
     if has_post and (post_m is None or not _close(post_m.nodes["inj_scale"].attrs.c, 1.0 / hc)):
         return None
-    return O.HcPre(hc, eps, "sigmoid_mean", post=has_post)
+    return O.HcPre(hc, eps, post=has_post)
 
 
 def _fuse_pre(graph: Graph) -> tuple[Graph, int]:
@@ -250,12 +251,12 @@ def _match_template(template: list[Node], given: dict[int, Value], view: GraphVi
 def _sinkhorn_template(cand: tuple[Value, Value, Value, Value, float, float], post: bool, n_iter: int
                        ) -> tuple[list[Node], list[Value], list[Value]]:
     from ggufc.ir.builder import GraphBuilder
-    from ggufc.ir.hyper_connections_spelled import sinkhorn_mix_spelled
+    from ggufc.ir.hyper_connections_spelled import hc_sinkhorn_spelled
 
     r, fn, scale, base, eps, hc_eps = cand
     tb = GraphBuilder()
     ins = [tb.input(f"t{i}", v.shape, v.dtype) for i, v in enumerate((r, fn, scale, base))]
-    outs = sinkhorn_mix_spelled(tb, ins[0], ins[1], ins[2], ins[3], hc_eps, n_iter, eps, "template", post=post)
+    outs = hc_sinkhorn_spelled(tb, ins[0], ins[1], ins[2], ins[3], hc_eps, n_iter, eps, "template", post=post)
     return tb.nodes, ins, outs
 
 
@@ -285,8 +286,8 @@ def _fuse_sinkhorn(graph: Graph) -> tuple[Graph, int]:
             users_after = all(index[id(u)] > at for o in outs for u in view.users.get(o.id, []))
             if inner_values_escape(body, roots, view.users, view.escaping) or not users_after:
                 break
-            attrs = O.HcPre(hc, cand[4], "sinkhorn", post=post, hc_eps=cand[5], n_iter=n_iter)
-            placed[at] = Node("hc_pre", tuple(cand[:4]), attrs, tuple(outs))
+            attrs = HcSinkhorn(hc, cand[4], hc_eps=cand[5], n_iter=n_iter, post=post)
+            placed[at] = Node("hc_sinkhorn", tuple(cand[:4]), attrs, tuple(outs))
             removed.update(id(n) for n in body)
             break
     nodes = []

@@ -20,7 +20,7 @@ from ggufc.driver.stages import optimise
 from ggufc.frontend.load import LoadedModel, load_model
 from ggufc.ir.decompose import decompose
 from ggufc.ir.graph import Graph, Value
-from ggufc.ir.hyper_connections import hc_pre_ref
+from ggufc.ir.hyper_connections import hc_sinkhorn_ref
 from ggufc.passes.pipeline import run_pipeline
 from tests.support.arch_models import (
     DEEPSEEK4_TOKENS,
@@ -210,7 +210,7 @@ def test_sinkhorn_comb_is_doubly_stochastic_within_the_eps_rule() -> None:
     scale, base = rng.uniform(0.5, 2, 3), rng.standard_normal(24)
     row_err = []
     for n_iter in (1, 3, 20):
-        _, post, comb = hc_pre_ref([r, fn, scale, base], hc, 1e-5, "sinkhorn", True, eps, n_iter)
+        _, post, comb = hc_sinkhorn_ref(r, fn, scale, base, n_hc=hc, eps=1e-5, hc_eps=eps, n_iter=n_iter, post=True)
         cols = comb.sum(axis=1)  # S / (S + eps), S the column sums before the last round
         assert np.all(cols < 1.0) and np.all(cols > 1.0 - 1e-3)
         assert np.all(comb > 0) and np.all((post > 0) & (post < 2))
@@ -219,7 +219,7 @@ def test_sinkhorn_comb_is_doubly_stochastic_within_the_eps_rule() -> None:
 
 
 def _ops(graph: Graph) -> Counter[str]:
-    return Counter(n.op if n.op != "hc_pre" else f"hc_pre:{n.attrs.rule}" for n in graph.nodes)
+    return Counter(n.op for n in graph.nodes)
 
 
 def test_fusions_hit_and_compute_the_unfused_graph(project: LoadedModel) -> None:
@@ -231,11 +231,12 @@ def test_fusions_hit_and_compute_the_unfused_graph(project: LoadedModel) -> None
     fused, stats = run_pipeline(graph)
     n = project.hparams.n_layer
     ops = _ops(fused)
-    assert ops["hc_pre:sinkhorn"] == 2 * n + 1 and ops["hc_post"] == 2 * n and stats["fuse_hc"] == 4 * n + 1
-    assert all(a.n_iter == 3 for a in (nd.attrs for nd in fused.nodes if nd.op == "hc_pre" and nd.attrs.post))
+    assert ops["hc_sinkhorn"] == 2 * n + 1 and ops["hc_post"] == 2 * n and stats["fuse_hc"] == 4 * n + 1
+    assert "hc_pre" not in ops
+    assert all(a.n_iter == 3 for a in (nd.attrs for nd in fused.nodes if nd.op == "hc_sinkhorn" and nd.attrs.post))
     pools = sorted((nd.attrs.ratio, nd.attrs.overlap) for nd in fused.nodes if nd.op == "compressor_pool")
     assert pools == [(4, True), (4, True), (128, False)] and stats["fuse_compressor_pool"] == 3
-    for off_pass, off_ops in (("fuse_hc", {"hc_pre:sinkhorn", "hc_post"}),
+    for off_pass, off_ops in (("fuse_hc", {"hc_sinkhorn", "hc_post"}),
                               ("fuse_compressor_pool", {"compressor_pool"})):
         off, off_stats = run_pipeline(graph, disabled=frozenset({off_pass}))
         assert off_pass not in off_stats and not off_ops & set(_ops(off))
@@ -261,7 +262,7 @@ def test_decode_kernel_count(sparse_path: Path) -> None:
     pooling fusion alone saves 37 of them (278 with it, 315 without, 893 unfused)."""
     model = load_model(sparse_path, 256)
     fused, unfused = decode_kernel_calls(model), decode_kernel_calls(model, passes=False)
-    assert (fused["hc_pre"], fused["hc_post"], fused["compressed_attention"], fused["compressed_score"],
+    assert (fused["hc_sinkhorn"], fused["hc_post"], fused["compressed_attention"], fused["compressed_score"],
             fused["compressor_pool"]) == (9, 8, 4, 1, 3)
     assert sum(fused.values()) < sum(unfused.values()) / 2, (sum(fused.values()), sum(unfused.values()))
     pool_off = decode_kernel_calls(model, disabled=frozenset({"fuse_compressor_pool"}))
@@ -281,5 +282,5 @@ def test_vulkan_compile_gives_the_compressed_ops_kernels_of_their_own(tmp_path: 
     for kernel, how in schedules.items():
         by_op.setdefault(kernel.split("_", 1)[1], set()).add(how.split(" ")[0])
     assert by_op["compressed_attention"] == {"ggufc.attention_online_softmax"}, by_op
-    assert by_op["hc_pre"] == {"ggufc.mix_per_token"} and by_op["hc_post"] == {"ggufc.mix_per_element"}, by_op
+    assert by_op["hc_sinkhorn"] == {"ggufc.mix_per_token"} and by_op["hc_post"] == {"ggufc.mix_per_element"}, by_op
     assert by_op["compressor_pool"] == {"ggufc.pool_per_channel"}, by_op

@@ -19,8 +19,7 @@ from ggufc.codegen.gpu import device_info as DI
 from ggufc.codegen.target import gpu_target
 from ggufc.driver.stages import optimise
 from ggufc.frontend.load import LoadedModel
-from ggufc.ir import ops as O
-from ggufc.ir.hyper_connections import sinkhorn_pre_ref
+from ggufc.ir.hyper_connections import HcSinkhorn, hc_sinkhorn_ref
 from ggufc.runtime.wgpu_runtime import run_kernel
 from tests.support.arch_models import (
     DEEPSEEK4_TOKENS,
@@ -48,9 +47,9 @@ def test_sinkhorn_mix_equals_float64_reference(post: bool, dev: object) -> None:
     """Pre-mixed row, post weights and comb against the float64 reference; the comb's columns sum
     to 1 up to the hc_eps rule and its rows to 1 after the Sinkhorn rounds."""
     n_hc, e = 4, 40
-    attrs = O.HcPre(n_hc, 1e-6, "sinkhorn", post=post, hc_eps=1e-6, n_iter=20)
+    attrs = HcSinkhorn(n_hc, 1e-6, hc_eps=1e-6, n_iter=20, post=post)
     n_mix = (2 + n_hc) * n_hc if post else n_hc
-    kernel = DI.compile_kernel(HCK.hc_pre_sinkhorn_gpu(n_hc, e, attrs), gpu_target("vulkan"), "hc_pre")
+    kernel = DI.compile_kernel(HCK.hc_sinkhorn_gpu(n_hc, e, attrs), gpu_target("vulkan"), "hc_sinkhorn")
     rng = np.random.default_rng(4)
     for n in (5, 1):
         r = rng.standard_normal((n, n_hc, e)).astype(np.float32)
@@ -60,8 +59,8 @@ def test_sinkhorn_mix_equals_float64_reference(post: bool, dev: object) -> None:
         outs = [np.zeros((n, e), np.float32)] + ([np.zeros((n, n_hc), np.float32),
                                                  np.zeros((n, n_hc, n_hc), np.float32)] if post else [])
         got = run_kernel(dev, kernel.to_json(), kernel.entry_sources, [r, fn, scale, base, *outs])[4:]
-        want = sinkhorn_pre_ref(*(a.astype(np.float64) for a in (r, fn, scale, base)), n_hc=n_hc, eps=1e-6,
-                                hc_eps=1e-6, n_iter=20, post=post)
+        want = hc_sinkhorn_ref(*(a.astype(np.float64) for a in (r, fn, scale, base)), n_hc=n_hc, eps=1e-6,
+                               hc_eps=1e-6, n_iter=20, post=post)
         for g, w in zip(got, want, strict=True):
             np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-6)
         if post:

@@ -14,6 +14,7 @@ from ggufc.ir import ops as O
 from ggufc.ir.builder import GraphBuilder
 from ggufc.ir.decompose import DECOMPOSITIONS, decompose
 from ggufc.ir.graph import Graph, Node, Shape, Value, eval_shape
+from ggufc.ir.hyper_connections import HcSinkhorn
 from ggufc.ir.interp import run_graph
 from ggufc.ir.printer import dump
 from ggufc.ir.verify import IRError, verify
@@ -127,9 +128,9 @@ def _qwen4exp_cases() -> list[Case]:
     cases += _both_t("hc_pre", O.HcPre(3, 1e-5), (streams, *hc_w, In("inject", (3, 15))))
     cases += _both_t("hc_pre", O.HcPre(3, 1e-6, post=False), (streams, *hc_w))
     cases += _both_t("hc_post", O.HcPost(), (streams, In("y", ("T", 5)), In("post", ("T", 3), "pos")))
-    sink = O.HcPre(3, 1e-5, "sinkhorn", hc_eps=1e-3, n_iter=3)
-    cases += _both_t("hc_pre", sink, (streams, In("fn", (15, 15)), In("scale", (3,)), In("base", (15,))))
-    cases += _both_t("hc_pre", O.HcPre(3, 1e-5, "sinkhorn", post=False, hc_eps=1e-3),
+    sink = HcSinkhorn(3, 1e-5, hc_eps=1e-3, n_iter=3)
+    cases += _both_t("hc_sinkhorn", sink, (streams, In("fn", (15, 15)), In("scale", (3,)), In("base", (15,))))
+    cases += _both_t("hc_sinkhorn", HcSinkhorn(3, 1e-5, hc_eps=1e-3, post=False),
                      (streams, In("fn", (3, 15)), In("scale", (1,)), In("base", (3,))))
     cases += _both_t("hc_post", O.HcPost(comb=True),
                      (streams, In("y", ("T", 5)), In("post", ("T", 3), "pos"), In("comb", ("T", 3, 3), "pos")))

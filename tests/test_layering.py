@@ -4,6 +4,7 @@ closed by an import inside a function; no compiler source named after an archite
 from __future__ import annotations
 
 import ast
+import importlib
 from pathlib import Path
 
 import pytest
@@ -152,6 +153,43 @@ def test_op_families_share_one_stem() -> None:
     stray += [f"passes/{m}" for m in sorted(_stems(ROOT / "passes") - NOT_A_FAMILY["passes"])
               if m.removeprefix("fuse_") not in families]
     assert not stray, f"modules named after no op family (rename to the family's stem): {stray}"
+
+
+def _family_op_tables() -> dict[str, dict[str, object]]:
+    """Each op family's op table: the one `*_OPS` dict its ir/<family>.py exports."""
+    out = {}
+    for stem in sorted(_stems(ROOT / "codegen" / "families")):
+        module = importlib.import_module(f"ggufc.ir.{stem}")
+        tables = [v for k, v in vars(module).items() if k.endswith("_OPS") and isinstance(v, dict)]
+        assert len(tables) == 1, f"ir/{stem}.py exports {len(tables)} op tables, not one *_OPS dict"
+        out[stem] = tables[0]
+    return out
+
+
+def test_each_family_registers_its_own_ops() -> None:
+    """A family's op is defined in its own ir/<family>.py (record, shape rule and reference; the
+    generic helpers of ir/op_def.py aside) and registered in that file's table, which ir/ops.py
+    merges; an op lowered by codegen/families/<family> is that family's, and a generic op (defined
+    in ir/ops.py) is lowered outside the families."""
+    from ggufc.codegen.lower import LOWERING
+    from ggufc.ir.ops import OPS
+
+    tables = _family_op_tables()
+    owner = {name: stem for stem, table in tables.items() for name in table}
+    assert {"hc_pre", "hc_sinkhorn", "moe_ffn", "gated_delta_net", "ple_hash", "head_matmul"} <= set(owner)
+    assert all(OPS[name] is tables[stem][name] for name, stem in owner.items())
+    families = "ggufc.codegen.families."
+    misplaced = []
+    for name, op in OPS.items():
+        home = f"ggufc.ir.{owner[name]}" if name in owner else "ggufc.ir.ops"
+        parts = {"record": op.attrs, "shape rule": op.infer, "reference": op.ref}
+        misplaced += [f"{name}: its {what} is defined in {part.__module__}, not {home}" for what, part in parts.items()
+                      if part.__module__ not in (home, "ggufc.ir.op_def")]
+        lowered = getattr(LOWERING.get(name), "__module__", "")
+        family = lowered.removeprefix(families).split(".")[0] if lowered.startswith(families) else None
+        if family != owner.get(name):
+            misplaced.append(f"{name}: lowered in {lowered}, registered in {home}")
+    assert not misplaced, misplaced
 
 
 def _short_aliases(path: Path, module: str) -> dict[str, str]:

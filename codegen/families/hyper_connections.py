@@ -3,6 +3,9 @@
 * `hc_pre`: one kernel per mix: per-stream RMSNorm of the [T, hc, E] streams, the low-rank gate
   (down, silu, up), the sigmoid-gated mean over streams and the post weights (inject); the hc-wide
   stream is read in this one kernel (its normalised copy stays an intermediate of the kernel).
+* `hc_sinkhorn`: deepseek4's full-rank mix in one kernel: the rms of the flattened streams, every
+  mix's product, the pre and post weights and the Sinkhorn-normalised comb matrix (GPU: one
+  workgroup per token).
 * `hc_post`: the scatter of a block output into every stream, R + post * y, one pass over R.
 * `res_mix`: cross-layer residual attention in one kernel: the RMS scores of the banked rows and
   of the stream, their softmax and the weighted sum of the raw rows.
@@ -28,6 +31,7 @@ from ggufc.codegen.kernels.generic import PShape, f32, func, i64
 from ggufc.codegen.lower_context import FunctionContext, call_args, tensor_dims
 from ggufc.ir import ops as O
 from ggufc.ir.graph import Node
+from ggufc.ir.hyper_connections import HcSinkhorn
 
 NEG = -3.0e38  # a finite -inf: WGSL has no infinity literal
 
@@ -82,9 +86,9 @@ def hc_post(streams: PShape, comb: bool = False) -> tirx.PrimFunc:
     return func([r, y, post, cm, out])
 
 
-def hc_pre_sinkhorn(streams: PShape, a: O.HcPre) -> tirx.PrimFunc:
+def hc_sinkhorn(streams: PShape, a: HcSinkhorn) -> tirx.PrimFunc:
     """Args (R [T,hc,E], fn [M, hc*E], scale [3|1], base [M], mixed [T,E][, post [T,hc], comb
-    [T,hc(src),hc(dst)]]): deepseek4's mix in one kernel (ir/hyper_connections.py sinkhorn_pre_ref);
+    [T,hc(src),hc(dst)]]): deepseek4's mix in one kernel (ir/hyper_connections.py hc_sinkhorn_ref);
     the Sinkhorn rounds are unrolled (a.n_iter is static)."""
     n, hc, e = streams
     n_hc = a.n_hc
@@ -143,8 +147,8 @@ HC_THREADS = 64  # GPU threads per workgroup of the Sinkhorn mix (fewer when its
 HC_SHARED_FLOATS = 2048  # partial sums in workgroup memory: 8 KiB of WebGPU's guaranteed 16
 
 
-def hc_pre_sinkhorn_gpu(n_hc: int, e: int, a: O.HcPre) -> tirx.PrimFunc:
-    """As `hc_pre_sinkhorn` (same arguments), one workgroup per token: one pass over the token's
+def hc_sinkhorn_gpu(n_hc: int, e: int, a: HcSinkhorn) -> tirx.PrimFunc:
+    """As `hc_sinkhorn` (same arguments), one workgroup per token: one pass over the token's
     hc-wide stream sums its squares and every mix's dot product (rms(x) . fn = rstd * (x . fn)),
     each thread a strided slice, the partial sums reduced in workgroup memory; every thread then
     forms the pre weights, post weights and the Sinkhorn-normalised comb (hc x hc, tiny) from the
@@ -240,7 +244,7 @@ def hc_pre_sinkhorn_gpu(n_hc: int, e: int, a: O.HcPre) -> tirx.PrimFunc:
         premix(r, ms, scale, base, mixed, pre, t, tx, T.float32(1) / T.sqrt(ms[NM] / WIDE_F + EPS))
 
     @T.prim_func(private=True)
-    def hc_pre_sinkhorn_gpu(r_h: T.handle, fn: T.Buffer((NM, WIDE), "float32"), scale: T.Buffer((NS,), "float32"),
+    def hc_sinkhorn_gpu(r_h: T.handle, fn: T.Buffer((NM, WIDE), "float32"), scale: T.Buffer((NS,), "float32"),
                             base: T.Buffer((NM,), "float32"), mixed_h: T.handle, post_h: T.handle,
                             comb_h: T.handle):
         T.func_attr({"tirx.noalias": True})
@@ -267,7 +271,7 @@ def hc_pre_sinkhorn_gpu(n_hc: int, e: int, a: O.HcPre) -> tirx.PrimFunc:
             for i in range(HC * HC):
                 comb[t, i // HC, i % HC] = cm[i]
 
-    return hc_pre_sinkhorn_gpu if a.post else hc_collapse_gpu
+    return hc_sinkhorn_gpu if a.post else hc_collapse_gpu
 
 
 def hc_post_comb_gpu(n_hc: int, e: int) -> tirx.PrimFunc:
@@ -334,14 +338,17 @@ def _res_mix(fc: FunctionContext, node: Node) -> list[Any]:
 
 def _hc_pre(fc: FunctionContext, node: Node) -> list[Any]:
     a: O.HcPre = node.attrs
-    if a.rule == "sinkhorn":
-        key = KK.OpKernel("hc_pre", a, tensor_dims(fc, node))
-        return fc.call(key, lambda: hc_pre_sinkhorn(fc.kernel_shape(node.inputs[0], K.Symbols()), a),
-                       call_args(fc, node), node.outputs, node.outputs[0].name)
     r, _norm, down = node.inputs[:3]
     rank = int(down.shape[0])
     key = KK.OpKernel("hc_pre", a, tensor_dims(fc, node))
     return fc.call(key, lambda: hc_pre(fc.kernel_shape(r, K.Symbols()), rank, a.n_hc, a.eps, a.post),
+                   call_args(fc, node), node.outputs, node.outputs[0].name)
+
+
+def _hc_sinkhorn(fc: FunctionContext, node: Node) -> list[Any]:
+    a: HcSinkhorn = node.attrs
+    key = KK.OpKernel("hc_sinkhorn", a, tensor_dims(fc, node))
+    return fc.call(key, lambda: hc_sinkhorn(fc.kernel_shape(node.inputs[0], K.Symbols()), a),
                    call_args(fc, node), node.outputs, node.outputs[0].name)
 
 
@@ -355,6 +362,7 @@ def _hc_post(fc: FunctionContext, node: Node) -> list[Any]:
 
 HC_LOWERING: dict[str, Callable[[FunctionContext, Node], list[Any]]] = {
     "hc_pre": _hc_pre,
+    "hc_sinkhorn": _hc_sinkhorn,
     "hc_post": _hc_post,
     "res_mix": _res_mix,
 }
@@ -364,12 +372,11 @@ HC_LOWERING: dict[str, Callable[[FunctionContext, Node], list[Any]]] = {
 # GPU kernels by key kind (merged into the GPU targets' table by lower.py)
 
 
-def _hc_pre_gpu_kernel(key: Any, target: tvm.target.Target) -> tirx.PrimFunc | None:
-    """The Sinkhorn mix's own kernel (None: the low-rank rule, its TE definition scheduled by dlight)."""
-    if key.attrs.rule != "sinkhorn":
-        return None
+def _hc_sinkhorn_gpu_kernel(key: Any, target: tvm.target.Target) -> tirx.PrimFunc | None:
+    """The Sinkhorn mix's own kernel (`hc_pre`, the low-rank mix, has none: its TE definition is
+    scheduled by dlight)."""
     _, n_hc, e = key.dims[0]  # dims of (R, fn, scale, base)
-    return mark_schedule(hc_pre_sinkhorn_gpu(int(n_hc), int(e), key.attrs), "ggufc.mix_per_token")
+    return mark_schedule(hc_sinkhorn_gpu(int(n_hc), int(e), key.attrs), "ggufc.mix_per_token")
 
 
 def _hc_post_gpu_kernel(key: Any, target: tvm.target.Target) -> tirx.PrimFunc | None:
@@ -381,6 +388,6 @@ def _hc_post_gpu_kernel(key: Any, target: tvm.target.Target) -> tirx.PrimFunc | 
 
 
 GPU_KERNELS: dict[str, GpuKernel] = {
-    "hc_pre": _hc_pre_gpu_kernel,
+    "hc_sinkhorn": _hc_sinkhorn_gpu_kernel,
     "hc_post": _hc_post_gpu_kernel,
 }

@@ -25,6 +25,7 @@ from ggufc.ir import ops as O
 from ggufc.ir.act_quant import ACT_QUANT_TYPES, ACT_SCHEME, MIN_TYPES, block_mins
 from ggufc.ir.builder import GraphBuilder
 from ggufc.ir.graph import Graph, Param, Value
+from ggufc.ir.hyper_connections import HcSinkhorn
 from ggufc.ir.interp import run_graph
 from tests.support.fixtures import TensorSpec, encode_tensor
 
@@ -837,9 +838,9 @@ def compressed_cases() -> list[Case]:
         _compressor_pool_case(8, False, 6),
         op_case("hc_post-comb", "hc_post", O.HcPost(comb=True), rows(4, 8), rows(8), rows(4), rows(4, 4),
                 group="compressed", calls=BOTH),
-        op_case("hc_pre-sinkhorn", "hc_pre", O.HcPre(4, 1e-5, "sinkhorn", hc_eps=1e-3, n_iter=3), rows(4, 8),
+        op_case("hc_sinkhorn", "hc_sinkhorn", HcSinkhorn(4, 1e-5, hc_eps=1e-3, n_iter=3), rows(4, 8),
                 weight(24, 32), weight(3), weight(24), n_out=3, group="compressed", calls=BOTH),
-        op_case("hc_pre-sinkhorn-collapse", "hc_pre", O.HcPre(4, 1e-5, "sinkhorn", post=False, hc_eps=1e-3),
+        op_case("hc_sinkhorn-collapse", "hc_sinkhorn", HcSinkhorn(4, 1e-5, hc_eps=1e-3, post=False),
                 rows(4, 8), weight(4, 32), weight(1), weight(4), group="compressed", calls=BOTH),
         _compressed_score_case(4),
         _compressed_select_case(2, 3),
