@@ -59,10 +59,12 @@ from ggufc.codegen.cpu_int8.parts import pairs16 as _pairs
 from ggufc.codegen.cpu_int8.parts import scaled_pairs as _scaled
 from ggufc.codegen.formats.block_formats import layout_spec
 
+VEC_DOT, REPACK_GEMV, REPACK_GEMM = "vec_dot", "repack_gemv", "repack_gemm"  # Q4_K's float orders
 KQUANT_GEMV_TYPES = frozenset({"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"})  # the weights with integer kernels here
 SUPER = 256  # values per super-block (and per q8_K activation block)
 FIELDS = 6  # weight fields per matrix slot of the grouped kernel (Q5_K has the most)
-GEMM_TOKENS = 4  # tokens a prompt GEMM's row group takes per pass over its weight codes
+GEMM_TOKENS = 4  # tokens a prompt GEMM's row group takes per pass (llama.cpp's block_q8_Kx4 too)
+REPACK_ROWS = 8  # rows llama.cpp interleaves in a repacked Q4_K weight (block_q4_Kx8)
 PAIR_TYPES = frozenset({"Q4_K", "Q6_K"})  # the K-quants whose prompt GEMMs take token pairs
 PAIR_TILE = 3  # token pairs a Q4_K prompt GEMM's row group takes per pass (512-bit registers)
 PAIR_ROWS = 2  # rows per task of that GEMM: 3 accumulator registers per row and pair
@@ -75,6 +77,17 @@ UNPACKED_BYTES = 16 * 1024
 
 def kquant_supported(qtype: str, n: int, k: int) -> bool:
     return qtype in KQUANT_GEMV_TYPES and n % P.ROWS == 0 and k % SUPER == 0
+
+
+def q4k_orders(qtype: str, isa: Int8Isa, n: int) -> tuple[str, str]:
+    """(decode order, prompt order) of a matrix of n rows: llama.cpp's AVX2 build repacks a Q4_K
+    weight of n % REPACK_ROWS == 0 rows (ggml_repack_get_optimal_repack_type) and runs its GEMM
+    on the first T - T % GEMM_TOKENS tokens of a prompt, its GEMV on the rest (and on decode).
+    The other instruction sets keep vec_dot's order (llama.cpp's AVX-512 GEMM of the repacked
+    weights takes another order again, not modelled)."""
+    if qtype == "Q4_K" and isa.name == "avx2" and n % REPACK_ROWS == 0:
+        return REPACK_GEMV, REPACK_GEMM
+    return VEC_DOT, VEC_DOT
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,12 +203,34 @@ def _min_dot(mn: tirx.Buffer, xs: tirx.Buffer, row: tirx.PrimExpr, t: tirx.PrimE
     return total
 
 
+def _isum8(sumi: tirx.Buffer, r: tirx.PrimExpr) -> tirx.PrimExpr:
+    """The 8 int32 lanes of sumi[r] summed (exact in any order)."""
+    return ((sumi[r, 0] + sumi[r, 4]) + (sumi[r, 2] + sumi[r, 6])) + ((sumi[r, 1] + sumi[r, 5]) + (sumi[r, 3] + sumi[r, 7]))
+
+
+def _fma1(a: tirx.PrimExpr, b: tirx.PrimExpr, c: tirx.PrimExpr) -> tirx.PrimExpr:
+    return T.call_llvm_pure_intrin("float32", "llvm.fma.f32", a, b, c)
+
+
+def _run_mins(mn: tirx.Buffer, xs: tirx.Buffer, row: tirx.PrimExpr, t: tirx.PrimExpr, i: tirx.PrimExpr,
+              g: tirx.PrimExpr) -> tirx.PrimExpr:
+    """mn_2g A_2g + mn_2g+1 A_2g+1: the minimum term of 64-value run g of super-block i (exact)."""
+    return (T.Cast("int32", mn[row, i * 8 + 2 * g]) * T.Cast("int32", xs[t, i * 8 + 2 * g])
+            + T.Cast("int32", mn[row, i * 8 + 2 * g + 1]) * T.Cast("int32", xs[t, i * 8 + 2 * g + 1]))
+
+
 def _q45k_rows(isa: Int8Isa, five: bool, rows: int, n_super: int, tt: int,
-               prefetch_groups: int, unroll: bool = False, unpacked: bool = False) -> Callable[..., None]:
+               prefetch_groups: int, unroll: bool = False, unpacked: bool = False,
+               order: str = VEC_DOT) -> Callable[..., None]:
     """Row-group macro of Q4_K / Q5_K (fields d, dmin, sc, mn, [qh,] qs); `unroll`: a super-block's
     four 64-value runs unrolled (the same sums in the same order, scheduled differently);
     `unpacked` (Q4_K): the codes and scales read from _unpack_q4k's buffers (un, scw) instead of
-    the weight's fields, so a prompt's token tiles do not unpack them again."""
+    the weight's fields, so a prompt's token tiles do not unpack them again. `order` (Q4_K): the
+    float steps of ggml_vec_dot_q4_K_q8_K (VEC_DOT) or of the repacked GEMV / GEMM (REPACK_GEMV:
+    one fma per super-block, REPACK_GEMM: one per 64-value run, each of the lanes' integer total,
+    the minimums in a second accumulator subtracted at the end; module docstring)."""
+    assert order == VEC_DOT or not five, "only Q4_K has a repacked order"
+    repacked, per_run = order != VEC_DOT, order == REPACK_GEMM
     zero = T.broadcast(T.int32(0), 8)
     wide = isa
     decode = tt == 1  # a GEMV: its weight stream is the step's cost, so it is also prefetched into L2
@@ -267,22 +302,40 @@ def _q45k_rows(isa: Int8Isa, five: bool, rows: int, n_super: int, tt: int,
                                 _scale16(sc[jo * rows + r, i * 8 + 2 * g])),
                                 _pairs(hi, xb.vload([t + u, i * 256 + g * 64 + 32], "int8x32")),
                                 _scale16(sc[jo * rows + r, i * 8 + 2 * g + 1]))
-            for r in T.unroll(rows):
-                for u in T.unroll(tt):
-                    acc[r * tt + u, 0:8] = _scaled_sum(acc, sumi, r * tt + u, ds[r * tt + u, i])
-                    mins = T.meta_var(T.Cast("int16x8", mn.vload([jo * rows + r, i * 8], "uint8x8")))
-                    prod = T.meta_var(T.call_llvm_pure_intrin(  # llama.cpp's madd of the minimums and sums
-                        "int32x4", "llvm.x86.sse2.pmadd.wd", mins, xs.vload([t + u, i * 8], "int16x8")))
-                    dm = T.meta_var(dms[r * tt + u, i])
-                    if five:  # a scalar sum, one product added per super-block
-                        accm[r * tt + u, 0] = accm[r * tt + u, 0] + dm * T.Cast(
-                            "float32", _min_dot(mn, xs, jo * rows + r, t + u, i))
-                    else:
-                        accm[r * tt + u, 0:4] = _fma4(T.broadcast(dm, 4), T.Cast("float32x4", prod),
-                                                       accm.vload([r * tt + u, 0], "float32x4"))
+                if per_run:  # the repacked GEMM: one float step per run and token
+                    for r in T.unroll(rows):
+                        for u in T.unroll(tt):
+                            acc[r * tt + u, 0] = _fma1(T.Cast("float32", _isum8(sumi, r * tt + u)),
+                                                       ds[r * tt + u, i], acc[r * tt + u, 0])
+                            accm[r * tt + u, 0] = _fma1(T.Cast("float32", _run_mins(mn, xs, jo * rows + r, t + u, i, g)),
+                                                        -dms[r * tt + u, i], accm[r * tt + u, 0])
+                            sumi[r * tt + u, 0:8] = zero
+            if repacked and not per_run:  # the repacked GEMV: one float step per super-block
+                for r in T.unroll(rows):
+                    for u in T.unroll(tt):
+                        acc[r * tt + u, 0] = _fma1(T.Cast("float32", _isum8(sumi, r * tt + u)),
+                                                   ds[r * tt + u, i], acc[r * tt + u, 0])
+                        accm[r * tt + u, 0] = _fma1(T.Cast("float32", _min_dot(mn, xs, jo * rows + r, t + u, i)),
+                                                    -dms[r * tt + u, i], accm[r * tt + u, 0])
+            if not repacked:
+                for r in T.unroll(rows):
+                    for u in T.unroll(tt):
+                        acc[r * tt + u, 0:8] = _scaled_sum(acc, sumi, r * tt + u, ds[r * tt + u, i])
+                        mins = T.meta_var(T.Cast("int16x8", mn.vload([jo * rows + r, i * 8], "uint8x8")))
+                        prod = T.meta_var(T.call_llvm_pure_intrin(  # llama.cpp's madd of the minimums and sums
+                            "int32x4", "llvm.x86.sse2.pmadd.wd", mins, xs.vload([t + u, i * 8], "int16x8")))
+                        dm = T.meta_var(dms[r * tt + u, i])
+                        if five:  # a scalar sum, one product added per super-block
+                            accm[r * tt + u, 0] = accm[r * tt + u, 0] + dm * T.Cast(
+                                "float32", _min_dot(mn, xs, jo * rows + r, t + u, i))
+                        else:
+                            accm[r * tt + u, 0:4] = _fma4(T.broadcast(dm, 4), T.Cast("float32x4", prod),
+                                                           accm.vload([r * tt + u, 0], "float32x4"))
         for r in T.unroll(rows):
             for u in T.unroll(tt):
-                if five:
+                if repacked:
+                    y[t + u, jo * rows + r] = acc[r * tt + u, 0] - accm[r * tt + u, 0]
+                elif five:
                     y[t + u, jo * rows + r] = P.hsum8(acc, r * tt + u) + accm[r * tt + u, 0]
                 else:
                     y[t + u, jo * rows + r] = P.hsum8(acc, r * tt + u) + (
@@ -605,7 +658,7 @@ UNROLLABLE = ("Q4_K", "Q5_K", "Q6_K")  # K-quants whose row macro takes `unroll`
 
 
 def _row_steps(qtype: str, isa: Int8Isa, n_super: int, tt: int, prefetch_groups: int,
-               rows: int = P.ROWS, unroll: bool = False) -> Callable[..., None]:
+               rows: int = P.ROWS, unroll: bool = False, order: str = VEC_DOT) -> Callable[..., None]:
     """One macro `(f0..f5, y, n, jo, t, xb, xd, xs, xp)` for every K-quant: f0.. the weight's fields
     in layout_spec order (the ones past a type's last unused; Q2_K's xs holds 16-value runs);
     `rows` rows per group; `unroll`: Q4_K/Q5_K/Q6_K's super-block loop unrolled (UNROLLABLE)."""
@@ -634,7 +687,7 @@ def _row_steps(qtype: str, isa: Int8Isa, n_super: int, tt: int, prefetch_groups:
 
         return steps6
     five = qtype == "Q5_K"
-    q45 = _q45k_rows(isa, five, rows, n_super, tt, prefetch_groups, unroll)
+    q45 = _q45k_rows(isa, five, rows, n_super, tt, prefetch_groups, unroll, order=order)
 
     @T.macro
     def steps45(f0, f1, f2, f3, f4, f5, y, n, jo, t, xb, xd, xs, xp):  # type: ignore[no-untyped-def]
@@ -672,7 +725,8 @@ def kquant_gemv_group(qtype: str, ns: tuple[int, ...], k: int, isa: Int8Isa, pro
     s1, s2, s3 = (_field_specs(qtype, n, k) for n in (n1, n2, n3))
     run = _sum_run(qtype)
     quantize, quantize_one = _q8k_quantize(run), _q8k_super_block(run)
-    steps = _row_steps(qtype, isa, n_super, 1, prefetch_groups, unroll=unroll)
+    steps1, steps2, steps3 = (_row_steps(qtype, isa, n_super, 1, prefetch_groups, unroll=unroll,
+                                         order=q4k_orders(qtype, isa, n)[0]) for n in (n1, n2, n3))
     add_residual = P.residual_adder(residual)
     n_groups = g1 + (g2 if group >= 2 else 0) + (g3 if group >= 3 else 0)
     split = max(1, int(groups_per_task))
@@ -703,11 +757,11 @@ def kquant_gemv_group(qtype: str, ns: tuple[int, ...], k: int, isa: Int8Isa, pro
     def slot_group(a0, a1, a2, a3, a4, a5, b0, b1, b2, b3, b4, b5,  # type: ignore[no-untyped-def]
                    c0, c1, c2, c3, c4, c5, y1, y2, y3, jo, xb, xd, xs, xp):
         if jo < g1:
-            steps(a0, a1, a2, a3, a4, a5, y1, n1, jo, 0, xb, xd, xs, xp)
+            steps1(a0, a1, a2, a3, a4, a5, y1, n1, jo, 0, xb, xd, xs, xp)
         elif group >= 2 and jo < g1 + g2:
-            steps(b0, b1, b2, b3, b4, b5, y2, n2, jo - g1, 0, xb, xd, xs, xp)
+            steps2(b0, b1, b2, b3, b4, b5, y2, n2, jo - g1, 0, xb, xd, xs, xp)
         elif group >= 3:
-            steps(c0, c1, c2, c3, c4, c5, y3, n3, jo - g1 - g2, 0, xb, xd, xs, xp)
+            steps3(c0, c1, c2, c3, c4, c5, y3, n3, jo - g1 - g2, 0, xb, xd, xs, xp)
 
     @T.prim_func
     def gemv(x: T.Buffer((1, k), "float32"), xw: T.Buffer((k,), "float32"), xu: T.Buffer((1, k), "float32"),  # type: ignore[valid-type]
@@ -763,8 +817,10 @@ def kquant_gemm(qtype: str, n: int, k: int, isa: Int8Isa, tokens: int = GEMM_TOK
     specs = _field_specs(qtype, n, k)
     run = _sum_run(qtype)
     quantize = _q8k_quantize(run)
-    one = _row_steps(qtype, isa, n_super, 1, P.PREFETCH_GROUPS, rows)
-    tile = _row_steps(qtype, isa, n_super, tokens, P.PREFETCH_GROUPS, rows)
+    one_order, tile_order = q4k_orders(qtype, isa, n)
+    assert tile_order == VEC_DOT or tokens == GEMM_TOKENS, "the repacked order splits prompts by 4 tokens"
+    one = _row_steps(qtype, isa, n_super, 1, P.PREFETCH_GROUPS, rows, order=one_order)
+    tile = _row_steps(qtype, isa, n_super, tokens, P.PREFETCH_GROUPS, rows, order=tile_order)
 
     @T.prim_func(private=True)
     def gemm(x_h: T.handle, f0: T.Buffer(specs[0][0], specs[0][1]), f1: T.Buffer(specs[1][0], specs[1][1]),  # type: ignore[valid-type]
@@ -798,8 +854,10 @@ def _unpacked_q4k_gemm(n: int, k: int, isa: Int8Isa, tokens: int, rows: int) -> 
     specs = _field_specs("Q4_K", n, k)
     quantize = _q8k_quantize(32)
     unpack = _unpack_q4k(rows, n_super)
-    one = _row_steps("Q4_K", isa, n_super, 1, P.PREFETCH_GROUPS, rows)
-    tile = _q45k_rows(isa, False, rows, n_super, tokens, P.PREFETCH_GROUPS, unpacked=True)
+    one_order, tile_order = q4k_orders("Q4_K", isa, n)
+    assert tile_order == VEC_DOT or tokens == GEMM_TOKENS, "the repacked order splits prompts by 4 tokens"
+    one = _row_steps("Q4_K", isa, n_super, 1, P.PREFETCH_GROUPS, rows, order=one_order)
+    tile = _q45k_rows(isa, False, rows, n_super, tokens, P.PREFETCH_GROUPS, unpacked=True, order=tile_order)
 
     @T.prim_func(private=True)
     def gemm(x_h: T.handle, f0: T.Buffer(specs[0][0], specs[0][1]), f1: T.Buffer(specs[1][0], specs[1][1]),  # type: ignore[valid-type]
