@@ -204,6 +204,24 @@ def test_kquant_prompt_gemm_tilings_are_llama_cpp_bit_for_bit(qtype: str, pairs:
     np.testing.assert_array_equal(y, G.matmul_k_for(isa.name, qtype, raw, n, k, x))
 
 
+@pytest.mark.parametrize(("k", "t"), [(512, 1), (512, 7), (4096, 6)])
+def test_q4_k_repacked_order_at_avx2_is_llama_cpp_bit_for_bit(k: int, t: int) -> None:
+    """Q4_K weights of n % 8 == 0 rows at haswell: llama.cpp's AVX2 build repacks them 8x8 and runs
+    ggml_gemm_q4_K_8x8_q8_K on the first T - T % 4 tokens (one fma per 64-value run), its GEMV on
+    the rest and on decode steps (one per super-block); K = 4096 takes the GEMM whose codes stay
+    packed (past UNPACKED_BYTES). The model of that order differs from vec_dot's here, so the
+    test tells them apart."""
+    n = 16
+    isa = int8_isa(I.HASWELL)
+    assert isa is not None and KQ.q4k_orders("Q4_K", isa, n) == (KQ.REPACK_GEMV, KQ.REPACK_GEMM)
+    raw, arrays, x = _prompt_case("Q4_K", n, k, t, k + t)
+    kernel = Q8.int8_gemv("Q4_K", n, k, I.HASWELL) if t == 1 else Q8.int8_gemm("Q4_K", n, k, I.HASWELL)
+    y = _run(kernel, "Q4_K", arrays, x, n, I.HASWELL)
+    want = G.matmul_q4_K_repacked(raw, n, k, x)
+    assert np.any(want != G.matmul_k("Q4_K", raw, n, k, x))
+    np.testing.assert_array_equal(y, want)
+
+
 def _prompt_case(qtype: str, n: int, k: int, t: int, seed: int) -> tuple[np.ndarray, dict, np.ndarray]:
     """Random K-quant blocks (raw and in kernel layout) and a prompt of t tokens of varied
     magnitudes, with a zero super-block and an outlier."""

@@ -205,7 +205,8 @@ def _min_dot(mn: tirx.Buffer, xs: tirx.Buffer, row: tirx.PrimExpr, t: tirx.PrimE
 
 def _isum8(sumi: tirx.Buffer, r: tirx.PrimExpr) -> tirx.PrimExpr:
     """The 8 int32 lanes of sumi[r] summed (exact in any order)."""
-    return ((sumi[r, 0] + sumi[r, 4]) + (sumi[r, 2] + sumi[r, 6])) + ((sumi[r, 1] + sumi[r, 5]) + (sumi[r, 3] + sumi[r, 7]))
+    return (((sumi[r, 0] + sumi[r, 4]) + (sumi[r, 2] + sumi[r, 6]))
+            + ((sumi[r, 1] + sumi[r, 5]) + (sumi[r, 3] + sumi[r, 7])))
 
 
 def _fma1(a: tirx.PrimExpr, b: tirx.PrimExpr, c: tirx.PrimExpr) -> tirx.PrimExpr:
@@ -307,8 +308,9 @@ def _q45k_rows(isa: Int8Isa, five: bool, rows: int, n_super: int, tt: int,
                         for u in T.unroll(tt):
                             acc[r * tt + u, 0] = _fma1(T.Cast("float32", _isum8(sumi, r * tt + u)),
                                                        ds[r * tt + u, i], acc[r * tt + u, 0])
-                            accm[r * tt + u, 0] = _fma1(T.Cast("float32", _run_mins(mn, xs, jo * rows + r, t + u, i, g)),
-                                                        -dms[r * tt + u, i], accm[r * tt + u, 0])
+                            run_mins = T.meta_var(_run_mins(mn, xs, jo * rows + r, t + u, i, g))
+                            accm[r * tt + u, 0] = _fma1(T.Cast("float32", run_mins), -dms[r * tt + u, i],
+                                                        accm[r * tt + u, 0])
                             sumi[r * tt + u, 0:8] = zero
             if repacked and not per_run:  # the repacked GEMV: one float step per super-block
                 for r in T.unroll(rows):
