@@ -203,21 +203,43 @@ def _min_dot(mn: tirx.Buffer, xs: tirx.Buffer, row: tirx.PrimExpr, t: tirx.PrimE
     return total
 
 
-def _isum8(sumi: tirx.Buffer, r: tirx.PrimExpr) -> tirx.PrimExpr:
-    """The 8 int32 lanes of sumi[r] summed (exact in any order)."""
-    return (((sumi[r, 0] + sumi[r, 4]) + (sumi[r, 2] + sumi[r, 6]))
-            + ((sumi[r, 1] + sumi[r, 5]) + (sumi[r, 3] + sumi[r, 7])))
+def _phadd(a: tirx.PrimExpr, b: tirx.PrimExpr) -> tirx.PrimExpr:
+    """vphaddd: [a0+a1, a2+a3, b0+b1, b2+b3, a4+a5, a6+a7, b4+b5, b6+b7]."""
+    return T.call_llvm_pure_intrin("int32x8", "llvm.x86.avx2.phadd.d", a, b)
 
 
-def _fma1(a: tirx.PrimExpr, b: tirx.PrimExpr, c: tirx.PrimExpr) -> tirx.PrimExpr:
-    return T.call_llvm_pure_intrin("float32", "llvm.fma.f32", a, b, c)
+def _phadd4(a: tirx.PrimExpr, b: tirx.PrimExpr) -> tirx.PrimExpr:
+    return T.call_llvm_pure_intrin("int32x4", "llvm.x86.ssse3.phadd.d.128", a, b)
 
 
-def _run_mins(mn: tirx.Buffer, xs: tirx.Buffer, row: tirx.PrimExpr, t: tirx.PrimExpr, i: tirx.PrimExpr,
-              g: tirx.PrimExpr) -> tirx.PrimExpr:
-    """mn_2g A_2g + mn_2g+1 A_2g+1: the minimum term of 64-value run g of super-block i (exact)."""
-    return (T.Cast("int32", mn[row, i * 8 + 2 * g]) * T.Cast("int32", xs[t, i * 8 + 2 * g])
-            + T.Cast("int32", mn[row, i * 8 + 2 * g + 1]) * T.Cast("int32", xs[t, i * 8 + 2 * g + 1]))
+def _pmadd4(a: tirx.PrimExpr, b: tirx.PrimExpr) -> tirx.PrimExpr:
+    """int16x8 a . b in adjacent pairs -> int32x4 (vpmaddwd)."""
+    return T.call_llvm_pure_intrin("int32x4", "llvm.x86.sse2.pmadd.wd", a, b)
+
+
+@T.macro
+def _halved_totals(sumi, q, hbuf):  # type: ignore[no-untyped-def]
+    """hbuf[0:4] + hbuf[4:8] becomes the lane totals of sumi rows 4q .. 4q + 3 (three vphaddd)."""
+    hbuf[0:8] = _phadd(_phadd(sumi.vload([4 * q, 0], "int32x8"), sumi.vload([4 * q + 1, 0], "int32x8")),
+                       _phadd(sumi.vload([4 * q + 2, 0], "int32x8"), sumi.vload([4 * q + 3, 0], "int32x8")))
+
+
+def _mins_word(mn: tirx.Buffer, row: tirx.PrimExpr, i: tirx.PrimExpr, g: tirx.PrimExpr) -> tirx.PrimExpr:
+    """The minimums of sub-blocks 2g, 2g + 1 of super-block i as two int16 in one int32."""
+    return T.bitwise_or(T.Cast("int32", mn[row, i * 8 + 2 * g]),
+                        T.shift_left(T.Cast("int32", mn[row, i * 8 + 2 * g + 1]), 16))
+
+
+@T.macro
+def run_sums_by_tile(xs, xst, tq, n_runs):  # type: ignore[no-untyped-def]
+    """Tokens 4tq .. 4tq + 3's code sums of the two sub-blocks of each 64-value run w, as int16
+    pairs in one int32, token-minor: xst[tq * n_runs + w, u] (the repacked GEMM's minimum terms
+    take the four tokens of a tile in one vpmaddwd)."""
+    for w in range(n_runs):
+        for u in T.unroll(4):
+            xst[tq * n_runs + w, u] = T.bitwise_or(
+                T.bitwise_and(T.Cast("int32", xs[tq * 4 + u, 2 * w]), 65535),
+                T.shift_left(T.Cast("int32", xs[tq * 4 + u, 2 * w + 1]), 16))
 
 
 def _q45k_rows(isa: Int8Isa, five: bool, rows: int, n_super: int, tt: int,
@@ -232,6 +254,10 @@ def _q45k_rows(isa: Int8Isa, five: bool, rows: int, n_super: int, tt: int,
     the minimums in a second accumulator subtracted at the end; module docstring)."""
     assert order == VEC_DOT or not five, "only Q4_K has a repacked order"
     repacked, per_run = order != VEC_DOT, order == REPACK_GEMM
+    # the repacked GEMM's xs: run_sums_by_tile's layout, four tokens a tile
+    assert not per_run or tt == GEMM_TOKENS, "the repacked GEMM takes 4-token tiles"
+    assert not repacked or rows * tt % 4 == 0, "the repacked orders reduce four accumulators at once"
+    n_runs = n_super * 4
     zero = T.broadcast(T.int32(0), 8)
     wide = isa
     decode = tt == 1  # a GEMV: its weight stream is the step's cost, so it is also prefetched into L2
@@ -250,15 +276,29 @@ def _q45k_rows(isa: Int8Isa, five: bool, rows: int, n_super: int, tt: int,
         # llama.cpp's; the loop below broadcasts them from memory (a load, not a shuffle)
         ds = T.alloc_buffer((rows * tt, n_super), "float32")
         dms = T.alloc_buffer((rows * tt, n_super), "float32")
+        # the repacked orders' accumulators, d_a d_w and d_a dmin_w by super-block (a vector load
+        # for four accumulators) and the lane totals' scratch
+        accv = T.alloc_buffer((rows * tt,), "float32")
+        accmv = T.alloc_buffer((rows * tt,), "float32")
+        dst = T.alloc_buffer((n_super, rows * tt), "float32")
+        dmt = T.alloc_buffer((n_super, rows * tt), "float32")
+        hbuf = T.alloc_buffer((8,), "int32")
         ahead = T.meta_var(T.min(jo + prefetch_groups, n // rows - 1))
         far = T.meta_var(T.min(jo + far_groups, n // rows - 1))
         for r in T.unroll(rows):
             for u in T.unroll(tt):
                 acc[r * tt + u, 0:8] = T.broadcast(T.float32(0), 8)
                 accm[r * tt + u, 0:4] = T.broadcast(T.float32(0), 4)
-                for i in range(n_super):
-                    ds[r * tt + u, i] = xd[t + u, i] * T.Cast("float32", d[jo * rows + r, i])
-                    dms[r * tt + u, i] = -xd[t + u, i] * T.Cast("float32", dmin[jo * rows + r, i])
+                if repacked:
+                    accv[r * tt + u] = T.float32(0)
+                    accmv[r * tt + u] = T.float32(0)
+                    for i in range(n_super):
+                        dst[i, r * tt + u] = xd[t + u, i] * T.Cast("float32", d[jo * rows + r, i])
+                        dmt[i, r * tt + u] = xd[t + u, i] * T.Cast("float32", dmin[jo * rows + r, i])
+                else:
+                    for i in range(n_super):
+                        ds[r * tt + u, i] = xd[t + u, i] * T.Cast("float32", d[jo * rows + r, i])
+                        dms[r * tt + u, i] = -xd[t + u, i] * T.Cast("float32", dmin[jo * rows + r, i])
         for i in range(n_super):
             for p in T.unroll(8):
                 P.prefetch(qs_flat, ahead * rows * n_super * 128 + i * rows * 128 + p * 64)
@@ -304,21 +344,32 @@ def _q45k_rows(isa: Int8Isa, five: bool, rows: int, n_super: int, tt: int,
                                 _pairs(hi, xb.vload([t + u, i * 256 + g * 64 + 32], "int8x32")),
                                 _scale16(sc[jo * rows + r, i * 8 + 2 * g + 1]))
                 if per_run:  # the repacked GEMM: one float step per run and token
-                    for r in T.unroll(rows):
-                        for u in T.unroll(tt):
-                            acc[r * tt + u, 0] = _fma1(T.Cast("float32", _isum8(sumi, r * tt + u)),
-                                                       ds[r * tt + u, i], acc[r * tt + u, 0])
-                            run_mins = T.meta_var(_run_mins(mn, xs, jo * rows + r, t + u, i, g))
-                            accm[r * tt + u, 0] = _fma1(T.Cast("float32", run_mins), -dms[r * tt + u, i],
-                                                        accm[r * tt + u, 0])
-                            sumi[r * tt + u, 0:8] = zero
+                    for q in T.unroll(rows * tt // 4):  # row q, its four tokens
+                        _halved_totals(sumi, q, hbuf)
+                        accv[4 * q:4 * q + 4] = _fma4(
+                            T.Cast("float32x4", hbuf.vload([0], "int32x4") + hbuf.vload([4], "int32x4")),
+                            dst.vload([i, 4 * q], "float32x4"), accv.vload([4 * q], "float32x4"))
+                        pairs = T.meta_var(T.reinterpret(  # the tile's run sums (xs: run_sums_by_tile's)
+                            "int16x8", xs.vload([t // 4 * n_runs + i * 4 + g, 0], "int32x4")))
+                        mins = T.meta_var(T.reinterpret(
+                            "int16x8", T.broadcast(_mins_word(mn, jo * rows + q, i, g), 4)))
+                        accmv[4 * q:4 * q + 4] = _fma4(T.Cast("float32x4", _pmadd4(mins, pairs)),
+                                                       dmt.vload([i, 4 * q], "float32x4"),
+                                                       accmv.vload([4 * q], "float32x4"))
+                    for r in T.unroll(rows * tt):
+                        sumi[r, 0:8] = zero
             if repacked and not per_run:  # the repacked GEMV: one float step per super-block
-                for r in T.unroll(rows):
-                    for u in T.unroll(tt):
-                        acc[r * tt + u, 0] = _fma1(T.Cast("float32", _isum8(sumi, r * tt + u)),
-                                                   ds[r * tt + u, i], acc[r * tt + u, 0])
-                        accm[r * tt + u, 0] = _fma1(T.Cast("float32", _min_dot(mn, xs, jo * rows + r, t + u, i)),
-                                                    -dms[r * tt + u, i], accm[r * tt + u, 0])
+                for q in T.unroll(rows * tt // 4):
+                    _halved_totals(sumi, q, hbuf)
+                    accv[4 * q:4 * q + 4] = _fma4(
+                        T.Cast("float32x4", hbuf.vload([0], "int32x4") + hbuf.vload([4], "int32x4")),
+                        dst.vload([i, 4 * q], "float32x4"), accv.vload([4 * q], "float32x4"))
+                    p0, p1, p2, p3 = T.meta_var([_pmadd4(
+                        T.Cast("int16x8", mn.vload([jo * rows + (4 * q + c) // tt, i * 8], "uint8x8")),
+                        xs.vload([t + (4 * q + c) % tt, i * 8], "int16x8")) for c in range(4)])
+                    accmv[4 * q:4 * q + 4] = _fma4(
+                        T.Cast("float32x4", _phadd4(_phadd4(p0, p1), _phadd4(p2, p3))),
+                        dmt.vload([i, 4 * q], "float32x4"), accmv.vload([4 * q], "float32x4"))
             if not repacked:
                 for r in T.unroll(rows):
                     for u in T.unroll(tt):
@@ -336,7 +387,7 @@ def _q45k_rows(isa: Int8Isa, five: bool, rows: int, n_super: int, tt: int,
         for r in T.unroll(rows):
             for u in T.unroll(tt):
                 if repacked:
-                    y[t + u, jo * rows + r] = acc[r * tt + u, 0] - accm[r * tt + u, 0]
+                    y[t + u, jo * rows + r] = accv[r * tt + u] - accmv[r * tt + u]
                 elif five:
                     y[t + u, jo * rows + r] = P.hsum8(acc, r * tt + u) + accm[r * tt + u, 0]
                 else:
@@ -836,11 +887,18 @@ def kquant_gemm(qtype: str, n: int, k: int, isa: Int8Isa, tokens: int = GEMM_TOK
         xd = T.alloc_buffer((t_len, n_super), "float32")
         xs = T.alloc_buffer((t_len, K // run), "int16")
         xp = T.alloc_buffer((t_len, n_super * 128), "int16")
+        xst = T.alloc_buffer((t_len // tokens * n_super * 4, 4), "int32")
         for t in T.parallel(t_len):
             quantize(x, t, xb, xd, xs, xp, n_super)
+        if tile_order == REPACK_GEMM:
+            for tq in T.parallel(t_len // tokens):
+                run_sums_by_tile(xs, xst, tq, n_super * 4)
         for jo in T.parallel(n // rows):
             for g in range(t_len // tokens):
-                tile(f0, f1, f2, f3, f4, f5, y, n, jo, g * tokens, xb, xd, xs, xp)
+                if tile_order == REPACK_GEMM:
+                    tile(f0, f1, f2, f3, f4, f5, y, n, jo, g * tokens, xb, xd, xst, xp)
+                else:
+                    tile(f0, f1, f2, f3, f4, f5, y, n, jo, g * tokens, xb, xd, xs, xp)
             for t in range(t_len // tokens * tokens, t_len):
                 one(f0, f1, f2, f3, f4, f5, y, n, jo, t, xb, xd, xs, xp)
 
@@ -873,14 +931,21 @@ def _unpacked_q4k_gemm(n: int, k: int, isa: Int8Isa, tokens: int, rows: int) -> 
         xd = T.alloc_buffer((t_len, n_super), "float32")
         xs = T.alloc_buffer((t_len, K // 32), "int16")
         xp = T.alloc_buffer((t_len, n_super * 128), "int16")
+        xst = T.alloc_buffer((t_len // tokens * n_super * 4, 4), "int32")
         for t in T.parallel(t_len):
             quantize(x, t, xb, xd, xs, xp, n_super)
+        if tile_order == REPACK_GEMM:
+            for tq in T.parallel(t_len // tokens):
+                run_sums_by_tile(xs, xst, tq, n_super * 4)
         for jo in T.parallel(n // rows):
             un = T.alloc_buffer((rows, K), "uint8")
             scw = T.alloc_buffer((rows, n_super * 8), "int32")
             unpack(f2, f4, jo, un, scw)
             for g in range(t_len // tokens):
-                tile(f0, f1, f2, f3, f0, f4, y, n, jo, g * tokens, xb, xd, xs, un, scw)
+                if tile_order == REPACK_GEMM:
+                    tile(f0, f1, f2, f3, f0, f4, y, n, jo, g * tokens, xb, xd, xst, un, scw)
+                else:
+                    tile(f0, f1, f2, f3, f0, f4, y, n, jo, g * tokens, xb, xd, xs, un, scw)
             for t in range(t_len // tokens * tokens, t_len):
                 one(f0, f1, f2, f3, f4, f4, y, n, jo, t, xb, xd, xs, xp)
 
