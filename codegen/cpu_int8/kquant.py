@@ -18,7 +18,19 @@ lane j holding values 4j..4j+3 of each 32-value run:
     Q6_K        sumi_j = sum_s sc_s ((q . a)_{s,j} - 32 (sum a)_{s,j}), q the unsigned 6-bit code
                 acc_j  = fma(d_a d_w, float(sumi_j), acc_j)
 
-then y = hsum_float_8(acc) (+ (m_0 + m_2) + (m_1 + m_3) for Q4_K, + m for Q5_K). The layouts are
+then y = hsum_float_8(acc) (+ (m_0 + m_2) + (m_1 + m_3) for Q4_K, + m for Q5_K).
+
+Q4_K at AVX2 (q4k_orders): llama.cpp's AVX2 build repacks a Q4_K weight of n % 8 == 0 rows 8x8
+(block_q4_Kx8) and multiplies it in ggml_gemv_q4_K_8x8_q8_K (decode, and the last T % 4 tokens of
+a prompt) or ggml_gemm_q4_K_8x8_q8_K (the first T - T % 4), one float lane per row and token:
+
+    REPACK_GEMV  per super-block i:  acc  = fma(float(sum_j sumi_j), d_a d_w, acc)
+                                     accm = fma(float(sum_s mn_s A_s), d_a dmin_w, accm)
+    REPACK_GEMM  the same per 64-value run g (sub-blocks 2g, 2g + 1) instead of per super-block
+    then y = acc - accm.
+
+The integer sums are the ones above, their lanes added in integers (vphaddd, four accumulators at
+once). The other instruction sets keep vec_dot's order. The layouts are
 codegen/formats/block_formats.py's: Q4_K's 32 bytes of a 64-value group hold sub-block 2g in their low nibbles
 and 2g+1 in their high ones, so one load gives 64 codes in value order; Q6_K's 128-value half
 takes two 32-byte runs of low nibbles and one of high bit pairs.
