@@ -899,7 +899,7 @@ def kquant_gemm(qtype: str, n: int, k: int, isa: Int8Isa, tokens: int = GEMM_TOK
         xd = T.alloc_buffer((t_len, n_super), "float32")
         xs = T.alloc_buffer((t_len, K // run), "int16")
         xp = T.alloc_buffer((t_len, n_super * 128), "int16")
-        xst = T.alloc_buffer((t_len // tokens * n_super * 4, 4), "int32")
+        xst = T.alloc_buffer((t_len // tokens * n_super * 4 if tile_order == REPACK_GEMM else 1, 4), "int32")
         for t in T.parallel(t_len):
             quantize(x, t, xb, xd, xs, xp, n_super)
         if tile_order == REPACK_GEMM:
@@ -943,7 +943,7 @@ def _unpacked_q4k_gemm(n: int, k: int, isa: Int8Isa, tokens: int, rows: int) -> 
         xd = T.alloc_buffer((t_len, n_super), "float32")
         xs = T.alloc_buffer((t_len, K // 32), "int16")
         xp = T.alloc_buffer((t_len, n_super * 128), "int16")
-        xst = T.alloc_buffer((t_len // tokens * n_super * 4, 4), "int32")
+        xst = T.alloc_buffer((t_len // tokens * n_super * 4 if tile_order == REPACK_GEMM else 1, 4), "int32")
         for t in T.parallel(t_len):
             quantize(x, t, xb, xd, xs, xp, n_super)
         if tile_order == REPACK_GEMM:
