@@ -167,7 +167,7 @@ def test_kquant_int8_matmul_is_llama_cpp_bit_for_bit(qtype: str, n: int, k: int,
     y = aligned_zeros((t, n), np.float32)
     kernel = Q8.int8_gemv(qtype, n, k, target) if t == 1 else Q8.int8_gemm(qtype, n, k, target)
     _build(kernel, target)(to_tvm(x), *(to_tvm(arrays[f]) for f, _, _ in Q.layout_spec(qtype, (n, k))), to_tvm(y))
-    np.testing.assert_array_equal(y, G.matmul_k(qtype, raw, n, k, x))
+    np.testing.assert_array_equal(y, G.matmul_k_for(I.isa_name(target), qtype, raw, n, k, x))
 
 
 @pytest.mark.parametrize("qtype", sorted(Q8.KQUANT_GEMV_TYPES))
@@ -201,7 +201,25 @@ def test_kquant_prompt_gemm_tilings_are_llama_cpp_bit_for_bit(qtype: str, pairs:
     n, k = 8, 768
     raw, arrays, x = _prompt_case(qtype, n, k, t, pairs * 31 + t)
     y = _run(KQ.kquant_gemm(qtype, n, k, isa, pairs=pairs), qtype, arrays, x, n, target)
-    np.testing.assert_array_equal(y, G.matmul_k(qtype, raw, n, k, x))
+    np.testing.assert_array_equal(y, G.matmul_k_for(isa.name, qtype, raw, n, k, x))
+
+
+@pytest.mark.parametrize(("k", "t"), [(512, 1), (512, 7), (4096, 6)])
+def test_q4_k_repacked_order_at_avx2_is_llama_cpp_bit_for_bit(k: int, t: int) -> None:
+    """Q4_K weights of n % 8 == 0 rows at haswell: llama.cpp's AVX2 build repacks them 8x8 and runs
+    ggml_gemm_q4_K_8x8_q8_K on the first T - T % 4 tokens (one fma per 64-value run), its GEMV on
+    the rest and on decode steps (one per super-block); K = 4096 takes the GEMM whose codes stay
+    packed (past UNPACKED_BYTES). The model of that order differs from vec_dot's here, so the
+    test tells them apart."""
+    n = 16
+    isa = int8_isa(I.HASWELL)
+    assert isa is not None and KQ.q4k_orders("Q4_K", isa, n) == (KQ.REPACK_GEMV, KQ.REPACK_GEMM)
+    raw, arrays, x = _prompt_case("Q4_K", n, k, t, k + t)
+    kernel = Q8.int8_gemv("Q4_K", n, k, I.HASWELL) if t == 1 else Q8.int8_gemm("Q4_K", n, k, I.HASWELL)
+    y = _run(kernel, "Q4_K", arrays, x, n, I.HASWELL)
+    want = G.matmul_q4_K_repacked(raw, n, k, x)
+    assert np.any(want != G.matmul_k("Q4_K", raw, n, k, x))
+    np.testing.assert_array_equal(y, want)
 
 
 def _prompt_case(qtype: str, n: int, k: int, t: int, seed: int) -> tuple[np.ndarray, dict, np.ndarray]:
@@ -260,7 +278,7 @@ def test_kquant_gemv_groups_and_residual_are_llama_cpp_bit_for_bit(qtype: str, t
     raws = [_k_blocks(qtype, n, k, rng) for n in heights]
     mats = [[Q.repack(qtype, raw, (n, k))[f] for f, _, _ in Q.layout_spec(qtype, (n, k))]
             for n, raw in zip(heights, raws, strict=True)]
-    want = [G.matmul_k(qtype, raw, n, k, x) for n, raw in zip(heights, raws, strict=True)]
+    want = [G.matmul_k_for(I.isa_name(target), qtype, raw, n, k, x) for n, raw in zip(heights, raws, strict=True)]
     for size in (1, 2, 3):
         ys = [aligned_zeros((1, n), np.float32) for n in heights[:size]]
         kernel = _build(Q8.int8_gemv_group(qtype, heights[:size], k, target), target)

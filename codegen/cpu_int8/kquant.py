@@ -18,7 +18,19 @@ lane j holding values 4j..4j+3 of each 32-value run:
     Q6_K        sumi_j = sum_s sc_s ((q . a)_{s,j} - 32 (sum a)_{s,j}), q the unsigned 6-bit code
                 acc_j  = fma(d_a d_w, float(sumi_j), acc_j)
 
-then y = hsum_float_8(acc) (+ (m_0 + m_2) + (m_1 + m_3) for Q4_K, + m for Q5_K). The layouts are
+then y = hsum_float_8(acc) (+ (m_0 + m_2) + (m_1 + m_3) for Q4_K, + m for Q5_K).
+
+Q4_K at AVX2 (q4k_orders): llama.cpp's AVX2 build repacks a Q4_K weight of n % 8 == 0 rows 8x8
+(block_q4_Kx8) and multiplies it in ggml_gemv_q4_K_8x8_q8_K (decode, and the last T % 4 tokens of
+a prompt) or ggml_gemm_q4_K_8x8_q8_K (the first T - T % 4), one float lane per row and token:
+
+    REPACK_GEMV  per super-block i:  acc  = fma(float(sum_j sumi_j), d_a d_w, acc)
+                                     accm = fma(float(sum_s mn_s A_s), d_a dmin_w, accm)
+    REPACK_GEMM  the same per 64-value run g (sub-blocks 2g, 2g + 1) instead of per super-block
+    then y = acc - accm.
+
+The integer sums are the ones above, their lanes added in integers (vphaddd, four accumulators at
+once). The other instruction sets keep vec_dot's order. The layouts are
 codegen/formats/block_formats.py's: Q4_K's 32 bytes of a 64-value group hold sub-block 2g in their low nibbles
 and 2g+1 in their high ones, so one load gives 64 codes in value order; Q6_K's 128-value half
 takes two 32-byte runs of low nibbles and one of high bit pairs.
@@ -59,10 +71,12 @@ from ggufc.codegen.cpu_int8.parts import pairs16 as _pairs
 from ggufc.codegen.cpu_int8.parts import scaled_pairs as _scaled
 from ggufc.codegen.formats.block_formats import layout_spec
 
+VEC_DOT, REPACK_GEMV, REPACK_GEMM = "vec_dot", "repack_gemv", "repack_gemm"  # Q4_K's float orders
 KQUANT_GEMV_TYPES = frozenset({"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"})  # the weights with integer kernels here
 SUPER = 256  # values per super-block (and per q8_K activation block)
 FIELDS = 6  # weight fields per matrix slot of the grouped kernel (Q5_K has the most)
-GEMM_TOKENS = 4  # tokens a prompt GEMM's row group takes per pass over its weight codes
+GEMM_TOKENS = 4  # tokens a prompt GEMM's row group takes per pass (llama.cpp's block_q8_Kx4 too)
+REPACK_ROWS = 8  # rows llama.cpp interleaves in a repacked Q4_K weight (block_q4_Kx8)
 PAIR_TYPES = frozenset({"Q4_K", "Q6_K"})  # the K-quants whose prompt GEMMs take token pairs
 PAIR_TILE = 3  # token pairs a Q4_K prompt GEMM's row group takes per pass (512-bit registers)
 PAIR_ROWS = 2  # rows per task of that GEMM: 3 accumulator registers per row and pair
@@ -75,6 +89,17 @@ UNPACKED_BYTES = 16 * 1024
 
 def kquant_supported(qtype: str, n: int, k: int) -> bool:
     return qtype in KQUANT_GEMV_TYPES and n % P.ROWS == 0 and k % SUPER == 0
+
+
+def q4k_orders(qtype: str, isa: Int8Isa, n: int) -> tuple[str, str]:
+    """(decode order, prompt order) of a matrix of n rows: llama.cpp's AVX2 build repacks a Q4_K
+    weight of n % REPACK_ROWS == 0 rows (ggml_repack_get_optimal_repack_type) and runs its GEMM
+    on the first T - T % GEMM_TOKENS tokens of a prompt, its GEMV on the rest (and on decode).
+    The other instruction sets keep vec_dot's order (llama.cpp's AVX-512 GEMM of the repacked
+    weights takes another order again, not modelled)."""
+    if qtype == "Q4_K" and isa.name == "avx2" and n % REPACK_ROWS == 0:
+        return REPACK_GEMV, REPACK_GEMM
+    return VEC_DOT, VEC_DOT
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,12 +215,61 @@ def _min_dot(mn: tirx.Buffer, xs: tirx.Buffer, row: tirx.PrimExpr, t: tirx.PrimE
     return total
 
 
+def _phadd(a: tirx.PrimExpr, b: tirx.PrimExpr) -> tirx.PrimExpr:
+    """vphaddd: [a0+a1, a2+a3, b0+b1, b2+b3, a4+a5, a6+a7, b4+b5, b6+b7]."""
+    return T.call_llvm_pure_intrin("int32x8", "llvm.x86.avx2.phadd.d", a, b)
+
+
+def _phadd4(a: tirx.PrimExpr, b: tirx.PrimExpr) -> tirx.PrimExpr:
+    return T.call_llvm_pure_intrin("int32x4", "llvm.x86.ssse3.phadd.d.128", a, b)
+
+
+def _pmadd4(a: tirx.PrimExpr, b: tirx.PrimExpr) -> tirx.PrimExpr:
+    """int16x8 a . b in adjacent pairs -> int32x4 (vpmaddwd)."""
+    return T.call_llvm_pure_intrin("int32x4", "llvm.x86.sse2.pmadd.wd", a, b)
+
+
+@T.macro
+def _halved_totals(sumi, q, hbuf):  # type: ignore[no-untyped-def]
+    """hbuf[0:4] + hbuf[4:8] becomes the lane totals of sumi rows 4q .. 4q + 3 (three vphaddd)."""
+    hbuf[0:8] = _phadd(_phadd(sumi.vload([4 * q, 0], "int32x8"), sumi.vload([4 * q + 1, 0], "int32x8")),
+                       _phadd(sumi.vload([4 * q + 2, 0], "int32x8"), sumi.vload([4 * q + 3, 0], "int32x8")))
+
+
+def _mins_word(mn: tirx.Buffer, row: tirx.PrimExpr, i: tirx.PrimExpr, g: tirx.PrimExpr) -> tirx.PrimExpr:
+    """The minimums of sub-blocks 2g, 2g + 1 of super-block i as two int16 in one int32."""
+    return T.bitwise_or(T.Cast("int32", mn[row, i * 8 + 2 * g]),
+                        T.shift_left(T.Cast("int32", mn[row, i * 8 + 2 * g + 1]), 16))
+
+
+@T.macro
+def run_sums_by_tile(xs, xst, tq, n_runs):  # type: ignore[no-untyped-def]
+    """Tokens 4tq .. 4tq + 3's code sums of the two sub-blocks of each 64-value run w, as int16
+    pairs in one int32, token-minor: xst[tq * n_runs + w, u] (the repacked GEMM's minimum terms
+    take the four tokens of a tile in one vpmaddwd)."""
+    for w in range(n_runs):
+        for u in T.unroll(4):
+            xst[tq * n_runs + w, u] = T.bitwise_or(
+                T.bitwise_and(T.Cast("int32", xs[tq * 4 + u, 2 * w]), 65535),
+                T.shift_left(T.Cast("int32", xs[tq * 4 + u, 2 * w + 1]), 16))
+
+
 def _q45k_rows(isa: Int8Isa, five: bool, rows: int, n_super: int, tt: int,
-               prefetch_groups: int, unroll: bool = False, unpacked: bool = False) -> Callable[..., None]:
+               prefetch_groups: int, unroll: bool = False, unpacked: bool = False,
+               order: str = VEC_DOT) -> Callable[..., None]:
     """Row-group macro of Q4_K / Q5_K (fields d, dmin, sc, mn, [qh,] qs); `unroll`: a super-block's
     four 64-value runs unrolled (the same sums in the same order, scheduled differently);
     `unpacked` (Q4_K): the codes and scales read from _unpack_q4k's buffers (un, scw) instead of
-    the weight's fields, so a prompt's token tiles do not unpack them again."""
+    the weight's fields, so a prompt's token tiles do not unpack them again. `order` (Q4_K): the
+    float steps of ggml_vec_dot_q4_K_q8_K (VEC_DOT) or of the repacked GEMV / GEMM (REPACK_GEMV:
+    one fma per super-block, REPACK_GEMM: one per 64-value run, each of the lanes' integer total,
+    the minimums in a second accumulator subtracted at the end; module docstring)."""
+    assert order == VEC_DOT or not five, "only Q4_K has a repacked order"
+    repacked, per_run = order != VEC_DOT, order == REPACK_GEMM
+    # the repacked GEMM's xs: run_sums_by_tile's layout, four tokens a tile
+    assert not per_run or tt == GEMM_TOKENS, "the repacked GEMM takes 4-token tiles"
+    assert not repacked or rows * tt % 4 == 0, "the repacked orders reduce four accumulators at once"
+    n_runs = n_super * 4
     zero = T.broadcast(T.int32(0), 8)
     wide = isa
     decode = tt == 1  # a GEMV: its weight stream is the step's cost, so it is also prefetched into L2
@@ -214,15 +288,29 @@ def _q45k_rows(isa: Int8Isa, five: bool, rows: int, n_super: int, tt: int,
         # llama.cpp's; the loop below broadcasts them from memory (a load, not a shuffle)
         ds = T.alloc_buffer((rows * tt, n_super), "float32")
         dms = T.alloc_buffer((rows * tt, n_super), "float32")
+        # the repacked orders' accumulators, d_a d_w and d_a dmin_w by super-block (a vector load
+        # for four accumulators) and the lane totals' scratch
+        accv = T.alloc_buffer((rows * tt,), "float32")
+        accmv = T.alloc_buffer((rows * tt,), "float32")
+        dst = T.alloc_buffer((n_super, rows * tt), "float32")
+        dmt = T.alloc_buffer((n_super, rows * tt), "float32")
+        hbuf = T.alloc_buffer((8,), "int32")
         ahead = T.meta_var(T.min(jo + prefetch_groups, n // rows - 1))
         far = T.meta_var(T.min(jo + far_groups, n // rows - 1))
         for r in T.unroll(rows):
             for u in T.unroll(tt):
                 acc[r * tt + u, 0:8] = T.broadcast(T.float32(0), 8)
                 accm[r * tt + u, 0:4] = T.broadcast(T.float32(0), 4)
-                for i in range(n_super):
-                    ds[r * tt + u, i] = xd[t + u, i] * T.Cast("float32", d[jo * rows + r, i])
-                    dms[r * tt + u, i] = -xd[t + u, i] * T.Cast("float32", dmin[jo * rows + r, i])
+                if repacked:
+                    accv[r * tt + u] = T.float32(0)
+                    accmv[r * tt + u] = T.float32(0)
+                    for i in range(n_super):
+                        dst[i, r * tt + u] = xd[t + u, i] * T.Cast("float32", d[jo * rows + r, i])
+                        dmt[i, r * tt + u] = xd[t + u, i] * T.Cast("float32", dmin[jo * rows + r, i])
+                else:
+                    for i in range(n_super):
+                        ds[r * tt + u, i] = xd[t + u, i] * T.Cast("float32", d[jo * rows + r, i])
+                        dms[r * tt + u, i] = -xd[t + u, i] * T.Cast("float32", dmin[jo * rows + r, i])
         for i in range(n_super):
             for p in T.unroll(8):
                 P.prefetch(qs_flat, ahead * rows * n_super * 128 + i * rows * 128 + p * 64)
@@ -267,22 +355,52 @@ def _q45k_rows(isa: Int8Isa, five: bool, rows: int, n_super: int, tt: int,
                                 _scale16(sc[jo * rows + r, i * 8 + 2 * g])),
                                 _pairs(hi, xb.vload([t + u, i * 256 + g * 64 + 32], "int8x32")),
                                 _scale16(sc[jo * rows + r, i * 8 + 2 * g + 1]))
-            for r in T.unroll(rows):
-                for u in T.unroll(tt):
-                    acc[r * tt + u, 0:8] = _scaled_sum(acc, sumi, r * tt + u, ds[r * tt + u, i])
-                    mins = T.meta_var(T.Cast("int16x8", mn.vload([jo * rows + r, i * 8], "uint8x8")))
-                    prod = T.meta_var(T.call_llvm_pure_intrin(  # llama.cpp's madd of the minimums and sums
-                        "int32x4", "llvm.x86.sse2.pmadd.wd", mins, xs.vload([t + u, i * 8], "int16x8")))
-                    dm = T.meta_var(dms[r * tt + u, i])
-                    if five:  # a scalar sum, one product added per super-block
-                        accm[r * tt + u, 0] = accm[r * tt + u, 0] + dm * T.Cast(
-                            "float32", _min_dot(mn, xs, jo * rows + r, t + u, i))
-                    else:
-                        accm[r * tt + u, 0:4] = _fma4(T.broadcast(dm, 4), T.Cast("float32x4", prod),
-                                                       accm.vload([r * tt + u, 0], "float32x4"))
+                if per_run:  # the repacked GEMM: one float step per run and token
+                    for q in T.unroll(rows * tt // 4):  # row q, its four tokens
+                        _halved_totals(sumi, q, hbuf)
+                        accv[4 * q:4 * q + 4] = _fma4(
+                            T.Cast("float32x4", hbuf.vload([0], "int32x4") + hbuf.vload([4], "int32x4")),
+                            dst.vload([i, 4 * q], "float32x4"), accv.vload([4 * q], "float32x4"))
+                        pairs = T.meta_var(T.reinterpret(  # the tile's run sums (xs: run_sums_by_tile's)
+                            "int16x8", xs.vload([t // 4 * n_runs + i * 4 + g, 0], "int32x4")))
+                        mins = T.meta_var(T.reinterpret(
+                            "int16x8", T.broadcast(_mins_word(mn, jo * rows + q, i, g), 4)))
+                        accmv[4 * q:4 * q + 4] = _fma4(T.Cast("float32x4", _pmadd4(mins, pairs)),
+                                                       dmt.vload([i, 4 * q], "float32x4"),
+                                                       accmv.vload([4 * q], "float32x4"))
+                    for r in T.unroll(rows * tt):
+                        sumi[r, 0:8] = zero
+            if repacked and not per_run:  # the repacked GEMV: one float step per super-block
+                for q in T.unroll(rows * tt // 4):
+                    _halved_totals(sumi, q, hbuf)
+                    accv[4 * q:4 * q + 4] = _fma4(
+                        T.Cast("float32x4", hbuf.vload([0], "int32x4") + hbuf.vload([4], "int32x4")),
+                        dst.vload([i, 4 * q], "float32x4"), accv.vload([4 * q], "float32x4"))
+                    p0, p1, p2, p3 = T.meta_var([_pmadd4(
+                        T.Cast("int16x8", mn.vload([jo * rows + (4 * q + c) // tt, i * 8], "uint8x8")),
+                        xs.vload([t + (4 * q + c) % tt, i * 8], "int16x8")) for c in range(4)])
+                    accmv[4 * q:4 * q + 4] = _fma4(
+                        T.Cast("float32x4", _phadd4(_phadd4(p0, p1), _phadd4(p2, p3))),
+                        dmt.vload([i, 4 * q], "float32x4"), accmv.vload([4 * q], "float32x4"))
+            if not repacked:
+                for r in T.unroll(rows):
+                    for u in T.unroll(tt):
+                        acc[r * tt + u, 0:8] = _scaled_sum(acc, sumi, r * tt + u, ds[r * tt + u, i])
+                        mins = T.meta_var(T.Cast("int16x8", mn.vload([jo * rows + r, i * 8], "uint8x8")))
+                        prod = T.meta_var(T.call_llvm_pure_intrin(  # llama.cpp's madd of the minimums and sums
+                            "int32x4", "llvm.x86.sse2.pmadd.wd", mins, xs.vload([t + u, i * 8], "int16x8")))
+                        dm = T.meta_var(dms[r * tt + u, i])
+                        if five:  # a scalar sum, one product added per super-block
+                            accm[r * tt + u, 0] = accm[r * tt + u, 0] + dm * T.Cast(
+                                "float32", _min_dot(mn, xs, jo * rows + r, t + u, i))
+                        else:
+                            accm[r * tt + u, 0:4] = _fma4(T.broadcast(dm, 4), T.Cast("float32x4", prod),
+                                                           accm.vload([r * tt + u, 0], "float32x4"))
         for r in T.unroll(rows):
             for u in T.unroll(tt):
-                if five:
+                if repacked:
+                    y[t + u, jo * rows + r] = accv[r * tt + u] - accmv[r * tt + u]
+                elif five:
                     y[t + u, jo * rows + r] = P.hsum8(acc, r * tt + u) + accm[r * tt + u, 0]
                 else:
                     y[t + u, jo * rows + r] = P.hsum8(acc, r * tt + u) + (
@@ -605,7 +723,7 @@ UNROLLABLE = ("Q4_K", "Q5_K", "Q6_K")  # K-quants whose row macro takes `unroll`
 
 
 def _row_steps(qtype: str, isa: Int8Isa, n_super: int, tt: int, prefetch_groups: int,
-               rows: int = P.ROWS, unroll: bool = False) -> Callable[..., None]:
+               rows: int = P.ROWS, unroll: bool = False, order: str = VEC_DOT) -> Callable[..., None]:
     """One macro `(f0..f5, y, n, jo, t, xb, xd, xs, xp)` for every K-quant: f0.. the weight's fields
     in layout_spec order (the ones past a type's last unused; Q2_K's xs holds 16-value runs);
     `rows` rows per group; `unroll`: Q4_K/Q5_K/Q6_K's super-block loop unrolled (UNROLLABLE)."""
@@ -634,7 +752,7 @@ def _row_steps(qtype: str, isa: Int8Isa, n_super: int, tt: int, prefetch_groups:
 
         return steps6
     five = qtype == "Q5_K"
-    q45 = _q45k_rows(isa, five, rows, n_super, tt, prefetch_groups, unroll)
+    q45 = _q45k_rows(isa, five, rows, n_super, tt, prefetch_groups, unroll, order=order)
 
     @T.macro
     def steps45(f0, f1, f2, f3, f4, f5, y, n, jo, t, xb, xd, xs, xp):  # type: ignore[no-untyped-def]
@@ -672,7 +790,8 @@ def kquant_gemv_group(qtype: str, ns: tuple[int, ...], k: int, isa: Int8Isa, pro
     s1, s2, s3 = (_field_specs(qtype, n, k) for n in (n1, n2, n3))
     run = _sum_run(qtype)
     quantize, quantize_one = _q8k_quantize(run), _q8k_super_block(run)
-    steps = _row_steps(qtype, isa, n_super, 1, prefetch_groups, unroll=unroll)
+    steps1, steps2, steps3 = (_row_steps(qtype, isa, n_super, 1, prefetch_groups, unroll=unroll,
+                                         order=q4k_orders(qtype, isa, n)[0]) for n in (n1, n2, n3))
     add_residual = P.residual_adder(residual)
     n_groups = g1 + (g2 if group >= 2 else 0) + (g3 if group >= 3 else 0)
     split = max(1, int(groups_per_task))
@@ -703,11 +822,11 @@ def kquant_gemv_group(qtype: str, ns: tuple[int, ...], k: int, isa: Int8Isa, pro
     def slot_group(a0, a1, a2, a3, a4, a5, b0, b1, b2, b3, b4, b5,  # type: ignore[no-untyped-def]
                    c0, c1, c2, c3, c4, c5, y1, y2, y3, jo, xb, xd, xs, xp):
         if jo < g1:
-            steps(a0, a1, a2, a3, a4, a5, y1, n1, jo, 0, xb, xd, xs, xp)
+            steps1(a0, a1, a2, a3, a4, a5, y1, n1, jo, 0, xb, xd, xs, xp)
         elif group >= 2 and jo < g1 + g2:
-            steps(b0, b1, b2, b3, b4, b5, y2, n2, jo - g1, 0, xb, xd, xs, xp)
+            steps2(b0, b1, b2, b3, b4, b5, y2, n2, jo - g1, 0, xb, xd, xs, xp)
         elif group >= 3:
-            steps(c0, c1, c2, c3, c4, c5, y3, n3, jo - g1 - g2, 0, xb, xd, xs, xp)
+            steps3(c0, c1, c2, c3, c4, c5, y3, n3, jo - g1 - g2, 0, xb, xd, xs, xp)
 
     @T.prim_func
     def gemv(x: T.Buffer((1, k), "float32"), xw: T.Buffer((k,), "float32"), xu: T.Buffer((1, k), "float32"),  # type: ignore[valid-type]
@@ -763,8 +882,10 @@ def kquant_gemm(qtype: str, n: int, k: int, isa: Int8Isa, tokens: int = GEMM_TOK
     specs = _field_specs(qtype, n, k)
     run = _sum_run(qtype)
     quantize = _q8k_quantize(run)
-    one = _row_steps(qtype, isa, n_super, 1, P.PREFETCH_GROUPS, rows)
-    tile = _row_steps(qtype, isa, n_super, tokens, P.PREFETCH_GROUPS, rows)
+    one_order, tile_order = q4k_orders(qtype, isa, n)
+    assert tile_order == VEC_DOT or tokens == GEMM_TOKENS, "the repacked order splits prompts by 4 tokens"
+    one = _row_steps(qtype, isa, n_super, 1, P.PREFETCH_GROUPS, rows, order=one_order)
+    tile = _row_steps(qtype, isa, n_super, tokens, P.PREFETCH_GROUPS, rows, order=tile_order)
 
     @T.prim_func(private=True)
     def gemm(x_h: T.handle, f0: T.Buffer(specs[0][0], specs[0][1]), f1: T.Buffer(specs[1][0], specs[1][1]),  # type: ignore[valid-type]
@@ -778,11 +899,18 @@ def kquant_gemm(qtype: str, n: int, k: int, isa: Int8Isa, tokens: int = GEMM_TOK
         xd = T.alloc_buffer((t_len, n_super), "float32")
         xs = T.alloc_buffer((t_len, K // run), "int16")
         xp = T.alloc_buffer((t_len, n_super * 128), "int16")
+        xst = T.alloc_buffer((t_len // tokens * n_super * 4 if tile_order == REPACK_GEMM else 1, 4), "int32")
         for t in T.parallel(t_len):
             quantize(x, t, xb, xd, xs, xp, n_super)
+        if tile_order == REPACK_GEMM:
+            for tq in T.parallel(t_len // tokens):
+                run_sums_by_tile(xs, xst, tq, n_super * 4)
         for jo in T.parallel(n // rows):
             for g in range(t_len // tokens):
-                tile(f0, f1, f2, f3, f4, f5, y, n, jo, g * tokens, xb, xd, xs, xp)
+                if tile_order == REPACK_GEMM:
+                    tile(f0, f1, f2, f3, f4, f5, y, n, jo, g * tokens, xb, xd, xst, xp)
+                else:
+                    tile(f0, f1, f2, f3, f4, f5, y, n, jo, g * tokens, xb, xd, xs, xp)
             for t in range(t_len // tokens * tokens, t_len):
                 one(f0, f1, f2, f3, f4, f5, y, n, jo, t, xb, xd, xs, xp)
 
@@ -798,8 +926,10 @@ def _unpacked_q4k_gemm(n: int, k: int, isa: Int8Isa, tokens: int, rows: int) -> 
     specs = _field_specs("Q4_K", n, k)
     quantize = _q8k_quantize(32)
     unpack = _unpack_q4k(rows, n_super)
-    one = _row_steps("Q4_K", isa, n_super, 1, P.PREFETCH_GROUPS, rows)
-    tile = _q45k_rows(isa, False, rows, n_super, tokens, P.PREFETCH_GROUPS, unpacked=True)
+    one_order, tile_order = q4k_orders("Q4_K", isa, n)
+    assert tile_order == VEC_DOT or tokens == GEMM_TOKENS, "the repacked order splits prompts by 4 tokens"
+    one = _row_steps("Q4_K", isa, n_super, 1, P.PREFETCH_GROUPS, rows, order=one_order)
+    tile = _q45k_rows(isa, False, rows, n_super, tokens, P.PREFETCH_GROUPS, unpacked=True, order=tile_order)
 
     @T.prim_func(private=True)
     def gemm(x_h: T.handle, f0: T.Buffer(specs[0][0], specs[0][1]), f1: T.Buffer(specs[1][0], specs[1][1]),  # type: ignore[valid-type]
@@ -813,14 +943,21 @@ def _unpacked_q4k_gemm(n: int, k: int, isa: Int8Isa, tokens: int, rows: int) -> 
         xd = T.alloc_buffer((t_len, n_super), "float32")
         xs = T.alloc_buffer((t_len, K // 32), "int16")
         xp = T.alloc_buffer((t_len, n_super * 128), "int16")
+        xst = T.alloc_buffer((t_len // tokens * n_super * 4 if tile_order == REPACK_GEMM else 1, 4), "int32")
         for t in T.parallel(t_len):
             quantize(x, t, xb, xd, xs, xp, n_super)
+        if tile_order == REPACK_GEMM:
+            for tq in T.parallel(t_len // tokens):
+                run_sums_by_tile(xs, xst, tq, n_super * 4)
         for jo in T.parallel(n // rows):
             un = T.alloc_buffer((rows, K), "uint8")
             scw = T.alloc_buffer((rows, n_super * 8), "int32")
             unpack(f2, f4, jo, un, scw)
             for g in range(t_len // tokens):
-                tile(f0, f1, f2, f3, f0, f4, y, n, jo, g * tokens, xb, xd, xs, un, scw)
+                if tile_order == REPACK_GEMM:
+                    tile(f0, f1, f2, f3, f0, f4, y, n, jo, g * tokens, xb, xd, xst, un, scw)
+                else:
+                    tile(f0, f1, f2, f3, f0, f4, y, n, jo, g * tokens, xb, xd, xs, un, scw)
             for t in range(t_len // tokens * tokens, t_len):
                 one(f0, f1, f2, f3, f4, f4, y, n, jo, t, xb, xd, xs, xp)
 

@@ -267,3 +267,57 @@ def matmul_k(qtype: str, raw: np.ndarray, n: int, k: int, x: np.ndarray) -> np.n
         mins = ((accm[..., 0] + accm[..., 2]).astype(F32) + (accm[..., 1] + accm[..., 3]).astype(F32)).astype(F32)
         return (out + mins).astype(F32)
     return (out + summs).astype(F32) if qtype == "Q5_K" else out
+
+
+GEMM_ROWS = 4  # tokens per block_q8_Kx4: a repacked matmul's GEMM takes T - T % 4 of them
+
+
+def q4_K_repacked(n: int, isa_name: str) -> bool:
+    """Whether llama.cpp's CPU backend repacks a Q4_K weight of n rows 8x8 (block_q4_Kx8,
+    ggml_repack_get_optimal_repack_type: AVX2 and n % 8 == 0) in the build `isa_name` models.
+    Only the AVX2 build is modelled here; ggufc's other instruction sets keep vec_dot's order."""
+    return isa_name == "avx2" and n % 8 == 0
+
+
+def matmul_q4_K_repacked(raw: np.ndarray, n: int, k: int, x: np.ndarray) -> np.ndarray:
+    """x [T, K] @ W.T of a Q4_K weight repacked 8x8, as forward_mul_mat of ggml's repack buffer:
+    tokens 0 .. T - T % 4 through ggml_gemm_q4_K_8x8_q8_K, the rest through ggml_gemv_q4_K_8x8_q8_K
+    (AVX2). Per row and token both keep one float accumulator for the scales and one for the
+    minimums, each fed exact integer sums (int16 maddubs adds cannot overflow with 4-bit codes):
+
+      GEMV, per super-block i:  acc = fma(float(sum_s sc_s (q . a)_s), d_w d_a, acc)
+                                accm = fma(float(sum_s mn_s A_s), dmin_w d_a, accm)
+      GEMM, per 64-value run g of each super-block: the same with s over sub-blocks 2g, 2g + 1
+
+    then y = acc - accm (A_s: the code sum of sub-block s, d_a: the q8_K block's scale)."""
+    w = k_blocks("Q4_K", raw, n, k)
+    qa, da = quantize_q8_K(x)
+    t, nb = qa.shape[0], k // 256
+    prods = np.einsum("nbv,tbv->tnbv", w["codes"] * w["scales"], qa)
+    runs = prods.reshape(t, n, nb, 4, 64).sum(-1)  # [t, n, nb, run], exact
+    sub_sums = qa.reshape(t, nb, 8, 32).sum(-1)  # [t, nb, 8]
+    mins = (w["mn"][None] * sub_sums[:, None]).reshape(t, n, nb, 4, 2).sum(-1)
+    d = (da[:, None, :] * w["d"][None]).astype(F32)  # [t, n, nb]
+    dmin = (da[:, None, :] * w["dmin"][None]).astype(F32)
+    gemm = np.arange(t) < t - t % GEMM_ROWS
+    acc = np.zeros((t, n), F32)
+    accm = np.zeros((t, n), F32)
+    for i in range(nb):
+        for g in range(4):  # the GEMM's steps
+            acc_g = fma(runs[:, :, i, g].astype(F32), d[:, :, i], acc)
+            accm_g = fma(mins[:, :, i, g].astype(F32), dmin[:, :, i], accm)
+            acc = np.where(gemm[:, None], acc_g, acc)
+            accm = np.where(gemm[:, None], accm_g, accm)
+        acc_v = fma(runs[:, :, i].sum(-1).astype(F32), d[:, :, i], acc)  # the GEMV's step
+        accm_v = fma(mins[:, :, i].sum(-1).astype(F32), dmin[:, :, i], accm)
+        acc = np.where(gemm[:, None], acc, acc_v)
+        accm = np.where(gemm[:, None], accm, accm_v)
+    return (acc - accm).astype(F32)
+
+
+def matmul_k_for(isa_name: str, qtype: str, raw: np.ndarray, n: int, k: int, x: np.ndarray) -> np.ndarray:
+    """matmul_k in the order llama.cpp's build for `isa_name` takes: Q4_K's repacked kernels where
+    q4_K_repacked, ggml_vec_dot_*_K_q8_K elsewhere."""
+    if qtype == "Q4_K" and q4_K_repacked(n, isa_name):
+        return matmul_q4_K_repacked(raw, n, k, x)
+    return matmul_k(qtype, raw, n, k, x)
