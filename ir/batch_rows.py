@@ -15,7 +15,7 @@ from .graph import Graph, Node, Value
 ROW_WISE_OPS = frozenset({
     "unary", "binary", "scalar", "fused_elementwise", "swiglu", "rms_norm", "softmax", "reduce", "reshape",
     "transpose", "slice", "concat", "gather", "dequantize", "matmul", "quantize_act", "int8_matmul", "matmul_id",
-    "topk", "moe_ffn",
+    "topk", "moe_topk_softmax", "moe_ffn",
 })
 # replaced by per-row versions, which take these inputs: (x, pos, table), (cache, x, pos), (q, k, v, pos)
 POSITIONED_OPS = {"rope": 3, "cache_write": 3, "attention": 4}

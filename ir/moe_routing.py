@@ -18,7 +18,14 @@ A latent MoE (kimi-k3) runs the experts in L dims: r = x @ routed_down.T, the ro
 [rmsnorm(., routed_norm)] @ routed_up.T; the router still reads x. A shared expert is added to the
 routed sum either gated (`* sigmoid(x . gate_inp_shexp)`) or always active (ungated).
 
-The op records (`MoeRoute`, `MoeFFN`) are in `ops.py`; the spellings in primitives in
+Top-k then softmax (llama.cpp's LLM_EXPERT_GATING_FUNC_SOFTMAX_WEIGHT, gpt-oss; op `moe_topk_softmax`):
+
+    z      = logits [+ router bias]           the router's own bias, before the selection
+    ids    = top-k of z                       descending, ties to the lower id (ggml_argsort_top_k)
+    w      = softmax(z[ids])                  over the k chosen only: expf(z - max), the sum in
+                                              double, times float(1 / sum) (ggml_soft_max)
+
+The op records (`MoeRoute`, `MoeFFN`, `MoeTopkSoftmax`) are in `ops.py`; the spellings in primitives in
 `moe_routing_spelled.py`; the kernels in `codegen/families/moe_routing.py`; the fusion in
 `passes/fuse_moe_routing.py`.
 """
@@ -102,6 +109,19 @@ def check_routing(a: Any, n_exp: Any, *extra: Any) -> None:
 def select_ref(x: np.ndarray, k: int) -> np.ndarray:
     """The k largest entries' indices per row, in descending order (ties: the lower index first)."""
     return np.argsort(-x, axis=-1, kind="stable")[..., :k].astype(np.int32)
+
+
+def topk_softmax_ref(logits: np.ndarray, k: int, bias: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(weights [T, k], ids [T, k]) of `moe_topk_softmax`: the k largest of logits [+ bias] (ggml
+    sorts with std::sort, an insertion sort up to 16 experts: ties keep the lower id first), then
+    ggml_soft_max over them: exponentials in the logits' precision, their sum in float64, each
+    exponential times the reciprocal of the sum rounded back."""
+    z = logits + bias if bias is not None else logits
+    ids = select_ref(z, k)
+    top = np.take_along_axis(z, ids.astype(np.int64), -1)
+    e = np.exp(top - top[..., :1])  # the first chosen is the row's max
+    inv = (1.0 / np.sum(e.astype(np.float64), axis=-1, keepdims=True)).astype(z.dtype)
+    return e * inv, ids
 
 
 def moe_route_ref(logits: np.ndarray, a: Any, *extra: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

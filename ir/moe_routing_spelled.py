@@ -1,4 +1,4 @@
-"""The MoE routing family's ops (`moe_route`, `moe_ffn`) spelled in primitives (references in
+"""The MoE routing family's ops (`moe_route`, `moe_topk_softmax`, `moe_ffn`) spelled in primitives (references in
 `moe_routing.py`).
 
 They are both the decompositions of the fused ops and the unfused builders the frontend's MoE
@@ -52,6 +52,20 @@ def route_spelled(b: GraphBuilder, logits: Value, a: Any, name: str, bias: Value
     if a.weights_scale != 1.0:
         w = b.scalar("mul", w, a.weights_scale, nm["weights_scaled"])
     return w, ids
+
+
+def topk_softmax_spelled(b: GraphBuilder, logits: Value, k: int, name: str, bias: Value | None = None,
+                         names: dict[str, str] | None = None) -> tuple[Value, Value]:
+    """(weights, ids) of `moe_topk_softmax`: [logits + bias], top-k, softmax over the k chosen."""
+    nm = {s: f"{name}.{s}" for s in ("biased", "topk", "ids", "weights")} | (names or {})
+    z = b.add(logits, bias, nm["biased"]) if bias is not None else logits
+    top, ids = b.emit_multi("topk", [z], O.TopK(k), [nm["topk"], nm["ids"]])
+    return gate_probs_spelled(b, top, "softmax", nm["weights"]), ids
+
+
+def _moe_topk_softmax(b: GraphBuilder, n: Node) -> list[Value]:
+    bias = n.inputs[1] if n.attrs.biased else None
+    return list(topk_softmax_spelled(b, n.inputs[0], n.attrs.k, n.outputs[0].name, bias))
 
 
 def _clip(b: GraphBuilder, u: Value, limit: float, name: str) -> Value:
@@ -176,5 +190,6 @@ def latent_out_spelled(b: GraphBuilder, y: Value, norm: Value | None, up: Value,
 
 MOE_DECOMPOSITIONS = {
     "moe_route": _moe_route,
+    "moe_topk_softmax": _moe_topk_softmax,
     "moe_ffn": _moe_ffn,
 }

@@ -27,7 +27,7 @@ from .linear_attention import (
     rms_norm_gated_ref,
     ssm_conv_ref,
 )
-from .moe_routing import check_routing, matmul_id_ref, moe_ffn_node_ref, moe_inputs, moe_route_ref
+from .moe_routing import check_routing, matmul_id_ref, moe_ffn_node_ref, moe_inputs, moe_route_ref, topk_softmax_ref
 from .ngram_embedding import ple_hash_ref
 from .sparse_indexers import (
     block_mask_ref,
@@ -211,6 +211,15 @@ class MoeRoute:
     weights_scale: float = 1.0  # expert_weights_scale, applied after the normalisation
     # hash routing: the experts are table[token] (inputs table [V, k] int32, tokens [T] int32), not a top-k
     hash_routed: bool = False
+
+
+@dataclass(frozen=True)
+class MoeTopkSoftmax:
+    """Router logits [T,X] (+ the router's bias [X] when biased) -> (weights [T,k], expert ids
+    [T,k]): the k largest, then a softmax over those k (gpt-oss; moe_routing.py)."""
+
+    k: int
+    biased: bool = False
 
 
 @dataclass(frozen=True)
@@ -862,6 +871,17 @@ def _route_shape(ins: Sequence[ShapeDtype], a: MoeRoute) -> list[ShapeDtype]:
     return [(shape, "float32"), (shape, "int32")]
 
 
+def _topk_softmax_shape(ins: Sequence[ShapeDtype], a: MoeTopkSoftmax) -> list[ShapeDtype]:
+    logits, n_exp = ins[0][0], ins[0][0][-1]
+    if len(ins) != 1 + a.biased or (a.biased and tuple(ins[1][0]) != (n_exp,)):
+        raise ValueError(f"moe_topk_softmax: biased={a.biased} takes logits [T, X]{' and a bias [X]' * a.biased}, "
+                         f"got {[list(s) for s, _ in ins]}")
+    if isinstance(n_exp, int) and not 0 < a.k <= n_exp:
+        raise ValueError(f"moe_topk_softmax: k={a.k} is not in 1..{n_exp} experts")
+    shape = logits[:-1] + (a.k,)
+    return [(shape, "float32"), (shape, "int32")]
+
+
 def _cache_read_shape(ins: Sequence[ShapeDtype], a: Tokens) -> list[ShapeDtype]:
     return [(("P+T",) + ins[0][0][1:], ins[0][1])]
 
@@ -1255,6 +1275,8 @@ OPS: dict[str, OpDef] = {
         OpDef("swiglu", NoAttrs, _same, _one(lambda i, a, c: i[0] * _sigmoid(i[0]) * i[1]), fused=True),
         OpDef("moe_route", MoeRoute, _route_shape,
               lambda i, a, c: list(moe_route_ref(i[0], a, *i[1:])), fused=True),
+        OpDef("moe_topk_softmax", MoeTopkSoftmax, _topk_softmax_shape,
+              lambda i, a, c: list(topk_softmax_ref(i[0], a.k, i[1] if a.biased else None)), fused=True),
         OpDef("moe_ffn", MoeFFN, _moe_ffn_shape, _one(lambda i, a, c: moe_ffn_node_ref(i, a)), fused=True),
         OpDef("fused_elementwise", FusedElementwise, _elementwise_shape,
               _one(lambda i, a, c: fused_elementwise_ref(i, a)), fused=True),

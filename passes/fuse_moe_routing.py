@@ -30,6 +30,10 @@ constant after the renormalisation; the experts' activation is SwiGLU, clamped S
 shared expert may be added ungated (`moe_ffn_shared_ungated`, llama.cpp's always-active shared
 expert), its activation one of the same (or situ); a latent MoE (`moe_ffn_latent*`, kimi-k3) runs
 the experts on x @ routed_down.T and maps their sum back with [rmsnorm(., routed_norm)] @ routed_up.T.
+
+Top-k then softmax (`moe_topk_softmax`, gpt-oss's routing: its experts carry biases, so the MoE
+stays unfused around it): softmax(topk(logits [+ router bias]).values) with the top-k's ids read by
+the experts becomes one node with both outputs, placed where the top-k was.
 """
 
 from __future__ import annotations
@@ -39,11 +43,13 @@ from typing import Any
 
 from ggufc.ir import moe_routing as MR
 from ggufc.ir import ops as O
-from ggufc.ir.graph import Graph, Value
+from ggufc.ir.graph import Graph, Node, Value
 from ggufc.ir.verify import shapes_equal
+from ggufc.ir.walk import escaping_ids, inner_values_escape
 
 from .fusions import MUL, normed_pat, silu_mul_pat, silu_pat, softmax_axis, softmax_last_axis_pat
-from .matcher import GraphView, Match, P, Pat, Rewrite, Rule, V, any_of, rewrite_graph, where_attrs
+from .matcher import GraphView, Match, P, Pat, Rewrite, Rule, V, any_of, match, rewrite_graph, where_attrs
+from .stats import with_hits
 
 KINDS = ("gate", "up", "down")
 
@@ -306,5 +312,65 @@ MOE_RULES = [Rule("moe_ffn_latent_shared", shared_moe_pat(latent_moe_pat()), _bu
              Rule("moe_ffn", moe_pat(), _build_moe)]
 
 
+# -- top-k then softmax: two outputs (the weights at the softmax, the ids at the top-k), so not a Rule --
+
+
+def topk_softmax_pat() -> Pat:
+    biased = P("binary", V("logits"), V("router_bias"), attrs=O.Binary("add"), commute=True, name="biased")
+    return softmax_last_axis_pat(P("topk", any_of(biased, V("logits")), name="topk", out=0))
+
+
+TOPK_SOFTMAX_RULE = "moe_topk_softmax"
+
+
+def _topk_softmax_node(m: Match, root: Node, g: GraphView) -> Node | None:
+    """The fused node of a matched top-k then softmax, or None when a precondition fails: a plain
+    top-k of [T, X] logits, a [X] bias, the softmax over the k chosen, nothing but the ids read
+    outside the match."""
+    topk, logits = m.nodes["topk"], m.values["logits"]
+    bias = m.values.get("router_bias")
+    if len(topk.inputs) != 1 or len(logits.shape) != 2 or logits.dtype != "float32":
+        return None
+    if bias is not None and tuple(bias.shape) != (logits.shape[-1],):
+        return None
+    if "softmax_max" in m.nodes and softmax_axis(m) != 1:
+        return None
+    body = set(map(id, m.body))
+    if inner_values_escape(m.body, (root, topk), g.users, escaping_ids(g.graph)):
+        return None
+    vals = topk.outputs[0]
+    if vals.id in escaping_ids(g.graph) or any(id(u) not in body for u in g.users.get(vals.id, ())):
+        return None
+    attrs = O.MoeTopkSoftmax(topk.attrs.k, biased=bias is not None)
+    inputs = (logits, bias) if bias is not None else (logits,)
+    return Node("moe_topk_softmax", inputs, attrs, (root.outputs[0], topk.outputs[1]))
+
+
+def fuse_topk_softmax(graph: Graph) -> tuple[Graph, int]:
+    """Every top-k then softmax as one `moe_topk_softmax` node; the graph and the hits."""
+    pat = topk_softmax_pat()
+    nodes: list[Node | None] = list(graph.nodes)
+    hits = 0
+    view: GraphView | None = None  # rebuilt after each hit
+    for i in reversed(range(len(nodes))):
+        root = nodes[i]
+        if root is None or not (root.op == "softmax" or (root.op == "binary" and root.attrs.fn == "div")):
+            continue
+        view = view or GraphView(graph.replace(nodes=[n for n in nodes if n is not None]))
+        for m in match(pat, root.outputs[0], view.producers):
+            fused = _topk_softmax_node(m, root, view) if m.body and m.body[0] is root else None
+            if fused is None:
+                continue
+            at = {id(n): j for j, n in enumerate(nodes) if n is not None}
+            for n in m.body:
+                nodes[at[id(n)]] = None
+            nodes[at[id(m.nodes["topk"])]] = fused
+            hits, view = hits + 1, None
+            break
+    return graph.replace(nodes=[n for n in nodes if n is not None]), hits
+
+
 def fuse_moe(graph: Graph) -> Graph:
-    return rewrite_graph(graph, MOE_RULES, "fuse_moe")
+    fused = rewrite_graph(graph, MOE_RULES, "fuse_moe")
+    routed, hits = fuse_topk_softmax(fused)
+    return with_hits(routed, "fuse_moe", hits)

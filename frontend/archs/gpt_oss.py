@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from ggufc.ir import ops as O
 from ggufc.ir.builder import GraphBuilder
 from ggufc.ir.graph import Graph, Value
+from ggufc.ir.moe_routing_spelled import topk_softmax_spelled
 
 from .. import blocks as B
 from ..hparams import Keys, ModelError, RopeScaling, read_rope_scaling, scaled_rope_table, swa_layers
@@ -115,9 +116,9 @@ def moe_ffn(b: GraphBuilder, w: B.Weights, hp: HParams, p: str, h: Value) -> Val
     E, F, X, k = hp.n_embd, hp.n_ff_exp, hp.n_expert, hp.n_expert_used
     t = h.shape[0]
     router = w.need(f"{p}.ffn_gate_inp.weight", (X, E))
-    logits = B.linear(b, h, router, "ffn_moe_logits", bias=w.need(f"{p}.ffn_gate_inp.bias", (X,)))
-    top, ids = b.emit_multi("topk", [logits], O.TopK(k), ["ffn_moe_topk", "ffn_moe_ids"])
-    weights = B.softmax(b, top, "ffn_moe_weights")
+    logits = b.matmul(h, router, "ffn_moe_logits.mm")
+    names = {"biased": "ffn_moe_logits", "topk": "ffn_moe_topk", "ids": "ffn_moe_ids", "weights": "ffn_moe_weights"}
+    weights, ids = topk_softmax_spelled(b, logits, k, "ffn_moe", w.need(f"{p}.ffn_gate_inp.bias", (X,)), names)
     w.ignore(*(f"{p}.ffn_{kind}_exps.scale" for kind in ("gate", "up", "down")))
     h3 = b.reshape(h, (t, 1, E), "ffn_moe_in")
 

@@ -980,6 +980,10 @@ def moe_routing_cases() -> list[Case]:
                 group="moe_routing", calls=BOTH),
         op_case("moe_route-sqrt_softplus-bias", "moe_route", softplus_route, logits, bias, n_out=2,
                 compare="route", group="moe_routing"),
+        op_case("moe_topk_softmax-bias", "moe_topk_softmax", O.MoeTopkSoftmax(3, biased=True), logits, bias, n_out=2,
+                compare="route", group="moe_routing", calls=BOTH),
+        op_case("moe_topk_softmax-top1", "moe_topk_softmax", O.MoeTopkSoftmax(1), logits, n_out=2, compare="route",
+                group="moe_routing"),
         _routing_ffn_case("moe_ffn-sigmoid-bias-clamp", O.MoeFFN(
             k=2, normalize=False, gating="sigmoid", selection_bias=True, weights_scale=1.5, act="swiglu_clamp",
             act_limit=0.7, expert_scales=("up",))),
