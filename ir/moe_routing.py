@@ -12,7 +12,8 @@ Expert activations `act(g, u)`: "swiglu" silu(g) * u; "swiglu_clamp" silu(min(g,
 clip(u, -L, L) (ggml_swiglu_clamp: deepseek4's `swiglu_clamp_exp`); "swiglu_clamp_after" min(silu(g), L) *
 clip(u, -L, L) (the clamp after the SiLU, no lower bound: llama.cpp's build_ffn / build_moe_ffn path
 that bailingmoe3 takes); "swiglu_oai" with x = min(g, 7), y = clip(u, -7, 7):
-x * sigmoid(1.702 x) * (y + 1) (ggml_swiglu_oai's constants); "situ" (kimi-k3) with beta b and
+x / (1 + exp(-1.702 x)) * (y + 1), one division as ggml_swiglu_oai's CPU kernel computes
+x sigmoid(1.702 x); "situ" (kimi-k3) with beta b and
 linear beta lb: b * tanh(g / b) * sigmoid(g) * (lb * tanh(u / lb) if lb > 0 else u).
 A latent MoE (kimi-k3) runs the experts in L dims: r = x @ routed_down.T, the routed sum
 [rmsnorm(., routed_norm)] @ routed_up.T; the router still reads x. A shared expert is added to the
@@ -79,7 +80,8 @@ def expert_act_ref(g: np.ndarray, u: np.ndarray, act: str, limit: float, linear_
     if act == "swiglu_oai":
         xc = np.minimum(g, dt(OAI_LIMIT))
         yc = np.maximum(np.minimum(u, dt(OAI_LIMIT)), dt(-OAI_LIMIT))
-        return xc * sigmoid(xc * dt(OAI_ALPHA)) * (yc + dt(1.0))
+        with np.errstate(over="ignore"):  # exp overflows to inf for x < -52: x / inf = -0, as in ggml
+            return xc / (dt(1.0) + np.exp(xc * dt(-OAI_ALPHA))) * (yc + dt(1.0))
     raise ValueError(f"unknown expert activation {act!r} (known: {', '.join(ACTS)})")
 
 

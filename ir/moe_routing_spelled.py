@@ -93,9 +93,10 @@ def expert_act_spelled(b: GraphBuilder, g: Value, u: Value, act: str, limit: flo
         return b.mul(sc, _clip(b, u, limit, f"{name}.u_clipped"), name)
     if act == "swiglu_oai":
         xc = b.scalar("min", g, OAI_LIMIT, f"{name}.g_clamped")
-        gate = b.unary("sigmoid", b.scalar("mul", xc, OAI_ALPHA, f"{name}.g_alpha"), f"{name}.sig")
+        e = b.unary("exp", b.scalar("mul", xc, -OAI_ALPHA, f"{name}.g_alpha"), f"{name}.exp")
+        glu = b.binary("div", xc, b.scalar("add", e, 1.0, f"{name}.denom"), f"{name}.glu")
         y1 = b.scalar("add", _clip(b, u, OAI_LIMIT, f"{name}.u_clipped"), 1.0, f"{name}.u_plus1")
-        return b.mul(b.mul(xc, gate, f"{name}.glu"), y1, name)
+        return b.mul(glu, y1, name)
     raise ValueError(f"unknown expert activation {act!r}")
 
 

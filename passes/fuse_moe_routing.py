@@ -31,6 +31,10 @@ shared expert may be added ungated (`moe_ffn_shared_ungated`, llama.cpp's always
 expert), its activation one of the same (or situ); a latent MoE (`moe_ffn_latent*`, kimi-k3) runs
 the experts on x @ routed_down.T and maps their sum back with [rmsnorm(., routed_norm)] @ routed_up.T.
 
+A swiglu_oai the MoE rules left (gpt-oss: its experts carry biases, ggml_add_id) becomes one
+`fused_elementwise` node with the experts' bias adds (rule `swiglu_oai`): the elementwise fusion
+would cut it in two at min(g, 7), which both the division and the exponential read.
+
 Top-k then softmax (`moe_topk_softmax`, gpt-oss's routing: its experts carry biases, so the MoE
 stays unfused around it): softmax(topk(logits [+ router bias]).values) with the top-k's ids read by
 the experts becomes one node with both outputs, placed where the top-k was.
@@ -47,6 +51,7 @@ from ggufc.ir.graph import Graph, Node, Value
 from ggufc.ir.verify import shapes_equal
 from ggufc.ir.walk import escaping_ids, inner_values_escape
 
+from .fuse_elementwise import program_of
 from .fusions import MUL, normed_pat, silu_mul_pat, silu_pat, softmax_axis, softmax_last_axis_pat
 from .matcher import GraphView, Match, P, Pat, Rewrite, Rule, V, any_of, match, rewrite_graph, where_attrs
 from .stats import with_hits
@@ -92,12 +97,16 @@ def act_pat(g: Pat, u: Pat, prefix: str) -> Pat:
     clamped = silu_mul_pat(clamp_g, _clip_pat(u, f"{prefix}clamp_u"))
     after_g = P("scalar", silu_pat(g), where=where_attrs(fn="min"), name=f"{prefix}after_g")
     clamped_after = P("binary", after_g, _clip_pat(u, f"{prefix}after_u"), attrs=MUL, commute=True)
+    return any_of(silu_mul_pat(g, u), clamped, clamped_after, oai_pat(g, u, prefix), _situ_pat(g, u, prefix))
+
+
+def oai_pat(g: Pat, u: Pat, prefix: str) -> Pat:
+    """swiglu_oai with ggml's one division: x / (1 + exp(x * -alpha)) * (clip(u, -L, L) + 1), x = min(g, L)."""
     oai_g = P("scalar", g, where=where_attrs(fn="min"), name=f"{prefix}oai_g")
-    glu = P("binary", oai_g, P("unary", P("scalar", oai_g, where=where_attrs(fn="mul"), name=f"{prefix}oai_alpha"),
-                               attrs=O.Unary("sigmoid")), attrs=MUL, commute=True)
+    e = P("unary", P("scalar", oai_g, where=where_attrs(fn="mul"), name=f"{prefix}oai_alpha"), attrs=O.Unary("exp"))
+    glu = P("binary", oai_g, P("scalar", e, where=where_attrs(fn="add", c=1.0)), attrs=O.Binary("div"))
     y1 = P("scalar", _clip_pat(u, f"{prefix}oai_u"), where=where_attrs(fn="add", c=1.0))
-    oai = P("binary", glu, y1, attrs=MUL, commute=True)
-    return any_of(silu_mul_pat(g, u), clamped, clamped_after, oai, _situ_pat(g, u, prefix))
+    return P("binary", glu, y1, attrs=MUL, commute=True)
 
 
 def _soft_cap_pat(v: Pat, name: str) -> Pat:
@@ -127,7 +136,7 @@ def act_of(m: Match, prefix: str) -> tuple[str, float, float] | None:
         return ("swiglu_clamp_after", limit, 0.0) if limit > 0 and bounds == (limit, -limit) else None
     if f"{prefix}oai_g" in c:
         consts = (c[f"{prefix}oai_g"], c[f"{prefix}oai_alpha"], c[f"{prefix}oai_u_hi"], c[f"{prefix}oai_u_lo"])
-        ok = consts == (MR.OAI_LIMIT, MR.OAI_ALPHA, MR.OAI_LIMIT, -MR.OAI_LIMIT)
+        ok = consts == (MR.OAI_LIMIT, -MR.OAI_ALPHA, MR.OAI_LIMIT, -MR.OAI_LIMIT)
         return ("swiglu_oai", 0.0, 0.0) if ok else None
     if f"{prefix}situ_g_in" in c:
         beta, lb = c[f"{prefix}situ_g_in"], c.get(f"{prefix}situ_u_in", 0.0)
@@ -312,6 +321,28 @@ MOE_RULES = [Rule("moe_ffn_latent_shared", shared_moe_pat(latent_moe_pat()), _bu
              Rule("moe_ffn", moe_pat(), _build_moe)]
 
 
+# -- swiglu_oai outside a fused MoE (gpt-oss: experts with biases): one elementwise kernel --
+
+
+def _biased_pat(name: str) -> Pat:
+    """v or v + b (an expert's output with its per-expert bias, gathered by the ids)."""
+    return any_of(P("binary", V(f"{name}_in"), V(f"{name}_bias"), attrs=O.Binary("add"), name=f"{name}_biased"),
+                  V(name))
+
+
+def _build_oai(m: Match, g: GraphView) -> Rewrite | None:
+    """The matched activation and its bias adds as one fused_elementwise program (the steps as
+    spelled: ggml's one division), in graph order."""
+    if act_of(m, "") != ("swiglu_oai", 0.0, 0.0):
+        return None
+    order = {id(n): i for i, n in enumerate(g.graph.nodes)}
+    inputs, program = program_of(sorted(m.body, key=lambda n: order[id(n)]))
+    return Rewrite("fused_elementwise", tuple(inputs), program)
+
+
+OAI_RULES = [Rule("swiglu_oai", oai_pat(_biased_pat("gate"), _biased_pat("up"), ""), _build_oai)]
+
+
 # -- top-k then softmax: two outputs (the weights at the softmax, the ids at the top-k), so not a Rule --
 
 
@@ -371,6 +402,6 @@ def fuse_topk_softmax(graph: Graph) -> tuple[Graph, int]:
 
 
 def fuse_moe(graph: Graph) -> Graph:
-    fused = rewrite_graph(graph, MOE_RULES, "fuse_moe")
+    fused = rewrite_graph(rewrite_graph(graph, MOE_RULES, "fuse_moe"), OAI_RULES, "fuse_moe")
     routed, hits = fuse_topk_softmax(fused)
     return with_hits(routed, "fuse_moe", hits)

@@ -69,11 +69,11 @@ def act_steps(act: str, limit: float, g: int, u: int, n_before: int, linear_beta
 
         gated = emit("binary", MUL, soft_cap(g, limit), emit("unary", O.Unary("sigmoid"), g))
         emit("binary", MUL, gated, soft_cap(u, linear_beta) if linear_beta > 0 else u)
-    elif act == "swiglu_oai":
+    elif act == "swiglu_oai":  # x / (1 + exp(-alpha x)): ggml's one division
         xc = emit("scalar", O.Scalar("min", MRef.OAI_LIMIT), g)
-        sig = emit("unary", O.Unary("sigmoid"), emit("scalar", O.Scalar("mul", MRef.OAI_ALPHA), xc))
-        y1 = emit("scalar", O.Scalar("add", 1.0), clip(u, MRef.OAI_LIMIT))
-        emit("binary", MUL, emit("binary", MUL, xc, sig), y1)
+        e = emit("unary", O.Unary("exp"), emit("scalar", O.Scalar("mul", -MRef.OAI_ALPHA), xc))
+        glu = emit("binary", O.Binary("div"), xc, emit("scalar", O.Scalar("add", 1.0), e))
+        emit("binary", MUL, glu, emit("scalar", O.Scalar("add", 1.0), clip(u, MRef.OAI_LIMIT)))
     else:
         raise NotImplementedError(f"expert activation {act!r} has no kernel (known: {', '.join(MRef.ACTS)})")
     return steps
