@@ -351,9 +351,6 @@ def topk_softmax_pat() -> Pat:
     return softmax_last_axis_pat(P("topk", any_of(biased, V("logits")), name="topk", out=0))
 
 
-TOPK_SOFTMAX_RULE = "moe_topk_softmax"
-
-
 def _topk_softmax_node(m: Match, root: Node, g: GraphView) -> Node | None:
     """The fused node of a matched top-k then softmax, or None when a precondition fails: a plain
     top-k of [T, X] logits, a [X] bias, the softmax over the k chosen, nothing but the ids read
