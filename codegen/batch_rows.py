@@ -36,6 +36,9 @@ def decode_batch_refusal(graph: Graph, target: tvm.target.Target) -> str | None:
     """Why this graph gets no batched decode on `target`, or None."""
     if target.kind.name != "llvm":
         return f"batched decode is a CPU entry point; {target.kind.name} artifacts decode one sequence per call"
+    for node in graph.nodes:  # the per-row kernel with sinks is the 32-value-step one
+        if node.op == "attention" and node.attrs.sinks and int(node.inputs[0].shape[2]) % KA.STEP:
+            return f"attention ({node.outputs[0].label}) has sinks and a head dim that is not a multiple of {KA.STEP}"
     return batch_refusal(graph)
 
 
@@ -106,15 +109,18 @@ def _attention(fc: FunctionContext, rows: RowFunction, node: Node) -> list[Any]:
 
     def make() -> tirx.PrimFunc:
         a = node.attrs
-        if a.sinks:
-            raise NotImplementedError("batched decoding of attention with sinks (gpt-oss) is not compiled yet")
         if dim % KA.STEP == 0 and fc.mb.target.kind.name == "llvm":
-            return KA.attention_slot_rows(n_head, cache_dims[1], dim, cache_dims[0], a.scale, a.window, a.softcap)
+            return KA.attention_slot_rows(n_head, cache_dims[1], dim, cache_dims[0], a.scale, a.window, a.softcap,
+                                          a.sinks)
+        if a.sinks:
+            raise NotImplementedError(f"batched decoding of attention with sinks needs a head dim that is a multiple "
+                                      f"of {KA.STEP} (got {dim})")
         syms = K.Symbols()
         return schedule_cpu(K.attention_slot_rows(fc.kernel_shape(q, syms), syms.shape(cache_dims), a.scale, a.window,
                                                   a.softcap))
 
-    args = [fc.value(q), fc.value(k_cache), fc.value(v_cache), rows.slots, rows.positions]
+    args = [fc.value(q), fc.value(k_cache), fc.value(v_cache), rows.slots, rows.positions,
+            *(fc.value(v) for v in node.inputs[4:5] if node.attrs.sinks)]
     return fc.call(key, make, args, node.outputs, node.outputs[0].name)
 
 

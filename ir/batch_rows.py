@@ -15,9 +15,9 @@ from .graph import Graph, Node, Value
 ROW_WISE_OPS = frozenset({
     "unary", "binary", "scalar", "fused_elementwise", "swiglu", "rms_norm", "softmax", "reduce", "reshape",
     "transpose", "slice", "concat", "gather", "dequantize", "matmul", "quantize_act", "int8_matmul", "matmul_id",
-    "topk", "moe_ffn",
+    "topk", "moe_topk_softmax", "moe_ffn",
 })
-# replaced by per-row versions, which take these inputs: (x, pos, table), (cache, x, pos), (q, k, v, pos)
+# replaced by per-row versions, which take these inputs: (x, pos, table), (cache, x, pos), (q, k, v, pos[, sinks])
 POSITIONED_OPS = {"rope": 3, "cache_write": 3, "attention": 4}
 
 
@@ -39,7 +39,8 @@ def _node_refusal(node: Node, state_ids: set[int], pos_ids: set[int], cache_ids:
     label = f"{node.op} ({node.outputs[0].label})"
     if node.op not in ROW_WISE_OPS and node.op not in POSITIONED_OPS:
         return f"{label} is not row-wise"
-    if node.op in POSITIONED_OPS and len(node.inputs) != POSITIONED_OPS[node.op]:
+    sinks = node.op == "attention" and node.attrs.sinks  # attention's fifth input: a sink logit per head
+    if node.op in POSITIONED_OPS and len(node.inputs) != POSITIONED_OPS[node.op] + sinks:
         return f"{label} takes inputs the per-row version does not"
     if node.op in ROW_WISE_OPS and not _keeps_rows(node):
         return f"{label} mixes tokens"
@@ -48,6 +49,8 @@ def _node_refusal(node: Node, state_ids: set[int], pos_ids: set[int], cache_ids:
         return f"{label} writes something other than a state at the call's tokens"
     if node.op == "attention" and (node.attrs.mask != "causal" or not {v.id for v in node.inputs[1:3]} <= cache_ids):
         return f"{label} is not causal attention over the KV cache"
+    if sinks and (node.inputs[4].id in state_ids | pos_ids | cache_ids or "T" in node.inputs[4].shape):
+        return f"{label} reads sinks that are not a per-head constant"
     if node.op != "cache_write" and reads & state_ids:
         return f"{label} reads a state directly"
     if node.op not in POSITIONED_OPS and reads & (pos_ids | cache_ids):

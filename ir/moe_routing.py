@@ -12,13 +12,21 @@ Expert activations `act(g, u)`: "swiglu" silu(g) * u; "swiglu_clamp" silu(min(g,
 clip(u, -L, L) (ggml_swiglu_clamp: deepseek4's `swiglu_clamp_exp`); "swiglu_clamp_after" min(silu(g), L) *
 clip(u, -L, L) (the clamp after the SiLU, no lower bound: llama.cpp's build_ffn / build_moe_ffn path
 that bailingmoe3 takes); "swiglu_oai" with x = min(g, 7), y = clip(u, -7, 7):
-x * sigmoid(1.702 x) * (y + 1) (ggml_swiglu_oai's constants); "situ" (kimi-k3) with beta b and
+x / (1 + exp(-1.702 x)) * (y + 1), one division as ggml_swiglu_oai's CPU kernel computes
+x sigmoid(1.702 x); "situ" (kimi-k3) with beta b and
 linear beta lb: b * tanh(g / b) * sigmoid(g) * (lb * tanh(u / lb) if lb > 0 else u).
 A latent MoE (kimi-k3) runs the experts in L dims: r = x @ routed_down.T, the routed sum
 [rmsnorm(., routed_norm)] @ routed_up.T; the router still reads x. A shared expert is added to the
 routed sum either gated (`* sigmoid(x . gate_inp_shexp)`) or always active (ungated).
 
-The op records (`MoeRoute`, `MoeFFN`) are in `ops.py`; the spellings in primitives in
+Top-k then softmax (llama.cpp's LLM_EXPERT_GATING_FUNC_SOFTMAX_WEIGHT, gpt-oss; op `moe_topk_softmax`):
+
+    z      = logits [+ router bias]           the router's own bias, before the selection
+    ids    = top-k of z                       descending, ties to the lower id (ggml_argsort_top_k)
+    w      = softmax(z[ids])                  over the k chosen only: expf(z - max), the sum in
+                                              double, times float(1 / sum) (ggml_soft_max)
+
+The op records (`MoeRoute`, `MoeFFN`, `MoeTopkSoftmax`) are in `ops.py`; the spellings in primitives in
 `moe_routing_spelled.py`; the kernels in `codegen/families/moe_routing.py`; the fusion in
 `passes/fuse_moe_routing.py`.
 """
@@ -75,7 +83,8 @@ def expert_act_ref(g: np.ndarray, u: np.ndarray, act: str, limit: float, linear_
     if act == "swiglu_oai":
         xc = np.minimum(g, dt(OAI_LIMIT))
         yc = np.maximum(np.minimum(u, dt(OAI_LIMIT)), dt(-OAI_LIMIT))
-        return xc * sigmoid(xc * dt(OAI_ALPHA)) * (yc + dt(1.0))
+        with np.errstate(over="ignore"):  # exp overflows to inf for x < -52: x / inf = -0, as in ggml
+            return xc / (dt(1.0) + np.exp(xc * dt(-OAI_ALPHA))) * (yc + dt(1.0))
     raise ValueError(f"unknown expert activation {act!r} (known: {', '.join(ACTS)})")
 
 
@@ -105,6 +114,19 @@ def check_routing(a: Any, n_exp: Any, *extra: Any) -> None:
 def select_ref(x: np.ndarray, k: int) -> np.ndarray:
     """The k largest entries' indices per row, in descending order (ties: the lower index first)."""
     return np.argsort(-x, axis=-1, kind="stable")[..., :k].astype(np.int32)
+
+
+def topk_softmax_ref(logits: np.ndarray, k: int, bias: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(weights [T, k], ids [T, k]) of `moe_topk_softmax`: the k largest of logits [+ bias] (ggml
+    sorts with std::sort, an insertion sort up to 16 experts: ties keep the lower id first), then
+    ggml_soft_max over them: exponentials in the logits' precision, their sum in float64, each
+    exponential times the reciprocal of the sum rounded back."""
+    z = logits + bias if bias is not None else logits
+    ids = select_ref(z, k)
+    top = np.take_along_axis(z, ids.astype(np.int64), -1)
+    e = np.exp(top - top[..., :1])  # the first chosen is the row's max
+    inv = (1.0 / np.sum(e.astype(np.float64), axis=-1, keepdims=True)).astype(z.dtype)
+    return e * inv, ids
 
 
 def moe_route_ref(logits: np.ndarray, a: Any, *extra: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -243,6 +265,15 @@ class MoeRoute:
 
 
 @dataclass(frozen=True)
+class MoeTopkSoftmax:
+    """Router logits [T,X] (+ the router's bias [X] when biased) -> (weights [T,k], expert ids
+    [T,k]): the k largest, then a softmax over those k (gpt-oss)."""
+
+    k: int
+    biased: bool = False
+
+
+@dataclass(frozen=True)
 class MoeFFN:
     """Fused MoE: route + selected experts' SwiGLU FFN + weighted combine."""
 
@@ -294,6 +325,17 @@ def _route_shape(ins: Sequence[ShapeDtype], a: MoeRoute) -> list[ShapeDtype]:
     return [(shape, "float32"), (shape, "int32")]
 
 
+def _topk_softmax_shape(ins: Sequence[ShapeDtype], a: MoeTopkSoftmax) -> list[ShapeDtype]:
+    logits, n_exp = ins[0][0], ins[0][0][-1]
+    if len(ins) != 1 + a.biased or (a.biased and tuple(ins[1][0]) != (n_exp,)):
+        raise ValueError(f"moe_topk_softmax: biased={a.biased} takes logits [T, X]{' and a bias [X]' * a.biased}, "
+                         f"got {[list(s) for s, _ in ins]}")
+    if isinstance(n_exp, int) and not 0 < a.k <= n_exp:
+        raise ValueError(f"moe_topk_softmax: k={a.k} is not in 1..{n_exp} experts")
+    shape = logits[:-1] + (a.k,)
+    return [(shape, "float32"), (shape, "int32")]
+
+
 def _moe_ffn_shape(ins: Sequence[ShapeDtype], a: MoeFFN) -> list[ShapeDtype]:
     n = moe_inputs([s for s, _ in ins], a)
     check_routing(a, n["router"][0], *((n["hash_table"], n["tokens"]) if a.hash_routed else
@@ -312,6 +354,8 @@ MOE_OPS: dict[str, OpDef] = {
               _one(lambda i, a, c: np.take_along_axis(i[0], i[1].astype(np.int64), -1))),
         OpDef("moe_route", MoeRoute, _route_shape,
               lambda i, a, c: list(moe_route_ref(i[0], a, *i[1:])), fused=True),
+        OpDef("moe_topk_softmax", MoeTopkSoftmax, _topk_softmax_shape,
+              lambda i, a, c: list(topk_softmax_ref(i[0], a.k, i[1] if a.biased else None)), fused=True),
         OpDef("moe_ffn", MoeFFN, _moe_ffn_shape, _one(lambda i, a, c: moe_ffn_node_ref(i, a)), fused=True),
     ]
 }

@@ -1,4 +1,4 @@
-"""The MoE routing family's ops (`moe_route`, `moe_ffn`) spelled in primitives (references in
+"""The MoE routing family's ops (`moe_route`, `moe_topk_softmax`, `moe_ffn`) spelled in primitives (references in
 `moe_routing.py`).
 
 They are both the decompositions of the fused ops and the unfused builders the frontend's MoE
@@ -54,6 +54,20 @@ def route_spelled(b: GraphBuilder, logits: Value, a: Any, name: str, bias: Value
     return w, ids
 
 
+def topk_softmax_spelled(b: GraphBuilder, logits: Value, k: int, name: str, bias: Value | None = None,
+                         names: dict[str, str] | None = None) -> tuple[Value, Value]:
+    """(weights, ids) of `moe_topk_softmax`: [logits + bias], top-k, softmax over the k chosen."""
+    nm = {s: f"{name}.{s}" for s in ("biased", "topk", "ids", "weights")} | (names or {})
+    z = b.add(logits, bias, nm["biased"]) if bias is not None else logits
+    top, ids = b.emit_multi("topk", [z], O.TopK(k), [nm["topk"], nm["ids"]])
+    return gate_probs_spelled(b, top, "softmax", nm["weights"]), ids
+
+
+def _moe_topk_softmax(b: GraphBuilder, n: Node) -> list[Value]:
+    bias = n.inputs[1] if n.attrs.biased else None
+    return list(topk_softmax_spelled(b, n.inputs[0], n.attrs.k, n.outputs[0].name, bias))
+
+
 def _clip(b: GraphBuilder, u: Value, limit: float, name: str) -> Value:
     return b.scalar("max", b.scalar("min", u, limit, f"{name}.hi"), -limit, name)
 
@@ -79,9 +93,10 @@ def expert_act_spelled(b: GraphBuilder, g: Value, u: Value, act: str, limit: flo
         return b.mul(sc, _clip(b, u, limit, f"{name}.u_clipped"), name)
     if act == "swiglu_oai":
         xc = b.scalar("min", g, OAI_LIMIT, f"{name}.g_clamped")
-        gate = b.unary("sigmoid", b.scalar("mul", xc, OAI_ALPHA, f"{name}.g_alpha"), f"{name}.sig")
+        e = b.unary("exp", b.scalar("mul", xc, -OAI_ALPHA, f"{name}.g_alpha"), f"{name}.exp")
+        glu = b.binary("div", xc, b.scalar("add", e, 1.0, f"{name}.denom"), f"{name}.glu")
         y1 = b.scalar("add", _clip(b, u, OAI_LIMIT, f"{name}.u_clipped"), 1.0, f"{name}.u_plus1")
-        return b.mul(b.mul(xc, gate, f"{name}.glu"), y1, name)
+        return b.mul(glu, y1, name)
     raise ValueError(f"unknown expert activation {act!r}")
 
 
@@ -176,5 +191,6 @@ def latent_out_spelled(b: GraphBuilder, y: Value, norm: Value | None, up: Value,
 
 MOE_DECOMPOSITIONS = {
     "moe_route": _moe_route,
+    "moe_topk_softmax": _moe_topk_softmax,
     "moe_ffn": _moe_ffn,
 }

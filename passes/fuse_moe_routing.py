@@ -30,6 +30,14 @@ constant after the renormalisation; the experts' activation is SwiGLU, clamped S
 shared expert may be added ungated (`moe_ffn_shared_ungated`, llama.cpp's always-active shared
 expert), its activation one of the same (or situ); a latent MoE (`moe_ffn_latent*`, kimi-k3) runs
 the experts on x @ routed_down.T and maps their sum back with [rmsnorm(., routed_norm)] @ routed_up.T.
+
+A swiglu_oai the MoE rules left (gpt-oss: its experts carry biases, ggml_add_id) becomes one
+`fused_elementwise` node with the experts' bias adds (rule `swiglu_oai`): the elementwise fusion
+would cut it in two at min(g, 7), which both the division and the exponential read.
+
+Top-k then softmax (`moe_topk_softmax`, gpt-oss's routing: its experts carry biases, so the MoE
+stays unfused around it): softmax(topk(logits [+ router bias]).values) with the top-k's ids read by
+the experts becomes one node with both outputs, placed where the top-k was.
 """
 
 from __future__ import annotations
@@ -39,11 +47,14 @@ from typing import Any
 
 from ggufc.ir import moe_routing as MR
 from ggufc.ir import ops as O
-from ggufc.ir.graph import Graph, Value
+from ggufc.ir.graph import Graph, Node, Value
 from ggufc.ir.verify import shapes_equal
+from ggufc.ir.walk import escaping_ids, inner_values_escape
 
+from .fuse_elementwise import program_of
 from .fusions import MUL, normed_pat, silu_mul_pat, silu_pat, softmax_axis, softmax_last_axis_pat
-from .matcher import GraphView, Match, P, Pat, Rewrite, Rule, V, any_of, rewrite_graph, where_attrs
+from .matcher import GraphView, Match, P, Pat, Rewrite, Rule, V, any_of, match, rewrite_graph, where_attrs
+from .stats import with_hits
 
 KINDS = ("gate", "up", "down")
 
@@ -86,12 +97,16 @@ def act_pat(g: Pat, u: Pat, prefix: str) -> Pat:
     clamped = silu_mul_pat(clamp_g, _clip_pat(u, f"{prefix}clamp_u"))
     after_g = P("scalar", silu_pat(g), where=where_attrs(fn="min"), name=f"{prefix}after_g")
     clamped_after = P("binary", after_g, _clip_pat(u, f"{prefix}after_u"), attrs=MUL, commute=True)
+    return any_of(silu_mul_pat(g, u), clamped, clamped_after, oai_pat(g, u, prefix), _situ_pat(g, u, prefix))
+
+
+def oai_pat(g: Pat, u: Pat, prefix: str) -> Pat:
+    """swiglu_oai with ggml's one division: x / (1 + exp(x * -alpha)) * (clip(u, -L, L) + 1), x = min(g, L)."""
     oai_g = P("scalar", g, where=where_attrs(fn="min"), name=f"{prefix}oai_g")
-    glu = P("binary", oai_g, P("unary", P("scalar", oai_g, where=where_attrs(fn="mul"), name=f"{prefix}oai_alpha"),
-                               attrs=O.Unary("sigmoid")), attrs=MUL, commute=True)
+    e = P("unary", P("scalar", oai_g, where=where_attrs(fn="mul"), name=f"{prefix}oai_alpha"), attrs=O.Unary("exp"))
+    glu = P("binary", oai_g, P("scalar", e, where=where_attrs(fn="add", c=1.0)), attrs=O.Binary("div"))
     y1 = P("scalar", _clip_pat(u, f"{prefix}oai_u"), where=where_attrs(fn="add", c=1.0))
-    oai = P("binary", glu, y1, attrs=MUL, commute=True)
-    return any_of(silu_mul_pat(g, u), clamped, clamped_after, oai, _situ_pat(g, u, prefix))
+    return P("binary", glu, y1, attrs=MUL, commute=True)
 
 
 def _soft_cap_pat(v: Pat, name: str) -> Pat:
@@ -121,7 +136,7 @@ def act_of(m: Match, prefix: str) -> tuple[str, float, float] | None:
         return ("swiglu_clamp_after", limit, 0.0) if limit > 0 and bounds == (limit, -limit) else None
     if f"{prefix}oai_g" in c:
         consts = (c[f"{prefix}oai_g"], c[f"{prefix}oai_alpha"], c[f"{prefix}oai_u_hi"], c[f"{prefix}oai_u_lo"])
-        ok = consts == (MR.OAI_LIMIT, MR.OAI_ALPHA, MR.OAI_LIMIT, -MR.OAI_LIMIT)
+        ok = consts == (MR.OAI_LIMIT, -MR.OAI_ALPHA, MR.OAI_LIMIT, -MR.OAI_LIMIT)
         return ("swiglu_oai", 0.0, 0.0) if ok else None
     if f"{prefix}situ_g_in" in c:
         beta, lb = c[f"{prefix}situ_g_in"], c.get(f"{prefix}situ_u_in", 0.0)
@@ -306,5 +321,84 @@ MOE_RULES = [Rule("moe_ffn_latent_shared", shared_moe_pat(latent_moe_pat()), _bu
              Rule("moe_ffn", moe_pat(), _build_moe)]
 
 
+# -- swiglu_oai outside a fused MoE (gpt-oss: experts with biases): one elementwise kernel --
+
+
+def _biased_pat(name: str) -> Pat:
+    """v or v + b (an expert's output with its per-expert bias, gathered by the ids)."""
+    return any_of(P("binary", V(f"{name}_in"), V(f"{name}_bias"), attrs=O.Binary("add"), name=f"{name}_biased"),
+                  V(name))
+
+
+def _build_oai(m: Match, g: GraphView) -> Rewrite | None:
+    """The matched activation and its bias adds as one fused_elementwise program (the steps as
+    spelled: ggml's one division), in graph order."""
+    if act_of(m, "") != ("swiglu_oai", 0.0, 0.0):
+        return None
+    order = {id(n): i for i, n in enumerate(g.graph.nodes)}
+    inputs, program = program_of(sorted(m.body, key=lambda n: order[id(n)]))
+    return Rewrite("fused_elementwise", tuple(inputs), program)
+
+
+OAI_RULES = [Rule("swiglu_oai", oai_pat(_biased_pat("gate"), _biased_pat("up"), ""), _build_oai)]
+
+
+# -- top-k then softmax: two outputs (the weights at the softmax, the ids at the top-k), so not a Rule --
+
+
+def topk_softmax_pat() -> Pat:
+    biased = P("binary", V("logits"), V("router_bias"), attrs=O.Binary("add"), commute=True, name="biased")
+    return softmax_last_axis_pat(P("topk", any_of(biased, V("logits")), name="topk", out=0))
+
+
+def _topk_softmax_node(m: Match, root: Node, g: GraphView) -> Node | None:
+    """The fused node of a matched top-k then softmax, or None when a precondition fails: a plain
+    top-k of [T, X] logits, a [X] bias, the softmax over the k chosen, nothing but the ids read
+    outside the match."""
+    topk, logits = m.nodes["topk"], m.values["logits"]
+    bias = m.values.get("router_bias")
+    if len(topk.inputs) != 1 or len(logits.shape) != 2 or logits.dtype != "float32":
+        return None
+    if bias is not None and tuple(bias.shape) != (logits.shape[-1],):
+        return None
+    if "softmax_max" in m.nodes and softmax_axis(m) != 1:
+        return None
+    body = set(map(id, m.body))
+    if inner_values_escape(m.body, (root, topk), g.users, escaping_ids(g.graph)):
+        return None
+    vals = topk.outputs[0]
+    if vals.id in escaping_ids(g.graph) or any(id(u) not in body for u in g.users.get(vals.id, ())):
+        return None
+    attrs = MR.MoeTopkSoftmax(topk.attrs.k, biased=bias is not None)
+    inputs = (logits, bias) if bias is not None else (logits,)
+    return Node("moe_topk_softmax", inputs, attrs, (root.outputs[0], topk.outputs[1]))
+
+
+def fuse_topk_softmax(graph: Graph) -> tuple[Graph, int]:
+    """Every top-k then softmax as one `moe_topk_softmax` node; the graph and the hits."""
+    pat = topk_softmax_pat()
+    nodes: list[Node | None] = list(graph.nodes)
+    hits = 0
+    view: GraphView | None = None  # rebuilt after each hit
+    for i in reversed(range(len(nodes))):
+        root = nodes[i]
+        if root is None or not (root.op == "softmax" or (root.op == "binary" and root.attrs.fn == "div")):
+            continue
+        view = view or GraphView(graph.replace(nodes=[n for n in nodes if n is not None]))
+        for m in match(pat, root.outputs[0], view.producers):
+            fused = _topk_softmax_node(m, root, view) if m.body and m.body[0] is root else None
+            if fused is None:
+                continue
+            at = {id(n): j for j, n in enumerate(nodes) if n is not None}
+            for n in m.body:
+                nodes[at[id(n)]] = None
+            nodes[at[id(m.nodes["topk"])]] = fused
+            hits, view = hits + 1, None
+            break
+    return graph.replace(nodes=[n for n in nodes if n is not None]), hits
+
+
 def fuse_moe(graph: Graph) -> Graph:
-    return rewrite_graph(graph, MOE_RULES, "fuse_moe")
+    fused = rewrite_graph(rewrite_graph(graph, MOE_RULES, "fuse_moe"), OAI_RULES, "fuse_moe")
+    routed, hits = fuse_topk_softmax(fused)
+    return with_hits(routed, "fuse_moe", hits)

@@ -56,14 +56,14 @@ def _alone(artifact: Path, history: list[int]) -> np.ndarray:
         return session.forward(history[-1:])
 
 
-def _batched_vs_alone(artifact: Path, steps: int = 5) -> tuple[float, int]:
+def _batched_vs_alone(artifact: Path, steps: int = 5, lengths: tuple[int, ...] = PROMPT_LENGTHS) -> tuple[float, int]:
     """(largest |batched - alone| over every row of every step, rows compared): slots at different
     positions, stepped in varying orders and subsets."""
     rng = np.random.default_rng(7)
-    group = SlotGroup(artifact, len(PROMPT_LENGTHS))
+    group = SlotGroup(artifact, len(lengths))
     assert group.batch_refused is None
     n_vocab = group.n_vocab
-    histories = [[int(t) for t in rng.integers(0, n_vocab, n)] for n in PROMPT_LENGTHS]
+    histories = [[int(t) for t in rng.integers(0, n_vocab, n)] for n in lengths]
     for session, prompt in zip(group.sessions, histories, strict=True):
         session.forward(prompt)
     worst, rows = 0.0, 0
@@ -96,6 +96,19 @@ def test_qwen3_f32_batched_rows_equal_each_sequence_alone_bit_for_bit(qwen3: Pat
     """F32 weights: the batched step's GEMM tiles take each dot product's lanes in the one-token
     GEMV's order (quant.qmatmul_rows)."""
     worst, rows = _batched_vs_alone(qwen3)
+    assert rows == 13 and worst == 0.0
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Attention with a sink logit per head on every layer, a window of 4 on the even layers, the
+    fused top-k-then-softmax routing; Q8_0, so the experts run the 8-bit kernels (F32 experts'
+    batched rows are not yet their one-token GEMV's sums: qwen3moe F32 differs by 7e-7 too)."""
+    return _compile(tmp_path_factory.mktemp("batch"), "gpt-oss", "Q8_0")
+
+
+def test_gpt_oss_sinks_batched_rows_equal_each_sequence_alone_bit_for_bit(gpt_oss: Path) -> None:
+    worst, rows = _batched_vs_alone(gpt_oss, lengths=(20, 9, 13))  # every prompt past the window
     assert rows == 13 and worst == 0.0
 
 
@@ -145,3 +158,13 @@ def test_recurrent_and_gpu_graphs_are_refused_in_one_line(tmp_path: Path) -> Non
     assert batch_refusal(plain) is None
     gpu = decode_batch_refusal(plain, resolve_target("vulkan"))
     assert gpu is not None and "CPU" in gpu
+
+
+def test_sinks_with_a_head_dim_off_the_32_step_are_refused_in_one_line(tmp_path: Path) -> None:
+    """The per-row kernel with sinks is the 32-value-step one: gpt-oss with head dim 16 decodes one
+    sequence per call, the reason named."""
+    graph = load_model(write_fixture("gpt-oss", tmp_path / "gpt-oss.gguf", size=FixtureSize(head_dim=16)),
+                       None).graphs["prefill_all"]
+    assert batch_refusal(graph) is None
+    reason = decode_batch_refusal(graph, resolve_target("llvm"))
+    assert reason is not None and "sinks" in reason and "\n" not in reason

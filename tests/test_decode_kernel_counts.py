@@ -23,7 +23,7 @@ DECODE_KERNELS = {
     "gemma2-dense": (54, 109),
     "gemma3-dense": (57, 130),
     "phi3-dense": (48, 83),
-    "gpt-oss-moe": (64, 127),
+    "gpt-oss-moe": (58, 127),
     "mistral3-dense": (48, 93),
     "smollm3-dense": (44, 79),
     "lfm2-dense": (42, 83),

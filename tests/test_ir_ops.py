@@ -16,6 +16,7 @@ from ggufc.ir.decompose import DECOMPOSITIONS, decompose
 from ggufc.ir.graph import Graph, Node, Shape, Value, eval_shape
 from ggufc.ir.hyper_connections import HcSinkhorn
 from ggufc.ir.interp import run_graph
+from ggufc.ir.moe_routing import MoeTopkSoftmax
 from ggufc.ir.printer import dump
 from ggufc.ir.verify import IRError, verify
 
@@ -244,6 +245,8 @@ def _fused_cases() -> list[Case]:
         cases += _both_t("rms_norm_gated", O.RMSNormGated(1e-5, act), gated_in)
     for normalize in (True, False):
         cases += _both_t("moe_route", O.MoeRoute(3, normalize=normalize), (In("logits", ("T", 5)),))
+    cases += _both_t("moe_topk_softmax", MoeTopkSoftmax(3, biased=True), (In("logits", ("T", 5)), In("b", (5,))))
+    cases += _both_t("moe_topk_softmax", MoeTopkSoftmax(1), (In("logits", ("T", 5)),))
     experts = (In("router", (5, 7)), In("gate", (5, 3, 7)), In("up", (5, 3, 7)), In("down", (5, 7, 3)))
     cases += _both_t("moe_ffn", O.MoeFFN(2), (X, *experts))
     scales = (In("s_up", (5,)), In("s_down", (5,)))

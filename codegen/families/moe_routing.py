@@ -5,6 +5,8 @@ merges `MOE_LOWERING` into its table.
   sigmoid / sqrt(softplus)), [probs + selection bias], top-k (reading the unbiased probs at the
   selected ids when biased) or, hash-routed, the table rows of the tokens and `take_along` of the
   probs at them, [renormalise], [scale].
+* `moe_topk_softmax`: one kernel: [logits + router bias], k rounds of arg-max (descending, ties to
+  the lower id), the softmax over the k chosen with ggml's float64 sum on the CPU.
 * `moe_ffn`: router matmul, routing, the selected experts' matmuls (quantized kernels), their
   activation (one elementwise kernel; `act_halves` / `swiglu_halves` on a merged gate_up
   output), the weighted sum, and the shared expert: three projections, one activation kernel,
@@ -15,6 +17,7 @@ Symbolic extents: `n` (tokens of the call) and `pos` (tokens already cached), as
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -66,11 +69,11 @@ def act_steps(act: str, limit: float, g: int, u: int, n_before: int, linear_beta
 
         gated = emit("binary", MUL, soft_cap(g, limit), emit("unary", O.Unary("sigmoid"), g))
         emit("binary", MUL, gated, soft_cap(u, linear_beta) if linear_beta > 0 else u)
-    elif act == "swiglu_oai":
+    elif act == "swiglu_oai":  # x / (1 + exp(-alpha x)): ggml's one division
         xc = emit("scalar", O.Scalar("min", MRef.OAI_LIMIT), g)
-        sig = emit("unary", O.Unary("sigmoid"), emit("scalar", O.Scalar("mul", MRef.OAI_ALPHA), xc))
-        y1 = emit("scalar", O.Scalar("add", 1.0), clip(u, MRef.OAI_LIMIT))
-        emit("binary", MUL, emit("binary", MUL, xc, sig), y1)
+        e = emit("unary", O.Unary("exp"), emit("scalar", O.Scalar("mul", -MRef.OAI_ALPHA), xc))
+        glu = emit("binary", O.Binary("div"), xc, emit("scalar", O.Scalar("add", 1.0), e))
+        emit("binary", MUL, glu, emit("scalar", O.Scalar("add", 1.0), clip(u, MRef.OAI_LIMIT)))
     else:
         raise NotImplementedError(f"expert activation {act!r} has no kernel (known: {', '.join(MRef.ACTS)})")
     return steps
@@ -184,6 +187,54 @@ def route(fc: FunctionContext, logits: Any, dims: tuple[Dim, ...], a: O.MoeRoute
         scale = O.FusedElementwise((("scalar", O.Scalar("mul", a.weights_scale), (0,)),), 1)
         w = _elementwise_temp(fc, scale, [w], [wdims], sel_shape, f"{tag}_weights_scaled")
     return w, ids
+
+
+def topk_softmax(shape: PShape, k: int, biased: bool, f64_sum: bool) -> tirx.PrimFunc:
+    """Args (logits [T, X][, bias [X]], weights [T, k], ids [T, k] int32): the k largest of logits
+    [+ bias] by k rounds of arg-max over the unchosen (a strict > keeps the lower id on a tie), then
+    exp(z - z_first) times the reciprocal of their sum, the sum in float64 where `f64_sum` (ggml_soft_max;
+    targets without float64 sum in float32)."""
+    n, x_dim = shape
+    logits = te.placeholder(shape, "float32", name="logits")
+    bias = te.placeholder((x_dim,), "float32", name="bias") if biased else None
+    z = te.compute(shape, lambda t, j: logits[t, j] + bias[j] if bias is not None else logits[t, j], name="z")
+    argmax = te.comm_reducer(
+        lambda a, b: (tirx.Select(b[1] > a[1], b[0], a[0]), tirx.Select(b[1] > a[1], b[1], a[1])),
+        lambda t0, t1: (tirx.const(-1, t0), tirx.min_value(t1)), name="argmax")
+    chosen: list[te.Tensor] = []
+
+    def pick(prev: tuple[te.Tensor, ...]) -> te.Tensor:
+        r = te.reduce_axis((i64(0), x_dim), name=f"r{len(prev)}")
+
+        def best(t: tirx.PrimExpr) -> Any:
+            taken = [p[t] == r.var.astype("int32") for p in prev]
+            z_r = z[t, r.var]
+            masked = tirx.Select(functools.reduce(tirx.Or, taken), tirx.min_value("float32"), z_r) if taken else z_r
+            return argmax((r.var.astype("int32"), masked), axis=r)
+
+        return te.compute((n,), best, name=f"best{len(prev)}")[0]
+
+    for _ in range(k):
+        chosen.append(pick(tuple(chosen)))
+    ids = te.compute((n, i64(k)), lambda t, s: K._select_among(chosen, [t], s), name="ids")
+    top = te.compute((n, i64(k)), lambda t, s: z[t, ids[t, s].astype("int64")], name="top")
+    ex = te.compute((n, i64(k)), lambda t, s: te.exp(top[t, s] - top[t, i64(0)]), name="ex")
+    acc = "float64" if f64_sum else "float32"
+    rs = te.reduce_axis((i64(0), i64(k)), name="rs")
+    total = te.compute((n,), lambda t: te.sum(ex[t, rs].astype(acc), axis=rs), name="total")
+    inv = te.compute((n,), lambda t: (tirx.const(1.0, acc) / total[t]).astype("float32"), name="inv")
+    weights = te.compute((n, i64(k)), lambda t, s: ex[t, s] * inv[t], name="weights")
+    return func([logits, *([bias] if bias is not None else []), weights, ids])
+
+
+def _moe_topk_softmax(fc: FunctionContext, node: Node) -> list[Any]:
+    a: MRef.MoeTopkSoftmax = node.attrs
+    logits = node.inputs[0]
+    dims = fc.kernel_key_dims(logits)
+    f64_sum = fc.mb.target.kind.name == "llvm"
+    key = KK.OpKernel("moe_topk_softmax", (a, f64_sum), (dims,))
+    return fc.call(key, lambda: topk_softmax(K.Symbols().shape(dims), a.k, a.biased, f64_sum),
+                   [fc.value(v) for v in node.inputs], node.outputs, node.outputs[0].name)
 
 
 def _moe_route(fc: FunctionContext, node: Node) -> list[Any]:
@@ -437,5 +488,6 @@ def _shared_act(fc: FunctionContext, a: O.MoeFFN, g: Any, u: Any, scales: dict[s
 MOE_LOWERING: dict[str, Callable[[FunctionContext, Node], list[Any]]] = {
     "take_along": _take_along,
     "moe_route": _moe_route,
+    "moe_topk_softmax": _moe_topk_softmax,
     "moe_ffn": _moe_ffn,
 }

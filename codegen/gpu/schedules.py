@@ -285,7 +285,8 @@ POS_TENSOR_KERNELS: dict[str, GpuKernel] = {
 
 # dlight rules worth trying per kernel kind (the full default list for kinds not named here): a rule
 # that cannot apply to a kind only costs compile time and leaves a failure note
-_SPATIAL = ("elementwise", "rope", "last_token", "slice", "concat", "gather", "embed", "topk", "swiglu_halves",
+_SPATIAL = ("elementwise", "rope", "last_token", "slice", "concat", "gather", "embed", "topk", "moe_topk_softmax",
+            "swiglu_halves",
             "hc_post", "act_halves", "shared_add", "take_along")
 _REDUCTION = ("reduce", "rms_norm", "softmax", "moe_normalize", "weighted_sum", "l2_norm", "rms_norm_gated")
 

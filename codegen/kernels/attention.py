@@ -296,11 +296,12 @@ def heads_grouped(n_head: int, n_kv: int, threads: int, f16_pv_below: int = 0) -
 
 
 def attention_slot_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: float, window: int = 0,
-                        softcap: float = 0.0) -> tirx.PrimFunc:
+                        softcap: float = 0.0, sinks: bool = False) -> tirx.PrimFunc:
     """`attention_rows` for the rows of a batched decode step, each one token of its own sequence:
-    (q [B, H, D], k_cache [S, C, Hkv, D], v_cache, slots [B] int32, positions [B] int32, out);
-    row t reads cells [0, positions[t]] of slot slots[t]. The float steps are attention_rows' at one
-    token, so each row equals that sequence's own decode step bit for bit."""
+    (q [B, H, D], k_cache [S, C, Hkv, D], v_cache, slots [B] int32, positions [B] int32, [sinks [H],]
+    out); row t reads cells [0, positions[t]] of slot slots[t]. The float steps are attention_rows'
+    at one token (a sink as there: the row's first max and the start of its float64 sum), so each
+    row equals that sequence's own decode step bit for bit."""
     if dim % STEP:
         raise ValueError(f"attention: head dim {dim} must be a multiple of {STEP}")
     H, HKV, D, C = T.int64(n_head), T.int64(n_kv), T.int64(dim), T.int64(n_cells)
@@ -312,6 +313,59 @@ def attention_slot_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: f
 
     def fma(a: tirx.PrimExpr, b: tirx.PrimExpr, c: tirx.PrimExpr) -> tirx.PrimExpr:
         return T.call_llvm_pure_intrin("float32", "llvm.fma.f32", a, b, c)
+
+    @T.macro
+    def slot_row(q, k_cache, v_cache, slots, positions, sink_buf, o, n_slots, row):  # type: ignore[no-untyped-def]
+        t = row // H
+        h = row % H
+        kv = h // G
+        b = T.Cast("int64", slots[t])
+        visible = T.Cast("int64", positions[t]) + T.int64(1)
+        first = T.meta_var(first_cell(visible, window))
+        scores = T.decl_buffer((CP,), "float32")
+        part = T.decl_buffer((STEP,), "float32")
+        acc = T.decl_buffer((STEP, D), "float32")
+        stat = T.decl_buffer((2,), "float32")
+        total = T.decl_buffer((1,), "float64")
+        stat[0] = first_max(sink_buf, h)
+        for s in range(first):  # before the window: probability 0
+            scores[s] = T.float32(-3.0e38)
+        for s in range(first, visible):
+            prefetch_cell(k_cache, n_slots, b, s, visible, kv)
+            for lane in T.vectorized(STEP):
+                part[lane] = T.float32(0)
+            for d0 in range(D // STEP):
+                for lane in T.vectorized(STEP):
+                    part[lane] = fma(k_cache[b, s, kv, d0 * STEP + lane], q[t, h, d0 * STEP + lane], part[lane])
+            scores[s] = capped(_fold32([part[i] for i in range(STEP)])) * SCALE
+            stat[0] = T.max(stat[0], scores[s])
+        softmax(scores, stat, total, visible, sum_start(sink_buf, h, stat))
+        for a, d in T.grid(STEP, D):
+            acc[a, d] = T.float32(0)
+        for s in range(first, visible):  # the one-token order: cell s into accumulator s % 32
+            prefetch_cell(v_cache, n_slots, b, s, visible, kv)
+            for d in T.vectorized(D):
+                acc[s % STEP, d] = fma(v_cache[b, s, kv, d], scores[s], acc[s % STEP, d])
+        for d in T.vectorized(D):
+            o[t, h, d] = _fold32([acc[i, d] for i in range(STEP)])
+
+    if sinks:
+        @T.prim_func(private=True)
+        def attention_sinks(q_h: T.handle, k_h: T.handle, v_h: T.handle, slots_h: T.handle, positions_h: T.handle,
+                            sink_buf: T.Buffer((H,), "float32"), o_h: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            n = T.int64()
+            n_slots = T.int64()
+            q = T.match_buffer(q_h, (n, H, D), "float32")
+            k_cache = T.match_buffer(k_h, (n_slots, C, HKV, D), "float32")
+            v_cache = T.match_buffer(v_h, (n_slots, C, HKV, D), "float32")
+            slots = T.match_buffer(slots_h, (n,), "int32")
+            positions = T.match_buffer(positions_h, (n,), "int32")
+            o = T.match_buffer(o_h, (n, H, D), "float32")
+            for row in T.parallel(n * H):
+                slot_row(q, k_cache, v_cache, slots, positions, sink_buf, o, n_slots, row)
+
+        return attention_sinks
 
     @T.prim_func(private=True)
     def attention(q_h: T.handle, k_h: T.handle, v_h: T.handle, slots_h: T.handle, positions_h: T.handle,
@@ -326,38 +380,7 @@ def attention_slot_rows(n_head: int, n_kv: int, dim: int, n_cells: int, scale: f
         positions = T.match_buffer(positions_h, (n,), "int32")
         o = T.match_buffer(o_h, (n, H, D), "float32")
         for row in T.parallel(n * H):
-            t = row // H
-            h = row % H
-            kv = h // G
-            b = T.Cast("int64", slots[t])
-            visible = T.Cast("int64", positions[t]) + T.int64(1)
-            first = T.meta_var(first_cell(visible, window))
-            scores = T.decl_buffer((CP,), "float32")
-            part = T.decl_buffer((STEP,), "float32")
-            acc = T.decl_buffer((STEP, D), "float32")
-            stat = T.decl_buffer((2,), "float32")
-            total = T.decl_buffer((1,), "float64")
-            stat[0] = T.float32(-3.0e38)
-            for s in range(first):  # before the window: probability 0
-                scores[s] = T.float32(-3.0e38)
-            for s in range(first, visible):
-                prefetch_cell(k_cache, n_slots, b, s, visible, kv)
-                for lane in T.vectorized(STEP):
-                    part[lane] = T.float32(0)
-                for d0 in range(D // STEP):
-                    for lane in T.vectorized(STEP):
-                        part[lane] = fma(k_cache[b, s, kv, d0 * STEP + lane], q[t, h, d0 * STEP + lane], part[lane])
-                scores[s] = capped(_fold32([part[i] for i in range(STEP)])) * SCALE
-                stat[0] = T.max(stat[0], scores[s])
-            softmax(scores, stat, total, visible, T.float64(0))
-            for a, d in T.grid(STEP, D):
-                acc[a, d] = T.float32(0)
-            for s in range(first, visible):  # the one-token order: cell s into accumulator s % 32
-                prefetch_cell(v_cache, n_slots, b, s, visible, kv)
-                for d in T.vectorized(D):
-                    acc[s % STEP, d] = fma(v_cache[b, s, kv, d], scores[s], acc[s % STEP, d])
-            for d in T.vectorized(D):
-                o[t, h, d] = _fold32([acc[i, d] for i in range(STEP)])
+            slot_row(q, k_cache, v_cache, slots, positions, None, o, n_slots, row)
 
     return attention
 

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 from ggufc.ir import ops as O
 from ggufc.ir.builder import GraphBuilder
 from ggufc.ir.graph import Graph, Value
+from ggufc.ir.moe_routing_spelled import expert_act_spelled, topk_softmax_spelled
 
 from .. import blocks as B
 from ..hparams import Keys, ModelError, RopeScaling, read_rope_scaling, scaled_rope_table, swa_layers
 
 ARCH = "gpt-oss"
-OAI_ALPHA, OAI_LIMIT = 1.702, 7.0  # llama.cpp's build_moe_ffn constants for LLM_FFN_SWIGLU_OAI_MOE
 
 
 @dataclass(frozen=True)
@@ -115,9 +115,9 @@ def moe_ffn(b: GraphBuilder, w: B.Weights, hp: HParams, p: str, h: Value) -> Val
     E, F, X, k = hp.n_embd, hp.n_ff_exp, hp.n_expert, hp.n_expert_used
     t = h.shape[0]
     router = w.need(f"{p}.ffn_gate_inp.weight", (X, E))
-    logits = B.linear(b, h, router, "ffn_moe_logits", bias=w.need(f"{p}.ffn_gate_inp.bias", (X,)))
-    top, ids = b.emit_multi("topk", [logits], O.TopK(k), ["ffn_moe_topk", "ffn_moe_ids"])
-    weights = B.softmax(b, top, "ffn_moe_weights")
+    logits = b.matmul(h, router, "ffn_moe_logits.mm")
+    names = {"biased": "ffn_moe_logits", "topk": "ffn_moe_topk", "ids": "ffn_moe_ids", "weights": "ffn_moe_weights"}
+    weights, ids = topk_softmax_spelled(b, logits, k, "ffn_moe", w.need(f"{p}.ffn_gate_inp.bias", (X,)), names)
     w.ignore(*(f"{p}.ffn_{kind}_exps.scale" for kind in ("gate", "up", "down")))
     h3 = b.reshape(h, (t, 1, E), "ffn_moe_in")
 
@@ -128,17 +128,7 @@ def moe_ffn(b: GraphBuilder, w: B.Weights, hp: HParams, p: str, h: Value) -> Val
         bias = b.gather(w.need(f"{p}.ffn_{kind}_exps.bias", (X, n_out)), ids, f"ffn_moe_{kind}_bias")
         return b.add(y, bias, f"ffn_moe_{kind}_biased")
 
-    act = swiglu_oai(b, experts(h3, "gate", F, E), experts(h3, "up", F, E), "ffn_moe_act")
+    act = expert_act_spelled(b, experts(h3, "gate", F, E), experts(h3, "up", F, E), "swiglu_oai", 0.0, "ffn_moe_act")
     down = experts(act, "down", E, F)
     weighted = b.mul(down, b.reshape(weights, (t, k, 1), "ffn_moe_weights3"), "ffn_moe_weighted")
     return b.reduce("sum", weighted, "ffn_moe_out", axis=1, keepdims=False)
-
-
-def swiglu_oai(b: GraphBuilder, g: Value, u: Value, name: str) -> Value:
-    """ggml_swiglu_oai as its CPU kernel computes it: x = min(g, 7), y = clip(u, -7, 7),
-    x / (1 + expf(1.702 * -x)) * (y + 1), one division (not x * sigmoid(1.702 x))."""
-    xc = b.scalar("min", g, OAI_LIMIT, f"{name}.g_clamped")
-    e = b.unary("exp", b.scalar("mul", xc, -OAI_ALPHA, f"{name}.g_alpha"), f"{name}.exp")
-    glu = b.binary("div", xc, b.scalar("add", e, 1.0, f"{name}.denom"), f"{name}.glu")
-    yc = b.scalar("max", b.scalar("min", u, OAI_LIMIT, f"{name}.u_hi"), -OAI_LIMIT, f"{name}.u_clipped")
-    return b.mul(glu, b.scalar("add", yc, 1.0, f"{name}.u_plus1"), name)

@@ -27,6 +27,7 @@ from ggufc.ir.builder import GraphBuilder
 from ggufc.ir.graph import Graph, Param, Value
 from ggufc.ir.hyper_connections import HcSinkhorn
 from ggufc.ir.interp import run_graph
+from ggufc.ir.moe_routing import MoeTopkSoftmax
 from tests.support.fixtures import TensorSpec, encode_tensor
 
 VOCAB = 11  # rows of the token-indexed input tables
@@ -981,6 +982,10 @@ def moe_routing_cases() -> list[Case]:
                 group="moe_routing", calls=BOTH),
         op_case("moe_route-sqrt_softplus-bias", "moe_route", softplus_route, logits, bias, n_out=2,
                 compare="route", group="moe_routing"),
+        op_case("moe_topk_softmax-bias", "moe_topk_softmax", MoeTopkSoftmax(3, biased=True), logits, bias, n_out=2,
+                compare="route", group="moe_routing", calls=BOTH),
+        op_case("moe_topk_softmax-top1", "moe_topk_softmax", MoeTopkSoftmax(1), logits, n_out=2, compare="route",
+                group="moe_routing"),
         _routing_ffn_case("moe_ffn-sigmoid-bias-clamp", O.MoeFFN(
             k=2, normalize=False, gating="sigmoid", selection_bias=True, weights_scale=1.5, act="swiglu_clamp",
             act_limit=0.7, expert_scales=("up",))),
