@@ -223,6 +223,7 @@ class Session:
         self.n_vocab = int(manifest["n_vocab"])
         self.n_embd = _hidden_width(manifest)
         self.max_chunk = int(manifest["max_chunk"])
+        self._ubatch: int | None = manifest.get("ubatch")  # split-dependent recurrent numerics (context.py)
         self._device = tvm.device(device)
         self._on_cpu = device == "cpu"
         self._plan: Any = None
@@ -658,7 +659,8 @@ class Session:
         recurrent = bool(self._recurrent)
         end = start + ids.size
         singles_from = end - keep_rollback if recurrent and keep_rollback else end
-        ends = split_points(start, ids.size, self.max_chunk, ctx.interval if recurrent else None, singles_from)
+        ends = split_points(start, ids.size, self.max_chunk, ctx.interval if recurrent else None, singles_from,
+                            self._ubatch)
         ctx.tokens[start:end] = ids
         if recurrent and singles_from <= start < end:  # a rollback to before this forward: a copy too
             ctx.rollback[start] = self._copy_recurrent()
@@ -677,7 +679,7 @@ class Session:
             out = self._call(fn, chunk)
             if all_logits or last:
                 rows.append(out)
-            if recurrent and stop % ctx.interval == 0 and stop not in ctx.checkpoints:
+            if recurrent and self._checkpoint_at(stop, end, ids.size) and stop not in ctx.checkpoints:
                 ctx.checkpoints[stop] = self._copy_recurrent()
                 ctx.stats.checkpoints_taken += 1
             if recurrent and singles_from <= stop < end:
@@ -686,6 +688,14 @@ class Session:
         if all_logits:
             return rows[0] if len(rows) == 1 else np.concatenate(rows)
         return rows[-1][-1]
+
+    def _checkpoint_at(self, stop: int, end: int, n: int) -> bool:
+        """Whether the call ending at `stop` (of a forward of n tokens ending at `end`) leaves a
+        checkpoint: at multiples of the interval; for split-dependent models, whose prompts are cut
+        only at ubatch multiples, also there and at the end of a forward of several tokens."""
+        if stop % self._context.interval == 0:
+            return True
+        return self._ubatch is not None and (stop % self._ubatch == 0 or (stop == end and n > 1))
 
     def _before_batch_step(self, token: int) -> int:
         """A batched decode step is about to feed `token` (runtime/slot_group.py): checked as
