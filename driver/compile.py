@@ -41,7 +41,8 @@ def compile_model(
     `tuning_db`: a `ggufc tune` database whose tuned schedules replace the default ones where they
     measured at least `tuning_min_speedup` times faster (driver/tune/).
 
-    `window_caches` off: sliding-window layers keep full caches on the CPU too (codegen/window_cache.py).
+    `window_caches` off: sliding-window layers keep full caches on the CPU and vulkan/metal too
+    (codegen/window_cache.py; cuda always does).
     """
 
     check_prompt_tiles(prompt_tiles)  # before the long part

@@ -451,6 +451,13 @@ class Session:
         holds of them at cells position - shift(n) and zeros elsewhere (n at most the context)."""
         new_shift = self._windows[i].shift(n)
         keep = min(max(self._window_from[i], new_shift), n)
+        if self._plan is not None:  # on the device, no host round trip
+            shape, dtype = self._state_specs[i]
+            row_bytes = int(np.prod(shape[1:])) * dtype.itemsize
+            self._plan.move_cells(i, row_bytes, keep - old_shift, keep - new_shift, n - keep,
+                                  (keep - new_shift, n - new_shift))
+            self._window_from[i] = keep
+            return
         live = self._on_cpu and self._plan is None
         cells = self._state_arrays[i] if live else self._read_state(i)
         if keep < n:  # numpy copies overlapping ranges as memmove does
@@ -730,9 +737,11 @@ class Session:
         width = self.n_embd if fn == EMBED else self.n_vocab
         buffer = self._token_buffer[:n]  # prefix of an aligned buffer: still aligned
         buffer[...] = chunk
-        if self._plan is not None:  # GPU plans keep full window caches (codegen/window_cache.py)
+        if self._plan is not None:  # vulkan / metal: the dispatch plan (window caches moved on the device)
             rows = self._plan.call(fn, buffer, self._n_past)
             self._n_past += n
+            if self._windows:
+                self._slide_windows(self._n_past - n)
             return rows.reshape(-1, width).astype(np.float32, copy=False)
         if fn == "decode" and self._decode_inputs is not None:  # cuda: token and position in device memory
             token_state, pos_state = self._decode_inputs
