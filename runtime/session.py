@@ -633,11 +633,13 @@ class Session:
         all_logits=True: [len(tokens), n_vocab], one row per token (teacher forcing).
         all_logits=False: [n_vocab] for the last token.
         Long inputs are split into chunks of at most `max_chunk` (and at checkpoint positions when
-        the model has recurrent state); the result equals one call. keep_rollback=K keeps the
-        recurrent states after each of the last K tokens, so truncating back by up to K tokens is
-        a copy (speculative decoding); those tokens then run one per call. With it, all-logits rows
-        are computed as one-token calls compute them (the artifact's `verify` function, where it
-        has one), so a speculative check sees the logits plain decoding would.
+        the model has recurrent state; at multiples of the manifest's `ubatch` only where the
+        recurrent numerics depend on the split, as llama.cpp's ubatches); the result equals one call.
+        keep_rollback=K keeps the recurrent states after each of the last K tokens, so truncating
+        back by up to K tokens is a copy (speculative decoding); those tokens then run one per call.
+        With it, all-logits rows are computed as one-token calls compute them (the artifact's
+        `verify` function, where it has one), so a speculative check sees the logits plain decoding
+        would.
         """
         ids = self._checked_tokens(tokens)
         if isinstance(keep_rollback, bool) or not isinstance(keep_rollback, int) or keep_rollback < 0:
