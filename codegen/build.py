@@ -32,6 +32,7 @@ Progress = Callable[[str], None]
 DEFAULT_MAX_CHUNK = 512
 VERIFY_FUNCTION = "verify"
 # the batched decode's rows take positions from a tensor, not the cell positions window caches need
+FULL_CACHE_TARGETS = ("cuda",)  # its decode takes the position from device memory: no cell positions
 WINDOW_BATCH_REFUSAL = "batched decode keeps full caches; this artifact's sliding-window layers keep a window of cells"
 EMBED_FUNCTION = "embed"  # the final hidden states [T, n_embd] (frontend/load.hidden_states_graph)
 
@@ -73,13 +74,14 @@ def build_executable(
     pass_stats: dict[str, int] | None = None, prompt_tiles: str = "kquant", window_caches: bool = True,
 ) -> Built:
     """Lower the entry graphs (`prefill_all`, `prefill`; decode is `prefill` at one token) and compile.
-    `window_caches` (CPU): sliding-window layers keep a window of cells, not n_ctx (window_cache.py);
-    GPU targets keep full caches."""
+    `window_caches`: sliding-window layers keep a window of cells, not n_ctx (window_cache.py), on the
+    CPU and the dispatch-plan targets (vulkan, metal); cuda keeps full caches."""
     tgt = resolve_target(target)
     t0 = time.perf_counter()
     gpu_target = is_gpu(tgt)
     layouts = plan_params(list(graphs.values()), QG.layout_spec if gpu_target else Q.layout_spec)
-    windows = plan_window_caches(graphs.values(), n_ctx, max_chunk) if window_caches and not gpu_target else {}
+    with_windows = window_caches and tgt.kind.name not in FULL_CACHE_TARGETS
+    windows = plan_window_caches(graphs.values(), n_ctx, max_chunk) if with_windows else {}
     states = window_state_shapes(state_plan(graphs["prefill_all"]), windows, max_chunk)
     if tgt.kind.name == "cuda" and decode_io_supported(graphs["prefill"]):  # whole decode in one CUDA graph
         states = [*states, *DECODE_IO_STATES]
@@ -118,7 +120,7 @@ def build_executable(
                          max_chunk=max_chunk, n_ctx=n_ctx, progress=progress)
         max_chunk = ex.max_chunk or max_chunk  # vulkan: chunks small enough for every buffer binding
         if ex.plan is not None:
-            seal_plan_layout(ex, layout_contract(layout_fields(n_ctx, n_vocab, max_chunk, layouts, states)))
+            seal_plan_layout(ex, layout_contract(layout_fields(n_ctx, n_vocab, max_chunk, layouts, states, windows)))
         if mb.decode_inputs is not None:  # the session writes the token and position there before decode
             ex.manifest["decode_inputs"] = {"token": mb.decode_inputs[0], "pos": mb.decode_inputs[1]}
     else:

@@ -11,8 +11,11 @@ order (and the cells before the window, which the full cache's kernel skips or a
 zeros, are simply not there).
 
 The runtime moves the cells to the next call's layout after each call and when the context is
-cut (runtime/session.py). GPU targets keep full caches, the window a mask over them, as before:
-their attention kernels would have to be checked for the same invariance first.
+cut (runtime/session.py). The dispatch-plan targets (vulkan, metal) keep window caches too: the
+plan passes each kernel the cell position as an expression over p, and the GPU attention kernel
+masks by cell (query cell minus key cell), so the shift changes no score; its sums over cells
+start at cell 0, so they may differ from a full cache's in the last bits. cuda keeps full caches
+(its decode reads the position from device memory, where no cell position is made).
 """
 
 from __future__ import annotations
@@ -73,12 +76,16 @@ def cell_position(fc: FunctionContext, cache: Value) -> Any:
         return fc.pos()
     cells = fc.window_of[cache.id][0]
     if cells not in fc.cell_positions:
+        if fc.pos_tensor is not None:
+            raise NotImplementedError("window caches take the position as a scalar; a position in device "
+                                      "memory (cuda decode) keeps full caches")
         p = fc.p
         step = K.i64(cells.step)
         back = tirx.floordiv(p - K.i64(cells.size - 1 + cells.margin), step) * step
-        cell = p - tirx.max(back, K.i64(0))
-        fc.cell_positions[cells] = fc.bb.emit(relax.call_pure_packed(
-            "vm.builtin.copy", relax.prim_value(cell), ty_args=[tvm.ir.PrimType("int64")]), name_hint="cell_pos")
+        cell = relax.prim_value(p - tirx.max(back, K.i64(0)))
+        # GPU dispatch plans read the expression (over p) itself; the VM binds it once per call
+        fc.cell_positions[cells] = cell if fc.mb.target.kind.name != "llvm" else fc.bb.emit(relax.call_pure_packed(
+            "vm.builtin.copy", cell, ty_args=[tvm.ir.PrimType("int64")]), name_hint="cell_pos")
     return fc.cell_positions[cells]
 
 

@@ -18,7 +18,7 @@ from ggufc.codegen.cpu_int8.block32 import check_prompt_tiles
 from ggufc.codegen.target import cpu_manifest, target_key
 from ggufc.frontend.load import LoadedModel, load_model
 from ggufc.frontend.tokenizer_build import build_tokenizer
-from ggufc.ir.state_kinds import SCRATCH, state_kinds
+from ggufc.ir.state_kinds import SCRATCH, split_dependent, state_kinds
 from ggufc.runtime import artifact as A
 from ggufc.runtime import artifact_writer as AW
 
@@ -41,7 +41,8 @@ def compile_model(
     `tuning_db`: a `ggufc tune` database whose tuned schedules replace the default ones where they
     measured at least `tuning_min_speedup` times faster (driver/tune/).
 
-    `window_caches` off: sliding-window layers keep full caches on the CPU too (codegen/window_cache.py).
+    `window_caches` off: sliding-window layers keep full caches on the CPU and vulkan/metal too
+    (codegen/window_cache.py; cuda always does).
     """
 
     check_prompt_tiles(prompt_tiles)  # before the long part
@@ -113,6 +114,7 @@ def _manifest(model: LoadedModel, built: Built, tokenizer: dict[str, Any], weigh
         "hparams": _jsonable(model.hparams),
         **layout,
         "states": with_state_kinds(layout["states"], built),
+        **ubatch_field(built),
         "target": _jsonable(plain_target(target)),
         "target_key": target_key(built.target),
         **cpu_manifest(built.target, _jsonable(plain_target(target))),
@@ -144,6 +146,12 @@ def with_state_kinds(states: list[dict[str, Any]], built: Built) -> list[dict[st
     states the graphs do not carry (a step's own inputs on cuda) are rewritten by every call."""
     kinds = state_kinds(built.graphs["prefill_all"])
     return [{**s, "kind": A.WINDOW_KIND if "window" in s else kinds.get(s["name"], SCRATCH)} for s in states]
+
+
+def ubatch_field(built: Built) -> dict[str, Any]:
+    """Models whose recurrent numerics depend on the call split are fed in blocks of `ubatch` tokens
+    at its multiples (llama.cpp's n_ubatch, 512: the compiled max_chunk), which the runtime keeps."""
+    return {"ubatch": built.max_chunk} if split_dependent(built.graphs["prefill_all"]) else {}
 
 
 def gpu_manifest(built: Built) -> dict[str, Any]:

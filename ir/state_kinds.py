@@ -21,6 +21,14 @@ SCRATCH = "scratch"  # not a graph state: rewritten by every call (a step's inpu
 STATE_KINDS = (PER_POSITION, RECURRENT, SCRATCH)
 
 
+def split_dependent(graph: Graph) -> bool:
+    """Whether the graph's recurrent numerics depend on where calls start: lightning attention makes
+    a call's tokens one block, and KDA's chunked form (the CPU kernel's, as llama.cpp's) makes chunks
+    from a call's start. Such models are fed in llama.cpp's ubatches, whatever the checkpoints."""
+    return any(n.op == "lightning_attention" or (n.op == "gated_delta_net" and n.attrs.key_decay)
+               for n in graph.nodes)
+
+
 def state_kinds(graph: Graph) -> dict[str, str]:
     """{state name: kind} for every state of `graph`."""
     producers = graph.producers()

@@ -205,6 +205,10 @@ def check_fields(manifest: dict[str, Any], where: str) -> None:
             raise ArtifactError(f"{where}: manifest field '{name}' must be positive, got {manifest[name]}")
     if not manifest["functions"]:
         raise ArtifactError(f"{where}: manifest lists no functions")
+    ubatch = manifest.get("ubatch", manifest["max_chunk"])
+    if not isinstance(ubatch, int) or isinstance(ubatch, bool) or not 0 < ubatch <= manifest["max_chunk"]:
+        raise ArtifactError(f"{where}: manifest field 'ubatch' must be a token count in [1, max_chunk], "
+                            f"got {ubatch!r:.40}")
     for param in manifest["params"]:
         arrays = param.get("arrays") if isinstance(param, dict) else None
         if not isinstance(arrays, list) or not all(isinstance(a, dict) and "key" in a for a in arrays):

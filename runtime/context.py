@@ -20,6 +20,12 @@ Each manifest state has a kind (written by the compiler from how the graph write
   a deeper one cannot regrow the cells dropped before, so the session replays the context from
   its start (llama.cpp re-processes the prompt likewise where it keeps no SWA checkpoint).
 
+Where the recurrent numerics depend on how tokens are split into calls (lightning attention makes a
+call one block; KDA's chunked form chunks from a call's start), the manifest's `ubatch` says so: a
+prompt is then cut only at multiples of it, as llama.cpp cuts its batch at n_ubatch, and the
+checkpoints are taken where calls end anyway: at those multiples, at the end of every forward of
+more than one token, and at multiples of `interval` among one-token calls (decoding).
+
 Artifacts from before kinds were recorded treat every state as recurrent (correct, costlier).
 """
 
@@ -104,13 +110,19 @@ class ContextHistory:
         return sum(a.nbytes for store in (self.checkpoints, self.rollback) for c in store.values() for a in c)
 
 
-def split_points(start: int, n: int, max_chunk: int, interval: int | None, singles_from: int) -> list[int]:
+def split_points(start: int, n: int, max_chunk: int, interval: int | None, singles_from: int,
+                 ubatch: int | None = None) -> list[int]:
     """Chunk ends (absolute positions) for feeding tokens [start, start + n): at most `max_chunk`
     per call, a boundary at every multiple of `interval` (checkpoints), and one token per call from
-    position `singles_from` on (copies after each of the last tokens)."""
+    position `singles_from` on (copies after each of the last tokens). With `ubatch` (models whose
+    recurrent numerics depend on the split), the boundaries are its multiples instead, as
+    llama.cpp cuts a prompt into ubatches."""
     end = start + n
-    ends = set(range(start + max_chunk, end, max_chunk))
-    if interval:
+    if ubatch:
+        ends = set(range((start // ubatch + 1) * ubatch, end, ubatch))
+    else:
+        ends = set(range(start + max_chunk, end, max_chunk))
+    if interval and not ubatch:
         ends.update(range((start // interval + 1) * interval, end, interval))
     ends.update(range(max(singles_from, start + 1), end))
     ends.add(end)

@@ -287,6 +287,22 @@ class PlanRunner:
             raise PlanError(f"state {index} takes {self.state_bytes[index]} bytes, got {data.nbytes}")
         self.backend.write(self.buffers["state"][index], data)
 
+    def move_cells(self, index: int, row_bytes: int, src: int, dst: int, rows: int, keep: tuple[int, int]) -> None:
+        """State `index` as rows of `row_bytes`: rows [src, src + rows) moved to dst, and every row
+        outside [keep[0], keep[1]) zeroed: on the device where the backend copies there (vulkan),
+        else through the host."""
+        n_rows = self.state_bytes[index] // row_bytes
+        lo, hi = keep
+        if hasattr(self.backend, "move"):
+            clears = [(0, lo * row_bytes), (hi * row_bytes, (n_rows - hi) * row_bytes)]
+            self.backend.move(self.buffers["state"][index], src * row_bytes, dst * row_bytes, rows * row_bytes, clears)
+            return
+        cells = self.read_state(index).reshape(n_rows, row_bytes)
+        cells[dst : dst + rows] = cells[src : src + rows].copy()
+        cells[:lo] = 0
+        cells[hi:] = 0
+        self.write_state(index, cells)
+
     def reset(self) -> None:
         for buf, nbytes in zip(self.buffers["state"], self.state_bytes, strict=True):
             self.backend.write(buf, np.zeros(nbytes, np.uint8))

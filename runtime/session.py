@@ -223,6 +223,7 @@ class Session:
         self.n_vocab = int(manifest["n_vocab"])
         self.n_embd = _hidden_width(manifest)
         self.max_chunk = int(manifest["max_chunk"])
+        self._ubatch: int | None = manifest.get("ubatch")  # split-dependent recurrent numerics (context.py)
         self._device = tvm.device(device)
         self._on_cpu = device == "cpu"
         self._plan: Any = None
@@ -450,6 +451,13 @@ class Session:
         holds of them at cells position - shift(n) and zeros elsewhere (n at most the context)."""
         new_shift = self._windows[i].shift(n)
         keep = min(max(self._window_from[i], new_shift), n)
+        if self._plan is not None:  # on the device, no host round trip
+            shape, dtype = self._state_specs[i]
+            row_bytes = int(np.prod(shape[1:])) * dtype.itemsize
+            self._plan.move_cells(i, row_bytes, keep - old_shift, keep - new_shift, n - keep,
+                                  (keep - new_shift, n - new_shift))
+            self._window_from[i] = keep
+            return
         live = self._on_cpu and self._plan is None
         cells = self._state_arrays[i] if live else self._read_state(i)
         if keep < n:  # numpy copies overlapping ranges as memmove does
@@ -625,11 +633,13 @@ class Session:
         all_logits=True: [len(tokens), n_vocab], one row per token (teacher forcing).
         all_logits=False: [n_vocab] for the last token.
         Long inputs are split into chunks of at most `max_chunk` (and at checkpoint positions when
-        the model has recurrent state); the result equals one call. keep_rollback=K keeps the
-        recurrent states after each of the last K tokens, so truncating back by up to K tokens is
-        a copy (speculative decoding); those tokens then run one per call. With it, all-logits rows
-        are computed as one-token calls compute them (the artifact's `verify` function, where it
-        has one), so a speculative check sees the logits plain decoding would.
+        the model has recurrent state; at multiples of the manifest's `ubatch` only where the
+        recurrent numerics depend on the split, as llama.cpp's ubatches); the result equals one call.
+        keep_rollback=K keeps the recurrent states after each of the last K tokens, so truncating
+        back by up to K tokens is a copy (speculative decoding); those tokens then run one per call.
+        With it, all-logits rows are computed as one-token calls compute them (the artifact's
+        `verify` function, where it has one), so a speculative check sees the logits plain decoding
+        would.
         """
         ids = self._checked_tokens(tokens)
         if isinstance(keep_rollback, bool) or not isinstance(keep_rollback, int) or keep_rollback < 0:
@@ -658,7 +668,8 @@ class Session:
         recurrent = bool(self._recurrent)
         end = start + ids.size
         singles_from = end - keep_rollback if recurrent and keep_rollback else end
-        ends = split_points(start, ids.size, self.max_chunk, ctx.interval if recurrent else None, singles_from)
+        ends = split_points(start, ids.size, self.max_chunk, ctx.interval if recurrent else None, singles_from,
+                            self._ubatch)
         ctx.tokens[start:end] = ids
         if recurrent and singles_from <= start < end:  # a rollback to before this forward: a copy too
             ctx.rollback[start] = self._copy_recurrent()
@@ -677,7 +688,7 @@ class Session:
             out = self._call(fn, chunk)
             if all_logits or last:
                 rows.append(out)
-            if recurrent and stop % ctx.interval == 0 and stop not in ctx.checkpoints:
+            if recurrent and self._checkpoint_at(stop, end, ids.size) and stop not in ctx.checkpoints:
                 ctx.checkpoints[stop] = self._copy_recurrent()
                 ctx.stats.checkpoints_taken += 1
             if recurrent and singles_from <= stop < end:
@@ -686,6 +697,14 @@ class Session:
         if all_logits:
             return rows[0] if len(rows) == 1 else np.concatenate(rows)
         return rows[-1][-1]
+
+    def _checkpoint_at(self, stop: int, end: int, n: int) -> bool:
+        """Whether the call ending at `stop` (of a forward of n tokens ending at `end`) leaves a
+        checkpoint: at multiples of the interval; for split-dependent models, whose prompts are cut
+        only at ubatch multiples, also there and at the end of a forward of several tokens."""
+        if stop % self._context.interval == 0:
+            return True
+        return self._ubatch is not None and (stop % self._ubatch == 0 or (stop == end and n > 1))
 
     def _before_batch_step(self, token: int) -> int:
         """A batched decode step is about to feed `token` (runtime/slot_group.py): checked as
@@ -720,9 +739,11 @@ class Session:
         width = self.n_embd if fn == EMBED else self.n_vocab
         buffer = self._token_buffer[:n]  # prefix of an aligned buffer: still aligned
         buffer[...] = chunk
-        if self._plan is not None:  # GPU plans keep full window caches (codegen/window_cache.py)
+        if self._plan is not None:  # vulkan / metal: the dispatch plan (window caches moved on the device)
             rows = self._plan.call(fn, buffer, self._n_past)
             self._n_past += n
+            if self._windows:
+                self._slide_windows(self._n_past - n)
             return rows.reshape(-1, width).astype(np.float32, copy=False)
         if fn == "decode" and self._decode_inputs is not None:  # cuda: token and position in device memory
             token_state, pos_state = self._decode_inputs

@@ -367,6 +367,23 @@ class WgpuBackend:
     def read(self, buf: Any, nbytes: int) -> np.ndarray:
         return self.dev.read(buf, nbytes)
 
+    def move(self, buf: Any, src: int, dst: int, nbytes: int, clears: list[tuple[int, int]]) -> None:
+        """On the device: bytes [src, src + nbytes) of `buf` to dst (through a scratch buffer, as a
+        copy within one buffer may not overlap), then the (offset, size) ranges zeroed."""
+        scratch = self.dev.buffer(nbytes) if nbytes else None
+
+        def record(encoder: Any) -> None:
+            if scratch is not None:
+                encoder.copy_buffer_to_buffer(buf, src, scratch, 0, nbytes)
+                encoder.copy_buffer_to_buffer(scratch, 0, buf, dst, nbytes)
+            for offset, size in clears:
+                if size:
+                    encoder.clear_buffer(buf, offset, size)
+
+        self.dev.submit(record)
+        if scratch is not None:
+            scratch.destroy()
+
     def prepare(self, fp: Any, resolve: Any) -> _Prepared:
         n = max(len(fp.dispatches), 1)
         uniform = self.dev.buffer(UNIFORM_ALIGN * n, uniform=True)

@@ -171,6 +171,12 @@ def test_incompatible_ggufc_version_refused(artifact: Path) -> None:
     refused(artifact, "built by ggufc 99.0.0, incompatible")
 
 
+@pytest.mark.parametrize("ubatch", [0, 10**9, "512", True])
+def test_bad_ubatch_refused(artifact: Path, ubatch: object) -> None:
+    edit_manifest(artifact, ubatch=ubatch)
+    refused(artifact, r"manifest field 'ubatch' must be a token count in \[1, max_chunk\]")
+
+
 def test_patch_version_difference_accepted(artifact: Path) -> None:
     major, minor = __version__.split(".")[:2]
     edit_manifest(artifact, ggufc_version=f"{major}.{minor}.999")

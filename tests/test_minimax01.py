@@ -2,10 +2,13 @@
 (tests/test_interpreter_goldens.py) and `ggufc eval` (tests/test_goldens.py) in all three feeding modes;
 lightning attention's block form against the token-by-token recurrence it computes (whatever the block
 split), llama.cpp's slopes and decay scales; the compiled lightning kernel against its reference over
-carried state (and the `lightning_attention` rows of tests/test_codegen_ops.py); the decode step's
-kernels fused and unfused; the layer pattern and what is refused."""
+carried state (and the `lightning_attention` rows of tests/test_codegen_ops.py); a prompt longer than
+llama.cpp's 512-token ubatch fed in its ubatches, whatever the checkpoints, and cut back; the decode
+step's kernels fused and unfused; the layer pattern and what is refused."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,8 +20,11 @@ from ggufc.frontend.hparams import Keys, ModelError
 from ggufc.frontend.load import LoadedModel, load_model
 from ggufc.ir import linear_attention as R
 from ggufc.passes.pipeline import run_pipeline
+from ggufc.runtime import Session
+from ggufc.runtime.context import split_points
+from tests.support.arch_models import interpret_float64
 from tests.support.goldens import GOLDEN
-from tests.support.sparse_probes import decode_kernel_calls
+from tests.support.sparse_probes import decode_kernel_calls, nmse
 
 FIXTURE = GOLDEN / "fixtures" / "minimax-01-moe.gguf"
 needs_golden = pytest.mark.skipif(not FIXTURE.exists(), reason=f"llama.cpp goldens not found at {GOLDEN}")
@@ -139,6 +145,79 @@ def test_compiled_kernel_equals_the_reference_over_carried_state() -> None:
                     float(np.max(np.abs(s_dev.numpy() - s_ref)) / np.max(np.abs(s_ref))))
         t0 += n
     assert worst < 1e-5
+
+
+# ---------------------------------------------------------------------------------------------
+# a long prompt in llama.cpp's ubatches
+
+UBATCH = 512  # llama.cpp's default n_ubatch, ggufc's default max_chunk
+LONG_CTX = 1024
+
+
+def test_split_points_at_ubatch_multiples() -> None:
+    """A split-dependent model's prompt is cut at multiples of the ubatch only (checkpoint interval
+    or not), and still one token per call where rollback copies are kept."""
+    assert split_points(40, 1000, UBATCH, 16, 1040, UBATCH) == [512, 1024, 1040]
+    assert split_points(0, 700, UBATCH, 64, 697, UBATCH) == [512, 697, 698, 699, 700]
+    assert split_points(40, 100, UBATCH, 64, 140) == [64, 128, 140]
+
+
+@pytest.fixture(scope="module")
+def long_artifact(compile_cache: Path) -> Path:
+    from ggufc.driver.models import cached_artifact_dir, compiled_session, existing_session, resolve_model
+
+    if not FIXTURE.exists():
+        pytest.skip("llama.cpp goldens absent")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("GGUFC_CACHE", str(compile_cache))
+        model = resolve_model(str(FIXTURE), n_ctx=LONG_CTX)
+        (existing_session(model) or compiled_session(model)).close()
+        return cached_artifact_dir(model.path, model.target, model.n_ctx)
+
+
+def _long_prompt(n: int) -> np.ndarray:
+    return np.random.default_rng(5).integers(0, 128, n).astype(np.int32)
+
+
+def _fed(artifact: Path, parts: list[np.ndarray], interval: int = 64) -> tuple[Session, np.ndarray]:
+    session = Session(artifact, checkpoint_interval=interval)
+    return session, np.concatenate([session.forward(p, all_logits=True) for p in parts])
+
+
+@needs_golden
+def test_long_prompt_runs_in_llama_cpps_ubatches(long_artifact: Path) -> None:
+    """700 tokens in one forward (checkpoints every 64) give, bit for bit, the logits of the calls
+    llama.cpp makes, [0, 512) and [512, 700), not those of 64-token calls; they equal the float64
+    interpreter run in 512-token blocks to llama.cpp's golden bar; a forward starting at 40 is cut
+    at 512 too."""
+    tokens = _long_prompt(700)
+    session, one = _fed(long_artifact, [tokens])
+    assert session.manifest["ubatch"] == UBATCH
+    assert session.checkpoint_bytes == 2 * 2 * 128 * 128 * 4  # copies at 512 and 700, not every 64
+    assert np.array_equal(one, _fed(long_artifact, [tokens[:512], tokens[512:]])[1])
+    assert not np.array_equal(one, _fed(long_artifact, np.split(tokens, range(64, 700, 64)))[1])
+    model = load_model(FIXTURE, n_ctx=LONG_CTX)
+    assert nmse(one, interpret_float64(model, model.graph, tokens, UBATCH)) < 1e-10
+    later = _fed(long_artifact, [tokens[:40], tokens[40:]])[1]
+    assert np.array_equal(later, _fed(long_artifact, [tokens[:40], tokens[40:512], tokens[512:]])[1])
+
+
+@needs_golden
+def test_long_prompt_cut_back_equals_fresh(long_artifact: Path) -> None:
+    """Cut a 700-token context back to 600 (restored from the checkpoint at 512, 88 tokens replayed
+    as one call) and to 300 (from 0), continue: the logits equal a fresh one-shot run's (the calls
+    differ, so to rounding: NMSE < 1e-12), the recurrent state too."""
+    tokens = _long_prompt(760)
+    session, _ = _fed(long_artifact, [tokens[:700]])
+    for keep in (600, 300):
+        session.truncate(keep)
+        got = session.forward(tokens[keep:760], all_logits=True)
+        fresh, want = _fed(long_artifact, [tokens[:760]])
+        assert nmse(got, want[keep:]) < 1e-12
+        s, f = session.state("lightning_state.0"), fresh.state("lightning_state.0")
+        assert float(np.max(np.abs(s - f))) <= 1e-5 * float(np.max(np.abs(f)))
+        session.truncate(700)
+    assert (session.stats.checkpoint_restores, session.stats.replayed_tokens) == (4, 88 + 100 + 300 + 188)
 
 
 # ---------------------------------------------------------------------------------------------

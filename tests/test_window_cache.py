@@ -225,3 +225,64 @@ def test_saved_copied_and_released_context_keeps_the_window(compiled: Compiled, 
     np.savez(bad, **members)
     with pytest.raises(StateFileError, match="window state"):
         loaded.load_state(bad)
+
+
+# ---------------------------------------------------------------------------------------------
+# vulkan (the dispatch plan shared with metal)
+
+
+@pytest.fixture(scope="module")
+def vulkan_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """gemma3 for vulkan with chunks of MAX_CHUNK, with window caches and with full caches."""
+    from tests.support.gpu_support import need_vulkan
+
+    need_vulkan()
+    root = tmp_path_factory.mktemp("vulkan-window")
+    for kind, windowed in (("window", True), ("full", False)):
+        compile_model(fixture("gemma3-dense"), "vulkan", root / kind, n_ctx=N_CTX, max_chunk=MAX_CHUNK,
+                      window_caches=windowed)
+    return root / "window", root / "full"
+
+
+@pytest.mark.slow
+def test_vulkan_window_caches_equal_full_caches_bit_for_bit(vulkan_pair: tuple[Path, Path]) -> None:
+    """On vulkan the window layer's caches keep 110 cells (as on the CPU: not n_ctx), the session
+    moves them on the device, and the logits equal the full-cache artifact's bit for bit (the GPU
+    kernel walks each query's window from its first cell, wherever cell 0 is) over a context in
+    which the window moves five times: prompt chunks, one token per call, a cut within the kept
+    cells (a move) and one below them (a replay from the start); llama.cpp's golden as before."""
+    window, full = (Session(a, device="vulkan") for a in vulkan_pair)
+    shapes = {s["name"]: s["shape"][0] for s in window.manifest["states"]}
+    assert shapes == {"cache_k.0": 110, "cache_v.0": 110, "cache_k.1": N_CTX, "cache_v.1": N_CTX}
+    assert {s["shape"][0] for s in full.manifest["states"]} == {N_CTX} and not window_states(full)
+    tokens = other_tokens(np.random.default_rng(3), 250, window.n_vocab)
+    for s in (window, full):
+        s.forward(tokens[:150], all_logits=True)
+    np.testing.assert_array_equal(window.forward(tokens[150:200], all_logits=True),
+                                  full.forward(tokens[150:200], all_logits=True))
+    for t in tokens[200:220]:
+        np.testing.assert_array_equal(window.forward([t]), full.forward([t]))
+    for keep in (190, 60):  # within the margin of 32 (cells moved), then below the window's cells
+        for s in (window, full):
+            s.truncate(keep)
+        np.testing.assert_array_equal(window.forward(tokens[keep:250], all_logits=True),
+                                      full.forward(tokens[keep:250], all_logits=True))
+    assert (window.stats.window_replays, window.stats.replayed_tokens) == (1, 60), window.stats
+    golden = np.load(GOLDEN / "logits" / "gemma3-dense.npz")
+    window.reset()
+    assert nmse(window.forward(golden["tokens"], all_logits=True), golden["logits_prefill"]) < 1e-10
+
+
+@pytest.mark.slow
+def test_metal_plan_passes_cell_positions(tmp_path: Path) -> None:
+    """metal shares vulkan's dispatch plan (not runnable here): the window layer's caches keep 110
+    cells, its kernels take the cell position p - shift(p), and the MSL kernels match the plan."""
+    from tests.support.gpu_targets import check_metal_artifact
+
+    out = tmp_path / "metal"
+    manifest = compile_model(fixture("gemma3-dense"), "metal", out, n_ctx=N_CTX, max_chunk=MAX_CHUNK)
+    assert [s["shape"][0] for s in manifest["states"]] == [110, 110, N_CTX, N_CTX]
+    check_metal_artifact(out)
+    plan = json.loads((out / "plan.json").read_text())
+    scalars = {e for fp in plan["functions"].values() for step in fp["steps"] for e, _ in step["scalars"]}
+    assert "p - max((p - 63) // 32 * 32, 0)" in scalars and "p" in scalars

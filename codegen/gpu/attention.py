@@ -40,8 +40,9 @@ def _online_softmax(n_head: int, n_kv: int, dim: int, scale: float, block: int =
     Causal attention walks cells [0, pos + t]; with `sel` ([T, W] cell ids) it walks the selected
     cells instead, or with `block` ([T, Hkv, K] block ids per KV group) the K * block cells of the
     selected blocks; with `mask` ([T, P+T], or [Hkv, T, P+T] with `group_mask`, additive) masked-out
-    cells (<= NEG) are skipped. Causal attention with `window` skips the cells before the query's
-    window; `softcap` caps each score c * tanh(s / c) before the scale (then q is scaled after the dot)."""
+    cells (<= NEG) are skipped. Causal attention with `window` walks from the first cell of the query's
+    window, so its tiles and sums are the same wherever cell 0 is (a full cache or a window of cells);
+    `softcap` caps each score c * tanh(s / c) before the scale (then q is scaled after the dot)."""
     nt = attention_threads(dim)
     H, D, G, NT, DT = T.int64(n_head), T.int64(dim), T.int64(n_head // n_kv), T.int64(nt), T.int64(-(-dim // nt))
     SCALE, NEG_INF, B = T.float32(scale), T.float32(NEG), T.int64(max(block, 1))
@@ -56,6 +57,11 @@ def _online_softmax(n_head: int, n_kv: int, dim: int, scale: float, block: int =
         if sel is None:
             return pos + t + T.int64(1)
         return sel.shape[2] * B if block else sel.shape[1]
+
+    def first(sel: Any, mask: Any, pos: Any, t: Any) -> Any:  # the first slot walked: the window's first cell
+        if window and sel is None and mask is None:
+            return T.max(pos + t + T.int64(1 - window), T.int64(0))
+        return T.int64(0)
 
     def chosen(sel: Any, t: Any, kv: Any, s: Any) -> Any:  # the selected cell or block of slot s (clamped)
         if block:
@@ -102,6 +108,7 @@ def _online_softmax(n_head: int, n_kv: int, dim: int, scale: float, block: int =
         t = T.meta_var(row // H)  # meta_var: substituted, not a let (WGSL has no 64-bit lets)
         h = T.meta_var(row % H)
         kv = T.meta_var(row % H // G)
+        w0 = T.meta_var(first(sel, mask, pos, t))  # slots walked from here
         for d0 in range(DT):
             if d0 * NT + tx < D:
                 qs[d0 * NT + tx] = q[t, h, d0 * NT + tx] * Q_SCALE
@@ -109,12 +116,12 @@ def _online_softmax(n_head: int, n_kv: int, dim: int, scale: float, block: int =
         stat[0] = start_max(sinks, h)
         stat[1] = start_sum(sinks)
         T.tvm_storage_sync("shared")
-        for tile in range((n_slots(sel, pos, t) + NT - T.int64(1)) // NT):
+        for tile in range((n_slots(sel, pos, t) - w0 + NT - T.int64(1)) // NT):
             stat[2] = T.float32(0)
-            if ok(sel, mask, pos, t, kv, tile * NT + tx):
+            if ok(sel, mask, pos, t, kv, w0 + tile * NT + tx):
                 for d in range(D):
-                    stat[2] = stat[2] + qs[d] * k_cache[cell(sel, t, kv, tile * NT + tx), kv, d]
-                ps[tx] = capped(stat[2]) + bias(mask, t, kv, tile * NT + tx)
+                    stat[2] = stat[2] + qs[d] * k_cache[cell(sel, t, kv, w0 + tile * NT + tx), kv, d]
+                ps[tx] = capped(stat[2]) + bias(mask, t, kv, w0 + tile * NT + tx)
             else:
                 ps[tx] = NEG_INF
             T.tvm_storage_sync("shared")
@@ -127,12 +134,13 @@ def _online_softmax(n_head: int, n_kv: int, dim: int, scale: float, block: int =
             stat[1] = stat[1] * stat[3]
             stat[0] = stat[2]
             for j in range(NT):
-                if ok(sel, mask, pos, t, kv, tile * NT + j):
+                slot = T.meta_var(w0 + tile * NT + j)
+                if ok(sel, mask, pos, t, kv, slot):
                     stat[3] = T.exp(ps[j] - stat[0])
                     stat[1] = stat[1] + stat[3]
                     for d0 in range(DT):
                         if d0 * NT + tx < D:
-                            acc[d0] = acc[d0] + stat[3] * v_cache[cell(sel, t, kv, tile * NT + j), kv, d0 * NT + tx]
+                            acc[d0] = acc[d0] + stat[3] * v_cache[cell(sel, t, kv, slot), kv, d0 * NT + tx]
             T.tvm_storage_sync("shared")
         for d0 in range(DT):
             if d0 * NT + tx < D:

@@ -77,6 +77,11 @@ def check_metal_plan(name: str, tmp_path: Path, path: Path | None = None) -> Non
     contract the Metal dispatcher uses."""
     out = tmp_path / "metal"
     assert main(["compile", str(path or golden_fixture(name)), "-t", "metal", "-o", str(out)]) == 0
+    check_metal_artifact(out)
+
+
+def check_metal_artifact(out: Path) -> None:
+    """The checks of `check_metal_plan` on a compiled metal artifact."""
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["target_key"] == "metal" and manifest["gpu"]["runtime"] == "plan"
     plan = json.loads((out / "plan.json").read_text())
