@@ -267,3 +267,52 @@ def matmul_k(qtype: str, raw: np.ndarray, n: int, k: int, x: np.ndarray) -> np.n
         mins = ((accm[..., 0] + accm[..., 2]).astype(F32) + (accm[..., 1] + accm[..., 3]).astype(F32)).astype(F32)
         return (out + mins).astype(F32)
     return (out + summs).astype(F32) if qtype == "Q5_K" else out
+
+
+def matmul_k_tiled(qtype: str, raw: np.ndarray, n: int, k: int, x: np.ndarray) -> np.ndarray:
+    """x [T, K] @ W.T as the AVX2 build's tiled K-quant GEMM (ggml-cpu/tiled, taken by Q4_K/Q5_K/Q6_K
+    weights outside the repack buffer when the batch has >= 8 rows): per super-block i an exact
+    integer sum s_i over its 256 values (scales applied, Q6_K's -32 included), then
+    res = d_w * float(s_i) (Q4_K/Q5_K: res = fma(-dmin_w, float(sum_s mn_s A_s), res)) and
+    y = fma(res, d_a, y): one rounding of the weight scale's product before the activation scale."""
+    w = k_blocks(qtype, raw, n, k)
+    qa, da = quantize_q8_K(x)
+    t, nb = qa.shape[0], k // 256
+    sums = np.einsum("nbv,tbv->tnb", (w["codes"] * w["scales"]).astype(np.int64), qa.astype(np.int64))
+    y = np.zeros((t, n), F32)
+    for i in range(nb):
+        res = (w["d"][None, :, i] * sums[:, :, i].astype(F32)).astype(F32)
+        if "mn" in w:
+            code_sums = qa[:, i].reshape(t, 8, 32).sum(-1)
+            mins = np.einsum("ns,ts->tn", w["mn"][:, i], code_sums).astype(F32)
+            res = fma(-np.broadcast_to(w["dmin"][None, :, i], res.shape), mins, res)
+        y = fma(res, np.broadcast_to(da[:, None, i], res.shape), y)
+    return y
+
+
+def matmul_q4_K_repacked(raw: np.ndarray, n: int, k: int, x: np.ndarray, group_rows: bool) -> np.ndarray:
+    """x [T, K] @ W.T as the AVX2 build's Q4_K 8x8 repack (the CPU_REPACK buffer every Q4_K matrix
+    with rows % 8 == 0 lands in). `group_rows`: ggml_gemm_q4_K_8x8_q8_K, which takes the batch's
+    first 4 * (T // 4) rows, one float step per 64-value pair of sub-blocks p:
+    acc = fma(float(s_p), d_w * d_a, acc), accm = fma(float(mn_2p A_2p + mn_2p+1 A_2p+1), dmin_w * d_a, accm);
+    else ggml_gemv_q4_K_8x8_q8_K (the other T % 4 rows, and one-token calls), one step per
+    super-block. y = acc - accm."""
+    w = k_blocks("Q4_K", raw, n, k)
+    qa, da = quantize_q8_K(x)
+    t, nb = qa.shape[0], k // 256
+    span = 64 if group_rows else 256
+    prod = (w["codes"] * w["scales"]).astype(np.int64)
+    acc = np.zeros((t, n), F32)
+    accm = np.zeros((t, n), F32)
+    for i in range(nb):
+        scale = (w["d"][None, :, i] * da[:, None, i]).astype(F32)
+        scale_min = (w["dmin"][None, :, i] * da[:, None, i]).astype(F32)
+        for p in range(256 // span):
+            part = slice(p * span, (p + 1) * span)
+            sums = np.einsum("nv,tv->tn", prod[:, i, part], qa[:, i, part].astype(np.int64)).astype(F32)
+            subs = slice(p * span // 32, (p + 1) * span // 32)
+            code_sums = qa[:, i, part].reshape(t, span // 32, 32).sum(-1)
+            mins = np.einsum("ns,ts->tn", w["mn"][:, i, subs], code_sums).astype(F32)
+            acc = fma(sums, scale, acc)
+            accm = fma(mins, scale_min, accm)
+    return (acc - accm).astype(F32)
