@@ -11,7 +11,7 @@ exactly, from byte operands whose products the tile sums without overflow:
           acc  = fma(d_a d_w, float(sumi), acc);  acc = fma(-d_a dmin_w, float(msum), acc)
     Q6_K  sumi = sum_s sc_s ((q - 32) . a)_s:  u = sc (q - 32) + 4096 in [32, 8192] is 128 h + l,
           two operands (h <= 64, l < 128), and sumi = 128 (h . a) + (l . a) - 4096 A
-          acc  = fma(d_a d_w, float(sumi), acc)
+          acc  = fma(d_w float(sumi), d_a, acc)   (llama.cpp's tiled K-quant GEMM, ggml-cpu/tiled)
 
 and y = acc. The float steps are one per super-block, where llama.cpp's AVX2 dot product keeps 8
 lanes of partial sums: the result differs from it by float rounding only (the prompt is not
@@ -75,10 +75,11 @@ def _configure_tiles(ops: int, depth: int = GROUP) -> Callable[..., None]:
     return configure
 
 
-def _super_block_dots(ops: int, k: int, n_groups: int) -> Callable[..., None]:
+def _super_block_dots(ops: int, k: int, n_groups: int, per_group: bool = False) -> Callable[..., None]:
     """Macro: dots[o, 16 rows, 16 tokens] = the integer dot products of operand o of the unpacked
-    rows w [ops, 16, K] with token tile tt over super-block i. Tile registers: results 0..ops-1,
-    weight operands ops..2 ops - 1, the activations 2 ops."""
+    rows w [ops, 16, K] with token tile tt over super-block i (`per_group`: dots[j * ops + o] over
+    its 64-value group j alone). Tile registers: results 0..ops-1, weight operands ops..2 ops - 1,
+    the activations 2 ops."""
 
     @T.macro
     def dots_of(w, xv, dots, tt, i):  # type: ignore[no-untyped-def]
@@ -93,8 +94,14 @@ def _super_block_dots(ops: int, k: int, n_groups: int) -> Callable[..., None]:
                             xv.access_ptr("r", offset=(tt * n_groups + i * 4 + j) * 1024), T.int64(64)))
             for o in T.unroll(ops):
                 T.evaluate(_amx("tdpbusd", T.int8(o), T.int8(ops + o), T.int8(2 * ops)))
-        for o in T.unroll(ops):
-            T.evaluate(_amx("tilestored64", T.int8(o), dots.access_ptr("w", offset=o * 256), T.int64(64)))
+            if per_group:
+                for o in T.unroll(ops):
+                    T.evaluate(_amx("tilestored64", T.int8(o), dots.access_ptr("w", offset=(j * ops + o) * 256),
+                                    T.int64(64)))
+                    T.evaluate(_amx("tilezero", T.int8(o)))
+        if not per_group:
+            for o in T.unroll(ops):
+                T.evaluate(_amx("tilestored64", T.int8(o), dots.access_ptr("w", offset=o * 256), T.int64(64)))
 
     return dots_of
 
@@ -173,28 +180,42 @@ def _q6k_operands(k: int) -> Callable[..., None]:
 
 
 def _accumulate(qtype: str) -> Callable[..., None]:
-    """Macro: the float step of super-block i for the 16 x 16 results of one row and token tile
-    (acc [tiles x 16, 16]: each token tile's sums)."""
+    """Macro: the float steps of super-block i for the 16 x 16 results of one row and token tile
+    (acc, accm [tiles x 16, 16]: each token tile's sums and, Q4_K, its minimum terms), in the
+    order of llama.cpp's x86 AVX2 build (see the module's docstring)."""
     if qtype == "Q4_K":
 
         @T.macro
-        def q4k(d, dmin, dots, xdt, xat, acc, jo, tt, i):  # type: ignore[no-untyped-def]
+        def q4k(d, dmin, dots, xdt, xat, acc, accm, jo, tt, i, grouped):  # type: ignore[no-untyped-def]
             for r in range(TILE):
                 for c in T.vectorized(16):
-                    acc[tt * TILE + r, c] = _fma(T.Cast("float32", d[jo * TILE + r, i]) * xdt[tt, i, c],
-                                     T.Cast("float32", dots[0, r, c] + dots[1, r, c] * 8), acc[tt * TILE + r, c])
-                    acc[tt * TILE + r, c] = _fma(-T.Cast("float32", dmin[jo * TILE + r, i]) * xdt[tt, i, c],
-                                     T.Cast("float32", dots[2, r, c]), acc[tt * TILE + r, c])
+                    scale = T.meta_var(T.Cast("float32", d[jo * TILE + r, i]) * xdt[tt, i, c])
+                    scale_min = T.meta_var(T.Cast("float32", dmin[jo * TILE + r, i]) * xdt[tt, i, c])
+                    whole = T.meta_var(tt * 16 + c >= grouped)
+                    for j in range(SUPER // GROUP):  # the 4-row GEMM's tokens: a step per 64 values
+                        acc[tt * TILE + r, c] = T.if_then_else(whole, acc[tt * TILE + r, c], _fma(
+                            T.Cast("float32", dots[j * 3, r, c] + dots[j * 3 + 1, r, c] * 8), scale,
+                            acc[tt * TILE + r, c]))
+                        accm[tt * TILE + r, c] = T.if_then_else(whole, accm[tt * TILE + r, c], _fma(
+                            T.Cast("float32", dots[j * 3 + 2, r, c]), scale_min, accm[tt * TILE + r, c]))
+                    sumi = T.meta_var(dots[0, r, c] + dots[1, r, c] * 8 + dots[3, r, c] + dots[4, r, c] * 8
+                                      + dots[6, r, c] + dots[7, r, c] * 8 + dots[9, r, c] + dots[10, r, c] * 8)
+                    msum = T.meta_var(dots[2, r, c] + dots[5, r, c] + dots[8, r, c] + dots[11, r, c])
+                    acc[tt * TILE + r, c] = T.if_then_else(whole, _fma(
+                        T.Cast("float32", sumi), scale, acc[tt * TILE + r, c]), acc[tt * TILE + r, c])
+                    accm[tt * TILE + r, c] = T.if_then_else(whole, _fma(
+                        T.Cast("float32", msum), scale_min, accm[tt * TILE + r, c]), accm[tt * TILE + r, c])
 
         return q4k
 
     @T.macro
-    def q6k(d, dmin, dots, xdt, xat, acc, jo, tt, i):  # type: ignore[no-untyped-def]
+    def q6k(d, dmin, dots, xdt, xat, acc, accm, jo, tt, i, grouped):  # type: ignore[no-untyped-def]
         for r in range(TILE):
             for c in T.vectorized(16):
-                acc[tt * TILE + r, c] = _fma(T.Cast("float32", d[jo * TILE + r, i]) * xdt[tt, i, c],
-                                 T.Cast("float32", dots[0, r, c] + dots[1, r, c] * 128 - xat[tt, i, c] * 4096),
-                                 acc[tt * TILE + r, c])
+                acc[tt * TILE + r, c] = _fma(
+                    T.Cast("float32", d[jo * TILE + r, i])
+                    * T.Cast("float32", dots[0, r, c] + dots[1, r, c] * 128 - xat[tt, i, c] * 4096),
+                    xdt[tt, i, c], acc[tt * TILE + r, c])
 
     return q6k
 
@@ -349,9 +370,10 @@ def _prompt_gemm(qtype: str, n: int, k: int) -> Callable[..., None]:
     n_super, n_runs, n_groups, ops = k // SUPER, k // 32, k // GROUP, KQUANT_OPERANDS[qtype]
     K = T.int64(k)
     quantize, tiles = q8k_quantize(pair_offsets=False), _activation_tiles(k)  # Q6_K: offsets from xat
-    configure, dots_of = _configure_tiles(ops), _super_block_dots(ops, k, n_groups)
+    configure, dots_of = _configure_tiles(ops), _super_block_dots(ops, k, n_groups, per_group=qtype == "Q4_K")
     unpack = _q4k_operands(k) if qtype == "Q4_K" else _q6k_operands(k)
     accumulate = _accumulate(qtype)
+    four = qtype == "Q4_K"
 
     @T.macro
     def run(x, y, t_len, d, dmin, a0, a1, a2):  # type: ignore[no-untyped-def]
@@ -368,8 +390,9 @@ def _prompt_gemm(qtype: str, n: int, k: int) -> Callable[..., None]:
         tiles(xb, xd, xs, xv, xdt, xat, t_len, n_tiles)
         for jo in T.parallel(n // TILE):
             cfg = T.alloc_buffer((64,), "uint8")  # small: stack arrays per task
-            dots = T.alloc_buffer((ops, TILE, 16), "int32")
+            dots = T.alloc_buffer((ops * (SUPER // GROUP if four else 1), TILE, 16), "int32")
             acc = T.alloc_buffer((n_tiles * TILE, 16), "float32")
+            accm = T.alloc_buffer((n_tiles * TILE, 16), "float32")
             configure(cfg)
             w = T.alloc_buffer((ops, TILE, K), "uint8")
             unpack(a0, a1, a2, w, jo)
@@ -377,11 +400,17 @@ def _prompt_gemm(qtype: str, n: int, k: int) -> Callable[..., None]:
                 for r in range(TILE):
                     for c in T.vectorized(16):
                         acc[tt * TILE + r, c] = T.float32(0)
+                        accm[tt * TILE + r, c] = T.float32(0)
             # super-block outermost: its 4 x ops weight tiles stay in L1 through every token tile
             for i in range(n_super):
                 for tt in range(n_tiles):
                     dots_of(w, xv, dots, tt, i)
-                    accumulate(d, dmin, dots, xdt, xat, acc, jo, tt, i)
+                    accumulate(d, dmin, dots, xdt, xat, acc, accm, jo, tt, i, t_len - t_len % 4)
+            if four:  # y = acc - accm, as the 8x8 repack's GEMM and GEMV end
+                for tt in range(n_tiles):
+                    for r in range(TILE):
+                        for c in T.vectorized(16):
+                            acc[tt * TILE + r, c] = acc[tt * TILE + r, c] - accm[tt * TILE + r, c]
             store_and_release(y, acc, jo, n_tiles, t_len)
 
     return run

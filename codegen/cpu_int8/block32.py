@@ -79,7 +79,7 @@ from ggufc.ir.act_quant import ACT_BLOCK, SCHEME_BLOCK
 INT8_GEMV_TYPES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"})
 GEMM_TOKENS = 4  # tokens a prompt GEMM's row group takes per pass over its weight codes
 # integer GEMVs, float prompt GEMMs (Int8Kernels.supports_prompt)
-PROMPT_ON_FLOAT = frozenset({"Q3_K", "Q5_0", "Q5_1"})
+PROMPT_ON_FLOAT = frozenset({"Q3_K", "Q5_1"})
 # two tokens per 512-bit vector (int8_pair_gemm); Q5_0/Q5_1 GEMMs keep the 256-bit tiles
 PAIR_GEMM_TYPES = frozenset({"Q4_0", "Q4_1", "Q8_0"})
 
@@ -125,12 +125,13 @@ class Int8Kernels:
         return int8_gemv_supported(qtype, n, k, self.target)
 
     def supports_prompt(self, qtype: str, n: int, k: int) -> bool:
-        """Q3_K's, Q5_0's and Q5_1's prompt GEMMs stay on the float kernel: their integer GEMMs
-        (Q3_K's packed scales unpacked per super-block, Q5's fifth bits spread per block) measured no
-        faster (benchmarks/kquant_int8.py, 64 tokens: Q3_K 0.67-0.92x, Q5_0 0.78-0.99x, Q5_1
-        0.73-1.00x). Q6_K's, in token pairs, against its float GEMM (2 threads, 128 tokens): 3.2x at
-        1536 x 6144, 1.8x at 512 x 1536, 0.95x at 6144 x 1536 (one kernel for all shapes keeps
-        llama.cpp's order in prompts)."""
+        """Q3_K's and Q5_1's prompt GEMMs stay on the float kernel: their integer GEMMs (Q3_K's
+        packed scales unpacked per super-block, Q5's fifth bits spread per block) measured no faster
+        (benchmarks/kquant_int8.py, 64 tokens: Q3_K 0.67-0.92x, Q5_0 0.78-0.99x, Q5_1 0.73-1.00x).
+        Q5_0's takes the integer GEMM all the same: only it gives llama.cpp's prompt logits (Gemma 3
+        270M's q/k/gate/up, tests/test_gemma3_270m.py). Q6_K's, in token pairs, against its float
+        GEMM (2 threads, 128 tokens): 3.2x at 1536 x 6144, 1.8x at 512 x 1536, 0.95x at 6144 x 1536
+        (one kernel for all shapes keeps llama.cpp's order in prompts)."""
         return qtype not in PROMPT_ON_FLOAT and self.supports(qtype, n, k)
 
 

@@ -9,7 +9,13 @@ continuation, one token per call, up to 48 tokens or the end of turn), `p{i}_top
 Needs `llama-cpp-python` (0.3.36 wrote the file here) and the model package:
 `python tests/goldens/make_gemma3_goldens.py [MODEL.gguf]`.
 
-Also writes `ggml-gelu-f16.npz`: `table`, the 65536 F16 values of llama.cpp's CPU GELU table
+Also writes `gemma3-270m-layer0.npz`: layer 0's K-quant matmuls as llama.cpp computes them on
+prompt 0's whole batch (prompt + continuation, one batch, read through the eval callback), for the
+rows ROWS_KEPT of it: `attn_in`/`attn_normed` (the Q4_K attn_output's input, and its output after
+the RMSNorm without weight: the product itself is not a named tensor) and `down_in`/`down_out` (the
+Q6_K ffn_down's), with `rows` and `n_tokens`.
+
+And `ggml-gelu-f16.npz`: `table`, the 65536 F16 values of llama.cpp's CPU GELU table
 (ggml_table_gelu_f16, filled by ggml_cpu_init from ggml_gelu_f32), read from the same build's
 libggml-cpu.
 """
@@ -33,6 +39,9 @@ PROMPTS = [
 ]
 N_NEW = 48
 TOP = 64
+LAYER0_OUT = HERE / "gemma3-270m-layer0.npz"
+ROWS_KEPT = [0, 1, 2, 3, 48, 49, 50, 51, 52, 53]  # Q4_K: 4-row GEMM groups, then the GEMV rows of 54
+LAYER0_NAMES = {"kqv_out-0": "attn_in", "norm-0#3": "attn_normed", "ffn_geglu-0": "down_in", "ffn_out-0": "down_out"}
 
 
 def write_gelu_table() -> None:
@@ -47,6 +56,51 @@ def write_gelu_table() -> None:
     cpu.ggml_cpu_init()
     table = np.ctypeslib.as_array((ctypes.c_uint16 * (1 << 16)).in_dll(cpu, "ggml_table_gelu_f16")).copy()
     np.savez_compressed(GELU_OUT, table=table)
+
+
+def write_layer0_tensors(model: Path, tokens: list[int]) -> None:
+    """Layer 0's tensors of one batch through llama.cpp's eval callback (a tensor's name is at byte
+    256 of struct ggml_tensor, ne at 16, nb at 48, data at 248; `norm-0#3` is the third tensor named
+    `norm-0`)."""
+    import ctypes
+
+    import llama_cpp as L
+
+    seen: dict[str, int] = {}
+    got: dict[str, np.ndarray] = {}
+
+    def observe(t: int, ask: bool, _: int) -> bool:
+        name = ctypes.string_at(t + 256).decode()
+        if ask:
+            return name in ("kqv_out-0", "norm-0", "ffn_geglu-0", "ffn_out-0")
+        seen[name] = seen.get(name, -1) + 1
+        key = name if not seen[name] else f"{name}#{seen[name]}"
+        if key in LAYER0_NAMES:
+            ne = [ctypes.c_int64.from_address(t + 16 + 8 * i).value for i in range(2)]
+            data = ctypes.c_void_p.from_address(t + 248).value
+            values = (ctypes.c_float * (ne[0] * ne[1])).from_address(data)
+            got[LAYER0_NAMES[key]] = np.ctypeslib.as_array(values).reshape(ne[1], ne[0])[ROWS_KEPT].copy()
+        return True
+
+    callback = L.ggml_backend_sched_eval_callback(observe)
+    params = L.llama_context_default_params()
+    params.n_ctx, params.n_batch, params.n_ubatch, params.n_threads, params.n_threads_batch = 512, 512, 512, 2, 2
+    params.type_k = params.type_v = L.GGML_TYPE_F32
+    params.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    params.cb_eval, params.cb_eval_user_data = callback, None
+    lm = L.llama_model_load_from_file(str(model).encode(), L.llama_model_default_params())
+    ctx = L.llama_init_from_model(lm, params)
+    batch = L.llama_batch_init(len(tokens), 0, 1)
+    for i, token in enumerate(tokens):
+        batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, i, 1, 1
+        batch.seq_id[i][0] = 0
+    batch.n_tokens = len(tokens)
+    if L.llama_decode(ctx, batch) != 0:
+        raise RuntimeError("llama_decode failed")
+    L.llama_batch_free(batch)
+    L.llama_free(ctx)
+    L.llama_model_free(lm)
+    np.savez_compressed(LAYER0_OUT, rows=np.array(ROWS_KEPT, np.int32), n_tokens=np.int32(len(tokens)), **got)
 
 
 def main() -> None:
@@ -89,6 +143,7 @@ def main() -> None:
     llm.close()
     np.savez_compressed(OUT, **out)
     write_gelu_table()
+    write_layer0_tensors(model, [int(t) for t in np.concatenate([out["p0_prompt"], out["p0_greedy"]])])
 
 
 if __name__ == "__main__":

@@ -269,6 +269,27 @@ def matmul_k(qtype: str, raw: np.ndarray, n: int, k: int, x: np.ndarray) -> np.n
     return (out + summs).astype(F32) if qtype == "Q5_K" else out
 
 
+def matmul_k_tiled(qtype: str, raw: np.ndarray, n: int, k: int, x: np.ndarray) -> np.ndarray:
+    """x [T, K] @ W.T as the AVX2 build's tiled K-quant GEMM (ggml-cpu/tiled, taken by Q4_K/Q5_K/Q6_K
+    weights outside the repack buffer when the batch has >= 8 rows): per super-block i an exact
+    integer sum s_i over its 256 values (scales applied, Q6_K's -32 included), then
+    res = d_w * float(s_i) (Q4_K/Q5_K: res = fma(-dmin_w, float(sum_s mn_s A_s), res)) and
+    y = fma(res, d_a, y): one rounding of the weight scale's product before the activation scale."""
+    w = k_blocks(qtype, raw, n, k)
+    qa, da = quantize_q8_K(x)
+    t, nb = qa.shape[0], k // 256
+    sums = np.einsum("nbv,tbv->tnb", (w["codes"] * w["scales"]).astype(np.int64), qa.astype(np.int64))
+    y = np.zeros((t, n), F32)
+    for i in range(nb):
+        res = (w["d"][None, :, i] * sums[:, :, i].astype(F32)).astype(F32)
+        if "mn" in w:
+            code_sums = qa[:, i].reshape(t, 8, 32).sum(-1)
+            mins = np.einsum("ns,ts->tn", w["mn"][:, i], code_sums).astype(F32)
+            res = fma(-np.broadcast_to(w["dmin"][None, :, i], res.shape), mins, res)
+        y = fma(res, np.broadcast_to(da[:, None, i], res.shape), y)
+    return y
+
+
 GEMM_ROWS = 4  # tokens per block_q8_Kx4: a repacked matmul's GEMM takes T - T % 4 of them
 
 
@@ -279,7 +300,7 @@ def q4_K_repacked(n: int, isa_name: str) -> bool:
     return isa_name == "avx2" and n % 8 == 0
 
 
-def matmul_q4_K_repacked(raw: np.ndarray, n: int, k: int, x: np.ndarray) -> np.ndarray:
+def matmul_q4_K_repacked(raw: np.ndarray, n: int, k: int, x: np.ndarray, gemm_rows: int | None = None) -> np.ndarray:
     """x [T, K] @ W.T of a Q4_K weight repacked 8x8, as forward_mul_mat of ggml's repack buffer:
     tokens 0 .. T - T % 4 through ggml_gemm_q4_K_8x8_q8_K, the rest through ggml_gemv_q4_K_8x8_q8_K
     (AVX2). Per row and token both keep one float accumulator for the scales and one for the
@@ -289,7 +310,8 @@ def matmul_q4_K_repacked(raw: np.ndarray, n: int, k: int, x: np.ndarray) -> np.n
                                 accm = fma(float(sum_s mn_s A_s), dmin_w d_a, accm)
       GEMM, per 64-value run g of each super-block: the same with s over sub-blocks 2g, 2g + 1
 
-    then y = acc - accm (A_s: the code sum of sub-block s, d_a: the q8_K block's scale)."""
+    then y = acc - accm (A_s: the code sum of sub-block s, d_a: the q8_K block's scale). `gemm_rows`:
+    how many leading rows of x the GEMM takes when x is a selection of a batch's rows."""
     w = k_blocks("Q4_K", raw, n, k)
     qa, da = quantize_q8_K(x)
     t, nb = qa.shape[0], k // 256
@@ -299,7 +321,7 @@ def matmul_q4_K_repacked(raw: np.ndarray, n: int, k: int, x: np.ndarray) -> np.n
     mins = (w["mn"][None] * sub_sums[:, None]).reshape(t, n, nb, 4, 2).sum(-1)
     d = (da[:, None, :] * w["d"][None]).astype(F32)  # [t, n, nb]
     dmin = (da[:, None, :] * w["dmin"][None]).astype(F32)
-    gemm = np.arange(t) < t - t % GEMM_ROWS
+    gemm = np.arange(t) < (t - t % GEMM_ROWS if gemm_rows is None else gemm_rows)
     acc = np.zeros((t, n), F32)
     accm = np.zeros((t, n), F32)
     for i in range(nb):
