@@ -211,10 +211,12 @@ def test_selection_keeps_local_blocks_and_the_best_earlier_ones() -> None:
 # ---------------------------------------------------------------------------------------------
 # the fusions
 
-EXPECTED = {  # fuse_indexer: attention (+ scoring when sparse); fuse_moe: the MoE block
-    "minimax-m3-moe": {"fuse_indexer": 1, "fuse_moe": 1},
-    "minimax-m3-moe-sparse": {"fuse_indexer": 2, "fuse_moe": 1},
-    "project": {"fuse_indexer": 2, "fuse_moe": 1},
+# fuse_indexer: attention (+ scoring when sparse); fuse_moe: the MoE block, and the dense lead
+# layer's swiglu_oai activation (the routing family's rule, one elementwise kernel)
+EXPECTED = {
+    "minimax-m3-moe": {"fuse_indexer": 1, "fuse_moe": 2},
+    "minimax-m3-moe-sparse": {"fuse_indexer": 2, "fuse_moe": 2},
+    "project": {"fuse_indexer": 2, "fuse_moe": 2},
 }
 
 
@@ -271,7 +273,7 @@ def test_fusions_recognise_the_decompositions(case: tuple[str, LoadedModel]) -> 
 def test_inspect_lists_the_fusions(sparse_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["inspect", str(sparse_path)]) == 0
     out = capsys.readouterr().out
-    assert "fuse_indexer: 2" in out and "fuse_moe: 1" in out
+    assert "fuse_indexer: 2" in out and "fuse_moe: 2" in out
 
 
 # ---------------------------------------------------------------------------------------------
