@@ -227,8 +227,9 @@ def artifacts(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str],
 
 
 # gemma2's integer-form GELU takes TVM minutes to lower for WGSL (the per-op rows of test_gpu_ops check it);
-# gpt-oss's experts and bailingmoe3 likewise
-SLOW_EVAL = frozenset({"gemma2-dense", "gemma3-dense", "gpt-oss-moe", "bailingmoe3-moe"})
+# gpt-oss's experts and bailingmoe3 likewise; deepseek4 and qwen4exp take 30-80 s each
+SLOW_EVAL = frozenset({"gemma2-dense", "gemma3-dense", "gpt-oss-moe", "bailingmoe3-moe", "deepseek4-moe-F16",
+                       "qwen4exp-moe"})
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n in SLOW_EVAL else [])

@@ -190,6 +190,7 @@ def knob_session(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"db": db, "first": first, "again": again, "after_first": after_first}
 
 
+@pytest.mark.slow  # a tuning session of 25-50 s
 @needs_int8_dot
 @pytest.mark.skipif(not FIXTURES.is_dir(), reason=f"llama.cpp fixtures not found at {FIXTURES}")
 def test_a_session_measures_knob_settings_and_resumes(knob_session: dict[str, Any]) -> None:
@@ -242,6 +243,7 @@ def cold_session(knob_session: dict[str, Any], tmp_path_factory: pytest.TempPath
     return {"db": db, "summary": summary, "hot_lines": hot_lines}
 
 
+@pytest.mark.slow  # a tuning session of 25-50 s
 @needs_int8_dot
 @pytest.mark.skipif(not FIXTURES.is_dir(), reason=f"llama.cpp fixtures not found at {FIXTURES}")
 def test_a_cold_session_times_every_gemv_again_and_keeps_the_hot_records(cold_session: dict[str, Any]) -> None:

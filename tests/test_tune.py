@@ -113,6 +113,7 @@ def tuned(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 # sessions
 
 
+@pytest.mark.slow  # a tuning session of 25-50 s
 def test_interrupted_session_keeps_its_records_and_the_rerun_continues(tuned: dict[str, Any]) -> None:
     assert sum(tuned["after_interrupt"].values()) == SMALL.trials_per_round  # the first round, saved
     assert not tuned["lock_left"]
@@ -263,6 +264,7 @@ def test_by_default_only_faster_tuned_schedules_are_used(tuned: dict[str, Any], 
     assert len(slower) == n_slower and all("below 1.00x" in why for why in slower)
 
 
+@pytest.mark.slow  # a tuning session of 25-50 s
 def test_quantized_matmul_tuning_keeps_the_numerics(tmp_path: Path) -> None:
     """Decode matmuls that stay float kernels are tuned from their unscheduled compute definition
     (quant.gemv_compute): the Q4_0 projections with the 8-bit rules switched off (on a CPU with
