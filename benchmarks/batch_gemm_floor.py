@@ -27,7 +27,7 @@ import numpy as np
 import tvm
 
 from ggufc.codegen.cpu_int8 import block32 as Q8
-from ggufc.codegen.formats import block_formats as quant
+from ggufc.codegen.formats.layout import layout_spec
 from ggufc.codegen.target import cpu_target
 from ggufc.driver.tune.worker import configure_threads
 
@@ -50,7 +50,7 @@ def hot_time(qtype: str, n: int, k: int, rows: int, target: tvm.target.Target, r
     fn = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=target).mod["main"]
     rng = np.random.default_rng(0)
     weights = []
-    for _, shape, dtype in quant.layout_spec(qtype, (n, k)):
+    for _, shape, dtype in layout_spec(qtype, (n, k)):
         values = rng.integers(0, 256, shape).astype(dtype) if dtype != "float16" else (
             rng.random(shape).astype(np.float16) * np.float16(1e-2))
         weights.append(tvm.runtime.tensor(np.ascontiguousarray(values)))

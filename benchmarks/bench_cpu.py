@@ -168,7 +168,8 @@ def output_gemv_bandwidth(artifact: Path, repeats: int = 5) -> dict[str, Any]:
     import tvm
 
     from ggufc.codegen.cpu_int8 import block32
-    from ggufc.codegen.formats import block_formats as quant
+    from ggufc.codegen.formats.cpu_schedules import qmatmul
+    from ggufc.codegen.formats.table import get_format
     from ggufc.codegen.target import cpu_target
     from ggufc.codegen.tvm_util import aligned_zeros, to_tvm
     from ggufc.runtime.artifact_reader import load_manifest, read_weights
@@ -186,12 +187,12 @@ def output_gemv_bandwidth(artifact: Path, repeats: int = 5) -> dict[str, Any]:
     param, nbytes, index = best
     arrays = weights[index:index + len(param["arrays"])]
     shape = param["arrays"][-1]["shape"]
-    fmt = quant.get_format(param["qtype"])
+    fmt = get_format(param["qtype"])
     n, k = int(shape[0]), int(shape[1]) * fmt.block
     target = cpu_target()
     int8 = block32.int8_gemv_supported(param["qtype"], n, k, target)  # the kernel decode runs
     qtype = param["qtype"]
-    func = block32.int8_gemv(qtype, n, k, target) if int8 else quant.qmatmul(qtype, n, k, gemv=True)
+    func = block32.int8_gemv(qtype, n, k, target) if int8 else qmatmul(qtype, n, k, gemv=True)
     ex = tvm.compile(func, target=target)
     x = aligned_zeros((1, k), np.float32)
     x[:] = 0.01

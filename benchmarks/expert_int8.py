@@ -1,4 +1,4 @@
-"""Routed experts' matmuls: the float kernels (a `quantize_act` q8_K kernel, then codegen/formats/block_formats.py's
+"""Routed experts' matmuls: the float kernels (a `quantize_act` q8_K kernel, then codegen/formats/cpu_schedules.py's
 `qmatmul_experts`) against the 8-bit integer kernel (codegen/cpu_int8/experts.py), in one run.
 
     TVM_NUM_THREADS=2 python -m benchmarks.expert_int8 [--rounds 7] [--tokens 1,128]
@@ -24,7 +24,8 @@ import tvm
 from benchmarks.quant_kernels import make_raw
 from ggufc.codegen.cpu_int8 import block32 as Q8
 from ggufc.codegen.cpu_int8 import experts as E8
-from ggufc.codegen.formats import block_formats as Q
+from ggufc.codegen.formats.cpu_schedules import qmatmul_experts
+from ggufc.codegen.formats.layout import layout_spec, repack
 from ggufc.codegen.target import cpu_target
 from ggufc.codegen.tvm_util import aligned_zeros, to_tvm
 
@@ -40,8 +41,8 @@ def _build(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> tvm.runtime.Fu
 def _case(kind: str, qtype: str, n: int, k: int, per_slot: bool, tokens: int, rounds: int,
           target: tvm.target.Target, rng: np.random.Generator) -> dict[str, float]:
     raw = make_raw(qtype, (N_EXP * n, k), rng)
-    arrays = Q.repack(qtype, raw, (N_EXP * n, k))
-    spec = Q.layout_spec(qtype, (N_EXP, n, k))
+    arrays = repack(qtype, raw, (N_EXP * n, k))
+    spec = layout_spec(qtype, (N_EXP, n, k))
     nbytes = sum(a.nbytes for a in arrays.values())
     copies = max(2, -(-2 * LLC_BYTES // nbytes))
     weights = [[to_tvm(np.ascontiguousarray(arrays[f].reshape(s)).copy()) for f, s, _ in spec] for _ in range(copies)]
@@ -52,7 +53,7 @@ def _case(kind: str, qtype: str, n: int, k: int, per_slot: bool, tokens: int, ro
     y_old, y_new = (to_tvm(aligned_zeros((tokens, SLOTS, n), np.float32)) for _ in range(2))
     shape = (tvm.tirx.IntImm("int64", tokens), tvm.tirx.IntImm("int64", sx), tvm.tirx.IntImm("int64", k))
     rounding = _build(Q8.quantize_act(shape, "q8_K"), target)
-    old = _build(Q.qmatmul_experts(qtype, N_EXP, n, k, SLOTS, x_per_slot=per_slot), target)
+    old = _build(qmatmul_experts(qtype, N_EXP, n, k, SLOTS, x_per_slot=per_slot), target)
     new = _build(E8.int8_experts(qtype, N_EXP, n, k, SLOTS, per_slot, target), target)
 
     def run_old(w: list[tvm.runtime.Tensor]) -> None:

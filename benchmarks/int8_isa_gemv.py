@@ -1,5 +1,5 @@
 """Decode GEMVs built for another x86 CPU: the 8-bit integer kernel against the float kernel it
-replaces (codegen/quant.qmatmul, which dequantizes the weights as it goes), both for one target.
+replaces (codegen/qmatmul, which dequantizes the weights as it goes), both for one target.
 
     python -m benchmarks.int8_isa_gemv [--cpu haswell] [--types Q4_0,Q8_0,Q4_K,Q6_K] [--rounds 3]
 
@@ -21,7 +21,8 @@ import tvm
 from benchmarks.quant_kernels import make_raw, tvm_timer
 from ggufc.codegen.cpu_int8 import block32 as Q8
 from ggufc.codegen.cpu_int8.isa import int8_isa
-from ggufc.codegen.formats import block_formats as quant
+from ggufc.codegen.formats.cpu_schedules import qmatmul
+from ggufc.codegen.formats.layout import layout_spec, repack
 from ggufc.codegen.tvm_util import aligned_copy, aligned_zeros, to_tvm
 
 SHAPES = [(2048, 2048), (5632, 2048), (2048, 5632)]  # a 1.1B llama's q/o, gate/up, down
@@ -30,13 +31,13 @@ SHAPES = [(2048, 2048), (5632, 2048), (2048, 5632)]  # a 1.1B llama's q/o, gate/
 def _time_pair(qtype: str, n: int, k: int, target: tvm.target.Target, rounds: int) -> tuple[float, float, int]:
     """(int8 seconds, float seconds, weight bytes) of one GEMV, outputs checked against each other."""
     rng = np.random.default_rng(n + k)
-    arrays = quant.repack(qtype, make_raw(qtype, (n, k), rng), (n, k))
-    fields = [to_tvm(arrays[f]) for f, _, _ in quant.layout_spec(qtype, (n, k))]
+    arrays = repack(qtype, make_raw(qtype, (n, k), rng), (n, k))
+    fields = [to_tvm(arrays[f]) for f, _, _ in layout_spec(qtype, (n, k))]
     x = aligned_copy(rng.standard_normal((1, k)).astype(np.float32))
     y8, yf = aligned_zeros((1, n), np.float32), aligned_zeros((1, n), np.float32)
     mod8 = tvm.compile(tvm.IRModule({"main": Q8.int8_gemv(qtype, n, k, target).with_attr("global_symbol", "main")}),
                        target=target)
-    modf = tvm.compile(quant.qmatmul(qtype, n, k, gemv=True), target=target)
+    modf = tvm.compile(qmatmul(qtype, n, k, gemv=True), target=target)
     acts = aligned_copy(Q8_rounded(x, qtype))
     mod8(to_tvm(x), *fields, to_tvm(y8))
     modf(to_tvm(acts), *(to_tvm(a) for a in arrays.values()), to_tvm(yf))

@@ -1,4 +1,4 @@
-"""Block-format matmuls: the float kernels (a `quantize_act` kernel, then codegen/formats/block_formats.py's float
+"""Block-format matmuls: the float kernels (a `quantize_act` kernel, then codegen/formats/cpu_schedules.py's float
 matmul) against the 8-bit integer kernels (codegen/cpu_int8/block32.py, codegen/cpu_int8/kquant.py), in one
 run: the K-quants, and Q5_0/Q5_1 (`--types Q5_0,Q5_1`; Q5_1's float path adds the q8_1 minimum fix).
 
@@ -34,7 +34,8 @@ from benchmarks.quant_kernels import make_raw
 from benchmarks.stream_read import stream_read_gb_s
 from ggufc.codegen.cpu_int8 import block32 as Q8
 from ggufc.codegen.cpu_int8 import kquant as KQ
-from ggufc.codegen.formats import block_formats as Q
+from ggufc.codegen.formats.cpu_schedules import qmatmul
+from ggufc.codegen.formats.layout import layout_spec, repack
 from ggufc.codegen.target import cpu_target
 from ggufc.codegen.tvm_util import aligned_zeros, to_tvm
 from ggufc.ir.act_quant import ACT_SCHEME, MIN_TYPES
@@ -53,10 +54,10 @@ class MatrixCase:
     def __init__(self, qtype: str, n: int, k: int, t: int, target: tvm.target.Target, rng: np.random.Generator) -> None:
         self.qtype, self.n, self.k, self.t = qtype, n, k, t
         raw = make_raw(qtype, (n, k), rng)
-        arrays = Q.repack(qtype, raw, (n, k))
+        arrays = repack(qtype, raw, (n, k))
         self.nbytes = sum(a.nbytes for a in arrays.values())
         self.copies = max(2, -(-2 * LLC_BYTES // self.nbytes))
-        fields = [f for f, _, _ in Q.layout_spec(qtype, (n, k))]
+        fields = [f for f, _, _ in layout_spec(qtype, (n, k))]
         self.weights = [[to_tvm(arrays[f].copy()) for f in fields] for _ in range(self.copies)]
         self.x1 = to_tvm(rng.standard_normal((1, k)).astype(np.float32))
         self.xt = to_tvm(rng.standard_normal((t, k)).astype(np.float32))
@@ -64,8 +65,8 @@ class MatrixCase:
         self.y1, self.yt = to_tvm(aligned_zeros((1, n), np.float32)), to_tvm(aligned_zeros((t, n), np.float32))
         scheme = "q8_1" if qtype in MIN_TYPES else ACT_SCHEME[qtype]
         quantize1, quantize_t = (_build(Q8.quantize_act((rows, k), scheme), target) for rows in (1, t))
-        float_gemv, float_gemm = _build(Q.qmatmul(qtype, n, k, gemv=True), target), _build(
-            Q.qmatmul(qtype, n, k, gemv=False), target)
+        float_gemv, float_gemm = _build(qmatmul(qtype, n, k, gemv=True), target), _build(
+            qmatmul(qtype, n, k, gemv=False), target)
         int8_gemv, int8_gemm = _build(Q8.int8_gemv(qtype, n, k, target), target), _build(
             Q8.int8_gemm(qtype, n, k, target), target)
         tile4_gemm = _build(KQ.kquant_gemm(qtype, n, k, Q8.int8_isa(target), pairs=0), target)

@@ -1,4 +1,4 @@
-"""Quantised matmul kernels (codegen/formats/block_formats.py) against numpy on pre-dequantised f32 weights.
+"""Quantised matmul kernels (codegen/formats/cpu_schedules.py) against numpy on pre-dequantised f32 weights.
 
     python -m benchmarks.quant_kernels [--types Q4_1,Q8_0] [--rounds 3] [--prefill-t 64]
 
@@ -23,7 +23,9 @@ import gguf
 import numpy as np
 import tvm
 
-from ggufc.codegen.formats import block_formats as quant
+from ggufc.codegen.formats.cpu_schedules import CpuTiles, qmatmul
+from ggufc.codegen.formats.layout import dequantize_reference, repack
+from ggufc.codegen.formats.table import get_format
 from ggufc.codegen.target import cpu_target
 from ggufc.codegen.tvm_util import aligned_copy, aligned_zeros, to_tvm
 
@@ -87,10 +89,10 @@ def numpy_timer(x: np.ndarray, w: np.ndarray, min_ms: float) -> Callable[[], flo
 def build_case(qtype: str, mode: str, n: int, k: int, t: int, target: tvm.target.Target,
                rng: np.random.Generator) -> Case:
     raw = make_raw(qtype, (n, k), rng)
-    arrays = quant.repack(qtype, raw, (n, k))
-    w = aligned_copy(quant.dequantize_reference(qtype, arrays, (n, k)))
+    arrays = repack(qtype, raw, (n, k))
+    w = aligned_copy(dequantize_reference(qtype, arrays, (n, k)))
     x = aligned_copy(rng.standard_normal((t, k)).astype(np.float32))
-    func = quant.qmatmul(qtype, n, k, gemv=mode == "gemv")
+    func = qmatmul(qtype, n, k, gemv=mode == "gemv")
     ex = tvm.compile(func, target=target)
     y = aligned_zeros((t, n), np.float32)
     args = [to_tvm(x), *(to_tvm(a) for a in arrays.values()), to_tvm(y)]
@@ -111,11 +113,11 @@ def main() -> None:
     rng = np.random.default_rng(0)
     num_threads = tvm.get_global_func("runtime.NumThreads")()
     print(f"target {target.attrs['mcpu']}, TVM runtime threads {num_threads}, "
-          f"tiles {quant.CpuTiles.for_target(target)}", flush=True)
+          f"tiles {CpuTiles.for_target(target)}", flush=True)
     cases: list[Case] = []
     for qtype in args.types.split(","):
         shapes = GEMV_SHAPES + ([OUTPUT_SHAPE] if qtype == "Q8_0" else [])
-        if quant.get_format(qtype).block == 256:
+        if get_format(qtype).block == 256:
             shapes = [(n, k) for n, k in shapes if k % 256 == 0] or [(1536, 512), (512, 1536)]
         for n, k in shapes:
             cases.append(build_case(qtype, "gemv", n, k, 1, target, rng))

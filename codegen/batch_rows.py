@@ -22,7 +22,10 @@ from tvm import relax, tirx
 
 from ggufc.codegen import kernel_keys as KK
 from ggufc.codegen.kernels import attention as KA
-from ggufc.codegen.kernels import generic as K
+from ggufc.codegen.kernels.attention_score_matrix import attention_slot_rows
+from ggufc.codegen.kernels.cache_writes import cache_write_rows
+from ggufc.codegen.kernels.prim_helpers import Symbols, i64
+from ggufc.codegen.kernels.rope import rope_rows
 from ggufc.codegen.lower import ModuleBuilder, lower_node
 from ggufc.codegen.lower_context import FunctionContext, entry_attrs, tensor_type, weight_params
 from ggufc.codegen.schedule import schedule_cpu
@@ -84,8 +87,8 @@ def _rope(fc: FunctionContext, rows: RowFunction, node: Node) -> list[Any]:
     key = KK.OpKernel("rope", (node.attrs, "rows"), (fc.kernel_key_dims(x), fc.kernel_key_dims(table)))
 
     def make() -> tirx.PrimFunc:
-        syms = K.Symbols()
-        return K.rope_rows(fc.kernel_shape(x, syms), fc.kernel_shape(table, syms), node.attrs, llvm_fma=llvm)
+        syms = Symbols()
+        return rope_rows(fc.kernel_shape(x, syms), fc.kernel_shape(table, syms), node.attrs, llvm_fma=llvm)
 
     return fc.call(key, make, [fc.value(x), rows.positions, fc.value(table)], node.outputs, node.outputs[0].name)
 
@@ -94,9 +97,9 @@ def _cache_write(fc: FunctionContext, rows: RowFunction, node: Node) -> list[Any
     cache, x = node.inputs[0], node.inputs[1]
     cshape = tuple(int(d) for d in cache.shape)
     key = KK.OpKernel("cache_write", ("rows", cache.dtype), (cshape, fc.kernel_key_dims(x)))
-    gv = fc.mb.kernel(key, lambda: K.cache_write_rows(K.Symbols().shape(cshape), K.Symbols().shape(x.shape),
+    gv = fc.mb.kernel(key, lambda: cache_write_rows(Symbols().shape(cshape), Symbols().shape(x.shape),
                                                       cache.dtype))
-    stacked = tensor_type([rows.n_slots, *(K.i64(d) for d in cshape)], cache.dtype)
+    stacked = tensor_type([rows.n_slots, *(i64(d) for d in cshape)], cache.dtype)
     call = relax.call_tir_inplace(gv, [fc.value(cache), fc.value(x), rows.slots, rows.positions], [0], stacked)
     return [fc.bb.emit(call, name_hint=node.outputs[0].name)]
 
@@ -115,8 +118,8 @@ def _attention(fc: FunctionContext, rows: RowFunction, node: Node) -> list[Any]:
         if a.sinks:
             raise NotImplementedError(f"batched decoding of attention with sinks needs a head dim that is a multiple "
                                       f"of {KA.STEP} (got {dim})")
-        syms = K.Symbols()
-        return schedule_cpu(K.attention_slot_rows(fc.kernel_shape(q, syms), syms.shape(cache_dims), a.scale, a.window,
+        syms = Symbols()
+        return schedule_cpu(attention_slot_rows(fc.kernel_shape(q, syms), syms.shape(cache_dims), a.scale, a.window,
                                                   a.softcap))
 
     args = [fc.value(q), fc.value(k_cache), fc.value(v_cache), rows.slots, rows.positions,

@@ -16,7 +16,7 @@ import tvm
 from tvm import relax
 
 from ggufc.codegen.batch_rows import DECODE_BATCH, add_decode_batch, decode_batch_refusal
-from ggufc.codegen.formats import block_formats as Q
+from ggufc.codegen.formats.layout import layout_spec, repack
 from ggufc.codegen.gpu import block_formats as QG
 from ggufc.codegen.gpu.build import compile_gpu, seal_plan_layout
 from ggufc.codegen.gpu.schedules import DECODE_IO_STATES, decode_io_supported
@@ -79,7 +79,7 @@ def build_executable(
     tgt = resolve_target(target)
     t0 = time.perf_counter()
     gpu_target = is_gpu(tgt)
-    layouts = plan_params(list(graphs.values()), QG.layout_spec if gpu_target else Q.layout_spec)
+    layouts = plan_params(list(graphs.values()), QG.layout_spec if gpu_target else layout_spec)
     with_windows = window_caches and tgt.kind.name not in FULL_CACHE_TARGETS
     windows = plan_window_caches(graphs.values(), n_ctx, max_chunk) if with_windows else {}
     states = window_state_shapes(state_plan(graphs["prefill_all"]), windows, max_chunk)
@@ -205,7 +205,7 @@ def kernel_weights(weights: WeightSource, layouts: list[ParamLayout]) -> dict[st
         if lay.source in weights.derived:
             arrays = {"w": weights.derived[lay.source]}
         else:
-            arrays = Q.repack(lay.qtype, weights.stored_data(lay.source), lay.shape)
+            arrays = repack(lay.qtype, weights.stored_data(lay.source), lay.shape)
             if QG.is_packed(lay.qtype) and lay.arrays == tuple(QG.layout_spec(lay.qtype, lay.shape)):
                 arrays = QG.pack(lay.qtype, arrays, lay.shape)  # GPU targets: one word array per weight
         for fname, shape, dtype in lay.arrays:

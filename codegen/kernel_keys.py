@@ -2,7 +2,7 @@
 
 Lowering makes a key for every kernel it calls; equal keys share one compiled kernel, the GPU side
 picks its kernel by the key's type (`gpu.py`), tuning databases identify workloads by the key's
-repr (`driver/tune.py`), and the kernel's name in the artifact is `k<index>_<kind>`.
+repr (`driver/tune/workloads.py`), and the kernel's name in the artifact is `k<index>_<kind>`.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 MetaSchedule cannot search these kernels (they are written loop by loop in TVMScript, with LLVM
 intrinsics), so each kernel family exposes a few parameters whose values `ggufc tune` times on the
-workload's own shapes (driver/tune.py, next to MetaSchedule, in the same database):
+workload's own shapes (driver/tune/, next to MetaSchedule, in the same database):
 
     8-bit GEMV groups (block32.int8_gemv_group)   prefetch_groups  row groups prefetched ahead
                                                      groups_per_task  row groups per parallel task

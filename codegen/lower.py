@@ -23,11 +23,19 @@ from ggufc.codegen.families import latent_attention as MLA
 from ggufc.codegen.families import linear_attention as LA
 from ggufc.codegen.families import sparse_indexers as SI
 from ggufc.codegen.families.sparse_indexers import selection as SEL
-from ggufc.codegen.formats import block_formats as Q
+from ggufc.codegen.formats.cpu_schedules import CpuTiles, qembed, qmatmul_experts, tiles_of_build
+from ggufc.codegen.formats.layout import layout_spec
 from ggufc.codegen.gpu import schedules as GPU
 from ggufc.codegen.kernels import attention as KA
 from ggufc.codegen.kernels import cpu_vector_math as CV
-from ggufc.codegen.kernels import generic as K
+from ggufc.codegen.kernels.attention_score_matrix import attention
+from ggufc.codegen.kernels.cache_writes import cache_write
+from ggufc.codegen.kernels.elementwise import elementwise, rounds_to_f16
+from ggufc.codegen.kernels.movement import concat, gather_f32, last_token, slice_, transpose
+from ggufc.codegen.kernels.prim_helpers import PShape, Symbols, i64, with_root_block
+from ggufc.codegen.kernels.reductions import reduce, rms_norm, softmax
+from ggufc.codegen.kernels.rope import rope
+from ggufc.codegen.kernels.selection import topk
 from ggufc.codegen.lower_context import (
     GPU_KINDS,
     POS_TENSOR_KINDS,
@@ -59,7 +67,7 @@ class ModuleBuilder:
         # its own (see weight_params); GPU plans read typed tuples
         self.unchecked_params = target.kind.name == "llvm"
         # the float kernels' vector tiles for this target, not this machine's (quant.tiles_of_build)
-        self.cpu_tiles = Q.CpuTiles.for_target(target) if target.kind.name == "llvm" else None
+        self.cpu_tiles = CpuTiles.for_target(target) if target.kind.name == "llvm" else None
         self.native_f16 = native_f16_rounding(target)  # F16 roundings by the target's own conversion
         # state name -> WindowCells: sliding-window caches kept as a window of cells (window_cache.py)
         self.window_caches: dict[str, Any] = {}
@@ -79,7 +87,7 @@ class ModuleBuilder:
             key = key.reading_pos_from_memory()  # the variant reading pos from the state tensor (gpu.py)
         if key not in self.kernels:
             name = _kernel_name(key, len(self.kernels))
-            with Q.tiles_of_build(self.cpu_tiles):
+            with tiles_of_build(self.cpu_tiles):
                 func = self._make_kernel(key, make, name)
             self.kernels[key] = self.bb.add_func(func.with_attr("global_symbol", name), name)
             self.kernel_names.append(name)
@@ -94,7 +102,7 @@ class ModuleBuilder:
             if self.target.kind.name == "llvm" and key.kind not in PRESCHEDULED:
                 func = schedule_cpu(func, row_staged=key.kind in ROW_STAGED)
             if self.target.kind.name == "llvm":
-                func = K.with_root_block(func)
+                func = with_root_block(func)
         return func
 
     def add_function(self, name: str, graph: Graph, fixed_tokens: int | None = None,
@@ -105,7 +113,7 @@ class ModuleBuilder:
         fc.one_token_order = one_token_order
         fc.window_of = WC.window_values(graph, self.window_caches, self.states)
         self._building_decode = fixed_tokens == 1 and self.decode_inputs is not None
-        tok_dim = fc.n if fc.n is not None else K.i64(fixed_tokens or 1)
+        tok_dim = fc.n if fc.n is not None else i64(fixed_tokens or 1)
         tokens = relax.Var("tokens", tensor_type([tok_dim], "int32"))
         pos = relax.Var("pos", relax.ShapeType([fc.p]))
         # CPU: the states tuple is opaque like the weights (the runtime allocates them from the manifest)
@@ -154,14 +162,14 @@ def _kernel_name(key: KK.KernelKey, index: int) -> str:
 
 
 def _ew(fc: FunctionContext, node: Node, program: O.FusedElementwise, name: str) -> list[Any]:
-    native = fc.mb.native_f16 and K.rounds_to_f16(program)
+    native = fc.mb.native_f16 and rounds_to_f16(program)
     # the key says which F16 rounding the kernel has: equal keys share one kernel
     key = KK.OpKernel("elementwise", (program, "native_f16") if native else program,
                       tuple(fc.kernel_key_dims(v) for v in node.inputs))
 
     def make() -> tirx.PrimFunc:
-        syms = K.Symbols()
-        return K.elementwise([fc.kernel_shape(v, syms) for v in node.inputs], program, native_f16=native,
+        syms = Symbols()
+        return elementwise([fc.kernel_shape(v, syms) for v in node.inputs], program, native_f16=native,
                              cpu=fc.mb.target.kind.name == "llvm")
 
     return fc.call(key, make, [fc.value(v) for v in node.inputs], node.outputs, name)
@@ -187,7 +195,7 @@ def _lower_swiglu(fc: FunctionContext, node: Node) -> list[Any]:
     return _ew(fc, node, prog, node.outputs[0].name)
 
 
-def _simple(kind: str, build: Callable[[FunctionContext, Node, K.Symbols], tirx.PrimFunc],
+def _simple(kind: str, build: Callable[[FunctionContext, Node, Symbols], tirx.PrimFunc],
             extra_key: Callable[[Node], Any] = lambda n: n.attrs, with_pos: bool = False) -> Callable[..., list[Any]]:
     """Lowering for an op that maps to exactly one kernel taking its tensor inputs (and pos)."""
 
@@ -195,7 +203,7 @@ def _simple(kind: str, build: Callable[[FunctionContext, Node, K.Symbols], tirx.
         tensors = [v for v in node.inputs if v.shape != ()]
         key = KK.OpKernel(kind, extra_key(node), tuple(fc.kernel_key_dims(v) for v in tensors))
         args = [fc.pos() if v.shape == () else fc.value(v) for v in node.inputs]
-        return fc.call(key, lambda: build(fc, node, K.Symbols()), args, node.outputs, node.outputs[0].name)
+        return fc.call(key, lambda: build(fc, node, Symbols()), args, node.outputs, node.outputs[0].name)
 
     return lower
 
@@ -209,9 +217,9 @@ def _cache_write(fc: FunctionContext, node: Node) -> list[Any]:
     cache, x = node.inputs[0], node.inputs[1]
     cshape = WC.cache_shape(fc, cache)
     key = KK.CacheWrite(cshape, fc.kernel_key_dims(x), cache.dtype)
-    gv = fc.mb.kernel(key, lambda: K.cache_write(K.Symbols().shape(cshape), K.Symbols().shape(x.shape), cache.dtype))
+    gv = fc.mb.kernel(key, lambda: cache_write(Symbols().shape(cshape), Symbols().shape(x.shape), cache.dtype))
     call = relax.call_tir_inplace(gv, [fc.value(cache), fc.value(x), WC.cell_position(fc, cache)], [0],
-                                  tensor_type([K.i64(d) for d in cshape], cache.dtype))
+                                  tensor_type([i64(d) for d in cshape], cache.dtype))
     return [fc.bb.emit(call, name_hint=node.outputs[0].name)]
 
 
@@ -253,7 +261,7 @@ def _quantize_act(fc: FunctionContext, node: Node) -> list[Any]:
         raise NotImplementedError(f"{node.outputs[0].label}: 8-bit activation rounding (quantize_act) is a CPU "
                                   "kernel; GPU targets compile with float32 activations")
     key = KK.OpKernel("quantize_act", node.attrs, (fc.kernel_key_dims(x),))
-    return fc.call(key, lambda: Q8.quantize_act(fc.kernel_shape(x, K.Symbols()), node.attrs.scheme), [fc.value(x)],
+    return fc.call(key, lambda: Q8.quantize_act(fc.kernel_shape(x, Symbols()), node.attrs.scheme), [fc.value(x)],
                    node.outputs, node.outputs[0].name)
 
 
@@ -268,7 +276,7 @@ def _matmul(fc: FunctionContext, node: Node) -> list[Any]:
     # q8_1 input: the float matmul, then each block's m term moved from sum(x) to the block sum s
     y = fc.call_temp(key, make, [fc.value(x), *arrays], [(fc.shape(node.outputs[0]), "float32")],
                      node.outputs[0].name)[0]
-    mins = arrays[[name for name, _, _ in Q.layout_spec(qtype, (n, k))].index("m")]
+    mins = arrays[[name for name, _, _ in layout_spec(qtype, (n, k))].index("m")]
     return fc.call(KK.BlockMinimumFix(n, k), lambda: Q8.q8_1_min_fix(n, k),
                    [y, fc.value(x), fc.value(node.inputs[2]), mins], node.outputs, node.outputs[0].name)
 
@@ -277,14 +285,14 @@ def _gather(fc: FunctionContext, node: Node) -> list[Any]:
     table, ids = node.inputs
     if fc.is_param(table) and len(table.shape) == 2 and len(ids.shape) == 1:
         qtype, (rows, k), arrays = weight_args(fc, table)
-        return fc.call(KK.WeightEmbed(qtype, rows, k), lambda: Q.qembed(qtype, rows, k), [fc.value(ids), *arrays],
+        return fc.call(KK.WeightEmbed(qtype, rows, k), lambda: qembed(qtype, rows, k), [fc.value(ids), *arrays],
                        node.outputs, node.outputs[0].name)
     dtype = None if table.dtype == "float32" else table.dtype  # int tables: MoE hash routing's tid2eid
     key = KK.OpKernel("gather", dtype, (fc.kernel_key_dims(table), fc.kernel_key_dims(ids)))
 
     def make() -> tirx.PrimFunc:
-        syms = K.Symbols()
-        return K.gather_f32(fc.kernel_shape(table, syms), fc.kernel_shape(ids, syms), table.dtype)
+        syms = Symbols()
+        return gather_f32(fc.kernel_shape(table, syms), fc.kernel_shape(ids, syms), table.dtype)
 
     return fc.call(key, make, [fc.value(table), fc.value(ids)], node.outputs, node.outputs[0].name)
 
@@ -298,8 +306,8 @@ def _dequantize(fc: FunctionContext, node: Node) -> list[Any]:
     flat = [a if len(s) <= len(lead) else fc.bb.emit(relax.op.reshape(a, [rows, *s[len(lead):]]))  # GPU: 1-D words
             for a, (_, s, _) in zip(arrays, layout.arrays, strict=True)]
     ids = relax.const(np.arange(rows, dtype=np.int32))
-    out = fc.call_temp(KK.WeightEmbed(layout.qtype, rows, k), lambda: Q.qembed(layout.qtype, rows, k), [ids, *flat],
-                       [([K.i64(rows), K.i64(k)], "float32")], node.outputs[0].name)[0]
+    out = fc.call_temp(KK.WeightEmbed(layout.qtype, rows, k), lambda: qembed(layout.qtype, rows, k), [ids, *flat],
+                       [([i64(rows), i64(k)], "float32")], node.outputs[0].name)[0]
     return [fc.bb.emit(relax.op.reshape(out, fc.shape(node.outputs[0])))]
 
 
@@ -309,7 +317,7 @@ def _matmul_id(fc: FunctionContext, node: Node) -> list[Any]:
     slots = int(ids.shape[1])
     per_slot = x.shape[1] != 1
     key = KK.ExpertMatmul(qtype, n_exp, n, k, slots, per_slot)
-    return fc.call(key, lambda: Q.qmatmul_experts(qtype, n_exp, n, k, slots, x_per_slot=per_slot),
+    return fc.call(key, lambda: qmatmul_experts(qtype, n_exp, n, k, slots, x_per_slot=per_slot),
                    [fc.value(x), fc.value(ids), *arrays], node.outputs, node.outputs[0].name)
 
 
@@ -317,7 +325,7 @@ def _topk(fc: FunctionContext, node: Node) -> list[Any]:
     x = node.inputs[0]
     payload = len(node.inputs) > 1  # values read from a second tensor at the selected ids
     key = KK.OpKernel("topk", (node.attrs.k, "payload") if payload else node.attrs.k, (fc.kernel_key_dims(x),))
-    return fc.call(key, lambda: K.topk(fc.kernel_shape(x, K.Symbols()), node.attrs.k, payload),
+    return fc.call(key, lambda: topk(fc.kernel_shape(x, Symbols()), node.attrs.k, payload),
                    [fc.value(v) for v in node.inputs], node.outputs, node.outputs[0].name)
 
 
@@ -328,7 +336,7 @@ def _causal_attention(fc: FunctionContext, node: Node) -> list[Any]:
     key = KK.OpKernel("attention", attrs, tuple(d for d, v in zip(dims, node.inputs, strict=True) if v.shape != ()))
     position = WC.cell_position(fc, node.inputs[1])
     args = [position if v.shape == () else fc.value(v) for v in node.inputs]
-    return fc.call(key, lambda: _attention_kernel(fc, node, K.Symbols()), args, node.outputs, node.outputs[0].name)
+    return fc.call(key, lambda: _attention_kernel(fc, node, Symbols()), args, node.outputs, node.outputs[0].name)
 
 
 def _attention(fc: FunctionContext, node: Node) -> list[Any]:
@@ -337,7 +345,7 @@ def _attention(fc: FunctionContext, node: Node) -> list[Any]:
     return SEL.lower_selected_attention(fc, node)  # an indexer's selection (sparse or masked)
 
 
-def _attention_kernel(fc: FunctionContext, node: Node, syms: K.Symbols) -> tirx.PrimFunc:
+def _attention_kernel(fc: FunctionContext, node: Node, syms: Symbols) -> tirx.PrimFunc:
     """The row-streaming kernel where the head dim allows, the TE definition otherwise."""
     q, cache = node.inputs[0], node.inputs[1]
     n_head, dim = int(q.shape[1]), int(q.shape[2])
@@ -347,11 +355,11 @@ def _attention_kernel(fc: FunctionContext, node: Node, syms: K.Symbols) -> tirx.
         return KA.attention_rows(n_head, n_kv, dim, n_cells, a.scale, fc.one_token_order, a.f16_pv_below,
                                  threads=target_cores(fc.mb.target), window=a.window, softcap=a.softcap,
                                  sinks=a.sinks)
-    return schedule_cpu(K.attention(_first_shape(fc, node, syms), fc.kernel_shape(cache, syms), a.scale, a.window,
+    return schedule_cpu(attention(_first_shape(fc, node, syms), fc.kernel_shape(cache, syms), a.scale, a.window,
                                     a.softcap, a.sinks))
 
 
-def _first_shape(fc: FunctionContext, node: Node, syms: K.Symbols) -> K.PShape:
+def _first_shape(fc: FunctionContext, node: Node, syms: Symbols) -> PShape:
     return fc.kernel_shape(node.inputs[0], syms)
 
 
@@ -361,13 +369,13 @@ LOWERING: dict[str, Callable[[FunctionContext, Node], list[Any]]] = {
     "scalar": _lower_single_elementwise,
     "fused_elementwise": _lower_fused_elementwise,
     "swiglu": _lower_swiglu,
-    "reduce": _simple("reduce", lambda fc, n, s: K.reduce(_first_shape(fc, n, s), n.attrs)),
+    "reduce": _simple("reduce", lambda fc, n, s: reduce(_first_shape(fc, n, s), n.attrs)),
     "reshape": _reshape,
-    "transpose": _simple("transpose", lambda fc, n, s: K.transpose(_first_shape(fc, n, s), n.attrs.perm)),
-    "slice": _simple("slice", lambda fc, n, s: K.slice_(_first_shape(fc, n, s), n.attrs, n.inputs[0].dtype)),
-    "concat": _simple("concat", lambda fc, n, s: K.concat([fc.kernel_shape(v, s) for v in n.inputs], n.attrs.axis,
+    "transpose": _simple("transpose", lambda fc, n, s: transpose(_first_shape(fc, n, s), n.attrs.perm)),
+    "slice": _simple("slice", lambda fc, n, s: slice_(_first_shape(fc, n, s), n.attrs, n.inputs[0].dtype)),
+    "concat": _simple("concat", lambda fc, n, s: concat([fc.kernel_shape(v, s) for v in n.inputs], n.attrs.axis,
                                                          n.inputs[0].dtype)),
-    "last_token": _simple("last_token", lambda fc, n, s: K.last_token(_first_shape(fc, n, s))),
+    "last_token": _simple("last_token", lambda fc, n, s: last_token(_first_shape(fc, n, s))),
     "dequantize": _dequantize,
     "gather": _gather,
     "matmul": _matmul,
@@ -376,10 +384,10 @@ LOWERING: dict[str, Callable[[FunctionContext, Node], list[Any]]] = {
     "int8_gemv_group": _int8_gemv_group,
     "matmul_id": _matmul_id,
     "topk": _topk,
-    "softmax": _simple("softmax", lambda fc, n, s: K.softmax(_first_shape(fc, n, s), n.attrs.axis)),
-    "rms_norm": _simple("rms_norm", lambda fc, n, s: K.rms_norm(_first_shape(fc, n, s), len(n.inputs) > 1,
+    "softmax": _simple("softmax", lambda fc, n, s: softmax(_first_shape(fc, n, s), n.attrs.axis)),
+    "rms_norm": _simple("rms_norm", lambda fc, n, s: rms_norm(_first_shape(fc, n, s), len(n.inputs) > 1,
                                                                 n.attrs.eps, fc.mb.target.kind.name == "llvm")),
-    "rope": _simple("rope", lambda fc, n, s: K.rope(_first_shape(fc, n, s), fc.kernel_shape(n.inputs[2], s), n.attrs,
+    "rope": _simple("rope", lambda fc, n, s: rope(_first_shape(fc, n, s), fc.kernel_shape(n.inputs[2], s), n.attrs,
                                                      llvm_fma=fc.mb.target.kind.name == "llvm")),
     "attention": _attention,
     "cache_write": _cache_write,

@@ -12,9 +12,10 @@ import tvm
 from tvm import relax, tirx
 
 from ggufc.codegen import kernel_keys as KK
-from ggufc.codegen.formats import block_formats as Q
+from ggufc.codegen.formats.cpu_schedules import qmatmul, qmatmul_rows
+from ggufc.codegen.formats.layout import layout_spec
 from ggufc.codegen.kernel_keys import KernelKey
-from ggufc.codegen.kernels import generic as K
+from ggufc.codegen.kernels.prim_helpers import PShape, Symbols, i64
 from ggufc.codegen.target import TARGET_KEY_OF_KIND
 from ggufc.ir.graph import Dim, Graph, Node, Param, Value
 
@@ -36,9 +37,9 @@ GPU_KINDS = frozenset(TARGET_KEY_OF_KIND)  # TVM target kinds whose kernels come
 POS_TENSOR_KINDS = frozenset({"rope", "attention", "cache_write"})  # kernels taking the position
 
 
-def plan_params(graphs: Sequence[Graph], layout_spec: Callable[..., Any] = Q.layout_spec) -> list[ParamLayout]:
+def plan_params(graphs: Sequence[Graph], layout_spec: Callable[..., Any] = layout_spec) -> list[ParamLayout]:
     """Every param used by any graph, in a stable order, with its kernel layout (GPU targets pass
-    `block_formats.layout_spec`)."""
+    `formats.layout.layout_spec`)."""
     seen: dict[str, Param] = {}
     for g in graphs:
         for src, p in g.params.items():
@@ -95,8 +96,8 @@ class FunctionContext:
     # -- dims -----------------------------------------------------------------------------------
     def dim(self, d: Dim) -> Any:
         if isinstance(d, int):
-            return K.i64(d)
-        tok = self.n if self.n is not None else K.i64(self.fixed_tokens or 1)
+            return i64(d)
+        tok = self.n if self.n is not None else i64(self.fixed_tokens or 1)
         return eval(d, {"__builtins__": {}}, {"T": tok, "P": self.p})  # noqa: S307 - IR dims are checked
 
     def shape(self, v: Value) -> list[Any]:
@@ -110,14 +111,14 @@ class FunctionContext:
         at one token; the prompt GEMM, unless rows must sum as one-token calls do."""
         gemv = self.is_one(rows)
         if self.one_token_order and not gemv:
-            return KK.WeightMatmulRows(qtype, n, k), lambda: Q.qmatmul_rows(qtype, n, k)
-        return KK.WeightMatmul(qtype, n, k, gemv), lambda: Q.qmatmul(qtype, n, k, gemv=gemv)
+            return KK.WeightMatmulRows(qtype, n, k), lambda: qmatmul_rows(qtype, n, k)
+        return KK.WeightMatmul(qtype, n, k, gemv), lambda: qmatmul(qtype, n, k, gemv=gemv)
 
     def kernel_key_dims(self, v: Value) -> tuple[Dim, ...]:
         """Dims as they parameterise a kernel: T becomes 1 in a decode function."""
         return tuple(1 if (d == "T" and self.fixed_tokens == 1) else d for d in v.shape)
 
-    def kernel_shape(self, v: Value, syms: K.Symbols) -> K.PShape:
+    def kernel_shape(self, v: Value, syms: Symbols) -> PShape:
         return syms.shape(self.kernel_key_dims(v))
 
     # -- values ---------------------------------------------------------------------------------

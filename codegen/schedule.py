@@ -2,7 +2,7 @@
 
 The TE definitions come out as one loop nest per stage; on CPU the cheap, always-valid win is to
 run the outermost spatial loop of each stage across the thread pool. Matmul/embedding kernels come
-from `quant.py` already scheduled.
+from `codegen/formats/cpu_schedules.py` already scheduled.
 """
 
 from __future__ import annotations

@@ -201,7 +201,7 @@ def native_f16_rounding(target: tvm.target.Target) -> bool:
     """Whether the target's own float32 -> float16 conversion rounds as ggml's FP32->FP16 (to nearest
     even, inf past 65504, subnormals kept): CUDA and Metal, and LLVM CPUs with F16C (vcvtps2ph, which
     ggml itself uses there). WGSL has no f16 type and a CPU without F16C would call a runtime library
-    function: those take the integer form (kernels/generic.py round_to_f16)."""
+    function: those take the integer form (kernels/elementwise.py round_to_f16)."""
     kind = target.kind.name
     if kind in ("cuda", "metal"):
         return True

@@ -26,8 +26,8 @@ from typing import Any
 import tvm
 from tvm import relax, tirx
 
-from ggufc.codegen.kernels import generic as K
 from ggufc.codegen.kernels.attention import STEP
+from ggufc.codegen.kernels.prim_helpers import i64
 from ggufc.codegen.lower_context import FunctionContext
 from ggufc.ir.graph import Graph, Node, Value
 from ggufc.runtime.artifact import WindowCells
@@ -80,9 +80,9 @@ def cell_position(fc: FunctionContext, cache: Value) -> Any:
             raise NotImplementedError("window caches take the position as a scalar; a position in device "
                                       "memory (cuda decode) keeps full caches")
         p = fc.p
-        step = K.i64(cells.step)
-        back = tirx.floordiv(p - K.i64(cells.size - 1 + cells.margin), step) * step
-        cell = relax.prim_value(p - tirx.max(back, K.i64(0)))
+        step = i64(cells.step)
+        back = tirx.floordiv(p - i64(cells.size - 1 + cells.margin), step) * step
+        cell = relax.prim_value(p - tirx.max(back, i64(0)))
         # GPU dispatch plans read the expression (over p) itself; the VM binds it once per call
         fc.cell_positions[cells] = cell if fc.mb.target.kind.name != "llvm" else fc.bb.emit(relax.call_pure_packed(
             "vm.builtin.copy", cell, ty_args=[tvm.ir.PrimType("int64")]), name_hint="cell_pos")

@@ -17,6 +17,7 @@ from ggufc.ir import moe_routing_spelled as MS
 from ggufc.ir import ops as O
 from ggufc.ir.builder import GraphBuilder
 from ggufc.ir.graph import Graph, Shape, Value
+from ggufc.ir.moe_routing import MoeRoute
 
 from .gguf_file import GGUFModel
 from .hparams import ModelError
@@ -237,7 +238,7 @@ def moe(
     None, routed_up [E, L]): the experts run in L dims, the router still reads x."""
     t = x.shape[0]
     logits = b.matmul(x, router, "ffn_moe_logits")
-    route = O.MoeRoute(n_used, normalize=normalize, gating=gating, selection_bias=bias is not None,
+    route = MoeRoute(n_used, normalize=normalize, gating=gating, selection_bias=bias is not None,
                        weights_scale=weights_scale, hash_routed=hashed is not None)
     step_names = {k: f"ffn_moe_{k}" for k in ("probs", "sel", "topk", "ids", "wsum", "wsum_clamped", "weights",
                                                "weights_scaled")}

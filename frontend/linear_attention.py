@@ -18,9 +18,15 @@ from dataclasses import dataclass
 
 from ggufc.ir import ops as O
 from ggufc.ir.builder import GraphBuilder
-from ggufc.ir.decompose import l2_norm_spelled, rms_norm_gated_spelled
 from ggufc.ir.graph import Value
-from ggufc.ir.linear_attention import lightning_layer_scale, lightning_slopes
+from ggufc.ir.linear_attention import (
+    GatedDeltaNet,
+    LightningAttention,
+    SsmConv,
+    lightning_layer_scale,
+    lightning_slopes,
+)
+from ggufc.ir.linear_attention_spelled import l2_norm_spelled, rms_norm_gated_spelled
 
 from . import blocks as B
 from .hparams import Keys, ModelError
@@ -151,7 +157,7 @@ def delta_net(
     beta, g = delta_net_gates(b, beta_logits, alpha, dt_bias, ssm_a)
     conv_state, ssm_state = delta_net_states(b, layer, dims)
     conv_new, conv = b.emit_multi(
-        "ssm_conv", [conv_state, qkv, conv_w], O.SsmConv(), [f"conv_state.{layer}", "conv_output_raw"]
+        "ssm_conv", [conv_state, qkv, conv_w], SsmConv(), [f"conv_state.{layer}", "conv_output_raw"]
     )
     new_state[f"conv_state.{layer}"] = conv_new
     act = b.unary("silu", conv, "conv_output_silu")
@@ -164,7 +170,7 @@ def delta_net(
     ssm_new, o = b.emit_multi(
         "gated_delta_net",
         [ssm_state, q, k, v, g, beta],
-        O.GatedDeltaNet(head_map, 1.0 / math.sqrt(dk)),
+        GatedDeltaNet(head_map, 1.0 / math.sqrt(dk)),
         [f"ssm_state.{layer}", "attn_out"],
     )
     new_state[f"ssm_state.{layer}"] = ssm_new
@@ -281,7 +287,7 @@ def lightning_attention(b: GraphBuilder, layer: int, n_layer: int, q: Value, k: 
     with depth) over q, k, v [T, H, D], carrying S [H, Dk, Dv] (`lightning_state.{layer}`); a
     call's tokens are one block, as llama.cpp's ubatch is. Returns o [T, H, Dv]."""
     h, dk, dv = int(q.shape[1]), int(q.shape[2]), int(v.shape[2])
-    attrs = O.LightningAttention(lightning_slopes(h), lightning_layer_scale(layer, n_layer))
+    attrs = LightningAttention(lightning_slopes(h), lightning_layer_scale(layer, n_layer))
     state = b.state(f"lightning_state.{layer}", (h, dk, dv))
     new, o = b.emit_multi("lightning_attention", [state, q, k, v], attrs, [f"lightning_state.{layer}", "qkv"])
     new_state[f"lightning_state.{layer}"] = new
@@ -340,7 +346,7 @@ def kda(b: GraphBuilder, dims: KdaDims, layer: int, h: Value, wt: KdaWeights, ep
 
     def conv(which: str, proj: Value, kernel: Value) -> Value:
         state = b.state(f"conv_state_{which}.{layer}", (dims.inner, dims.conv_kernel - 1))
-        new, y = b.emit_multi("ssm_conv", [state, B.linear(b, h, proj, f"kda_{which}"), kernel], O.SsmConv(),
+        new, y = b.emit_multi("ssm_conv", [state, B.linear(b, h, proj, f"kda_{which}"), kernel], SsmConv(),
                               [f"conv_state_{which}.{layer}", f"kda_{which}_conv_raw"])
         new_state[f"conv_state_{which}.{layer}"] = new
         return B.heads(b, b.unary("silu", y, f"kda_{which}_conv_silu"), H, D, f"kda_{which}_conv")
@@ -354,7 +360,7 @@ def kda(b: GraphBuilder, dims: KdaDims, layer: int, h: Value, wt: KdaWeights, ep
     beta = b.unary("sigmoid", B.linear(b, h, wt.beta, "kda_beta_logits"), "kda_beta")
     ssm_state = b.state(f"ssm_state.{layer}", (H, D, D))
     ssm_new, o = b.emit_multi("gated_delta_net", [ssm_state, q, k, v, g, beta],
-                              O.GatedDeltaNet("tiled", 1.0 / math.sqrt(D), key_decay=True),
+                              GatedDeltaNet("tiled", 1.0 / math.sqrt(D), key_decay=True),
                               [f"ssm_state.{layer}", "kda_scan_out"])
     new_state[f"ssm_state.{layer}"] = ssm_new
     z = B.heads(b, B.linear(b, h, wt.out_gate, "kda_g2"), H, D, "kda_g2_heads")

@@ -17,6 +17,8 @@ from ggufc.frontend.hyper_connections import stream_gamma
 from ggufc.ir import ops as O
 from ggufc.ir.builder import GraphBuilder, rms_norm_plain
 from ggufc.ir.graph import Value
+from ggufc.ir.linear_attention import SsmConv
+from ggufc.ir.ngram_embedding import PleHash
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,7 @@ def ple_embedding(b: GraphBuilder, w: B.Weights, pp: PleParams, tokens: Value, p
     hist = b.state("ple_tokens", (n_ctx,), "int32")
     hist_new = b.emit("cache_write", [hist, tokens, pos], O.NoAttrs(), "ple_tokens")
     new_state["ple_tokens"] = hist_new
-    attrs = O.PleHash(pp.ngram, pp.heads_per_ngram, pp.multipliers, pp.offsets, pp.sizes, pp.eos)
+    attrs = PleHash(pp.ngram, pp.heads_per_ngram, pp.multipliers, pp.offsets, pp.sizes, pp.eos)
     rows = b.emit("ple_hash", [hist_new, tokens, pos], attrs, "ple_rows")
     info = w.model.tensors.get("per_layer_token_embd.weight")
     n_rows = int(info.shape[0]) if info is not None else pp.n_rows
@@ -84,7 +86,7 @@ def ple_block(b: GraphBuilder, w: B.Weights, pp: PleParams, streams: Value, emb:
     conv_w = B.float_weight(w, w.need(f"{p}.ple_conv1d.weight", (wide, pp.conv_kernel)), "ple_conv1d")
     hist = b.state(f"ple_conv.{pp.layer}", (wide, (pp.conv_kernel - 1) * pp.ngram))
     new_hist, conv = b.emit_multi("ssm_conv", [hist, b.reshape(normed, (t, wide), "ple_conv_in"), conv_w],
-                                  O.SsmConv(pp.ngram), [f"ple_conv.{pp.layer}", "ple_conv_raw"])
+                                  SsmConv(pp.ngram), [f"ple_conv.{pp.layer}", "ple_conv_raw"])
     new_state[f"ple_conv.{pp.layer}"] = new_hist
     conv_out = b.reshape(b.unary("silu", conv, "ple_conv_silu"), (t, hc, e), "ple_conv_out")
     return b.add(streams, b.add(gated, conv_out, "ple_update"), "ple_out")

@@ -116,9 +116,15 @@ class GraphBuilder:
         return self.emit("gather", [table, ids], O.NoAttrs(), name)
 
 
-def rms_norm_plain(b: GraphBuilder, x: Value, eps: float, name: str) -> Value:
-    """x * rsqrt(mean(x^2) + eps) over the last axis (decompose.rms_norm_spelled without weight)."""
+def rms_norm_spelled(b: GraphBuilder, x: Value, w: Value | None, eps: float, name: str) -> Value:
+    """x * rsqrt(mean(x^2) + eps) over the last axis, times `w` when given: RMS norm as the frontend spells it."""
     sq = b.unary("square", x, f"{name}.sq")
     ms = b.reduce("mean", sq, f"{name}.ms")
     r = b.unary("rsqrt", b.scalar("add", ms, eps, f"{name}.ms_eps"), f"{name}.rstd")
-    return b.mul(x, r, name)
+    y = b.mul(x, r, f"{name}.normed" if w is not None else name)
+    return b.mul(y, w, name) if w is not None else y
+
+
+def rms_norm_plain(b: GraphBuilder, x: Value, eps: float, name: str) -> Value:
+    """x * rsqrt(mean(x^2) + eps) over the last axis: rms_norm_spelled without a weight."""
+    return rms_norm_spelled(b, x, None, eps, name)

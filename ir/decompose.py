@@ -14,10 +14,12 @@ from collections.abc import Callable, Collection
 import numpy as np
 
 from . import ops as O
-from .builder import GraphBuilder
+from .builder import GraphBuilder, rms_norm_spelled
 from .graph import Graph, Node, Value, mul_dim
 from .hyper_connections_spelled import HC_DECOMPOSITIONS
+from .linear_attention_spelled import LINEAR_ATTENTION_DECOMPOSITIONS
 from .moe_routing_spelled import MOE_DECOMPOSITIONS
+from .sparse_indexers import BlockMask
 from .sparse_indexers_spelled import INDEXER_DECOMPOSITIONS
 from .verify import IRError, fmt_shape, shapes_equal
 
@@ -42,14 +44,6 @@ def softmax_with_sinks_spelled(b: GraphBuilder, x: Value, sinks: Value, name: st
     sink_e = b.unary("exp", b.binary("sub", sinks, m, f"{name}.sink_shift"), f"{name}.sink_exp")
     total = b.add(b.reduce("sum", e, f"{name}.rowsum", axis=-1), sink_e, f"{name}.sum")
     return b.binary("div", e, total, name)
-
-
-def rms_norm_spelled(b: GraphBuilder, x: Value, w: Value | None, eps: float, name: str) -> Value:
-    sq = b.unary("square", x, f"{name}.sq")
-    ms = b.reduce("mean", sq, f"{name}.ms")
-    r = b.unary("rsqrt", b.scalar("add", ms, eps, f"{name}.ms_eps"), f"{name}.rstd")
-    y = b.mul(x, r, f"{name}.normed" if w is not None else name)
-    return b.mul(y, w, name) if w is not None else y
 
 
 # ---------------------------------------------------------------------------------------------
@@ -107,7 +101,7 @@ def _selection_mask(b: GraphBuilder, n: Node, pos: Value, name: str) -> Value:
     if n.attrs.mask == "additive":
         return extra
     if n.attrs.mask == "blocks":
-        return b.emit("block_mask", [extra, pos], O.BlockMask(n.attrs.block), f"{name}.sel_mask")
+        return b.emit("block_mask", [extra, pos], BlockMask(n.attrs.block), f"{name}.sel_mask")
     return b.emit("index_mask", [extra, pos], O.NoAttrs(), f"{name}.sel_mask")
 
 
@@ -150,29 +144,6 @@ def _attention(b: GraphBuilder, n: Node) -> list[Value]:
     out = b.emit("bmm_nn", [b.reshape(probs, (hkv, gt, s_len), f"{name}.p3"), v], O.NoAttrs(), f"{name}.pv")
     heads = b.transpose(b.reshape(out, (hkv, g, t, d), f"{name}.o4"), (2, 0, 1, 3), f"{name}.ot")
     return [b.reshape(heads, (t, h, d), name)]
-
-
-def l2_norm_spelled(b: GraphBuilder, x: Value, eps: float, name: str) -> Value:
-    """x * rsqrt(sum(x^2) + eps) over the last axis (frontend/linear_attention.py spells it this way)."""
-    ss = b.reduce("sum", b.unary("square", x, f"{name}.sq"), f"{name}.ss")
-    r = b.unary("rsqrt", b.scalar("add", ss, eps, f"{name}.ss_eps"), f"{name}.rnorm")
-    return b.mul(x, r, name)
-
-
-def rms_norm_gated_spelled(
-    b: GraphBuilder, x: Value, w: Value, z: Value, eps: float, act: str, name: str
-) -> Value:
-    normed = rms_norm_spelled(b, x, w, eps, f"{name}.norm")
-    return b.mul(normed, b.unary(act, z, f"{name}.gate"), name)
-
-
-def _l2_norm(b: GraphBuilder, n: Node) -> list[Value]:
-    return [l2_norm_spelled(b, n.inputs[0], n.attrs.eps, n.outputs[0].name)]
-
-
-def _rms_norm_gated(b: GraphBuilder, n: Node) -> list[Value]:
-    x, w, z = n.inputs
-    return [rms_norm_gated_spelled(b, x, w, z, n.attrs.eps, n.attrs.act, n.outputs[0].name)]
 
 
 def _fused_elementwise(b: GraphBuilder, n: Node) -> list[Value]:
@@ -224,12 +195,11 @@ DECOMPOSITIONS: dict[str, Decomposition] = {
     "attention": _attention,
     "swiglu": _swiglu,
     "fused_elementwise": _fused_elementwise,
-    "l2_norm": _l2_norm,
-    "rms_norm_gated": _rms_norm_gated,
     "int8_matmul": _int8_matmul,
     "int8_gemv_group": _int8_gemv_group,
     **HC_DECOMPOSITIONS,  # spelled as the frontend blocks spell them
     **INDEXER_DECOMPOSITIONS,
+    **LINEAR_ATTENTION_DECOMPOSITIONS,
     **MOE_DECOMPOSITIONS,
 }
 

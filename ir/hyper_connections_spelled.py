@@ -11,7 +11,7 @@ from __future__ import annotations
 from . import ops as O
 from .builder import GraphBuilder, rms_norm_plain
 from .graph import Node, Value, mul_dim
-from .hyper_connections import HcSinkhorn
+from .hyper_connections import HcPre, HcSinkhorn
 
 
 def hc_pre_spelled(
@@ -120,7 +120,7 @@ def _res_mix(b: GraphBuilder, n: Node) -> list[Value]:
 
 
 def _hc_pre(b: GraphBuilder, n: Node) -> list[Value]:
-    a: O.HcPre = n.attrs
+    a: HcPre = n.attrs
     r, norm, down, up, *rest = n.inputs
     mixed, post = hc_pre_spelled(b, r, norm, down, up, rest[0] if a.post else None, a.n_hc, a.eps,
                                  n.outputs[0].name)

@@ -12,7 +12,7 @@ from typing import Any
 from . import ops as O
 from .builder import GraphBuilder, rms_norm_plain
 from .graph import Node, Value
-from .moe_routing import OAI_ALPHA, OAI_LIMIT
+from .moe_routing import OAI_ALPHA, OAI_LIMIT, MoeFFN, moe_inputs
 
 
 def gate_probs_spelled(b: GraphBuilder, logits: Value, gating: str, name: str) -> Value:
@@ -137,8 +137,8 @@ def _moe_route(b: GraphBuilder, n: Node) -> list[Value]:
 def _moe_ffn(b: GraphBuilder, n: Node) -> list[Value]:
     """The spelling of frontend/blocks.py::moe (inputs named by ops.moe_inputs): a merged gate_up
     tensor read as two slices, and the shared expert added after the routed sum."""
-    a: O.MoeFFN = n.attrs
-    named = O.moe_inputs(n.inputs, a)
+    a: MoeFFN = n.attrs
+    named = moe_inputs(n.inputs, a)
     x, router, down, scales = named["x"], named["router"], named["down"], named["scales"]
     name, t = n.outputs[0].name, x.shape[0]
     if a.merged_gate_up:

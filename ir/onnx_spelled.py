@@ -20,11 +20,12 @@ from typing import Any
 import numpy as np
 from onnx import GraphProto, NodeProto, TensorProto, helper, numpy_helper
 
-from . import ops as O
 from .graph import Node
-from .linear_attention import k_head_index
+from .linear_attention import GatedDeltaNet, LightningAttention, k_head_index
+from .ngram_embedding import PleHash
 from .onnx_heap import Body, heap_select
 from .onnx_writer import OnnxWriter
+from .sparse_indexers import BlockTopK, CompressedAttention, IndexerTopK, TokenTopK
 
 INT64_MAX = int(np.iinfo(np.int64).max)
 
@@ -143,7 +144,7 @@ def spell_gated_delta_net(e: OnnxWriter, node: Node) -> None:
     """A Scan over tokens carrying M [Hv, Dv, Dk]: decay, delta write, read (gated_delta_net_ref)."""
     state, q, k, v, g, beta = (e.name(i) for i in node.inputs)
     new_state, out = (e.name(o) for o in node.outputs)
-    a: O.GatedDeltaNet = node.attrs
+    a: GatedDeltaNet = node.attrs
     n_v, n_k = int(node.inputs[3].shape[1]), int(node.inputs[1].shape[1])
     kmap = e.ints(f"{out}/kmap", [int(i) for i in k_head_index(a.head_map, n_v, n_k)])
     qv, kv = e.fresh(f"{out}/q_heads"), e.fresh(f"{out}/k_heads")
@@ -183,7 +184,7 @@ def spell_lightning_attention(e: OnnxWriter, node: Node) -> None:
     S = e^(-s*slope) S + k v^T, o = q S (lightning_attention_ref up to rounding)."""
     state, q, k, v = (e.name(i) for i in node.inputs)
     new_state, out = (e.name(o) for o in node.outputs)
-    a: O.LightningAttention = node.attrs
+    a: LightningAttention = node.attrs
     lam = np.exp(-np.asarray(a.slopes, np.float64) * a.layer_scale).astype(np.float32)
     e.emit("Scan", [state, q, k, v], [new_state, out], body=_lightning_step(lam), num_scan_inputs=3)
 
@@ -256,7 +257,7 @@ def spell_indexer_topk(e: OnnxWriter, node: Node) -> None:
     """Per-cell values as `cell_values` (block score, the tail bias, -inf past the query), then the
     min(width, P+T) cells llama.cpp's heap keeps (ties included, in its order), -1 for unseen cells,
     padded with -1 to width."""
-    a: O.IndexerTopK = node.attrs
+    a: IndexerTopK = node.attrs
     out, r = e.name(node.outputs[0]), a.ratio
     scores = e.name(node.inputs[0])
     last = int(node.inputs[0].shape[1]) - 1  # the tail's column
@@ -286,7 +287,7 @@ def spell_indexer_topk(e: OnnxWriter, node: Node) -> None:
 def spell_token_topk(e: OnnxWriter, node: Node) -> None:
     """DSA: the score row with -inf past the query, then the min(width, P+T) cells llama.cpp's heap
     keeps (ties included, in its order), -1 for unseen cells, padded with -1 to width."""
-    a: O.TokenTopK = node.attrs
+    a: TokenTopK = node.attrs
     out = e.name(node.outputs[0])
     cells, rows = _cells(e, out)
     ninf = e.const(f"{out}/ninf", np.asarray(-np.inf, np.float32))
@@ -346,7 +347,7 @@ def spell_block_topk(e: OnnxWriter, node: Node) -> None:
     """`block_topk_ref` as one TopK: the local blocks valued LOCAL_VALUE * (1 + b / NB) (nearest
     first), earlier blocks their score, later ones -inf; TopK's order (descending, ties to the lower
     index) is the reference's; -1 where the value is -inf."""
-    a: O.BlockTopK = node.attrs
+    a: BlockTopK = node.attrs
     out, scores = e.name(node.outputs[0]), e.name(node.inputs[0])
     nb = int(node.inputs[0].shape[2])
     width = min(a.top_k, nb)
@@ -376,7 +377,7 @@ def spell_block_topk(e: OnnxWriter, node: Node) -> None:
 def spell_ple_hash(e: OnnxWriter, node: Node) -> None:
     """The n-gram contexts from the token history (EOS from the first cut on), then per n-gram the
     XOR of token * multiplier (uint64, wrapping) and per head `mixed % size + offset`."""
-    a: O.PleHash = node.attrs
+    a: PleHash = node.attrs
     hist, tokens, _ = (e.name(v) for v in node.inputs)
     out, s = e.name(node.outputs[0]), e.symbols
     u64, i64 = _constants(e, out, np.uint64), _constants(e, out, np.int64)
@@ -433,7 +434,7 @@ def spell_compressed_score(e: OnnxWriter, node: Node) -> None:
 def spell_compressed_attention(e: OnnxWriter, node: Node) -> None:
     """One softmax over [raw cells of the window | compressed rows (all, or the selected ones,
     gathered per query) | the head's sink]; the sink column carries no value."""
-    a: O.CompressedAttention = node.attrs
+    a: CompressedAttention = node.attrs
     q, cache = e.name(node.inputs[0]), e.name(node.inputs[1])
     out, s = e.name(node.outputs[0]), e.symbols
     ninf = e.const(f"{out}/ninf", np.asarray(-np.inf, np.float32))
@@ -470,7 +471,7 @@ def _compressed_columns(e: OnnxWriter, node: Node, out: str, q: str, scale: str,
                         ) -> tuple[str, str, int]:
     """(logits [T, H, W] of the compressed rows, their values ([NB, D], or [T, k, D] gathered per
     query), W): every complete row, or the selected ones (-1 and incomplete rows masked)."""
-    a: O.CompressedAttention = node.attrs
+    a: CompressedAttention = node.attrs
     rows = e.name(node.inputs[4])
     n_rows = int(node.inputs[4].shape[0])
     complete = _complete_rows(e, out, n_rows, a.ratio)  # [T, NB]

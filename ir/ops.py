@@ -3,13 +3,13 @@
 This module defines the generic ops and merges the op families' tables into `OPS`: each family
 (hyper_connections, latent_attention, linear_attention, moe_routing, ngram_embedding,
 sparse_indexers) defines its ops' records, shape rules and OpDefs in its own ir/<family>.py, as
-its decompositions and lowerings live in its own files (`OpDef` itself: ir/op_def.py). The records
-that lived here before (and `moe_inputs`) are re-exported for their callers (`O.HcPre` is
-`hyper_connections.HcPre`); a new family op's record is imported from its family's module.
+its decompositions and lowerings live in its own files (`OpDef` itself: ir/op_def.py). A family
+op's record is imported from its family's module (`from ggufc.ir.hyper_connections import HcPre`).
 
 Primitive ops are the small vocabulary every model is spelled in. Fused ops are named
 compositions that passes form and codegen lowers to dedicated kernels; each has a decomposition
-into primitives (see `ir/decompose.py`), so the decomposed and fused graphs can be compared.
+into primitives (`ir/decompose.py`; a family's in `ir/<family>_spelled.py`), so the decomposed and
+fused graphs can be compared.
 
 References take numpy arrays (float32 or float64 inputs give outputs of the same precision) and
 a `ctx` dict holding the symbol values (`T`, `P`).
@@ -26,31 +26,10 @@ import numpy as np
 from . import hyper_connections, latent_attention, linear_attention, moe_routing, ngram_embedding, sparse_indexers
 from .act_quant import ACT_BLOCK, q8_1_sums_ref, quantize_act_ref
 from .graph import Dim, Shape, eval_shape
-from .hyper_connections import HcPost as HcPost
-from .hyper_connections import HcPre as HcPre
-from .hyper_connections import ResMix as ResMix
-from .linear_attention import GatedDeltaNet as GatedDeltaNet
-from .linear_attention import L2Norm as L2Norm
-from .linear_attention import LightningAttention as LightningAttention
-from .linear_attention import RMSNormGated as RMSNormGated
-from .linear_attention import SsmConv as SsmConv
-from .moe_routing import MoeFFN as MoeFFN
-from .moe_routing import MoeRoute as MoeRoute
 from .moe_routing import matmul_id_ref
-from .moe_routing import moe_inputs as moe_inputs
-from .ngram_embedding import PleHash as PleHash
 from .op_def import NoAttrs, OpDef, ShapeDtype
 from .op_def import one_output as _one
 from .op_def import same_shape as _same
-from .sparse_indexers import BlockMask as BlockMask
-from .sparse_indexers import BlockTopK as BlockTopK
-from .sparse_indexers import CompressedAttention as CompressedAttention
-from .sparse_indexers import CompressedScore as CompressedScore
-from .sparse_indexers import CompressorPool as CompressorPool
-from .sparse_indexers import IndexerBlockScore as IndexerBlockScore
-from .sparse_indexers import IndexerScore as IndexerScore
-from .sparse_indexers import IndexerTopK as IndexerTopK
-from .sparse_indexers import TokenTopK as TokenTopK
 from .sparse_indexers import block_mask_ref, index_mask_ref
 
 # ----------------------------------------------------------------------------------------------

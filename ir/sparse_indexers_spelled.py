@@ -11,7 +11,7 @@ from __future__ import annotations
 from . import ops as O
 from .builder import GraphBuilder, rms_norm_plain
 from .graph import Node, Value, mul_dim
-from .sparse_indexers import POOL_NEG
+from .sparse_indexers import POOL_NEG, CompressorPool, IndexerScore
 
 
 def block_keys_spelled(
@@ -114,13 +114,13 @@ def _overlap_window(b: GraphBuilder, blocks: Value, fill: float, name: str) -> V
 
 
 def _compressor_pool(b: GraphBuilder, n: Node) -> list[Value]:
-    a: O.CompressorPool = n.attrs
+    a: CompressorPool = n.attrs
     kv, score, ape = n.inputs
     return [compressor_pool_spelled(b, kv, score, ape, a.ratio, a.overlap, n.outputs[0].name)]
 
 
 def _indexer_score(b: GraphBuilder, n: Node) -> list[Value]:
-    a: O.IndexerScore = n.attrs
+    a: IndexerScore = n.attrs
     q, cache, norm, table = n.inputs
     return [indexer_score_spelled(b, q, cache, norm, table, a.ratio, a.eps, a.n_rot, n.outputs[0].name)]
 

@@ -33,7 +33,7 @@ import math
 
 from ggufc.ir import ops as O
 from ggufc.ir.graph import Graph, Node, Value, static_shape
-from ggufc.ir.hyper_connections import HcSinkhorn
+from ggufc.ir.hyper_connections import HcPost, HcPre, HcSinkhorn, ResMix
 from ggufc.ir.verify import shapes_equal
 from ggufc.ir.walk import defined_before, inner_values_escape
 
@@ -73,7 +73,7 @@ def _eps(m: Match) -> float | None:
     return eps if eps > 0 else None
 
 
-def _attrs_of(m: Match, has_post: bool, post_m: Match | None) -> O.HcPre | None:
+def _attrs_of(m: Match, has_post: bool, post_m: Match | None) -> HcPre | None:
     r, norm, xf = m.values["r"], m.values["norm"], m.values["xf"]
     streams = static_shape(r.shape[1:])
     if len(r.shape) != 3 or streams is None:
@@ -88,7 +88,7 @@ def _attrs_of(m: Match, has_post: bool, post_m: Match | None) -> O.HcPre | None:
         return None
     if has_post and (post_m is None or not _close(post_m.nodes["inj_scale"].attrs.c, 1.0 / hc)):
         return None
-    return O.HcPre(hc, eps, post=has_post)
+    return HcPre(hc, eps, post=has_post)
 
 
 def _fuse_pre(graph: Graph) -> tuple[Graph, int]:
@@ -150,7 +150,7 @@ def _build_post(m: Match, g: GraphView) -> Rewrite | None:
     t, hc, e = r.shape
     if not (shapes_equal(m.values["y3"].shape, (t, 1, e)) and shapes_equal(m.values["post3"].shape, (t, hc, 1))):
         return None
-    return Rewrite("hc_post", (r, y, post), O.HcPost())
+    return Rewrite("hc_post", (r, y, post), HcPost())
 
 
 def _build_post_comb(m: Match, g: GraphView) -> Rewrite | None:
@@ -163,7 +163,7 @@ def _build_post_comb(m: Match, g: GraphView) -> Rewrite | None:
         return None
     if not shapes_equal(comb.shape, (t, hc, hc)) or m.nodes["mix"].attrs.axis != 1:
         return None
-    return Rewrite("hc_post", (r, y, post, comb), O.HcPost(comb=True))
+    return Rewrite("hc_post", (r, y, post, comb), HcPost(comb=True))
 
 
 def _comb_mixed() -> Pat:
@@ -352,7 +352,7 @@ def _build_res_mix(m: Match, g: GraphView) -> Rewrite | None:
     eps_src, eps_cur = _norm_eps(m, "src"), _norm_eps(m, "cur")
     if eps_src is None or eps_cur is None or not _close(eps_src, eps_cur):
         return None
-    return Rewrite("res_mix", (src, cur, w), O.ResMix(eps_src))
+    return Rewrite("res_mix", (src, cur, w), ResMix(eps_src))
 
 
 RES_MIX_RULES = [Rule("res_mix", res_mix_pat(), _build_res_mix)]

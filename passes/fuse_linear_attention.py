@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from ggufc.ir import ops as O
 from ggufc.ir.graph import Graph, Node
+from ggufc.ir.linear_attention import L2Norm, RMSNormGated
 from ggufc.ir.verify import shapes_equal
 
 from .fusions import DIV, MUL, normed_pat
@@ -36,7 +37,7 @@ def l2_normed_pat(x: Pat) -> Pat:
 
 def _build_l2_norm(m: Match, g: GraphView) -> Rewrite | None:
     eps = m.nodes["eps"].attrs.c
-    return Rewrite("l2_norm", (m.values["x"],), O.L2Norm(eps)) if eps > 0 else None
+    return Rewrite("l2_norm", (m.values["x"],), L2Norm(eps)) if eps > 0 else None
 
 
 L2_NORM_RULES = [Rule("l2_norm", l2_normed_pat(V("x")), _build_l2_norm)]
@@ -71,7 +72,7 @@ def _build_gated(m: Match, g: GraphView) -> Rewrite | None:
     act = m.nodes["act"].attrs.fn if "act" in m.nodes else "silu"
     if eps <= 0 or tuple(w.shape) != (x.shape[-1],) or not shapes_equal(z.shape, x.shape):
         return None
-    return Rewrite("rms_norm_gated", (x, w, z), O.RMSNormGated(eps, act))
+    return Rewrite("rms_norm_gated", (x, w, z), RMSNormGated(eps, act))
 
 
 GATED_NORM_RULES = [

@@ -48,6 +48,7 @@ from typing import Any
 from ggufc.ir import moe_routing as MR
 from ggufc.ir import ops as O
 from ggufc.ir.graph import Graph, Node, Value
+from ggufc.ir.moe_routing import MoeFFN
 from ggufc.ir.verify import shapes_equal
 from ggufc.ir.walk import escaping_ids, inner_values_escape
 
@@ -215,11 +216,11 @@ def _build_moe(m: Match, g: GraphView) -> Rewrite | None:
     if len(m.values["x"].shape) != 2 or not _routing_ok(m) or not _reshapes_ok(m, k) or act is None or latent == {}:
         return None
     normalize = "clamp" in m.nodes
-    clamp = m.nodes["clamp"].attrs.c if normalize else O.MoeFFN.norm_clamp
+    clamp = m.nodes["clamp"].attrs.c if normalize else MoeFFN.norm_clamp
     scaled = tuple(kind for kind in KINDS if f"{kind}_scale" in m.values)
     merged = _merged_gate_up(m, g, scaled)
     bias = m.values.get("sel_bias")
-    attrs = O.MoeFFN(k=k, normalize=normalize, norm_clamp=clamp, has_gate="gate_exps" in m.values,
+    attrs = MoeFFN(k=k, normalize=normalize, norm_clamp=clamp, has_gate="gate_exps" in m.values,
                      expert_scales=scaled, merged_gate_up=merged is not None, gating=_gating(m, g),
                      selection_bias=bias is not None,
                      weights_scale=m.nodes["wscale"].attrs.c if "wscale" in m.nodes else 1.0,
@@ -278,7 +279,7 @@ def ungated_shared_moe_pat(routed: Pat) -> Pat:
     return P("binary", routed, _shared_expert_pat(), attrs=O.Binary("add"), commute=True)
 
 
-def _shared_parts(m: Match, base: Rewrite) -> tuple[O.MoeFFN, list[Value]] | None:
+def _shared_parts(m: Match, base: Rewrite) -> tuple[MoeFFN, list[Value]] | None:
     """The shared expert's attrs (activation, scales) and its matrices and scales."""
     act = act_of(m, "sh_")
     scaled = tuple(kind for kind in KINDS if f"sh_{kind}_scale" in m.values)

@@ -54,7 +54,7 @@ from __future__ import annotations
 
 from ggufc.ir import ops as O
 from ggufc.ir.graph import Graph, Value, static_shape
-from ggufc.ir.sparse_indexers import POOL_NEG
+from ggufc.ir.sparse_indexers import POOL_NEG, CompressorPool, IndexerBlockScore, IndexerScore
 from ggufc.ir.verify import shapes_equal
 from ggufc.ir.walk import without_dead_nodes
 
@@ -179,7 +179,7 @@ def _build_score(m: Match, g: GraphView) -> Rewrite | None:
     eps = m.nodes["rms"].attrs.eps if "rms" in m.nodes else m.nodes["eps"].attrs.c
     if eps <= 0:
         return None
-    return Rewrite("indexer_score", (q, cache, norm, table), O.IndexerScore(ratio, eps, n_rot))
+    return Rewrite("indexer_score", (q, cache, norm, table), IndexerScore(ratio, eps, n_rot))
 
 
 def block_score_pat() -> Pat:
@@ -202,7 +202,7 @@ def _build_block_score(m: Match, g: GraphView) -> Rewrite | None:
         return None
     if not shapes_equal((t, n_groups), q.shape[:2]):
         return None
-    return Rewrite("indexer_block_score", (q, cache), O.IndexerBlockScore(block))
+    return Rewrite("indexer_block_score", (q, cache), IndexerBlockScore(block))
 
 
 SCORE_RULES = [Rule("indexer_score", score_pat(), _build_score),
@@ -293,7 +293,7 @@ def _build_pool(m: Match, g: GraphView) -> Rewrite | None:
     if overlap and not (wide % 2 == 0 and _window_fits(m, "kv", 0.0, blocks[0], wide // 2)
                         and _window_fits(m, "score", float(POOL_NEG), blocks[0], wide // 2)):
         return None
-    return Rewrite("compressor_pool", (kv, score, ape), O.CompressorPool(ratio, overlap))
+    return Rewrite("compressor_pool", (kv, score, ape), CompressorPool(ratio, overlap))
 
 
 POOL_RULES = [Rule("compressor_pool", pool_pat(), _build_pool)]

@@ -18,7 +18,8 @@ import dataclasses
 
 from ggufc.ir.act_quant import ACT_BLOCK, ACT_SCHEME, MIN_TYPES, SCHEME_BLOCK
 from ggufc.ir.graph import Graph, Node, Value
-from ggufc.ir.ops import MoeFFN, QuantizeAct, moe_inputs
+from ggufc.ir.moe_routing import MoeFFN, moe_inputs
+from ggufc.ir.ops import QuantizeAct
 
 from .stats import with_hits
 

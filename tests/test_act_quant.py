@@ -15,7 +15,9 @@ import pytest
 import tvm
 
 from ggufc.codegen.cpu_int8 import block32 as Q8
-from ggufc.codegen.formats import block_formats as Q
+from ggufc.codegen.formats.cpu_schedules import qmatmul
+from ggufc.codegen.formats.layout import dequantize_reference, layout_spec, repack
+from ggufc.codegen.kernels.prim_helpers import i64
 from ggufc.codegen.target import cpu_target
 from ggufc.codegen.tvm_util import aligned_zeros, to_tvm
 from ggufc.driver.compile import compile_model
@@ -157,7 +159,7 @@ def test_quantize_act_kernel_is_bit_identical(scheme: str, k: int) -> None:
     x = (rng.standard_normal((5, k)) * rng.uniform(1e-4, 1e4, (5, 1))).astype(np.float32)
     x[2, :256] = 0
     x[3, 5], x[3, 9] = -x[3].max() * 2, x[3].max() * 2  # equal magnitudes: the first one wins
-    kernel = _build(Q8.quantize_act((Q.i64(5), Q.i64(k)), scheme))
+    kernel = _build(Q8.quantize_act((i64(5), i64(k)), scheme))
     out = aligned_zeros((5, k), np.float32)
     if scheme != "q8_1":
         kernel(to_tvm(x), to_tvm(out))
@@ -180,9 +182,9 @@ def _vec_dot_q8_1(qtype: str, raw: np.ndarray, x: np.ndarray) -> np.ndarray:
     d32 = amax / np.float32(127)
     d16 = d32.astype(np.float16).astype(np.float64)[:, 0]
     s16 = (codes.sum(axis=1, keepdims=True) * d32).astype(np.float16).astype(np.float64)[:, 0]
-    fields = Q.repack(qtype, raw, (n, k))
+    fields = repack(qtype, raw, (n, k))
     wd, wm = fields["d"].astype(np.float64), fields["m"].astype(np.float64)
-    wq = np.rint((Q.dequantize_reference(qtype, fields, (n, k)).astype(np.float64).reshape(n, -1, 32)
+    wq = np.rint((dequantize_reference(qtype, fields, (n, k)).astype(np.float64).reshape(n, -1, 32)
                   - wm[..., None]) / np.where(wd == 0, 1, wd)[..., None])  # the integer codes back
     dots = np.einsum("nbi,bi->nb", wq, codes.astype(np.float64))
     return (wd * d16 * dots + wm * s16).sum(axis=1)
@@ -215,16 +217,16 @@ def test_q8_1_float_matmul_matches_the_reference(qtype: str, t: int) -> None:
     n, k = 12, 96
     raw = gguf.quants.quantize((rng.standard_normal((n, k)) * 0.05).astype(np.float32),
                                gguf.GGMLQuantizationType[qtype])
-    arrays = Q.repack(qtype, raw, (n, k))
-    fields = [arrays[f] for f, _, _ in Q.layout_spec(qtype, (n, k))]
+    arrays = repack(qtype, raw, (n, k))
+    fields = [arrays[f] for f, _, _ in layout_spec(qtype, (n, k))]
     x = (rng.standard_normal((t, k)) * 2).astype(np.float32)
     xq, sums = aligned_zeros((t, k), np.float32), aligned_zeros((t, k // 32), np.float32)
-    _build(Q8.quantize_act((Q.i64(t), Q.i64(k)), "q8_1"))(to_tvm(x), to_tvm(xq), to_tvm(sums))
+    _build(Q8.quantize_act((i64(t), i64(k)), "q8_1"))(to_tvm(x), to_tvm(xq), to_tvm(sums))
     y0, y = aligned_zeros((t, n), np.float32), aligned_zeros((t, n), np.float32)
-    _build(Q.qmatmul(qtype, n, k, gemv=t == 1))(to_tvm(xq), *map(to_tvm, fields), to_tvm(y0))
+    _build(qmatmul(qtype, n, k, gemv=t == 1))(to_tvm(xq), *map(to_tvm, fields), to_tvm(y0))
     _build(Q8.q8_1_min_fix(n, k))(to_tvm(y0), to_tvm(xq), to_tvm(sums), to_tvm(arrays["m"]),
                                                      to_tvm(y))
-    want = matmul_ref([xq.astype(np.float64), Q.dequantize_reference(qtype, arrays, (n, k)).astype(np.float64),
+    want = matmul_ref([xq.astype(np.float64), dequantize_reference(qtype, arrays, (n, k)).astype(np.float64),
                        sums.astype(np.float64), block_mins(qtype, raw, (n, k)).astype(np.float64)], None, None)
     np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
@@ -236,8 +238,8 @@ def test_int8_gemv_matches_the_reference(qtype: str, n: int, k: int) -> None:
     rng = np.random.default_rng(n * k)
     w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
     raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[qtype])
-    arrays = Q.repack(qtype, raw, (n, k))
-    wdq = Q.dequantize_reference(qtype, arrays, (n, k)).astype(np.float64)
+    arrays = repack(qtype, raw, (n, k))
+    wdq = dequantize_reference(qtype, arrays, (n, k)).astype(np.float64)
     kernel = _build(Q8.int8_gemv(qtype, n, k, TARGET))
     # q8_1 block sums are f16: at x * 1e3 the outlier block's sum overflows to inf (as in llama.cpp)
     for scale in (1e-3, 1.0, 1e2 if qtype in MIN_TYPES else 1e3):
@@ -245,7 +247,7 @@ def test_int8_gemv_matches_the_reference(qtype: str, n: int, k: int) -> None:
         x[0, :32] = 0  # a block of zeros (scale 0)
         x[0, 40] = 200 * scale  # an outlier block
         y = aligned_zeros((1, n), np.float32)
-        kernel(to_tvm(x), *(to_tvm(arrays[f]) for f, _, _ in Q.layout_spec(qtype, (n, k))), to_tvm(y))
+        kernel(to_tvm(x), *(to_tvm(arrays[f]) for f, _, _ in layout_spec(qtype, (n, k))), to_tvm(y))
         want = quantize_act_ref(x).astype(np.float64) @ wdq.T
         if qtype in MIN_TYPES:  # q8_1: the m term reads the block sums
             want = matmul_ref([quantize_act_ref(x).astype(np.float64), wdq, q8_1_sums_ref(x).astype(np.float64),
@@ -300,8 +302,8 @@ def test_grouped_int8_gemv_equals_separate_kernels(qtype: str) -> None:
     for n in heights:
         raw = gguf.quants.quantize((rng.standard_normal((n, k)) * 0.05).astype(np.float32),
                                    gguf.GGMLQuantizationType[qtype])
-        arrays = Q.repack(qtype, raw, (n, k))
-        mats.append([arrays[f] for f, _, _ in Q.layout_spec(qtype, (n, k))])
+        arrays = repack(qtype, raw, (n, k))
+        mats.append([arrays[f] for f, _, _ in layout_spec(qtype, (n, k))])
     alone = []
     for n, fields in zip(heights, mats, strict=True):
         y = aligned_zeros((1, n), np.float32)

@@ -6,7 +6,7 @@ reaches; the state layout and a decode step's kernels; the M-RoPE sections; MTP 
 skipped; what is refused.
 
 The project's own fixture (KDA with a clamped dense FFN, MLA without Q-LoRA and NORM rope, a
-renormalised, scaled MoE: tests/fixtures_bailing.py) is compiled against the interpreter by
+renormalised, scaled MoE: tests/support/fixtures_bailingmoe3.py) is compiled against the interpreter by
 tests/test_models_compiled.py.
 """
 
@@ -29,7 +29,7 @@ from ggufc.ir.builder import GraphBuilder
 from tests.support.arch_models import interpret_float64
 from tests.support.fixtures import write_fixture
 from tests.support.goldens import GOLDEN
-from tests.support.sparse_probes import decode_kernel_calls, nmse
+from tests.support.sparse_indexers import decode_kernel_calls, nmse
 
 FIXTURE = GOLDEN / "fixtures" / "bailingmoe3-moe.gguf"
 needs_golden = pytest.mark.skipif(not FIXTURE.exists(), reason=f"llama.cpp goldens not found at {GOLDEN}")
@@ -82,7 +82,7 @@ def test_the_golden_never_reaches_its_clamps(golden: LoadedModel) -> None:
 
 
 def test_the_clamps_bite_on_the_project_fixture(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """tests/fixtures_bailing.py clamps at 0.3 (experts) and 0.25 (shared expert, dense FFN):
+    """tests/support/fixtures_bailingmoe3.py clamps at 0.3 (experts) and 0.25 (shared expert, dense FFN):
     removing them, or clamping before the SiLU as deepseek4 does, moves the logits."""
     model = load_model(write_fixture("bailingmoe3", tmp_path / "m.gguf"))
     tokens = np.random.default_rng(1).integers(0, model.hparams.n_vocab, 12).astype(np.int32)

@@ -12,7 +12,7 @@ from tvm import relax, tirx
 
 from ggufc.codegen.build import SHAPE_FUNCTION_PREFIX, cpu_build_pipeline
 from ggufc.codegen.cpu_int8 import block32 as Q8
-from ggufc.codegen.formats import block_formats as Q
+from ggufc.codegen.formats.layout import layout_spec, repack
 from ggufc.codegen.target import cpu_target
 from ggufc.codegen.tvm_util import to_tvm
 
@@ -22,7 +22,7 @@ QTYPE, N, K = "Q8_0", 64, 256
 
 def _module() -> tvm.IRModule:
     """One prompt GEMM called on T tokens: its output's size needs a shape function."""
-    spec = Q.layout_spec(QTYPE, (N, K))
+    spec = layout_spec(QTYPE, (N, K))
     bb = relax.BlockBuilder()
     kernel = bb.add_func(Q8.int8_gemm(QTYPE, N, K, TARGET).with_attr("global_symbol", "k000_gemm"), "k000_gemm")
     t = tirx.Var("t", "int64")
@@ -57,12 +57,12 @@ def test_shape_functions_sort_before_the_kernels_and_leave_them_uninlined() -> N
     rng = np.random.default_rng(3)
     raw = rng.integers(0, 256, size=(N, K // 32 * 34), dtype=np.uint8)
     raw.reshape(N, K // 32, 34)[..., :2] = np.array([0.01], np.float16).view(np.uint8)
-    arrays = Q.repack(QTYPE, raw, (N, K))
+    arrays = repack(QTYPE, raw, (N, K))
     x = rng.standard_normal((5, K)).astype(np.float32)
     vm = relax.VirtualMachine(ex, tvm.cpu())
-    y = vm["main"](to_tvm(x), *(to_tvm(arrays[f]) for f, _, _ in Q.layout_spec(QTYPE, (N, K)))).numpy()
+    y = vm["main"](to_tvm(x), *(to_tvm(arrays[f]) for f, _, _ in layout_spec(QTYPE, (N, K)))).numpy()
     direct = tvm.compile(tvm.IRModule({"main": Q8.int8_gemm(QTYPE, N, K, TARGET).with_attr("global_symbol", "main")}),
                          target=TARGET)["main"]
     want = tvm.runtime.tensor(np.zeros((5, N), np.float32))
-    direct(to_tvm(x), *(to_tvm(arrays[f]) for f, _, _ in Q.layout_spec(QTYPE, (N, K))), want)
+    direct(to_tvm(x), *(to_tvm(arrays[f]) for f, _, _ in layout_spec(QTYPE, (N, K))), want)
     np.testing.assert_array_equal(y, want.numpy())

@@ -20,8 +20,9 @@ import tvm
 from tvm import relax
 
 from ggufc.codegen.build import state_plan
-from ggufc.codegen.formats import block_formats as Q
-from ggufc.codegen.kernels import generic as K
+from ggufc.codegen.formats.layout import repack
+from ggufc.codegen.formats.table import QTYPES
+from ggufc.codegen.kernels.elementwise import BINARY, SCALAR, UNARY
 from ggufc.codegen.lower import LOWERING, ModuleBuilder
 from ggufc.codegen.lower_context import plan_params
 from ggufc.codegen.target import resolve_target
@@ -75,7 +76,7 @@ def compile_cases(built: Sequence[BuiltCase]) -> Compiled:
     ex = tvm.compile(mod, target=mb.target, relax_pipeline=relax.pipeline.default_build_pipeline())
     data = {src: pd for bc in built for src, pd in bc.data.params.items()}
     params = [
-        to_tvm(Q.repack(lay.qtype, data[lay.source].storage, lay.shape)[f])
+        to_tvm(repack(lay.qtype, data[lay.source].storage, lay.shape)[f])
         for lay in layouts
         for f, _, _ in lay.arrays
     ]
@@ -101,7 +102,7 @@ class CaseCompiler:
         if isinstance(solo, Exception):
             if case.may_xfail and "Schedule" in f"{type(solo).__name__}: {solo}":
                 pytest.xfail(
-                    f"quantized prefill kernel does not schedule (quant.py under rework): {_short(solo)}"
+                    f"quantized prefill kernel does not schedule (codegen/formats/cpu_schedules.py): {_short(solo)}"
                 )
             raise solo
         return bc, solo
@@ -167,12 +168,12 @@ def test_every_lowered_op_has_a_row() -> None:
 
 def test_elementwise_function_tables_agree() -> None:
     """Every unary/binary function of the IR has a kernel expression (and nothing more)."""
-    assert set(K.UNARY) == set(O.UNARY_FNS)
-    assert set(K.BINARY) == set(O.BINARY_FNS)
-    assert set(K.SCALAR) == set(SCALAR_FNS)
+    assert set(UNARY) == set(O.UNARY_FNS)
+    assert set(BINARY) == set(O.BINARY_FNS)
+    assert set(SCALAR) == set(SCALAR_FNS)
 
 
 def test_every_qtype_has_matmul_rows() -> None:
-    for qtype in Q.QTYPES:
+    for qtype in QTYPES:
         names = {c.name for c in CASES}
         assert {f"matmul-{qtype}-prefill", f"matmul-{qtype}-gemv", f"gather-{qtype}"} <= names

@@ -16,7 +16,7 @@ import pytest
 import ggufc
 from ggufc.cli import main
 from ggufc.codegen import target as T
-from ggufc.codegen.formats import block_formats as Q
+from ggufc.codegen.formats.cpu_schedules import CpuTiles, qmatmul
 from ggufc.codegen.kernel_keys import WeightMatmul
 from ggufc.codegen.lower import ModuleBuilder
 from ggufc.driver import models
@@ -176,16 +176,16 @@ def test_isa_of_named_cpus(cpu: str, isa: str) -> None:
 
 def test_float_kernels_take_the_built_cpus_vectors() -> None:
     """A haswell build on an AVX-512 machine sums in AVX2's 8 lanes, as a build on a haswell would."""
-    seen: dict[str, Q.CpuTiles] = {}
+    seen: dict[str, CpuTiles] = {}
     for cpu in ("haswell", "skylake-avx512"):
         mb = ModuleBuilder(T.named_cpu_target(cpu, 2), [], [])
 
         def make(cpu: str = cpu) -> Any:
-            seen[cpu] = Q.CpuTiles.for_target()
-            return Q.qmatmul("Q4_0", 8, 64, gemv=True)
+            seen[cpu] = CpuTiles.for_target()
+            return qmatmul("Q4_0", 8, 64, gemv=True)
 
         mb.kernel(WeightMatmul("Q4_0", 8, 64, True), make)
-    assert seen == {"haswell": Q.CpuTiles(vec=8), "skylake-avx512": Q.CpuTiles(vec=16)}
+    assert seen == {"haswell": CpuTiles(vec=8), "skylake-avx512": CpuTiles(vec=16)}
 
 
 def test_tune_targets_the_named_cpu_or_refuses() -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from ggufc.frontend.load import load_model
 from tests.support.gpu_support import golden_fixture
-from tests.support.sparse_probes import decode_kernel_calls
+from tests.support.sparse_indexers import decode_kernel_calls
 
 # golden -> (fused, unfused), measured on llama.cpp's 2-layer fixtures
 DECODE_KERNELS = {

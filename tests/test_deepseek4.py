@@ -30,7 +30,7 @@ from tests.support.arch_models import (
     visible_rows,
 )
 from tests.support.goldens import GOLDEN, skip_without_goldens, with_metadata
-from tests.support.sparse_probes import Compiled, compile_probed, decode_kernel_calls, nmse
+from tests.support.sparse_indexers import Compiled, compile_probed, decode_kernel_calls, nmse
 
 DENSE = GOLDEN / "fixtures" / "deepseek4-moe-F16.gguf"
 needs_golden = skip_without_goldens(DENSE)

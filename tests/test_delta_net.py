@@ -392,7 +392,7 @@ def test_qwen3next_alternative_layouts_compute_the_same(tmp_path: Path, variant:
 def test_arch_facts_reach_the_graph(tmp_path: Path) -> None:
     """qwen3next shares q/k heads interleaved and rotates NEOX; qwen35 tiled with IMROPE sections."""
     from tests.support.fixtures import write_fixture
-    from tests.support.fixtures_hybrid import IMROPE_SECTIONS
+    from tests.support.fixtures_qwen35 import IMROPE_SECTIONS
 
     for arch, head_map, rope_mode in (("qwen3next", "interleaved", "neox"), ("qwen35", "tiled", "imrope")):
         model = load_model(write_fixture(arch, tmp_path / f"{arch}.gguf"))

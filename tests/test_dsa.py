@@ -27,9 +27,9 @@ from ggufc.frontend.load import LoadedModel, load_model
 from ggufc.passes.pipeline import run_pipeline
 from tests.support.arch_models import DSA_DENSE, DSA_SPARSE_TOP_K, dsa_sparse_copy
 from tests.support.fixtures import write_fixture
-from tests.support.fixtures_latent import INDEXER_TOP_K
+from tests.support.fixtures_deepseek32 import INDEXER_TOP_K
 from tests.support.goldens import GOLDEN
-from tests.support.sparse_probes import Compiled, compile_probed, decode_kernel_calls, interpret, nmse
+from tests.support.sparse_indexers import Compiled, compile_probed, decode_kernel_calls, interpret, nmse
 
 needs_golden = pytest.mark.skipif(not (GOLDEN / "fixtures" / f"{DSA_DENSE[0]}.gguf").exists(),
                                   reason=f"llama.cpp goldens not found at {GOLDEN}")

@@ -14,7 +14,7 @@ import tvm
 
 from ggufc.codegen.cpu_int8 import block32 as Q8
 from ggufc.codegen.cpu_int8 import experts as E8
-from ggufc.codegen.formats import block_formats as Q
+from ggufc.codegen.formats.layout import dequantize_reference, layout_spec, repack
 from ggufc.codegen.target import UnsupportedOnTarget, cpu_target
 from ggufc.codegen.tvm_util import aligned_zeros, to_tvm
 from ggufc.driver.models import cached_artifact_dir, compile_gguf
@@ -56,8 +56,8 @@ def _ids(rng: np.random.Generator, t: int) -> np.ndarray:
 
 def _run(qtype: str, raws: list[np.ndarray], x: np.ndarray, ids: np.ndarray, per_slot: bool,
          target: tvm.target.Target = TARGET) -> np.ndarray:
-    arrays = Q.repack(qtype, np.concatenate(raws), (N_EXP * N, K))
-    spec = Q.layout_spec(qtype, (N_EXP, N, K))
+    arrays = repack(qtype, np.concatenate(raws), (N_EXP * N, K))
+    spec = layout_spec(qtype, (N_EXP, N, K))
     y = aligned_zeros((x.shape[0], SLOTS, N), np.float32)
     kernel = _build(E8.int8_experts(qtype, N_EXP, N, K, SLOTS, per_slot, target), target)
     kernel(to_tvm(x), to_tvm(ids), *(to_tvm(np.ascontiguousarray(arrays[f].reshape(s))) for f, s, _ in spec),
@@ -86,7 +86,7 @@ def test_int8_experts_match_reference_and_dense_kernel(qtype: str, t: int, per_s
     ids = _ids(rng, t)
     y = _run(qtype, raws, x, ids, per_slot)
     # the reference: matmul_id of the dequantized experts on the q8_K-rounded rows
-    w = np.stack([Q.dequantize_reference(qtype, Q.repack(qtype, r, (N, K)), (N, K)) for r in raws])
+    w = np.stack([dequantize_reference(qtype, repack(qtype, r, (N, K)), (N, K)) for r in raws])
     ref = matmul_id_ref(quantize_act_ref(x, "q8_K").astype(np.float64), w.astype(np.float64), ids)
     np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
     # each value is the dense 8-bit kernel's dot product on the same expert rows
@@ -94,9 +94,9 @@ def test_int8_experts_match_reference_and_dense_kernel(qtype: str, t: int, per_s
     for i in range(t):
         for s in range(SLOTS):
             row = aligned_zeros((1, N), np.float32)
-            arrays = Q.repack(qtype, raws[ids[i, s]], (N, K))
+            arrays = repack(qtype, raws[ids[i, s]], (N, K))
             dense(to_tvm(np.ascontiguousarray(x[i, s if per_slot else 0][None])),
-                  *(to_tvm(arrays[f]) for f, _, _ in Q.layout_spec(qtype, (N, K))), to_tvm(row))
+                  *(to_tvm(arrays[f]) for f, _, _ in layout_spec(qtype, (N, K))), to_tvm(row))
             np.testing.assert_array_equal(y[i, s], row[0])
 
 

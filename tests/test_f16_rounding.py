@@ -12,7 +12,8 @@ import pytest
 import tvm
 from tvm import te
 
-from ggufc.codegen.kernels import generic as K
+from ggufc.codegen.kernels.elementwise import elementwise, rounds_to_f16
+from ggufc.codegen.kernels.prim_helpers import i64, with_root_block
 from ggufc.codegen.schedule import schedule_cpu
 from ggufc.codegen.target import cpu_target, gpu_target, named_cpu_target, native_f16_rounding
 from ggufc.codegen.tvm_util import to_tvm
@@ -59,7 +60,7 @@ INPUTS = np.concatenate([f16_boundaries(), special_inputs(), random_inputs(N_RAN
 def compiled(fn: str, native: bool) -> Callable[[np.ndarray], np.ndarray]:
     """The elementwise kernel of unary `fn` as lowering builds it for the CPU (vectorised)."""
     program = O.FusedElementwise((("unary", O.Unary(fn), (0,)),), 1)
-    func = K.with_root_block(schedule_cpu(K.elementwise([(K.i64(len(INPUTS)),)], program, native_f16=native)))
+    func = with_root_block(schedule_cpu(elementwise([(i64(len(INPUTS)),)], program, native_f16=native)))
     kernel = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=TARGET)["main"]
 
     def run(x: np.ndarray) -> np.ndarray:
@@ -131,9 +132,9 @@ def test_the_native_form_is_for_targets_whose_conversion_rounds_as_ggml() -> Non
 
 def test_only_the_native_form_converts_to_float16() -> None:
     program = O.FusedElementwise((("unary", O.Unary("gelu_tanh_f16"), (0,)), ("unary", O.Unary("neg"), (1,))), 1)
-    assert K.rounds_to_f16(program)
-    assert not K.rounds_to_f16(O.FusedElementwise((("unary", O.Unary("tanh"), (0,)),), 1))
+    assert rounds_to_f16(program)
+    assert not rounds_to_f16(O.FusedElementwise((("unary", O.Unary("tanh"), (0,)),), 1))
     x = te.placeholder((4,), "float32")
-    native = K.elementwise([x.shape], program, native_f16=True).script()
-    integer = K.elementwise([x.shape], program).script()
+    native = elementwise([x.shape], program, native_f16=True).script()
+    integer = elementwise([x.shape], program).script()
     assert "float16" in native and "float16" not in integer

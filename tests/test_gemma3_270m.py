@@ -89,13 +89,14 @@ def test_cpu_gelu_kernel_is_llama_cpps_table() -> None:
     """The compiled CPU kernel over every F16 input: each value llama.cpp's table holds."""
     import tvm
 
-    from ggufc.codegen.kernels import generic as K
+    from ggufc.codegen.kernels.elementwise import elementwise
+    from ggufc.codegen.kernels.prim_helpers import i64
     from ggufc.codegen.tvm_util import aligned_zeros, to_tvm
     from ggufc.ir import ops as O
 
     h = _f16_inputs()
     program = O.FusedElementwise((("unary", O.Unary("gelu_tanh_f16"), (0,)),), 1)
-    func = K.elementwise([(K.i64(h.size),)], program, cpu=True)
+    func = elementwise([(i64(h.size),)], program, cpu=True)
     kernel = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target="llvm")["main"]
     out = aligned_zeros(h.shape, np.float32)
     kernel(to_tvm(np.nan_to_num(h, nan=0.0)), to_tvm(out))

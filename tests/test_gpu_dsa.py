@@ -19,7 +19,7 @@ from ggufc.frontend.load import load_model
 from tests.support.arch_models import DSA_DENSE, dsa_sparse_copy
 from tests.support.goldens import GOLDEN
 from tests.support.gpu_support import need_nvcc, need_vulkan
-from tests.support.sparse_probes import nmse
+from tests.support.sparse_indexers import nmse
 
 MODES = {None: "logits_prefill", 7: "logits_chunk7"}
 

@@ -16,7 +16,8 @@ from tvm import te
 from ggufc.codegen.families.sparse_indexers import msa as MSA
 from ggufc.codegen.gpu import device_info as DI
 from ggufc.codegen.gpu import schedules as GPU
-from ggufc.codegen.kernels import generic as K
+from ggufc.codegen.kernels.elementwise import round_to_f16
+from ggufc.codegen.kernels.prim_helpers import func
 from ggufc.codegen.target import gpu_target
 from ggufc.driver.stages import optimise
 from ggufc.frontend.load import load_model
@@ -26,7 +27,7 @@ from ggufc.runtime.wgpu_runtime import run_kernel
 from tests.support.arch_models import minimax_m3_tokens
 from tests.support.fixtures import write_fixture
 from tests.support.gpu_support import need_vulkan, nmse
-from tests.support.sparse_probes import interpret
+from tests.support.sparse_indexers import interpret
 from tests.support.vulkan_models import VulkanModel
 
 
@@ -67,9 +68,9 @@ def test_round_to_half_precision_in_integer_arithmetic(dev: object) -> None:
     """Ties to even, f16 subnormals, overflow to inf, signed zeros, NaN: numpy's float16 cast."""
     n = 4096
     x = te.placeholder((n,), "float32", name="x")
-    y = te.compute((n,), lambda i: K.round_to_f16(x[i]), name="y")
+    y = te.compute((n,), lambda i: round_to_f16(x[i]), name="y")
     target = gpu_target("vulkan")
-    scheduled, _, notes = GPU.apply_dlight(K.func([x, y]), target, [r for r in GPU._dlight_rules()
+    scheduled, _, notes = GPU.apply_dlight(func([x, y]), target, [r for r in GPU._dlight_rules()
                                                                       if r[0] == "dlight.Fallback"])
     assert scheduled is not None, notes
     kernel = DI.compile_kernel(scheduled, target, "round_f16")

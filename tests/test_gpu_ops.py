@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from ggufc.codegen.build import state_plan
-from ggufc.codegen.formats import block_formats as Q
+from ggufc.codegen.formats.layout import repack
 from ggufc.codegen.gpu import block_formats as QG
 from ggufc.codegen.gpu.build import compile_plan_target, wgsl_bundle
 from ggufc.codegen.gpu.schedules import GpuScheduleError
@@ -51,7 +51,7 @@ class GpuCompiled:
         exe = compile_plan_target(mod, tgt, mb.kernel_names, n_params=len(mb.flat_params), n_states=len(self.states),
                                   max_chunk=C.MAX_TOKENS, n_ctx=C.N_CTX, functions=tuple(functions))
         data = {src: pd for bc in built for src, pd in bc.data.params.items()}
-        self.weights = [QG.pack(lay.qtype, Q.repack(lay.qtype, data[lay.source].storage, lay.shape), lay.shape)[f]
+        self.weights = [QG.pack(lay.qtype, repack(lay.qtype, data[lay.source].storage, lay.shape), lay.shape)[f]
                         for lay in layouts for f, _, _ in lay.arrays]
         self.initial = [np.ascontiguousarray(self_init) for self_init in
                         ({n: a for bc in built for n, a in bc.data.states.items()}.get(name, np.zeros(shape, dtype))

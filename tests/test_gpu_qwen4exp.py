@@ -23,7 +23,7 @@ from ggufc.runtime.wgpu_runtime import run_kernel
 from tests.support.arch_models import qwen4exp_tokens
 from tests.support.fixtures import write_fixture
 from tests.support.gpu_support import need_vulkan, nmse
-from tests.support.sparse_probes import interpret
+from tests.support.sparse_indexers import interpret
 from tests.support.vulkan_models import VulkanModel
 
 

@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 from ggufc.cli import main
-from ggufc.codegen.formats import block_formats as Q
+from ggufc.codegen.formats.layout import layout_nbytes, repack
+from ggufc.codegen.formats.table import QTYPES
 from ggufc.codegen.gpu import block_formats as QG
 from ggufc.codegen.target import parse_archs, resolve_target, split_target
 from ggufc.runtime.plan_expr import PlanExprError, compile_many
@@ -72,10 +73,10 @@ def test_cli_arch_only_for_cuda(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert "not a CUDA architecture" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("qtype", Q.QTYPES)
+@pytest.mark.parametrize("qtype", QTYPES)
 def test_gpu_layout_is_the_cpu_bytes_word_packed(qtype: str) -> None:
     shape = (3, 5, 512 if qtype in K_QUANTS else 96)
-    arrays = Q.repack(qtype, make_raw(qtype, shape), shape)
+    arrays = repack(qtype, make_raw(qtype, shape), shape)
     packed = QG.pack(qtype, arrays, shape)["w"]
     assert [(n, tuple(s), d) for n, s, d in QG.layout_spec(qtype, shape)] == [("w", packed.shape, str(packed.dtype))]
     if qtype == "F32":
@@ -88,7 +89,7 @@ def test_gpu_layout_is_the_cpu_bytes_word_packed(qtype: str) -> None:
         got = raw[4 * f.offset : 4 * (f.offset + lay.rows * f.words_per_row)].reshape(lay.rows, -1)
         np.testing.assert_array_equal(got[:, : want.shape[1]], want)
         assert got.shape[1] - want.shape[1] < 4  # at most 3 bytes of padding per row
-    assert packed.nbytes <= Q.layout_nbytes(qtype, shape) + 3 * lay.rows * len(lay.fields)
+    assert packed.nbytes <= layout_nbytes(qtype, shape) + 3 * lay.rows * len(lay.fields)
 
 
 def test_plan_expressions_are_whitelisted() -> None:

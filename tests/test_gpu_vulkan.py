@@ -21,7 +21,8 @@ import pytest
 import tvm
 
 from ggufc.codegen import kernel_keys as KK
-from ggufc.codegen.formats import block_formats as Q
+from ggufc.codegen.formats.layout import dequantize_reference, repack
+from ggufc.codegen.formats.table import QTYPES
 from ggufc.codegen.gpu import attention as AG
 from ggufc.codegen.gpu import block_formats as QG
 from ggufc.codegen.gpu import device_info as DI
@@ -34,7 +35,6 @@ from tests.support.gpu_support import golden_fixture, golden_logits, need_vulkan
 from tests.support.random_weights import K_QUANTS, make_raw
 from tests.support.vulkan_models import MODES, cached_artifact, check_kernels, compile_vulkan, eval_logits, eval_modes
 
-QTYPES = Q.QTYPES
 TOL = 2e-6  # max |err| / max |ref| of f32 kernels against float64 numpy
 
 
@@ -55,8 +55,8 @@ def run(dev: object, func: tvm.tirx.PrimFunc, target: tvm.target.Target, args: l
 
 def weights(qtype: str, lead: tuple[int, ...], n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
     shape = (*lead, n, k)
-    arrays = Q.repack(qtype, make_raw(qtype, shape), shape)
-    return QG.pack(qtype, arrays, shape)["w"], Q.dequantize_reference(qtype, arrays, shape)
+    arrays = repack(qtype, make_raw(qtype, shape), shape)
+    return QG.pack(qtype, arrays, shape)["w"], dequantize_reference(qtype, arrays, shape)
 
 
 def k_of(qtype: str) -> int:
@@ -140,7 +140,8 @@ def test_attention_and_cache_write_on_vulkan(heads: int, kv: int, dim: int, cell
 
 
 def test_rope_position_tensor_matches_scalar_rope(dev: object, target: tvm.target.Target) -> None:
-    from ggufc.codegen.kernels import generic as K
+    from ggufc.codegen.kernels.prim_helpers import Symbols
+    from ggufc.codegen.kernels.rope import rope
     from ggufc.ir import ops as O
 
     rng = np.random.default_rng(3)
@@ -150,7 +151,7 @@ def test_rope_position_tensor_matches_scalar_rope(dev: object, target: tvm.targe
         x = rng.standard_normal((1, 3, 10)).astype(np.float32)
         key = KK.OpKernel("rope", attrs, ((1, 3, 10), (16, 4, 2)))
         scalar = gpu_kernel(key,
-                            lambda attrs=attrs: K.rope(K.Symbols().shape((1, 3, 10)), K.Symbols().shape((16, 4, 2)),
+                            lambda attrs=attrs: rope(Symbols().shape((1, 3, 10)), Symbols().shape((16, 4, 2)),
                                                        attrs), target)
         tensor = gpu_kernel(key.reading_pos_from_memory(), lambda: None, target)
         a = run(dev, scalar, target, [x, 6, table, np.zeros_like(x)], "rope")[3]

@@ -22,15 +22,15 @@ from ggufc.cli import main
 from ggufc.frontend.archs import hy_v3
 from ggufc.frontend.hparams import Keys, ModelError
 from ggufc.frontend.load import LoadedModel, load_model
-from ggufc.ir import ops as O
 from ggufc.ir.decompose import decompose
 from ggufc.ir.graph import Graph
+from ggufc.ir.moe_routing import MoeFFN
 from ggufc.ir.verify import verify
 from ggufc.passes.pipeline import run_pipeline
 from tests.support.arch_models import interpret_float64
 from tests.support.fixtures import BIASED_MOE_WEIGHTS_SCALE, write_fixture
 from tests.support.goldens import GOLDEN, eval_golden, skip_without_goldens
-from tests.support.sparse_probes import decode_kernel_calls, nmse
+from tests.support.sparse_indexers import decode_kernel_calls, nmse
 
 FIXTURE = GOLDEN / "fixtures" / "hy_v3-moe.gguf"
 needs_golden = skip_without_goldens(FIXTURE)
@@ -113,7 +113,7 @@ def test_fused_moe_is_the_routing_family_node(project: LoadedModel) -> None:
     fused, stats = run_pipeline(project.graph, check=True)
     assert stats["fuse_moe"] == 1
     (node,) = _moe_nodes(fused)
-    a: O.MoeFFN = node.attrs
+    a: MoeFFN = node.attrs
     assert (a.gating, a.selection_bias, a.normalize, a.weights_scale) == ("sigmoid", True, True,
                                                                           BIASED_MOE_WEIGHTS_SCALE)
     assert (a.merged_gate_up, a.shared, a.shared_gated, a.act, a.shared_act) == (True, True, False, "swiglu",

@@ -17,7 +17,7 @@ import pytest
 from ggufc.frontend.load import load_model
 from tests.support.arch_models import MINIMAX_M3_SPARSE_TOP_K, interpret_float64
 from tests.support.goldens import GOLDEN, skip_without_goldens, with_metadata
-from tests.support.sparse_probes import nmse
+from tests.support.sparse_indexers import nmse
 
 MODES = {64: "logits_prefill", 7: "logits_chunk7", 1: "logits_decode"}
 ALL_MODES = (64, 7, 1)

@@ -14,10 +14,23 @@ from ggufc.ir import ops as O
 from ggufc.ir.builder import GraphBuilder
 from ggufc.ir.decompose import DECOMPOSITIONS, decompose
 from ggufc.ir.graph import Graph, Node, Shape, Value, eval_shape
-from ggufc.ir.hyper_connections import HcSinkhorn
+from ggufc.ir.hyper_connections import HcPost, HcPre, HcSinkhorn, ResMix
 from ggufc.ir.interp import run_graph
-from ggufc.ir.moe_routing import MoeTopkSoftmax
+from ggufc.ir.linear_attention import GatedDeltaNet, L2Norm, LightningAttention, RMSNormGated, SsmConv
+from ggufc.ir.moe_routing import MoeFFN, MoeRoute, MoeTopkSoftmax
+from ggufc.ir.ngram_embedding import PleHash
 from ggufc.ir.printer import dump
+from ggufc.ir.sparse_indexers import (
+    BlockMask,
+    BlockTopK,
+    CompressedAttention,
+    CompressedScore,
+    CompressorPool,
+    IndexerBlockScore,
+    IndexerScore,
+    IndexerTopK,
+    TokenTopK,
+)
 from ggufc.ir.verify import IRError, verify
 
 TOL = {np.float64: dict(rtol=1e-9, atol=1e-12), np.float32: dict(rtol=2e-4, atol=2e-5)}
@@ -107,11 +120,11 @@ def _minimax_m3_cases() -> list[Case]:
     attention over the selected blocks (per-group additive mask, block-sparse form)."""
     cases: list[Case] = []
     for block in (3, 4):
-        cases += _both_t("indexer_block_score", O.IndexerBlockScore(block),
+        cases += _both_t("indexer_block_score", IndexerBlockScore(block),
                          (In("q", ("T", 2, 6)), In("cache", (12, 6))))
     for block, top_k, local, p in ((3, 2, 1, 4), (2, 3, 2, 6), (4, 8, 1, 2)):
-        cases += _both_t("block_topk", O.BlockTopK(block, top_k, local), (In("s", ("T", 2, 12 // block)), POS), p=p)
-    cases += _both_t("block_mask", O.BlockMask(3), (In("sel", ("T", 2, 2), "ids:4", "int32"), POS), p=4)
+        cases += _both_t("block_topk", BlockTopK(block, top_k, local), (In("s", ("T", 2, 12 // block)), POS), p=p)
+    cases += _both_t("block_mask", BlockMask(3), (In("sel", ("T", 2, 2), "ids:4", "int32"), POS), p=4)
     q, kc, vc = In("q", ("T", 4, 5)), In("kc", (CACHE, 2, 5)), In("vc", (CACHE, 2, 5))
     cases += _both_t("attention", O.Attention(0.37, "additive"), (q, kc, vc, POS, In("m", (2, "T", "P+T"))), p=3)
     # blocks of 2 cells, ids below 4, queries from cell 6: every selected block has a visible cell
@@ -126,27 +139,27 @@ def _qwen4exp_cases() -> list[Case]:
     cases: list[Case] = []
     streams = In("r", ("T", 3, 5))
     hc_w = (In("norm", (3, 5)), In("down", (2, 15)), In("up", (15, 2)))
-    cases += _both_t("hc_pre", O.HcPre(3, 1e-5), (streams, *hc_w, In("inject", (3, 15))))
-    cases += _both_t("hc_pre", O.HcPre(3, 1e-6, post=False), (streams, *hc_w))
-    cases += _both_t("hc_post", O.HcPost(), (streams, In("y", ("T", 5)), In("post", ("T", 3), "pos")))
+    cases += _both_t("hc_pre", HcPre(3, 1e-5), (streams, *hc_w, In("inject", (3, 15))))
+    cases += _both_t("hc_pre", HcPre(3, 1e-6, post=False), (streams, *hc_w))
+    cases += _both_t("hc_post", HcPost(), (streams, In("y", ("T", 5)), In("post", ("T", 3), "pos")))
     sink = HcSinkhorn(3, 1e-5, hc_eps=1e-3, n_iter=3)
     cases += _both_t("hc_sinkhorn", sink, (streams, In("fn", (15, 15)), In("scale", (3,)), In("base", (15,))))
     cases += _both_t("hc_sinkhorn", HcSinkhorn(3, 1e-5, hc_eps=1e-3, post=False),
                      (streams, In("fn", (3, 15)), In("scale", (1,)), In("base", (3,))))
-    cases += _both_t("hc_post", O.HcPost(comb=True),
+    cases += _both_t("hc_post", HcPost(comb=True),
                      (streams, In("y", ("T", 5)), In("post", ("T", 3), "pos"), In("comb", ("T", 3, 3), "pos")))
     for n_bank in (1, 3):  # cross-layer residual attention over n banked rows and the stream
-        cases += _both_t("res_mix", O.ResMix(1e-5), (In("src", ("T", n_bank, 5)), In("cur", ("T", 5)),
+        cases += _both_t("res_mix", ResMix(1e-5), (In("src", ("T", n_bank, 5)), In("cur", ("T", 5)),
                                                      In("w", (5,))))
     for ratio, n_rot in ((4, 4), (3, 6)):
         cache = In("cache", (12, 6))
         table = In("table", (12 // ratio + 1, n_rot // 2, 2))
-        cases += _both_t("indexer_score", O.IndexerScore(ratio, 1e-5, n_rot),
+        cases += _both_t("indexer_score", IndexerScore(ratio, 1e-5, n_rot),
                          (In("q", ("T", 3, 6)), cache, In("norm", (6,)), table))
     for ratio, width, p in ((3, 5, 4), (2, 3, 6), (4, 20, 2)):
-        cases += _both_t("indexer_topk", O.IndexerTopK(ratio, width), (In("s", ("T", 12 // ratio + 1)), POS), p=p)
+        cases += _both_t("indexer_topk", IndexerTopK(ratio, width), (In("s", ("T", 12 // ratio + 1)), POS), p=p)
     cases += _both_t("index_mask", O.NoAttrs(), (In("sel", ("T", 4), "ids:5", "int32"), POS), p=4)
-    ple = O.PleHash(3, 2, (1, 3, (1 << 40) + 5), (0, 7, 14, 21), (7, 7, 7, 5), eos=0)
+    ple = PleHash(3, 2, (1, 3, (1 << 40) + 5), (0, 7, 14, 21), (7, 7, 7, 5), eos=0)
     hist, toks = In("hist", (CACHE,), "ids:7", "int32"), In("tokens_in", ("T",), "ids:7", "int32")
     for p in (0, 3):
         cases += _both_t("ple_hash", ple, (hist, toks, POS), p=p)
@@ -163,19 +176,19 @@ def _compressed_cases() -> list[Case]:
     cases: list[Case] = []
     q_idx, rows_idx = In("q", ("T", 3, 6)), In("rows", (5, 6))
     for p in (0, 6):
-        cases += _both_t("compressed_score", O.CompressedScore(2), (q_idx, In("w", ("T", 3)), rows_idx, POS), p=p)
+        cases += _both_t("compressed_score", CompressedScore(2), (q_idx, In("w", ("T", 3)), rows_idx, POS), p=p)
     q, cache, sinks = In("q", ("T", 4, 5)), In("cache", (CACHE, 5)), In("sinks", (4,))
     rows = In("rows", (5, 5))
     for p in (0, 5):
-        cases += _both_t("compressed_attention", O.CompressedAttention(0.37, 3), (q, cache, sinks, POS), p=p)
-        cases += _both_t("compressed_attention", O.CompressedAttention(0.37, 4, 2), (q, cache, sinks, POS, rows), p=p)
-        cases += _both_t("compressed_attention", O.CompressedAttention(0.37, 4, 2, selected=True),
+        cases += _both_t("compressed_attention", CompressedAttention(0.37, 3), (q, cache, sinks, POS), p=p)
+        cases += _both_t("compressed_attention", CompressedAttention(0.37, 4, 2), (q, cache, sinks, POS, rows), p=p)
+        cases += _both_t("compressed_attention", CompressedAttention(0.37, 4, 2, selected=True),
                          (q, cache, sinks, POS, rows, In("sel", ("T", 2), "ids:5", "int32")), p=p)
     # the compressor's pooling reads whole states (the same for any T): overlapping windows of 2r
     # over [C, 2d] (several blocks, and one), plain blocks over [C, d]
     for ratio, overlap, cells, wide in ((4, True, 12, 8), (4, True, 4, 6), (3, False, 12, 5)):
         state = (cells, wide)
-        cases += _both_t("compressor_pool", O.CompressorPool(ratio, overlap),
+        cases += _both_t("compressor_pool", CompressorPool(ratio, overlap),
                          (In("kv", state), In("score", state), In("ape", (ratio, wide))))
     return cases
 
@@ -188,7 +201,7 @@ def _dsa_cases() -> list[Case]:
     for p in (0, 4):
         cases += _both_t("token_score", O.NoAttrs(), lid, p=p)
     for width, p in ((3, 4), (20, 2)):
-        cases += _both_t("token_topk", O.TokenTopK(width), (In("s", ("T", "P+T")), POS), p=p)
+        cases += _both_t("token_topk", TokenTopK(width), (In("s", ("T", "P+T")), POS), p=p)
     cases += _both_t("head_matmul", O.NoAttrs(), (In("x", ("T", 3, 7)), In("w", (3, 5, 7))))
     return cases
 
@@ -196,18 +209,18 @@ def _dsa_cases() -> list[Case]:
 def _recurrent_cases() -> list[Case]:
     """The stateful ops of the gated delta-net family (state first in, new state first out)."""
     cases: list[Case] = []
-    cases += _both_t("ssm_conv", O.SsmConv(), (In("conv", (7, 3), "state"), X, In("w", (7, 4))))
+    cases += _both_t("ssm_conv", SsmConv(), (In("conv", (7, 3), "state"), X, In("w", (7, 4))))
     dilated = (In("conv", (5, 4), "state"), In("x", ("T", 5)), In("w", (5, 3)))
-    cases += _both_t("ssm_conv", O.SsmConv(2), dilated)
+    cases += _both_t("ssm_conv", SsmConv(2), dilated)
     for head_map, hv in (("tiled", 4), ("interleaved", 4), ("tiled", 2)):
         gdn_in = (In("ssm", (hv, 3, 5), "state"), In("q", ("T", 2, 5)), In("k", ("T", 2, 5)),
                   In("v", ("T", hv, 3)), In("g", ("T", hv)), In("beta", ("T", hv), "pos"))
-        cases += _both_t("gated_delta_net", O.GatedDeltaNet(head_map, 0.45), gdn_in)
+        cases += _both_t("gated_delta_net", GatedDeltaNet(head_map, 0.45), gdn_in)
     kda_in = (In("ssm", (2, 3, 5), "state"), In("q", ("T", 2, 5)), In("k", ("T", 2, 5)), In("v", ("T", 2, 3)),
               In("g", ("T", 2, 5)), In("beta", ("T", 2), "pos"))  # KDA: one decay per key index
-    cases += _both_t("gated_delta_net", O.GatedDeltaNet("tiled", 0.45, key_decay=True), kda_in)
+    cases += _both_t("gated_delta_net", GatedDeltaNet("tiled", 0.45, key_decay=True), kda_in)
     lightning_in = (In("s", (2, 5, 3), "state"), In("q", ("T", 2, 5)), In("k", ("T", 2, 5)), In("v", ("T", 2, 3)))
-    cases += _both_t("lightning_attention", O.LightningAttention((0.0625, 0.00390625), 0.5), lightning_in)
+    cases += _both_t("lightning_attention", LightningAttention((0.0625, 0.00390625), 0.5), lightning_in)
     return cases
 
 
@@ -239,24 +252,24 @@ def _fused_cases() -> list[Case]:
                          p=4)
     cases += _both_t("rope", O.Rope("imrope", 6, (1, 1, 0, 1)), (In("x", ("T", 3, 8)), POS, ROPE_TABLE), p=2)
     cases += _both_t("swiglu", O.NoAttrs(), (X, In("u", ("T", 7))))
-    cases += _both_t("l2_norm", O.L2Norm(1e-6), (In("x", ("T", 3, 7)),))
+    cases += _both_t("l2_norm", L2Norm(1e-6), (In("x", ("T", 3, 7)),))
     for act in ("silu", "sigmoid"):
         gated_in = (In("x", ("T", 3, 7)), In("w", (7,)), In("z", ("T", 3, 7)))
-        cases += _both_t("rms_norm_gated", O.RMSNormGated(1e-5, act), gated_in)
+        cases += _both_t("rms_norm_gated", RMSNormGated(1e-5, act), gated_in)
     for normalize in (True, False):
-        cases += _both_t("moe_route", O.MoeRoute(3, normalize=normalize), (In("logits", ("T", 5)),))
+        cases += _both_t("moe_route", MoeRoute(3, normalize=normalize), (In("logits", ("T", 5)),))
     cases += _both_t("moe_topk_softmax", MoeTopkSoftmax(3, biased=True), (In("logits", ("T", 5)), In("b", (5,))))
     cases += _both_t("moe_topk_softmax", MoeTopkSoftmax(1), (In("logits", ("T", 5)),))
     experts = (In("router", (5, 7)), In("gate", (5, 3, 7)), In("up", (5, 3, 7)), In("down", (5, 7, 3)))
-    cases += _both_t("moe_ffn", O.MoeFFN(2), (X, *experts))
+    cases += _both_t("moe_ffn", MoeFFN(2), (X, *experts))
     scales = (In("s_up", (5,)), In("s_down", (5,)))
     no_gate = (X, experts[0], experts[2], experts[3], *scales)
-    plain = O.MoeFFN(3, normalize=False, has_gate=False, expert_scales=("up", "down"))
+    plain = MoeFFN(3, normalize=False, has_gate=False, expert_scales=("up", "down"))
     cases += _both_t("moe_ffn", plain, no_gate)
     rounded = (In("router", (5, 64)), In("gate", (5, 32, 64)), In("up", (5, 32, 64)), In("down", (5, 64, 32)))
-    cases += _both_t("moe_ffn", O.MoeFFN(2, act_schemes=("q8_0", "q8_0")), (In("x", ("T", 64)), *rounded))
+    cases += _both_t("moe_ffn", MoeFFN(2, act_schemes=("q8_0", "q8_0")), (In("x", ("T", 64)), *rounded))
     shexp = (In("shexp_gate", (4, 7)), In("shexp_up", (4, 7)), In("shexp_down", (7, 4)))
-    shared_f16 = O.MoeFFN(2, shared=True, shared_gated=False, shared_act_schemes=("f16", "f16"))
+    shared_f16 = MoeFFN(2, shared=True, shared_gated=False, shared_act_schemes=("f16", "f16"))
     cases += _both_t("moe_ffn", shared_f16, (X, *experts, *shexp))
     program = (
         ("binary", O.Binary("mul"), (0, 1)),
@@ -275,43 +288,43 @@ def _moe_routing_cases() -> list[Case]:
     cases = _both_t("topk", O.TopK(3), (X, In("payload", ("T", 7))))
     logits, bias = In("logits", ("T", 5)), In("bias", (5,))
     for gating in ("softmax", "sigmoid", "sqrt_softplus"):
-        route = O.MoeRoute(3, gating=gating, selection_bias=True, weights_scale=2.5)
+        route = MoeRoute(3, gating=gating, selection_bias=True, weights_scale=2.5)
         cases += _both_t("moe_route", route, (logits, bias))
-    cases += _both_t("moe_route", O.MoeRoute(2, normalize=False, gating="sigmoid"), (logits,))
+    cases += _both_t("moe_route", MoeRoute(2, normalize=False, gating="sigmoid"), (logits,))
     router, gate, up, down = In("router", (5, 7)), In("gate", (5, 3, 7)), In("up", (5, 3, 7)), In("down", (5, 7, 3))
-    clamped = O.MoeFFN(2, normalize=False, gating="sigmoid", selection_bias=True, weights_scale=1.5,
+    clamped = MoeFFN(2, normalize=False, gating="sigmoid", selection_bias=True, weights_scale=1.5,
                        act="swiglu_clamp", act_limit=0.7)
     cases += _both_t("moe_ffn", clamped, (X, router, bias, gate, up, down))
-    oai = O.MoeFFN(3, gating="sqrt_softplus", selection_bias=True, act="swiglu_oai")
+    oai = MoeFFN(3, gating="sqrt_softplus", selection_bias=True, act="swiglu_oai")
     cases += _both_t("moe_ffn", oai, (X, router, bias, gate, up, down))
     shared = (In("sh_gate", (4, 7)), In("sh_up", (4, 7)), In("sh_down", (7, 4)))
     one = In("s", (1,), "pos")
-    ungated = O.MoeFFN(2, normalize=False, gating="sigmoid", selection_bias=True, merged_gate_up=True,
+    ungated = MoeFFN(2, normalize=False, gating="sigmoid", selection_bias=True, merged_gate_up=True,
                        expert_scales=("down",), shared=True, shared_gated=False, shared_scales=("gate", "up", "down"))
     merged = (X, router, bias, In("gate_up", (5, 6, 7)), down, In("s_down", (5,), "pos"))
     cases += _both_t("moe_ffn", ungated, (*merged, *shared, one, one, one))
-    clamp_shared = O.MoeFFN(2, shared=True, shared_gated=False, shared_act="swiglu_clamp", shared_act_limit=0.5)
+    clamp_shared = MoeFFN(2, shared=True, shared_gated=False, shared_act="swiglu_clamp", shared_act_limit=0.5)
     cases += _both_t("moe_ffn", clamp_shared, (X, router, gate, up, down, *shared))
-    clamp_after = O.MoeFFN(2, normalize=False, gating="sigmoid", selection_bias=True, act="swiglu_clamp_after",
+    clamp_after = MoeFFN(2, normalize=False, gating="sigmoid", selection_bias=True, act="swiglu_clamp_after",
                            act_limit=0.3, shared=True, shared_gated=False, shared_act="swiglu_clamp_after",
                            shared_act_limit=0.25)
     cases += _both_t("moe_ffn", clamp_after, (X, router, bias, gate, up, down, *shared))
-    oai_shared = O.MoeFFN(2, act="swiglu_oai", shared=True, shared_act="swiglu_oai", shared_scales=("up",))
+    oai_shared = MoeFFN(2, act="swiglu_oai", shared=True, shared_act="swiglu_oai", shared_scales=("up",))
     cases += _both_t("moe_ffn", oai_shared, (X, router, gate, up, down, In("sh_gate_inp", (7,)), *shared, one))
     cases += _both_t("take_along", O.NoAttrs(), (X, In("ids", ("T", 3), "ids:7", "int32")))
     table, toks = In("tid2eid", (9, 2), "ids:5", "int32"), In("toks", ("T",), "ids:9", "int32")
-    hashed = O.MoeRoute(2, gating="sqrt_softplus", hash_routed=True, weights_scale=1.5)
+    hashed = MoeRoute(2, gating="sqrt_softplus", hash_routed=True, weights_scale=1.5)
     cases += _both_t("moe_route", hashed, (logits, table, toks))
-    hashed_ffn = O.MoeFFN(2, gating="sqrt_softplus", hash_routed=True, act="swiglu_clamp", act_limit=0.7)
+    hashed_ffn = MoeFFN(2, gating="sqrt_softplus", hash_routed=True, act="swiglu_clamp", act_limit=0.7)
     cases += _both_t("moe_ffn", hashed_ffn, (X, router, table, toks, gate, up, down))
     latent_experts = (In("gate", (5, 3, 4)), In("up", (5, 3, 4)), In("down", (5, 4, 3)))
     to_latent, from_latent = In("routed_down", (4, 7)), In("routed_up", (7, 4))
-    situ = O.MoeFFN(2, gating="sigmoid", selection_bias=True, latent=True, latent_norm=True, latent_norm_eps=1e-5,
+    situ = MoeFFN(2, gating="sigmoid", selection_bias=True, latent=True, latent_norm=True, latent_norm_eps=1e-5,
                     act="situ", act_limit=1.5, act_linear_beta=0.8, shared=True, shared_gated=False,
                     shared_act="situ", shared_act_limit=1.5, shared_act_linear_beta=0.8)
     cases += _both_t("moe_ffn", situ, (X, router, bias, *latent_experts, to_latent, In("routed_norm", (4,), "pos"),
                                        from_latent, *shared))
-    plain_latent = O.MoeFFN(2, latent=True, act="situ", act_limit=1.5)
+    plain_latent = MoeFFN(2, latent=True, act="situ", act_limit=1.5)
     cases += _both_t("moe_ffn", plain_latent, (X, router, *latent_experts, to_latent, from_latent))
     return cases
 

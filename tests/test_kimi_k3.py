@@ -36,7 +36,7 @@ from tests.support.arch_models import interpret_float64
 from tests.support.goldens import GOLDEN, eval_golden, skip_without_goldens
 from tests.support.linear_attention import worst_error_over_calls
 from tests.support.op_cases import MAX_TOKENS
-from tests.support.sparse_probes import decode_kernel_calls, nmse
+from tests.support.sparse_indexers import decode_kernel_calls, nmse
 
 FIXTURE = GOLDEN / "fixtures" / "kimi-k3-moe.gguf"
 needs_golden = skip_without_goldens(FIXTURE)

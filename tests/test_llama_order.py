@@ -21,7 +21,7 @@ from ggufc.codegen.cpu_int8 import block32 as Q8
 from ggufc.codegen.cpu_int8 import kquant as KQ
 from ggufc.codegen.cpu_int8.amx_gemm import AMX_GEMM_TYPES as KA_TILE_TYPES
 from ggufc.codegen.cpu_int8.isa import int8_isa
-from ggufc.codegen.formats import block_formats as Q
+from ggufc.codegen.formats.layout import dequantize_reference, layout_spec, repack
 from ggufc.codegen.kernels import attention as KA
 from ggufc.codegen.kernels.cpu_vector_math import swiglu
 from ggufc.codegen.target import cpu_target
@@ -68,11 +68,11 @@ def test_int8_matmul_is_llama_cpp_bit_for_bit(qtype: str, n: int, k: int, t: int
     rng = np.random.default_rng(n * k + t)
     raw = gguf.quants.quantize((rng.standard_normal((n, k)) * 0.05 + 0.01).astype(np.float32),
                                gguf.GGMLQuantizationType[qtype])
-    arrays = Q.repack(qtype, raw, (n, k))
+    arrays = repack(qtype, raw, (n, k))
     x = _activations(rng, t, k)
     y = aligned_zeros((t, n), np.float32)
     kernel = Q8.int8_gemv(qtype, n, k, target) if t == 1 else Q8.int8_gemm(qtype, n, k, target)
-    _build(kernel, target)(to_tvm(x), *(to_tvm(arrays[f]) for f, _, _ in Q.layout_spec(qtype, (n, k))), to_tvm(y))
+    _build(kernel, target)(to_tvm(x), *(to_tvm(arrays[f]) for f, _, _ in layout_spec(qtype, (n, k))), to_tvm(y))
     np.testing.assert_array_equal(y, G.matmul_q(qtype, raw, n, k, x))
 
 
@@ -98,7 +98,7 @@ def test_extreme_codes_do_not_saturate(qtype: str, target: tvm.target.Target) ->
         if high is not None:
             high[row] = 0 if low else 0xFF
     raw = raw.reshape(n, -1)
-    arrays = Q.repack(qtype, raw, (n, k))
+    arrays = repack(qtype, raw, (n, k))
     x = np.ones((t, k), np.float32)
     x[1, ::2] = -1  # alternating signs
     x[2] = -1
@@ -107,7 +107,7 @@ def test_extreme_codes_do_not_saturate(qtype: str, target: tvm.target.Target) ->
     y = aligned_zeros((t, n), np.float32)
     for tokens in (1, t):  # the GEMV, then the GEMM
         kernel = Q8.int8_gemv(qtype, n, k, target) if tokens == 1 else Q8.int8_gemm(qtype, n, k, target)
-        _build(kernel, target)(to_tvm(x[:tokens]), *(to_tvm(arrays[f]) for f, _, _ in Q.layout_spec(qtype, (n, k))),
+        _build(kernel, target)(to_tvm(x[:tokens]), *(to_tvm(arrays[f]) for f, _, _ in layout_spec(qtype, (n, k))),
                                to_tvm(y[:tokens]))
         want = G.matmul_q(qtype, raw, n, k, x[:tokens])
         np.testing.assert_array_equal(y[:tokens], want)
@@ -124,13 +124,13 @@ def test_int8_tile_gemm_256_bit_is_llama_cpp_bit_for_bit(qtype: str, target: tvm
     rng = np.random.default_rng(7)
     raw = gguf.quants.quantize((rng.standard_normal((n, k)) * 0.05 + 0.01).astype(np.float32),
                                gguf.GGMLQuantizationType[qtype])
-    arrays = Q.repack(qtype, raw, (n, k))
+    arrays = repack(qtype, raw, (n, k))
     x = _activations(rng, t, k)
     y = aligned_zeros((t, n), np.float32)
     isa = int8_isa(target)
     assert isa is not None
     kernel = Q8.int8_tile_gemm(qtype, n, k, isa)
-    _build(kernel, target)(to_tvm(x), *(to_tvm(arrays[f]) for f, _, _ in Q.layout_spec(qtype, (n, k))), to_tvm(y))
+    _build(kernel, target)(to_tvm(x), *(to_tvm(arrays[f]) for f, _, _ in layout_spec(qtype, (n, k))), to_tvm(y))
     np.testing.assert_array_equal(y, G.matmul_q(qtype, raw, n, k, x))
 
 
@@ -159,14 +159,14 @@ def test_kquant_int8_matmul_is_llama_cpp_bit_for_bit(qtype: str, n: int, k: int,
     first one sets the scale)."""
     rng = np.random.default_rng(n * k + t)
     raw = _k_blocks(qtype, n, k, rng)
-    arrays = Q.repack(qtype, raw, (n, k))
+    arrays = repack(qtype, raw, (n, k))
     x = (rng.standard_normal((t, k)) * rng.uniform(0.01, 10, (t, 1))).astype(np.float32)
     x[0, :256] = 0
     x[-1, 300 % k] = 90.0
     x[t // 2, 5], x[t // 2, 9] = -40.0, 40.0
     y = aligned_zeros((t, n), np.float32)
     kernel = Q8.int8_gemv(qtype, n, k, target) if t == 1 else Q8.int8_gemm(qtype, n, k, target)
-    _build(kernel, target)(to_tvm(x), *(to_tvm(arrays[f]) for f, _, _ in Q.layout_spec(qtype, (n, k))), to_tvm(y))
+    _build(kernel, target)(to_tvm(x), *(to_tvm(arrays[f]) for f, _, _ in layout_spec(qtype, (n, k))), to_tvm(y))
     np.testing.assert_array_equal(y, G.matmul_k_for(I.isa_name(target), qtype, raw, n, k, x))
 
 
@@ -178,7 +178,7 @@ def test_kquant_model_is_the_reference_matmul_up_to_rounding(qtype: str) -> None
     rng = np.random.default_rng(5)
     n, k = 8, 512
     raw = _k_blocks(qtype, n, k, rng)
-    w = Q.dequantize_reference(qtype, Q.repack(qtype, raw, (n, k)), (n, k)).astype(np.float64)
+    w = dequantize_reference(qtype, repack(qtype, raw, (n, k)), (n, k)).astype(np.float64)
     x = rng.standard_normal((3, k)).astype(np.float32)
     want = quantize_act_ref(x, "q8_K").astype(np.float64) @ w.T
     err = np.abs(G.matmul_k(qtype, raw, n, k, x) - want).max() / np.abs(want).max()
@@ -230,13 +230,13 @@ def _prompt_case(qtype: str, n: int, k: int, t: int, seed: int) -> tuple[np.ndar
     x = (rng.standard_normal((t, k)) * rng.uniform(0.01, 10, (t, 1))).astype(np.float32)
     x[0, 256:512] = 0
     x[-1, 300] = 90.0
-    return raw, Q.repack(qtype, raw, (n, k)), x
+    return raw, repack(qtype, raw, (n, k)), x
 
 
 def _run(kernel: tvm.tirx.PrimFunc, qtype: str, arrays: dict, x: np.ndarray, n: int,
          target: tvm.target.Target = TARGET) -> np.ndarray:
     y = aligned_zeros((x.shape[0], n), np.float32)
-    fields = (to_tvm(arrays[f]) for f, _, _ in Q.layout_spec(qtype, (n, x.shape[1])))
+    fields = (to_tvm(arrays[f]) for f, _, _ in layout_spec(qtype, (n, x.shape[1])))
     _build(kernel, target)(to_tvm(x), *fields, to_tvm(y))
     return y
 
@@ -253,7 +253,7 @@ def test_tile_gemm_is_the_reference_up_to_float_order(qtype: str, t: int) -> Non
     n, k = 48, 768
     raw, arrays, x = _prompt_case(qtype, n, k, t, t * 7 + len(qtype))
     y = _run(Q8.int8_gemm(qtype, n, k, TARGET, tiles=True), qtype, arrays, x, n)
-    w = Q.dequantize_reference(qtype, arrays, (n, k)).astype(np.float64)
+    w = dequantize_reference(qtype, arrays, (n, k)).astype(np.float64)
     acts = quantize_act_ref(x, ACT_SCHEME[qtype]).astype(np.float64)
     want = acts @ w.T
     if qtype in MIN_TYPES:  # the minimums meet the f16-rounded block sums, not the exact ones
@@ -276,7 +276,7 @@ def test_kquant_gemv_groups_and_residual_are_llama_cpp_bit_for_bit(qtype: str, t
     k, heights = 512, (12, 4, 8)
     x = (rng.standard_normal((1, k)) * 2).astype(np.float32)
     raws = [_k_blocks(qtype, n, k, rng) for n in heights]
-    mats = [[Q.repack(qtype, raw, (n, k))[f] for f, _, _ in Q.layout_spec(qtype, (n, k))]
+    mats = [[repack(qtype, raw, (n, k))[f] for f, _, _ in layout_spec(qtype, (n, k))]
             for n, raw in zip(heights, raws, strict=True)]
     want = [G.matmul_k_for(I.isa_name(target), qtype, raw, n, k, x) for n, raw in zip(heights, raws, strict=True)]
     for size in (1, 2, 3):

@@ -24,7 +24,7 @@ from ggufc.runtime import Session
 from ggufc.runtime.context import split_points
 from tests.support.arch_models import interpret_float64
 from tests.support.goldens import GOLDEN
-from tests.support.sparse_probes import decode_kernel_calls, nmse
+from tests.support.sparse_indexers import decode_kernel_calls, nmse
 
 FIXTURE = GOLDEN / "fixtures" / "minimax-01-moe.gguf"
 needs_golden = pytest.mark.skipif(not FIXTURE.exists(), reason=f"llama.cpp goldens not found at {GOLDEN}")

@@ -33,12 +33,12 @@ from ggufc.ir.graph import Graph, Node, Value
 from ggufc.ir.interp import init_state, run_graph
 from ggufc.passes.constant_fold import with_constants
 from ggufc.passes.pipeline import run_pipeline
-from tests.support import sparse_probes as SP
+from tests.support import sparse_indexers as SP
 from tests.support.arch_models import MINIMAX_M3_SPARSE_TOP_K, minimax_m3_tokens
 from tests.support.fixtures import write_fixture
-from tests.support.fixtures_msa import MSA_BLOCK, MSA_LOCAL, MSA_TOP_K
+from tests.support.fixtures_minimax_m3 import MSA_BLOCK, MSA_LOCAL, MSA_TOP_K
 from tests.support.goldens import GOLDEN, skip_without_goldens, with_metadata
-from tests.support.sparse_probes import Compiled, compile_probed, decode_kernel_calls, interpret, nmse
+from tests.support.sparse_indexers import Compiled, compile_probed, decode_kernel_calls, interpret, nmse
 
 DENSE = GOLDEN / "fixtures" / "minimax-m3-moe.gguf"
 needs_golden = skip_without_goldens(DENSE)

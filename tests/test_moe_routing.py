@@ -19,6 +19,7 @@ from ggufc.ir.builder import GraphBuilder
 from ggufc.ir.decompose import decompose
 from ggufc.ir.graph import Graph
 from ggufc.ir.interp import run_graph
+from ggufc.ir.moe_routing import MoeFFN, MoeRoute
 from ggufc.ir.moe_routing_spelled import topk_softmax_spelled
 from ggufc.ir.verify import verify
 from ggufc.passes.constant_fold import with_constants
@@ -42,7 +43,7 @@ def test_selection_uses_the_bias_and_the_weights_do_not() -> None:
     logits = np.array([[2.0, 1.0, -1.0, 0.0, -2.0]], np.float64)
     bias = np.array([0.0, 0.0, 0.0, 1.5, 0.0])
     p = 1 / (1 + np.exp(-logits[0]))
-    route = O.MoeRoute(2, gating="sigmoid", selection_bias=True, weights_scale=2.5)
+    route = MoeRoute(2, gating="sigmoid", selection_bias=True, weights_scale=2.5)
     w, ids = MR.moe_route_ref(logits, route, bias)
     assert set(ids[0].tolist()) == {0, 3}
     assert list(ids[0]) == [3, 0]  # descending by p + bias: 0.5 + 1.5 > 0.88
@@ -88,7 +89,7 @@ def test_hash_routing_reads_the_token_rows() -> None:
     logits = np.array([[0.5, -1.0, 2.0, 0.0], [1.0, 1.0, -3.0, 0.2]])
     table = np.array([[3, 1], [0, 2], [2, 3]], np.int32)
     tokens = np.array([2, 0], np.int32)
-    route = O.MoeRoute(2, gating="sqrt_softplus", hash_routed=True, weights_scale=1.5)
+    route = MoeRoute(2, gating="sqrt_softplus", hash_routed=True, weights_scale=1.5)
     w, ids = MR.moe_route_ref(logits, route, table, tokens)
     np.testing.assert_array_equal(ids, [[2, 3], [3, 1]])
     p = np.sqrt(np.log1p(np.exp(logits)))
@@ -100,43 +101,43 @@ def test_unknown_gating_is_refused_by_the_shape_rule() -> None:
     b = GraphBuilder()
     z = b.input("z", ("T", X), "float32")
     with pytest.raises(ValueError, match="unknown gating"):
-        b.emit_multi("moe_route", [z], O.MoeRoute(2, gating="tanh"), ["w", "ids"])
+        b.emit_multi("moe_route", [z], MoeRoute(2, gating="tanh"), ["w", "ids"])
     with pytest.raises(ValueError, match="bias"):
-        b.emit_multi("moe_route", [z], O.MoeRoute(2, selection_bias=True), ["w", "ids"])
+        b.emit_multi("moe_route", [z], MoeRoute(2, selection_bias=True), ["w", "ids"])
 
 
 # ---------------------------------------------------------------------------------------------
 # fusion: decomposition -> fuse_moe gives the node back
 
 
-VARIANTS: dict[str, O.MoeFFN] = {
-    "sigmoid-bias-scale-clamp": O.MoeFFN(2, normalize=False, gating="sigmoid", selection_bias=True,
+VARIANTS: dict[str, MoeFFN] = {
+    "sigmoid-bias-scale-clamp": MoeFFN(2, normalize=False, gating="sigmoid", selection_bias=True,
                                          weights_scale=1.5, act="swiglu_clamp", act_limit=0.7,
                                          expert_scales=("up",)),
-    "sqrt_softplus-bias-oai": O.MoeFFN(3, gating="sqrt_softplus", selection_bias=True, act="swiglu_oai"),
-    "softmax-scale": O.MoeFFN(2, weights_scale=2.0),
-    "merged-ungated-shared": O.MoeFFN(2, normalize=False, gating="sigmoid", selection_bias=True,
+    "sqrt_softplus-bias-oai": MoeFFN(3, gating="sqrt_softplus", selection_bias=True, act="swiglu_oai"),
+    "softmax-scale": MoeFFN(2, weights_scale=2.0),
+    "merged-ungated-shared": MoeFFN(2, normalize=False, gating="sigmoid", selection_bias=True,
                                       merged_gate_up=True, expert_scales=("down",), shared=True, shared_gated=False,
                                       shared_scales=("gate", "up", "down")),
-    "ungated-shared-clamp": O.MoeFFN(2, shared=True, shared_gated=False, shared_act="swiglu_clamp",
+    "ungated-shared-clamp": MoeFFN(2, shared=True, shared_gated=False, shared_act="swiglu_clamp",
                                      shared_act_limit=0.4),
-    "sigmoid-clamp_after-ungated-clamp_after": O.MoeFFN(2, gating="sigmoid", selection_bias=True,
+    "sigmoid-clamp_after-ungated-clamp_after": MoeFFN(2, gating="sigmoid", selection_bias=True,
                                                         act="swiglu_clamp_after", act_limit=0.3, shared=True,
                                                         shared_gated=False, shared_act="swiglu_clamp_after",
                                                         shared_act_limit=0.25),
-    "gated-shared-oai": O.MoeFFN(2, act="swiglu_oai", shared=True, shared_act="swiglu_oai", shared_scales=("up",)),
-    "gated-shared-plain": O.MoeFFN(2, shared=True),
-    "latent-norm-situ-shared": O.MoeFFN(2, gating="sigmoid", selection_bias=True, latent=True, latent_norm=True,
+    "gated-shared-oai": MoeFFN(2, act="swiglu_oai", shared=True, shared_act="swiglu_oai", shared_scales=("up",)),
+    "gated-shared-plain": MoeFFN(2, shared=True),
+    "latent-norm-situ-shared": MoeFFN(2, gating="sigmoid", selection_bias=True, latent=True, latent_norm=True,
                                         latent_norm_eps=1e-5, act="situ", act_limit=1.5, act_linear_beta=0.8,
                                         shared=True, shared_gated=False, shared_act="situ", shared_act_limit=1.5),
-    "latent-situ": O.MoeFFN(2, latent=True, act="situ", act_limit=4.0),
-    "hash-sqrt_softplus-clamp": O.MoeFFN(2, gating="sqrt_softplus", hash_routed=True, weights_scale=1.5,
+    "latent-situ": MoeFFN(2, latent=True, act="situ", act_limit=4.0),
+    "hash-sqrt_softplus-clamp": MoeFFN(2, gating="sqrt_softplus", hash_routed=True, weights_scale=1.5,
                                          act="swiglu_clamp", act_limit=0.7, shared=True, shared_gated=False),
 }
 V_TOKENS = 9
 
 
-def _input_shapes(a: O.MoeFFN) -> list[tuple[int, ...]]:
+def _input_shapes(a: MoeFFN) -> list[tuple[int, ...]]:
     shapes: list[tuple[int, ...]] = [(X, E)]
     shapes += [(X,)] if a.selection_bias else []
     d = L if a.latent else E
@@ -149,7 +150,7 @@ def _input_shapes(a: O.MoeFFN) -> list[tuple[int, ...]]:
     return shapes
 
 
-def _fused_graph(a: O.MoeFFN) -> tuple[Graph, dict[str, np.ndarray]]:
+def _fused_graph(a: MoeFFN) -> tuple[Graph, dict[str, np.ndarray]]:
     b = GraphBuilder()
     b.input("tokens", ("T",), "int32")
     b.input("pos", (), "int64")
@@ -216,7 +217,7 @@ def test_frontend_block_fuses_with_its_options() -> None:
               weights_scale=2.5, act="swiglu_clamp", act_limit=3.0)
     fused = fuse_moe(b.finish([y], {}))
     assert [n.op for n in fused.nodes] == ["moe_ffn"]
-    assert fused.nodes[0].attrs == O.MoeFFN(2, normalize=False, gating="sigmoid", selection_bias=True,
+    assert fused.nodes[0].attrs == MoeFFN(2, normalize=False, gating="sigmoid", selection_bias=True,
                                             weights_scale=2.5, act="swiglu_clamp", act_limit=3.0)
 
 
@@ -254,7 +255,7 @@ def test_frontend_latent_block_with_shared_expert_fuses() -> None:
             g = p(g)
         fused = dce(fuse_moe(g))
         assert [n.op for n in fused.nodes] == ["moe_ffn"]
-        assert fused.nodes[0].attrs == O.MoeFFN(
+        assert fused.nodes[0].attrs == MoeFFN(
             2, gating="sigmoid", selection_bias=True, act="situ", act_limit=4.0, act_linear_beta=25.0, latent=True,
             latent_norm=True, latent_norm_eps=1e-5, shared=True, shared_gated=False, shared_act="situ",
             shared_act_limit=4.0, shared_act_linear_beta=25.0)
@@ -441,13 +442,13 @@ def test_swiglu_oai_cpu_kernel_matches_the_reference() -> None:
     import tvm
 
     from ggufc.codegen.families.moe_routing import act_program
-    from ggufc.codegen.kernels import generic as K
+    from ggufc.codegen.kernels.elementwise import elementwise
     from ggufc.codegen.schedule import schedule_cpu
     from ggufc.codegen.target import resolve_target
 
     g, u = _oai_float32_inputs()
     shape = (tvm.tirx.IntImm("int64", g.size),)
-    func = schedule_cpu(K.elementwise([shape, shape], act_program("swiglu_oai", 0.0)))
+    func = schedule_cpu(elementwise([shape, shape], act_program("swiglu_oai", 0.0)))
     kernel = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}),
                          target=resolve_target("llvm"))["main"]
     out = tvm.runtime.empty(g.shape, "float32")

@@ -25,6 +25,7 @@ from ggufc.ir.interp import init_state, run_graph
 from ggufc.ir.onnx_export import OnnxError, storage_shape, to_onnx
 from ggufc.ir.onnx_import import constant_loader, import_onnx
 from ggufc.ir.printer import dump
+from ggufc.ir.sparse_indexers import IndexerTopK
 from ggufc.ir.verify import verify
 from ggufc.passes.pipeline import run_pipeline
 from tests.support.fixtures import full_options, write_fixture
@@ -312,7 +313,7 @@ def _selection_graph(ratio: int, width: int, n_blocks: int) -> Graph:
     b.input("tokens", ("T",), "int32")
     pos = b.input("pos", (), "int64")
     scores = b.input("scores", ("T", n_blocks + 1), "float32")
-    sel = b.emit("indexer_topk", [scores, pos], O.IndexerTopK(ratio, width), "sel")
+    sel = b.emit("indexer_topk", [scores, pos], IndexerTopK(ratio, width), "sel")
     return b.finish([b.emit("index_mask", [sel, pos], O.NoAttrs(), "mask")], {})
 
 

@@ -20,6 +20,8 @@ from ggufc.ir.builder import GraphBuilder
 from ggufc.ir.decompose import decompose
 from ggufc.ir.graph import Graph, Node, Value
 from ggufc.ir.interp import init_state, run_graph
+from ggufc.ir.moe_routing import MoeFFN
+from ggufc.ir.sparse_indexers import CompressorPool
 from ggufc.ir.sparse_indexers_spelled import compressor_pool_spelled
 from ggufc.ir.verify import verify
 from ggufc.passes.constant_fold import CONSTANTS_KEY, constant_fold, with_constants
@@ -262,7 +264,7 @@ def test_compressor_pool_fuses_its_spelling(ratio: int, overlap: bool) -> None:
     graph, arrays = _pool_graph(ratio, overlap)
     fused = fuse_compressor_pool(graph)
     assert hits_of(fused) == {"fuse_compressor_pool": 1}
-    assert [(n.op, n.attrs) for n in dce(fused).nodes] == [("compressor_pool", O.CompressorPool(ratio, overlap))]
+    assert [(n.op, n.attrs) for n in dce(fused).nodes] == [("compressor_pool", CompressorPool(ratio, overlap))]
     rng = np.random.default_rng(4)
     wide = 8 if overlap else 5
     feeds = {n: rng.standard_normal((4 * ratio, wide)).astype(np.float32) for n in ("kv", "score")}
@@ -311,7 +313,7 @@ def test_moe_fuses_into_one_node(scales: tuple[str, ...], gate: bool) -> None:
         verify(fused, ENV)
         assert [n.op for n in fused.nodes] == ["moe_ffn"]
         attrs = fused.nodes[0].attrs
-        assert attrs == O.MoeFFN(k=2, has_gate=gate, expert_scales=scales)
+        assert attrs == MoeFFN(k=2, has_gate=gate, expert_scales=scales)
         feeds = {"x": np.random.default_rng(1).standard_normal((7, 8)).astype(np.float32)}
         got, want = _run(fused, feeds, arrays)[0], _run(graph, feeds, arrays)[0]
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)

@@ -1,4 +1,4 @@
-"""Quantised weight layouts and CPU kernels (codegen/formats/block_formats.py) against gguf-py and numpy."""
+"""Quantised weight layouts and CPU kernels (codegen/formats/) against gguf-py and numpy."""
 
 from __future__ import annotations
 
@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 import tvm
 
-from ggufc.codegen.formats import block_formats as quant
+from ggufc.codegen.formats.cpu_schedules import qembed, qmatmul, qmatmul_experts, qmatmul_rows
+from ggufc.codegen.formats.layout import dequantize_reference, gguf_nbytes, layout_nbytes, layout_spec, repack
+from ggufc.codegen.formats.table import QTYPES, get_format
 from ggufc.codegen.target import cpu_target, host_cpu_name
 from ggufc.codegen.tvm_util import aligned_empty, aligned_zeros, is_aligned, to_tvm
 from tests.support.random_weights import K_QUANTS, make_raw
 
-QTYPES = quant.QTYPES
 RTOL = 1e-5  # of the output norm; f32 accumulation over K <= 512
 
 N_MAIN = 96  # layouts and embedding
@@ -29,14 +30,14 @@ def k_for(qtype: str) -> int:
     72 for float types exercises the 8-lane geometry."""
     if qtype in K_QUANTS:
         return 512
-    return 72 if quant.get_format(qtype).block == 1 else 96
+    return 72 if get_format(qtype).block == 1 else 96
 
 
 @functools.cache
 def weights(qtype: str, shape: tuple[int, ...]) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """(kernel-layout arrays, their f32 dequantisation)."""
-    arrays = quant.repack(qtype, make_raw(qtype, shape), shape)
-    return arrays, quant.dequantize_reference(qtype, arrays, shape)
+    arrays = repack(qtype, make_raw(qtype, shape), shape)
+    return arrays, dequantize_reference(qtype, arrays, shape)
 
 
 @functools.cache
@@ -47,12 +48,12 @@ def target() -> tvm.target.Target:
 @functools.cache
 def compiled(kind: str, qtype: str, *args: int) -> tvm.runtime.Executable:
     builders = {
-        "gemv": lambda n, k: quant.qmatmul(qtype, n, k, gemv=True),
-        "prefill": lambda n, k: quant.qmatmul(qtype, n, k, gemv=False),
-        "rows": lambda n, k: quant.qmatmul_rows(qtype, n, k),
-        "embed": lambda n, k: quant.qembed(qtype, n, k),
-        "experts_bcast": lambda x, n, k, s: quant.qmatmul_experts(qtype, x, n, k, s, x_per_slot=False),
-        "experts_slot": lambda x, n, k, s: quant.qmatmul_experts(qtype, x, n, k, s, x_per_slot=True),
+        "gemv": lambda n, k: qmatmul(qtype, n, k, gemv=True),
+        "prefill": lambda n, k: qmatmul(qtype, n, k, gemv=False),
+        "rows": lambda n, k: qmatmul_rows(qtype, n, k),
+        "embed": lambda n, k: qembed(qtype, n, k),
+        "experts_bcast": lambda x, n, k, s: qmatmul_experts(qtype, x, n, k, s, x_per_slot=False),
+        "experts_slot": lambda x, n, k, s: qmatmul_experts(qtype, x, n, k, s, x_per_slot=True),
     }
     return tvm.compile(builders[kind](*args), target=target())
 
@@ -79,9 +80,9 @@ def matmul_ref(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 def test_repack_matches_gguf_dequantize(qtype: str) -> None:
     shape = (3, 10, k_for(qtype))  # MoE-style leading dim
     raw = make_raw(qtype, shape, seed=1)
-    arrays = quant.repack(qtype, raw, shape)
+    arrays = repack(qtype, raw, shape)
     want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(shape)
-    got = quant.dequantize_reference(qtype, arrays, shape)
+    got = dequantize_reference(qtype, arrays, shape)
     assert got.dtype == np.float32 and got.shape == shape
     np.testing.assert_array_equal(got, want)
 
@@ -89,16 +90,16 @@ def test_repack_matches_gguf_dequantize(qtype: str) -> None:
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_layout_spec_and_size(qtype: str) -> None:
     shape = (N_MAIN, k_for(qtype))
-    arrays = quant.repack(qtype, make_raw(qtype, shape), shape)
-    spec = quant.layout_spec(qtype, shape)
+    arrays = repack(qtype, make_raw(qtype, shape), shape)
+    spec = layout_spec(qtype, shape)
     assert [name for name, _, _ in spec] == list(arrays)
     for name, spec_shape, dtype in spec:
         a = arrays[name]
         assert a.shape == spec_shape and a.dtype == np.dtype(dtype), name
         assert a.flags.c_contiguous and is_aligned(a), name
     n_bytes = sum(a.nbytes for a in arrays.values())
-    assert n_bytes == quant.layout_nbytes(qtype, shape)
-    assert n_bytes <= 1.1 * quant.gguf_nbytes(qtype, shape)
+    assert n_bytes == layout_nbytes(qtype, shape)
+    assert n_bytes <= 1.1 * gguf_nbytes(qtype, shape)
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
@@ -117,18 +118,18 @@ def test_repack_from_gguf_reader(qtype: str, tmp_path) -> None:
     tensor = gguf.GGUFReader(str(path)).tensors[0]
     logical = tuple(int(d) for d in reversed(tensor.shape.tolist()))
     assert logical == shape
-    arrays = quant.repack(qtype, tensor.data, logical)
+    arrays = repack(qtype, tensor.data, logical)
     want = gguf.quants.dequantize(np.asarray(tensor.data), qt).reshape(shape)
-    np.testing.assert_array_equal(quant.dequantize_reference(qtype, arrays, shape), want)
+    np.testing.assert_array_equal(dequantize_reference(qtype, arrays, shape), want)
 
 
 def test_repack_rejects_bad_input() -> None:
     with pytest.raises(ValueError):
-        quant.repack("Q4_0", np.zeros((4, 18), np.uint8), (4, 48))  # K not a multiple of 32
+        repack("Q4_0", np.zeros((4, 18), np.uint8), (4, 48))  # K not a multiple of 32
     with pytest.raises(ValueError):
-        quant.repack("Q4_0", np.zeros((4, 18), np.uint8), (4, 64))  # too few bytes
+        repack("Q4_0", np.zeros((4, 18), np.uint8), (4, 64))  # too few bytes
     with pytest.raises(NotImplementedError):
-        quant.layout_spec("IQ2_XS", (4, 256))
+        layout_spec("IQ2_XS", (4, 256))
 
 
 # --------------------------------------------------------------------------------------------
@@ -206,7 +207,7 @@ def test_experts(qtype: str, x_per_slot: bool) -> None:
 
 def test_prefill_single_compile_serves_all_lengths() -> None:
     """The prefill PrimFunc has a symbolic token count (one compile, any T)."""
-    func = quant.qmatmul("Q8_0", 8, 64, gemv=False)
+    func = qmatmul("Q8_0", 8, 64, gemv=False)
     x_shape = func.params[0].ty.shape  # TVM 0.27: params carry their BufferType
     assert not isinstance(x_shape[0], tvm.tirx.IntImm)
     assert all(str(d.ty) == "int64" for d in x_shape)
@@ -235,7 +236,7 @@ def test_cpu_target_names_the_real_cpu() -> None:
     assert t.kind.name == "llvm"
     assert str(t.attrs["mcpu"]) == host_cpu_name()  # the real CPU's name unless GGUFC_HOST_CPU sets one
     assert int(t.attrs["num-cores"]) == 2
-    assert math.isfinite(quant.layout_nbytes("Q4_K", (4, 256)))
+    assert math.isfinite(layout_nbytes("Q4_K", (4, 256)))
 
 
 def test_mxfp4_every_exponent_decodes_like_gguf() -> None:
@@ -247,8 +248,8 @@ def test_mxfp4_every_exponent_decodes_like_gguf() -> None:
     raw = blocks.reshape(n, -1)
     with np.errstate(over="ignore"):  # 2^127 * 12 is inf
         want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.MXFP4).reshape(n, k)
-    arrays = quant.repack("MXFP4", raw, (n, k))
-    np.testing.assert_array_equal(quant.dequantize_reference("MXFP4", arrays, (n, k)), want)
+    arrays = repack("MXFP4", raw, (n, k))
+    np.testing.assert_array_equal(dequantize_reference("MXFP4", arrays, (n, k)), want)
     ids = np.arange(n, dtype=np.int32)
     out = aligned_zeros((n, k), np.float32)
     compiled("embed", "MXFP4", n, k)(to_tvm(ids), *tvm_weights(arrays), to_tvm(out))

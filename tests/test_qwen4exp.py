@@ -20,12 +20,12 @@ from ggufc.frontend.load import LoadedModel, load_model
 from ggufc.ir import ngram_embedding as NG
 from ggufc.ir import sparse_indexers as SI
 from ggufc.passes.pipeline import run_pipeline
-from tests.support import sparse_probes as SP
+from tests.support import sparse_indexers as SP
 from tests.support.arch_models import qwen4exp_tokens
 from tests.support.fixtures import write_fixture
-from tests.support.fixtures_hyperconnected import INDEXER_TOP_K
+from tests.support.fixtures_qwen4exp import INDEXER_TOP_K
 from tests.support.goldens import GOLDEN, skip_without_goldens, with_metadata
-from tests.support.sparse_probes import Compiled, compile_probed, decode_kernel_calls, interpret, nmse
+from tests.support.sparse_indexers import Compiled, compile_probed, decode_kernel_calls, interpret, nmse
 
 DENSE = GOLDEN / "fixtures" / "qwen4exp-moe.gguf"
 needs_golden = skip_without_goldens(DENSE)

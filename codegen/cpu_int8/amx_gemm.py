@@ -233,7 +233,7 @@ def store_and_release(y, acc, jo, n_tiles, t_len):  # type: ignore[no-untyped-de
 
 
 def amx_gemm(qtype: str, n: int, k: int) -> tirx.PrimFunc:
-    """y [T, n] = x [T, k] @ W.T, the weights in codegen/formats/block_formats.py's layout: Q4_K (fields d, dmin,
+    """y [T, n] = x [T, k] @ W.T, the weights in codegen/formats/layout.py's layout: Q4_K (fields d, dmin,
     sc, mn, qs), Q6_K (ql, qh, sc, d), Q8_0 (d, qs), Q4_0 (d, qs) or Q4_1 (d, m, qs)."""
     if qtype in KQUANT_OPERANDS:
         return _kquant_gemm(qtype, n, k)

@@ -73,7 +73,8 @@ from ggufc.codegen.cpu_int8.parts import (
     slots,
     without_params,
 )
-from ggufc.codegen.formats.block_formats import i64, layout_spec
+from ggufc.codegen.formats.layout import layout_spec
+from ggufc.codegen.kernels.prim_helpers import i64
 from ggufc.ir.act_quant import ACT_BLOCK, SCHEME_BLOCK
 
 INT8_GEMV_TYPES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"})

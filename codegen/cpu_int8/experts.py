@@ -44,7 +44,7 @@ from ggufc.codegen.cpu_int8.kquant import (
     _row_steps,
     pair_tile,
 )
-from ggufc.codegen.formats.block_formats import layout_spec
+from ggufc.codegen.formats.layout import layout_spec
 from ggufc.codegen.target import UnsupportedOnTarget
 
 # the K-quants whose rows read 32-value activation sums (Q2_K reads 16-value ones; Q2_K and Q3_K

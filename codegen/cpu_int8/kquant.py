@@ -31,7 +31,7 @@ a prompt) or ggml_gemm_q4_K_8x8_q8_K (the first T - T % 4), one float lane per r
 
 The integer sums are the ones above, their lanes added in integers (vphaddd, four accumulators at
 once). The other instruction sets keep vec_dot's order. The layouts are
-codegen/formats/block_formats.py's: Q4_K's 32 bytes of a 64-value group hold sub-block 2g in their low nibbles
+codegen/formats/layout.py's: Q4_K's 32 bytes of a 64-value group hold sub-block 2g in their low nibbles
 and 2g+1 in their high ones, so one load gives 64 codes in value order; Q6_K's 128-value half
 takes two 32-byte runs of low nibbles and one of high bit pairs.
 
@@ -69,7 +69,7 @@ from ggufc.codegen.cpu_int8.kquant_lowbit import q2k_rows, q3k_rows
 from ggufc.codegen.cpu_int8.parts import mask32 as _mask
 from ggufc.codegen.cpu_int8.parts import pairs16 as _pairs
 from ggufc.codegen.cpu_int8.parts import scaled_pairs as _scaled
-from ggufc.codegen.formats.block_formats import layout_spec
+from ggufc.codegen.formats.layout import layout_spec
 
 VEC_DOT, REPACK_GEMV, REPACK_GEMM = "vec_dot", "repack_gemv", "repack_gemm"  # Q4_K's float orders
 KQUANT_GEMV_TYPES = frozenset({"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"})  # the weights with integer kernels here

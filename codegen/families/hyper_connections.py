@@ -26,12 +26,11 @@ from tvm.script import tirx as T
 
 from ggufc.codegen import kernel_keys as KK
 from ggufc.codegen.gpu.schedules import GpuKernel, mark_schedule
-from ggufc.codegen.kernels import generic as K
-from ggufc.codegen.kernels.generic import PShape, f32, func, i64
+from ggufc.codegen.kernels.elementwise import sigmoid
+from ggufc.codegen.kernels.prim_helpers import PShape, Symbols, f32, func, i64, with_root_block
 from ggufc.codegen.lower_context import FunctionContext, call_args, tensor_dims
-from ggufc.ir import ops as O
 from ggufc.ir.graph import Node
-from ggufc.ir.hyper_connections import HcSinkhorn
+from ggufc.ir.hyper_connections import HcPre, HcSinkhorn, ResMix
 
 NEG = -3.0e38  # a finite -inf: WGSL has no infinity literal
 
@@ -52,12 +51,12 @@ def hc_pre(streams: PShape, rank: int, n_hc: int, eps: float, post: bool) -> tir
     xn = te.compute((n, wide), lambda t, k: r[t, k // e, k % e] * rstd[t, k // e] * norm[k // e, k % e], name="xn")
     rk = te.reduce_axis((i64(0), wide), name="rk")
     lo = te.compute((n, i64(rank)), lambda t, j: te.sum(xn[t, rk] * down[j, rk], axis=rk), name="lo")
-    act = te.compute((n, i64(rank)), lambda t, j: lo[t, j] * f32(1.0 / n_hc) * K.sigmoid(lo[t, j] * f32(1.0 / n_hc)),
+    act = te.compute((n, i64(rank)), lambda t, j: lo[t, j] * f32(1.0 / n_hc) * sigmoid(lo[t, j] * f32(1.0 / n_hc)),
                      name="act")
     rr = te.reduce_axis((i64(0), i64(rank)), name="rr")
     gate = te.compute((n, wide), lambda t, k: te.sum(act[t, rr] * up[k, rr], axis=rr), name="gate")
     rc = te.reduce_axis((i64(0), hc), name="rc")
-    msum = te.compute((n, e), lambda t, j: te.sum(xn[t, rc * e + j] * K.sigmoid(gate[t, rc * e + j]), axis=rc),
+    msum = te.compute((n, e), lambda t, j: te.sum(xn[t, rc * e + j] * sigmoid(gate[t, rc * e + j]), axis=rc),
                       name="msum")
     mixed = te.compute((n, e), lambda t, j: msum[t, j] / f32(hc_i), name="mixed")
     if not post:
@@ -65,7 +64,7 @@ def hc_pre(streams: PShape, rank: int, n_hc: int, eps: float, post: bool) -> tir
     inject = te.placeholder((hc, wide), "float32", name="inject")
     rk2 = te.reduce_axis((i64(0), wide), name="rk2")
     inj = te.compute((n, hc), lambda t, c: te.sum(xn[t, rk2] * inject[c, rk2], axis=rk2), name="inj")
-    out_post = te.compute((n, hc), lambda t, c: f32(2.0) * K.sigmoid(inj[t, c] * f32(1.0 / n_hc)), name="post")
+    out_post = te.compute((n, hc), lambda t, c: f32(2.0) * sigmoid(inj[t, c] * f32(1.0 / n_hc)), name="post")
     return func([r, norm, down, up, inject, mixed, out_post])
 
 
@@ -109,13 +108,13 @@ def hc_sinkhorn(streams: PShape, a: HcSinkhorn) -> tirx.PrimFunc:
     rm = te.reduce_axis((i64(0), i64(wide)), name="rm")
     mixes = te.compute((n, i64(n_mix)), lambda t, m: te.sum(flat(t, rm) * rstd[t] * fn[m, rm], axis=rm), name="mixes")
     eps = f32(a.hc_eps)
-    pre = te.compute((n, hc), lambda t, h: K.sigmoid(mixes[t, h] * scale[0] + base[h]) + eps, name="pre")
+    pre = te.compute((n, hc), lambda t, h: sigmoid(mixes[t, h] * scale[0] + base[h]) + eps, name="pre")
     rh = te.reduce_axis((i64(0), hc), name="rh")
     mixed = te.compute((n, e), lambda t, j: te.sum(pre[t, rh] * r[t, rh, j], axis=rh), name="mixed")
     if not a.post:
         return func([r, fn, scale, base, mixed])
     hc2 = i64(2 * n_hc)
-    post = te.compute((n, hc), lambda t, h: f32(2.0) * K.sigmoid(mixes[t, h + hc] * scale[1] + base[h + hc]),
+    post = te.compute((n, hc), lambda t, h: f32(2.0) * sigmoid(mixes[t, h + hc] * scale[1] + base[h + hc]),
                       name="post")
 
     def logit(t: tirx.PrimExpr, s_: tirx.PrimExpr, d: tirx.PrimExpr) -> tirx.PrimExpr:
@@ -162,7 +161,7 @@ def hc_sinkhorn_gpu(n_hc: int, e: int, a: HcSinkhorn) -> tirx.PrimFunc:
     EPS, HC_EPS, WIDE_F = T.float32(a.eps), T.float32(a.hc_eps), T.float32(n_hc * e)
     NS, HC2 = T.int64(3 if a.post else 1), T.int64(2 * n_hc)
 
-    def sigmoid(x: Any) -> Any:
+    def sigmoid_f32(x: Any) -> Any:
         return T.float32(1) / (T.float32(1) + T.exp(-x))
 
     @T.macro
@@ -219,7 +218,7 @@ def hc_sinkhorn_gpu(n_hc: int, e: int, a: HcSinkhorn) -> tirx.PrimFunc:
     @T.macro
     def premix(r: Any, ms: Any, scale: Any, base: Any, mixed: Any, pre: Any, t: Any, tx: Any, rstd: Any) -> None:
         for h in range(HC):
-            pre[h] = sigmoid(ms[h] * rstd * scale[0] + base[h]) + HC_EPS
+            pre[h] = sigmoid_f32(ms[h] * rstd * scale[0] + base[h]) + HC_EPS
         for j0 in range((E + NT - T.int64(1)) // NT):
             if j0 * NT + tx < E:
                 pre[HC] = T.float32(0)
@@ -266,7 +265,7 @@ def hc_sinkhorn_gpu(n_hc: int, e: int, a: HcSinkhorn) -> tirx.PrimFunc:
         if tx == T.int64(0):
             sinkhorn(ms, scale, base, cm, st, T.float32(1) / T.sqrt(ms[NM] / WIDE_F + EPS))
             for h in range(HC):
-                post[t, h] = T.float32(2) * sigmoid(
+                post[t, h] = T.float32(2) * sigmoid_f32(
                     ms[HC + h] * (T.float32(1) / T.sqrt(ms[NM] / WIDE_F + EPS)) * scale[1] + base[HC + h])
             for i in range(HC * HC):
                 comb[t, i // HC, i % HC] = cm[i]
@@ -299,7 +298,7 @@ def hc_post_comb_gpu(n_hc: int, e: int) -> tirx.PrimFunc:
             out[idx // (HC * E), idx // E % HC, idx % E] = post[idx // (HC * E), idx // E % HC] * y[
                 idx // (HC * E), idx % E] + acc[0]
 
-    return K.with_root_block(hc_post_comb_gpu)
+    return with_root_block(hc_post_comb_gpu)
 
 
 def res_mix(src_shape: PShape, eps: float) -> tirx.PrimFunc:
@@ -330,25 +329,25 @@ def res_mix(src_shape: PShape, eps: float) -> tirx.PrimFunc:
 
 
 def _res_mix(fc: FunctionContext, node: Node) -> list[Any]:
-    a: O.ResMix = node.attrs
+    a: ResMix = node.attrs
     key = KK.OpKernel("res_mix", a, tensor_dims(fc, node))
-    return fc.call(key, lambda: res_mix(fc.kernel_shape(node.inputs[0], K.Symbols()), a.eps), call_args(fc, node),
+    return fc.call(key, lambda: res_mix(fc.kernel_shape(node.inputs[0], Symbols()), a.eps), call_args(fc, node),
                    node.outputs, node.outputs[0].name)
 
 
 def _hc_pre(fc: FunctionContext, node: Node) -> list[Any]:
-    a: O.HcPre = node.attrs
+    a: HcPre = node.attrs
     r, _norm, down = node.inputs[:3]
     rank = int(down.shape[0])
     key = KK.OpKernel("hc_pre", a, tensor_dims(fc, node))
-    return fc.call(key, lambda: hc_pre(fc.kernel_shape(r, K.Symbols()), rank, a.n_hc, a.eps, a.post),
+    return fc.call(key, lambda: hc_pre(fc.kernel_shape(r, Symbols()), rank, a.n_hc, a.eps, a.post),
                    call_args(fc, node), node.outputs, node.outputs[0].name)
 
 
 def _hc_sinkhorn(fc: FunctionContext, node: Node) -> list[Any]:
     a: HcSinkhorn = node.attrs
     key = KK.OpKernel("hc_sinkhorn", a, tensor_dims(fc, node))
-    return fc.call(key, lambda: hc_sinkhorn(fc.kernel_shape(node.inputs[0], K.Symbols()), a),
+    return fc.call(key, lambda: hc_sinkhorn(fc.kernel_shape(node.inputs[0], Symbols()), a),
                    call_args(fc, node), node.outputs, node.outputs[0].name)
 
 
@@ -356,7 +355,7 @@ def _hc_post(fc: FunctionContext, node: Node) -> list[Any]:
     r = node.inputs[0]
     comb = bool(node.attrs.comb)
     key = KK.OpKernel("hc_post", comb or None, tensor_dims(fc, node))
-    return fc.call(key, lambda: hc_post(fc.kernel_shape(r, K.Symbols()), comb), call_args(fc, node), node.outputs,
+    return fc.call(key, lambda: hc_post(fc.kernel_shape(r, Symbols()), comb), call_args(fc, node), node.outputs,
                    node.outputs[0].name)
 
 

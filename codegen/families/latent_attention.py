@@ -16,8 +16,8 @@ from typing import Any
 from tvm import te, tirx
 
 from ggufc.codegen import kernel_keys as KK
-from ggufc.codegen.formats import block_formats as Q
-from ggufc.codegen.kernels import generic as K
+from ggufc.codegen.formats.cpu_schedules import qmatmul_experts
+from ggufc.codegen.kernels.prim_helpers import func, i64
 from ggufc.codegen.lower_context import FunctionContext, weight_args
 from ggufc.ir.graph import Node
 
@@ -25,8 +25,8 @@ from ggufc.ir.graph import Node
 def head_ids(n_head: int) -> tirx.PrimFunc:
     """`(ids [T, H] int32)`: ids[t, h] = h, the slot-to-matrix map of a per-head matmul."""
     n = tirx.Var("n", "int64")
-    ids = te.compute((n, K.i64(n_head)), lambda t, h: h.astype("int32"), name="ids")
-    return K.func([ids])
+    ids = te.compute((n, i64(n_head)), lambda t, h: h.astype("int32"), name="ids")
+    return func([ids])
 
 
 def _head_matmul(fc: FunctionContext, node: Node) -> list[Any]:
@@ -34,9 +34,9 @@ def _head_matmul(fc: FunctionContext, node: Node) -> list[Any]:
     qtype, (n_head, n, k), arrays = weight_args(fc, w)
     t = fc.dim(x.shape[0])
     ids = fc.call_temp(KK.OpKernel("head_ids", n_head, ()), lambda: head_ids(n_head), [],
-                       [([t, K.i64(n_head)], "int32")], f"{node.outputs[0].name}_ids")[0]
+                       [([t, i64(n_head)], "int32")], f"{node.outputs[0].name}_ids")[0]
     key = KK.ExpertMatmul(qtype, n_head, n, k, n_head, True)
-    return fc.call(key, lambda: Q.qmatmul_experts(qtype, n_head, n, k, n_head, x_per_slot=True),
+    return fc.call(key, lambda: qmatmul_experts(qtype, n_head, n, k, n_head, x_per_slot=True),
                    [fc.value(x), ids, *arrays], node.outputs, node.outputs[0].name)
 
 

@@ -44,10 +44,10 @@ from tvm.script import tirx as T
 from ggufc.codegen import kernel_keys as KK
 from ggufc.codegen.gpu.schedules import GpuKernel, mark_schedule
 from ggufc.codegen.kernels.cpu_vector_math import expf8
-from ggufc.codegen.kernels.generic import PShape, Symbols, f32, func, i64
+from ggufc.codegen.kernels.prim_helpers import PShape, Symbols, f32, func, i64
 from ggufc.codegen.lower_context import FunctionContext, tensor_dims, tensor_type
-from ggufc.ir import ops as O
 from ggufc.ir.graph import Node
+from ggufc.ir.linear_attention import GatedDeltaNet, LightningAttention, SsmConv
 
 LANES = 8  # partial sums per dot product (one AVX2 register of f32)
 ROW_BLOCK = 32  # state rows per parallel task of gated_delta_net
@@ -653,14 +653,14 @@ def _state_scan(fc: FunctionContext, node: Node, key: KK.KernelKey, make: Callab
 
 def _ssm_conv(fc: FunctionContext, node: Node) -> list[Any]:
     n_ch, k = (int(d) for d in node.inputs[2].shape)
-    a: O.SsmConv = node.attrs
+    a: SsmConv = node.attrs
     return _state_scan(fc, node, KK.CausalConv(n_ch, k, a.dilation), lambda: ssm_conv(n_ch, k, a.dilation))
 
 
 def _gated_delta_net(fc: FunctionContext, node: Node) -> list[Any]:
     hv, dv, dk = (int(d) for d in node.inputs[0].shape)
     hk = int(node.inputs[1].shape[1])
-    a: O.GatedDeltaNet = node.attrs
+    a: GatedDeltaNet = node.attrs
     # Only KDA (a decay per key index, Dk exps per token in the recurrence) takes the chunked form
     # for long calls. With one decay per head the recurrence is faster: on qwen35's shapes (Hv 12,
     # Dk = Dv 128), 128 tokens and 2 threads the chunked form took 1.8x its time, and several times
@@ -672,7 +672,7 @@ def _gated_delta_net(fc: FunctionContext, node: Node) -> list[Any]:
 
 def _lightning_attention(fc: FunctionContext, node: Node) -> list[Any]:
     h, dk, dv = (int(d) for d in node.inputs[0].shape)
-    a: O.LightningAttention = node.attrs
+    a: LightningAttention = node.attrs
     return _state_scan(fc, node, KK.LightningScan(h, dk, dv, a),
                        lambda: lightning_attention(h, dk, dv, a.slopes, a.layer_scale))
 

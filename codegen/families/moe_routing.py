@@ -26,13 +26,17 @@ from tvm import relax, te, tirx
 from ggufc.codegen import kernel_keys as KK
 from ggufc.codegen.cpu_int8 import block32 as Q8
 from ggufc.codegen.cpu_int8 import experts as E8
-from ggufc.codegen.formats import block_formats as Q
-from ggufc.codegen.kernels import generic as K
-from ggufc.codegen.kernels.generic import PShape, func, i64
+from ggufc.codegen.formats.cpu_schedules import qmatmul_experts
+from ggufc.codegen.kernels.elementwise import elementwise, elementwise_step, sigmoid
+from ggufc.codegen.kernels.movement import gather_f32
+from ggufc.codegen.kernels.prim_helpers import PShape, Symbols, f32, func, i64
+from ggufc.codegen.kernels.reductions import rms_norm, softmax
+from ggufc.codegen.kernels.selection import select_among, topk
 from ggufc.codegen.lower_context import GPU_KINDS, FunctionContext, weight_args
 from ggufc.ir import moe_routing as MRef
 from ggufc.ir import ops as O
 from ggufc.ir.graph import Dim, Node, Value
+from ggufc.ir.moe_routing import MoeFFN, MoeRoute, moe_inputs
 
 Step = tuple[str, Any, tuple[int, ...]]
 MUL = O.Binary("mul")
@@ -88,7 +92,7 @@ def swiglu_halves(act_shape: PShape) -> tirx.PrimFunc:
     """Args (y [T, k, 2F], act [T, k, F]): silu(y[..., :F]) * y[..., F:]."""
     n, k, f = act_shape
     y = te.placeholder((n, k, f * i64(2)), "float32", name="y")
-    act = te.compute(act_shape, lambda t, s, j: y[t, s, j] * K.sigmoid(y[t, s, j]) * y[t, s, j + f], name="act")
+    act = te.compute(act_shape, lambda t, s, j: y[t, s, j] * sigmoid(y[t, s, j]) * y[t, s, j + f], name="act")
     return func([y, act])
 
 
@@ -100,7 +104,7 @@ def act_halves(act_shape: PShape, program: O.FusedElementwise) -> tirx.PrimFunc:
     def body(t: tirx.PrimExpr, s: tirx.PrimExpr, j: tirx.PrimExpr) -> tirx.PrimExpr:
         vals = [y[t, s, j], y[t, s, j + f]]
         for op, attrs, operands in program.program:
-            vals.append(K._step(op, attrs, [vals[i] for i in operands]))
+            vals.append(elementwise_step(op, attrs, [vals[i] for i in operands]))
         return vals[-1]
 
     return func([y, te.compute(act_shape, body, name="act")])
@@ -109,7 +113,7 @@ def act_halves(act_shape: PShape, program: O.FusedElementwise) -> tirx.PrimFunc:
 def _elementwise_temp(fc: FunctionContext, prog: O.FusedElementwise, args: list[Any], dims: list[tuple[Any, ...]],
                       out_shape: list[Any], name: str) -> Any:
     key = KK.OpKernel("elementwise", prog, tuple(dims))
-    return fc.call_temp(key, lambda: K.elementwise([K.Symbols().shape(d) for d in dims], prog), args,
+    return fc.call_temp(key, lambda: elementwise([Symbols().shape(d) for d in dims], prog), args,
                         [(out_shape, "float32")], name)[0]
 
 
@@ -120,7 +124,7 @@ def _elementwise_temp(fc: FunctionContext, prog: O.FusedElementwise, args: list[
 def _gate_probs(fc: FunctionContext, logits: Any, dims: tuple[Dim, ...], gating: str, tag: str) -> Any:
     shape = [fc.dim(d) for d in dims]
     if gating == "softmax":
-        return fc.call_temp(KK.OpKernel("softmax", None, (dims,)), lambda: K.softmax(K.Symbols().shape(dims)),
+        return fc.call_temp(KK.OpKernel("softmax", None, (dims,)), lambda: softmax(Symbols().shape(dims)),
                             [logits], [(shape, "float32")], f"{tag}_probs")[0]
     steps: dict[str, tuple[Step, ...]] = {
         "sigmoid": (("unary", O.Unary("sigmoid"), (0,)),),
@@ -143,7 +147,7 @@ def _take_along(fc: FunctionContext, node: Node) -> list[Any]:
     x, ids = node.inputs
     k = int(ids.shape[-1])
     key = KK.OpKernel("take_along", k, (fc.kernel_key_dims(x),))
-    return fc.call(key, lambda: take_along(fc.kernel_shape(x, K.Symbols()), k), [fc.value(x), fc.value(ids)],
+    return fc.call(key, lambda: take_along(fc.kernel_shape(x, Symbols()), k), [fc.value(x), fc.value(ids)],
                    node.outputs, node.outputs[0].name)
 
 
@@ -151,37 +155,37 @@ def _hashed_ids(fc: FunctionContext, table: Value, tokens: Value, tag: str) -> A
     """table[tokens] -> [T, k] int32 (llama.cpp's ffn_gate_tid2eid rows of the call's tokens)."""
     tdims, idims = tuple(int(d) for d in table.shape), fc.kernel_key_dims(tokens)
     return fc.call_temp(KK.OpKernel("gather", "int32", (tdims, idims)),
-                        lambda: K.gather_f32(K.Symbols().shape(tdims), K.Symbols().shape(idims), "int32"),
-                        [fc.value(table), fc.value(tokens)], [([fc.dim(idims[0]), K.i64(tdims[1])], "int32")],
+                        lambda: gather_f32(Symbols().shape(tdims), Symbols().shape(idims), "int32"),
+                        [fc.value(table), fc.value(tokens)], [([fc.dim(idims[0]), i64(tdims[1])], "int32")],
                         f"{tag}_ids")[0]
 
 
-def route(fc: FunctionContext, logits: Any, dims: tuple[Dim, ...], a: O.MoeRoute | O.MoeFFN, extra: list[Value],
+def route(fc: FunctionContext, logits: Any, dims: tuple[Dim, ...], a: MoeRoute | MoeFFN, extra: list[Value],
           tag: str) -> tuple[Any, Any]:
     """(weights, ids) of a [T, X] logits expression: gating, top-k (of probs + bias when biased,
     the weights then the unbiased probs at the chosen ids) or, hash-routed, the table rows of the
     tokens with the probs at them; renormalise, scale. `extra`: [bias] or [table, tokens] or []."""
     shape = [fc.dim(d) for d in dims]
     probs = _gate_probs(fc, logits, dims, a.gating, tag)
-    sel_shape = [shape[0], K.i64(a.k)]
+    sel_shape = [shape[0], i64(a.k)]
     outs = [(sel_shape, "float32"), (sel_shape, "int32")]
     bias = extra[0] if a.selection_bias else None
     if a.hash_routed:
         ids = _hashed_ids(fc, extra[0], extra[1], tag)
-        w = fc.call_temp(KK.OpKernel("take_along", a.k, (dims,)), lambda: take_along(K.Symbols().shape(dims), a.k),
+        w = fc.call_temp(KK.OpKernel("take_along", a.k, (dims,)), lambda: take_along(Symbols().shape(dims), a.k),
                          [probs, ids], [outs[0]], f"{tag}_topk")[0]
     elif bias is None:
-        w, ids = fc.call_temp(KK.OpKernel("topk", a.k, (dims,)), lambda: K.topk(K.Symbols().shape(dims), a.k),
+        w, ids = fc.call_temp(KK.OpKernel("topk", a.k, (dims,)), lambda: topk(Symbols().shape(dims), a.k),
                               [probs], outs, f"{tag}_topk")
     else:
         add = O.FusedElementwise((("binary", O.Binary("add"), (0, 1)),), 2)
         sel = _elementwise_temp(fc, add, [probs, fc.value(bias)], [dims, (dims[-1],)], shape, f"{tag}_sel")
         w, ids = fc.call_temp(KK.OpKernel("topk", (a.k, "payload"), (dims,)),
-                              lambda: K.topk(K.Symbols().shape(dims), a.k, True), [sel, probs], outs, f"{tag}_topk")
+                              lambda: topk(Symbols().shape(dims), a.k, True), [sel, probs], outs, f"{tag}_topk")
     wdims = (dims[0], a.k)
     if a.normalize:
         w = fc.call_temp(KK.OpKernel("moe_normalize", a.norm_clamp, (wdims,)),
-                         lambda: K.moe_normalize(K.Symbols().shape(wdims), a.norm_clamp),
+                         lambda: moe_normalize(Symbols().shape(wdims), a.norm_clamp),
                          [w], [(sel_shape, "float32")], f"{tag}_weights")[0]
     if a.weights_scale != 1.0:
         scale = O.FusedElementwise((("scalar", O.Scalar("mul", a.weights_scale), (0,)),), 1)
@@ -216,7 +220,7 @@ def topk_softmax(shape: PShape, k: int, biased: bool, f64_sum: bool) -> tirx.Pri
 
     for _ in range(k):
         chosen.append(pick(tuple(chosen)))
-    ids = te.compute((n, i64(k)), lambda t, s: K._select_among(chosen, [t], s), name="ids")
+    ids = te.compute((n, i64(k)), lambda t, s: select_among(chosen, [t], s), name="ids")
     top = te.compute((n, i64(k)), lambda t, s: z[t, ids[t, s].astype("int64")], name="top")
     ex = te.compute((n, i64(k)), lambda t, s: te.exp(top[t, s] - top[t, i64(0)]), name="ex")
     acc = "float64" if f64_sum else "float32"
@@ -233,12 +237,12 @@ def _moe_topk_softmax(fc: FunctionContext, node: Node) -> list[Any]:
     dims = fc.kernel_key_dims(logits)
     f64_sum = fc.mb.target.kind.name == "llvm"
     key = KK.OpKernel("moe_topk_softmax", (a, f64_sum), (dims,))
-    return fc.call(key, lambda: topk_softmax(K.Symbols().shape(dims), a.k, a.biased, f64_sum),
+    return fc.call(key, lambda: topk_softmax(Symbols().shape(dims), a.k, a.biased, f64_sum),
                    [fc.value(v) for v in node.inputs], node.outputs, node.outputs[0].name)
 
 
 def _moe_route(fc: FunctionContext, node: Node) -> list[Any]:
-    a: O.MoeRoute = node.attrs
+    a: MoeRoute = node.attrs
     logits = node.inputs[0]
     return list(route(fc, fc.value(logits), fc.kernel_key_dims(logits), a, list(node.inputs[1:]),
                       node.outputs[0].name))
@@ -250,8 +254,8 @@ def _moe_route(fc: FunctionContext, node: Node) -> list[Any]:
 
 def _moe_ffn(fc: FunctionContext, node: Node) -> list[Any]:
     """Router matmul, routing, the selected experts' activation, weighted sum [+ shared expert]."""
-    a: O.MoeFFN = node.attrs
-    named = O.moe_inputs(node.inputs, a)
+    a: MoeFFN = node.attrs
+    named = moe_inputs(node.inputs, a)
     x, router, down, scales = named["x"], named["router"], named["down"], named["scales"]
     gate, up = named.get("gate"), named["gate_up" if a.merged_gate_up else "up"]
     t_dim = fc.kernel_key_dims(x)[0]
@@ -259,7 +263,7 @@ def _moe_ffn(fc: FunctionContext, node: Node) -> list[Any]:
     e = int(x.shape[1])
     rq, (n_exp, _), rarr = weight_args(fc, router)
     logits = fc.call_temp(*fc.weight_matmul(rq, n_exp, e, x.shape[0]), [fc.value(x), *rarr],
-                          [([t, K.i64(n_exp)], "float32")], "ffn_moe_logits")[0]
+                          [([t, i64(n_exp)], "float32")], "ffn_moe_logits")[0]
     extra = [named["bias"]] if a.selection_bias else [named["hash_table"], named["tokens"]] if a.hash_routed else []
     w, ids = route(fc, logits, (t_dim, n_exp), a, extra, "ffn_moe")
     in_scheme, down_scheme = a.act_schemes
@@ -271,19 +275,19 @@ def _moe_ffn(fc: FunctionContext, node: Node) -> list[Any]:
         x_in, e_in = _project(fc, x_in, named["latent_down"], x.shape[0], "ffn_moe_latent_in")
     int8_in = all(_int8_experts(fc, wv, in_scheme) for wv in (up, *([gate] if gate is not None else [])))
     int8_down = _int8_experts(fc, down, down_scheme)
-    xe = x_in if int8_in else _round_temp(fc, x_in, (t_dim, e_in), [t, K.i64(e_in)], in_scheme, "ffn_moe_in_q")
-    x3 = fc.bb.emit(relax.op.reshape(xe, [t, K.i64(1), K.i64(e_in)]))
+    xe = x_in if int8_in else _round_temp(fc, x_in, (t_dim, e_in), [t, i64(e_in)], in_scheme, "ffn_moe_in_q")
+    x3 = fc.bb.emit(relax.op.reshape(xe, [t, i64(1), i64(e_in)]))
 
     def experts(inp: Any, wv: Value, per_slot: bool, kind: str, int8: bool) -> Any:
         qtype, (_, n, k), arrays = weight_args(fc, wv)
-        out = [([t, K.i64(a.k), K.i64(n)], "float32")]
+        out = [([t, i64(a.k), i64(n)], "float32")]
         if int8:  # the kernel rounds its input rows itself
             ikey = KK.Int8ExpertMatmul(qtype, n_exp, n, k, a.k, per_slot)
             y = fc.call_temp(ikey, lambda: E8.int8_experts(qtype, n_exp, n, k, a.k, per_slot, fc.mb.target),
                              [inp, ids, *arrays], out, f"ffn_moe_{kind}")[0]
         else:
             key = KK.ExpertMatmul(qtype, n_exp, n, k, a.k, per_slot)
-            y = fc.call_temp(key, lambda: Q.qmatmul_experts(qtype, n_exp, n, k, a.k, x_per_slot=per_slot),
+            y = fc.call_temp(key, lambda: qmatmul_experts(qtype, n_exp, n, k, a.k, x_per_slot=per_slot),
                              [inp, ids, *arrays], out, f"ffn_moe_{kind}")[0]
         if kind in scales:
             y = _scale_by_expert(fc, y, scales[kind], ids, (t_dim, a.k, n), kind)
@@ -292,7 +296,7 @@ def _moe_ffn(fc: FunctionContext, node: Node) -> list[Any]:
     up_y = experts(x3, up, False, "gate_up" if a.merged_gate_up else "up", int8_in)
     hidden = int(up.shape[1]) // (2 if a.merged_gate_up else 1)
     act_dims = (t_dim, a.k, hidden)
-    act_shape = [t, K.i64(a.k), K.i64(hidden)]
+    act_shape = [t, i64(a.k), i64(hidden)]
     if a.merged_gate_up:
         act = _merged_gate_up_act(fc, up_y, act_dims, act_shape, a)
     elif gate is not None:
@@ -308,12 +312,12 @@ def _moe_ffn(fc: FunctionContext, node: Node) -> list[Any]:
     dims = (t_dim, a.k, e_in)
     if a.shared or a.latent:
         routed = fc.call_temp(KK.OpKernel("weighted_sum", None, (dims,)),
-                              lambda: K.weighted_sum(K.Symbols().shape(dims), True),
-                              [down_y, w], [([t, K.i64(e_in)], "float32")], "ffn_moe_routed")[0]
+                              lambda: weighted_sum(Symbols().shape(dims), True),
+                              [down_y, w], [([t, i64(e_in)], "float32")], "ffn_moe_routed")[0]
         if a.latent:
             routed = _latent_out(fc, node, named, routed, t_dim)
         return shared_expert(fc, node, named, routed) if a.shared else [routed]
-    return fc.call(KK.OpKernel("weighted_sum", None, (dims,)), lambda: K.weighted_sum(K.Symbols().shape(dims), True),
+    return fc.call(KK.OpKernel("weighted_sum", None, (dims,)), lambda: weighted_sum(Symbols().shape(dims), True),
                    [down_y, w], node.outputs, node.outputs[0].name)
 
 
@@ -329,20 +333,20 @@ def _int8_experts(fc: FunctionContext, wv: Value, scheme: str) -> bool:
 def _project(fc: FunctionContext, v: Any, w: Value, t_dim: Dim, name: str) -> tuple[Any, int]:
     """v @ W.T with the weight's matmul kernel -> ([T, N], N)."""
     qtype, (n, k), arrays = weight_args(fc, w)
-    out = fc.call_temp(*fc.weight_matmul(qtype, n, k, t_dim), [v, *arrays], [([fc.dim(t_dim), K.i64(n)], "float32")],
+    out = fc.call_temp(*fc.weight_matmul(qtype, n, k, t_dim), [v, *arrays], [([fc.dim(t_dim), i64(n)], "float32")],
                        name)[0]
     return out, n
 
 
 def _latent_out(fc: FunctionContext, node: Node, named: dict[str, Any], y: Any, t_dim: Dim) -> Any:
     """A latent MoE's routed sum [T, L] -> [rmsnorm(., routed_norm)] @ routed_up.T [T, E]."""
-    a: O.MoeFFN = node.attrs
+    a: MoeFFN = node.attrs
     if a.latent_norm:
         dims = (t_dim, int(named["latent_norm"].shape[0]))
         llvm = fc.mb.target.kind.name == "llvm"
         y = fc.call_temp(KK.OpKernel("rms_norm", O.RMSNorm(a.latent_norm_eps), (dims, dims[1:])),
-                         lambda: K.rms_norm(K.Symbols().shape(dims), True, a.latent_norm_eps, llvm),
-                         [y, fc.value(named["latent_norm"])], [([fc.dim(t_dim), K.i64(dims[1])], "float32")],
+                         lambda: rms_norm(Symbols().shape(dims), True, a.latent_norm_eps, llvm),
+                         [y, fc.value(named["latent_norm"])], [([fc.dim(t_dim), i64(dims[1])], "float32")],
                          "ffn_moe_latent_norm")[0]
     if a.shared:
         return _project(fc, y, named["latent_up"], t_dim, "ffn_moe_latent_out")[0]
@@ -351,15 +355,15 @@ def _latent_out(fc: FunctionContext, node: Node, named: dict[str, Any], y: Any, 
 
 
 def _merged_gate_up_act(fc: FunctionContext, y: Any, act_dims: tuple[Any, ...], act_shape: list[Any],
-                        a: O.MoeFFN) -> Any:
+                        a: MoeFFN) -> Any:
     """act(y[..., :F], y[..., F:]) of the merged gate_up experts' output [T, k, 2F]."""
     if a.act == "swiglu":
         return fc.call_temp(KK.OpKernel("swiglu_halves", None, (act_dims,)),
-                            lambda: swiglu_halves(K.Symbols().shape(act_dims)), [y],
+                            lambda: swiglu_halves(Symbols().shape(act_dims)), [y],
                             [(act_shape, "float32")], "ffn_moe_act")[0]
     prog = act_program(a.act, a.act_limit, a.act_linear_beta)
     return fc.call_temp(KK.OpKernel("act_halves", prog, (act_dims,)),
-                        lambda: act_halves(K.Symbols().shape(act_dims), prog), [y],
+                        lambda: act_halves(Symbols().shape(act_dims), prog), [y],
                         [(act_shape, "float32")], "ffn_moe_act")[0]
 
 
@@ -368,7 +372,7 @@ def _round_temp(fc: FunctionContext, v: Any, dims: tuple[Any, ...], shape: list[
     if not scheme:
         return v
     return fc.call_temp(KK.OpKernel("quantize_act", O.QuantizeAct(scheme), (dims,)),
-                        lambda: Q8.quantize_act(K.Symbols().shape(dims), scheme), [v], [(shape, "float32")], name)[0]
+                        lambda: Q8.quantize_act(Symbols().shape(dims), scheme), [v], [(shape, "float32")], name)[0]
 
 
 def _scale_by_expert(fc: FunctionContext, y: Any, scale: Value, ids: Any, dims: tuple[Dim, int, int],
@@ -379,14 +383,14 @@ def _scale_by_expert(fc: FunctionContext, y: Any, scale: Value, ids: Any, dims: 
     id_dims = (t_dim, slots)
     t = fc.dim(t_dim)
     per = fc.call_temp(KK.OpKernel("gather", None, ((n_exp,), id_dims)),
-                       lambda: K.gather_f32(K.Symbols().shape((n_exp,)), K.Symbols().shape(id_dims)),
-                       [fc.value(scale), ids], [([t, K.i64(slots)], "float32")], f"ffn_moe_{kind}_scale")[0]
-    per3 = fc.bb.emit(relax.op.reshape(per, [t, K.i64(slots), K.i64(1)]))
+                       lambda: gather_f32(Symbols().shape((n_exp,)), Symbols().shape(id_dims)),
+                       [fc.value(scale), ids], [([t, i64(slots)], "float32")], f"ffn_moe_{kind}_scale")[0]
+    per3 = fc.bb.emit(relax.op.reshape(per, [t, i64(slots), i64(1)]))
     in_dims = (dims, (t_dim, slots, 1))
     prog = O.FusedElementwise((("binary", MUL, (0, 1)),), 2)
     return fc.call_temp(KK.OpKernel("elementwise", prog, in_dims),
-                        lambda: K.elementwise([K.Symbols().shape(d) for d in in_dims], prog), [y, per3],
-                        [([t, K.i64(slots), K.i64(n)], "float32")], f"ffn_moe_{kind}_scaled")[0]
+                        lambda: elementwise([Symbols().shape(d) for d in in_dims], prog), [y, per3],
+                        [([t, i64(slots), i64(n)], "float32")], f"ffn_moe_{kind}_scaled")[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -407,7 +411,7 @@ def shared_combine(shape: PShape, has_scale: bool) -> tirx.PrimFunc:
 
     def body(t: tirx.PrimExpr, j: tirx.PrimExpr) -> tirx.PrimExpr:
         sh = shexp[t, j] * scale[i64(0)] if scale is not None else shexp[t, j]
-        return routed[t, j] + sh * K.sigmoid(logit[t])
+        return routed[t, j] + sh * sigmoid(logit[t])
 
     out = te.compute(shape, body, name="out")
     return func([routed, shexp, x, w, *([scale] if scale is not None else []), out])
@@ -430,39 +434,39 @@ def shared_add(shape: PShape, has_scale: bool) -> tirx.PrimFunc:
 def shared_expert(fc: FunctionContext, node: Node, named: dict[str, Any], routed: Any) -> list[Any]:
     """routed + act(x Wg [sg], x Wu [su]) Wd [sd] [* sigmoid(x . w) when gated]: three projections
     (the quantized matmul kernels), one activation kernel, one kernel for the gate and the combine."""
-    a: O.MoeFFN = node.attrs
+    a: MoeFFN = node.attrs
     x = named["x"]
     t, t_dim, e = fc.dim(x.shape[0]), fc.kernel_key_dims(x)[0], int(x.shape[1])
     scales = named["shexp_scales"]
 
     def proj(inp: Any, w: Any, name: str) -> tuple[Any, int]:
         qtype, (n, k), arrays = weight_args(fc, w)
-        out = fc.call_temp(*fc.weight_matmul(qtype, n, k, x.shape[0]), [inp, *arrays], [([t, K.i64(n)], "float32")],
+        out = fc.call_temp(*fc.weight_matmul(qtype, n, k, x.shape[0]), [inp, *arrays], [([t, i64(n)], "float32")],
                            name)[0]
         return out, n
 
     in_scheme, down_scheme = a.shared_act_schemes
-    xr = _round_temp(fc, fc.value(x), (t_dim, e), [t, K.i64(e)], in_scheme, "ffn_shexp_in_q")
+    xr = _round_temp(fc, fc.value(x), (t_dim, e), [t, i64(e)], in_scheme, "ffn_shexp_in_q")
     g, fs = proj(xr, named["shexp_gate"], "ffn_shexp_gate")
     u, _ = proj(xr, named["shexp_up"], "ffn_shexp_up")
-    act = _shared_act(fc, a, g, u, scales, (t_dim, fs), [t, K.i64(fs)])
-    act = _round_temp(fc, act, (t_dim, fs), [t, K.i64(fs)], down_scheme, "ffn_shexp_act_q")
+    act = _shared_act(fc, a, g, u, scales, (t_dim, fs), [t, i64(fs)])
+    act = _round_temp(fc, act, (t_dim, fs), [t, i64(fs)], down_scheme, "ffn_shexp_act_q")
     down, _ = proj(act, named["shexp_down"], "ffn_shexp_down")
     has_sd = "down" in scales
     s_down = [fc.value(scales["down"])] if has_sd else []
     if not a.shared_gated:
         return fc.call(KK.OpKernel("shared_add", has_sd, ((t_dim, e),)),
-                       lambda: shared_add(K.Symbols().shape((t_dim, e)), has_sd), [routed, down, *s_down],
+                       lambda: shared_add(Symbols().shape((t_dim, e)), has_sd), [routed, down, *s_down],
                        node.outputs, node.outputs[0].name)
     w_gate = named["shexp_gate_inp"]
     if fc.is_param(w_gate) and fc.param(w_gate)[0].qtype != "F32":
         raise NotImplementedError("a quantized ffn_gate_inp_shexp is not lowered (fuse_moe keeps it f32)")
     key = KK.OpKernel("shared_combine", has_sd, ((t_dim, e),))
-    return fc.call(key, lambda: shared_combine(K.Symbols().shape((t_dim, e)), has_sd),
+    return fc.call(key, lambda: shared_combine(Symbols().shape((t_dim, e)), has_sd),
                    [routed, down, fc.value(x), fc.value(w_gate), *s_down], node.outputs, node.outputs[0].name)
 
 
-def _shared_act(fc: FunctionContext, a: O.MoeFFN, g: Any, u: Any, scales: dict[str, Value], dims: tuple[Any, ...],
+def _shared_act(fc: FunctionContext, a: MoeFFN, g: Any, u: Any, scales: dict[str, Value], dims: tuple[Any, ...],
                 shape: list[Any]) -> Any:
     """act(g [* sg], u [* su]) as one elementwise kernel (the [1] scales read as inputs)."""
     ins = [g, u]
@@ -491,3 +495,21 @@ MOE_LOWERING: dict[str, Callable[[FunctionContext, Node], list[Any]]] = {
     "moe_topk_softmax": _moe_topk_softmax,
     "moe_ffn": _moe_ffn,
 }
+
+
+def moe_normalize(shape: PShape, clamp: float) -> tirx.PrimFunc:
+    w = te.placeholder(shape, "float32", name="w")
+    r = te.reduce_axis((i64(0), shape[-1]), name="r")
+    # TE allows a reduction only at the top of a compute: sum first, clamp in the division
+    s = te.compute(shape[:-1], lambda *i: te.sum(w(*i, r), axis=r), name="s")
+    out = te.compute(shape, lambda *i: w(*i) / te.max(s(*i[:-1]), f32(clamp)), name="out")
+    return func([w, out])
+
+
+def weighted_sum(y_shape: PShape, scale_by: bool) -> tirx.PrimFunc:
+    """y [T, k, N] * w [T, k] summed over k -> [T, N]."""
+    y = te.placeholder(y_shape, "float32", name="y")
+    w = te.placeholder(y_shape[:2], "float32", name="w")
+    r = te.reduce_axis((i64(0), y_shape[1]), name="r")
+    out = te.compute((y_shape[0], y_shape[2]), lambda t, n: te.sum(y[t, r, n] * w[t, r], axis=r), name="out")
+    return func([y, w, out])

@@ -24,10 +24,10 @@ from tvm import te, tirx
 
 from ggufc.codegen import kernel_keys as KK
 from ggufc.codegen.gpu.schedules import GpuKernel, mark_schedule
-from ggufc.codegen.kernels.generic import i64
+from ggufc.codegen.kernels.prim_helpers import i64
 from ggufc.codegen.lower_context import FunctionContext, call_args
-from ggufc.ir import ops as O
 from ggufc.ir.graph import Node
+from ggufc.ir.ngram_embedding import PleHash
 
 THREADS = 64  # GPU threads per workgroup
 U32 = "uint32"
@@ -166,7 +166,7 @@ def _mod_u64(Tb, word, size: int) -> tirx.PrimExpr:
 
 
 def _ple_hash(fc: FunctionContext, node: Node) -> list[Any]:
-    a: O.PleHash = node.attrs
+    a: PleHash = node.attrs
     n_cells = int(node.inputs[0].shape[0])
     key = KK.NgramHash(a, n_cells)
     return fc.call(key, lambda: ple_hash(n_cells, a.ngram, a.heads_per_ngram, a.multipliers, a.offsets, a.sizes,

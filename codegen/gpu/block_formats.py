@@ -3,7 +3,7 @@
 GPU shading languages read buffers as arrays of 32-bit words: WGSL has no 8- or 16-bit storage
 types at all (`array<u8>` is invalid, f16 needs an optional feature), and Metal and CUDA read a
 word at a time just as fast. So every GPU target (cuda, vulkan, metal) stores a quantised weight
-as ONE uint32 array, the fields of `quant.layout_spec` laid end to end:
+as ONE uint32 array, the fields of `formats.layout.layout_spec` laid end to end:
 
     [ field 0 of row 0 | field 0 of row 1 | ... | field 1 of row 0 | ... ]   (rows = [..., N])
 
@@ -12,7 +12,7 @@ block fields de-interleaved), so the size is the GGUF size plus at most 3 bytes 
 field. One array per weight also keeps every kernel within WebGPU's 8-storage-buffer limit (a
 Q5_K expert matmul has six fields). F32 weights keep the CPU layout (`w` f32 [..., N, K]).
 
-Decoding reuses the format table of `quant.py` unchanged: its `code`, `scale` and `bias` read
+Decoding reuses the CPU format table (`codegen/formats/table.py`) unchanged: its `code`, `scale` and `bias` read
 fields through an accessor, and the accessor here turns a field element into a word read, a
 shift and a mask (sign-extended for int8; f16 and bf16 bits turned into f32 with integer ops,
 exactly, without needing `shader-f16`). The kernels are TE definitions with the GPU schedules
@@ -31,8 +31,9 @@ import tvm
 from tvm import te, tirx
 from tvm.tirx import Expr as PrimExpr
 
-from ggufc.codegen.formats import block_formats as Q
-from ggufc.codegen.formats.block_formats import Geometry, QFormat, get_format
+from ggufc.codegen.formats import layout as layouts
+from ggufc.codegen.formats.format_spec import Geometry, QFormat
+from ggufc.codegen.formats.table import get_format
 
 WORD = "uint32"
 LayoutSpec = list[tuple[str, tuple[int, ...], str]]
@@ -81,7 +82,7 @@ def is_packed(qtype: str) -> bool:
 
 def packed_layout(qtype: str, shape: Sequence[int]) -> PackedLayout:
     fmt = get_format(qtype)
-    spec = Q.layout_spec(qtype, shape)  # checks the row length against the block size
+    spec = layouts.layout_spec(qtype, shape)  # checks the row length against the block size
     *lead, k = (int(s) for s in shape)
     rows = math.prod(lead)
     fields, offset = [], 0
@@ -98,12 +99,12 @@ def packed_layout(qtype: str, shape: Sequence[int]) -> PackedLayout:
 def layout_spec(qtype: str, shape: Sequence[int]) -> LayoutSpec:
     """GPU kernel-layout arrays of a weight of logical shape `shape` ([..., N, K])."""
     if not is_packed(qtype):
-        return Q.layout_spec(qtype, shape)
+        return layouts.layout_spec(qtype, shape)
     return [("w", (packed_layout(qtype, shape).words,), WORD)]
 
 
 def pack(qtype: str, arrays: dict[str, np.ndarray], shape: Sequence[int]) -> dict[str, np.ndarray]:
-    """CPU kernel-layout arrays (`quant.repack`) -> the GPU layout (same bytes, word-packed)."""
+    """CPU kernel-layout arrays (`formats.layout.repack`) -> the GPU layout (same bytes, word-packed)."""
     if not is_packed(qtype):
         return arrays
     lay = packed_layout(qtype, shape)
@@ -119,7 +120,7 @@ def pack(qtype: str, arrays: dict[str, np.ndarray], shape: Sequence[int]) -> dic
 
 def repack(qtype: str, raw: np.ndarray, shape: Sequence[int]) -> dict[str, np.ndarray]:
     """GGUF tensor storage -> GPU kernel-layout arrays."""
-    return pack(qtype, Q.repack(qtype, raw, shape), shape)
+    return pack(qtype, layouts.repack(qtype, raw, shape), shape)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -184,7 +185,7 @@ class PackedWeights:
 
     def value(self, row: tuple[PrimExpr, ...], g: PrimExpr, h: PrimExpr | int, p: PrimExpr,
               elem: PrimExpr | None = None) -> PrimExpr:
-        """f32 weight at (group g, plane h, position p) of `row`, as `quant.QFormat` defines it."""
+        """f32 weight at (group g, plane h, position p) of `row`, as `formats.format_spec.QFormat` defines it."""
         fmt, geo = self.fmt, self.geo
         acc = self.row(*row)
         code = fmt.code(acc, geo, g, h, p)

@@ -14,7 +14,7 @@ from tvm import tirx
 
 from ggufc.codegen import kernel_knobs as KN
 from ggufc.codegen.kernel_keys import KernelKey
-from ggufc.codegen.kernels import generic as K
+from ggufc.codegen.kernels.prim_helpers import with_root_block
 from ggufc.codegen.target import resolve_target
 
 from .database import TuningDB
@@ -73,7 +73,7 @@ class TunedKernels:
         if KN.family(key, self.target) is None or not e.get("knobs"):
             self.skipped[name] = "no knob settings for this kernel"
             return None
-        if kernel_hash(K.with_root_block(make())) != e.get("func_hash"):
+        if kernel_hash(with_root_block(make())) != e.get("func_hash"):
             self.skipped[name] = "stale: the kernel changed since its knobs were tuned"
             return None
         self.applied[name] = {"workload": h, "label": e.get("label"), "trials": e.get("trials"),

@@ -16,10 +16,10 @@ from tvm import tirx
 
 from ggufc.codegen import kernel_knobs as KN
 from ggufc.codegen.build import state_plan
-from ggufc.codegen.formats import block_formats as Q
+from ggufc.codegen.formats.compute import gemv_compute
 from ggufc.codegen.gpu import block_formats as QG
 from ggufc.codegen.kernel_keys import Int8GemvGroup, KernelKey, OpKernel, WeightMatmul
-from ggufc.codegen.kernels import generic as K
+from ggufc.codegen.kernels.prim_helpers import with_root_block
 from ggufc.codegen.lower import ModuleBuilder
 from ggufc.codegen.lower_context import plan_params
 from ggufc.codegen.schedule import PRESCHEDULED
@@ -160,7 +160,7 @@ def tunable_func(key: KernelKey, make: Callable[[], tirx.PrimFunc],
                 return None, "prefill matmul (symbolic token count)"
             if is_gpu(target):
                 return None, "GPU matmuls use ggufc's row-dot kernels over the packed GPU layout"
-            func = Q.gemv_compute(key.qtype, key.n, key.k)
+            func = gemv_compute(key.qtype, key.n, key.k)
         elif kind in PRESCHEDULED or kind in ("cache_write",):
             return None, f"{kind}: no static compute definition (symbolic tokens or cache position)"
         else:
@@ -215,7 +215,7 @@ def kernel_hash(func: tirx.PrimFunc) -> str:
 
 def knob_kernel(key: KernelKey, target: tvm.target.Target, knobs: KN.Knobs) -> tirx.PrimFunc:
     """A hand-written kernel with knob settings, as ModuleBuilder would add its default."""
-    return K.with_root_block(KN.build(key, target, knobs)).with_attr("tirx.noalias", True)
+    return with_root_block(KN.build(key, target, knobs)).with_attr("tirx.noalias", True)
 
 
 def _gpu_layout(target: tvm.target.Target) -> tuple[Any, ...]:

@@ -10,9 +10,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ggufc.ir import ops as O
 from ggufc.ir.builder import GraphBuilder
 from ggufc.ir.graph import Graph, Value
+from ggufc.ir.linear_attention import SsmConv
 
 from .. import blocks as B
 from ..hparams import Keys, ModelError, rope_freq_scale, rope_table
@@ -119,7 +119,7 @@ def short_conv(b: GraphBuilder, w: B.Weights, p: str, h: Value, n_embd: int, ker
     conv_w = w.get(f"{p}.shortconv.conv.weight", (E, kernel), f32=True)
     assert conv_w is not None
     state = b.state(f"conv_state.{il}", (E, kernel - 1))
-    new, conv = b.emit_multi("ssm_conv", [state, bx, conv_w], O.SsmConv(), [f"conv_state.{il}", "shortconv_conv"])
+    new, conv = b.emit_multi("ssm_conv", [state, bx, conv_w], SsmConv(), [f"conv_state.{il}", "shortconv_conv"])
     new_state[f"conv_state.{il}"] = new
     y = b.mul(gate_c, conv, "shortconv_y")
     return b.matmul(y, w.need(f"{p}.shortconv.out_proj.weight", (E, E)), "shortconv_out")

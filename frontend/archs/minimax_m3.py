@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from ggufc.ir import ops as O
 from ggufc.ir.builder import GraphBuilder
 from ggufc.ir.graph import Graph, Value
+from ggufc.ir.sparse_indexers import BlockMask, BlockTopK
 from ggufc.ir.sparse_indexers_spelled import block_score_spelled
 
 from .. import blocks as B
@@ -165,8 +166,8 @@ def _msa_mask(b: GraphBuilder, w: B.Weights, hp: HParams, il: int, h: Value, pos
     q = B.rms_norm(b, q, w.need(f"{p}.q_norm.weight", (msa.head_dim,)), hp.eps, "indexer_q_normed")
     q = B.rope(b, q, pos, table, "neox", hp.n_rot, "indexer_q")
     score = block_score_spelled(b, q, cache, msa.block, "indexer_block_score")
-    sel = b.emit("block_topk", [score, pos], O.BlockTopK(msa.block, msa.top_k, msa.local), "indexer_top_k")
-    return b.emit("block_mask", [sel, pos], O.BlockMask(msa.block), "kq_mask_blocks")
+    sel = b.emit("block_topk", [score, pos], BlockTopK(msa.block, msa.top_k, msa.local), "indexer_top_k")
+    return b.emit("block_mask", [sel, pos], BlockMask(msa.block), "kq_mask_blocks")
 
 
 def _ffn_scales_unread(w: B.Weights, p: str, kinds: tuple[str, ...]) -> None:

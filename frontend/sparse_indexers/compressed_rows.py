@@ -20,6 +20,7 @@ from ggufc.frontend.hparams import ModelError, powf, rope_table
 from ggufc.ir import ops as O
 from ggufc.ir.builder import GraphBuilder
 from ggufc.ir.graph import Value
+from ggufc.ir.sparse_indexers import CompressedAttention, CompressedScore
 from ggufc.ir.sparse_indexers_spelled import compressor_pool_spelled
 
 # ---------------------------------------------------------------------------------------------
@@ -150,7 +151,7 @@ def indexer_selection(b: GraphBuilder, q: Value, head_w: Value, rows: Value, pos
     the budget covers every row (then attention reads them all)."""
     if top_k >= int(rows.shape[0]):
         return None
-    score = b.emit("compressed_score", [q, head_w, rows, pos], O.CompressedScore(ratio), "lid_score")
+    score = b.emit("compressed_score", [q, head_w, rows, pos], CompressedScore(ratio), "lid_score")
     _, ids = b.emit_multi("topk", [score], O.TopK(top_k), ["lid_top_k_vals", "lid_top_k"])
     return ids
 
@@ -158,12 +159,12 @@ def indexer_selection(b: GraphBuilder, q: Value, head_w: Value, rows: Value, pos
 def attend(b: GraphBuilder, q: Value, cache: Value, sinks: Value, pos: Value, scale: float, window: int,
            rows: Value | None = None, ratio: int = 0, sel: Value | None = None) -> Value:
     if rows is None:
-        return b.emit("compressed_attention", [q, cache, sinks, pos], O.CompressedAttention(scale, window), "kqv_out")
+        return b.emit("compressed_attention", [q, cache, sinks, pos], CompressedAttention(scale, window), "kqv_out")
     if sel is None:
-        return b.emit("compressed_attention", [q, cache, sinks, pos, rows], O.CompressedAttention(scale, window, ratio),
+        return b.emit("compressed_attention", [q, cache, sinks, pos, rows], CompressedAttention(scale, window, ratio),
                       "kqv_out")
     return b.emit("compressed_attention", [q, cache, sinks, pos, rows, sel],
-                  O.CompressedAttention(scale, window, ratio, selected=True), "kqv_out")
+                  CompressedAttention(scale, window, ratio, selected=True), "kqv_out")
 
 
 def check_ratio(ratio: int, layer: int) -> None:

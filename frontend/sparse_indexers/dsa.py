@@ -18,6 +18,7 @@ from ggufc.frontend import blocks as B
 from ggufc.ir import ops as O
 from ggufc.ir.builder import GraphBuilder
 from ggufc.ir.graph import Value
+from ggufc.ir.sparse_indexers import TokenTopK
 
 
 @dataclass(frozen=True)
@@ -64,4 +65,4 @@ def lightning_indexer(
     weights = b.scalar("mul", B.linear(b, h, w.need(f"{p}.proj.weight", (Hi, E)), "lid_weights_raw"),
                        1.0 / math.sqrt(Di * Hi), "lid_weights")
     score = b.emit("token_score", [q, kc, weights, pos], O.NoAttrs(), "lid_scores")
-    return b.emit("token_topk", [score, pos], O.TokenTopK(selection_width(dims.top_k, n_ctx)), "lid_top_k")
+    return b.emit("token_topk", [score, pos], TokenTopK(selection_width(dims.top_k, n_ctx)), "lid_top_k")

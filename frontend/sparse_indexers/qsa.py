@@ -15,6 +15,7 @@ from ggufc.frontend.hparams import rope_table
 from ggufc.ir import ops as O
 from ggufc.ir.builder import GraphBuilder
 from ggufc.ir.graph import Value
+from ggufc.ir.sparse_indexers import IndexerTopK
 from ggufc.ir.sparse_indexers_spelled import indexer_score_spelled
 
 
@@ -57,6 +58,6 @@ def qsa_mask(
     q = b.emit("rope", [q, pos, text_table], O.Rope("imrope", dims.n_rot, dims.rope_sections), "indexer_q")
     k_norm = w.need(f"{p}.k_norm.weight", (Di,))
     score = indexer_score_spelled(b, q, kc, k_norm, block_table, ratio, eps, dims.n_rot, "indexer_score")
-    sel = b.emit("indexer_topk", [score, pos], O.IndexerTopK(ratio, qsa_width(dims.top_k, ratio, n_ctx)),
+    sel = b.emit("indexer_topk", [score, pos], IndexerTopK(ratio, qsa_width(dims.top_k, ratio, n_ctx)),
                  "indexer_top_k")
     return b.emit("index_mask", [sel, pos], O.NoAttrs(), "kq_mask_top_k")

@@ -33,15 +33,15 @@ import gguf
 import numpy as np
 
 from ggufc.frontend.blocks import SUPPORTED_QTYPES
-from tests.support import fixtures_bailing as bailing
-from tests.support import fixtures_compressed as compressed
-from tests.support import fixtures_hyperconnected as hyperconnected
-from tests.support import fixtures_kimi as kimi
-from tests.support import fixtures_latent as latent
-from tests.support import fixtures_msa as msa
+from tests.support import fixtures_bailingmoe3 as bailing
+from tests.support import fixtures_deepseek4 as compressed
+from tests.support import fixtures_deepseek32 as latent
+from tests.support import fixtures_kimi_k3 as kimi
+from tests.support import fixtures_minimax_m3 as msa
+from tests.support import fixtures_qwen4exp as hyperconnected
 from tests.support.declared_tensors import Declared, Presence, declared_tensors
 from tests.support.fixture_spec import FixtureOptions, FixtureSize, TensorSpec, resolve_size
-from tests.support.fixtures_hybrid import rope_dimension_count, write_hybrid_hparams
+from tests.support.fixtures_qwen35 import rope_dimension_count, write_hybrid_hparams
 
 # ---------------------------------------------------------------------------------------------
 # architectures
@@ -55,19 +55,19 @@ class ArchRecipe:
     moe: str  # "never", "optional" or "always"
     expert_gate_optional: bool = False  # MoE without ffn_gate_exps (silu(up) only)
     expert_ff_key: bool = False  # writes {arch}.expert_feed_forward_length
-    hybrid: bool = False  # gated delta-net + gated attention layers (fixtures_hybrid.py)
-    hyper: bool = False  # qwen4exp: hyper-connections, QSA, PLE (fixtures_hyperconnected.py)
-    compressed: bool = False  # deepseek4: Sinkhorn HC, compressed attention (fixtures_compressed.py)
-    latent: bool = False  # MLA + the DSA indexer + sigmoid MoE (fixtures_latent.py)
+    hybrid: bool = False  # gated delta-net + gated attention layers (fixtures_qwen35.py)
+    hyper: bool = False  # qwen4exp: hyper-connections, QSA, PLE (fixtures_qwen4exp.py)
+    compressed: bool = False  # deepseek4: Sinkhorn HC, compressed attention (fixtures_deepseek4.py)
+    latent: bool = False  # MLA + the DSA indexer + sigmoid MoE (fixtures_deepseek32.py)
     # hy_v3: layer 0 dense (when there are others), the others a sigmoid MoE selected by probs +
     # exp_probs_b with an ungated shared expert of n_ff / 2, weights renormalised and scaled
     biased_moe: bool = False
-    msa: bool = False  # minimax-m3: leading dense block, MoE blocks with MSA (fixtures_msa.py)
-    kimi: bool = False  # KDA + rope-less MLA, residual attention, latent MoE (fixtures_kimi.py)
+    msa: bool = False  # minimax-m3: leading dense block, MoE blocks with MSA (fixtures_minimax_m3.py)
+    kimi: bool = False  # KDA + rope-less MLA, residual attention, latent MoE (fixtures_kimi_k3.py)
     # minimax-01: lightning-attention layers between softmax layers (every other layer, layer 0
     # lightning), post-norm residuals times this residual_scale
     lightning_residual_scale: float = 0.0
-    bailing: bool = False  # KDA + MLA without Q-LoRA, SwiGLU clamped after the SiLU (fixtures_bailing.py)
+    bailing: bool = False  # KDA + MLA without Q-LoRA, SwiGLU clamped after the SiLU (fixtures_bailingmoe3.py)
     # a sliding window of this many cells on every other layer (layer 0 windowed), so that a
     # dozen tokens already reach past it
     window: int = 0

@@ -18,16 +18,29 @@ import gguf
 import numpy as np
 
 from ggufc.codegen.cpu_int8.block32 import int8_kernels
-from ggufc.codegen.formats import block_formats as Q
+from ggufc.codegen.formats.table import QTYPES, get_format
 from ggufc.codegen.target import resolve_target
 from ggufc.frontend.hparams import rope_table
 from ggufc.ir import ops as O
 from ggufc.ir.act_quant import ACT_QUANT_TYPES, ACT_SCHEME, MIN_TYPES, block_mins
 from ggufc.ir.builder import GraphBuilder
 from ggufc.ir.graph import Graph, Param, Value
-from ggufc.ir.hyper_connections import HcSinkhorn
+from ggufc.ir.hyper_connections import HcPost, HcPre, HcSinkhorn, ResMix
 from ggufc.ir.interp import run_graph
-from ggufc.ir.moe_routing import MoeTopkSoftmax
+from ggufc.ir.linear_attention import GatedDeltaNet, L2Norm, LightningAttention, RMSNormGated, SsmConv
+from ggufc.ir.moe_routing import MoeFFN, MoeRoute, MoeTopkSoftmax
+from ggufc.ir.ngram_embedding import PleHash
+from ggufc.ir.sparse_indexers import (
+    BlockMask,
+    BlockTopK,
+    CompressedAttention,
+    CompressedScore,
+    CompressorPool,
+    IndexerBlockScore,
+    IndexerScore,
+    IndexerTopK,
+    TokenTopK,
+)
 from tests.support.fixtures import TensorSpec, encode_tensor
 
 VOCAB = 11  # rows of the token-indexed input tables
@@ -316,7 +329,7 @@ def selection_cases() -> list[Case]:
         op_case(
             "moe_route-norm",
             "moe_route",
-            O.MoeRoute(2),
+            MoeRoute(2),
             rows(6, domain=logits),
             n_out=2,
             compare="route",
@@ -325,7 +338,7 @@ def selection_cases() -> list[Case]:
         op_case(
             "moe_route-raw",
             "moe_route",
-            O.MoeRoute(3, normalize=False),
+            MoeRoute(3, normalize=False),
             rows(5, domain=logits),
             n_out=2,
             compare="route",
@@ -410,7 +423,7 @@ def _moe_ffn_case(
     act_schemes: tuple[str, str] = ("", ""),
 ) -> Case:
     s = shape
-    attrs = O.MoeFFN(k=s.k, normalize=normalize, has_gate=gate, expert_scales=scales, act_schemes=act_schemes)
+    attrs = MoeFFN(k=s.k, normalize=normalize, has_gate=gate, expert_scales=scales, act_schemes=act_schemes)
     experts = [weight(s.n_exp, s.hidden, s.n_embd, qtype=qtype)] * (2 if gate else 1)  # gate, up
     experts.append(weight(s.n_exp, s.n_embd, s.hidden, qtype=qtype))  # down
     per_expert = [weight(s.n_exp, domain=(0.5, 1.5)) for _ in scales]
@@ -464,7 +477,7 @@ def moe_cases() -> list[Case]:
 
 def _row_len(qtype: str) -> int:
     """Two blocks of the format (at least 64), so a row holds more than one block."""
-    return 2 * max(32, Q.get_format(qtype).block)
+    return 2 * max(32, get_format(qtype).block)
 
 
 def _matmul_case(qtype: str, decode: bool) -> Case:
@@ -590,7 +603,7 @@ def int8_cases() -> list[Case]:
 
 def quant_cases() -> list[Case]:
     cases = []
-    for qtype in Q.QTYPES:
+    for qtype in QTYPES:
         cases += [
             _matmul_case(qtype, False),
             _matmul_case(qtype, True),
@@ -619,7 +632,7 @@ def _ssm_conv_case(dilation: int) -> Case:
 
     def build(cg: CaseGraph) -> Graph:
         st = cg.state((n_ch, (k - 1) * dilation), "conv")
-        new, y = cg.emit("ssm_conv", [st, cg.rows((n_ch,)), cg.weight((n_ch, k))], O.SsmConv(dilation), 2)
+        new, y = cg.emit("ssm_conv", [st, cg.rows((n_ch,)), cg.weight((n_ch, k))], SsmConv(dilation), 2)
         return cg.finish([y, new], {st.name: new})
 
     return Case(f"ssm_conv-dilation{dilation}", "ssm_conv", build, group="recurrent", calls=STATEFUL)
@@ -635,7 +648,7 @@ def _gated_delta_net_case(head_map: str, hv: int, hk: int, dk: int, key_decay: b
         q, k = cg.rows((hk, dk)), cg.rows((hk, dk))
         g_shape = (hv, dk) if key_decay else (hv,)
         v, g, beta = cg.rows((hv, dk)), cg.rows(g_shape, domain=(-2.0, 0.0)), cg.rows((hv,), domain=(0.0, 1.0))
-        attrs = O.GatedDeltaNet(head_map, dk**-0.5, key_decay)
+        attrs = GatedDeltaNet(head_map, dk**-0.5, key_decay)
         new, o = cg.emit("gated_delta_net", [st, q, k, v, g, beta], attrs, 2)
         return cg.finish([o, new], {st.name: new})
 
@@ -650,7 +663,7 @@ def _lightning_attention_case(h: int, dk: int, dv: int, calls: tuple[Call, ...] 
 
     def build(cg: CaseGraph) -> Graph:
         st = cg.state((h, dk, dv), "s")
-        attrs = O.LightningAttention(lightning_slopes(h), lightning_layer_scale(0, 3))
+        attrs = LightningAttention(lightning_slopes(h), lightning_layer_scale(0, 3))
         new, o = cg.emit("lightning_attention", [st, cg.rows((h, dk)), cg.rows((h, dk)), cg.rows((h, dv))], attrs, 2)
         return cg.finish([o, new], {st.name: new})
 
@@ -673,9 +686,9 @@ def recurrent_cases() -> list[Case]:
         _lightning_attention_case(2, 16, 16),
         _lightning_attention_case(3, 12, 5),
         _lightning_attention_case(4, 16, 8, calls=CHUNKED),
-        op_case("l2_norm", "l2_norm", O.L2Norm(1e-6), rows(3, 7), group="recurrent", calls=BOTH),
+        op_case("l2_norm", "l2_norm", L2Norm(1e-6), rows(3, 7), group="recurrent", calls=BOTH),
         *[
-            op_case(f"rms_norm_gated-{act}", "rms_norm_gated", O.RMSNormGated(1e-5, act), rows(3, 8), weight(8),
+            op_case(f"rms_norm_gated-{act}", "rms_norm_gated", RMSNormGated(1e-5, act), rows(3, 8), weight(8),
                     rows(3, 8), group="recurrent", calls=BOTH)
             for act in ("silu", "sigmoid")
         ],
@@ -688,7 +701,7 @@ def _hc_pre_case(post: bool) -> Case:
     def build(cg: CaseGraph) -> Graph:
         ins = [cg.rows((hc, e)), cg.weight((hc, e)), cg.weight((rank, hc * e)), cg.weight((hc * e, rank))]
         ins += [cg.weight((hc, hc * e))] if post else []
-        return cg.finish(cg.emit("hc_pre", ins, O.HcPre(hc, 1e-5, post=post), 2 if post else 1))
+        return cg.finish(cg.emit("hc_pre", ins, HcPre(hc, 1e-5, post=post), 2 if post else 1))
 
     return Case(f"hc_pre-{'post' if post else 'collapse'}", "hc_pre", build, group="qwen4exp", calls=BOTH)
 
@@ -698,7 +711,7 @@ def _indexer_score_case(ratio: int, n_rot: int) -> Case:
 
     def build(cg: CaseGraph) -> Graph:
         ins = [cg.rows((2, di)), cg.state((N_CTX, di), "idx"), cg.weight((di,)), cg.weight((nb1, n_rot // 2, 2))]
-        return cg.finish(cg.emit("indexer_score", ins, O.IndexerScore(ratio, 1e-5, n_rot)))
+        return cg.finish(cg.emit("indexer_score", ins, IndexerScore(ratio, 1e-5, n_rot)))
 
     return Case(f"indexer_score-r{ratio}-rot{n_rot}", "indexer_score", build, group="qwen4exp", calls=STATEFUL)
 
@@ -706,7 +719,7 @@ def _indexer_score_case(ratio: int, n_rot: int) -> Case:
 def _selected(cg: CaseGraph, ratio: int, width: int) -> Value:
     """indexer_topk over random block scores: cells in heap order, -1 where no visible cell."""
     scores = cg.rows((N_CTX // ratio + 1,))
-    return cg.emit("indexer_topk", [scores, cg.pos], O.IndexerTopK(ratio, width))[0]
+    return cg.emit("indexer_topk", [scores, cg.pos], IndexerTopK(ratio, width))[0]
 
 
 def _indexer_topk_case(ratio: int, width: int) -> Case:
@@ -735,7 +748,7 @@ def _ple_hash_case(cg: CaseGraph) -> Graph:
     cg.states[name] = cg.rng.integers(0, VOCAB, N_CTX).astype(np.int32)
     hist = cg.b.state(name, (N_CTX,), "int32")
     new = cg.emit("cache_write", [hist, cg.tokens, cg.pos], O.NoAttrs())[0]
-    attrs = O.PleHash(3, 2, (0x9E3779B97F4A7C15, 3, (1 << 40) + 5), (0, 11, 22, 33), (11, 11, 7, 5), eos=2)
+    attrs = PleHash(3, 2, (0x9E3779B97F4A7C15, 3, (1 << 40) + 5), (0, 11, 22, 33), (11, 11, 7, 5), eos=2)
     rows_ = cg.emit("ple_hash", [new, cg.tokens, cg.pos], attrs)[0]
     return cg.finish([rows_, new], {name: new})
 
@@ -743,7 +756,7 @@ def _ple_hash_case(cg: CaseGraph) -> Graph:
 def _moe_shared_case(name: str, qtype: str, e: int, f: int, fs: int, shared_schemes: tuple[str, str] = ("", "")
                      ) -> Case:
     """With `shared_schemes`, the shared expert's inputs rounded as llama.cpp rounds them (a CPU kernel)."""
-    attrs = O.MoeFFN(k=2, expert_scales=("down",), merged_gate_up=True, shared=True,
+    attrs = MoeFFN(k=2, expert_scales=("down",), merged_gate_up=True, shared=True,
                      shared_scales=("gate", "up", "down"), shared_act_schemes=shared_schemes)
     return op_case(name, "moe_ffn", attrs, rows(e), weight(5, e), weight(5, 2 * f, e, qtype=qtype),
                    weight(5, e, f, qtype=qtype), weight(5, domain=(0.5, 1.5)), weight(e),
@@ -758,8 +771,8 @@ def qwen4exp_cases() -> list[Case]:
     return [
         _hc_pre_case(True),
         _hc_pre_case(False),
-        op_case("hc_post", "hc_post", O.HcPost(), rows(3, 8), rows(8), rows(3), group="qwen4exp", calls=BOTH),
-        *[op_case(f"res_mix-{n}", "res_mix", O.ResMix(1e-5), rows(n, 8), rows(8), weight(8), group="qwen4exp",
+        op_case("hc_post", "hc_post", HcPost(), rows(3, 8), rows(8), rows(3), group="qwen4exp", calls=BOTH),
+        *[op_case(f"res_mix-{n}", "res_mix", ResMix(1e-5), rows(n, 8), rows(8), weight(8), group="qwen4exp",
                   calls=BOTH) for n in (1, 3)],
         _indexer_score_case(4, 8),
         _indexer_score_case(3, 6),
@@ -779,7 +792,7 @@ def qwen4exp_cases() -> list[Case]:
 def _compressed_score_case(ratio: int) -> Case:
     def build(cg: CaseGraph) -> Graph:
         ins = [cg.rows((3, 8)), cg.rows((3,)), cg.weight((N_CTX // ratio, 8)), cg.pos]
-        return cg.finish(cg.emit("compressed_score", ins, O.CompressedScore(ratio)))
+        return cg.finish(cg.emit("compressed_score", ins, CompressedScore(ratio)))
 
     return Case(f"compressed_score-r{ratio}", "compressed_score", build, group="compressed", calls=STATEFUL)
 
@@ -789,7 +802,7 @@ def _compressed_select_case(ratio: int, top_k: int) -> Case:
 
     def build(cg: CaseGraph) -> Graph:
         ins = [cg.rows((2, 8)), cg.rows((2,)), cg.weight((N_CTX // ratio, 8)), cg.pos]
-        score = cg.emit("compressed_score", ins, O.CompressedScore(ratio))[0]
+        score = cg.emit("compressed_score", ins, CompressedScore(ratio))[0]
         return cg.finish(cg.emit("topk", [score], O.TopK(top_k), 2))
 
     return Case(f"compressed_select-r{ratio}-k{top_k}", "topk", build, group="compressed", calls=STATEFUL,
@@ -805,13 +818,13 @@ def _compressed_attention_case(window: int, ratio: int, top_k: int) -> Case:
         cache = cg.state((N_CTX, 8), "c")
         kc = cg.emit("cache_write", [cache, cg.rows((8,)), cg.pos], O.NoAttrs())[0]
         ins = [q, kc, cg.weight((4,)), cg.pos]
-        attrs = O.CompressedAttention(0.35, window, ratio, selected=top_k > 0)
+        attrs = CompressedAttention(0.35, window, ratio, selected=top_k > 0)
         if ratio:
             rows_ = cg.weight((N_CTX // ratio, 8))
             ins.append(rows_)
         if top_k:
             score = cg.emit("compressed_score", [cg.rows((2, 8)), cg.rows((2,)), rows_, cg.pos],
-                            O.CompressedScore(ratio))[0]
+                            CompressedScore(ratio))[0]
             ins.append(cg.emit("topk", [score], O.TopK(top_k), 2)[1])
         return cg.finish([cg.emit("compressed_attention", ins, attrs)[0]], {f"{cg.name}.c": kc})
 
@@ -824,7 +837,7 @@ def _compressor_pool_case(ratio: int, overlap: bool, wide: int) -> Case:
     def build(cg: CaseGraph) -> Graph:
         written = [cg.emit("cache_write", [cg.state((N_CTX, wide), tag), cg.rows((wide,)), cg.pos], O.NoAttrs())[0]
                    for tag in ("kv", "score")]
-        pooled = cg.emit("compressor_pool", [*written, cg.weight((ratio, wide))], O.CompressorPool(ratio, overlap))
+        pooled = cg.emit("compressor_pool", [*written, cg.weight((ratio, wide))], CompressorPool(ratio, overlap))
         return cg.finish([pooled[0]], {f"{cg.name}.kv": written[0], f"{cg.name}.score": written[1]})
 
     return Case(f"compressor_pool-r{ratio}{'-overlap' if overlap else ''}", "compressor_pool", build,
@@ -837,7 +850,7 @@ def compressed_cases() -> list[Case]:
     return [
         _compressor_pool_case(4, True, 12),
         _compressor_pool_case(8, False, 6),
-        op_case("hc_post-comb", "hc_post", O.HcPost(comb=True), rows(4, 8), rows(8), rows(4), rows(4, 4),
+        op_case("hc_post-comb", "hc_post", HcPost(comb=True), rows(4, 8), rows(8), rows(4), rows(4, 4),
                 group="compressed", calls=BOTH),
         op_case("hc_sinkhorn", "hc_sinkhorn", HcSinkhorn(4, 1e-5, hc_eps=1e-3, n_iter=3), rows(4, 8),
                 weight(24, 32), weight(3), weight(24), n_out=3, group="compressed", calls=BOTH),
@@ -855,7 +868,7 @@ def _token_selected(cg: CaseGraph, width: int, di: int = 8) -> Value:
     """DSA: lightning-indexer scores over a prefilled key cache, then the token top-k."""
     ins = [cg.rows((2, di)), cg.state((N_CTX, di), "lid"), cg.rows((2,))]
     score = cg.emit("token_score", [*ins[:3], cg.pos], O.NoAttrs())[0]
-    return cg.emit("token_topk", [score, cg.pos], O.TokenTopK(width))[0]
+    return cg.emit("token_topk", [score, cg.pos], TokenTopK(width))[0]
 
 
 def _token_score_case(cg: CaseGraph) -> Graph:
@@ -888,7 +901,7 @@ def dsa_cases() -> list[Case]:
 def _block_score_case(block: int) -> Case:
     def build(cg: CaseGraph) -> Graph:
         ins = [cg.rows((2, 8)), cg.state((N_CTX, 8), "idx")]
-        return cg.finish(cg.emit("indexer_block_score", ins, O.IndexerBlockScore(block)))
+        return cg.finish(cg.emit("indexer_block_score", ins, IndexerBlockScore(block)))
 
     return Case(f"indexer_block_score-b{block}", "indexer_block_score", build, group="minimax-m3", calls=STATEFUL)
 
@@ -896,7 +909,7 @@ def _block_score_case(block: int) -> Case:
 def _selected_blocks(cg: CaseGraph, block: int, top_k: int, local: int) -> Value:
     """block_topk over random per-group block scores: local blocks, then the best earlier ones."""
     scores = cg.rows((2, N_CTX // block))
-    return cg.emit("block_topk", [scores, cg.pos], O.BlockTopK(block, top_k, local))[0]
+    return cg.emit("block_topk", [scores, cg.pos], BlockTopK(block, top_k, local))[0]
 
 
 def _block_topk_case(block: int, top_k: int, local: int) -> Case:
@@ -905,7 +918,7 @@ def _block_topk_case(block: int, top_k: int, local: int) -> Case:
 
 
 def _block_mask_case(cg: CaseGraph) -> Graph:
-    return cg.finish([cg.emit("block_mask", [_selected_blocks(cg, 3, 2, 1), cg.pos], O.BlockMask(3))[0]])
+    return cg.finish([cg.emit("block_mask", [_selected_blocks(cg, 3, 2, 1), cg.pos], BlockMask(3))[0]])
 
 
 def _msa_attention_case(mask: str) -> Case:
@@ -913,7 +926,7 @@ def _msa_attention_case(mask: str) -> Case:
         q = cg.rows((4, 8))
         kc, vc = _cache_write(cg, "k", 2, 8), _cache_write(cg, "v", 2, 8)
         sel = _selected_blocks(cg, 3, 2, 1)
-        extra = sel if mask == "blocks" else cg.emit("block_mask", [sel, cg.pos], O.BlockMask(3))[0]
+        extra = sel if mask == "blocks" else cg.emit("block_mask", [sel, cg.pos], BlockMask(3))[0]
         out = cg.emit("attention", [q, kc, vc, cg.pos, extra], O.Attention(0.35, mask, 3 if mask == "blocks" else 0))
         return cg.finish([out[0]], {f"{cg.name}.k": kc, f"{cg.name}.v": vc})
 
@@ -935,7 +948,7 @@ def minimax_m3_cases() -> list[Case]:
     ]
 
 
-def _routing_ffn_case(name: str, attrs: O.MoeFFN, qtype: str = "F32", e: int = 16, f: int = 12, fs: int = 10,
+def _routing_ffn_case(name: str, attrs: MoeFFN, qtype: str = "F32", e: int = 16, f: int = 12, fs: int = 10,
                       n_exp: int = 5, latent: int = 8) -> Case:
     """A moe_ffn row of the routing family: inputs in ops.moe_inputs order, from the attrs (a
     latent MoE's experts in `latent` dims)."""
@@ -972,9 +985,9 @@ def moe_routing_cases() -> list[Case]:
     weights from the unbiased probs (topk's payload), weights scale, clamped SwiGLU and swiglu_oai
     experts, the ungated shared expert."""
     logits, bias = rows(6, domain=(-3.0, 3.0)), weight(6, domain=(-0.5, 0.5))
-    sigmoid_route = O.MoeRoute(2, gating="sigmoid", selection_bias=True, weights_scale=2.5)
-    softplus_route = O.MoeRoute(3, gating="sqrt_softplus", selection_bias=True)
-    hy = O.MoeFFN(k=2, normalize=False, gating="sigmoid", selection_bias=True, merged_gate_up=True,
+    sigmoid_route = MoeRoute(2, gating="sigmoid", selection_bias=True, weights_scale=2.5)
+    softplus_route = MoeRoute(3, gating="sqrt_softplus", selection_bias=True)
+    hy = MoeFFN(k=2, normalize=False, gating="sigmoid", selection_bias=True, merged_gate_up=True,
                   expert_scales=("down",), shared=True, shared_gated=False, shared_scales=("gate", "up", "down"))
     return [
         op_case("topk-payload", "topk", O.TopK(3), rows(9), rows(9), n_out=2, compare="topk", group="moe_routing"),
@@ -986,34 +999,34 @@ def moe_routing_cases() -> list[Case]:
                 compare="route", group="moe_routing", calls=BOTH),
         op_case("moe_topk_softmax-top1", "moe_topk_softmax", MoeTopkSoftmax(1), logits, n_out=2, compare="route",
                 group="moe_routing"),
-        _routing_ffn_case("moe_ffn-sigmoid-bias-clamp", O.MoeFFN(
+        _routing_ffn_case("moe_ffn-sigmoid-bias-clamp", MoeFFN(
             k=2, normalize=False, gating="sigmoid", selection_bias=True, weights_scale=1.5, act="swiglu_clamp",
             act_limit=0.7, expert_scales=("up",))),
-        _routing_ffn_case("moe_ffn-sqrt_softplus-oai-Q8_0", O.MoeFFN(
+        _routing_ffn_case("moe_ffn-sqrt_softplus-oai-Q8_0", MoeFFN(
             k=3, gating="sqrt_softplus", selection_bias=True, act="swiglu_oai"), "Q8_0", 32, 32, 32),
         _routing_ffn_case("moe_ffn-merged-ungated-shared-f32", hy),
         _routing_ffn_case("moe_ffn-merged-ungated-shared-Q8_0", hy, "Q8_0", 32, 32, 32),
-        _routing_ffn_case("moe_ffn-merged-clamp-ungated-clamp", O.MoeFFN(
+        _routing_ffn_case("moe_ffn-merged-clamp-ungated-clamp", MoeFFN(
             k=2, merged_gate_up=True, act="swiglu_clamp", act_limit=0.5, shared=True, shared_gated=False,
             shared_act="swiglu_clamp", shared_act_limit=0.4)),
-        _routing_ffn_case("moe_ffn-sigmoid-bias-clamp_after-ungated-clamp_after", O.MoeFFN(
+        _routing_ffn_case("moe_ffn-sigmoid-bias-clamp_after-ungated-clamp_after", MoeFFN(
             k=2, gating="sigmoid", selection_bias=True, weights_scale=2.5, act="swiglu_clamp_after", act_limit=0.3,
             shared=True, shared_gated=False, shared_act="swiglu_clamp_after", shared_act_limit=0.25)),
-        _routing_ffn_case("moe_ffn-oai-gated-shared-oai", O.MoeFFN(
+        _routing_ffn_case("moe_ffn-oai-gated-shared-oai", MoeFFN(
             k=2, act="swiglu_oai", shared=True, shared_act="swiglu_oai", shared_scales=("up",))),
         op_case("take_along", "take_along", O.NoAttrs(), rows(9),
                 lambda cg: cg.b.gather(_hash_table(9, 3)(cg), cg.tokens, "token_ids"), group="moe_routing",
                 calls=BOTH),
-        op_case("moe_route-hash", "moe_route", O.MoeRoute(2, gating="sqrt_softplus", hash_routed=True,
+        op_case("moe_route-hash", "moe_route", MoeRoute(2, gating="sqrt_softplus", hash_routed=True,
                                                           weights_scale=1.5),
                 logits, _hash_table(6, 2), tokens, n_out=2, compare="route", group="moe_routing", calls=BOTH),
-        _routing_ffn_case("moe_ffn-latent-situ-norm-shared-situ", O.MoeFFN(
+        _routing_ffn_case("moe_ffn-latent-situ-norm-shared-situ", MoeFFN(
             k=2, gating="sigmoid", selection_bias=True, latent=True, latent_norm=True, latent_norm_eps=1e-5,
             act="situ", act_limit=1.5, act_linear_beta=0.8, shared=True, shared_gated=False, shared_act="situ",
             shared_act_limit=1.5, shared_act_linear_beta=0.8)),
-        _routing_ffn_case("moe_ffn-latent-situ-Q8_0", O.MoeFFN(
+        _routing_ffn_case("moe_ffn-latent-situ-Q8_0", MoeFFN(
             k=2, gating="sigmoid", latent=True, act="situ", act_limit=4.0), "Q8_0", 32, 32, latent=32),
-        _routing_ffn_case("moe_ffn-hash-sqrt_softplus-clamp-shared", O.MoeFFN(
+        _routing_ffn_case("moe_ffn-hash-sqrt_softplus-clamp-shared", MoeFFN(
             k=2, gating="sqrt_softplus", hash_routed=True, weights_scale=1.5, act="swiglu_clamp", act_limit=0.7,
             shared=True, shared_gated=False, shared_act="swiglu_clamp", shared_act_limit=0.5)),
     ]

@@ -21,16 +21,14 @@ from ggufc.codegen import kernel_keys as KK
 from ggufc.codegen.families.sparse_indexers.selection import NEG, THREADS
 from ggufc.codegen.gpu import attention as AG
 from ggufc.codegen.gpu.schedules import GpuKernel, mark_schedule
-from ggufc.codegen.kernels import generic as K
-from ggufc.codegen.kernels.generic import PShape, f32, func, i64, with_root_block
+from ggufc.codegen.kernels.prim_helpers import PShape, Symbols, f32, func, i64, with_root_block
 from ggufc.codegen.lower_context import FunctionContext, call_args, tensor_dims
-from ggufc.ir import ops as O
 from ggufc.ir.graph import Node
-from ggufc.ir.sparse_indexers import POOL_NEG
+from ggufc.ir.sparse_indexers import POOL_NEG, CompressedAttention, CompressedScore, CompressorPool
 
 
 def _compressor_pool(fc: FunctionContext, node: Node) -> list[Any]:
-    a: O.CompressorPool = node.attrs
+    a: CompressorPool = node.attrs
     n_cells, wide = (int(s) for s in node.inputs[0].shape)
     key = KK.OpKernel("compressor_pool", a, tensor_dims(fc, node))
     return fc.call(key, lambda: compressor_pool(n_cells, wide, a.ratio, a.overlap), call_args(fc, node),
@@ -59,7 +57,7 @@ def compressed_score(q_shape: PShape, n_rows: int, ratio: int) -> tirx.PrimFunc:
     return func([q, wt, rows, pos, score])
 
 
-def compressed_attention(q_shape: PShape, n_cells: int, a: O.CompressedAttention, n_rows: int = 0, n_sel: int = 0
+def compressed_attention(q_shape: PShape, n_cells: int, a: CompressedAttention, n_rows: int = 0, n_sel: int = 0
                          ) -> tirx.PrimFunc:
     """Args (q [T,H,D], cache [C,D], sinks [H], pos[, rows [NB,D][, sel [T,k]]], out [T,H,D]).
     Columns: the raw cells [0, pos+T) (visible within the window), then the compressed rows (all
@@ -250,7 +248,7 @@ def compressed_score_gpu(n_head: int, dim: int, n_rows: int, ratio: int) -> tirx
     return with_root_block(compressed_score_gpu)
 
 
-def _compressed_online_softmax(n_head: int, dim: int, n_cells: int, a: O.CompressedAttention, n_rows: int,
+def _compressed_online_softmax(n_head: int, dim: int, n_cells: int, a: CompressedAttention, n_rows: int,
                                n_sel: int) -> Any:
     """The body of `compressed_attention_gpu`, a macro over (q, cache, sinks, rows, sel, out, n, pos):
     one workgroup per (token, head) walks its slots in tiles of NT (the raw cells of its window,
@@ -341,7 +339,7 @@ def _compressed_online_softmax(n_head: int, dim: int, n_cells: int, a: O.Compres
     return attend
 
 
-def compressed_attention_gpu(n_head: int, dim: int, n_cells: int, a: O.CompressedAttention, n_rows: int = 0,
+def compressed_attention_gpu(n_head: int, dim: int, n_cells: int, a: CompressedAttention, n_rows: int = 0,
                              n_sel: int = 0) -> tirx.PrimFunc:
     """As `compressed_attention` (same arguments), in the online-softmax form of `codegen/gpu/attention.py`:
     no [T, H, P+T] score matrix, and only the window's raw cells are read."""
@@ -384,22 +382,22 @@ def compressed_attention_gpu(n_head: int, dim: int, n_cells: int, a: O.Compresse
 
 
 def _compressed_score(fc: FunctionContext, node: Node) -> list[Any]:
-    a: O.CompressedScore = node.attrs
+    a: CompressedScore = node.attrs
     q, _, rows = node.inputs[:3]
     n_rows = int(rows.shape[0])
     key = KK.OpKernel("compressed_score", (a, n_rows), tensor_dims(fc, node))
-    return fc.call(key, lambda: compressed_score(fc.kernel_shape(q, K.Symbols()), n_rows, a.ratio),
+    return fc.call(key, lambda: compressed_score(fc.kernel_shape(q, Symbols()), n_rows, a.ratio),
                    call_args(fc, node), node.outputs, node.outputs[0].name)
 
 
 def _compressed_attention(fc: FunctionContext, node: Node) -> list[Any]:
-    a: O.CompressedAttention = node.attrs
+    a: CompressedAttention = node.attrs
     q, cache = node.inputs[:2]
     n_rows = int(node.inputs[4].shape[0]) if a.ratio > 0 else 0
     n_sel = int(node.inputs[5].shape[1]) if a.selected else 0
     n_cells = int(cache.shape[0])
     key = KK.OpKernel("compressed_attention", (a, n_cells, n_rows, n_sel), tensor_dims(fc, node))
-    return fc.call(key, lambda: compressed_attention(fc.kernel_shape(q, K.Symbols()), n_cells, a, n_rows, n_sel),
+    return fc.call(key, lambda: compressed_attention(fc.kernel_shape(q, Symbols()), n_cells, a, n_rows, n_sel),
                    call_args(fc, node), node.outputs, node.outputs[0].name)
 
 

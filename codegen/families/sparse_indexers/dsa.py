@@ -18,11 +18,10 @@ from tvm.script import tirx as T
 from ggufc.codegen import kernel_keys as KK
 from ggufc.codegen.families.sparse_indexers.selection import THREADS, make_heap_select, make_heap_select_gpu
 from ggufc.codegen.gpu.schedules import GpuKernel, mark_schedule
-from ggufc.codegen.kernels import generic as K
-from ggufc.codegen.kernels.generic import PShape, f32, func, i64, with_root_block
+from ggufc.codegen.kernels.prim_helpers import PShape, Symbols, f32, func, i64, with_root_block
 from ggufc.codegen.lower_context import FunctionContext, call_args, tensor_dims
-from ggufc.ir import ops as O
 from ggufc.ir.graph import Node
+from ggufc.ir.sparse_indexers import TokenTopK
 
 
 def token_score(q_shape: PShape, n_cells: int) -> tirx.PrimFunc:
@@ -122,12 +121,12 @@ def _token_score(fc: FunctionContext, node: Node) -> list[Any]:
     q, cache = node.inputs[:2]
     n_cells = int(cache.shape[0])
     key = KK.OpKernel("token_score", None, tensor_dims(fc, node))
-    return fc.call(key, lambda: token_score(fc.kernel_shape(q, K.Symbols()), n_cells), call_args(fc, node),
+    return fc.call(key, lambda: token_score(fc.kernel_shape(q, Symbols()), n_cells), call_args(fc, node),
                    node.outputs, node.outputs[0].name)
 
 
 def _token_topk(fc: FunctionContext, node: Node) -> list[Any]:
-    a: O.TokenTopK = node.attrs
+    a: TokenTopK = node.attrs
     key = KK.OpKernel("token_topk", a, tensor_dims(fc, node))
     return fc.call(key, lambda: token_topk(a.width), call_args(fc, node), node.outputs, node.outputs[0].name)
 

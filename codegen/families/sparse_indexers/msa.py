@@ -15,11 +15,10 @@ from tvm.script import tirx as T
 from ggufc.codegen import kernel_keys as KK
 from ggufc.codegen.families.sparse_indexers.selection import THREADS
 from ggufc.codegen.gpu.schedules import GpuKernel, dlight_schedule, mark_schedule
-from ggufc.codegen.kernels import generic as K
-from ggufc.codegen.kernels.generic import PShape, Symbols, f32, func, i64, with_root_block
+from ggufc.codegen.kernels.prim_helpers import PShape, Symbols, f32, func, i64, with_root_block
 from ggufc.codegen.lower_context import FunctionContext, call_args, tensor_dims
-from ggufc.ir import ops as O
 from ggufc.ir.graph import Node
+from ggufc.ir.sparse_indexers import BlockTopK, IndexerBlockScore
 
 
 def block_score(q_shape: PShape, n_cells: int, block: int) -> tirx.PrimFunc:
@@ -173,16 +172,16 @@ def block_topk_gpu(n_groups: int, nb: int, block: int, top_k: int, local: int) -
 
 
 def _indexer_block_score(fc: FunctionContext, node: Node) -> list[Any]:
-    a: O.IndexerBlockScore = node.attrs
+    a: IndexerBlockScore = node.attrs
     q, cache = node.inputs
     n_cells = int(cache.shape[0])
     key = KK.OpKernel("indexer_block_score", a, tensor_dims(fc, node))
-    return fc.call(key, lambda: block_score(fc.kernel_shape(q, K.Symbols()), n_cells, a.block),
+    return fc.call(key, lambda: block_score(fc.kernel_shape(q, Symbols()), n_cells, a.block),
                    call_args(fc, node), node.outputs, node.outputs[0].name)
 
 
 def _block_topk(fc: FunctionContext, node: Node) -> list[Any]:
-    a: O.BlockTopK = node.attrs
+    a: BlockTopK = node.attrs
     n_groups, nb = (int(d) for d in node.inputs[0].shape[1:])
     key = KK.OpKernel("block_topk", a, tensor_dims(fc, node))
     return fc.call(key, lambda: block_topk(n_groups, nb, a.block, a.top_k, a.local), call_args(fc, node),
@@ -192,7 +191,7 @@ def _block_topk(fc: FunctionContext, node: Node) -> list[Any]:
 def _block_mask(fc: FunctionContext, node: Node) -> list[Any]:
     sel = node.inputs[0]
     key = KK.OpKernel("block_mask", node.attrs, tensor_dims(fc, node))
-    return fc.call(key, lambda: block_mask(fc.kernel_shape(sel, K.Symbols()), node.attrs.block), call_args(fc, node),
+    return fc.call(key, lambda: block_mask(fc.kernel_shape(sel, Symbols()), node.attrs.block), call_args(fc, node),
                    node.outputs, node.outputs[0].name)
 
 

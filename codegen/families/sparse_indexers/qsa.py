@@ -20,11 +20,10 @@ from tvm.script import tirx as T
 from ggufc.codegen import kernel_keys as KK
 from ggufc.codegen.families.sparse_indexers.selection import I32_MAX, THREADS, make_heap_select, make_heap_select_gpu
 from ggufc.codegen.gpu.schedules import GpuKernel, mark_schedule
-from ggufc.codegen.kernels import generic as K
-from ggufc.codegen.kernels.generic import PShape, f32, func, i64, with_root_block
+from ggufc.codegen.kernels.prim_helpers import PShape, Symbols, f32, func, i64, with_root_block
 from ggufc.codegen.lower_context import FunctionContext, call_args, tensor_dims
-from ggufc.ir import ops as O
 from ggufc.ir.graph import Node
+from ggufc.ir.sparse_indexers import IndexerScore, IndexerTopK
 
 
 def indexer_score(q_shape: PShape, n_cells: int, ratio: int, eps: float, n_rot: int) -> tirx.PrimFunc:
@@ -139,16 +138,16 @@ def indexer_topk_gpu(nb1: int, ratio: int, width: int, n_cells: int) -> tirx.Pri
 
 
 def _indexer_score(fc: FunctionContext, node: Node) -> list[Any]:
-    a: O.IndexerScore = node.attrs
+    a: IndexerScore = node.attrs
     q, cache = node.inputs[:2]
     n_cells = int(cache.shape[0])
     key = KK.OpKernel("indexer_score", a, tensor_dims(fc, node))
-    return fc.call(key, lambda: indexer_score(fc.kernel_shape(q, K.Symbols()), n_cells, a.ratio, a.eps, a.n_rot),
+    return fc.call(key, lambda: indexer_score(fc.kernel_shape(q, Symbols()), n_cells, a.ratio, a.eps, a.n_rot),
                    call_args(fc, node), node.outputs, node.outputs[0].name)
 
 
 def _indexer_topk(fc: FunctionContext, node: Node) -> list[Any]:
-    a: O.IndexerTopK = node.attrs
+    a: IndexerTopK = node.attrs
     nb1 = int(node.inputs[0].shape[1])
     n_cells = nb1 * a.ratio  # > n_ctx (the score rows cover n_ctx // r whole blocks plus the spare one)
     key = KK.IndexerTopK(a, nb1, n_cells)

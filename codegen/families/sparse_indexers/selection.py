@@ -17,8 +17,7 @@ from tvm.script import tirx as T
 
 from ggufc.codegen import kernel_keys as KK
 from ggufc.codegen.gpu.schedules import GpuKernel, dlight_schedule
-from ggufc.codegen.kernels import generic as K
-from ggufc.codegen.kernels.generic import PShape, Symbols, f32, func, i64
+from ggufc.codegen.kernels.prim_helpers import PShape, Symbols, f32, func, i64
 from ggufc.codegen.lower_context import FunctionContext, call_args, tensor_dims
 from ggufc.ir import ops as O
 from ggufc.ir.graph import Node
@@ -271,7 +270,7 @@ def make_heap_select_gpu(width: int, value: Callable[..., tirx.PrimExpr], droppe
 def _index_mask(fc: FunctionContext, node: Node) -> list[Any]:
     sel = node.inputs[0]
     key = KK.OpKernel("index_mask", None, tensor_dims(fc, node))
-    return fc.call(key, lambda: index_mask(fc.kernel_shape(sel, K.Symbols())), call_args(fc, node), node.outputs,
+    return fc.call(key, lambda: index_mask(fc.kernel_shape(sel, Symbols())), call_args(fc, node), node.outputs,
                    node.outputs[0].name)
 
 
@@ -287,7 +286,7 @@ def lower_selected_attention(fc: FunctionContext, node: Node) -> list[Any]:
         key = KK.OpKernel("block_sparse_attention", a, dims)
 
         def make() -> Any:
-            syms = K.Symbols()
+            syms = Symbols()
             return block_sparse_attention(fc.kernel_shape(q, syms), fc.kernel_shape(kc, syms), width, a.block,
                                           a.scale)
     elif a.mask == "indices":
@@ -295,13 +294,13 @@ def lower_selected_attention(fc: FunctionContext, node: Node) -> list[Any]:
         key = KK.OpKernel("sparse_attention", a, dims)
 
         def make() -> Any:
-            syms = K.Symbols()
+            syms = Symbols()
             return sparse_attention(fc.kernel_shape(q, syms), fc.kernel_shape(kc, syms), width, a.scale)
     else:
         key = KK.OpKernel("masked_attention", a, dims)
 
         def make() -> Any:
-            syms = K.Symbols()
+            syms = Symbols()
             return masked_attention(fc.kernel_shape(q, syms), fc.kernel_shape(kc, syms), a.scale,
                                     per_group=len(node.inputs[4].shape) == 3)
 
