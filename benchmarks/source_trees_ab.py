@@ -69,7 +69,7 @@ def main() -> None:
     lines = ["| model | phase | old median | old best | new median | new best | new / old (medians) |",
              "|---|---|---:|---:|---:|---:|---:|"]
     with tempfile.TemporaryDirectory(prefix="ggufc-ab-") as tmp:
-        for model in args.models:
+        for model in (m.resolve() for m in args.models):
             artifacts = {}
             for name, tree in trees.items():
                 artifacts[name] = Path(tmp) / name / model.stem
