@@ -265,6 +265,22 @@ def test_tile_gemm_is_the_reference_up_to_float_order(qtype: str, t: int) -> Non
     assert (np.abs(y - llama) / scale).max() < 1e-6
 
 
+@pytest.mark.skipif(not Q8.tile_gemm_supported("Q4_K", 16, 256, TARGET),
+                    reason="this CPU (or its OS) lends no AMX-INT8 tiles")
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("t", [13, 16, 37])
+def test_tile_kquant_gemm_takes_the_avx2_builds_prompt_order(qtype: str, t: int) -> None:
+    """The AMX K-quant prompt GEMMs bit for bit in the float order of llama.cpp's AVX2 build: Q4_K
+    as the 8x8 repack (T - T % 4 tokens a step per 64-value run, the rest per super-block: 13 and
+    37 tokens put that boundary inside a 16-token tile, 16 has none), Q6_K as the tiled GEMM."""
+    n, k = 48, 768
+    raw, arrays, x = _prompt_case(qtype, n, k, t, t * 5 + len(qtype))
+    y = _run(Q8.int8_gemm(qtype, n, k, TARGET, tiles=True), qtype, arrays, x, n)
+    want = G.matmul_q4_K_repacked(raw, n, k, x) if qtype == "Q4_K" else G.matmul_k_tiled(qtype, raw, n, k, x)
+    np.testing.assert_array_equal(y, want)
+    assert not np.array_equal(want, G.matmul_k(qtype, raw, n, k, x))  # vec_dot's order differs
+
+
 @pytest.mark.parametrize("qtype", sorted(Q8.KQUANT_GEMV_TYPES))
 @pytest.mark.parametrize("target", [*(p for p in I.isa_params() if p not in I.other_isa_params()),
                                     *(pytest.param(*p.values, id=p.id, marks=[*p.marks, pytest.mark.slow])

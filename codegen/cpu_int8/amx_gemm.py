@@ -184,29 +184,7 @@ def _accumulate(qtype: str) -> Callable[..., None]:
     (acc, accm [tiles x 16, 16]: each token tile's sums and, Q4_K, its minimum terms), in the
     order of llama.cpp's x86 AVX2 build (see the module's docstring)."""
     if qtype == "Q4_K":
-
-        @T.macro
-        def q4k(d, dmin, dots, xdt, xat, acc, accm, jo, tt, i, grouped):  # type: ignore[no-untyped-def]
-            for r in range(TILE):
-                for c in T.vectorized(16):
-                    scale = T.meta_var(T.Cast("float32", d[jo * TILE + r, i]) * xdt[tt, i, c])
-                    scale_min = T.meta_var(T.Cast("float32", dmin[jo * TILE + r, i]) * xdt[tt, i, c])
-                    whole = T.meta_var(tt * 16 + c >= grouped)
-                    for j in range(SUPER // GROUP):  # the 4-row GEMM's tokens: a step per 64 values
-                        acc[tt * TILE + r, c] = T.if_then_else(whole, acc[tt * TILE + r, c], _fma(
-                            T.Cast("float32", dots[j * 3, r, c] + dots[j * 3 + 1, r, c] * 8), scale,
-                            acc[tt * TILE + r, c]))
-                        accm[tt * TILE + r, c] = T.if_then_else(whole, accm[tt * TILE + r, c], _fma(
-                            T.Cast("float32", dots[j * 3 + 2, r, c]), scale_min, accm[tt * TILE + r, c]))
-                    sumi = T.meta_var(dots[0, r, c] + dots[1, r, c] * 8 + dots[3, r, c] + dots[4, r, c] * 8
-                                      + dots[6, r, c] + dots[7, r, c] * 8 + dots[9, r, c] + dots[10, r, c] * 8)
-                    msum = T.meta_var(dots[2, r, c] + dots[5, r, c] + dots[8, r, c] + dots[11, r, c])
-                    acc[tt * TILE + r, c] = T.if_then_else(whole, _fma(
-                        T.Cast("float32", sumi), scale, acc[tt * TILE + r, c]), acc[tt * TILE + r, c])
-                    accm[tt * TILE + r, c] = T.if_then_else(whole, _fma(
-                        T.Cast("float32", msum), scale_min, accm[tt * TILE + r, c]), accm[tt * TILE + r, c])
-
-        return q4k
+        return _q4k_accumulate()
 
     @T.macro
     def q6k(d, dmin, dots, xdt, xat, acc, accm, jo, tt, i, grouped):  # type: ignore[no-untyped-def]
@@ -218,6 +196,76 @@ def _accumulate(qtype: str) -> Callable[..., None]:
                     xdt[tt, i, c], acc[tt * TILE + r, c])
 
     return q6k
+
+
+def _q4k_accumulate() -> Callable[..., None]:
+    """Macro: Q4_K's float steps for one row and token tile. The first `grouped` = T - T % 4 tokens
+    take the 8x8 repack's GEMM order (a step per 64-value run), the rest its GEMV's (a step per
+    super-block). Only the tile holding the boundary chooses per token: the others branch once, so
+    their loops stay vectors (a per-token select in every tile made the whole prompt GEMM scalar)."""
+
+    @T.macro
+    def runs(d, dmin, dots, xdt, acc, accm, jo, tt, i):  # type: ignore[no-untyped-def]
+        for r in range(TILE):
+            for c in T.vectorized(16):
+                scale = T.meta_var(T.Cast("float32", d[jo * TILE + r, i]) * xdt[tt, i, c])
+                scale_min = T.meta_var(T.Cast("float32", dmin[jo * TILE + r, i]) * xdt[tt, i, c])
+                for j in range(SUPER // GROUP):
+                    acc[tt * TILE + r, c] = _fma(T.Cast("float32", dots[j * 3, r, c] + dots[j * 3 + 1, r, c] * 8),
+                                                 scale, acc[tt * TILE + r, c])
+                    accm[tt * TILE + r, c] = _fma(T.Cast("float32", dots[j * 3 + 2, r, c]), scale_min,
+                                                  accm[tt * TILE + r, c])
+
+    @T.macro
+    def super_blocks(d, dmin, dots, xdt, acc, accm, jo, tt, i):  # type: ignore[no-untyped-def]
+        for r in range(TILE):
+            for c in T.vectorized(16):
+                scale = T.meta_var(T.Cast("float32", d[jo * TILE + r, i]) * xdt[tt, i, c])
+                scale_min = T.meta_var(T.Cast("float32", dmin[jo * TILE + r, i]) * xdt[tt, i, c])
+                acc[tt * TILE + r, c] = _fma(T.Cast("float32", _q4k_sumi(dots, r, c)), scale, acc[tt * TILE + r, c])
+                accm[tt * TILE + r, c] = _fma(T.Cast("float32", _q4k_msum(dots, r, c)), scale_min,
+                                              accm[tt * TILE + r, c])
+
+    @T.macro
+    def mixed(d, dmin, dots, xdt, acc, accm, jo, tt, i, grouped):  # type: ignore[no-untyped-def]
+        for r in range(TILE):
+            for c in range(16):
+                scale = T.meta_var(T.Cast("float32", d[jo * TILE + r, i]) * xdt[tt, i, c])
+                scale_min = T.meta_var(T.Cast("float32", dmin[jo * TILE + r, i]) * xdt[tt, i, c])
+                if tt * 16 + c < grouped:
+                    for j in range(SUPER // GROUP):
+                        acc[tt * TILE + r, c] = _fma(
+                            T.Cast("float32", dots[j * 3, r, c] + dots[j * 3 + 1, r, c] * 8), scale,
+                            acc[tt * TILE + r, c])
+                        accm[tt * TILE + r, c] = _fma(T.Cast("float32", dots[j * 3 + 2, r, c]), scale_min,
+                                                      accm[tt * TILE + r, c])
+                else:
+                    acc[tt * TILE + r, c] = _fma(T.Cast("float32", _q4k_sumi(dots, r, c)), scale,
+                                                 acc[tt * TILE + r, c])
+                    accm[tt * TILE + r, c] = _fma(T.Cast("float32", _q4k_msum(dots, r, c)), scale_min,
+                                                  accm[tt * TILE + r, c])
+
+    @T.macro
+    def q4k(d, dmin, dots, xdt, xat, acc, accm, jo, tt, i, grouped):  # type: ignore[no-untyped-def]
+        if tt * 16 + 16 <= grouped:
+            runs(d, dmin, dots, xdt, acc, accm, jo, tt, i)
+        elif tt * 16 >= grouped:
+            super_blocks(d, dmin, dots, xdt, acc, accm, jo, tt, i)
+        else:
+            mixed(d, dmin, dots, xdt, acc, accm, jo, tt, i, grouped)
+
+    return q4k
+
+
+def _q4k_sumi(dots: tirx.Buffer, r: tirx.PrimExpr, c: tirx.PrimExpr) -> tirx.PrimExpr:
+    """A super-block's integer sum: the four 64-value runs' low and high nibbles (high times 8)."""
+    return (dots[0, r, c] + dots[1, r, c] * 8 + dots[3, r, c] + dots[4, r, c] * 8
+            + dots[6, r, c] + dots[7, r, c] * 8 + dots[9, r, c] + dots[10, r, c] * 8)
+
+
+def _q4k_msum(dots: tirx.Buffer, r: tirx.PrimExpr, c: tirx.PrimExpr) -> tirx.PrimExpr:
+    """A super-block's minimum term: the four runs' code sums against the minimums."""
+    return dots[2, r, c] + dots[5, r, c] + dots[8, r, c] + dots[11, r, c]
 
 
 @T.macro
