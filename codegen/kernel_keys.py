@@ -86,6 +86,7 @@ class Int8Gemm(KernelKey):
     n: int
     k: int
     tiles: bool = False  # on AMX tiles (codegen/cpu_int8/amx_gemm.py): float order not a one-token call's
+    one_token_order: bool = False  # every row summed as a one-token call sums it (verify, batched decode)
 
 
 @dataclass(frozen=True)

@@ -235,7 +235,9 @@ def _int8_matmul(fc: FunctionContext, node: Node) -> list[Any]:
     # AMX tiles sum in another float order than a one-token call: not where rows must equal one
     tiles = (not fc.one_token_order and Q8.tiles_chosen(qtype, fc.mb.prompt_tiles)
              and Q8.tile_gemm_supported(qtype, n, k, fc.mb.target))
-    return fc.call(KK.Int8Gemm(qtype, n, k, tiles), lambda: Q8.int8_gemm(qtype, n, k, fc.mb.target, tiles),
+    one_token = fc.one_token_order and Q8.sums_by_row_count(qtype, fc.mb.target)  # else one kernel serves both
+    return fc.call(KK.Int8Gemm(qtype, n, k, tiles, one_token),
+                   lambda: Q8.int8_gemm(qtype, n, k, fc.mb.target, tiles, one_token),
                    [fc.value(x), *arrays], node.outputs, node.outputs[0].name)
 
 

