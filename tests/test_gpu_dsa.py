@@ -16,7 +16,7 @@ import pytest
 from ggufc.cli import main
 from ggufc.driver.stages import build_model
 from ggufc.frontend.load import load_model
-from tests.support.arch_models import DSA_DENSE, dsa_sparse_copy
+from tests.support.arch_models import DSA_DENSE, dsa_golden_paths
 from tests.support.goldens import GOLDEN
 from tests.support.gpu_support import need_nvcc, need_vulkan
 from tests.support.sparse_indexers import nmse
@@ -26,12 +26,7 @@ MODES = {None: "logits_prefill", 7: "logits_chunk7"}
 
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    if not (GOLDEN / "fixtures" / f"{DSA_DENSE[0]}.gguf").exists():
-        pytest.skip("llama.cpp goldens absent")
-    folder = tmp_path_factory.mktemp("dsa-gpu")
-    out = {n: GOLDEN / "fixtures" / f"{n}.gguf" for n in DSA_DENSE}
-    out.update({f"{n}-sparse": dsa_sparse_copy(n, folder) for n in DSA_DENSE})
-    return out
+    return dsa_golden_paths(tmp_path_factory.mktemp("dsa-gpu"))
 
 
 @pytest.mark.parametrize("chunk", list(MODES))
