@@ -5,8 +5,6 @@ a kernel), the DSA kernels (token_score, token_topk) among them."""
 
 from __future__ import annotations
 
-import json
-import re
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +14,7 @@ from ggufc.cli import main
 from tests.support.arch_models import DSA_DENSE, dsa_golden_paths
 from tests.support.goldens import GOLDEN
 from tests.support.gpu_support import need_vulkan
-from tests.support.gpu_targets import cuda_build_with_ptx
+from tests.support.gpu_targets import check_metal_plan, cuda_build_with_ptx
 from tests.support.sparse_indexers import nmse
 
 MODES = {None: "logits_prefill", 7: "logits_chunk7"}
@@ -51,12 +49,6 @@ def test_every_cuda_kernel_compiles_to_ptx(paths: dict[str, Path]) -> None:
 
 
 def test_metal_source_has_every_plan_kernel(paths: dict[str, Path], tmp_path: Path) -> None:
-    out = tmp_path / "metal"
-    assert main(["compile", str(paths["deepseek32-moe-F16-sparse"]), "-t", "metal", "-o", str(out)]) == 0
-    plan = json.loads((out / "plan.json").read_text())
-    source = (out / "kernels.metal").read_text()
-    entries = set(re.findall(r"kernel void (\w+)\(", source))
-    steps = [s for fp in plan["functions"].values() for s in fp["steps"]]
-    assert steps and all(s["entry"] in entries for s in steps)
+    plan = check_metal_plan("deepseek32-moe-F16-sparse", tmp_path, paths["deepseek32-moe-F16-sparse"])
     kernels = " ".join(plan["kernels"])
     assert "token_score" in kernels and "token_topk" in kernels, kernels

@@ -5,8 +5,6 @@ them."""
 
 from __future__ import annotations
 
-import json
-import re
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +13,7 @@ import pytest
 from ggufc.cli import main
 from tests.support.goldens import GOLDEN, skip_without_goldens
 from tests.support.gpu_support import need_vulkan, nmse
-from tests.support.gpu_targets import cuda_build_with_ptx
+from tests.support.gpu_targets import check_metal_plan, cuda_build_with_ptx
 
 FIXTURE = GOLDEN / "fixtures" / "kimi-k3-moe.gguf"
 needs_golden = skip_without_goldens(FIXTURE)
@@ -46,12 +44,6 @@ def test_every_cuda_kernel_compiles_to_ptx() -> None:
 
 @needs_golden
 def test_metal_source_has_every_plan_kernel(tmp_path: Path) -> None:
-    out = tmp_path / "metal"
-    assert main(["compile", str(FIXTURE), "-t", "metal", "-o", str(out)]) == 0
-    plan = json.loads((out / "plan.json").read_text())
-    source = (out / "kernels.metal").read_text()
-    entries = set(re.findall(r"kernel void (\w+)\(", source))
-    steps = [s for fp in plan["functions"].values() for s in fp["steps"]]
-    assert steps and all(s["entry"] in entries for s in steps)
+    plan = check_metal_plan("kimi-k3-moe", tmp_path)
     kernels = " ".join(plan["kernels"])
     assert "gated_delta_net" in kernels and "ssm_conv" in kernels and "res_mix" in kernels, kernels

@@ -80,12 +80,14 @@ def _msl_kernels(source: str) -> dict[str, str]:
     return out
 
 
-def check_metal_plan(name: str, tmp_path: Path, path: Path | None = None) -> None:
+def check_metal_plan(name: str, tmp_path: Path, path: Path | None = None) -> dict[str, Any]:
     """Every kernel of the plan of `name` compiled for metal exists in `kernels.metal` with the argument
-    contract the Metal dispatcher uses."""
+    contract the Metal dispatcher uses; returns the plan."""
     out = tmp_path / "metal"
     assert main(["compile", str(path or golden_fixture(name)), "-t", "metal", "-o", str(out)]) == 0
     check_metal_artifact(out)
+    plan: dict[str, Any] = json.loads((out / "plan.json").read_text())
+    return plan
 
 
 def check_metal_artifact(out: Path) -> None:
