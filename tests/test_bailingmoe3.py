@@ -1,9 +1,9 @@
 """bailingmoe3 (Ling 3.0) end to end: llama.cpp's golden (layer 0 MLA with Q-LoRA, M-RoPE and a dense
 FFN; layer 1 KDA with a MoE whose experts are clamped at 4 and shared expert at 5, after the SiLU)
 through the float64 interpreter in all three feeding modes (tests/test_interpreter_goldens.py; `ggufc
-eval` on the compiled kernels: tests/test_goldens.py); the clamps, which only the project's fixture
-reaches; the state layout and a decode step's kernels; the M-RoPE sections; MTP blocks loaded and
-skipped; what is refused.
+eval` on the compiled kernels: tests/test_goldens.py; its state layout and `ggufc inspect`:
+tests/test_arch_goldens.py); the clamps, which only the project's fixture reaches; a decode step's
+kernels; the M-RoPE sections; MTP blocks loaded and skipped; what is refused.
 
 The project's own fixture (KDA with a clamped dense FFN, MLA without Q-LoRA and NORM rope, a
 renormalised, scaled MoE: tests/support/fixtures_bailingmoe3.py) is compiled against the interpreter by
@@ -19,27 +19,19 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ggufc.cli import main
 from ggufc.frontend.archs import bailingmoe3
 from ggufc.frontend.blocks import Weights
 from ggufc.frontend.gguf_file import GGUFModel, TensorInfo
 from ggufc.frontend.hparams import Keys, ModelError, mrope_components, rope_table
 from ggufc.frontend.load import LoadedModel, load_model
 from ggufc.ir.builder import GraphBuilder
-from tests.support.arch_models import interpret_float64
+from tests.support.arch_models import golden_fixture, interpret_float64
 from tests.support.fixtures import write_fixture
-from tests.support.goldens import GOLDEN
+from tests.support.goldens import GOLDEN, skip_without_goldens
 from tests.support.sparse_indexers import decode_kernel_calls, nmse
 
-FIXTURE = GOLDEN / "fixtures" / "bailingmoe3-moe.gguf"
-needs_golden = pytest.mark.skipif(not FIXTURE.exists(), reason=f"llama.cpp goldens not found at {GOLDEN}")
-
-
-@pytest.fixture(scope="module")
-def golden() -> LoadedModel:
-    if not FIXTURE.exists():
-        pytest.skip("llama.cpp goldens absent")
-    return load_model(FIXTURE)
+needs_golden = skip_without_goldens(GOLDEN / "fixtures" / "bailingmoe3-moe.gguf")
+golden = golden_fixture("bailingmoe3-moe")
 
 
 def _gold() -> Any:
@@ -95,16 +87,7 @@ def test_the_clamps_bite_on_the_project_fixture(tmp_path: Path, monkeypatch: pyt
 
 
 # ---------------------------------------------------------------------------------------------
-# state, kernels, inspect
-
-
-@needs_golden
-def test_state_layout(golden: LoadedModel) -> None:
-    """MLA layer 0: one [kv_lora | rope] = 576-float row per token; KDA layer 1: three conv
-    histories [d_inner, d_conv - 1] and the recurrent state [H, dh(v), dh(k)]."""
-    states = {n: tuple(int(d) for d in s.value.shape) for n, s in golden.graph.states.items()}
-    assert states == {"cache_latent.0": (256, 1, 576), "conv_state_q.1": (128, 3), "conv_state_k.1": (128, 3),
-                      "conv_state_v.1": (128, 3), "ssm_state.1": (1, 128, 128)}
+# a decode step's kernels
 
 
 @needs_golden
@@ -118,13 +101,6 @@ def test_decode_kernel_count(golden: LoadedModel) -> None:
 
 FUSED_DECODE_KERNELS = 72  # one KDA scan, 3 convs, the MoE as 3 expert calls, a weighted sum and the shared add
 UNFUSED_DECODE_KERNELS = 136
-
-
-@needs_golden
-def test_inspect_lists_the_fusions(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["inspect", str(FIXTURE)]) == 0
-    out = capsys.readouterr().out
-    assert "architecture: bailingmoe3 (supported)" in out and "fuse_moe: 1" in out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,7 +7,8 @@ modes; the selection of the compiled kernels against the numpy reference on the 
 indexer attention rewrite (counted, switchable, fused = unfused); the latent cache's layout; the
 kernels of a decode step; refusals.
 
-The dense goldens through `ggufc eval` are in test_goldens.py (F16_FIXTURES).
+The dense goldens through `ggufc eval` are in test_goldens.py (F16_FIXTURES), the sparse glm-dsa
+golden's `ggufc inspect` in test_arch_goldens.py.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from ggufc.frontend.archs import deepseek32, glm_dsa
 from ggufc.frontend.hparams import Keys, ModelError
 from ggufc.frontend.load import LoadedModel, load_model
 from ggufc.passes.pipeline import run_pipeline
-from tests.support.arch_models import DSA_DENSE, DSA_SPARSE_TOP_K, dsa_sparse_copy
+from tests.support.arch_models import DSA_DENSE, DSA_SPARSE_TOP_K, dsa_golden_paths
 from tests.support.fixtures import write_fixture
 from tests.support.fixtures_deepseek32 import INDEXER_TOP_K
 from tests.support.goldens import GOLDEN
@@ -39,12 +40,7 @@ ROUNDING = ("fold_dequantize", "quantize_activations")  # the passes that change
 
 @pytest.fixture(scope="module")
 def golden_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    if not (GOLDEN / "fixtures" / f"{DSA_DENSE[0]}.gguf").exists():
-        pytest.skip("llama.cpp goldens absent")
-    folder = tmp_path_factory.mktemp("dsa-sparse")
-    paths = {n: GOLDEN / "fixtures" / f"{n}.gguf" for n in DSA_DENSE}
-    paths.update({f"{n}-sparse": dsa_sparse_copy(n, folder) for n in DSA_DENSE})
-    return paths
+    return dsa_golden_paths(tmp_path_factory.mktemp("dsa-sparse"))
 
 
 @pytest.fixture(scope="module")
@@ -219,13 +215,6 @@ def test_indexer_rewrite_counts_and_switch(golden_models: dict[str, LoadedModel]
     assert {n.attrs.mask for n in dense.nodes if n.op == "attention"} == {"causal"}
     assert not any(n.op in ("token_score", "token_topk") for n in dense.nodes)
     assert not any(k.startswith("cache_idx.") for k in dense.states)
-
-
-@needs_golden
-def test_inspect_lists_the_indexer_rewrite(golden_paths: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["inspect", str(golden_paths["glm-dsa-moe-F16-sparse"])]) == 0
-    out = capsys.readouterr().out
-    assert "architecture: glm-dsa (supported)" in out and "  fuse_indexer: 2" in out and "  fuse_moe: 1" in out
 
 
 @needs_golden

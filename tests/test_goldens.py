@@ -27,15 +27,18 @@ GELU_FIXTURES = ["gemma2-dense", "gemma3-dense"]
 # prefill / decode / chunks of 7)
 LIGHTNING_FIXTURES = ["minimax-01-moe"]
 POPULAR_FIXTURES = ["smollm3-dense", "mistral3-dense", "phi3-dense", "gpt-oss-moe", "lfm2-dense"]
-# hybrids of KDA and MLA layers, held to 1e-10 (bailingmoe3: measured 2.8e-14 / 2.4e-14 / 2.9e-14)
-HYBRID_FIXTURES = ["bailingmoe3-moe"]
+# hybrids of KDA and MLA layers, held to 1e-10 (bailingmoe3: measured 2.8e-14 / 2.4e-14 / 2.9e-14; kimi-k3
+# 1.9e-12 / 1.8e-12 / 1.8e-12, its prefill in the chunked KDA form; hy_v3, routed by the MoE family:
+# 2.5e-14 / 1.9e-14 / 2.5e-14)
+HYBRID_FIXTURES = ["bailingmoe3-moe", "kimi-k3-moe", "hy_v3-moe"]
 F32_FIXTURES = ["llama-dense", "qwen2-dense", "qwen3-dense", "qwen3moe-moe", "qwen35-dense", "qwen3next-moe",
                 "qwen4exp-moe", "minimax-m3-moe", "granite-dense", "granitemoe-moe", "exaone4-dense",
                 "granite_swa-dense", "muse-glimmer-dense", *GELU_FIXTURES, *POPULAR_FIXTURES, *LIGHTNING_FIXTURES,
                 *HYBRID_FIXTURES]
 # F16 weights: the CPU target rounds a matmul's activations to F16 as llama.cpp's CPU backend does
-# (measured 1.0e-9..3.0e-9 in the three modes; float32 activations: ~5e-8)
-F16_FIXTURES = ["glm-dsa-moe-F16", "deepseek32-moe-F16"]
+# (measured 1.0e-9..3.0e-9 in the three modes; float32 activations: ~5e-8; deepseek4 3.37e-7..3.38e-7
+# prefill and chunks of 7, 3.31e-7 decode)
+F16_FIXTURES = ["glm-dsa-moe-F16", "deepseek32-moe-F16", "deepseek4-moe-F16"]
 QUANT_FIXTURES = ["llama-dense-Q4_K_M", "llama-dense-Q8_0", "llama-dense-Q4_0", "llama-dense-Q6_K",
                   "qwen3moe-moe-Q4_K_M"]
 # the remaining block formats (Q2_K, Q3_K, Q5_K, Q5_1, IQ4_NL, IQ4_XS; MXFP4 experts), each matmul

@@ -5,20 +5,16 @@ a kernel), the DSA kernels (token_score, token_topk) among them."""
 
 from __future__ import annotations
 
-import json
-import os
-import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from ggufc.cli import main
-from ggufc.driver.stages import build_model
-from ggufc.frontend.load import load_model
-from tests.support.arch_models import DSA_DENSE, dsa_sparse_copy
+from tests.support.arch_models import DSA_DENSE, dsa_golden_paths
 from tests.support.goldens import GOLDEN
-from tests.support.gpu_support import need_nvcc, need_vulkan
+from tests.support.gpu_support import need_vulkan
+from tests.support.gpu_targets import check_metal_plan, cuda_build_with_ptx
 from tests.support.sparse_indexers import nmse
 
 MODES = {None: "logits_prefill", 7: "logits_chunk7"}
@@ -26,12 +22,7 @@ MODES = {None: "logits_prefill", 7: "logits_chunk7"}
 
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    if not (GOLDEN / "fixtures" / f"{DSA_DENSE[0]}.gguf").exists():
-        pytest.skip("llama.cpp goldens absent")
-    folder = tmp_path_factory.mktemp("dsa-gpu")
-    out = {n: GOLDEN / "fixtures" / f"{n}.gguf" for n in DSA_DENSE}
-    out.update({f"{n}-sparse": dsa_sparse_copy(n, folder) for n in DSA_DENSE})
-    return out
+    return dsa_golden_paths(tmp_path_factory.mktemp("dsa-gpu"))
 
 
 @pytest.mark.parametrize("chunk", list(MODES))
@@ -51,31 +42,13 @@ def test_vulkan_eval_matches_llama_cpp(name: str, chunk: int | None, paths: dict
 
 
 def test_every_cuda_kernel_compiles_to_ptx(paths: dict[str, Path]) -> None:
-    need_nvcc()
-    from ggufc.codegen.gpu.build import nvcc_compile
-
-    os.environ["GGUFC_CUDA_BINARY"] = "0"  # the test compiles the source itself
-    try:
-        built = build_model(load_model(paths["glm-dsa-moe-F16-sparse"]), "cuda")
-    finally:
-        del os.environ["GGUFC_CUDA_BINARY"]
-    ptx = nvcc_compile(built.executable.cuda_source, "ptx", ("sm_80",)).decode()
-    entries = set(re.findall(r"\.entry\s+(\w+)\s*\(", ptx))
-    missing = [k for k in built.kernel_names if not any(e == f"{k}_kernel" or e.startswith(f"{k}_kernel_")
-                                                         for e in entries)]
-    assert not missing, f"kernels without PTX entry: {missing}"
+    built, _ = cuda_build_with_ptx(paths["glm-dsa-moe-F16-sparse"])
     kinds = {k.split("_", 1)[1] for k in built.kernel_names}
     assert {"token_score", "token_topk", "sparse_attention"} <= {k.rsplit("_", 1)[0] if k[-1].isdigit() else k
                                                                   for k in kinds} | kinds, kinds
 
 
 def test_metal_source_has_every_plan_kernel(paths: dict[str, Path], tmp_path: Path) -> None:
-    out = tmp_path / "metal"
-    assert main(["compile", str(paths["deepseek32-moe-F16-sparse"]), "-t", "metal", "-o", str(out)]) == 0
-    plan = json.loads((out / "plan.json").read_text())
-    source = (out / "kernels.metal").read_text()
-    entries = set(re.findall(r"kernel void (\w+)\(", source))
-    steps = [s for fp in plan["functions"].values() for s in fp["steps"]]
-    assert steps and all(s["entry"] in entries for s in steps)
+    plan = check_metal_plan("deepseek32-moe-F16-sparse", tmp_path, paths["deepseek32-moe-F16-sparse"])
     kernels = " ".join(plan["kernels"])
     assert "token_score" in kernels and "token_topk" in kernels, kernels

@@ -5,19 +5,15 @@ them."""
 
 from __future__ import annotations
 
-import json
-import os
-import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from ggufc.cli import main
-from ggufc.driver.stages import build_model
-from ggufc.frontend.load import load_model
 from tests.support.goldens import GOLDEN, skip_without_goldens
-from tests.support.gpu_support import need_nvcc, need_vulkan, nmse
+from tests.support.gpu_support import need_vulkan, nmse
+from tests.support.gpu_targets import check_metal_plan, cuda_build_with_ptx
 
 FIXTURE = GOLDEN / "fixtures" / "kimi-k3-moe.gguf"
 needs_golden = skip_without_goldens(FIXTURE)
@@ -41,31 +37,13 @@ def test_vulkan_eval_matches_llama_cpp(chunk: int | None, compile_cache: Path, t
 
 @needs_golden
 def test_every_cuda_kernel_compiles_to_ptx() -> None:
-    need_nvcc()
-    from ggufc.codegen.gpu.build import nvcc_compile
-
-    os.environ["GGUFC_CUDA_BINARY"] = "0"  # the test compiles the source itself
-    try:
-        built = build_model(load_model(FIXTURE), "cuda")
-    finally:
-        del os.environ["GGUFC_CUDA_BINARY"]
-    ptx = nvcc_compile(built.executable.cuda_source, "ptx", ("sm_80",)).decode()
-    entries = set(re.findall(r"\.entry\s+(\w+)\s*\(", ptx))
-    missing = [k for k in built.kernel_names if not any(e == f"{k}_kernel" or e.startswith(f"{k}_kernel_")
-                                                         for e in entries)]
-    assert not missing, f"kernels without PTX entry: {missing}"
+    built, _ = cuda_build_with_ptx(FIXTURE)
     kernels = " ".join(built.kernel_names)
     assert "gated_delta_net" in kernels and "res_mix" in kernels, kernels
 
 
 @needs_golden
 def test_metal_source_has_every_plan_kernel(tmp_path: Path) -> None:
-    out = tmp_path / "metal"
-    assert main(["compile", str(FIXTURE), "-t", "metal", "-o", str(out)]) == 0
-    plan = json.loads((out / "plan.json").read_text())
-    source = (out / "kernels.metal").read_text()
-    entries = set(re.findall(r"kernel void (\w+)\(", source))
-    steps = [s for fp in plan["functions"].values() for s in fp["steps"]]
-    assert steps and all(s["entry"] in entries for s in steps)
+    plan = check_metal_plan("kimi-k3-moe", tmp_path)
     kernels = " ".join(plan["kernels"])
     assert "gated_delta_net" in kernels and "ssm_conv" in kernels and "res_mix" in kernels, kernels

@@ -1,8 +1,9 @@
 """hy_v3 end to end: llama.cpp's golden through `ggufc eval` (compiled kernels) in all three feeding
-modes (the float64 interpreter's rows: tests/test_interpreter_goldens.py); the routing family's fusion
-on it (hit counts, fused = unfused = decomposed, switchable); the project's fixture, whose leading dense
-block, 4 experts with 2 used and a large `exp_probs_b` exercise what the golden (2 experts, both used,
-no renormalisation) cannot: the selection bias, the renormalisation and the weights scale.
+modes (rows of tests/test_goldens.py), `ggufc inspect` (tests/test_arch_goldens.py; the float64
+interpreter's rows: tests/test_interpreter_goldens.py); the routing family's fusion on it (hit counts,
+fused = unfused = decomposed, switchable); the project's fixture, whose leading dense block, 4 experts
+with 2 used and a large `exp_probs_b` exercise what the golden (2 experts, both used, no
+renormalisation) cannot: the selection bias, the renormalisation and the weights scale.
 
 Compiled against the interpreter on the project's fixture (one-shot, chunked, decode, Q8_0):
 tests/test_models_compiled.py; the routing kernels against their references: the `moe_routing`
@@ -12,36 +13,29 @@ rows of tests/test_codegen_ops.py.
 from __future__ import annotations
 
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from ggufc.cli import main
 from ggufc.frontend.archs import hy_v3
 from ggufc.frontend.hparams import Keys, ModelError
 from ggufc.frontend.load import LoadedModel, load_model
 from ggufc.ir.decompose import decompose
 from ggufc.ir.graph import Graph
 from ggufc.ir.moe_routing import MoeFFN
-from ggufc.ir.verify import verify
 from ggufc.passes.pipeline import run_pipeline
-from tests.support.arch_models import interpret_float64
+from tests.support.arch_models import (
+    check_fused_decomposed_and_off_match_unfused,
+    golden_fixture,
+    interpret_float64,
+)
 from tests.support.fixtures import BIASED_MOE_WEIGHTS_SCALE, write_fixture
-from tests.support.goldens import GOLDEN, eval_golden, skip_without_goldens
+from tests.support.goldens import GOLDEN, skip_without_goldens
 from tests.support.sparse_indexers import decode_kernel_calls, nmse
 
-FIXTURE = GOLDEN / "fixtures" / "hy_v3-moe.gguf"
-needs_golden = skip_without_goldens(FIXTURE)
-MODES = {64: "logits_prefill", 1: "logits_decode", 7: "logits_chunk7"}
-
-
-@pytest.fixture(scope="module")
-def golden() -> LoadedModel:
-    if not FIXTURE.exists():
-        pytest.skip("llama.cpp goldens absent")
-    return load_model(FIXTURE)
+needs_golden = skip_without_goldens(GOLDEN / "fixtures" / "hy_v3-moe.gguf")
+golden = golden_fixture("hy_v3-moe")
 
 
 @pytest.fixture(scope="module")
@@ -63,28 +57,6 @@ def test_hparams_of_the_llama_cpp_fixture(golden: LoadedModel) -> None:
     hp = golden.hparams
     assert (hp.gating, hp.weights_norm, hp.weights_scale) == ("sigmoid", False, 1.0)
     assert (hp.n_expert, hp.n_expert_used, hp.n_ff_exp, hp.n_ff_shexp) == (2, 2, 384, 192)
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("ggufc-cache")
-
-
-@needs_golden
-@pytest.mark.parametrize("chunk", [None, 1, 7])
-def test_compiled_matches_llama_cpp(chunk: int | None, tmp_path: Path, cache: Path,
-                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """`ggufc eval` on the CPU: measured 2.5e-14 (prefill), 1.9e-14 (decode), 2.5e-14 (chunks of 7)."""
-    logits = eval_golden("hy_v3-moe", chunk, tmp_path, cache, monkeypatch)
-    gold = np.load(GOLDEN / "logits" / "hy_v3-moe.npz")[MODES[chunk or 64]]
-    assert logits.shape == gold.shape and nmse(logits, gold) < 1e-10
-
-
-@needs_golden
-def test_inspect_lists_the_moe_fusion(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["inspect", str(FIXTURE)]) == 0
-    out = capsys.readouterr().out
-    assert "architecture: hy_v3 (supported)" in out and "fuse_moe: 2" in out
 
 
 @needs_golden
@@ -131,16 +103,7 @@ def test_golden_every_layer_is_moe(golden: LoadedModel) -> None:
 
 
 def test_fused_decomposed_and_switched_off_match_unfused(project: LoadedModel) -> None:
-    tokens = project_tokens(project)
-    reference = interpret_float64(project, project.graph, tokens, 24)
-    fused, _ = run_pipeline(project.graph)
-    assert nmse(interpret_float64(project, fused, tokens, 24), reference) < 1e-20
-    decomposed = decompose(fused)
-    verify(decomposed, {"T": 5, "P": 3})
-    assert nmse(interpret_float64(project, decomposed, tokens, 24), reference) < 1e-20
-    off, stats = run_pipeline(project.graph, disabled={"fuse_moe"}, check=True)
-    assert "fuse_moe" not in stats and not _moe_nodes(off)
-    assert nmse(interpret_float64(project, off, tokens, 24), reference) < 1e-20
+    check_fused_decomposed_and_off_match_unfused(project, project_tokens(project), "fuse_moe", "moe_ffn")
 
 
 def test_fusion_recognises_the_decomposition(project: LoadedModel) -> None:

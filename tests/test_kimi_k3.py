@@ -1,5 +1,6 @@
 """kimi-k3 end to end: llama.cpp's golden through `ggufc eval` (compiled kernels) in all three feeding
-modes (the float64 interpreter's rows: tests/test_interpreter_goldens.py); KDA's key-decay delta rule
+modes (rows of tests/test_goldens.py), `ggufc inspect` and its state layout (tests/test_arch_goldens.py;
+the float64 interpreter's rows: tests/test_interpreter_goldens.py); KDA's key-decay delta rule
 (sequential, chunked and one token at a time agree in float64, both gate forms); the cross-layer
 residual attention mix against its formula with several banks, and the compiled model against the
 interpreter when every layer banks (block size 1).
@@ -30,24 +31,20 @@ from ggufc.ir.builder import GraphBuilder
 from ggufc.ir.decompose import decompose
 from ggufc.ir.interp import run_graph
 from ggufc.ir.ref_math import rms_plain
-from ggufc.ir.verify import verify
 from ggufc.passes.pipeline import run_pipeline
-from tests.support.arch_models import interpret_float64
-from tests.support.goldens import GOLDEN, eval_golden, skip_without_goldens
+from tests.support.arch_models import (
+    check_fused_decomposed_and_off_match_unfused,
+    golden_fixture,
+    interpret_float64,
+)
+from tests.support.goldens import GOLDEN, skip_without_goldens
 from tests.support.linear_attention import worst_error_over_calls
 from tests.support.op_cases import MAX_TOKENS
 from tests.support.sparse_indexers import decode_kernel_calls, nmse
 
 FIXTURE = GOLDEN / "fixtures" / "kimi-k3-moe.gguf"
 needs_golden = skip_without_goldens(FIXTURE)
-MODES = {64: "logits_prefill", 1: "logits_decode", 7: "logits_chunk7"}
-
-
-@pytest.fixture(scope="module")
-def golden() -> LoadedModel:
-    if not FIXTURE.exists():
-        pytest.skip("llama.cpp goldens absent")
-    return load_model(FIXTURE)
+golden = golden_fixture("kimi-k3-moe")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -67,15 +64,12 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("ggufc-cache")
 
 
-@needs_golden
-@pytest.mark.parametrize("chunk", [None, 1, 7])
-def test_compiled_matches_llama_cpp(chunk: int | None, tmp_path: Path, cache: Path,
-                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """`ggufc eval` on the CPU: measured 1.9e-12 (prefill: the chunked KDA form), 1.8e-12 (decode), 1.8e-12
-    (chunks of 7)."""
-    logits = eval_golden("kimi-k3-moe", chunk, tmp_path, cache, monkeypatch)
-    gold = np.load(GOLDEN / "logits" / "kimi-k3-moe.npz")[MODES[chunk or 64]]
-    assert logits.shape == gold.shape and nmse(logits, gold) < 1e-10
+def _eval(path: Path, tokens: np.ndarray, chunk: int | None, tmp: Path) -> np.ndarray:
+    """`ggufc eval` of `path` on `tokens` (`chunk` at a time; None: one call)."""
+    np.save(tmp / "t.npy", tokens)
+    argv = ["eval", str(path), "--tokens", str(tmp / "t.npy"), "--out", str(tmp / "o.npy")]
+    assert main(argv + (["--chunk", str(chunk)] if chunk else [])) == 0
+    return np.load(tmp / "o.npy")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -207,10 +201,7 @@ def test_every_layer_banked_compiled_matches_interpreter(chunk: int | None, tmp_
     gold = np.load(GOLDEN / "logits" / "kimi-k3-moe.npz")["logits_prefill"][:24]
     assert nmse(ref, gold) > 1e-3  # the banks change the model
     monkeypatch.setenv("GGUFC_CACHE", str(cache))
-    np.save(tmp_path / "t.npy", tokens)
-    argv = ["eval", str(path), "--tokens", str(tmp_path / "t.npy"), "--out", str(tmp_path / "o.npy")]
-    assert main(argv + (["--chunk", str(chunk)] if chunk else [])) == 0
-    assert nmse(np.load(tmp_path / "o.npy"), ref) < 1e-10
+    assert nmse(_eval(path, tokens, chunk, tmp_path), ref) < 1e-10
     assert math.isfinite(float(np.abs(ref).max()))
 
 
@@ -219,31 +210,15 @@ def test_every_layer_banked_compiled_matches_interpreter(chunk: int | None, tmp_
 
 
 @needs_golden
-def test_inspect_lists_the_fusions(capsys: pytest.CaptureFixture[str]) -> None:
-    """Four residual-attention mixes (layer 0's attention mix has an empty bank), one latent MoE."""
-    assert main(["inspect", str(FIXTURE)]) == 0
-    out = capsys.readouterr().out
-    assert "architecture: kimi-k3 (supported)" in out and "fuse_hc: 4" in out and "fuse_moe: 1" in out
-
-
-@needs_golden
 def test_fused_decomposed_and_switched_off_match_unfused(golden: LoadedModel) -> None:
     tokens = np.load(GOLDEN / "logits" / "kimi-k3-moe.npz")["tokens"][:16]
-    reference = interpret_float64(golden, golden.graph, tokens, 16)
-    fused, stats = run_pipeline(golden.graph, check=True)
+    fused, stats = check_fused_decomposed_and_off_match_unfused(golden, tokens, "fuse_hc", "res_mix")
     assert stats["fuse_hc"] == 4 and sum(n.op == "res_mix" for n in fused.nodes) == 4
     (moe,) = [n for n in fused.nodes if n.op == "moe_ffn"]
     assert (moe.attrs.latent, moe.attrs.latent_norm, moe.attrs.act, moe.attrs.shared_act) == (True, True, "situ",
                                                                                                 "situ")
-    assert nmse(interpret_float64(golden, fused, tokens, 16), reference) < 1e-20
-    decomposed = decompose(fused)
-    verify(decomposed, {"T": 5, "P": 3})
-    assert nmse(interpret_float64(golden, decomposed, tokens, 16), reference) < 1e-20
     refused, _ = run_pipeline(decompose(fused, only={"res_mix"}))
     assert Counter(n.op for n in refused.nodes) == Counter(n.op for n in fused.nodes)
-    off, stats = run_pipeline(golden.graph, disabled={"fuse_hc"}, check=True)
-    assert "fuse_hc" not in stats and not any(n.op == "res_mix" for n in off.nodes)
-    assert nmse(interpret_float64(golden, off, tokens, 16), reference) < 1e-20
 
 
 @needs_golden
@@ -263,15 +238,6 @@ def test_onnxruntime_runs_kimi_k3_like_the_interpreter(golden: LoadedModel, tmp_
 
 # ---------------------------------------------------------------------------------------------
 # state and decode step
-
-
-@needs_golden
-def test_state_layout(golden: LoadedModel) -> None:
-    """MLA layer 0: one [kv_lora | rope] = 576-float row per token; KDA layer 1: three conv
-    histories [d_inner, d_conv - 1] and the recurrent state [H, dh(v), dh(k)], per sequence."""
-    states = {n: tuple(int(d) for d in s.value.shape) for n, s in golden.graph.states.items()}
-    assert states == {"cache_latent.0": (256, 1, 576), "conv_state_q.1": (128, 3), "conv_state_k.1": (128, 3),
-                      "conv_state_v.1": (128, 3), "ssm_state.1": (1, 128, 128)}
 
 
 @needs_golden
@@ -441,7 +407,4 @@ def test_wide_model_compiled_matches_interpreter(chunk: int | None, tmp_path_fac
     ref = interpret_float64(model, model.graph, tokens, 20)
     assert nmse(interpret_float64(model, model.graph, tokens, 3), ref) < 1e-20 and float(np.std(ref)) > 0.05
     monkeypatch.setenv("GGUFC_CACHE", str(cache))
-    np.save(tmp_path / "t.npy", tokens)
-    argv = ["eval", str(path), "--tokens", str(tmp_path / "t.npy"), "--out", str(tmp_path / "o.npy")]
-    assert main(argv + (["--chunk", str(chunk)] if chunk else [])) == 0
-    assert nmse(np.load(tmp_path / "o.npy"), ref) < 1e-10
+    assert nmse(_eval(path, tokens, chunk, tmp_path), ref) < 1e-10

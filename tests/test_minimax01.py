@@ -4,7 +4,8 @@ lightning attention's block form against the token-by-token recurrence it comput
 split), llama.cpp's slopes and decay scales; the compiled lightning kernel against its reference over
 carried state (and the `lightning_attention` rows of tests/test_codegen_ops.py); a prompt longer than
 llama.cpp's 512-token ubatch fed in its ubatches, whatever the checkpoints, and cut back; the decode
-step's kernels fused and unfused; the layer pattern and what is refused."""
+step's kernels fused and unfused; the layer pattern and what is refused. Its state layout:
+tests/test_arch_goldens.py."""
 
 from __future__ import annotations
 
@@ -22,19 +23,13 @@ from ggufc.ir import linear_attention as R
 from ggufc.passes.pipeline import run_pipeline
 from ggufc.runtime import Session
 from ggufc.runtime.context import split_points
-from tests.support.arch_models import interpret_float64
-from tests.support.goldens import GOLDEN
+from tests.support.arch_models import golden_fixture, interpret_float64
+from tests.support.goldens import GOLDEN, skip_without_goldens
 from tests.support.sparse_indexers import decode_kernel_calls, nmse
 
 FIXTURE = GOLDEN / "fixtures" / "minimax-01-moe.gguf"
-needs_golden = pytest.mark.skipif(not FIXTURE.exists(), reason=f"llama.cpp goldens not found at {GOLDEN}")
-
-
-@pytest.fixture(scope="module")
-def golden() -> LoadedModel:
-    if not FIXTURE.exists():
-        pytest.skip("llama.cpp goldens absent")
-    return load_model(FIXTURE)
+needs_golden = skip_without_goldens(FIXTURE)
+golden = golden_fixture("minimax-01-moe")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -47,14 +42,6 @@ def test_hparams_of_the_llama_cpp_fixture(golden: LoadedModel) -> None:
     assert hp.linear == (True, False) and (hp.n_head, hp.head_dim, hp.n_rot) == (2, 128, 128)
     assert (hp.n_expert, hp.n_expert_used, hp.n_ff) == (2, 2, 384)
     assert hp.residual_scale == pytest.approx(3.5565588, rel=1e-7)
-
-
-@needs_golden
-def test_state_layout(golden: LoadedModel) -> None:
-    """Layer 0 (lightning): S [H, Dk, Dv], whatever the context; layer 1 (softmax): the KV cache."""
-    states = {n: tuple(int(d) for d in s.value.shape) for n, s in golden.graph.states.items()}
-    n_ctx = golden.n_ctx
-    assert states == {"lightning_state.0": (2, 128, 128), "cache_k.1": (n_ctx, 2, 128), "cache_v.1": (n_ctx, 2, 128)}
 
 
 @needs_golden

@@ -1,10 +1,13 @@
 """minimax-m3 end to end: llama.cpp's goldens (dense and MSA-sparse) through the compiled kernels (the
 interpreter's rows: tests/test_interpreter_goldens.py), chunked prefill and decode equal to one-shot
 prefill, the MSA block selection of the compiled kernels against the numpy reference (as sets of blocks,
-local blocks always kept), the named fusions (hit counts, fused = unfused = decomposed, each switchable
-off), `ggufc inspect`, and the one-line refusals of files MSA cannot run.
+local blocks always kept), the named fusions' hit counts and fused ops, and the one-line refusals of
+files MSA cannot run.
 
-The dense golden in all three feeding modes through `ggufc eval` is in test_goldens.py.
+The dense golden in all three feeding modes through `ggufc eval` is in test_goldens.py; the sparse
+golden through the compiled kernels and the fusions' checks every sparse architecture shares (fused =
+unfused = decomposed, each switchable off) in test_sparse_architectures.py, `ggufc inspect` in
+test_arch_goldens.py.
 
 llama.cpp computed these goldens with flash attention (MSA runs only there), which reads K and V as
 F16: the architecture rounds K and V to half precision before caching them. Calls shorter than its
@@ -18,52 +21,33 @@ own modes differ (3.5e-9).
 
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from ggufc.cli import main
 from ggufc.frontend.hparams import ModelError
 from ggufc.frontend.load import LoadedModel, load_model
 from ggufc.ir import sparse_indexers as SI
-from ggufc.ir.graph import Graph, Node, Value
+from ggufc.ir.graph import Graph, Value
 from ggufc.ir.interp import init_state, run_graph
 from ggufc.passes.constant_fold import with_constants
 from ggufc.passes.pipeline import run_pipeline
-from tests.support import sparse_indexers as SP
-from tests.support.arch_models import MINIMAX_M3_SPARSE_TOP_K, minimax_m3_tokens
+from tests.support.arch_models import (
+    MINIMAX_M3_SPARSE_TOP_K,
+    SPARSE_GOLDENS,
+    float32_pv,
+    minimax_m3_tokens,
+    sparse_golden_fixtures,
+)
 from tests.support.fixtures import write_fixture
 from tests.support.fixtures_minimax_m3 import MSA_BLOCK, MSA_LOCAL, MSA_TOP_K
-from tests.support.goldens import GOLDEN, skip_without_goldens, with_metadata
+from tests.support.goldens import with_metadata
 from tests.support.sparse_indexers import Compiled, compile_probed, decode_kernel_calls, interpret, nmse
 
-DENSE = GOLDEN / "fixtures" / "minimax-m3-moe.gguf"
-needs_golden = skip_without_goldens(DENSE)
-MODES = {64: "logits_prefill", 1: "logits_decode", 7: "logits_chunk7"}
-
-
-@pytest.fixture(scope="module")
-def sparse_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The dense fixture with indexer.top_k = 2 blocks."""
-    if not DENSE.exists():
-        pytest.skip("llama.cpp goldens absent")
-    return with_metadata(DENSE, tmp_path_factory.mktemp("sparse") / "minimax-m3-moe-sparse.gguf",
-                         {"minimax-m3.attention.indexer.top_k": str(MINIMAX_M3_SPARSE_TOP_K)})
-
-
-@pytest.fixture(scope="module")
-def golden_models(sparse_path: Path) -> dict[str, LoadedModel]:
-    return {"minimax-m3-moe": load_model(DENSE), "minimax-m3-moe-sparse": load_model(sparse_path)}
-
-
-@pytest.fixture(scope="module")
-def project(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    """The project's fixture: 16 blocks of 4 cells, 3 kept per query and group (1 local)."""
-    return load_model(write_fixture("minimax-m3", tmp_path_factory.mktemp("m3") / "m.gguf", seed=0, biases=True,
-                                    scales=True))
+ROW = SPARSE_GOLDENS["minimax-m3"]  # the project's fixture: 16 blocks of 4 cells, 3 kept per query and group
+needs_golden, sparse_path, golden_models, project, case = sparse_golden_fixtures(ROW)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -107,40 +91,16 @@ def test_k_and_v_are_cached_at_half_precision(project: LoadedModel) -> None:
 # compiled kernels
 
 
-def compile_model(model: LoadedModel, expose_selection: bool = False) -> Compiled:
-    """The CPU build; optionally with the MSA selection ([T, G, K] blocks) and block scores
-    ([T, G, NB]) as more outputs."""
-    if not expose_selection:
-        return compile_probed(model)
+@pytest.fixture(scope="module")
+def compiled_project(project: LoadedModel) -> Compiled:
+    """The CPU build with the MSA selection ([T, G, K] blocks) and block scores ([T, G, NB]) as more
+    outputs."""
 
     def selection(graph: Graph) -> list[Value]:
         sel = next(n for n in graph.nodes if n.op == "block_topk")
         return [sel.outputs[0], sel.inputs[0]]
 
-    return compile_probed(model, selection)
-
-
-@pytest.fixture(scope="module")
-def compiled_sparse(golden_models: dict[str, LoadedModel]) -> Compiled:
-    return compile_model(golden_models["minimax-m3-moe-sparse"])
-
-
-@pytest.fixture(scope="module")
-def compiled_project(project: LoadedModel) -> Compiled:
-    return compile_model(project, expose_selection=True)
-
-
-@needs_golden
-@pytest.mark.parametrize("chunk", list(MODES))
-def test_compiled_sparse_matches_llama_cpp_sparse(compiled_sparse: Compiled, chunk: int) -> None:
-    """Closer to llama.cpp's top_k=2 logits than llama.cpp's own dense logits are, by >= 100x
-    (measured: 4.7e-11 one-shot, 4.8e-11 in chunks of 7 and in decode, against a gap of 5.6e-6)."""
-    sparse = np.load(GOLDEN / "logits" / "minimax-m3-moe-sparse.npz")
-    dense = np.load(GOLDEN / "logits" / "minimax-m3-moe.npz")
-    (logits,) = compiled_sparse.run(sparse["tokens"], chunk)
-    err = nmse(logits, sparse[MODES[chunk]])
-    gap = nmse(dense[MODES[chunk]], sparse[MODES[chunk]])
-    assert err < 1e-6 and gap / err >= 100, f"NMSE {err:.3g}, dense-vs-sparse gap {gap:.3g}"
+    return compile_probed(project, selection)
 
 
 def test_compiled_modes_equal_the_interpreter(compiled_project: Compiled) -> None:
@@ -209,36 +169,13 @@ def test_selection_keeps_local_blocks_and_the_best_earlier_ones() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# the fusions
-
-# fuse_indexer: attention (+ scoring when sparse); fuse_moe: the MoE block, and the dense lead
-# layer's swiglu_oai activation (the routing family's rule, one elementwise kernel)
-EXPECTED = {
-    "minimax-m3-moe": {"fuse_indexer": 1, "fuse_moe": 2},
-    "minimax-m3-moe-sparse": {"fuse_indexer": 2, "fuse_moe": 2},
-    "project": {"fuse_indexer": 2, "fuse_moe": 2},
-}
-
-
-@pytest.fixture(scope="module", params=sorted(EXPECTED))
-def case(request: pytest.FixtureRequest, project: LoadedModel) -> tuple[str, LoadedModel]:
-    if request.param == "project":
-        return "project", project
-    if not DENSE.exists():
-        pytest.skip("llama.cpp goldens absent")
-    return request.param, request.getfixturevalue("golden_models")[request.param]
-
-
-def _tokens(name: str, model: LoadedModel) -> np.ndarray:
-    if name == "project":
-        return minimax_m3_tokens(model, 24)
-    return np.load(GOLDEN / "logits" / f"{name}.npz")["tokens"][:24]
+# the fusions (their hit counts: ROW.fusions)
 
 
 def test_fusion_hits_and_fused_ops(case: tuple[str, LoadedModel]) -> None:
     name, model = case
     fused, stats = run_pipeline(model.graph, check=True)
-    assert {k: stats[k] for k in EXPECTED[name]} == EXPECTED[name]
+    assert {k: stats[k] for k in ROW.fusions[name]} == ROW.fusions[name]
     ops = Counter(n.op for n in fused.nodes)
     attn = [n.attrs.mask for n in fused.nodes if n.op == "attention"]
     dense = name == "minimax-m3-moe"  # budget >= context: exactly dense, the indexer and its cache dropped
@@ -247,33 +184,6 @@ def test_fusion_hits_and_fused_ops(case: tuple[str, LoadedModel]) -> None:
     assert ("cache_idx.1" in fused.states) != dense
     assert ops["indexer_block_score"] == ops["block_topk"] == int(not dense)
 
-
-def test_fused_and_decomposed_match_unfused(case: tuple[str, LoadedModel]) -> None:
-    # the spelled attention accumulates P.V in float32 (no primitive spells the F16 scan)
-    SP.check_fused_and_decomposed_match_unfused(case[1], _tokens(*case), float32_pv(case[1].graph))
-
-
-def float32_pv(graph: Graph) -> Graph:
-    """`graph` with every attention accumulating in float32 (no `f16_pv_below`)."""
-    nodes = [Node(n.op, n.inputs, dataclasses.replace(n.attrs, f16_pv_below=0), n.outputs) if n.op == "attention"
-             else n for n in graph.nodes]
-    return graph.replace(nodes=nodes)
-
-
-@pytest.mark.parametrize("off", ["fuse_indexer", "fuse_moe"])
-def test_each_named_fusion_switches_off(case: tuple[str, LoadedModel], off: str) -> None:
-    SP.check_fusion_switches_off(case[1], _tokens(*case), off)
-
-
-def test_fusions_recognise_the_decompositions(case: tuple[str, LoadedModel]) -> None:
-    SP.check_fusions_recognise_decompositions(case[1], {"indexer_block_score", "moe_ffn"})
-
-
-@needs_golden
-def test_inspect_lists_the_fusions(sparse_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["inspect", str(sparse_path)]) == 0
-    out = capsys.readouterr().out
-    assert "fuse_indexer: 2" in out and "fuse_moe: 2" in out
 
 
 # ---------------------------------------------------------------------------------------------

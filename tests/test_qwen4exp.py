@@ -1,55 +1,31 @@
 """qwen4exp end to end: llama.cpp's goldens (dense and QSA-sparse) through the compiled kernels (the
 interpreter's rows: tests/test_interpreter_goldens.py), chunked prefill and decode equal to one-shot
 prefill, the QSA selection of the compiled kernels against the numpy reference (as sets of cells), the
-three named fusions (hit counts, fused = unfused = decomposed, each switchable off), the PLE hash rules,
-`ggufc inspect`.
+three named fusions' hit counts and fused ops, the PLE hash rules.
 
-The dense golden in all three feeding modes through `ggufc eval` is in test_goldens.py.
+The dense golden in all three feeding modes through `ggufc eval` is in test_goldens.py; the sparse
+golden through the compiled kernels and the fusions' checks every sparse architecture shares (fused =
+unfused = decomposed, each switchable off) in test_sparse_architectures.py, `ggufc inspect` in
+test_arch_goldens.py.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from ggufc.cli import main
-from ggufc.frontend.load import LoadedModel, load_model
+from ggufc.frontend.load import LoadedModel
 from ggufc.ir import ngram_embedding as NG
 from ggufc.ir import sparse_indexers as SI
 from ggufc.passes.pipeline import run_pipeline
-from tests.support import sparse_indexers as SP
-from tests.support.arch_models import qwen4exp_tokens
-from tests.support.fixtures import write_fixture
+from tests.support.arch_models import SPARSE_GOLDENS, qwen4exp_tokens, sparse_golden_fixtures
 from tests.support.fixtures_qwen4exp import INDEXER_TOP_K
-from tests.support.goldens import GOLDEN, skip_without_goldens, with_metadata
 from tests.support.sparse_indexers import Compiled, compile_probed, decode_kernel_calls, interpret, nmse
 
-DENSE = GOLDEN / "fixtures" / "qwen4exp-moe.gguf"
-needs_golden = skip_without_goldens(DENSE)
-MODES = {64: "logits_prefill", 1: "logits_decode", 7: "logits_chunk7"}
-
-
-@pytest.fixture(scope="module")
-def sparse_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The dense fixture with indexer.top_k = 4."""
-    if not DENSE.exists():
-        pytest.skip("llama.cpp goldens absent")
-    return with_metadata(DENSE, tmp_path_factory.mktemp("sparse") / "qwen4exp-moe-sparse.gguf",
-                         {"qwen4exp.attention.indexer.top_k": "4"})
-
-
-@pytest.fixture(scope="module")
-def golden_models(sparse_path: Path) -> dict[str, LoadedModel]:
-    return {"qwen4exp-moe": load_model(DENSE), "qwen4exp-moe-sparse": load_model(sparse_path)}
-
-
-@pytest.fixture(scope="module")
-def project(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    """The project's fixture: QSA budget 8 tokens (W = 11 cells) in a 64-cell context, PLE, scales."""
-    return load_model(write_fixture("qwen4exp", tmp_path_factory.mktemp("q4") / "m.gguf", seed=0, scales=True))
+ROW = SPARSE_GOLDENS["qwen4exp"]  # the project's fixture: QSA budget 8 tokens (W = 11 cells) in a 64-cell context
+needs_golden, sparse_path, golden_models, project, case = sparse_golden_fixtures(ROW)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -77,35 +53,11 @@ def test_chunked_interpreter_equals_one_shot(project: LoadedModel) -> None:
 # compiled kernels
 
 
-def compile_model(model: LoadedModel, expose_selection: bool = False) -> Compiled:
-    """The CPU build; optionally with the QSA selection ([T, W] cell ids of the first indexer_topk)
-    as a second output."""
-    if not expose_selection:
-        return compile_probed(model)
-    return compile_probed(model, lambda g: [next(n for n in g.nodes if n.op == "indexer_topk").outputs[0]])
-
-
-@pytest.fixture(scope="module")
-def compiled_sparse(golden_models: dict[str, LoadedModel]) -> Compiled:
-    return compile_model(golden_models["qwen4exp-moe-sparse"])
-
-
 @pytest.fixture(scope="module")
 def compiled_project(project: LoadedModel) -> Compiled:
-    return compile_model(project, expose_selection=True)
-
-
-@needs_golden
-@pytest.mark.parametrize("chunk", list(MODES))
-def test_compiled_sparse_matches_llama_cpp_sparse(compiled_sparse: Compiled, chunk: int) -> None:
-    """Closer to llama.cpp's top_k=4 logits than llama.cpp's own dense logits are, by >= 10x
-    (measured: about 5e-14 NMSE against a dense-vs-sparse gap of 1.5e-7)."""
-    sparse = np.load(GOLDEN / "logits" / "qwen4exp-moe-sparse.npz")
-    dense = np.load(GOLDEN / "logits" / "qwen4exp-moe.npz")
-    (logits,) = compiled_sparse.run(sparse["tokens"], chunk)
-    err = nmse(logits, sparse[MODES[chunk]])
-    gap = nmse(dense[MODES[chunk]], sparse[MODES[chunk]])
-    assert err < 1e-6 and gap / err >= 10, f"NMSE {err:.3g}, dense-vs-sparse gap {gap:.3g}"
+    """The CPU build with the QSA selection ([T, W] cell ids of the first indexer_topk) as a second
+    output."""
+    return compile_probed(project, lambda g: [next(n for n in g.nodes if n.op == "indexer_topk").outputs[0]])
 
 
 def test_compiled_chunks_and_decode_equal_one_shot(compiled_project: Compiled) -> None:
@@ -151,34 +103,13 @@ def test_decode_kernel_count(golden_models: dict[str, LoadedModel]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# the three fusions
-
-EXPECTED = {  # fuse_hc: 5 mixes + 4 combines; fuse_indexer: attention (+ scoring when sparse); fuse_moe: per layer
-    "qwen4exp-moe": {"fuse_hc": 9, "fuse_indexer": 1, "fuse_moe": 2},
-    "qwen4exp-moe-sparse": {"fuse_hc": 9, "fuse_indexer": 2, "fuse_moe": 2},
-    "project": {"fuse_hc": 9, "fuse_indexer": 2, "fuse_moe": 2},
-}
-
-
-@pytest.fixture(scope="module", params=sorted(EXPECTED))
-def case(request: pytest.FixtureRequest, project: LoadedModel) -> tuple[str, LoadedModel]:
-    if request.param == "project":
-        return "project", project
-    if not DENSE.exists():
-        pytest.skip("llama.cpp goldens absent")
-    return request.param, request.getfixturevalue("golden_models")[request.param]
-
-
-def _tokens(name: str, model: LoadedModel) -> np.ndarray:
-    if name == "project":
-        return qwen4exp_tokens(model, 24)
-    return np.load(GOLDEN / "logits" / f"{name}.npz")["tokens"][:24]
+# the three fusions (their hit counts: ROW.fusions)
 
 
 def test_fusion_hits_and_fused_ops(case: tuple[str, LoadedModel]) -> None:
     name, model = case
     fused, stats = run_pipeline(model.graph, check=True)
-    assert {k: stats[k] for k in EXPECTED[name]} == EXPECTED[name]
+    assert {k: stats[k] for k in ROW.fusions[name]} == ROW.fusions[name]
     ops = Counter(n.op for n in fused.nodes)
     assert (ops["hc_pre"], ops["hc_post"], ops["moe_ffn"]) == (5, 4, 2)
     assert all(n.attrs.shared and n.attrs.merged_gate_up for n in fused.nodes if n.op == "moe_ffn")
@@ -187,25 +118,6 @@ def test_fusion_hits_and_fused_ops(case: tuple[str, LoadedModel]) -> None:
     assert attn == (["causal"] if dense else ["indices"]) and "index_mask" not in ops
     assert ("cache_idx.1" in fused.states) != dense and ops["indexer_score"] == int(not dense)
 
-
-def test_fused_and_decomposed_match_unfused(case: tuple[str, LoadedModel]) -> None:
-    SP.check_fused_and_decomposed_match_unfused(case[1], _tokens(*case))
-
-
-@pytest.mark.parametrize("off", ["fuse_hc", "fuse_indexer", "fuse_moe"])
-def test_each_named_fusion_switches_off(case: tuple[str, LoadedModel], off: str) -> None:
-    SP.check_fusion_switches_off(case[1], _tokens(*case), off)
-
-
-def test_fusions_recognise_the_decompositions(case: tuple[str, LoadedModel]) -> None:
-    SP.check_fusions_recognise_decompositions(case[1], {"hc_pre", "hc_post", "indexer_score", "moe_ffn"})
-
-
-@needs_golden
-def test_inspect_lists_the_fusions(sparse_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["inspect", str(sparse_path)]) == 0
-    out = capsys.readouterr().out
-    assert "fuse_hc: 9" in out and "fuse_indexer: 2" in out and "fuse_moe: 2" in out
 
 
 # ---------------------------------------------------------------------------------------------

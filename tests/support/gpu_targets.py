@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -36,20 +37,27 @@ def build_for(path: Path, target: str) -> object:
         del os.environ["GGUFC_CUDA_BINARY"]
 
 
+def cuda_build_with_ptx(path: Path) -> tuple[Any, str]:
+    """The cuda build of `path` and its source compiled to PTX (sm_80) by nvcc, every kernel an `.entry`
+    (asserted)."""
+    need_nvcc()
+    from ggufc.codegen.gpu.build import nvcc_compile
+
+    built: Any = build_for(path, "cuda")
+    ptx = nvcc_compile(built.executable.cuda_source, "ptx", ("sm_80",)).decode()
+    entries = set(re.findall(r"\.entry\s+(\w+)\s*\(", ptx))
+    missing = [k for k in built.kernel_names if not any(e == f"{k}_kernel" or e.startswith(f"{k}_kernel_")
+                                                         for e in entries)]
+    assert not missing, f"kernels without PTX entry: {missing}"
+    return built, ptx
+
+
 def check_cuda_ptx(name: str, path: Path | None = None) -> None:
     """Every kernel of the golden fixture `name` (at `path`, by default the golden file) compiles to PTX
     with nvcc (each kernel an `.entry`), and the decode step is captured as CUDA graphs as
     SPLIT_DECODE_GRAPH says."""
-    need_nvcc()
-    from ggufc.codegen.gpu.build import nvcc_compile
-
-    built = build_for(path or golden_fixture(name), "cuda")
-    ptx = nvcc_compile(built.executable.cuda_source, "ptx", ("sm_80",)).decode()
-    entries = set(re.findall(r"\.entry\s+(\w+)\s*\(", ptx))
+    built, ptx = cuda_build_with_ptx(path or golden_fixture(name))
     assert ".target sm_80" in ptx
-    missing = [k for k in built.kernel_names if not any(e == f"{k}_kernel" or e.startswith(f"{k}_kernel_")
-                                                         for e in entries)]
-    assert not missing, f"kernels without PTX entry: {missing}"
     graph = built.executable.manifest["cuda"]["cuda_graph"]["decode"]
     if name in SPLIT_DECODE_GRAPH:  # the kernels taking the position as a scalar run between graphs
         assert graph["captured"] > 10 and graph["graphs"] > 1, graph
@@ -72,12 +80,14 @@ def _msl_kernels(source: str) -> dict[str, str]:
     return out
 
 
-def check_metal_plan(name: str, tmp_path: Path, path: Path | None = None) -> None:
+def check_metal_plan(name: str, tmp_path: Path, path: Path | None = None) -> dict[str, Any]:
     """Every kernel of the plan of `name` compiled for metal exists in `kernels.metal` with the argument
-    contract the Metal dispatcher uses."""
+    contract the Metal dispatcher uses; returns the plan."""
     out = tmp_path / "metal"
     assert main(["compile", str(path or golden_fixture(name)), "-t", "metal", "-o", str(out)]) == 0
     check_metal_artifact(out)
+    plan: dict[str, Any] = json.loads((out / "plan.json").read_text())
+    return plan
 
 
 def check_metal_artifact(out: Path) -> None:
