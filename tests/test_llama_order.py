@@ -19,6 +19,7 @@ import tvm
 
 from ggufc.codegen.cpu_int8 import block32 as Q8
 from ggufc.codegen.cpu_int8 import kquant as KQ
+from ggufc.codegen.cpu_int8 import q4k_interleaved as X
 from ggufc.codegen.cpu_int8.amx_gemm import AMX_GEMM_TYPES as KA_TILE_TYPES
 from ggufc.codegen.cpu_int8.isa import int8_isa
 from ggufc.codegen.formats import block_formats as Q
@@ -220,6 +221,22 @@ def test_q4_k_repacked_order_at_avx2_is_llama_cpp_bit_for_bit(k: int, t: int) ->
     want = G.matmul_q4_K_repacked(raw, n, k, x)
     assert np.any(want != G.matmul_k("Q4_K", raw, n, k, x))
     np.testing.assert_array_equal(y, want)
+
+
+@pytest.mark.parametrize(("n", "k", "t"), [(16, 512, 1), (24, 768, 1), (16, 512, 7), (8, 512, 4), (24, 768, 13),
+                                         (16, 4096, 6)])
+def test_q4_k_interleaved_layout_at_avx2_is_llama_cpp_bit_for_bit(n: int, k: int, t: int) -> None:
+    """The same order on weights stored 8 rows side by side (codegen/cpu_int8/q4k_interleaved.py,
+    the layout haswell artifacts keep such weights in): GEMV, and GEMMs of whole 4-token tiles
+    with and without a one-token tail."""
+    isa = int8_isa(I.HASWELL)
+    assert isa is not None and X.eligible("Q4_K", (n, k), I.HASWELL)
+    raw, arrays, x = _prompt_case("Q4_K", n, k, t, k + t)
+    inter = X.interleave(arrays, (n, k))
+    kernel = Q8.int8_gemv(X.LAYOUT, n, k, I.HASWELL) if t == 1 else Q8.int8_gemm(X.LAYOUT, n, k, I.HASWELL)
+    y = aligned_zeros((t, n), np.float32)
+    _build(kernel, I.HASWELL)(to_tvm(x), *(to_tvm(inter[f]) for f, _, _ in X.layout_spec((n, k))), to_tvm(y))
+    np.testing.assert_array_equal(y, G.matmul_q4_K_repacked(raw, n, k, x))
 
 
 def _prompt_case(qtype: str, n: int, k: int, t: int, seed: int) -> tuple[np.ndarray, dict, np.ndarray]:
