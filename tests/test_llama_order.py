@@ -331,13 +331,14 @@ def _asm(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> str:
     return str(tvm.compile(mod, target=target).mod.inspect_source("asm"))
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", X.LAYOUT])
 def test_int8_kernels_for_avx2_have_no_avx512_or_vnni_instruction(qtype: str) -> None:
     """The AVX2 form (haswell: AVX2 + FMA + F16C) must run on a CPU with nothing more (Zen 1-3,
     Intel client up to the 10th generation): vpmaddubsw and vpmaddwd for the dot products, and no
     instruction of AVX-512 (EVEX) or VNNI anywhere, or such a CPU faults on it."""
     assert int8_isa(I.HASWELL) is not None and int8_isa(I.HASWELL).name == "avx2"  # type: ignore[union-attr]
-    for func in (Q8.int8_gemv_group(qtype, (8, 4), 512, I.HASWELL, ("rms_norm", 1e-5)),
+    ns = (8, 16) if qtype == X.LAYOUT else (8, 4)  # the interleaved layout's groups are 8 rows
+    for func in (Q8.int8_gemv_group(qtype, ns, 512, I.HASWELL, ("rms_norm", 1e-5)),
                  Q8.int8_gemm(qtype, 8, 512, I.HASWELL)):
         asm = _asm(func, I.HASWELL)
         assert "vpmaddubsw" in asm and "vpmaddwd" in asm, qtype
