@@ -86,32 +86,25 @@ def test_gemv_groups_equal_the_row_major_kernels(prologue: tuple, residual: bool
         np.testing.assert_array_equal(new, old)
 
 
-@pytest.fixture(scope="module")
-def artifacts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """A Q4_K llama compiled for haswell with its matrices interleaved, and without."""
+def _compile(out: Path, interleaved: bool = True) -> Path:
+    """A Q4_K llama compiled for haswell, its matrices interleaved or (monkeypatched off) not."""
     from ggufc.driver.compile import compile_model
 
-    tmp = tmp_path_factory.mktemp("q4kx8")
-    path = write_fixture("llama", tmp / "m.gguf", seed=3, qtype="Q4_K", size=SIZE)
+    path = write_fixture("llama", out.parent / "m.gguf", seed=3, qtype="Q4_K", size=SIZE)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(X, "interleaved_params", lambda graphs, target: frozenset())
-        compile_model(path, HASWELL_SPEC, tmp / "rows")
-    compile_model(path, HASWELL_SPEC, tmp / "x8")
-    return {"rows": tmp / "rows", "x8": tmp / "x8"}
+        if not interleaved:
+            mp.setattr(X, "interleaved_params", lambda graphs, target: frozenset())
+        compile_model(path, HASWELL_SPEC, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _compile(tmp_path_factory.mktemp("q4kx8") / "x8")
 
 
 def _params(root: Path) -> list[dict]:
     return json.loads((root / "manifest.json").read_text())["params"]
-
-
-def test_haswell_artifacts_keep_8_bit_matmul_weights_interleaved(artifacts: dict[str, Path]) -> None:
-    """Every Q4_K matrix only 8-bit matmuls read is stored interleaved; the embedding table, which
-    a lookup reads by row, stays row-major."""
-    q4k = {p["name"] for p in _params(artifacts["x8"]) if p["qtype"] == "Q4_K"}
-    interleaved = {name: _interleaved(artifacts[name]) for name in ("rows", "x8")}
-    assert "token_embd.weight" in q4k - interleaved["x8"]
-    assert {"blk.0.attn_q.weight", "blk.1.ffn_down.weight"} <= interleaved["x8"] <= q4k
-    assert not interleaved["rows"]
 
 
 def _interleaved(root: Path) -> set[str]:
@@ -119,12 +112,25 @@ def _interleaved(root: Path) -> set[str]:
     return {p["name"] for p in _params(root) if [a["key"].split("::")[1] for a in p["arrays"]] == list(X.FIELDS)}
 
 
-def test_interleaved_artifact_computes_the_row_major_ones_logits(artifacts: dict[str, Path]) -> None:
-    """Prompt (whole 4-token tiles and a tail), then decode steps: bit for bit the same logits."""
+def test_haswell_artifacts_keep_8_bit_matmul_weights_interleaved(artifact: Path) -> None:
+    """Every Q4_K matrix only 8-bit matmuls read is stored interleaved; the embedding table, which
+    a lookup reads by row, stays row-major."""
+    q4k = {p["name"] for p in _params(artifact) if p["qtype"] == "Q4_K"}
+    interleaved = _interleaved(artifact)
+    assert "token_embd.weight" in q4k - interleaved
+    assert {"blk.0.attn_q.weight", "blk.1.ffn_down.weight"} <= interleaved <= q4k
+
+
+@pytest.mark.slow
+def test_interleaved_artifact_computes_the_row_major_ones_logits(artifact: Path, tmp_path: Path) -> None:
+    """Prompt (whole 4-token tiles and a tail), then decode steps: bit for bit the logits of the
+    same model compiled with its Q4_K matrices row-major."""
+    rows = _compile(tmp_path / "rows", interleaved=False)
+    assert not _interleaved(rows)
     tokens = np.array([1, 5, 9, 2, 7, 3, 11], dtype=np.int32)
     logits = []
-    for name in ("rows", "x8"):
-        with Session(artifacts[name]) as s:
+    for root in (rows, artifact):
+        with Session(root) as s:
             steps = [s.forward(tokens, all_logits=True)]
             steps += [s.forward(tokens[i:i + 1]) for i in range(3)]
         logits.append(steps)
@@ -132,17 +138,22 @@ def test_interleaved_artifact_computes_the_row_major_ones_logits(artifacts: dict
         np.testing.assert_array_equal(new, old)
 
 
-def test_manifest_of_the_other_layout_is_refused(artifacts: dict[str, Path], tmp_path: Path) -> None:
+def test_manifest_of_the_other_layout_is_refused(artifact: Path, tmp_path: Path) -> None:
     """A manifest claiming the row-major layout for kernels built for the interleaved one (resealed,
     so only the layout contract stands in the way) is refused before any kernel runs."""
     import shutil
 
     work = tmp_path / "art"
-    shutil.copytree(artifacts["x8"], work)
+    shutil.copytree(artifact, work)
     manifest = json.loads((work / "manifest.json").read_text())
-    rows = {p["name"]: p["arrays"] for p in _params(artifacts["rows"])}
+    changed = 0
     for p in manifest["params"]:
-        p["arrays"] = rows[p["name"]]
+        if p["name"] in _interleaved(artifact):
+            groups, supers, _ = p["arrays"][0]["shape"]
+            spec = Q.layout_spec("Q4_K", (groups * 8, supers * 256))
+            p["arrays"] = [{"key": f"{p['name']}::{f}", "shape": list(s), "dtype": d} for f, s, d in spec]
+            changed += 1
+    assert changed
     text = json.dumps(manifest)
     (work / "manifest.json").write_text(text)
     (work / "manifest.sha256").write_text(hashlib.sha256(text.encode()).hexdigest() + "  manifest.json\n")
