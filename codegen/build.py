@@ -16,6 +16,7 @@ import tvm
 from tvm import relax
 
 from ggufc.codegen.batch_rows import DECODE_BATCH, add_decode_batch, decode_batch_refusal
+from ggufc.codegen.cpu_int8 import q4k_interleaved as X
 from ggufc.codegen.formats.layout import layout_spec, repack
 from ggufc.codegen.gpu import block_formats as QG
 from ggufc.codegen.gpu.build import compile_gpu, seal_plan_layout
@@ -79,7 +80,8 @@ def build_executable(
     tgt = resolve_target(target)
     t0 = time.perf_counter()
     gpu_target = is_gpu(tgt)
-    layouts = plan_params(list(graphs.values()), QG.layout_spec if gpu_target else layout_spec)
+    interleaved = frozenset() if gpu_target else X.interleaved_params(graphs.values(), tgt)
+    layouts = plan_params(list(graphs.values()), QG.layout_spec if gpu_target else layout_spec, interleaved)
     with_windows = window_caches and tgt.kind.name not in FULL_CACHE_TARGETS
     windows = plan_window_caches(graphs.values(), n_ctx, max_chunk) if with_windows else {}
     states = window_state_shapes(state_plan(graphs["prefill_all"]), windows, max_chunk)
@@ -208,6 +210,8 @@ def kernel_weights(weights: WeightSource, layouts: list[ParamLayout]) -> dict[st
             arrays = repack(lay.qtype, weights.stored_data(lay.source), lay.shape)
             if QG.is_packed(lay.qtype) and lay.arrays == tuple(QG.layout_spec(lay.qtype, lay.shape)):
                 arrays = QG.pack(lay.qtype, arrays, lay.shape)  # GPU targets: one word array per weight
+            elif X.is_interleaved(lay.arrays, lay.shape):  # AVX2 Q4_K: 8 rows side by side
+                arrays = X.interleave(arrays, lay.shape)
         for fname, shape, dtype in lay.arrays:
             a = np.ascontiguousarray(arrays[fname])
             if a.shape != tuple(shape) or str(a.dtype) != dtype:

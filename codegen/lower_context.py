@@ -4,7 +4,7 @@ files; the module builder is in `lower.py`."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -12,6 +12,7 @@ import tvm
 from tvm import relax, tirx
 
 from ggufc.codegen import kernel_keys as KK
+from ggufc.codegen.cpu_int8 import q4k_interleaved as X
 from ggufc.codegen.formats.cpu_schedules import qmatmul, qmatmul_rows
 from ggufc.codegen.formats.layout import layout_spec
 from ggufc.codegen.kernel_keys import KernelKey
@@ -37,9 +38,10 @@ GPU_KINDS = frozenset(TARGET_KEY_OF_KIND)  # TVM target kinds whose kernels come
 POS_TENSOR_KINDS = frozenset({"rope", "attention", "cache_write"})  # kernels taking the position
 
 
-def plan_params(graphs: Sequence[Graph], layout_spec: Callable[..., Any] = layout_spec) -> list[ParamLayout]:
+def plan_params(graphs: Sequence[Graph], layout_spec: Callable[..., Any] = layout_spec,
+                interleaved: Collection[str] = ()) -> list[ParamLayout]:
     """Every param used by any graph, in a stable order, with its kernel layout (GPU targets pass
-    `formats.layout.layout_spec`)."""
+    `gpu.block_formats.layout_spec`; `interleaved`: the Q4_K params in q4k_interleaved's 8-row layout)."""
     seen: dict[str, Param] = {}
     for g in graphs:
         for src, p in g.params.items():
@@ -49,7 +51,8 @@ def plan_params(graphs: Sequence[Graph], layout_spec: Callable[..., Any] = layou
     for src in sorted(seen):
         p = seen[src]
         shape = tuple(int(d) for d in p.value.shape)
-        spec = tuple((n, tuple(s), dt) for n, s, dt in layout_spec(p.qtype, shape)) if len(shape) >= 1 else ()
+        fields = X.layout_spec(shape) if src in interleaved else layout_spec(p.qtype, shape)
+        spec = tuple((n, tuple(s), dt) for n, s, dt in fields) if len(shape) >= 1 else ()
         layouts.append(ParamLayout(src, p.qtype, shape, spec, index))
         index += len(spec)
     return layouts
@@ -216,6 +219,8 @@ def weight_args(fc: FunctionContext, w: Value) -> tuple[str, tuple[int, ...], li
     """(qtype, logical shape, kernel-layout arrays) of a matmul/gather weight operand."""
     if fc.is_param(w):
         layout, arrays = fc.param(w)
+        if X.is_interleaved(layout.arrays, layout.shape):  # its kernels are that layout's
+            return X.LAYOUT, layout.shape, arrays
         return layout.qtype, layout.shape, arrays
     return "F32", tuple(int(d) for d in w.shape), [fc.value(w)]
 

@@ -19,6 +19,7 @@ import tvm
 
 from ggufc.codegen.cpu_int8 import block32 as Q8
 from ggufc.codegen.cpu_int8 import kquant as KQ
+from ggufc.codegen.cpu_int8 import q4k_interleaved as X
 from ggufc.codegen.cpu_int8.amx_gemm import AMX_GEMM_TYPES as KA_TILE_TYPES
 from ggufc.codegen.cpu_int8.isa import int8_isa
 from ggufc.codegen.formats.layout import dequantize_reference, layout_spec, repack
@@ -240,6 +241,22 @@ def test_q6_k_tiled_order_at_avx2_is_llama_cpp_bit_for_bit(k: int, t: int) -> No
     np.testing.assert_array_equal(rows, vec_dot)
 
 
+@pytest.mark.parametrize(("n", "k", "t"), [(16, 512, 1), (24, 768, 1), (16, 512, 7), (8, 512, 4), (24, 768, 13),
+                                         (16, 4096, 6)])
+def test_q4_k_interleaved_layout_at_avx2_is_llama_cpp_bit_for_bit(n: int, k: int, t: int) -> None:
+    """The same order on weights stored 8 rows side by side (codegen/cpu_int8/q4k_interleaved.py,
+    the layout haswell artifacts keep such weights in): GEMV, and GEMMs of whole 4-token tiles
+    with and without a one-token tail."""
+    isa = int8_isa(I.HASWELL)
+    assert isa is not None and X.eligible("Q4_K", (n, k), I.HASWELL)
+    raw, arrays, x = _prompt_case("Q4_K", n, k, t, k + t)
+    inter = X.interleave(arrays, (n, k))
+    kernel = Q8.int8_gemv(X.LAYOUT, n, k, I.HASWELL) if t == 1 else Q8.int8_gemm(X.LAYOUT, n, k, I.HASWELL)
+    y = aligned_zeros((t, n), np.float32)
+    _build(kernel, I.HASWELL)(to_tvm(x), *(to_tvm(inter[f]) for f, _, _ in X.layout_spec((n, k))), to_tvm(y))
+    np.testing.assert_array_equal(y, G.matmul_q4_K_repacked(raw, n, k, x))
+
+
 def _prompt_case(qtype: str, n: int, k: int, t: int, seed: int) -> tuple[np.ndarray, dict, np.ndarray]:
     """Random K-quant blocks (raw and in kernel layout) and a prompt of t tokens of varied
     magnitudes, with a zero super-block and an outlier."""
@@ -348,13 +365,14 @@ def _asm(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> str:
     return str(tvm.compile(mod, target=target).mod.inspect_source("asm"))
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", X.LAYOUT])
 def test_int8_kernels_for_avx2_have_no_avx512_or_vnni_instruction(qtype: str) -> None:
     """The AVX2 form (haswell: AVX2 + FMA + F16C) must run on a CPU with nothing more (Zen 1-3,
     Intel client up to the 10th generation): vpmaddubsw and vpmaddwd for the dot products, and no
     instruction of AVX-512 (EVEX) or VNNI anywhere, or such a CPU faults on it."""
     assert int8_isa(I.HASWELL) is not None and int8_isa(I.HASWELL).name == "avx2"  # type: ignore[union-attr]
-    for func in (Q8.int8_gemv_group(qtype, (8, 4), 512, I.HASWELL, ("rms_norm", 1e-5)),
+    ns = (8, 16) if qtype == X.LAYOUT else (8, 4)  # the interleaved layout's groups are 8 rows
+    for func in (Q8.int8_gemv_group(qtype, ns, 512, I.HASWELL, ("rms_norm", 1e-5)),
                  Q8.int8_gemm(qtype, 8, 512, I.HASWELL)):
         asm = _asm(func, I.HASWELL)
         assert "vpmaddubsw" in asm and "vpmaddwd" in asm, qtype

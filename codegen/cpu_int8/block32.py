@@ -42,6 +42,7 @@ import tvm
 from tvm import te, tirx
 from tvm.script import tirx as T
 
+from ggufc.codegen.cpu_int8 import q4k_interleaved as X
 from ggufc.codegen.cpu_int8.amx_gemm import AMX_GEMM_TYPES, amx_gemm
 from ggufc.codegen.cpu_int8.amx_gemm import TILE as AMX_TILE
 from ggufc.codegen.cpu_int8.isa import Int8Isa, int8_isa
@@ -145,6 +146,8 @@ def int8_kernels(target: tvm.target.Target) -> Int8Kernels | None:
 def int8_gemv_supported(qtype: str, n: int, k: int, target: tvm.target.Target) -> bool:
     if int8_isa(target) is None:
         return False
+    if qtype == X.LAYOUT:
+        return X.eligible(X.QTYPE, (n, k), target)
     if kquant_supported(qtype, n, k):
         return True
     if qtype not in INT8_GEMV_TYPES or n % ROWS:
@@ -278,6 +281,8 @@ def int8_gemv_group(qtype: str, ns: tuple[int, ...], k: int, target: tvm.target.
         raise ValueError("int8 GEMV: a residual add needs a single matrix")
     if unroll and qtype not in UNROLLABLE:
         raise ValueError(f"int8 GEMV: {qtype} has no super-block loop to unroll")
+    if qtype == X.LAYOUT:  # AVX2 Q4_K interleaved 8 rows at a time
+        return X.x8_gemv_group(ns, k, isa, prologue, residual, prefetch_groups, groups_per_task)
     if qtype in KQUANT_GEMV_TYPES:
         func = kquant_gemv_group(qtype, ns, k, isa, prologue, residual, prefetch_groups, groups_per_task,
                                  unroll)
@@ -580,6 +585,8 @@ def int8_gemm(qtype: str, n: int, k: int, target: tvm.target.Target, tiles: bool
     isa = int8_isa(target)
     if isa is None or not int8_gemv_supported(qtype, n, k, target):
         raise NotImplementedError(f"no 8-bit GEMM for {qtype} {n} x {k} on {target}")
+    if qtype == X.LAYOUT:
+        return X.x8_gemm(n, k, isa)
     if qtype in KQUANT_GEMV_TYPES:
         pairs = PAIR_TILE if qtype in KQUANT_PAIR_TYPES and isa.wide else 0
         return kquant_gemm(qtype, n, k, isa, pairs=pairs, unpacked=isa.unpacked, one_token_order=one_token_order)

@@ -30,10 +30,12 @@ a prompt) or ggml_gemm_q4_K_8x8_q8_K (the first T - T % 4), one float lane per r
     then y = acc - accm.
 
 The integer sums are the ones above, their lanes added in integers (vphaddd, four accumulators at
-once). The other instruction sets keep vec_dot's order. The layouts are
-codegen/formats/layout.py's: Q4_K's 32 bytes of a 64-value group hold sub-block 2g in their low nibbles
-and 2g+1 in their high ones, so one load gives 64 codes in value order; Q6_K's 128-value half
-takes two 32-byte runs of low nibbles and one of high bit pairs.
+once). The other instruction sets keep vec_dot's order. A haswell artifact stores such weights 8
+rows side by side instead, where only 8-bit matmuls read them, and multiplies them with
+codegen/cpu_int8/q4k_interleaved.py's kernels (the same order, no horizontal sums: 1.1-2.3x
+these). The layouts are codegen/formats/layout.py's: Q4_K's 32 bytes of a 64-value group hold
+sub-block 2g in their low nibbles and 2g+1 in their high ones, so one load gives 64 codes in value
+order; Q6_K's 128-value half takes two 32-byte runs of low nibbles and one of high bit pairs.
 
 A decode step runs GEMVs (up to MAX_GROUP matrices of one input, with an RMSNorm or SwiGLU
 prologue and a residual epilogue, as quant_int8's); a prompt runs the same per-token arithmetic

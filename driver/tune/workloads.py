@@ -16,7 +16,9 @@ from tvm import tirx
 
 from ggufc.codegen import kernel_knobs as KN
 from ggufc.codegen.build import state_plan
+from ggufc.codegen.cpu_int8 import q4k_interleaved as X
 from ggufc.codegen.formats.compute import gemv_compute
+from ggufc.codegen.formats.layout import layout_spec
 from ggufc.codegen.gpu import block_formats as QG
 from ggufc.codegen.kernel_keys import Int8GemvGroup, KernelKey, OpKernel, WeightMatmul
 from ggufc.codegen.kernels.prim_helpers import with_root_block
@@ -181,7 +183,8 @@ def extract_workloads(model: Any, target: tvm.target.Target,
     """
 
     graphs, _ = optimise(dict(model.graphs), passes_off_for(target, disabled_passes), target)
-    layouts = plan_params(list(graphs.values()), *_gpu_layout(target))
+    interleaved = frozenset() if is_gpu(target) else X.interleaved_params(graphs.values(), target)
+    layouts = plan_params(list(graphs.values()), _layout_spec(target), interleaved)
     calls: dict[KernelKey, int] = {}
     makers: dict[KernelKey, Callable[[], tirx.PrimFunc]] = {}
 
@@ -218,6 +221,6 @@ def knob_kernel(key: KernelKey, target: tvm.target.Target, knobs: KN.Knobs) -> t
     return with_root_block(KN.build(key, target, knobs)).with_attr("tirx.noalias", True)
 
 
-def _gpu_layout(target: tvm.target.Target) -> tuple[Any, ...]:
-    """plan_params' extra argument on GPU targets (the packed weight layout)."""
-    return (QG.layout_spec,) if is_gpu(target) else ()
+def _layout_spec(target: tvm.target.Target) -> Any:
+    """plan_params' layout function: the packed weight layout on GPU targets."""
+    return QG.layout_spec if is_gpu(target) else layout_spec
