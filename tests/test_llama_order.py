@@ -257,6 +257,27 @@ def test_q4_k_interleaved_layout_at_avx2_is_llama_cpp_bit_for_bit(n: int, k: int
     np.testing.assert_array_equal(y, G.matmul_q4_K_repacked(raw, n, k, x))
 
 
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_q4_k_rows_at_avx2_equal_one_token_calls_where_they_must(interleaved: bool) -> None:
+    """verify and the batched decode step take every row in the one-token order: at haswell a
+    Q4_K GEMM of 9 rows otherwise runs 8 of them in the repacked GEMM's order (a step per 64-value
+    run), which differs from the GEMV's on these data; with `one_token_order` every row is the
+    GEMV's, row-major or interleaved 8 rows at a time."""
+    n, k, t = 16, 512, 9
+    raw, arrays, x = _prompt_case("Q4_K", n, k, t, 77)
+    gemv, gemm = G.matmul_q4_K_repacked(raw, n, k, x, 0), G.matmul_q4_K_repacked(raw, n, k, x)
+    assert np.any(gemv != gemm)
+    qtype = X.LAYOUT if interleaved else "Q4_K"
+    assert Q8.sums_by_row_count(qtype, I.HASWELL)
+    fields = X.interleave(arrays, (n, k)) if interleaved else arrays
+    names = [f for f, _, _ in (X.layout_spec((n, k)) if interleaved else layout_spec("Q4_K", (n, k)))]
+    for one_token, want in ((False, gemm), (True, gemv)):
+        y = aligned_zeros((t, n), np.float32)
+        kernel = Q8.int8_gemm(qtype, n, k, I.HASWELL, one_token_order=one_token)
+        _build(kernel, I.HASWELL)(to_tvm(x), *(to_tvm(fields[f]) for f in names), to_tvm(y))
+        np.testing.assert_array_equal(y, want)
+
+
 def _prompt_case(qtype: str, n: int, k: int, t: int, seed: int) -> tuple[np.ndarray, dict, np.ndarray]:
     """Random K-quant blocks (raw and in kernel layout) and a prompt of t tokens of varied
     magnitudes, with a zero super-block and an outlier."""

@@ -54,6 +54,7 @@ from ggufc.codegen.cpu_int8.kquant import (
     kquant_gemm,
     kquant_gemv_group,
     kquant_supported,
+    q4k_repacked,
     q6k_tiled,
 )
 from ggufc.codegen.cpu_int8.kquant import PAIR_TYPES as KQUANT_PAIR_TYPES
@@ -565,9 +566,12 @@ def _gemv(qtype: str, ns: tuple[int, ...], k: int, isa: Int8Isa, stage: Stage | 
 
 def sums_by_row_count(qtype: str, target: tvm.target.Target) -> bool:
     """Whether this weight's prompt GEMM (not on tiles) sums its rows other than a one-token call
-    does once a call has enough of them (Q6_K at AVX2: kquant.q6k_tiled)."""
+    does once a call has enough of them (at AVX2: Q6_K's tiled GEMM, kquant.q6k_tiled, and Q4_K's
+    repacked GEMM, kquant.q4k_orders, row-major or interleaved)."""
     isa = int8_isa(target)
-    return qtype == "Q6_K" and isa is not None and q6k_tiled(isa)
+    if isa is None:
+        return False
+    return (qtype == "Q6_K" and q6k_tiled(isa)) or (qtype in ("Q4_K", X.LAYOUT) and q4k_repacked(isa))
 
 
 def int8_gemm(qtype: str, n: int, k: int, target: tvm.target.Target, tiles: bool = False,
@@ -586,7 +590,7 @@ def int8_gemm(qtype: str, n: int, k: int, target: tvm.target.Target, tiles: bool
     if isa is None or not int8_gemv_supported(qtype, n, k, target):
         raise NotImplementedError(f"no 8-bit GEMM for {qtype} {n} x {k} on {target}")
     if qtype == X.LAYOUT:
-        return X.x8_gemm(n, k, isa)
+        return X.x8_gemm(n, k, isa, one_token_order)
     if qtype in KQUANT_GEMV_TYPES:
         pairs = PAIR_TILE if qtype in KQUANT_PAIR_TYPES and isa.wide else 0
         return kquant_gemm(qtype, n, k, isa, pairs=pairs, unpacked=isa.unpacked, one_token_order=one_token_order)

@@ -93,15 +93,22 @@ def kquant_supported(qtype: str, n: int, k: int) -> bool:
     return qtype in KQUANT_GEMV_TYPES and n % P.ROWS == 0 and k % SUPER == 0
 
 
-def q4k_orders(qtype: str, isa: Int8Isa, n: int) -> tuple[str, str]:
+def q4k_orders(qtype: str, isa: Int8Isa, n: int, one_token_order: bool = False) -> tuple[str, str]:
     """(decode order, prompt order) of a matrix of n rows: llama.cpp's AVX2 build repacks a Q4_K
     weight of n % REPACK_ROWS == 0 rows (ggml_repack_get_optimal_repack_type) and runs its GEMM
     on the first T - T % GEMM_TOKENS tokens of a prompt, its GEMV on the rest (and on decode).
     The other instruction sets keep vec_dot's order (llama.cpp's AVX-512 GEMM of the repacked
-    weights takes another order again, not modelled)."""
+    weights takes another order again, not modelled). `one_token_order` (verify, batched decode:
+    every row must equal a one-token call): the decode order for every token."""
     if qtype == "Q4_K" and isa.name == "avx2" and n % REPACK_ROWS == 0:
-        return REPACK_GEMV, REPACK_GEMM
+        return REPACK_GEMV, REPACK_GEMV if one_token_order else REPACK_GEMM
     return VEC_DOT, VEC_DOT
+
+
+def q4k_repacked(isa: Int8Isa) -> bool:
+    """Whether this instruction set's Q4_K prompt GEMMs sum a prompt's rows other than one-token
+    calls do (llama.cpp's repacked GEMM, for matrices of a multiple of REPACK_ROWS rows)."""
+    return isa.name == "avx2"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -921,19 +928,20 @@ def kquant_gemm(qtype: str, n: int, k: int, isa: Int8Isa, tokens: int = GEMM_TOK
     (Q4_K and Q6_K on a target with 512-bit registers: int8_gemm gives PAIR_TILE), token pairs
     instead (_pair_gemm, `pairs` of them per pass); with `unpacked` (Int8Isa.unpacked), Q4_K and
     Q6_K read codes their task unpacked once, where they fit UNPACKED_BYTES. `one_token_order`:
-    Q6_K's rows summed as one-token calls sum them, never in the tiled order (q6k_tiled)."""
+    every row summed as a one-token call sums it (never Q6_K's tiled order, q6k_tiled, nor Q4_K's
+    repacked GEMM's, q4k_orders)."""
     if pairs:
         return _pair_gemm(qtype, n, k, isa, pairs)
     if qtype == "Q6_K" and (unpacked or q6k_tiled(isa)):
         return _q6k_gemm(n, k, isa, tokens, rows, unpacked, one_token_order)
     if unpacked and qtype in UNPACKED_ROW_BYTES and rows * k * UNPACKED_ROW_BYTES[qtype] <= UNPACKED_BYTES:
-        return _unpacked_q4k_gemm(n, k, isa, tokens, rows)
+        return _unpacked_q4k_gemm(n, k, isa, tokens, rows, one_token_order)
     n_super = k // SUPER
     N, K = T.int64(n), T.int64(k)
     specs = _field_specs(qtype, n, k)
     run = _sum_run(qtype)
     quantize = _q8k_quantize(run)
-    one_order, tile_order = q4k_orders(qtype, isa, n)
+    one_order, tile_order = q4k_orders(qtype, isa, n, one_token_order)
     assert tile_order == VEC_DOT or tokens == GEMM_TOKENS, "the repacked order splits prompts by 4 tokens"
     one = _row_steps(qtype, isa, n_super, 1, P.PREFETCH_GROUPS, rows, order=one_order)
     tile = _row_steps(qtype, isa, n_super, tokens, P.PREFETCH_GROUPS, rows, order=tile_order)
@@ -969,7 +977,8 @@ def kquant_gemm(qtype: str, n: int, k: int, isa: Int8Isa, tokens: int = GEMM_TOK
     return P.without_params(gemm, {f"f{f}" for f in range(n_fields, FIELDS)})
 
 
-def _unpacked_q4k_gemm(n: int, k: int, isa: Int8Isa, tokens: int, rows: int) -> tirx.PrimFunc:
+def _unpacked_q4k_gemm(n: int, k: int, isa: Int8Isa, tokens: int, rows: int,
+                       one_token_order: bool = False) -> tirx.PrimFunc:
     """kquant_gemm of Q4_K with each row group's codes and scales unpacked once (_unpack_q4k),
     its token tiles reading them from there: the same sums and float steps."""
     n_super = k // SUPER
@@ -977,7 +986,7 @@ def _unpacked_q4k_gemm(n: int, k: int, isa: Int8Isa, tokens: int, rows: int) -> 
     specs = _field_specs("Q4_K", n, k)
     quantize = _q8k_quantize(32)
     unpack = _unpack_q4k(rows, n_super)
-    one_order, tile_order = q4k_orders("Q4_K", isa, n)
+    one_order, tile_order = q4k_orders("Q4_K", isa, n, one_token_order)
     assert tile_order == VEC_DOT or tokens == GEMM_TOKENS, "the repacked order splits prompts by 4 tokens"
     one = _row_steps("Q4_K", isa, n_super, 1, P.PREFETCH_GROUPS, rows, order=one_order)
     tile = _q45k_rows(isa, False, rows, n_super, tokens, P.PREFETCH_GROUPS, unpacked=True, order=tile_order)

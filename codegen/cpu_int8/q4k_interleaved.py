@@ -231,16 +231,17 @@ def _specs(n: int, k: int) -> list[tuple[tuple[int, ...], str]]:
 # the kernels
 
 
-def x8_gemm(n: int, k: int, isa: Int8Isa) -> tirx.PrimFunc:
+def x8_gemm(n: int, k: int, isa: Int8Isa, one_token_order: bool = False) -> tirx.PrimFunc:
     """`(x [T, K] f32, d8, dmin8, sc8, mn8, qs8, y [T, N] f32)`: tokens quantised to q8_K in
     parallel, then each task takes a group of 8 rows through every token, 4 per tile in the
-    repacked GEMM's order, the last T % 4 one at a time in the GEMV's."""
+    repacked GEMM's order, the last T % 4 one at a time in the GEMV's (`one_token_order`: every
+    tile in the GEMV's, so each row equals a one-token call: verify, batched decode)."""
     assert q4k_orders(QTYPE, isa, n)[1] == "repack_gemm", f"{isa.name}: Q4_K {n} rows keeps vec_dot's order"
     n_super = k // SUPER
     N, K = T.int64(n), T.int64(k)
     sp = _specs(n, k)
     quantize = _q8k_quantize(32, pair_offsets=False)
-    tile = x8_rows(n_super, GEMM_TOKENS, per_run=True)
+    tile = x8_rows(n_super, GEMM_TOKENS, per_run=not one_token_order)
     one = x8_rows(n_super, 1, per_run=False)
 
     @T.prim_func(private=True)
