@@ -147,6 +147,8 @@ def test_llama_cpp_kquant_prompt_orders(model_path: Path) -> None:
     down = np.asarray(tensors["blk.0.ffn_down.weight"].data)
     np.testing.assert_array_equal(G.matmul_k_tiled("Q6_K", down, 640, 2048, ref["down_in"]), ref["down_out"])
     assert not np.array_equal(G.matmul_k("Q6_K", down, 640, 2048, ref["down_in"]), ref["down_out"])
+    assert not np.array_equal(G.matmul_k("Q6_K", down, 640, 2048, ref["down_in"], q6_offset_in_products=True),
+                              ref["down_out"])
     wo = np.asarray(tensors["blk.0.attn_output.weight"].data)
     grouped = rows < n_tokens - n_tokens % 4
     for group_rows in (True, False):
@@ -159,16 +161,17 @@ def test_llama_cpp_kquant_prompt_orders(model_path: Path) -> None:
 def test_llama_cpp_q6_k_order_under_8_rows(model_path: Path) -> None:
     """llama.cpp's Q6_K matmuls of fewer than 8 rows (layer 0's ffn_down on prompt 0's 6 tokens,
     then on two one-token calls: tests/goldens/gemma3-270m-q6k-short.npz) are
-    ggml_x86.matmul_q6_K_block_sums bit for bit, its codes' offset from the q8_K block sums; not
-    ggml_x86.matmul_k, whose offset lanes ggufc's Q6_K GEMV and short-prompt GEMM still take (why
-    its one-token steps are not llama.cpp's bit for bit: test_greedy_continuation)."""
+    ggml_x86.matmul_q6_K_block_sums (matmul_k's Q6_K) bit for bit, its codes' offset from the q8_K
+    block sums in lanes of their own; not with the offset subtracted in the products' lanes (the
+    same integer total per super-block, other lane sums)."""
     from ggufc.frontend.gguf_file import open_gguf
     from tests.support import ggml_x86 as G
 
     ref = np.load(Q6K_SHORT)
     down = np.asarray(open_gguf(model_path).tensors["blk.0.ffn_down.weight"].data)
     np.testing.assert_array_equal(G.matmul_q6_K_block_sums(down, 640, 2048, ref["down_in"]), ref["down_out"])
-    assert np.mean(G.matmul_k("Q6_K", down, 640, 2048, ref["down_in"]) != ref["down_out"]) > 0.5
+    old_lanes = G.matmul_k("Q6_K", down, 640, 2048, ref["down_in"], q6_offset_in_products=True)
+    assert np.mean(old_lanes != ref["down_out"]) > 0.5
 
 
 # ------------------------------------------------------------------------------ logits
