@@ -312,6 +312,21 @@ def test_tile_kquant_gemm_takes_the_avx2_builds_prompt_order(qtype: str, t: int)
     assert not np.array_equal(want, G.matmul_k(qtype, raw, n, k, x))  # vec_dot's order differs
 
 
+@pytest.mark.skipif(not Q8.tile_gemm_supported("Q6_K", 16, 256, TARGET),
+                    reason="this CPU (or its OS) lends no AMX-INT8 tiles")
+@pytest.mark.parametrize("t", [1, 5, 7, 8])
+def test_tile_q6_k_gemm_under_8_rows_takes_vec_dots_order(t: int) -> None:
+    """The AMX Q6_K GEMM of fewer than 8 rows in ggml_vec_dot_q6_K_q8_K's order (the codes' offset
+    from the q8_K block sums), as llama.cpp's AVX2 build below its tiled GEMM's row count; from 8
+    rows the tiled order."""
+    n, k = 48, 768
+    raw, arrays, x = _prompt_case("Q6_K", n, k, t, t * 3 + 1)
+    y = _run(Q8.int8_gemm("Q6_K", n, k, TARGET, tiles=True), "Q6_K", arrays, x, n)
+    want = G.matmul_k("Q6_K", raw, n, k, x) if t < KQ.TILED_ROWS else G.matmul_k_tiled("Q6_K", raw, n, k, x)
+    np.testing.assert_array_equal(y, want)
+    assert not np.array_equal(want, G.matmul_k("Q6_K", raw, n, k, x, q6_offset_in_products=True))
+
+
 @pytest.mark.parametrize("qtype", sorted(Q8.KQUANT_GEMV_TYPES))
 @pytest.mark.parametrize("target", [*(p for p in I.isa_params() if p not in I.other_isa_params()),
                                     *(pytest.param(*p.values, id=p.id, marks=[*p.marks, pytest.mark.slow])

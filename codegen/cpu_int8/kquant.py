@@ -797,6 +797,29 @@ def _q6k_rows(isa: Int8Isa, rows: int, n_super: int, tt: int, prefetch_groups: i
     return row_group
 
 
+def q6k_short_call(isa: Int8Isa, n: int, k: int) -> Callable[..., None]:
+    """Macro `(x, y, t_len, ql, qh, sc, d)`: a Q6_K matmul of fewer than TILED_ROWS rows as
+    llama.cpp's AVX2 build computes it, each row ggml_vec_dot_q6_K_q8_K (a GEMM on tiles, which
+    takes the tiled order, runs this below that row count)."""
+    n_super, K = k // SUPER, T.int64(k)
+    quantize = _q8k_quantize(**_q8k_sums("Q6_K"))
+    one = _q6k_rows(isa, P.ROWS, n_super, 1, P.PREFETCH_GROUPS)
+
+    @T.macro
+    def short(x, y, t_len, ql, qh, sc, d):  # type: ignore[no-untyped-def]
+        xb = T.alloc_buffer((t_len, K), "int8")
+        xd = T.alloc_buffer((t_len, n_super), "float32")
+        xs = T.alloc_buffer((t_len, n_super * 8), "int16")
+        xp = T.alloc_buffer((t_len, n_super * 16), "int16")
+        for t in T.parallel(t_len):
+            quantize(x, t, xb, xd, xs, xp, n_super)
+        for jo in T.parallel(n // P.ROWS):
+            for t in range(t_len):
+                one(ql, qh, sc, d, y, n, jo, t, xb, xd, xp)
+
+    return short
+
+
 UNROLLABLE = ("Q4_K", "Q5_K", "Q6_K")  # K-quants whose row macro takes `unroll`
 
 
