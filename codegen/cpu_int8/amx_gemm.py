@@ -13,7 +13,9 @@ exactly, from byte operands whose products the tile sums without overflow:
           two operands (h <= 64, l < 128), and sumi = 128 (h . a) + (l . a) - 4096 A
           acc  = fma(d_w float(sumi), d_a, acc)   (llama.cpp's tiled K-quant GEMM, ggml-cpu/tiled)
 
-and y = acc. The float steps are one per super-block, where llama.cpp's AVX2 dot product keeps 8
+and y = acc (a Q6_K call of fewer than 8 rows, which llama.cpp's AVX2 build leaves to
+ggml_vec_dot_q6_K_q8_K, takes that order on the VNNI units instead: kquant.q6k_short_call).
+The float steps are one per super-block, where llama.cpp's AVX2 dot product keeps 8
 lanes of partial sums: the result differs from it by float rounding only (the prompt is not
 bit-identical to a one-token call; the `verify` and batched decode entry points, which must be,
 keep the VNNI kernels: lower.py's `one_token_order`).

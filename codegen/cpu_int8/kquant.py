@@ -682,7 +682,8 @@ def q6k_tiled(isa: Int8Isa) -> bool:
     """Whether a Q6_K prompt GEMM of >= TILED_ROWS rows takes the float order of llama.cpp's tiled
     K-quant GEMM (ggml-cpu/tiled): its AVX2 build's does (Q6_K is not repacked there), deciding per
     matmul call by the activation's row count; below that, ggml_vec_dot_q6_K_q8_K's. The other
-    instruction sets keep vec_dot's order (AMX's tile GEMM takes the tiled one: amx_gemm.py)."""
+    instruction sets keep vec_dot's order (AMX's tile GEMM takes the tiled one from TILED_ROWS
+    rows, q6k_short_call's below: amx_gemm.py)."""
     return isa.name == "avx2"
 
 
