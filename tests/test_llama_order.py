@@ -168,7 +168,18 @@ def test_kquant_int8_matmul_is_llama_cpp_bit_for_bit(qtype: str, n: int, k: int,
     y = aligned_zeros((t, n), np.float32)
     kernel = Q8.int8_gemv(qtype, n, k, target) if t == 1 else Q8.int8_gemm(qtype, n, k, target)
     _build(kernel, target)(to_tvm(x), *(to_tvm(arrays[f]) for f, _, _ in layout_spec(qtype, (n, k))), to_tvm(y))
-    np.testing.assert_array_equal(y, G.matmul_k_for(I.isa_name(target), qtype, raw, n, k, x))
+    want = G.matmul_k_for(I.isa_name(target), qtype, raw, n, k, x)
+    np.testing.assert_array_equal(y, want)
+    _differs_from_the_offset_in_product_lanes(qtype, raw, n, k, x, want)
+
+
+def _differs_from_the_offset_in_product_lanes(qtype: str, raw: np.ndarray, n: int, k: int, x: np.ndarray,
+                                              want: np.ndarray) -> None:
+    """Q6_K's vec_dot takes its offset from the q8_K block sums in lanes of their own: on these data
+    that order must differ from the offset subtracted in the products' lanes, or the test above
+    could not tell them apart (the tiled order has no lanes: not checked there)."""
+    if qtype == "Q6_K" and np.array_equal(want, G.matmul_k(qtype, raw, n, k, x)):
+        assert not np.array_equal(want, G.matmul_k(qtype, raw, n, k, x, q6_offset_in_products=True))
 
 
 @pytest.mark.parametrize("qtype", sorted(Q8.KQUANT_GEMV_TYPES))
@@ -202,7 +213,9 @@ def test_kquant_prompt_gemm_tilings_are_llama_cpp_bit_for_bit(qtype: str, pairs:
     n, k = 8, 768
     raw, arrays, x = _prompt_case(qtype, n, k, t, pairs * 31 + t)
     y = _run(KQ.kquant_gemm(qtype, n, k, isa, pairs=pairs), qtype, arrays, x, n, target)
-    np.testing.assert_array_equal(y, G.matmul_k_for(isa.name, qtype, raw, n, k, x))
+    want = G.matmul_k_for(isa.name, qtype, raw, n, k, x)
+    np.testing.assert_array_equal(y, want)
+    _differs_from_the_offset_in_product_lanes(qtype, raw, n, k, x, want)
 
 
 @pytest.mark.parametrize(("k", "t"), [(512, 1), (512, 7), (4096, 6)])
@@ -337,6 +350,21 @@ def test_tile_kquant_gemm_takes_the_avx2_builds_prompt_order(qtype: str, t: int)
     assert not np.array_equal(want, G.matmul_k(qtype, raw, n, k, x))  # vec_dot's order differs
 
 
+@pytest.mark.skipif(not Q8.tile_gemm_supported("Q6_K", 16, 256, TARGET),
+                    reason="this CPU (or its OS) lends no AMX-INT8 tiles")
+@pytest.mark.parametrize("t", [1, 5, 7, 8])
+def test_tile_q6_k_gemm_under_8_rows_takes_vec_dots_order(t: int) -> None:
+    """The AMX Q6_K GEMM of fewer than 8 rows in ggml_vec_dot_q6_K_q8_K's order (the codes' offset
+    from the q8_K block sums), as llama.cpp's AVX2 build below its tiled GEMM's row count; from 8
+    rows the tiled order."""
+    n, k = 48, 768
+    raw, arrays, x = _prompt_case("Q6_K", n, k, t, t * 3 + 1)
+    y = _run(Q8.int8_gemm("Q6_K", n, k, TARGET, tiles=True), "Q6_K", arrays, x, n)
+    want = G.matmul_k("Q6_K", raw, n, k, x) if t < KQ.TILED_ROWS else G.matmul_k_tiled("Q6_K", raw, n, k, x)
+    np.testing.assert_array_equal(y, want)
+    assert not np.array_equal(want, G.matmul_k("Q6_K", raw, n, k, x, q6_offset_in_products=True))
+
+
 @pytest.mark.parametrize("qtype", sorted(Q8.KQUANT_GEMV_TYPES))
 @pytest.mark.parametrize("target", [*(p for p in I.isa_params() if p not in I.other_isa_params()),
                                     *(pytest.param(*p.values, id=p.id, marks=[*p.marks, pytest.mark.slow])
@@ -357,6 +385,8 @@ def test_kquant_gemv_groups_and_residual_are_llama_cpp_bit_for_bit(qtype: str, t
         kernel(to_tvm(x), *(to_tvm(a) for fields in mats[:size] for a in fields), *map(to_tvm, ys))
         for got, expected in zip(ys, want, strict=False):
             np.testing.assert_array_equal(got, expected)
+    for n, raw, expected in zip(heights, raws, want, strict=True):
+        _differs_from_the_offset_in_product_lanes(qtype, raw, n, k, x, expected)
     res = rng.standard_normal((1, heights[0])).astype(np.float32)
     y = aligned_zeros((1, heights[0]), np.float32)
     _build(Q8.int8_gemv_group(qtype, heights[:1], k, target, (), True), target)(

@@ -13,7 +13,9 @@ exactly, from byte operands whose products the tile sums without overflow:
           two operands (h <= 64, l < 128), and sumi = 128 (h . a) + (l . a) - 4096 A
           acc  = fma(d_w float(sumi), d_a, acc)   (llama.cpp's tiled K-quant GEMM, ggml-cpu/tiled)
 
-and y = acc. The float steps are one per super-block, where llama.cpp's AVX2 dot product keeps 8
+and y = acc (a Q6_K call of fewer than 8 rows, which llama.cpp's AVX2 build leaves to
+ggml_vec_dot_q6_K_q8_K, takes that order on the VNNI units instead: kquant.q6k_short_call).
+The float steps are one per super-block, where llama.cpp's AVX2 dot product keeps 8
 lanes of partial sums: the result differs from it by float rounding only (the prompt is not
 bit-identical to a one-token call; the `verify` and batched decode entry points, which must be,
 keep the VNNI kernels: lower.py's `one_token_order`).
@@ -35,7 +37,8 @@ from collections.abc import Callable
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ggufc.codegen.cpu_int8.kquant import SUPER
+from ggufc.codegen.cpu_int8.isa import AMX
+from ggufc.codegen.cpu_int8.kquant import SUPER, TILED_ROWS, q6k_short_call
 from ggufc.codegen.cpu_int8.kquant import _q8k_quantize as q8k_quantize
 from ggufc.codegen.cpu_int8.parts import q8_pos, quantize_prologue, without_params
 
@@ -293,6 +296,7 @@ def amx_gemm(qtype: str, n: int, k: int) -> tirx.PrimFunc:
 def _kquant_gemm(qtype: str, n: int, k: int) -> tirx.PrimFunc:
     N, K, n_super = T.int64(n), T.int64(k), k // SUPER
     run, four = _prompt_gemm(qtype, n, k), qtype == "Q4_K"
+    short = q6k_short_call(AMX, n, k)  # Q6_K calls of fewer than TILED_ROWS rows: vec_dot's order
 
     @T.prim_func(private=True)
     def gemm(x_h: T.handle, d4: T.Buffer((n, n_super), "float16"), dmin: T.Buffer((n, n_super), "float16"),  # type: ignore[valid-type]
@@ -306,6 +310,8 @@ def _kquant_gemm(qtype: str, n: int, k: int) -> tirx.PrimFunc:
         y = T.match_buffer(y_h, (t_len, N), "float32")
         if four:
             run(x, y, t_len, d4, dmin, sc4, mn, qs)
+        elif t_len < TILED_ROWS:
+            short(x, y, t_len, ql, qh, sc6, d6)
         else:
             run(x, y, t_len, d6, d6, ql, qh, sc6)
 

@@ -41,6 +41,7 @@ from ggufc.codegen.cpu_int8.kquant import (
     SUPER,
     _field_specs,
     _q8k_quantize,
+    _q8k_sums,
     _row_steps,
     pair_tile,
 )
@@ -95,7 +96,7 @@ def kquant_experts(qtype: str, n_exp: int, n: int, k: int, slots: int, per_slot:
     sx = slots if per_slot else 1
     specs = [((n_exp, *shape), dtype) if f < n_fields else (shape, dtype)
              for f, (shape, dtype) in enumerate(_field_specs(qtype, n, k))]
-    quantize = _q8k_quantize()
+    quantize = _q8k_quantize(**_q8k_sums(qtype))
     one = _row_steps(qtype, isa, n_super, 1, P.PREFETCH_GROUPS)
     tile = _row_steps(qtype, isa, n_super, tokens, P.PREFETCH_GROUPS)
     N, K, S, SX = T.int64(n), T.int64(k), T.int64(slots), T.int64(sx)
@@ -177,9 +178,9 @@ def kquant_experts(qtype: str, n_exp: int, n: int, k: int, slots: int, per_slot:
             src = T.meta_var(pq if per_slot else pq // S)
             for q in range(n_super * 8):
                 xb2[p, q * 64 + h * 32:q * 64 + h * 32 + 32] = xb.vload([src, q * 32], "int8x32")
-                if six:
-                    xp2[p, q * 32 + h * 16:q * 32 + h * 16 + 16] = xp.vload([src, q * 16], "int16x16")
             for i in range(n_super):
+                if six:
+                    xp2[p, i * 32 + h * 16:i * 32 + h * 16 + 16] = xp.vload([src, i * 16], "int16x16")
                 xd2[p, i, h * 8:h * 8 + 8] = T.broadcast(xd[src, i], 8)
                 xs2[p, i, h * 8:h * 8 + 8] = xs.vload([src, i * 8], "int16x8")
 
@@ -210,7 +211,7 @@ def kquant_experts(qtype: str, n_exp: int, n: int, k: int, slots: int, per_slot:
         xb2 = T.alloc_buffer((most, K * 2), "int8")
         xd2 = T.alloc_buffer((most, n_super, 16), "float32")
         xs2 = T.alloc_buffer((most, n_super, 16), "int16")
-        xp2 = T.alloc_buffer((most, K if six else 1), "int16")
+        xp2 = T.alloc_buffer((most, K // 8 if six else 1), "int16")
         for p in T.parallel(pstart[n_exp]):
             gather_pair(p, porder, xb, xd, xs, xp, xb2, xd2, xs2, xp2)
         ys = T.alloc_buffer((most * 2, N), "float32")

@@ -15,7 +15,9 @@ lane j holding values 4j..4j+3 of each 32-value run:
                 min term: prod_p = mn_{2p} A_{2p} + mn_{2p+1} A_{2p+1} (A_s: the code sum of
                 sub-block s), Q4_K: m_p = fma(-d_a dmin_w, float(prod_p), m_p) in four lanes;
                 Q5_K: one scalar m = m + (-d_a dmin_w) * float(sum_p prod_p)
-    Q6_K        sumi_j = sum_s sc_s ((q . a)_{s,j} - 32 (sum a)_{s,j}), q the unsigned 6-bit code
+    Q6_K        sumi_j = sum_s sc_s (q . a)_{s,j} - 32 (sc_2j B_2j + sc_2j+1 B_2j+1), q the unsigned
+                6-bit code, B_m the code sum of 16-value sub-block m: llama.cpp 0.3.36 takes the
+                offset from the q8_K block sums, lane j's share over values 32j..32j+31
                 acc_j  = fma(d_a d_w, float(sumi_j), acc_j)
 
 then y = hsum_float_8(acc) (+ (m_0 + m_2) + (m_1 + m_3) for Q4_K, + m for Q5_K).
@@ -115,13 +117,14 @@ def q4k_repacked(isa: Int8Isa) -> bool:
 # q8_K activations
 
 
-def _q8k_quantize(run: int = 32, pair_offsets: bool = True) -> Callable[..., None]:
+def _q8k_quantize(run: int = 32, pair_offsets: bool = True, block_sums: bool = False) -> Callable[..., None]:
     """Macro: token t of x [T, K] -> codes xb[t] (int8, value order), d xd[t, K/256] (f32), the
     code sums of each `run`-value run xs[t, K/run] (int16: |sum| <= 32 * 128; Q2_K's minimums take
     16-value runs, llama.cpp's bsums) and 32 times the sum of each pair of codes
-    xp[t, K/2] (int16: Q6_K's offset, as llama.cpp's maddubs(32, a); not written without
-    `pair_offsets`)."""
-    one = _q8k_super_block(run, pair_offsets)
+    xp[t, K/2] (int16: Q3_K's offset, as llama.cpp's maddubs(4, a) scaled; not written without
+    `pair_offsets`); with `block_sums` instead, the code sums of each 16-value sub-block in
+    xp[t, :K/16] (Q6_K's offset, llama.cpp's bsums: _q6k_offsets)."""
+    one = _q8k_super_block(run, pair_offsets, block_sums)
 
     @T.macro
     def quantize(x, t, xb, xd, xs, xp, n_super):  # type: ignore[no-untyped-def]
@@ -131,7 +134,7 @@ def _q8k_quantize(run: int = 32, pair_offsets: bool = True) -> Callable[..., Non
     return quantize
 
 
-def _q8k_super_block(run: int = 32, pair_offsets: bool = True) -> Callable[..., None]:
+def _q8k_super_block(run: int = 32, pair_offsets: bool = True, block_sums: bool = False) -> Callable[..., None]:
     """_q8k_quantize's macro for super-block i alone (each one's codes, d and sums depend on its
     256 values only, so super-blocks can be quantised by different threads)."""
 
@@ -153,7 +156,7 @@ def _q8k_super_block(run: int = 32, pair_offsets: bool = True) -> Callable[..., 
                 xb[t, i * 256 + c * 8 + j] = T.Cast("int8", T.min(T.nearbyint(scale[0] * x[t, i * 256 + c * 8 + j]),
                                                                   T.float32(127)))
         xd[t, i] = T.if_then_else(amax > T.float32(0), T.float32(1) / scale[0], T.float32(0))
-        for q in range(128 if pair_offsets else 0):
+        for q in range(128 if pair_offsets and not block_sums else 0):
             xp[t, i * 128 + q] = T.Cast("int16", 32 * (T.Cast("int32", xb[t, i * 256 + q * 2])
                                                        + T.Cast("int32", xb[t, i * 256 + q * 2 + 1])))
         for b in range(SUPER // run):
@@ -162,8 +165,19 @@ def _q8k_super_block(run: int = 32, pair_offsets: bool = True) -> Callable[..., 
             for j in range(run):
                 total[0] = total[0] + T.Cast("int32", xb[t, i * 256 + b * run + j])
             xs[t, i * (SUPER // run) + b] = T.Cast("int16", total[0])
+        for m in range(16 if block_sums else 0):
+            block = T.alloc_buffer((1,), "int32")
+            block[0] = 0
+            for j in range(16):
+                block[0] = block[0] + T.Cast("int32", xb[t, i * 256 + m * 16 + j])
+            xp[t, i * 16 + m] = T.Cast("int16", block[0])
 
     return one
+
+
+def _q8k_sums(qtype: str) -> dict[str, Any]:
+    """_q8k_quantize's sums for a type's kernels: Q6_K's offset from the 16-value block sums."""
+    return {"run": _sum_run(qtype), "block_sums": qtype == "Q6_K"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -533,18 +547,19 @@ def pair_tile(qtype: str, n_super: int, n_pairs: int) -> Callable[..., None]:
 
 def _pair_acts(n_super: int) -> Callable[..., None]:
     """Macro: tokens 2p and 2p + 1 of the q8_K activations side by side, as the pair macros read
-    them: each 32-value run's codes (xb2 [P, 2K]) and Q6_K's offsets (xp2 [P, K]), d repeated over 8
-    lanes (xd2 [P, K/256, 16]) and the 8 sub-block code sums (xs2 [P, K/256, 16])."""
+    them: each 32-value run's codes (xb2 [P, 2K]) and Q6_K's 16 block sums of each super-block
+    (xp2 [P, K/8]), d repeated over 8 lanes (xd2 [P, K/256, 16]) and the 8 sub-block code sums
+    (xs2 [P, K/256, 16])."""
 
     @T.macro
     def pair(xb, xd, xs, xp, xb2, xd2, xs2, xp2, p, offsets):  # type: ignore[no-untyped-def]
         for q in range(n_super * 8):
             for h in T.unroll(2):
                 xb2[p, q * 64 + h * 32:q * 64 + h * 32 + 32] = xb.vload([p * 2 + h, q * 32], "int8x32")
-                if offsets:
-                    xp2[p, q * 32 + h * 16:q * 32 + h * 16 + 16] = xp.vload([p * 2 + h, q * 16], "int16x16")
         for i in range(n_super):
             for h in T.unroll(2):
+                if offsets:
+                    xp2[p, i * 32 + h * 16:i * 32 + h * 16 + 16] = xp.vload([p * 2 + h, i * 16], "int16x16")
                 xd2[p, i, h * 8:h * 8 + 8] = T.broadcast(xd[p * 2 + h, i], 8)
                 xs2[p, i, h * 8:h * 8 + 8] = xs.vload([p * 2 + h, i * 8], "int16x8")
 
@@ -553,7 +568,8 @@ def _pair_acts(n_super: int) -> Callable[..., None]:
 
 def _q6k_pair_rows(rows: int, n_pairs: int, n_super: int, prefetch_groups: int) -> Callable[..., None]:
     """_q6k_rows in token pairs, as _q4k_pair_rows: one decoded 32-code run feeds both halves of
-    a 512-bit `vpmaddubsw`, the offsets (xp2) subtracted per token, the float step per two tokens."""
+    a 512-bit `vpmaddubsw`, the offsets from the block sums (xp2) per super-block, the float step
+    per two tokens."""
     tiles = rows * n_pairs
     halves = [*range(8), *range(16, 24)]
 
@@ -596,9 +612,13 @@ def _q6k_pair_rows(rows: int, n_pairs: int, n_super: int, prefetch_groups: int) 
                         for u in T.unroll(n_pairs):
                             sumi[(r * n_pairs + u) * 2 + c % 2, 0:16] = _scaled512(
                                 sumi.vload([(r * n_pairs + u) * 2 + c % 2, 0], "int32x16"),
-                                _pairs512(code(low, high, c), xb2.vload([p0 + u, run * 64], "int8x64"))
-                                - xp2.vload([p0 + u, run * 32], "int16x32"),
+                                _pairs512(code(low, high, c), xb2.vload([p0 + u, run * 64], "int8x64")),
                                 scales(sc, jo * rows + r, run * 2))
+            for r in T.unroll(rows):
+                for u in T.unroll(n_pairs):
+                    sumi[(r * n_pairs + u) * 2, 0:16] = _scaled512(
+                        sumi.vload([(r * n_pairs + u) * 2, 0], "int32x16"), xp2.vload([p0 + u, i * 32], "int16x32"),
+                        _wide(_q6k_offset_scales(sc, jo * rows + r, i), 16))
             for r in T.unroll(rows):
                 for u in T.unroll(n_pairs):
                     acc[r * n_pairs + u, 0:16] = _fma16(
@@ -626,6 +646,14 @@ def _q6k_scales(sc: tirx.Buffer, row: tirx.PrimExpr, first: tirx.PrimExpr, c: in
     more than the products: hot GEMVs 1.16-1.46x)."""
     eight = T.Cast("int16x8", sc.vload([row, first], "int8x8"))
     return T.Shuffle([eight, eight], [2 * c] * 8 + [2 * c + 1] * 8)
+
+
+def _q6k_offset_scales(sc: tirx.Buffer, row: tirx.PrimExpr, i: tirx.PrimExpr) -> tirx.PrimExpr:
+    """-32 times the 16 sub-block scales of super-block i (int16x16, |.| <= 4096): times the q8_K
+    block sums B (_q8k_quantize's `block_sums`), adjacent pairs summed, lane j gets llama.cpp's
+    offset -32 (sc_2j B_2j + sc_2j+1 B_2j+1) (ggml_vec_dot_q6_K_q8_K, 0.3.36: the codes' offset
+    from the q8_K bsums, lane j holding values 32j..32j+31, not in the products' lanes)."""
+    return T.Cast("int16x16", sc.vload([row, i * 16], "int8x16")) * T.broadcast(T.int16(-32), 16)
 
 
 def _q6k_code(low: tirx.PrimExpr, high: tirx.PrimExpr, c: tirx.PrimExpr) -> tirx.PrimExpr:
@@ -663,14 +691,16 @@ def q6k_tiled(isa: Int8Isa) -> bool:
     """Whether a Q6_K prompt GEMM of >= TILED_ROWS rows takes the float order of llama.cpp's tiled
     K-quant GEMM (ggml-cpu/tiled): its AVX2 build's does (Q6_K is not repacked there), deciding per
     matmul call by the activation's row count; below that, ggml_vec_dot_q6_K_q8_K's. The other
-    instruction sets keep vec_dot's order (AMX's tile GEMM takes the tiled one: amx_gemm.py)."""
+    instruction sets keep vec_dot's order (AMX's tile GEMM takes the tiled one from TILED_ROWS
+    rows, q6k_short_call's below: amx_gemm.py)."""
     return isa.name == "avx2"
 
 
 def _q6k_rows(isa: Int8Isa, rows: int, n_super: int, tt: int, prefetch_groups: int,
               unroll: bool = False, unpacked: bool = False, tiled: bool = False) -> Callable[..., None]:
-    """Row-group macro of Q6_K (fields ql, qh, sc, d): each lane's dot product starts at -32 times
-    its activation sum, so the codes' offset costs nothing in the loop; `unroll` as in _q45k_rows
+    """Row-group macro of Q6_K (fields ql, qh, sc, d): the unsigned codes' products in their lanes,
+    then per super-block the codes' offset from the block sums xp (_q6k_offset_scales, one
+    vpmaddwd per row and token); `unroll` as in _q45k_rows
     (a super-block's two halves); `unpacked`: codes and scales from _unpack_q6k's buffers.
     `tiled`: in a call of >= TILED_ROWS rows (y's), the tiled GEMM's float steps (q6k_tiled): per
     super-block the lanes' integer total s, res = d_w float(s), then acc = fma(res, d_a, acc), one
@@ -735,8 +765,7 @@ def _q6k_rows(isa: Int8Isa, rows: int, n_super: int, tt: int, prefetch_groups: i
                             for u in T.unroll(tt):
                                 run = T.meta_var(i * 8 + a * 4 + c)
                                 pairs = T.meta_var(_pairs(un.vload([r, run * 32], "uint8x32"),
-                                                          xb.vload([t + u, run * 32], "int8x32"))
-                                                   - xp.vload([t + u, run * 16], "int16x16"))
+                                                          xb.vload([t + u, run * 32], "int8x32")))
                                 sumi[r * tt + u, 0:8] = _scaled(wide, sumi.vload([r * tt + u, 0], "int32x8"), pairs,
                                                                 scv.vload([r, run * 16], "int16x16"))
                 else:
@@ -747,10 +776,14 @@ def _q6k_rows(isa: Int8Isa, rows: int, n_super: int, tt: int, prefetch_groups: i
                                                                                "uint8x32")))
                             for u in T.unroll(tt):
                                 run = T.meta_var(i * 8 + a * 4 + c)  # 32-value run of the row
-                                pairs = T.meta_var(_pairs(code(low, high, c), xb.vload([t + u, run * 32], "int8x32"))
-                                                   - xp.vload([t + u, run * 16], "int16x16"))
+                                pairs = T.meta_var(_pairs(code(low, high, c), xb.vload([t + u, run * 32], "int8x32")))
                                 sumi[r * tt + u, 0:8] = _scaled(wide, sumi.vload([r * tt + u, 0], "int32x8"), pairs,
                                                                 scales(sc, jo * rows + r, i * 16 + a * 8, c))
+            for r in T.unroll(rows):
+                for u in T.unroll(tt):
+                    sumi[r * tt + u, 0:8] = _scaled(wide, sumi.vload([r * tt + u, 0], "int32x8"),
+                                                    xp.vload([t + u, i * 16], "int16x16"),
+                                                    _q6k_offset_scales(sc, jo * rows + r, i))
             if tiled:
                 if y.shape[0] >= TILED_ROWS:
                     for q in T.unroll(rows * tt // 4):  # four rows of sumi: their lane totals
@@ -772,6 +805,29 @@ def _q6k_rows(isa: Int8Isa, rows: int, n_super: int, tt: int, prefetch_groups: i
                     y[t + u, jo * rows + r] = P.hsum8(acc, r * tt + u)
 
     return row_group
+
+
+def q6k_short_call(isa: Int8Isa, n: int, k: int) -> Callable[..., None]:
+    """Macro `(x, y, t_len, ql, qh, sc, d)`: a Q6_K matmul of fewer than TILED_ROWS rows as
+    llama.cpp's AVX2 build computes it, each row ggml_vec_dot_q6_K_q8_K (a GEMM on tiles, which
+    takes the tiled order, runs this below that row count)."""
+    n_super, K = k // SUPER, T.int64(k)
+    quantize = _q8k_quantize(**_q8k_sums("Q6_K"))
+    one = _q6k_rows(isa, P.ROWS, n_super, 1, P.PREFETCH_GROUPS)
+
+    @T.macro
+    def short(x, y, t_len, ql, qh, sc, d):  # type: ignore[no-untyped-def]
+        xb = T.alloc_buffer((t_len, K), "int8")
+        xd = T.alloc_buffer((t_len, n_super), "float32")
+        xs = T.alloc_buffer((t_len, n_super * 8), "int16")
+        xp = T.alloc_buffer((t_len, n_super * 16), "int16")
+        for t in T.parallel(t_len):
+            quantize(x, t, xb, xd, xs, xp, n_super)
+        for jo in T.parallel(n // P.ROWS):
+            for t in range(t_len):
+                one(ql, qh, sc, d, y, n, jo, t, xb, xd, xp)
+
+    return short
 
 
 UNROLLABLE = ("Q4_K", "Q5_K", "Q6_K")  # K-quants whose row macro takes `unroll`
@@ -844,7 +900,7 @@ def kquant_gemv_group(qtype: str, ns: tuple[int, ...], k: int, isa: Int8Isa, pro
     (n1, n2, n3), (g1, g2, g3) = P.slots(ns)
     s1, s2, s3 = (_field_specs(qtype, n, k) for n in (n1, n2, n3))
     run = _sum_run(qtype)
-    quantize, quantize_one = _q8k_quantize(run), _q8k_super_block(run)
+    quantize, quantize_one = _q8k_quantize(**_q8k_sums(qtype)), _q8k_super_block(**_q8k_sums(qtype))
     steps1, steps2, steps3 = (_row_steps(qtype, isa, n_super, 1, prefetch_groups, unroll=unroll,
                                          order=q4k_orders(qtype, isa, n)[0]) for n in (n1, n2, n3))
     add_residual = P.residual_adder(residual)
@@ -940,7 +996,7 @@ def kquant_gemm(qtype: str, n: int, k: int, isa: Int8Isa, tokens: int = GEMM_TOK
     N, K = T.int64(n), T.int64(k)
     specs = _field_specs(qtype, n, k)
     run = _sum_run(qtype)
-    quantize = _q8k_quantize(run)
+    quantize = _q8k_quantize(**_q8k_sums(qtype))
     one_order, tile_order = q4k_orders(qtype, isa, n, one_token_order)
     assert tile_order == VEC_DOT or tokens == GEMM_TOKENS, "the repacked order splits prompts by 4 tokens"
     one = _row_steps(qtype, isa, n_super, 1, P.PREFETCH_GROUPS, rows, order=one_order)
@@ -1032,7 +1088,7 @@ def _q6k_gemm(n: int, k: int, isa: Int8Isa, tokens: int, rows: int, unpacked: bo
     n_super = k // SUPER
     N, K = T.int64(n), T.int64(k)
     specs = _field_specs("Q6_K", n, k)
-    quantize = _q8k_quantize(32)
+    quantize = _q8k_quantize(**_q8k_sums("Q6_K"))
     unpacked = unpacked and rows * k * UNPACKED_ROW_BYTES["Q6_K"] <= UNPACKED_BYTES
     tiled = q6k_tiled(isa) and not one_token_order
     unpack = _unpack_q6k(rows, n_super)
@@ -1075,7 +1131,7 @@ def _pair_gemm(qtype: str, n: int, k: int, isa: Int8Isa, pairs: int) -> tirx.Pri
     n_super, tokens, rows, six = k // SUPER, 2 * pairs, PAIR_ROWS, qtype == "Q6_K"
     N, K = T.int64(n), T.int64(k)
     specs = _field_specs(qtype, n, k)
-    quantize = _q8k_quantize()
+    quantize = _q8k_quantize(**_q8k_sums(qtype))
     pair_acts = _pair_acts(n_super)
     one = _row_steps(qtype, isa, n_super, 1, P.PREFETCH_GROUPS, rows)
     full, two, single = (pair_tile(qtype, n_super, p) for p in (pairs, 2, 1))
@@ -1095,7 +1151,7 @@ def _pair_gemm(qtype: str, n: int, k: int, isa: Int8Isa, pairs: int) -> tirx.Pri
         xb2 = T.alloc_buffer((t_len // 2, K * 2), "int8")
         xd2 = T.alloc_buffer((t_len // 2, n_super, 16), "float32")
         xs2 = T.alloc_buffer((t_len // 2, n_super, 16), "int16")
-        xp2 = T.alloc_buffer((t_len // 2, K if six else 1), "int16")
+        xp2 = T.alloc_buffer((t_len // 2, K // 8 if six else 1), "int16")
         for t in T.parallel(t_len):
             quantize(x, t, xb, xd, xs, xp, n_super)
         for p in T.parallel(t_len // 2):

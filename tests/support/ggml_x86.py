@@ -229,9 +229,12 @@ def k_blocks(qtype: str, raw: np.ndarray, n: int, k: int) -> dict[str, np.ndarra
     return {"d": f16(0), "dmin": f16(2), "codes": codes, "scales": np.repeat(sc, 32, axis=-1), "mn": mn}
 
 
-def matmul_k(qtype: str, raw: np.ndarray, n: int, k: int, x: np.ndarray) -> np.ndarray:
+def matmul_k(qtype: str, raw: np.ndarray, n: int, k: int, x: np.ndarray,
+             q6_offset_in_products: bool = False) -> np.ndarray:
     """x [T, K] @ W.T as ggml_vec_dot_{q4,q5,q6}_K_q8_K (AVX2): per super-block, the integer lane
-    sums sumi_j (lane j: values 4j..4j+3 of every 32-value run, times their sub-block scales),
+    sums sumi_j (lane j: values 4j..4j+3 of every 32-value run, times their sub-block scales;
+    Q6_K's offset 32 taken from the q8_K block sums in lanes of their own: q6_K_block_sum_lanes,
+    or with `q6_offset_in_products` in the products' lanes, an order llama.cpp does not take),
     acc_j = fma(d_a d_w, sumi_j, acc_j), then hsum_float_8; plus the minimum terms (Q4_K: four
     lanes prod_p = sum of two sub-blocks' mn * code sum, m_p = fma(-d_a dmin, prod_p, m_p), added
     as (m0 + m2) + (m1 + m3); Q5_K: m = m + (-d_a dmin) * sum_p prod_p). Q2_K and Q3_K as Q6_K
@@ -240,8 +243,11 @@ def matmul_k(qtype: str, raw: np.ndarray, n: int, k: int, x: np.ndarray) -> np.n
     w = k_blocks(qtype, raw, n, k)
     qa, da = quantize_q8_K(x)
     t, nb = qa.shape[0], k // 256
-    prods = np.einsum("nbv,tbv->tnbv", w["codes"] * w["scales"], qa)  # exact in int64
-    sumi = prods.reshape(t, n, nb, 8, 8, 4).sum(axis=(3, 5)).astype(F32)  # [t, n, nb, lane]
+    if qtype == "Q6_K" and not q6_offset_in_products:
+        sumi = q6_K_block_sum_lanes(w, qa).astype(F32)
+    else:
+        prods = np.einsum("nbv,tbv->tnbv", w["codes"] * w["scales"], qa)  # exact in int64
+        sumi = prods.reshape(t, n, nb, 8, 8, 4).sum(axis=(3, 5)).astype(F32)  # [t, n, nb, lane]
     acc = np.zeros((t, n, 8), F32)
     accm = np.zeros((t, n, 4), F32)
     summs = np.zeros((t, n), F32)
@@ -290,28 +296,25 @@ def matmul_k_tiled(qtype: str, raw: np.ndarray, n: int, k: int, x: np.ndarray) -
     return y
 
 
-def matmul_q6_K_block_sums(raw: np.ndarray, n: int, k: int, x: np.ndarray) -> np.ndarray:
-    """x [T, K] @ W.T as llama.cpp 0.3.36's ggml_vec_dot_q6_K_q8_K (AVX2; its calls of fewer than
-    8 rows): the unsigned codes' products in matmul_k's lanes (lane j: values 4j..4j+3 of every
-    32-value run, times their scales), less lane j's share of the offset taken from the q8_K block
-    sums, 32 (sc_2j B_2j + sc_2j+1 B_2j+1) (B_m: the code sum of 16-value sub-block m, so lane j
-    holds values 32j..32j+31); then matmul_k's float steps. matmul_k subtracts the offset in the
-    products' lanes instead (the same total per super-block, other lane sums); ggufc's Q6_K
-    kernels follow matmul_k."""
-    w = k_blocks("Q6_K", raw, n, k)
-    qa, da = quantize_q8_K(x)
-    t, nb = qa.shape[0], k // 256
+def q6_K_block_sum_lanes(w: dict[str, np.ndarray], qa: np.ndarray) -> np.ndarray:
+    """Q6_K's integer lane sums [T, N, K/256, 8] as llama.cpp 0.3.36's ggml_vec_dot_q6_K_q8_K
+    (AVX2) forms them: the unsigned codes' products in the products' lanes (lane j: values
+    4j..4j+3 of every 32-value run, times their scales), less lane j's share of the offset taken
+    from the q8_K block sums, 32 (sc_2j B_2j + sc_2j+1 B_2j+1) (B_m: the code sum of 16-value
+    sub-block m, so lane j holds values 32j..32j+31). Same total per super-block as the offset
+    subtracted in the products' lanes, other lane sums."""
+    t, n, nb = qa.shape[0], w["codes"].shape[0], qa.shape[1]
     products = np.einsum("nbv,tbv->tnbv", (w["codes"] + 32) * w["scales"], qa)
-    lanes = products.reshape(t, n, nb, 8, 8, 4).sum(axis=(3, 5))  # [t, n, nb, lane], exact
+    lanes = products.reshape(t, n, nb, 8, 8, 4).sum(axis=(3, 5))  # exact
     block_sums = qa.reshape(t, nb, 16, 16).sum(-1)  # [t, nb, 16]
     scales16 = w["scales"][..., ::16]  # [n, nb, 16]
-    offsets = 32 * (scales16[None] * block_sums[:, None]).reshape(t, n, nb, 8, 2).sum(-1)
-    sumi = (lanes - offsets).astype(F32)
-    acc = np.zeros((t, n, 8), F32)
-    for i in range(nb):
-        scale = (da[:, None, i] * w["d"][None, :, i]).astype(F32)
-        acc = fma(np.broadcast_to(scale[..., None], acc.shape), sumi[:, :, i], acc)
-    return hsum_float_8(acc)
+    return lanes - 32 * (scales16[None] * block_sums[:, None]).reshape(t, n, nb, 8, 2).sum(-1)
+
+
+def matmul_q6_K_block_sums(raw: np.ndarray, n: int, k: int, x: np.ndarray) -> np.ndarray:
+    """x [T, K] @ W.T as ggml_vec_dot_q6_K_q8_K (AVX2; llama.cpp's Q6_K calls of fewer than 8
+    rows): matmul_k's Q6_K, named for the goldens that pin its lanes."""
+    return matmul_k("Q6_K", raw, n, k, x)
 
 
 GEMM_ROWS = 4  # tokens per block_q8_Kx4: a repacked matmul's GEMM takes T - T % 4 of them
