@@ -890,6 +890,35 @@ def _field_specs(qtype: str, n: int, k: int) -> list[tuple[tuple[int, ...], str]
 # the kernels
 
 
+def gemv_prologue(stage: Any, quantize: Callable[..., None], quantize_one: Callable[..., None],
+                  k: int) -> Callable[..., None]:
+    """Macro `(x, xw, xu, xin, xb, xd, xs, xp)` of a K-quant GEMV group: xin from the input stage
+    (P.input_stage: a norm or SwiGLU, or none), quantised to q8_K: per super-block on the thread
+    pool where the stage is heavy (SwiGLU's exp), else serially (the quantisation of a norm's 1536
+    values is shorter than a parallel launch)."""
+    n_super = k // SUPER
+    parallel_stage = stage is not None and stage[2]
+
+    @T.macro
+    def prologue(x, xw, xu, xin, xb, xd, xs, xp):  # type: ignore[no-untyped-def]
+        if stage is None:
+            quantize(x, 0, xb, xd, xs, xp, n_super)
+        else:
+            rstd = T.alloc_buffer((1,), "float32")
+            stage[0](x, rstd)
+            if parallel_stage:
+                for i in T.parallel(n_super):
+                    for b in range(SUPER // 32):
+                        stage[1](x, xw, xu, xin, rstd, i * (SUPER // 32) + b)
+                    quantize_one(xin, 0, xb, xd, xs, xp, i)
+            else:
+                for b in range(k // 32):
+                    stage[1](x, xw, xu, xin, rstd, b)
+                quantize(xin, 0, xb, xd, xs, xp, n_super)
+
+    return prologue
+
+
 def kquant_gemv_group(qtype: str, ns: tuple[int, ...], k: int, isa: Int8Isa, prologue_spec: tuple[Any, ...],
                       residual: bool, prefetch_groups: int, groups_per_task: int,
                       unroll: bool = False) -> tirx.PrimFunc:
@@ -906,28 +935,9 @@ def kquant_gemv_group(qtype: str, ns: tuple[int, ...], k: int, isa: Int8Isa, pro
     add_residual = P.residual_adder(residual)
     n_groups = g1 + (g2 if group >= 2 else 0) + (g3 if group >= 3 else 0)
     split = max(1, int(groups_per_task))
-    parallel_stage = stage is not None and stage[2]
     n_fields = len(layout_spec(qtype, (ns[0], k)))
 
-    @T.macro
-    def prologue(x, xw, xu, xin, xb, xd, xs, xp):  # type: ignore[no-untyped-def]
-        """xin from the stage, quantised: per super-block on the thread pool where the stage is
-        heavy (SwiGLU's exp), else serially (the quantisation of a norm's 1536 values is shorter
-        than a parallel launch)."""
-        if stage is None:
-            quantize(x, 0, xb, xd, xs, xp, n_super)
-        else:
-            rstd = T.alloc_buffer((1,), "float32")
-            stage[0](x, rstd)
-            if parallel_stage:
-                for i in T.parallel(n_super):
-                    for b in range(SUPER // 32):
-                        stage[1](x, xw, xu, xin, rstd, i * (SUPER // 32) + b)
-                    quantize_one(xin, 0, xb, xd, xs, xp, i)
-            else:
-                for b in range(k // 32):
-                    stage[1](x, xw, xu, xin, rstd, b)
-                quantize(xin, 0, xb, xd, xs, xp, n_super)
+    prologue = gemv_prologue(stage, quantize, quantize_one, k)
 
     @T.macro
     def slot_group(a0, a1, a2, a3, a4, a5, b0, b1, b2, b3, b4, b5,  # type: ignore[no-untyped-def]

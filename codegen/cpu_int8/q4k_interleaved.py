@@ -44,7 +44,14 @@ from tvm.script import tirx as T
 
 from ggufc.codegen.cpu_int8 import parts as P
 from ggufc.codegen.cpu_int8.isa import Int8Isa, int8_isa
-from ggufc.codegen.cpu_int8.kquant import GEMM_TOKENS, SUPER, _q8k_quantize, _q8k_super_block, q4k_orders
+from ggufc.codegen.cpu_int8.kquant import (
+    GEMM_TOKENS,
+    SUPER,
+    _q8k_quantize,
+    _q8k_super_block,
+    gemv_prologue,
+    q4k_orders,
+)
 
 QTYPE = "Q4_K"
 LAYOUT = "Q4_Kx8"  # the qtype name the kernels and their keys see for a weight in this layout
@@ -286,25 +293,8 @@ def x8_gemv_group(ns: tuple[int, ...], k: int, isa: Int8Isa, prologue_spec: tupl
     add_residual = P.residual_adder(residual)
     n_groups = g1 + (g2 if group >= 2 else 0) + (g3 if group >= 3 else 0)
     split = max(1, int(groups_per_task))
-    parallel_stage = stage is not None and stage[2]
 
-    @T.macro
-    def prologue(x, xw, xu, xin, xb, xd, xs, xp):  # type: ignore[no-untyped-def]
-        """As kquant_gemv_group's: the stage per super-block on the thread pool where it is heavy."""
-        if stage is None:
-            quantize(x, 0, xb, xd, xs, xp, n_super)
-        else:
-            rstd = T.alloc_buffer((1,), "float32")
-            stage[0](x, rstd)
-            if parallel_stage:
-                for i in T.parallel(n_super):
-                    for b in range(SUPER // 32):
-                        stage[1](x, xw, xu, xin, rstd, i * (SUPER // 32) + b)
-                    quantize_one(xin, 0, xb, xd, xs, xp, i)
-            else:
-                for b in range(k // 32):
-                    stage[1](x, xw, xu, xin, rstd, b)
-                quantize(xin, 0, xb, xd, xs, xp, n_super)
+    prologue = gemv_prologue(stage, quantize, quantize_one, k)
 
     @T.macro
     def slot_group(a0, a1, a2, a3, a4, b0, b1, b2, b3, b4,  # type: ignore[no-untyped-def]
