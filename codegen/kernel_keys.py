@@ -54,6 +54,17 @@ class WeightMatmul(KernelKey):
 
 
 @dataclass(frozen=True)
+class LaneDotMatmul(KernelKey):
+    """x @ W.T for a float32 weight in llama.cpp's AVX2 orders (kernels/lane_dot_matmul.py);
+    `one_token_order`: every row as a one-token call sums it."""
+
+    kind: ClassVar[str] = "matmul_lanes"
+    n: int
+    k: int
+    one_token_order: bool = False
+
+
+@dataclass(frozen=True)
 class WeightMatmulRows(KernelKey):
     """x @ W.T for a weight in a block format, every row summed as the one-token GEMV sums it
     (batched decode: each row equals that sequence's own step)."""
@@ -134,6 +145,7 @@ class Int8ExpertMatmul(KernelKey):
     k: int
     slots: int
     per_slot: bool
+    one_token_order: bool = False  # every row as a one-token call sums it (verify, batched decode)
 
 
 @dataclass(frozen=True)

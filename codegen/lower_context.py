@@ -16,6 +16,7 @@ from ggufc.codegen.cpu_int8 import q4k_interleaved as X
 from ggufc.codegen.formats.cpu_schedules import qmatmul, qmatmul_rows
 from ggufc.codegen.formats.layout import layout_spec
 from ggufc.codegen.kernel_keys import KernelKey
+from ggufc.codegen.kernels.lane_dot_matmul import lane_dot_matmul, lane_dot_supported
 from ggufc.codegen.kernels.prim_helpers import PShape, Symbols, i64
 from ggufc.codegen.target import TARGET_KEY_OF_KIND
 from ggufc.ir.graph import Dim, Graph, Node, Param, Value
@@ -113,6 +114,9 @@ class FunctionContext:
         """Key and builder of x @ W.T over `rows` activation rows for a block-format weight: the GEMV
         at one token; the prompt GEMM, unless rows must sum as one-token calls do."""
         gemv = self.is_one(rows)
+        if lane_dot_supported(qtype, n, k, self.mb.target):  # llama.cpp's AVX2 float32 orders
+            rows_alike = self.one_token_order and not gemv
+            return KK.LaneDotMatmul(n, k, rows_alike), lambda: lane_dot_matmul(n, k, rows_alike)
         if self.one_token_order and not gemv:
             return KK.WeightMatmulRows(qtype, n, k), lambda: qmatmul_rows(qtype, n, k)
         return KK.WeightMatmul(qtype, n, k, gemv), lambda: qmatmul(qtype, n, k, gemv=gemv)

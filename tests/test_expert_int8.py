@@ -14,6 +14,7 @@ import tvm
 
 from ggufc.codegen.cpu_int8 import block32 as Q8
 from ggufc.codegen.cpu_int8 import experts as E8
+from ggufc.codegen.cpu_int8 import q4k_interleaved as X
 from ggufc.codegen.formats.layout import dequantize_reference, layout_spec, repack
 from ggufc.codegen.target import UnsupportedOnTarget, cpu_target
 from ggufc.codegen.tvm_util import aligned_zeros, to_tvm
@@ -118,6 +119,71 @@ def test_int8_experts_are_llama_cpp_bit_for_bit(qtype: str, target: tvm.target.T
         old = [G.matmul_k(qtype, raws[ids[i, s]], N, K, x[i, s][None], q6_offset_in_products=True)[0]
                for i in range(5) for s in range(SLOTS)]
         assert not np.array_equal(np.stack(old), y.reshape(-1, N))
+
+
+@pytest.mark.parametrize(("t", "per_slot"), [(1, False), (6, True), (9, False)])
+def test_interleaved_q4_k_experts_take_the_repacked_gemv_for_every_pair(t: int, per_slot: bool) -> None:
+    """At AVX2, Q4_K experts of 8k rows are stored 8 rows side by side and every (token, slot)
+    pair, prompt rows included, is ggml_gemv_q4_K_8x8_q8_K, as llama.cpp's mul_mat_id of repacked
+    weights runs one GEMV per pair (decode; 4-token tiles and tails); vec_dot's order, which the
+    row-major experts take, differs on these data."""
+    n = 16  # two groups of 8 rows
+    rng = np.random.default_rng(40 + t)
+    raws = [_k_blocks("Q4_K", n, K, rng) for _ in range(N_EXP)]
+    x = _activations(rng, t, SLOTS if per_slot else 1)
+    ids = _ids(rng, t)
+    assert E8.int8_experts_supported(X.LAYOUT, n, K, I.HASWELL)
+    arrays = X.interleave(repack("Q4_K", np.concatenate(raws), (N_EXP, n, K)), (N_EXP, n, K))
+    y = aligned_zeros((t, SLOTS, n), np.float32)
+    kernel = _build(E8.int8_experts(X.LAYOUT, N_EXP, n, K, SLOTS, per_slot, I.HASWELL), I.HASWELL)
+    kernel(to_tvm(x), to_tvm(ids), *(to_tvm(np.ascontiguousarray(arrays[f])) for f in X.FIELDS), to_tvm(y))
+    rows = [x[i, s if per_slot else 0][None] for i in range(t) for s in range(SLOTS)]
+    want = [G.matmul_q4_K_repacked(raws[ids[i, s]], n, K, rows[i * SLOTS + s], gemm_rows=0)[0]
+            for i in range(t) for s in range(SLOTS)]
+    np.testing.assert_array_equal(y.reshape(-1, n), np.stack(want))
+    vec_dot = [G.matmul_k("Q4_K", raws[ids[i, s]], n, K, rows[i * SLOTS + s])[0]
+               for i in range(t) for s in range(SLOTS)]
+    assert not np.array_equal(np.stack(vec_dot), y.reshape(-1, n))
+
+
+@pytest.mark.parametrize("one_token_order", [False, True])
+def test_q6_k_experts_take_the_tiled_order_per_expert_of_eight_rows(one_token_order: bool) -> None:
+    """At AVX2, llama.cpp's mul_mat_id takes the tiled K-quant GEMM for an expert given >= 8 rows
+    in the call and ggml_vec_dot_q6_K_q8_K for fewer (ggml_compute_forward_mul_mat_id_tiled);
+    with `one_token_order` (verify, batched decode) every row is the one-token call's."""
+    t = 12
+    rng = np.random.default_rng(12)
+    raws = [_k_blocks("Q6_K", N, K, rng) for _ in range(N_EXP)]
+    x = _activations(rng, t, SLOTS)
+    ids = _ids(rng, t)
+    counts = np.bincount(ids.reshape(-1), minlength=N_EXP)
+    assert (counts >= 8).any() and ((counts > 0) & (counts < 8)).any(), counts
+    arrays = repack("Q6_K", np.concatenate(raws), (N_EXP * N, K))
+    spec = layout_spec("Q6_K", (N_EXP, N, K))
+    y = aligned_zeros((t, SLOTS, N), np.float32)
+    kernel = _build(E8.int8_experts("Q6_K", N_EXP, N, K, SLOTS, True, I.HASWELL, one_token_order), I.HASWELL)
+    kernel(to_tvm(x), to_tvm(ids), *(to_tvm(np.ascontiguousarray(arrays[f].reshape(s))) for f, s, _ in spec),
+           to_tvm(y))
+    for i in range(t):
+        for s in range(SLOTS):
+            e, row = ids[i, s], x[i, s][None]
+            tiled = counts[e] >= 8 and not one_token_order
+            want = (G.matmul_k_tiled if tiled else G.matmul_k)("Q6_K", raws[e], N, K, row)[0]
+            np.testing.assert_array_equal(y[i, s], want)
+            if tiled:
+                assert not np.array_equal(y[i, s], G.matmul_k("Q6_K", raws[e], N, K, row)[0])
+
+
+def test_interleaved_layout_holds_experts_expert_by_expert() -> None:
+    """The [X, N, K] layout is each expert's [N, K] one after the leading X."""
+    rng = np.random.default_rng(5)
+    raws = [_k_blocks("Q4_K", 16, K, rng) for _ in range(2)]
+    both = X.interleave(repack("Q4_K", np.concatenate(raws), (2, 16, K)), (2, 16, K))
+    assert [(f, a.shape, str(a.dtype)) for f, a in both.items()] == [tuple(s) for s in X.layout_spec((2, 16, K))]
+    for e in range(2):
+        one = X.interleave(repack("Q4_K", raws[e], (16, K)), (16, K))
+        for f in X.FIELDS:
+            np.testing.assert_array_equal(both[f][e], one[f])
 
 
 def test_int8_experts_refuse_what_they_cannot_compute() -> None:

@@ -7,7 +7,10 @@ As llama.cpp's mul_mat_id: every input row is rounded to q8_K once (a decode ste
 serves all its slots), the (token, slot) pairs are grouped by expert, and each expert's rows are
 dotted with its group's rows. Each output value is the dense 8-bit GEMV's dot product
 (codegen/cpu_int8/kquant.py's row macros, ggml_vec_dot_*_K_q8_K's order), so the result is bit for
-bit the dense kernel's on the same expert rows.
+bit the dense kernel's on the same expert rows. At AVX2, Q4_K experts of a multiple of 8 rows are
+stored 8 rows side by side (q4k_interleaved.py, as llama.cpp's AVX2 build repacks them) and every
+(token, expert) pair, prompt rows included, takes the repacked GEMV's order, as its mul_mat_id of
+repacked weights runs one GEMV per pair.
 
 Work split: the parallel loop runs over (used expert, row group) pairs, the used experts
 listed first, so a decode step's 4 experts keep both threads busy and an unused expert costs
@@ -31,6 +34,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ggufc.codegen.cpu_int8 import parts as P
+from ggufc.codegen.cpu_int8 import q4k_interleaved as X
 from ggufc.codegen.cpu_int8.isa import Int8Isa, int8_isa
 from ggufc.codegen.cpu_int8.kquant import (
     FIELDS,
@@ -39,11 +43,11 @@ from ggufc.codegen.cpu_int8.kquant import (
     PAIR_TILE,
     PAIR_TYPES,
     SUPER,
-    _field_specs,
     _q8k_quantize,
     _q8k_sums,
     _row_steps,
     pair_tile,
+    q6k_tiled,
 )
 from ggufc.codegen.formats.layout import layout_spec
 from ggufc.codegen.target import UnsupportedOnTarget
@@ -54,19 +58,31 @@ EXPERT_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K"})
 
 
 def int8_experts_supported(qtype: str, n: int, k: int, target: tvm.target.Target) -> bool:
-    """Whether `target` has the 8-bit experts kernel for [X, n, k] weights of `qtype`."""
+    """Whether `target` has the 8-bit experts kernel for [X, n, k] weights of `qtype` (X.LAYOUT:
+    Q4_K experts stored 8 rows side by side, AVX2)."""
+    if qtype == X.LAYOUT:
+        return X.eligible(X.QTYPE, (n, k), target)
     return (int8_isa(target) is not None and qtype in EXPERT_TYPES and n % P.ROWS == 0
             and k % SUPER == 0)
 
 
 def int8_experts(qtype: str, n_exp: int, n: int, k: int, slots: int, per_slot: bool,
-                 target: tvm.target.Target) -> tirx.PrimFunc:
-    """The 8-bit experts kernel for `target` (kquant_experts); raises where there is none."""
+                 target: tvm.target.Target, one_token_order: bool = False) -> tirx.PrimFunc:
+    """The 8-bit experts kernel for `target` (kquant_experts); raises where there is none.
+    `one_token_order`: every row as a one-token call sums it (verify, batched decode)."""
     isa = int8_isa(target)
     if isa is None or not int8_experts_supported(qtype, n, k, target):
         raise UnsupportedOnTarget(f"no 8-bit experts kernel for {qtype} {n} x {k} on {target}")
     pairs = qtype in PAIR_TYPES and isa.wide
-    return kquant_experts(qtype, n_exp, n, k, slots, per_slot, isa, pairs=pairs)
+    return kquant_experts(qtype, n_exp, n, k, slots, per_slot, isa, pairs=pairs,
+                          tiled=qtype == "Q6_K" and q6k_tiled(isa) and not one_token_order)
+
+
+def order_depends_on_rows(qtype: str, target: tvm.target.Target) -> bool:
+    """Whether an expert's row count picks its float order (Q6_K at AVX2: the tiled GEMM's from
+    TILED_ROWS rows), so a kernel whose rows must equal one-token calls is another kernel."""
+    isa = int8_isa(target)
+    return qtype == "Q6_K" and isa is not None and q6k_tiled(isa)
 
 
 SERIAL_ROWS = 8  # rows rounded, gathered and scattered without the thread pool (a decode step's)
@@ -86,22 +102,33 @@ def _band(groups: int, most: int = 16) -> int:
 
 
 def kquant_experts(qtype: str, n_exp: int, n: int, k: int, slots: int, per_slot: bool, isa: Int8Isa,
-                   tokens: int = GEMM_TOKENS, pairs: bool = False) -> tirx.PrimFunc:
+                   tokens: int = GEMM_TOKENS, pairs: bool = False, tiled: bool = False) -> tirx.PrimFunc:
     """Args (x [T, S_x, K] f32, ids [T, slots] int32, *fields [X, N, ...], y [T, slots, N] f32),
     S_x = slots when `per_slot` else 1 (qmatmul_experts' signature); ids outside [0, X) are clamped.
-    `pairs` (Q4_K, Q6_K; 512-bit registers): prompts take their tokens in pairs."""
-    n_super, rows = k // SUPER, P.ROWS
-    n_fields = len(layout_spec(qtype, (n, k)))
+    `pairs` (Q4_K, Q6_K; 512-bit registers): prompts take their tokens in pairs. `tiled` (Q6_K at
+    AVX2): an expert given >= TILED_ROWS rows takes the tiled GEMM's order, as llama.cpp's
+    mul_mat_id decides per expert (ggml_compute_forward_mul_mat_id_tiled)."""
+    n_super = k // SUPER
+    x8 = qtype == X.LAYOUT  # Q4_K interleaved: each (token, expert) pair in the repacked GEMV's order
+    rows = X.GROUP if x8 else P.ROWS
+    fields = X.layout_spec((n, k)) if x8 else layout_spec(qtype, (n, k))
+    n_fields = len(fields)
     groups = n // rows
     sx = slots if per_slot else 1
+    field_specs = [(tuple(shape), dtype) for _, shape, dtype in fields] + [((1,), "uint8")] * (FIELDS - n_fields)
     specs = [((n_exp, *shape), dtype) if f < n_fields else (shape, dtype)
-             for f, (shape, dtype) in enumerate(_field_specs(qtype, n, k))]
-    quantize = _q8k_quantize(**_q8k_sums(qtype))
-    one = _row_steps(qtype, isa, n_super, 1, P.PREFETCH_GROUPS)
-    tile = _row_steps(qtype, isa, n_super, tokens, P.PREFETCH_GROUPS)
+             for f, (shape, dtype) in enumerate(field_specs)]
+    if x8:
+        quantize = _q8k_quantize(32, pair_offsets=False)
+        one, tile = X.x8_steps(n_super, 1), X.x8_steps(n_super, tokens)
+    else:
+        quantize = _q8k_quantize(**_q8k_sums(qtype))
+        one = _row_steps(qtype, isa, n_super, 1, P.PREFETCH_GROUPS, q6k_tiled_order=tiled)
+        tile = _row_steps(qtype, isa, n_super, tokens, P.PREFETCH_GROUPS, q6k_tiled_order=tiled)
+    xp_width = 1 if x8 else n_super * 128  # the pair offsets / block sums (none read in the x8 layout)
     N, K, S, SX = T.int64(n), T.int64(k), T.int64(slots), T.int64(sx)
     six = qtype == "Q6_K"
-    full, two, single = (pair_tile(qtype, n_super, p) for p in (PAIR_TILE, 2, 1))
+    full, two, single = (pair_tile(qtype, n_super, p) for p in (PAIR_TILE, 2, 1)) if pairs else (None,) * 3
     pair_groups = n // PAIR_ROWS
     band = _band(pair_groups)
 
@@ -134,9 +161,9 @@ def kquant_experts(qtype: str, n_exp: int, n: int, k: int, slots: int, per_slot:
         v4 = T.meta_var(_expert_view(f4, e) if n_fields > 4 else f4)  # placeholders stay as they are
         v5 = T.meta_var(_expert_view(f5, e) if n_fields > 5 else f5)
         for g in range(count[e] // tokens):
-            tile(v0, v1, v2, v3, v4, v5, ys, n, jo, start[e] + g * tokens, gb, gd, gs, gp)
+            tile(v0, v1, v2, v3, v4, v5, ys, n, jo, start[e] + g * tokens, gb, gd, gs, gp, count[e])
         for q in range(start[e] + count[e] // tokens * tokens, start[e + 1]):
-            one(v0, v1, v2, v3, v4, v5, ys, n, jo, q, gb, gd, gs, gp)
+            one(v0, v1, v2, v3, v4, v5, ys, n, jo, q, gb, gd, gs, gp, count[e])
 
     @T.macro
     def gather(q, order, xb, xd, xs, xp, gb, gd, gs, gp):  # type: ignore[no-untyped-def]
@@ -148,7 +175,7 @@ def kquant_experts(qtype: str, n_exp: int, n: int, k: int, slots: int, per_slot:
             gd[q, j] = xd[src, j]
         for j in range(n_super * 8):
             gs[q, j] = xs[src, j]
-        for j in range(n_super * 128):
+        for j in range(xp_width):
             gp[q, j] = xp[src, j]
 
     @T.macro
@@ -233,7 +260,7 @@ def kquant_experts(qtype: str, n_exp: int, n: int, k: int, slots: int, per_slot:
         gb = T.alloc_buffer((m, K), "int8")
         gd = T.alloc_buffer((m, n_super), "float32")
         gs = T.alloc_buffer((m, n_super * 8), "int16")
-        gp = T.alloc_buffer((m, n_super * 128), "int16")
+        gp = T.alloc_buffer((m, xp_width), "int16")
         if m > SERIAL_ROWS:
             for q in T.parallel(m):
                 gather(q, order, xb, xd, xs, xp, gb, gd, gs, gp)
@@ -267,7 +294,7 @@ def kquant_experts(qtype: str, n_exp: int, n: int, k: int, slots: int, per_slot:
         xb = T.alloc_buffer((t_len * SX, K), "int8")
         xd = T.alloc_buffer((t_len * SX, n_super), "float32")
         xs = T.alloc_buffer((t_len * SX, n_super * 8), "int16")
-        xp = T.alloc_buffer((t_len * SX, n_super * 128), "int16")
+        xp = T.alloc_buffer((t_len * SX, xp_width), "int16")
         if t_len * SX > SERIAL_ROWS:
             for r in T.parallel(t_len * SX):
                 quantize(rows_in, r, xb, xd, xs, xp, n_super)

@@ -702,9 +702,10 @@ def _q6k_rows(isa: Int8Isa, rows: int, n_super: int, tt: int, prefetch_groups: i
     then per super-block the codes' offset from the block sums xp (_q6k_offset_scales, one
     vpmaddwd per row and token); `unroll` as in _q45k_rows
     (a super-block's two halves); `unpacked`: codes and scales from _unpack_q6k's buffers.
-    `tiled`: in a call of >= TILED_ROWS rows (y's), the tiled GEMM's float steps (q6k_tiled): per
-    super-block the lanes' integer total s, res = d_w float(s), then acc = fma(res, d_a, acc), one
-    float per row and token (four at once), where vec_dot's keep 8 lanes."""
+    `tiled`: in a call of >= TILED_ROWS rows (y's, or `call_rows`: the rows routed to one expert),
+    the tiled GEMM's float steps (q6k_tiled): per super-block the lanes' integer total s,
+    res = d_w float(s), then acc = fma(res, d_a, acc), one float per row and token (four at once),
+    where vec_dot's keep 8 lanes."""
     assert not tiled or rows * tt % 4 == 0, "the tiled order reduces four accumulators at once"
     wide = isa
     decode = tt == 1  # a GEMV: its weight stream is also prefetched into L2, as in _q45k_rows
@@ -720,7 +721,8 @@ def _q6k_rows(isa: Int8Isa, rows: int, n_super: int, tt: int, prefetch_groups: i
                 acc[r * tt + u, 0:8] = _scaled_sum(acc, sumi, r * tt + u, ds[r * tt + u, i])
 
     @T.macro
-    def row_group(ql, qh, sc, d, y, n, jo, t, xb, xd, xp, un=None, scv=None):  # type: ignore[no-untyped-def]
+    def row_group(ql, qh, sc, d, y, n, jo, t, xb, xd, xp, un=None, scv=None, call_rows=None):  # type: ignore[no-untyped-def]
+        rows_in_call = T.meta_var(y.shape[0] if call_rows is None else call_rows)
         ql_flat = T.decl_buffer((n * n_super * 128,), "uint8", data=ql.data, elem_offset=ql.elem_offset)
         qh_flat = T.decl_buffer((n * n_super * 64,), "uint8", data=qh.data, elem_offset=qh.elem_offset)
         sc_flat = T.decl_buffer((n * n_super * 16,), "int8", data=sc.data, elem_offset=sc.elem_offset)
@@ -785,7 +787,7 @@ def _q6k_rows(isa: Int8Isa, rows: int, n_super: int, tt: int, prefetch_groups: i
                                                     xp.vload([t + u, i * 16], "int16x16"),
                                                     _q6k_offset_scales(sc, jo * rows + r, i))
             if tiled:
-                if y.shape[0] >= TILED_ROWS:
+                if rows_in_call >= TILED_ROWS:
                     for q in T.unroll(rows * tt // 4):  # four rows of sumi: their lane totals
                         _halved_totals(sumi, q, hbuf)
                         res = T.meta_var(dwt.vload([i, 4 * q], "float32x4") * T.Cast(
@@ -799,7 +801,7 @@ def _q6k_rows(isa: Int8Isa, rows: int, n_super: int, tt: int, prefetch_groups: i
         for r in T.unroll(rows):
             for u in T.unroll(tt):
                 if tiled:
-                    y[t + u, jo * rows + r] = T.if_then_else(y.shape[0] >= TILED_ROWS, accv[r * tt + u],
+                    y[t + u, jo * rows + r] = T.if_then_else(rows_in_call >= TILED_ROWS, accv[r * tt + u],
                                                              P.hsum8(acc, r * tt + u))
                 else:
                     y[t + u, jo * rows + r] = P.hsum8(acc, r * tt + u)
@@ -834,15 +836,18 @@ UNROLLABLE = ("Q4_K", "Q5_K", "Q6_K")  # K-quants whose row macro takes `unroll`
 
 
 def _row_steps(qtype: str, isa: Int8Isa, n_super: int, tt: int, prefetch_groups: int,
-               rows: int = P.ROWS, unroll: bool = False, order: str = VEC_DOT) -> Callable[..., None]:
-    """One macro `(f0..f5, y, n, jo, t, xb, xd, xs, xp)` for every K-quant: f0.. the weight's fields
-    in layout_spec order (the ones past a type's last unused; Q2_K's xs holds 16-value runs);
-    `rows` rows per group; `unroll`: Q4_K/Q5_K/Q6_K's super-block loop unrolled (UNROLLABLE)."""
+               rows: int = P.ROWS, unroll: bool = False, order: str = VEC_DOT,
+               q6k_tiled_order: bool = False) -> Callable[..., None]:
+    """One macro `(f0..f5, y, n, jo, t, xb, xd, xs, xp[, call_rows])` for every K-quant: f0.. the
+    weight's fields in layout_spec order (the ones past a type's last unused; Q2_K's xs holds
+    16-value runs); `rows` rows per group; `unroll`: Q4_K/Q5_K/Q6_K's super-block loop unrolled
+    (UNROLLABLE); `q6k_tiled_order`: Q6_K in the tiled GEMM's order where the call (`call_rows`,
+    else y's rows) has >= TILED_ROWS rows (_q6k_rows)."""
     if qtype == "Q2_K":
         q2 = q2k_rows(isa, rows, n_super, tt, prefetch_groups)
 
         @T.macro
-        def steps2(f0, f1, f2, f3, f4, f5, y, n, jo, t, xb, xd, xs, xp):  # type: ignore[no-untyped-def]
+        def steps2(f0, f1, f2, f3, f4, f5, y, n, jo, t, xb, xd, xs, xp, call_rows=None):  # type: ignore[no-untyped-def]
             q2(f0, f1, f2, f3, y, n, jo, t, xb, xd, xs)
 
         return steps2
@@ -850,23 +855,23 @@ def _row_steps(qtype: str, isa: Int8Isa, n_super: int, tt: int, prefetch_groups:
         q3 = q3k_rows(isa, rows, n_super, tt, prefetch_groups)
 
         @T.macro
-        def steps3(f0, f1, f2, f3, f4, f5, y, n, jo, t, xb, xd, xs, xp):  # type: ignore[no-untyped-def]
+        def steps3(f0, f1, f2, f3, f4, f5, y, n, jo, t, xb, xd, xs, xp, call_rows=None):  # type: ignore[no-untyped-def]
             q3(f0, f1, f2, f3, y, n, jo, t, xb, xd, xp)
 
         return steps3
     if qtype == "Q6_K":
-        q6 = _q6k_rows(isa, rows, n_super, tt, prefetch_groups, unroll)
+        q6 = _q6k_rows(isa, rows, n_super, tt, prefetch_groups, unroll, tiled=q6k_tiled_order)
 
         @T.macro
-        def steps6(f0, f1, f2, f3, f4, f5, y, n, jo, t, xb, xd, xs, xp):  # type: ignore[no-untyped-def]
-            q6(f0, f1, f2, f3, y, n, jo, t, xb, xd, xp)
+        def steps6(f0, f1, f2, f3, f4, f5, y, n, jo, t, xb, xd, xs, xp, call_rows=None):  # type: ignore[no-untyped-def]
+            q6(f0, f1, f2, f3, y, n, jo, t, xb, xd, xp, call_rows=call_rows)
 
         return steps6
     five = qtype == "Q5_K"
     q45 = _q45k_rows(isa, five, rows, n_super, tt, prefetch_groups, unroll, order=order)
 
     @T.macro
-    def steps45(f0, f1, f2, f3, f4, f5, y, n, jo, t, xb, xd, xs, xp):  # type: ignore[no-untyped-def]
+    def steps45(f0, f1, f2, f3, f4, f5, y, n, jo, t, xb, xd, xs, xp, call_rows=None):  # type: ignore[no-untyped-def]
         if five:
             q45(f0, f1, f2, f3, f4, f5, y, n, jo, t, xb, xd, xs)
         else:

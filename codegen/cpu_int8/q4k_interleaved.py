@@ -52,6 +52,7 @@ from ggufc.codegen.cpu_int8.kquant import (
     gemv_prologue,
     q4k_orders,
 )
+from ggufc.ir.moe_routing import moe_inputs
 
 QTYPE = "Q4_K"
 LAYOUT = "Q4_Kx8"  # the qtype name the kernels and their keys see for a weight in this layout
@@ -61,29 +62,36 @@ INT8_OPS = frozenset({"int8_matmul", "int8_gemv_group"})  # the ops whose kernel
 
 
 def layout_spec(shape: Sequence[int]) -> list[tuple[str, tuple[int, ...], str]]:
-    """The kernel-layout arrays (module docstring) of a Q4_K weight of logical shape [N, K]."""
-    n, k = (int(d) for d in shape)
+    """The kernel-layout arrays (module docstring) of a Q4_K weight of logical shape [N, K], or of
+    routed experts [X, N, K] (each expert's arrays after the leading X)."""
+    *lead, n, k = (int(d) for d in shape)
     g, s = n // GROUP, k // SUPER
-    return [("d8", (g, s, GROUP), "float16"), ("dmin8", (g, s, GROUP), "float16"),
-            ("sc8", (g, s, 8, GROUP), "uint8"), ("mn8", (g, s, 4, 2 * GROUP), "uint8"),
-            ("qs8", (g, s * 4, 8, 32), "uint8")]
+    x = tuple(lead)
+    return [("d8", (*x, g, s, GROUP), "float16"), ("dmin8", (*x, g, s, GROUP), "float16"),
+            ("sc8", (*x, g, s, 8, GROUP), "uint8"), ("mn8", (*x, g, s, 4, 2 * GROUP), "uint8"),
+            ("qs8", (*x, g, s * 4, 8, 32), "uint8")]
 
 
 def is_interleaved(arrays: Sequence[tuple[str, tuple[int, ...], str]], shape: Sequence[int]) -> bool:
     """Whether a weight's kernel-layout arrays are this layout's."""
-    return len(shape) == 2 and tuple(arrays) == tuple((f, tuple(s), d) for f, s, d in layout_spec(shape))
+    return len(shape) in (2, 3) and tuple(arrays) == tuple((f, tuple(s), d) for f, s, d in layout_spec(shape))
 
 
 def eligible(qtype: str, shape: Sequence[int], target: tvm.target.Target) -> bool:
-    """A Q4_K matrix llama.cpp's AVX2 build repacks 8x8, on a target whose 8-bit kernels are AVX2's."""
+    """A Q4_K matrix (or routed experts' matrices) llama.cpp's AVX2 build repacks 8x8, on a target
+    whose 8-bit kernels are AVX2's."""
     isa = int8_isa(target)
-    return (qtype == QTYPE and len(shape) == 2 and isa is not None
-            and q4k_orders(qtype, isa, int(shape[0]))[0] != "vec_dot" and int(shape[1]) % SUPER == 0)
+    return (qtype == QTYPE and len(shape) in (2, 3) and isa is not None
+            and q4k_orders(qtype, isa, int(shape[-2]))[0] != "vec_dot" and int(shape[-1]) % SUPER == 0)
 
 
 def interleave(arrays: dict[str, np.ndarray], shape: Sequence[int]) -> dict[str, np.ndarray]:
     """Row-major kernel-layout arrays of a Q4_K weight (formats.layout.repack) -> this layout's
-    (the same bytes, reordered)."""
+    (the same bytes, reordered); routed experts [X, N, K] expert by expert."""
+    if len(shape) == 3:
+        per_expert = [interleave({f: np.asarray(a)[e] for f, a in arrays.items()}, shape[1:])
+                      for e in range(int(shape[0]))]
+        return {f: np.stack([p[f] for p in per_expert]) for f in FIELDS}
     n, k = (int(d) for d in shape)
     g, s = n // GROUP, k // SUPER
     d, dmin, sc, mn, qs = (np.asarray(arrays[f]) for f in ("d", "dmin", "sc", "mn", "qs"))
@@ -99,8 +107,9 @@ def interleave(arrays: dict[str, np.ndarray], shape: Sequence[int]) -> dict[str,
 
 def interleaved_params(graphs: Collection[Any], target: tvm.target.Target) -> frozenset[str]:
     """The params of `graphs` to store in this layout: eligible Q4_K matrices whose every use is
-    an 8-bit matmul's weight, and whose GEMV groups hold no weight in another layout (a group's
-    kernel reads all its matrices one way)."""
+    an 8-bit matmul's weight (a dense matmul, a GEMV group, or routed experts whose input rows are
+    rounded to q8_K), and whose GEMV groups hold no weight in another layout (a group's kernel
+    reads all its matrices one way)."""
     chosen: set[str] = set()
     refused: set[str] = set()
     groups: list[list[str]] = []
@@ -116,7 +125,8 @@ def interleaved_params(graphs: Collection[Any], target: tvm.target.Target) -> fr
             for pos, v in enumerate(node.inputs):
                 if v.id in params and pos not in weights:
                     refused.add(params[v.id].source)
-            groups.append([params[node.inputs[i].id].source for i in weights if node.inputs[i].id in params])
+            if node.op == "int8_gemv_group":
+                groups.append([params[node.inputs[i].id].source for i in weights if node.inputs[i].id in params])
     chosen -= refused
     while True:  # a group of mixed layouts takes the row-major one for all its matrices
         mixed = {src for group in groups if not set(group) <= chosen for src in group} & chosen
@@ -125,13 +135,26 @@ def interleaved_params(graphs: Collection[Any], target: tvm.target.Target) -> fr
         chosen -= mixed
 
 
-def _weight_inputs(node: Any) -> range:
-    """Positions of an 8-bit matmul node's weight operands (none for other ops)."""
+def _weight_inputs(node: Any) -> Collection[int]:
+    """Positions of a node's weight operands read by 8-bit kernels (none for other ops)."""
     if node.op == "int8_matmul":
         return range(1, 2)
     if node.op == "int8_gemv_group":
         return range(node.attrs.n_prologue, node.attrs.n_prologue + node.attrs.n_weights)
+    if node.op == "moe_ffn":
+        return _int8_expert_inputs(node)
     return range(0)
+
+
+def _int8_expert_inputs(node: Any) -> set[int]:
+    """Positions of a moe_ffn node's routed-expert weights whose input rows are rounded to q8_K
+    (the 8-bit experts kernel's: codegen/families/moe_routing.py)."""
+    a = node.attrs
+    named = moe_inputs(list(range(len(node.inputs))), a)
+    in_scheme, down_scheme = a.act_schemes
+    up_kinds = ("gate_up",) if a.merged_gate_up else ("gate", "up")
+    return ({named[kind] for kind in up_kinds if kind in named and in_scheme == "q8_K"}
+            | ({named["down"]} if down_scheme == "q8_K" else set()))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -228,6 +251,24 @@ def x8_rows(n_super: int, tt: int, per_run: bool, prefetch_groups: int = P.PREFE
             y[t + u, jo * 8:jo * 8 + 8] = acc.vload([u, 0], "float32x8") - accm.vload([u, 0], "float32x8")
 
     return row_group
+
+
+def x8_steps(n_super: int, tt: int) -> Callable[..., None]:
+    """x8_rows in the GEMV's order behind kquant._row_steps's signature `(f0..f5, y, n, jo, t, xb,
+    xd, xs, xp[, call_rows])` (codes xb [R, K] int8, sums xs [R, K / 32] int16; f5, xp and
+    call_rows unused): the routed
+    experts' rows, each (token, expert) pair one repacked GEMV, as llama.cpp's mul_mat_id of
+    repacked weights computes every pair, prompt rows included."""
+    k = n_super * SUPER
+    steps = x8_rows(n_super, tt, per_run=False)
+
+    @T.macro
+    def experts_steps(f0, f1, f2, f3, f4, f5, y, n, jo, t, xb, xd, xs, xp, call_rows=None):  # type: ignore[no-untyped-def]
+        xb32 = T.decl_buffer((xb.shape[0] * (k // 4),), "int32", data=xb.data)
+        xs32 = T.decl_buffer((xs.shape[0] * (k // 64),), "int32", data=xs.data)
+        steps(f0, f1, f2, f3, f4, y, n, jo, t, xb32, xd, xs32)
+
+    return experts_steps
 
 
 def _specs(n: int, k: int) -> list[tuple[tuple[int, ...], str]]:

@@ -22,11 +22,13 @@ from collections.abc import Callable
 from typing import Any
 
 from tvm import relax, te, tirx
+from tvm.script import tirx as T
 
 from ggufc.codegen import kernel_keys as KK
 from ggufc.codegen.cpu_int8 import block32 as Q8
 from ggufc.codegen.cpu_int8 import experts as E8
 from ggufc.codegen.formats.cpu_schedules import qmatmul_experts
+from ggufc.codegen.kernels import cpu_vector_math as CV
 from ggufc.codegen.kernels.elementwise import elementwise, elementwise_step, sigmoid
 from ggufc.codegen.kernels.movement import gather_f32
 from ggufc.codegen.kernels.prim_helpers import PShape, Symbols, f32, func, i64
@@ -123,6 +125,10 @@ def _elementwise_temp(fc: FunctionContext, prog: O.FusedElementwise, args: list[
 
 def _gate_probs(fc: FunctionContext, logits: Any, dims: tuple[Dim, ...], gating: str, tag: str) -> Any:
     shape = [fc.dim(d) for d in dims]
+    if gating == "softmax" and fc.mb.target.kind.name == "llvm":  # ggml_soft_max's steps
+        n_exp = int(dims[-1])
+        return fc.call_temp(KK.OpKernel("soft_max", n_exp, ()), lambda: CV.soft_max(n_exp), [logits],
+                            [(shape, "float32")], f"{tag}_probs")[0]
     if gating == "softmax":
         return fc.call_temp(KK.OpKernel("softmax", None, (dims,)), lambda: softmax(Symbols().shape(dims)),
                             [logits], [(shape, "float32")], f"{tag}_probs")[0]
@@ -184,8 +190,9 @@ def route(fc: FunctionContext, logits: Any, dims: tuple[Dim, ...], a: MoeRoute |
                               lambda: topk(Symbols().shape(dims), a.k, True), [sel, probs], outs, f"{tag}_topk")
     wdims = (dims[0], a.k)
     if a.normalize:
-        w = fc.call_temp(KK.OpKernel("moe_normalize", a.norm_clamp, (wdims,)),
-                         lambda: moe_normalize(Symbols().shape(wdims), a.norm_clamp),
+        f64_sum = fc.mb.target.kind.name == "llvm"
+        w = fc.call_temp(KK.OpKernel("moe_normalize", (a.norm_clamp, f64_sum) if f64_sum else a.norm_clamp, (wdims,)),
+                         lambda: moe_normalize(Symbols().shape(wdims), a.norm_clamp, f64_sum),
                          [w], [(sel_shape, "float32")], f"{tag}_weights")[0]
     if a.weights_scale != 1.0:
         scale = O.FusedElementwise((("scalar", O.Scalar("mul", a.weights_scale), (0,)),), 1)
@@ -282,8 +289,10 @@ def _moe_ffn(fc: FunctionContext, node: Node) -> list[Any]:
         qtype, (_, n, k), arrays = weight_args(fc, wv)
         out = [([t, i64(a.k), i64(n)], "float32")]
         if int8:  # the kernel rounds its input rows itself
-            ikey = KK.Int8ExpertMatmul(qtype, n_exp, n, k, a.k, per_slot)
-            y = fc.call_temp(ikey, lambda: E8.int8_experts(qtype, n_exp, n, k, a.k, per_slot, fc.mb.target),
+            rows_alike = (fc.one_token_order and not fc.is_one(x.shape[0])
+                          and E8.order_depends_on_rows(qtype, fc.mb.target))
+            ikey = KK.Int8ExpertMatmul(qtype, n_exp, n, k, a.k, per_slot, rows_alike)
+            y = fc.call_temp(ikey, lambda: E8.int8_experts(qtype, n_exp, n, k, a.k, per_slot, fc.mb.target, rows_alike),
                              [inp, ids, *arrays], out, f"ffn_moe_{kind}")[0]
         else:
             key = KK.ExpertMatmul(qtype, n_exp, n, k, a.k, per_slot)
@@ -299,6 +308,8 @@ def _moe_ffn(fc: FunctionContext, node: Node) -> list[Any]:
     act_shape = [t, i64(a.k), i64(hidden)]
     if a.merged_gate_up:
         act = _merged_gate_up_act(fc, up_y, act_dims, act_shape, a)
+    elif gate is not None and a.act == "swiglu" and fc.mb.target.kind.name == "llvm" and hidden % 8 == 0:
+        act = _vector_swiglu(fc, experts(x3, gate, False, "gate", int8_in), up_y, act_shape)
     elif gate is not None:
         act = _elementwise_temp(fc, act_program(a.act, a.act_limit, a.act_linear_beta),
                                 [experts(x3, gate, False, "gate", int8_in), up_y], [act_dims, act_dims], act_shape,
@@ -311,14 +322,33 @@ def _moe_ffn(fc: FunctionContext, node: Node) -> list[Any]:
     down_y = experts(act, down, True, "down", int8_down)
     dims = (t_dim, a.k, e_in)
     if a.shared or a.latent:
-        routed = fc.call_temp(KK.OpKernel("weighted_sum", None, (dims,)),
-                              lambda: weighted_sum(Symbols().shape(dims), True),
-                              [down_y, w], [([t, i64(e_in)], "float32")], "ffn_moe_routed")[0]
+        routed = fc.call_temp(*_weighted_sum_kernel(fc, dims), [down_y, w], [([t, i64(e_in)], "float32")],
+                              "ffn_moe_routed")[0]
         if a.latent:
             routed = _latent_out(fc, node, named, routed, t_dim)
         return shared_expert(fc, node, named, routed) if a.shared else [routed]
-    return fc.call(KK.OpKernel("weighted_sum", None, (dims,)), lambda: weighted_sum(Symbols().shape(dims), True),
-                   [down_y, w], node.outputs, node.outputs[0].name)
+    return fc.call(*_weighted_sum_kernel(fc, dims), [down_y, w], node.outputs, node.outputs[0].name)
+
+
+def _vector_swiglu(fc: FunctionContext, gate_y: Any, up_y: Any, act_shape: list[Any]) -> Any:
+    """silu(gate) * up of the selected experts by the swiglu op's CPU kernel (llama.cpp's
+    ggml_vec_swiglu_f32, as its MoE computes them), over [T k, F] views."""
+    t, k, f = act_shape
+    rows = [t * k, f]
+    g2, u2 = (fc.bb.emit(relax.op.reshape(v, rows)) for v in (gate_y, up_y))
+    width = int(f)
+    act = fc.call_temp(KK.OpKernel("swiglu", width, ()), lambda: CV.swiglu(width), [g2, u2], [(rows, "float32")],
+                       "ffn_moe_act")[0]
+    return fc.bb.emit(relax.op.reshape(act, act_shape))
+
+
+def _weighted_sum_kernel(fc: FunctionContext, dims: tuple[Any, ...]) -> tuple[KK.KernelKey, Callable[[], Any]]:
+    """The experts' weighted sum: on the CPU in llama.cpp's order (weighted_sum_in_order) where
+    the width allows, else the reduction."""
+    k, n = int(dims[1]), int(dims[2])
+    if fc.mb.target.kind.name == "llvm" and n % 8 == 0:
+        return KK.OpKernel("weighted_sum", ("in_order", k, n), ()), lambda: weighted_sum_in_order(k, n)
+    return KK.OpKernel("weighted_sum", None, (dims,)), lambda: weighted_sum(Symbols().shape(dims), True)
 
 
 def _int8_experts(fc: FunctionContext, wv: Value, scheme: str) -> bool:
@@ -497,12 +527,15 @@ MOE_LOWERING: dict[str, Callable[[FunctionContext, Node], list[Any]]] = {
 }
 
 
-def moe_normalize(shape: PShape, clamp: float) -> tirx.PrimFunc:
+def moe_normalize(shape: PShape, clamp: float, f64_sum: bool = False) -> tirx.PrimFunc:
+    """w / max(sum of the row, clamp): ggml_sum_rows then ggml_clamp and ggml_div, the sum in
+    float64 where `f64_sum` (ggml_vec_sum_f32 on the CPU; targets without float64 sum in float32)."""
     w = te.placeholder(shape, "float32", name="w")
     r = te.reduce_axis((i64(0), shape[-1]), name="r")
+    acc = "float64" if f64_sum else "float32"
     # TE allows a reduction only at the top of a compute: sum first, clamp in the division
-    s = te.compute(shape[:-1], lambda *i: te.sum(w(*i, r), axis=r), name="s")
-    out = te.compute(shape, lambda *i: w(*i) / te.max(s(*i[:-1]), f32(clamp)), name="out")
+    s = te.compute(shape[:-1], lambda *i: te.sum(w(*i, r).astype(acc), axis=r), name="s")
+    out = te.compute(shape, lambda *i: w(*i) / te.max(s(*i[:-1]).astype("float32"), f32(clamp)), name="out")
     return func([w, out])
 
 
@@ -513,3 +546,25 @@ def weighted_sum(y_shape: PShape, scale_by: bool) -> tirx.PrimFunc:
     r = te.reduce_axis((i64(0), y_shape[1]), name="r")
     out = te.compute((y_shape[0], y_shape[2]), lambda t, n: te.sum(y[t, r, n] * w[t, r], axis=r), name="out")
     return func([y, w, out])
+
+
+def weighted_sum_in_order(k: int, n: int) -> tirx.PrimFunc:
+    """`(y [T, k, N], w [T, k], out [T, N])` as llama.cpp's MoE sums its experts (N a multiple of
+    8): each product y * w rounded (ggml_mul), then added slot by slot (ggml_add), unfused."""
+    K, N = T.int64(k), T.int64(n)
+
+    @T.prim_func(private=True)
+    def weighted(y_h: T.handle, w_h: T.handle, out_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        t_len = T.int64()
+        y = T.match_buffer(y_h, (t_len, K, N), "float32")
+        w = T.match_buffer(w_h, (t_len, K), "float32")
+        out = T.match_buffer(out_h, (t_len, N), "float32")
+        for t in T.parallel(t_len):
+            for c in range(n // 8):
+                out[t, c * 8:c * 8 + 8] = CV.rounded(y.vload([t, 0, c * 8], "float32x8") * T.broadcast(w[t, 0], 8))
+                for s in range(1, k):
+                    out[t, c * 8:c * 8 + 8] = out.vload([t, c * 8], "float32x8") + CV.rounded(
+                        y.vload([t, s, c * 8], "float32x8") * T.broadcast(w[t, s], 8))
+
+    return weighted

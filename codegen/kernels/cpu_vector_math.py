@@ -1,8 +1,12 @@
 """CPU vector math as llama.cpp's CPU backend does it, for the kernels that follow its numerics.
 
 `expf8` is llama.cpp's `ggml_v_expf` (its AVX2 form), used where llama.cpp uses it: SiLU in its
-SwiGLU and the attention softmax. `swiglu` is the CPU kernel of the `swiglu` op. `prefetch` and
-`prefetch_l2` are the cache hints the streaming kernels (the 8-bit GEMVs, attention) issue ahead.
+SwiGLU and the softmaxes (attention's, a router's). `swiglu` is the CPU kernel of the `swiglu` op,
+`soft_max` ggml_soft_max's over rows. `prefetch` and `prefetch_l2` are the cache hints the streaming
+kernels (the 8-bit GEMVs, attention) issue ahead.
+
+TVM's LLVM builds fuse a product into the add that takes it (fp-contract=fast); where llama.cpp
+rounds the product first, `rounded` keeps it apart.
 """
 
 from __future__ import annotations
@@ -54,6 +58,51 @@ def expf8(x: tirx.PrimExpr) -> tirx.PrimExpr:
     base = T.Select(wide, s2, k)
     sat = T.Select(huge, s1, c(1.0))
     return T.Select(huge, sat * sat, fma(base, j, base) * T.Select(wide, s1, c(1.0)))
+
+
+def rounded(v: tirx.PrimExpr, dtype: str = "float32x8") -> tirx.PrimExpr:
+    """v as its own rounded value: an arithmetic fence, so LLVM fuses no product into the add
+    that takes it (ggml's separate multiply and add)."""
+    return T.call_llvm_pure_intrin(dtype, "llvm.arithmetic.fence", v)
+
+
+def hsum8_lanes(v: tirx.PrimExpr) -> tirx.PrimExpr:
+    """The 8 lanes of v summed as ggml's AVX hsums: ((0+4) + (2+6)) + ((1+5) + (3+7))."""
+    lane = [T.Shuffle([v], [j]) for j in range(8)]
+    return ((lane[0] + lane[4]) + (lane[2] + lane[6])) + ((lane[1] + lane[5]) + (lane[3] + lane[7]))
+
+
+def soft_max(n: int) -> tirx.PrimFunc:
+    """`(x [T, N], y [T, N])`, each row's softmax as ggml_soft_max (no scale, no mask) computes it
+    in llama.cpp's AVX2 build: the row's max m; per 8 values e = ggml_v_expf(x - m), stored, their
+    float hsum added to a float64 sum; the last N % 8 by expf, each added to the sum; then
+    y = e * float(1 / sum)."""
+    N = T.int64(n)
+    chunks = n // 8
+
+    @T.prim_func(private=True)
+    def soft_max_cpu(x_h: T.handle, y_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        t_len = T.int64()
+        x = T.match_buffer(x_h, (t_len, N), "float32")
+        y = T.match_buffer(y_h, (t_len, N), "float32")
+        for t in T.parallel(t_len):
+            top = T.alloc_buffer((1,), "float32")
+            total = T.alloc_buffer((1,), "float64")
+            top[0] = x[t, 0]
+            for j in range(n):
+                top[0] = T.max(top[0], x[t, j])
+            total[0] = T.float64(0)
+            for c in range(chunks):
+                y[t, c * 8:c * 8 + 8] = expf8(x.vload([t, c * 8], "float32x8") - T.broadcast(top[0], 8))
+                total[0] = total[0] + T.Cast("float64", hsum8_lanes(y.vload([t, c * 8], "float32x8")))
+            for j in range(chunks * 8, n):
+                y[t, j] = T.exp(x[t, j] - top[0])
+                total[0] = total[0] + T.Cast("float64", y[t, j])
+            for j in range(n):
+                y[t, j] = y[t, j] * T.Cast("float32", T.float64(1) / total[0])
+
+    return soft_max_cpu
 
 
 def silu_mul8(g: tirx.PrimExpr, u: tirx.PrimExpr) -> tirx.PrimExpr:
