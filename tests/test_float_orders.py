@@ -135,3 +135,22 @@ def test_rounded_keeps_a_product_out_of_the_next_add() -> None:
     for fenced in (True, False):
         asm = tvm.compile(tvm.IRModule({"main": program(fenced)}), target=I.HASWELL).mod.inspect_source("asm")
         assert ("vfmadd" in asm) is not fenced
+
+
+def test_elementwise_silu_is_ggmls_vector_silu_on_rows_of_whole_vectors() -> None:
+    """ggml_vec_silu_f32's vector loop: x / (1 + ggml_v_expf(0 - x)) (the conv output of a
+    delta-net layer, an ungated expert); rows that are not whole vectors keep x * sigmoid(x)."""
+    from ggufc.codegen.kernels.elementwise import elementwise
+    from ggufc.ir import ops as O
+
+    silu = O.FusedElementwise((("unary", O.Unary("silu"), (0,)),), 1)
+    x = (np.random.default_rng(3).standard_normal((5, 2560)) * 6).astype(F32)
+    y = aligned_zeros(x.shape, F32)
+    _build(elementwise([Symbols().shape(("T", 2560))], silu, cpu=True))(to_tvm(x), to_tvm(y))
+    np.testing.assert_array_equal(y, (x / (F32(1) + G.expf(-x))).astype(F32))
+    exact = (x.astype(np.float64) / (1 + np.exp(-x.astype(np.float64)))).astype(F32)
+    assert not np.array_equal(y, exact)
+    odd = aligned_zeros((5, 2555), F32)
+    _build(elementwise([Symbols().shape(("T", 2555))], silu, cpu=True))(to_tvm(np.ascontiguousarray(x[:, :2555])),
+                                                                         to_tvm(odd))
+    np.testing.assert_allclose(odd, exact[:, :2555], rtol=1e-6, atol=1e-7)

@@ -20,24 +20,31 @@ def expf8(x: tirx.PrimExpr) -> tirx.PrimExpr:
     goldens come from has no AVX-512): n = round(x / ln 2), b = x - n ln 2 in two parts,
     j = b + ... (degree 5, no constant term), exp = fma(j, 2^n, 2^n); |n| > 126 scales in two
     steps (overflow to inf, underflow to 0 as the C code does)."""
+    return ggml_expf(x, 8)
+
+
+def ggml_expf(x: tirx.PrimExpr, lanes: int = 1) -> tirx.PrimExpr:
+    """expf8's steps on `lanes` lanes (1: a scalar, as a TE body writes it; LLVM vectorises it back)."""
+    flt_t, int_t = (f"float32x{lanes}", f"int32x{lanes}") if lanes > 1 else ("float32", "int32")
+    fma_name = f"llvm.fma.v{lanes}f32" if lanes > 1 else "llvm.fma.f32"
 
     def c(v: float) -> tirx.PrimExpr:
-        return T.broadcast(T.float32(v), 8)
+        return T.broadcast(T.float32(v), lanes) if lanes > 1 else T.float32(v)
 
     def h(v: str) -> tirx.PrimExpr:
         return c(float.fromhex(v))
 
     def i(v: int) -> tirx.PrimExpr:
-        return T.broadcast(T.int32(v), 8)
+        return T.broadcast(T.int32(v), lanes) if lanes > 1 else T.int32(v)
 
     def fma(a: tirx.PrimExpr, b: tirx.PrimExpr, d: tirx.PrimExpr) -> tirx.PrimExpr:
-        return T.call_llvm_pure_intrin("float32x8", "llvm.fma.v8f32", a, b, d)
+        return T.call_llvm_pure_intrin(flt_t, fma_name, a, b, d)
 
     def bits(v: tirx.PrimExpr) -> tirx.PrimExpr:
-        return T.reinterpret("int32x8", v)
+        return T.reinterpret(int_t, v)
 
     def flt(v: tirx.PrimExpr) -> tirx.PrimExpr:
-        return T.reinterpret("float32x8", v)
+        return T.reinterpret(flt_t, v)
 
     r = h("0x1.8p23")
     z = fma(x, h("0x1.715476p+0"), r)
@@ -58,6 +65,11 @@ def expf8(x: tirx.PrimExpr) -> tirx.PrimExpr:
     base = T.Select(wide, s2, k)
     sat = T.Select(huge, s1, c(1.0))
     return T.Select(huge, sat * sat, fma(base, j, base) * T.Select(wide, s1, c(1.0)))
+
+
+def silu_ggml(x: tirx.PrimExpr) -> tirx.PrimExpr:
+    """silu of one float32 as ggml_v_silu computes each lane: x / (1 + ggml_v_expf(0 - x))."""
+    return x / (T.float32(1) + ggml_expf(T.float32(0) - x))
 
 
 def rounded(v: tirx.PrimExpr, dtype: str = "float32x8") -> tirx.PrimExpr:

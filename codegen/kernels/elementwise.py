@@ -10,6 +10,7 @@ from typing import Any
 from tvm import te, tirx
 from tvm.tirx import Expr as PrimExpr
 
+from ggufc.codegen.kernels.cpu_vector_math import silu_ggml
 from ggufc.codegen.kernels.prim_helpers import PShape, bcast_index, broadcast_shape, f32, func
 from ggufc.ir import ops as O
 
@@ -141,9 +142,13 @@ SCALAR: dict[str, Callable[[PrimExpr, PrimExpr], PrimExpr]] = {**BINARY, "pow": 
 
 
 def elementwise_step(op: str, attrs: Any, args: list[PrimExpr], native_f16: bool = False,
-                     cpu: bool = False) -> PrimExpr:
+                     cpu: bool = False, vector_rows: bool = False) -> PrimExpr:
+    """One step of a program; `vector_rows` (a CPU kernel whose rows are whole 8-lane vectors):
+    SiLU as ggml_vec_silu_f32's vector loop computes it (silu_ggml), its scalar tail not needed."""
     if op == "unary" and attrs.fn == "gelu_tanh_f16":
         return gelu_tanh_f16(args[0], cast_to_f16 if native_f16 else round_to_f16, exact_tanh=cpu)
+    if op == "unary" and attrs.fn == "silu" and cpu and vector_rows:
+        return silu_ggml(args[0])
     if op == "unary":
         table = NATIVE_F16_UNARY if native_f16 and attrs.fn in NATIVE_F16_UNARY else UNARY
         return table[attrs.fn](args[0])
@@ -158,15 +163,17 @@ def elementwise(in_shapes: Sequence[PShape], program: O.FusedElementwise, dtype:
                 native_f16: bool = False, cpu: bool = False) -> tirx.PrimFunc:
     """One kernel for a chain of elementwise ops with numpy broadcasting; `native_f16`: F16 roundings
     by the target's conversion (NATIVE_F16_UNARY); `cpu`: for a CPU target (float64 inside the GELU,
-    which GPU shading languages may lack)."""
+    which GPU shading languages may lack; ggml's vector SiLU where rows are a multiple of 8 wide)."""
     ins = [te.placeholder(s, dtype, name=f"in{i}") for i, s in enumerate(in_shapes)]
     out_shape = broadcast_shape(in_shapes)
     nd = len(out_shape)
+    last = out_shape[-1] if nd else 1
+    vector_rows = isinstance(last, (int, tirx.IntImm)) and int(last) % 8 == 0
 
     def body(*idx: PrimExpr) -> PrimExpr:
         vals = [t(*bcast_index(s, idx, nd)) for t, s in zip(ins, in_shapes, strict=True)]
         for op, attrs, operands in program.program:
-            vals.append(elementwise_step(op, attrs, [vals[i] for i in operands], native_f16, cpu))
+            vals.append(elementwise_step(op, attrs, [vals[i] for i in operands], native_f16, cpu, vector_rows))
         return vals[-1]
 
     out = te.compute(out_shape, body, name="out")
