@@ -49,10 +49,15 @@ def qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _compile(tmp_path_factory.mktemp("batch"), "qwen3", "F32", FixtureSize())
 
 
-def _alone(artifact: Path, history: list[int]) -> np.ndarray:
-    """The logits of the last token of `history`, fed to a fresh session as a prompt then one decode."""
+def _alone(artifact: Path, history: list[int], prompt: int) -> np.ndarray:
+    """The logits of the last token of `history` in a fresh session fed as the slot was: its first
+    `prompt` tokens in one call, then one token per call (a prompt's matmuls may sum their rows in
+    another order than one-token calls, as llama.cpp's AVX2 build's do: tinyBLAS for float32
+    weights, the repacked or tiled K-quant GEMMs)."""
     with Session(artifact) as session:
-        session.forward(history[:-1])
+        session.forward(history[:prompt])
+        for token in history[prompt:-1]:
+            session.forward([token])
         return session.forward(history[-1:])
 
 
@@ -76,7 +81,8 @@ def _batched_vs_alone(artifact: Path, steps: int = 5, lengths: tuple[int, ...] =
         for row, slot in enumerate(order):
             histories[slot].append(tokens[slot])
             assert group.sessions[slot].n_past == len(histories[slot])
-            worst = max(worst, float(np.abs(out[row] - _alone(artifact, histories[slot])).max()))
+            alone = _alone(artifact, histories[slot], lengths[slot])
+            worst = max(worst, float(np.abs(out[row] - alone).max()))
             rows += 1
     group.close()
     return worst, rows
@@ -93,8 +99,9 @@ def test_qwen3moe_batched_rows_equal_each_sequence_alone_bit_for_bit(qwen3moe: P
 
 
 def test_qwen3_f32_batched_rows_equal_each_sequence_alone_bit_for_bit(qwen3: Path) -> None:
-    """F32 weights: the batched step's GEMM tiles take each dot product's lanes in the one-token
-    GEMV's order (quant.qmatmul_rows)."""
+    """F32 weights: the batched step's rows take each dot product's lanes in the one-token GEMV's
+    order (formats.cpu_schedules.qmatmul_rows; at AVX2, kernels/lane_dot_matmul.py's vec_dot
+    order)."""
     worst, rows = _batched_vs_alone(qwen3)
     assert rows == 13 and worst == 0.0
 

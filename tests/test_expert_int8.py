@@ -90,14 +90,20 @@ def test_int8_experts_match_reference_and_dense_kernel(qtype: str, t: int, per_s
     w = np.stack([dequantize_reference(qtype, repack(qtype, r, (N, K)), (N, K)) for r in raws])
     ref = matmul_id_ref(quantize_act_ref(x, "q8_K").astype(np.float64), w.astype(np.float64), ids)
     np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
-    # each value is the dense 8-bit kernel's dot product on the same expert rows
+    # each value is the dense 8-bit kernel's one-token dot product on the same expert rows, but
+    # where the instruction set's order depends on the rows (AVX2's Q5_K/Q6_K: an expert given >= 8
+    # rows takes the tiled GEMM's, as llama.cpp's mul_mat_id)
     dense = _build(Q8.int8_gemv(qtype, N, K, TARGET))
+    counts = np.bincount(ids.reshape(-1), minlength=N_EXP)
     for i in range(t):
         for s in range(SLOTS):
             row = aligned_zeros((1, N), np.float32)
             arrays = repack(qtype, raws[ids[i, s]], (N, K))
-            dense(to_tvm(np.ascontiguousarray(x[i, s if per_slot else 0][None])),
-                  *(to_tvm(arrays[f]) for f, _, _ in layout_spec(qtype, (N, K))), to_tvm(row))
+            x_row = np.ascontiguousarray(x[i, s if per_slot else 0][None])
+            if E8.order_depends_on_rows(qtype, TARGET) and counts[ids[i, s]] >= 8:
+                row[0] = G.matmul_k_tiled(qtype, raws[ids[i, s]], N, K, x_row)[0]
+            else:
+                dense(to_tvm(x_row), *(to_tvm(arrays[f]) for f, _, _ in layout_spec(qtype, (N, K))), to_tvm(row))
             np.testing.assert_array_equal(y[i, s], row[0])
 
 
@@ -106,15 +112,21 @@ def test_int8_experts_match_reference_and_dense_kernel(qtype: str, t: int, per_s
 def test_int8_experts_are_llama_cpp_bit_for_bit(qtype: str, target: tvm.target.Target) -> None:
     """ggml_vec_dot_*_K_q8_K (AVX2) per selected (token, slot), as llama.cpp's mul_mat_id, in
     every instruction set this CPU runs (int8_isas): 5 tokens group into 4-token tiles and
-    single-token tails (token pairs with 512-bit registers)."""
+    single-token tails (token pairs with 512-bit registers); at AVX2, Q4_K's repacked GEMV (its
+    matrices of 8k rows are repacked there), every expert under 8 rows (vec_dot for Q6_K)."""
     rng = np.random.default_rng(3)
     raws = [_k_blocks(qtype, N, K, rng) for _ in range(N_EXP)]
     x = _activations(rng, 5, SLOTS)
     ids = _ids(rng, 5)
     y = _run(qtype, raws, x, ids, True, target)
+    isa = Q8.int8_isa(target)
+    repacked = isa is not None and qtype == "Q4_K" and isa.name == "avx2"  # N % 8 == 0: the repacked GEMV
     for i in range(5):
         for s in range(SLOTS):
-            np.testing.assert_array_equal(y[i, s], G.matmul_k(qtype, raws[ids[i, s]], N, K, x[i, s][None])[0])
+            raw, row = raws[ids[i, s]], x[i, s][None]
+            want = (G.matmul_q4_K_repacked(raw, N, K, row, gemm_rows=0) if repacked
+                    else G.matmul_k(qtype, raw, N, K, row))
+            np.testing.assert_array_equal(y[i, s], want[0])
     if qtype == "Q6_K":  # the codes' offset in the products' lanes, not llama.cpp's, differs on these data
         old = [G.matmul_k(qtype, raws[ids[i, s]], N, K, x[i, s][None], q6_offset_in_products=True)[0]
                for i in range(5) for s in range(SLOTS)]

@@ -236,6 +236,22 @@ def test_q4_k_repacked_order_at_avx2_is_llama_cpp_bit_for_bit(k: int, t: int) ->
     np.testing.assert_array_equal(y, want)
 
 
+@pytest.mark.parametrize(("k", "t"), [(512, 7), (512, 8), (512, 13), (1024, 9)])
+def test_q5_k_tiled_order_at_avx2_is_llama_cpp_bit_for_bit(k: int, t: int) -> None:
+    """Q5_K at haswell: llama.cpp's tiled GEMM takes Q5_K too (ggml_tiled_supported) for a matmul of
+    >= 8 activation rows: per super-block res = d_w float(s), res = fma(-dmin_w, float(sum mn A),
+    res), y = fma(res, d_a, y) (ggml_x86.matmul_k_tiled); below 8 rows, and in the one-token-order
+    GEMM, ggml_vec_dot_q5_K_q8_K's. The two models differ on these data."""
+    n = 16
+    raw, arrays, x = _prompt_case("Q5_K", n, k, t, k + t)
+    vec_dot, tiled = G.matmul_k("Q5_K", raw, n, k, x), G.matmul_k_tiled("Q5_K", raw, n, k, x)
+    assert np.any(vec_dot != tiled)
+    y = _run(Q8.int8_gemm("Q5_K", n, k, I.HASWELL), "Q5_K", arrays, x, n, I.HASWELL)
+    np.testing.assert_array_equal(y, tiled if t >= KQ.TILED_ROWS else vec_dot)
+    rows = _run(Q8.int8_gemm("Q5_K", n, k, I.HASWELL, one_token_order=True), "Q5_K", arrays, x, n, I.HASWELL)
+    np.testing.assert_array_equal(rows, vec_dot)
+
+
 @pytest.mark.parametrize(("k", "t"), [(512, 5), (512, 7), (512, 8), (512, 13), (4096, 9)])
 def test_q6_k_tiled_order_at_avx2_is_llama_cpp_bit_for_bit(k: int, t: int) -> None:
     """Q6_K at haswell: llama.cpp's AVX2 build takes its tiled GEMM for a matmul of >= 8 activation

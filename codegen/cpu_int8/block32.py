@@ -54,8 +54,8 @@ from ggufc.codegen.cpu_int8.kquant import (
     kquant_gemm,
     kquant_gemv_group,
     kquant_supported,
+    kquant_tiled,
     q4k_repacked,
-    q6k_tiled,
 )
 from ggufc.codegen.cpu_int8.kquant import PAIR_TYPES as KQUANT_PAIR_TYPES
 from ggufc.codegen.cpu_int8.pair_gemm import PAIRS_PER_TILE, pair_tile
@@ -566,12 +566,12 @@ def _gemv(qtype: str, ns: tuple[int, ...], k: int, isa: Int8Isa, stage: Stage | 
 
 def sums_by_row_count(qtype: str, target: tvm.target.Target) -> bool:
     """Whether this weight's prompt GEMM (not on tiles) sums its rows other than a one-token call
-    does once a call has enough of them (at AVX2: Q6_K's tiled GEMM, kquant.q6k_tiled, and Q4_K's
-    repacked GEMM, kquant.q4k_orders, row-major or interleaved)."""
+    does once a call has enough of them (at AVX2: Q5_K's and Q6_K's tiled GEMM, kquant.kquant_tiled,
+    and Q4_K's repacked GEMM, kquant.q4k_orders, row-major or interleaved)."""
     isa = int8_isa(target)
     if isa is None:
         return False
-    return (qtype == "Q6_K" and q6k_tiled(isa)) or (qtype in ("Q4_K", X.LAYOUT) and q4k_repacked(isa))
+    return kquant_tiled(qtype, isa) or (qtype in ("Q4_K", X.LAYOUT) and q4k_repacked(isa))
 
 
 def int8_gemm(qtype: str, n: int, k: int, target: tvm.target.Target, tiles: bool = False,
@@ -581,7 +581,7 @@ def int8_gemm(qtype: str, n: int, k: int, target: tvm.target.Target, tiles: bool
     per token for these types). Tokens are quantised in parallel, then each task takes a group of
     rows (their weight bytes stay in L1) through every token. `tiles`: on AMX tiles instead, the
     same integer sums with one float step per super-block (tile_gemm_supported). `one_token_order`:
-    every row summed as a one-token call sums it (kquant.q6k_tiled's order not taken)."""
+    every row summed as a one-token call sums it (kquant.kquant_tiled's order not taken)."""
     if tiles:
         if not tile_gemm_supported(qtype, n, k, target):
             raise NotImplementedError(f"no AMX GEMM for {qtype} {n} x {k} on {target}")

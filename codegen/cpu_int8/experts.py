@@ -46,8 +46,9 @@ from ggufc.codegen.cpu_int8.kquant import (
     _q8k_quantize,
     _q8k_sums,
     _row_steps,
+    kquant_tiled,
     pair_tile,
-    q6k_tiled,
+    q4k_orders,
 )
 from ggufc.codegen.formats.layout import layout_spec
 from ggufc.codegen.target import UnsupportedOnTarget
@@ -75,14 +76,14 @@ def int8_experts(qtype: str, n_exp: int, n: int, k: int, slots: int, per_slot: b
         raise UnsupportedOnTarget(f"no 8-bit experts kernel for {qtype} {n} x {k} on {target}")
     pairs = qtype in PAIR_TYPES and isa.wide
     return kquant_experts(qtype, n_exp, n, k, slots, per_slot, isa, pairs=pairs,
-                          tiled=qtype == "Q6_K" and q6k_tiled(isa) and not one_token_order)
+                          tiled=kquant_tiled(qtype, isa) and not one_token_order)
 
 
 def order_depends_on_rows(qtype: str, target: tvm.target.Target) -> bool:
-    """Whether an expert's row count picks its float order (Q6_K at AVX2: the tiled GEMM's from
-    TILED_ROWS rows), so a kernel whose rows must equal one-token calls is another kernel."""
+    """Whether an expert's row count picks its float order (Q5_K and Q6_K at AVX2: the tiled GEMM's
+    from TILED_ROWS rows), so a kernel whose rows must equal one-token calls is another kernel."""
     isa = int8_isa(target)
-    return qtype == "Q6_K" and isa is not None and q6k_tiled(isa)
+    return isa is not None and kquant_tiled(qtype, isa)
 
 
 SERIAL_ROWS = 8  # rows rounded, gathered and scattered without the thread pool (a decode step's)
@@ -105,8 +106,8 @@ def kquant_experts(qtype: str, n_exp: int, n: int, k: int, slots: int, per_slot:
                    tokens: int = GEMM_TOKENS, pairs: bool = False, tiled: bool = False) -> tirx.PrimFunc:
     """Args (x [T, S_x, K] f32, ids [T, slots] int32, *fields [X, N, ...], y [T, slots, N] f32),
     S_x = slots when `per_slot` else 1 (qmatmul_experts' signature); ids outside [0, X) are clamped.
-    `pairs` (Q4_K, Q6_K; 512-bit registers): prompts take their tokens in pairs. `tiled` (Q6_K at
-    AVX2): an expert given >= TILED_ROWS rows takes the tiled GEMM's order, as llama.cpp's
+    `pairs` (Q4_K, Q6_K; 512-bit registers): prompts take their tokens in pairs. `tiled` (Q5_K, Q6_K
+    at AVX2): an expert given >= TILED_ROWS rows takes the tiled GEMM's order, as llama.cpp's
     mul_mat_id decides per expert (ggml_compute_forward_mul_mat_id_tiled)."""
     n_super = k // SUPER
     x8 = qtype == X.LAYOUT  # Q4_K interleaved: each (token, expert) pair in the repacked GEMV's order
@@ -123,8 +124,11 @@ def kquant_experts(qtype: str, n_exp: int, n: int, k: int, slots: int, per_slot:
         one, tile = X.x8_steps(n_super, 1), X.x8_steps(n_super, tokens)
     else:
         quantize = _q8k_quantize(**_q8k_sums(qtype))
-        one = _row_steps(qtype, isa, n_super, 1, P.PREFETCH_GROUPS, q6k_tiled_order=tiled)
-        tile = _row_steps(qtype, isa, n_super, tokens, P.PREFETCH_GROUPS, q6k_tiled_order=tiled)
+        # every (token, expert) pair in the one-token order: Q4_K's repacked GEMV's where its
+        # matrices are repacked (row-major here; compiles store them interleaved: x8_steps)
+        order = q4k_orders(qtype, isa, n)[0]
+        one = _row_steps(qtype, isa, n_super, 1, P.PREFETCH_GROUPS, order=order, tiled_order=tiled)
+        tile = _row_steps(qtype, isa, n_super, tokens, P.PREFETCH_GROUPS, order=order, tiled_order=tiled)
     xp_width = 1 if x8 else n_super * 128  # the pair offsets / block sums (none read in the x8 layout)
     N, K, S, SX = T.int64(n), T.int64(k), T.int64(slots), T.int64(sx)
     six = qtype == "Q6_K"

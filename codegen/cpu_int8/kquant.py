@@ -74,6 +74,7 @@ from ggufc.codegen.cpu_int8.parts import mask32 as _mask
 from ggufc.codegen.cpu_int8.parts import pairs16 as _pairs
 from ggufc.codegen.cpu_int8.parts import scaled_pairs as _scaled
 from ggufc.codegen.formats.layout import layout_spec
+from ggufc.codegen.kernels.cpu_vector_math import rounded
 
 VEC_DOT, REPACK_GEMV, REPACK_GEMM = "vec_dot", "repack_gemv", "repack_gemm"  # Q4_K's float orders
 KQUANT_GEMV_TYPES = frozenset({"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"})  # the weights with integer kernels here
@@ -279,15 +280,19 @@ def run_sums_by_tile(xs, xst, tq, n_runs):  # type: ignore[no-untyped-def]
 
 def _q45k_rows(isa: Int8Isa, five: bool, rows: int, n_super: int, tt: int,
                prefetch_groups: int, unroll: bool = False, unpacked: bool = False,
-               order: str = VEC_DOT) -> Callable[..., None]:
+               order: str = VEC_DOT, tiled: bool = False) -> Callable[..., None]:
     """Row-group macro of Q4_K / Q5_K (fields d, dmin, sc, mn, [qh,] qs); `unroll`: a super-block's
     four 64-value runs unrolled (the same sums in the same order, scheduled differently);
     `unpacked` (Q4_K): the codes and scales read from _unpack_q4k's buffers (un, scw) instead of
     the weight's fields, so a prompt's token tiles do not unpack them again. `order` (Q4_K): the
     float steps of ggml_vec_dot_q4_K_q8_K (VEC_DOT) or of the repacked GEMV / GEMM (REPACK_GEMV:
     one fma per super-block, REPACK_GEMM: one per 64-value run, each of the lanes' integer total,
-    the minimums in a second accumulator subtracted at the end; module docstring)."""
+    the minimums in a second accumulator subtracted at the end; module docstring). `tiled` (with
+    VEC_DOT): in a call of >= TILED_ROWS rows (y's, or `call_rows`), the tiled GEMM's float steps
+    per super-block: res = d_w float(s), res = fma(-dmin_w, float(sum_s mn_s A_s), res),
+    acc = fma(res, d_a, acc) (ggml_x86.matmul_k_tiled), one float per row and token."""
     assert order == VEC_DOT or not five, "only Q4_K has a repacked order"
+    assert not tiled or (order == VEC_DOT and rows * tt % 4 == 0), "the tiled order reduces four at once"
     repacked, per_run = order != VEC_DOT, order == REPACK_GEMM
     # the repacked GEMM's xs: run_sums_by_tile's layout, four tokens a tile
     assert not per_run or tt == GEMM_TOKENS, "the repacked GEMM takes 4-token tiles"
@@ -300,7 +305,33 @@ def _q45k_rows(isa: Int8Isa, five: bool, rows: int, n_super: int, tt: int,
     runs = T.unroll if unroll else T.serial
 
     @T.macro
-    def row_group(d, dmin, sc, mn, qh, qs, y, n, jo, t, xb, xd, xs, un=None, scw=None):  # type: ignore[no-untyped-def]
+    def vec_dot_steps(acc, accm, sumi, ds, dms, mn, xs, jo, t, i):  # type: ignore[no-untyped-def]
+        """ggml_vec_dot_q{4,5}_K_q8_K's float steps of super-block i."""
+        for r in T.unroll(rows):
+            for u in T.unroll(tt):
+                acc[r * tt + u, 0:8] = _scaled_sum(acc, sumi, r * tt + u, ds[r * tt + u, i])
+                mins = T.meta_var(T.Cast("int16x8", mn.vload([jo * rows + r, i * 8], "uint8x8")))
+                prod = T.meta_var(T.call_llvm_pure_intrin(  # llama.cpp's madd of the minimums and sums
+                    "int32x4", "llvm.x86.sse2.pmadd.wd", mins, xs.vload([t + u, i * 8], "int16x8")))
+                dm = T.meta_var(dms[r * tt + u, i])
+                if five:  # a scalar sum, one product added per super-block (rounded first, unfused)
+                    accm[r * tt + u, 0] = accm[r * tt + u, 0] + rounded(dm * T.Cast(
+                        "float32", _min_dot(mn, xs, jo * rows + r, t + u, i)), "float32")
+                else:
+                    accm[r * tt + u, 0:4] = _fma4(T.broadcast(dm, 4), T.Cast("float32x4", prod),
+                                                   accm.vload([r * tt + u, 0], "float32x4"))
+
+    def lane_total(acc: tirx.Buffer, accm: tirx.Buffer, a: tirx.PrimExpr) -> tirx.PrimExpr:
+        """vec_dot's result of accumulator a: hsum_float_8 plus the minimums (Q4_K's four lanes
+        as (m0 + m2) + (m1 + m3))."""
+        if five:
+            return P.hsum8(acc, a) + accm[a, 0]
+        return P.hsum8(acc, a) + ((accm[a, 0] + accm[a, 2]) + (accm[a, 1] + accm[a, 3]))
+
+    @T.macro
+    def row_group(d, dmin, sc, mn, qh, qs, y, n, jo, t, xb, xd, xs, un=None, scw=None,  # type: ignore[no-untyped-def]
+                  call_rows=None):
+        rows_in_call = T.meta_var(y.shape[0] if call_rows is None else call_rows)
         qs_flat = T.decl_buffer((n * n_super * 128,), "uint8", data=qs.data, elem_offset=qs.elem_offset)
         sc_flat = T.decl_buffer((n * n_super * 8,), "uint8", data=sc.data, elem_offset=sc.elem_offset)
         mn_flat = T.decl_buffer((n * n_super * 8,), "uint8", data=mn.data, elem_offset=mn.elem_offset)
@@ -318,12 +349,24 @@ def _q45k_rows(isa: Int8Isa, five: bool, rows: int, n_super: int, tt: int,
         dst = T.alloc_buffer((n_super, rows * tt), "float32")
         dmt = T.alloc_buffer((n_super, rows * tt), "float32")
         hbuf = T.alloc_buffer((8,), "int32")
+        # the tiled order's accumulators, d_w, -dmin_w and d_a by super-block, the minimum sums
+        acct = T.alloc_buffer((rows * tt if tiled else 1,), "float32")
+        dwt = T.alloc_buffer((n_super if tiled else 1, rows * tt), "float32")
+        dmwt = T.alloc_buffer((n_super if tiled else 1, rows * tt), "float32")
+        dat = T.alloc_buffer((n_super if tiled else 1, rows * tt), "float32")
+        mbuf = T.alloc_buffer((4,), "int32")
         ahead = T.meta_var(T.min(jo + prefetch_groups, n // rows - 1))
         far = T.meta_var(T.min(jo + far_groups, n // rows - 1))
         for r in T.unroll(rows):
             for u in T.unroll(tt):
                 acc[r * tt + u, 0:8] = T.broadcast(T.float32(0), 8)
                 accm[r * tt + u, 0:4] = T.broadcast(T.float32(0), 4)
+                if tiled:
+                    acct[r * tt + u] = T.float32(0)
+                    for i in range(n_super):
+                        dwt[i, r * tt + u] = T.Cast("float32", d[jo * rows + r, i])
+                        dmwt[i, r * tt + u] = -T.Cast("float32", dmin[jo * rows + r, i])
+                        dat[i, r * tt + u] = xd[t + u, i]
                 if repacked:
                     accv[r * tt + u] = T.float32(0)
                     accmv[r * tt + u] = T.float32(0)
@@ -405,29 +448,31 @@ def _q45k_rows(isa: Int8Isa, five: bool, rows: int, n_super: int, tt: int,
                     accmv[4 * q:4 * q + 4] = _fma4(
                         T.Cast("float32x4", _phadd4(_phadd4(p0, p1), _phadd4(p2, p3))),
                         dmt.vload([i, 4 * q], "float32x4"), accmv.vload([4 * q], "float32x4"))
-            if not repacked:
-                for r in T.unroll(rows):
-                    for u in T.unroll(tt):
-                        acc[r * tt + u, 0:8] = _scaled_sum(acc, sumi, r * tt + u, ds[r * tt + u, i])
-                        mins = T.meta_var(T.Cast("int16x8", mn.vload([jo * rows + r, i * 8], "uint8x8")))
-                        prod = T.meta_var(T.call_llvm_pure_intrin(  # llama.cpp's madd of the minimums and sums
-                            "int32x4", "llvm.x86.sse2.pmadd.wd", mins, xs.vload([t + u, i * 8], "int16x8")))
-                        dm = T.meta_var(dms[r * tt + u, i])
-                        if five:  # a scalar sum, one product added per super-block
-                            accm[r * tt + u, 0] = accm[r * tt + u, 0] + dm * T.Cast(
-                                "float32", _min_dot(mn, xs, jo * rows + r, t + u, i))
-                        else:
-                            accm[r * tt + u, 0:4] = _fma4(T.broadcast(dm, 4), T.Cast("float32x4", prod),
-                                                           accm.vload([r * tt + u, 0], "float32x4"))
+            if tiled:
+                if rows_in_call >= TILED_ROWS:
+                    for q in T.unroll(rows * tt // 4):  # four accumulators: their lane totals
+                        _halved_totals(sumi, q, hbuf)
+                        for c in T.unroll(4):
+                            mbuf[c] = _min_dot(mn, xs, jo * rows + (4 * q + c) // tt, t + (4 * q + c) % tt, i)
+                        res = T.meta_var(dwt.vload([i, 4 * q], "float32x4") * T.Cast(
+                            "float32x4", hbuf.vload([0], "int32x4") + hbuf.vload([4], "int32x4")))
+                        res_m = T.meta_var(_fma4(dmwt.vload([i, 4 * q], "float32x4"),
+                                                 T.Cast("float32x4", mbuf.vload([0], "int32x4")), res))
+                        acct[4 * q:4 * q + 4] = _fma4(res_m, dat.vload([i, 4 * q], "float32x4"),
+                                                      acct.vload([4 * q], "float32x4"))
+                else:
+                    vec_dot_steps(acc, accm, sumi, ds, dms, mn, xs, jo, t, i)
+            elif not repacked:
+                vec_dot_steps(acc, accm, sumi, ds, dms, mn, xs, jo, t, i)
         for r in T.unroll(rows):
             for u in T.unroll(tt):
-                if repacked:
+                if tiled:
+                    y[t + u, jo * rows + r] = T.if_then_else(rows_in_call >= TILED_ROWS, acct[r * tt + u],
+                                                             lane_total(acc, accm, r * tt + u))
+                elif repacked:
                     y[t + u, jo * rows + r] = accv[r * tt + u] - accmv[r * tt + u]
-                elif five:
-                    y[t + u, jo * rows + r] = P.hsum8(acc, r * tt + u) + accm[r * tt + u, 0]
                 else:
-                    y[t + u, jo * rows + r] = P.hsum8(acc, r * tt + u) + (
-                        (accm[r * tt + u, 0] + accm[r * tt + u, 2]) + (accm[r * tt + u, 1] + accm[r * tt + u, 3]))
+                    y[t + u, jo * rows + r] = lane_total(acc, accm, r * tt + u)
 
     return row_group
 
@@ -696,6 +741,13 @@ def q6k_tiled(isa: Int8Isa) -> bool:
     return isa.name == "avx2"
 
 
+def kquant_tiled(qtype: str, isa: Int8Isa) -> bool:
+    """Whether a `qtype` matmul of >= TILED_ROWS rows takes llama.cpp's tiled GEMM order on this
+    instruction set: Q6_K (q6k_tiled) and Q5_K at AVX2 (its tiled path takes both; Q4_K's
+    matrices are repacked there instead, and Q2_K/Q3_K keep vec_dot's order here)."""
+    return qtype in ("Q5_K", "Q6_K") and q6k_tiled(isa)
+
+
 def _q6k_rows(isa: Int8Isa, rows: int, n_super: int, tt: int, prefetch_groups: int,
               unroll: bool = False, unpacked: bool = False, tiled: bool = False) -> Callable[..., None]:
     """Row-group macro of Q6_K (fields ql, qh, sc, d): the unsigned codes' products in their lanes,
@@ -837,12 +889,12 @@ UNROLLABLE = ("Q4_K", "Q5_K", "Q6_K")  # K-quants whose row macro takes `unroll`
 
 def _row_steps(qtype: str, isa: Int8Isa, n_super: int, tt: int, prefetch_groups: int,
                rows: int = P.ROWS, unroll: bool = False, order: str = VEC_DOT,
-               q6k_tiled_order: bool = False) -> Callable[..., None]:
+               tiled_order: bool = False) -> Callable[..., None]:
     """One macro `(f0..f5, y, n, jo, t, xb, xd, xs, xp[, call_rows])` for every K-quant: f0.. the
     weight's fields in layout_spec order (the ones past a type's last unused; Q2_K's xs holds
     16-value runs); `rows` rows per group; `unroll`: Q4_K/Q5_K/Q6_K's super-block loop unrolled
-    (UNROLLABLE); `q6k_tiled_order`: Q6_K in the tiled GEMM's order where the call (`call_rows`,
-    else y's rows) has >= TILED_ROWS rows (_q6k_rows)."""
+    (UNROLLABLE); `tiled_order` (Q5_K, Q6_K): the tiled GEMM's order where the call (`call_rows`,
+    else y's rows) has >= TILED_ROWS rows (_q6k_rows, _q45k_rows)."""
     if qtype == "Q2_K":
         q2 = q2k_rows(isa, rows, n_super, tt, prefetch_groups)
 
@@ -860,7 +912,7 @@ def _row_steps(qtype: str, isa: Int8Isa, n_super: int, tt: int, prefetch_groups:
 
         return steps3
     if qtype == "Q6_K":
-        q6 = _q6k_rows(isa, rows, n_super, tt, prefetch_groups, unroll, tiled=q6k_tiled_order)
+        q6 = _q6k_rows(isa, rows, n_super, tt, prefetch_groups, unroll, tiled=tiled_order)
 
         @T.macro
         def steps6(f0, f1, f2, f3, f4, f5, y, n, jo, t, xb, xd, xs, xp, call_rows=None):  # type: ignore[no-untyped-def]
@@ -868,14 +920,15 @@ def _row_steps(qtype: str, isa: Int8Isa, n_super: int, tt: int, prefetch_groups:
 
         return steps6
     five = qtype == "Q5_K"
-    q45 = _q45k_rows(isa, five, rows, n_super, tt, prefetch_groups, unroll, order=order)
+    q45 = _q45k_rows(isa, five, rows, n_super, tt, prefetch_groups, unroll, order=order,
+                     tiled=tiled_order and five)
 
     @T.macro
     def steps45(f0, f1, f2, f3, f4, f5, y, n, jo, t, xb, xd, xs, xp, call_rows=None):  # type: ignore[no-untyped-def]
         if five:
-            q45(f0, f1, f2, f3, f4, f5, y, n, jo, t, xb, xd, xs)
+            q45(f0, f1, f2, f3, f4, f5, y, n, jo, t, xb, xd, xs, call_rows=call_rows)
         else:
-            q45(f0, f1, f2, f3, f0, f4, y, n, jo, t, xb, xd, xs)
+            q45(f0, f1, f2, f3, f0, f4, y, n, jo, t, xb, xd, xs, call_rows=call_rows)
 
     return steps45
 
@@ -1014,8 +1067,9 @@ def kquant_gemm(qtype: str, n: int, k: int, isa: Int8Isa, tokens: int = GEMM_TOK
     quantize = _q8k_quantize(**_q8k_sums(qtype))
     one_order, tile_order = q4k_orders(qtype, isa, n, one_token_order)
     assert tile_order == VEC_DOT or tokens == GEMM_TOKENS, "the repacked order splits prompts by 4 tokens"
-    one = _row_steps(qtype, isa, n_super, 1, P.PREFETCH_GROUPS, rows, order=one_order)
-    tile = _row_steps(qtype, isa, n_super, tokens, P.PREFETCH_GROUPS, rows, order=tile_order)
+    tiled = qtype == "Q5_K" and kquant_tiled(qtype, isa) and not one_token_order
+    one = _row_steps(qtype, isa, n_super, 1, P.PREFETCH_GROUPS, rows, order=one_order, tiled_order=tiled)
+    tile = _row_steps(qtype, isa, n_super, tokens, P.PREFETCH_GROUPS, rows, order=tile_order, tiled_order=tiled)
 
     @T.prim_func(private=True)
     def gemm(x_h: T.handle, f0: T.Buffer(specs[0][0], specs[0][1]), f1: T.Buffer(specs[1][0], specs[1][1]),  # type: ignore[valid-type]
