@@ -236,37 +236,24 @@ def test_q4_k_repacked_order_at_avx2_is_llama_cpp_bit_for_bit(k: int, t: int) ->
     np.testing.assert_array_equal(y, want)
 
 
-@pytest.mark.parametrize(("k", "t"), [(512, 7), (512, 8), (512, 13), (1024, 9)])
-def test_q5_k_tiled_order_at_avx2_is_llama_cpp_bit_for_bit(k: int, t: int) -> None:
-    """Q5_K at haswell: llama.cpp's tiled GEMM takes Q5_K too (ggml_tiled_supported) for a matmul of
-    >= 8 activation rows: per super-block res = d_w float(s), res = fma(-dmin_w, float(sum mn A),
-    res), y = fma(res, d_a, y) (ggml_x86.matmul_k_tiled); below 8 rows, and in the one-token-order
-    GEMM, ggml_vec_dot_q5_K_q8_K's. The two models differ on these data."""
+@pytest.mark.parametrize(("qtype", "k", "t"), [("Q6_K", 512, 5), ("Q6_K", 512, 7), ("Q6_K", 512, 8), ("Q6_K", 512, 13),
+                                               ("Q6_K", 4096, 9), ("Q5_K", 512, 7), ("Q5_K", 512, 8),
+                                               ("Q5_K", 512, 13), ("Q5_K", 1024, 9)])
+def test_kquant_tiled_order_at_avx2_is_llama_cpp_bit_for_bit(qtype: str, k: int, t: int) -> None:
+    """Q6_K and Q5_K at haswell: llama.cpp's AVX2 build takes its tiled GEMM (ggml_tiled_supported)
+    for a matmul of >= 8 activation rows, every row of the call, the 4-token tiles' tail too: per
+    super-block res = d_w float(s) (Q5_K: res = fma(-dmin_w, float(sum mn A), res)), then
+    y = fma(res, d_a, y) (ggml_x86.matmul_k_tiled); below 8 rows ggml_vec_dot_q{5,6}_K_q8_K's order.
+    Q6_K's K = 4096 takes the GEMM whose codes stay packed (past UNPACKED_BYTES). The two models
+    differ on these data, so the test tells them apart; the one-token-order GEMM (verify, batched
+    decode) keeps vec_dot's at every row count."""
     n = 16
-    raw, arrays, x = _prompt_case("Q5_K", n, k, t, k + t)
-    vec_dot, tiled = G.matmul_k("Q5_K", raw, n, k, x), G.matmul_k_tiled("Q5_K", raw, n, k, x)
+    raw, arrays, x = _prompt_case(qtype, n, k, t, k + t)
+    vec_dot, tiled = G.matmul_k(qtype, raw, n, k, x), G.matmul_k_tiled(qtype, raw, n, k, x)
     assert np.any(vec_dot != tiled)
-    y = _run(Q8.int8_gemm("Q5_K", n, k, I.HASWELL), "Q5_K", arrays, x, n, I.HASWELL)
+    y = _run(Q8.int8_gemm(qtype, n, k, I.HASWELL), qtype, arrays, x, n, I.HASWELL)
     np.testing.assert_array_equal(y, tiled if t >= KQ.TILED_ROWS else vec_dot)
-    rows = _run(Q8.int8_gemm("Q5_K", n, k, I.HASWELL, one_token_order=True), "Q5_K", arrays, x, n, I.HASWELL)
-    np.testing.assert_array_equal(rows, vec_dot)
-
-
-@pytest.mark.parametrize(("k", "t"), [(512, 5), (512, 7), (512, 8), (512, 13), (4096, 9)])
-def test_q6_k_tiled_order_at_avx2_is_llama_cpp_bit_for_bit(k: int, t: int) -> None:
-    """Q6_K at haswell: llama.cpp's AVX2 build takes its tiled GEMM for a matmul of >= 8 activation
-    rows (one float step per super-block, the weight scale rounded in first: ggml_x86.matmul_k_tiled),
-    every row of the call, the 4-token tiles' tail too; below 8 rows ggml_vec_dot_q6_K_q8_K's order.
-    K = 4096 takes the GEMM whose codes stay packed (past UNPACKED_BYTES). The two models differ on
-    these data, so the test tells them apart; the one-token-order GEMM (verify, batched decode)
-    keeps vec_dot's at every row count."""
-    n = 16
-    raw, arrays, x = _prompt_case("Q6_K", n, k, t, k + t)
-    vec_dot, tiled = G.matmul_k("Q6_K", raw, n, k, x), G.matmul_k_tiled("Q6_K", raw, n, k, x)
-    assert np.any(vec_dot != tiled)
-    y = _run(Q8.int8_gemm("Q6_K", n, k, I.HASWELL), "Q6_K", arrays, x, n, I.HASWELL)
-    np.testing.assert_array_equal(y, tiled if t >= KQ.TILED_ROWS else vec_dot)
-    rows = _run(Q8.int8_gemm("Q6_K", n, k, I.HASWELL, one_token_order=True), "Q6_K", arrays, x, n, I.HASWELL)
+    rows = _run(Q8.int8_gemm(qtype, n, k, I.HASWELL, one_token_order=True), qtype, arrays, x, n, I.HASWELL)
     np.testing.assert_array_equal(rows, vec_dot)
 
 
