@@ -14,6 +14,8 @@ from tvm.script import tirx as T
 
 from ggufc.codegen.cpu_int8.isa import Int8Isa
 from ggufc.codegen.cpu_int8.isa import pairs16 as pairs16
+from ggufc.codegen.kernels.cpu_vector_math import fma8 as fma8
+from ggufc.codegen.kernels.cpu_vector_math import hsum8 as hsum8
 from ggufc.codegen.kernels.cpu_vector_math import prefetch as prefetch
 from ggufc.codegen.kernels.cpu_vector_math import prefetch_l2 as prefetch_l2
 from ggufc.codegen.kernels.cpu_vector_math import silu_mul8
@@ -64,10 +66,6 @@ def slots(ns: tuple[int, ...]) -> tuple[list[int], list[int]]:
     return padded, [n // ROWS for n in padded]
 
 
-def fma8(a: tirx.PrimExpr, b: tirx.PrimExpr, c: tirx.PrimExpr) -> tirx.PrimExpr:
-    return T.call_llvm_pure_intrin("float32x8", "llvm.fma.v8f32", a, b, c)
-
-
 def residual_adder(residual: bool) -> Callable[..., None]:
     """The epilogue y += res (serial: one add per output row, after the parallel loop), or nothing."""
 
@@ -84,11 +82,6 @@ def l2_ahead_groups(group_bytes: int, prefetch_groups: int) -> int:
     """Row groups ahead of its loads a task prefetches into L2: L2_AHEAD_BYTES of codes, and beyond
     the L1 prefetch."""
     return max(prefetch_groups + 1, -(-L2_AHEAD_BYTES // group_bytes))
-
-
-def hsum8(acc: tirx.Buffer, r: tirx.PrimExpr) -> tirx.PrimExpr:
-    """The 8 lanes of acc[r] summed as llama.cpp's hsum_float_8: ((0+4) + (2+6)) + ((1+5) + (3+7))."""
-    return ((acc[r, 0] + acc[r, 4]) + (acc[r, 2] + acc[r, 6])) + ((acc[r, 1] + acc[r, 5]) + (acc[r, 3] + acc[r, 7]))
 
 
 # hsum_float_8 of each 8-lane half of up to 8 float32x16 accumulators at once: three levels, each

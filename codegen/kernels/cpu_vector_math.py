@@ -78,6 +78,16 @@ def rounded(v: tirx.PrimExpr, dtype: str = "float32x8") -> tirx.PrimExpr:
     return T.call_llvm_pure_intrin(dtype, "llvm.arithmetic.fence", v)
 
 
+def fma8(a: tirx.PrimExpr, b: tirx.PrimExpr, c: tirx.PrimExpr) -> tirx.PrimExpr:
+    return T.call_llvm_pure_intrin("float32x8", "llvm.fma.v8f32", a, b, c)
+
+
+def hsum8(acc: tirx.Buffer, r: tirx.PrimExpr) -> tirx.PrimExpr:
+    """The 8 lanes of acc[r] summed as llama.cpp's hsum_float_8 (and tinyBLAS's hsum):
+    ((0+4) + (2+6)) + ((1+5) + (3+7))."""
+    return ((acc[r, 0] + acc[r, 4]) + (acc[r, 2] + acc[r, 6])) + ((acc[r, 1] + acc[r, 5]) + (acc[r, 3] + acc[r, 7]))
+
+
 def hsum8_lanes(v: tirx.PrimExpr) -> tirx.PrimExpr:
     """The 8 lanes of v summed as ggml's AVX hsums: ((0+4) + (2+6)) + ((1+5) + (3+7))."""
     lane = [T.Shuffle([v], [j]) for j in range(8)]

@@ -24,19 +24,12 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
+from ggufc.codegen.kernels.cpu_vector_math import fma8, hsum8
+
 LANES = 8
 ROWS = 4  # weight rows per task: tinyBLAS's RM
 TOKENS = 3  # tokens per pass: its RN with 16 vector registers
 VEC_DOT_RUN = 32  # columns per step of ggml_vec_dot_f32: four 8-lane accumulators
-
-
-def _fma8(a: tirx.PrimExpr, b: tirx.PrimExpr, c: tirx.PrimExpr) -> tirx.PrimExpr:
-    return T.call_llvm_pure_intrin("float32x8", "llvm.fma.v8f32", a, b, c)
-
-
-def _hsum8(acc: tirx.Buffer, r: tirx.PrimExpr) -> tirx.PrimExpr:
-    """tinyBLAS's hsum(__m256) of acc[r]: ((0+4) + (2+6)) + ((1+5) + (3+7))."""
-    return ((acc[r, 0] + acc[r, 4]) + (acc[r, 2] + acc[r, 6])) + ((acc[r, 1] + acc[r, 5]) + (acc[r, 3] + acc[r, 7]))
 
 
 def lane_dot_supported(qtype: str, n: int, k: int, target: tvm.target.Target) -> bool:
@@ -69,12 +62,12 @@ def lane_dot_matmul(n: int, k: int, one_token_order: bool = False) -> tirx.PrimF
         for step in range(steps):
             for r in T.unroll(ROWS):
                 for u in T.unroll(tt):
-                    acc[r * tt + u, 0:LANES] = _fma8(w.vload([jo * ROWS + r, step * LANES], "float32x8"),
+                    acc[r * tt + u, 0:LANES] = fma8(w.vload([jo * ROWS + r, step * LANES], "float32x8"),
                                                       x.vload([t + u, step * LANES], "float32x8"),
                                                       acc.vload([r * tt + u, 0], "float32x8"))
         for r in T.unroll(ROWS):
             for u in T.unroll(tt):
-                y[t + u, jo * ROWS + r] = _hsum8(acc, r * tt + u)
+                y[t + u, jo * ROWS + r] = hsum8(acc, r * tt + u)
 
     @T.macro
     def one_row(x, w, y, jo, t):  # type: ignore[no-untyped-def]
@@ -85,7 +78,7 @@ def lane_dot_matmul(n: int, k: int, one_token_order: bool = False) -> tirx.PrimF
             for r in T.unroll(ROWS):
                 for j in T.unroll(4):
                     at = T.meta_var(run * VEC_DOT_RUN + j * LANES)
-                    acc[r * 4 + j, 0:LANES] = _fma8(w.vload([jo * ROWS + r, at], "float32x8"),
+                    acc[r * 4 + j, 0:LANES] = fma8(w.vload([jo * ROWS + r, at], "float32x8"),
                                                      x.vload([t, at], "float32x8"),
                                                      acc.vload([r * 4 + j, 0], "float32x8"))
         for r in T.unroll(ROWS):
