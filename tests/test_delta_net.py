@@ -12,6 +12,8 @@ compiled kernels against llama.cpp's logits.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,8 @@ from ggufc.ir.graph import Graph
 from ggufc.ir.interp import init_state, run_graph
 from ggufc.ir.verify import verify
 from ggufc.passes.pipeline import run_pipeline
+from tests.support import ggml_x86 as G
+from tests.support import int8_isas as I
 from tests.support.goldens import GOLDEN, skip_without_goldens
 from tests.support.linear_attention import worst_error_over_calls
 
@@ -123,6 +127,61 @@ def _recurrence_outputs(head_map: str, inputs: tuple[np.ndarray, ...]) -> list[n
         fn(s_dev, *(tvm.runtime.tensor(x[t0:t1].astype(np.float32)) for x in (q, k, v, g, beta)), out)
         outs.append(out.numpy())
     return [*outs, s_dev.numpy()]
+
+
+def _libm_expf(x: float) -> np.float32:
+    """expf of the C library, which ggml's scalar code calls."""
+    libm = ctypes.CDLL(ctypes.util.find_library("m"))
+    libm.expf.restype, libm.expf.argtypes = ctypes.c_float, [ctypes.c_float]
+    return np.float32(libm.expf(np.float32(x)))
+
+
+def _ggml_gated_delta_net(state: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray,
+                          beta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """ggml_compute_forward_gated_delta_net (one decay per head; q/k head h % Hk) in float32, as its
+    AVX2 build runs it per token: S *= expf(g) (ggml_vec_scale_f32), delta = (v - S.k) * beta with
+    ggml_vec_dot_f32, S += k delta (ggml_vec_mad_f32: one fma), o = (S.q) * (1 / sqrtf(Dk))."""
+    f32 = np.float32
+    s, hk = state.astype(f32).copy(), q.shape[1]
+    scale = f32(1) / np.sqrt(f32(q.shape[-1]))
+    out = np.zeros(v.shape, f32)
+    for t in range(q.shape[0]):
+        for h in range(s.shape[0]):
+            qh, kh = q[t, h % hk], k[t, h % hk]
+            s[h] = s[h] * _libm_expf(g[t, h])
+            delta = ((v[t, h] - G.vec_dot_f32(s[h], kh[None])) * beta[t, h]).astype(f32)
+            s[h] = G.fma(kh[None], delta[:, None], s[h])
+            out[t, h] = G.vec_dot_f32(s[h], qh[None]) * scale
+    return s, out
+
+
+def test_recurrence_is_ggmls_gated_delta_net_on_avx2(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Built for an AVX2 CPU, the recurrence (prompt calls included: llama.cpp's CPU backend runs its
+    fused per-token op on prompts too) equals ggml's op bit for bit, outputs and carried state,
+    over calls of 9, 1 and 6 tokens; one 8-lane partial sum per row (the order it replaced) differs."""
+    hv, hk, d = 4, 2, 64
+    state, q, k, v, g, beta = (x.astype(np.float32) for x in _gdn_inputs(np.random.default_rng(11), 16, hk, hv, d))
+    scale = float(np.float32(1) / np.sqrt(np.float32(d)))
+
+    def compiled_calls() -> list[np.ndarray]:
+        f = LA.gated_delta_net(hv, d, d, hk, "tiled", scale, chunked_from=0)
+        fn = tvm.compile(tvm.IRModule({"main": f}), target=I.HASWELL)["main"]
+        s_dev, outs = tvm.runtime.tensor(state), []
+        for t0, t1 in ((0, 9), (9, 10), (10, 16)):
+            out = tvm.runtime.tensor(np.zeros((t1 - t0, hv, d), np.float32))
+            fn(s_dev, *(tvm.runtime.tensor(np.ascontiguousarray(x[t0:t1])) for x in (q, k, v, g, beta)), out)
+            outs.append(out.numpy())
+        return [*outs, s_dev.numpy()]
+
+    s_ref, want = state, []
+    for t0, t1 in ((0, 9), (9, 10), (10, 16)):
+        s_ref, o_ref = _ggml_gated_delta_net(s_ref, *(x[t0:t1] for x in (q, k, v, g, beta)))
+        want.append(o_ref)
+    want.append(s_ref)
+    for got, ref in zip(compiled_calls(), want, strict=True):
+        np.testing.assert_array_equal(got, ref)
+    monkeypatch.setattr(LA, "VEC_DOT_ACCS", 1)
+    assert not all(np.array_equal(a, b) for a, b in zip(compiled_calls(), want, strict=True))
 
 
 @pytest.mark.parametrize("head_map", R.HEAD_MAPS)

@@ -1,7 +1,8 @@
 """Float32 CPU kernels in llama.cpp's AVX2 order, bit for bit against numpy models of ggml's code
 (tests/support/ggml_x86.py): float32-weight matmuls (tinyBLAS for calls of 2+ rows,
 ggml_vec_dot_f32 for one row), the router's ggml_soft_max, the MoE weights' renormalisation
-(ggml_sum_rows in float64) and the experts' weighted sum (ggml_mul then ggml_add, unfused). Each
+(ggml_sum_rows in float64), the experts' weighted sum (ggml_mul then ggml_add, unfused) and the
+delta-nets' norms (build_gdn_l2_norm's rms_norm and scale, the gated RMS norm: sums in float64). Each
 test also shows the order it replaced differs on the same data, so it can tell them apart."""
 
 from __future__ import annotations
@@ -154,3 +155,45 @@ def test_elementwise_silu_is_ggmls_vector_silu_on_rows_of_whole_vectors() -> Non
     _build(elementwise([Symbols().shape(("T", 2555))], silu, cpu=True))(to_tvm(np.ascontiguousarray(x[:, :2555])),
                                                                          to_tvm(odd))
     np.testing.assert_allclose(odd, exact[:, :2555], rtol=1e-6, atol=1e-7)
+
+
+def _gdn_l2_norm(x: np.ndarray, eps: float) -> np.ndarray:
+    """llama.cpp's build_gdn_l2_norm on its CPU backend: ggml_rms_norm(x, eps / n) (float32 squares
+    summed in float64, mean = (float)(sum / n), scale = 1.0f / sqrtf(mean + eps / n)), then
+    ggml_scale by 1.0f / sqrtf(n); each scaling rounded."""
+    n = F32(x.shape[-1])
+    mean = ((x * x).astype(np.float64).sum(-1, keepdims=True) / x.shape[-1]).astype(F32)
+    return (x * (F32(1) / np.sqrt(mean + F32(eps) / n))) * (F32(1) / np.sqrt(n))
+
+
+def test_l2_norm_takes_llama_cpps_rms_norm_and_scale_steps() -> None:
+    """The delta-nets' q/k norm, x / sqrt(sum(x^2) + eps), in build_gdn_l2_norm's steps bit for bit;
+    the one-division form it replaced differs on the same data."""
+    from ggufc.codegen.families.linear_attention import l2_norm
+
+    eps = 1e-6
+    x = np.random.default_rng(4).standard_normal((64, 16, 128)).astype(F32)
+    got = [aligned_zeros(x.shape, F32) for _ in range(2)]
+    for cpu, out in zip((True, False), got, strict=True):
+        _build(l2_norm(Symbols().shape(("T", 16, 128)), eps, cpu))(to_tvm(x), to_tvm(out))
+    np.testing.assert_array_equal(got[0], _gdn_l2_norm(x, eps))
+    assert not np.array_equal(got[0], got[1])
+
+
+def test_gated_rms_norm_sums_in_float64_and_gates_by_ggmls_silu() -> None:
+    """((x * 1/sqrtf(mean + eps)) * w) * silu(z): ggml_rms_norm (float64 sum), ggml_mul, and
+    ggml_vec_silu_f32 on the gate, as llama.cpp's CPU ops run the delta-net output norm."""
+    from ggufc.codegen.families.linear_attention import rms_norm_gated
+
+    eps, d = 1e-6, 128
+    rng = np.random.default_rng(5)
+    x, z = (rng.standard_normal((2, 64, 8, d)) * 3).astype(F32)
+    w = rng.uniform(0.5, 1.5, d).astype(F32)
+    got = [aligned_zeros(x.shape, F32) for _ in range(2)]
+    for cpu, out in zip((True, False), got, strict=True):
+        _build(rms_norm_gated(Symbols().shape(("T", 8, d)), eps, "silu", cpu))(to_tvm(x), to_tvm(w), to_tvm(z),
+                                                                              to_tvm(out))
+    mean = ((x * x).astype(np.float64).sum(-1, keepdims=True) / d).astype(F32)
+    scale = F32(1) / np.sqrt(mean + F32(eps))
+    np.testing.assert_array_equal(got[0], ((x * scale) * w) * (z / (F32(1) + G.expf(-z))))
+    assert not np.array_equal(got[0], got[1])

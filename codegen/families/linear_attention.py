@@ -37,13 +37,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import tvm
 from tvm import relax, te, tirx
 from tvm.script import tirx as T
 
 from ggufc.codegen import kernel_keys as KK
 from ggufc.codegen.gpu.schedules import GpuKernel, mark_schedule
-from ggufc.codegen.kernels.cpu_vector_math import expf8
+from ggufc.codegen.kernels.cpu_vector_math import expf8, silu_ggml
 from ggufc.codegen.kernels.prim_helpers import PShape, Symbols, f32, func, i64
 from ggufc.codegen.lower_context import FunctionContext, tensor_dims, tensor_type
 from ggufc.ir.graph import Node
@@ -52,6 +53,7 @@ from ggufc.ir.linear_attention import GatedDeltaNet, LightningAttention, SsmConv
 LANES = 8  # partial sums per dot product (one AVX2 register of f32)
 ROW_BLOCK = 32  # state rows per parallel task of gated_delta_net
 ROW_GROUP = 4  # rows the recurrence takes side by side: independent dot-product chains to overlap
+VEC_DOT_ACCS = 4  # 8-lane accumulators of a row's dot product, as ggml_vec_dot_f32 on AVX2
 CHANNEL_BLOCK = 64  # channels per parallel task of ssm_conv
 THREADS = 64  # GPU threads per workgroup
 CHUNK = 64  # tokens per chunk of the chunked delta rule (llama.cpp's chunk size)
@@ -127,13 +129,16 @@ def gated_delta_net(hv: int, dv: int, dk: int, hk: int, head_map: str, scale: fl
     form (`_chunked_scan`) where it is built (Dk and Dv multiples of 8); shorter calls, decode
     among them, the sequential recurrence.
 
-    Sequential: parallel over blocks of rows of one head; each task allocates its LANES partial
-    sums once (a scratch buffer inside a parallel loop is a workspace allocation, too dear per
-    row) and runs the tokens in order, each over the block's rows (the decay, or the Dk key
-    decays, computed once per token; the block's rows stay in L1, k and q of the token are shared
-    by the rows). The rows go ROW_GROUP at a time, their dot products interleaved 8 lanes by 8
-    lanes: each row keeps its own partial sums in the same order, so the values are those of one
-    row at a time, and the chains of dependent adds overlap."""
+    Sequential: parallel over blocks of rows of one head; each task allocates its partial sums
+    once (a scratch buffer inside a parallel loop is a workspace allocation, too dear per row) and
+    runs the tokens in order, each over the block's rows (the decay, or the Dk key decays, computed
+    once per token; the block's rows stay in L1, k and q of the token are shared by the rows). A
+    row's dot products take ggml_vec_dot_f32's AVX2 order where Dk is a multiple of 32 (four 8-lane
+    accumulators, GGML_F32x8_REDUCE), so the recurrence is llama.cpp's CPU gated_delta_net op bit for
+    bit, which its CPU backend runs per token for prompts too; other Dk one 8-lane accumulator. The
+    rows go a group at a time (ROW_GROUP, half that with four accumulators a row), their dot products
+    interleaved 8 lanes by 8 lanes: each row keeps its own partial sums in the same order, so the
+    values are those of one row at a time, and the chains of dependent adds overlap."""
     if head_map not in ("tiled", "interleaved") or hv % hk:
         raise ValueError(f"gated_delta_net: bad head sharing {head_map} for {hv} value / {hk} key heads")
     tiled = head_map == "tiled"
@@ -146,24 +151,42 @@ def gated_delta_net(hv: int, dv: int, dk: int, hk: int, head_map: str, scale: fl
     threshold = CHUNKED_FROM if chunked_from is None else chunked_from
     chunked = threshold > 0 and chunked_form_fits(dv, dk)
 
+    # ggml_vec_dot_f32's order (AVX2): four 8-lane accumulators over each 32 keys, reduced as
+    # GGML_F32x8_REDUCE; rows whose Dk is not whole runs keep one 8-lane accumulator per row
+    accs = VEC_DOT_ACCS if lanes == LANES and dk % (VEC_DOT_ACCS * LANES) == 0 else 1
+    if accs > 1:
+        group = _block(rb, max(1, ROW_GROUP // 2))  # 4 accumulators a row: 2 rows fill AVX2's 16 registers
+    n_runs = n_outer // accs
+
     @T.macro
     def clear_sums(part):  # type: ignore[no-untyped-def]
-        for rr in T.unroll(group):
+        for a in T.unroll(group * accs):
             for ln in T.vectorized(T.int64(lanes)):
-                part[rr * lanes + ln] = T.float32(0)
+                part[a * lanes + ln] = T.float32(0)
+
+    def row_total(part: tirx.Buffer, rr: int) -> tirx.PrimExpr:
+        """Row rr's partial sums added up: GGML_F32x8_REDUCE, or in lane order with one accumulator."""
+        def at(a: int, ln: int) -> tirx.PrimExpr:
+            return part[(rr * accs + a) * lanes + ln]
+
+        if accs == 1:
+            total = at(0, 0)
+            for ln in range(1, lanes):
+                total = total + at(0, ln)
+            return total
+        x = [(at(0, ln) + at(2, ln)) + (at(1, ln) + at(3, ln)) for ln in range(LANES)]
+        t0 = [x[j] + x[j + 4] for j in range(4)]
+        return (t0[0] + t0[1]) + (t0[2] + t0[3])
 
     @T.macro
     def row_totals(part, tot):  # type: ignore[no-untyped-def]
-        """Each row's partial sums added up in lane order (the order of one row at a time)."""
         for rr in T.unroll(group):
-            tot[rr] = T.float32(0)
-            for ln in range(T.int64(lanes)):
-                tot[rr] = tot[rr] + part[rr * lanes + ln]
+            tot[rr] = row_total(part, rr)
 
     @T.macro
     def sequential(S, Q, K, V, G, B, Out, n):  # type: ignore[no-untyped-def]
         for blk in T.parallel(T.int64(hv * (dv // rb))):
-            part = T.decl_buffer((group * lanes,), "float32", scope="local")
+            part = T.decl_buffer((group * accs * lanes,), "float32", scope="local")
             tot = T.decl_buffer((group,), "float32", scope="local")
             dd = T.decl_buffer((group,), "float32", scope="local")
             eg = T.decl_buffer((dk if key_decay else 1,), "float32")  # the token's key decays exp(g)
@@ -178,26 +201,29 @@ def gated_delta_net(hv: int, dv: int, dk: int, hk: int, head_map: str, scale: fl
                 for rg in range(T.int64(rb // group)):
                     # decay the rows, then kv = M_i . k
                     clear_sums(part)
-                    for jo in range(T.int64(n_outer)):
-                        for rr in T.unroll(group):
-                            for ln in T.vectorized(T.int64(lanes)):
-                                i = row0 + rg * T.int64(group) + rr
-                                S[h, i, jo * lanes + ln] = S[h, i, jo * lanes + ln] * (
-                                    eg[jo * lanes + ln] if key_decay else decay)
-                                part[rr * lanes + ln] = (part[rr * lanes + ln]
-                                                         + S[h, i, jo * lanes + ln] * K[t, kh, jo * lanes + ln])
+                    for run in range(T.int64(n_runs)):
+                        for a in T.unroll(accs):
+                            for rr in T.unroll(group):
+                                for ln in T.vectorized(T.int64(lanes)):
+                                    i = row0 + rg * T.int64(group) + rr
+                                    j = T.meta_var((run * T.int64(accs) + a) * T.int64(lanes) + ln)
+                                    S[h, i, j] = S[h, i, j] * (eg[j] if key_decay else decay)
+                                    part[(rr * accs + a) * lanes + ln] = (part[(rr * accs + a) * lanes + ln]
+                                                                          + S[h, i, j] * K[t, kh, j])
                     row_totals(part, tot)
                     for rr in T.unroll(group):
                         dd[rr] = (V[t, h, row0 + rg * T.int64(group) + rr] - tot[rr]) * B[t, h]
                     # write d * k into the rows, then o = M_i . q
                     clear_sums(part)
-                    for jo in range(T.int64(n_outer)):
-                        for rr in T.unroll(group):
-                            for ln in T.vectorized(T.int64(lanes)):
-                                i = row0 + rg * T.int64(group) + rr
-                                S[h, i, jo * lanes + ln] = S[h, i, jo * lanes + ln] + dd[rr] * K[t, kh, jo * lanes + ln]
-                                part[rr * lanes + ln] = (part[rr * lanes + ln]
-                                                         + S[h, i, jo * lanes + ln] * Q[t, kh, jo * lanes + ln])
+                    for run in range(T.int64(n_runs)):
+                        for a in T.unroll(accs):
+                            for rr in T.unroll(group):
+                                for ln in T.vectorized(T.int64(lanes)):
+                                    i = row0 + rg * T.int64(group) + rr
+                                    j = T.meta_var((run * T.int64(accs) + a) * T.int64(lanes) + ln)
+                                    S[h, i, j] = S[h, i, j] + dd[rr] * K[t, kh, j]
+                                    part[(rr * accs + a) * lanes + ln] = (part[(rr * accs + a) * lanes + ln]
+                                                                          + S[h, i, j] * Q[t, kh, j])
                     row_totals(part, tot)
                     for rr in T.unroll(group):
                         Out[t, h, row0 + rg * T.int64(group) + rr] = tot[rr] * T.float32(scale)
@@ -372,31 +398,51 @@ def _chunked_scan(hv: int, dv: int, dk: int, hk: int, head_map: str, scale: floa
 # norms (TE)
 
 
-def l2_norm(shape: PShape, eps: float) -> tirx.PrimFunc:
-    """x / sqrt(sum(x^2) + eps) over the last axis."""
+def l2_norm(shape: PShape, eps: float, cpu: bool = False) -> tirx.PrimFunc:
+    """x / sqrt(sum(x^2) + eps) over the last axis. `cpu`: in the steps of llama.cpp's
+    build_gdn_l2_norm, ggml_scale(ggml_rms_norm(x, eps / n), 1 / sqrtf(n)) on its CPU backend (the
+    float32 squares summed in float64, the mean rounded to float32, two rounded scalings); other
+    targets sum in float32 and divide once."""
     x = te.placeholder(shape, "float32", name="x")
-    r = te.reduce_axis((i64(0), shape[-1]), name="r")
+    n = shape[-1]
+    r = te.reduce_axis((i64(0), n), name="r")
     lead = shape[:-1]
-    ss = te.compute(lead, lambda *i: te.sum(x(*i, r) * x(*i, r), axis=r), name="ss")
-    out = te.compute(shape, lambda *i: x(*i) / te.sqrt(ss(*i[:-1]) + f32(eps)), name="out")
+    if not cpu:
+        ss = te.compute(lead, lambda *i: te.sum(x(*i, r) * x(*i, r), axis=r), name="ss")
+        out = te.compute(shape, lambda *i: x(*i) / te.sqrt(ss(*i[:-1]) + f32(eps)), name="out")
+        return func([x, out])
+    # eps / n and 1 / sqrtf(n) rounded as llama.cpp rounds them (float32), not folded by TVM
+    width = np.float32(int(n))
+    eps_n, inv_sqrt_n = float(np.float32(eps) / width), float(np.float32(1) / np.sqrt(width))
+    ss = te.compute(lead, lambda *i: te.sum((x(*i, r) * x(*i, r)).astype("float64"), axis=r), name="ss")
+    rstd = te.compute(lead, lambda *i: f32(1.0) / te.sqrt((ss(*i) / n.astype("float64")).astype("float32")
+                                                         + f32(eps_n)), name="rstd")
+    normed = te.compute(shape, lambda *i: x(*i) * rstd(*i[:-1]), name="normed")
+    out = te.compute(shape, lambda *i: normed(*i) * f32(inv_sqrt_n), name="out")
     return func([x, out])
 
 
-def rms_norm_gated(shape: PShape, eps: float, act: str) -> tirx.PrimFunc:
-    """rms_norm(x) * w * act(z); args (x, w [D], z, out)."""
+def rms_norm_gated(shape: PShape, eps: float, act: str, cpu: bool = False) -> tirx.PrimFunc:
+    """rms_norm(x) * w * act(z); args (x, w [D], z, out). `cpu`: as ggml's CPU ops (rms_norm's squares
+    summed in float64, the mean rounded to float32; SiLU as ggml_v_silu where rows are whole 8-lane
+    vectors); other targets sum in float32."""
     x = te.placeholder(shape, "float32", name="x")
     n = shape[-1]
     w = te.placeholder((n,), "float32", name="w")
     z = te.placeholder(shape, "float32", name="z")
     r = te.reduce_axis((i64(0), n), name="r")
     lead = shape[:-1]
-    ss = te.compute(lead, lambda *i: te.sum(x(*i, r) * x(*i, r), axis=r), name="ss")
+    acc = "float64" if cpu else "float32"
+    ss = te.compute(lead, lambda *i: te.sum((x(*i, r) * x(*i, r)).astype(acc), axis=r), name="ss")
     rstd = te.compute(
-        lead, lambda *i: f32(1.0) / te.sqrt(ss(*i) / n.astype("float32") + f32(eps)), name="rstd"
+        lead, lambda *i: f32(1.0) / te.sqrt((ss(*i) / n.astype(acc)).astype("float32") + f32(eps)), name="rstd"
     )
+    ggml_silu = cpu and isinstance(n, (int, tirx.IntImm)) and int(n) % 8 == 0
 
     def gate(v: tirx.PrimExpr) -> tirx.PrimExpr:
         sig = f32(1.0) / (f32(1.0) + te.exp(-v))
+        if act == "silu" and ggml_silu:
+            return silu_ggml(v)
         if act == "silu":
             return v * sig
         if act == "sigmoid":
@@ -677,11 +723,14 @@ def _lightning_attention(fc: FunctionContext, node: Node) -> list[Any]:
                        lambda: lightning_attention(h, dk, dv, a.slopes, a.layer_scale))
 
 
-def _norm(kind: str, build: Callable[[PShape, Any], tirx.PrimFunc]) -> Callable[[FunctionContext, Node], list[Any]]:
+def _norm(kind: str, build: Callable[[PShape, Any, bool], tirx.PrimFunc]
+          ) -> Callable[[FunctionContext, Node], list[Any]]:
+    """build(shape, attrs, cpu): `cpu` where the target is llvm (sums in float64 as ggml's CPU ops)."""
     def lower(fc: FunctionContext, node: Node) -> list[Any]:
         x = node.inputs[0]
         key = KK.OpKernel(kind, node.attrs, tensor_dims(fc, node))
-        return fc.call(key, lambda: build(fc.kernel_shape(x, Symbols()), node.attrs),
+        cpu = fc.mb.target.kind.name == "llvm"
+        return fc.call(key, lambda: build(fc.kernel_shape(x, Symbols()), node.attrs, cpu),
                        [fc.value(v) for v in node.inputs], node.outputs, node.outputs[0].name)
 
     return lower
@@ -691,8 +740,8 @@ LINEAR_ATTENTION_LOWERING: dict[str, Callable[[FunctionContext, Node], list[Any]
     "ssm_conv": _ssm_conv,
     "gated_delta_net": _gated_delta_net,
     "lightning_attention": _lightning_attention,
-    "l2_norm": _norm("l2_norm", lambda shape, a: l2_norm(shape, a.eps)),
-    "rms_norm_gated": _norm("rms_norm_gated", lambda shape, a: rms_norm_gated(shape, a.eps, a.act)),
+    "l2_norm": _norm("l2_norm", lambda shape, a, cpu: l2_norm(shape, a.eps, cpu)),
+    "rms_norm_gated": _norm("rms_norm_gated", lambda shape, a, cpu: rms_norm_gated(shape, a.eps, a.act, cpu)),
 }
 
 
