@@ -257,6 +257,21 @@ def test_kquant_tiled_order_at_avx2_is_llama_cpp_bit_for_bit(qtype: str, k: int,
     np.testing.assert_array_equal(rows, vec_dot)
 
 
+@pytest.mark.parametrize(("k", "t"), [(512, 7), (512, 8), (1536, 13)])
+def test_row_major_q4_k_prompts_at_avx2_take_the_tiled_order(k: int, t: int) -> None:
+    """A Q4_K matrix llama.cpp does not repack (rows not a multiple of 8: a delta-net's 12-head gate
+    projections) goes to its tiled GEMM for >= 8 activation rows, as Q5_K does; fewer rows, and the
+    one-token-order GEMM, keep ggml_vec_dot_q4_K_q8_K's order."""
+    n = 12
+    raw, arrays, x = _prompt_case("Q4_K", n, k, t, k + t)
+    vec_dot, tiled = G.matmul_k("Q4_K", raw, n, k, x), G.matmul_k_tiled("Q4_K", raw, n, k, x)
+    assert np.any(vec_dot != tiled)
+    y = _run(Q8.int8_gemm("Q4_K", n, k, I.HASWELL), "Q4_K", arrays, x, n, I.HASWELL)
+    np.testing.assert_array_equal(y, tiled if t >= KQ.TILED_ROWS else vec_dot)
+    rows = _run(Q8.int8_gemm("Q4_K", n, k, I.HASWELL, one_token_order=True), "Q4_K", arrays, x, n, I.HASWELL)
+    np.testing.assert_array_equal(rows, vec_dot)
+
+
 @pytest.mark.parametrize(("n", "k", "t"), [(16, 512, 1), (24, 768, 1), (16, 512, 7), (8, 512, 4), (24, 768, 13),
                                          (16, 4096, 6)])
 def test_q4_k_interleaved_layout_at_avx2_is_llama_cpp_bit_for_bit(n: int, k: int, t: int) -> None:

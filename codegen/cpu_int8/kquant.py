@@ -748,6 +748,16 @@ def kquant_tiled(qtype: str, isa: Int8Isa) -> bool:
     return qtype in ("Q5_K", "Q6_K") and q6k_tiled(isa)
 
 
+def tiled_q45k_gemm(qtype: str, isa: Int8Isa, tile_order: str) -> bool:
+    """Whether a Q4_K / Q5_K prompt GEMM of >= TILED_ROWS rows takes the tiled GEMM's order: Q5_K
+    where kquant_tiled, and Q4_K at AVX2 where its matrix stays row-major (`tile_order` VEC_DOT:
+    llama.cpp repacks only n % REPACK_ROWS == 0 rows; its tiled GEMM takes the others, e.g. a
+    delta-net's per-head gate projections)."""
+    if qtype == "Q5_K":
+        return kquant_tiled(qtype, isa)
+    return qtype == "Q4_K" and tile_order == VEC_DOT and q6k_tiled(isa)
+
+
 def _q6k_rows(isa: Int8Isa, rows: int, n_super: int, tt: int, prefetch_groups: int,
               unroll: bool = False, unpacked: bool = False, tiled: bool = False) -> Callable[..., None]:
     """Row-group macro of Q6_K (fields ql, qh, sc, d): the unsigned codes' products in their lanes,
@@ -893,7 +903,7 @@ def _row_steps(qtype: str, isa: Int8Isa, n_super: int, tt: int, prefetch_groups:
     """One macro `(f0..f5, y, n, jo, t, xb, xd, xs, xp[, call_rows])` for every K-quant: f0.. the
     weight's fields in layout_spec order (the ones past a type's last unused; Q2_K's xs holds
     16-value runs); `rows` rows per group; `unroll`: Q4_K/Q5_K/Q6_K's super-block loop unrolled
-    (UNROLLABLE); `tiled_order` (Q5_K, Q6_K): the tiled GEMM's order where the call (`call_rows`,
+    (UNROLLABLE); `tiled_order` (Q4_K, Q5_K, Q6_K): the tiled GEMM's order where the call (`call_rows`,
     else y's rows) has >= TILED_ROWS rows (_q6k_rows, _q45k_rows)."""
     if qtype == "Q2_K":
         q2 = q2k_rows(isa, rows, n_super, tt, prefetch_groups)
@@ -921,7 +931,7 @@ def _row_steps(qtype: str, isa: Int8Isa, n_super: int, tt: int, prefetch_groups:
         return steps6
     five = qtype == "Q5_K"
     q45 = _q45k_rows(isa, five, rows, n_super, tt, prefetch_groups, unroll, order=order,
-                     tiled=tiled_order and five)
+                     tiled=tiled_order)
 
     @T.macro
     def steps45(f0, f1, f2, f3, f4, f5, y, n, jo, t, xb, xd, xs, xp, call_rows=None):  # type: ignore[no-untyped-def]
@@ -1067,7 +1077,7 @@ def kquant_gemm(qtype: str, n: int, k: int, isa: Int8Isa, tokens: int = GEMM_TOK
     quantize = _q8k_quantize(**_q8k_sums(qtype))
     one_order, tile_order = q4k_orders(qtype, isa, n, one_token_order)
     assert tile_order == VEC_DOT or tokens == GEMM_TOKENS, "the repacked order splits prompts by 4 tokens"
-    tiled = qtype == "Q5_K" and kquant_tiled(qtype, isa) and not one_token_order
+    tiled = tiled_q45k_gemm(qtype, isa, tile_order) and not one_token_order
     one = _row_steps(qtype, isa, n_super, 1, P.PREFETCH_GROUPS, rows, order=one_order, tiled_order=tiled)
     tile = _row_steps(qtype, isa, n_super, tokens, P.PREFETCH_GROUPS, rows, order=tile_order, tiled_order=tiled)
 
@@ -1113,8 +1123,10 @@ def _unpacked_q4k_gemm(n: int, k: int, isa: Int8Isa, tokens: int, rows: int,
     unpack = _unpack_q4k(rows, n_super)
     one_order, tile_order = q4k_orders("Q4_K", isa, n, one_token_order)
     assert tile_order == VEC_DOT or tokens == GEMM_TOKENS, "the repacked order splits prompts by 4 tokens"
-    one = _row_steps("Q4_K", isa, n_super, 1, P.PREFETCH_GROUPS, rows, order=one_order)
-    tile = _q45k_rows(isa, False, rows, n_super, tokens, P.PREFETCH_GROUPS, unpacked=True, order=tile_order)
+    tiled = tiled_q45k_gemm("Q4_K", isa, tile_order) and not one_token_order
+    one = _row_steps("Q4_K", isa, n_super, 1, P.PREFETCH_GROUPS, rows, order=one_order, tiled_order=tiled)
+    tile = _q45k_rows(isa, False, rows, n_super, tokens, P.PREFETCH_GROUPS, unpacked=True, order=tile_order,
+                      tiled=tiled)
 
     @T.prim_func(private=True)
     def gemm(x_h: T.handle, f0: T.Buffer(specs[0][0], specs[0][1]), f1: T.Buffer(specs[1][0], specs[1][1]),  # type: ignore[valid-type]
