@@ -129,6 +129,33 @@ def _recurrence_outputs(head_map: str, inputs: tuple[np.ndarray, ...]) -> list[n
     return [*outs, s_dev.numpy()]
 
 
+def test_causal_conv_is_ggmls_ssm_conv_on_the_cpu() -> None:
+    """ggml_ssm_conv's loop: per channel and token, the window's products rounded and summed tap by
+    tap from the oldest (no fused multiply-add), over calls of 5, 1 and 3 tokens on the carried
+    history; a multiply-add chain (what TVM's LLVM builds made of it) differs on the same data."""
+    c, k = 256, 4
+    rng = np.random.default_rng(13)
+    x = rng.standard_normal((9, c)).astype(np.float32)
+    w = rng.standard_normal((c, k)).astype(np.float32)
+    fn = tvm.compile(tvm.IRModule({"main": LA.ssm_conv(c, k)}), target=I.HASWELL)["main"]
+    state = tvm.runtime.tensor(np.zeros((c, k - 1), np.float32))
+    window = np.concatenate([np.zeros((k - 1, c), np.float32), x])
+    want = np.zeros((9, c), np.float32)
+    fused = np.zeros((9, c), np.float32)
+    for t in range(9):
+        for j in range(k):
+            product = (window[t + j] * w[:, j]).astype(np.float32)
+            want[t] = (want[t] + product).astype(np.float32)
+            fused[t] = G.fma(window[t + j], w[:, j], fused[t])
+    got = []
+    for t0, t1 in ((0, 5), (5, 6), (6, 9)):
+        y = tvm.runtime.tensor(np.zeros((t1 - t0, c), np.float32))
+        fn(state, tvm.runtime.tensor(x[t0:t1]), tvm.runtime.tensor(w), y)
+        got.append(y.numpy())
+    np.testing.assert_array_equal(np.concatenate(got), want)
+    assert not np.array_equal(fused, want)
+
+
 def _libm_expf(x: float) -> np.float32:
     """expf of the C library, which ggml's scalar code calls."""
     libm = ctypes.CDLL(ctypes.util.find_library("m"))

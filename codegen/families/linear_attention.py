@@ -44,7 +44,7 @@ from tvm.script import tirx as T
 
 from ggufc.codegen import kernel_keys as KK
 from ggufc.codegen.gpu.schedules import GpuKernel, mark_schedule
-from ggufc.codegen.kernels.cpu_vector_math import expf8, silu_ggml
+from ggufc.codegen.kernels.cpu_vector_math import expf8, rounded, silu_ggml
 from ggufc.codegen.kernels.prim_helpers import PShape, Symbols, f32, func, i64
 from ggufc.codegen.lower_context import FunctionContext, tensor_dims, tensor_type
 from ggufc.ir.graph import Node
@@ -73,7 +73,9 @@ def ssm_conv(n_ch: int, k: int, dilation: int = 1) -> tirx.PrimFunc:
     """Args (state [C, H] in place, x [T, C], w [C, K], y [T, C]); H = (K-1)*dilation > 0.
 
     Parallel over blocks of channels; inside a block the channel loop is innermost (contiguous
-    x and y rows) and sums go straight into y, so no scratch buffer is allocated per task."""
+    x and y rows) and sums go straight into y, so no scratch buffer is allocated per task. Each
+    product is rounded before its add, as ggml_ssm_conv's scalar loop sums them (an arithmetic
+    fence: TVM's LLVM builds would fuse it into a multiply-add)."""
     hist = (k - 1) * dilation
     if hist <= 0:
         raise NotImplementedError("ssm_conv with a kernel of width 1 has no state")
@@ -95,17 +97,18 @@ def ssm_conv(n_ch: int, k: int, dilation: int = 1) -> tirx.PrimFunc:
                     for j in range(T.int64(k)):
                         for ci in range(T.int64(cb)):
                             c = blk * cb + ci
-                            Y[t, c] = Y[t, c] + W[c, j] * X[t + j * T.int64(dilation) - T.int64(hist), c]
+                            Y[t, c] = Y[t, c] + rounded(W[c, j] * X[t + j * T.int64(dilation) - T.int64(hist), c],
+                                                        "float32")
                 else:
                     for j in range(T.int64(k)):
                         src = t + j * T.int64(dilation)
                         for ci in range(T.int64(cb)):
                             c = blk * cb + ci
-                            Y[t, c] = Y[t, c] + W[c, j] * T.if_then_else(
+                            Y[t, c] = Y[t, c] + rounded(W[c, j] * T.if_then_else(
                                 src < T.int64(hist),
                                 S[c, T.min(src, T.int64(hist - 1))],
                                 X[T.max(src - T.int64(hist), T.int64(0)), c],
-                            )
+                            ), "float32")
             # new history = the last H columns of [history | x]; increasing m reads n+m > m first
             for ci in range(T.int64(cb)):
                 for m in range(T.int64(hist)):
