@@ -369,10 +369,10 @@ TILED_ROWS = 8  # activation rows from which ggml-cpu takes its tiled K-quant GE
 
 def matmul_k_for(isa_name: str, qtype: str, raw: np.ndarray, n: int, k: int, x: np.ndarray) -> np.ndarray:
     """matmul_k in the order llama.cpp's build for `isa_name` takes: Q4_K's repacked kernels where
-    q4_K_repacked, Q5_K's and Q6_K's tiled GEMM at avx2 for a call of >= TILED_ROWS rows,
-    ggml_vec_dot_*_K_q8_K elsewhere."""
+    q4_K_repacked, the tiled GEMM at avx2 for a call of >= TILED_ROWS rows (Q5_K, Q6_K, and Q4_K
+    not repacked), ggml_vec_dot_*_K_q8_K elsewhere."""
     if qtype == "Q4_K" and q4_K_repacked(n, isa_name):
         return matmul_q4_K_repacked(raw, n, k, x)
-    if qtype in ("Q5_K", "Q6_K") and isa_name == "avx2" and len(x) >= TILED_ROWS:
+    if qtype in ("Q4_K", "Q5_K", "Q6_K") and isa_name == "avx2" and len(x) >= TILED_ROWS:
         return matmul_k_tiled(qtype, raw, n, k, x)
     return matmul_k(qtype, raw, n, k, x)
