@@ -9,6 +9,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from ggufc.codegen.kernels.lane_dot_matmul import lane_dot_supported
+from ggufc.codegen.target import cpu_target
 from ggufc.frontend.archs import ARCHITECTURES
 from tests.support.compiled_models import compile_fixture, compiled_decode, compiled_prefill, interpreted, nmse
 from tests.support.fixtures import RECIPES, full_options
@@ -17,6 +19,10 @@ N_TOKENS = 10
 CHUNK = 3
 QUANT_OF = {"llama": "Q4_0", "qwen3": "Q8_0", "qwen3moe": "Q4_0"}  # one quantized fixture per arch
 MOE_VARIANT = ("granite_swa",)  # optional-MoE archs whose MoE branch has no llama.cpp fixture
+# float32 weights on AVX2 targets without AVX-512 sum a prompt as tinyBLAS and one token as
+# ggml_vec_dot_f32 (llama.cpp's orders), so one-token calls and a one-shot prompt part by float32
+# rounding there (1.3e-8 on minimax-m3's fixture), not only by their chunking
+SPLIT_FLOAT_ORDERS = lane_dot_supported("F32", 4, 32, cpu_target())
 
 
 def model_variants() -> list[tuple[str, dict[str, Any], float]]:
@@ -56,6 +62,7 @@ def variant(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
         "cm": cm,
         "tokens": tokens,
         "bound": bound,
+        "float_weights": "qtype" not in opts,
         "ref": interpreted(cm.model, tokens),
         "one_shot": compiled_prefill(cm, tokens, N_TOKENS),
     }
@@ -76,7 +83,8 @@ def test_chunked_prefill_equals_one_shot(variant: dict[str, Any]) -> None:
 def test_decode_matches_interpreter(variant: dict[str, Any]) -> None:
     decoded = compiled_decode(variant["cm"], variant["tokens"])
     assert nmse(decoded, variant["ref"]) <= variant["bound"]
-    assert nmse(decoded, variant["one_shot"]) <= 1e-9
+    split = SPLIT_FLOAT_ORDERS and variant["float_weights"]
+    assert nmse(decoded, variant["one_shot"]) <= (variant["bound"] if split else 1e-9)
 
 
 def test_last_token_prefill_after_a_chunk(variant: dict[str, Any]) -> None:
