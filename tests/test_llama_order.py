@@ -237,16 +237,17 @@ def test_q4_k_repacked_order_at_avx2_is_llama_cpp_bit_for_bit(k: int, t: int) ->
 
 
 @pytest.mark.parametrize(("qtype", "k", "t"), [("Q6_K", 512, 5), ("Q6_K", 512, 7), ("Q6_K", 512, 8), ("Q6_K", 512, 13),
-                                               ("Q6_K", 4096, 9), ("Q5_K", 512, 7), ("Q5_K", 512, 8),
+                                               ("Q6_K", 512, 37), ("Q6_K", 4096, 9), ("Q5_K", 512, 7), ("Q5_K", 512, 8),
                                                ("Q5_K", 512, 13), ("Q5_K", 1024, 9)])
 def test_kquant_tiled_order_at_avx2_is_llama_cpp_bit_for_bit(qtype: str, k: int, t: int) -> None:
     """Q6_K and Q5_K at haswell: llama.cpp's AVX2 build takes its tiled GEMM (ggml_tiled_supported)
     for a matmul of >= 8 activation rows, every row of the call, the 4-token tiles' tail too: per
     super-block res = d_w float(s) (Q5_K: res = fma(-dmin_w, float(sum mn A), res)), then
     y = fma(res, d_a, y) (ggml_x86.matmul_k_tiled); below 8 rows ggml_vec_dot_q{5,6}_K_q8_K's order.
-    Q6_K's K = 4096 takes the GEMM whose codes stay packed (past UNPACKED_BYTES). The two models
-    differ on these data, so the test tells them apart; the one-token-order GEMM (verify, batched
-    decode) keeps vec_dot's at every row count."""
+    Q6_K's calls of >= 8 rows take each row's codes in the paired order (kquant._q6k_paired_tile),
+    four tokens a pass, the last 1-3 tokens the packed row groups' steps; below 8 rows K = 4096's codes
+    stay packed (past UNPACKED_BYTES). The two models differ on these data, so the test tells them
+    apart; the one-token-order GEMM (verify, batched decode) keeps vec_dot's at every row count."""
     n = 16
     raw, arrays, x = _prompt_case(qtype, n, k, t, k + t)
     vec_dot, tiled = G.matmul_k(qtype, raw, n, k, x), G.matmul_k_tiled(qtype, raw, n, k, x)
@@ -255,6 +256,23 @@ def test_kquant_tiled_order_at_avx2_is_llama_cpp_bit_for_bit(qtype: str, k: int,
     np.testing.assert_array_equal(y, tiled if t >= KQ.TILED_ROWS else vec_dot)
     rows = _run(Q8.int8_gemm(qtype, n, k, I.HASWELL, one_token_order=True), qtype, arrays, x, n, I.HASWELL)
     np.testing.assert_array_equal(rows, vec_dot)
+
+
+def test_q6k_paired_products_stay_inside_int16_at_their_largest() -> None:
+    """The paired Q6_K tiles add two vpmaddubsw products in int16 before scaling them: with every
+    code 63 and every activation code -128 (a constant negative prompt) each product is -16128 and
+    their sum -32256, the most negative an int16 lane sees there; the scales at -128 make the
+    int32 totals the largest too. Bit for bit the tiled order's model (exact integer sums)."""
+    n, k, t = 8, 512, 9
+    raw = np.full((n, k // 256, 210), 0xFF, np.uint8)
+    raw[..., 192:208] = 0x80  # every sub-block scale -128
+    raw[..., 208:210] = np.full((n, k // 256), 1e-3, np.float16).view(np.uint8).reshape(n, k // 256, 2)
+    raw = raw.reshape(n, -1)
+    x = -np.ones((t, k), np.float32)
+    x[1] = np.linspace(-2, 2, k, dtype=np.float32)  # one token of mixed signs beside them
+    arrays = repack("Q6_K", raw, (n, k))
+    y = _run(Q8.int8_gemm("Q6_K", n, k, I.HASWELL), "Q6_K", arrays, x, n, I.HASWELL)
+    np.testing.assert_array_equal(y, G.matmul_k_tiled("Q6_K", raw, n, k, x))
 
 
 @pytest.mark.parametrize(("k", "t"), [(512, 7), (512, 8), (1536, 13)])
