@@ -151,7 +151,10 @@ def test_host_cpu_env_makes_this_machine_an_older_cpu(emulate_cpu: Any) -> None:
     assert "avx512f" in H.features_missing_here({"kind": "llvm", "mcpu": "skylake-avx512"})
 
 
-def test_host_cpu_env_refuses_what_this_cpu_cannot_be(emulate_cpu: Any) -> None:
+def test_host_cpu_env_refuses_what_this_cpu_cannot_be(emulate_cpu: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the CPU beyond this one is chosen on the real features, also in a suite run as another CPU
+    monkeypatch.delenv(H.HOST_CPU_ENV, raising=False)
+    H.host_features.cache_clear()
     beyond_this_cpu = lacking_cpu()
     emulate_cpu("no-such-cpu")
     with pytest.raises(A.ArtifactError, match="GGUFC_HOST_CPU=no-such-cpu: LLVM knows no CPU of that name"):
