@@ -36,7 +36,7 @@ from ggufc.codegen.cpu_int8 import block32 as Q8
 from ggufc.codegen.cpu_int8 import kquant as KQ
 from ggufc.codegen.formats.cpu_schedules import qmatmul
 from ggufc.codegen.formats.layout import layout_spec, repack
-from ggufc.codegen.target import cpu_target
+from ggufc.codegen.target import cpu_target, named_cpu_target
 from ggufc.codegen.tvm_util import aligned_zeros, to_tvm
 from ggufc.ir.act_quant import ACT_SCHEME, MIN_TYPES
 
@@ -69,7 +69,9 @@ class MatrixCase:
             qmatmul(qtype, n, k, gemv=False), target)
         int8_gemv, int8_gemm = _build(Q8.int8_gemv(qtype, n, k, target), target), _build(
             Q8.int8_gemm(qtype, n, k, target), target)
-        tile4_gemm = _build(KQ.kquant_gemm(qtype, n, k, Q8.int8_isa(target), pairs=0), target)
+        # the K-quants' one-token-per-register GEMM (the 32-value formats have one GEMM form)
+        tile4_gemm = _build(KQ.kquant_gemm(qtype, n, k, Q8.int8_isa(target), pairs=0), target) \
+            if qtype in KQ.KQUANT_GEMV_TYPES else int8_gemm
         old_matmul = _old_matmul(qtype, n, k, target, fields)
 
         def old_gemv(w: list[tvm.runtime.Tensor]) -> None:
@@ -82,6 +84,7 @@ class MatrixCase:
             "old_gemv": old_gemv, "new_gemv": lambda w: int8_gemv(self.x1, *w, self.y1),
             "old_gemm": old_gemm, "new_gemm": lambda w: int8_gemm(self.xt, *w, self.yt),
             "tile4_gemm": lambda w: tile4_gemm(self.xt, *w, self.yt)}
+        self.has_tile4 = qtype in KQ.KQUANT_GEMV_TYPES
         self.check()
         self.times: dict[str, list[float]] = {}
 
@@ -96,7 +99,7 @@ class MatrixCase:
 
     def round(self) -> None:
         for mode in ("gemv", "gemm"):
-            for which in ("old", "new") if mode == "gemv" else ("old", "tile4", "new"):
+            for which in ("old", "new") if mode == "gemv" or not self.has_tile4 else ("old", "tile4", "new"):
                 run = self.runs[f"{which}_{mode}"]
                 if mode == "gemv":  # cold: one call per copy, every weight byte from DRAM
                     t0 = time.perf_counter()
@@ -181,8 +184,9 @@ def main() -> None:
     ap.add_argument("--prefill-t", type=int, default=64)
     ap.add_argument("--model", type=Path, default=None, help="a GGUF file whose decode step is timed")
     ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--cpu", default=None, metavar="NAME", help="the kernels for this CPU (ggufc compile --cpu)")
     args = ap.parse_args()
-    target = cpu_target()
+    target = named_cpu_target(args.cpu) if args.cpu else cpu_target()
     threads = tvm.get_global_func("runtime.NumThreads")()
     isa = Q8.int8_isa(target)
     print(f"target {target.attrs['mcpu']}, 8-bit instruction set {isa.name if isa else None}, TVM threads {threads}",
@@ -206,6 +210,8 @@ def main() -> None:
                 if mode.startswith("gemv") else f"{'-':>8} {'-':>8} | {'-':>10}"
             times = f"{old * 1e3:8.3f} {new * 1e3:8.3f} {old / new:7.2f}"
             print(f"{c.qtype:5} {c.n:5d} {c.k:5d} {label:10} | {times} | {bw}")
+        if not c.has_tile4:
+            continue
         tile4, new = statistics.median(c.times["tile4_gemm_hot"]), statistics.median(c.times["new_gemm_hot"])
         print(f"{c.qtype:5} {c.n:5d} {c.k:5d} {'4-token':10} | {tile4 * 1e3:8.3f} {new * 1e3:8.3f} {tile4 / new:7.2f} |"
               f" (the one-token-per-register GEMM against the default one)")

@@ -119,8 +119,8 @@ def test_extreme_codes_do_not_saturate(qtype: str, target: tvm.target.Target) ->
 @pytest.mark.parametrize("qtype", sorted(Q8.INT8_GEMV_TYPES))
 @pytest.mark.parametrize("target", I.isa_params())
 def test_int8_tile_gemm_256_bit_is_llama_cpp_bit_for_bit(qtype: str, target: tvm.target.Target) -> None:
-    """The 256-bit GEMM (targets without 512-bit VNNI), built here directly: a 4-token tile and
-    the single-token tail."""
+    """The 256-bit GEMM (targets without 512-bit VNNI), built here directly: two 2-token tiles over
+    the row groups' unpacked codes, and the single-token tail."""
     n, k, t = 12, 320, 5
     rng = np.random.default_rng(7)
     raw = gguf.quants.quantize((rng.standard_normal((n, k)) * 0.05 + 0.01).astype(np.float32),

@@ -26,7 +26,7 @@ a block's 16 bytes load into both halves of a vector, shifted by 0 and 4 bits, s
 out in value order. A decode step runs GEMVs (grouped, with an RMSNorm or SwiGLU prologue and a
 residual epilogue); a prompt, or a batched decode step's B rows, runs the same per-token
 arithmetic as a GEMM (`int8_gemm`: with 512-bit VNNI two tokens per vector, codegen/cpu_int8/pair_gemm.py;
-else 256-bit tiles of GEMM_TOKENS tokens sharing their unpacked codes). Which
+else 256-bit tiles of two tokens over codes unpacked once per row group, codegen/cpu_int8/nibble_gemm.py). Which
 matmuls run here is decided by the rules of passes/fuse_int8.py (`Int8Kernels` tells them).
 Q2_K, Q3_K, Q4_K, Q5_K and Q6_K weights (q8_K activations) take the same entry points, built by
 codegen/cpu_int8/kquant.py.
@@ -58,6 +58,7 @@ from ggufc.codegen.cpu_int8.kquant import (
     q4k_repacked,
 )
 from ggufc.codegen.cpu_int8.kquant import PAIR_TYPES as KQUANT_PAIR_TYPES
+from ggufc.codegen.cpu_int8.nibble_gemm import LANES, TILE_TOKENS, nibble_codes, nibble_task_steps, nibble_tile_steps
 from ggufc.codegen.cpu_int8.pair_gemm import PAIRS_PER_TILE, pair_tile
 from ggufc.codegen.cpu_int8.parts import (
     MAX_GROUP,
@@ -81,9 +82,8 @@ from ggufc.codegen.kernels.prim_helpers import i64
 from ggufc.ir.act_quant import ACT_BLOCK, SCHEME_BLOCK
 
 INT8_GEMV_TYPES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"})
-GEMM_TOKENS = 4  # tokens a prompt GEMM's row group takes per pass over its weight codes
 # integer GEMVs, float prompt GEMMs (Int8Kernels.supports_prompt)
-PROMPT_ON_FLOAT = frozenset({"Q3_K", "Q5_1"})
+PROMPT_ON_FLOAT = frozenset({"Q3_K"})
 # two tokens per 512-bit vector (int8_pair_gemm); Q5_0/Q5_1 GEMMs keep the 256-bit tiles
 PAIR_GEMM_TYPES = frozenset({"Q4_0", "Q4_1", "Q8_0"})
 
@@ -129,13 +129,14 @@ class Int8Kernels:
         return int8_gemv_supported(qtype, n, k, self.target)
 
     def supports_prompt(self, qtype: str, n: int, k: int) -> bool:
-        """Q3_K's and Q5_1's prompt GEMMs stay on the float kernel: their integer GEMMs (Q3_K's
-        packed scales unpacked per super-block, Q5's fifth bits spread per block) measured no faster
-        (benchmarks/kquant_int8.py, 64 tokens: Q3_K 0.67-0.92x, Q5_0 0.78-0.99x, Q5_1 0.73-1.00x).
-        Q5_0's takes the integer GEMM all the same: only it gives llama.cpp's prompt logits (Gemma 3
-        270M's q/k/gate/up, tests/test_gemma3_270m.py). Q6_K's, in token pairs, against its float
-        GEMM (2 threads, 128 tokens): 3.2x at 1536 x 6144, 1.8x at 512 x 1536, 0.95x at 6144 x 1536
-        (one kernel for all shapes keeps llama.cpp's order in prompts)."""
+        """Q3_K's prompt GEMMs stay on the float kernel: its integer GEMM (packed scales unpacked
+        per super-block) measured no faster (benchmarks/kquant_int8.py, 64 tokens: 0.67-0.92x).
+        The Q5 formats take the integer GEMM, whose codes (fifth bits spread) are unpacked once per
+        row group (codegen/cpu_int8/nibble_gemm.py): against the float GEMM, 128 tokens, 2 threads,
+        Q5_1 2.07x / 2.01x at haswell and 1.73x / 1.05x with AVX-512 VNNI (1536 x 6144 / 6144 x
+        1536; Zen 5), and only it gives llama.cpp's prompt logits. Q6_K's, in token pairs, against
+        its float GEMM (2 threads, 128 tokens): 3.2x at 1536 x 6144, 1.8x at 512 x 1536, 0.95x at
+        6144 x 1536 (one kernel for all shapes keeps llama.cpp's order in prompts)."""
         return qtype not in PROMPT_ON_FLOAT and self.supports(qtype, n, k)
 
 
@@ -323,28 +324,10 @@ def _q4_steps(isa: Int8Isa, has_min: bool, rows: int, n_blocks: int, tt: int = 1
     assert rows == 4, "the Q4_1 minimum terms of a row group are one float32x4"
     n_octs = n_blocks // 8  # 8-block runs whose weight scales load as one f16x8 vector
     far_groups = l2_ahead_groups(rows * n_blocks * 16, prefetch_groups)
-    halves = T.Shuffle([T.broadcast(T.int32(0), 8), T.broadcast(T.int32(4), 8)], [0, 1, 2, 3, 8, 9, 10, 11])
-    lane_shifts = T.Shuffle([T.broadcast(T.int32(4 * k), 8) for k in range(8)], [k * 8 + k for k in range(8)])
-
-    def codes_of(wq: tirx.Buffer, j: tirx.PrimExpr, b: tirx.PrimExpr) -> tirx.PrimExpr:
-        both = T.reinterpret("int32x8", T.Shuffle([wq.vload([j, b, 0], "uint8x16"), wq.vload([j, b, 0], "uint8x16")],
-                                                  [*range(32)]))
-        return T.bitwise_and(T.shift_right(both, halves), T.broadcast(T.int32(0x0F0F0F0F), 8))
-
-    def fifth_bits(wqh: tirx.Buffer, j: tirx.PrimExpr, b: tirx.PrimExpr) -> tirx.PrimExpr:
-        """Bit 4 of byte v set where bit v of qh[j, b] is: lane k takes bits 4k..4k+3, spread to
-        its four bytes by one multiply (the shifted copies do not overlap, so no carries)."""
-        nib = T.bitwise_and(T.shift_right(T.broadcast(T.reinterpret("int32", wqh[j, b]), 8), lane_shifts),
-                            T.broadcast(T.int32(15), 8))
-        spread = T.bitwise_and(nib * T.broadcast(T.int32(0x00204081), 8), T.broadcast(T.int32(0x01010101), 8))
-        return T.shift_left(spread, T.broadcast(T.int32(4), 8))
-
-    def codes5(wq: tirx.Buffer, wqh: tirx.Buffer, j: tirx.PrimExpr, b: tirx.PrimExpr) -> tirx.PrimExpr:
-        return T.bitwise_or(codes_of(wq, j, b), fifth_bits(wqh, j, b)) if five else codes_of(wq, j, b)
 
     @T.macro
     def block_step(wq, wqh, acc, j, r, b, scales, t, xb, xc):  # type: ignore[no-untyped-def]
-        codes = T.meta_var(codes5(wq, wqh, j, b))
+        codes = T.meta_var(nibble_codes(wq, wqh, j, b, five))
         for u in T.unroll(tt):
             dot = T.meta_var(isa.dot4(
                 T.broadcast(T.int32(0), 8) if has_min else xc.vload([t + u, b * 8], "int32x8"),
@@ -600,7 +583,8 @@ def int8_gemm(qtype: str, n: int, k: int, target: tvm.target.Target, tiles: bool
 
 
 def int8_tile_gemm(qtype: str, n: int, k: int, isa: Int8Isa) -> tirx.PrimFunc:
-    """int8_gemm in 256-bit vectors: Q4/Q5 tiles of GEMM_TOKENS tokens share their unpacked codes."""
+    """int8_gemm in 256-bit vectors: Q8_0 a token at a time per row group, the nibble formats in
+    tiles of TILE_TOKENS tokens over codes unpacked once per row group (codegen/cpu_int8/nibble_gemm.py)."""
     n_blocks, rows, is_q8, five = k // 32, ROWS, qtype == "Q8_0", qtype[:2] == "Q5"
     N, K, B = T.int64(n), T.int64(k), T.int64(n_blocks)
     has_min = qtype in ("Q4_1", "Q5_1")
@@ -608,7 +592,8 @@ def int8_tile_gemm(qtype: str, n: int, k: int, isa: Int8Isa) -> tirx.PrimFunc:
     starts = _starts(n_blocks, _code_offset(qtype, isa))
     q8_rows = _q8_steps(isa, rows, n_blocks)
     q4_rows = _q4_steps(isa, has_min, rows, n_blocks, five=five)
-    q4_tile = _q4_steps(isa, has_min, rows, n_blocks, GEMM_TOKENS, five=five)
+    unpack, minima = nibble_task_steps(five, n_blocks)
+    q4_tile = nibble_tile_steps(isa, has_min, n_blocks)
 
     @T.prim_func(private=True)
     def gemm(x_h: T.handle, wd: T.Buffer((N, B), "float16"), wm: T.Buffer((N, B), "float16"),
@@ -631,9 +616,14 @@ def int8_tile_gemm(qtype: str, n: int, k: int, isa: Int8Isa) -> tirx.PrimFunc:
                 for t in range(t_len):
                     q8_rows(wd, wq8, y, n, jo, t, xb, xd, xc)
             else:
-                for tile in range(t_len // GEMM_TOKENS):
-                    q4_tile(wd, wm, wq4, y, n, jo, tile * GEMM_TOKENS, xb, xd, xss, xc, wqh)
-                for t in range(t_len // GEMM_TOKENS * GEMM_TOKENS, t_len):
+                codes = T.alloc_buffer((rows, n_blocks, 32), "uint8")  # a row group's codes, per task
+                mins = T.alloc_buffer((n_blocks, LANES), "float32")  # its minima, per task (Q4_1, Q5_1)
+                unpack(codes, wq4, wqh, jo)
+                if has_min:
+                    minima(mins, wm, jo)
+                for tile in range(t_len // TILE_TOKENS):
+                    q4_tile(codes, mins, wd, y, jo, tile * TILE_TOKENS, xb, xd, xss, xc)
+                for t in range(t_len // TILE_TOKENS * TILE_TOKENS, t_len):
                     q4_rows(wd, wm, wq4, y, n, jo, t, xb, xd, xss, xc, wqh)
 
     unused = {"wm", "wqh", "wq4"} if is_q8 else {"wq8"} if has_min else {"wm", "wq8"}
