@@ -58,7 +58,14 @@ from ggufc.codegen.cpu_int8.kquant import (
     q4k_repacked,
 )
 from ggufc.codegen.cpu_int8.kquant import PAIR_TYPES as KQUANT_PAIR_TYPES
-from ggufc.codegen.cpu_int8.nibble_gemm import LANES, TILE_TOKENS, nibble_codes, nibble_task_steps, nibble_tile_steps
+from ggufc.codegen.cpu_int8.nibble_gemm import (
+    LANES,
+    TILE_TOKENS,
+    nibble_codes,
+    nibble_task_steps,
+    nibble_tile_steps,
+    tile_scales,
+)
 from ggufc.codegen.cpu_int8.pair_gemm import PAIRS_PER_TILE, pair_tile
 from ggufc.codegen.cpu_int8.parts import (
     MAX_GROUP,
@@ -321,7 +328,8 @@ def _q4_steps(isa: Int8Isa, has_min: bool, rows: int, n_blocks: int, tt: int = 1
     tile's tt tokens. `five`: Q5_0/Q5_1 (ggml_vec_dot_q5_{0,1}_q8_{0,1}, the same float steps), bit
     v of the block's qh word the fifth bit of code v. `far`: a GEMV's, whose codes are also
     prefetched into L2 far ahead (as the K-quant GEMVs', parts.prefetch_l2)."""
-    assert rows == 4, "the Q4_1 minimum terms of a row group are one float32x4"
+    assert rows == ROWS == 4, "the Q4_1 minimum terms of a row group are one float32x4"
+    tile_start = tile_scales(n_blocks, tt)
     n_octs = n_blocks // 8  # 8-block runs whose weight scales load as one f16x8 vector
     far_groups = l2_ahead_groups(rows * n_blocks * 16, prefetch_groups)
 
@@ -360,19 +368,9 @@ def _q4_steps(isa: Int8Isa, has_min: bool, rows: int, n_blocks: int, tt: int = 1
         wd_flat = T.decl_buffer((n * n_blocks,), "float16", data=wd.data)
         acc = T.alloc_buffer((rows * tt, 8), "float32")  # small: a stack array per task
         s8 = T.alloc_buffer((rows, 8), "float32")  # small: a stack array per task
-        # d_w d_a of every block and token, each product rounded as llama.cpp's; the loop below
-        # broadcasts them from memory (a load, not a shuffle)
         scales = T.alloc_buffer((rows * tt, n_blocks), "float32")  # small: a stack array per task
         ahead = T.meta_var(T.min(jo + prefetch_groups, n // rows - 1))
-        for r in T.unroll(rows):
-            for u in T.unroll(tt):
-                acc[r * tt + u, 0:8] = T.broadcast(T.float32(0), 8)
-                for o in range(n_octs):
-                    scales[r * tt + u, o * 8:o * 8 + 8] = (
-                        T.Cast("float32x8", wd.vload([jo * rows + r, o * 8], "float16x8"))
-                        * xd.vload([t + u, o * 8], "float32x8"))
-                for b in range(n_octs * 8, n_blocks):
-                    scales[r * tt + u, b] = T.Cast("float32", wd[jo * rows + r, b]) * xd[t + u, b]
+        tile_start(wd, xd, acc, scales, jo, t)
         far_ahead = T.meta_var(T.min(jo + far_groups, n // rows - 1))
         for o in range(n_octs):
             for c in T.unroll(4):

@@ -71,10 +71,32 @@ def nibble_task_steps(five: bool, n_blocks: int) -> tuple[Callable[..., None], C
     return unpack, minima
 
 
+def tile_scales(n_blocks: int, tt: int) -> Callable[..., None]:
+    """Macro `(wd, xd, acc, scales, jo, t)` for rows [jo * ROWS, jo * ROWS + ROWS) and tokens
+    [t, t + tt): the float accumulators zeroed, and scales[r * tt + u, b] = d_w d_a of every block,
+    each product rounded as llama.cpp's (the block loop broadcasts them from memory: a load, not
+    a shuffle)."""
+    n_octs = n_blocks // 8  # 8-block runs whose weight scales load as one f16x8 vector
+
+    @T.macro
+    def start(wd, xd, acc, scales, jo, t):  # type: ignore[no-untyped-def]
+        for r in T.unroll(ROWS):
+            for u in T.unroll(tt):
+                acc[r * tt + u, 0:8] = T.broadcast(T.float32(0), 8)
+                for o in range(n_octs):
+                    scales[r * tt + u, o * 8:o * 8 + 8] = (
+                        T.Cast("float32x8", wd.vload([jo * ROWS + r, o * 8], "float16x8"))
+                        * xd.vload([t + u, o * 8], "float32x8"))
+                for b in range(n_octs * 8, n_blocks):
+                    scales[r * tt + u, b] = T.Cast("float32", wd[jo * ROWS + r, b]) * xd[t + u, b]
+
+    return start
+
+
 def nibble_tile_steps(isa: Int8Isa, has_min: bool, n_blocks: int) -> Callable[..., None]:
     """The tile macro: rows [jo * ROWS, jo * ROWS + ROWS) for tokens [t, t + TILE_TOKENS), codes
     from the task's unpacked array, minimum terms (has_min) from its `mins`."""
-    n_octs = n_blocks // 8  # 8-block runs whose weight scales load as one f16x8 vector
+    tile_start = tile_scales(n_blocks, TILE_TOKENS)
 
     @T.macro
     def block_step(codes, acc, r, b, scales, t, xb, xc):  # type: ignore[no-untyped-def]
@@ -100,15 +122,7 @@ def nibble_tile_steps(isa: Int8Isa, has_min: bool, n_blocks: int) -> Callable[..
         acc = T.alloc_buffer((LANES, 8), "float32")  # small: a stack array per task
         # d_w d_a of every block and token, each product rounded as llama.cpp's
         scales = T.alloc_buffer((LANES, n_blocks), "float32")  # small: a stack array per task
-        for r in T.unroll(ROWS):
-            for u in T.unroll(TILE_TOKENS):
-                acc[r * TILE_TOKENS + u, 0:8] = T.broadcast(T.float32(0), 8)
-                for o in range(n_octs):
-                    scales[r * TILE_TOKENS + u, o * 8:o * 8 + 8] = (
-                        T.Cast("float32x8", wd.vload([jo * ROWS + r, o * 8], "float16x8"))
-                        * xd.vload([t + u, o * 8], "float32x8"))
-                for b in range(n_octs * 8, n_blocks):
-                    scales[r * TILE_TOKENS + u, b] = T.Cast("float32", wd[jo * ROWS + r, b]) * xd[t + u, b]
+        tile_start(wd, xd, acc, scales, jo, t)
         summ = T.alloc_buffer((LANES,), "float32")  # small: a stack array per task
         summ[0:8] = T.broadcast(T.float32(0), 8)
         for b in range(n_blocks):
