@@ -8,7 +8,9 @@ decode step's matmuls take their neighbours in.
 * `group_int8_gemvs`: the one-token matmuls (every matmul of the decode graph, those of one row
   elsewhere, as the last-token logits) reading one rounded input with the same weight type and
   width (a layer's q/k/v, its gate/up; up to the kernel's `max_group`) -> one int8_gemv_group; a
-  lone one is a group of one.
+  lone one is a group of one. A group's kernel reads all its matrices in one layout, so only
+  matrices the target would store alike join (`weight_layout`: a linear-attention layer's gate
+  projection, 8-row interleaved, does not wait for its 12-row alpha/beta ones, row-major).
 * `gemv_norm_prologue`: the RMSNorm (with a gamma weight) or SwiGLU whose output only such groups
   read runs in each group's prologue.
 * `gemv_residual_epilogue`: a group of one whose output only a residual add reads adds the
@@ -41,6 +43,8 @@ class Int8Kernels(Protocol):
     def supports(self, qtype: str, n: int, k: int) -> bool: ...
 
     def supports_prompt(self, qtype: str, n: int, k: int) -> bool: ...
+
+    def weight_layout(self, qtype: str, n: int, k: int) -> str: ...
 
 
 def _rounded_matmul(node: Node, producers: dict[int, Node], params: dict[int, Param],
@@ -91,9 +95,15 @@ def group_int8_gemvs(graph: Graph, kernels: Int8Kernels, one_token: bool) -> Gra
             continue
         src, weight = found
 
-        def joins(u: Node, qtype: str = weight.qtype, k: int = int(node.inputs[1].shape[1])) -> bool:
+        def layout(matmul: Node, qtype: str) -> str:
+            n, k = (int(d) for d in matmul.inputs[1].shape)
+            return kernels.weight_layout(qtype, n, k)
+
+        def joins(u: Node, qtype: str = weight.qtype, k: int = int(node.inputs[1].shape[1]),
+                  stored: str = layout(node, weight.qtype)) -> bool:
             other = _rounded_matmul(u, producers, params, kernels)
-            return other is not None and other[1].qtype == qtype and int(u.inputs[1].shape[1]) == k
+            return (other is not None and other[1].qtype == qtype and int(u.inputs[1].shape[1]) == k
+                    and layout(u, qtype) == stored)
 
         members = [u for u in users[node.inputs[0].id] if joins(u)]
         members = members[members.index(node):][: kernels.max_group]

@@ -112,15 +112,16 @@ def test_int8_experts_match_reference_and_dense_kernel(qtype: str, t: int, per_s
 def test_int8_experts_are_llama_cpp_bit_for_bit(qtype: str, target: tvm.target.Target) -> None:
     """ggml_vec_dot_*_K_q8_K (AVX2) per selected (token, slot), as llama.cpp's mul_mat_id, in
     every instruction set this CPU runs (int8_isas): 5 tokens group into 4-token tiles and
-    single-token tails (token pairs with 512-bit registers); at AVX2, Q4_K's repacked GEMV (its
-    matrices of 8k rows are repacked there), every expert under 8 rows (vec_dot for Q6_K)."""
+    single-token tails (token pairs with 512-bit registers); Q4_K's repacked GEMV where llama.cpp's
+    build repacks its matrices of 8k rows (AVX2, AVX-VNNI, AVX-512), every expert under 8 rows
+    (vec_dot for Q6_K)."""
     rng = np.random.default_rng(3)
     raws = [_k_blocks(qtype, N, K, rng) for _ in range(N_EXP)]
     x = _activations(rng, 5, SLOTS)
     ids = _ids(rng, 5)
     y = _run(qtype, raws, x, ids, True, target)
     isa = Q8.int8_isa(target)
-    repacked = isa is not None and qtype == "Q4_K" and isa.name == "avx2"  # N % 8 == 0: the repacked GEMV
+    repacked = isa is not None and G.q4_K_repacked(N, isa.name) and qtype == "Q4_K"  # the repacked GEMV
     for i in range(5):
         for s in range(SLOTS):
             raw, row = raws[ids[i, s]], x[i, s][None]

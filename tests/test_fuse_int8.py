@@ -27,6 +27,10 @@ class Kernels:
     max_group: int = 3
     qtype: str = "Q8_0"
     decode_only: bool = False  # GEMVs but no prompt GEMM
+    narrow_below: int = 0  # matrices of fewer rows are stored in another layout
+
+    def weight_layout(self, qtype: str, n: int, k: int) -> str:
+        return f"{qtype} narrow" if n < self.narrow_below else qtype
 
     def supports(self, qtype: str, n: int, k: int) -> bool:
         return qtype == self.qtype and k in self.widths
@@ -120,6 +124,18 @@ def test_prompt_matmuls_round_their_inputs_and_stay_ungrouped() -> None:
     assert hits["group_int8_gemvs"] == 0 and hits["fuse_int8_matmul"] == 7
     assert _ops(graph).count("int8_matmul") == 7 and "quantize_act" not in _ops(graph)
     assert _ops(graph).count("rms_norm") == 2  # a prompt's GEMM has no prologue
+
+
+def test_matrices_stored_in_other_layouts_take_groups_of_their_own() -> None:
+    graph, hits = _fused(_block(), one_token=True, kernels=Kernels(narrow_below=E))
+    groups = [n.attrs for n in graph.nodes if n.op == "int8_gemv_group"]
+    assert [(g.n_weights, g.prologue) for g in groups] == [
+        (1, "rms_norm"), (2, "rms_norm"), (1, ""), (2, "rms_norm"), (1, "swiglu")]  # q apart from k, v
+    assert hits["group_int8_gemvs"] == 5
+    weights = _weights(_block())
+    x = np.random.default_rng(2).standard_normal((1, E))
+    for got, want in zip(_run(graph, weights, x), _run(_block(), weights, x), strict=True):
+        np.testing.assert_array_equal(got, want)
 
 
 def test_a_norm_read_elsewhere_stays_a_kernel_of_its_own() -> None:

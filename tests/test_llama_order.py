@@ -205,12 +205,13 @@ def test_kquant_prompt_gemm_tilings_are_llama_cpp_bit_for_bit(qtype: str, pairs:
     """The Q4_K and Q6_K prompt GEMMs in token pairs (512-bit registers; `pairs` per pass, 0: the
     4-token kernel), with whole tiles, the whole pairs after them in a 2-pair and a 1-pair pass
     (Q6_K: its last single pair one token at a time), a tail of single tokens, and prompts (or
-    batched decode steps) shorter than one tile."""
+    batched decode steps) shorter than one tile. Q4_K's pairs take a matrix llama.cpp does not
+    repack (6 rows: vec_dot's order)."""
     isa = int8_isa(target)
     assert isa is not None
     if pairs and not isa.wide:
         pytest.skip(f"{target.attrs.get('mcpu')} has no 512-bit registers (the 4-token kernel, pairs=0, runs)")
-    n, k = 8, 768
+    n, k = (6 if qtype == "Q4_K" and pairs else 8), 768
     raw, arrays, x = _prompt_case(qtype, n, k, t, pairs * 31 + t)
     y = _run(KQ.kquant_gemm(qtype, n, k, isa, pairs=pairs), qtype, arrays, x, n, target)
     want = G.matmul_k_for(isa.name, qtype, raw, n, k, x)
@@ -290,26 +291,37 @@ def test_row_major_q4_k_prompts_at_avx2_take_the_tiled_order(k: int, t: int) -> 
     np.testing.assert_array_equal(rows, vec_dot)
 
 
+def _interleaved_targets() -> list:
+    """haswell (AVX2, every CI machine), and an AVX-512 VNNI CPU without AMX where this one runs its
+    code: there the prompt GEMM takes two row groups per 512-bit register."""
+    avx512 = [pytest.param(I.CASCADELAKE, id="avx512-vnni")] if I.runs_here(I.CASCADELAKE) else []
+    return [pytest.param(I.HASWELL, id="avx2"), *avx512]
+
+
+@pytest.mark.parametrize("target", _interleaved_targets())
 @pytest.mark.parametrize(("n", "k", "t"), [(16, 512, 1), (24, 768, 1), (16, 512, 7), (8, 512, 4), (24, 768, 13),
-                                         (16, 4096, 6)])
-def test_q4_k_interleaved_layout_at_avx2_is_llama_cpp_bit_for_bit(n: int, k: int, t: int) -> None:
+                                         (16, 4096, 6), (32, 768, 9), (24, 512, 8)])
+def test_q4_k_interleaved_layout_is_llama_cpp_bit_for_bit(n: int, k: int, t: int, target: tvm.target.Target) -> None:
     """The same order on weights stored 8 rows side by side (codegen/cpu_int8/q4k_interleaved.py,
-    the layout haswell artifacts keep such weights in): GEMV, and GEMMs of whole 4-token tiles
-    with and without a one-token tail."""
-    isa = int8_isa(I.HASWELL)
-    assert isa is not None and X.eligible("Q4_K", (n, k), I.HASWELL)
+    the layout artifacts for AVX2 and AVX-512 VNNI CPUs keep such weights in): GEMV, and GEMMs of
+    whole 4-token tiles with and without a one-token tail; at AVX-512 two groups per register
+    where they pair up (16, 32 rows), one where they do not (8, 24)."""
+    isa = int8_isa(target)
+    assert isa is not None and X.eligible("Q4_K", (n, k), target)
+    assert X.gemm_width(n, isa) == (2 if isa.wide and n % 16 == 0 else 1)
     raw, arrays, x = _prompt_case("Q4_K", n, k, t, k + t)
     inter = X.interleave(arrays, (n, k))
-    kernel = Q8.int8_gemv(X.LAYOUT, n, k, I.HASWELL) if t == 1 else Q8.int8_gemm(X.LAYOUT, n, k, I.HASWELL)
+    kernel = Q8.int8_gemv(X.LAYOUT, n, k, target) if t == 1 else Q8.int8_gemm(X.LAYOUT, n, k, target)
     y = aligned_zeros((t, n), np.float32)
-    _build(kernel, I.HASWELL)(to_tvm(x), *(to_tvm(inter[f]) for f, _, _ in X.layout_spec((n, k))), to_tvm(y))
+    _build(kernel, target)(to_tvm(x), *(to_tvm(inter[f]) for f, _, _ in X.layout_spec((n, k))), to_tvm(y))
     np.testing.assert_array_equal(y, G.matmul_q4_K_repacked(raw, n, k, x))
 
 
+@pytest.mark.parametrize("target", _interleaved_targets())
 @pytest.mark.parametrize("interleaved", [False, True])
-def test_q4_k_rows_at_avx2_equal_one_token_calls_where_they_must(interleaved: bool) -> None:
-    """verify and the batched decode step take every row in the one-token order: at haswell a
-    Q4_K GEMM of 9 rows otherwise runs 8 of them in the repacked GEMM's order (a step per 64-value
+def test_q4_k_rows_equal_one_token_calls_where_they_must(interleaved: bool, target: tvm.target.Target) -> None:
+    """verify and the batched decode step take every row in the one-token order: at haswell (and
+    AVX-512 VNNI) a Q4_K GEMM of 9 rows otherwise runs 8 of them in the repacked GEMM's order (a step per 64-value
     run), which differs from the GEMV's on these data; with `one_token_order` every row is the
     GEMV's, row-major or interleaved 8 rows at a time."""
     n, k, t = 16, 512, 9
@@ -317,13 +329,13 @@ def test_q4_k_rows_at_avx2_equal_one_token_calls_where_they_must(interleaved: bo
     gemv, gemm = G.matmul_q4_K_repacked(raw, n, k, x, 0), G.matmul_q4_K_repacked(raw, n, k, x)
     assert np.any(gemv != gemm)
     qtype = X.LAYOUT if interleaved else "Q4_K"
-    assert Q8.sums_by_row_count(qtype, I.HASWELL)
+    assert Q8.sums_by_row_count(qtype, target)
     fields = X.interleave(arrays, (n, k)) if interleaved else arrays
     names = [f for f, _, _ in (X.layout_spec((n, k)) if interleaved else layout_spec("Q4_K", (n, k)))]
     for one_token, want in ((False, gemm), (True, gemv)):
         y = aligned_zeros((t, n), np.float32)
-        kernel = Q8.int8_gemm(qtype, n, k, I.HASWELL, one_token_order=one_token)
-        _build(kernel, I.HASWELL)(to_tvm(x), *(to_tvm(fields[f]) for f in names), to_tvm(y))
+        kernel = Q8.int8_gemm(qtype, n, k, target, one_token_order=one_token)
+        _build(kernel, target)(to_tvm(x), *(to_tvm(fields[f]) for f in names), to_tvm(y))
         np.testing.assert_array_equal(y, want)
 
 

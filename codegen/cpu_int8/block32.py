@@ -51,10 +51,12 @@ from ggufc.codegen.cpu_int8.kquant import (
     PAIR_TILE,
     SUPER,
     UNROLLABLE,
+    VEC_DOT,
     kquant_gemm,
     kquant_gemv_group,
     kquant_supported,
     kquant_tiled,
+    q4k_orders,
     q4k_repacked,
 )
 from ggufc.codegen.cpu_int8.kquant import PAIR_TYPES as KQUANT_PAIR_TYPES
@@ -145,6 +147,11 @@ class Int8Kernels:
         its float GEMM (2 threads, 128 tokens): 3.2x at 1536 x 6144, 1.8x at 512 x 1536, 0.95x at
         6144 x 1536 (one kernel for all shapes keeps llama.cpp's order in prompts)."""
         return qtype not in PROMPT_ON_FLOAT and self.supports(qtype, n, k)
+
+    def weight_layout(self, qtype: str, n: int, k: int) -> str:
+        """The layout an [n, k] matrix of `qtype` is stored in where nothing else decides it:
+        Q4_K in q4k_interleaved's 8-row groups where eligible, else its row-major one."""
+        return X.LAYOUT if X.eligible(qtype, (n, k), self.target) else qtype
 
 
 def int8_kernels(target: tvm.target.Target) -> Int8Kernels | None:
@@ -290,7 +297,7 @@ def int8_gemv_group(qtype: str, ns: tuple[int, ...], k: int, target: tvm.target.
         raise ValueError("int8 GEMV: a residual add needs a single matrix")
     if unroll and qtype not in UNROLLABLE:
         raise ValueError(f"int8 GEMV: {qtype} has no super-block loop to unroll")
-    if qtype == X.LAYOUT:  # AVX2 Q4_K interleaved 8 rows at a time
+    if qtype == X.LAYOUT:  # Q4_K interleaved 8 rows at a time
         return X.x8_gemv_group(ns, k, isa, prologue, residual, prefetch_groups, groups_per_task)
     if qtype in KQUANT_GEMV_TYPES:
         func = kquant_gemv_group(qtype, ns, k, isa, prologue, residual, prefetch_groups, groups_per_task,
@@ -573,7 +580,8 @@ def int8_gemm(qtype: str, n: int, k: int, target: tvm.target.Target, tiles: bool
     if qtype == X.LAYOUT:
         return X.x8_gemm(n, k, isa, one_token_order)
     if qtype in KQUANT_GEMV_TYPES:
-        pairs = PAIR_TILE if qtype in KQUANT_PAIR_TYPES and isa.wide else 0
+        vec_dot = q4k_orders(qtype, isa, n)[1] == VEC_DOT  # the pair tile sums as vec_dot does
+        pairs = PAIR_TILE if qtype in KQUANT_PAIR_TYPES and isa.wide and vec_dot else 0
         return kquant_gemm(qtype, n, k, isa, pairs=pairs, unpacked=isa.unpacked, one_token_order=one_token_order)
     if isa.wide and qtype in PAIR_GEMM_TYPES:
         return int8_pair_gemm(qtype, n, k, target)

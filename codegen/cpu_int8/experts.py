@@ -7,8 +7,8 @@ As llama.cpp's mul_mat_id: every input row is rounded to q8_K once (a decode ste
 serves all its slots), the (token, slot) pairs are grouped by expert, and each expert's rows are
 dotted with its group's rows. Each output value is the dense 8-bit GEMV's dot product
 (codegen/cpu_int8/kquant.py's row macros, ggml_vec_dot_*_K_q8_K's order), so the result is bit for
-bit the dense kernel's on the same expert rows. At AVX2, Q4_K experts of a multiple of 8 rows are
-stored 8 rows side by side (q4k_interleaved.py, as llama.cpp's AVX2 build repacks them) and every
+bit the dense kernel's on the same expert rows. Q4_K experts of a multiple of 8 rows are stored 8
+rows side by side where llama.cpp repacks them (q4k_interleaved.py: AVX2 to AVX-512 VNNI) and every
 (token, expert) pair, prompt rows included, takes the repacked GEMV's order, as its mul_mat_id of
 repacked weights runs one GEMV per pair.
 
@@ -17,7 +17,8 @@ listed first, so a decode step's 4 experts keep both threads busy and an unused 
 nothing; a prompt's group of one expert takes its rows 4 tokens at a time (the prompt GEMM's
 tiles) through each row group's codes.
 
-Q4_K and Q6_K prompts on a target with 512-bit registers take their tokens in pairs, as the dense
+Q4_K (not repacked) and Q6_K prompts on a target with 512-bit registers take their tokens in
+pairs, as the dense
 prompt GEMM does (kquant._pair_gemm): each expert's group starts on an even row of the
 gathered rows (an odd group ends with a padding row, computed and dropped), the rows are gathered
 straight into the pair-interleaved layout, and a group goes through its row group's codes
@@ -43,6 +44,7 @@ from ggufc.codegen.cpu_int8.kquant import (
     PAIR_TILE,
     PAIR_TYPES,
     SUPER,
+    VEC_DOT,
     _q8k_quantize,
     _q8k_sums,
     _row_steps,
@@ -60,7 +62,7 @@ EXPERT_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K"})
 
 def int8_experts_supported(qtype: str, n: int, k: int, target: tvm.target.Target) -> bool:
     """Whether `target` has the 8-bit experts kernel for [X, n, k] weights of `qtype` (X.LAYOUT:
-    Q4_K experts stored 8 rows side by side, AVX2)."""
+    Q4_K experts stored 8 rows side by side: q4k_interleaved.eligible)."""
     if qtype == X.LAYOUT:
         return X.eligible(X.QTYPE, (n, k), target)
     return (int8_isa(target) is not None and qtype in EXPERT_TYPES and n % P.ROWS == 0
@@ -74,7 +76,7 @@ def int8_experts(qtype: str, n_exp: int, n: int, k: int, slots: int, per_slot: b
     isa = int8_isa(target)
     if isa is None or not int8_experts_supported(qtype, n, k, target):
         raise UnsupportedOnTarget(f"no 8-bit experts kernel for {qtype} {n} x {k} on {target}")
-    pairs = qtype in PAIR_TYPES and isa.wide
+    pairs = qtype in PAIR_TYPES and isa.wide and q4k_orders(qtype, isa, n)[0] == VEC_DOT  # vec_dot's order only
     return kquant_experts(qtype, n_exp, n, k, slots, per_slot, isa, pairs=pairs,
                           tiled=kquant_tiled(qtype, isa) and not one_token_order)
 

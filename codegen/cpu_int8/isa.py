@@ -15,6 +15,11 @@ once; what changes with the CPU is
     (|q| unsigned, the activation's sign flipped where q < 0), since q + 128 would saturate
     vpmaddubsw (2 * 255 * 127 > 32767);
   - whether 512-bit token-pair GEMMs exist (`wide`), and AMX tiles (`tiles`);
+  - whether llama.cpp's build for the CPU repacks a Q4_K weight of n % 8 == 0 rows 8x8 and
+    multiplies it in the repacked GEMV's and GEMM's float order (`repacks_q4k`): its AVX2,
+    AVX-VNNI and AVX-512 builds do (the AVX-512 GEMM takes two 8-row groups per register, lane by
+    lane the same steps; its GEMV is the AVX2 one), so those artifacts store such weights 8 rows
+    side by side (q4k_interleaved.py); on AMX CPUs Q4_K prompts go to tiles;
   - whether the 256-bit Q4_K/Q6_K prompt GEMMs unpack a row group's codes and scales once, before
     its token tiles (`unpacked`): without VNNI every 32-value product costs three vector
     instructions (vpmaddubsw, vpmaddwd, vpaddd) on 16 registers, and the nibble masks, shifts and
@@ -67,6 +72,7 @@ class Int8Isa:
     vnni: bool  # 256-bit vpdpbusd / vpdpwssds
     wide: bool  # 512-bit vectors with VNNI: the token-pair prompt GEMMs
     tiles: bool  # AMX-INT8 tiles for prompt GEMMs
+    repacks_q4k: bool  # Q4_K of n % 8 == 0 rows in llama.cpp's repacked order (and layout)
     unpacked: bool = False  # 256-bit K-quant prompt GEMMs read codes unpacked once per row group
 
     def dot4(self, acc: tirx.PrimExpr, codes: tirx.PrimExpr, acts: tirx.PrimExpr) -> tirx.PrimExpr:
@@ -99,10 +105,11 @@ class Int8Isa:
         return self.dot4(start, magnitude, T.call_llvm_pure_intrin("int8x32", PSIGNB, _bytes(acts), w))
 
 
-AVX2 = Int8Isa("avx2", vnni=False, wide=False, tiles=False, unpacked=True)  # Haswell .. Zen 3, client to 11th gen
-AVX_VNNI = Int8Isa("avx-vnni", vnni=True, wide=False, tiles=False)  # Alder Lake and later client cores
-AVX512_VNNI = Int8Isa("avx512-vnni", vnni=True, wide=True, tiles=False)  # Cascade Lake, Ice Lake, Zen 4/5
-AMX = Int8Isa("amx", vnni=True, wide=True, tiles=True)  # Sapphire Rapids and later
+AVX2 = Int8Isa("avx2", vnni=False, wide=False, tiles=False, repacks_q4k=True,  # Haswell .. Zen 3, client to 11th gen
+               unpacked=True)
+AVX_VNNI = Int8Isa("avx-vnni", vnni=True, wide=False, tiles=False, repacks_q4k=True)  # Alder Lake and later clients
+AVX512_VNNI = Int8Isa("avx512-vnni", vnni=True, wide=True, tiles=False, repacks_q4k=True)  # Cascade Lake .. Zen 5
+AMX = Int8Isa("amx", vnni=True, wide=True, tiles=True, repacks_q4k=False)  # Sapphire Rapids and later
 ISAS = (AVX2, AVX_VNNI, AVX512_VNNI, AMX)
 
 

@@ -22,7 +22,8 @@ lane j holding values 4j..4j+3 of each 32-value run:
 
 then y = hsum_float_8(acc) (+ (m_0 + m_2) + (m_1 + m_3) for Q4_K, + m for Q5_K).
 
-Q4_K at AVX2 (q4k_orders): llama.cpp's AVX2 build repacks a Q4_K weight of n % 8 == 0 rows 8x8
+Q4_K at AVX2, AVX-VNNI and AVX-512 VNNI (q4k_orders): llama.cpp's builds for those CPUs repack a
+Q4_K weight of n % 8 == 0 rows 8x8
 (block_q4_Kx8) and multiplies it in ggml_gemv_q4_K_8x8_q8_K (decode, and the last T % 4 tokens of
 a prompt) or ggml_gemm_q4_K_8x8_q8_K (the first T - T % 4), one float lane per row and token:
 
@@ -32,8 +33,8 @@ a prompt) or ggml_gemm_q4_K_8x8_q8_K (the first T - T % 4), one float lane per r
     then y = acc - accm.
 
 The integer sums are the ones above, their lanes added in integers (vphaddd, four accumulators at
-once). The other instruction sets keep vec_dot's order. A haswell artifact stores such weights 8
-rows side by side instead, where only 8-bit matmuls read them, and multiplies them with
+once). AMX keeps vec_dot's order. An artifact for those CPUs stores such weights 8 rows side by
+side instead, where only 8-bit matmuls read them, and multiplies them with
 codegen/cpu_int8/q4k_interleaved.py's kernels (the same order, no horizontal sums: 1.1-2.3x
 these). The layouts are codegen/formats/layout.py's: Q4_K's 32 bytes of a 64-value group hold
 sub-block 2g in their low nibbles and 2g+1 in their high ones, so one load gives 64 codes in value
@@ -51,7 +52,8 @@ pair sums) into a buffer of its own, and its token tiles read them from there: e
 product is then vpmaddubsw, vpmaddwd and vpaddd and no more (the nibble masks, shifts and scale
 broadcasts were redone per tile). The sums and float steps are the same.
 
-Q4_K and Q6_K prompts on a target with 512-bit registers take two tokens per register instead:
+Q4_K (of rows not repacked) and Q6_K prompts on a target with 512-bit registers take two tokens
+per register instead:
 the activations of tokens 2p and 2p + 1 are laid side by side once per prompt, so one 32-code
 run, unpacked once, feeds both halves of a `vpmaddubsw`, and the per-super-block float steps
 (which llama.cpp's order fixes per token) run on two tokens at a time. Every value is still one
@@ -97,13 +99,13 @@ def kquant_supported(qtype: str, n: int, k: int) -> bool:
 
 
 def q4k_orders(qtype: str, isa: Int8Isa, n: int, one_token_order: bool = False) -> tuple[str, str]:
-    """(decode order, prompt order) of a matrix of n rows: llama.cpp's AVX2 build repacks a Q4_K
-    weight of n % REPACK_ROWS == 0 rows (ggml_repack_get_optimal_repack_type) and runs its GEMM
-    on the first T - T % GEMM_TOKENS tokens of a prompt, its GEMV on the rest (and on decode).
-    The other instruction sets keep vec_dot's order (llama.cpp's AVX-512 GEMM of the repacked
-    weights takes another order again, not modelled). `one_token_order` (verify, batched decode:
+    """(decode order, prompt order) of a matrix of n rows: llama.cpp's AVX2, AVX-VNNI and
+    AVX-512 builds repack a Q4_K weight of n % REPACK_ROWS == 0 rows
+    (ggml_repack_get_optimal_repack_type, Int8Isa.repacks_q4k) and run its GEMM on the first
+    T - T % GEMM_TOKENS tokens of a prompt, its GEMV on the rest (and on decode). AMX keeps
+    vec_dot's order here (its prompts run on tiles). `one_token_order` (verify, batched decode:
     every row must equal a one-token call): the decode order for every token."""
-    if qtype == "Q4_K" and isa.name == "avx2" and n % REPACK_ROWS == 0:
+    if qtype == "Q4_K" and isa.repacks_q4k and n % REPACK_ROWS == 0:
         return REPACK_GEMV, REPACK_GEMV if one_token_order else REPACK_GEMM
     return VEC_DOT, VEC_DOT
 
@@ -111,7 +113,7 @@ def q4k_orders(qtype: str, isa: Int8Isa, n: int, one_token_order: bool = False) 
 def q4k_repacked(isa: Int8Isa) -> bool:
     """Whether this instruction set's Q4_K prompt GEMMs sum a prompt's rows other than one-token
     calls do (llama.cpp's repacked GEMM, for matrices of a multiple of REPACK_ROWS rows)."""
-    return isa.name == "avx2"
+    return isa.repacks_q4k
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1312,6 +1314,7 @@ def _pair_gemm(qtype: str, n: int, k: int, isa: Int8Isa, pairs: int) -> tirx.Pri
     the one-token macro. Q6_K's 1-pair pass timed slower than two one-token ones, so Q6_K leaves
     a last single pair to the one-token macro."""
     assert pairs <= 4, "the pairs after the whole tiles take at most a 2-pair and a 1-pair pass"
+    assert q4k_orders(qtype, isa, n)[1] == VEC_DOT, f"{isa.name}: Q4_K {n} rows sum in the repacked order"
     n_super, tokens, rows, six = k // SUPER, 2 * pairs, PAIR_ROWS, qtype == "Q6_K"
     N, K = T.int64(n), T.int64(k)
     specs = _field_specs(qtype, n, k)

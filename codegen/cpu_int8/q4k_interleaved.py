@@ -1,10 +1,15 @@
-"""Q4_K weights interleaved 8 rows at a time for the AVX2 8-bit kernels, in llama.cpp's repacked order.
+"""Q4_K weights interleaved 8 rows at a time for the 8-bit kernels, in llama.cpp's repacked order.
 
-llama.cpp's AVX2 build repacks a Q4_K weight of n % 8 == 0 rows 8x8 (block_q4_Kx8) and multiplies
-it with ggml_gemv_q4_K_8x8_q8_K / ggml_gemm_q4_K_8x8_q8_K (kquant.q4k_orders): one float lane per
-row. In the row-major layout (codegen/formats/layout.py) each row's integer lanes must be
-summed horizontally once per 64 values to reach that order; here the 8 rows of a group sit side by
-side, so lane r of every 256-bit vector is row r and the sums reach their float lane directly.
+llama.cpp's AVX2, AVX-VNNI and AVX-512 builds repack a Q4_K weight of n % 8 == 0 rows 8x8
+(block_q4_Kx8) and multiply it with ggml_gemv_q4_K_8x8_q8_K / ggml_gemm_q4_K_8x8_q8_K
+(kquant.q4k_orders, Int8Isa.repacks_q4k): one float lane per row. In the row-major layout
+(codegen/formats/layout.py) each row's integer lanes must be summed horizontally once per 64
+values to reach that order; here the 8 rows of a group sit side by side, so lane r of every
+256-bit vector is row r and the sums reach their float lane directly. With 512-bit registers a
+prompt GEMM's task takes two groups at once (`gemm_width`; llama.cpp's AVX-512 GEMM does the
+same), each lane through the same steps, so the result is the same bit for bit; the GEMVs keep
+one group per task (a decode step streams its weights from memory: 8 rows a task keep both
+threads fed).
 
 The kernel layout of a [N, K] weight (G = N / 8 row groups, S = K / 256 super-blocks; row r of
 group g is row 8g + r):
@@ -59,6 +64,12 @@ LAYOUT = "Q4_Kx8"  # the qtype name the kernels and their keys see for a weight 
 GROUP = 8  # rows per interleaved group: one 256-bit lane each
 FIELDS = ("d8", "dmin8", "sc8", "mn8", "qs8")
 INT8_OPS = frozenset({"int8_matmul", "int8_gemv_group"})  # the ops whose kernels read this layout
+# how far ahead of its loads a task prefetches its row groups into L1 (at most the prefetch_groups
+# knob's groups): a group is 4 K bytes, so 4 groups of K = 6144 (96 KiB) went past L1 and the
+# stream came back from L2 or DRAM twice. No L2 stream further ahead, as the row-major GEMVs have:
+# here it slowed a cold GEMV (Zen 5, 2 threads, interleaved against the row-major one: 1.06-1.17x
+# without it and at this distance, 0.91-0.95x with both)
+AHEAD_BYTES = 24 * 1024
 
 
 def layout_spec(shape: Sequence[int]) -> list[tuple[str, tuple[int, ...], str]]:
@@ -78,8 +89,8 @@ def is_interleaved(arrays: Sequence[tuple[str, tuple[int, ...], str]], shape: Se
 
 
 def eligible(qtype: str, shape: Sequence[int], target: tvm.target.Target) -> bool:
-    """A Q4_K matrix (or routed experts' matrices) llama.cpp's AVX2 build repacks 8x8, on a target
-    whose 8-bit kernels are AVX2's."""
+    """A Q4_K matrix (or routed experts' matrices) llama.cpp repacks 8x8, on a target whose 8-bit
+    kernels take its repacked order (AVX2, AVX-VNNI, AVX-512 VNNI without AMX)."""
     isa = int8_isa(target)
     return (qtype == QTYPE and len(shape) in (2, 3) and isa is not None
             and q4k_orders(qtype, isa, int(shape[-2]))[0] != "vec_dot" and int(shape[-1]) % SUPER == 0)
@@ -161,111 +172,166 @@ def _int8_expert_inputs(node: Any) -> set[int]:
 # the row-group steps
 
 
-def _bcast4(flat32: tirx.Buffer, index: tirx.PrimExpr) -> tirx.PrimExpr:
+def _joined(one: Callable[[Any], tirx.PrimExpr], lanes: int, jo: tirx.PrimExpr, width: int) -> tirx.PrimExpr:
+    """`one(group)` (a vector of `lanes`) of row group jo, or of groups jo and jo + 1 side by side
+    (width 2: a zmm register holding 16 rows, lane r of the upper half row 8 + r)."""
+    if width == 1:
+        return one(jo)
+    return T.Shuffle([one(jo), one(jo + 1)], list(range(2 * lanes)))
+
+
+def _bcast4(flat32: tirx.Buffer, index: tirx.PrimExpr, width: int) -> tirx.PrimExpr:
     """Four int8 activation codes (one int32 of the code buffer) in every lane: vpbroadcastd."""
-    return T.reinterpret("int8x32", T.broadcast(flat32[index], 8))
+    return T.reinterpret(f"int8x{32 * width}", T.broadcast(flat32[index], 8 * width))
 
 
-def _scales16(sc8: tirx.Buffer, jo: tirx.PrimExpr, i: tirx.PrimExpr, s: tirx.PrimExpr) -> tirx.PrimExpr:
-    """The 8 rows' scales of sub-block s, each twice in its lane: the int16 multipliers of the pair sums."""
-    wide = T.Cast("int32x8", sc8.vload([jo, i, s, 0], "uint8x8"))
-    return T.reinterpret("int16x16", T.bitwise_or(wide, T.shift_left(wide, T.broadcast(T.int32(16), 8))))
+def _pairs(codes: tirx.PrimExpr, acts: tirx.PrimExpr, width: int) -> tirx.PrimExpr:
+    """vpmaddubsw of 32 or 64 code bytes (isa.pairs16; exact here, module docstring)."""
+    if width == 1:
+        return P.pairs16(codes, acts)
+    return T.call_llvm_pure_intrin("int16x32", "llvm.x86.avx512.pmaddubs.w.512", T.reinterpret("int8x64", codes),
+                                   acts)
 
 
-def _pmaddwd(a: tirx.PrimExpr, b: tirx.PrimExpr) -> tirx.PrimExpr:
-    return T.call_llvm_pure_intrin("int32x8", "llvm.x86.avx2.pmadd.wd", a, b)
+def _pmaddwd(a: tirx.PrimExpr, b: tirx.PrimExpr, width: int = 1) -> tirx.PrimExpr:
+    if width == 1:
+        return T.call_llvm_pure_intrin("int32x8", "llvm.x86.avx2.pmadd.wd", a, b)
+    return T.call_llvm_pure_intrin("int32x16", "llvm.x86.avx512.pmaddw.d.512", a, b)
+
+
+def _fma(a: tirx.PrimExpr, b: tirx.PrimExpr, c: tirx.PrimExpr, lanes: int) -> tirx.PrimExpr:
+    return T.call_llvm_pure_intrin(f"float32x{lanes}", f"llvm.fma.v{lanes}f32", a, b, c)
+
+
+def _scales16(sc8: tirx.Buffer, jo: tirx.PrimExpr, i: tirx.PrimExpr, s: tirx.PrimExpr, width: int) -> tirx.PrimExpr:
+    """The rows' scales of sub-block s, each twice in its lane: the int16 multipliers of the pair sums."""
+    def one(g: Any) -> tirx.PrimExpr:
+        wide = T.Cast("int32x8", sc8.vload([g, i, s, 0], "uint8x8"))
+        return T.bitwise_or(wide, T.shift_left(wide, T.broadcast(T.int32(16), 8)))
+
+    return T.reinterpret(f"int16x{16 * width}", _joined(one, 8, jo, width))
 
 
 def _mins(mn8: tirx.Buffer, xs32: tirx.Buffer, jo: tirx.PrimExpr, i: tirx.PrimExpr, p: tirx.PrimExpr,
-          pair_index: tirx.PrimExpr) -> tirx.PrimExpr:
+          pair_index: tirx.PrimExpr, width: int) -> tirx.PrimExpr:
     """mn_2p A_2p + mn_2p+1 A_2p+1 in lane r (row r): the pair of code sums at xs32[pair_index]."""
-    mins = T.Cast("int16x16", mn8.vload([jo, i, p, 0], "uint8x16"))
-    return _pmaddwd(mins, T.reinterpret("int16x16", T.broadcast(xs32[pair_index], 8)))
+    mins = _joined(lambda g: T.Cast("int16x16", mn8.vload([g, i, p, 0], "uint8x16")), 16, jo, width)
+    pair = T.reinterpret(f"int16x{16 * width}", T.broadcast(xs32[pair_index], 8 * width))
+    return _pmaddwd(mins, pair, width)
 
 
-def x8_rows(n_super: int, tt: int, per_run: bool, prefetch_groups: int = P.PREFETCH_GROUPS) -> Callable[..., None]:
+def x8_rows(n_super: int, tt: int, per_run: bool, prefetch_groups: int = P.PREFETCH_GROUPS,
+            width: int = 1) -> Callable[..., None]:
     """Row-group macro `(d8, dmin8, sc8, mn8, qs8, y, n, jo, t, xb32, xd, xs32)`: rows 8jo .. 8jo + 7
-    for tokens t .. t + tt - 1 (xb32, xs32: the q8_K codes and 32-value code sums viewed as int32),
-    GEMM order (per_run) or GEMV order (module docstring)."""
+    (`width` 2: the 16 rows of groups jo and jo + 1, in 512-bit registers; every lane takes the
+    same steps) for tokens t .. t + tt - 1 (xb32, xs32: the q8_K codes and 32-value code sums
+    viewed as int32), GEMM order (per_run) or GEMV order (module docstring)."""
     k = n_super * SUPER
-    far_groups = P.l2_ahead_groups(GROUP * k // 2, prefetch_groups)
+    ahead_groups = max(min(prefetch_groups, AHEAD_BYTES // (GROUP * k // 2)), width)
     staged = per_run or tt > 1
+    lanes = GROUP * width  # int32 / float32 lanes: one per row
+    i32, f32, i16 = f"int32x{lanes}", f"float32x{lanes}", f"int16x{2 * lanes}"
+
+    @T.macro
+    def side_fields(sc_flat, mn_flat, d_flat, dm_flat, group, i):  # type: ignore[no-untyped-def]
+        """Prefetch super-block i's scales and minimums (a line each) and, every fourth super-block,
+        the line of its d and dmin, of row group `group`, as the codes."""
+        P.prefetch(sc_flat, group * (n_super * 64) + i * 64)
+        P.prefetch(mn_flat, group * (n_super * 64) + i * 64)
+        if i % 4 == 0:
+            P.prefetch(d_flat, group * (n_super * GROUP) + i * GROUP)
+            P.prefetch(dm_flat, group * (n_super * GROUP) + i * GROUP)
+
+    def codes(qs8: tirx.Buffer, jo: Any, run: Any, c: int) -> tirx.PrimExpr:
+        return T.reinterpret(i32, _joined(lambda g: qs8.vload([g, run, c, 0], "uint8x32"), 32, jo, width))
+
+    def mask(v: tirx.PrimExpr) -> tirx.PrimExpr:
+        return T.bitwise_and(v, T.broadcast(T.int32(0x0F0F0F0F), lanes))
+
+    def float_scales(field: tirx.Buffer, jo: Any, i: Any, d_a: Any) -> tirx.PrimExpr:
+        """d (or dmin) of each row's super-block i times the token's d_a."""
+        d_w = _joined(lambda g: field.vload([g, i, 0], "float16x8"), 8, jo, width)
+        return T.Cast(f32, d_w) * T.broadcast(d_a, lanes)
 
     @T.macro
     def row_group(d8, dmin8, sc8, mn8, qs8, y, n, jo, t, xb32, xd, xs32):  # type: ignore[no-untyped-def]
         qs_flat = T.decl_buffer((n * k // 2,), "uint8", data=qs8.data, elem_offset=qs8.elem_offset)
-        acc = T.alloc_buffer((tt, 8), "float32")  # small: stack arrays per task
-        accm = T.alloc_buffer((tt, 8), "float32")
-        ds = T.alloc_buffer((tt, 8), "float32")
-        dms = T.alloc_buffer((tt, 8), "float32")
-        isum = T.alloc_buffer((tt, 8), "int32")
-        msum = T.alloc_buffer((tt, 8), "int32")
-        part = T.alloc_buffer((tt * 2, 16), "int16")  # a run's low / high nibbles' pair sums
+        # a super-block's scales, minimums and d / dmin: 64 + 64 + 16 + 16 bytes of a group
+        sc_flat = T.decl_buffer((n * k // 32,), "uint8", data=sc8.data, elem_offset=sc8.elem_offset)
+        mn_flat = T.decl_buffer((n * k // 32,), "uint8", data=mn8.data, elem_offset=mn8.elem_offset)
+        d_flat = T.decl_buffer((n * n_super,), "float16", data=d8.data, elem_offset=d8.elem_offset)
+        dm_flat = T.decl_buffer((n * n_super,), "float16", data=dmin8.data, elem_offset=dmin8.elem_offset)
+        acc = T.alloc_buffer((tt, lanes), "float32")  # small: stack arrays per task
+        accm = T.alloc_buffer((tt, lanes), "float32")
+        ds = T.alloc_buffer((tt, lanes), "float32")
+        dms = T.alloc_buffer((tt, lanes), "float32")
+        isum = T.alloc_buffer((tt, lanes), "int32")
+        msum = T.alloc_buffer((tt, lanes), "int32")
+        part = T.alloc_buffer((tt * 2, 2 * lanes), "int16")  # a run's low / high nibbles' pair sums
         # a tile's run sums go to memory, their float (or integer) steps after the super-block's
         # run loop, whose 8 int16 sums then keep the registers (with 8 accumulators live across
         # the loop too, they spilled: 1.12-1.14x); a one-token call keeps its 2 in registers
-        runs = T.alloc_buffer((4, tt, 8), "int32")
-        run_mins = T.alloc_buffer((4, tt, 8), "int32")
-        ahead = T.meta_var(T.min(jo + prefetch_groups, n // GROUP - 1))
-        far = T.meta_var(T.min(jo + far_groups, n // GROUP - 1))
+        runs = T.alloc_buffer((4, tt, lanes), "int32")
+        run_mins = T.alloc_buffer((4, tt, lanes), "int32")
+        ahead = T.meta_var(T.min(jo + ahead_groups, n // GROUP - width))
         for u in T.unroll(tt):
-            acc[u, 0:8] = T.broadcast(T.float32(0), 8)
-            accm[u, 0:8] = T.broadcast(T.float32(0), 8)
+            acc[u, 0:lanes] = T.broadcast(T.float32(0), lanes)
+            accm[u, 0:lanes] = T.broadcast(T.float32(0), lanes)
         for i in range(n_super):
-            for p in T.unroll(16):
-                P.prefetch(qs_flat, ahead * (GROUP * k // 2) + i * 1024 + p * 64)
-            if tt == 1:
+            for w in T.unroll(width):
                 for p in T.unroll(16):
-                    P.prefetch_l2(qs_flat, far * (GROUP * k // 2) + i * 1024 + p * 64)
+                    P.prefetch(qs_flat, (ahead + w) * (GROUP * k // 2) + i * 1024 + p * 64)
+                side_fields(sc_flat, mn_flat, d_flat, dm_flat, ahead + w, i)
             for u in T.unroll(tt):
-                ds[u, 0:8] = T.Cast("float32x8", d8.vload([jo, i, 0], "float16x8")) * T.broadcast(xd[t + u, i], 8)
-                dms[u, 0:8] = T.Cast("float32x8", dmin8.vload([jo, i, 0], "float16x8")) * T.broadcast(xd[t + u, i], 8)
-                isum[u, 0:8] = T.broadcast(T.int32(0), 8)
-                msum[u, 0:8] = T.broadcast(T.int32(0), 8)
+                ds[u, 0:lanes] = float_scales(d8, jo, i, xd[t + u, i])
+                dms[u, 0:lanes] = float_scales(dmin8, jo, i, xd[t + u, i])
+                isum[u, 0:lanes] = T.broadcast(T.int32(0), lanes)
+                msum[u, 0:lanes] = T.broadcast(T.int32(0), lanes)
             for g in range(4):
                 for u in T.unroll(tt * 2):
-                    part[u, 0:16] = T.broadcast(T.int16(0), 16)
+                    part[u, 0:2 * lanes] = T.broadcast(T.int16(0), 2 * lanes)
                 for c in T.unroll(8):
-                    bits = T.meta_var(T.reinterpret("int32x8", qs8.vload([jo, i * 4 + g, c, 0], "uint8x32")))
-                    lo = T.meta_var(P.mask32(bits, 0x0F0F0F0F))
-                    hi = T.meta_var(P.mask32(T.shift_right(bits, T.broadcast(T.int32(4), 8)), 0x0F0F0F0F))
+                    bits = T.meta_var(codes(qs8, jo, i * 4 + g, c))
+                    lo = T.meta_var(mask(bits))
+                    hi = T.meta_var(mask(T.shift_right(bits, T.broadcast(T.int32(4), lanes))))
                     for u in T.unroll(tt):
                         at = T.meta_var((t + u) * (k // 4) + i * 64 + g * 16 + c)
-                        part[2 * u, 0:16] = part.vload([2 * u, 0], "int16x16") + P.pairs16(lo, _bcast4(xb32, at))
-                        part[2 * u + 1, 0:16] = part.vload([2 * u + 1, 0], "int16x16") + P.pairs16(
-                            hi, _bcast4(xb32, at + 8))
+                        part[2 * u, 0:2 * lanes] = part.vload([2 * u, 0], i16) + _pairs(
+                            lo, _bcast4(xb32, at, width), width)
+                        part[2 * u + 1, 0:2 * lanes] = part.vload([2 * u + 1, 0], i16) + _pairs(
+                            hi, _bcast4(xb32, at + 8, width), width)
                 for u in T.unroll(tt):
-                    run = T.meta_var(_pmaddwd(part.vload([2 * u, 0], "int16x16"), _scales16(sc8, jo, i, 2 * g))
-                                     + _pmaddwd(part.vload([2 * u + 1, 0], "int16x16"),
-                                                _scales16(sc8, jo, i, 2 * g + 1)))
-                    mins = T.meta_var(_mins(mn8, xs32, jo, i, g, (t + u) * (k // 64) + i * 4 + g))
+                    run = T.meta_var(_pmaddwd(part.vload([2 * u, 0], i16), _scales16(sc8, jo, i, 2 * g, width), width)
+                                     + _pmaddwd(part.vload([2 * u + 1, 0], i16),
+                                                _scales16(sc8, jo, i, 2 * g + 1, width), width))
+                    mins = T.meta_var(_mins(mn8, xs32, jo, i, g, (t + u) * (k // 64) + i * 4 + g, width))
                     if staged:
-                        runs[g, u, 0:8] = run
-                        run_mins[g, u, 0:8] = mins
+                        runs[g, u, 0:lanes] = run
+                        run_mins[g, u, 0:lanes] = mins
                     else:
-                        isum[u, 0:8] = isum.vload([u, 0], "int32x8") + run
-                        msum[u, 0:8] = msum.vload([u, 0], "int32x8") + mins
+                        isum[u, 0:lanes] = isum.vload([u, 0], i32) + run
+                        msum[u, 0:lanes] = msum.vload([u, 0], i32) + mins
             if per_run:  # the float steps of the super-block's 4 runs, in run order
                 for g in T.unroll(4):
                     for u in T.unroll(tt):
-                        acc[u, 0:8] = P.fma8(T.Cast("float32x8", runs.vload([g, u, 0], "int32x8")),
-                                             ds.vload([u, 0], "float32x8"), acc.vload([u, 0], "float32x8"))
-                        accm[u, 0:8] = P.fma8(T.Cast("float32x8", run_mins.vload([g, u, 0], "int32x8")),
-                                              dms.vload([u, 0], "float32x8"), accm.vload([u, 0], "float32x8"))
+                        acc[u, 0:lanes] = _fma(T.Cast(f32, runs.vload([g, u, 0], i32)),
+                                               ds.vload([u, 0], f32), acc.vload([u, 0], f32), lanes)
+                        accm[u, 0:lanes] = _fma(T.Cast(f32, run_mins.vload([g, u, 0], i32)),
+                                                dms.vload([u, 0], f32), accm.vload([u, 0], f32), lanes)
             else:
                 if staged:
                     for u in T.unroll(tt):
-                        isum[u, 0:8] = (runs.vload([0, u, 0], "int32x8") + runs.vload([1, u, 0], "int32x8")
-                                        + runs.vload([2, u, 0], "int32x8") + runs.vload([3, u, 0], "int32x8"))
-                        msum[u, 0:8] = (run_mins.vload([0, u, 0], "int32x8") + run_mins.vload([1, u, 0], "int32x8")
-                                        + run_mins.vload([2, u, 0], "int32x8") + run_mins.vload([3, u, 0], "int32x8"))
+                        isum[u, 0:lanes] = (runs.vload([0, u, 0], i32) + runs.vload([1, u, 0], i32)
+                                            + runs.vload([2, u, 0], i32) + runs.vload([3, u, 0], i32))
+                        msum[u, 0:lanes] = (run_mins.vload([0, u, 0], i32) + run_mins.vload([1, u, 0], i32)
+                                            + run_mins.vload([2, u, 0], i32) + run_mins.vload([3, u, 0], i32))
                 for u in T.unroll(tt):
-                    acc[u, 0:8] = P.fma8(T.Cast("float32x8", isum.vload([u, 0], "int32x8")),
-                                         ds.vload([u, 0], "float32x8"), acc.vload([u, 0], "float32x8"))
-                    accm[u, 0:8] = P.fma8(T.Cast("float32x8", msum.vload([u, 0], "int32x8")),
-                                          dms.vload([u, 0], "float32x8"), accm.vload([u, 0], "float32x8"))
+                    acc[u, 0:lanes] = _fma(T.Cast(f32, isum.vload([u, 0], i32)),
+                                           ds.vload([u, 0], f32), acc.vload([u, 0], f32), lanes)
+                    accm[u, 0:lanes] = _fma(T.Cast(f32, msum.vload([u, 0], i32)),
+                                            dms.vload([u, 0], f32), accm.vload([u, 0], f32), lanes)
         for u in T.unroll(tt):
-            y[t + u, jo * 8:jo * 8 + 8] = acc.vload([u, 0], "float32x8") - accm.vload([u, 0], "float32x8")
+            y[t + u, jo * GROUP:jo * GROUP + lanes] = acc.vload([u, 0], f32) - accm.vload([u, 0], f32)
 
     return row_group
 
@@ -296,6 +362,12 @@ def _specs(n: int, k: int) -> list[tuple[tuple[int, ...], str]]:
 # the kernels
 
 
+def gemm_width(n: int, isa: Int8Isa) -> int:
+    """Row groups a prompt GEMM's task takes in one register: two (512 bits, as llama.cpp's AVX-512
+    GEMM) where the instruction set has 512-bit registers and the groups pair up, else one."""
+    return 2 if isa.wide and (n // GROUP) % 2 == 0 else 1
+
+
 def x8_gemm(n: int, k: int, isa: Int8Isa, one_token_order: bool = False) -> tirx.PrimFunc:
     """`(x [T, K] f32, d8, dmin8, sc8, mn8, qs8, y [T, N] f32)`: tokens quantised to q8_K in
     parallel, then each task takes a group of 8 rows through every token, 4 per tile in the
@@ -306,8 +378,9 @@ def x8_gemm(n: int, k: int, isa: Int8Isa, one_token_order: bool = False) -> tirx
     N, K = T.int64(n), T.int64(k)
     sp = _specs(n, k)
     quantize = _q8k_quantize(32, pair_offsets=False)
-    tile = x8_rows(n_super, GEMM_TOKENS, per_run=not one_token_order)
-    one = x8_rows(n_super, 1, per_run=False)
+    width = gemm_width(n, isa)
+    tile = x8_rows(n_super, GEMM_TOKENS, per_run=not one_token_order, width=width)
+    one = x8_rows(n_super, 1, per_run=False, width=width)
 
     @T.prim_func(private=True)
     def gemm(x_h: T.handle, d8: T.Buffer(sp[0][0], sp[0][1]), dmin8: T.Buffer(sp[1][0], sp[1][1]),  # type: ignore[valid-type]
@@ -325,11 +398,11 @@ def x8_gemm(n: int, k: int, isa: Int8Isa, one_token_order: bool = False) -> tirx
         xs32 = T.decl_buffer((t_len * K // 64,), "int32", data=xs.data)
         for t in T.parallel(t_len):
             quantize(x, t, xb, xd, xs, xp, n_super)
-        for jo in T.parallel(n // GROUP):
+        for jw in T.parallel(n // (GROUP * width)):
             for g in range(t_len // GEMM_TOKENS):
-                tile(d8, dmin8, sc8, mn8, qs8, y, n, jo, g * GEMM_TOKENS, xb32, xd, xs32)
+                tile(d8, dmin8, sc8, mn8, qs8, y, n, jw * width, g * GEMM_TOKENS, xb32, xd, xs32)
             for t in range(t_len // GEMM_TOKENS * GEMM_TOKENS, t_len):
-                one(d8, dmin8, sc8, mn8, qs8, y, n, jo, t, xb32, xd, xs32)
+                one(d8, dmin8, sc8, mn8, qs8, y, n, jw * width, t, xb32, xd, xs32)
 
     return gemm
 

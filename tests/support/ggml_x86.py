@@ -322,9 +322,10 @@ GEMM_ROWS = 4  # tokens per block_q8_Kx4: a repacked matmul's GEMM takes T - T %
 
 def q4_K_repacked(n: int, isa_name: str) -> bool:
     """Whether llama.cpp's CPU backend repacks a Q4_K weight of n rows 8x8 (block_q4_Kx8,
-    ggml_repack_get_optimal_repack_type: AVX2 and n % 8 == 0) in the build `isa_name` models.
-    Only the AVX2 build is modelled here; ggufc's other instruction sets keep vec_dot's order."""
-    return isa_name == "avx2" and n % 8 == 0
+    ggml_repack_get_optimal_repack_type: AVX2 and n % 8 == 0) in the build `isa_name` models: the
+    AVX2, AVX-VNNI and AVX-512 builds (their repacked kernels take the same steps lane by lane);
+    ggufc's AMX artifacts keep vec_dot's order."""
+    return isa_name in ("avx2", "avx-vnni", "avx512-vnni") and n % 8 == 0
 
 
 def matmul_q4_K_repacked(raw: np.ndarray, n: int, k: int, x: np.ndarray, gemm_rows: int | None = None) -> np.ndarray:

@@ -15,9 +15,10 @@ from ggufc.runtime.host import features_missing_here
 HOST = cpu_target()
 HASWELL = tvm.target.Target({"kind": "llvm", "mcpu": "haswell", "num-cores": 2})  # AVX2 + FMA + F16C
 ALDERLAKE = tvm.target.Target({"kind": "llvm", "mcpu": "alderlake", "num-cores": 2})  # AVX2 + AVX-VNNI
+CASCADELAKE = tvm.target.Target({"kind": "llvm", "mcpu": "cascadelake", "num-cores": 2})  # AVX-512 VNNI, no AMX
 
 
-def _runs_here(target: tvm.target.Target) -> bool:
+def runs_here(target: tvm.target.Target) -> bool:
     spec = {"kind": "llvm", "mcpu": str(target.attrs["mcpu"])}
     return int8_isa(target) is not None and not features_missing_here(spec)
 
@@ -27,7 +28,7 @@ def isa_targets() -> list[tvm.target.Target]:
     seen: dict[str, tvm.target.Target] = {}
     for target in (HASWELL, ALDERLAKE, HOST):
         isa = int8_isa(target)
-        if isa is not None and (target is HOST or _runs_here(target)):
+        if isa is not None and (target is HOST or runs_here(target)):
             seen[isa.name] = target
     return list(seen.values())
 
