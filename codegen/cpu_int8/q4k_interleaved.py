@@ -52,6 +52,7 @@ from ggufc.codegen.cpu_int8.isa import Int8Isa, int8_isa
 from ggufc.codegen.cpu_int8.kquant import (
     GEMM_TOKENS,
     SUPER,
+    _pairs512,
     _q8k_quantize,
     _q8k_super_block,
     gemv_prologue,
@@ -187,10 +188,7 @@ def _bcast4(flat32: tirx.Buffer, index: tirx.PrimExpr, width: int) -> tirx.PrimE
 
 def _pairs(codes: tirx.PrimExpr, acts: tirx.PrimExpr, width: int) -> tirx.PrimExpr:
     """vpmaddubsw of 32 or 64 code bytes (isa.pairs16; exact here, module docstring)."""
-    if width == 1:
-        return P.pairs16(codes, acts)
-    return T.call_llvm_pure_intrin("int16x32", "llvm.x86.avx512.pmaddubs.w.512", T.reinterpret("int8x64", codes),
-                                   acts)
+    return P.pairs16(codes, acts) if width == 1 else _pairs512(codes, acts)
 
 
 def _pmaddwd(a: tirx.PrimExpr, b: tirx.PrimExpr, width: int = 1) -> tirx.PrimExpr:
