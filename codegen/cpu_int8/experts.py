@@ -123,7 +123,7 @@ def kquant_experts(qtype: str, n_exp: int, n: int, k: int, slots: int, per_slot:
              for f, (shape, dtype) in enumerate(field_specs)]
     if x8:
         quantize = _q8k_quantize(32, pair_offsets=False)
-        one, tile = X.x8_steps(n_super, 1), X.x8_steps(n_super, tokens)
+        one, tile = X.x8_steps(n_super, 1, isa.vnni), X.x8_steps(n_super, tokens, isa.vnni)
     else:
         quantize = _q8k_quantize(**_q8k_sums(qtype))
         # every (token, expert) pair in the one-token order: Q4_K's repacked GEMV's where its

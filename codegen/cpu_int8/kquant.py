@@ -575,17 +575,18 @@ def _q4k_pair_rows(rows: int, n_pairs: int, n_super: int, prefetch_groups: int) 
     return row_group
 
 
-def pair_tile(qtype: str, n_super: int, n_pairs: int) -> Callable[..., None]:
-    """Macro `(f0..f4, y, n, jo, p0, xb2, xd2, xs2, xp2)`: PAIR_ROWS rows through `n_pairs` token
-    pairs from pair p0, Q4_K's or Q6_K's pair row group (the prompt GEMM's and the experts')."""
+def pair_tile(qtype: str, n_super: int, n_pairs: int, unpacked: bool = False) -> Callable[..., None]:
+    """Macro `(f0..f4, y, n, jo, p0, xb2, xd2, xs2, xp2[, un, scv])`: PAIR_ROWS rows through
+    `n_pairs` token pairs from pair p0, Q4_K's or Q6_K's pair row group (the prompt GEMM's and the
+    experts'); `unpacked` (Q6_K): the codes and scales from _unpack_q6k's buffers un, scv."""
     six = qtype == "Q6_K"
     q4 = _q4k_pair_rows(PAIR_ROWS, n_pairs, n_super, P.PREFETCH_GROUPS)
-    q6 = _q6k_pair_rows(PAIR_ROWS, n_pairs, n_super, P.PREFETCH_GROUPS)
+    q6 = _q6k_pair_rows(PAIR_ROWS, n_pairs, n_super, P.PREFETCH_GROUPS, unpacked)
 
     @T.macro
-    def tile(f0, f1, f2, f3, f4, y, n, jo, p0, xb2, xd2, xs2, xp2):  # type: ignore[no-untyped-def]
+    def tile(f0, f1, f2, f3, f4, y, n, jo, p0, xb2, xd2, xs2, xp2, un=None, scv=None):  # type: ignore[no-untyped-def]
         if six:
-            q6(f0, f1, f2, f3, y, n, jo, p0, xb2, xd2, xp2)
+            q6(f0, f1, f2, f3, y, n, jo, p0, xb2, xd2, xp2, un, scv)
         else:
             q4(f0, f1, f2, f3, f4, y, n, jo, p0, xb2, xd2, xs2)
 
@@ -613,10 +614,12 @@ def _pair_acts(n_super: int) -> Callable[..., None]:
     return pair
 
 
-def _q6k_pair_rows(rows: int, n_pairs: int, n_super: int, prefetch_groups: int) -> Callable[..., None]:
+def _q6k_pair_rows(rows: int, n_pairs: int, n_super: int, prefetch_groups: int,
+                   unpacked: bool = False) -> Callable[..., None]:
     """_q6k_rows in token pairs, as _q4k_pair_rows: one decoded 32-code run feeds both halves of
     a 512-bit `vpmaddubsw`, the offsets from the block sums (xp2) per super-block, the float step
-    per two tokens."""
+    per two tokens. `unpacked`: the codes and run scales from the task's _unpack_q6k buffers (un,
+    scv), one broadcast load each, instead of decoded from ql / qh / sc on every pass."""
     tiles = rows * n_pairs
     halves = [*range(8), *range(16, 24)]
 
@@ -631,7 +634,32 @@ def _q6k_pair_rows(rows: int, n_pairs: int, n_super: int, prefetch_groups: int) 
         return T.bitwise_or(nib, T.shift_left(top, T.broadcast(T.int32(4), 16)))
 
     @T.macro
-    def row_group(ql, qh, sc, d, y, n, jo, p0, xb2, xd2, xp2):  # type: ignore[no-untyped-def]
+    def run_products(ql, qh, sc, jo, r, i, a, p0, xb2, sumi, un, scv):  # type: ignore[no-untyped-def]
+        """The 4 runs of half a of super-block i of row r, times every pair's activations."""
+        if unpacked:
+            for c in T.unroll(4):
+                run = T.meta_var(i * 8 + a * 4 + c)
+                codes = T.meta_var(_wide(T.reinterpret("int32x8", un.vload([r, run * 32], "uint8x32")), 8))
+                mults = T.meta_var(_wide(scv.vload([r, run * 16], "int16x16"), 16))
+                for u in T.unroll(n_pairs):
+                    sumi[(r * n_pairs + u) * 2 + c % 2, 0:16] = _scaled512(
+                        sumi.vload([(r * n_pairs + u) * 2 + c % 2, 0], "int32x16"),
+                        _pairs512(codes, xb2.vload([p0 + u, run * 64], "int8x64")), mults)
+        else:
+            bits = T.meta_var(qh.vload([jo * rows + r, i * 2 + a, 0], "uint8x32"))
+            high = T.meta_var(_wide(T.reinterpret("int32x8", bits), 8))
+            for c in T.unroll(4):
+                half = T.meta_var(ql.vload([jo * rows + r, i * 2 + a, 32 * (c % 2)], "uint8x32"))
+                low = T.meta_var(_wide(T.reinterpret("int32x8", half), 8))
+                run = T.meta_var(i * 8 + a * 4 + c)
+                for u in T.unroll(n_pairs):
+                    sumi[(r * n_pairs + u) * 2 + c % 2, 0:16] = _scaled512(
+                        sumi.vload([(r * n_pairs + u) * 2 + c % 2, 0], "int32x16"),
+                        _pairs512(code(low, high, c), xb2.vload([p0 + u, run * 64], "int8x64")),
+                        scales(sc, jo * rows + r, run * 2))
+
+    @T.macro
+    def row_group(ql, qh, sc, d, y, n, jo, p0, xb2, xd2, xp2, un=None, scv=None):  # type: ignore[no-untyped-def]
         ql_flat = T.decl_buffer((n * n_super * 128,), "uint8", data=ql.data)
         qh_flat = T.decl_buffer((n * n_super * 64,), "uint8", data=qh.data)
         sc_flat = T.decl_buffer((n * n_super * 16,), "int8", data=sc.data)
@@ -643,24 +671,15 @@ def _q6k_pair_rows(rows: int, n_pairs: int, n_super: int, prefetch_groups: int) 
             sumi[q * 2, 0:16] = T.broadcast(T.int32(0), 16)
             sumi[q * 2 + 1, 0:16] = T.broadcast(T.int32(0), 16)
         for i in range(n_super):
-            for p in T.unroll(8):
-                P.prefetch(ql_flat, ahead * rows * n_super * 128 + i * rows * 128 + p * 64)
-            for p in T.unroll(4):
-                P.prefetch(qh_flat, ahead * rows * n_super * 64 + i * rows * 64 + p * 64)
-            P.prefetch(sc_flat, ahead * rows * n_super * 16 + i * rows * 16)
+            if not unpacked:  # an unpacked task's unpack reads the next group's fields ahead instead
+                for p in T.unroll(8):
+                    P.prefetch(ql_flat, ahead * rows * n_super * 128 + i * rows * 128 + p * 64)
+                for p in T.unroll(4):
+                    P.prefetch(qh_flat, ahead * rows * n_super * 64 + i * rows * 64 + p * 64)
+                P.prefetch(sc_flat, ahead * rows * n_super * 16 + i * rows * 16)
             for a in T.unroll(2):
                 for r in T.unroll(rows):
-                    bits = T.meta_var(qh.vload([jo * rows + r, i * 2 + a, 0], "uint8x32"))
-                    high = T.meta_var(_wide(T.reinterpret("int32x8", bits), 8))
-                    for c in T.unroll(4):
-                        half = T.meta_var(ql.vload([jo * rows + r, i * 2 + a, 32 * (c % 2)], "uint8x32"))
-                        low = T.meta_var(_wide(T.reinterpret("int32x8", half), 8))
-                        run = T.meta_var(i * 8 + a * 4 + c)
-                        for u in T.unroll(n_pairs):
-                            sumi[(r * n_pairs + u) * 2 + c % 2, 0:16] = _scaled512(
-                                sumi.vload([(r * n_pairs + u) * 2 + c % 2, 0], "int32x16"),
-                                _pairs512(code(low, high, c), xb2.vload([p0 + u, run * 64], "int8x64")),
-                                scales(sc, jo * rows + r, run * 2))
+                    run_products(ql, qh, sc, jo, r, i, a, p0, xb2, sumi, un, scv)
             for r in T.unroll(rows):
                 for u in T.unroll(n_pairs):
                     sumi[(r * n_pairs + u) * 2, 0:16] = _scaled512(
@@ -1312,7 +1331,9 @@ def _pair_gemm(qtype: str, n: int, k: int, isa: Int8Isa, pairs: int) -> tirx.Pri
     codes; the whole pairs past the last whole tile take a 2-pair pass and a 1-pair pass as the
     experts' do (so a batched decode step of 2-5 rows shares its codes too), an odd last token
     the one-token macro. Q6_K's 1-pair pass timed slower than two one-token ones, so Q6_K leaves
-    a last single pair to the one-token macro."""
+    a last single pair to the one-token macro. A Q6_K task unpacks its row group's codes and run
+    scales once (_unpack_q6k) for its passes to read: 1.01-1.04x at K = 6144, 1.08-1.20x at
+    K = 768-1536 (Zen 5, 128 tokens; the same sums)."""
     assert pairs <= 4, "the pairs after the whole tiles take at most a 2-pair and a 1-pair pass"
     assert q4k_orders(qtype, isa, n)[1] == VEC_DOT, f"{isa.name}: Q4_K {n} rows sum in the repacked order"
     n_super, tokens, rows, six = k // SUPER, 2 * pairs, PAIR_ROWS, qtype == "Q6_K"
@@ -1321,7 +1342,9 @@ def _pair_gemm(qtype: str, n: int, k: int, isa: Int8Isa, pairs: int) -> tirx.Pri
     quantize = _q8k_quantize(**_q8k_sums(qtype))
     pair_acts = _pair_acts(n_super)
     one = _row_steps(qtype, isa, n_super, 1, P.PREFETCH_GROUPS, rows)
-    full, two, single = (pair_tile(qtype, n_super, p) for p in (pairs, 2, 1))
+    unpacked = six
+    full, two, single = (pair_tile(qtype, n_super, p, unpacked) for p in (pairs, 2, 1))
+    unpack = _unpack_q6k(rows, n_super)
 
     @T.prim_func(private=True)
     def gemm(x_h: T.handle, f0: T.Buffer(specs[0][0], specs[0][1]), f1: T.Buffer(specs[1][0], specs[1][1]),  # type: ignore[valid-type]
@@ -1344,12 +1367,16 @@ def _pair_gemm(qtype: str, n: int, k: int, isa: Int8Isa, pairs: int) -> tirx.Pri
         for p in T.parallel(t_len // 2):
             pair_acts(xb, xd, xs, xp, xb2, xd2, xs2, xp2, p, six)
         for jo in T.parallel(n // rows):
+            un = T.alloc_buffer((rows, K if unpacked else 1), "uint8")
+            scv = T.alloc_buffer((rows, K // 2 if unpacked else 1), "int16")
+            if unpacked and t_len >= 2:
+                unpack(f0, f1, f2, jo, un, scv)
             for g in range(t_len // tokens):
-                full(f0, f1, f2, f3, f4, y, n, jo, g * pairs, xb2, xd2, xs2, xp2)
+                full(f0, f1, f2, f3, f4, y, n, jo, g * pairs, xb2, xd2, xs2, xp2, un, scv)
             rest = T.meta_var(t_len % tokens // 2)  # whole pairs after the whole tiles
             tail = T.meta_var(t_len // tokens * pairs)  # the first of them
             if rest >= 2:
-                two(f0, f1, f2, f3, f4, y, n, jo, tail, xb2, xd2, xs2, xp2)
+                two(f0, f1, f2, f3, f4, y, n, jo, tail, xb2, xd2, xs2, xp2, un, scv)
             if not six and rest % 2 == 1:
                 single(f0, f1, f2, f3, f4, y, n, jo, tail + rest // 2 * 2, xb2, xd2, xs2, xp2)
             paired = T.meta_var(rest // 2 * 2 + (0 if six else rest % 2))  # pairs the passes took

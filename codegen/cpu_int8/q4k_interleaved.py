@@ -27,9 +27,12 @@ of either layout does not pass for the other (runtime/artifact.py's layout contr
 Per run w of a group and token: each 32-byte chunk's nibbles times the 4 activation codes of their
 values broadcast to every lane (vpmaddubsw: two int16 pair sums per row), summed over the run's
 8 chunks in int16 (|sum| <= 8 * 2 * 15 * 127 = 30480: exact), then times each row's sub-block
-scale (vpmaddwd: int32 lane r). The minimum terms are int16 pairs (mn_2p, mn_2p+1) per lane times
-the activation code sums (A_2p, A_2p+1) broadcast (vpmaddwd). Then, as the model of llama.cpp's
-order in tests/support/ggml_x86.py (matmul_q4_K_repacked):
+scale (vpmaddwd: int32 lane r). With VNNI (AVX-VNNI, AVX-512 VNNI) each chunk's 4 products go
+straight to int32 lane r instead (vpdpbusd: one instruction where vpmaddubsw and vpaddw were
+two; |sum| <= 60960), and the sums times the scales by vpmulld: the same integers, so the same
+result (prompt GEMM 1.14-1.17x on a Zen 5). The minimum terms are int16 pairs (mn_2p, mn_2p+1)
+per lane times the activation code sums (A_2p, A_2p+1) broadcast (vpmaddwd). Then, as the model
+of llama.cpp's order in tests/support/ggml_x86.py (matmul_q4_K_repacked):
 
     GEMV (decode, a prompt's last T % 4 tokens), per super-block:
         acc = fma(float(sum of its 4 runs), d_w d_a, acc), accm = fma(float(sum_s mn_s A_s), dmin_w d_a, accm)
@@ -197,6 +200,18 @@ def _pmaddwd(a: tirx.PrimExpr, b: tirx.PrimExpr, width: int = 1) -> tirx.PrimExp
     return T.call_llvm_pure_intrin("int32x16", "llvm.x86.avx512.pmaddw.d.512", a, b)
 
 
+def _dot4(acc: tirx.PrimExpr, codes: tirx.PrimExpr, acts: tirx.PrimExpr, width: int) -> tirx.PrimExpr:
+    """vpdpbusd: acc + in int32 lane r the 4 products of row r's code bytes and the activations."""
+    lanes = GROUP * width
+    return T.call_llvm_pure_intrin(f"int32x{lanes}", f"llvm.x86.avx512.vpdpbusd.{32 * lanes}", acc,
+                                   T.reinterpret(f"int8x{4 * lanes}", codes), acts)
+
+
+def _scales32(sc8: tirx.Buffer, jo: tirx.PrimExpr, i: tirx.PrimExpr, s: tirx.PrimExpr, width: int) -> tirx.PrimExpr:
+    """The rows' scales of sub-block s, one int32 lane each: the multipliers of _dot4's run sums."""
+    return _joined(lambda g: T.Cast("int32x8", sc8.vload([g, i, s, 0], "uint8x8")), 8, jo, width)
+
+
 def _fma(a: tirx.PrimExpr, b: tirx.PrimExpr, c: tirx.PrimExpr, lanes: int) -> tirx.PrimExpr:
     return T.call_llvm_pure_intrin(f"float32x{lanes}", f"llvm.fma.v{lanes}f32", a, b, c)
 
@@ -219,11 +234,13 @@ def _mins(mn8: tirx.Buffer, xs32: tirx.Buffer, jo: tirx.PrimExpr, i: tirx.PrimEx
 
 
 def x8_rows(n_super: int, tt: int, per_run: bool, prefetch_groups: int = P.PREFETCH_GROUPS,
-            width: int = 1) -> Callable[..., None]:
+            width: int = 1, vnni: bool = False) -> Callable[..., None]:
     """Row-group macro `(d8, dmin8, sc8, mn8, qs8, y, n, jo, t, xb32, xd, xs32)`: rows 8jo .. 8jo + 7
     (`width` 2: the 16 rows of groups jo and jo + 1, in 512-bit registers; every lane takes the
     same steps) for tokens t .. t + tt - 1 (xb32, xs32: the q8_K codes and 32-value code sums
-    viewed as int32), GEMM order (per_run) or GEMV order (module docstring)."""
+    viewed as int32), GEMM order (per_run) or GEMV order (module docstring). `vnni`: each
+    sub-block's products summed in int32 by vpdpbusd (one instruction for vpmaddubsw + vpaddw)
+    and times the scales by vpmulld: the same integers, so the same result."""
     k = n_super * SUPER
     ahead_groups = max(min(prefetch_groups, AHEAD_BYTES // (GROUP * k // 2)), width)
     staged = per_run or tt > 1
@@ -251,6 +268,15 @@ def x8_rows(n_super: int, tt: int, per_run: bool, prefetch_groups: int = P.PREFE
         d_w = _joined(lambda g: field.vload([g, i, 0], "float16x8"), 8, jo, width)
         return T.Cast(f32, d_w) * T.broadcast(d_a, lanes)
 
+    def run_sum(part: tirx.Buffer, part32: tirx.Buffer, sc8: tirx.Buffer, jo: Any, i: Any, g: Any,
+                u: int) -> tirx.PrimExpr:
+        """Run g's sum of token u in lane r: sub-blocks 2g and 2g + 1 times row r's scales."""
+        if vnni:
+            return (part32.vload([2 * u, 0], i32) * _scales32(sc8, jo, i, 2 * g, width)
+                    + part32.vload([2 * u + 1, 0], i32) * _scales32(sc8, jo, i, 2 * g + 1, width))
+        return (_pmaddwd(part.vload([2 * u, 0], i16), _scales16(sc8, jo, i, 2 * g, width), width)
+                + _pmaddwd(part.vload([2 * u + 1, 0], i16), _scales16(sc8, jo, i, 2 * g + 1, width), width))
+
     @T.macro
     def row_group(d8, dmin8, sc8, mn8, qs8, y, n, jo, t, xb32, xd, xs32):  # type: ignore[no-untyped-def]
         qs_flat = T.decl_buffer((n * k // 2,), "uint8", data=qs8.data, elem_offset=qs8.elem_offset)
@@ -266,6 +292,7 @@ def x8_rows(n_super: int, tt: int, per_run: bool, prefetch_groups: int = P.PREFE
         isum = T.alloc_buffer((tt, lanes), "int32")
         msum = T.alloc_buffer((tt, lanes), "int32")
         part = T.alloc_buffer((tt * 2, 2 * lanes), "int16")  # a run's low / high nibbles' pair sums
+        part32 = T.alloc_buffer((tt * 2, lanes), "int32")  # the same, vnni: their int32 sums
         # a tile's run sums go to memory, their float (or integer) steps after the super-block's
         # run loop, whose 8 int16 sums then keep the registers (with 8 accumulators live across
         # the loop too, they spilled: 1.12-1.14x); a one-token call keeps its 2 in registers
@@ -287,21 +314,28 @@ def x8_rows(n_super: int, tt: int, per_run: bool, prefetch_groups: int = P.PREFE
                 msum[u, 0:lanes] = T.broadcast(T.int32(0), lanes)
             for g in range(4):
                 for u in T.unroll(tt * 2):
-                    part[u, 0:2 * lanes] = T.broadcast(T.int16(0), 2 * lanes)
+                    if vnni:
+                        part32[u, 0:lanes] = T.broadcast(T.int32(0), lanes)
+                    else:
+                        part[u, 0:2 * lanes] = T.broadcast(T.int16(0), 2 * lanes)
                 for c in T.unroll(8):
                     bits = T.meta_var(codes(qs8, jo, i * 4 + g, c))
                     lo = T.meta_var(mask(bits))
                     hi = T.meta_var(mask(T.shift_right(bits, T.broadcast(T.int32(4), lanes))))
                     for u in T.unroll(tt):
                         at = T.meta_var((t + u) * (k // 4) + i * 64 + g * 16 + c)
-                        part[2 * u, 0:2 * lanes] = part.vload([2 * u, 0], i16) + _pairs(
-                            lo, _bcast4(xb32, at, width), width)
-                        part[2 * u + 1, 0:2 * lanes] = part.vload([2 * u + 1, 0], i16) + _pairs(
-                            hi, _bcast4(xb32, at + 8, width), width)
+                        if vnni:
+                            part32[2 * u, 0:lanes] = _dot4(part32.vload([2 * u, 0], i32), lo,
+                                                           _bcast4(xb32, at, width), width)
+                            part32[2 * u + 1, 0:lanes] = _dot4(part32.vload([2 * u + 1, 0], i32), hi,
+                                                               _bcast4(xb32, at + 8, width), width)
+                        else:
+                            part[2 * u, 0:2 * lanes] = part.vload([2 * u, 0], i16) + _pairs(
+                                lo, _bcast4(xb32, at, width), width)
+                            part[2 * u + 1, 0:2 * lanes] = part.vload([2 * u + 1, 0], i16) + _pairs(
+                                hi, _bcast4(xb32, at + 8, width), width)
                 for u in T.unroll(tt):
-                    run = T.meta_var(_pmaddwd(part.vload([2 * u, 0], i16), _scales16(sc8, jo, i, 2 * g, width), width)
-                                     + _pmaddwd(part.vload([2 * u + 1, 0], i16),
-                                                _scales16(sc8, jo, i, 2 * g + 1, width), width))
+                    run = T.meta_var(run_sum(part, part32, sc8, jo, i, g, u))
                     mins = T.meta_var(_mins(mn8, xs32, jo, i, g, (t + u) * (k // 64) + i * 4 + g, width))
                     if staged:
                         runs[g, u, 0:lanes] = run
@@ -334,14 +368,14 @@ def x8_rows(n_super: int, tt: int, per_run: bool, prefetch_groups: int = P.PREFE
     return row_group
 
 
-def x8_steps(n_super: int, tt: int) -> Callable[..., None]:
+def x8_steps(n_super: int, tt: int, vnni: bool) -> Callable[..., None]:
     """x8_rows in the GEMV's order behind kquant._row_steps's signature `(f0..f5, y, n, jo, t, xb,
     xd, xs, xp[, call_rows])` (codes xb [R, K] int8, sums xs [R, K / 32] int16; f5, xp and
     call_rows unused): the routed
     experts' rows, each (token, expert) pair one repacked GEMV, as llama.cpp's mul_mat_id of
     repacked weights computes every pair, prompt rows included."""
     k = n_super * SUPER
-    steps = x8_rows(n_super, tt, per_run=False)
+    steps = x8_rows(n_super, tt, per_run=False, vnni=vnni)
 
     @T.macro
     def experts_steps(f0, f1, f2, f3, f4, f5, y, n, jo, t, xb, xd, xs, xp, call_rows=None):  # type: ignore[no-untyped-def]
@@ -377,8 +411,8 @@ def x8_gemm(n: int, k: int, isa: Int8Isa, one_token_order: bool = False) -> tirx
     sp = _specs(n, k)
     quantize = _q8k_quantize(32, pair_offsets=False)
     width = gemm_width(n, isa)
-    tile = x8_rows(n_super, GEMM_TOKENS, per_run=not one_token_order, width=width)
-    one = x8_rows(n_super, 1, per_run=False, width=width)
+    tile = x8_rows(n_super, GEMM_TOKENS, per_run=not one_token_order, width=width, vnni=isa.vnni)
+    one = x8_rows(n_super, 1, per_run=False, width=width, vnni=isa.vnni)
 
     @T.prim_func(private=True)
     def gemm(x_h: T.handle, d8: T.Buffer(sp[0][0], sp[0][1]), dmin8: T.Buffer(sp[1][0], sp[1][1]),  # type: ignore[valid-type]
@@ -418,7 +452,7 @@ def x8_gemv_group(ns: tuple[int, ...], k: int, isa: Int8Isa, prologue_spec: tupl
     g1, g2, g3 = n1 // GROUP, n2 // GROUP, n3 // GROUP
     s1, s2, s3 = (_specs(n, k) for n in (n1, n2, n3))
     quantize, quantize_one = _q8k_quantize(32, pair_offsets=False), _q8k_super_block(32, pair_offsets=False)
-    steps = x8_rows(n_super, 1, per_run=False, prefetch_groups=prefetch_groups)
+    steps = x8_rows(n_super, 1, per_run=False, prefetch_groups=prefetch_groups, vnni=isa.vnni)
     add_residual = P.residual_adder(residual)
     n_groups = g1 + (g2 if group >= 2 else 0) + (g3 if group >= 3 else 0)
     split = max(1, int(groups_per_task))
