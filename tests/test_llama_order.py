@@ -293,7 +293,7 @@ def test_row_major_q4_k_prompts_at_avx2_take_the_tiled_order(k: int, t: int) -> 
 
 def _interleaved_targets() -> list:
     """haswell (AVX2, every CI machine), and an AVX-512 VNNI CPU without AMX where this one runs its
-    code: there the prompt GEMM takes two row groups per 512-bit register."""
+    code: there the prompt GEMM takes two row groups per 512-bit register (four in two)."""
     avx512 = [pytest.param(I.CASCADELAKE, id="avx512-vnni")] if I.runs_here(I.CASCADELAKE) else []
     return [pytest.param(I.HASWELL, id="avx2"), *avx512]
 
@@ -305,10 +305,10 @@ def test_q4_k_interleaved_layout_is_llama_cpp_bit_for_bit(n: int, k: int, t: int
     """The same order on weights stored 8 rows side by side (codegen/cpu_int8/q4k_interleaved.py,
     the layout artifacts for AVX2 and AVX-512 VNNI CPUs keep such weights in): GEMV, and GEMMs of
     whole 4-token tiles with and without a one-token tail; at AVX-512 two groups per register
-    where they pair up (16, 32 rows), one where they do not (8, 24)."""
+    where they pair up (16 rows), four in two registers (32), one where they do not (8, 24)."""
     isa = int8_isa(target)
     assert isa is not None and X.eligible("Q4_K", (n, k), target)
-    assert X.gemm_width(n, isa) == (2 if isa.wide and n % 16 == 0 else 1)
+    assert X.gemm_width(n, isa) == (1 if not isa.wide else 4 if n % 32 == 0 else 2 if n % 16 == 0 else 1)
     raw, arrays, x = _prompt_case("Q4_K", n, k, t, k + t)
     inter = X.interleave(arrays, (n, k))
     kernel = Q8.int8_gemv(X.LAYOUT, n, k, target) if t == 1 else Q8.int8_gemm(X.LAYOUT, n, k, target)

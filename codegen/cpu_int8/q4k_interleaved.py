@@ -6,10 +6,10 @@ llama.cpp's AVX2, AVX-VNNI and AVX-512 builds repack a Q4_K weight of n % 8 == 0
 (codegen/formats/layout.py) each row's integer lanes must be summed horizontally once per 64
 values to reach that order; here the 8 rows of a group sit side by side, so lane r of every
 256-bit vector is row r and the sums reach their float lane directly. With 512-bit registers a
-prompt GEMM's task takes two groups at once (`gemm_width`; llama.cpp's AVX-512 GEMM does the
-same), each lane through the same steps, so the result is the same bit for bit; the GEMVs keep
-one group per task (a decode step streams its weights from memory: 8 rows a task keep both
-threads fed).
+prompt GEMM's task takes two groups per register (`gemm_width`; llama.cpp's AVX-512 GEMM does the
+same), four in two registers where they come in fours, each lane through the same steps, so the
+result is the same bit for bit; the GEMVs keep one group per task (a decode step streams its
+weights from memory: 8 rows a task keep both threads fed).
 
 The kernel layout of a [N, K] weight (G = N / 8 row groups, S = K / 256 super-blocks; row r of
 group g is row 8g + r):
@@ -177,11 +177,24 @@ def _int8_expert_inputs(node: Any) -> set[int]:
 
 
 def _joined(one: Callable[[Any], tirx.PrimExpr], lanes: int, jo: tirx.PrimExpr, width: int) -> tirx.PrimExpr:
-    """`one(group)` (a vector of `lanes`) of row group jo, or of groups jo and jo + 1 side by side
-    (width 2: a zmm register holding 16 rows, lane r of the upper half row 8 + r)."""
+    """`one(group)` (a vector of `lanes`) of row groups jo .. jo + width - 1 side by side (width 2:
+    a zmm register holding 16 rows, lane r of the upper half row 8 + r; width 4: two of them)."""
     if width == 1:
         return one(jo)
-    return T.Shuffle([one(jo), one(jo + 1)], list(range(2 * lanes)))
+    if width == 2:
+        return T.Shuffle([one(jo), one(jo + 1)], list(range(2 * lanes)))
+    return T.Shuffle([_joined(one, lanes, jo, 2), _joined(one, lanes, jo + 2, 2)], list(range(4 * lanes)))
+
+
+def _per_zmm(intrin: str, out: str, *args: tuple[tirx.PrimExpr, int]) -> tirx.PrimExpr:
+    """A 512-bit intrinsic over 1024-bit operands `(vector, lanes)` (width 4): once per half, the
+    halves joined into one `out` vector."""
+    kind, lanes = out.split("x")
+    half = int(lanes) // 2
+    parts = [T.call_llvm_pure_intrin(f"{kind}x{half}", intrin,
+                                     *(T.Shuffle([v], list(range(h * n // 2, h * n // 2 + n // 2))) for v, n in args))
+             for h in range(2)]
+    return T.Shuffle(parts, list(range(int(lanes))))
 
 
 def _bcast4(flat32: tirx.Buffer, index: tirx.PrimExpr, width: int) -> tirx.PrimExpr:
@@ -197,12 +210,17 @@ def _pairs(codes: tirx.PrimExpr, acts: tirx.PrimExpr, width: int) -> tirx.PrimEx
 def _pmaddwd(a: tirx.PrimExpr, b: tirx.PrimExpr, width: int = 1) -> tirx.PrimExpr:
     if width == 1:
         return T.call_llvm_pure_intrin("int32x8", "llvm.x86.avx2.pmadd.wd", a, b)
+    if width == 4:
+        return _per_zmm("llvm.x86.avx512.pmaddw.d.512", "int32x32", (a, 64), (b, 64))
     return T.call_llvm_pure_intrin("int32x16", "llvm.x86.avx512.pmaddw.d.512", a, b)
 
 
 def _dot4(acc: tirx.PrimExpr, codes: tirx.PrimExpr, acts: tirx.PrimExpr, width: int) -> tirx.PrimExpr:
     """vpdpbusd: acc + in int32 lane r the 4 products of row r's code bytes and the activations."""
     lanes = GROUP * width
+    if width == 4:
+        return _per_zmm("llvm.x86.avx512.vpdpbusd.512", "int32x32", (acc, 32), (T.reinterpret("int8x128", codes), 128),
+                        (acts, 128))
     return T.call_llvm_pure_intrin(f"int32x{lanes}", f"llvm.x86.avx512.vpdpbusd.{32 * lanes}", acc,
                                    T.reinterpret(f"int8x{4 * lanes}", codes), acts)
 
@@ -236,15 +254,16 @@ def _mins(mn8: tirx.Buffer, xs32: tirx.Buffer, jo: tirx.PrimExpr, i: tirx.PrimEx
 def x8_rows(n_super: int, tt: int, per_run: bool, prefetch_groups: int = P.PREFETCH_GROUPS,
             width: int = 1, vnni: bool = False) -> Callable[..., None]:
     """Row-group macro `(d8, dmin8, sc8, mn8, qs8, y, n, jo, t, xb32, xd, xs32)`: rows 8jo .. 8jo + 7
-    (`width` 2: the 16 rows of groups jo and jo + 1, in 512-bit registers; every lane takes the
-    same steps) for tokens t .. t + tt - 1 (xb32, xs32: the q8_K codes and 32-value code sums
-    viewed as int32), GEMM order (per_run) or GEMV order (module docstring). `vnni`: each
-    sub-block's products summed in int32 by vpdpbusd (one instruction for vpmaddubsw + vpaddw)
-    and times the scales by vpmulld: the same integers, so the same result."""
+    (`width` 2: the 16 rows of groups jo and jo + 1, in 512-bit registers; 4: 32 rows in two of
+    them, VNNI only; every lane takes the same steps) for tokens t .. t + tt - 1 (xb32, xs32: the
+    q8_K codes and 32-value code sums viewed as int32), GEMM order (per_run) or GEMV order (module
+    docstring). `vnni`: each sub-block's products summed in int32 by vpdpbusd (one instruction for
+    vpmaddubsw + vpaddw) and times the scales by vpmulld: the same integers, so the same result."""
     k = n_super * SUPER
     ahead_groups = max(min(prefetch_groups, AHEAD_BYTES // (GROUP * k // 2)), width)
     staged = per_run or tt > 1
     lanes = GROUP * width  # int32 / float32 lanes: one per row
+    assert vnni or width <= 2, "four row groups at once take vpdpbusd"
     i32, f32, i16 = f"int32x{lanes}", f"float32x{lanes}", f"int16x{2 * lanes}"
 
     @T.macro
@@ -395,9 +414,14 @@ def _specs(n: int, k: int) -> list[tuple[tuple[int, ...], str]]:
 
 
 def gemm_width(n: int, isa: Int8Isa) -> int:
-    """Row groups a prompt GEMM's task takes in one register: two (512 bits, as llama.cpp's AVX-512
-    GEMM) where the instruction set has 512-bit registers and the groups pair up, else one."""
-    return 2 if isa.wide and (n // GROUP) % 2 == 0 else 1
+    """Row groups a prompt GEMM's task takes at once: two per 512-bit register (as llama.cpp's
+    AVX-512 GEMM) where the instruction set has them, four in two registers where the groups come
+    in fours (each activation broadcast then feeds two vpdpbusd: 1.06-1.12x two groups on a Zen 5),
+    else one."""
+    if not isa.wide:
+        return 1
+    groups = n // GROUP
+    return 4 if groups % 4 == 0 else 2 if groups % 2 == 0 else 1
 
 
 def x8_gemm(n: int, k: int, isa: Int8Isa, one_token_order: bool = False) -> tirx.PrimFunc:
