@@ -30,9 +30,10 @@ values broadcast to every lane (vpmaddubsw: two int16 pair sums per row), summed
 scale (vpmaddwd: int32 lane r). With VNNI (AVX-VNNI, AVX-512 VNNI) each chunk's 4 products go
 straight to int32 lane r instead (vpdpbusd: one instruction where vpmaddubsw and vpaddw were
 two; |sum| <= 60960), and the sums times the scales by vpmulld: the same integers, so the same
-result (prompt GEMM 1.14-1.17x on a Zen 5). The minimum terms are int16 pairs (mn_2p, mn_2p+1)
-per lane times the activation code sums (A_2p, A_2p+1) broadcast (vpmaddwd). Then, as the model
-of llama.cpp's order in tests/support/ggml_x86.py (matmul_q4_K_repacked):
+result (prompt GEMM 1.14-1.17x on a Zen 5; the decode GEMV keeps vpmaddubsw). The minimum
+terms are int16 pairs (mn_2p, mn_2p+1) per lane times the activation code sums (A_2p, A_2p+1)
+broadcast (vpmaddwd). Then, as the model of llama.cpp's order in tests/support/ggml_x86.py
+(matmul_q4_K_repacked):
 
     GEMV (decode, a prompt's last T % 4 tokens), per super-block:
         acc = fma(float(sum of its 4 runs), d_w d_a, acc), accm = fma(float(sum_s mn_s A_s), dmin_w d_a, accm)
@@ -257,12 +258,16 @@ def x8_rows(n_super: int, tt: int, per_run: bool, prefetch_groups: int = P.PREFE
     (`width` 2: the 16 rows of groups jo and jo + 1, in 512-bit registers; 4: 32 rows in two of
     them, VNNI only; every lane takes the same steps) for tokens t .. t + tt - 1 (xb32, xs32: the
     q8_K codes and 32-value code sums viewed as int32), GEMM order (per_run) or GEMV order (module
-    docstring). `vnni`: each sub-block's products summed in int32 by vpdpbusd (one instruction for
-    vpmaddubsw + vpaddw) and times the scales by vpmulld: the same integers, so the same result."""
+    docstring). `vnni` (prompt GEMMs, not the one-token GEMV): each sub-block's products summed in int32 by
+    vpdpbusd (one instruction for vpmaddubsw + vpaddw) and times the scales by vpmulld: the same
+    integers, so the same result."""
     k = n_super * SUPER
     ahead_groups = max(min(prefetch_groups, AHEAD_BYTES // (GROUP * k // 2)), width)
     staged = per_run or tt > 1
     lanes = GROUP * width  # int32 / float32 lanes: one per row
+    # a one-token GEMV keeps vpmaddubsw: its two chains of 8 dependent vpdpbusd wait on their
+    # latency (decode GEMVs cold 0.97-0.99x, MoE decode ~0.97x)
+    vnni = vnni and (tt > 1 or width > 1)
     assert vnni or width <= 2, "four row groups at once take vpdpbusd"
     i32, f32, i16 = f"int32x{lanes}", f"float32x{lanes}", f"int16x{2 * lanes}"
 
