@@ -5,6 +5,8 @@ intrinsics), so each kernel family exposes a few parameters whose values `ggufc 
 workload's own shapes (driver/tune/, next to MetaSchedule, in the same database):
 
     8-bit GEMV groups (block32.int8_gemv_group)   prefetch_groups  row groups prefetched ahead
+                                                                      (Q4_K interleaved: at most
+                                                                      AHEAD_BYTES ahead, ~24 KiB)
                                                      groups_per_task  row groups per parallel task
                                                      unroll           a super-block's runs unrolled
                                                                       (0/1; Q4_K, Q5_K, Q6_K)
