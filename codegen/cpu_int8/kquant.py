@@ -1332,7 +1332,7 @@ def _pair_gemm(qtype: str, n: int, k: int, isa: Int8Isa, pairs: int) -> tirx.Pri
     experts' do (so a batched decode step of 2-5 rows shares its codes too), an odd last token
     the one-token macro. Q6_K's 1-pair pass timed slower than two one-token ones, so Q6_K leaves
     a last single pair to the one-token macro. A Q6_K task unpacks its row group's codes and run
-    scales once (_unpack_q6k) for its passes to read: 1.01-1.04x at K = 6144, 1.08-1.20x at
+    scales once (_unpack_q6k) for its passes to read, where they fit UNPACKED_BYTES: 1.08-1.20x at
     K = 768-1536 (Zen 5, 128 tokens; the same sums)."""
     assert pairs <= 4, "the pairs after the whole tiles take at most a 2-pair and a 1-pair pass"
     assert q4k_orders(qtype, isa, n)[1] == VEC_DOT, f"{isa.name}: Q4_K {n} rows sum in the repacked order"
@@ -1342,7 +1342,9 @@ def _pair_gemm(qtype: str, n: int, k: int, isa: Int8Isa, pairs: int) -> tirx.Pri
     quantize = _q8k_quantize(**_q8k_sums(qtype))
     pair_acts = _pair_acts(n_super)
     one = _row_steps(qtype, isa, n_super, 1, P.PREFETCH_GROUPS, rows)
-    unpacked = six
+    # where the two rows' codes and scales fit UNPACKED_BYTES: at K = 6144 (24 KiB) the gain was
+    # 1.01-1.04x at 128 tokens and a loss at 4-8
+    unpacked = six and rows * k * UNPACKED_ROW_BYTES["Q6_K"] <= UNPACKED_BYTES
     full, two, single = (pair_tile(qtype, n_super, p, unpacked) for p in (pairs, 2, 1))
     unpack = _unpack_q6k(rows, n_super)
 
@@ -1369,7 +1371,7 @@ def _pair_gemm(qtype: str, n: int, k: int, isa: Int8Isa, pairs: int) -> tirx.Pri
         for jo in T.parallel(n // rows):
             un = T.alloc_buffer((rows, K if unpacked else 1), "uint8")
             scv = T.alloc_buffer((rows, K // 2 if unpacked else 1), "int16")
-            if unpacked and t_len >= 2:
+            if unpacked and t_len >= min(tokens, 4):  # a pass will read them: a whole tile or a 2-pair pass
                 unpack(f0, f1, f2, jo, un, scv)
             for g in range(t_len // tokens):
                 full(f0, f1, f2, f3, f4, y, n, jo, g * pairs, xb2, xd2, xs2, xp2, un, scv)
