@@ -43,7 +43,6 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
-VPDPBUSD = "llvm.x86.avx512.vpdpbusd.256"
 # the saturating form: no sum of these kernels comes near int32's limits, so its values are the
 # plain one's, and LLVM keeps it one instruction where its machine combiner splits the plain
 # vpdpwssd of an accumulator chain into vpmaddwd + vpaddd (Q4_K GEMV 1.08-1.19x hot)
@@ -58,9 +57,41 @@ def _bytes(v: tirx.PrimExpr) -> tirx.PrimExpr:
     return T.reinterpret("int8x32", v)
 
 
-def pairs16(codes: tirx.PrimExpr, acts: tirx.PrimExpr) -> tirx.PrimExpr:
-    """u8 codes x s8 activations, adjacent products summed to int16x16 (vpmaddubsw, saturating:
-    the callers' codes keep every sum inside int16, module docstring)."""
+def per_zmm(intrin: str, out: str, *args: tuple[tirx.PrimExpr, int]) -> tirx.PrimExpr:
+    """A 512-bit intrinsic over 1024-bit operands `(vector, lanes)`: once per half, the halves
+    joined into one `out` vector (LLVM keeps them two zmm registers)."""
+    kind, lanes = out.split("x")
+    half = int(lanes) // 2
+    parts = [T.call_llvm_pure_intrin(f"{kind}x{half}", intrin,
+                                     *(T.Shuffle([v], list(range(h * n // 2, h * n // 2 + n // 2))) for v, n in args))
+             for h in range(2)]
+    return T.Shuffle(parts, list(range(int(lanes))))
+
+
+def vpdpbusd(acc: tirx.PrimExpr, codes: tirx.PrimExpr, acts: tirx.PrimExpr, lanes: int = 8) -> tirx.PrimExpr:
+    """acc + in int32 lane j the sum of products 4j..4j+3 of u8 `codes` and s8 `acts`, over 8 lanes
+    (a ymm register), 16 (a zmm) or 32 (two zmm)."""
+    if lanes == 32:
+        return per_zmm("llvm.x86.avx512.vpdpbusd.512", "int32x32", (acc, 32),
+                       (T.reinterpret("int8x128", codes), 128), (T.reinterpret("int8x128", acts), 128))
+    return T.call_llvm_pure_intrin(f"int32x{lanes}", f"llvm.x86.avx512.vpdpbusd.{32 * lanes}", acc,
+                                   T.reinterpret(f"int8x{4 * lanes}", codes), T.reinterpret(f"int8x{4 * lanes}", acts))
+
+
+def pmaddwd(a: tirx.PrimExpr, b: tirx.PrimExpr, lanes: int = 8) -> tirx.PrimExpr:
+    """int16 a . b in adjacent pairs, one int32 lane each, over 8, 16 or 32 lanes (vpmaddwd)."""
+    if lanes == 32:
+        return per_zmm("llvm.x86.avx512.pmaddw.d.512", "int32x32", (a, 64), (b, 64))
+    intrin = PMADDWD if lanes == 8 else "llvm.x86.avx512.pmaddw.d.512"
+    return T.call_llvm_pure_intrin(f"int32x{lanes}", intrin, a, b)
+
+
+def pairs16(codes: tirx.PrimExpr, acts: tirx.PrimExpr, lanes: int = 16) -> tirx.PrimExpr:
+    """u8 codes x s8 activations, adjacent products summed to int16 lanes, 16 (ymm) or 32 (zmm)
+    (vpmaddubsw, saturating: the callers' codes keep every sum inside int16, module docstring)."""
+    if lanes == 32:
+        return T.call_llvm_pure_intrin("int16x32", "llvm.x86.avx512.pmaddubs.w.512", T.reinterpret("int8x64", codes),
+                                       T.reinterpret("int8x64", acts))
     return T.call_llvm_pure_intrin("int16x16", PMADDUBSW, _bytes(codes), _bytes(acts))
 
 
@@ -78,9 +109,8 @@ class Int8Isa:
     def dot4(self, acc: tirx.PrimExpr, codes: tirx.PrimExpr, acts: tirx.PrimExpr) -> tirx.PrimExpr:
         """acc (int32x8) + in lane j the sum of products 4j..4j+3 of u8 `codes` and s8 `acts`."""
         if self.vnni:
-            return T.call_llvm_pure_intrin("int32x8", VPDPBUSD, acc, _bytes(codes), _bytes(acts))
-        return acc + T.call_llvm_pure_intrin("int32x8", PMADDWD, pairs16(codes, acts),
-                                             T.broadcast(T.int16(1), 16))
+            return vpdpbusd(acc, codes, acts)
+        return acc + pmaddwd(pairs16(codes, acts), T.broadcast(T.int16(1), 16))
 
     def pair_dot(self, acc: tirx.PrimExpr, pairs: tirx.PrimExpr, scales: tirx.PrimExpr) -> tirx.PrimExpr:
         """acc (int32x8) + in lane j pairs[2j] scales[2j] + pairs[2j+1] scales[2j+1] (int16 operands)."""

@@ -70,7 +70,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ggufc.codegen.cpu_int8 import parts as P
-from ggufc.codegen.cpu_int8.isa import Int8Isa
+from ggufc.codegen.cpu_int8.isa import Int8Isa, pmaddwd
 from ggufc.codegen.cpu_int8.kquant_lowbit import q2k_rows, q3k_rows
 from ggufc.codegen.cpu_int8.parts import mask32 as _mask
 from ggufc.codegen.cpu_int8.parts import pairs16 as _pairs
@@ -484,12 +484,6 @@ def _wide(v: tirx.PrimExpr, lanes: int) -> tirx.PrimExpr:
     return T.Shuffle([v, v], list(range(2 * lanes)))
 
 
-def _pairs512(codes: tirx.PrimExpr, acts: tirx.PrimExpr) -> tirx.PrimExpr:
-    """_pairs on 64 values: int16x32."""
-    return T.call_llvm_pure_intrin("int16x32", "llvm.x86.avx512.pmaddubs.w.512", T.reinterpret("int8x64", codes),
-                                   acts)
-
-
 def _scaled512(acc: tirx.PrimExpr, pairs: tirx.PrimExpr, scales: tirx.PrimExpr) -> tirx.PrimExpr:
     """_scaled on 512 bits, in the saturating form (no sum here comes near int32's limits: the
     same values), which LLVM leaves alone; it splits the plain one into vpmaddwd + vpaddd."""
@@ -539,12 +533,12 @@ def _q4k_pair_rows(rows: int, n_pairs: int, n_super: int, prefetch_groups: int) 
                     for u in T.unroll(n_pairs):
                         sumi[(r * n_pairs + u) * 2, 0:16] = _scaled512(
                             sumi.vload([(r * n_pairs + u) * 2, 0], "int32x16"),
-                            _pairs512(lo, xb2.vload([p0 + u, (i * 8 + 2 * g) * 64], "int8x64")),
+                            _pairs(lo, xb2.vload([p0 + u, (i * 8 + 2 * g) * 64], "int8x64"), 32),
                             T.broadcast(T.Cast("int16", sc[jo * rows + r, i * 8 + 2 * g]), 32))
                     for u in T.unroll(n_pairs):
                         sumi[(r * n_pairs + u) * 2 + 1, 0:16] = _scaled512(
                             sumi.vload([(r * n_pairs + u) * 2 + 1, 0], "int32x16"),
-                            _pairs512(hi, xb2.vload([p0 + u, (i * 8 + 2 * g + 1) * 64], "int8x64")),
+                            _pairs(hi, xb2.vload([p0 + u, (i * 8 + 2 * g + 1) * 64], "int8x64"), 32),
                             T.broadcast(T.Cast("int16", sc[jo * rows + r, i * 8 + 2 * g + 1]), 32))
             for r in T.unroll(rows):
                 mins = T.meta_var(_wide(T.Cast("int16x8", mn.vload([jo * rows + r, i * 8], "uint8x8")), 8))
@@ -557,8 +551,8 @@ def _q4k_pair_rows(rows: int, n_pairs: int, n_super: int, prefetch_groups: int) 
                         acc.vload([r * n_pairs + u, 0], "float32x16"))
                     sumi[(r * n_pairs + u) * 2, 0:16] = T.broadcast(T.int32(0), 16)
                     sumi[(r * n_pairs + u) * 2 + 1, 0:16] = T.broadcast(T.int32(0), 16)
-                    prod = T.meta_var(T.call_llvm_pure_intrin(  # llama.cpp's madd of the minimums and sums
-                        "int32x8", "llvm.x86.avx2.pmadd.wd", mins, xs2.vload([p0 + u, i, 0], "int16x16")))
+                    prod = T.meta_var(pmaddwd(  # llama.cpp's madd of the minimums and sums
+                        mins, xs2.vload([p0 + u, i, 0], "int16x16")))
                     accm[r * n_pairs + u, 0:8] = P.fma8(
                         -T.Shuffle([xd], [0, 1, 2, 3, 8, 9, 10, 11])
                         * T.broadcast(T.Cast("float32", dmin[jo * rows + r, i]), 8),
@@ -633,30 +627,27 @@ def _q6k_pair_rows(rows: int, n_pairs: int, n_super: int, prefetch_groups: int,
                             T.broadcast(T.int32(0x03030303), 16))
         return T.bitwise_or(nib, T.shift_left(top, T.broadcast(T.int32(4), 16)))
 
+    def run_operands(ql: Any, qh: Any, sc: Any, row: Any, r: Any, i: Any, a: int, c: Any, un: Any,
+                     scv: Any) -> tuple[tirx.PrimExpr, tirx.PrimExpr]:
+        """Run c of half a of super-block i of row `row` (the task's row r): its 32 codes (in both
+        halves of a zmm register) and its scales as int16 multipliers."""
+        run = i * 8 + a * 4 + c
+        if unpacked:
+            return (_wide(T.reinterpret("int32x8", un.vload([r, run * 32], "uint8x32")), 8),
+                    _wide(scv.vload([r, run * 16], "int16x16"), 16))
+        high = _wide(T.reinterpret("int32x8", qh.vload([row, i * 2 + a, 0], "uint8x32")), 8)
+        low = _wide(T.reinterpret("int32x8", ql.vload([row, i * 2 + a, 32 * (c % 2)], "uint8x32")), 8)
+        return code(low, high, c), scales(sc, row, run * 2)
+
     @T.macro
     def run_products(ql, qh, sc, jo, r, i, a, p0, xb2, sumi, un, scv):  # type: ignore[no-untyped-def]
         """The 4 runs of half a of super-block i of row r, times every pair's activations."""
-        if unpacked:
-            for c in T.unroll(4):
-                run = T.meta_var(i * 8 + a * 4 + c)
-                codes = T.meta_var(_wide(T.reinterpret("int32x8", un.vload([r, run * 32], "uint8x32")), 8))
-                mults = T.meta_var(_wide(scv.vload([r, run * 16], "int16x16"), 16))
-                for u in T.unroll(n_pairs):
-                    sumi[(r * n_pairs + u) * 2 + c % 2, 0:16] = _scaled512(
-                        sumi.vload([(r * n_pairs + u) * 2 + c % 2, 0], "int32x16"),
-                        _pairs512(codes, xb2.vload([p0 + u, run * 64], "int8x64")), mults)
-        else:
-            bits = T.meta_var(qh.vload([jo * rows + r, i * 2 + a, 0], "uint8x32"))
-            high = T.meta_var(_wide(T.reinterpret("int32x8", bits), 8))
-            for c in T.unroll(4):
-                half = T.meta_var(ql.vload([jo * rows + r, i * 2 + a, 32 * (c % 2)], "uint8x32"))
-                low = T.meta_var(_wide(T.reinterpret("int32x8", half), 8))
-                run = T.meta_var(i * 8 + a * 4 + c)
-                for u in T.unroll(n_pairs):
-                    sumi[(r * n_pairs + u) * 2 + c % 2, 0:16] = _scaled512(
-                        sumi.vload([(r * n_pairs + u) * 2 + c % 2, 0], "int32x16"),
-                        _pairs512(code(low, high, c), xb2.vload([p0 + u, run * 64], "int8x64")),
-                        scales(sc, jo * rows + r, run * 2))
+        for c in T.unroll(4):
+            codes, mults = T.meta_var(run_operands(ql, qh, sc, jo * rows + r, r, i, a, c, un, scv))
+            for u in T.unroll(n_pairs):
+                sumi[(r * n_pairs + u) * 2 + c % 2, 0:16] = _scaled512(
+                    sumi.vload([(r * n_pairs + u) * 2 + c % 2, 0], "int32x16"),
+                    _pairs(codes, xb2.vload([p0 + u, (i * 8 + a * 4 + c) * 64], "int8x64"), 32), mults)
 
     @T.macro
     def row_group(ql, qh, sc, d, y, n, jo, p0, xb2, xd2, xp2, un=None, scv=None):  # type: ignore[no-untyped-def]

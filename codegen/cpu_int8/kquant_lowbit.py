@@ -25,7 +25,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ggufc.codegen.cpu_int8 import parts as P
-from ggufc.codegen.cpu_int8.isa import Int8Isa
+from ggufc.codegen.cpu_int8.isa import Int8Isa, pmaddwd
 from ggufc.codegen.cpu_int8.parts import mask32 as _mask
 from ggufc.codegen.cpu_int8.parts import pairs16 as _pairs
 from ggufc.codegen.cpu_int8.parts import scaled_pairs as _scaled
@@ -89,8 +89,8 @@ def q2k_rows(isa: Int8Isa, rows: int, n_super: int, tt: int, prefetch_groups: in
                 mins = T.meta_var(T.Cast("int16x16", T.shift_right(sc.vload([jo * rows + r, i * 16], "uint8x16"),
                                                                    T.broadcast(T.uint8(4), 16))))
                 for u in T.unroll(tt):
-                    prod = T.meta_var(T.call_llvm_pure_intrin(  # llama.cpp's madd of the minimums and bsums
-                        "int32x8", "llvm.x86.avx2.pmadd.wd", mins, xs16.vload([t + u, i * 16], "int16x16")))
+                    prod = T.meta_var(pmaddwd(  # llama.cpp's madd of the minimums and bsums
+                        mins, xs16.vload([t + u, i * 16], "int16x16")))
                     acc[r * tt + u, 0:8] = _to_acc(acc, r * tt + u, dms[r * tt + u, i], prod)
                     acc[r * tt + u, 0:8] = _to_acc(acc, r * tt + u, ds[r * tt + u, i],
                                                    sumi.vload([r * tt + u, 0], "int32x8"))

@@ -26,9 +26,9 @@ from collections.abc import Callable
 from tvm import tirx
 from tvm.script import tirx as T
 
+from ggufc.codegen.cpu_int8.isa import vpdpbusd
 from ggufc.codegen.cpu_int8.parts import ROWS, half_lane, half_sums, prefetch
 
-DOT512 = "llvm.x86.avx512.vpdpbusd.512"
 PAIRS_PER_TILE = 2
 
 
@@ -78,10 +78,9 @@ def pair_tile(qtype: str, n_blocks: int, pairs: int, prefetch_groups: int) -> Ca
         # table, without building one per tile
         d_w = T.meta_var(T.broadcast(wdf[r, b], 16))
         for p in T.unroll(pairs):
-            dot = T.meta_var(T.call_llvm_pure_intrin(
-                "int32x16", DOT512,
+            dot = T.meta_var(vpdpbusd(
                 T.broadcast(T.int32(0), 16) if has_min else xcq.vload([(b * t_pad + t + 2 * p) * 8], "int32x16"),
-                T.reinterpret("int8x64", codes), xq.vload([(b * t_pad + t + 2 * p) * 32], "int8x64")))
+                codes, xq.vload([(b * t_pad + t + 2 * p) * 32], "int8x64"), 16))
             scale = T.meta_var(d_w * xdp.vload([(b * (t_pad // 2) + t // 2 + p) * 16], "float32x16"))
             acc[r * pairs + p, 0:16] = _fma16(scale, T.Cast("float32x16", dot),
                                               acc.vload([r * pairs + p, 0], "float32x16"))

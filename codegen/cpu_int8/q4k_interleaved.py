@@ -52,11 +52,10 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ggufc.codegen.cpu_int8 import parts as P
-from ggufc.codegen.cpu_int8.isa import Int8Isa, int8_isa
+from ggufc.codegen.cpu_int8.isa import Int8Isa, int8_isa, pmaddwd, vpdpbusd
 from ggufc.codegen.cpu_int8.kquant import (
     GEMM_TOKENS,
     SUPER,
-    _pairs512,
     _q8k_quantize,
     _q8k_super_block,
     gemv_prologue,
@@ -187,47 +186,13 @@ def _joined(one: Callable[[Any], tirx.PrimExpr], lanes: int, jo: tirx.PrimExpr, 
     return T.Shuffle([_joined(one, lanes, jo, 2), _joined(one, lanes, jo + 2, 2)], list(range(4 * lanes)))
 
 
-def _per_zmm(intrin: str, out: str, *args: tuple[tirx.PrimExpr, int]) -> tirx.PrimExpr:
-    """A 512-bit intrinsic over 1024-bit operands `(vector, lanes)` (width 4): once per half, the
-    halves joined into one `out` vector."""
-    kind, lanes = out.split("x")
-    half = int(lanes) // 2
-    parts = [T.call_llvm_pure_intrin(f"{kind}x{half}", intrin,
-                                     *(T.Shuffle([v], list(range(h * n // 2, h * n // 2 + n // 2))) for v, n in args))
-             for h in range(2)]
-    return T.Shuffle(parts, list(range(int(lanes))))
-
-
 def _bcast4(flat32: tirx.Buffer, index: tirx.PrimExpr, width: int) -> tirx.PrimExpr:
     """Four int8 activation codes (one int32 of the code buffer) in every lane: vpbroadcastd."""
     return T.reinterpret(f"int8x{32 * width}", T.broadcast(flat32[index], 8 * width))
 
 
-def _pairs(codes: tirx.PrimExpr, acts: tirx.PrimExpr, width: int) -> tirx.PrimExpr:
-    """vpmaddubsw of 32 or 64 code bytes (isa.pairs16; exact here, module docstring)."""
-    return P.pairs16(codes, acts) if width == 1 else _pairs512(codes, acts)
-
-
-def _pmaddwd(a: tirx.PrimExpr, b: tirx.PrimExpr, width: int = 1) -> tirx.PrimExpr:
-    if width == 1:
-        return T.call_llvm_pure_intrin("int32x8", "llvm.x86.avx2.pmadd.wd", a, b)
-    if width == 4:
-        return _per_zmm("llvm.x86.avx512.pmaddw.d.512", "int32x32", (a, 64), (b, 64))
-    return T.call_llvm_pure_intrin("int32x16", "llvm.x86.avx512.pmaddw.d.512", a, b)
-
-
-def _dot4(acc: tirx.PrimExpr, codes: tirx.PrimExpr, acts: tirx.PrimExpr, width: int) -> tirx.PrimExpr:
-    """vpdpbusd: acc + in int32 lane r the 4 products of row r's code bytes and the activations."""
-    lanes = GROUP * width
-    if width == 4:
-        return _per_zmm("llvm.x86.avx512.vpdpbusd.512", "int32x32", (acc, 32), (T.reinterpret("int8x128", codes), 128),
-                        (acts, 128))
-    return T.call_llvm_pure_intrin(f"int32x{lanes}", f"llvm.x86.avx512.vpdpbusd.{32 * lanes}", acc,
-                                   T.reinterpret(f"int8x{4 * lanes}", codes), acts)
-
-
 def _scales32(sc8: tirx.Buffer, jo: tirx.PrimExpr, i: tirx.PrimExpr, s: tirx.PrimExpr, width: int) -> tirx.PrimExpr:
-    """The rows' scales of sub-block s, one int32 lane each: the multipliers of _dot4's run sums."""
+    """The rows' scales of sub-block s, one int32 lane each: the multipliers of vpdpbusd's run sums."""
     return _joined(lambda g: T.Cast("int32x8", sc8.vload([g, i, s, 0], "uint8x8")), 8, jo, width)
 
 
@@ -249,7 +214,7 @@ def _mins(mn8: tirx.Buffer, xs32: tirx.Buffer, jo: tirx.PrimExpr, i: tirx.PrimEx
     """mn_2p A_2p + mn_2p+1 A_2p+1 in lane r (row r): the pair of code sums at xs32[pair_index]."""
     mins = _joined(lambda g: T.Cast("int16x16", mn8.vload([g, i, p, 0], "uint8x16")), 16, jo, width)
     pair = T.reinterpret(f"int16x{16 * width}", T.broadcast(xs32[pair_index], 8 * width))
-    return _pmaddwd(mins, pair, width)
+    return pmaddwd(mins, pair, GROUP * width)
 
 
 def x8_rows(n_super: int, tt: int, per_run: bool, prefetch_groups: int = P.PREFETCH_GROUPS,
@@ -269,7 +234,15 @@ def x8_rows(n_super: int, tt: int, per_run: bool, prefetch_groups: int = P.PREFE
     # latency (decode GEMVs cold 0.97-0.99x, MoE decode ~0.97x)
     vnni = vnni and (tt > 1 or width > 1)
     assert vnni or width <= 2, "four row groups at once take vpdpbusd"
-    i32, f32, i16 = f"int32x{lanes}", f"float32x{lanes}", f"int16x{2 * lanes}"
+    i32, f32 = f"int32x{lanes}", f"float32x{lanes}"
+    # a run's sums of products: int32 lanes (vpdpbusd), or int16 pairs (vpmaddubsw + vpaddw)
+    sum_type, sum_lanes = ("int32", lanes) if vnni else ("int16", 2 * lanes)
+    sum_vec = f"{sum_type}x{sum_lanes}"
+
+    def add_products(total: tirx.PrimExpr, codes: tirx.PrimExpr, acts: tirx.PrimExpr) -> tirx.PrimExpr:
+        if vnni:
+            return vpdpbusd(total, codes, acts, lanes)
+        return total + P.pairs16(codes, acts, 2 * lanes)  # exact here (module docstring)
 
     @T.macro
     def side_fields(sc_flat, mn_flat, d_flat, dm_flat, group, i):  # type: ignore[no-untyped-def]
@@ -292,14 +265,13 @@ def x8_rows(n_super: int, tt: int, per_run: bool, prefetch_groups: int = P.PREFE
         d_w = _joined(lambda g: field.vload([g, i, 0], "float16x8"), 8, jo, width)
         return T.Cast(f32, d_w) * T.broadcast(d_a, lanes)
 
-    def run_sum(part: tirx.Buffer, part32: tirx.Buffer, sc8: tirx.Buffer, jo: Any, i: Any, g: Any,
-                u: int) -> tirx.PrimExpr:
+    def run_sum(sums: tirx.Buffer, sc8: tirx.Buffer, jo: Any, i: Any, g: Any, u: int) -> tirx.PrimExpr:
         """Run g's sum of token u in lane r: sub-blocks 2g and 2g + 1 times row r's scales."""
         if vnni:
-            return (part32.vload([2 * u, 0], i32) * _scales32(sc8, jo, i, 2 * g, width)
-                    + part32.vload([2 * u + 1, 0], i32) * _scales32(sc8, jo, i, 2 * g + 1, width))
-        return (_pmaddwd(part.vload([2 * u, 0], i16), _scales16(sc8, jo, i, 2 * g, width), width)
-                + _pmaddwd(part.vload([2 * u + 1, 0], i16), _scales16(sc8, jo, i, 2 * g + 1, width), width))
+            return (sums.vload([2 * u, 0], sum_vec) * _scales32(sc8, jo, i, 2 * g, width)
+                    + sums.vload([2 * u + 1, 0], sum_vec) * _scales32(sc8, jo, i, 2 * g + 1, width))
+        return (pmaddwd(sums.vload([2 * u, 0], sum_vec), _scales16(sc8, jo, i, 2 * g, width), lanes)
+                + pmaddwd(sums.vload([2 * u + 1, 0], sum_vec), _scales16(sc8, jo, i, 2 * g + 1, width), lanes))
 
     @T.macro
     def row_group(d8, dmin8, sc8, mn8, qs8, y, n, jo, t, xb32, xd, xs32):  # type: ignore[no-untyped-def]
@@ -315,8 +287,7 @@ def x8_rows(n_super: int, tt: int, per_run: bool, prefetch_groups: int = P.PREFE
         dms = T.alloc_buffer((tt, lanes), "float32")
         isum = T.alloc_buffer((tt, lanes), "int32")
         msum = T.alloc_buffer((tt, lanes), "int32")
-        part = T.alloc_buffer((tt * 2, 2 * lanes), "int16")  # a run's low / high nibbles' pair sums
-        part32 = T.alloc_buffer((tt * 2, lanes), "int32")  # the same, vnni: their int32 sums
+        sums = T.alloc_buffer((tt * 2, sum_lanes), sum_type)  # a run's low / high nibbles' sums
         # a tile's run sums go to memory, their float (or integer) steps after the super-block's
         # run loop, whose 8 int16 sums then keep the registers (with 8 accumulators live across
         # the loop too, they spilled: 1.12-1.14x); a one-token call keeps its 2 in registers
@@ -338,28 +309,19 @@ def x8_rows(n_super: int, tt: int, per_run: bool, prefetch_groups: int = P.PREFE
                 msum[u, 0:lanes] = T.broadcast(T.int32(0), lanes)
             for g in range(4):
                 for u in T.unroll(tt * 2):
-                    if vnni:
-                        part32[u, 0:lanes] = T.broadcast(T.int32(0), lanes)
-                    else:
-                        part[u, 0:2 * lanes] = T.broadcast(T.int16(0), 2 * lanes)
+                    sums[u, 0:sum_lanes] = T.broadcast(tirx.const(0, sum_type), sum_lanes)
                 for c in T.unroll(8):
                     bits = T.meta_var(codes(qs8, jo, i * 4 + g, c))
                     lo = T.meta_var(mask(bits))
                     hi = T.meta_var(mask(T.shift_right(bits, T.broadcast(T.int32(4), lanes))))
                     for u in T.unroll(tt):
                         at = T.meta_var((t + u) * (k // 4) + i * 64 + g * 16 + c)
-                        if vnni:
-                            part32[2 * u, 0:lanes] = _dot4(part32.vload([2 * u, 0], i32), lo,
-                                                           _bcast4(xb32, at, width), width)
-                            part32[2 * u + 1, 0:lanes] = _dot4(part32.vload([2 * u + 1, 0], i32), hi,
-                                                               _bcast4(xb32, at + 8, width), width)
-                        else:
-                            part[2 * u, 0:2 * lanes] = part.vload([2 * u, 0], i16) + _pairs(
-                                lo, _bcast4(xb32, at, width), width)
-                            part[2 * u + 1, 0:2 * lanes] = part.vload([2 * u + 1, 0], i16) + _pairs(
-                                hi, _bcast4(xb32, at + 8, width), width)
+                        sums[2 * u, 0:sum_lanes] = add_products(sums.vload([2 * u, 0], sum_vec), lo,
+                                                                _bcast4(xb32, at, width))
+                        sums[2 * u + 1, 0:sum_lanes] = add_products(sums.vload([2 * u + 1, 0], sum_vec), hi,
+                                                                    _bcast4(xb32, at + 8, width))
                 for u in T.unroll(tt):
-                    run = T.meta_var(run_sum(part, part32, sc8, jo, i, g, u))
+                    run = T.meta_var(run_sum(sums, sc8, jo, i, g, u))
                     mins = T.meta_var(_mins(mn8, xs32, jo, i, g, (t + u) * (k // 64) + i * 4 + g, width))
                     if staged:
                         runs[g, u, 0:lanes] = run
