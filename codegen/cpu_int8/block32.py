@@ -24,7 +24,8 @@ The "- c A" corrections start the integer accumulator (one lane per four values)
 body has no extra work. Nibble weights keep GGUF's split layout (byte j holds values j and j+16):
 a block's 16 bytes load into both halves of a vector, shifted by 0 and 4 bits, so its codes come
 out in value order. A decode step runs GEMVs (grouped, with an RMSNorm or SwiGLU prologue and a
-residual epilogue); a prompt, or a batched decode step's B rows, runs the same per-token
+residual epilogue; Q4_0, Q4_1 and Q8_0 with 512-bit VNNI two rows per register, each lane the
+8-lane steps of its row); a prompt, or a batched decode step's B rows, runs the same per-token
 arithmetic as a GEMM (`int8_gemm`: with 512-bit VNNI two tokens per vector, codegen/cpu_int8/pair_gemm.py;
 else 256-bit tiles of two tokens over codes unpacked once per row group, codegen/cpu_int8/nibble_gemm.py). Which
 matmuls run here is decided by the rules of passes/fuse_int8.py (`Int8Kernels` tells them).
@@ -45,7 +46,7 @@ from tvm.script import tirx as T
 from ggufc.codegen.cpu_int8 import q4k_interleaved as X
 from ggufc.codegen.cpu_int8.amx_gemm import AMX_GEMM_TYPES, amx_gemm
 from ggufc.codegen.cpu_int8.amx_gemm import TILE as AMX_TILE
-from ggufc.codegen.cpu_int8.isa import Int8Isa, int8_isa
+from ggufc.codegen.cpu_int8.isa import Int8Isa, int8_isa, vpdpbusd
 from ggufc.codegen.cpu_int8.kquant import (
     KQUANT_GEMV_TYPES,
     PAIR_TILE,
@@ -324,8 +325,41 @@ def _lane(v: tirx.PrimExpr, i: tirx.PrimExpr) -> tirx.PrimExpr:
     return T.call_llvm_pure_intrin("float32x8", "llvm.x86.avx2.permps", v, T.broadcast(T.Cast("int32", i), 8))
 
 
+# A GEMV on 512-bit vectors takes a row group's rows two at a time, row 2p in the low 8 lanes of
+# a register and row 2p + 1 in the high 8: every lane runs the 8-lane steps of its row, so the
+# sums are the 256-bit kernel's bit for bit, in half the vector instructions.
+
+def _pair_lane(v: tirx.PrimExpr, i: tirx.PrimExpr) -> tirx.PrimExpr:
+    """Of a float32x16 holding two rows' 8 values, lane i of each half broadcast over its half."""
+    index = T.Shuffle([T.broadcast(T.Cast("int32", i), 8), T.broadcast(T.Cast("int32", i) + 8, 8)], [*range(16)])
+    return T.call_llvm_pure_intrin("float32x16", "llvm.x86.avx512.permvar.sf.512", v, index)
+
+
+def _twice(v: tirx.PrimExpr, lanes: int) -> tirx.PrimExpr:
+    """A vector of `lanes` lanes in both halves of one twice as wide."""
+    return T.Shuffle([v, v], [*range(2 * lanes)])
+
+
+def _halves(a: tirx.PrimExpr, b: tirx.PrimExpr, lanes: int) -> tirx.PrimExpr:
+    """a in the low half, b in the high half."""
+    return T.Shuffle([a, b], [*range(2 * lanes)])
+
+
+def _fma16(a: tirx.PrimExpr, b: tirx.PrimExpr, c: tirx.PrimExpr) -> tirx.PrimExpr:
+    return T.call_llvm_pure_intrin("float32x16", "llvm.fma.v16f32", a, b, c)
+
+
+def _nibble_pair(wq: tirx.Buffer, j: tirx.PrimExpr, b: tirx.PrimExpr) -> tirx.PrimExpr:
+    """nibble_codes of block b of rows j (low half) and j + 1 (high half): int32x16 of bytes."""
+    shifts = T.Shuffle([T.broadcast(T.int32(0), 4), T.broadcast(T.int32(4), 4)], [*range(8)])
+    lo, hi = (_twice(wq.vload([row, b, 0], "uint8x16"), 16) for row in (j, j + 1))
+    both = T.reinterpret("int32x16", _halves(lo, hi, 32))
+    return T.bitwise_and(T.shift_right(both, _twice(shifts, 8)), T.broadcast(T.int32(0x0F0F0F0F), 16))
+
+
 def _q4_steps(isa: Int8Isa, has_min: bool, rows: int, n_blocks: int, tt: int = 1,
-              prefetch_groups: int = PREFETCH_GROUPS, five: bool = False, far: bool = False) -> Callable[..., None]:
+              prefetch_groups: int = PREFETCH_GROUPS, five: bool = False, far: bool = False,
+              pairs: bool = False) -> Callable[..., None]:
     """The row-group macro of the Q4_0/Q4_1 kernels: rows [jo * rows, jo * rows + rows) of one
     matrix for tokens [t, t + tt), in llama.cpp's order (ggml_vec_dot_q4_{0,1}_q8_{0,1}, AVX2): per
     block, an 8-lane integer dot (lane j: values 4j..4j+3) converted to float and accumulated as
@@ -334,8 +368,10 @@ def _q4_steps(isa: Int8Isa, has_min: bool, rows: int, n_blocks: int, tt: int = 1
     per-half shift (0 or 4 bits) and a mask give its 32 codes in value order, which serve the
     tile's tt tokens. `five`: Q5_0/Q5_1 (ggml_vec_dot_q5_{0,1}_q8_{0,1}, the same float steps), bit
     v of the block's qh word the fifth bit of code v. `far`: a GEMV's, whose codes are also
-    prefetched into L2 far ahead (as the K-quant GEMVs', parts.prefetch_l2)."""
+    prefetched into L2 far ahead (as the K-quant GEMVs', parts.prefetch_l2). `pairs` (a GEMV, Q4_0
+    and Q4_1, 512-bit vectors): two rows per register, the same steps in every lane."""
     assert rows == ROWS == 4, "the Q4_1 minimum terms of a row group are one float32x4"
+    assert not pairs or (tt == 1 and not five and isa.wide), "row pairs: a Q4_0 / Q4_1 GEMV on 512 bits"
     tile_start = tile_scales(n_blocks, tt)
     n_octs = n_blocks // 8  # 8-block runs whose weight scales load as one f16x8 vector
     far_groups = l2_ahead_groups(rows * n_blocks * 16, prefetch_groups)
@@ -349,6 +385,14 @@ def _q4_steps(isa: Int8Isa, has_min: bool, rows: int, n_blocks: int, tt: int = 1
                 codes, xb.vload([t + u, b * 32], "int8x32")))
             acc[r * tt + u, 0:8] = fma8(T.broadcast(scales[r * tt + u, b], 8), T.Cast("float32x8", dot),
                                          acc.vload([r * tt + u, 0], "float32x8"))
+
+    @T.macro
+    def pair_step(wq, acc, jo, p, b, scale, t, xb, xc):  # type: ignore[no-untyped-def]
+        """block_step for rows 2p and 2p + 1 of the group at once (`scale`: their d_w d_a, a half each)."""
+        start = T.meta_var(T.broadcast(T.int32(0), 16) if has_min else _twice(xc.vload([t, b * 8], "int32x8"), 8))
+        dot = T.meta_var(vpdpbusd(start, _nibble_pair(wq, jo * rows + 2 * p, b),
+                                  _twice(xb.vload([t, b * 32], "int8x32"), 32), 16))
+        acc[2 * p, 0:16] = _fma16(scale, T.Cast("float32x16", dot), acc.vload([2 * p, 0], "float32x16"))
 
     @T.macro
     def min_terms(wm, y, jo, t, xss, s8):  # type: ignore[no-untyped-def]
@@ -391,12 +435,24 @@ def _q4_steps(isa: Int8Isa, has_min: bool, rows: int, n_blocks: int, tt: int = 1
                 wqh_flat = T.decl_buffer((n * n_blocks,), "uint32", data=wqh.data)
                 for c in T.unroll(2):
                     prefetch(wqh_flat, ahead * rows * n_blocks + o * 32 + c * 16)
-            for c in T.unroll(8):
-                for r in T.unroll(rows):
-                    block_step(wq, wqh, acc, jo * rows + r, r, o * 8 + c, scales, t, xb, xc)
+            if pairs:
+                for c in T.unroll(8):
+                    for p in T.unroll(rows // 2):
+                        octs = T.meta_var(_halves(scales.vload([2 * p, o * 8], "float32x8"),
+                                                  scales.vload([2 * p + 1, o * 8], "float32x8"), 8))
+                        pair_step(wq, acc, jo, p, o * 8 + c, _pair_lane(octs, c), t, xb, xc)
+            else:
+                for c in T.unroll(8):
+                    for r in T.unroll(rows):
+                        block_step(wq, wqh, acc, jo * rows + r, r, o * 8 + c, scales, t, xb, xc)
         for b in range(n_octs * 8, n_blocks):  # the blocks after the last whole 8-block run
-            for r in T.unroll(rows):
-                block_step(wq, wqh, acc, jo * rows + r, r, b, scales, t, xb, xc)
+            if pairs:
+                for p in T.unroll(rows // 2):
+                    pair_step(wq, acc, jo, p, b, _halves(T.broadcast(scales[2 * p, b], 8),
+                                                         T.broadcast(scales[2 * p + 1, b], 8), 8), t, xb, xc)
+            else:
+                for r in T.unroll(rows):
+                    block_step(wq, wqh, acc, jo * rows + r, r, b, scales, t, xb, xc)
         for r in T.unroll(rows):
             for u in T.unroll(tt):
                 y[t + u, jo * rows + r] = hsum8(acc, r * tt + u)
@@ -408,10 +464,11 @@ def _q4_steps(isa: Int8Isa, has_min: bool, rows: int, n_blocks: int, tt: int = 1
 
 
 def _q8_steps(isa: Int8Isa, rows: int, n_blocks: int, prefetch_groups: int = PREFETCH_GROUPS,
-              far: bool = False) -> Callable[..., None]:
+              far: bool = False, pairs: bool = False) -> Callable[..., None]:
     """The row-group macro of the Q8_0 kernels, in llama.cpp's order (ggml_vec_dot_q8_0_q8_0, AVX2,
     and tinyBLAS's Q8_0 GEMM): per block acc = fma(d_w d_a, 8-lane dot, acc), then hsum_float_8.
-    `far` as in _q4_steps."""
+    `far` and `pairs` (512-bit vectors) as in _q4_steps."""
+    assert not pairs or isa.wide, "row pairs: 512-bit vectors"
     n_octs = n_blocks // 8  # 8-block runs whose scales d_w d_a form one vector
     far_groups = l2_ahead_groups(rows * n_blocks * 32, prefetch_groups)
     offset = isa.q8_offset > 0  # whether xc holds the lane starts
@@ -423,6 +480,17 @@ def _q8_steps(isa: Int8Isa, rows: int, n_blocks: int, prefetch_groups: int = PRE
         dot = T.meta_var(isa.q8_dot(xc.vload([t, b * 8], "int32x8") if offset else T.broadcast(T.int32(0), 8),
                                     wq.vload([j, b, 0], "int8x32"), xb.vload([t, b * 32], "int8x32")))
         acc[r, 0:8] = fma8(scale, T.Cast("float32x8", dot), acc.vload([r, 0], "float32x8"))
+
+    @T.macro
+    def pair_step(wq, acc, jo, p, b, scale, t, xb, xc):  # type: ignore[no-untyped-def]
+        """block_step for rows 2p and 2p + 1 of the group at once: the sign bits flipped as
+        Int8Isa.q8_dot flips them with VNNI (every 512-bit CPU has it)."""
+        codes = T.meta_var(_halves(wq.vload([jo * rows + 2 * p, b, 0], "int8x32"),
+                                   wq.vload([jo * rows + 2 * p + 1, b, 0], "int8x32"), 32))
+        flipped = T.meta_var(T.bitwise_xor(T.reinterpret("int32x16", codes), T.broadcast(T.int32(-2139062144), 16)))
+        dot = T.meta_var(vpdpbusd(_twice(xc.vload([t, b * 8], "int32x8"), 8), flipped,
+                                  _twice(xb.vload([t, b * 32], "int8x32"), 32), 16))
+        acc[2 * p, 0:16] = _fma16(scale, T.Cast("float32x16", dot), acc.vload([2 * p, 0], "float32x16"))
 
     @T.macro
     def row_group(wd, wq, y, n, jo, t, xb, xd, xc):  # type: ignore[no-untyped-def]
@@ -445,15 +513,26 @@ def _q8_steps(isa: Int8Isa, rows: int, n_blocks: int, prefetch_groups: int = PRE
                 if far:
                     prefetch_l2(wq_flat, far_ahead * rows * n_blocks * 32 + (o * 8 + c) * 128)
                     prefetch_l2(wq_flat, far_ahead * rows * n_blocks * 32 + (o * 8 + c) * 128 + 64)
-                for r in T.unroll(rows):
-                    block_step(wq, acc, jo * rows + r, r, o * 8 + c, _lane(s8.vload([r, 0], "float32x8"), c), t,
-                               xb, xc)
+                if pairs:
+                    for p in T.unroll(rows // 2):
+                        pair_step(wq, acc, jo, p, o * 8 + c, _pair_lane(s8.vload([2 * p, 0], "float32x16"), c), t,
+                                  xb, xc)
+                else:
+                    for r in T.unroll(rows):
+                        block_step(wq, acc, jo * rows + r, r, o * 8 + c, _lane(s8.vload([r, 0], "float32x8"), c), t,
+                                   xb, xc)
         for b in range(n_octs * 8, n_blocks):  # the blocks after the last whole 8-block run
             prefetch(wq_flat, ahead * rows * n_blocks * 32 + b * 128)
             prefetch(wq_flat, ahead * rows * n_blocks * 32 + b * 128 + 64)
-            for r in T.unroll(rows):
-                scale = T.meta_var(T.broadcast(T.Cast("float32", wd[jo * rows + r, b]) * xd[t, b], 8))
-                block_step(wq, acc, jo * rows + r, r, b, scale, t, xb, xc)
+            if pairs:
+                for p in T.unroll(rows // 2):
+                    scales = T.meta_var([T.broadcast(T.Cast("float32", wd[jo * rows + 2 * p + h, b]) * xd[t, b], 8)
+                                         for h in range(2)])
+                    pair_step(wq, acc, jo, p, b, _halves(scales[0], scales[1], 8), t, xb, xc)
+            else:
+                for r in T.unroll(rows):
+                    scale = T.meta_var(T.broadcast(T.Cast("float32", wd[jo * rows + r, b]) * xd[t, b], 8))
+                    block_step(wq, acc, jo * rows + r, r, b, scale, t, xb, xc)
         for r in T.unroll(rows):
             y[t, jo * rows + r] = hsum8(acc, r)
 
@@ -492,8 +571,8 @@ def _gemv(qtype: str, ns: tuple[int, ...], k: int, isa: Int8Isa, stage: Stage | 
     _, prologue = quantize_prologue(q8_pos, stage, k)
     add_residual = residual_adder(residual)
     q4_rows = _q4_steps(isa, has_min, rows, n_blocks, prefetch_groups=prefetch_groups, five=qtype[:2] == "Q5",
-                        far=True)
-    q8_rows = _q8_steps(isa, rows, n_blocks, prefetch_groups, far=True)
+                        far=True, pairs=isa.wide and qtype[:2] == "Q4")
+    q8_rows = _q8_steps(isa, rows, n_blocks, prefetch_groups, far=True, pairs=isa.wide)
     starts = _starts(n_blocks, _code_offset(qtype, isa))
     n_groups = g1 + (g2 if group >= 2 else 0) + (g3 if group >= 3 else 0)
     split = max(1, int(groups_per_task))
