@@ -76,6 +76,7 @@ from ggufc.codegen.cpu_int8.parts import (
     ROWS,
     Stage,
     fma8,
+    fma16,
     hsum8,
     input_stage,
     l2_ahead_groups,
@@ -85,6 +86,7 @@ from ggufc.codegen.cpu_int8.parts import (
     quantize_prologue,
     residual_adder,
     slots,
+    twice,
     without_params,
 )
 from ggufc.codegen.formats.layout import layout_spec
@@ -327,7 +329,7 @@ def _lane(v: tirx.PrimExpr, i: tirx.PrimExpr) -> tirx.PrimExpr:
 
 # A GEMV on 512-bit vectors takes a row group's rows two at a time, row 2p in the low 8 lanes of
 # a register and row 2p + 1 in the high 8: every lane runs the 8-lane steps of its row, so the
-# sums are the 256-bit kernel's bit for bit, in half the vector instructions.
+# sums are the 256-bit kernel's bit for bit, with fewer vector instructions (~1.25x in the loop).
 
 def _pair_lane(v: tirx.PrimExpr, i: tirx.PrimExpr) -> tirx.PrimExpr:
     """Of a float32x16 holding two rows' 8 values, lane i of each half broadcast over its half."""
@@ -335,26 +337,17 @@ def _pair_lane(v: tirx.PrimExpr, i: tirx.PrimExpr) -> tirx.PrimExpr:
     return T.call_llvm_pure_intrin("float32x16", "llvm.x86.avx512.permvar.sf.512", v, index)
 
 
-def _twice(v: tirx.PrimExpr, lanes: int) -> tirx.PrimExpr:
-    """A vector of `lanes` lanes in both halves of one twice as wide."""
-    return T.Shuffle([v, v], [*range(2 * lanes)])
-
-
 def _halves(a: tirx.PrimExpr, b: tirx.PrimExpr, lanes: int) -> tirx.PrimExpr:
     """a in the low half, b in the high half."""
     return T.Shuffle([a, b], [*range(2 * lanes)])
 
 
-def _fma16(a: tirx.PrimExpr, b: tirx.PrimExpr, c: tirx.PrimExpr) -> tirx.PrimExpr:
-    return T.call_llvm_pure_intrin("float32x16", "llvm.fma.v16f32", a, b, c)
-
-
 def _nibble_pair(wq: tirx.Buffer, j: tirx.PrimExpr, b: tirx.PrimExpr) -> tirx.PrimExpr:
     """nibble_codes of block b of rows j (low half) and j + 1 (high half): int32x16 of bytes."""
     shifts = T.Shuffle([T.broadcast(T.int32(0), 4), T.broadcast(T.int32(4), 4)], [*range(8)])
-    lo, hi = (_twice(wq.vload([row, b, 0], "uint8x16"), 16) for row in (j, j + 1))
+    lo, hi = (twice(wq.vload([row, b, 0], "uint8x16"), 16) for row in (j, j + 1))
     both = T.reinterpret("int32x16", _halves(lo, hi, 32))
-    return T.bitwise_and(T.shift_right(both, _twice(shifts, 8)), T.broadcast(T.int32(0x0F0F0F0F), 16))
+    return T.bitwise_and(T.shift_right(both, twice(shifts, 8)), T.broadcast(T.int32(0x0F0F0F0F), 16))
 
 
 def _q4_steps(isa: Int8Isa, has_min: bool, rows: int, n_blocks: int, tt: int = 1,
@@ -389,10 +382,10 @@ def _q4_steps(isa: Int8Isa, has_min: bool, rows: int, n_blocks: int, tt: int = 1
     @T.macro
     def pair_step(wq, acc, jo, p, b, scale, t, xb, xc):  # type: ignore[no-untyped-def]
         """block_step for rows 2p and 2p + 1 of the group at once (`scale`: their d_w d_a, a half each)."""
-        start = T.meta_var(T.broadcast(T.int32(0), 16) if has_min else _twice(xc.vload([t, b * 8], "int32x8"), 8))
+        start = T.meta_var(T.broadcast(T.int32(0), 16) if has_min else twice(xc.vload([t, b * 8], "int32x8"), 8))
         dot = T.meta_var(vpdpbusd(start, _nibble_pair(wq, jo * rows + 2 * p, b),
-                                  _twice(xb.vload([t, b * 32], "int8x32"), 32), 16))
-        acc[2 * p, 0:16] = _fma16(scale, T.Cast("float32x16", dot), acc.vload([2 * p, 0], "float32x16"))
+                                  twice(xb.vload([t, b * 32], "int8x32"), 32), 16))
+        acc[2 * p, 0:16] = fma16(scale, T.Cast("float32x16", dot), acc.vload([2 * p, 0], "float32x16"))
 
     @T.macro
     def min_terms(wm, y, jo, t, xss, s8):  # type: ignore[no-untyped-def]
@@ -488,9 +481,9 @@ def _q8_steps(isa: Int8Isa, rows: int, n_blocks: int, prefetch_groups: int = PRE
         codes = T.meta_var(_halves(wq.vload([jo * rows + 2 * p, b, 0], "int8x32"),
                                    wq.vload([jo * rows + 2 * p + 1, b, 0], "int8x32"), 32))
         flipped = T.meta_var(T.bitwise_xor(T.reinterpret("int32x16", codes), T.broadcast(T.int32(-2139062144), 16)))
-        dot = T.meta_var(vpdpbusd(_twice(xc.vload([t, b * 8], "int32x8"), 8), flipped,
-                                  _twice(xb.vload([t, b * 32], "int8x32"), 32), 16))
-        acc[2 * p, 0:16] = _fma16(scale, T.Cast("float32x16", dot), acc.vload([2 * p, 0], "float32x16"))
+        dot = T.meta_var(vpdpbusd(twice(xc.vload([t, b * 8], "int32x8"), 8), flipped,
+                                  twice(xb.vload([t, b * 32], "int8x32"), 32), 16))
+        acc[2 * p, 0:16] = fma16(scale, T.Cast("float32x16", dot), acc.vload([2 * p, 0], "float32x16"))
 
     @T.macro
     def row_group(wd, wq, y, n, jo, t, xb, xd, xc):  # type: ignore[no-untyped-def]

@@ -479,19 +479,10 @@ def _q45k_rows(isa: Int8Isa, five: bool, rows: int, n_super: int, tt: int,
     return row_group
 
 
-def _wide(v: tirx.PrimExpr, lanes: int) -> tirx.PrimExpr:
-    """A `lanes`-lane vector twice, as one vector of 2 * lanes (both halves of a zmm register)."""
-    return T.Shuffle([v, v], list(range(2 * lanes)))
-
-
 def _scaled512(acc: tirx.PrimExpr, pairs: tirx.PrimExpr, scales: tirx.PrimExpr) -> tirx.PrimExpr:
     """_scaled on 512 bits, in the saturating form (no sum here comes near int32's limits: the
     same values), which LLVM leaves alone; it splits the plain one into vpmaddwd + vpaddd."""
     return T.call_llvm_pure_intrin("int32x16", "llvm.x86.avx512.vpdpwssds.512", acc, pairs, scales)
-
-
-def _fma16(a: tirx.PrimExpr, b: tirx.PrimExpr, c: tirx.PrimExpr) -> tirx.PrimExpr:
-    return T.call_llvm_pure_intrin("float32x16", "llvm.fma.v16f32", a, b, c)
 
 
 def _q4k_pair_rows(rows: int, n_pairs: int, n_super: int, prefetch_groups: int) -> Callable[..., None]:
@@ -527,7 +518,7 @@ def _q4k_pair_rows(rows: int, n_pairs: int, n_super: int, prefetch_groups: int) 
             for g in T.unroll(4):
                 for r in T.unroll(rows):
                     codes = T.meta_var(qs.vload([jo * rows + r, i * 4 + g, 0], "uint8x32"))
-                    bits = T.meta_var(_wide(T.reinterpret("int32x8", codes), 8))
+                    bits = T.meta_var(P.twice(T.reinterpret("int32x8", codes), 8))
                     lo = T.meta_var(T.bitwise_and(bits, nib))
                     hi = T.meta_var(T.bitwise_and(T.shift_right(bits, T.broadcast(T.int32(4), 16)), nib))
                     for u in T.unroll(n_pairs):
@@ -541,10 +532,10 @@ def _q4k_pair_rows(rows: int, n_pairs: int, n_super: int, prefetch_groups: int) 
                             _pairs(hi, xb2.vload([p0 + u, (i * 8 + 2 * g + 1) * 64], "int8x64"), 32),
                             T.broadcast(T.Cast("int16", sc[jo * rows + r, i * 8 + 2 * g + 1]), 32))
             for r in T.unroll(rows):
-                mins = T.meta_var(_wide(T.Cast("int16x8", mn.vload([jo * rows + r, i * 8], "uint8x8")), 8))
+                mins = T.meta_var(P.twice(T.Cast("int16x8", mn.vload([jo * rows + r, i * 8], "uint8x8")), 8))
                 for u in T.unroll(n_pairs):
                     xd = T.meta_var(xd2.vload([p0 + u, i, 0], "float32x16"))
-                    acc[r * n_pairs + u, 0:16] = _fma16(
+                    acc[r * n_pairs + u, 0:16] = P.fma16(
                         xd * T.broadcast(T.Cast("float32", d[jo * rows + r, i]), 16),
                         T.Cast("float32x16", sumi.vload([(r * n_pairs + u) * 2, 0], "int32x16")
                                + sumi.vload([(r * n_pairs + u) * 2 + 1, 0], "int32x16")),
@@ -618,7 +609,7 @@ def _q6k_pair_rows(rows: int, n_pairs: int, n_super: int, prefetch_groups: int,
     halves = [*range(8), *range(16, 24)]
 
     def scales(sc: tirx.Buffer, row: tirx.PrimExpr, s: tirx.PrimExpr) -> tirx.PrimExpr:
-        return _wide(T.Shuffle([_scale16(sc[row, s]), _scale16(sc[row, s + 1])], halves), 16)
+        return P.twice(T.Shuffle([_scale16(sc[row, s]), _scale16(sc[row, s + 1])], halves), 16)
 
     def code(low: tirx.PrimExpr, high: tirx.PrimExpr, c: tirx.PrimExpr) -> tirx.PrimExpr:
         nib = T.bitwise_and(T.shift_right(low, T.broadcast(T.Cast("int32", 4 * (c // 2)), 16)),
@@ -633,10 +624,10 @@ def _q6k_pair_rows(rows: int, n_pairs: int, n_super: int, prefetch_groups: int,
         halves of a zmm register) and its scales as int16 multipliers."""
         run = i * 8 + a * 4 + c
         if unpacked:
-            return (_wide(T.reinterpret("int32x8", un.vload([r, run * 32], "uint8x32")), 8),
-                    _wide(scv.vload([r, run * 16], "int16x16"), 16))
-        high = _wide(T.reinterpret("int32x8", qh.vload([row, i * 2 + a, 0], "uint8x32")), 8)
-        low = _wide(T.reinterpret("int32x8", ql.vload([row, i * 2 + a, 32 * (c % 2)], "uint8x32")), 8)
+            return (P.twice(T.reinterpret("int32x8", un.vload([r, run * 32], "uint8x32")), 8),
+                    P.twice(scv.vload([r, run * 16], "int16x16"), 16))
+        high = P.twice(T.reinterpret("int32x8", qh.vload([row, i * 2 + a, 0], "uint8x32")), 8)
+        low = P.twice(T.reinterpret("int32x8", ql.vload([row, i * 2 + a, 32 * (c % 2)], "uint8x32")), 8)
         return code(low, high, c), scales(sc, row, run * 2)
 
     @T.macro
@@ -675,10 +666,10 @@ def _q6k_pair_rows(rows: int, n_pairs: int, n_super: int, prefetch_groups: int,
                 for u in T.unroll(n_pairs):
                     sumi[(r * n_pairs + u) * 2, 0:16] = _scaled512(
                         sumi.vload([(r * n_pairs + u) * 2, 0], "int32x16"), xp2.vload([p0 + u, i * 32], "int16x32"),
-                        _wide(_q6k_offset_scales(sc, jo * rows + r, i), 16))
+                        P.twice(_q6k_offset_scales(sc, jo * rows + r, i), 16))
             for r in T.unroll(rows):
                 for u in T.unroll(n_pairs):
-                    acc[r * n_pairs + u, 0:16] = _fma16(
+                    acc[r * n_pairs + u, 0:16] = P.fma16(
                         xd2.vload([p0 + u, i, 0], "float32x16")
                         * T.broadcast(T.Cast("float32", d[jo * rows + r, i]), 16),
                         T.Cast("float32x16", sumi.vload([(r * n_pairs + u) * 2, 0], "int32x16")

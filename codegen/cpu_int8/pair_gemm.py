@@ -27,13 +27,9 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ggufc.codegen.cpu_int8.isa import vpdpbusd
-from ggufc.codegen.cpu_int8.parts import ROWS, half_lane, half_sums, prefetch
+from ggufc.codegen.cpu_int8.parts import ROWS, fma16, half_lane, half_sums, prefetch
 
 PAIRS_PER_TILE = 2
-
-
-def _fma16(a: tirx.PrimExpr, b: tirx.PrimExpr, c: tirx.PrimExpr) -> tirx.PrimExpr:
-    return T.call_llvm_pure_intrin("float32x16", "llvm.fma.v16f32", a, b, c)
 
 
 def _tile_sums(acc: tirx.Buffer, pairs: int) -> tirx.PrimExpr:
@@ -82,7 +78,7 @@ def pair_tile(qtype: str, n_blocks: int, pairs: int, prefetch_groups: int) -> Ca
                 T.broadcast(T.int32(0), 16) if has_min else xcq.vload([(b * t_pad + t + 2 * p) * 8], "int32x16"),
                 codes, xq.vload([(b * t_pad + t + 2 * p) * 32], "int8x64"), 16))
             scale = T.meta_var(d_w * xdp.vload([(b * (t_pad // 2) + t // 2 + p) * 16], "float32x16"))
-            acc[r * pairs + p, 0:16] = _fma16(scale, T.Cast("float32x16", dot),
+            acc[r * pairs + p, 0:16] = fma16(scale, T.Cast("float32x16", dot),
                                               acc.vload([r * pairs + p, 0], "float32x16"))
 
     @T.macro
@@ -92,7 +88,7 @@ def pair_tile(qtype: str, n_blocks: int, pairs: int, prefetch_groups: int) -> Ca
         256-bit kernel's sums do)."""
         four = T.meta_var(mf.vload([b * 4], "float32x4"))
         eight = T.meta_var(T.Shuffle([four, four], [*range(8)]))
-        mins[0:16] = _fma16(T.Shuffle([eight, eight], [*range(16)]),
+        mins[0:16] = fma16(T.Shuffle([eight, eight], [*range(16)]),
                             xsw.vload([((t // 4) * n_blocks + b) * 16], "float32x16"), mins.vload([0], "float32x16"))
 
     @T.macro

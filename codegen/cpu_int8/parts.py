@@ -15,6 +15,7 @@ from tvm.script import tirx as T
 from ggufc.codegen.cpu_int8.isa import Int8Isa
 from ggufc.codegen.cpu_int8.isa import pairs16 as pairs16
 from ggufc.codegen.kernels.cpu_vector_math import fma8 as fma8
+from ggufc.codegen.kernels.cpu_vector_math import fma16 as fma16
 from ggufc.codegen.kernels.cpu_vector_math import hsum8 as hsum8
 from ggufc.codegen.kernels.cpu_vector_math import prefetch as prefetch
 from ggufc.codegen.kernels.cpu_vector_math import prefetch_l2 as prefetch_l2
@@ -132,6 +133,11 @@ def half_sums(vectors: list[tirx.PrimExpr]) -> tirx.PrimExpr:
     zero = T.broadcast(T.float32(0), 16)
     padded = [*vectors, *[zero] * (8 - len(vectors))]
     return _tree_levels(padded, lambda a, b: a + b, lambda a, b, idx: T.Shuffle([a, b], idx))
+
+
+def twice(v: tirx.PrimExpr, lanes: int) -> tirx.PrimExpr:
+    """A vector of `lanes` lanes in both halves of one twice as wide (both halves of a zmm)."""
+    return T.Shuffle([v, v], list(range(2 * lanes)))
 
 
 def without_params(func: tirx.PrimFunc, names: set[str]) -> tirx.PrimFunc:

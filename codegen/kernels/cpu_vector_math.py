@@ -82,6 +82,10 @@ def fma8(a: tirx.PrimExpr, b: tirx.PrimExpr, c: tirx.PrimExpr) -> tirx.PrimExpr:
     return T.call_llvm_pure_intrin("float32x8", "llvm.fma.v8f32", a, b, c)
 
 
+def fma16(a: tirx.PrimExpr, b: tirx.PrimExpr, c: tirx.PrimExpr) -> tirx.PrimExpr:
+    return T.call_llvm_pure_intrin("float32x16", "llvm.fma.v16f32", a, b, c)
+
+
 def hsum8(acc: tirx.Buffer, r: tirx.PrimExpr) -> tirx.PrimExpr:
     """The 8 lanes of acc[r] summed as llama.cpp's hsum_float_8 (and tinyBLAS's hsum):
     ((0+4) + (2+6)) + ((1+5) + (3+7))."""
