@@ -77,6 +77,7 @@ from ggufc.codegen.cpu_int8.parts import (
     Stage,
     fma8,
     fma16,
+    halves,
     hsum8,
     input_stage,
     l2_ahead_groups,
@@ -337,16 +338,11 @@ def _pair_lane(v: tirx.PrimExpr, i: tirx.PrimExpr) -> tirx.PrimExpr:
     return T.call_llvm_pure_intrin("float32x16", "llvm.x86.avx512.permvar.sf.512", v, index)
 
 
-def _halves(a: tirx.PrimExpr, b: tirx.PrimExpr, lanes: int) -> tirx.PrimExpr:
-    """a in the low half, b in the high half."""
-    return T.Shuffle([a, b], [*range(2 * lanes)])
-
-
 def _nibble_pair(wq: tirx.Buffer, j: tirx.PrimExpr, b: tirx.PrimExpr) -> tirx.PrimExpr:
     """nibble_codes of block b of rows j (low half) and j + 1 (high half): int32x16 of bytes."""
     shifts = T.Shuffle([T.broadcast(T.int32(0), 4), T.broadcast(T.int32(4), 4)], [*range(8)])
     lo, hi = (twice(wq.vload([row, b, 0], "uint8x16"), 16) for row in (j, j + 1))
-    both = T.reinterpret("int32x16", _halves(lo, hi, 32))
+    both = T.reinterpret("int32x16", halves(lo, hi, 32))
     return T.bitwise_and(T.shift_right(both, twice(shifts, 8)), T.broadcast(T.int32(0x0F0F0F0F), 16))
 
 
@@ -431,7 +427,7 @@ def _q4_steps(isa: Int8Isa, has_min: bool, rows: int, n_blocks: int, tt: int = 1
             if pairs:
                 for c in T.unroll(8):
                     for p in T.unroll(rows // 2):
-                        octs = T.meta_var(_halves(scales.vload([2 * p, o * 8], "float32x8"),
+                        octs = T.meta_var(halves(scales.vload([2 * p, o * 8], "float32x8"),
                                                   scales.vload([2 * p + 1, o * 8], "float32x8"), 8))
                         pair_step(wq, acc, jo, p, o * 8 + c, _pair_lane(octs, c), t, xb, xc)
             else:
@@ -441,7 +437,7 @@ def _q4_steps(isa: Int8Isa, has_min: bool, rows: int, n_blocks: int, tt: int = 1
         for b in range(n_octs * 8, n_blocks):  # the blocks after the last whole 8-block run
             if pairs:
                 for p in T.unroll(rows // 2):
-                    pair_step(wq, acc, jo, p, b, _halves(T.broadcast(scales[2 * p, b], 8),
+                    pair_step(wq, acc, jo, p, b, halves(T.broadcast(scales[2 * p, b], 8),
                                                          T.broadcast(scales[2 * p + 1, b], 8), 8), t, xb, xc)
             else:
                 for r in T.unroll(rows):
@@ -478,7 +474,7 @@ def _q8_steps(isa: Int8Isa, rows: int, n_blocks: int, prefetch_groups: int = PRE
     def pair_step(wq, acc, jo, p, b, scale, t, xb, xc):  # type: ignore[no-untyped-def]
         """block_step for rows 2p and 2p + 1 of the group at once: the sign bits flipped as
         Int8Isa.q8_dot flips them with VNNI (every 512-bit CPU has it)."""
-        codes = T.meta_var(_halves(wq.vload([jo * rows + 2 * p, b, 0], "int8x32"),
+        codes = T.meta_var(halves(wq.vload([jo * rows + 2 * p, b, 0], "int8x32"),
                                    wq.vload([jo * rows + 2 * p + 1, b, 0], "int8x32"), 32))
         flipped = T.meta_var(T.bitwise_xor(T.reinterpret("int32x16", codes), T.broadcast(T.int32(-2139062144), 16)))
         dot = T.meta_var(vpdpbusd(twice(xc.vload([t, b * 8], "int32x8"), 8), flipped,
@@ -521,7 +517,7 @@ def _q8_steps(isa: Int8Isa, rows: int, n_blocks: int, prefetch_groups: int = PRE
                 for p in T.unroll(rows // 2):
                     scales = T.meta_var([T.broadcast(T.Cast("float32", wd[jo * rows + 2 * p + h, b]) * xd[t, b], 8)
                                          for h in range(2)])
-                    pair_step(wq, acc, jo, p, b, _halves(scales[0], scales[1], 8), t, xb, xc)
+                    pair_step(wq, acc, jo, p, b, halves(scales[0], scales[1], 8), t, xb, xc)
             else:
                 for r in T.unroll(rows):
                     scale = T.meta_var(T.broadcast(T.Cast("float32", wd[jo * rows + r, b]) * xd[t, b], 8))

@@ -135,9 +135,14 @@ def half_sums(vectors: list[tirx.PrimExpr]) -> tirx.PrimExpr:
     return _tree_levels(padded, lambda a, b: a + b, lambda a, b, idx: T.Shuffle([a, b], idx))
 
 
+def halves(low: tirx.PrimExpr, high: tirx.PrimExpr, lanes: int) -> tirx.PrimExpr:
+    """Two vectors of `lanes` lanes as the low and high halves of one twice as wide."""
+    return T.Shuffle([low, high], list(range(2 * lanes)))
+
+
 def twice(v: tirx.PrimExpr, lanes: int) -> tirx.PrimExpr:
     """A vector of `lanes` lanes in both halves of one twice as wide (both halves of a zmm)."""
-    return T.Shuffle([v, v], list(range(2 * lanes)))
+    return halves(v, v, lanes)
 
 
 def without_params(func: tirx.PrimFunc, names: set[str]) -> tirx.PrimFunc:
